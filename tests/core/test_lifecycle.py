@@ -1,0 +1,483 @@
+"""The worker lifecycle table: every (state, event) pair, and laws over event sequences."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import attrs
+import pytest
+from hypothesis import given
+from returns.result import Failure, Success
+from strategies import lifecycle_event_sequences, lifecycle_states
+
+from genworker.core.lifecycle import (
+    ALL_STATES,
+    ASLEEP_L1,
+    ASLEEP_L2,
+    AWAKE,
+    KV_CACHE_TAG,
+    NOT_LOADED,
+    SHUT_DOWN,
+    TRANSITIONS,
+    WEIGHTS_TAG,
+    Event,
+    LifecycleError,
+    Phase,
+    State,
+    WeightsStatus,
+    allowed_events,
+    check_can_generate,
+    transition,
+    wake_tags,
+)
+
+PAIRS = list(itertools.product(ALL_STATES, Event))
+RUNNING = [s for s in ALL_STATES if s.phase is Phase.RUNNING]
+REFITTING = [s for s in ALL_STATES if s.phase is Phase.REFITTING]
+WAKES = {
+    Event.WAKE_WEIGHTS: (True, False),
+    Event.WAKE_KV_CACHE: (False, True),
+    Event.WAKE_ALL: (True, True),
+}
+WEIGHTS_ONLY = State(Phase.RUNNING, WeightsStatus.VALID, True, False)
+KV_ONLY = State(Phase.RUNNING, WeightsStatus.VALID, False, True)
+
+
+def _ids(value: object) -> str:
+    return str(value).replace(" ", "_")
+
+
+def _refused(state: State, event: Event) -> LifecycleError:
+    result = transition(state, event)
+    assert isinstance(result, Failure), f"{event} should be refused in {state}"
+    error = result.failure()
+    assert isinstance(error, LifecycleError)
+    return error
+
+
+def _run(events: Sequence[Event], state: State = NOT_LOADED) -> State:
+    for e in events:
+        state = transition(state, e).unwrap()
+    return state
+
+
+# --- the table, rule by rule, over every state ---------------------------------------------
+
+
+@pytest.mark.parametrize("state", ALL_STATES, ids=_ids)
+def test_shutdown_from_any_state_shuts_down(state: State) -> None:
+    assert transition(state, Event.SHUTDOWN) == Success(SHUT_DOWN)
+
+
+@pytest.mark.parametrize("event", [e for e in Event if e is not Event.SHUTDOWN], ids=_ids)
+def test_after_shutdown_every_event_but_shutdown_is_refused(event: Event) -> None:
+    assert "shut down; create a new worker" in str(_refused(SHUT_DOWN, event))
+
+
+@pytest.mark.parametrize("state", ALL_STATES, ids=_ids)
+def test_load_only_from_not_loaded_and_it_wakes_everything(state: State) -> None:
+    if state == NOT_LOADED:
+        assert transition(state, Event.LOAD) == Success(AWAKE)
+    else:
+        _refused(state, Event.LOAD)
+
+
+@pytest.mark.parametrize("event", [e for e in Event if e not in (Event.LOAD, Event.SHUTDOWN)])
+def test_before_loading_only_load_and_shutdown_are_allowed(event: Event) -> None:
+    assert "not loaded; load it first" in str(_refused(NOT_LOADED, event))
+
+
+@pytest.mark.parametrize("state", ALL_STATES, ids=_ids)
+def test_generate_only_when_fully_awake_with_valid_weights(state: State) -> None:
+    ok = (
+        state.phase is Phase.RUNNING
+        and state.weights_awake
+        and state.kv_cache_awake
+        and state.weights is WeightsStatus.VALID
+    )
+    result = check_can_generate(state)
+    assert result == transition(state, Event.GENERATE)
+    assert (result == Success(state)) if ok else isinstance(result, Failure)
+
+
+@pytest.mark.parametrize("event", [Event.SLEEP_L1, Event.SLEEP_L2], ids=_ids)
+@pytest.mark.parametrize("state", ALL_STATES, ids=_ids)
+def test_sleep_puts_both_tags_to_sleep_and_level_2_discards_weights(
+    state: State, event: Event
+) -> None:
+    result = transition(state, event)
+    if state.phase is not Phase.RUNNING:
+        assert isinstance(result, Failure)
+    elif state.weights_awake:
+        weights = WeightsStatus.DISCARDED if event is Event.SLEEP_L2 else state.weights
+        assert result == Success(
+            attrs.evolve(state, weights=weights, weights_awake=False, kv_cache_awake=False)
+        )
+    elif state.kv_cache_awake:
+        assert "KV cache would stay resident" in str(_refused(state, event))
+    else:
+        assert result == Success(state), "sleeping while asleep is a no-op at any level"
+
+
+def test_sleep_levels_compose_as_vllm_does() -> None:
+    """vLLM's Executor.sleep returns early once the weights are asleep."""
+    assert _run([Event.SLEEP_L2], ASLEEP_L1) == ASLEEP_L1
+    assert _run([Event.SLEEP_L1], ASLEEP_L2) == ASLEEP_L2
+    assert _run([Event.SLEEP_L1, Event.SLEEP_L1], AWAKE) == ASLEEP_L1
+    assert _run([Event.SLEEP_L2, Event.SLEEP_L2], AWAKE) == ASLEEP_L2
+
+
+@pytest.mark.parametrize("event", list(WAKES), ids=_ids)
+@pytest.mark.parametrize("state", ALL_STATES, ids=_ids)
+def test_wake_makes_its_tags_resident_and_never_repairs_weights(state: State, event: Event) -> None:
+    result = transition(state, event)
+    if state.phase is not Phase.RUNNING:
+        assert isinstance(result, Failure)
+        return
+    w, kv = WAKES[event]
+    woken = attrs.evolve(
+        state, weights_awake=state.weights_awake or w, kv_cache_awake=state.kv_cache_awake or kv
+    )
+    assert result == Success(woken)
+    assert transition(woken, event) == Success(woken), "waking an awake tag is a no-op"
+
+
+@pytest.mark.parametrize("state", ALL_STATES, ids=_ids)
+def test_refit_begins_only_with_the_weights_resident(state: State) -> None:
+    result = transition(state, Event.REFIT_BEGIN)
+    if state.phase is Phase.RUNNING and state.weights_awake:
+        assert result == Success(
+            State(Phase.REFITTING, WeightsStatus.INCONSISTENT, True, state.kv_cache_awake)
+        )
+    else:
+        assert isinstance(result, Failure)
+
+
+@pytest.mark.parametrize("state", ALL_STATES, ids=_ids)
+def test_refit_outcome_sets_weights_and_keeps_memory(state: State) -> None:
+    ok, failed = transition(state, Event.REFIT_OK), transition(state, Event.REFIT_FAILED)
+    if state.phase is Phase.REFITTING:
+        running = attrs.evolve(state, phase=Phase.RUNNING)
+        assert ok == Success(attrs.evolve(running, weights=WeightsStatus.VALID))
+        assert failed == Success(running)
+        assert failed.unwrap().weights is WeightsStatus.INCONSISTENT
+    else:
+        assert isinstance(ok, Failure)
+        assert isinstance(failed, Failure)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [e for e in Event if e not in (Event.LOAD, Event.REFIT_OK, Event.REFIT_FAILED, Event.SHUTDOWN)],
+    ids=_ids,
+)
+@pytest.mark.parametrize("state", REFITTING, ids=_ids)
+def test_during_a_refit_only_its_outcome_or_shutdown_is_allowed(state: State, event: Event) -> None:
+    assert "refit is in progress" in str(_refused(state, event))
+
+
+@pytest.mark.parametrize("state", ALL_STATES, ids=_ids)
+def test_reset_prefix_cache_is_allowed_whenever_running_and_changes_nothing(
+    state: State,
+) -> None:
+    result = transition(state, Event.RESET_PREFIX_CACHE)
+    assert (
+        (result == Success(state)) if state.phase is Phase.RUNNING else isinstance(result, Failure)
+    )
+
+
+@pytest.mark.parametrize(("state", "event"), PAIRS, ids=_ids)
+def test_the_table_is_what_transition_does(state: State, event: Event) -> None:
+    result = transition(state, event)
+    if (state, event) in TRANSITIONS:
+        assert result == Success(TRANSITIONS[(state, event)])
+        assert event in allowed_events(state)
+    else:
+        error = _refused(state, event)
+        assert event not in allowed_events(state)
+        assert (error.state, error.event) == (state, event)
+        assert str(error) == error.message
+        assert str(state) in error.message
+        assert event.value in error.message
+
+
+def test_the_table_covers_only_valid_states_and_is_read_only() -> None:
+    assert {s for s, _ in TRANSITIONS} <= set(ALL_STATES)
+    assert set(TRANSITIONS.values()) <= set(ALL_STATES)
+    assert len(ALL_STATES) == len(set(ALL_STATES)) == 16
+    with pytest.raises(TypeError):
+        TRANSITIONS[(AWAKE, Event.LOAD)] = AWAKE  # type: ignore[index]
+
+
+def test_every_state_is_reachable_from_not_loaded() -> None:
+    seen = {NOT_LOADED}
+    frontier = [NOT_LOADED]
+    while frontier:
+        state = frontier.pop()
+        for e in allowed_events(state):
+            nxt = TRANSITIONS[(state, e)]
+            if nxt not in seen:
+                seen.add(nxt)
+                frontier.append(nxt)
+    assert seen == set(ALL_STATES)
+
+
+def test_every_state_has_its_own_name() -> None:
+    names = [str(s) for s in ALL_STATES]
+    assert len(set(names)) == len(names)
+    assert str(NOT_LOADED) == "not loaded"
+    assert str(AWAKE) == "awake"
+    assert str(ASLEEP_L1) == "asleep (level 1)"
+    assert str(ASLEEP_L2) == "asleep (level 2)"
+    assert str(WEIGHTS_ONLY) == "weights-only awake"
+    assert str(SHUT_DOWN) == "shut down"
+    assert str(_run([Event.REFIT_BEGIN], AWAKE)) == "refitting (awake)"
+    assert str(_run([Event.REFIT_BEGIN, Event.REFIT_FAILED], AWAKE)) == (
+        "awake, weights inconsistent"
+    )
+    assert [AWAKE.sleep_level, ASLEEP_L1.sleep_level, ASLEEP_L2.sleep_level] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        (Phase.NOT_LOADED, WeightsStatus.DISCARDED, True, False),
+        (Phase.SHUT_DOWN, WeightsStatus.VALID, False, False),
+        (Phase.SHUT_DOWN, WeightsStatus.DISCARDED, False, True),
+        (Phase.REFITTING, WeightsStatus.INCONSISTENT, False, True),
+        (Phase.REFITTING, WeightsStatus.VALID, True, True),
+    ],
+)
+def test_states_outside_the_table_cannot_be_built(
+    fields: tuple[Phase, WeightsStatus, bool, bool],
+) -> None:
+    with pytest.raises(ValueError):
+        State(*fields)
+
+
+# --- what the user reads ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "event", "text"),
+    [
+        (ASLEEP_L2, Event.GENERATE, "cannot generate while asleep (level 2): call wake_up() first"),
+        (ASLEEP_L2, Event.GENERATE, "then refit (weights were discarded by a level-2 sleep)"),
+        (ASLEEP_L1, Event.GENERATE, "cannot generate while asleep (level 1): call wake_up() first"),
+        (WEIGHTS_ONLY, Event.GENERATE, "call wake_up(tags=['kv_cache']) first"),
+        (KV_ONLY, Event.GENERATE, "call wake_up(tags=['weights']) first"),
+        (
+            attrs.evolve(AWAKE, weights=WeightsStatus.DISCARDED),
+            Event.GENERATE,
+            "weights were discarded by a level-2 sleep; refit before generating",
+        ),
+        (
+            attrs.evolve(AWAKE, weights=WeightsStatus.INCONSISTENT),
+            Event.GENERATE,
+            "a refit failed: weights are inconsistent; refit again",
+        ),
+        (
+            attrs.evolve(ASLEEP_L1, weights=WeightsStatus.INCONSISTENT),
+            Event.GENERATE,
+            "call wake_up() first, then refit again",
+        ),
+        (ASLEEP_L1, Event.REFIT_BEGIN, "refit while asleep (level 1)"),
+        (ASLEEP_L1, Event.REFIT_BEGIN, "call wake_up(tags=['weights']) first"),
+        (AWAKE, Event.REFIT_OK, "no refit is in progress"),
+        (AWAKE, Event.LOAD, "already loaded"),
+        (KV_ONLY, Event.SLEEP_L1, "call wake_up() first"),
+    ],
+)
+def test_refusals_say_what_to_do(state: State, event: Event, text: str) -> None:
+    assert text in str(_refused(state, event))
+
+
+# --- vLLM wake tags ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "event", "tags"),
+    [
+        (ASLEEP_L1, Event.WAKE_ALL, (WEIGHTS_TAG, KV_CACHE_TAG)),
+        (ASLEEP_L2, Event.WAKE_WEIGHTS, (WEIGHTS_TAG,)),
+        (WEIGHTS_ONLY, Event.WAKE_ALL, (KV_CACHE_TAG,)),
+        (KV_ONLY, Event.WAKE_ALL, (WEIGHTS_TAG,)),
+        (AWAKE, Event.WAKE_WEIGHTS, ()),
+        (ASLEEP_L1, Event.GENERATE, ()),
+    ],
+)
+def test_wake_tags_name_only_the_asleep_tags(
+    state: State, event: Event, tags: tuple[str, ...]
+) -> None:
+    """vLLM drops a whole wake_up(tags) call if one tag is already awake (vllm#31618)."""
+    assert wake_tags(state, event) == tags
+
+
+@pytest.mark.parametrize("event", list(WAKES), ids=_ids)
+@pytest.mark.parametrize("state", RUNNING, ids=_ids)
+def test_wake_tags_are_empty_exactly_when_the_wake_is_a_no_op(state: State, event: Event) -> None:
+    assert (wake_tags(state, event) == ()) == (transition(state, event) == Success(state))
+
+
+# --- flows the trainer runs ------------------------------------------------------------------
+
+
+def test_colocated_step_level_2_refit_then_generate() -> None:
+    state = _run([Event.LOAD, Event.GENERATE, Event.SLEEP_L2, Event.WAKE_WEIGHTS])
+    assert isinstance(check_can_generate(state), Failure)
+    state = _run([Event.REFIT_BEGIN, Event.REFIT_OK, Event.RESET_PREFIX_CACHE], state)
+    assert isinstance(check_can_generate(state), Failure), "KV cache still asleep"
+    state = _run([Event.WAKE_KV_CACHE], state)
+    assert check_can_generate(state) == Success(AWAKE)
+
+
+def test_a_failed_refit_blocks_generation_until_a_refit_succeeds() -> None:
+    state = _run([Event.LOAD, Event.REFIT_BEGIN, Event.REFIT_FAILED])
+    assert "refit again" in str(check_can_generate(state).failure())
+    state = _run([Event.SLEEP_L1, Event.WAKE_ALL], state)
+    assert isinstance(check_can_generate(state), Failure), "a sleep does not repair weights"
+    assert _run([Event.REFIT_BEGIN, Event.REFIT_OK], state) == AWAKE
+
+
+# --- laws over random event sequences ----------------------------------------------------------
+
+
+@attrs.define
+class ReferenceWorker:
+    """An independent, imperative model of the documented rules."""
+
+    loaded: bool = False
+    dead: bool = False
+    refitting: bool = False
+    weights_on_gpu: bool = False
+    kv_on_gpu: bool = False
+    weights: str = "discarded"
+
+    def apply(self, event: Event) -> bool:
+        """Apply ``event`` if allowed; return whether it was."""
+        if event is Event.SHUTDOWN:
+            self.dead, self.loaded, self.refitting = True, False, False
+            self.weights_on_gpu = self.kv_on_gpu = False
+            self.weights = "discarded"
+            return True
+        if self.dead or self.loaded == (event is Event.LOAD):
+            return False
+        if event is Event.LOAD:
+            self.loaded = self.weights_on_gpu = self.kv_on_gpu = True
+            self.weights = "valid"
+            return True
+        if self.refitting:
+            if event in (Event.REFIT_OK, Event.REFIT_FAILED):
+                self.refitting = False
+                self.weights = "valid" if event is Event.REFIT_OK else "inconsistent"
+                return True
+            return False
+        if event is Event.GENERATE:
+            return self.weights_on_gpu and self.kv_on_gpu and self.weights == "valid"
+        if event in (Event.SLEEP_L1, Event.SLEEP_L2):
+            if self.weights_on_gpu:
+                self.weights_on_gpu = self.kv_on_gpu = False
+                if event is Event.SLEEP_L2:
+                    self.weights = "discarded"
+                return True
+            return not self.kv_on_gpu
+        if event in (Event.WAKE_WEIGHTS, Event.WAKE_ALL):
+            self.weights_on_gpu = True
+        if event in (Event.WAKE_KV_CACHE, Event.WAKE_ALL):
+            self.kv_on_gpu = True
+        if event is Event.REFIT_BEGIN:
+            if not self.weights_on_gpu:
+                return False
+            self.refitting = True
+            self.weights = "inconsistent"
+        return event not in (Event.REFIT_OK, Event.REFIT_FAILED)
+
+    def observe(self) -> tuple[str, str, bool, bool]:
+        phase = (
+            "shut down"
+            if self.dead
+            else "refitting"
+            if self.refitting
+            else "running"
+            if self.loaded
+            else "not loaded"
+        )
+        return (phase, self.weights, self.weights_on_gpu, self.kv_on_gpu)
+
+
+def _observe(state: State) -> tuple[str, str, bool, bool]:
+    return (state.phase.value, state.weights.value, state.weights_awake, state.kv_cache_awake)
+
+
+@given(lifecycle_event_sequences())
+def test_the_table_agrees_with_an_independent_reference_model(events: list[Event]) -> None:
+    state, ref = NOT_LOADED, ReferenceWorker()
+    for event in events:
+        result = transition(state, event)
+        assert isinstance(result, Success) == ref.apply(event), (state, event)
+        state = result.value_or(state)
+        assert _observe(state) == ref.observe()
+
+
+def _may_generate_by_history(accepted: list[Event]) -> bool:
+    """Generation is allowed iff, in the accepted history: loaded, not shut down, no refit
+    pending, both tags woken since the last sleep, and the weights not discarded by a level-2
+    sleep (one that found them resident) or broken by a failed refit since the last
+    successful refit."""
+    if Event.LOAD not in accepted or Event.SHUTDOWN in accepted:
+        return False
+    refit_events = [
+        e for e in accepted if e in (Event.REFIT_BEGIN, Event.REFIT_OK, Event.REFIT_FAILED)
+    ]
+    if refit_events and refit_events[-1] is Event.REFIT_BEGIN:
+        return False
+    sleeps = [i for i, e in enumerate(accepted) if e in (Event.SLEEP_L1, Event.SLEEP_L2)]
+    since = accepted[sleeps[-1] + 1 :] if sleeps else []
+    woke_weights = not sleeps or any(e in (Event.WAKE_WEIGHTS, Event.WAKE_ALL) for e in since)
+    woke_kv = not sleeps or any(e in (Event.WAKE_KV_CACHE, Event.WAKE_ALL) for e in since)
+    last_damage_or_repair: Event | None = None
+    resident = True
+    for e in accepted:
+        if e in (Event.SLEEP_L1, Event.SLEEP_L2):
+            if resident and e is Event.SLEEP_L2:
+                last_damage_or_repair = e
+            resident = False
+        elif e in (Event.WAKE_WEIGHTS, Event.WAKE_ALL):
+            resident = True
+        elif e in (Event.REFIT_OK, Event.REFIT_FAILED):
+            last_damage_or_repair = e
+    weights_ok = last_damage_or_repair in (None, Event.REFIT_OK)
+    return woke_weights and woke_kv and weights_ok
+
+
+@given(lifecycle_event_sequences())
+def test_generate_succeeds_iff_history_woke_both_tags_and_repaired_weights(
+    events: list[Event],
+) -> None:
+    state, accepted = NOT_LOADED, []
+    for event in events:
+        result = transition(state, event)
+        if isinstance(result, Success):
+            state = result.unwrap()
+            accepted.append(event)
+        can = isinstance(check_can_generate(state), Success)
+        assert can == _may_generate_by_history(accepted), accepted
+
+
+@given(lifecycle_states(), lifecycle_event_sequences(max_size=20))
+def test_shutdown_is_absorbing(start: State, events: list[Event]) -> None:
+    state = transition(start, Event.SHUTDOWN).unwrap()
+    for event in events:
+        result = transition(state, event)
+        assert isinstance(result, Success) == (event is Event.SHUTDOWN)
+        assert result.value_or(state) == SHUT_DOWN
+
+
+@given(lifecycle_states(), lifecycle_event_sequences(max_size=20))
+def test_every_reachable_state_is_in_the_table(start: State, events: list[Event]) -> None:
+    state = start
+    for event in events:
+        state = transition(state, event).value_or(state)
+        assert state in ALL_STATES
+        assert allowed_events(state) == {e for e in Event if (state, e) in TRANSITIONS}

@@ -1,0 +1,482 @@
+"""Laws and documented cases of genworker.core.placement."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from returns.result import Failure, Result, Success
+from strategies import Topology, placement_bundle_indices, placement_num_gpus, topologies
+
+from genworker.core.placement import (
+    MAX_PORT,
+    ClusterPlan,
+    PlacementError,
+    PlacementPlan,
+    PortWindow,
+    check_inherited_env,
+    configure_worker,
+    plan_cluster,
+)
+
+CACHE = "/cache/genworker"
+
+
+def _plan(result: Result[PlacementPlan, PlacementError]) -> PlacementPlan:
+    plan = result.value_or(None)
+    assert plan is not None, result
+    return plan
+
+
+def _error(result: Result[object, PlacementError]) -> PlacementError:
+    error = result.swap().value_or(None)
+    assert error is not None, result
+    return error
+
+
+def _cluster(topology: Topology) -> ClusterPlan:
+    cluster = plan_cluster(*topology).value_or(None)
+    assert cluster is not None, topology
+    return cluster
+
+
+def _owners(topology: Topology) -> list[tuple[int, PlacementPlan]]:
+    """(node the engine starts on, its owner's plan) for every engine of the topology."""
+    cluster = _cluster(topology)
+    return [
+        (
+            shard.host_node,
+            _plan(
+                configure_worker(
+                    1.0,
+                    shard.bundle_indices,
+                    topology.gpus_per_node,
+                    cache_base_dir=CACHE,
+                    tensor_parallel_size=topology.tensor_parallel_size,
+                    pipeline_parallel_size=topology.pipeline_parallel_size,
+                )
+            ),
+        )
+        for shard in cluster.shards
+    ]
+
+
+# --- configure_worker: the NeMo-RL cases ---
+
+
+def test_single_gpu_engine_keeps_its_gpu_and_gets_seed_port_and_cache() -> None:
+    plan = _plan(configure_worker(1, (1, [3]), 8, cache_base_dir="/c"))
+    assert plan.resources == {"num_gpus": 1.0}
+    assert plan.seed == 1 * 1024 + 3
+    assert plan.slot == 3
+    assert plan.port_window == (20000 + 3 * 64, 20000 + 4 * 64 - 1)
+    assert plan.init_kwargs == {"bundle_indices": [3], "seed": 1027}
+    assert plan.env_vars == {
+        "VLLM_CACHE_ROOT": "/c/vllm_1027",
+        "VLLM_PORT": "20192",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_SKIP_P2P_CHECK": "1",
+    }
+    assert plan.runtime_env == {"env_vars": plan.env_vars}
+
+
+def test_tensor_parallel_owner_asks_ray_for_no_gpu_and_passes_its_fraction() -> None:
+    plan = _plan(
+        configure_worker(0.5, (0, [4, 5, 6, 7]), 8, cache_base_dir="/c/", tensor_parallel_size=4)
+    )
+    assert plan.resources == {"num_gpus": 0.0}
+    assert plan.seed == 1
+    assert plan.init_kwargs == {"bundle_indices": [4, 5, 6, 7], "seed": 1, "fraction_of_gpus": 0.5}
+    env = plan.env_vars
+    assert env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1"
+    assert env["VLLM_CACHE_ROOT"] == "/c/vllm_1"
+    assert env["VLLM_PORT"] == str(20000 + 64)
+
+
+def test_inert_group_member_gets_only_the_fraction_and_fixed_env() -> None:
+    plan = _plan(configure_worker(1.0, None, 8, cache_base_dir=CACHE, tensor_parallel_size=2))
+    assert plan.resources == {"num_gpus": 0.0}
+    assert plan.init_kwargs == {"fraction_of_gpus": 1.0}
+    assert plan.env_vars == {
+        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_SKIP_P2P_CHECK": "1",
+    }
+    assert (plan.seed, plan.slot, plan.port_window) == (None, None, None)
+
+
+def test_cross_node_engine_uses_global_ids_and_port_slot_zero() -> None:
+    plan = _plan(
+        configure_worker(1.0, (0, range(8, 16)), 4, cache_base_dir=CACHE, tensor_parallel_size=8)
+    )
+    assert plan.seed == 1
+    assert plan.slot == 0
+    assert plan.env_vars["VLLM_PORT"] == "20000"
+
+
+def test_cache_root_is_not_expanded() -> None:
+    plan = _plan(configure_worker(1.0, (0, [0]), 1, cache_base_dir="~/.cache"))
+    assert plan.env_vars["VLLM_CACHE_ROOT"] == "~/.cache/vllm_0"
+
+
+def test_port_window_membership() -> None:
+    window = PortWindow(100, 163)
+    assert window.size == 64
+    assert 100 in window
+    assert 163 in window
+    assert 164 not in window
+    assert "100" not in window
+    assert window.overlaps(PortWindow(163, 170))
+    assert not window.overlaps(PortWindow(164, 170))
+    with pytest.raises(ValueError, match="empty"):
+        PortWindow(10, 9)
+    with pytest.raises(ValueError, match="outside"):
+        PortWindow(0, 9)
+
+
+# --- configure_worker: refusals (failure-modes §2.4, P2, P3) ---
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name", "why"),
+    [
+        ({"num_gpus": 0}, "num_gpus", "greater than 0"),
+        ({"num_gpus": -1.0}, "num_gpus", "greater than 0"),
+        ({"num_gpus": math.nan}, "num_gpus", "finite"),
+        ({"num_gpus": math.inf}, "num_gpus", "finite"),
+        ({"num_gpus": "1"}, "num_gpus", "finite"),
+        ({"num_gpus": True}, "num_gpus", "finite"),
+        ({"num_gpus_per_node": 0}, "num_gpus_per_node", ">= 1"),
+        ({"num_gpus_per_node": 2.0}, "num_gpus_per_node", ">= 1"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size", ">= 1"),
+        ({"pipeline_parallel_size": -1}, "pipeline_parallel_size", ">= 1"),
+        ({"cache_base_dir": ""}, "cache_base_dir", "directory"),
+        ({"port_window": 0}, "port_window", "at least 1"),
+        ({"port_base": 0}, "port_base", ">= 1"),
+        ({"bundle_indices": (-1, [0])}, "bundle_indices", "node index is negative"),
+        ({"bundle_indices": (0, [])}, "bundle_indices", "empty"),
+        ({"bundle_indices": (0, [-1])}, "bundle_indices", "negative"),
+        ({"bundle_indices": (0, [1, 1])}, "bundle_indices", "twice"),
+        ({"bundle_indices": [0]}, "bundle_indices", "(node_idx, [bundle ids])"),
+        ({"bundle_indices": (0, "01")}, "bundle_indices", "(node_idx, [bundle ids])"),
+        ({"bundle_indices": ("0", [0])}, "bundle_indices", "(node_idx, [bundle ids])"),
+        ({"bundle_indices": (0, [0.0])}, "bundle_indices", "(node_idx, [bundle ids])"),
+        ({"bundle_indices": (0, [0, 1])}, "bundle_indices", "tensor_parallel_size=1"),
+        ({"bundle_indices": (0, [8])}, "bundle_indices", "local ids below 8"),
+    ],
+)
+def test_refusals_name_the_input(kwargs: dict[str, object], name: str, why: str) -> None:
+    call: dict[str, object] = {
+        "num_gpus": 1.0,
+        "bundle_indices": (0, [0]),
+        "num_gpus_per_node": 8,
+        "cache_base_dir": CACHE,
+        **kwargs,
+    }
+    error = _error(configure_worker(**call))  # type: ignore[arg-type]
+    assert error.name == name
+    assert why in str(error)
+    assert str(error).startswith(f"{name}=")
+
+
+@pytest.mark.parametrize(
+    ("ids", "tp"),
+    [([1, 2], 2), ([0, 2], 2), ([3, 2], 2), ([0, 1, 3], 3), ([3, 4, 5, 6, 7, 8], 6)],
+)
+def test_group_must_be_consecutive_and_aligned(ids: list[int], tp: int) -> None:
+    error = _error(
+        configure_worker(1.0, (0, ids), 4, cache_base_dir=CACHE, tensor_parallel_size=tp)
+    )
+    assert "consecutive ascending" in error.message
+
+
+def test_group_split_over_two_nodes_is_refused_when_it_fits_on_one() -> None:
+    # open-instruct#949: TP traffic crossed nodes. ids 2,3 of a 2-GPU node do not exist.
+    error = _error(
+        configure_worker(1.0, (0, [2, 3]), 2, cache_base_dir=CACHE, tensor_parallel_size=2)
+    )
+    assert "local ids below 2" in error.message
+
+
+def test_engine_slot_past_the_seed_stride_is_refused() -> None:
+    error = _error(configure_worker(1.0, (0, [1024]), 2048, cache_base_dir=CACHE, port_window=1))
+    assert "reuse the seeds of node 1" in error.message
+
+
+@pytest.mark.parametrize(
+    ("port_base", "port_window", "per_node", "ephemeral"),
+    [
+        (32000, 64, 16, 32768),  # last slot's window runs into the ephemeral range
+        (32705, 64, 1, 32768),  # one window ending exactly on ephemeral_start
+        (65500, 64, 1, 70000),  # above 65535
+    ],
+)
+def test_windows_reaching_the_ephemeral_range_or_past_65535_are_refused(
+    port_base: int, port_window: int, per_node: int, ephemeral: int
+) -> None:
+    # The refusal covers every slot of the node, so slot 0 fails as the last one would.
+    error = _error(
+        configure_worker(
+            1.0,
+            (0, [0]),
+            per_node,
+            cache_base_dir=CACHE,
+            port_base=port_base,
+            port_window=port_window,
+            ephemeral_start=ephemeral,
+        )
+    )
+    assert error.name == "port_window"
+    assert "past" in error.message
+
+
+def test_window_ending_just_below_the_ephemeral_range_is_accepted() -> None:
+    plan = _plan(
+        configure_worker(1.0, (0, [0]), 1, cache_base_dir=CACHE, port_base=32704, port_window=64)
+    )
+    assert plan.port_window == (32704, 32767)
+
+
+@given(num_gpus=placement_num_gpus(), bundle_indices=placement_bundle_indices())
+def test_configure_worker_is_total(num_gpus: object, bundle_indices: object) -> None:
+    """Any input gives a plan or a PlacementError, never an exception."""
+    result = configure_worker(
+        num_gpus,  # type: ignore[arg-type]
+        bundle_indices,  # type: ignore[arg-type]
+        8,
+        cache_base_dir=CACHE,
+    )
+    if isinstance(result, Failure):
+        assert result.failure().name in {"num_gpus", "bundle_indices"}
+    else:
+        plan = result.unwrap()
+        assert plan.resources["num_gpus"] >= 0
+        assert plan.env_vars["VLLM_SKIP_P2P_CHECK"] == "1"
+
+
+# --- configure_worker: laws over topologies ---
+
+
+@given(topologies())
+def test_engines_on_one_node_never_share_a_port_window(topology: Topology) -> None:
+    owners = _owners(topology)
+    for i, (node_a, plan_a) in enumerate(owners):
+        for node_b, plan_b in owners[i + 1 :]:
+            if node_a == node_b:
+                assert plan_a.ports is not None
+                assert plan_b.ports is not None
+                assert not plan_a.ports.overlaps(plan_b.ports)
+
+
+@given(topologies(), st.integers(1, 30000), st.integers(1, 256))
+def test_ports_are_integers_below_the_ephemeral_range(
+    topology: Topology, port_base: int, port_window: int
+) -> None:
+    for shard in _cluster(topology).shards:
+        result = configure_worker(
+            1.0,
+            shard.bundle_indices,
+            topology.gpus_per_node,
+            cache_base_dir=CACHE,
+            tensor_parallel_size=topology.tensor_parallel_size,
+            pipeline_parallel_size=topology.pipeline_parallel_size,
+            port_base=port_base,
+            port_window=port_window,
+        )
+        if isinstance(result, Failure):
+            assert result.failure().name == "port_window"
+            continue
+        plan = result.unwrap()
+        port = plan.env_vars["VLLM_PORT"]
+        assert port.isdecimal()
+        assert int(port) == port_base + (plan.slot or 0) * port_window
+        assert plan.ports is not None
+        assert int(port) in plan.ports
+        assert plan.ports.last < 32768
+        assert plan.ports.last <= MAX_PORT
+
+
+@given(topologies())
+def test_seeds_and_cache_roots_are_unique_across_engines(topology: Topology) -> None:
+    owners = [plan for _, plan in _owners(topology)]
+    seeds = [plan.seed for plan in owners]
+    roots = [plan.env_vars["VLLM_CACHE_ROOT"] for plan in owners]
+    assert len(set(seeds)) == len(seeds)
+    assert len(set(roots)) == len(roots)
+    assert all(root.startswith(CACHE + "/") for root in roots)
+
+
+@given(topologies())
+def test_returned_dicts_are_fresh(topology: Topology) -> None:
+    shard = _cluster(topology).shards[0]
+
+    def call() -> PlacementPlan:
+        return _plan(
+            configure_worker(
+                1.0,
+                shard.bundle_indices,
+                topology.gpus_per_node,
+                cache_base_dir=CACHE,
+                tensor_parallel_size=topology.tensor_parallel_size,
+                pipeline_parallel_size=topology.pipeline_parallel_size,
+            )
+        )
+
+    first, second = call(), call()
+    env, kwargs, resources, runtime = (
+        first.env_vars,
+        first.init_kwargs,
+        first.resources,
+        first.runtime_env,
+    )
+    env["VLLM_PORT"] = "1"
+    kwargs["seed"] = -1
+    bundle_ids = kwargs["bundle_indices"]
+    assert isinstance(bundle_ids, list)
+    bundle_ids.append(99)
+    resources["num_gpus"] = 42.0
+    runtime["env_vars"]["VLLM_CACHE_ROOT"] = "/elsewhere"
+    for plan in (first, second):
+        assert plan.env_vars["VLLM_PORT"] != "1"
+        assert plan.init_kwargs["seed"] != -1
+        assert plan.init_kwargs["bundle_indices"] == list(shard.bundle_ids)
+        assert plan.resources["num_gpus"] != 42.0
+        assert plan.runtime_env["env_vars"]["VLLM_CACHE_ROOT"] != "/elsewhere"
+    assert first == second
+
+
+# --- plan_cluster ---
+
+
+def test_cluster_packs_tensor_parallel_engines_node_by_node() -> None:
+    cluster = _cluster(Topology(2, 4, 2, 1, 4))
+    assert cluster.strategy == "PACK"
+    assert cluster.bundles == [{"GPU": 1, "CPU": 1}] * 8
+    assert [shard.bundle_indices for shard in cluster.shards] == [
+        (0, (0, 1)),
+        (0, (2, 3)),
+        (1, (0, 1)),
+        (1, (2, 3)),
+    ]
+    assert [shard.ray_bundle_indices for shard in cluster.shards] == ["0,1", "2,3", "4,5", "6,7"]
+    assert cluster.engine_env_vars(3) == {
+        "VLLM_RAY_BUNDLE_INDICES": "6,7",
+        "VLLM_RAY_PER_WORKER_GPUS": "0.5",
+    }
+    assert cluster.model_parallel_size == 2
+    assert cluster.data_parallel_size == 4
+    assert not cluster.spans_nodes
+
+
+def test_cluster_with_engines_larger_than_a_node_uses_one_unified_group() -> None:
+    # NeMo-RL's unified placement group: (0, range(8)), (0, range(8, 16)) on 4-GPU nodes.
+    cluster = _cluster(Topology(4, 4, 4, 2, 2))
+    assert cluster.spans_nodes
+    assert [shard.bundle_indices for shard in cluster.shards] == [
+        (0, tuple(range(8))),
+        (0, tuple(range(8, 16))),
+    ]
+    assert [shard.host_node for shard in cluster.shards] == [0, 2]
+    assert cluster.num_bundles == 16
+
+
+def test_single_gpu_engines_need_no_ray_executor_env() -> None:
+    cluster = _cluster(Topology(1, 2, 1, 1, 2))
+    assert cluster.engine_env_vars(0) == {}
+    assert [shard.bundle_indices for shard in cluster.shards] == [(0, (0,)), (0, (1,))]
+
+
+def test_cpu_only_cluster_gets_cpu_bundles_and_no_gpus() -> None:
+    result = plan_cluster(1, 0, 1, 1, 2, cpus_per_node=4)
+    cluster = result.unwrap()
+    assert cluster.bundles == [{"CPU": 1}, {"CPU": 1}]
+    assert not cluster.uses_gpus
+    assert cluster.worker_num_gpus == 0.0
+    assert cluster.ray_per_worker_gpus == 0.0
+
+
+def test_cluster_bundle_list_is_fresh() -> None:
+    cluster = _cluster(Topology(1, 2, 1, 1, 2))
+    cluster.bundles[0]["GPU"] = 0
+    assert cluster.bundles[0] == {"GPU": 1, "CPU": 1}
+
+
+def test_gpu_fraction_is_shared_among_vllm_ray_workers() -> None:
+    cluster = plan_cluster(1, 4, 2, 2, 1, gpu_fraction=0.5).unwrap()
+    assert cluster.worker_num_gpus == 0.5
+    assert cluster.ray_per_worker_gpus == 0.125
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "name"),
+    [
+        ((0, 8, 1, 1, 1), {}, "num_nodes"),
+        ((1, 8, 0, 1, 1), {}, "tensor_parallel_size"),
+        ((1, 8, 1, 0, 1), {}, "pipeline_parallel_size"),
+        ((1, 8, 1, 1, 0), {}, "data_parallel_size"),
+        ((1, -1, 1, 1, 1), {}, "gpus_per_node"),
+        ((1, 0, 1, 1, 1), {}, "cpus_per_node"),
+        ((1, 8, 1, 1, 1), {"gpu_fraction": 0.0}, "gpu_fraction"),
+        ((1, 8, 1, 1, 1), {"gpu_fraction": 1.5}, "gpu_fraction"),
+        ((1, 8, 1, 1, 1), {"gpu_fraction": math.nan}, "gpu_fraction"),
+        ((2, 8, 3, 1, 5), {}, "data_parallel_size"),  # 2 engines of 3 per 8-GPU node
+        ((3, 4, 6, 1, 3), {}, "data_parallel_size"),  # 12 GPUs hold two engines of 6
+    ],
+)
+def test_cluster_refusals_name_the_input(
+    args: Sequence[int], kwargs: dict[str, float], name: str
+) -> None:
+    error = _error(plan_cluster(*args, **kwargs))  # type: ignore[arg-type]
+    assert error.name == name
+    assert str(error).startswith(f"{name}=")
+
+
+@given(topologies())
+def test_every_engine_gets_its_own_bundles_inside_the_group(topology: Topology) -> None:
+    cluster = _cluster(topology)
+    used = [i for shard in cluster.shards for i in shard.global_bundle_ids]
+    assert len(used) == len(set(used)) == topology.data_parallel_size * cluster.model_parallel_size
+    assert max(used) < len(cluster.bundles) <= topology.num_nodes * topology.gpus_per_node
+    for shard in cluster.shards:
+        nodes = {i // topology.gpus_per_node for i in shard.global_bundle_ids}
+        if not cluster.spans_nodes:
+            assert nodes == {shard.node}  # a group that fits on a node stays on it
+        assert shard.ray_bundle_indices == ",".join(map(str, shard.global_bundle_ids))
+
+
+# --- inherited environment ---
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"VLLM_PORT": "20000"}, {"VLLM_HOST_IP": "10.0.0.1"}, {"VLLM_HOST_IP": "::1"}],
+)
+def test_well_formed_inherited_env_passes(env: dict[str, str]) -> None:
+    assert check_inherited_env(env) == Success(None)
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [
+        ({"VLLM_PORT": "tcp://10.0.0.1:8000"}, "VLLM_PORT"),  # Kubernetes service injection
+        ({"VLLM_PORT": "0"}, "VLLM_PORT"),
+        ({"VLLM_PORT": "70000"}, "VLLM_PORT"),
+        ({"VLLM_PORT": "٣٠٠٠"}, "VLLM_PORT"),
+        ({"VLLM_HOST_IP": "node-1"}, "VLLM_HOST_IP"),
+    ],
+)
+def test_malformed_inherited_env_is_refused_by_name(env: dict[str, str], name: str) -> None:
+    error = _error(check_inherited_env(env))
+    assert error.name == name
+    assert name in str(error)
+
+
+def test_placement_error_is_a_frozen_value() -> None:
+    error = _error(configure_worker(0, None, 8, cache_base_dir=CACHE))
+    assert error.value == "0"
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        error.name = "x"  # type: ignore[misc]
