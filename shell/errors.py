@@ -1,0 +1,82 @@
+"""genworker's exception family.
+
+Core returns frozen error values; the shell raises them as one of these exceptions, with
+the core value in ``.detail`` when there is one. Foreign errors (vLLM, Ray, ZMQ, NCCL) are
+translated at the edge and chained (``raise ... from e``).
+"""
+
+from __future__ import annotations
+
+from genworker.core.errors import CoreError
+
+__all__ = [
+    "BadArgumentError",
+    "BadBatchError",
+    "BadConfigError",
+    "EngineContractError",
+    "EngineDeadError",
+    "EngineStateError",
+    "GenworkerError",
+    "GroupError",
+    "RefitError",
+    "RefitManifestError",
+    "RefitTimeoutError",
+    "UnsupportedError",
+]
+
+
+class GenworkerError(Exception):
+    """Root of every error genworker raises."""
+
+    def __init__(self, message: str, detail: CoreError | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+    @classmethod
+    def from_core(cls, error: CoreError, context: str = "") -> GenworkerError:
+        prefix = f"{context}: " if context else ""
+        return cls(f"{prefix}{error}", detail=error)
+
+
+class BadArgumentError(GenworkerError, ValueError):
+    """An argument is invalid; the call changed nothing."""
+
+
+class BadBatchError(BadArgumentError):
+    """The generate/generate_text batch is invalid; nothing was submitted to the engine."""
+
+
+class EngineContractError(GenworkerError, RuntimeError):
+    """The engine returned something its contract forbids (e.g. a row past max_model_len)."""
+
+
+class BadConfigError(GenworkerError, ValueError):
+    """The worker configuration is invalid."""
+
+
+class EngineStateError(GenworkerError, RuntimeError):
+    """The call is not allowed in the worker's current lifecycle state."""
+
+
+class EngineDeadError(GenworkerError, RuntimeError):
+    """The engine died; the worker is unusable and must be re-created."""
+
+
+class UnsupportedError(GenworkerError, NotImplementedError):
+    """The operation is not supported on this platform or vLLM version."""
+
+
+class RefitError(GenworkerError, RuntimeError):
+    """A weight refit failed; the worker's weights are inconsistent until a refit succeeds."""
+
+
+class RefitManifestError(RefitError, ValueError):
+    """The refit stream did not match the manifest (missing, extra, wrong shape or dtype)."""
+
+
+class RefitTimeoutError(RefitError, TimeoutError):
+    """A refit peer did not answer within its bound."""
+
+
+class GroupError(GenworkerError, RuntimeError):
+    """A generation-group shard failed; the message names the shard."""

@@ -1,0 +1,246 @@
+"""A deterministic, pure-Python engine for tests (ours and users').
+
+``FakeEngine`` implements :class:`genworker.shell.ports.EnginePort` without vLLM. Its
+tokens are a function of (engine seed, weight version, prompt, position, request seed,
+greedy) only, so two fakes with the same seed agree and a batch's row results do not
+depend on the other rows. It follows vLLM's contract where the worker relies on it:
+
+- generation stops at ``max_tokens`` or at the context end (``max_model_len``) with finish
+  reason ``"length"``, at a stop token id or the EOS id (unless ``ignore_eos``) with
+  ``"stop"``, or when the detokenised output ends with a stop string (kept in the output,
+  as with ``include_stop_str_in_output=True``);
+- sleep level 2 discards weights: generating after it without new weights gives garbage
+  in vLLM; here it raises ``FakeEngineMisuse`` so a test sees the worker let it through;
+- ``fail_next`` injects the failures an engine adapter raises (``BadBatchError`` for a
+  request vLLM rejects, ``EngineDeadError`` for a dead engine), as the port promises.
+
+Detokenisation is one letter per token id (``"abcdefghijklmnopqrstuvwxyz"[id % 26]``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from genworker.core.assembly import Generation
+from genworker.core.counters import CounterSample, MetricSample
+from genworker.core.sampling import SamplingSpec
+from genworker.shell.errors import BadBatchError, EngineDeadError
+from genworker.shell.ports import EngineCapabilities
+
+__all__ = ["FakeEngine", "FakeEngineFactory", "FakeEngineMisuse", "detokenize"]
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+class FakeEngineMisuse(RuntimeError):
+    """The worker let a call through that a real engine would turn into garbage or a crash."""
+
+
+def detokenize(token_ids: Sequence[int] | npt.NDArray[np.int64]) -> str:
+    return "".join(_LETTERS[int(t) % 26] for t in token_ids)
+
+
+def _draw(*parts: object) -> float:
+    """A deterministic uniform number in [0, 1) from the parts."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    (value,) = struct.unpack("<Q", digest)
+    return int(value) / 2**64
+
+
+class FakeEngine:
+    """Deterministic engine; see the module docstring for its rules."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 64,
+        max_model_len: int = 128,
+        eos_token_id: int = 1,
+        seed: int = 0,
+        sleep_mode: bool = True,
+        device: str = "cpu",
+    ) -> None:
+        self._caps = EngineCapabilities(
+            sleep_mode=sleep_mode,
+            flat_logprobs=True,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            device=device,
+        )
+        self.eos_token_id = eos_token_id
+        self.seed = seed
+        self.weight_version = 0
+        self.sleep_level = 0
+        self.awake_tags: set[str] = {"weights", "kv_cache"}
+        self.weights_discarded = False
+        self.calls: list[str] = []
+        self.requests: list[tuple[list[int], SamplingSpec]] = []
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.prefix_cache_resets = 0
+        self.fail_next: Exception | None = None
+        self.rpc_handlers: dict[str, Callable[..., object]] = {
+            "report_device_id": lambda: f"fake-{device}",
+        }
+        self.shut_down = False
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._caps
+
+    # -- generation ------------------------------------------------------------------
+    def _enter(self, call: str) -> None:
+        self.calls.append(call)
+        if self.shut_down:
+            raise EngineDeadError("the fake engine was shut down")
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+
+    def _check_servable(self) -> None:
+        if self.awake_tags != {"weights", "kv_cache"}:
+            raise FakeEngineMisuse(f"generate with only {sorted(self.awake_tags)} awake")
+        if self.weights_discarded:
+            raise FakeEngineMisuse("generate after a level-2 sleep without new weights")
+
+    def _sample(self, prompt: Sequence[int], spec: SamplingSpec) -> Generation:
+        vocab = self._caps.vocab_size or 64
+        room = self._caps.max_model_len - len(prompt)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        finish = "length"
+        greedy = spec.temperature == 0.0
+        key = (self.seed, self.weight_version, tuple(prompt), greedy, spec.seed)
+        stops = tuple(spec.stop)
+        stop_ids = set(spec.stop_token_ids)
+        if not spec.ignore_eos:
+            stop_ids.add(self.eos_token_id)
+        text = ""
+        while len(tokens) < min(spec.max_tokens, room):
+            u = _draw(*key, len(tokens))
+            token = int(u * vocab)
+            tokens.append(token)
+            logprobs.append(math.log(max(1e-6, 1.0 - u)) - (0.0 if greedy else 0.5))
+            text += _LETTERS[token % 26]
+            if token in stop_ids or any(text.endswith(s) for s in stops):
+                finish = "stop"
+                break
+        return Generation(
+            token_ids=np.asarray(tokens, dtype=np.int64),
+            logprobs=np.asarray(logprobs, dtype=np.float64),
+            finish_reason=finish,
+        )
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
+    ) -> list[Generation]:
+        self._enter("generate")
+        self._check_servable()
+        if len(prompts) != len(specs):
+            raise FakeEngineMisuse("one sampling spec per prompt")
+        out = []
+        for prompt, spec in zip(prompts, specs, strict=True):
+            if not prompt:
+                raise BadBatchError("prompt cannot be empty")
+            if len(prompt) > self._caps.max_model_len:
+                raise BadBatchError("prompt is longer than max_model_len")
+            self.requests.append((list(prompt), spec))
+            generation = self._sample(prompt, spec)
+            self.prompt_tokens += len(prompt)
+            self.generation_tokens += len(generation.token_ids)
+            out.append(generation)
+        return out
+
+    def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
+        self._enter("generate_text")
+        self._check_servable()
+        encoded = [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] or [0] for p in prompts]
+        return [detokenize(g.token_ids) for g in self.generate(encoded, specs)]
+
+    # -- memory ----------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        self._enter(f"sleep({level})")
+        self.sleep_level = max(self.sleep_level, level)
+        self.awake_tags.clear()
+        if level == 2:
+            self.weights_discarded = True
+
+    def wake_up(self, tags: Sequence[str] | None) -> None:
+        self._enter(f"wake_up({None if tags is None else sorted(tags)})")
+        self.awake_tags |= {"weights", "kv_cache"} if tags is None else set(tags)
+        if self.awake_tags == {"weights", "kv_cache"}:
+            self.sleep_level = 0
+
+    def reset_prefix_cache(self) -> None:
+        self._enter("reset_prefix_cache")
+        self.prefix_cache_resets += 1
+
+    def load_new_weights(self) -> None:
+        """What a successful refit does to the fake: new outputs, weights valid again."""
+        if "weights" not in self.awake_tags:
+            raise FakeEngineMisuse("weights written while their memory is asleep")
+        self.weight_version += 1
+        self.weights_discarded = False
+
+    # -- observability and RPC -------------------------------------------------------
+    def metrics(self) -> list[MetricSample]:
+        self._enter("metrics")
+        labels = (("engine", "0"), ("model_name", "fake"))
+        return [
+            CounterSample(name="vllm:prompt_tokens", labels=labels, value=self.prompt_tokens),
+            CounterSample(
+                name="vllm:generation_tokens", labels=labels, value=self.generation_tokens
+            ),
+        ]
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+        timeout: float | None = None,
+    ) -> list[object]:
+        self._enter(f"rpc:{method}")
+        handler = self.rpc_handlers.get(method)
+        if handler is None:
+            raise AttributeError(f"the fake extension has no method {method!r}")
+        return [handler(*args, **(kwargs or {}))]
+
+    def device_ids(self) -> list[str]:
+        return [str(x) for x in self.collective_rpc("report_device_id")]
+
+    def start_profile(self) -> None:
+        self._enter("start_profile")
+
+    def stop_profile(self) -> None:
+        self._enter("stop_profile")
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+        self.shut_down = True
+
+
+class FakeEngineFactory:
+    """Starts ``FakeEngine``s for the worker; records the engine kwargs it was given."""
+
+    def __init__(self, **engine_options: object) -> None:
+        self.engine_options = engine_options
+        self.started: list[tuple[dict[str, object], FakeEngine]] = []
+
+    def arg_names(self) -> frozenset[str] | None:
+        return None
+
+    def gpu_capability(self) -> tuple[int, int] | None:
+        return None
+
+    def start(self, kwargs: Mapping[str, object]) -> FakeEngine:
+        seed = kwargs.get("seed", 0)
+        engine = FakeEngine(seed=seed if isinstance(seed, int) else 0, **self.engine_options)  # type: ignore[arg-type]
+        self.started.append((dict(kwargs), engine))
+        return engine

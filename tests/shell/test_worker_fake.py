@@ -1,0 +1,325 @@
+"""The worker against the fake engine: contract, bad inputs, lifecycle, refit moves."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import PAD, base_config
+from helpers import right_padded as batch
+
+from genworker.core import lifecycle
+from genworker.shell.errors import (
+    BadArgumentError,
+    BadBatchError,
+    BadConfigError,
+    EngineContractError,
+    EngineDeadError,
+    EngineStateError,
+    GenworkerError,
+    RefitError,
+    UnsupportedError,
+)
+from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
+from genworker.shell.worker import VllmGenerationWorker
+
+
+def make_worker(**kw: Any) -> tuple[VllmGenerationWorker, FakeEngine]:
+    engine_opts = kw.pop("engine", {})
+    factory = FakeEngineFactory(max_model_len=32, **engine_opts)
+    worker = VllmGenerationWorker(kw.pop("config", base_config()), engine_factory=factory, **kw)
+    engine = factory.started[-1][1]
+    return worker, engine
+
+
+@pytest.fixture
+def worker_engine() -> Iterator[tuple[VllmGenerationWorker, FakeEngine]]:
+    worker, engine = make_worker()
+    yield worker, engine
+    worker.shutdown()
+
+
+def test_generate_returns_the_contract(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    worker, engine = worker_engine
+    data = batch([[5, 6, 7], [8], [9, 10]], width=5)
+    out = worker.generate(data, greedy=True)
+    gens = engine.requests
+    assert out["output_ids"].shape[0] == 3
+    for i, (prompt, _) in enumerate(gens):
+        length = len(prompt)
+        g = int(out["generation_lengths"][i])
+        assert out["output_ids"][i, :length].tolist() == prompt
+        assert int(out["unpadded_sequence_lengths"][i]) == length + g
+        assert (out["output_ids"][i, length + g :] == PAD).all()
+        assert (out["logprobs"][i, :length] == 0).all()
+    assert out["output_ids"].shape[1] == 5 + int(out["generation_lengths"].max())
+    assert all(spec.temperature == 0.0 and spec.top_k == 1 for _, spec in gens)
+
+
+def test_generate_is_deterministic_per_row(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    worker, _ = worker_engine
+    alone = worker.generate(batch([[3, 4]]), greedy=True)
+    together = worker.generate(batch([[9, 9, 9, 9], [3, 4]]), greedy=True)
+    g = int(alone["generation_lengths"][0])
+    assert together["output_ids"][1, : 2 + g].tolist() == alone["output_ids"][0, : 2 + g].tolist()
+
+
+def test_per_sample_stop_strings_stop_only_their_own_row() -> None:
+    worker, engine = make_worker()
+    worker.generate({**batch([[1, 2], [1, 2]]), "stop_strings": [["zz"], None]}, greedy=False)
+    (_, first), (_, second) = engine.requests
+    assert first.stop == ("zz",)
+    assert second.stop == ()
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({}, "input_ids"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long)}, "input_lengths"),
+        ({"input_ids": [[1, 2]], "input_lengths": torch.tensor([2])}, "input_ids"),
+        ({**batch([[1, 2]]), "input_lengths": torch.tensor([0])}, "0"),
+        ({**batch([[1, 2]]), "input_lengths": torch.tensor([3])}, "3"),
+        ({"input_ids": torch.tensor([[PAD, 4, 5]]), "input_lengths": torch.tensor([2])}, "pad"),
+        ({**batch([[1, 64]])}, "64"),
+        ({**batch([list(range(1, 33))])}, "32"),
+        ({**batch([[1, 2]]), "stop_strings": [[""]]}, "stop"),
+        ({**batch([[1, 2]]), "stop_strings": ["ab"]}, "stop"),
+    ],
+)
+def test_bad_batches_are_typed_and_leave_the_worker_usable(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine], data: dict[str, Any], fragment: str
+) -> None:
+    worker, engine = worker_engine
+    with pytest.raises(BadBatchError) as info:
+        worker.generate(data)
+    assert fragment.lower() in str(info.value).lower()
+    assert "generate" not in engine.calls
+    assert worker.generate(batch([[1, 2]]))["output_ids"].shape[0] == 1
+
+
+def test_empty_batch_gives_empty_tensors_without_calling_the_engine(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    worker, engine = worker_engine
+    out = worker.generate(
+        {
+            "input_ids": torch.zeros((0, 0), dtype=torch.long),
+            "input_lengths": torch.zeros(0, dtype=torch.long),
+        }
+    )
+    assert out["output_ids"].shape == (0, 0)
+    assert out["logprobs"].shape == (0, 0)
+    assert out["truncated"].shape == (0,)
+    assert "generate" not in engine.calls
+
+
+def test_greedy_must_be_a_bool(worker_engine: tuple[VllmGenerationWorker, FakeEngine]) -> None:
+    worker, _ = worker_engine
+    with pytest.raises(BadArgumentError, match="greedy"):
+        worker.generate(batch([[1]]), greedy="yes")  # type: ignore[arg-type]
+
+
+def test_context_cap_and_spec_decode_clamp_reach_the_engine() -> None:
+    cfg = base_config(max_new_tokens=30)
+    cfg["vllm_cfg"] = {**cfg["vllm_cfg"], "cap_max_tokens_to_context": True}
+    worker, engine = make_worker(config=cfg)
+    worker.generate(batch([[1] * 10, [2] * 28]))
+    assert [spec.max_tokens for _, spec in engine.requests] == [22, 4]
+    cfg["vllm_cfg"] = {**cfg["vllm_cfg"], "speculative_config": {"num_speculative_tokens": 3}}
+    worker, engine = make_worker(config=cfg)
+    worker.generate(batch([[1] * 10]))
+    assert [spec.max_tokens for _, spec in engine.requests] == [18]
+    with pytest.raises(BadBatchError, match="1"):
+        worker.generate(batch([[1] * 28, [1]]))
+
+
+def test_engine_returning_past_the_context_is_a_contract_error(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker, engine = worker_engine
+    original = engine.generate
+
+    def overlong(prompts: Any, specs: Any) -> Any:
+        gens = original(prompts, specs)
+        from genworker.core.assembly import Generation
+
+        return [
+            Generation(token_ids=[2] * 40, logprobs=[-1.0] * 40, finish_reason="length")
+            for _ in gens
+        ]
+
+    monkeypatch.setattr(engine, "generate", overlong)
+    with pytest.raises(EngineContractError, match="max_model_len"):
+        worker.generate(batch([[1, 2]]))
+
+
+def test_bad_config_names_every_problem() -> None:
+    cfg = base_config(temperature=-1.0, top_p=2.0)
+    with pytest.raises(BadConfigError) as info:
+        make_worker(config=cfg)
+    assert "temperature" in str(info.value)
+    assert "top_p" in str(info.value)
+
+
+def test_sleep_wake_follow_the_lifecycle(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    worker, engine = worker_engine
+    worker.sleep(level=2)
+    assert engine.prefix_cache_resets == 1
+    with pytest.raises(EngineStateError, match=r"(?i)asleep|wake"):
+        worker.generate(batch([[1]]))
+    worker.wake_up()
+    with pytest.raises(EngineStateError, match=r"(?i)refit|discard"):
+        worker.generate(batch([[1]]))
+    assert "generate" not in engine.calls
+
+
+def test_wake_up_rejects_bad_tags(worker_engine: tuple[VllmGenerationWorker, FakeEngine]) -> None:
+    worker, _ = worker_engine
+    for tags in ("weights", ["weights", "gpu"], [], [1]):
+        with pytest.raises(BadArgumentError, match="tags"):
+            worker.wake_up(tags)  # type: ignore[arg-type]
+    with pytest.raises(BadArgumentError, match="level"):
+        worker.sleep(level=3)
+
+
+def test_sleep_on_a_platform_without_sleep_mode_is_unsupported() -> None:
+    worker, engine = make_worker(engine={"sleep_mode": False})
+    with pytest.raises(UnsupportedError, match="sleep"):
+        worker.sleep()
+    assert worker.generate(batch([[1, 2]]))["output_ids"].shape[0] == 1
+    assert engine.calls.count("sleep(1)") == 0
+
+
+def test_refit_failure_makes_weights_inconsistent_until_a_good_refit(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    worker, engine = worker_engine
+    before = worker.generate(batch([[4, 5]]), greedy=True)
+
+    def failing(timeout_s: float) -> None:
+        raise TimeoutError(f"no bucket within {timeout_s} s")
+
+    engine.rpc_handlers["update_weights_from_collective"] = failing
+    with pytest.raises(RefitError, match="inconsistent"):
+        worker.update_weights_from_collective(timeout_s=1.0)
+    with pytest.raises(EngineStateError, match=r"(?i)refit"):
+        worker.generate(batch([[4, 5]]))
+
+    def succeeding(timeout_s: float) -> None:
+        engine.load_new_weights()
+
+    engine.rpc_handlers["update_weights_from_collective"] = succeeding
+    resets = engine.prefix_cache_resets
+    assert worker.update_weights_from_collective(timeout_s=1.0) is True
+    assert engine.prefix_cache_resets == resets + 1
+    after = worker.generate(batch([[4, 5]]), greedy=True)
+    assert not torch.equal(before["output_ids"], after["output_ids"])
+
+
+def test_level2_refit_sequence_serves_new_weights(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    worker, engine = worker_engine
+    engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+    worker.sleep(level=2)
+    with pytest.raises(EngineStateError):
+        worker.update_weights_via_ipc_zmq()
+    worker.wake_up(["weights"])
+    assert worker.update_weights_via_ipc_zmq()
+    worker.wake_up(["kv_cache"])
+    assert worker.generate(batch([[1, 2]]))["output_ids"].shape[0] == 1
+
+
+def test_dead_engine_marks_the_worker_unusable(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    worker, engine = worker_engine
+    engine.fail_next = EngineDeadError("engine core died")
+    with pytest.raises(EngineDeadError):
+        worker.generate(batch([[1]]))
+    assert not worker.is_alive()
+    with pytest.raises(EngineDeadError, match="re-create"):
+        worker.generate(batch([[1]]))
+    assert worker.shutdown() is True
+
+
+def test_request_error_from_the_engine_keeps_the_worker(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    worker, engine = worker_engine
+    engine.fail_next = BadBatchError("rejected by the engine")
+    with pytest.raises(BadBatchError):
+        worker.generate(batch([[1]]))
+    assert worker.is_alive()
+    assert worker.generate(batch([[1]]))["output_ids"].shape[0] == 1
+
+
+def test_shutdown_is_idempotent_and_final(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    worker, engine = worker_engine
+    assert worker.shutdown()
+    assert worker.shutdown()
+    assert engine.shut_down
+    with pytest.raises(GenworkerError):
+        worker.generate(batch([[1]]))
+    assert not worker.is_alive()
+    assert "alive=False" in repr(worker)
+
+
+def test_deferred_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    factory = FakeEngineFactory()
+    worker = VllmGenerationWorker(base_config(), defer_model_load=True, engine_factory=factory)
+    assert not factory.started
+    with pytest.raises(EngineStateError):
+        worker.generate(batch([[1]]))
+    worker.load_model()
+    kwargs, _ = factory.started[0]
+    assert kwargs["worker_extension_cls"] == "genworker.shell.extension.WorkerExtension"
+    assert kwargs["model"] == "fake-model"
+    with pytest.raises(EngineStateError):
+        worker.load_model()
+
+
+def test_counters_show_token_totals(worker_engine: tuple[VllmGenerationWorker, FakeEngine]) -> None:
+    worker, _ = worker_engine
+    out = worker.generate(batch([[1, 2, 3], [4]]))
+    counters = worker.get_counters()
+    prompt = [v for k, v in counters.items() if k.startswith("vllm:prompt_tokens")]
+    gen = [v for k, v in counters.items() if k.startswith("vllm:generation_tokens")]
+    assert prompt == [4.0]
+    assert gen == [float(out["generation_lengths"].sum())]
+
+
+def test_configure_worker_matches_nemo_rl_shape() -> None:
+    resources, env, init_kwargs = VllmGenerationWorker.configure_worker(
+        2, (1, [2, 3]), 8, cache_base_dir="/cache"
+    )
+    assert resources["num_gpus"] == 0
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert init_kwargs["seed"] == 1 * 1024 + 1
+    with pytest.raises(BadConfigError, match="num_gpus_per_node"):
+        VllmGenerationWorker.configure_worker(1, (0, [0]), 0)
+
+
+def test_config_is_not_mutated() -> None:
+    cfg = base_config()
+    snapshot = copy.deepcopy(cfg)
+    worker, _ = make_worker(config=cfg)
+    worker.generate(batch([[1]]))
+    assert cfg == snapshot
+
+
+def test_lifecycle_state_is_exposed(worker_engine: tuple[VllmGenerationWorker, FakeEngine]) -> None:
+    worker, _ = worker_engine
+    assert lifecycle.check_can_generate(worker.state)

@@ -1,0 +1,3 @@
+from vllm.config.model import ModelConfig as ModelConfig
+from vllm.config.parallel import ParallelConfig as ParallelConfig
+from vllm.config.vllm import VllmConfig as VllmConfig

@@ -1,0 +1,2 @@
+class ParallelConfig:
+    worker_extension_cls: str

@@ -1,0 +1,6 @@
+from dataclasses import Field
+from typing import Any, ClassVar
+
+class EngineArgs:
+    # A dataclass: genworker reads only its field names (dataclasses.fields).
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]

@@ -1,0 +1,13 @@
+from collections.abc import Sequence
+
+from vllm.logprobs import FlatLogprobs, Logprob
+
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: Sequence[int]
+    logprobs: FlatLogprobs | list[dict[int, Logprob]] | None
+    finish_reason: str | None
+
+class RequestOutput:
+    outputs: list[CompletionOutput]

@@ -1,0 +1,3 @@
+from vllm.platforms.interface import Platform
+
+current_platform: Platform

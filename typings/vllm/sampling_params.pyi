@@ -1,0 +1,17 @@
+class SamplingParams:
+    def __init__(
+        self,
+        *,
+        temperature: float = ...,
+        top_p: float = ...,
+        top_k: int = ...,
+        seed: int | None = ...,
+        stop: str | list[str] | None = ...,
+        stop_token_ids: list[int] | None = ...,
+        ignore_eos: bool = ...,
+        max_tokens: int | None = ...,
+        logprobs: int | None = ...,
+        flat_logprobs: bool = ...,
+        include_stop_str_in_output: bool = ...,
+        bad_words: list[str] | None = ...,
+    ) -> None: ...

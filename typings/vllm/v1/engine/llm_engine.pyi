@@ -1,0 +1,5 @@
+from vllm.config import VllmConfig
+
+class LLMEngine:
+    vllm_config: VllmConfig
+    log_stats: bool
