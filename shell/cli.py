@@ -159,7 +159,7 @@ def _demo(args: argparse.Namespace) -> int:
         runner.shutdown()  # type: ignore[attr-defined]
     print(f"{'#':>3}  {'prompt':<42} {'in':>3} {'out':>3} {'trunc':>5}  completion")
     for i, n_in, n_out, truncated, text in results:
-        completion = text.replace("\n", " ")[:60]
+        completion = "".join(c if c.isprintable() else "·" for c in text)[:60]
         print(f"{i:>3}  {prompts[i][:42]:<42} {n_in:>3} {n_out:>3} {truncated!s:>5}  {completion}")
     print(
         f"\nmodel {model} (built/cached in {built:.1f} s); engine start {started:.1f} s; "

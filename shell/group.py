@@ -1,0 +1,813 @@
+"""``GenerationGroup``: data-parallel generation workers on Ray, one engine per shard.
+
+Theory of operation
+-------------------
+* Placement is a core plan (:func:`genworker.core.placement.plan_cluster`): one PACK
+  placement group of one bundle per GPU (``{"CPU": 1}`` bundles on a cluster without
+  GPUs), and for each data-parallel shard the bundles its engine owns. One
+  ``VllmGenerationWorker`` actor per shard sits on the shard's first bundle and builds the
+  engine; a tensor/pipeline-parallel engine places vLLM's own Ray workers on the shard's
+  bundles through ``VLLM_RAY_BUNDLE_INDICES`` and ``VLLM_RAY_PER_WORKER_GPUS`` (vLLM 0.32,
+  ``vllm/v1/executor/ray_executor.py``), which find the placement group because the actor
+  captures child tasks (``ray.util.get_current_placement_group``). Each actor's
+  environment (cache root, port window, ...) is the plan's, passed as Ray
+  ``runtime_env.env_vars``; its seed comes from the plan, so no two engines share one.
+* Before any actor starts, Ray's bundle-to-node table is checked against the plan: the
+  bundles the plan puts on one node must be on one Ray node (a TP group never crosses
+  nodes by accident, port windows and seeds stay distinct), different planned nodes on
+  different Ray nodes.
+* Every wait is bounded (placement, engine start, each call, shutdown) and its error says
+  what was waited for, how long, and on which shard.
+* ``generate``: the batch is checked in the driver first (core ``check_batch``), so a bad
+  row submits nothing anywhere. Core splits it by token cost (``plan_shards``), the shards
+  with rows run concurrently, a shard without rows never calls its actor, and core merges
+  the outputs back into input order, padding each shard to the widest with the pad id.
+* A failed fan-out call waits for every shard (within the bound) before it raises, so no
+  result is lost and none lands in another row. A worker's own error comes back as its own
+  type (``BadBatchError``, ``UnsupportedError``, ...) with the shard in the message; an
+  actor that died, a call past its bound, or a foreign error is a :class:`ShardFailure`
+  (a ``GroupError``). Either way the :class:`ShardFailure` (the exception or its
+  ``__cause__``) holds each failed shard's error and the other shards' results. A shard
+  whose actor died stays dead: later calls refuse until the group is re-created.
+* Ray is started only when it is not running (``ray.init(address=...)`` for a cluster
+  named in the spec), and only a Ray the group started is shut down with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import torch
+from returns.result import Failure, Result, Success
+
+from genworker.core.assembly import assemble_outputs
+from genworker.core.batch import check_batch
+from genworker.core.config import WorkerConfig
+from genworker.core.counters import (
+    Snapshot,
+    SpecDecodeMetrics,
+    decode_snapshot,
+    encode_snapshot,
+    merge_snapshots,
+    spec_decode_metrics,
+)
+from genworker.core.errors import CoreError
+from genworker.core.placement import (
+    ClusterPlan,
+    ShardPlacement,
+    check_inherited_env,
+    configure_worker,
+    plan_cluster,
+)
+from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards, split_batch
+from genworker.shell.errors import (
+    BadArgumentError,
+    BadBatchError,
+    BadConfigError,
+    EngineContractError,
+    GenworkerError,
+    GroupError,
+)
+
+__all__ = [
+    "ClusterSpec",
+    "GenerationGroup",
+    "GroupCounters",
+    "ShardFailure",
+    "local_cluster",
+]
+
+log = logging.getLogger(__name__)
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_T = TypeVar("_T")
+_E = TypeVar("_E", bound=CoreError)
+
+# Ray handles and object refs are untyped at this edge; they never leave this module
+# except as the opaque futures of the refit calls.
+_Actor = Any
+_Ref = Any
+
+
+def _unwrap(result: Result[_T, _E], error: type[GenworkerError], context: str) -> _T:
+    match result:
+        case Success(value):
+            return value  # type: ignore[no-any-return]
+        case Failure(problem):
+            raise error.from_core(problem, context)
+    raise AssertionError("unreachable")
+
+
+def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name}={value!r} must be a number of seconds above 0")
+
+
+def _cpu_share(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{attribute.name}={value!r} must be in (0, 1]: a bundle holds 1 CPU")
+
+
+@attrs.frozen
+class ClusterSpec:
+    """Where a :class:`GenerationGroup` runs and how long it waits.
+
+    ``num_shards`` engines (data-parallel size) on ``num_nodes`` nodes of ``gpus_per_node``
+    GPUs each; ``gpus_per_node=0`` is a CPU-only cluster of ``cpus_per_node`` bundles per
+    node. Tensor and pipeline parallel sizes come from the worker config. ``ray_address``
+    is passed to ``ray.init`` when Ray is not running yet (``None``: a local Ray with
+    ``ray_num_cpus`` CPUs); an initialised Ray is used as it is.
+    """
+
+    num_shards: int
+    num_nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_node: int = 0
+    gpu_fraction: float = 1.0
+    actor_num_cpus: float = attrs.field(default=1.0, validator=_cpu_share)
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+    placement_timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    start_timeout_s: float = attrs.field(default=900.0, validator=_positive)
+    call_timeout_s: float = attrs.field(default=3600.0, validator=_positive)
+    shutdown_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    cache_base_dir: str | None = None
+    port_base: int = 20000
+    port_window: int = 64
+
+
+def local_cluster(
+    num_shards: int = 1, *, model_parallel_size: int = 1, **options: Any
+) -> ClusterSpec:
+    """A :class:`ClusterSpec` for this machine: its GPUs, or ``num_shards`` CPU shards.
+
+    Without GPUs every bundle is one logical Ray CPU, so a local Ray is started with at
+    least as many CPUs as the shards need (``options`` override any field).
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus:
+        return ClusterSpec(num_shards=num_shards, gpus_per_node=gpus, **options)
+    bundles = num_shards * model_parallel_size
+    cpus = max(os.cpu_count() or 1, bundles)
+    defaults: dict[str, Any] = {"cpus_per_node": cpus, "ray_num_cpus": cpus}
+    return ClusterSpec(num_shards=num_shards, **(defaults | options))
+
+
+@attrs.frozen
+class GroupCounters:
+    """Counter snapshots of every shard, their sum, and spec-decode acceptance over all."""
+
+    shards: tuple[Snapshot, ...]
+    merged: Snapshot
+    spec_decode: SpecDecodeMetrics | None
+
+    def as_dict(self) -> dict[str, float | list[float]]:
+        """The merged snapshot as flat counter keys (see ``genworker.core.counters``)."""
+        return encode_snapshot(self.merged)
+
+
+class ShardFailure(GroupError):
+    """A fan-out call failed on one or more shards.
+
+    ``errors`` maps each failed shard's rank to its error; ``results`` maps every other
+    shard's rank to what it returned; ``rows`` gives each shard's input rows for
+    ``generate`` and ``generate_text`` (empty otherwise).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        call: str = "",
+        errors: Mapping[int, BaseException] | None = None,
+        results: Mapping[int, object] | None = None,
+        rows: Mapping[int, tuple[int, ...]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.call = call
+        self.errors = dict(errors or {})
+        self.results = dict(results or {})
+        self.rows = dict(rows or {})
+
+
+def _ray_error() -> type[Exception]:
+    """What ``ray.get`` raises for a failed task or actor (every cause type included)."""
+    from ray.exceptions import RayError
+
+    error: type[Exception] = RayError
+    return error
+
+
+def _dead_actor_errors() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return (RayActorError, ActorUnavailableError)
+
+
+def _check_bundle_nodes(plan: ClusterPlan, bundle_nodes: Mapping[int, str]) -> str | None:
+    """Why Ray's bundle-to-node table breaks the plan, or ``None`` when it matches."""
+    planned: dict[int, set[str]] = {}
+    for bundle in range(plan.num_bundles):
+        node = bundle_nodes.get(bundle)
+        if node is None:
+            return f"Ray reports no node for bundle {bundle}"
+        planned.setdefault(bundle // plan.bundles_per_node, set()).add(node)
+    split = {k: sorted(v) for k, v in planned.items() if len(v) > 1}
+    if split:
+        return f"bundles planned on one node landed on several Ray nodes: {split}"
+    owners: dict[str, list[int]] = {}
+    for k, nodes in planned.items():
+        owners.setdefault(next(iter(nodes)), []).append(k)
+    shared = {node: ks for node, ks in owners.items() if len(ks) > 1}
+    if shared:
+        return f"planned nodes {sorted(shared.values())} share one Ray node"
+    return None
+
+
+class GenerationGroup:
+    """Data-parallel ``VllmGenerationWorker`` actors on Ray behind one worker-like surface.
+
+    ``config`` is the worker's NeMo-RL generation config (every shard gets it unchanged);
+    ``worker_options`` are extra keyword arguments for each worker (e.g. ``engine_factory``
+    or ``stop_mode``).
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, object],
+        cluster: ClusterSpec,
+        *,
+        worker_options: Mapping[str, object] | None = None,
+    ) -> None:
+        self.cfg: WorkerConfig = _unwrap(
+            WorkerConfig.from_mapping(config), BadConfigError, "group config"
+        )
+        self.cluster = cluster
+        self.plan: ClusterPlan = _unwrap(
+            plan_cluster(
+                cluster.num_nodes,
+                cluster.gpus_per_node,
+                self.cfg.vllm.tensor_parallel_size,
+                self.cfg.vllm.pipeline_parallel_size,
+                cluster.num_shards,
+                cpus_per_node=cluster.cpus_per_node,
+                gpu_fraction=cluster.gpu_fraction,
+            ),
+            BadConfigError,
+            "cluster",
+        )
+        _unwrap(check_inherited_env(dict(os.environ)), BadConfigError, "environment")
+        self._config = dict(config)
+        self._worker_options = dict(worker_options or {})
+        self._placements = [self._placement(shard) for shard in self.plan.shards]
+        self._actors: list[_Actor] = []
+        self._pg: Any = None
+        self._dead: dict[int, str] = {}
+        self._closed = False
+        self._owns_ray = _ensure_ray(cluster)
+        try:
+            self._pg = self._create_placement_group()
+            self._actors = [self._start_actor(shard) for shard in self.plan.shards]
+            self._wait_alive()
+        except BaseException:
+            self._teardown(graceful=False)
+            raise
+
+    # -- start ----------------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        return self.plan.data_parallel_size
+
+    @property
+    def num_engine_workers(self) -> int:
+        """Engine worker processes over all shards (``num_shards x tensor x pipeline``)."""
+        return self.plan.data_parallel_size * self.plan.model_parallel_size
+
+    @property
+    def actors(self) -> tuple[_Actor, ...]:
+        """The shards' Ray actor handles, by rank (empty once shut down)."""
+        return tuple(self._actors)
+
+    @property
+    def placement_group(self) -> Any:
+        """The group's Ray placement group (``None`` once shut down)."""
+        return self._pg
+
+    def _placement(self, shard: ShardPlacement) -> tuple[dict[str, Any], dict[str, object]]:
+        """``(ray actor options without the scheduling strategy, worker init kwargs)``."""
+        base = self.cluster.cache_base_dir or os.path.join(os.path.expanduser("~"), ".cache")
+        worker = _unwrap(
+            configure_worker(
+                # A CPU bundle has no GPU; the plan's seed, ports and cache root still apply.
+                self.plan.worker_num_gpus if self.plan.uses_gpus else 1.0,
+                shard.bundle_indices,
+                self.plan.bundles_per_node,
+                cache_base_dir=base,
+                tensor_parallel_size=self.plan.tensor_parallel_size,
+                pipeline_parallel_size=self.plan.pipeline_parallel_size,
+                port_base=self.cluster.port_base,
+                port_window=self.cluster.port_window,
+            ),
+            BadConfigError,
+            f"placement of shard {shard.rank}",
+        )
+        env = worker.env_vars | self.plan.engine_env_vars(shard.rank)
+        init_kwargs = worker.init_kwargs
+        if not self.plan.uses_gpus:
+            init_kwargs.pop("fraction_of_gpus", None)
+        options: dict[str, Any] = {
+            "num_cpus": self.cluster.actor_num_cpus,
+            "num_gpus": worker.num_gpus if self.plan.uses_gpus else 0,
+            "runtime_env": {"env_vars": env},
+            "max_restarts": 0,
+        }
+        return options, init_kwargs
+
+    def _create_placement_group(self) -> Any:
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        bundles = self.plan.bundles
+        pg = placement_group(bundles, strategy=self.plan.strategy)
+        self._pg = pg
+        timeout = self.cluster.placement_timeout_s
+        ready, _ = ray.wait([pg.ready()], timeout=timeout)
+        if not ready:
+            raise GroupError(
+                f"the placement group of {len(bundles)} bundle(s) {bundles[0]} "
+                f"({self.plan.strategy}) was not ready after {timeout:g} s; the cluster has "
+                f"{ray.available_resources()} available of {ray.cluster_resources()}"  # type: ignore[no-untyped-call]
+            )
+        table = placement_group_table(pg).get("bundles_to_node_id", {})
+        problem = _check_bundle_nodes(self.plan, {int(k): str(v) for k, v in table.items()})
+        if problem is not None:
+            raise GroupError(f"placement group does not match the plan: {problem}")
+        return pg
+
+    def _start_actor(self, shard: ShardPlacement) -> _Actor:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from genworker.shell.worker import VllmGenerationWorker
+
+        options, init_kwargs = self._placements[shard.rank]
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=self._pg,
+            placement_group_bundle_index=shard.global_bundle_ids[0],
+            placement_group_capture_child_tasks=True,
+        )
+        actor_cls = ray.remote(VllmGenerationWorker)
+        return actor_cls.options(scheduling_strategy=strategy, **options).remote(
+            self._config, **init_kwargs, **self._worker_options
+        )
+
+    def _wait_alive(self) -> None:
+        refs = {rank: actor.is_alive.remote() for rank, actor in enumerate(self._actors)}
+        timeout = self.cluster.start_timeout_s
+        ready = _wait(list(refs.values()), timeout)
+        problems: dict[int, str] = {}
+        for rank, ref in refs.items():
+            if ref not in ready:
+                problems[rank] = f"no answer within {timeout:g} s (engine still loading?)"
+                continue
+            try:
+                alive = _get(ref)
+            except _ray_error() as e:
+                problems[rank] = _reason(e)
+                continue
+            if alive is not True:
+                problems[rank] = "the worker reports its engine is not alive"
+        if problems:
+            listed = "; ".join(f"shard {r}: {why}" for r, why in sorted(problems.items()))
+            raise GroupError(
+                f"{len(problems)} of {self.num_shards} engine(s) failed to start: {listed}"
+            )
+
+    # -- fan-out machinery ----------------------------------------------------------
+    def _require_usable(self, call: str) -> None:
+        if self._closed:
+            raise GroupError(f"{call}: the group was shut down")
+        if self._dead:
+            listed = "; ".join(f"shard {r}: {why}" for r, why in sorted(self._dead.items()))
+            raise GroupError(
+                f"{call}: shard(s) {sorted(self._dead)} died earlier ({listed}); shut the "
+                "group down and create a new one"
+            )
+
+    def _call_all(
+        self, call: str, *args: object, timeout_s: float | None = None, **kwargs: object
+    ) -> list[object]:
+        self._require_usable(call)
+        refs = {
+            rank: getattr(actor, call).remote(*args, **kwargs)
+            for rank, actor in enumerate(self._actors)
+        }
+        results = self._gather(call, refs, timeout_s)
+        return [results[rank] for rank in range(self.num_shards)]
+
+    def _gather(
+        self,
+        call: str,
+        refs: Mapping[int, _Ref],
+        timeout_s: float | None,
+        rows: Mapping[int, tuple[int, ...]] | None = None,
+    ) -> dict[int, object]:
+        """Every shard's result, by rank; raises once every shard answered or timed out."""
+        timeout = self.cluster.call_timeout_s if timeout_s is None else timeout_s
+        ready = _wait(list(refs.values()), timeout)
+        results: dict[int, object] = {}
+        errors: dict[int, BaseException] = {}
+        for rank, ref in refs.items():
+            if ref not in ready:
+                errors[rank] = GroupError(
+                    f"shard {rank}: {call} did not finish within {timeout:g} s "
+                    "(the actor may still be running it)"
+                )
+                continue
+            try:
+                results[rank] = _get(ref)
+            except _ray_error() as e:
+                errors[rank] = self._translate(call, rank, e)
+        if errors:
+            raise self._failure(call, errors, results, rows)
+        return results
+
+    def _translate(self, call: str, rank: int, error: BaseException) -> BaseException:
+        """The error a shard's call raised, as the worker's own type or a GroupError."""
+        from ray.exceptions import RayTaskError
+
+        if isinstance(error, _dead_actor_errors()):
+            self._dead[rank] = _reason(error)
+            translated: BaseException = GroupError(
+                f"shard {rank}: the actor died during {call}: {_reason(error)}"
+            )
+        elif isinstance(error, RayTaskError) and isinstance(error.cause, GenworkerError):
+            translated = copy.copy(error.cause)
+            translated.args = (f"shard {rank}: {error.cause}",)
+        else:
+            cause = error.cause if isinstance(error, RayTaskError) else error
+            translated = GroupError(f"shard {rank}: {call} raised {type(cause).__name__}: {cause}")
+        translated.__cause__ = error
+        return translated
+
+    def _failure(
+        self,
+        call: str,
+        errors: Mapping[int, BaseException],
+        results: Mapping[int, object],
+        rows: Mapping[int, tuple[int, ...]] | None,
+    ) -> BaseException:
+        listed = "; ".join(str(errors[r]) for r in sorted(errors))
+        failure = ShardFailure(
+            f"{call} failed on {len(errors)} of {self.num_shards} shard(s): {listed}",
+            call=call,
+            errors=errors,
+            results=results,
+            rows=rows,
+        )
+        typed = [e for e in errors.values() if not isinstance(e, GroupError)]
+        if len(typed) < len(errors):
+            return failure
+        first = copy.copy(errors[min(errors)])
+        first.args = (listed,)
+        first.__cause__ = failure
+        return first
+
+    # -- generation -----------------------------------------------------------------
+    def generate(
+        self,
+        data: Mapping[str, object],
+        greedy: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Generate for a right-padded batch across the shards; rows come back in order."""
+        self._require_usable("generate")
+        if not isinstance(greedy, bool):
+            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
+        input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
+        batch = _unwrap(
+            check_batch(
+                input_ids,
+                input_lengths,
+                pad_token_id=self.cfg.pad_token_id,
+                vocab_size=None,
+                max_model_len=self.cfg.vllm.max_model_len,
+            ),
+            BadBatchError,
+            "generate batch",
+        )
+        if not batch.lengths:
+            return assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id).as_dict()
+        plan = plan_shards(batch.lengths, self.num_shards, max_new_tokens=self.cfg.max_new_tokens)
+        results = self._run_shards("generate", plan, data, greedy, timeout_s)
+        outputs = [_tensor_dict(results.get(rank, {}), rank) for rank in range(self.num_shards)]
+        return merge_shard_outputs(plan, outputs, self.cfg.pad_token_id)
+
+    def generate_text(
+        self,
+        data: Mapping[str, object],
+        greedy: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> dict[str, list[str]]:
+        """Generate from text prompts across the shards, balanced by prompt characters."""
+        self._require_usable("generate_text")
+        if not isinstance(greedy, bool):
+            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
+        prompts = data.get("prompts") if isinstance(data, Mapping) else None
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise BadBatchError("generate_text: data['prompts'] must be a list of str")
+        if not prompts:
+            return {"texts": []}
+        # Text has no token count before the engine tokenises it; characters stand in.
+        plan = plan_shards(
+            [len(p) for p in prompts], self.num_shards, max_new_tokens=self.cfg.max_new_tokens
+        )
+        results = self._run_shards("generate_text", plan, data, greedy, timeout_s)
+        texts: list[str] = []
+        for rank, rows in enumerate(plan.shards):
+            shard_texts = _texts(results.get(rank, {"texts": []}), rank)
+            if len(shard_texts) != len(rows):
+                raise EngineContractError(
+                    f"shard {rank}: generate_text returned {len(shard_texts)} texts for "
+                    f"{len(rows)} prompts"
+                )
+            texts.extend(shard_texts)
+        ordered = [""] * plan.num_rows
+        for row, text in zip(plan.concat_order, texts, strict=True):
+            ordered[row] = text
+        return {"texts": ordered}
+
+    def _run_shards(
+        self,
+        call: str,
+        plan: ShardPlan,
+        data: Mapping[str, object],
+        greedy: bool,
+        timeout_s: float | None,
+    ) -> dict[int, object]:
+        parts = _unwrap(split_batch(plan, data), BadBatchError, call)
+        refs = {
+            rank: getattr(self._actors[rank], call).remote(part, greedy)
+            for rank, part in enumerate(parts)
+            if plan.sizes[rank]
+        }
+        rows = {rank: plan.shards[rank] for rank in range(plan.num_shards)}
+        return self._gather(call, refs, timeout_s, rows)
+
+    # -- memory ---------------------------------------------------------------------
+    def sleep(self, level: int | None = None, *, timeout_s: float | None = None) -> None:
+        """Put every shard's engine to sleep (see ``VllmGenerationWorker.sleep``)."""
+        self._call_all("sleep", level, timeout_s=timeout_s)
+
+    def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> None:
+        """Wake ``tags`` (``weights``, ``kv_cache``; ``None``: both) on every shard."""
+        self._call_all("wake_up", None if tags is None else list(tags), timeout_s=timeout_s)
+
+    def reset_prefix_cache(self, *, timeout_s: float | None = None) -> None:
+        self._call_all("reset_prefix_cache", timeout_s=timeout_s)
+
+    # -- refit ----------------------------------------------------------------------
+    def prepare_refit_info(
+        self,
+        state_dict_info: Mapping[str, tuple[Sequence[int], object]],
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Give every shard the names, shapes and dtypes each refit carries."""
+        self._call_all("prepare_refit_info", dict(state_dict_info), timeout_s=timeout_s)
+
+    def refit_address(self, *, timeout_s: float | None = None) -> list[list[object]]:
+        """Each shard's IPC refit addresses (one per engine worker), in shard order."""
+        return [
+            list(_as_list(r, "refit_address"))
+            for r in self._call_all("refit_address", timeout_s=timeout_s)
+        ]
+
+    def init_collective(
+        self, ip: str, port: int, world_size: int, *, train_world_size: int
+    ) -> list[object]:
+        """Join every engine worker to the trainer's weight-update group; returns futures.
+
+        The trainer holds ranks ``0..train_world_size-1``; shard ``s`` gets rank prefix
+        ``s x tensor x pipeline``, so its engine workers take the ranks after those of
+        the shards before it. Pass the futures to :meth:`collect` once the trainer joined.
+        """
+        self._require_usable("init_collective")
+        expected = train_world_size + self.num_engine_workers
+        if world_size != expected:
+            raise BadArgumentError(
+                f"init_collective: world_size={world_size} but the trainer's "
+                f"{train_world_size} rank(s) and this group's {self.num_engine_workers} "
+                f"engine worker(s) make {expected}"
+            )
+        size = self.plan.model_parallel_size
+        return [
+            actor.init_collective.remote(rank * size, ip, port, world_size, train_world_size)
+            for rank, actor in enumerate(self._actors)
+        ]
+
+    def update_weights_from_collective(self, timeout_s: float = 600.0) -> list[object]:
+        """Start the collective refit on every shard; returns one future per shard."""
+        self._require_usable("update_weights_from_collective")
+        return [a.update_weights_from_collective.remote(timeout_s) for a in self._actors]
+
+    def update_weights_via_ipc_zmq(self, timeout_s: float = 600.0) -> list[object]:
+        """Start the IPC refit on every shard; returns one future per shard."""
+        self._require_usable("update_weights_via_ipc_zmq")
+        return [a.update_weights_via_ipc_zmq.remote(timeout_s) for a in self._actors]
+
+    def collect(
+        self, futures: Sequence[object], *, call: str = "refit", timeout_s: float | None = None
+    ) -> list[object]:
+        """Wait for per-shard futures (from ``init_collective`` / ``update_weights_*``).
+
+        Errors are translated as for every other call and name the shard.
+        """
+        if len(futures) != self.num_shards:
+            raise BadArgumentError(
+                f"collect: {len(futures)} future(s) for {self.num_shards} shard(s)"
+            )
+        results = self._gather(call, dict(enumerate(futures)), timeout_s)
+        return [results[rank] for rank in range(self.num_shards)]
+
+    # -- observability --------------------------------------------------------------
+    def report_device_id(self, *, timeout_s: float | None = None) -> list[list[str]]:
+        return [
+            [str(d) for d in _as_list(r, "report_device_id")]
+            for r in self._call_all("report_device_id", timeout_s=timeout_s)
+        ]
+
+    def get_counters(self, *, timeout_s: float | None = None) -> GroupCounters:
+        """Every shard's counter snapshot, their sum, and spec-decode acceptance."""
+        shards: list[Snapshot] = []
+        for rank, encoded in enumerate(self._call_all("get_counters", timeout_s=timeout_s)):
+            if not isinstance(encoded, Mapping):
+                raise EngineContractError(
+                    f"shard {rank}: get_counters returned {type(encoded).__name__}, not a dict"
+                )
+            shards.append(
+                _unwrap(decode_snapshot(encoded), EngineContractError, f"shard {rank} counters")
+            )
+        merged = merge_snapshots(shards)
+        spec = _unwrap(spec_decode_metrics(merged), EngineContractError, "spec-decode counters")
+        return GroupCounters(shards=tuple(shards), merged=merged, spec_decode=spec)
+
+    def is_alive(self, *, timeout_s: float | None = None) -> bool:
+        """Whether every shard's engine answers that it is alive (bounded)."""
+        if self._closed or self._dead:
+            return False
+        try:
+            return all(r is True for r in self._call_all("is_alive", timeout_s=timeout_s))
+        except GroupError:
+            return False
+
+    # -- shutdown -------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every engine, kill the actors, remove the placement group; idempotent.
+
+        Engines get ``shutdown_timeout_s`` to shut down cleanly; the actors are killed
+        either way. A Ray this group started is shut down with it.
+        """
+        self._teardown(graceful=True)
+
+    def _teardown(self, *, graceful: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        actors, self._actors = self._actors, []
+        refs = {
+            rank: actor.shutdown.remote()
+            for rank, actor in enumerate(actors)
+            if graceful and rank not in self._dead
+        }
+        if refs:
+            ready = _wait(list(refs.values()), self.cluster.shutdown_timeout_s)
+            for rank, ref in refs.items():
+                if ref not in ready:
+                    log.warning(
+                        "shard %d: engine shutdown did not finish within %g s; killing it",
+                        rank,
+                        self.cluster.shutdown_timeout_s,
+                    )
+                    continue
+                try:
+                    _get(ref)
+                except _ray_error() as e:
+                    log.warning("shard %d: engine shutdown failed (%s); killing it", rank, e)
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(pg)
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> GenerationGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._closed else f"dead shards {sorted(self._dead)}"
+        return (
+            f"GenerationGroup(model={self.cfg.model_name!r}, shards={self.num_shards}, "
+            f"tp={self.plan.tensor_parallel_size}, pp={self.plan.pipeline_parallel_size}, "
+            f"{state if self._closed or self._dead else 'running'})"
+        )
+
+
+# -- Ray edge ---------------------------------------------------------------------------
+
+
+def _ensure_ray(cluster: ClusterSpec) -> bool:
+    """Start Ray unless it runs already; whether this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if cluster.ray_address is not None:
+        ray.init(address=cluster.ray_address)
+    else:
+        ray.init(num_cpus=cluster.ray_num_cpus)
+    return True
+
+
+def _wait(refs: list[_Ref], timeout_s: float) -> set[_Ref]:
+    """The refs among ``refs`` that finished within ``timeout_s`` seconds."""
+    import ray
+
+    if not refs:
+        return set()
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    return set(ready)
+
+
+def _get(ref: _Ref) -> object:
+    import ray
+
+    result: object = ray.get(ref)
+    return result
+
+
+def _reason(error: BaseException) -> str:
+    """A one-line reason from a Ray error: the cause of a task error, the exception a
+    failed ``__init__`` raised, or the first and last lines of Ray's account."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(error, RayTaskError):
+        return f"{type(error.cause).__name__}: {error.cause}"
+    text = _ANSI.sub("", str(getattr(error, "error_msg", "") or error))
+    lines = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    if getattr(error, "actor_init_failed", False):
+        return f"the worker's __init__ raised {lines[-1]}"
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+# -- values at the edge -----------------------------------------------------------------
+
+
+def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
+    if not isinstance(data, Mapping):
+        raise BadBatchError(f"generate: data must be a mapping, got {type(data).__name__}")
+    value = data.get(key)
+    if not isinstance(value, torch.Tensor):
+        raise BadBatchError(
+            f"generate: data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
+        )
+    return value
+
+
+def _tensor_dict(value: object, rank: int) -> dict[str, torch.Tensor]:
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items()
+    ):
+        raise EngineContractError(f"shard {rank}: generate returned {value!r:.200}")
+    return dict(value)
+
+
+def _texts(value: object, rank: int) -> list[str]:
+    texts = value.get("texts") if isinstance(value, Mapping) else None
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise EngineContractError(f"shard {rank}: generate_text returned {value!r:.200}")
+    return texts
+
+
+def _as_list(value: object, call: str) -> list[object]:
+    if not isinstance(value, list):
+        raise EngineContractError(f"{call} returned {type(value).__name__}, not a list")
+    return value

