@@ -292,11 +292,16 @@ class VllmEngine:
             getattr(llm.llm_engine, "engine_core", None), "shutdown", None
         )
         try:
-            if callable(stop):
-                stop()
+            if self._extension:  # close the refit sockets and groups (their private dirs)
+                with _translated("cleanup"):
+                    llm.collective_rpc("cleanup")
         finally:
-            del llm
-            gc.collect()
+            try:
+                if callable(stop):
+                    stop()
+            finally:
+                del llm
+                gc.collect()
 
 
 def _bounded(fn: Callable[[], _T], timeout: float, *, what: str) -> _T:

@@ -358,13 +358,16 @@ class VllmGenerationWorker:
     # -- refit ----------------------------------------------------------------------
     def prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
-    ) -> None:
-        """Tell the engine workers which tensors every refit carries (names, shapes, dtypes)."""
+    ) -> list[object]:
+        """Tell the engine workers which tensors every refit carries (names, shapes, dtypes).
+
+        Returns each engine worker's summary (manifest digest, how many tensors go straight
+        into parameter memory, how many through the loader)."""
         info = {
             str(name): [list(int(d) for d in shape), str(dtype).removeprefix("torch.")]
             for name, (shape, dtype) in state_dict_info.items()
         }
-        self._rpc("prepare_refit_info", info)
+        return self._rpc("prepare_refit_info", info)
 
     def init_collective(
         self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int

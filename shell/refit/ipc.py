@@ -1,0 +1,436 @@
+"""Refit through shared buffers (CUDA IPC / shared memory) with ZMQ REQ/REP metadata.
+
+Rendezvous
+----------
+The engine worker owns the endpoint. ``WorkerExtension.ipc_address()`` (reached with
+``collective_rpc("ipc_address")``, one address per engine worker) creates an
+:class:`IpcReceiver`: a private directory (``mkdtemp``: mode 0700, random name) holding a
+REP socket ``ipc://<dir>/refit.sock``, and returns that address. The socket lives until
+``cleanup()``; the address stays valid across refits. The trainer then, for each refit::
+
+    addresses = engine.collective_rpc("ipc_address")            # once
+    future = start(engine.collective_rpc, "update_weights_via_ipc_zmq", timeout_s)
+    IpcSender(addresses[rank], manifest=info).send(named_tensors)  # blocks until done
+    future.result()
+
+(``start`` is a thread or a Ray call: the engine call blocks until the refit ends.)
+TCP is available for hosts where the trainer cannot reach the ipc path
+(``IpcReceiver(tcp_host=...)``); it binds loopback only unless ``allow_remote=True``.
+
+Protocol
+--------
+Strict REQ/REP lockstep, one msgpack frame each way (``wire``): ``Begin`` → ok,
+``BucketMsg`` → ok once the bucket is copied out and the device synced, ``Complete`` → ok
+once post-load processing finished. The receiver ALWAYS answers a request it took, with
+an error frame carrying its message when anything failed (failure-modes R1, R3). The
+sender packs bucket *k+1* into the other buffer while the receiver reads bucket *k*, and
+reuses a buffer only after the answer to the bucket it carried (R5).
+
+Every wait is bounded (``poll`` with the refit timeout, ``LINGER=0``). A sender whose
+wait expired closes its REQ socket and makes a fresh one for the next refit (R2); the
+receiver answers stray requests of a finished refit with an error, so a late trainer
+never blocks a new refit.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import secrets
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import zmq
+
+from genworker.core.refit_plan import Bucket, Manifest, bucket_checksum
+from genworker.shell.errors import BadConfigError, RefitError, RefitTimeoutError
+from genworker.shell.refit.buffers import StagingBuffer, open_handle, private_directory
+from genworker.shell.refit.packing import (
+    DEFAULT_BUCKET_BYTES,
+    SendReport,
+    as_manifest,
+    checked_budget,
+    pack,
+    stream_buckets,
+)
+from genworker.shell.refit.wire import (
+    Abort,
+    Begin,
+    BucketMsg,
+    Complete,
+    CpuHandle,
+    CudaHandle,
+    Message,
+    Reply,
+    bucket_to_wire,
+    decode_message,
+    decode_reply,
+    encode,
+    error_from_reply,
+    error_kind,
+)
+
+__all__ = ["IpcReceiver", "IpcSender"]
+
+log = logging.getLogger(__name__)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class IpcReceiver:
+    """The engine worker's end: a bound REP socket plus the buffers it maps."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        tcp_host: str | None = None,
+        allow_remote: bool = False,
+        directory: str | Path | None = None,
+    ) -> None:
+        """``directory``: where the private socket directory is made (default: the
+        temporary directory); ignored for TCP."""
+        if tcp_host is not None and not allow_remote and not _is_loopback(tcp_host):
+            raise BadConfigError(
+                f"refusing to bind the refit socket on {tcp_host}: not a loopback address "
+                "(pass allow_remote=True to expose it)"
+            )
+        self._device = device
+        self._ctx = zmq.Context()
+        self._dir: Path | None = None
+        if tcp_host is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="genworker-refit-", dir=directory))
+            self._endpoint = f"ipc://{self._dir / 'refit.sock'}"
+        else:
+            self._endpoint = f"tcp://{tcp_host}:0"
+        self._cleanup = weakref.finalize(self, _close_resources, self._ctx, self._dir)
+        self._sock = self._bind()
+        self._pending = False
+        self._refit_id = ""
+        self._awaiting_begin = True
+        self._maps: dict[int, tuple[CpuHandle | CudaHandle, torch.Tensor]] = {}
+
+    @property
+    def address(self) -> str:
+        return self._endpoint
+
+    @property
+    def peer(self) -> str:
+        return f"the trainer connected to {self._endpoint}"
+
+    def _bind(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._dir is not None:
+            (self._dir / "refit.sock").unlink(missing_ok=True)
+        try:
+            sock.bind(self._endpoint)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            raise RefitError(f"could not bind the refit socket {self._endpoint}: {e}") from e
+        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return sock
+
+    def reset(self) -> None:
+        """Close and rebind the socket at the same address (drops queued stray requests)."""
+        self._sock.close(linger=0)
+        self._sock = self._bind()
+        self._pending = False
+
+    def next_message(self, timeout_s: float) -> Message:
+        if self._pending:
+            self._reply(RefitError("the receiver moved on without answering this request"))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                raise RefitTimeoutError(
+                    f"no refit message from {self.peer} within {timeout_s:.1f}s"
+                    + (f" (refit {self._refit_id})" if self._refit_id else "")
+                )
+            data = self._sock.recv(zmq.NOBLOCK)
+            self._pending = True
+            try:
+                msg = decode_message(data)
+            except RefitError as e:
+                self._reply(e)
+                raise
+            if isinstance(msg, Begin):
+                self._awaiting_begin = False
+                self._refit_id = msg.refit_id
+            elif self._awaiting_begin:
+                self._reply(
+                    RefitError(
+                        f"stray {type(msg).__name__} of refit {msg.refit_id!r}: "
+                        "no refit is in progress on this engine worker"
+                    )
+                )
+                continue
+            return msg
+
+    def precheck(self, problem: RefitError | None, timeout_s: float) -> None:
+        if problem is not None:
+            self._reply(problem)
+            raise problem
+
+    def answer(self, problem: RefitError | None, timeout_s: float) -> None:
+        self._reply(problem)
+        if problem is not None:
+            raise problem
+
+    def acknowledge_abort(self, timeout_s: float) -> None:
+        self._reply(None)
+
+    def payload(self, msg: BucketMsg, timeout_s: float) -> torch.Tensor:
+        if msg.handle is None:
+            raise RefitError(f"refit bucket {msg.index} carries no buffer handle")
+        cached = self._maps.get(msg.buffer)
+        if cached is None or cached[0] != msg.handle:
+            self._maps[msg.buffer] = (msg.handle, open_handle(msg.handle, self._device))
+        return self._maps[msg.buffer][1]
+
+    def release(self) -> None:
+        if self._pending:
+            self._reply(RefitError("the refit ended on the engine worker without an answer"))
+        # Shared-memory maps stay (re-mapping costs a page fault per page on the next
+        # refit, and the sender keeps its buffers); CUDA IPC handles are closed at once so
+        # the sender can free its memory.
+        self._maps = {k: v for k, v in self._maps.items() if isinstance(v[0], CpuHandle)}
+        self._awaiting_begin = True
+        self._refit_id = ""
+
+    def _reply(self, problem: RefitError | None) -> None:
+        reply = Reply(
+            ok=problem is None,
+            refit_id=self._refit_id,
+            kind="ack" if problem is None else error_kind(problem),
+            message="" if problem is None else str(problem),
+        )
+        self._pending = False
+        try:
+            self._sock.send(encode(reply), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self.reset()
+            raise RefitTimeoutError(f"could not answer {self.peer}: {e}") from e
+
+    def close(self) -> None:
+        self._maps.clear()
+        self._sock.close(linger=0)
+        self._cleanup()
+
+
+def _close_resources(ctx: zmq.Context[zmq.Socket[bytes]], directory: Path | None) -> None:
+    ctx.destroy(linger=0)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class IpcSender:
+    """The trainer's end: packs tensors into two shared buffers and drives the protocol.
+
+    ``manifest`` (a :class:`Manifest` or the ``{name: (shape, dtype)}`` given to
+    ``prepare_refit_info``) lets the receiver refuse a refit meant for another manifest
+    before any buffer is read. Staging buffers live on ``device`` (default: the device of
+    the first tensor sent): CUDA IPC for a GPU, shared memory for the CPU, in a private
+    directory made inside ``staging_dir`` (default: /dev/shm).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        manifest: Manifest | object | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 120.0,
+        checksum: bool = False,
+        device: torch.device | str | None = None,
+        staging_dir: str | Path | None = None,
+    ) -> None:
+        if not address.startswith(("ipc://", "tcp://")):
+            raise BadConfigError(f"a refit address is ipc://... or tcp://..., got {address!r}")
+        if timeout_s <= 0:
+            raise BadConfigError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.address = address
+        self._manifest = as_manifest(manifest)
+        self._budget = checked_budget(bucket_bytes)
+        self._timeout = timeout_s
+        self._checksum = checksum
+        self._device = torch.device(device) if device is not None else None
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._buffers: dict[int, StagingBuffer] = {}
+        self._dir: Path | None = None
+        self._staging_parent = staging_dir
+        self._finalizer = weakref.finalize(self, _close_resources, self._ctx, None)
+
+    # -- public ---------------------------------------------------------------------
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SendReport:
+        """Send one refit; raises a typed :class:`RefitError` on any failure."""
+        refit_id = secrets.token_hex(8)
+        started = time.monotonic()
+        digest = self._manifest.digest() if self._manifest is not None else ""
+        self._exchange(Begin(refit_id, digest), "the start of the refit", refit_id, started)
+        outstanding: tuple[str, StagingBuffer | None] | None = None
+        tensors = nbytes = buckets = 0
+        source = stream_buckets(named_tensors, self._budget)
+        while True:
+            try:
+                item = next(source, None)
+                if item is None:
+                    break
+                bucket, chunk = item
+                buffer, temporary = self._staging(bucket, chunk)
+                pack(bucket, chunk, buffer.tensor)
+                _sync(buffer.device)
+                checksum = (
+                    bucket_checksum(buffer.tensor[: bucket.used_bytes].cpu().numpy().data)
+                    if self._checksum
+                    else None
+                )
+            except Exception as e:  # noqa: BLE001 - our own failure; the receiver is told
+                self._abort(refit_id, e, outstanding, started)
+            if outstanding is not None:
+                self._await(outstanding[0], refit_id, started)
+                _close(outstanding[1])
+            what = f"bucket {bucket.index}"
+            msg = bucket_to_wire(bucket, refit_id, checksum=checksum, handle=buffer.handle)
+            self._send(msg, what, refit_id, started)
+            outstanding = (what, temporary)
+            tensors += len(bucket.slots)
+            nbytes += bucket.payload_bytes
+            buckets += 1
+        if outstanding is not None:
+            self._await(outstanding[0], refit_id, started)
+            _close(outstanding[1])
+        self._exchange(
+            Complete(refit_id, buckets, tensors), "the end of the refit", refit_id, started
+        )
+        return SendReport(tensors, nbytes, buckets, time.monotonic() - started)
+
+    def close(self) -> None:
+        """Free the staging buffers and the socket; the sender is unusable afterwards."""
+        self._drop_socket()
+        for buffer in self._buffers.values():
+            buffer.close()
+        cuda = any(b.device.type == "cuda" for b in self._buffers.values())
+        self._buffers.clear()
+        if cuda:
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        self._finalizer()
+
+    def __enter__(self) -> IpcSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- buffers --------------------------------------------------------------------
+    def _staging(
+        self, bucket: Bucket, chunk: list[torch.Tensor]
+    ) -> tuple[StagingBuffer, StagingBuffer | None]:
+        device = self._device or chunk[0].device
+        if bucket.used_bytes > self._budget:
+            temporary = self._new_buffer(bucket.used_bytes, device)
+            return temporary, temporary
+        current = self._buffers.get(bucket.buffer)
+        if current is None or current.device != device:
+            if current is not None:
+                current.close()
+            current = self._buffers[bucket.buffer] = self._new_buffer(self._budget, device)
+        return current, None
+
+    def _new_buffer(self, capacity: int, device: torch.device) -> StagingBuffer:
+        if device.type != "cuda" and self._dir is None:
+            self._dir = private_directory("genworker-refit-send-", self._staging_parent)
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _close_resources, self._ctx, self._dir)
+        return StagingBuffer(capacity, device, self._dir)
+
+    # -- the socket -----------------------------------------------------------------
+    def _socket(self) -> zmq.Socket[bytes]:
+        if self._sock is None:
+            sock: zmq.Socket[bytes] = self._ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.address)
+            self._sock = sock
+        return self._sock
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _timeout_error(self, what: str, refit_id: str, started: float) -> RefitTimeoutError:
+        self._drop_socket()
+        return RefitTimeoutError(
+            f"the engine worker at {self.address} did not answer {what} within "
+            f"{self._timeout:.1f}s (refit {refit_id}, {time.monotonic() - started:.1f}s in)"
+        )
+
+    def _send(self, msg: Message, what: str, refit_id: str, started: float) -> None:
+        sock = self._socket()
+        if not sock.poll(int(self._timeout * 1000), zmq.POLLOUT):
+            raise self._timeout_error(what, refit_id, started)
+        sock.send(encode(msg), zmq.NOBLOCK)
+
+    def _await(self, what: str, refit_id: str, started: float) -> None:
+        sock = self._socket()
+        if not sock.poll(int(self._timeout * 1000), zmq.POLLIN):
+            raise self._timeout_error(what, refit_id, started)
+        reply = decode_reply(sock.recv(zmq.NOBLOCK), self.address)
+        if not reply.ok:
+            raise error_from_reply(reply, f"the engine worker at {self.address} refused {what}")
+
+    def _exchange(self, msg: Message, what: str, refit_id: str, started: float) -> None:
+        self._send(msg, what, refit_id, started)
+        self._await(what, refit_id, started)
+
+    def _abort(
+        self,
+        refit_id: str,
+        error: Exception,
+        outstanding: tuple[str, StagingBuffer | None] | None,
+        started: float,
+    ) -> NoReturn:
+        """Our own side failed: settle the request in flight, tell the receiver, raise."""
+        local = (
+            error
+            if isinstance(error, RefitError)
+            else RefitError(f"the trainer's tensor stream failed: {type(error).__name__}: {error}")
+        )
+        if outstanding is not None:
+            self._await(outstanding[0], refit_id, started)
+            _close(outstanding[1])
+        try:
+            self._exchange(Abort(refit_id, str(local)), "the abort", refit_id, started)
+        except RefitError as e:
+            log.warning("refit %s: the receiver did not acknowledge the abort: %s", refit_id, e)
+        if local is error:
+            raise local
+        raise local from error
+
+
+def _close(buffer: StagingBuffer | None) -> None:
+    if buffer is not None:
+        buffer.close()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
