@@ -1,0 +1,108 @@
+"""The engine suite that runs on CPU, now on CUDA, plus the worker's contract on a GPU.
+
+The CPU suite's device-independent tests (``tests/shell/test_vllm_engine.py``: the adapter
+against raw ``vllm.LLM``, finish reasons, text, metrics, bad requests, RPC) are imported
+and run here against the session worker's CUDA engine: its fixtures ``cpu_engine`` and
+``cpu_llm`` are bound below to that engine (the names are the CPU suite's). They are
+module-scoped because Hypothesis refuses function-scoped fixtures in ``@given`` tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from gpu.gpu_fixtures import (
+    GPU_MARKS,
+    MAX_MODEL_LEN,
+    MAX_NEW_TOKENS,
+    PROMPTS,
+    GpuSession,
+    batch,
+    generated,
+    greedy,
+    session_engine,
+)
+from shell.test_vllm_engine import (
+    test_bad_request_is_bad_batch_and_engine_keeps_serving,
+    test_collective_rpc_answers_from_every_worker,
+    test_collective_rpc_expiry_is_engine_dead,
+    test_device_ids_name_the_device,
+    test_finish_reasons,
+    test_generate_text_matches_raw_vllm,
+    test_greedy_matches_raw_vllm,
+    test_metrics_count_a_batch_tokens,
+    test_mismatched_specs_are_bad_batch,
+    test_seeded_sampling_matches_raw_vllm,
+)
+from vllm import LLM
+
+from genworker.shell.vllm_engine import VllmEngine
+
+pytest_plugins = ["gpu.gpu_fixtures"]
+pytestmark = GPU_MARKS
+
+__all__ = [
+    "test_bad_request_is_bad_batch_and_engine_keeps_serving",
+    "test_collective_rpc_answers_from_every_worker",
+    "test_collective_rpc_expiry_is_engine_dead",
+    "test_device_ids_name_the_device",
+    "test_finish_reasons",
+    "test_generate_text_matches_raw_vllm",
+    "test_greedy_matches_raw_vllm",
+    "test_metrics_count_a_batch_tokens",
+    "test_mismatched_specs_are_bad_batch",
+    "test_seeded_sampling_matches_raw_vllm",
+]
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(gpu_session: GpuSession) -> VllmEngine:
+    """The CPU suite's engine fixture, bound to the session worker's CUDA engine."""
+    return session_engine(gpu_session)
+
+
+@pytest.fixture(scope="module")
+def cpu_llm(cpu_engine: VllmEngine) -> LLM:
+    """The CPU suite's raw ``vllm.LLM`` fixture: the one the CUDA adapter wraps."""
+    return cpu_engine.llm
+
+
+def test_capabilities_describe_the_cuda_engine(cpu_engine: VllmEngine) -> None:
+    caps = cpu_engine.capabilities
+    assert caps.device == "cuda"
+    assert caps.sleep_mode is True
+    assert caps.vocab_size == 512
+    assert caps.max_model_len == MAX_MODEL_LEN
+    assert caps.flat_logprobs is True
+
+
+def test_device_ids_name_this_gpu(gpu_session: GpuSession) -> None:
+    (device,) = gpu_session.worker.report_device_id()
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    assert uuid in device
+
+
+def test_generate_returns_the_output_contract_on_cuda(gpu_session: GpuSession) -> None:
+    worker, pad = gpu_session.worker, gpu_session.checkpoints.pad
+    data = batch(PROMPTS, pad)
+    out = worker.generate(data)
+    lengths, gen = data["input_lengths"], out["generation_lengths"]
+    assert out["output_ids"].shape[0] == len(PROMPTS)
+    assert bool(((gen >= 1) & (gen <= MAX_NEW_TOKENS)).all())
+    assert out["unpadded_sequence_lengths"].tolist() == (lengths + gen).tolist()
+    for i, prompt in enumerate(PROMPTS):
+        row = out["output_ids"][i]
+        end = len(prompt) + int(gen[i])
+        assert row[: len(prompt)].tolist() == list(prompt)
+        assert bool((row[end:] == pad).all())
+        logprobs = out["logprobs"][i, len(prompt) : end]
+        assert all(math.isfinite(x) and x <= 0.0 for x in logprobs.tolist())
+    tokens = generated(out, data)
+    assert all(0 <= t < 512 for row in tokens for t in row)
+
+
+def test_greedy_generation_is_reproducible(gpu_session: GpuSession) -> None:
+    worker, pad = gpu_session.worker, gpu_session.checkpoints.pad
+    assert greedy(worker, pad) == greedy(worker, pad) == gpu_session.baseline_a
