@@ -58,12 +58,13 @@ bench: setup
 demo: setup
 	$(RUN) $(PY) -m genworker.shell.cli demo $(DEMO_ARGS)
 
-# GPU runner (see tests/gpu/README.md): vLLM from the staged bundle, no venv.
+# GPU runner (tests/gpu/README.md): vLLM from the staged bundle, genworker from this tree.
 test-gpu:
-	PYTHONSAFEPATH=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu
+	bash tests/gpu/run-on-runner.sh --tests-only
 
 bench-gpu:
-	PYTHONSAFEPATH=1 python3 bench/gpu.py --out bench/RESULTS-gpu.md
+	bash tests/gpu/run-on-runner.sh --bench-only --nccl
+	cp gpu-out/RESULTS-gpu.md bench/RESULTS-gpu.md
 
 clean:
 	rm -rf build *.egg-info $(VENV)
