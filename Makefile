@@ -46,7 +46,7 @@ typecheck: setup
 	MYPYPATH=.dev $(PY) -m mypy tests
 	$(PY) -m mypy.stubtest vllm --mypy-config-file pyproject.toml \
 	    --allowlist typings/stubtest-allowlist.txt --ignore-missing-stub
-	$(VENV)/bin/lint-imports --config pyproject.toml
+	$(VENV)/bin/lint-imports pyproject.toml
 
 lint: setup
 	$(VENV)/bin/ruff check core shell tests
