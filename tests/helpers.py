@@ -10,8 +10,9 @@ import torch
 PAD = 0
 
 
-def base_config(**overrides: Any) -> dict[str, Any]:
-    """A NeMo-RL generation config for the fake engine (max_model_len 32)."""
+def base_config(*, vllm_cfg: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
+    """A NeMo-RL generation config (for the fake engine: max_model_len 32); ``overrides``
+    replace top-level keys, ``vllm_cfg`` is merged into the default ``vllm_cfg``."""
     cfg: dict[str, Any] = {
         "backend": "vllm",
         "model_name": "fake-model",
@@ -31,6 +32,7 @@ def base_config(**overrides: Any) -> dict[str, Any]:
         },
     }
     cfg.update(overrides)
+    cfg["vllm_cfg"] = {**cfg["vllm_cfg"], **(vllm_cfg or {})}
     return cfg
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import right_padded
+from helpers import base_config, right_padded
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -30,25 +30,12 @@ MAX_NEW = 12
 
 
 def config(**vllm_cfg: Any) -> dict[str, Any]:
-    return {
-        "backend": "vllm",
-        "model_name": "tiny",
-        "max_new_tokens": MAX_NEW,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": None,
-        "stop_token_ids": None,
-        "stop_strings": None,
-        "_pad_token_id": PAD,
-        "vllm_cfg": {
-            "tensor_parallel_size": 1,
-            "pipeline_parallel_size": 1,
-            "gpu_memory_utilization": 0.05,
-            "max_model_len": MAX_MODEL_LEN,
-            "precision": "float32",
-            **vllm_cfg,
-        },
-    }
+    return base_config(
+        model_name="tiny",
+        max_new_tokens=MAX_NEW,
+        _pad_token_id=PAD,
+        vllm_cfg={"gpu_memory_utilization": 0.05, "max_model_len": MAX_MODEL_LEN, **vllm_cfg},
+    )
 
 
 @pytest.fixture
