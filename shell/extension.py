@@ -18,7 +18,7 @@ Calls, in order (every failure raises a typed error of ``genworker.shell.errors`
    address for an ``IpcSender`` (``refit.ipc``).
 3. ``update_weights_from_collective(timeout_s)`` / ``update_weights_via_ipc_zmq(timeout_s)``
    per refit; each returns ``{"tensors", "bytes", "buckets", "seconds", "direct",
-   "loaded", "version"}``.
+   "loaded", "mode", "version"}``.
 4. ``cleanup()`` closes sockets and groups.
 
 Where the weights go
@@ -34,6 +34,15 @@ that is all of them; on CPU vLLM replaces linear weights by packed handles (thei
 parameters become empty), so those must travel in checkpoint layout. With tensor
 parallelism a collective sends every rank the same bytes, so sharded parameters never go
 direct over the collective.
+
+*Fast paths*: when every manifest tensor is direct (and the parameter is contiguous),
+the refit skips the staging buckets altogether (``refit.direct``): over IPC the trainer
+writes into this worker's parameters through handles it exports (``mode``
+``engine-handles``; CPU parameters move into shared memory in place on the first such
+refit), or, where CUDA memory cannot be exported (sleep mode's virtual-memory pool),
+this worker copies from handles of the trainer's tensors (``sender-handles``); over a
+collective with tensor-parallel size 1 every broadcast lands in its parameter
+(``direct-receive``). Anything else travels in buckets (``mode`` ``buckets``).
 
 *Loader*: everything else (checkpoint names such as ``q_proj``) streams through the
 worker's ``reload_weights(weights_iterator=...)`` where the model runner's signature has
@@ -317,6 +326,16 @@ class EngineSink:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
 
+    def direct_targets(self, manifest: Manifest) -> Mapping[str, torch.Tensor] | None:
+        if len(self._params) != len(manifest) or any(
+            not p.data.is_contiguous() for p in self._params.values()
+        ):
+            return None
+        return {name: param.data for name, param in self._params.items()}
+
+    def written(self, names: Sequence[str]) -> None:
+        self._touched.update(_module_name(n) for n in names)
+
     def finalize(self) -> None:
         modules = dict(self._model.named_modules())
         for name in sorted(self._touched):
@@ -350,8 +369,9 @@ def _refit(
         raise
     state.version += 1
     log.info(
-        "refit %d: %d tensors (%d direct), %.3f GB in %.2fs",
+        "refit %d (%s): %d tensors (%d direct), %.3f GB in %.2fs",
         state.version,
+        report.mode,
         report.tensors,
         report.direct,
         report.nbytes / 1e9,

@@ -4,6 +4,8 @@
   REQ/REP metadata, for a trainer on the engine's host.
 - :mod:`~genworker.shell.refit.collective`: a standalone NCCL (CUDA) or gloo (CPU) group.
 - :mod:`~genworker.shell.refit.session`: the transport-independent receiving side.
+- :mod:`~genworker.shell.refit.direct`: the fast paths (no staging buckets) both
+  transports choose automatically when every tensor goes straight into a parameter.
 - :mod:`~genworker.shell.refit.fake`: peers for tests (a dict-of-tensors receiver, a
   scripted sender).
 

@@ -8,6 +8,13 @@ enter, and maps the very file it opened (through ``/proc/self/fd``), so a path s
 after the check is never mapped. The sender removes its directory on ``close`` (a SIGKILLed
 sender leaves it behind; the names are random, so nothing collides with it).
 
+Engine memory (the direct refit's ``engine-handles`` mode): a CPU parameter's storage is
+moved, in place, into an unlinked shared-memory file once (``_share_fd_cpu_``, torch's
+``share_memory_``); its handle is ``/proc/<pid>/fd/<fd>``, which only processes allowed to
+inspect the engine's (same user, ptrace rules) can open. The receiver opens that path
+following the ``/proc`` link (the one case without ``O_NOFOLLOW``) and makes the same
+owner and size checks.
+
 CUDA: ``UntypedStorage._share_cuda_()`` gives bytes and ints (the memory handle, the
 reference-counter handle, the event handle); the receiver rebuilds the storage with
 ``UntypedStorage._new_shared_cuda`` on ITS OWN device index, after checking that the
@@ -18,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import socket
 import stat
 import tempfile
 from pathlib import Path
+from typing import Final
 
 import torch
 
@@ -32,9 +41,13 @@ from genworker.shell.refit.wire import CpuHandle, CudaHandle
 __all__ = [
     "StagingBuffer",
     "device_id",
+    "export_storage",
     "open_handle",
     "private_directory",
 ]
+
+
+_PROC_FD: Final = re.compile(r"/proc/\d+/fd/\d+")
 
 
 def device_id(device: torch.device) -> str:
@@ -105,6 +118,18 @@ def _export_cuda(tensor: torch.Tensor) -> CudaHandle:
     )
 
 
+def export_storage(tensor: torch.Tensor) -> CpuHandle | CudaHandle:
+    """A handle of ``tensor``'s whole storage (CPU: moved into shared memory in place, once).
+
+    Raises ``RuntimeError`` when the memory cannot be exported (CUDA virtual-memory
+    allocations, such as vLLM's sleep-mode pool, have no legacy IPC handle)."""
+    if tensor.device.type == "cuda":
+        return _export_cuda(tensor)
+    storage = tensor.untyped_storage()
+    fd, size = storage._share_fd_cpu_()
+    return CpuHandle(f"/proc/{os.getpid()}/fd/{int(fd)}", int(size), device_id(tensor.device))
+
+
 def open_handle(handle: CpuHandle | CudaHandle, device: torch.device) -> torch.Tensor:
     """Map a sender's buffer as a uint8 tensor; :class:`RefitError` when it is not usable."""
     if isinstance(handle, CudaHandle):
@@ -146,8 +171,9 @@ def _open_cpu(handle: CpuHandle) -> torch.Tensor:
             f"the refit buffer lives on {handle.device_id}, but this engine worker runs on {own}"
         )
     path = Path(handle.path)
+    magic = _PROC_FD.fullmatch(handle.path) is not None  # a /proc link: follow it
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDWR | (0 if magic else os.O_NOFOLLOW))
     except OSError as e:
         raise RefitError(f"could not open the refit buffer {path}: {e}") from e
     try:

@@ -35,6 +35,18 @@ ranks' messages, so every rank raises a typed error naming who failed and why (C
 - ``Abort`` (the trainer's own stream failed): the last bucket's round, then every rank
   raises.
 
+Direct receive (the sender's ``direct=True``, the default; see ``refit.direct``): the
+``Begin`` lists the whole stream, and its status round is also a vote: a rank votes yes
+when it checked the list (every manifest tensor exactly once, shapes and dtypes) and,
+for an engine, has a contiguous parameter for every tensor (tensor-parallel size 1:
+sharded parameters are never direct targets). When every rank voted yes, rank 0
+broadcasts each tensor in list order straight into the engines' parameters (other
+trainer ranks receive into scratch), with no headers and no rounds in between, and one
+status round after post-load processing ends the refit (ok or every rank's error).
+Otherwise the refit goes on in buckets. A failure while receiving is reported in that
+last round, after the remaining broadcasts were received into scratch so every rank
+stays in step.
+
 A header is one broadcast of a 16 KiB frame (length + msgpack), plus a second one only
 for a longer header. On NCCL the waits spin on the work's completion event rather than
 ``Work.wait(timeout)``, whose blocking wait sleeps in coarse steps (it halved the
@@ -50,7 +62,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, NoReturn, Protocol, cast
 
 import msgspec
@@ -60,6 +72,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCP
 
 from genworker.core.refit_plan import Manifest, bucket_checksum
 from genworker.shell.errors import BadConfigError, RefitError, RefitManifestError, RefitTimeoutError
+from genworker.shell.refit.direct import refs_of, spec_of
 from genworker.shell.refit.packing import (
     DEFAULT_BUCKET_BYTES,
     SendReport,
@@ -74,6 +87,7 @@ from genworker.shell.refit.wire import (
     Begin,
     BucketMsg,
     Complete,
+    DirectMsg,
     Hello,
     Message,
     Reply,
@@ -311,23 +325,63 @@ class CollectiveGroup:
 
     def round(self, problem: RefitError | None, timeout_s: float, what: str) -> list[Failure]:
         """Every rank reports ok or its error; everyone learns who failed and why."""
+        return self._status(problem, None, timeout_s, what)[0]
+
+    def vote(
+        self, problem: RefitError | None, yes: bool, timeout_s: float, what: str
+    ) -> tuple[list[Failure], bool]:
+        """A status round that also asks every rank a question: the failures, and
+        whether every rank answered yes."""
+        return self._status(problem, yes, timeout_s, what)
+
+    def _status(
+        self, problem: RefitError | None, yes: bool | None, timeout_s: float, what: str
+    ) -> tuple[list[Failure], bool]:
         self._usable()
-        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        n = self.world_size
+        flags = torch.zeros(n * (1 if yes is None else 2), dtype=torch.int32, device=self.device)
         if problem is not None:
             flags[self.rank] = _CODES[error_kind(problem)]
+        if yes:
+            flags[n + self.rank] = 1
         self.wait(self._pg.allreduce([flags]), f"the status round after {what}", timeout_s)
-        codes = flags.cpu().tolist()
+        everything = flags.cpu().tolist()
+        codes, unanimous = everything[:n], yes is not None and all(everything[n:])
         if not any(codes):
-            return []
+            return [], unanimous
         text = (str(problem) if problem is not None else "").encode()[:_MESSAGE_BYTES]
         mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
         if text:
             mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         outs = [torch.empty_like(mine) for _ in range(self.world_size)]
         self.wait(self._pg.allgather([outs], [mine]), f"the error report after {what}", timeout_s)
-        return [
+        failures = [
             (r, _KINDS.get(code, "error"), _text(outs[r])) for r, code in enumerate(codes) if code
         ]
+        return failures, False
+
+    def receive_direct(
+        self, buffers: Sequence[torch.Tensor | None], nbytes: Sequence[int], timeout_s: float
+    ) -> RefitError | None:
+        """Broadcast (or receive) each buffer in order, straight: a ``None`` buffer, or one
+        that cannot be viewed as bytes, travels through scratch and is reported."""
+        deadline = time.monotonic() + timeout_s
+        problem: RefitError | None = None
+        works = []
+        for buffer, size in zip(buffers, nbytes, strict=True):
+            if size == 0:
+                continue
+            try:
+                assert buffer is not None, "no target"
+                raw = buffer.view(-1).view(torch.uint8)
+            except Exception as e:  # noqa: BLE001 - reported in the last status round
+                problem = problem or RefitError(f"a direct tensor has no usable buffer: {e}")
+                raw = torch.empty(size, dtype=torch.uint8, device=self.device)
+            works.append((self.broadcast_async(raw), raw))
+        for i, (work, _) in enumerate(works):
+            remaining = max(deadline - time.monotonic(), 1e-3)
+            self.wait(work, f"direct tensor {i} of {len(works)}", remaining)
+        return problem
 
     def _break(self) -> None:
         self.broken = True
@@ -459,6 +513,36 @@ class CollectiveReceiver:
     def acknowledge_abort(self, timeout_s: float) -> None:
         return None
 
+    def answer_begin(
+        self,
+        problem: RefitError | None,
+        targets: Mapping[str, torch.Tensor] | None,
+        timeout_s: float,
+    ) -> bool:
+        begin = self._current
+        assert isinstance(begin, Begin)
+        assert begin.direct is not None
+        if problem is not None and self._group.broken:
+            raise problem
+        failures, agreed = self._group.vote(problem, targets is not None, timeout_s, "Begin")
+        if problem is not None:
+            raise problem
+        if failures:
+            raise failure_error(failures, "Begin")
+        if agreed:
+            self._ahead = DirectMsg(begin.refit_id, begin.direct)
+        return agreed
+
+    def fill_direct(
+        self, msg: DirectMsg, targets: Mapping[str, torch.Tensor], timeout_s: float
+    ) -> str:
+        specs = [spec_of(ref) for ref in msg.tensors]
+        buffers = [targets.get(s.name) for s in specs]
+        problem = self._group.receive_direct(buffers, [s.nbytes for s in specs], timeout_s)
+        if problem is not None:
+            raise problem
+        return "direct-receive"
+
     def payload(self, msg: BucketMsg, timeout_s: float) -> torch.Tensor:
         inflight, self._inflight = self._inflight, None
         if inflight is None or inflight[0] is not msg:
@@ -518,9 +602,11 @@ class CollectiveSender:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 120.0,
         checksum: bool = False,
+        direct: bool = True,
     ) -> None:
         if timeout_s <= 0:
             raise BadConfigError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.direct = direct
         self._checksum = checksum
         self._manifest = as_manifest(manifest)
         self._budget = checked_budget(bucket_bytes)
@@ -552,8 +638,27 @@ class CollectiveSender:
         started = time.monotonic()
         digest = self._manifest.digest() if self._manifest is not None else ""
         self._drain()
-        self._emit(Begin(refit_id, digest), None)
-        self._round(None, "the start of the refit")
+        items: list[tuple[str, torch.Tensor]] | None = None
+        listing = None
+        failure: RefitError | None = None
+        if self.direct:
+            try:
+                items = list(named_tensors)
+                listing = refs_of(items)
+            except Exception as e:  # noqa: BLE001 - our own failure; the peers are told
+                failure, listing = _local_error(e), None
+            named_tensors = items or []
+        self._emit(Begin(refit_id, digest, direct=listing), None)
+        if listing is not None and items is not None:
+            failures, agreed = self._group.vote(None, True, self._timeout, "the start of the refit")
+            if failures:
+                raise failure_error(failures, "the start of the refit")
+            if agreed:
+                return self._send_direct(items, started)
+        else:
+            self._round(None, "the start of the refit")
+        if failure is not None:
+            self._abort(refit_id, failure, None)
         pending: int | None = None  # the bucket whose status round is still due
         tensors = nbytes = buckets = 0
         source = stream_buckets(named_tensors, self._budget)
@@ -596,6 +701,25 @@ class CollectiveSender:
         self._round(None, "the end of the refit")
         self._round(None, "post-load processing")
         return SendReport(tensors, nbytes, buckets, time.monotonic() - started)
+
+    def _send_direct(self, items: Sequence[tuple[str, torch.Tensor]], started: float) -> SendReport:
+        problem: RefitError | None = None
+        buffers: list[torch.Tensor | None] = []
+        for _, tensor in items:
+            try:
+                buffers.append(
+                    tensor.to(self._device).contiguous()
+                    if self._root
+                    else torch.empty(tensor.shape, dtype=tensor.dtype, device=self._device)
+                )
+            except Exception as e:  # noqa: BLE001 - reported in the last status round
+                problem = problem or _local_error(e)
+                buffers.append(None)
+        sizes = [t.numel() * t.element_size() for _, t in items]
+        problem = self._group.receive_direct(buffers, sizes, self._timeout) or problem
+        buffers.clear()
+        self._round(problem, "the end of the refit")
+        return SendReport(len(items), sum(sizes), 0, time.monotonic() - started, "direct-receive")
 
     def close(self) -> None:
         self._buffers.clear()
@@ -661,7 +785,10 @@ class CollectiveSender:
             if isinstance(msg, BucketMsg):
                 pending = msg.index
             elif isinstance(msg, Begin):
-                self._round(problem, "the start of the refit")
+                if msg.direct is not None:
+                    self._group.vote(problem, False, self._timeout, "the start of the refit")
+                else:
+                    self._round(problem, "the start of the refit")
                 raise problem
             msg = None
 

@@ -4,7 +4,8 @@ Each ``run_*`` function is a process entry point (``multiprocessing`` spawn) tha
 plain tuples on a queue: the receiver's address when it has one, then an
 :class:`Outcome`. They exercise the real transports end to end without an engine:
 ``ParameterSink`` stands in for the engine's parameters, and the sender can be told to
-drop, add or change a tensor, to fail in its own stream, or to die mid-refit.
+drop, add or change a tensor, to fail in its own stream, or to die mid-refit
+(``die_direct``: once a direct refit was agreed, before it ends).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 from genworker.core.refit_plan import Slot
 from genworker.shell.refit.collective import CollectiveSender
 from genworker.shell.refit.ipc import IpcReceiver, IpcSender
+from genworker.shell.refit.packing import SendReport
 from genworker.shell.refit.session import ParameterSink, manifest_of, receive_refit
+from genworker.shell.refit.wire import DirectMsg, Message, Reply
 
 __all__ = [
     "FailingSink",
@@ -126,12 +129,19 @@ class FailingSink(ParameterSink):
         self._seen = 0
 
     def store(self, items: Sequence[tuple[Slot, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        self._maybe_fail()
+        return super().store(items)
+
+    def written(self, names: Sequence[str]) -> None:
+        """A direct refit counts as bucket 0."""
+        self._maybe_fail()
+
+    def _maybe_fail(self) -> None:
         if self._seen == self._fail_at:
             if self._die:
                 os._exit(17)
             raise RuntimeError(f"the fake engine broke while storing bucket {self._seen}")
         self._seen += 1
-        return super().store(items)
 
 
 def _received(params: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> bool:
@@ -177,6 +187,22 @@ def _receive_ipc(
     return {**report.as_dict(), "equal": _received(params, expected)}
 
 
+class _DyingIpcSender(IpcSender):
+    """Dies after writing a direct refit, before telling the engine."""
+
+    def _exchange(self, msg: Message, what: str, refit_id: str, started: float) -> Reply:
+        if isinstance(msg, DirectMsg):
+            os._exit(17)
+        return super()._exchange(msg, what, refit_id, started)
+
+
+class _DyingCollectiveSender(CollectiveSender):
+    """Dies once every rank agreed to a direct refit, before broadcasting anything."""
+
+    def _send_direct(self, items: Sequence[tuple[str, torch.Tensor]], started: float) -> SendReport:
+        os._exit(17)
+
+
 def run_ipc_sender(
     queue: _Queue,
     address: str,
@@ -186,21 +212,24 @@ def run_ipc_sender(
     bucket_bytes: int = 4096,
     manifest_seed: int | None = None,
     staging_dir: str | None = None,
+    direct: bool = True,
+    die_direct: bool = False,
     **faults: object,
 ) -> None:
     tensors = random_state_dict(seed)
     manifest = manifest_of(random_state_dict(manifest_seed if manifest_seed is not None else seed))
 
     def send() -> dict[str, object]:
-        with IpcSender(
+        with (_DyingIpcSender if die_direct else IpcSender)(
             address,
             manifest=manifest,
             bucket_bytes=bucket_bytes,
             timeout_s=timeout_s,
             staging_dir=staging_dir,
+            direct=direct,
         ) as sender:
             report = sender.send(scripted_stream(tensors, **faults))  # type: ignore[arg-type]
-        return {"tensors": report.tensors, "bytes": report.nbytes, "buckets": report.buckets}
+        return _sent(report)
 
     queue.put(("ready", None))
     queue.put(("outcome", outcome_of(send)))
@@ -216,12 +245,14 @@ def run_collective_sender(
     train_world_size: int = 1,
     timeout_s: float,
     bucket_bytes: int = 4096,
+    direct: bool = True,
+    die_direct: bool = False,
     **faults: object,
 ) -> None:
     tensors = random_state_dict(seed)
 
     def send() -> dict[str, object]:
-        with CollectiveSender(
+        with (_DyingCollectiveSender if die_direct else CollectiveSender)(
             "127.0.0.1",
             port,
             world_size,
@@ -230,11 +261,21 @@ def run_collective_sender(
             manifest=manifest_of(tensors),
             bucket_bytes=bucket_bytes,
             timeout_s=timeout_s,
+            direct=direct,
         ) as sender:
             report = sender.send(scripted_stream(tensors, **faults))  # type: ignore[arg-type]
-        return {"tensors": report.tensors, "bytes": report.nbytes, "buckets": report.buckets}
+        return _sent(report)
 
     queue.put(("outcome", outcome_of(send)))
+
+
+def _sent(report: SendReport) -> dict[str, object]:
+    return {
+        "tensors": report.tensors,
+        "bytes": report.nbytes,
+        "buckets": report.buckets,
+        "mode": report.mode,
+    }
 
 
 class _Inbox(Protocol):
@@ -285,17 +326,23 @@ class _Trainer:
         path = str(command.pop("path"))
         manifest_path = command.pop("manifest_path", None)
         address = command.pop("address", None)
+        direct = bool(command.pop("direct", True))
         tensors = edited(load_file(path), **command)  # type: ignore[arg-type]
         if op == "ipc":
             manifest = manifest_of(load_file(str(manifest_path))) if manifest_path else None
             with IpcSender(
-                str(address), manifest=manifest, bucket_bytes=bucket_bytes, timeout_s=timeout_s
+                str(address),
+                manifest=manifest,
+                bucket_bytes=bucket_bytes,
+                timeout_s=timeout_s,
+                direct=direct,
             ) as ipc:
                 report = ipc.send(tensors.items())
         else:
             assert self.sender is not None, "join the group first"
+            self.sender.direct = direct
             report = self.sender.send(tensors.items())
-        return {"tensors": report.tensors, "bytes": report.nbytes, "buckets": report.buckets}
+        return _sent(report)
 
 
 def run_trainer(commands: _Inbox, results: _Queue) -> None:
@@ -304,7 +351,8 @@ def run_trainer(commands: _Inbox, results: _Queue) -> None:
     ``{"op": "join", "port": p, "world_size": n}`` builds a :class:`CollectiveSender`;
     ``{"op": "collective", "path": f, ...}`` and ``{"op": "ipc", "address": a, "path": f,
     ...}`` send the safetensors file ``f``, edited by the remaining keys (see
-    :func:`edited`; ``manifest_path`` names the file whose layout is the IPC manifest).
+    :func:`edited`; ``manifest_path`` names the file whose layout is the IPC manifest,
+    ``direct`` (default True) lets the sender go direct).
     """
     trainer = _Trainer()
     results.put(("ready", None))

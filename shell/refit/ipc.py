@@ -26,6 +26,25 @@ an error frame carrying its message when anything failed (failure-modes R1, R3).
 sender packs bucket *k+1* into the other buffer while the receiver reads bucket *k*, and
 reuses a buffer only after the answer to the bucket it carried (R5).
 
+Direct refits (the sender's ``direct=True``, the default; see ``refit.direct``): the
+sender lists its tensors in ``Begin``; an engine worker whose parameters take every
+manifest tensor directly answers with an :class:`~genworker.shell.refit.wire.Offer`:
+
+- ``engine-handles``: handles of its own parameter storages (CPU: moved into shared
+  memory in place once; CUDA: ``_share_cuda_``, re-exported every refit). The sender
+  checks each tensor against that layout (refusing a mismatch, named, before any
+  write), maps the storages (kept across refits while the handles stay the same), copies
+  every tensor straight into them on one stream, synchronizes, and sends one
+  ``DirectMsg``; the engine re-checks its list, runs post-load processing and answers.
+- ``sender-handles``: CUDA memory the engine cannot export (vLLM's sleep mode allocates
+  weights through CUDA virtual memory, which has no legacy IPC handle). The sender
+  exports its own tensors' storages in the ``DirectMsg``; the engine copies from them
+  straight into its parameters.
+
+Either way one device copy per byte and two small round trips (``Begin``, ``DirectMsg``).
+Without an offer, or when the sender cannot map the engine's handles, the refit goes on
+in buckets; ``SendReport.mode`` and the engine's report say which mode ran.
+
 Every wait is bounded (``poll`` with the refit timeout, ``LINGER=0``). A sender whose
 wait expired closes its REQ socket and makes a fresh one for the next refit (R2); the
 receiver answers stray requests of a finished refit with an error, so a late trainer
@@ -41,16 +60,22 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 import zmq
 
-from genworker.core.refit_plan import Bucket, Manifest, bucket_checksum
-from genworker.shell.errors import BadConfigError, RefitError, RefitTimeoutError
+from genworker.core.refit_plan import Bucket, Manifest, TensorSpec, bucket_checksum
+from genworker.shell.errors import (
+    BadConfigError,
+    RefitError,
+    RefitManifestError,
+    RefitTimeoutError,
+)
 from genworker.shell.refit.buffers import StagingBuffer, open_handle, private_directory
+from genworker.shell.refit.direct import export_refs, open_refs, refs_of, spec_of
 from genworker.shell.refit.packing import (
     DEFAULT_BUCKET_BYTES,
     SendReport,
@@ -66,8 +91,11 @@ from genworker.shell.refit.wire import (
     Complete,
     CpuHandle,
     CudaHandle,
+    DirectMsg,
     Message,
+    Offer,
     Reply,
+    TensorRef,
     bucket_to_wire,
     decode_message,
     decode_reply,
@@ -122,6 +150,7 @@ class IpcReceiver:
         self._refit_id = ""
         self._awaiting_begin = True
         self._maps: dict[int, tuple[CpuHandle | CudaHandle, torch.Tensor]] = {}
+        self._offered = ""
 
     @property
     def address(self) -> str:
@@ -194,6 +223,50 @@ class IpcReceiver:
     def acknowledge_abort(self, timeout_s: float) -> None:
         self._reply(None)
 
+    def answer_begin(
+        self,
+        problem: RefitError | None,
+        targets: Mapping[str, torch.Tensor] | None,
+        timeout_s: float,
+    ) -> bool:
+        if problem is not None or targets is None:
+            self.answer(problem, timeout_s)
+            return False
+        offer = self._offer(targets)
+        self._reply(None, offer)
+        return offer is not None
+
+    def _offer(self, targets: Mapping[str, torch.Tensor]) -> Offer | None:
+        try:
+            storages, refs = export_refs(targets)
+        except RuntimeError as e:
+            if self._device.type != "cuda":
+                log.warning("refit %s: cannot export the parameters (%s)", self._refit_id, e)
+                return None
+            log.info("refit %s: parameters not exportable (%s)", self._refit_id, e)
+            self._offered = "sender-handles"
+            return Offer("sender-handles")
+        self._offered = "engine-handles"
+        return Offer("engine-handles", storages, refs)
+
+    def fill_direct(
+        self, msg: DirectMsg, targets: Mapping[str, torch.Tensor], timeout_s: float
+    ) -> str:
+        if not msg.storages:
+            if self._offered != "engine-handles":
+                raise RefitError(
+                    "the direct refit carries no storages, but this engine worker offered "
+                    "none of its own"
+                )
+            return "engine-handles"  # the sender wrote into our parameters already
+        views = open_refs(msg.storages, msg.tensors, self._device)
+        with torch.no_grad():
+            for name, view in views.items():
+                if view.numel():
+                    targets[name].copy_(view, non_blocking=True)
+        _sync(self._device)
+        return "sender-handles"
+
     def payload(self, msg: BucketMsg, timeout_s: float) -> torch.Tensor:
         if msg.handle is None:
             raise RefitError(f"refit bucket {msg.index} carries no buffer handle")
@@ -211,13 +284,15 @@ class IpcReceiver:
         self._maps = {k: v for k, v in self._maps.items() if isinstance(v[0], CpuHandle)}
         self._awaiting_begin = True
         self._refit_id = ""
+        self._offered = ""
 
-    def _reply(self, problem: RefitError | None) -> None:
+    def _reply(self, problem: RefitError | None, offer: Offer | None = None) -> None:
         reply = Reply(
             ok=problem is None,
             refit_id=self._refit_id,
             kind="ack" if problem is None else error_kind(problem),
             message="" if problem is None else str(problem),
+            offer=offer,
         )
         self._pending = False
         try:
@@ -245,7 +320,9 @@ class IpcSender:
     ``prepare_refit_info``) lets the receiver refuse a refit meant for another manifest
     before any buffer is read. Staging buffers live on ``device`` (default: the device of
     the first tensor sent): CUDA IPC for a GPU, shared memory for the CPU, in a private
-    directory made inside ``staging_dir`` (default: /dev/shm).
+    directory made inside ``staging_dir`` (default: /dev/shm). ``direct``: go straight
+    into the engine's memory when it agrees (see the module docstring); the stream is
+    materialized first, so pass ``False`` for a stream that creates its tensors lazily.
     """
 
     def __init__(
@@ -258,6 +335,7 @@ class IpcSender:
         checksum: bool = False,
         device: torch.device | str | None = None,
         staging_dir: str | Path | None = None,
+        direct: bool = True,
     ) -> None:
         if not address.startswith(("ipc://", "tcp://")):
             raise BadConfigError(f"a refit address is ipc://... or tcp://..., got {address!r}")
@@ -274,6 +352,8 @@ class IpcSender:
         self._buffers: dict[int, StagingBuffer] = {}
         self._dir: Path | None = None
         self._staging_parent = staging_dir
+        self.direct = direct
+        self._engine_maps: dict[CpuHandle | CudaHandle, torch.Tensor] = {}
         self._finalizer = weakref.finalize(self, _close_resources, self._ctx, None)
 
     # -- public ---------------------------------------------------------------------
@@ -282,7 +362,24 @@ class IpcSender:
         refit_id = secrets.token_hex(8)
         started = time.monotonic()
         digest = self._manifest.digest() if self._manifest is not None else ""
-        self._exchange(Begin(refit_id, digest), "the start of the refit", refit_id, started)
+        items: list[tuple[str, torch.Tensor]] | None = None
+        listing = None
+        failure: Exception | None = None
+        if self.direct:
+            try:
+                items = list(named_tensors)
+                listing = refs_of(items)
+            except Exception as e:  # noqa: BLE001 - our own failure; the receiver is told
+                failure, listing = e, None
+            named_tensors = items or []
+        begin = Begin(refit_id, digest, direct=listing)
+        reply = self._exchange(begin, "the start of the refit", refit_id, started)
+        if failure is not None:
+            self._abort(refit_id, failure, None, started)
+        if reply.offer is not None and items is not None:
+            report = self._send_direct(items, reply.offer, refit_id, started)
+            if report is not None:
+                return report
         outstanding: tuple[str, StagingBuffer | None] | None = None
         tensors = nbytes = buckets = 0
         source = stream_buckets(named_tensors, self._budget)
@@ -320,8 +417,84 @@ class IpcSender:
         )
         return SendReport(tensors, nbytes, buckets, time.monotonic() - started)
 
+    def _send_direct(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        offer: Offer,
+        refit_id: str,
+        started: float,
+    ) -> SendReport | None:
+        """One direct refit; None when the engine's handles cannot be mapped here (the
+        caller goes on in buckets: nothing was written)."""
+        keep: dict[str, torch.Tensor] = {}
+        try:
+            if offer.mode == "engine-handles":
+                refs = self._write_engine(items, offer, refit_id, started)
+                if refs is None:
+                    return None
+                msg = DirectMsg(refit_id, refs)
+            else:
+                device = self._cuda_device(items)
+                keep = {n: t.to(device).contiguous() for n, t in items}
+                storages, refs = export_refs(keep)
+                _sync(device)
+                msg = DirectMsg(refit_id, refs, storages)
+        except Exception as e:  # noqa: BLE001 - our own failure; the receiver is told
+            self._abort(refit_id, e, None, started)
+        self._exchange(msg, "the direct refit", refit_id, started)
+        keep.clear()
+        nbytes = sum(t.numel() * t.element_size() for _, t in items)
+        return SendReport(len(items), nbytes, 0, time.monotonic() - started, offer.mode)
+
+    def _write_engine(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        offer: Offer,
+        refit_id: str,
+        started: float,
+    ) -> list[TensorRef] | None:
+        """Check every tensor against the engine's layout, then copy them all into it."""
+        where = {r.name: r for r in offer.tensors}
+        wrong = [
+            f"{name!r} ({TensorSpec.of(name, t).describe()}, the engine holds "
+            + (spec_of(where[name]).describe() if name in where else "no such tensor")
+            + ")"
+            for name, t in items
+            if name not in where or spec_of(where[name]) != TensorSpec.of(name, t)
+        ]
+        if wrong or len(items) != len(where):
+            raise RefitManifestError(
+                "the refit does not match the engine's parameters: "
+                + ("; ".join(wrong[:8]) or f"{len(items)} tensors for {len(where)} parameters")
+            )
+        cuda = any(isinstance(h, CudaHandle) for h in offer.storages)
+        device = self._cuda_device(items) if cuda else torch.device("cpu")
+        live = set(offer.storages)
+        self._engine_maps = {h: m for h, m in self._engine_maps.items() if h in live}
+        try:
+            views = open_refs(offer.storages, offer.tensors, device, cache=self._engine_maps)
+        except RefitError as e:
+            log.warning("refit %s: cannot map the engine's parameters (%s)", refit_id, e)
+            return None
+        with torch.no_grad():
+            for name, tensor in items:
+                if tensor.numel():
+                    views[name].copy_(tensor, non_blocking=True)
+        for d in {device, *(t.device for _, t in items)}:
+            _sync(d)
+        return [where[name] for name, _ in items]
+
+    def _cuda_device(self, items: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
+        if self._device is not None and self._device.type == "cuda":
+            return self._device
+        for _, tensor in items:
+            if tensor.device.type == "cuda":
+                return tensor.device
+        return torch.device("cuda", torch.cuda.current_device())
+
     def close(self) -> None:
         """Free the staging buffers and the socket; the sender is unusable afterwards."""
+        self._engine_maps.clear()
         self._drop_socket()
         for buffer in self._buffers.values():
             buffer.close()
@@ -389,22 +562,23 @@ class IpcSender:
             raise self._timeout_error(what, refit_id, started)
         sock.send(encode(msg), zmq.NOBLOCK)
 
-    def _await(self, what: str, refit_id: str, started: float) -> None:
+    def _await(self, what: str, refit_id: str, started: float) -> Reply:
         sock = self._socket()
         if not sock.poll(int(self._timeout * 1000), zmq.POLLIN):
             raise self._timeout_error(what, refit_id, started)
         reply = decode_reply(sock.recv(zmq.NOBLOCK), self.address)
         if not reply.ok:
             raise error_from_reply(reply, f"the engine worker at {self.address} refused {what}")
+        return reply
 
-    def _exchange(self, msg: Message, what: str, refit_id: str, started: float) -> None:
+    def _exchange(self, msg: Message, what: str, refit_id: str, started: float) -> Reply:
         self._send(msg, what, refit_id, started)
-        self._await(what, refit_id, started)
+        return self._await(what, refit_id, started)
 
     def _abort(
         self,
         refit_id: str,
-        error: Exception,
+        error: BaseException,
         outstanding: tuple[str, StagingBuffer | None] | None,
         started: float,
     ) -> NoReturn:

@@ -35,6 +35,7 @@ class SendReport:
     nbytes: int
     buckets: int
     seconds: float
+    mode: str = "buckets"
 
     @property
     def gbps(self) -> float:

@@ -16,6 +16,14 @@ A :class:`ReceiveSession` turns one refit's messages into weights. Per message:
   runs post-load processing and a sync and answers last.
 - ``Abort``: acknowledged; the session raises.
 
+Direct refits (:mod:`~genworker.shell.refit.direct`): a ``Begin`` that lists the whole
+stream is checked against the manifest at once; when the sink has a direct target for
+every manifest tensor the transport agrees to go direct (:meth:`ReceiverTransport.
+answer_begin`), and a single ``DirectMsg`` then ends the refit: its list is checked
+again, the transport fills the targets (:meth:`ReceiverTransport.fill_direct`), the sink
+marks them written, and ``conclude`` runs post-load processing and answers as for
+``Complete``. The sender may still send buckets after an offer (it could not use it).
+
 The transport decides what "precheck" and "answer" mean: over ZMQ an answer is the reply
 to the pending request and a precheck replies only when it fails; over a collective both
 are status rounds in which every rank reports. Either way the peer always learns the
@@ -49,7 +57,16 @@ from genworker.core.refit_plan import (
     check_complete,
 )
 from genworker.shell.errors import RefitError, RefitManifestError
-from genworker.shell.refit.wire import Abort, Begin, BucketMsg, Complete, Message, bucket_from_wire
+from genworker.shell.refit.direct import listing_problem
+from genworker.shell.refit.wire import (
+    Abort,
+    Begin,
+    BucketMsg,
+    Complete,
+    DirectMsg,
+    Message,
+    bucket_from_wire,
+)
 
 __all__ = [
     "Loader",
@@ -76,6 +93,7 @@ class RefitReport:
     seconds: float
     direct: int
     loaded: int
+    mode: str = "buckets"
 
     @property
     def gbps(self) -> float:
@@ -89,6 +107,7 @@ class RefitReport:
             "seconds": self.seconds,
             "direct": self.direct,
             "loaded": self.loaded,
+            "mode": self.mode,
         }
 
 
@@ -110,6 +129,14 @@ class RefitSink(Protocol):
         """Post-load processing once every tensor arrived, then a device sync."""
         ...
 
+    def direct_targets(self, manifest: Manifest) -> Mapping[str, torch.Tensor] | None:
+        """A contiguous tensor to write for every manifest tensor, or None (buckets)."""
+        ...
+
+    def written(self, names: Sequence[str]) -> None:
+        """``names`` were written straight into their targets (for post-load processing)."""
+        ...
+
 
 class ReceiverTransport(Protocol):
     """One side of a refit channel, as :class:`ReceiveSession` drives it."""
@@ -128,6 +155,22 @@ class ReceiverTransport(Protocol):
         ...
 
     def acknowledge_abort(self, timeout_s: float) -> None: ...
+
+    def answer_begin(
+        self,
+        problem: RefitError | None,
+        targets: Mapping[str, torch.Tensor] | None,
+        timeout_s: float,
+    ) -> bool:
+        """Answer a ``Begin``, offering a direct refit into ``targets`` when given; raise
+        if anyone failed; True when a ``DirectMsg`` may follow."""
+        ...
+
+    def fill_direct(
+        self, msg: DirectMsg, targets: Mapping[str, torch.Tensor], timeout_s: float
+    ) -> str:
+        """Make ``targets`` hold the tensors ``msg`` lists (already checked); the mode."""
+        ...
 
     def payload(self, msg: BucketMsg, timeout_s: float) -> torch.Tensor:
         """The bucket's bytes as a uint8 tensor of at least ``used_bytes``."""
@@ -176,6 +219,19 @@ class ParameterSink:
     def finalize(self) -> None:
         self.synchronize()
 
+    def direct_targets(self, manifest: Manifest) -> Mapping[str, torch.Tensor] | None:
+        targets = {s.name: self._params.get(s.name) for s in manifest.specs}
+        for spec in manifest.specs:
+            target = targets[spec.name]
+            if target is None or TensorSpec.of(spec.name, target) != spec:
+                return None
+            if not target.is_contiguous():
+                return None
+        return targets  # type: ignore[return-value]
+
+    def written(self, names: Sequence[str]) -> None:
+        return None
+
 
 def _as_refit_error(error: BaseException, context: str) -> RefitError:
     if isinstance(error, RefitError):
@@ -208,6 +264,8 @@ class ReceiveSession:
         self._complete = False
         self._direct = 0
         self._loaded = 0
+        self._mode = "buckets"
+        self._targets: Mapping[str, torch.Tensor] | None = None
         self.error: RefitError | None = None
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -243,6 +301,7 @@ class ReceiveSession:
                 seconds=self._clock() - self._started,
                 direct=self._direct,
                 loaded=self._loaded,
+                mode=self._mode,
             )
         finally:
             self._t.release()
@@ -265,6 +324,20 @@ class ReceiveSession:
             if isinstance(msg, Abort):
                 self._t.acknowledge_abort(self._timeout)
                 raise RefitError(f"the trainer at {self._t.peer} aborted the refit: {msg.message}")
+            if isinstance(msg, DirectMsg):
+                if (
+                    self._targets is None
+                    or msg.refit_id != self._refit_id
+                    or self._progress.buckets
+                ):
+                    stray = RefitError(
+                        f"a direct refit {msg.refit_id!r} from {self._t.peer} that this "
+                        f"engine worker did not agree to (refit {self._refit_id!r})"
+                    )
+                    self._t.precheck(stray, self._timeout)
+                    raise stray
+                self._direct_refit(msg)
+                return
             if isinstance(msg, Begin) and self._progress.buckets == 0:
                 # The trainer gave up on its first Begin (a timeout) and started over.
                 self._begin(msg)
@@ -299,9 +372,36 @@ class ReceiveSession:
         else:
             problem = None
             self._refit_id = begin.refit_id
-        self._t.answer(problem, self._timeout)
+        self._targets = None
+        if not isinstance(begin, Begin) or begin.direct is None:
+            self._t.answer(problem, self._timeout)
+            if problem is not None:
+                raise problem
+            return
+        problem = problem or listing_problem(self._manifest, begin.direct)
+        targets = self._sink.direct_targets(self._manifest) if problem is None else None
+        if self._t.answer_begin(problem, targets, self._timeout):
+            self._targets = targets
+
+    def _direct_refit(self, msg: DirectMsg) -> None:
+        assert self._targets is not None
+        problem = listing_problem(self._manifest, msg.tensors)
+        if problem is None:
+            try:
+                mode = self._t.fill_direct(msg, self._targets, self._timeout)
+                self._sink.written([t.name for t in msg.tensors])
+                self._sink.synchronize()
+            except Exception as e:  # noqa: BLE001 - answered to the peer as a typed error
+                problem = _as_refit_error(e, "the direct refit could not be stored")
         if problem is not None:
+            self._t.precheck(problem, self._timeout)
             raise problem
+        names = frozenset(t.name for t in msg.tensors)
+        nbytes = sum(self._targets[n].numel() * self._targets[n].element_size() for n in names)
+        self._progress = ReceiveProgress(received=names, nbytes=nbytes)
+        self._direct = len(names)
+        self._mode = mode
+        self._complete = True
 
     def _verified_payload(self, msg: BucketMsg) -> torch.Tensor:
         buffer = self._t.payload(msg, self._timeout)

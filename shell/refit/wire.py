@@ -8,6 +8,13 @@ answer, never an object). Buffers travel as handles made of bytes and ints
 (:class:`CpuHandle` for a shared-memory file, :class:`CudaHandle` for a CUDA IPC handle),
 the way failure-modes §3.1 recommends instead of vLLM's pickled ``rebuild_cuda_tensor``.
 
+A trainer that can send every tensor straight into the engine's memory lists its tensors
+in ``Begin.direct`` (:class:`TensorRef` values: name, shape, dtype). The engine checks the
+list against the manifest before anything moves; when every tensor is a direct route it
+agrees (IPC: the ``Begin`` answer carries an :class:`Offer`; collective: a vote in the
+``Begin`` status round), and one :class:`DirectMsg` replaces the buckets and ``Complete``
+(see ``refit.ipc`` and ``refit.collective`` for what each transport moves).
+
 Answers are :class:`Reply` values: ``ok`` or an error with its ``kind`` (``manifest``,
 ``timeout``, ``aborted``, ``error``) and the receiver's message, so the sender raises the
 matching typed error with the receiver's own words.
@@ -30,9 +37,12 @@ __all__ = [
     "Complete",
     "CpuHandle",
     "CudaHandle",
+    "DirectMsg",
     "Hello",
     "Message",
+    "Offer",
     "Reply",
+    "TensorRef",
     "WireSlot",
     "bucket_from_wire",
     "bucket_to_wire",
@@ -77,10 +87,44 @@ class CudaHandle(msgspec.Struct, tag="cuda", frozen=True):
     event_sync_required: bool
 
 
+class TensorRef(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor of a direct refit; ``storage``/``offset`` place it in a frame's handles."""
+
+    name: str
+    shape: list[NonNegative]
+    dtype: str
+    storage: NonNegative = 0  # index into the frame's storages
+    offset: NonNegative = 0  # byte offset in that storage
+
+
 class Begin(msgspec.Struct, tag="begin", frozen=True):
     refit_id: str
     manifest_digest: str  # "" when the sender does not know the manifest
     protocol: int = PROTOCOL
+    direct: list[TensorRef] | None = None  # the whole stream, when the sender can go direct
+
+
+class Offer(msgspec.Struct, frozen=True):
+    """The engine's answer to a direct ``Begin`` over IPC.
+
+    ``engine-handles``: ``storages`` map the engine's own parameters, ``tensors`` place
+    each manifest tensor in them; the sender writes, then sends a :class:`DirectMsg`
+    without storages. ``sender-handles``: the engine cannot export its memory (CUDA
+    virtual-memory allocations, as vLLM's sleep mode makes); the sender exports its own
+    tensors in the :class:`DirectMsg` and the engine copies from them.
+    """
+
+    mode: str
+    storages: list[CpuHandle | CudaHandle] = []
+    tensors: list[TensorRef] = []
+
+
+class DirectMsg(msgspec.Struct, tag="direct", frozen=True):
+    """Every tensor of a direct refit, in order; ends the refit like ``Complete``."""
+
+    refit_id: str
+    tensors: list[TensorRef]
+    storages: list[CpuHandle | CudaHandle] = []
 
 
 class BucketMsg(msgspec.Struct, tag="bucket", frozen=True):
@@ -120,9 +164,10 @@ class Reply(msgspec.Struct, frozen=True):
     refit_id: str = ""
     kind: str = "ack"
     message: str = ""
+    offer: Offer | None = None
 
 
-Message = Begin | BucketMsg | Complete | Abort
+Message = Begin | BucketMsg | Complete | Abort | DirectMsg
 
 _message_decoder: Final = msgspec.msgpack.Decoder(Message)
 _reply_decoder: Final = msgspec.msgpack.Decoder(Reply)

@@ -512,8 +512,13 @@ def zeros_like(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def ipc_fake_sender_main(
-    *, address: str, bucket_bytes: int, die_after: int | None = None, ready: Any = None
-) -> dict[str, int]:
+    *,
+    address: str,
+    bucket_bytes: int,
+    die_after: int | None = None,
+    ready: Any = None,
+    direct: bool = True,
+) -> dict[str, object]:
     """Send the fake state dict from this GPU over CUDA IPC (``die_after``: die mid-stream;
     ``ready``: an event set just before the refit starts)."""
     from genworker.shell.refit import fake
@@ -525,10 +530,19 @@ def ipc_fake_sender_main(
     if ready is not None:
         ready.set()
     with IpcSender(
-        address, manifest=manifest_of(tensors), bucket_bytes=bucket_bytes, timeout_s=60.0
+        address,
+        manifest=manifest_of(tensors),
+        bucket_bytes=bucket_bytes,
+        timeout_s=60.0,
+        direct=direct,
     ) as sender:
         report = sender.send(fake.scripted_stream(tensors, die_after=die_after))
-    return {"tensors": report.tensors, "bytes": report.nbytes, "buckets": report.buckets}
+    return {
+        "tensors": report.tensors,
+        "bytes": report.nbytes,
+        "buckets": report.buckets,
+        "mode": report.mode,
+    }
 
 
 def collective_fake_receiver_main(*, port: int) -> bool:
@@ -560,7 +574,7 @@ def collective_fake_receiver_main(*, port: int) -> bool:
     return all(torch.equal(params[n], t) for n, t in expected.items())
 
 
-def collective_fake_sender_main(*, port: int, bucket_bytes: int) -> int:
+def collective_fake_sender_main(*, port: int, bucket_bytes: int, direct: bool = True) -> int:
     """Rank 0 on this GPU: broadcast the fake state dict; the bytes sent."""
     from genworker.shell.refit.collective import CollectiveSender
     from genworker.shell.refit.session import manifest_of
@@ -574,5 +588,6 @@ def collective_fake_sender_main(*, port: int, bucket_bytes: int) -> int:
         manifest=manifest_of(tensors),
         bucket_bytes=bucket_bytes,
         timeout_s=CHILD_TIMEOUT_S,
+        direct=direct,
     ) as sender:
         return sender.send(tensors.items()).nbytes

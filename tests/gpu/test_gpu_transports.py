@@ -41,18 +41,34 @@ def _receive(receiver: IpcReceiver, timeout_s: float) -> tuple[dict[str, torch.T
     return params, report.tensors
 
 
-# 4 KiB buckets: many buckets, both staging buffers, oversized tensors in their own buffer.
-@pytest.mark.parametrize("bucket_bytes", [4096, DEFAULT_BUCKET_BYTES])
-def test_cuda_ipc_round_trip_between_processes_on_one_gpu(bucket_bytes: int) -> None:
+# 4 KiB buckets: many buckets, both staging buffers, oversized tensors in their own buffer;
+# direct: the trainer writes into the receiver's tensors through their CUDA IPC handles.
+@pytest.mark.parametrize(
+    ("bucket_bytes", "direct", "mode"),
+    [
+        (4096, False, "buckets"),
+        (DEFAULT_BUCKET_BYTES, False, "buckets"),
+        (DEFAULT_BUCKET_BYTES, True, "engine-handles"),
+    ],
+)
+def test_cuda_ipc_round_trip_between_processes_on_one_gpu(
+    bucket_bytes: int, direct: bool, mode: str
+) -> None:
     receiver = IpcReceiver(torch.device("cuda", 0))
     try:
-        sender = Child(ipc_fake_sender_main, address=receiver.address, bucket_bytes=bucket_bytes)
+        sender = Child(
+            ipc_fake_sender_main,
+            address=receiver.address,
+            bucket_bytes=bucket_bytes,
+            direct=direct,
+        )
         _, tensors = _receive(receiver, timeout_s=120.0)
         sent = sender.result()
     finally:
         receiver.close()
     assert isinstance(sent, dict)
     assert sent["tensors"] == tensors == len(fake_state_dict("cpu"))
+    assert sent["mode"] == mode
 
 
 def test_cuda_ipc_sender_dying_mid_refit_times_out_and_the_next_refit_works() -> None:
@@ -65,6 +81,7 @@ def test_cuda_ipc_sender_dying_mid_refit_times_out_and_the_next_refit_works() ->
             bucket_bytes=4096,
             die_after=4,
             ready=ready,
+            direct=False,
         )
         assert ready.wait(CHILD_TIMEOUT_S), "the sender never got ready"
         started = time.monotonic()
@@ -83,11 +100,15 @@ def test_cuda_ipc_sender_dying_mid_refit_times_out_and_the_next_refit_works() ->
 
 
 @requires_two_gpus
-@pytest.mark.parametrize("bucket_bytes", [4096, DEFAULT_BUCKET_BYTES])
-def test_nccl_round_trip_between_two_gpus(bucket_bytes: int) -> None:
+@pytest.mark.parametrize(
+    ("bucket_bytes", "direct"), [(4096, False), (DEFAULT_BUCKET_BYTES, False), (4096, True)]
+)
+def test_nccl_round_trip_between_two_gpus(bucket_bytes: int, direct: bool) -> None:
     port = free_port()
     receiver = Child(collective_fake_receiver_main, gpu=1, port=port)
-    sender = Child(collective_fake_sender_main, gpu=0, port=port, bucket_bytes=bucket_bytes)
+    sender = Child(
+        collective_fake_sender_main, gpu=0, port=port, bucket_bytes=bucket_bytes, direct=direct
+    )
     sent = sender.result()
     assert receiver.result() is True
     assert sent == sum(t.numel() * t.element_size() for t in fake_state_dict("cpu").values())

@@ -391,14 +391,60 @@ def test_a_refit_in_the_engine_layout_goes_straight_into_parameter_memory(
     assert summary["direct"] == len(DIRECT)  # type: ignore[index]
     trainer.submit("collective", path=str(weights.a), keep=sorted(DIRECT))
     report = engine.rpc("update_weights_from_collective", timeout_s=REFIT_TIMEOUT)
-    assert trainer.result().ok
+    sent = trainer.result()
+    assert sent.ok
     assert isinstance(report, dict)
     assert (report["direct"], report["loaded"]) == (len(DIRECT), 0)
+    assert report["mode"] == sent.detail["mode"] == "direct-receive"
     mixed = engine.tokens()
     assert mixed != reference_b
+    # The bucket path writes the same weights.
     trainer.submit("collective", path=str(weights.b), keep=sorted(DIRECT))
     engine.rpc("update_weights_from_collective", timeout_s=REFIT_TIMEOUT)
     assert trainer.result().ok
+    trainer.submit("collective", path=str(weights.a), keep=sorted(DIRECT), direct=False)
+    report = engine.rpc("update_weights_from_collective", timeout_s=REFIT_TIMEOUT)
+    assert trainer.result().ok
+    assert report["mode"] == "buckets"  # type: ignore[index]
+    assert engine.tokens() == mixed
+    trainer.submit("collective", path=str(weights.b), keep=sorted(DIRECT))
+    engine.rpc("update_weights_from_collective", timeout_s=REFIT_TIMEOUT)
+    assert trainer.result().ok
+    assert engine.tokens() == reference_b
+
+
+@pytest.mark.engine
+def test_ipc_engine_handles_write_the_same_weights_as_buckets(
+    engine: Engine, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
+) -> None:
+    engine.rpc("prepare_refit_info", info(weights.b))
+    report = refit_ipc(engine, trainer, weights.b)
+    assert report["mode"] == "buckets"  # the linear weights need the loader on CPU
+    assert engine.tokens() == reference_b
+    engine.rpc("prepare_refit_info", info(weights.a, keep=DIRECT))
+    report = refit_ipc(engine, trainer, weights.a, keep=sorted(DIRECT))
+    assert report["mode"] == "engine-handles"
+    assert (report["direct"], report["loaded"], report["buckets"]) == (len(DIRECT), 0, 0)
+    mixed = engine.tokens()
+    assert mixed != reference_b
+    refit_ipc(engine, trainer, weights.b, keep=sorted(DIRECT))
+    assert engine.tokens() == reference_b
+    report = refit_ipc(engine, trainer, weights.a, keep=sorted(DIRECT), direct=False)
+    assert report["mode"] == "buckets"
+    assert engine.tokens() == mixed
+    # A wrong shape is refused before anything is written, naming the tensor.
+    trainer.submit(
+        "ipc",
+        address=engine.rpc("ipc_address"),
+        path=str(weights.b),
+        keep=sorted(DIRECT),
+        reshape={"model.norm.weight": [64]},
+    )
+    with pytest.raises(RefitManifestError, match=r"model\.norm\.weight"):
+        engine.rpc("update_weights_via_ipc_zmq", timeout_s=REFIT_TIMEOUT)
+    assert not trainer.result().ok
+    assert engine.tokens() == mixed
+    refit_ipc(engine, trainer, weights.b, keep=sorted(DIRECT))
     assert engine.tokens() == reference_b
 
 

