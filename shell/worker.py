@@ -147,21 +147,24 @@ class VllmGenerationWorker:
         """Start the engine (the deferred half of ``__init__``)."""
         self._move(lifecycle.Event.LOAD)
         factory = self._factory or _default_factory()
+        capability = factory.gpu_capability()
         plan = _unwrap(
             plan_engine_kwargs(
                 self.cfg,
                 seed=self.seed,
-                gpu_capability=factory.gpu_capability(),
+                gpu_capability=capability,
                 known_args=factory.arg_names(),
                 extension_cls=EXTENSION_CLS,
-                enable_sleep_mode=factory.gpu_capability() is not None,
+                enable_sleep_mode=capability is not None,
+                telemetry={k: v for k, v in os.environ.items() if k.startswith("OTEL_")},
             ),
             BadConfigError,
             "engine arguments",
         )
         if plan.dropped:
             log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
-        self._engine = factory.start(plan.kwargs)
+        os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
+        self._engine = factory.start(plan.llm_kwargs())
         self._state = _unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
             EngineStateError,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -323,3 +324,16 @@ def test_config_is_not_mutated() -> None:
 def test_lifecycle_state_is_exposed(worker_engine: tuple[VllmGenerationWorker, FakeEngine]) -> None:
     worker, _ = worker_engine
     assert lifecycle.check_can_generate(worker.state)
+
+
+def test_tracing_plan_reaches_the_engine_and_its_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    cfg = base_config(telemetry={"enabled": True, "otlp_endpoint": "http://127.0.0.1:4318"})
+    factory = FakeEngineFactory()
+    VllmGenerationWorker(cfg, engine_factory=factory)
+    kwargs, _ = factory.started[0]
+    assert kwargs["otlp_traces_endpoint"] == "http://127.0.0.1:4318"
+    assert type(kwargs) is dict
+    assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" in os.environ
