@@ -7,7 +7,14 @@ translated at the edge and chained (``raise ... from e``).
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+from returns.result import Failure, Result, Success
+
 from genworker.core.errors import CoreError
+
+_T = TypeVar("_T")
+_E = TypeVar("_E", bound=CoreError)
 
 __all__ = [
     "BadArgumentError",
@@ -22,6 +29,7 @@ __all__ = [
     "RefitManifestError",
     "RefitTimeoutError",
     "UnsupportedError",
+    "unwrap",
 ]
 
 
@@ -80,3 +88,13 @@ class RefitTimeoutError(RefitError, TimeoutError):
 
 class GroupError(GenworkerError, RuntimeError):
     """A generation-group shard failed; the message names the shard."""
+
+
+def unwrap(result: Result[_T, _E], error: type[GenworkerError], context: str) -> _T:
+    """The value of a core ``Result``, or ``error`` raised with the core error as detail."""
+    match result:
+        case Success(value):
+            return value  # type: ignore[no-any-return]
+        case Failure(problem):
+            raise error.from_core(problem, context)
+    raise AssertionError("unreachable")

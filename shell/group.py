@@ -44,7 +44,6 @@ from typing import Any, TypeVar
 
 import attrs
 import torch
-from returns.result import Failure, Result, Success
 
 from genworker.core.assembly import assemble_outputs
 from genworker.core.batch import check_batch
@@ -57,7 +56,6 @@ from genworker.core.counters import (
     merge_snapshots,
     spec_decode_metrics,
 )
-from genworker.core.errors import CoreError
 from genworker.core.placement import (
     ClusterPlan,
     ShardPlacement,
@@ -73,6 +71,7 @@ from genworker.shell.errors import (
     EngineContractError,
     GenworkerError,
     GroupError,
+    unwrap,
 )
 
 __all__ = [
@@ -87,21 +86,11 @@ log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _T = TypeVar("_T")
-_E = TypeVar("_E", bound=CoreError)
 
 # Ray handles and object refs are untyped at this edge; they never leave this module
 # except as the opaque futures of the refit calls.
 _Actor = Any
 _Ref = Any
-
-
-def _unwrap(result: Result[_T, _E], error: type[GenworkerError], context: str) -> _T:
-    match result:
-        case Success(value):
-            return value  # type: ignore[no-any-return]
-        case Failure(problem):
-            raise error.from_core(problem, context)
-    raise AssertionError("unreachable")
 
 
 def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -245,11 +234,11 @@ class GenerationGroup:
         *,
         worker_options: Mapping[str, object] | None = None,
     ) -> None:
-        self.cfg: WorkerConfig = _unwrap(
+        self.cfg: WorkerConfig = unwrap(
             WorkerConfig.from_mapping(config), BadConfigError, "group config"
         )
         self.cluster = cluster
-        self.plan: ClusterPlan = _unwrap(
+        self.plan: ClusterPlan = unwrap(
             plan_cluster(
                 cluster.num_nodes,
                 cluster.gpus_per_node,
@@ -262,7 +251,7 @@ class GenerationGroup:
             BadConfigError,
             "cluster",
         )
-        _unwrap(check_inherited_env(dict(os.environ)), BadConfigError, "environment")
+        unwrap(check_inherited_env(dict(os.environ)), BadConfigError, "environment")
         self._config = dict(config)
         self._worker_options = dict(worker_options or {})
         self._placements = [self._placement(shard) for shard in self.plan.shards]
@@ -302,7 +291,7 @@ class GenerationGroup:
     def _placement(self, shard: ShardPlacement) -> tuple[dict[str, Any], dict[str, object]]:
         """``(ray actor options without the scheduling strategy, worker init kwargs)``."""
         base = self.cluster.cache_base_dir or os.path.join(os.path.expanduser("~"), ".cache")
-        worker = _unwrap(
+        worker = unwrap(
             configure_worker(
                 # A CPU bundle has no GPU; the plan's seed, ports and cache root still apply.
                 self.plan.worker_num_gpus if self.plan.uses_gpus else 1.0,
@@ -492,7 +481,7 @@ class GenerationGroup:
         if not isinstance(greedy, bool):
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
         input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
-        batch = _unwrap(
+        batch = unwrap(
             check_batch(
                 input_ids,
                 input_lengths,
@@ -553,7 +542,7 @@ class GenerationGroup:
         greedy: bool,
         timeout_s: float | None,
     ) -> dict[int, object]:
-        parts = _unwrap(split_batch(plan, data), BadBatchError, call)
+        parts = unwrap(split_batch(plan, data), BadBatchError, call)
         refs = {
             rank: getattr(self._actors[rank], call).remote(part, greedy)
             for rank, part in enumerate(parts)
@@ -654,10 +643,10 @@ class GenerationGroup:
                     f"shard {rank}: get_counters returned {type(encoded).__name__}, not a dict"
                 )
             shards.append(
-                _unwrap(decode_snapshot(encoded), EngineContractError, f"shard {rank} counters")
+                unwrap(decode_snapshot(encoded), EngineContractError, f"shard {rank} counters")
             )
         merged = merge_snapshots(shards)
-        spec = _unwrap(spec_decode_metrics(merged), EngineContractError, "spec-decode counters")
+        spec = unwrap(spec_decode_metrics(merged), EngineContractError, "spec-decode counters")
         return GroupCounters(shards=tuple(shards), merged=merged, spec_decode=spec)
 
     def is_alive(self, *, timeout_s: float | None = None) -> bool:

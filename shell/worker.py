@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
-from returns.result import Failure, Result, Success
 
 from genworker.core import lifecycle
 from genworker.core.assembly import assemble_outputs
@@ -23,7 +22,6 @@ from genworker.core.caps import batch_max_tokens
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import encode_snapshot
 from genworker.core.engine_plan import plan_engine_kwargs
-from genworker.core.errors import CoreError
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.sampling import SamplingSpec, sampling_spec
 from genworker.core.stops import StopMode, merge_stop_strings
@@ -37,6 +35,7 @@ from genworker.shell.errors import (
     GenworkerError,
     RefitError,
     UnsupportedError,
+    unwrap,
 )
 from genworker.shell.ports import EngineFactory, EnginePort
 
@@ -46,21 +45,11 @@ log = logging.getLogger(__name__)
 
 EXTENSION_CLS = "genworker.shell.extension.WorkerExtension"
 _T = TypeVar("_T")
-_E = TypeVar("_E", bound=CoreError)
 _WAKE_EVENTS = {
     frozenset({"weights"}): lifecycle.Event.WAKE_WEIGHTS,
     frozenset({"kv_cache"}): lifecycle.Event.WAKE_KV_CACHE,
     frozenset({"weights", "kv_cache"}): lifecycle.Event.WAKE_ALL,
 }
-
-
-def _unwrap(result: Result[_T, _E], error: type[GenworkerError], context: str) -> _T:
-    match result:
-        case Success(value):
-            return value  # type: ignore[no-any-return]
-        case Failure(problem):
-            raise error.from_core(problem, context)
-    raise AssertionError("unreachable")
 
 
 class ExistingEngine:
@@ -103,7 +92,7 @@ class VllmGenerationWorker:
         engine_factory: EngineFactory | None = None,
         stop_mode: StopMode = StopMode.PER_SAMPLE,
     ) -> None:
-        self.cfg: WorkerConfig = _unwrap(
+        self.cfg: WorkerConfig = unwrap(
             WorkerConfig.from_mapping(config), BadConfigError, "worker config"
         )
         self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
@@ -129,7 +118,7 @@ class VllmGenerationWorker:
     ) -> tuple[dict[str, object], dict[str, str], dict[str, object]]:
         """NeMo-RL's static placement hook: ``(resources, env_vars, init_kwargs)``."""
         base = cache_base_dir or os.path.join(os.path.expanduser("~"), ".cache")
-        plan = _unwrap(
+        plan = unwrap(
             plan_placement(
                 num_gpus,
                 bundle_indices,
@@ -148,7 +137,7 @@ class VllmGenerationWorker:
         self._move(lifecycle.Event.LOAD)
         factory = self._factory or _default_factory()
         capability = factory.gpu_capability()
-        plan = _unwrap(
+        plan = unwrap(
             plan_engine_kwargs(
                 self.cfg,
                 seed=self.seed,
@@ -165,7 +154,7 @@ class VllmGenerationWorker:
             log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
         os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
         self._engine = factory.start(plan.llm_kwargs())
-        self._state = _unwrap(
+        self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
             EngineStateError,
             "load_model",
@@ -207,7 +196,7 @@ class VllmGenerationWorker:
         """The state ``event`` leads to, or EngineStateError; does not commit it."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine died earlier ({self._dead}); re-create the worker")
-        return _unwrap(
+        return unwrap(
             lifecycle.transition(self._state, event), EngineStateError, event.name.lower()
         )
 
@@ -225,7 +214,7 @@ class VllmGenerationWorker:
         caps = self.engine.capabilities
         per_sample_stops = data.get("stop_strings")
         seeds = _seeds(data.get("seeds"), len(lengths))
-        stops = _unwrap(
+        stops = unwrap(
             merge_stop_strings(
                 self.cfg.stop_strings,
                 per_sample_stops,  # type: ignore[arg-type]
@@ -235,7 +224,7 @@ class VllmGenerationWorker:
             BadBatchError,
             "stop_strings",
         )
-        max_tokens = _unwrap(
+        max_tokens = unwrap(
             batch_max_tokens(
                 self.cfg.max_new_tokens,
                 lengths,
@@ -265,7 +254,7 @@ class VllmGenerationWorker:
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
         input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
         caps = self.engine.capabilities
-        batch = _unwrap(
+        batch = unwrap(
             check_batch(
                 input_ids,
                 input_lengths,
@@ -407,7 +396,7 @@ class VllmGenerationWorker:
                 )
             )
         except BaseException as e:
-            self._state = _unwrap(
+            self._state = unwrap(
                 lifecycle.transition(self._state, lifecycle.Event.REFIT_FAILED),
                 EngineStateError,
                 "refit",
@@ -415,7 +404,7 @@ class VllmGenerationWorker:
             if isinstance(e, GenworkerError):
                 raise
             raise RefitError(f"{method} failed: {e}; weights are inconsistent") from e
-        self._state = _unwrap(
+        self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.REFIT_OK),
             EngineStateError,
             "refit",
@@ -450,7 +439,7 @@ class VllmGenerationWorker:
     def shutdown(self) -> bool:
         """Free the engine; idempotent. The worker is unusable afterwards."""
         engine, self._engine = self._engine, None
-        self._state = _unwrap(
+        self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.SHUTDOWN),
             EngineStateError,
             "shutdown",
