@@ -40,7 +40,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import attrs
 import torch
@@ -85,7 +85,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_T = TypeVar("_T")
 
 # Ray handles and object refs are untyped at this edge; they never leave this module
 # except as the opaque futures of the refit calls.
