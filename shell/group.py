@@ -654,7 +654,8 @@ class GenerationGroup:
             return False
         try:
             return all(r is True for r in self._call_all("is_alive", timeout_s=timeout_s))
-        except GroupError:
+        except GroupError as e:  # a health probe: a shard that cannot answer is not alive
+            log.warning("is_alive: %s", e)
             return False
 
     # -- shutdown -------------------------------------------------------------------
