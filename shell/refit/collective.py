@@ -72,7 +72,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCP
 
 from genworker.core.refit_plan import Manifest, bucket_checksum
 from genworker.shell.errors import BadConfigError, RefitError, RefitManifestError, RefitTimeoutError
-from genworker.shell.refit.direct import refs_of, spec_of
+from genworker.shell.refit.direct import collect_direct, spec_of
 from genworker.shell.refit.packing import (
     DEFAULT_BUCKET_BYTES,
     SendReport,
@@ -642,12 +642,9 @@ class CollectiveSender:
         listing = None
         failure: RefitError | None = None
         if self.direct:
-            try:
-                items = list(named_tensors)
-                listing = refs_of(items)
-            except Exception as e:  # noqa: BLE001 - our own failure; the peers are told
-                failure, listing = _local_error(e), None
-            named_tensors = items or []
+            items, listing, error = collect_direct(named_tensors)
+            failure = None if error is None else _local_error(error)
+            named_tensors = items
         self._emit(Begin(refit_id, digest, direct=listing), None)
         if listing is not None and items is not None:
             failures, agreed = self._group.vote(None, True, self._timeout, "the start of the refit")

@@ -34,6 +34,7 @@ from genworker.shell.refit.buffers import export_storage, open_handle
 from genworker.shell.refit.wire import CpuHandle, CudaHandle, TensorRef
 
 __all__ = [
+    "collect_direct",
     "export_refs",
     "listing_problem",
     "open_refs",
@@ -47,6 +48,23 @@ def spec_of(ref: TensorRef) -> TensorSpec:
         return TensorSpec(ref.name, tuple(ref.shape), ref.dtype)
     except ValueError as e:
         raise RefitError(f"the direct refit lists an invalid tensor {ref.name!r}: {e}") from e
+
+
+def collect_direct(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, torch.Tensor]], list[TensorRef] | None, Exception | None]:
+    """A sender's stream for a direct refit: ``(items, listing, failure)``.
+
+    The stream is materialised and listed for ``Begin.direct``. A failure while doing so
+    (the trainer's own iterator raising, an invalid tensor) is returned, not raised, so the
+    sender can still tell its peers before raising it; the listing is then None.
+    """
+    items: list[tuple[str, torch.Tensor]] = []
+    try:
+        items = list(named_tensors)
+        return items, refs_of(items), None
+    except Exception as e:  # noqa: BLE001 - our own failure; the caller tells the peers
+        return items, None, e
 
 
 def refs_of(items: Sequence[tuple[str, torch.Tensor]]) -> list[TensorRef]:

@@ -75,7 +75,7 @@ from genworker.shell.errors import (
     RefitTimeoutError,
 )
 from genworker.shell.refit.buffers import StagingBuffer, open_handle, private_directory
-from genworker.shell.refit.direct import export_refs, open_refs, refs_of, spec_of
+from genworker.shell.refit.direct import collect_direct, export_refs, open_refs, spec_of
 from genworker.shell.refit.packing import (
     DEFAULT_BUCKET_BYTES,
     SendReport,
@@ -366,12 +366,8 @@ class IpcSender:
         listing = None
         failure: Exception | None = None
         if self.direct:
-            try:
-                items = list(named_tensors)
-                listing = refs_of(items)
-            except Exception as e:  # noqa: BLE001 - our own failure; the receiver is told
-                failure, listing = e, None
-            named_tensors = items or []
+            items, listing, failure = collect_direct(named_tensors)
+            named_tensors = items
         begin = Begin(refit_id, digest, direct=listing)
         reply = self._exchange(begin, "the start of the refit", refit_id, started)
         if failure is not None:
