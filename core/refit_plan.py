@@ -58,6 +58,7 @@ __all__ = [
     "TensorProblem",
     "TensorSpec",
     "align_up",
+    "broadcast_groups",
     "bucket_budget",
     "bucket_checksum",
     "check_bucket",
@@ -198,6 +199,31 @@ class Bucket:
     def payload_bytes(self) -> int:
         """The tensors' own bytes, without alignment padding."""
         return sum(s.nbytes for s in self.slots)
+
+
+def broadcast_groups(sizes: Sequence[int], limit_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """The direct refit's broadcasts, grouped: each group is issued as one NCCL group call.
+
+    ``sizes`` are the byte sizes of the listed tensors, in order. Empty tensors travel in
+    no group; the others are taken in order, greedily, into groups whose sizes sum to at
+    most ``limit_bytes``; a tensor larger than the limit is a group of its own. A limit
+    of 0 (or less) puts every tensor in its own group. Every rank computes the same
+    groups from the same listing, so their group calls match.
+    """
+    groups: list[tuple[int, ...]] = []
+    current: list[int] = []
+    fill = 0
+    for index, size in enumerate(sizes):
+        if size <= 0:
+            continue
+        if current and (limit_bytes <= 0 or fill + size > limit_bytes):
+            groups.append(tuple(current))
+            current, fill = [], 0
+        current.append(index)
+        fill += size
+    if current:
+        groups.append(tuple(current))
+    return tuple(groups)
 
 
 @attrs.frozen

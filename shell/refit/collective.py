@@ -43,6 +43,9 @@ sharded parameters are never direct targets). When every rank voted yes, rank 0
 broadcasts each tensor in list order straight into the engines' parameters (other
 trainer ranks receive into scratch), with no headers and no rounds in between, and one
 status round after post-load processing ends the refit (ok or every rank's error).
+On NCCL the broadcasts are issued in group calls of up to ``group_bytes`` (1 GiB by
+default; the sender's value travels in ``Begin`` so every rank groups alike): one launch
+per group rather than one per tensor.
 Otherwise the refit goes on in buckets. A failure while receiving is reported in that
 last round, after the remaining broadcasts were received into scratch so every rank
 stays in step.
@@ -70,7 +73,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore
 
-from genworker.core.refit_plan import Manifest, bucket_checksum
+from genworker.core.refit_plan import Manifest, broadcast_groups, bucket_checksum
 from genworker.shell.errors import BadConfigError, RefitError, RefitManifestError, RefitTimeoutError
 from genworker.shell.refit.direct import collect_direct, spec_of
 from genworker.shell.refit.packing import (
@@ -110,6 +113,7 @@ _CODES: Final = {"manifest": 1, "error": 2, "timeout": 3}
 _KINDS: Final = {v: k for k, v in _CODES.items()}
 _MESSAGE_BYTES: Final = 1024
 _FRAME_BYTES: Final = 16 << 10
+DEFAULT_GROUP_BYTES: Final = 1 << 30
 _hello_decoder: Final = msgspec.msgpack.Decoder(Hello)
 _reply_decoder: Final = msgspec.msgpack.Decoder(Reply)
 
@@ -126,6 +130,14 @@ class _Backend(Protocol):
     def allgather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor]
     ) -> dist.Work: ...
+
+
+class _Coalescing(Protocol):
+    """A backend that groups collectives (``Backend._start_coalescing``, torch 2.x)."""
+
+    def _start_coalescing(self) -> None: ...
+
+    def _end_coalescing(self) -> dist.Work: ...
 
 
 def _backend_for(device: torch.device) -> str:
@@ -360,16 +372,31 @@ class CollectiveGroup:
         ]
         return failures, False
 
+    @property
+    def coalescing(self) -> bool:
+        """Whether the backend issues several collectives as one group call (NCCL)."""
+        return bool(getattr(self._pg, "supports_coalescing", False))
+
     def receive_direct(
-        self, buffers: Sequence[torch.Tensor | None], nbytes: Sequence[int], timeout_s: float
+        self,
+        buffers: Sequence[torch.Tensor | None],
+        nbytes: Sequence[int],
+        timeout_s: float,
+        group_bytes: int = 0,
     ) -> RefitError | None:
         """Broadcast (or receive) each buffer in order, straight: a ``None`` buffer, or one
-        that cannot be viewed as bytes, travels through scratch and is reported."""
+        that cannot be viewed as bytes, travels through scratch and is reported.
+
+        With ``group_bytes`` and a backend that coalesces, the broadcasts go in group
+        calls (:func:`~genworker.core.refit_plan.broadcast_groups`: one NCCL launch per
+        group instead of one per tensor); every rank must pass the same value."""
+        self._usable()
         deadline = time.monotonic() + timeout_s
         problem: RefitError | None = None
-        works = []
+        raws: list[torch.Tensor] = []
         for buffer, size in zip(buffers, nbytes, strict=True):
-            if size == 0:
+            if size == 0:  # in no group (broadcast_groups skips it)
+                raws.append(torch.empty(0, dtype=torch.uint8))
                 continue
             try:
                 assert buffer is not None, "no target"
@@ -377,11 +404,30 @@ class CollectiveGroup:
             except Exception as e:  # noqa: BLE001 - reported in the last status round
                 problem = problem or RefitError(f"a direct tensor has no usable buffer: {e}")
                 raw = torch.empty(size, dtype=torch.uint8, device=self.device)
-            works.append((self.broadcast_async(raw), raw))
-        for i, (work, _) in enumerate(works):
+            raws.append(raw)
+        limit = group_bytes if self.coalescing else 0
+        works: list[dist.Work] = []
+        for group in broadcast_groups(nbytes, limit):
+            works.append(self._broadcast_group([raws[i] for i in group]))
+        for i, work in enumerate(works):
             remaining = max(deadline - time.monotonic(), 1e-3)
-            self.wait(work, f"direct tensor {i} of {len(works)}", remaining)
+            self.wait(work, f"direct broadcast {i + 1} of {len(works)}", remaining)
         return problem
+
+    def _broadcast_group(self, tensors: Sequence[torch.Tensor]) -> dist.Work:
+        """One broadcast, or several issued as one group call (one work for all)."""
+        if len(tensors) == 1:
+            return self.broadcast_async(tensors[0])
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        backend = cast(_Coalescing, self._pg)
+        backend._start_coalescing()
+        try:
+            for tensor in tensors:
+                self._pg.broadcast([tensor], options)
+        finally:
+            work = backend._end_coalescing()
+        return work
 
     def _break(self) -> None:
         self.broken = True
@@ -469,6 +515,7 @@ class CollectiveReceiver:
         self._current: Message | None = None
         self._ahead: Message | None = None
         self._inflight: tuple[BucketMsg, dist.Work | None, torch.Tensor] | None = None
+        self._group_bytes = 0
 
     @property
     def peer(self) -> str:
@@ -531,6 +578,7 @@ class CollectiveReceiver:
             raise failure_error(failures, "Begin")
         if agreed:
             self._ahead = DirectMsg(begin.refit_id, begin.direct)
+            self._group_bytes = begin.group_bytes
         return agreed
 
     def fill_direct(
@@ -538,7 +586,9 @@ class CollectiveReceiver:
     ) -> str:
         specs = [spec_of(ref) for ref in msg.tensors]
         buffers = [targets.get(s.name) for s in specs]
-        problem = self._group.receive_direct(buffers, [s.nbytes for s in specs], timeout_s)
+        problem = self._group.receive_direct(
+            buffers, [s.nbytes for s in specs], timeout_s, self._group_bytes
+        )
         if problem is not None:
             raise problem
         return "direct-receive"
@@ -586,7 +636,8 @@ class CollectiveSender:
     Every trainer rank calls :meth:`send` with the same tensors (an FSDP trainer gathers
     them collectively anyway); rank 0's data is what the engines receive. Construction
     blocks until every rank of the group joined (start the engines' ``init_collective``
-    concurrently).
+    concurrently). ``group_bytes``: a direct refit's broadcasts go in NCCL group calls of
+    at most this many bytes (0: one call per tensor; gloo always calls per tensor).
     """
 
     def __init__(
@@ -603,10 +654,14 @@ class CollectiveSender:
         timeout_s: float = 120.0,
         checksum: bool = False,
         direct: bool = True,
+        group_bytes: int = DEFAULT_GROUP_BYTES,
     ) -> None:
         if timeout_s <= 0:
             raise BadConfigError(f"timeout_s must be positive, got {timeout_s!r}")
+        if isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes < 0:
+            raise BadConfigError(f"group_bytes must be an int >= 0, got {group_bytes!r}")
         self.direct = direct
+        self.group_bytes = group_bytes
         self._checksum = checksum
         self._manifest = as_manifest(manifest)
         self._budget = checked_budget(bucket_bytes)
@@ -645,13 +700,14 @@ class CollectiveSender:
             items, listing, error = collect_direct(named_tensors)
             failure = None if error is None else _local_error(error)
             named_tensors = items
-        self._emit(Begin(refit_id, digest, direct=listing), None)
+        group = self.group_bytes if self._group.coalescing else 0
+        self._emit(Begin(refit_id, digest, direct=listing, group_bytes=group), None)
         if listing is not None and items is not None:
             failures, agreed = self._group.vote(None, True, self._timeout, "the start of the refit")
             if failures:
                 raise failure_error(failures, "the start of the refit")
             if agreed:
-                return self._send_direct(items, started)
+                return self._send_direct(items, group, started)
         else:
             self._round(None, "the start of the refit")
         if failure is not None:
@@ -699,7 +755,9 @@ class CollectiveSender:
         self._round(None, "post-load processing")
         return SendReport(tensors, nbytes, buckets, time.monotonic() - started)
 
-    def _send_direct(self, items: Sequence[tuple[str, torch.Tensor]], started: float) -> SendReport:
+    def _send_direct(
+        self, items: Sequence[tuple[str, torch.Tensor]], group: int, started: float
+    ) -> SendReport:
         problem: RefitError | None = None
         buffers: list[torch.Tensor | None] = []
         for _, tensor in items:
@@ -713,7 +771,7 @@ class CollectiveSender:
                 problem = problem or _local_error(e)
                 buffers.append(None)
         sizes = [t.numel() * t.element_size() for _, t in items]
-        problem = self._group.receive_direct(buffers, sizes, self._timeout) or problem
+        problem = self._group.receive_direct(buffers, sizes, self._timeout, group) or problem
         buffers.clear()
         self._round(problem, "the end of the refit")
         return SendReport(len(items), sum(sizes), 0, time.monotonic() - started, "direct-receive")

@@ -199,7 +199,9 @@ class _DyingIpcSender(IpcSender):
 class _DyingCollectiveSender(CollectiveSender):
     """Dies once every rank agreed to a direct refit, before broadcasting anything."""
 
-    def _send_direct(self, items: Sequence[tuple[str, torch.Tensor]], started: float) -> SendReport:
+    def _send_direct(
+        self, items: Sequence[tuple[str, torch.Tensor]], group: int, started: float
+    ) -> SendReport:
         os._exit(17)
 
 

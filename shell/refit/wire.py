@@ -102,6 +102,9 @@ class Begin(msgspec.Struct, tag="begin", frozen=True):
     manifest_digest: str  # "" when the sender does not know the manifest
     protocol: int = PROTOCOL
     direct: list[TensorRef] | None = None  # the whole stream, when the sender can go direct
+    # collective direct refits: broadcasts are issued in NCCL group calls of at most this
+    # many bytes (core.refit_plan.broadcast_groups); 0: one call per tensor
+    group_bytes: NonNegative = 0
 
 
 class Offer(msgspec.Struct, frozen=True):

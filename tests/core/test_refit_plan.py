@@ -25,6 +25,7 @@ from genworker.core.refit_plan import (
     TensorSpec,
     align_up,
     bucket_budget,
+    broadcast_groups,
     bucket_checksum,
     check_bucket,
     check_complete,
@@ -389,3 +390,43 @@ def test_checksum_notices_a_flipped_byte() -> None:
     before = bucket_checksum(data)
     data[100] ^= 1
     assert bucket_checksum(data) != before
+
+
+# -- grouped direct broadcasts ----------------------------------------------------------
+_sizes = st.lists(st.integers(min_value=0, max_value=1 << 12), max_size=40)
+_limits = st.integers(min_value=-1, max_value=1 << 13)
+
+
+@given(_sizes, _limits)
+def test_broadcast_groups_cover_every_nonempty_tensor_once_in_order(
+    sizes: list[int], limit: int
+) -> None:
+    groups = broadcast_groups(sizes, limit)
+    flat = [i for group in groups for i in group]
+    assert flat == [i for i, size in enumerate(sizes) if size > 0]
+    assert all(groups)
+
+
+@given(_sizes, _limits)
+def test_broadcast_groups_respect_the_limit_unless_one_tensor_exceeds_it(
+    sizes: list[int], limit: int
+) -> None:
+    for group in broadcast_groups(sizes, limit):
+        if limit <= 0:
+            assert len(group) == 1
+        elif len(group) > 1:
+            assert sum(sizes[i] for i in group) <= limit
+
+
+@given(_sizes, st.integers(min_value=1, max_value=1 << 13))
+def test_broadcast_groups_are_greedy(sizes: list[int], limit: int) -> None:
+    """A group closes only when the next tensor would not fit in it."""
+    groups = broadcast_groups(sizes, limit)
+    for group, following in itertools.pairwise(groups):
+        assert sum(sizes[i] for i in group) + sizes[following[0]] > limit
+
+
+def test_broadcast_groups_example() -> None:
+    assert broadcast_groups([4, 0, 4, 9, 1, 1], 8) == ((0, 2), (3,), (4, 5))
+    assert broadcast_groups([4, 4], 0) == ((0,), (1,))
+    assert broadcast_groups([], 8) == ()

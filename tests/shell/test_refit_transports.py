@@ -1120,7 +1120,7 @@ def test_collective_direct_sender_killed_mid_refit_receiver_raises_a_typed_timeo
     params = fake.zeros_like_all(expected())
     try:
         started = time.monotonic()
-        with pytest.raises(RefitTimeoutError, match="direct tensor 0"):
+        with pytest.raises(RefitTimeoutError, match="direct broadcast 1 of"):
             receive_refit(
                 CollectiveReceiver(group),
                 manifest_of(expected()),
