@@ -6,6 +6,8 @@
 - :mod:`~genworker.shell.refit.session`: the transport-independent receiving side.
 - :mod:`~genworker.shell.refit.direct`: the fast paths (no staging buckets) both
   transports choose automatically when every tensor goes straight into a parameter.
+- :mod:`~genworker.shell.refit.arena`: a trainer-side allocation holding every tensor of a
+  refit, so a direct IPC refit maps one handle instead of one per tensor.
 - :mod:`~genworker.shell.refit.fake`: peers for tests (a dict-of-tensors receiver, a
   scripted sender).
 
@@ -13,6 +15,7 @@ Both transports pack with :mod:`genworker.core.refit_plan` and speak the message
 :mod:`~genworker.shell.refit.wire`; the engine side is ``genworker.shell.extension``.
 """
 
+from genworker.shell.refit.arena import RefitArena
 from genworker.shell.refit.buffers import device_id
 from genworker.shell.refit.collective import CollectiveGroup, CollectiveReceiver, CollectiveSender
 from genworker.shell.refit.ipc import IpcReceiver, IpcSender
@@ -37,6 +40,7 @@ __all__ = [
     "ParameterSink",
     "ReceiveSession",
     "ReceiverTransport",
+    "RefitArena",
     "RefitReport",
     "RefitSink",
     "SendReport",

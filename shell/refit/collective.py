@@ -406,9 +406,10 @@ class CollectiveGroup:
                 raw = torch.empty(size, dtype=torch.uint8, device=self.device)
             raws.append(raw)
         limit = group_bytes if self.coalescing else 0
-        works: list[dist.Work] = []
-        for group in broadcast_groups(nbytes, limit):
-            works.append(self._broadcast_group([raws[i] for i in group]))
+        works = [
+            self._broadcast_group([raws[i] for i in group])
+            for group in broadcast_groups(nbytes, limit)
+        ]
         for i, work in enumerate(works):
             remaining = max(deadline - time.monotonic(), 1e-3)
             self.wait(work, f"direct broadcast {i + 1} of {len(works)}", remaining)
