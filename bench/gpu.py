@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("gen", "sleep", "refit", "nccl")
+SECTIONS = ("gen", "sleep", "refit", "ipc-nosleep", "nccl")
 GIB = 1 << 30
 ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in-process (the runner needs it)
@@ -208,6 +208,7 @@ TITLES = {
     "gen": "Generation: worker vs raw `LLM.generate` on the same engine",
     "sleep": "Sleep / wake on the generation engine",
     "refit": "Refit over CUDA IPC (8B shape, 16 GB bf16)",
+    "ipc-nosleep": "Refit over CUDA IPC into an engine without sleep mode (8B shape)",
     "nccl": "Refit over NCCL, GPU 0 -> GPU 1",
 }
 
@@ -501,6 +502,51 @@ def prepare_refit(worker: Any, layout: Mapping[str, tuple[Sequence[int], str]]) 
     return f"{summary['direct']} direct, {summary['loaded']} through the loader"
 
 
+class GenProbe:
+    """Times every ``LLM.generate`` call on one engine and the cyclic GC's pauses.
+
+    Inside ``with``, the ``LLM`` instance's ``generate`` is wrapped (an instance
+    attribute; the class is untouched) and a ``gc.callbacks`` hook sums collection time;
+    ``reset()`` starts a new run."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.inner_s = 0.0
+        self.gc_s = 0.0
+        self._gc_started = 0.0
+
+    def reset(self) -> None:
+        self.inner_s = self.gc_s = 0.0
+
+    def _on_gc(self, phase: str, info: Mapping[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_started
+
+    def __enter__(self) -> GenProbe:
+        import gc
+
+        original = self.llm.generate
+
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.inner_s += time.perf_counter() - t0
+
+        self.llm.generate = generate
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        del self.llm.generate
+        gc.callbacks.remove(self._on_gc)
+
+
 # -- gen + sleep (one engine, one child) ------------------------------------------------
 def gen_sleep_child(
     *, report: Callable[[Section], None], scale: Scale, sections: list[str]
@@ -556,6 +602,7 @@ def gen_sleep_child(
             params = SamplingParams(**spec.as_kwargs(caps.sampling_args))
             llm = worker.llm
             expected = scale.prompts * scale.new_tokens
+            probe = GenProbe(llm)
 
             def via_worker() -> int:
                 return int(worker.generate(data)["generation_lengths"].sum())
@@ -564,18 +611,57 @@ def gen_sleep_child(
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 return sum(len(o.outputs[0].token_ids) for o in outs)
 
+            def via_raw_fresh() -> int:
+                # raw, but with the prompt lists and SamplingParams built anew per call,
+                # as the worker builds them (isolates input-object effects inside vLLM)
+                fresh = [TokensPrompt(prompt_token_ids=row) for row in input_ids.tolist()]
+                again = SamplingParams(**spec.as_kwargs(caps.sampling_args))
+                outs = llm.generate(fresh, again, use_tqdm=False)
+                return sum(len(o.outputs[0].token_ids) for o in outs)
+
             warm_s, warm_tokens = timed(via_raw)
             warm_worker_s, _ = timed(via_worker)  # first-call costs, full batch like raw
-            runs: dict[str, list[float]] = {"worker": [], "raw": []}
+            paths = {"worker": via_worker, "raw": via_raw, "raw, inputs rebuilt": via_raw_fresh}
+            runs: dict[str, list[float]] = {name: [] for name in paths}
+            inner: dict[str, list[float]] = {name: [] for name in paths}
+            pauses: dict[str, list[float]] = {name: [] for name in paths}
             counts: set[int] = {int(warm_tokens)}
-            for rep in range(scale.gen_reps):
-                order = [("worker", via_worker), ("raw", via_raw)]
-                for name, fn in order if rep % 2 == 0 else order[::-1]:
-                    seconds, n = timed(fn)
-                    runs[name].append(seconds)
-                    counts.add(int(n))
+
+            def measure(name: str) -> None:
+                probe.reset()
+                seconds, n = timed(paths[name])
+                runs[name].append(seconds)
+                inner[name].append(probe.inner_s)
+                pauses[name].append(probe.gc_s)
+                counts.add(int(n))
+
+            names = list(paths)
+            with probe:
+                for rep in range(scale.gen_reps):
+                    for k in range(len(names)):  # rotate the order every repetition
+                        measure(names[(rep + k) % len(names)])
+                # then with the heap frozen (gc.freeze: the cyclic GC skips every object
+                # alive now), a few pairs, to see how much of the spread is the GC's
+                import gc
+
+                gc.collect()
+                gc.freeze()
+                frozen_from = len(runs["worker"])
+                for rep in range(max(scale.gen_reps // 2, 1)):
+                    for name in ("worker", "raw") if rep % 2 == 0 else ("raw", "worker"):
+                        measure(name)
+                gc.unfreeze()
+            frozen = {n: runs[n][frozen_from:] for n in ("worker", "raw")}
+            for n in ("worker", "raw"):
+                runs[n] = runs[n][:frozen_from]
+                inner[n] = inner[n][:frozen_from]
+                pauses[n] = pauses[n][:frozen_from]
             w, r = statistics.median(runs["worker"]), statistics.median(runs["raw"])
             overhead = w / r
+            paired = statistics.median(
+                a / b for a, b in zip(runs["worker"], runs["raw"], strict=True)
+            )
+            outside = [t - i for t, i in zip(runs["worker"], inner["worker"], strict=True)]
             sec.row(
                 "batch",
                 f"{scale.prompts} prompts x {scale.prompt_len} tokens in, "
@@ -596,6 +682,36 @@ def gen_sleep_child(
             sec.row("`worker.generate`, median", f"{fmt_s(w)}, {expected / w:,.0f} tokens/s", "")
             sec.row("runs (s), worker", ", ".join(f"{x:.3f}" for x in runs["worker"]), "")
             sec.row("runs (s), raw", ", ".join(f"{x:.3f}" for x in runs["raw"]), "")
+            fresh_runs = runs["raw, inputs rebuilt"]
+            sec.row(
+                "raw with prompts and SamplingParams rebuilt per call, median",
+                fmt_s(statistics.median(fresh_runs)),
+                "runs: " + ", ".join(f"{x:.3f}" for x in fresh_runs),
+            )
+            fw, fr = statistics.median(frozen["worker"]), statistics.median(frozen["raw"])
+            sec.row(
+                "after gc.freeze(): worker / raw, medians",
+                f"{fmt_s(fw)} / {fmt_s(fr)} = {fw / fr:.4f}",
+                "runs: worker "
+                + ", ".join(f"{x:.3f}" for x in frozen["worker"])
+                + "; raw "
+                + ", ".join(f"{x:.3f}" for x in frozen["raw"]),
+            )
+            sec.row(
+                "worker: inside `LLM.generate` / outside it (ours), medians",
+                f"{fmt_s(statistics.median(inner['worker']))} / "
+                f"{fmt_s(statistics.median(outside))}",
+                f"outside = {statistics.median(outside) / r:.2%} of the raw median",
+            )
+            sec.row(
+                "cyclic GC pauses per run, median: worker / raw",
+                f"{fmt_s(statistics.median(pauses['worker']))} / "
+                f"{fmt_s(statistics.median(pauses['raw']))}",
+                "gc.callbacks, whole process",
+            )
+            sec.row(
+                "paired ratio worker / raw (median over alternating pairs)", f"{paired:.4f}", ""
+            )
             sec.row("worker_overhead = worker / raw", f"{overhead:.4f}", f"bar <= {OVERHEAD_BAR}")
             sec.verdict(
                 f"worker_overhead {overhead:.4f} <= {OVERHEAD_BAR}", overhead <= OVERHEAD_BAR
@@ -648,19 +764,23 @@ def gen_sleep_child(
 def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
     """The trainer: holds a state dict, sends it over CUDA IPC whenever asked.
 
-    ``("layout", (layout, bucket_bytes, direct))`` (re)allocates the state dict and the
-    sender (``direct``: the fast path when the engine agrees); ``("send", None)`` sends it
-    once and answers ``(seconds, buckets, mode)``; ``("stop", None)`` ends.
+    ``("layout", (layout, bucket_bytes, direct, arena))`` (re)allocates the state dict
+    and the sender (``direct``: the fast path when the engine agrees; ``arena``: the
+    tensors are views of one :class:`RefitArena` allocation instead of one allocation
+    each); ``("send", None)`` sends it once and answers ``(seconds, buckets, mode)``;
+    ``("stop", None)`` ends.
     """
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     try:
         import torch
 
+        from genworker.shell.refit.arena import RefitArena
         from genworker.shell.refit.ipc import IpcSender
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         tensors: dict[str, Any] = {}
+        arena: Any = None
         sender: Any = None
         replies.put(("ready", None))
         while True:
@@ -668,12 +788,17 @@ def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
             if cmd == "stop":
                 break
             if cmd == "layout":
-                layout, bucket_bytes, direct = arg
+                layout, bucket_bytes, direct, flat = arg
                 if sender is not None:
                     sender.close()
                 tensors.clear()
+                arena = None
                 tensors = make_tensors(layout, device, seed=1)
                 info = {n: (tuple(s), getattr(torch, d)) for n, (s, d) in layout.items()}
+                if flat:
+                    arena = RefitArena(info, device)
+                    arena.load_(tensors.items())
+                    tensors = arena.tensors
                 sender = IpcSender(address, manifest=info, bucket_bytes=bucket_bytes, direct=direct)
                 sync()
                 replies.put(("ok", None))
@@ -779,10 +904,11 @@ def refit_over_ipc(
     reps: int,
     *,
     direct: bool = True,
+    arena: bool = False,
 ) -> tuple[list[float], list[float], str]:
     """Engine-side seconds of ``reps`` refits (after one warm-up), trainer-side seconds,
     and the direct/loader split with the mode the refits took."""
-    trainer.send("layout", (dict(layout), bucket_bytes, direct))
+    trainer.send("layout", (dict(layout), bucket_bytes, direct, arena))
     trainer.expect("ok")
     routes = prepare_refit(worker, layout)
     engine_times, trainer_times, modes = [], [], set()
@@ -854,23 +980,28 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 f"{fmt_s(hf_s)}, {fmt_rate(layout_bytes(hf), hf_s)}",
                 "runs: " + ", ".join(fmt_s(x) for x in hf_times),
             )
-        # Buckets first (the comparison rows), the fast path last: the switch below
-        # sends the last layout the trainer holds.
-        for bucket, direct in (
-            (DEFAULT_BUCKET_BYTES, False),
-            (4 * DEFAULT_BUCKET_BYTES, False),
-            (DEFAULT_BUCKET_BYTES, True),
+        # Buckets first (the comparison rows), the fast paths last: the switch below
+        # sends the last layout the trainer holds (the arena).
+        for bucket, direct, flat in (
+            (DEFAULT_BUCKET_BYTES, False, False),
+            (4 * DEFAULT_BUCKET_BYTES, False, False),
+            (DEFAULT_BUCKET_BYTES, True, False),
+            (DEFAULT_BUCKET_BYTES, True, True),
         ):
-            what = "fast path" if direct else f"{bucket >> 20} MiB buckets"
+            what = (
+                ("fast path, trainer tensors in one `RefitArena`" if flat else "fast path")
+                if direct
+                else f"{bucket >> 20} MiB buckets"
+            )
             with part(sec, f"IPC refit in the engine layout, {what}"):
                 times, sender_times, routes = refit_over_ipc(
-                    worker, trainer, own, bucket, scale.refit_reps, direct=direct
+                    worker, trainer, own, bucket, scale.refit_reps, direct=direct, arena=flat
                 )
                 own_s = statistics.median(times)
                 rate = gbps(nbytes, own_s)
                 sec.row(
                     f"IPC refit, engine layout, {what}"
-                    + (" (default)" if direct else "")
+                    + (", one allocation per tensor (default)" if direct and not flat else "")
                     + f" ({routes})",
                     f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.0%} of copy",
                     "runs: "
@@ -879,24 +1010,30 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 )
                 if direct:
                     sec.verdict(
-                        f"IPC refit (fast path) at {rate / copy:.0%} of the device copy "
-                        f"bandwidth (bar >= {IPC_BAR:.0%})",
+                        f"IPC refit ({what}"
+                        + ("" if flat else ", one allocation per trainer tensor")
+                        + f") at {rate / copy:.0%} of the device copy bandwidth "
+                        f"(bar >= {IPC_BAR:.0%})",
                         rate >= IPC_BAR * copy,
                     )
 
         with part(sec, "train-to-generate switch"):
-            # The last layout sent is the engine's own; the trainer still holds it.
+            # The last layout sent is the engine's own, in an arena; the trainer holds it.
             phases: dict[str, float] = {}
             phases["sleep level 2"], _ = timed(lambda: worker.sleep(2))
             phases["wake weights"], _ = timed(lambda: worker.wake_up(["weights"]))
             trainer.send("send")
-            phases["refit (IPC, engine layout)"], _ = timed(worker.update_weights_via_ipc_zmq)
+            phases["refit (IPC, engine layout, arena)"], _ = timed(
+                worker.update_weights_via_ipc_zmq
+            )
             trainer.expect("sent")
             phases["wake KV cache"], _ = timed(lambda: worker.wake_up(["kv_cache"]))
             refs = {
                 "sleep level 2": f"{REF_8B_SLEEP_L2_S} s",
                 "wake weights": f"wake, both tags: {REF_8B_WAKE_L2_S} s",
-                "refit (IPC, engine layout)": f"`load_weights`: {REF_8B_LOAD_WEIGHTS_S:.3f} s",
+                "refit (IPC, engine layout, arena)": (
+                    f"`load_weights`: {REF_8B_LOAD_WEIGHTS_S:.3f} s"
+                ),
                 "wake KV cache": "",
             }
             for name, seconds in phases.items():
@@ -932,6 +1069,96 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             "`sender-handles` (the engine copies from the trainer's tensors: sleep mode's "
             "virtual-memory weights cannot be exported), `buckets` (staging buffers)"
         )
+        sec.notes.append(
+            "sender-handles maps one CUDA IPC handle per trainer allocation, every refit: "
+            "per-tensor allocations pay one handle open each; a `RefitArena` (the trainer's "
+            "tensors as views of one allocation, filled before the timed refits) pays one"
+        )
+    if trainer is not None:
+        trainer.stop()
+    if worker is not None:
+        worker.shutdown()
+    report(sec)
+
+
+def refit_nosleep_child(*, report: Callable[[Section], None], scale: Scale) -> None:
+    """IPC refit into an 8B engine started without sleep mode: its parameters are plain
+    CUDA allocations it can export, so the trainer writes straight into them
+    (``engine-handles``) and keeps them mapped across refits."""
+    import torch
+
+    from genworker.shell.refit.packing import DEFAULT_BUCKET_BYTES
+    from genworker.shell.vllm_engine import VllmEngine, VllmEngineFactory
+
+    class NoSleepFactory(VllmEngineFactory):
+        def start(self, kwargs: Mapping[str, object]) -> VllmEngine:
+            return VllmEngine.start({**kwargs, "enable_sleep_mode": False})
+
+    sec = Section("ipc-nosleep", TITLES["ipc-nosleep"])
+    trainer: Trainer | None = None
+    worker: Any = None
+    with guarded(sec):
+        from genworker.shell.worker import VllmGenerationWorker
+
+        shape = scale.refit_shape
+        model_dir = write_model(shape, scale.dtype)
+        config = worker_config(
+            model_dir, scale, util=scale.refit_util, max_new_tokens=8, max_model_len=1024
+        )
+        t0 = time.perf_counter()
+        worker = VllmGenerationWorker(config, engine_factory=NoSleepFactory())
+        sec.row(
+            "engine start (enforce_eager, enable_sleep_mode=False)", fmt_s(time.perf_counter() - t0)
+        )
+        device = worker.engine.capabilities.device
+        own = engine_layout(worker)
+        nbytes = layout_bytes(own)
+        copy = measure_copy(scale.copy_bytes, device)
+        sec.row(
+            f"device-to-device copy, {fmt_gib(scale.copy_bytes)}",
+            f"{fmt_rate(scale.copy_bytes, scale.copy_bytes / 1e9 / copy)} (one-way bytes)",
+            f"{REF_COPY_GBPS:,.0f} GB/s",
+        )
+        (address,) = worker.refit_address()
+        trainer = Trainer(ipc_trainer_main, {"address": str(address)})
+        trainer.expect("ready")
+        with part(sec, "IPC refit, engine-handles"):
+            times, sender_times, routes = refit_over_ipc(
+                worker, trainer, own, DEFAULT_BUCKET_BYTES, scale.refit_reps
+            )
+            own_s = statistics.median(times)
+            rate = gbps(nbytes, own_s)
+            sec.row(
+                f"IPC refit, engine layout, fast path (default) ({routes})",
+                f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.0%} of copy",
+                "runs: "
+                + ", ".join(fmt_s(x) for x in times)
+                + f"; trainer send {fmt_s(statistics.median(sender_times))}",
+            )
+            sec.verdict(
+                f"IPC refit into an engine without sleep mode at {rate / copy:.0%} of the "
+                f"device copy bandwidth (bar >= {IPC_BAR:.0%})",
+                rate >= IPC_BAR * copy,
+            )
+        probe = {
+            "input_ids": torch.ones((4, 8), dtype=torch.long),
+            "input_lengths": torch.full((4,), 8),
+        }
+        g_s, out = timed(lambda: worker.generate(probe))
+        sec.row(
+            "generate after the refits (4 prompts x 8 tokens)",
+            fmt_s(g_s),
+            f"{int(out['generation_lengths'].sum())} tokens generated",
+        )
+        sec.notes.append(
+            "the trainer maps the engine's parameter storages once and keeps them mapped "
+            "while their handles stay the same (the engine's memory never moves without "
+            "sleep mode); the first refit, which maps them, is the uncounted warm-up"
+        )
+        sec.notes.append(
+            "such an engine cannot sleep: this is the path for a trainer on the same GPU "
+            "that does not need the engine's memory back between rollouts"
+        )
     if trainer is not None:
         trainer.stop()
     if worker is not None:
@@ -941,9 +1168,18 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
 
 # -- refit over NCCL (two GPUs) ----------------------------------------------------------
 def raw_broadcast_main(
-    *, rank: int, port: int, nbytes: int, chunk: int, reps: int, device: str, out: Any
+    *,
+    rank: int,
+    port: int,
+    nbytes: int,
+    chunk: int,
+    reps: int,
+    device: str,
+    out: Any,
+    sizes: list[int] | None = None,
 ) -> None:
-    """One rank of the raw broadcast: ``nbytes`` in ``chunk``-byte pieces, rank 0 -> 1."""
+    """One rank of the raw broadcast, rank 0 -> 1: ``nbytes`` in ``chunk``-byte pieces,
+    or one broadcast per entry of ``sizes``."""
     try:
         import datetime as dt
 
@@ -957,8 +1193,9 @@ def raw_broadcast_main(
             torch.cuda.set_device(0)  # this process sees its one GPU only
         dist.init_process_group(backend, store=store, rank=rank, world_size=2)
 
-        sizes = [min(chunk, nbytes - off) for off in range(0, nbytes, chunk)]
-        bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
+        if sizes is None:
+            sizes = [min(chunk, nbytes - off) for off in range(0, nbytes, chunk)]
+        bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes if n]
         dist.broadcast(bufs[0], src=0)  # warm-up: the communicator is set up lazily
         times = []
         for _ in range(reps):
@@ -975,8 +1212,9 @@ def raw_broadcast_main(
         out.put((rank, "error", traceback.format_exc()))
 
 
-def measure_raw_broadcast(nbytes: int, scale: Scale) -> list[float]:
-    """Receiver-side seconds of raw broadcasts of ``nbytes`` between two fresh processes."""
+def measure_raw_broadcast(nbytes: int, scale: Scale, sizes: list[int] | None = None) -> list[float]:
+    """Receiver-side seconds of raw broadcasts of ``nbytes`` between two fresh processes
+    (in ``scale.nccl_chunk_bytes`` chunks, or one broadcast per entry of ``sizes``)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -987,6 +1225,7 @@ def measure_raw_broadcast(nbytes: int, scale: Scale) -> list[float]:
         "reps": scale.refit_reps,
         "device": scale.device,
         "out": out,
+        "sizes": sizes,
     }
     procs = [ctx.Process(target=raw_broadcast_main, kwargs={**kwargs, "rank": r}) for r in (0, 1)]
     for rank, p in enumerate(procs):
@@ -1044,11 +1283,13 @@ def nccl_trainer_main(
         )
         replies.put(("joined", None))
         while True:
-            cmd, direct = commands.get()
+            cmd, arg = commands.get()
             if cmd == "stop":
                 break
             if cmd == "send":
-                sender.direct = direct is not False
+                direct, group_bytes = arg
+                sender.direct = direct
+                sender.group_bytes = group_bytes
                 sent = sender.send(tensors.items())
                 replies.put(("sent", (sent.seconds, sent.buckets, sent.mode)))
         sender.close()
@@ -1096,10 +1337,23 @@ def nccl_child(*, report: Callable[[Section], None], scale: Scale) -> None:
         worker.init_collective(0, "127.0.0.1", port, 2, 1)
         trainer.expect("joined")
         routes = prepare_refit(worker, own)
-        for direct in (False, True):  # the bucketed comparison row, then the fast path
+        with part(sec, "raw broadcast, one per tensor"):
+            # The engine layout's tensor sizes, one plain broadcast each (the per-tensor
+            # floor), between two fresh processes while the engine waits.
+            sizes = [layout_bytes({name: entry}) for name, entry in own.items()]
+            per_tensor_s = statistics.median(measure_raw_broadcast(nbytes, scale, sizes))
+            sec.row(
+                f"raw broadcast, one call per tensor ({len(sizes)} tensors, engine layout)",
+                f"{fmt_s(per_tensor_s)}, {fmt_rate(nbytes, per_tensor_s)}",
+                "between two fresh processes, like the chunked row",
+            )
+        from genworker.shell.refit.collective import DEFAULT_GROUP_BYTES
+
+        # the bucketed comparison row, per-tensor direct, then the fast path (grouped)
+        for direct, group_bytes in ((False, 0), (True, 0), (True, DEFAULT_GROUP_BYTES)):
             times, sender_times, modes = [], [], set()
             for _ in range(scale.refit_reps + 1):  # the first is a warm-up
-                trainer.send("send", direct)
+                trainer.send("send", (direct, group_bytes))
                 seconds, _ = timed(worker.update_weights_from_collective)
                 times.append(seconds)
                 sent_s, _, mode = trainer.expect("sent")
@@ -1109,16 +1363,24 @@ def nccl_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             refit_s = statistics.median(times)
             rate = gbps(nbytes, refit_s)
             versus = f" = {rate / raw:.0%} of raw" if raw else ""
+            what = (
+                (
+                    f"fast path, group calls of {group_bytes >> 20} MiB (default)"
+                    if group_bytes
+                    else "direct, one broadcast call per tensor"
+                )
+                if direct
+                else "buckets"
+            )
             sec.row(
-                f"{'NCCL' if cuda else 'gloo'} refit, engine layout, "
-                + ("fast path (default)" if direct else "buckets")
+                f"{'NCCL' if cuda else 'gloo'} refit, engine layout, {what}"
                 + f" ({routes}; mode {'/'.join(sorted(modes))})",
                 f"{fmt_s(refit_s)}, {fmt_rate(nbytes, refit_s)}{versus}",
                 "runs: "
                 + ", ".join(fmt_s(x) for x in times)
                 + f"; trainer send {fmt_s(statistics.median(sender_times))}",
             )
-            if raw and direct:
+            if raw and direct and group_bytes:
                 sec.verdict(
                     f"NCCL refit (fast path) at {rate / raw:.0%} of the raw broadcast "
                     f"(bar >= {NCCL_BAR:.0%})",
@@ -1172,8 +1434,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench/RESULTS-gpu.md"))
     parser.add_argument(
         "--sections",
-        default="gen,sleep,refit",
-        help=f"comma-separated, from {','.join(SECTIONS)} (default gen,sleep,refit)",
+        default="gen,sleep,refit,ipc-nosleep",
+        help=f"comma-separated, from {','.join(SECTIONS)} (default gen,sleep,refit,ipc-nosleep)",
     )
     parser.add_argument("--nccl", action="store_true", help="add the two-GPU NCCL section")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes; CPU without a GPU")
@@ -1239,6 +1501,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         write()
     if "refit" in wanted:
         sections += run_child(refit_child, {"scale": scale}, ["refit"], scale.child_timeout_s)
+        write()
+    if "ipc-nosleep" in wanted:
+        sections += run_child(
+            refit_nosleep_child, {"scale": scale}, ["ipc-nosleep"], scale.child_timeout_s
+        )
         write()
     if "nccl" in wanted:
         if has_cuda and gpus < 2:

@@ -165,8 +165,10 @@ def load_checkpoint(path: Path, device: str) -> dict[str, torch.Tensor]:
 
 
 def manifest(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """``prepare_refit_info``'s argument for a checkpoint: name -> (shape, dtype)."""
-    return {n: (t.shape, t.dtype) for n, t in load_checkpoint(path, "cpu").items()}
+    """``prepare_refit_info``'s argument for a checkpoint (a model directory, or a ``.pt``
+    of engine-layout tensors): name -> (shape, dtype)."""
+    tensors = torch.load(path) if path.suffix == ".pt" else load_checkpoint(path, "cpu")
+    return {n: (t.shape, t.dtype) for n, t in tensors.items()}
 
 
 def pad_token_id(path: Path) -> int:
@@ -180,6 +182,11 @@ class Checkpoints:
     a: Path
     b: Path
     pad: int
+
+    @property
+    def b_engine(self) -> Path:
+        """Checkpoint B in the engine's own layout (written by the ``reference_b`` fixture)."""
+        return self.b.parent / "b-engine.pt"
 
 
 @pytest.fixture(scope="session")
@@ -286,17 +293,21 @@ def session_engine(session: GpuSession) -> VllmEngine:
     return engine
 
 
-def refit_over_ipc(session: GpuSession, checkpoint: Path) -> None:
-    """Push ``checkpoint`` from the trainer process into the session worker over CUDA IPC."""
+def refit_over_ipc(session: GpuSession, checkpoint: Path, *, arena: bool = False) -> str:
+    """Push ``checkpoint`` (a safetensors model directory, or a ``.pt`` of engine-layout
+    tensors) from the trainer process into the session worker over CUDA IPC (from a
+    :class:`RefitArena` with ``arena``); the sender's mode."""
     worker, trainer = session.worker, session.ipc_trainer()
-    worker.prepare_refit_info(manifest(checkpoint))
-    trainer.send("send", str(checkpoint))
+    expected = manifest(checkpoint)
+    worker.prepare_refit_info(expected)
+    trainer.send("send", (str(checkpoint), arena))
     trainer.expect("sending")
     assert worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT_S)
     sent = trainer.expect("sent")
-    assert sent == sum(
-        math.prod(shape) * dtype.itemsize for shape, dtype in manifest(checkpoint).values()
-    )
+    assert isinstance(sent, tuple)
+    nbytes, mode = sent
+    assert nbytes == sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected.values())
+    return str(mode)
 
 
 # -- child processes ---------------------------------------------------------------------------
@@ -420,28 +431,52 @@ def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
             command, arg = commands.get()
             if command == "stop":
                 break
-            checkpoint = Path(str(arg))
-            tensors = load_checkpoint(checkpoint, device)
+            path, arena = (arg, False) if isinstance(arg, str) else arg
+            checkpoint = Path(str(path))
+            tensors = (
+                {n: t.to(device) for n, t in torch.load(checkpoint).items()}
+                if checkpoint.suffix == ".pt"
+                else load_checkpoint(checkpoint, device)
+            )
             info = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+            if arena:
+                from genworker.shell.refit.arena import RefitArena
+
+                flat = RefitArena(info, device)
+                flat.load_(tensors.items())
+                tensors = flat.tensors
             key = repr(sorted((n, tuple(s), str(d)) for n, (s, d) in info.items()))
             sender = senders.get(key)
             if sender is None:
                 sender = senders[key] = IpcSender(address, manifest=info, timeout_s=REFIT_TIMEOUT_S)
             replies.put(("sending", None))
             report = sender.send(tensors.items())
-            replies.put(("sent", report.nbytes))
+            replies.put(("sent", (report.nbytes, report.mode)))
         for sender in senders.values():
             sender.close()
     except BaseException:  # noqa: BLE001 - the engine side raises it with this traceback
         replies.put(("error", traceback.format_exc()))
 
 
-def reference_greedy_main(config: dict[str, object], pad: int) -> list[list[int]]:
-    """A fresh engine with ``config`` in this (child) process: its greedy tokens."""
+def reference_greedy_main(
+    config: dict[str, object], pad: int, params_path: str | None = None
+) -> list[list[int]]:
+    """A fresh engine with ``config`` in this (child) process: its greedy tokens; with
+    ``params_path``, its parameters in the engine's own layout are saved there too."""
     from genworker.shell.worker import VllmGenerationWorker
 
     worker = VllmGenerationWorker(config)
     try:
+        if params_path is not None:
+            (params,) = worker.engine.collective_rpc(
+                "apply_model",
+                args=(
+                    lambda model: {
+                        n: p.detach().cpu().clone() for n, p in model.named_parameters()
+                    },
+                ),
+            )
+            torch.save(params, params_path)
         return greedy(worker, pad)
     finally:
         worker.shutdown()
@@ -449,9 +484,15 @@ def reference_greedy_main(config: dict[str, object], pad: int) -> list[list[int]
 
 @pytest.fixture(scope="session")
 def reference_b(checkpoints: Checkpoints) -> list[list[int]]:
-    """Greedy tokens of a fresh engine on checkpoint B (started in a child process)."""
+    """Greedy tokens of a fresh engine on checkpoint B (started in a child process); its
+    engine-layout parameters are saved to ``checkpoints.root / "b-engine.pt"``."""
     config = gpu_config(checkpoints.b, checkpoints.pad)
-    result = run_in_child(reference_greedy_main, config=config, pad=checkpoints.pad)
+    result = run_in_child(
+        reference_greedy_main,
+        config=config,
+        pad=checkpoints.pad,
+        params_path=str(checkpoints.b_engine),
+    )
     assert isinstance(result, list)
     return result
 

@@ -43,6 +43,21 @@ def test_ipc_refit_from_a_trainer_process_matches_a_fresh_engine(
     assert greedy(worker, ckpt.pad) == gpu_session.baseline_a
 
 
+@pytest.mark.parametrize("arena", [False, True], ids=["per-tensor", "arena"])
+def test_ipc_refit_in_the_engine_layout_goes_direct_and_matches_a_fresh_engine(
+    gpu_session: GpuSession, reference_b: list[list[int]], arena: bool
+) -> None:
+    """Engine-layout tensors (fused qkv / gate_up, as a fresh engine on B holds them) take
+    the direct path: sender-handles, the sleep-mode engine copying from the trainer's
+    memory, from one allocation per tensor or from one RefitArena."""
+    worker, ckpt = gpu_session.worker, gpu_session.checkpoints
+    mode = refit_over_ipc(gpu_session, ckpt.b_engine, arena=arena)
+    assert mode == "sender-handles"
+    assert greedy(worker, ckpt.pad) == reference_b
+    refit_over_ipc(gpu_session, ckpt.a)
+    assert greedy(worker, ckpt.pad) == gpu_session.baseline_a
+
+
 def test_level2_sleep_wake_weights_refit_wake_kv_cache_matches_a_fresh_engine(
     gpu_session: GpuSession, reference_b: list[list[int]]
 ) -> None:

@@ -86,8 +86,14 @@ def test_guarded_and_part_record_failures_and_go_on() -> None:
 
 
 def test_command_line_sections() -> None:
-    assert bench.parse_args([]).sections == ["gen", "sleep", "refit"]
-    assert bench.parse_args(["--nccl"]).sections == ["gen", "sleep", "refit", "nccl"]
+    assert bench.parse_args([]).sections == ["gen", "sleep", "refit", "ipc-nosleep"]
+    assert bench.parse_args(["--nccl"]).sections == [
+        "gen",
+        "sleep",
+        "refit",
+        "ipc-nosleep",
+        "nccl",
+    ]
     assert bench.parse_args(["--sections", "refit,gen"]).sections == ["gen", "refit"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--sections", "gen,warp"])
