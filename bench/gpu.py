@@ -804,7 +804,7 @@ def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
                 replies.put(("ok", None))
             elif cmd == "send":
                 sent = sender.send(tensors.items())
-                replies.put(("sent", (sent.seconds, sent.buckets, sent.mode)))
+                replies.put(("sent", (sent.seconds, sent.buckets, sent.mode, dict(sent.phases))))
         if sender is not None:
             sender.close()
         replies.put(("stopped", None))
@@ -896,6 +896,28 @@ def measure_load_weights(llm: Any, layout: Mapping[str, Any], device: str, reps:
     return statistics.median(times)
 
 
+def phase_text(runs: Sequence[Mapping[str, float]]) -> str:
+    """Median milliseconds per phase over ``runs`` (each ``{phase: seconds}``)."""
+    names = list(dict.fromkeys(k for run in runs for k in run))
+    return ", ".join(
+        f"{k} {statistics.median(run.get(k, 0.0) for run in runs) * 1e3:.1f}" for k in names
+    )
+
+
+def engine_phases(worker: Any) -> dict[str, float]:
+    """The last refit's phases on the engine side (the first engine worker), with the
+    worker's RPC and prefix-cache reset."""
+    last = worker.last_refit
+    reports = last.get("engine_workers") or [{}]
+    phases = dict(reports[0].get("phases", {}))
+    inside = float(reports[0].get("seconds", 0.0)) + sum(
+        v for k, v in phases.items() if k == "routes"
+    )
+    phases["rpc other"] = max(float(last.get("rpc_seconds", 0.0)) - inside, 0.0)
+    phases["reset prefix cache"] = float(last.get("reset_prefix_cache_seconds", 0.0))
+    return phases
+
+
 def refit_over_ipc(
     worker: Any,
     trainer: Trainer,
@@ -905,21 +927,30 @@ def refit_over_ipc(
     *,
     direct: bool = True,
     arena: bool = False,
-) -> tuple[list[float], list[float], str]:
+) -> tuple[list[float], list[float], str, str]:
     """Engine-side seconds of ``reps`` refits (after one warm-up), trainer-side seconds,
-    and the direct/loader split with the mode the refits took."""
+    the direct/loader split with the mode the refits took, and the median phases (ms)."""
     trainer.send("layout", (dict(layout), bucket_bytes, direct, arena))
     trainer.expect("ok")
     routes = prepare_refit(worker, layout)
     engine_times, trainer_times, modes = [], [], set()
+    engine_runs, trainer_runs = [], []
     for _ in range(reps + 1):
         trainer.send("send")
         seconds, _ = timed(worker.update_weights_via_ipc_zmq)
         engine_times.append(seconds)
-        sent_s, _, mode = trainer.expect("sent")
+        engine_runs.append(engine_phases(worker))
+        sent_s, _, mode, phases = trainer.expect("sent")
         trainer_times.append(sent_s)
+        trainer_runs.append(phases)
         modes.add(mode)
-    return engine_times[1:], trainer_times[1:], f"{routes}; mode {'/'.join(sorted(modes))}"
+    phases = f"engine: {phase_text(engine_runs[1:])}; trainer: {phase_text(trainer_runs[1:])} (ms)"
+    return (
+        engine_times[1:],
+        trainer_times[1:],
+        f"{routes}; mode {'/'.join(sorted(modes))}",
+        phases,
+    )
 
 
 def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
@@ -971,14 +1002,14 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
         trainer = Trainer(ipc_trainer_main, {"address": str(address)})
         trainer.expect("ready")
         with part(sec, "IPC refit in HF names"):
-            hf_times, _, routes = refit_over_ipc(
+            hf_times, _, routes, phases = refit_over_ipc(
                 worker, trainer, hf, DEFAULT_BUCKET_BYTES, scale.refit_reps
             )
             hf_s = statistics.median(hf_times)
             sec.row(
                 f"IPC refit, HF names ({routes})",
                 f"{fmt_s(hf_s)}, {fmt_rate(layout_bytes(hf), hf_s)}",
-                "runs: " + ", ".join(fmt_s(x) for x in hf_times),
+                "runs: " + ", ".join(fmt_s(x) for x in hf_times) + f"; phases {phases}",
             )
         # Buckets first (the comparison rows), the fast paths last: the switch below
         # sends the last layout the trainer holds (the arena).
@@ -994,7 +1025,7 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 else f"{bucket >> 20} MiB buckets"
             )
             with part(sec, f"IPC refit in the engine layout, {what}"):
-                times, sender_times, routes = refit_over_ipc(
+                times, sender_times, routes, phases = refit_over_ipc(
                     worker, trainer, own, bucket, scale.refit_reps, direct=direct, arena=flat
                 )
                 own_s = statistics.median(times)
@@ -1006,7 +1037,8 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                     f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.0%} of copy",
                     "runs: "
                     + ", ".join(fmt_s(x) for x in times)
-                    + f"; trainer send {fmt_s(statistics.median(sender_times))}",
+                    + f"; trainer send {fmt_s(statistics.median(sender_times))}"
+                    + f"; phases {phases}",
                 )
                 if direct:
                     sec.verdict(
@@ -1027,6 +1059,7 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 worker.update_weights_via_ipc_zmq
             )
             trainer.expect("sent")
+            switch_refit = engine_phases(worker)
             phases["wake KV cache"], _ = timed(lambda: worker.wake_up(["kv_cache"]))
             refs = {
                 "sleep level 2": f"{REF_8B_SLEEP_L2_S} s",
@@ -1036,6 +1069,9 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 ),
                 "wake KV cache": "",
             }
+            refs["refit (IPC, engine layout, arena)"] += (
+                f"; engine phases: {phase_text([switch_refit])} (ms)"
+            )
             for name, seconds in phases.items():
                 sec.row(f"switch: {name}", fmt_s(seconds), refs[name])
             ref_total = REF_8B_SLEEP_L2_S + REF_8B_WAKE_L2_S + REF_8B_LOAD_WEIGHTS_S
@@ -1123,7 +1159,7 @@ def refit_nosleep_child(*, report: Callable[[Section], None], scale: Scale) -> N
         trainer = Trainer(ipc_trainer_main, {"address": str(address)})
         trainer.expect("ready")
         with part(sec, "IPC refit, engine-handles"):
-            times, sender_times, routes = refit_over_ipc(
+            times, sender_times, routes, phases = refit_over_ipc(
                 worker, trainer, own, DEFAULT_BUCKET_BYTES, scale.refit_reps
             )
             own_s = statistics.median(times)
@@ -1133,7 +1169,8 @@ def refit_nosleep_child(*, report: Callable[[Section], None], scale: Scale) -> N
                 f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.0%} of copy",
                 "runs: "
                 + ", ".join(fmt_s(x) for x in times)
-                + f"; trainer send {fmt_s(statistics.median(sender_times))}",
+                + f"; trainer send {fmt_s(statistics.median(sender_times))}"
+                + f"; phases {phases}",
             )
             sec.verdict(
                 f"IPC refit into an engine without sleep mode at {rate / copy:.0%} of the "
@@ -1291,7 +1328,7 @@ def nccl_trainer_main(
                 sender.direct = direct
                 sender.group_bytes = group_bytes
                 sent = sender.send(tensors.items())
-                replies.put(("sent", (sent.seconds, sent.buckets, sent.mode)))
+                replies.put(("sent", (sent.seconds, sent.buckets, sent.mode, dict(sent.phases))))
         sender.close()
         replies.put(("stopped", None))
     except BaseException:  # noqa: BLE001 - reported to the engine side
@@ -1352,12 +1389,15 @@ def nccl_child(*, report: Callable[[Section], None], scale: Scale) -> None:
         # the bucketed comparison row, per-tensor direct, then the fast path (grouped)
         for direct, group_bytes in ((False, 0), (True, 0), (True, DEFAULT_GROUP_BYTES)):
             times, sender_times, modes = [], [], set()
+            engine_runs, trainer_runs = [], []
             for _ in range(scale.refit_reps + 1):  # the first is a warm-up
                 trainer.send("send", (direct, group_bytes))
                 seconds, _ = timed(worker.update_weights_from_collective)
                 times.append(seconds)
-                sent_s, _, mode = trainer.expect("sent")
+                engine_runs.append(engine_phases(worker))
+                sent_s, _, mode, sent_phases = trainer.expect("sent")
                 sender_times.append(sent_s)
+                trainer_runs.append(sent_phases)
                 modes.add(mode)
             times, sender_times = times[1:], sender_times[1:]
             refit_s = statistics.median(times)
@@ -1378,7 +1418,9 @@ def nccl_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 f"{fmt_s(refit_s)}, {fmt_rate(nbytes, refit_s)}{versus}",
                 "runs: "
                 + ", ".join(fmt_s(x) for x in times)
-                + f"; trainer send {fmt_s(statistics.median(sender_times))}",
+                + f"; trainer send {fmt_s(statistics.median(sender_times))}"
+                + f"; phases engine: {phase_text(engine_runs[1:])}; "
+                + f"trainer: {phase_text(trainer_runs[1:])} (ms)",
             )
             if raw and direct and group_bytes:
                 sec.verdict(

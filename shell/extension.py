@@ -73,6 +73,7 @@ from genworker.shell.errors import (
 from genworker.shell.refit.buffers import device_id
 from genworker.shell.refit.collective import CollectiveGroup, CollectiveReceiver
 from genworker.shell.refit.ipc import IpcReceiver
+from genworker.shell.refit.packing import Laps
 from genworker.shell.refit.session import Loader, ReceiverTransport, RefitReport, receive_refit
 
 if TYPE_CHECKING:
@@ -353,12 +354,14 @@ def _refit(
     state = _state(worker)
     if state.manifest is None:
         raise EngineStateError("a weight update needs prepare_refit_info first")
+    laps = Laps()
     model = _model(worker)
     routes = direct_routes(model, state.manifest, sharded_ok=sharded_ok or _tp_size(worker) == 1)
     sink = EngineSink(model, routes, _device(worker))
     loader = _loader(worker) if len(routes.direct) < len(state.manifest) else None
     if loader is None and len(routes.direct) < len(state.manifest):
         raise RefitError("this engine worker has no weight loader for checkpoint-layout tensors")
+    laps.lap("routes")
     try:
         report: RefitReport = receive_refit(
             transport, state.manifest, sink, timeout_s=timeout_s, loader=loader
@@ -377,4 +380,8 @@ def _refit(
         report.nbytes / 1e9,
         report.seconds,
     )
-    return {**report.as_dict(), "version": state.version}
+    return {
+        **report.as_dict(),
+        "phases": {**laps.seconds, **report.phases},
+        "version": state.version,
+    }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
@@ -105,6 +106,9 @@ class VllmGenerationWorker:
         self._engine: EnginePort | None = None
         self._state = lifecycle.NOT_LOADED
         self._dead: str | None = None
+        #: the last successful refit: each engine worker's report (tensors, bytes, mode,
+        #: seconds and ``phases``), the RPC's seconds, and the prefix-cache reset's
+        self.last_refit: dict[str, object] = {}
         if not defer_model_load:
             self.load_model()
 
@@ -390,11 +394,13 @@ class VllmGenerationWorker:
     def _refit(self, method: str, timeout_s: float) -> bool:
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         try:
-            self._call(
+            started = time.monotonic()
+            reports = self._call(
                 lambda e: e.collective_rpc(
                     method, kwargs={"timeout_s": timeout_s}, timeout=timeout_s + 30.0
                 )
             )
+            rpc_s = time.monotonic() - started
         except BaseException as e:
             self._state = unwrap(
                 lifecycle.transition(self._state, lifecycle.Event.REFIT_FAILED),
@@ -409,7 +415,13 @@ class VllmGenerationWorker:
             EngineStateError,
             "refit",
         )
+        started = time.monotonic()
         self._call(lambda e: e.reset_prefix_cache())
+        self.last_refit = {
+            "engine_workers": reports,
+            "rpc_seconds": rpc_s,
+            "reset_prefix_cache_seconds": time.monotonic() - started,
+        }
         return True
 
     # -- observability --------------------------------------------------------------

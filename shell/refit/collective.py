@@ -78,6 +78,7 @@ from genworker.shell.errors import BadConfigError, RefitError, RefitManifestErro
 from genworker.shell.refit.direct import collect_direct, spec_of
 from genworker.shell.refit.packing import (
     DEFAULT_BUCKET_BYTES,
+    Laps,
     SendReport,
     as_manifest,
     checked_budget,
@@ -682,6 +683,7 @@ class CollectiveSender:
         self._seq = 0
         self._buffers: dict[int, torch.Tensor] = {}
         self._inflight: dist.Work | None = None  # a payload broadcast not yet waited for
+        self._laps = Laps()
 
     @property
     def group(self) -> CollectiveGroup:
@@ -697,14 +699,17 @@ class CollectiveSender:
         items: list[tuple[str, torch.Tensor]] | None = None
         listing = None
         failure: RefitError | None = None
+        self._laps = Laps()
         if self.direct:
             items, listing, error = collect_direct(named_tensors)
             failure = None if error is None else _local_error(error)
             named_tensors = items
+        self._laps.lap("collect")
         group = self.group_bytes if self._group.coalescing else 0
         self._emit(Begin(refit_id, digest, direct=listing, group_bytes=group), None)
         if listing is not None and items is not None:
             failures, agreed = self._group.vote(None, True, self._timeout, "the start of the refit")
+            self._laps.lap("begin")
             if failures:
                 raise failure_error(failures, "the start of the refit")
             if agreed:
@@ -772,10 +777,20 @@ class CollectiveSender:
                 problem = problem or _local_error(e)
                 buffers.append(None)
         sizes = [t.numel() * t.element_size() for _, t in items]
+        self._laps.lap("prepare")
         problem = self._group.receive_direct(buffers, sizes, self._timeout, group) or problem
+        self._laps.lap("broadcast")
         buffers.clear()
         self._round(problem, "the end of the refit")
-        return SendReport(len(items), sum(sizes), 0, time.monotonic() - started, "direct-receive")
+        self._laps.lap("round")
+        return SendReport(
+            len(items),
+            sum(sizes),
+            0,
+            time.monotonic() - started,
+            "direct-receive",
+            self._laps.seconds,
+        )
 
     def close(self) -> None:
         self._buffers.clear()

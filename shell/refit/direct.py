@@ -34,6 +34,7 @@ from genworker.shell.refit.buffers import export_storage, open_handle
 from genworker.shell.refit.wire import CpuHandle, CudaHandle, TensorRef
 
 __all__ = [
+    "ExportCache",
     "collect_direct",
     "export_refs",
     "listing_problem",
@@ -102,11 +103,19 @@ def listing_problem(manifest: Manifest, refs: Iterable[TensorRef]) -> RefitError
     return None
 
 
+#: Exported storages, kept across refits: (device, data pointer) -> (storage, handle).
+ExportCache = dict[tuple[str, int], tuple[torch.UntypedStorage, CpuHandle | CudaHandle]]
+
+
 def export_refs(
-    targets: Mapping[str, torch.Tensor],
+    targets: Mapping[str, torch.Tensor], cache: ExportCache | None = None
 ) -> tuple[list[CpuHandle | CudaHandle], list[TensorRef]]:
     """Handles of the storages under ``targets`` (each once) and where each tensor lies.
 
+    With ``cache``, a storage exported before is not exported again: its handle is the
+    same bytes, so a peer that keeps its mappings by handle maps nothing anew. The cache
+    holds each storage, so a cached address cannot be reused by another allocation while
+    its handle is out; storages no longer under ``targets`` are dropped from it.
     Raises ``RuntimeError`` when a storage cannot be exported."""
     storages: list[CpuHandle | CudaHandle] = []
     index: dict[tuple[str, int], int] = {}
@@ -118,12 +127,23 @@ def export_refs(
             continue
         if not tensor.is_contiguous():
             raise RuntimeError(f"tensor {name!r} is not contiguous")
-        key = (str(tensor.device), tensor.untyped_storage().data_ptr())
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
         if key not in index:
             index[key] = len(storages)
-            storages.append(export_storage(tensor))
+            cached = cache.get(key) if cache is not None else None
+            if cached is not None and cached[0].nbytes() == storage.nbytes():
+                storages.append(cached[1])
+            else:
+                handle = export_storage(tensor)
+                if cache is not None:
+                    cache[key] = (storage, handle)
+                storages.append(handle)
         offset = int(tensor.storage_offset()) * tensor.element_size()
         refs.append(TensorRef(name, list(spec.shape), spec.dtype, index[key], offset))
+    if cache is not None:
+        for stale in set(cache) - set(index):
+            del cache[stale]
     return storages, refs
 
 

@@ -31,7 +31,8 @@ sender lists its tensors in ``Begin``; an engine worker whose parameters take ev
 manifest tensor directly answers with an :class:`~genworker.shell.refit.wire.Offer`:
 
 - ``engine-handles``: handles of its own parameter storages (CPU: moved into shared
-  memory in place once; CUDA: ``_share_cuda_``, re-exported every refit). The sender
+  memory in place once; CUDA: ``_share_cuda_``), exported once and offered again as the
+  same bytes while the storages stay (``direct.export_refs``'s cache). The sender
   checks each tensor against that layout (refusing a mismatch, named, before any
   write), maps the storages (kept across refits while the handles stay the same), copies
   every tensor straight into them on one stream, synchronizes, and sends one
@@ -75,9 +76,16 @@ from genworker.shell.errors import (
     RefitTimeoutError,
 )
 from genworker.shell.refit.buffers import StagingBuffer, open_handle, private_directory
-from genworker.shell.refit.direct import collect_direct, export_refs, open_refs, spec_of
+from genworker.shell.refit.direct import (
+    ExportCache,
+    collect_direct,
+    export_refs,
+    open_refs,
+    spec_of,
+)
 from genworker.shell.refit.packing import (
     DEFAULT_BUCKET_BYTES,
+    Laps,
     SendReport,
     as_manifest,
     checked_budget,
@@ -150,6 +158,7 @@ class IpcReceiver:
         self._refit_id = ""
         self._awaiting_begin = True
         self._maps: dict[int, tuple[CpuHandle | CudaHandle, torch.Tensor]] = {}
+        self._exports: ExportCache = {}  # this engine's parameters, exported once
         self._offered = ""
 
     @property
@@ -238,8 +247,9 @@ class IpcReceiver:
 
     def _offer(self, targets: Mapping[str, torch.Tensor]) -> Offer | None:
         try:
-            storages, refs = export_refs(targets)
+            storages, refs = export_refs(targets, self._exports)
         except RuntimeError as e:
+            self._exports.clear()
             if self._device.type != "cuda":
                 log.warning("refit %s: cannot export the parameters (%s)", self._refit_id, e)
                 return None
@@ -303,6 +313,7 @@ class IpcReceiver:
 
     def close(self) -> None:
         self._maps.clear()
+        self._exports.clear()
         self._sock.close(linger=0)
         self._cleanup()
 
@@ -361,6 +372,7 @@ class IpcSender:
         """Send one refit; raises a typed :class:`RefitError` on any failure."""
         refit_id = secrets.token_hex(8)
         started = time.monotonic()
+        laps = Laps()
         digest = self._manifest.digest() if self._manifest is not None else ""
         items: list[tuple[str, torch.Tensor]] | None = None
         listing = None
@@ -368,12 +380,14 @@ class IpcSender:
         if self.direct:
             items, listing, failure = collect_direct(named_tensors)
             named_tensors = items
+        laps.lap("collect")
         begin = Begin(refit_id, digest, direct=listing)
         reply = self._exchange(begin, "the start of the refit", refit_id, started)
+        laps.lap("begin")
         if failure is not None:
             self._abort(refit_id, failure, None, started)
         if reply.offer is not None and items is not None:
-            report = self._send_direct(items, reply.offer, refit_id, started)
+            report = self._send_direct(items, reply.offer, refit_id, started, laps)
             if report is not None:
                 return report
         outstanding: tuple[str, StagingBuffer | None] | None = None
@@ -408,10 +422,12 @@ class IpcSender:
         if outstanding is not None:
             self._await(outstanding[0], refit_id, started)
             _close(outstanding[1])
+        laps.lap("buckets")
         self._exchange(
             Complete(refit_id, buckets, tensors), "the end of the refit", refit_id, started
         )
-        return SendReport(tensors, nbytes, buckets, time.monotonic() - started)
+        laps.lap("complete")
+        return SendReport(tensors, nbytes, buckets, time.monotonic() - started, phases=laps.seconds)
 
     def _send_direct(
         self,
@@ -419,13 +435,14 @@ class IpcSender:
         offer: Offer,
         refit_id: str,
         started: float,
+        laps: Laps,
     ) -> SendReport | None:
         """One direct refit; None when the engine's handles cannot be mapped here (the
         caller goes on in buckets: nothing was written)."""
         keep: dict[str, torch.Tensor] = {}
         try:
             if offer.mode == "engine-handles":
-                refs = self._write_engine(items, offer, refit_id, started)
+                refs = self._write_engine(items, offer, refit_id, started, laps)
                 if refs is None:
                     return None
                 msg = DirectMsg(refit_id, refs)
@@ -435,12 +452,16 @@ class IpcSender:
                 storages, refs = export_refs(keep)
                 _sync(device)
                 msg = DirectMsg(refit_id, refs, storages)
+                laps.lap("export")
         except Exception as e:  # noqa: BLE001 - our own failure; the receiver is told
             self._abort(refit_id, e, None, started)
         self._exchange(msg, "the direct refit", refit_id, started)
+        laps.lap("direct")
         keep.clear()
         nbytes = sum(t.numel() * t.element_size() for _, t in items)
-        return SendReport(len(items), nbytes, 0, time.monotonic() - started, offer.mode)
+        return SendReport(
+            len(items), nbytes, 0, time.monotonic() - started, offer.mode, laps.seconds
+        )
 
     def _write_engine(
         self,
@@ -448,6 +469,7 @@ class IpcSender:
         offer: Offer,
         refit_id: str,
         started: float,
+        laps: Laps,
     ) -> list[TensorRef] | None:
         """Check every tensor against the engine's layout, then copy them all into it."""
         where = {r.name: r for r in offer.tensors}
@@ -472,12 +494,15 @@ class IpcSender:
         except RefitError as e:
             log.warning("refit %s: cannot map the engine's parameters (%s)", refit_id, e)
             return None
+        laps.lap("map")
         with torch.no_grad():
             for name, tensor in items:
                 if tensor.numel():
                     views[name].copy_(tensor, non_blocking=True)
+        laps.lap("copy")
         for d in {device, *(t.device for _, t in items)}:
             _sync(d)
+        laps.lap("sync")
         return [where[name] for name, _ in items]
 
     def _cuda_device(self, items: Sequence[tuple[str, torch.Tensor]]) -> torch.device:

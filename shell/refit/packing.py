@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
 import torch
@@ -14,6 +15,7 @@ from genworker.shell.errors import BadConfigError, RefitError
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "Laps",
     "SendReport",
     "as_manifest",
     "checked_budget",
@@ -27,15 +29,33 @@ __all__ = [
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
+class Laps:
+    """Where a refit's time goes: ``lap(name)`` adds the time since the previous lap."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._last = clock()
+        self.seconds: dict[str, float] = {}
+
+    def restart(self) -> None:
+        self._last = self._clock()
+
+    def lap(self, name: str) -> None:
+        now = self._clock()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
+
+
 @attrs.frozen
 class SendReport:
-    """What one send moved, and how fast."""
+    """What one send moved, and how fast (``phases``: seconds per step, see ``Laps``)."""
 
     tensors: int
     nbytes: int
     buckets: int
     seconds: float
     mode: str = "buckets"
+    phases: Mapping[str, float] = attrs.field(factory=dict)
 
     @property
     def gbps(self) -> float:

@@ -58,6 +58,7 @@ from genworker.core.refit_plan import (
 )
 from genworker.shell.errors import RefitError, RefitManifestError
 from genworker.shell.refit.direct import listing_problem
+from genworker.shell.refit.packing import Laps
 from genworker.shell.refit.wire import (
     Abort,
     Begin,
@@ -94,6 +95,12 @@ class RefitReport:
     direct: int
     loaded: int
     mode: str = "buckets"
+    #: seconds per step on this side: ``begin`` (the Begin checked and answered),
+    #: ``wait`` (for the trainer's messages), ``copy`` / ``sync`` (a direct refit's
+    #: fill and device sync), ``buckets`` (storing buckets, loading what they defer),
+    #: ``load`` (the loader's tail), ``finalize`` (post-load processing), ``answer``
+    #: (the last reply)
+    phases: Mapping[str, float] = attrs.field(factory=dict)
 
     @property
     def gbps(self) -> float:
@@ -108,6 +115,7 @@ class RefitReport:
             "direct": self.direct,
             "loaded": self.loaded,
             "mode": self.mode,
+            "phases": dict(self.phases),
         }
 
 
@@ -259,6 +267,7 @@ class ReceiveSession:
         self._timeout = timeout_s
         self._clock = clock
         self._started = clock()
+        self._laps = Laps(clock)
         self._progress = ReceiveProgress()
         self._refit_id: str | None = None
         self._complete = False
@@ -289,11 +298,14 @@ class ReceiveSession:
             if not self._complete:
                 self._report_late(RefitError("the weight loader stopped before the refit ended"))
             problem = None
+            self._laps.lap("load")
             try:
                 self._sink.finalize()
             except Exception as e:  # noqa: BLE001 - answered to the peer as a typed error
                 problem = _as_refit_error(e, "post-load processing failed")
+            self._laps.lap("finalize")
             self._t.answer(problem, self._timeout)
+            self._laps.lap("answer")
             return RefitReport(
                 tensors=len(self._progress.received),
                 nbytes=self._progress.nbytes,
@@ -302,6 +314,7 @@ class ReceiveSession:
                 direct=self._direct,
                 loaded=self._loaded,
                 mode=self._mode,
+                phases=dict(self._laps.seconds),
             )
         finally:
             self._t.release()
@@ -321,6 +334,7 @@ class ReceiveSession:
         self._begin(self._t.next_message(self._timeout))
         while True:
             msg = self._t.next_message(self._timeout)
+            self._laps.lap("wait")
             if isinstance(msg, Abort):
                 self._t.acknowledge_abort(self._timeout)
                 raise RefitError(f"the trainer at {self._t.peer} aborted the refit: {msg.message}")
@@ -357,9 +371,11 @@ class ReceiveSession:
                 self._complete = True
                 return
             yield from self._bucket(msg)
+            self._laps.lap("buckets")
 
     def _begin(self, begin: Message) -> None:
         self._started = self._clock()
+        self._laps = Laps(self._clock)
         if not isinstance(begin, Begin):
             problem: RefitError | None = RefitError(
                 f"expected the start of a refit from {self._t.peer}, got {type(begin).__name__}"
@@ -382,6 +398,7 @@ class ReceiveSession:
         targets = self._sink.direct_targets(self._manifest) if problem is None else None
         if self._t.answer_begin(problem, targets, self._timeout):
             self._targets = targets
+        self._laps.lap("begin")
 
     def _direct_refit(self, msg: DirectMsg) -> None:
         assert self._targets is not None
@@ -389,8 +406,10 @@ class ReceiveSession:
         if problem is None:
             try:
                 mode = self._t.fill_direct(msg, self._targets, self._timeout)
+                self._laps.lap("copy")
                 self._sink.written([t.name for t in msg.tensors])
                 self._sink.synchronize()
+                self._laps.lap("sync")
             except Exception as e:  # noqa: BLE001 - answered to the peer as a typed error
                 problem = _as_refit_error(e, "the direct refit could not be stored")
         if problem is not None:

@@ -67,10 +67,9 @@ def test_arena_takes_info_dicts_and_names_a_bad_one() -> None:
         RefitArena({}, "cpu")
 
 
-def test_an_arena_refits_over_ipc_directly() -> None:
+def test_an_arena_refits_over_ipc_directly_and_the_engine_memory_stays_mapped() -> None:
     tensors = fake.random_state_dict(5)
     arena = RefitArena(manifest_of(tensors), "cpu")
-    arena.load_(tensors.items())
     receiver = IpcReceiver(torch.device("cpu"))
     params = fake.zeros_like_all(tensors)
     reports: list[RefitReport] = []
@@ -80,16 +79,25 @@ def test_an_arena_refits_over_ipc_directly() -> None:
             receive_refit(receiver, manifest_of(tensors), ParameterSink(params), timeout_s=30.0)
         )
 
-    thread = threading.Thread(target=receive, daemon=True)
-    thread.start()
+    maps = []
     try:
         with IpcSender(receiver.address, manifest=manifest_of(tensors), timeout_s=30.0) as sender:
-            sent = sender.send(arena.items())
-        thread.join(30)
+            for flip in (False, True):
+                sent_now = {n: t.flip(-1) if flip and t.dim() else t for n, t in tensors.items()}
+                arena.load_(sent_now.items())
+                thread = threading.Thread(target=receive, daemon=True)
+                thread.start()
+                sent = sender.send(arena.items())
+                thread.join(30)
+                assert sent.mode == "engine-handles"
+                assert {"collect", "begin", "map", "copy", "sync", "direct"} <= set(sent.phases)
+                for name, tensor in sent_now.items():
+                    assert torch.equal(params[name], tensor), name
+                maps.append(dict(sender._engine_maps))
     finally:
         receiver.close()
-    assert sent.mode == "engine-handles"
-    assert reports
-    assert reports[0].mode == "engine-handles"
-    for name, tensor in tensors.items():
-        assert torch.equal(params[name], tensor), name
+    assert [r.mode for r in reports] == ["engine-handles"] * 2
+    assert {"begin", "wait", "finalize", "answer"} <= set(reports[1].phases)
+    # The engine offered the same handles again; the sender mapped nothing anew.
+    assert maps[0].keys() == maps[1].keys()
+    assert all(maps[0][h] is maps[1][h] for h in maps[0])
