@@ -370,6 +370,13 @@ def _index_specs(manifest: Manifest) -> Mapping[str, TensorSpec]:
     return MappingProxyType({s.name: s for s in manifest.specs})
 
 
+def _digest_specs(manifest: Manifest) -> str:
+    h = hashlib.sha256()
+    for spec in sorted(manifest.specs, key=lambda s: s.name):
+        h.update(f"{spec.name}\0{','.join(map(str, spec.shape))}\0{spec.dtype}\n".encode())
+    return h.hexdigest()
+
+
 @attrs.frozen
 class Manifest:
     """Every tensor a refit carries, each exactly once (from ``prepare_refit_info``)."""
@@ -380,6 +387,12 @@ class Manifest:
         repr=False,
         eq=False,
         default=attrs.Factory(_index_specs, takes_self=True),
+    )
+    _digest: str = attrs.field(
+        init=False,
+        repr=False,
+        eq=False,
+        default=attrs.Factory(_digest_specs, takes_self=True),
     )
 
     @classmethod
@@ -441,10 +454,7 @@ class Manifest:
 
     def digest(self) -> str:
         """A hash of the names, shapes and dtypes, independent of their order."""
-        h = hashlib.sha256()
-        for spec in sorted(self.specs, key=lambda s: s.name):
-            h.update(f"{spec.name}\0{','.join(map(str, spec.shape))}\0{spec.dtype}\n".encode())
-        return h.hexdigest()
+        return self._digest
 
 
 def _empty_manifest() -> ManifestError:

@@ -93,6 +93,8 @@ class _RefitState:
     group: CollectiveGroup | None = None
     collective: CollectiveReceiver | None = None  # kept with the group: it keeps buffers
     version: int = 0
+    # the routes of the manifest, and the parameters they were computed on
+    routes: tuple[tuple[object, ...], DirectRoutes] | None = None
 
 
 def _state(worker: object) -> _RefitState:
@@ -115,7 +117,7 @@ class WorkerExtension:
             error = result.failure()
             raise RefitManifestError(str(error), detail=error)
         _state(self).manifest = manifest
-        routes = direct_routes(_model(self), manifest, sharded_ok=_tp_size(self) == 1)
+        routes = _routes(self, _model(self), manifest, _tp_size(self) == 1)
         return {
             "manifest_digest": manifest.digest(),
             "tensors": len(manifest),
@@ -288,14 +290,35 @@ def direct_routes(model: nn.Module, manifest: Manifest, *, sharded_ok: bool) -> 
     for spec in manifest.specs:
         if writable.get(spec.name) == spec and (sharded_ok or not _is_sharded(params[spec.name])):
             by_module[_module_name(spec.name)].add(spec.name)
+    writable_by_module: dict[str, set[str]] = defaultdict(set)
+    for name in writable:
+        writable_by_module[_module_name(name)].add(name)
     direct: set[str] = set()
     modules: set[str] = set()
     for mod_name, names in by_module.items():
-        own = {n for n in writable if _module_name(n) == mod_name}
-        if own <= names:
+        if writable_by_module[mod_name] <= names:
             direct |= names
             modules.add(mod_name)
     return DirectRoutes(frozenset(direct), frozenset(modules))
+
+
+def _param_fingerprint(model: nn.Module) -> tuple[object, ...]:
+    """What the routes depend on: each parameter's name, place, size and dtype."""
+    return tuple(
+        (name, p.data_ptr(), p.numel(), p.dtype, p.is_contiguous())
+        for name, p in model.named_parameters()
+    )
+
+
+def _routes(worker: object, model: nn.Module, manifest: Manifest, sharded_ok: bool) -> DirectRoutes:
+    """:func:`direct_routes`, computed again only when the parameters changed."""
+    state = _state(worker)
+    key = (manifest.digest(), sharded_ok, _param_fingerprint(model))
+    if state.routes is not None and state.routes[0] == key:
+        return state.routes[1]
+    routes = direct_routes(model, manifest, sharded_ok=sharded_ok)
+    state.routes = (key, routes)
+    return routes
 
 
 class EngineSink:
@@ -356,7 +379,7 @@ def _refit(
         raise EngineStateError("a weight update needs prepare_refit_info first")
     laps = Laps()
     model = _model(worker)
-    routes = direct_routes(model, state.manifest, sharded_ok=sharded_ok or _tp_size(worker) == 1)
+    routes = _routes(worker, model, state.manifest, sharded_ok or _tp_size(worker) == 1)
     sink = EngineSink(model, routes, _device(worker))
     loader = _loader(worker) if len(routes.direct) < len(state.manifest) else None
     if loader is None and len(routes.direct) < len(state.manifest):

@@ -30,10 +30,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -204,7 +205,7 @@ class VllmEngine:
             params = self._params(specs)
             token_prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
             outputs = llm.generate(token_prompts, params, use_tqdm=False)
-        return [_generation(row, out.outputs[0]) for row, out in enumerate(outputs)]
+        return _generations([out.outputs[0] for out in outputs])
 
     def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
         if len(prompts) != len(specs):
@@ -327,10 +328,50 @@ def _bounded(fn: Callable[[], _T], timeout: float, *, what: str) -> _T:
     return result[0]
 
 
-def _generation(row: int, out: CompletionOutput) -> Generation:
+def _generations(outs: Sequence[CompletionOutput]) -> list[Generation]:
+    """Every row's generation. The common case (flat logprobs holding exactly the sampled
+    token at each position, ``logprobs=0``) converts the whole batch in two bulk copies;
+    anything else goes row by row (:func:`_generation`), which names what is wrong."""
+    if not all(_only_sampled(out) for out in outs):
+        return [_generation(row, out) for row, out in enumerate(outs)]
+    lengths = [len(out.token_ids) for out in outs]
+    total = sum(lengths)
+    tokens = np.fromiter(
+        itertools.chain.from_iterable(out.token_ids for out in outs), np.int64, total
+    )
+    logprobs = np.fromiter(
+        itertools.chain.from_iterable(cast(FlatLogprobs, out.logprobs).logprobs for out in outs),
+        np.float32,
+        total,
+    )
+    bounds = np.cumsum(lengths)[:-1]
+    return [
+        Generation(t, lp, _finish_reason(row, out))
+        for row, (out, t, lp) in enumerate(
+            zip(outs, np.split(tokens, bounds), np.split(logprobs, bounds), strict=True)
+        )
+    ]
+
+
+def _only_sampled(out: CompletionOutput) -> bool:
+    """Flat logprobs with one entry per position, each the sampled token."""
+    logprobs = out.logprobs
+    return (
+        isinstance(logprobs, FlatLogprobs)
+        and len(logprobs.logprobs) == len(out.token_ids)
+        and logprobs.token_ids == list(out.token_ids)
+    )
+
+
+def _finish_reason(row: int, out: CompletionOutput) -> str:
     reason = _FINISH_REASONS.get(out.finish_reason or "")
     if reason is None:
         raise GenworkerError(f"generate: row {row} did not finish (reason {out.finish_reason!r})")
+    return reason
+
+
+def _generation(row: int, out: CompletionOutput) -> Generation:
+    reason = _finish_reason(row, out)
     token_ids = np.asarray(out.token_ids, dtype=np.int64)
     return Generation(token_ids, _sampled_logprobs(row, token_ids, out), reason)
 

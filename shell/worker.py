@@ -239,17 +239,22 @@ class VllmGenerationWorker:
             BadBatchError,
             "max tokens",
         )
-        return [
-            sampling_spec(
-                self.cfg,
-                greedy=greedy,
-                max_tokens=m,
-                stop=s,
-                seed=seed,
-                flat_logprobs=caps.flat_logprobs,
-            )
-            for m, s, seed in zip(max_tokens, stops, seeds, strict=True)
-        ]
+        made: dict[tuple[int, tuple[str, ...], int | None], SamplingSpec] = {}
+        specs = []
+        for m, s, seed in zip(max_tokens, stops, seeds, strict=True):
+            key = (m, tuple(s), seed)
+            spec = made.get(key)
+            if spec is None:  # rows alike share one (immutable) spec
+                spec = made[key] = sampling_spec(
+                    self.cfg,
+                    greedy=greedy,
+                    max_tokens=m,
+                    stop=s,
+                    seed=seed,
+                    flat_logprobs=caps.flat_logprobs,
+                )
+            specs.append(spec)
+        return specs
 
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
         """Generate for a right-padded batch; returns NeMo-RL's output contract."""

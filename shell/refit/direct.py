@@ -82,6 +82,9 @@ def refs_of(items: Sequence[tuple[str, torch.Tensor]]) -> list[TensorRef]:
 
 def listing_problem(manifest: Manifest, refs: Iterable[TensorRef]) -> RefitError | None:
     """Why the direct list does not match ``manifest`` (naming every tensor), or None."""
+    refs = list(refs)
+    if _matches(manifest, refs):
+        return None
     slots, position = [], 0
     try:
         for ref in refs:
@@ -105,6 +108,21 @@ def listing_problem(manifest: Manifest, refs: Iterable[TensorRef]) -> RefitError
 
 #: Exported storages, kept across refits: (device, data pointer) -> (storage, handle).
 ExportCache = dict[tuple[str, int], tuple[torch.UntypedStorage, CpuHandle | CudaHandle]]
+
+
+def _matches(manifest: Manifest, refs: Sequence[TensorRef]) -> bool:
+    """The common case, checked cheaply: every manifest tensor exactly once, as declared."""
+    if len(refs) != len(manifest):
+        return False
+    seen: set[str] = set()
+    for ref in refs:
+        spec = manifest.get(ref.name)
+        if spec is None or ref.name in seen or ref.dtype != spec.dtype:
+            return False
+        if tuple(ref.shape) != spec.shape:
+            return False
+        seen.add(ref.name)
+    return True
 
 
 def export_refs(

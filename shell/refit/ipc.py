@@ -68,7 +68,7 @@ from typing import NoReturn
 import torch
 import zmq
 
-from genworker.core.refit_plan import Bucket, Manifest, TensorSpec, bucket_checksum
+from genworker.core.refit_plan import Bucket, Manifest, TensorSpec, bucket_checksum, dtype_name
 from genworker.shell.errors import (
     BadConfigError,
     RefitError,
@@ -159,6 +159,7 @@ class IpcReceiver:
         self._awaiting_begin = True
         self._maps: dict[int, tuple[CpuHandle | CudaHandle, torch.Tensor]] = {}
         self._exports: ExportCache = {}  # this engine's parameters, exported once
+        self._last_offer: tuple[tuple[object, ...], Offer] | None = None
         self._offered = ""
 
     @property
@@ -246,6 +247,11 @@ class IpcReceiver:
         return offer is not None
 
     def _offer(self, targets: Mapping[str, torch.Tensor]) -> Offer | None:
+        key = tuple((n, t.data_ptr(), t.numel(), t.dtype) for n, t in targets.items())
+        if self._last_offer is not None and self._last_offer[0] == key:
+            self._offered = self._last_offer[1].mode
+            return self._last_offer[1]  # the same parameters in the same places
+        self._last_offer = None
         try:
             storages, refs = export_refs(targets, self._exports)
         except RuntimeError as e:
@@ -257,7 +263,9 @@ class IpcReceiver:
             self._offered = "sender-handles"
             return Offer("sender-handles")
         self._offered = "engine-handles"
-        return Offer("engine-handles", storages, refs)
+        offer = Offer("engine-handles", storages, refs)
+        self._last_offer = (key, offer)
+        return offer
 
     def fill_direct(
         self, msg: DirectMsg, targets: Mapping[str, torch.Tensor], timeout_s: float
@@ -314,6 +322,7 @@ class IpcReceiver:
     def close(self) -> None:
         self._maps.clear()
         self._exports.clear()
+        self._last_offer = None
         self._sock.close(linger=0)
         self._cleanup()
 
@@ -365,6 +374,8 @@ class IpcSender:
         self._staging_parent = staging_dir
         self.direct = direct
         self._engine_maps: dict[CpuHandle | CudaHandle, torch.Tensor] = {}
+        # the last offer the views were made for, and those views
+        self._engine_views: tuple[tuple[Offer, torch.device], dict[str, torch.Tensor]] | None = None
         self._finalizer = weakref.finalize(self, _close_resources, self._ctx, None)
 
     # -- public ---------------------------------------------------------------------
@@ -473,27 +484,37 @@ class IpcSender:
     ) -> list[TensorRef] | None:
         """Check every tensor against the engine's layout, then copy them all into it."""
         where = {r.name: r for r in offer.tensors}
-        wrong = [
-            f"{name!r} ({TensorSpec.of(name, t).describe()}, the engine holds "
-            + (spec_of(where[name]).describe() if name in where else "no such tensor")
-            + ")"
+        if len(items) != len(where) or not all(
+            name in where
+            and tuple(t.shape) == tuple(where[name].shape)
+            and dtype_name(t.dtype) == where[name].dtype
             for name, t in items
-            if name not in where or spec_of(where[name]) != TensorSpec.of(name, t)
-        ]
-        if wrong or len(items) != len(where):
+        ):
+            wrong = [
+                f"{name!r} ({TensorSpec.of(name, t).describe()}, the engine holds "
+                + (spec_of(where[name]).describe() if name in where else "no such tensor")
+                + ")"
+                for name, t in items
+                if name not in where or spec_of(where[name]) != TensorSpec.of(name, t)
+            ]
             raise RefitManifestError(
                 "the refit does not match the engine's parameters: "
                 + ("; ".join(wrong[:8]) or f"{len(items)} tensors for {len(where)} parameters")
             )
         cuda = any(isinstance(h, CudaHandle) for h in offer.storages)
         device = self._cuda_device(items) if cuda else torch.device("cpu")
-        live = set(offer.storages)
-        self._engine_maps = {h: m for h, m in self._engine_maps.items() if h in live}
-        try:
-            views = open_refs(offer.storages, offer.tensors, device, cache=self._engine_maps)
-        except RefitError as e:
-            log.warning("refit %s: cannot map the engine's parameters (%s)", refit_id, e)
-            return None
+        if self._engine_views is not None and self._engine_views[0] == (offer, device):
+            views = self._engine_views[1]  # the same offer: the same mapped views
+        else:
+            live = set(offer.storages)
+            self._engine_maps = {h: m for h, m in self._engine_maps.items() if h in live}
+            self._engine_views = None
+            try:
+                views = open_refs(offer.storages, offer.tensors, device, cache=self._engine_maps)
+            except RefitError as e:
+                log.warning("refit %s: cannot map the engine's parameters (%s)", refit_id, e)
+                return None
+            self._engine_views = ((offer, device), views)
         laps.lap("map")
         with torch.no_grad():
             for name, tensor in items:
@@ -516,6 +537,7 @@ class IpcSender:
     def close(self) -> None:
         """Free the staging buffers and the socket; the sender is unusable afterwards."""
         self._engine_maps.clear()
+        self._engine_views = None
         self._drop_socket()
         for buffer in self._buffers.values():
             buffer.close()

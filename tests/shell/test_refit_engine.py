@@ -26,7 +26,7 @@ from torch import nn
 
 from genworker.core.refit_plan import Bucket, Manifest, TensorSpec, plan_buckets
 from genworker.shell.errors import EngineStateError, RefitError, RefitManifestError
-from genworker.shell.extension import EngineSink, WorkerExtension, direct_routes
+from genworker.shell.extension import EngineSink, WorkerExtension, _routes, direct_routes
 from genworker.shell.refit import fake
 from genworker.shell.refit.session import bucket_views
 from genworker.shell.tiny_model import build_tiny_model
@@ -109,6 +109,22 @@ def test_direct_routes_need_an_exact_match_for_every_parameter_of_a_module() -> 
     assert routes.modules == frozenset({"norm"})
     both = specs(proj__weight=(3, 4), proj__bias=(3,))
     assert direct_routes(Toy(), both, sharded_ok=True).direct == {"proj.weight", "proj.bias"}
+
+
+def test_routes_are_kept_until_a_parameter_moves_or_changes_shape() -> None:
+    class Worker:
+        pass
+
+    model, worker = Toy(), Worker()
+    manifest = specs(proj__weight=(3, 4), proj__bias=(3,))
+    first = _routes(worker, model, manifest, True)
+    assert _routes(worker, model, manifest, True) is first
+    model.proj.weight.data = torch.ones(3, 4)  # new memory: computed again, same answer
+    again = _routes(worker, model, manifest, True)
+    assert again is not first
+    assert again == first
+    model.proj.bias.data = torch.zeros(5)  # the bias no longer matches: nothing goes direct
+    assert _routes(worker, model, manifest, True).direct == frozenset()
 
 
 def test_sharded_parameters_never_go_direct_over_a_collective() -> None:
