@@ -502,6 +502,35 @@ def prepare_refit(worker: Any, layout: Mapping[str, tuple[Sequence[int], str]]) 
     return f"{summary['direct']} direct, {summary['loaded']} through the loader"
 
 
+def pin_to_gpu_cpus() -> str:
+    """Pin this process to the CPUs local to its first GPU (sysfs ``local_cpulist``);
+    what it runs on, as text ("all" when nothing could be read)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "all (no GPU)"
+    props = torch.cuda.get_device_properties(0)
+    bus = getattr(props, "pci_bus_id", None)
+    domain = getattr(props, "pci_domain_id", 0)
+    device = getattr(props, "pci_device_id", 0)
+    if bus is None:
+        return "all (no PCI address)"
+    path = Path(f"/sys/bus/pci/devices/{domain:04x}:{bus:02x}:{device:02x}.0/local_cpulist")
+    try:
+        text = path.read_text().strip()
+        cpus: set[int] = set()
+        for part_ in text.split(","):
+            lo, _, hi = part_.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        cpus &= os.sched_getaffinity(0)
+        if not cpus:
+            return f"all ({path} names none of ours)"
+        os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError) as e:
+        return f"all ({type(e).__name__}: {e})"
+    return text
+
+
 class GenProbe:
     """Times every ``LLM.generate`` call on one engine and the cyclic GC's pauses.
 
@@ -556,6 +585,7 @@ def gen_sleep_child(
 
     from genworker.core.sampling import sampling_spec
 
+    pinned_cpus = pin_to_gpu_cpus()
     shape = scale.gen_shape
     model_dir = write_model(shape, scale.dtype)
     config = worker_config(
@@ -611,17 +641,9 @@ def gen_sleep_child(
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 return sum(len(o.outputs[0].token_ids) for o in outs)
 
-            def via_raw_fresh() -> int:
-                # raw, but with the prompt lists and SamplingParams built anew per call,
-                # as the worker builds them (isolates input-object effects inside vLLM)
-                fresh = [TokensPrompt(prompt_token_ids=row) for row in input_ids.tolist()]
-                again = SamplingParams(**spec.as_kwargs(caps.sampling_args))
-                outs = llm.generate(fresh, again, use_tqdm=False)
-                return sum(len(o.outputs[0].token_ids) for o in outs)
-
             warm_s, warm_tokens = timed(via_raw)
             warm_worker_s, _ = timed(via_worker)  # first-call costs, full batch like raw
-            paths = {"worker": via_worker, "raw": via_raw, "raw, inputs rebuilt": via_raw_fresh}
+            paths = {"worker": via_worker, "raw": via_raw}
             runs: dict[str, list[float]] = {name: [] for name in paths}
             inner: dict[str, list[float]] = {name: [] for name in paths}
             pauses: dict[str, list[float]] = {name: [] for name in paths}
@@ -638,24 +660,8 @@ def gen_sleep_child(
             names = list(paths)
             with probe:
                 for rep in range(scale.gen_reps):
-                    for k in range(len(names)):  # rotate the order every repetition
+                    for k in range(len(names)):  # alternate the order every repetition
                         measure(names[(rep + k) % len(names)])
-                # then with the heap frozen (gc.freeze: the cyclic GC skips every object
-                # alive now), a few pairs, to see how much of the spread is the GC's
-                import gc
-
-                gc.collect()
-                gc.freeze()
-                frozen_from = len(runs["worker"])
-                for rep in range(max(scale.gen_reps // 2, 1)):
-                    for name in ("worker", "raw") if rep % 2 == 0 else ("raw", "worker"):
-                        measure(name)
-                gc.unfreeze()
-            frozen = {n: runs[n][frozen_from:] for n in ("worker", "raw")}
-            for n in ("worker", "raw"):
-                runs[n] = runs[n][:frozen_from]
-                inner[n] = inner[n][:frozen_from]
-                pauses[n] = pauses[n][:frozen_from]
             w, r = statistics.median(runs["worker"]), statistics.median(runs["raw"])
             overhead = w / r
             paired = statistics.median(
@@ -682,21 +688,6 @@ def gen_sleep_child(
             sec.row("`worker.generate`, median", f"{fmt_s(w)}, {expected / w:,.0f} tokens/s", "")
             sec.row("runs (s), worker", ", ".join(f"{x:.3f}" for x in runs["worker"]), "")
             sec.row("runs (s), raw", ", ".join(f"{x:.3f}" for x in runs["raw"]), "")
-            fresh_runs = runs["raw, inputs rebuilt"]
-            sec.row(
-                "raw with prompts and SamplingParams rebuilt per call, median",
-                fmt_s(statistics.median(fresh_runs)),
-                "runs: " + ", ".join(f"{x:.3f}" for x in fresh_runs),
-            )
-            fw, fr = statistics.median(frozen["worker"]), statistics.median(frozen["raw"])
-            sec.row(
-                "after gc.freeze(): worker / raw, medians",
-                f"{fmt_s(fw)} / {fmt_s(fr)} = {fw / fr:.4f}",
-                "runs: worker "
-                + ", ".join(f"{x:.3f}" for x in frozen["worker"])
-                + "; raw "
-                + ", ".join(f"{x:.3f}" for x in frozen["raw"]),
-            )
             sec.row(
                 "worker: inside `LLM.generate` / outside it (ours), medians",
                 f"{fmt_s(statistics.median(inner['worker']))} / "
@@ -719,6 +710,15 @@ def gen_sleep_child(
             if counts != {expected}:
                 sec.notes.append(f"generated token counts {sorted(counts)}, expected {expected}")
                 sec.verdict("every run generated prompts x new tokens", False)
+            sec.notes.append(
+                (
+                    f"this process (engine and both paths) is pinned to CPUs {pinned_cpus}, "
+                    "the ones local to its GPU: eager decoding is bound by the host thread, "
+                    "and a move to another socket's cores shows up as run-to-run spread"
+                )
+                if not pinned_cpus.startswith("all")
+                else f"this process is not pinned to CPUs: {pinned_cpus}"
+            )
             sec.notes.append(
                 "the same engine serves both paths: `worker.llm` is the `vllm.LLM` the worker "
                 "wraps; the raw path gets the `SamplingParams` the worker builds (same spec)"

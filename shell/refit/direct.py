@@ -36,6 +36,7 @@ from genworker.shell.refit.wire import CpuHandle, CudaHandle, TensorRef
 __all__ = [
     "ExportCache",
     "collect_direct",
+    "copy_all",
     "export_refs",
     "listing_problem",
     "open_refs",
@@ -108,6 +109,25 @@ def listing_problem(manifest: Manifest, refs: Iterable[TensorRef]) -> RefitError
 
 #: Exported storages, kept across refits: (device, data pointer) -> (storage, handle).
 ExportCache = dict[tuple[str, int], tuple[torch.UntypedStorage, CpuHandle | CudaHandle]]
+
+
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every non-empty pair, asynchronously, in as few launches as
+    torch allows (``_foreach_copy_`` takes the whole list in one call)."""
+    dsts, srcs = [], []
+    for dst, src in pairs:
+        if dst.numel():
+            dsts.append(dst)
+            srcs.append(src)
+    if not dsts:
+        return
+    with torch.no_grad():
+        foreach = getattr(torch, "_foreach_copy_", None)
+        if foreach is not None and all(d.device == srcs[0].device for d in (*dsts, *srcs)):
+            foreach(dsts, srcs, non_blocking=True)
+            return
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src, non_blocking=True)
 
 
 def _matches(manifest: Manifest, refs: Sequence[TensorRef]) -> bool:

@@ -79,6 +79,7 @@ from genworker.shell.refit.buffers import StagingBuffer, open_handle, private_di
 from genworker.shell.refit.direct import (
     ExportCache,
     collect_direct,
+    copy_all,
     export_refs,
     open_refs,
     spec_of,
@@ -278,10 +279,7 @@ class IpcReceiver:
                 )
             return "engine-handles"  # the sender wrote into our parameters already
         views = open_refs(msg.storages, msg.tensors, self._device)
-        with torch.no_grad():
-            for name, view in views.items():
-                if view.numel():
-                    targets[name].copy_(view, non_blocking=True)
+        copy_all((targets[name], view) for name, view in views.items())
         _sync(self._device)
         return "sender-handles"
 
@@ -516,10 +514,7 @@ class IpcSender:
                 return None
             self._engine_views = ((offer, device), views)
         laps.lap("map")
-        with torch.no_grad():
-            for name, tensor in items:
-                if tensor.numel():
-                    views[name].copy_(tensor, non_blocking=True)
+        copy_all((views[name], tensor) for name, tensor in items)
         laps.lap("copy")
         for d in {device, *(t.device for _, t in items)}:
             _sync(d)
