@@ -94,7 +94,7 @@ class _RefitState:
     collective: CollectiveReceiver | None = None  # kept with the group: it keeps buffers
     version: int = 0
     # the routes of the manifest, and the parameters they were computed on
-    routes: tuple[tuple[object, ...], DirectRoutes] | None = None
+    routes: _Routed | None = None
 
 
 def _state(worker: object) -> _RefitState:
@@ -302,33 +302,66 @@ def direct_routes(model: nn.Module, manifest: Manifest, *, sharded_ok: bool) -> 
     return DirectRoutes(frozenset(direct), frozenset(modules))
 
 
-def _param_fingerprint(model: nn.Module) -> tuple[object, ...]:
+def _param_fingerprint(params: Mapping[str, torch.Tensor]) -> tuple[object, ...]:
     """What the routes depend on: each parameter's name, place, size and dtype."""
     return tuple(
-        (name, p.data_ptr(), p.numel(), p.dtype, p.is_contiguous())
-        for name, p in model.named_parameters()
+        (name, p.data_ptr(), p.numel(), p.dtype, p.is_contiguous()) for name, p in params.items()
     )
 
 
-def _routes(worker: object, model: nn.Module, manifest: Manifest, sharded_ok: bool) -> DirectRoutes:
-    """:func:`direct_routes`, computed again only when the parameters changed."""
+@attrs.frozen
+class _Routed:
+    """The routes of a manifest on one parameter layout, and that layout's lookups."""
+
+    key: tuple[object, ...]
+    routes: DirectRoutes
+    modules: Mapping[str, nn.Module]
+
+
+def _routed(
+    worker: object,
+    model: nn.Module,
+    manifest: Manifest,
+    sharded_ok: bool,
+    params: Mapping[str, torch.Tensor] | None = None,
+) -> _Routed:
+    """:func:`direct_routes` (and the model's modules by name), computed again only when
+    a parameter moved, changed size or dtype, or the manifest changed."""
     state = _state(worker)
-    key = (manifest.digest(), sharded_ok, _param_fingerprint(model))
-    if state.routes is not None and state.routes[0] == key:
-        return state.routes[1]
-    routes = direct_routes(model, manifest, sharded_ok=sharded_ok)
-    state.routes = (key, routes)
-    return routes
+    params = dict(model.named_parameters()) if params is None else params
+    key = (manifest.digest(), sharded_ok, _param_fingerprint(params))
+    if state.routes is not None and state.routes.key == key:
+        return state.routes
+    routed = _Routed(
+        key, direct_routes(model, manifest, sharded_ok=sharded_ok), dict(model.named_modules())
+    )
+    state.routes = routed
+    return routed
+
+
+def _routes(worker: object, model: nn.Module, manifest: Manifest, sharded_ok: bool) -> DirectRoutes:
+    return _routed(worker, model, manifest, sharded_ok).routes
 
 
 class EngineSink:
     """Direct copies into the engine's parameters; owned copies of the rest for the loader."""
 
-    def __init__(self, model: nn.Module, routes: DirectRoutes, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        routes: DirectRoutes,
+        device: torch.device,
+        *,
+        params: Mapping[str, torch.Tensor] | None = None,
+        modules: Mapping[str, nn.Module] | None = None,
+    ) -> None:
+        """``params`` / ``modules``: the model's by name, when the caller has them."""
         self._model = model
         self._routes = routes
         self._device = device
-        self._params = {n: p for n, p in model.named_parameters() if n in routes.direct}
+        named = dict(model.named_parameters()) if params is None else params
+        self._params = {n: p for n, p in named.items() if n in routes.direct}
+        self._modules = modules
         self._touched: set[str] = set()
 
     @property
@@ -361,7 +394,7 @@ class EngineSink:
         self._touched.update(_module_name(n) for n in names)
 
     def finalize(self) -> None:
-        modules = dict(self._model.named_modules())
+        modules = self._modules or dict(self._model.named_modules())
         for name in sorted(self._touched):
             module = modules[name]
             method = getattr(module, "quant_method", None)
@@ -379,8 +412,10 @@ def _refit(
         raise EngineStateError("a weight update needs prepare_refit_info first")
     laps = Laps()
     model = _model(worker)
-    routes = _routes(worker, model, state.manifest, sharded_ok or _tp_size(worker) == 1)
-    sink = EngineSink(model, routes, _device(worker))
+    params = dict(model.named_parameters())
+    routed = _routed(worker, model, state.manifest, sharded_ok or _tp_size(worker) == 1, params)
+    routes = routed.routes
+    sink = EngineSink(model, routes, _device(worker), params=params, modules=routed.modules)
     loader = _loader(worker) if len(routes.direct) < len(state.manifest) else None
     if loader is None and len(routes.direct) < len(state.manifest):
         raise RefitError("this engine worker has no weight loader for checkpoint-layout tensors")
