@@ -1034,7 +1034,7 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                     f"IPC refit, engine layout, {what}"
                     + (", one allocation per tensor (default)" if direct and not flat else "")
                     + f" ({routes})",
-                    f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.0%} of copy",
+                    f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.1%} of copy",
                     "runs: "
                     + ", ".join(fmt_s(x) for x in times)
                     + f"; trainer send {fmt_s(statistics.median(sender_times))}"
@@ -1044,7 +1044,7 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                     sec.verdict(
                         f"IPC refit ({what}"
                         + ("" if flat else ", one allocation per trainer tensor")
-                        + f") at {rate / copy:.0%} of the device copy bandwidth "
+                        + f") at {rate / copy:.1%} of the device copy bandwidth "
                         f"(bar >= {IPC_BAR:.0%})",
                         rate >= IPC_BAR * copy,
                     )
@@ -1166,14 +1166,14 @@ def refit_nosleep_child(*, report: Callable[[Section], None], scale: Scale) -> N
             rate = gbps(nbytes, own_s)
             sec.row(
                 f"IPC refit, engine layout, fast path (default) ({routes})",
-                f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.0%} of copy",
+                f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.1%} of copy",
                 "runs: "
                 + ", ".join(fmt_s(x) for x in times)
                 + f"; trainer send {fmt_s(statistics.median(sender_times))}"
                 + f"; phases {phases}",
             )
             sec.verdict(
-                f"IPC refit into an engine without sleep mode at {rate / copy:.0%} of the "
+                f"IPC refit into an engine without sleep mode at {rate / copy:.1%} of the "
                 f"device copy bandwidth (bar >= {IPC_BAR:.0%})",
                 rate >= IPC_BAR * copy,
             )
@@ -1402,7 +1402,7 @@ def nccl_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             times, sender_times = times[1:], sender_times[1:]
             refit_s = statistics.median(times)
             rate = gbps(nbytes, refit_s)
-            versus = f" = {rate / raw:.0%} of raw" if raw else ""
+            versus = f" = {rate / raw:.1%} of raw" if raw else ""
             what = (
                 (
                     f"fast path, group calls of {group_bytes >> 20} MiB (default)"
@@ -1424,7 +1424,7 @@ def nccl_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             )
             if raw and direct and group_bytes:
                 sec.verdict(
-                    f"NCCL refit (fast path) at {rate / raw:.0%} of the raw broadcast "
+                    f"NCCL refit (fast path) at {rate / raw:.1%} of the raw broadcast "
                     f"(bar >= {NCCL_BAR:.0%})",
                     rate >= NCCL_BAR * raw,
                 )
