@@ -382,6 +382,11 @@ class VllmGenerationWorker:
     def update_weights_via_ipc_zmq(self, timeout_s: float = 600.0) -> bool:
         return self._refit("update_weights_via_ipc_zmq", timeout_s)
 
+    def engine_param_layout(self) -> list[object]:
+        """Each engine worker's parameters a refit can write straight into memory:
+        ``{name: [shape, dtype]}`` (send in this layout for the fast refits)."""
+        return self._rpc("engine_param_layout")
+
     def refit_address(self) -> list[object]:
         """Where each engine worker listens for IPC refits (one entry per worker)."""
         return self._rpc("ipc_address")

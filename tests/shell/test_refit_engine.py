@@ -583,3 +583,14 @@ def test_worker_refuses_to_generate_after_a_bad_refit_until_a_good_one(
     assert worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT) is True
     assert trainer.result().ok
     assert tokens() == reference_b
+    reports = worker.last_refit["engine_workers"]
+    assert isinstance(reports, list)
+    report = reports[0]
+    assert isinstance(report, dict)
+    assert report["bytes"] == sum(t.numel() * t.element_size() for t in state_dict.values())
+    assert {"routes", "begin", "finalize", "answer"} <= set(report["phases"])
+    rpc_seconds = worker.last_refit["rpc_seconds"]
+    assert isinstance(rpc_seconds, float)
+    assert rpc_seconds >= report["seconds"]
+    (layout,) = worker.engine_param_layout()
+    assert layout == engine.rpc("engine_param_layout")
