@@ -462,6 +462,9 @@ def test_sender_arguments_are_checked() -> None:
         IpcSender("ipc:///tmp/x.sock", timeout_s=0)
     with pytest.raises(BadConfigError, match="invalid refit manifest"):
         IpcSender("ipc:///tmp/x.sock", manifest={"w": ([-1], "float32")})
+    for bad in (-1, 1.5, True):
+        with pytest.raises(BadConfigError, match="group_bytes"):
+            CollectiveSender("127.0.0.1", free_port(), 2, group_bytes=bad)  # type: ignore[arg-type]
 
 
 class ScriptedTransport:
