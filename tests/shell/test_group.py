@@ -329,6 +329,50 @@ def test_init_collective_refuses_a_world_size_that_leaves_out_engine_workers(
         group.init_collective("127.0.0.1", 29555, world_size=5, train_world_size=4)
 
 
+@pytest.mark.engine
+def test_an_ipc_refit_reaches_every_shard_and_the_group_then_equals_one_worker(
+    group: GenerationGroup, reference: VllmGenerationWorker, tiny_model_dir: Path
+) -> None:
+    """New weights from this process into both shards (over shared memory, through the
+    group's futures) and into the reference worker: the outputs change and stay equal."""
+    from safetensors.torch import load_file
+
+    from genworker.shell.refit.ipc import IpcSender
+
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(7)
+    new = {n: t + 0.05 * torch.randn(t.shape, generator=generator) for n, t in weights.items()}
+    info = {n: (t.shape, t.dtype) for n, t in new.items()}
+    data = batch([3, 17, 5, 40, 1, 9], seed=5)
+    before = group.generate(data, greedy=True)
+
+    group.prepare_refit_info(info)
+    addresses = group.refit_address()
+    futures = group.update_weights_via_ipc_zmq(timeout_s=120.0)
+    for (address,) in addresses:
+        with IpcSender(str(address), manifest=info, timeout_s=120.0) as sender:
+            assert sender.send(new.items()).tensors == len(new)
+    assert group.collect(futures) == [True, True]
+
+    reference.prepare_refit_info(info)
+    (address,) = reference.refit_address()
+    sender_done: list[int] = []
+
+    def send() -> None:
+        with IpcSender(str(address), manifest=info, timeout_s=120.0) as sender:
+            sender_done.append(sender.send(new.items()).tensors)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    assert reference.update_weights_via_ipc_zmq(timeout_s=120.0) is True
+    thread.join(120)
+    assert sender_done == [len(new)]
+
+    after = group.generate(data, greedy=True)
+    assert not torch.equal(after["output_ids"], before["output_ids"])
+    assert_same_outputs(after, reference.generate(data, greedy=True))
+
+
 # -- these break the group: keep them last --------------------------------------------------
 
 
