@@ -8,7 +8,7 @@ handle per allocation, and opening one costs a driver call of a fraction of a
 millisecond; a state dict of separately allocated tensors (195 for Llama-3-8B in the
 engine's layout) spends most of a refit opening handles. Tensors that live in one
 allocation travel under one handle, so the refit is one device copy per byte plus a
-single map. Megatron-style trainers keep their parameters in contiguous buffers already;
+single map. A trainer whose parameters already live in one contiguous buffer sends views of it;
 a trainer that gathers full tensors for each refit (FSDP) can gather them into an arena.
 
 Layout
