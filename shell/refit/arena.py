@@ -6,10 +6,11 @@ A direct IPC refit into a sleep-mode engine maps the *trainer's* memory in the e
 (``sender-handles``: vLLM's sleep-mode weights cannot be exported). CUDA maps one IPC
 handle per allocation, and opening one costs a driver call of a fraction of a
 millisecond; a state dict of separately allocated tensors (195 for Llama-3-8B in the
-engine's layout) spends much of a refit opening handles (17 to 28 ms of 42 on an H200). Tensors that live in one
-allocation travel under one handle, so the refit is one device copy per byte plus a
-single map. A trainer whose parameters already live in one contiguous buffer sends views of it;
-a trainer that gathers full tensors for each refit (FSDP) can gather them into an arena.
+engine's layout) spends much of a refit opening handles (17 to 28 ms of 42 on an H200).
+Tensors that live in one allocation travel under one handle, so the refit is one device
+copy per byte plus a single map. A trainer whose parameters already live in one
+contiguous buffer sends views of it; a trainer that gathers full tensors for each refit
+(FSDP) can gather them into an arena.
 
 Layout
 ------
