@@ -356,9 +356,11 @@ def _generations(outs: Sequence[CompletionOutput]) -> list[Generation]:
 def _only_sampled(out: CompletionOutput) -> bool:
     """Flat logprobs with one entry per position, each the sampled token."""
     logprobs = out.logprobs
+    n = len(out.token_ids)
     return (
         isinstance(logprobs, FlatLogprobs)
-        and len(logprobs.logprobs) == len(out.token_ids)
+        and len(logprobs.logprobs) == n
+        and logprobs.start_indices == list(range(n))
         and logprobs.token_ids == list(out.token_ids)
     )
 

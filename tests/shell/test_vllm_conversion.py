@@ -64,3 +64,27 @@ def test_conversion_names_a_row_whose_logprobs_are_for_other_tokens() -> None:
     bad.logprobs.token_ids[1] = 9
     with pytest.raises(GenworkerError, match="row 1"):
         _generations([good, bad])
+
+
+def test_a_shifted_flat_layout_is_not_taken_for_one_entry_per_position() -> None:
+    # Position 0 holds nothing and position 1 holds two entries whose ids happen to
+    # spell the generated tokens: as many entries as tokens, yet not one per position.
+    flat = _vllm_logprobs.FlatLogprobs()
+    logprob = _vllm_logprobs.Logprob
+    flat.append(None)
+    flat.append(
+        {
+            5: logprob(logprob=-1.0, rank=1, decoded_token=None),
+            6: logprob(logprob=-2.0, rank=2, decoded_token=None),
+        }
+    )
+    out = _vllm_outputs.CompletionOutput(
+        index=0,
+        text="",
+        token_ids=[5, 6],
+        cumulative_logprob=None,
+        logprobs=flat,
+        finish_reason="length",
+    )
+    with pytest.raises(GenworkerError, match="row 0"):
+        _generations([out])
