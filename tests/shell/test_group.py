@@ -373,6 +373,54 @@ def test_an_ipc_refit_reaches_every_shard_and_the_group_then_equals_one_worker(
     assert_same_outputs(after, reference.generate(data, greedy=True))
 
 
+@pytest.mark.engine
+def test_a_collective_refit_reaches_every_shard(
+    group: GenerationGroup, reference: VllmGenerationWorker, tiny_model_dir: Path
+) -> None:
+    """One gloo group: this process is trainer rank 0, the shards' engine workers ranks 1
+    and 2; after one broadcast both shards generate as the reference on the same weights."""
+    import socket
+
+    from safetensors.torch import load_file
+
+    from genworker.shell.refit.collective import CollectiveSender
+    from genworker.shell.refit.ipc import IpcSender
+
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(11)
+    new = {n: t - 0.05 * torch.randn(t.shape, generator=generator) for n, t in weights.items()}
+    info = {n: (t.shape, t.dtype) for n, t in new.items()}
+    data = batch([4, 12, 30, 2, 7, 19], seed=6)
+    before = group.generate(data, greedy=True)
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    group.prepare_refit_info(info)
+    joins = group.init_collective("127.0.0.1", port, world_size=3, train_world_size=1)
+    with CollectiveSender("127.0.0.1", port, 3, manifest=info, timeout_s=120.0) as sender:
+        group.collect(joins, call="init_collective")
+        futures = group.update_weights_from_collective(timeout_s=120.0)
+        assert sender.send(new.items()).tensors == len(new)
+        assert group.collect(futures) == [True, True]
+
+    reference.prepare_refit_info(info)
+    (address,) = reference.refit_address()
+
+    def send() -> None:
+        with IpcSender(str(address), manifest=info, timeout_s=120.0) as ipc:
+            ipc.send(new.items())
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    assert reference.update_weights_via_ipc_zmq(timeout_s=120.0) is True
+    thread.join(120)
+
+    after = group.generate(data, greedy=True)
+    assert not torch.equal(after["output_ids"], before["output_ids"])
+    assert_same_outputs(after, reference.generate(data, greedy=True))
+
+
 # -- these break the group: keep them last --------------------------------------------------
 
 
