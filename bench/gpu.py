@@ -953,8 +953,64 @@ def refit_over_ipc(
     )
 
 
-def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
+def copy_row(sec: Section, scale: Scale, device: str) -> float:
+    """Measure the device-to-device copy bandwidth (GB/s) and report it."""
+    copy = measure_copy(scale.copy_bytes, device)
+    sec.row(
+        f"device-to-device copy, {fmt_gib(scale.copy_bytes)}",
+        f"{fmt_rate(scale.copy_bytes, scale.copy_bytes / 1e9 / copy)} (one-way bytes)",
+        f"{REF_COPY_GBPS:,.0f} GB/s",
+    )
+    return copy
+
+
+def start_ipc_trainer(worker: Any) -> Trainer:
+    """A trainer process sending to the worker's (one) IPC refit address."""
+    (address,) = worker.refit_address()
+    trainer = Trainer(ipc_trainer_main, {"address": str(address)})
+    trainer.expect("ready")
+    return trainer
+
+
+def ipc_refit_row(
+    sec: Section,
+    what: str,
+    nbytes: int,
+    copy: float,
+    measured: tuple[list[float], list[float], str, str],
+) -> float:
+    """Report ``refit_over_ipc``'s result as a row against the copy bandwidth; GB/s."""
+    times, sender_times, routes, phases = measured
+    own_s = statistics.median(times)
+    rate = gbps(nbytes, own_s)
+    sec.row(
+        f"{what} ({routes})",
+        f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.1%} of copy",
+        "runs: "
+        + ", ".join(fmt_s(x) for x in times)
+        + f"; trainer send {fmt_s(statistics.median(sender_times))}"
+        + f"; phases {phases}",
+    )
+    return rate
+
+
+def probe_row(sec: Section, worker: Any, what: str) -> None:
+    """Generate 4 prompts x 8 tokens and report the time and the tokens generated."""
     import torch
+
+    probe = {
+        "input_ids": torch.ones((4, 8), dtype=torch.long),
+        "input_lengths": torch.full((4,), 8),
+    }
+    g_s, out = timed(lambda: worker.generate(probe))
+    sec.row(
+        f"{what} (4 prompts x 8 tokens)",
+        fmt_s(g_s),
+        f"{int(out['generation_lengths'].sum())} tokens generated",
+    )
+
+
+def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
 
     from genworker.shell.refit.packing import DEFAULT_BUCKET_BYTES
 
@@ -984,12 +1040,7 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             f"{fmt_gb(layout_bytes(hf))} in {len(hf)} tensors",
             "16.06 GB",
         )
-        copy = measure_copy(scale.copy_bytes, device)
-        sec.row(
-            f"device-to-device copy, {fmt_gib(scale.copy_bytes)}",
-            f"{fmt_rate(scale.copy_bytes, scale.copy_bytes / 1e9 / copy)} (one-way bytes)",
-            f"{REF_COPY_GBPS:,.0f} GB/s",
-        )
+        copy = copy_row(sec, scale, device)
         with part(sec, "load_weights"):
             lw_s = measure_load_weights(llm, hf, device, scale.refit_reps)
             sec.row(
@@ -998,9 +1049,7 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 f"25-27 ms, {REF_LOAD_WEIGHTS_GBPS[0]:.0f}-{REF_LOAD_WEIGHTS_GBPS[1]:.0f} GB/s",
             )
 
-        (address,) = worker.refit_address()
-        trainer = Trainer(ipc_trainer_main, {"address": str(address)})
-        trainer.expect("ready")
+        trainer = start_ipc_trainer(worker)
         with part(sec, "IPC refit in HF names"):
             hf_times, _, routes, phases = refit_over_ipc(
                 worker, trainer, hf, DEFAULT_BUCKET_BYTES, scale.refit_reps
@@ -1025,20 +1074,15 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 else f"{bucket >> 20} MiB buckets"
             )
             with part(sec, f"IPC refit in the engine layout, {what}"):
-                times, sender_times, routes, phases = refit_over_ipc(
-                    worker, trainer, own, bucket, scale.refit_reps, direct=direct, arena=flat
-                )
-                own_s = statistics.median(times)
-                rate = gbps(nbytes, own_s)
-                sec.row(
+                rate = ipc_refit_row(
+                    sec,
                     f"IPC refit, engine layout, {what}"
-                    + (", one allocation per tensor (default)" if direct and not flat else "")
-                    + f" ({routes})",
-                    f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.1%} of copy",
-                    "runs: "
-                    + ", ".join(fmt_s(x) for x in times)
-                    + f"; trainer send {fmt_s(statistics.median(sender_times))}"
-                    + f"; phases {phases}",
+                    + (", one allocation per tensor (default)" if direct and not flat else ""),
+                    nbytes,
+                    copy,
+                    refit_over_ipc(
+                        worker, trainer, own, bucket, scale.refit_reps, direct=direct, arena=flat
+                    ),
                 )
                 if direct:
                     sec.verdict(
@@ -1080,16 +1124,7 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 fmt_s(sum(phases.values())),
                 f"~{ref_total:.2f} s (the reference's sleep L2 + wake + `load_weights`)",
             )
-            probe = {
-                "input_ids": torch.ones((4, 8), dtype=torch.long),
-                "input_lengths": torch.full((4,), 8),
-            }
-            g_s, out = timed(lambda: worker.generate(probe))
-            sec.row(
-                "first generate after the switch (4 prompts x 8 tokens)",
-                fmt_s(g_s),
-                f"{int(out['generation_lengths'].sum())} tokens generated",
-            )
+            probe_row(sec, worker, "first generate after the switch")
         sec.notes.append(
             "refit times are measured on the engine side, from the call to "
             "`update_weights_via_ipc_zmq` (the trainer already sending) to its return; the "
@@ -1121,8 +1156,6 @@ def refit_nosleep_child(*, report: Callable[[Section], None], scale: Scale) -> N
     """IPC refit into an 8B engine started without sleep mode: its parameters are plain
     CUDA allocations it can export, so the trainer writes straight into them
     (``engine-handles``) and keeps them mapped across refits."""
-    import torch
-
     from genworker.shell.refit.packing import DEFAULT_BUCKET_BYTES
     from genworker.shell.vllm_engine import VllmEngine, VllmEngineFactory
 
@@ -1149,44 +1182,22 @@ def refit_nosleep_child(*, report: Callable[[Section], None], scale: Scale) -> N
         device = worker.engine.capabilities.device
         own = engine_layout(worker)
         nbytes = layout_bytes(own)
-        copy = measure_copy(scale.copy_bytes, device)
-        sec.row(
-            f"device-to-device copy, {fmt_gib(scale.copy_bytes)}",
-            f"{fmt_rate(scale.copy_bytes, scale.copy_bytes / 1e9 / copy)} (one-way bytes)",
-            f"{REF_COPY_GBPS:,.0f} GB/s",
-        )
-        (address,) = worker.refit_address()
-        trainer = Trainer(ipc_trainer_main, {"address": str(address)})
-        trainer.expect("ready")
+        copy = copy_row(sec, scale, device)
+        trainer = start_ipc_trainer(worker)
         with part(sec, "IPC refit, engine-handles"):
-            times, sender_times, routes, phases = refit_over_ipc(
-                worker, trainer, own, DEFAULT_BUCKET_BYTES, scale.refit_reps
-            )
-            own_s = statistics.median(times)
-            rate = gbps(nbytes, own_s)
-            sec.row(
-                f"IPC refit, engine layout, fast path (default) ({routes})",
-                f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.1%} of copy",
-                "runs: "
-                + ", ".join(fmt_s(x) for x in times)
-                + f"; trainer send {fmt_s(statistics.median(sender_times))}"
-                + f"; phases {phases}",
+            rate = ipc_refit_row(
+                sec,
+                "IPC refit, engine layout, fast path (default)",
+                nbytes,
+                copy,
+                refit_over_ipc(worker, trainer, own, DEFAULT_BUCKET_BYTES, scale.refit_reps),
             )
             sec.verdict(
                 f"IPC refit into an engine without sleep mode at {rate / copy:.1%} of the "
                 f"device copy bandwidth (bar >= {IPC_BAR:.0%})",
                 rate >= IPC_BAR * copy,
             )
-        probe = {
-            "input_ids": torch.ones((4, 8), dtype=torch.long),
-            "input_lengths": torch.full((4,), 8),
-        }
-        g_s, out = timed(lambda: worker.generate(probe))
-        sec.row(
-            "generate after the refits (4 prompts x 8 tokens)",
-            fmt_s(g_s),
-            f"{int(out['generation_lengths'].sum())} tokens generated",
-        )
+        probe_row(sec, worker, "generate after the refits")
         sec.notes.append(
             "the trainer maps the engine's parameter storages once and keeps them mapped "
             "while their handles stay the same (the engine's memory never moves without "
