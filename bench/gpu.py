@@ -953,6 +953,17 @@ def refit_over_ipc(
     )
 
 
+def refit_config(scale: Scale) -> dict[str, object]:
+    """The worker config of a refit section's engine (``scale.refit_shape``, dummy weights)."""
+    return worker_config(
+        write_model(scale.refit_shape, scale.dtype),
+        scale,
+        util=scale.refit_util,
+        max_new_tokens=8,
+        max_model_len=1024,
+    )
+
+
 def copy_row(sec: Section, scale: Scale, device: str) -> float:
     """Measure the device-to-device copy bandwidth (GB/s) and report it."""
     copy = measure_copy(scale.copy_bytes, device)
@@ -1011,7 +1022,6 @@ def probe_row(sec: Section, worker: Any, what: str) -> None:
 
 
 def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
-
     from genworker.shell.refit.packing import DEFAULT_BUCKET_BYTES
 
     sec = Section("refit", TITLES["refit"])
@@ -1019,10 +1029,7 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
     worker: Any = None
     with guarded(sec):
         shape = scale.refit_shape
-        model_dir = write_model(shape, scale.dtype)
-        config = worker_config(
-            model_dir, scale, util=scale.refit_util, max_new_tokens=8, max_model_len=1024
-        )
+        config = refit_config(scale)
         worker, start_s, engine_bytes = start_worker(config)
         llm = worker.llm
         device = worker.engine.capabilities.device
@@ -1169,11 +1176,7 @@ def refit_nosleep_child(*, report: Callable[[Section], None], scale: Scale) -> N
     with guarded(sec):
         from genworker.shell.worker import VllmGenerationWorker
 
-        shape = scale.refit_shape
-        model_dir = write_model(shape, scale.dtype)
-        config = worker_config(
-            model_dir, scale, util=scale.refit_util, max_new_tokens=8, max_model_len=1024
-        )
+        config = refit_config(scale)
         t0 = time.perf_counter()
         worker = VllmGenerationWorker(config, engine_factory=NoSleepFactory())
         sec.row(
@@ -1367,10 +1370,7 @@ def nccl_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 f"{REF_NCCL_GBPS:.0f} GB/s (4 GiB)",
             )
 
-        model_dir = write_model(shape, scale.dtype)
-        config = worker_config(
-            model_dir, scale, util=scale.refit_util, max_new_tokens=8, max_model_len=1024
-        )
+        config = refit_config(scale)
         worker, start_s, _ = start_worker(config)
         own = engine_layout(worker)
         nbytes = layout_bytes(own)
