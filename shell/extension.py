@@ -19,7 +19,8 @@ Calls, in order (every failure raises a typed error of ``genworker.shell.errors`
 3. ``update_weights_from_collective(timeout_s)`` / ``update_weights_via_ipc_zmq(timeout_s)``
    per refit; each returns ``{"tensors", "bytes", "buckets", "seconds", "direct",
    "loaded", "mode", "version"}``.
-4. ``cleanup()`` closes sockets and groups.
+4. ``release_kept_buffers()`` unmaps trainer memory kept mapped between IPC refits (a
+   sender with ``keep_mapped=True``); ``cleanup()`` closes sockets and groups.
 
 Where the weights go
 --------------------
@@ -39,10 +40,14 @@ direct over the collective.
 the refit skips the staging buckets altogether (``refit.direct``): over IPC the trainer
 writes into this worker's parameters through handles it exports (``mode``
 ``engine-handles``; CPU parameters move into shared memory in place on the first such
-refit), or, where CUDA memory cannot be exported (sleep mode's virtual-memory pool),
-this worker copies from handles of the trainer's tensors (``sender-handles``); over a
-collective with tensor-parallel size 1 every broadcast lands in its parameter
-(``direct-receive``). Anything else travels in buckets (``mode`` ``buckets``).
+refit), or, where CUDA memory cannot be exported (sleep mode's virtual-memory pool) or
+``ipc_address(offer_params=False)`` says so, this worker copies from handles of the
+trainer's tensors (``sender-handles``); over a collective with tensor-parallel size 1
+every broadcast lands in its parameter (``direct-receive``). Anything else travels in
+buckets (``mode`` ``buckets``). The routes, the direct targets and the post-load
+processing of a manifest are computed once and kept while every parameter stays
+registered where it was, in the same memory, size and dtype (checked per refit
+without walking the module tree).
 
 *Loader*: everything else (checkpoint names such as ``q_proj``) streams through the
 worker's ``reload_weights(weights_iterator=...)`` where the model runner's signature has
@@ -58,7 +63,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 import attrs
@@ -79,6 +84,11 @@ from genworker.shell.refit.session import Loader, ReceiverTransport, RefitReport
 if TYPE_CHECKING:
     from torch import nn
 
+    #: One parameter as the routes saw it: its module, its local name, the parameter,
+    #: and what the routes depend on (data pointer, element count, dtype, contiguity).
+    _Entry = tuple[nn.Module, str, torch.Tensor, int, int, torch.dtype, bool]
+    _Process = Callable[[nn.Module], object]
+
 __all__ = ["DirectRoutes", "EngineSink", "WorkerExtension", "direct_routes"]
 
 log = logging.getLogger(__name__)
@@ -90,6 +100,7 @@ _STATE: Final = "_genworker_refit_state"
 class _RefitState:
     manifest: Manifest | None = None
     ipc: IpcReceiver | None = None
+    ipc_options: tuple[str | None, bool] = (None, True)  # the bound socket's
     group: CollectiveGroup | None = None
     collective: CollectiveReceiver | None = None  # kept with the group: it keeps buffers
     version: int = 0
@@ -167,11 +178,20 @@ class WorkerExtension:
             raise EngineStateError("update_weights_from_collective before init_collective")
         return _refit(self, state.collective, float(timeout_s), sharded_ok=False)
 
-    def ipc_address(self, tcp_host: str | None = None) -> str:
-        """The address an ``IpcSender`` connects to (bound once, kept until cleanup)."""
+    def ipc_address(self, tcp_host: str | None = None, offer_params: bool = True) -> str:
+        """The address an ``IpcSender`` connects to (bound once, kept until cleanup).
+
+        ``offer_params=False``: never give the trainer handles of this worker's
+        parameters; direct refits then read from the trainer's tensors. A call with other
+        options than the bound socket's closes it and binds a new one (a new address)."""
         state = _state(self)
+        options = (tcp_host, bool(offer_params))
+        if state.ipc is not None and state.ipc_options != options:
+            state.ipc.close()
+            state.ipc = None
         if state.ipc is None:
-            state.ipc = IpcReceiver(_device(self), tcp_host=tcp_host)
+            state.ipc = IpcReceiver(_device(self), tcp_host=tcp_host, offer_params=options[1])
+            state.ipc_options = options
         return state.ipc.address
 
     def update_weights_via_ipc_zmq(self, timeout_s: float = 600.0) -> dict[str, object]:
@@ -181,6 +201,12 @@ class WorkerExtension:
             self.ipc_address()
         assert state.ipc is not None
         return _refit(self, state.ipc, float(timeout_s), sharded_ok=True)
+
+    def release_kept_buffers(self) -> int:
+        """Unmap the trainer memory kept mapped between IPC refits (a sender with
+        ``keep_mapped=True``); how many storages were let go."""
+        state = _state(self)
+        return state.ipc.drop_kept() if state.ipc is not None else 0
 
     def report_device_id(self) -> str:
         """``GPU-<uuid>`` of this worker's GPU (``cpu@<host>`` on CPU)."""
@@ -281,11 +307,18 @@ def _writable_params(model: nn.Module) -> dict[str, TensorSpec]:
     return out
 
 
-def direct_routes(model: nn.Module, manifest: Manifest, *, sharded_ok: bool) -> DirectRoutes:
+def direct_routes(
+    model: nn.Module,
+    manifest: Manifest,
+    *,
+    sharded_ok: bool,
+    params: Mapping[str, torch.Tensor] | None = None,
+) -> DirectRoutes:
     """The tensors of ``manifest`` that can be copied straight into ``model``'s memory:
-    an exact name/shape/dtype match, for every parameter of an unquantized module."""
+    an exact name/shape/dtype match, for every parameter of an unquantized module
+    (``params``: the model's parameters by name, when the caller has them)."""
     writable = _writable_params(model)
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters()) if params is None else params
     by_module: dict[str, set[str]] = defaultdict(set)
     for spec in manifest.specs:
         if writable.get(spec.name) == spec and (sharded_ok or not _is_sharded(params[spec.name])):
@@ -302,38 +335,111 @@ def direct_routes(model: nn.Module, manifest: Manifest, *, sharded_ok: bool) -> 
     return DirectRoutes(frozenset(direct), frozenset(modules))
 
 
-def _param_fingerprint(params: Mapping[str, torch.Tensor]) -> tuple[object, ...]:
-    """What the routes depend on: each parameter's name, place, size and dtype."""
-    return tuple(
-        (name, p.data_ptr(), p.numel(), p.dtype, p.is_contiguous()) for name, p in params.items()
-    )
+def _entries(model: nn.Module) -> tuple[dict[str, torch.Tensor], tuple[_Entry, ...]]:
+    """Every parameter by name, as ``model.named_parameters()`` lists them (a parameter
+    shared by two modules once), and each one's entry: one walk of the module tree."""
+    params: dict[str, torch.Tensor] = {}
+    entries: list[_Entry] = []
+    seen: set[torch.Tensor] = set()
+    for mod_name, module in model.named_modules():
+        for local, param in module._parameters.items():
+            if param is None or param in seen:
+                continue
+            seen.add(param)
+            params[f"{mod_name}.{local}" if mod_name else local] = param
+            entries.append(
+                (
+                    module,
+                    local,
+                    param,
+                    param.data_ptr(),
+                    param.numel(),
+                    param.dtype,
+                    param.is_contiguous(),
+                )
+            )
+    return params, tuple(entries)
 
 
-@attrs.frozen
+def _unchanged(entries: Sequence[_Entry]) -> bool:
+    """Every parameter is still registered where it was, in the same memory, size and
+    dtype (checked without walking the module tree)."""
+    for module, local, param, ptr, numel, dtype, contiguous in entries:
+        if (
+            module._parameters.get(local) is not param
+            or param.data_ptr() != ptr
+            or param.numel() != numel
+            or param.dtype != dtype
+            or param.is_contiguous() != contiguous
+        ):
+            return False
+    return True
+
+
+def _processors(
+    modules: Mapping[str, nn.Module], names: Iterable[str]
+) -> list[tuple[nn.Module, _Process]]:
+    """The post-load processing of each named module that has one, in name order."""
+    out = []
+    for name in sorted(names):
+        module = modules[name]
+        process = getattr(
+            getattr(module, "quant_method", None), "process_weights_after_loading", None
+        )
+        if callable(process):
+            out.append((module, process))
+    return out
+
+
+@attrs.frozen(eq=False)
 class _Routed:
-    """The routes of a manifest on one parameter layout, and that layout's lookups."""
+    """The routes of a manifest on one parameter layout, and what a refit needs of it."""
 
-    key: tuple[object, ...]
+    model: nn.Module
+    key: tuple[object, ...]  # the manifest digest and whether sharded parameters may go direct
+    entries: tuple[_Entry, ...]
     routes: DirectRoutes
+    params: Mapping[str, torch.Tensor]  # every parameter by name
+    direct: Mapping[str, torch.Tensor]  # the direct parameters by name
     modules: Mapping[str, nn.Module]
+    # the direct parameters' memory (``param.data``), None when one is not contiguous
+    targets: Mapping[str, torch.Tensor] | None
+    processors: Sequence[tuple[nn.Module, _Process]]  # post-load processing, every direct module
 
 
-def _routed(
-    worker: object,
-    model: nn.Module,
-    manifest: Manifest,
-    sharded_ok: bool,
-    params: Mapping[str, torch.Tensor] | None = None,
-) -> _Routed:
-    """:func:`direct_routes` (and the model's modules by name), computed again only when
-    a parameter moved, changed size or dtype, or the manifest changed."""
+def _routed(worker: object, model: nn.Module, manifest: Manifest, sharded_ok: bool) -> _Routed:
+    """:func:`direct_routes` and the lookups a refit needs, computed again only when the
+    model or the manifest changed, or a parameter was replaced, moved, or changed size
+    or dtype; checking that costs no walk of the module tree."""
     state = _state(worker)
-    params = dict(model.named_parameters()) if params is None else params
-    key = (manifest.digest(), sharded_ok, _param_fingerprint(params))
-    if state.routes is not None and state.routes.key == key:
-        return state.routes
+    key = (manifest.digest(), sharded_ok)
+    cached = state.routes
+    if (
+        cached is not None
+        and cached.model is model
+        and cached.key == key
+        and _unchanged(cached.entries)
+    ):
+        return cached
+    params, entries = _entries(model)
+    routes = direct_routes(model, manifest, sharded_ok=sharded_ok, params=params)
+    modules = dict(model.named_modules())
+    direct = {n: p for n, p in params.items() if n in routes.direct}
+    targets = (
+        {n: p.data for n, p in direct.items()}
+        if all(p.is_contiguous() for p in direct.values())
+        else None
+    )
     routed = _Routed(
-        key, direct_routes(model, manifest, sharded_ok=sharded_ok), dict(model.named_modules())
+        model,
+        key,
+        entries,
+        routes,
+        params,
+        direct,
+        modules,
+        targets,
+        _processors(modules, routes.modules),
     )
     state.routes = routed
     return routed
@@ -352,16 +458,20 @@ class EngineSink:
         routes: DirectRoutes,
         device: torch.device,
         *,
-        params: Mapping[str, torch.Tensor] | None = None,
-        modules: Mapping[str, nn.Module] | None = None,
+        routed: _Routed | None = None,
     ) -> None:
-        """``params`` / ``modules``: the model's by name, when the caller has them."""
+        """``routed``: the cached lookups of these routes on ``model``, when the caller has
+        them (``_routed``)."""
         self._model = model
         self._routes = routes
         self._device = device
-        named = dict(model.named_parameters()) if params is None else params
-        self._params = {n: p for n, p in named.items() if n in routes.direct}
-        self._modules = modules
+        self._routed = routed
+        self._params: Mapping[str, torch.Tensor]
+        if routed is None:
+            named = dict(model.named_parameters())
+            self._params = {n: p for n, p in named.items() if n in routes.direct}
+        else:
+            self._params = routed.direct
         self._touched: set[str] = set()
 
     @property
@@ -384,23 +494,28 @@ class EngineSink:
             torch.cuda.synchronize(self._device)
 
     def direct_targets(self, manifest: Manifest) -> Mapping[str, torch.Tensor] | None:
-        if len(self._params) != len(manifest) or any(
-            not p.data.is_contiguous() for p in self._params.values()
-        ):
+        if len(self._params) != len(manifest):
+            return None
+        if self._routed is not None:
+            return self._routed.targets
+        if any(not p.data.is_contiguous() for p in self._params.values()):
             return None
         return {name: param.data for name, param in self._params.items()}
 
     def written(self, names: Sequence[str]) -> None:
-        self._touched.update(_module_name(n) for n in names)
+        if len(names) == len(self._routes.direct) and set(names) == self._routes.direct:
+            self._touched.update(self._routes.modules)  # all of them (a direct refit)
+        else:
+            self._touched.update(_module_name(n) for n in names)
 
     def finalize(self) -> None:
-        modules = self._modules or dict(self._model.named_modules())
-        for name in sorted(self._touched):
-            module = modules[name]
-            method = getattr(module, "quant_method", None)
-            process = getattr(method, "process_weights_after_loading", None)
-            if callable(process):
-                process(module)
+        if self._routed is not None and self._touched == self._routes.modules:
+            processors = self._routed.processors  # every direct module: computed once
+        else:
+            modules = self._routed.modules if self._routed else dict(self._model.named_modules())
+            processors = _processors(modules, self._touched)
+        for module, process in processors:
+            process(module)
         self.synchronize()
 
 
@@ -412,10 +527,9 @@ def _refit(
         raise EngineStateError("a weight update needs prepare_refit_info first")
     laps = Laps()
     model = _model(worker)
-    params = dict(model.named_parameters())
-    routed = _routed(worker, model, state.manifest, sharded_ok or _tp_size(worker) == 1, params)
+    routed = _routed(worker, model, state.manifest, sharded_ok or _tp_size(worker) == 1)
     routes = routed.routes
-    sink = EngineSink(model, routes, _device(worker), params=params, modules=routed.modules)
+    sink = EngineSink(model, routes, _device(worker), routed=routed)
     loader = _loader(worker) if len(routes.direct) < len(state.manifest) else None
     if loader is None and len(routes.direct) < len(state.manifest):
         raise RefitError("this engine worker has no weight loader for checkpoint-layout tensors")

@@ -572,11 +572,22 @@ class GenerationGroup:
         """Give every shard the names, shapes and dtypes each refit carries."""
         self._call_all("prepare_refit_info", dict(state_dict_info), timeout_s=timeout_s)
 
-    def refit_address(self, *, timeout_s: float | None = None) -> list[list[object]]:
-        """Each shard's IPC refit addresses (one per engine worker), in shard order."""
+    def refit_address(
+        self, *, offer_params: bool = True, timeout_s: float | None = None
+    ) -> list[list[object]]:
+        """Each shard's IPC refit addresses (one per engine worker), in shard order
+        (``offer_params``: see ``VllmGenerationWorker.refit_address``)."""
         return [
             list(_as_list(r, "refit_address"))
-            for r in self._call_all("refit_address", timeout_s=timeout_s)
+            for r in self._call_all("refit_address", offer_params=offer_params, timeout_s=timeout_s)
+        ]
+
+    def release_refit_buffers(self, *, timeout_s: float | None = None) -> list[list[object]]:
+        """Every shard's ``release_refit_buffers``: the trainer memory its engine workers
+        kept mapped between IPC refits is let go (counts per engine worker, shard order)."""
+        return [
+            list(_as_list(r, "release_refit_buffers"))
+            for r in self._call_all("release_refit_buffers", timeout_s=timeout_s)
         ]
 
     def init_collective(

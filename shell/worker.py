@@ -387,9 +387,19 @@ class VllmGenerationWorker:
         ``{name: [shape, dtype]}`` (send in this layout for the fast refits)."""
         return self._rpc("engine_param_layout")
 
-    def refit_address(self) -> list[object]:
-        """Where each engine worker listens for IPC refits (one entry per worker)."""
-        return self._rpc("ipc_address")
+    def refit_address(self, *, offer_params: bool = True) -> list[object]:
+        """Where each engine worker listens for IPC refits (one entry per worker).
+
+        ``offer_params=False``: the engine workers never give the trainer handles of their
+        parameters; direct refits read from the trainer's tensors instead (the mode a
+        sleep-mode GPU engine always takes). Fixed by the first call."""
+        return self._rpc("ipc_address", None, offer_params)
+
+    def release_refit_buffers(self) -> list[object]:
+        """Let go of the trainer memory the engine workers keep mapped between IPC refits
+        (``IpcSender(keep_mapped=True)``): call it before the trainer frees that memory,
+        which stays allocated while mapped. How many storages each engine worker let go."""
+        return self._rpc("release_kept_buffers")
 
     def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
         if self._shut_down:

@@ -329,6 +329,7 @@ class _Trainer:
         manifest_path = command.pop("manifest_path", None)
         address = command.pop("address", None)
         direct = bool(command.pop("direct", True))
+        keep_mapped = bool(command.pop("keep_mapped", False))
         tensors = edited(load_file(path), **command)  # type: ignore[arg-type]
         if op == "ipc":
             manifest = manifest_of(load_file(str(manifest_path))) if manifest_path else None
@@ -338,6 +339,7 @@ class _Trainer:
                 bucket_bytes=bucket_bytes,
                 timeout_s=timeout_s,
                 direct=direct,
+                keep_mapped=keep_mapped,
             ) as ipc:
                 report = ipc.send(tensors.items())
         else:
@@ -354,7 +356,8 @@ def run_trainer(commands: _Inbox, results: _Queue) -> None:
     ``{"op": "collective", "path": f, ...}`` and ``{"op": "ipc", "address": a, "path": f,
     ...}`` send the safetensors file ``f``, edited by the remaining keys (see
     :func:`edited`; ``manifest_path`` names the file whose layout is the IPC manifest,
-    ``direct`` (default True) lets the sender go direct).
+    ``direct`` (default True) lets the sender go direct, ``keep_mapped`` (IPC, default
+    False) lets the engine keep the sent tensors mapped).
     """
     trainer = _Trainer()
     results.put(("ready", None))

@@ -38,9 +38,19 @@ manifest tensor directly answers with an :class:`~genworker.shell.refit.wire.Off
   every tensor straight into them on one stream, synchronizes, and sends one
   ``DirectMsg``; the engine re-checks its list, runs post-load processing and answers.
 - ``sender-handles``: CUDA memory the engine cannot export (vLLM's sleep mode allocates
-  weights through CUDA virtual memory, which has no legacy IPC handle). The sender
-  exports its own tensors' storages in the ``DirectMsg``; the engine copies from them
-  straight into its parameters.
+  weights through CUDA virtual memory, which has no legacy IPC handle), or a receiver
+  made with ``offer_params=False``. The sender exports its own tensors' storages in the
+  ``DirectMsg``; the engine maps them, copies from them straight into its parameters,
+  and unmaps them, so the trainer may free that memory afterwards. Mapping costs time
+  in proportion to the allocation (on an H200 about as long as copying it), so a sender
+  made with ``keep_mapped=True`` (for tensors it keeps for every refit, such as a
+  ``RefitArena``) sends its tensors' own storages, exported once, with
+  ``DirectMsg.keep``: the engine keeps them mapped, and the next refit that sends the
+  same storages maps nothing. Storages a later refit does not send are unmapped at its
+  end (all of them after a refit that sends none kept, in buckets say);
+  ``drop_kept()`` (the worker's ``release_refit_buffers``), a failed refit and
+  ``close()`` unmap them all. While mapped, the trainer's memory is not returned to the
+  device even when the trainer frees it.
 
 Either way one device copy per byte and two small round trips (``Begin``, ``DirectMsg``).
 Without an offer, or when the sender cannot map the engine's handles, the refit goes on
@@ -137,15 +147,19 @@ class IpcReceiver:
         tcp_host: str | None = None,
         allow_remote: bool = False,
         directory: str | Path | None = None,
+        offer_params: bool = True,
     ) -> None:
         """``directory``: where the private socket directory is made (default: the
-        temporary directory); ignored for TCP."""
+        temporary directory); ignored for TCP. ``offer_params=False``: never hand the
+        sender handles of this engine's parameters (it gets no access to the engine's
+        memory); direct refits then read from the sender's tensors (``sender-handles``)."""
         if tcp_host is not None and not allow_remote and not _is_loopback(tcp_host):
             raise BadConfigError(
                 f"refusing to bind the refit socket on {tcp_host}: not a loopback address "
                 "(pass allow_remote=True to expose it)"
             )
         self._device = device
+        self._offer_params = offer_params
         self._ctx = zmq.Context()
         self._dir: Path | None = None
         if tcp_host is None:
@@ -160,7 +174,20 @@ class IpcReceiver:
         self._awaiting_begin = True
         self._maps: dict[int, tuple[CpuHandle | CudaHandle, torch.Tensor]] = {}
         self._exports: ExportCache = {}  # this engine's parameters, exported once
-        self._last_offer: tuple[tuple[object, ...], Offer] | None = None
+        # storages of a sender that keeps them (DirectMsg.keep), mapped across refits,
+        # and the last refit's (target, source) pairs over them
+        self._kept: dict[CpuHandle | CudaHandle, torch.Tensor] = {}
+        self._kept_used = False  # this refit read from kept storages
+        self._kept_views: (
+            tuple[
+                tuple[tuple[object, ...], tuple[object, ...]],
+                Mapping[str, torch.Tensor],
+                list[tuple[torch.Tensor, torch.Tensor]],
+            ]
+            | None
+        ) = None
+        # the targets and layout of the last offer, and the offer
+        self._last_offer: tuple[Mapping[str, torch.Tensor], tuple[object, ...], Offer] | None = None
         self._offered = ""
 
     @property
@@ -185,7 +212,9 @@ class IpcReceiver:
         return sock
 
     def reset(self) -> None:
-        """Close and rebind the socket at the same address (drops queued stray requests)."""
+        """Close and rebind the socket at the same address (drops queued stray requests
+        and the kept sender storages: the refit failed)."""
+        self.drop_kept()
         self._sock.close(linger=0)
         self._sock = self._bind()
         self._pending = False
@@ -248,24 +277,33 @@ class IpcReceiver:
         return offer is not None
 
     def _offer(self, targets: Mapping[str, torch.Tensor]) -> Offer | None:
+        last = self._last_offer
+        if last is not None and last[0] is targets:
+            # the sink's cached targets, which it checked still lie where they lay
+            self._offered = last[2].mode
+            return last[2]
         key = tuple((n, t.data_ptr(), t.numel(), t.dtype) for n, t in targets.items())
-        if self._last_offer is not None and self._last_offer[0] == key:
-            self._offered = self._last_offer[1].mode
-            return self._last_offer[1]  # the same parameters in the same places
+        if last is not None and last[1] == key:
+            self._offered = last[2].mode
+            self._last_offer = (targets, key, last[2])
+            return last[2]  # the same parameters in the same places
         self._last_offer = None
-        try:
-            storages, refs = export_refs(targets, self._exports)
-        except RuntimeError as e:
-            self._exports.clear()
-            if self._device.type != "cuda":
-                log.warning("refit %s: cannot export the parameters (%s)", self._refit_id, e)
-                return None
-            log.info("refit %s: parameters not exportable (%s)", self._refit_id, e)
-            self._offered = "sender-handles"
-            return Offer("sender-handles")
-        self._offered = "engine-handles"
-        offer = Offer("engine-handles", storages, refs)
-        self._last_offer = (key, offer)
+        if not self._offer_params:
+            offer = Offer("sender-handles")
+        else:
+            try:
+                storages, refs = export_refs(targets, self._exports)
+            except RuntimeError as e:
+                self._exports.clear()
+                if self._device.type != "cuda":
+                    log.warning("refit %s: cannot export the parameters (%s)", self._refit_id, e)
+                    return None
+                log.info("refit %s: parameters not exportable (%s)", self._refit_id, e)
+                offer = Offer("sender-handles")
+            else:
+                offer = Offer("engine-handles", storages, refs)
+        self._offered = offer.mode
+        self._last_offer = (targets, key, offer)
         return offer
 
     def fill_direct(
@@ -278,10 +316,40 @@ class IpcReceiver:
                     "none of its own"
                 )
             return "engine-handles"  # the sender wrote into our parameters already
-        views = open_refs(msg.storages, msg.tensors, self._device)
-        copy_all((targets[name], view) for name, view in views.items())
+        if not msg.keep:
+            self.drop_kept()
+            views = open_refs(msg.storages, msg.tensors, self._device)
+            copy_all((targets[name], view) for name, view in views.items())
+        else:
+            copy_all(self._kept_pairs(msg, targets))
+            self._kept_used = True
         _sync(self._device)
         return "sender-handles"
+
+    def _kept_pairs(
+        self, msg: DirectMsg, targets: Mapping[str, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(target, source) pairs of a refit whose sender keeps its storages: mapped once
+        and kept; storages the refit no longer lists are let go."""
+        key = (tuple(msg.storages), tuple(msg.tensors))
+        last = self._kept_views
+        if last is not None and last[0] == key and last[1] is targets:
+            return last[2]  # the same storages, the same places, the same parameters
+        live = set(msg.storages)
+        self._kept = {h: m for h, m in self._kept.items() if h in live}
+        self._kept_views = None
+        views = open_refs(msg.storages, msg.tensors, self._device, cache=self._kept)
+        pairs = [(targets[name], view) for name, view in views.items()]
+        self._kept_views = (key, targets, pairs)
+        return pairs
+
+    def drop_kept(self) -> int:
+        """Let go of the sender storages kept mapped (``IpcSender(keep_mapped=True)``), so
+        the trainer's memory returns to the device once it frees it; how many there were."""
+        dropped = len(self._kept)
+        self._kept = {}
+        self._kept_views = None
+        return dropped
 
     def payload(self, msg: BucketMsg, timeout_s: float) -> torch.Tensor:
         if msg.handle is None:
@@ -298,6 +366,9 @@ class IpcReceiver:
         # refit, and the sender keeps its buffers); CUDA IPC handles are closed at once so
         # the sender can free its memory.
         self._maps = {k: v for k, v in self._maps.items() if isinstance(v[0], CpuHandle)}
+        if not self._kept_used:
+            self.drop_kept()  # this refit did not send them: the sender moved on
+        self._kept_used = False
         self._awaiting_begin = True
         self._refit_id = ""
         self._offered = ""
@@ -319,6 +390,7 @@ class IpcReceiver:
 
     def close(self) -> None:
         self._maps.clear()
+        self.drop_kept()
         self._exports.clear()
         self._last_offer = None
         self._sock.close(linger=0)
@@ -341,6 +413,9 @@ class IpcSender:
     directory made inside ``staging_dir`` (default: /dev/shm). ``direct``: go straight
     into the engine's memory when it agrees (see the module docstring); the stream is
     materialized first, so pass ``False`` for a stream that creates its tensors lazily.
+    ``keep_mapped``: the tensors sent live on for later refits (a ``RefitArena``), so an
+    engine that reads from them may keep them mapped (see ``sender-handles`` above);
+    tensors not contiguous on the device are then refused, named.
     """
 
     def __init__(
@@ -354,6 +429,7 @@ class IpcSender:
         device: torch.device | str | None = None,
         staging_dir: str | Path | None = None,
         direct: bool = True,
+        keep_mapped: bool = False,
     ) -> None:
         if not address.startswith(("ipc://", "tcp://")):
             raise BadConfigError(f"a refit address is ipc://... or tcp://..., got {address!r}")
@@ -371,6 +447,8 @@ class IpcSender:
         self._dir: Path | None = None
         self._staging_parent = staging_dir
         self.direct = direct
+        self.keep_mapped = keep_mapped
+        self._exports: ExportCache = {}  # our storages, exported once (keep_mapped)
         self._engine_maps: dict[CpuHandle | CudaHandle, torch.Tensor] = {}
         # the last offer the views were made for, and those views
         self._engine_views: tuple[tuple[Offer, torch.device], dict[str, torch.Tensor]] | None = None
@@ -455,8 +533,12 @@ class IpcSender:
                 if refs is None:
                     return None
                 msg = DirectMsg(refit_id, refs)
+            elif self.keep_mapped:
+                storages, refs = self._export_in_place(items)
+                msg = DirectMsg(refit_id, refs, storages, keep=True)
+                laps.lap("export")
             else:
-                device = self._cuda_device(items)
+                device = self._source_device(items)
                 keep = {n: t.to(device).contiguous() for n, t in items}
                 storages, refs = export_refs(keep)
                 _sync(device)
@@ -471,6 +553,23 @@ class IpcSender:
         return SendReport(
             len(items), nbytes, 0, time.monotonic() - started, offer.mode, laps.seconds
         )
+
+    def _export_in_place(
+        self, items: Sequence[tuple[str, torch.Tensor]]
+    ) -> tuple[list[CpuHandle | CudaHandle], list[TensorRef]]:
+        """Handles of the tensors' own storages (exported once while they stay), for an
+        engine that keeps them mapped; :class:`RefitError` naming tensors that would need
+        a copy first (a copy would be freed after the refit, and stay mapped)."""
+        device = self._source_device(items)
+        moved = [n for n, t in items if t.device != device or not t.is_contiguous()]
+        if moved:
+            raise RefitError(
+                f"keep_mapped sends tensors where they lie, but {_names(moved)} "
+                f"{'is' if len(moved) == 1 else 'are'} not contiguous on {device}"
+            )
+        exported = export_refs(dict(items), self._exports)
+        _sync(device)
+        return exported
 
     def _write_engine(
         self,
@@ -529,9 +628,18 @@ class IpcSender:
                 return tensor.device
         return torch.device("cuda", torch.cuda.current_device())
 
+    def _source_device(self, items: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
+        """Where the engine reads our tensors from: the GPU when any lies on one (or
+        ``device`` says so), else shared memory on the CPU."""
+        cuda = (self._device is not None and self._device.type == "cuda") or any(
+            t.device.type == "cuda" for _, t in items
+        )
+        return self._cuda_device(items) if cuda else torch.device("cpu")
+
     def close(self) -> None:
         """Free the staging buffers and the socket; the sender is unusable afterwards."""
         self._engine_maps.clear()
+        self._exports.clear()
         self._engine_views = None
         self._drop_socket()
         for buffer in self._buffers.values():
@@ -636,6 +744,11 @@ class IpcSender:
         if local is error:
             raise local
         raise local from error
+
+
+def _names(names: Sequence[str], limit: int = 4) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _close(buffer: StagingBuffer | None) -> None:

@@ -415,9 +415,9 @@ class ReceiveSession:
         if problem is not None:
             self._t.precheck(problem, self._timeout)
             raise problem
-        names = frozenset(t.name for t in msg.tensors)
-        nbytes = sum(self._targets[n].numel() * self._targets[n].element_size() for n in names)
-        self._progress = ReceiveProgress(received=names, nbytes=nbytes)
+        # the listing matched the manifest: every manifest tensor arrived, exactly once
+        names = frozenset(self._manifest.names)
+        self._progress = ReceiveProgress(received=names, nbytes=self._manifest.total_bytes)
         self._direct = len(names)
         self._mode = mode
         self._complete = True

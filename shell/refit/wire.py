@@ -128,6 +128,9 @@ class DirectMsg(msgspec.Struct, tag="direct", frozen=True):
     refit_id: str
     tensors: list[TensorRef]
     storages: list[CpuHandle | CudaHandle] = []
+    # the sender keeps these storages for later refits: the engine may keep them mapped
+    # (until a refit lists other ones or none, or it is told to release them)
+    keep: bool = False
 
 
 class BucketMsg(msgspec.Struct, tag="bucket", frozen=True):

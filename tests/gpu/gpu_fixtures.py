@@ -293,14 +293,17 @@ def session_engine(session: GpuSession) -> VllmEngine:
     return engine
 
 
-def refit_over_ipc(session: GpuSession, checkpoint: Path, *, arena: bool = False) -> str:
+def refit_over_ipc(
+    session: GpuSession, checkpoint: Path, *, arena: bool = False, keep_mapped: bool = False
+) -> str:
     """Push ``checkpoint`` (a safetensors model directory, or a ``.pt`` of engine-layout
     tensors) from the trainer process into the session worker over CUDA IPC (from a
-    :class:`RefitArena` with ``arena``); the sender's mode."""
+    :class:`RefitArena` with ``arena``; one the trainer keeps, and a sender with
+    ``keep_mapped``, with ``keep_mapped``); the sender's mode."""
     worker, trainer = session.worker, session.ipc_trainer()
     expected = manifest(checkpoint)
     worker.prepare_refit_info(expected)
-    trainer.send("send", (str(checkpoint), arena))
+    trainer.send("send", (str(checkpoint), arena, keep_mapped))
     trainer.expect("sending")
     assert worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT_S)
     sent = trainer.expect("sent")
@@ -421,17 +424,22 @@ class Trainer:
 
 
 def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
-    """Trainer on the engine's GPU: ``("send", checkpoint)`` pushes it over CUDA IPC."""
+    """Trainer on the engine's GPU: ``("send", (checkpoint, arena, keep_mapped))`` pushes
+    it over CUDA IPC (``keep_mapped``: from an arena kept for the next such send)."""
     try:
+        from genworker.shell.refit.arena import RefitArena
         from genworker.shell.refit.ipc import IpcSender
 
         device = "cuda" if torch.cuda.is_available() else "cpu"  # shared memory on a CPU
-        senders: dict[str, IpcSender] = {}  # one per manifest (the sender checks its digest)
+        # one sender per manifest and keep_mapped (the sender checks its digest), and the
+        # arenas kept for keep_mapped sends
+        senders: dict[tuple[str, bool], IpcSender] = {}
+        kept: dict[str, RefitArena] = {}
         while True:
             command, arg = commands.get()
             if command == "stop":
                 break
-            path, arena = (arg, False) if isinstance(arg, str) else arg
+            path, arena, keep_mapped = (arg, False, False) if isinstance(arg, str) else arg
             checkpoint = Path(str(path))
             tensors = (
                 {n: t.to(device) for n, t in torch.load(checkpoint).items()}
@@ -439,16 +447,20 @@ def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
                 else load_checkpoint(checkpoint, device)
             )
             info = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+            key = repr(sorted((n, tuple(s), str(d)) for n, (s, d) in info.items()))
             if arena:
-                from genworker.shell.refit.arena import RefitArena
-
-                flat = RefitArena(info, device)
+                flat = kept.get(key) if keep_mapped else None
+                if flat is None:
+                    flat = RefitArena(info, device)
+                    if keep_mapped:
+                        kept[key] = flat
                 flat.load_(tensors.items())
                 tensors = flat.tensors
-            key = repr(sorted((n, tuple(s), str(d)) for n, (s, d) in info.items()))
-            sender = senders.get(key)
+            sender = senders.get((key, keep_mapped))
             if sender is None:
-                sender = senders[key] = IpcSender(address, manifest=info, timeout_s=REFIT_TIMEOUT_S)
+                sender = senders[key, keep_mapped] = IpcSender(
+                    address, manifest=info, timeout_s=REFIT_TIMEOUT_S, keep_mapped=keep_mapped
+                )
             replies.put(("sending", None))
             report = sender.send(tensors.items())
             replies.put(("sent", (report.nbytes, report.mode)))

@@ -58,6 +58,28 @@ def test_ipc_refit_in_the_engine_layout_goes_direct_and_matches_a_fresh_engine(
     assert greedy(worker, ckpt.pad) == gpu_session.baseline_a
 
 
+def test_ipc_refit_from_a_kept_arena_keeps_one_mapping_and_matches_a_fresh_engine(
+    gpu_session: GpuSession, reference_b: list[list[int]]
+) -> None:
+    """``keep_mapped``: the sleep-mode engine keeps the trainer's arena mapped between
+    refits (one storage) until released, or until a refit sends something else."""
+    worker, ckpt = gpu_session.worker, gpu_session.checkpoints
+    for _ in range(2):
+        mode = refit_over_ipc(gpu_session, ckpt.b_engine, arena=True, keep_mapped=True)
+        assert mode == "sender-handles"
+        assert greedy(worker, ckpt.pad) == reference_b
+    assert worker.release_refit_buffers() == [1]
+    assert worker.release_refit_buffers() == [0]
+    worker.sleep(2)  # the kept mapping is the trainer's memory: the engine's sleep keeps it
+    worker.wake_up(["weights"])
+    refit_over_ipc(gpu_session, ckpt.b_engine, arena=True, keep_mapped=True)
+    worker.wake_up(["kv_cache"])
+    assert greedy(worker, ckpt.pad) == reference_b
+    refit_over_ipc(gpu_session, ckpt.a)  # checkpoint layout, in buckets: lets the arena go
+    assert worker.release_refit_buffers() == [0]
+    assert greedy(worker, ckpt.pad) == gpu_session.baseline_a
+
+
 def test_level2_sleep_wake_weights_refit_wake_kv_cache_matches_a_fresh_engine(
     gpu_session: GpuSession, reference_b: list[list[int]]
 ) -> None:

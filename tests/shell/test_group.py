@@ -353,6 +353,7 @@ def test_an_ipc_refit_reaches_every_shard_and_the_group_then_equals_one_worker(
         with IpcSender(str(address), manifest=info, timeout_s=120.0) as sender:
             assert sender.send(new.items()).tensors == len(new)
     assert group.collect(futures) == [True, True]
+    assert group.release_refit_buffers() == [[0], [0]]  # nothing kept: no keep_mapped
 
     reference.prepare_refit_info(info)
     (address,) = reference.refit_address()

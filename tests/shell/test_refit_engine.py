@@ -26,7 +26,13 @@ from torch import nn
 
 from genworker.core.refit_plan import Bucket, Manifest, TensorSpec, plan_buckets
 from genworker.shell.errors import EngineStateError, RefitError, RefitManifestError
-from genworker.shell.extension import EngineSink, WorkerExtension, _routes, direct_routes
+from genworker.shell.extension import (
+    EngineSink,
+    WorkerExtension,
+    _routed,
+    _routes,
+    direct_routes,
+)
 from genworker.shell.refit import fake
 from genworker.shell.refit.session import bucket_views
 from genworker.shell.tiny_model import build_tiny_model
@@ -125,6 +131,57 @@ def test_routes_are_kept_until_a_parameter_moves_or_changes_shape() -> None:
     assert again == first
     model.proj.bias.data = torch.zeros(5)  # the bias no longer matches: nothing goes direct
     assert _routes(worker, model, manifest, True).direct == frozenset()
+
+
+def test_routes_are_computed_again_when_a_parameter_is_replaced_in_place() -> None:
+    """A new Parameter object over the same memory (as a reload may register) is seen."""
+
+    class Worker:
+        pass
+
+    model, worker = Toy(), Worker()
+    manifest = specs(proj__weight=(3, 4), proj__bias=(3,))
+    first = _routed(worker, model, manifest, True)
+    assert _routed(worker, model, manifest, True) is first
+    model.proj.weight = nn.Parameter(model.proj.weight.data)  # same pointer, new object
+    again = _routed(worker, model, manifest, True)
+    assert again is not first
+    assert again.direct["proj.weight"] is model.proj.weight
+    assert _routed(worker, model, specs(norm__weight=(4,)), True) is not again  # new manifest
+    assert _routed(worker, Toy(), specs(norm__weight=(4,)), True).model is not model
+
+
+def test_engine_sink_runs_the_post_load_processing_of_the_modules_written() -> None:
+    class Worker:
+        pass
+
+    processed: list[str] = []
+
+    class Method:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def process_weights_after_loading(self, module: nn.Module) -> None:
+            processed.append(self.name)
+
+    Method.__name__ = "UnquantizedLinearMethod"
+    model = Toy()
+    vars(model.norm)["quant_method"] = Method("norm")
+    vars(model.proj)["quant_method"] = Method("proj")
+    manifest = specs(norm__weight=(4,), proj__weight=(3, 4), proj__bias=(3,))
+    routed = _routed(Worker(), model, manifest, True)
+    assert routed.targets is not None
+    assert set(routed.targets) == {"norm.weight", "proj.weight", "proj.bias"}
+    sink = EngineSink(model, routed.routes, torch.device("cpu"), routed=routed)
+    assert sink.direct_targets(manifest) is routed.targets
+    sink.written(["proj.bias", "norm.weight", "proj.weight"])  # all of them
+    sink.finalize()
+    assert processed == ["norm", "proj"]
+    processed.clear()
+    sink = EngineSink(model, routed.routes, torch.device("cpu"), routed=routed)
+    sink.written(["proj.weight"])
+    sink.finalize()
+    assert processed == ["proj"]
 
 
 def test_sharded_parameters_never_go_direct_over_a_collective() -> None:
@@ -464,6 +521,44 @@ def test_ipc_engine_handles_write_the_same_weights_as_buckets(
     assert engine.tokens() == reference_b
 
 
+@pytest.mark.engine
+def test_ipc_sender_handles_read_the_trainers_tensors_and_keep_mapped_keeps_them(
+    engine: Engine, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
+) -> None:
+    """An engine that offers none of its memory reads the trainer's tensors (the mode of
+    a sleep-mode GPU engine); with ``keep_mapped`` it keeps them mapped until released."""
+    engine.rpc("prepare_refit_info", info(weights.b))
+    refit_ipc(engine, trainer, weights.b)
+    engine.rpc("prepare_refit_info", info(weights.a, keep=DIRECT))
+    assert refit_ipc(engine, trainer, weights.a, keep=sorted(DIRECT))["mode"] == "engine-handles"
+    mixed = engine.tokens()
+    assert mixed != reference_b
+    default = engine.rpc("ipc_address")
+    try:
+        address = engine.rpc("ipc_address", None, False)  # a new socket, with these options
+        assert address != default
+        assert engine.rpc("ipc_address", None, False) == address
+        for path, expected, keep_mapped in [
+            (weights.b, reference_b, True),
+            (weights.a, mixed, True),
+            (weights.b, reference_b, False),
+        ]:
+            trainer.submit(
+                "ipc", address=address, path=str(path), keep=sorted(DIRECT), keep_mapped=keep_mapped
+            )
+            report = engine.rpc("update_weights_via_ipc_zmq", timeout_s=REFIT_TIMEOUT)
+            assert trainer.result().ok
+            assert isinstance(report, dict)
+            assert report["mode"] == "sender-handles"
+            assert (report["direct"], report["buckets"]) == (len(DIRECT), 0)
+            assert engine.tokens() == expected
+            kept = engine.rpc("release_kept_buffers")
+            assert (kept > 0) if keep_mapped else (kept == 0), kept  # type: ignore[operator]
+            assert engine.rpc("release_kept_buffers") == 0
+    finally:
+        engine.rpc("ipc_address")  # the default socket again, for the other tests
+
+
 FAULTS = [
     (
         {"drop": ["model.layers.1.mlp.down_proj.weight"]},
@@ -594,3 +689,4 @@ def test_worker_refuses_to_generate_after_a_bad_refit_until_a_good_one(
     assert rpc_seconds >= report["seconds"]
     (layout,) = worker.engine_param_layout()
     assert layout == engine.rpc("engine_param_layout")
+    assert worker.release_refit_buffers() == [0]  # the engine offered its own memory
