@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.metadata
 import json
 import math
@@ -72,6 +73,7 @@ REF_8B_WAKE_L2_S = 0.25
 REF_8B_LOAD_WEIGHTS_S = 0.026
 REF_NCCL_GBPS = 370.0
 OVERHEAD_BAR = 1.03
+SWITCH_REFIT = "refit (IPC, engine layout, arena, keep_mapped)"
 IPC_BAR = 0.40
 NCCL_BAR = 0.80
 
@@ -764,10 +766,12 @@ def gen_sleep_child(
 def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
     """The trainer: holds a state dict, sends it over CUDA IPC whenever asked.
 
-    ``("layout", (layout, bucket_bytes, direct, arena))`` (re)allocates the state dict
-    and the sender (``direct``: the fast path when the engine agrees; ``arena``: the
-    tensors are views of one :class:`RefitArena` allocation instead of one allocation
-    each); ``("send", None)`` sends it once and answers ``(seconds, buckets, mode)``;
+    ``("layout", (layout, bucket_bytes, direct, arena, keep_mapped))`` (re)allocates the
+    state dict and the sender (``direct``: the fast path when the engine agrees;
+    ``arena``: the tensors are views of one :class:`RefitArena` allocation instead of
+    one allocation each; ``keep_mapped``: the engine may keep them mapped) and answers
+    the seconds one fill of the arena from separate tensors takes (None without one);
+    ``("send", None)`` sends it once and answers ``(seconds, buckets, mode, phases)``;
     ``("stop", None)`` ends.
     """
     for k, v in ENV_DEFAULTS.items():
@@ -788,20 +792,31 @@ def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
             if cmd == "stop":
                 break
             if cmd == "layout":
-                layout, bucket_bytes, direct, flat = arg
+                layout, bucket_bytes, direct, flat, keep_mapped = arg
                 if sender is not None:
                     sender.close()
                 tensors.clear()
                 arena = None
+                if device == "cuda":
+                    torch.cuda.empty_cache()
                 tensors = make_tensors(layout, device, seed=1)
                 info = {n: (tuple(s), getattr(torch, d)) for n, (s, d) in layout.items()}
+                fill_s = None
                 if flat:
                     arena = RefitArena(info, device)
-                    arena.load_(tensors.items())
+                    arena.load_(tensors.items())  # warm-up
+                    sync()
+                    fill_s, _ = timed(functools.partial(arena.load_, list(tensors.items())))
                     tensors = arena.tensors
-                sender = IpcSender(address, manifest=info, bucket_bytes=bucket_bytes, direct=direct)
+                sender = IpcSender(
+                    address,
+                    manifest=info,
+                    bucket_bytes=bucket_bytes,
+                    direct=direct,
+                    keep_mapped=keep_mapped,
+                )
                 sync()
-                replies.put(("ok", None))
+                replies.put(("ok", fill_s))
             elif cmd == "send":
                 sent = sender.send(tensors.items())
                 replies.put(("sent", (sent.seconds, sent.buckets, sent.mode, dict(sent.phases))))
@@ -918,6 +933,18 @@ def engine_phases(worker: Any) -> dict[str, float]:
     return phases
 
 
+@dataclass(frozen=True)
+class IpcRefits:
+    """What :func:`refit_over_ipc` measured."""
+
+    times: list[float]  # engine side, seconds, warm-up excluded
+    sender_times: list[float]
+    routes: str  # the direct/loader split and the mode the refits took
+    phases: str  # median milliseconds per phase, both sides
+    warmup_s: float  # the first refit (it maps what later refits reuse)
+    fill_s: float | None  # the trainer filling its arena from separate tensors, once
+
+
 def refit_over_ipc(
     worker: Any,
     trainer: Trainer,
@@ -927,11 +954,11 @@ def refit_over_ipc(
     *,
     direct: bool = True,
     arena: bool = False,
-) -> tuple[list[float], list[float], str, str]:
-    """Engine-side seconds of ``reps`` refits (after one warm-up), trainer-side seconds,
-    the direct/loader split with the mode the refits took, and the median phases (ms)."""
-    trainer.send("layout", (dict(layout), bucket_bytes, direct, arena))
-    trainer.expect("ok")
+    keep_mapped: bool = False,
+) -> IpcRefits:
+    """``reps`` refits after one warm-up, measured on both sides."""
+    trainer.send("layout", (dict(layout), bucket_bytes, direct, arena, keep_mapped))
+    fill_s = trainer.expect("ok")
     routes = prepare_refit(worker, layout)
     engine_times, trainer_times, modes = [], [], set()
     engine_runs, trainer_runs = [], []
@@ -945,11 +972,13 @@ def refit_over_ipc(
         trainer_runs.append(phases)
         modes.add(mode)
     phases = f"engine: {phase_text(engine_runs[1:])}; trainer: {phase_text(trainer_runs[1:])} (ms)"
-    return (
+    return IpcRefits(
         engine_times[1:],
         trainer_times[1:],
         f"{routes}; mode {'/'.join(sorted(modes))}",
         phases,
+        engine_times[0],
+        fill_s,
     )
 
 
@@ -983,24 +1012,24 @@ def start_ipc_trainer(worker: Any) -> Trainer:
     return trainer
 
 
-def ipc_refit_row(
-    sec: Section,
-    what: str,
-    nbytes: int,
-    copy: float,
-    measured: tuple[list[float], list[float], str, str],
-) -> float:
+def ipc_refit_row(sec: Section, what: str, nbytes: int, copy: float, measured: IpcRefits) -> float:
     """Report ``refit_over_ipc``'s result as a row against the copy bandwidth; GB/s."""
-    times, sender_times, routes, phases = measured
-    own_s = statistics.median(times)
+    own_s = statistics.median(measured.times)
     rate = gbps(nbytes, own_s)
+    fill = (
+        ""
+        if measured.fill_s is None
+        else f"; not counted: the trainer's fill of its arena, {fmt_s(measured.fill_s)}"
+    )
     sec.row(
-        f"{what} ({routes})",
+        f"{what} ({measured.routes})",
         f"{fmt_s(own_s)}, {fmt_rate(nbytes, own_s)} = {rate / copy:.1%} of copy",
         "runs: "
-        + ", ".join(fmt_s(x) for x in times)
-        + f"; trainer send {fmt_s(statistics.median(sender_times))}"
-        + f"; phases {phases}",
+        + ", ".join(fmt_s(x) for x in measured.times)
+        + f" (warm-up {fmt_s(measured.warmup_s)})"
+        + f"; trainer send {fmt_s(statistics.median(measured.sender_times))}"
+        + fill
+        + f"; phases {measured.phases}",
     )
     return rate
 
@@ -1058,71 +1087,75 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
 
         trainer = start_ipc_trainer(worker)
         with part(sec, "IPC refit in HF names"):
-            hf_times, _, routes, phases = refit_over_ipc(
-                worker, trainer, hf, DEFAULT_BUCKET_BYTES, scale.refit_reps
-            )
-            hf_s = statistics.median(hf_times)
+            hf_run = refit_over_ipc(worker, trainer, hf, DEFAULT_BUCKET_BYTES, scale.refit_reps)
+            hf_s = statistics.median(hf_run.times)
             sec.row(
-                f"IPC refit, HF names ({routes})",
+                f"IPC refit, HF names ({hf_run.routes})",
                 f"{fmt_s(hf_s)}, {fmt_rate(layout_bytes(hf), hf_s)}",
-                "runs: " + ", ".join(fmt_s(x) for x in hf_times) + f"; phases {phases}",
+                "runs: " + ", ".join(fmt_s(x) for x in hf_run.times) + f"; phases {hf_run.phases}",
             )
         # Buckets first (the comparison rows), the fast paths last: the switch below
-        # sends the last layout the trainer holds (the arena).
-        for bucket, direct, flat in (
-            (DEFAULT_BUCKET_BYTES, False, False),
-            (4 * DEFAULT_BUCKET_BYTES, False, False),
-            (DEFAULT_BUCKET_BYTES, True, False),
-            (DEFAULT_BUCKET_BYTES, True, True),
+        # sends the last layout the trainer holds (the arena, kept mapped).
+        for bucket, direct, flat, keep in (
+            (DEFAULT_BUCKET_BYTES, False, False, False),
+            (4 * DEFAULT_BUCKET_BYTES, False, False, False),
+            (DEFAULT_BUCKET_BYTES, True, False, False),
+            (DEFAULT_BUCKET_BYTES, True, False, True),
+            (DEFAULT_BUCKET_BYTES, True, True, False),
+            (DEFAULT_BUCKET_BYTES, True, True, True),
         ):
             what = (
-                ("fast path, trainer tensors in one `RefitArena`" if flat else "fast path")
+                (
+                    ("trainer tensors in one `RefitArena`" if flat else "one allocation per tensor")
+                    + (", `keep_mapped`" if keep else "")
+                )
                 if direct
                 else f"{bucket >> 20} MiB buckets"
             )
             with part(sec, f"IPC refit in the engine layout, {what}"):
                 rate = ipc_refit_row(
                     sec,
-                    f"IPC refit, engine layout, {what}"
-                    + (", one allocation per tensor (default)" if direct and not flat else ""),
+                    "IPC refit, engine layout, "
+                    + (f"fast path, {what}" if direct else what)
+                    + (" (default)" if direct and not flat and not keep else ""),
                     nbytes,
                     copy,
                     refit_over_ipc(
-                        worker, trainer, own, bucket, scale.refit_reps, direct=direct, arena=flat
+                        worker,
+                        trainer,
+                        own,
+                        bucket,
+                        scale.refit_reps,
+                        direct=direct,
+                        arena=flat,
+                        keep_mapped=keep,
                     ),
                 )
                 if direct:
                     sec.verdict(
-                        f"IPC refit ({what}"
-                        + ("" if flat else ", one allocation per trainer tensor")
-                        + f") at {rate / copy:.1%} of the device copy bandwidth "
-                        f"(bar >= {IPC_BAR:.0%})",
+                        f"IPC refit (fast path, {what}) at {rate / copy:.1%} of the device "
+                        f"copy bandwidth (bar >= {IPC_BAR:.0%})",
                         rate >= IPC_BAR * copy,
                     )
 
         with part(sec, "train-to-generate switch"):
-            # The last layout sent is the engine's own, in an arena; the trainer holds it.
+            # The last layout sent is the engine's own, in an arena kept mapped; the
+            # trainer holds it.
             phases: dict[str, float] = {}
             phases["sleep level 2"], _ = timed(lambda: worker.sleep(2))
             phases["wake weights"], _ = timed(lambda: worker.wake_up(["weights"]))
             trainer.send("send")
-            phases["refit (IPC, engine layout, arena)"], _ = timed(
-                worker.update_weights_via_ipc_zmq
-            )
+            phases[SWITCH_REFIT], _ = timed(worker.update_weights_via_ipc_zmq)
             trainer.expect("sent")
             switch_refit = engine_phases(worker)
             phases["wake KV cache"], _ = timed(lambda: worker.wake_up(["kv_cache"]))
             refs = {
                 "sleep level 2": f"{REF_8B_SLEEP_L2_S} s",
                 "wake weights": f"wake, both tags: {REF_8B_WAKE_L2_S} s",
-                "refit (IPC, engine layout, arena)": (
-                    f"`load_weights`: {REF_8B_LOAD_WEIGHTS_S:.3f} s"
-                ),
+                SWITCH_REFIT: f"`load_weights`: {REF_8B_LOAD_WEIGHTS_S:.3f} s",
                 "wake KV cache": "",
             }
-            refs["refit (IPC, engine layout, arena)"] += (
-                f"; engine phases: {phase_text([switch_refit])} (ms)"
-            )
+            refs[SWITCH_REFIT] += f"; engine phases: {phase_text([switch_refit])} (ms)"
             for name, seconds in phases.items():
                 sec.row(f"switch: {name}", fmt_s(seconds), refs[name])
             ref_total = REF_8B_SLEEP_L2_S + REF_8B_WAKE_L2_S + REF_8B_LOAD_WEIGHTS_S
@@ -1150,7 +1183,9 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
         sec.notes.append(
             "sender-handles maps one CUDA IPC handle per trainer allocation, every refit: "
             "per-tensor allocations pay one handle open each; a `RefitArena` (the trainer's "
-            "tensors as views of one allocation, filled before the timed refits) pays one"
+            "tensors as views of one allocation, filled before the timed refits; one fill is "
+            "reported, not counted) pays one. With `keep_mapped` the engine keeps the "
+            "mappings between refits: only the warm-up refit maps (its time is given)"
         )
     if trainer is not None:
         trainer.stop()
