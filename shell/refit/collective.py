@@ -75,7 +75,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCP
 
 from genworker.core.refit_plan import Manifest, broadcast_groups, bucket_checksum
 from genworker.shell.errors import BadConfigError, RefitError, RefitManifestError, RefitTimeoutError
-from genworker.shell.refit.direct import collect_direct, spec_of
+from genworker.shell.refit.direct import ListingMemo, collect_direct, spec_of
 from genworker.shell.refit.packing import (
     DEFAULT_BUCKET_BYTES,
     Laps,
@@ -663,6 +663,7 @@ class CollectiveSender:
         if isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes < 0:
             raise BadConfigError(f"group_bytes must be an int >= 0, got {group_bytes!r}")
         self.direct = direct
+        self._listing = ListingMemo()
         self.group_bytes = group_bytes
         self._checksum = checksum
         self._manifest = as_manifest(manifest)
@@ -701,7 +702,7 @@ class CollectiveSender:
         failure: RefitError | None = None
         self._laps = Laps()
         if self.direct:
-            items, listing, error = collect_direct(named_tensors)
+            items, listing, error = collect_direct(named_tensors, self._listing)
             failure = None if error is None else _local_error(error)
             named_tensors = items
         self._laps.lap("collect")

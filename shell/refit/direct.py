@@ -35,6 +35,7 @@ from genworker.shell.refit.wire import CpuHandle, CudaHandle, TensorRef
 
 __all__ = [
     "ExportCache",
+    "ListingMemo",
     "collect_direct",
     "copy_all",
     "export_refs",
@@ -52,19 +53,38 @@ def spec_of(ref: TensorRef) -> TensorSpec:
         raise RefitError(f"the direct refit lists an invalid tensor {ref.name!r}: {e}") from e
 
 
+class ListingMemo:
+    """A sender's last listing, reused while its stream keeps the same names, shapes and
+    dtypes (compared as they are, without building a spec per tensor)."""
+
+    def __init__(self) -> None:
+        self._meta: list[tuple[str, torch.Size, torch.dtype]] | None = None
+        self._refs: list[TensorRef] = []
+
+    def refs(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[TensorRef]:
+        meta = [(name, tensor.shape, tensor.dtype) for name, tensor in items]
+        if meta != self._meta:
+            self._meta = None
+            self._refs = refs_of(items)
+            self._meta = meta
+        return self._refs
+
+
 def collect_direct(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
+    memo: ListingMemo | None = None,
 ) -> tuple[list[tuple[str, torch.Tensor]], list[TensorRef] | None, Exception | None]:
     """A sender's stream for a direct refit: ``(items, listing, failure)``.
 
-    The stream is materialised and listed for ``Begin.direct``. A failure while doing so
-    (the trainer's own iterator raising, an invalid tensor) is returned, not raised, so the
-    sender can still tell its peers before raising it; the listing is then None.
+    The stream is materialised and listed for ``Begin.direct`` (through ``memo`` when
+    given). A failure while doing so (the trainer's own iterator raising, an invalid
+    tensor) is returned, not raised, so the sender can still tell its peers before
+    raising it; the listing is then None.
     """
     items: list[tuple[str, torch.Tensor]] = []
     try:
         items = list(named_tensors)
-        return items, refs_of(items), None
+        return items, (memo.refs(items) if memo is not None else refs_of(items)), None
     except Exception as e:  # noqa: BLE001 - our own failure; the caller tells the peers
         return items, None, e
 

@@ -88,6 +88,7 @@ from genworker.shell.errors import (
 from genworker.shell.refit.buffers import StagingBuffer, open_handle, private_directory
 from genworker.shell.refit.direct import (
     ExportCache,
+    ListingMemo,
     collect_direct,
     copy_all,
     export_refs,
@@ -449,6 +450,11 @@ class IpcSender:
         self.direct = direct
         self.keep_mapped = keep_mapped
         self._exports: ExportCache = {}  # our storages, exported once (keep_mapped)
+        self._listing = ListingMemo()
+        # keep_mapped: where the tensors of the last export lay, and what it gave
+        self._last_export: (
+            tuple[list[tuple[object, ...]], list[CpuHandle | CudaHandle], list[TensorRef]] | None
+        ) = None
         self._engine_maps: dict[CpuHandle | CudaHandle, torch.Tensor] = {}
         # the last offer the views were made for, and those views
         self._engine_views: tuple[tuple[Offer, torch.device], dict[str, torch.Tensor]] | None = None
@@ -465,7 +471,7 @@ class IpcSender:
         listing = None
         failure: Exception | None = None
         if self.direct:
-            items, listing, failure = collect_direct(named_tensors)
+            items, listing, failure = collect_direct(named_tensors, self._listing)
             named_tensors = items
         laps.lap("collect")
         begin = Begin(refit_id, digest, direct=listing)
@@ -561,15 +567,22 @@ class IpcSender:
         engine that keeps them mapped; :class:`RefitError` naming tensors that would need
         a copy first (a copy would be freed after the refit, and stay mapped)."""
         device = self._source_device(items)
+        last = self._last_export
+        if last is not None and last[0] == _places(items):
+            _sync(device)  # the same tensors in the same places: the same handles
+            return last[1], last[2]
+        self._last_export = None
         moved = [n for n, t in items if t.device != device or not t.is_contiguous()]
         if moved:
             raise RefitError(
                 f"keep_mapped sends tensors where they lie, but {_names(moved)} "
                 f"{'is' if len(moved) == 1 else 'are'} not contiguous on {device}"
             )
-        exported = export_refs(dict(items), self._exports)
+        storages, refs = export_refs(dict(items), self._exports)
         _sync(device)
-        return exported
+        # after the export: a CPU tensor's first export moves it into shared memory
+        self._last_export = (_places(items), storages, refs)
+        return storages, refs
 
     def _write_engine(
         self,
@@ -640,6 +653,7 @@ class IpcSender:
         """Free the staging buffers and the socket; the sender is unusable afterwards."""
         self._engine_maps.clear()
         self._exports.clear()
+        self._last_export = None
         self._engine_views = None
         self._drop_socket()
         for buffer in self._buffers.values():
@@ -744,6 +758,11 @@ class IpcSender:
         if local is error:
             raise local
         raise local from error
+
+
+def _places(items: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[object, ...]]:
+    """Where each tensor lies and how: what an export's handles and offsets depend on."""
+    return [(n, t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for n, t in items]
 
 
 def _names(names: Sequence[str], limit: int = 4) -> str:

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 from strategies import refit_specs
 
 from genworker.core.refit_plan import ALIGNMENT, Manifest, TensorSpec
 from genworker.shell.errors import BadConfigError, RefitError, RefitManifestError
-from genworker.shell.refit import buffers, direct, fake
+from genworker.shell.refit import buffers, direct, fake, ipc
 from genworker.shell.refit.arena import RefitArena
+from genworker.shell.refit.direct import ExportCache, ListingMemo, refs_of
 from genworker.shell.refit.ipc import IpcReceiver, IpcSender
 from genworker.shell.refit.packing import SendReport
 from genworker.shell.refit.session import ParameterSink, RefitReport, manifest_of, receive_refit
@@ -251,3 +253,50 @@ def test_a_refit_that_sends_nothing_kept_lets_the_kept_mapping_go(opened: list[o
     finally:
         engine.receiver.close()
     assert not engine.errors
+
+
+def tensors_of(specs: list[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    return [(s.name, torch.zeros(s.shape, dtype=getattr(torch, s.dtype))) for s in specs]
+
+
+@given(st.lists(refit_specs(max_size=4), min_size=1, max_size=6))
+def test_a_listing_memo_always_lists_the_stream_it_is_given(
+    streams: list[list[TensorSpec]],
+) -> None:
+    memo = ListingMemo()
+    for specs in streams:  # streams that repeat, change a shape, a dtype or a name
+        items = tensors_of(specs)
+        assert memo.refs(items) == refs_of(items)
+
+
+def test_keep_mapped_exports_the_same_tensors_once_and_sees_a_new_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    square = {"w": torch.arange(16.0).reshape(4, 4), "b": torch.ones(4)}
+    engine = Engine(square)
+    exports: list[int] = []
+    real = direct.export_refs
+
+    def counting(targets: Mapping[str, torch.Tensor], cache: ExportCache | None = None) -> object:
+        exports.append(len(targets))
+        return real(targets, cache)
+
+    monkeypatch.setattr(ipc, "export_refs", counting)
+    try:
+        with IpcSender(engine.receiver.address, timeout_s=30.0, keep_mapped=True) as sender:
+            for _ in range(2):
+                engine.refit(lambda: sender.send(square.items()))
+            assert exports == [2]
+            square["w"].mul_(2)  # written in place: the engine reads the new values
+            engine.refit(lambda: sender.send(square.items()))
+            assert torch.equal(engine.params["w"], square["w"])
+            # The same memory and shape in another layout is not the same export.
+            transposed = {"w": square["w"].t(), "b": square["b"]}
+            with pytest.raises(RefitError, match="'w' is not contiguous"):
+                engine.refit(lambda: sender.send(transposed.items()))
+            moved = {"w": square["w"].t().contiguous(), "b": square["b"]}
+            engine.refit(lambda: sender.send(moved.items()))
+            assert exports == [2, 2]
+    finally:
+        engine.receiver.close()
+    assert torch.equal(engine.params["w"], square["w"].t())

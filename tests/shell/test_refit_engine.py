@@ -13,7 +13,7 @@ import multiprocessing
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -149,6 +149,40 @@ def test_routes_are_computed_again_when_a_parameter_is_replaced_in_place() -> No
     assert again.direct["proj.weight"] is model.proj.weight
     assert _routed(worker, model, specs(norm__weight=(4,)), True) is not again  # new manifest
     assert _routed(worker, Toy(), specs(norm__weight=(4,)), True).model is not model
+
+
+class CountingParameter(nn.Parameter):
+    """Like vLLM's parameters: a Python ``__torch_function__`` (counted here)."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: object,
+        types: object,
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
+        CountingParameter.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[no-untyped-call]
+
+
+def test_checking_cached_routes_does_not_go_through_torch_function() -> None:
+    class Worker:
+        pass
+
+    model, worker = Toy(), Worker()
+    model.proj.weight = CountingParameter(torch.ones(3, 4))
+    model.proj.bias = CountingParameter(torch.zeros(3))
+    manifest = specs(proj__weight=(3, 4), proj__bias=(3,))
+    first = _routed(worker, model, manifest, True)
+    CountingParameter.calls = 0
+    for _ in range(3):
+        assert _routed(worker, model, manifest, True) is first
+    assert CountingParameter.calls == 0
+    model.proj.bias.data = torch.zeros(3)  # still seen: new memory
+    assert _routed(worker, model, manifest, True) is not first
 
 
 def test_engine_sink_runs_the_post_load_processing_of_the_modules_written() -> None:
