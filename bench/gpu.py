@@ -6,16 +6,20 @@ measured in the same run as its baseline:
 - ``gen``: a random-weight ~1B Llama (``load_format="dummy"``, ``skip_tokenizer_init``,
   token-id prompts), 512 prompts x 128 tokens in, 256 out, ``ignore_eos``: tokens/s through
   ``VllmGenerationWorker.generate`` and through raw ``LLM.generate`` on the SAME engine
-  (``worker.llm``, with the ``SamplingParams`` the worker builds), alternating, medians;
-  ``worker_overhead = worker_time / raw_time`` (bar <= 1.03).
+  (``worker.llm``, with the ``SamplingParams`` the worker builds), alternating;
+  ``worker_overhead``: the median over pairs of adjacent runs of ``worker_time /
+  raw_time`` (bar <= 1.03), beside the ratio of the medians and the worker's own time
+  outside ``LLM.generate``.
 - ``sleep``: sleep/wake latency and GPU memory freed and regained, levels 1 and 2, on that
   engine.
 - ``refit``: an 8B-shaped Llama (Llama-3-8B, dummy weights, ``enforce_eager``); 16 GB of
   bf16 pushed over CUDA IPC by a trainer in a separate spawned process on the same GPU, in
   the engine's own parameter layout (the direct-copy path) and in HF names (the
   ``load_weights`` path), against the device-to-device copy bandwidth measured here (bar:
-  >= 40% of it, for the fast path, whose mode the row names; bucketed rows for
-  comparison) and against ``model.load_weights`` of the same bytes already on the GPU;
+  >= 40% of it, for each fast-path row: one allocation per trainer tensor or one
+  ``RefitArena``, each with and without ``keep_mapped``; bucketed rows for comparison),
+  into an engine without sleep mode (``ipc-nosleep``), and against
+  ``model.load_weights`` of the same bytes already on the GPU;
   then the train-to-generate switch (sleep level 2, wake weights, refit, wake KV cache).
 - ``nccl`` (``--nccl``, two GPUs): the same refit over NCCL from a trainer on GPU 0 to the
   engine on GPU 1 (direct receive, and buckets for comparison), against a raw NCCL
@@ -158,7 +162,7 @@ class Scale:
     prompts: int = 512
     prompt_len: int = 128
     new_tokens: int = 256
-    gen_reps: int = 7
+    gen_reps: int = 9
     gen_util: float = 0.5
     refit_shape: LlamaShape = LLAMA3_8B
     refit_util: float = 0.4
@@ -702,13 +706,13 @@ def gen_sleep_child(
                 f"{fmt_s(statistics.median(pauses['raw']))}",
                 "gc.callbacks, whole process",
             )
+            sec.row("worker / raw, ratio of the medians", f"{overhead:.4f}", "")
             sec.row(
-                "paired ratio worker / raw (median over alternating pairs)", f"{paired:.4f}", ""
+                "worker_overhead = worker / raw, median over pairs of adjacent runs",
+                f"{paired:.4f}",
+                f"bar <= {OVERHEAD_BAR}",
             )
-            sec.row("worker_overhead = worker / raw", f"{overhead:.4f}", f"bar <= {OVERHEAD_BAR}")
-            sec.verdict(
-                f"worker_overhead {overhead:.4f} <= {OVERHEAD_BAR}", overhead <= OVERHEAD_BAR
-            )
+            sec.verdict(f"worker_overhead {paired:.4f} <= {OVERHEAD_BAR}", paired <= OVERHEAD_BAR)
             if counts != {expected}:
                 sec.notes.append(f"generated token counts {sorted(counts)}, expected {expected}")
                 sec.verdict("every run generated prompts x new tokens", False)
@@ -720,6 +724,14 @@ def gen_sleep_child(
                 )
                 if not pinned_cpus.startswith("all")
                 else f"this process is not pinned to CPUs: {pinned_cpus}"
+            )
+            sec.notes.append(
+                "worker_overhead pairs each worker run with the raw run next to it (the "
+                "order alternates every repetition) and takes the median of the pairs' "
+                "ratios: the host's slow drifts and bursts move both runs of a pair, where "
+                "they move the ratio of the two medians (raw runs here spread from "
+                f"{min(runs['raw']):.2f} to {max(runs['raw']):.2f} s). The worker's own "
+                "time, outside `LLM.generate`, is the row above"
             )
             sec.notes.append(
                 "the same engine serves both paths: `worker.llm` is the `vllm.LLM` the worker "
