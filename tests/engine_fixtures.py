@@ -3,7 +3,11 @@
 One tiny model and ONE engine per pytest session: vLLM takes seconds to start, and the
 adapter ``cpu_engine`` and the raw ``cpu_llm`` are the same engine. Settings that matter on CPU:
 
-- ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs in this process.
+- ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs in this process. vLLM keeps
+  its parallel state in process globals, so stopping another in-process engine (the
+  module-scoped ones of ``test_refit_engine.py``) while this one lives breaks it: those
+  modules run before the first test that starts this one (file order), and the
+  tensor-parallel engine of ``test_refit_tp.py`` runs its core in its own process.
 - float32: bf16 prefill of <= 4 tokens dies with SIGILL on this host's CPU backend.
 - An explicit ``kv_cache_memory_bytes`` where vLLM has it (vllm/v1/worker/cpu_worker.py
   ``determine_available_memory``, 0.32): with only ``gpu_memory_utilization`` the CPU

@@ -9,18 +9,27 @@ standing in for the worker's model (no engine).
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
 import pytest
 import torch
+from refit_helpers import (
+    PROMPTS,
+    REFIT_TIMEOUT,
+    Engine,
+    Trainer,
+    Weights,
+    free_port,
+    greedy,
+    info,
+    start_engine,
+    stop_engine,
+)
 from safetensors.torch import load_file
 from torch import nn
 
@@ -33,17 +42,14 @@ from genworker.shell.extension import (
     _routes,
     direct_routes,
 )
-from genworker.shell.refit import fake
 from genworker.shell.refit.session import bucket_views
 from genworker.shell.tiny_model import build_tiny_model
 
 if TYPE_CHECKING:
-    from vllm import LLM
+    pass
 
 pytestmark = pytest.mark.timeout(600)
 
-PROMPTS = [[1, 5, 9, 33, 70], [1, 100, 200], [2, 17, 300, 41]]
-REFIT_TIMEOUT = 60.0
 # On CPU, vLLM keeps these parameters as they are; linear weights become packed handles.
 DIRECT = {
     "model.embed_tokens.weight",
@@ -117,11 +123,12 @@ def test_direct_routes_need_an_exact_match_for_every_parameter_of_a_module() -> 
     assert direct_routes(Toy(), both, sharded_ok=True).direct == {"proj.weight", "proj.bias"}
 
 
-def test_routes_are_kept_until_a_parameter_moves_or_changes_shape() -> None:
-    class Worker:
-        pass
+class Bare:
+    """Where the extension keeps its state, and nothing else: enough for the routes."""
 
-    model, worker = Toy(), Worker()
+
+def test_routes_are_kept_until_a_parameter_moves_or_changes_shape() -> None:
+    model, worker = Toy(), Bare()
     manifest = specs(proj__weight=(3, 4), proj__bias=(3,))
     first = _routes(worker, model, manifest, True)
     assert _routes(worker, model, manifest, True) is first
@@ -136,10 +143,7 @@ def test_routes_are_kept_until_a_parameter_moves_or_changes_shape() -> None:
 def test_routes_are_computed_again_when_a_parameter_is_replaced_in_place() -> None:
     """A new Parameter object over the same memory (as a reload may register) is seen."""
 
-    class Worker:
-        pass
-
-    model, worker = Toy(), Worker()
+    model, worker = Toy(), Bare()
     manifest = specs(proj__weight=(3, 4), proj__bias=(3,))
     first = _routed(worker, model, manifest, True)
     assert _routed(worker, model, manifest, True) is first
@@ -169,10 +173,7 @@ class CountingParameter(nn.Parameter):
 
 
 def test_checking_cached_routes_does_not_go_through_torch_function() -> None:
-    class Worker:
-        pass
-
-    model, worker = Toy(), Worker()
+    model, worker = Toy(), Bare()
     model.proj.weight = CountingParameter(torch.ones(3, 4))
     model.proj.bias = CountingParameter(torch.zeros(3))
     manifest = specs(proj__weight=(3, 4), proj__bias=(3,))
@@ -186,9 +187,6 @@ def test_checking_cached_routes_does_not_go_through_torch_function() -> None:
 
 
 def test_engine_sink_runs_the_post_load_processing_of_the_modules_written() -> None:
-    class Worker:
-        pass
-
     processed: list[str] = []
 
     class Method:
@@ -203,7 +201,7 @@ def test_engine_sink_runs_the_post_load_processing_of_the_modules_written() -> N
     vars(model.norm)["quant_method"] = Method("norm")
     vars(model.proj)["quant_method"] = Method("proj")
     manifest = specs(norm__weight=(4,), proj__weight=(3, 4), proj__bias=(3,))
-    routed = _routed(Worker(), model, manifest, True)
+    routed = _routed(Bare(), model, manifest, True)
     assert routed.targets is not None
     assert set(routed.targets) == {"norm.weight", "proj.weight", "proj.bias"}
     sink = EngineSink(model, routed.routes, torch.device("cpu"), routed=routed)
@@ -286,47 +284,10 @@ def test_extension_refuses_refits_before_their_setup() -> None:
 # -- the real CPU engine --------------------------------------------------------------
 
 
-@attrs.frozen
-class Weights:
-    a: Path
-    b: Path
-    b_dir: Path
-
-
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Weights:
     b_dir = build_tiny_model(tmp_path_factory.mktemp("refit") / "tiny-llama-b", seed=1)
     return Weights(tiny_model_dir / "model.safetensors", b_dir / "model.safetensors", b_dir)
-
-
-def greedy(llm: LLM) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
-        SamplingParams(temperature=0.0, max_tokens=12),
-        use_tqdm=False,
-    )
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def start_engine(model: Path, *, extension: bool) -> LLM:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from engine_fixtures import EXTENSION_CLS, cpu_engine_kwargs
-    from vllm import LLM
-
-    kwargs = cpu_engine_kwargs(model)
-    kwargs.pop("worker_extension_cls", None)
-    if extension:
-        kwargs["worker_extension_cls"] = EXTENSION_CLS
-    return LLM(**kwargs)  # type: ignore[arg-type]
-
-
-def stop_engine(llm: LLM) -> None:
-    from genworker.shell.vllm_engine import VllmEngine
-
-    VllmEngine(llm).shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -339,20 +300,6 @@ def reference_b(weights: Weights) -> list[list[int]]:
         stop_engine(llm)
 
 
-@attrs.frozen
-class Engine:
-    llm: LLM
-    baseline_a: list[list[int]]
-
-    def rpc(self, method: str, *args: object, **kwargs: object) -> object:
-        (result,) = self.llm.collective_rpc(method, args=args, kwargs=kwargs or None)
-        return result
-
-    def tokens(self) -> list[list[int]]:
-        self.llm.reset_prefix_cache()  # the worker does this after every refit
-        return greedy(self.llm)
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path, reference_b: list[list[int]]) -> Iterator[Engine]:
     llm = start_engine(tiny_model_dir, extension=True)
@@ -363,46 +310,11 @@ def engine(tiny_model_dir: Path, reference_b: list[list[int]]) -> Iterator[Engin
         stop_engine(llm)
 
 
-class Trainer:
-    """A trainer process (``fake.run_trainer``) sending saved weights on command."""
-
-    def __init__(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._commands = ctx.Queue()
-        self._results = ctx.Queue()
-        self.process: BaseProcess = ctx.Process(
-            target=fake.run_trainer, args=(self._commands, self._results), daemon=True
-        )
-        self.process.start()
-        assert self._results.get(timeout=120) == ("ready", None)
-
-    def submit(self, op: str, **command: object) -> None:
-        self._commands.put({"op": op, "timeout_s": REFIT_TIMEOUT, **command})
-
-    def result(self) -> fake.Outcome:
-        kind, outcome = self._results.get(timeout=120)
-        assert kind == "outcome"
-        assert isinstance(outcome, fake.Outcome)
-        return outcome
-
-    def stop(self) -> None:
-        self._commands.put(None)
-        self.process.join(30)
-
-
 @pytest.fixture(scope="module")
 def trainer() -> Iterator[Trainer]:
     t = Trainer()
     yield t
     t.stop()
-
-
-def info(path: Path, keep: set[str] | None = None) -> dict[str, list[object]]:
-    return {
-        n: [list(t.shape), str(t.dtype).removeprefix("torch.")]
-        for n, t in load_file(path).items()
-        if keep is None or n in keep
-    }
 
 
 def refit_ipc(engine: Engine, trainer: Trainer, path: Path, **edits: object) -> dict[str, object]:
@@ -415,12 +327,6 @@ def refit_ipc(engine: Engine, trainer: Trainer, path: Path, **edits: object) -> 
     assert sent.ok, sent
     assert isinstance(report, dict)
     return report
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -251,16 +251,25 @@ def test_ipc_refuses_a_sender_with_another_manifest() -> None:
         receiver.close()
 
 
-def test_ipc_receiver_failure_makes_the_sender_raise_promptly() -> None:
+@pytest.mark.parametrize(
+    ("direct", "bucket", "engine_says"),
+    [(False, 1, "bucket 1 could not be stored"), (True, 0, "direct refit could not be stored")],
+    ids=["buckets", "direct"],
+)
+def test_ipc_receiver_failure_makes_the_sender_raise_promptly(
+    direct: bool, bucket: int, engine_says: str
+) -> None:
     params = fake.zeros_like_all(expected())
-    receiver, _, peer = ipc_pair(sink=fake.FailingSink(params, 1), timeout_s=30.0)
+    receiver, _, peer = ipc_pair(sink=fake.FailingSink(params, bucket), timeout_s=30.0)
     try:
-        with IpcSender(receiver.address, direct=False, bucket_bytes=4096, timeout_s=30.0) as sender:
+        with IpcSender(
+            receiver.address, direct=direct, bucket_bytes=4096, timeout_s=30.0
+        ) as sender:
             started = time.monotonic()
-            with pytest.raises(RefitError, match="broke while storing bucket 1"):
+            with pytest.raises(RefitError, match=f"broke while storing bucket {bucket}"):
                 sender.send(expected().items())
             assert time.monotonic() - started < PROMPT
-        with pytest.raises(RefitError, match="bucket 1 could not be stored"):
+        with pytest.raises(RefitError, match=engine_says):
             peer.outcome()
     finally:
         receiver.close()
@@ -547,6 +556,27 @@ def test_session_refuses_a_corrupt_or_short_payload(
 # -- collective (gloo), in threads ------------------------------------------------------
 
 
+def engine_group(
+    port: int,
+    *,
+    timeout_s: float,
+    rank: int = 1,
+    world_size: int = 2,
+    train_world_size: int = 1,
+) -> CollectiveGroup:
+    """This process's engine end of a gloo weight-update group on ``port``."""
+    return CollectiveGroup(
+        ip="127.0.0.1",
+        port=port,
+        rank=rank,
+        world_size=world_size,
+        train_world_size=train_world_size,
+        role="engine",
+        device=torch.device("cpu"),
+        timeout_s=timeout_s,
+    )
+
+
 def engine_side(
     port: int,
     *,
@@ -558,15 +588,12 @@ def engine_side(
     claimed_train_world_size: int | None = None,
 ) -> Peer[RefitReport]:
     def receive() -> RefitReport:
-        group = CollectiveGroup(
-            ip="127.0.0.1",
-            port=port,
+        group = engine_group(
+            port,
+            timeout_s=timeout_s,
             rank=train_world_size,
             world_size=world_size,
             train_world_size=claimed_train_world_size or train_world_size,
-            role="engine",
-            device=torch.device("cpu"),
-            timeout_s=timeout_s,
         )
         try:
             chosen = sink or ParameterSink(params if params is not None else {})
@@ -627,18 +654,25 @@ def test_collective_stream_that_breaks_the_manifest_is_named_on_both_sides(
         peer.outcome()
 
 
-def test_collective_receiver_failure_makes_the_sender_raise_promptly() -> None:
+@pytest.mark.parametrize(
+    ("direct", "bucket", "engine_says"),
+    [(False, 2, "bucket 2 could not be stored"), (True, 0, "direct refit could not be stored")],
+    ids=["buckets", "direct"],
+)
+def test_collective_receiver_failure_makes_the_sender_raise_promptly(
+    direct: bool, bucket: int, engine_says: str
+) -> None:
     port = free_port()
     params = fake.zeros_like_all(expected())
-    peer = engine_side(port, sink=fake.FailingSink(params, 2), timeout_s=30.0)
+    peer = engine_side(port, sink=fake.FailingSink(params, bucket), timeout_s=30.0)
     with CollectiveSender(
-        "127.0.0.1", port, 2, direct=False, bucket_bytes=4096, timeout_s=30.0
+        "127.0.0.1", port, 2, direct=direct, bucket_bytes=4096, timeout_s=30.0
     ) as sender:
         started = time.monotonic()
-        with pytest.raises(RefitError, match="broke while storing bucket 2"):
+        with pytest.raises(RefitError, match=rf"rank 1: .*broke while storing bucket {bucket}"):
             sender.send(expected().items())
         assert time.monotonic() - started < PROMPT
-    with pytest.raises(RefitError, match="bucket 2 could not be stored"):
+    with pytest.raises(RefitError, match=engine_says):
         peer.outcome()
 
 
@@ -647,16 +681,7 @@ def test_collective_refit_after_a_failed_one_on_the_same_group_succeeds() -> Non
     params = fake.zeros_like_all(expected())
 
     def engine() -> RefitReport:
-        group = CollectiveGroup(
-            ip="127.0.0.1",
-            port=port,
-            rank=1,
-            world_size=2,
-            train_world_size=1,
-            role="engine",
-            device=torch.device("cpu"),
-            timeout_s=QUICK,
-        )
+        group = engine_group(port, timeout_s=QUICK)
         transport = CollectiveReceiver(group)  # one per group, as the extension keeps it
         try:
             with pytest.raises(RefitError, match="broke while storing bucket 1"):
@@ -871,16 +896,7 @@ def test_collective_round_trip_across_processes() -> None:
     port = free_port()
     params = fake.zeros_like_all(expected())
     process, queue = spawn(fake.run_collective_sender, port, SEED, timeout_s=60.0, direct=False)
-    group = CollectiveGroup(
-        ip="127.0.0.1",
-        port=port,
-        rank=1,
-        world_size=2,
-        train_world_size=1,
-        role="engine",
-        device=torch.device("cpu"),
-        timeout_s=60.0,
-    )
+    group = engine_group(port, timeout_s=60.0)
     try:
         receive_refit(
             CollectiveReceiver(group),
@@ -897,25 +913,24 @@ def test_collective_round_trip_across_processes() -> None:
     assert_received(params)
 
 
-def test_collective_sender_killed_mid_refit_receiver_raises_a_typed_timeout() -> None:
+@pytest.mark.parametrize(
+    ("dies", "match"),
+    [
+        ({"direct": False, "die_after": 4}, "weight-update group"),
+        ({"die_direct": True}, "direct broadcast 1 of"),
+    ],
+    ids=["buckets", "direct"],
+)
+def test_collective_sender_killed_mid_refit_receiver_raises_a_typed_timeout(
+    dies: dict[str, object], match: str
+) -> None:
     port = free_port()
-    process, _ = spawn(
-        fake.run_collective_sender, port, SEED, timeout_s=60.0, direct=False, die_after=4
-    )
-    group = CollectiveGroup(
-        ip="127.0.0.1",
-        port=port,
-        rank=1,
-        world_size=2,
-        train_world_size=1,
-        role="engine",
-        device=torch.device("cpu"),
-        timeout_s=60.0,
-    )
+    process, _ = spawn(fake.run_collective_sender, port, SEED, timeout_s=60.0, **dies)
+    group = engine_group(port, timeout_s=60.0)
     params = fake.zeros_like_all(expected())
     try:
         started = time.monotonic()
-        with pytest.raises(RefitTimeoutError, match="weight-update group"):
+        with pytest.raises(RefitTimeoutError, match=match):
             receive_refit(
                 CollectiveReceiver(group),
                 manifest_of(expected()),
@@ -1005,21 +1020,6 @@ def test_ipc_direct_refuses_a_mismatch_before_any_write(mutate: str, named: str)
     assert_untouched(params)
 
 
-def test_ipc_direct_receiver_failure_makes_the_sender_raise_promptly() -> None:
-    params = fake.zeros_like_all(expected())
-    receiver, _, peer = ipc_pair(sink=fake.FailingSink(params, 0), timeout_s=30.0)
-    try:
-        with IpcSender(receiver.address, timeout_s=30.0) as sender:
-            started = time.monotonic()
-            with pytest.raises(RefitError, match="broke while storing bucket 0"):
-                sender.send(expected().items())
-            assert time.monotonic() - started < PROMPT
-        with pytest.raises(RefitError, match="direct refit could not be stored"):
-            peer.outcome()
-    finally:
-        receiver.close()
-
-
 def test_ipc_direct_refuses_a_direct_message_it_did_not_agree_to() -> None:
     spec = TensorSpec("w", (4,), "float32")
     refs = [TensorRef("w", [4], "float32")]
@@ -1092,46 +1092,3 @@ def test_collective_direct_refuses_a_mismatch_before_any_write(mutate: str, name
     with pytest.raises(RefitManifestError, match=named.replace(".", r"\.")):
         peer.outcome()
     assert_untouched(params)
-
-
-def test_collective_direct_receiver_failure_makes_the_sender_raise_promptly() -> None:
-    port = free_port()
-    params = fake.zeros_like_all(expected())
-    peer = engine_side(port, sink=fake.FailingSink(params, 0), timeout_s=30.0)
-    with CollectiveSender("127.0.0.1", port, 2, timeout_s=30.0) as sender:
-        started = time.monotonic()
-        with pytest.raises(RefitError, match=r"rank 1: .*broke while storing bucket 0"):
-            sender.send(expected().items())
-        assert time.monotonic() - started < PROMPT
-    with pytest.raises(RefitError, match="direct refit could not be stored"):
-        peer.outcome()
-
-
-def test_collective_direct_sender_killed_mid_refit_receiver_raises_a_typed_timeout() -> None:
-    port = free_port()
-    process, _ = spawn(fake.run_collective_sender, port, SEED, timeout_s=60.0, die_direct=True)
-    group = CollectiveGroup(
-        ip="127.0.0.1",
-        port=port,
-        rank=1,
-        world_size=2,
-        train_world_size=1,
-        role="engine",
-        device=torch.device("cpu"),
-        timeout_s=60.0,
-    )
-    params = fake.zeros_like_all(expected())
-    try:
-        started = time.monotonic()
-        with pytest.raises(RefitTimeoutError, match="direct broadcast 1 of"):
-            receive_refit(
-                CollectiveReceiver(group),
-                manifest_of(expected()),
-                ParameterSink(params),
-                timeout_s=3.0,
-            )
-        assert time.monotonic() - started < 3.0 + PROMPT
-    finally:
-        group.close()
-    process.join(30)
-    assert process.exitcode == 17
