@@ -26,7 +26,8 @@ from typing import Protocol
 
 import torch
 
-from genworker.shell.refit.collective import CollectiveGroup, CollectiveReceiver, CollectiveSender
+from genworker.shell.refit import fake
+from genworker.shell.refit.collective import CollectiveReceiver, CollectiveSender
 from genworker.shell.refit.ipc import IpcReceiver, IpcSender
 from genworker.shell.refit.session import ParameterSink, manifest_of, receive_refit
 
@@ -126,16 +127,7 @@ def measure() -> list[tuple[str, float]]:
         for p in params.values():
             p.zero_()
 
-        group = CollectiveGroup(
-            ip="127.0.0.1",
-            port=port,
-            rank=1,
-            world_size=2,
-            train_world_size=1,
-            role="engine",
-            device=torch.device("cpu"),
-            timeout_s=TIMEOUT_S,
-        )
+        group = fake.engine_group(port, timeout_s=TIMEOUT_S)
         collective = []
         transport = CollectiveReceiver(group)  # one per group: it keeps its buffers
         for _ in range(REPEATS):

@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from genworker.core.refit_plan import Slot
-from genworker.shell.refit.collective import CollectiveSender
+from genworker.shell.refit.collective import CollectiveGroup, CollectiveSender
 from genworker.shell.refit.ipc import IpcReceiver, IpcSender
 from genworker.shell.refit.packing import SendReport
 from genworker.shell.refit.session import ParameterSink, manifest_of, receive_refit
@@ -76,6 +76,29 @@ def random_state_dict(seed: int, *, scale: int = 1) -> dict[str, torch.Tensor]:
         "head.weight": torch.randn(40, 48, generator=g),
     }
     return out
+
+
+def engine_group(
+    port: int,
+    *,
+    timeout_s: float,
+    device: torch.device | None = None,
+    rank: int = 1,
+    world_size: int = 2,
+    train_world_size: int = 1,
+) -> CollectiveGroup:
+    """An engine's end of a weight-update group on this host's ``port`` (default: rank 1
+    of 2, after one trainer rank; on the CPU, over gloo)."""
+    return CollectiveGroup(
+        ip="127.0.0.1",
+        port=port,
+        rank=rank,
+        world_size=world_size,
+        train_world_size=train_world_size,
+        role="engine",
+        device=device or torch.device("cpu"),
+        timeout_s=timeout_s,
+    )
 
 
 def zeros_like_all(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -600,21 +600,13 @@ def ipc_fake_sender_main(
 
 def collective_fake_receiver_main(*, port: int) -> bool:
     """Rank 1 of a weight-update group on this GPU: receive the fake state dict, compare."""
-    from genworker.shell.refit.collective import CollectiveGroup, CollectiveReceiver
+    from genworker.shell.refit import fake
+    from genworker.shell.refit.collective import CollectiveReceiver
     from genworker.shell.refit.session import ParameterSink, manifest_of, receive_refit
 
     expected = fake_state_dict("cuda:0")
     params = zeros_like(expected)
-    group = CollectiveGroup(
-        ip="127.0.0.1",
-        port=port,
-        rank=1,
-        world_size=2,
-        train_world_size=1,
-        role="engine",
-        device=torch.device("cuda", 0),
-        timeout_s=CHILD_TIMEOUT_S,
-    )
+    group = fake.engine_group(port, timeout_s=CHILD_TIMEOUT_S, device=torch.device("cuda", 0))
     try:
         receive_refit(
             CollectiveReceiver(group),

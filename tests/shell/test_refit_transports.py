@@ -32,7 +32,7 @@ from genworker.shell.errors import (
 )
 from genworker.shell.refit import fake
 from genworker.shell.refit.buffers import StagingBuffer, open_handle, private_directory
-from genworker.shell.refit.collective import CollectiveGroup, CollectiveReceiver, CollectiveSender
+from genworker.shell.refit.collective import CollectiveReceiver, CollectiveSender
 from genworker.shell.refit.ipc import IpcReceiver, IpcSender
 from genworker.shell.refit.packing import SendReport
 from genworker.shell.refit.session import (
@@ -556,27 +556,6 @@ def test_session_refuses_a_corrupt_or_short_payload(
 # -- collective (gloo), in threads ------------------------------------------------------
 
 
-def engine_group(
-    port: int,
-    *,
-    timeout_s: float,
-    rank: int = 1,
-    world_size: int = 2,
-    train_world_size: int = 1,
-) -> CollectiveGroup:
-    """This process's engine end of a gloo weight-update group on ``port``."""
-    return CollectiveGroup(
-        ip="127.0.0.1",
-        port=port,
-        rank=rank,
-        world_size=world_size,
-        train_world_size=train_world_size,
-        role="engine",
-        device=torch.device("cpu"),
-        timeout_s=timeout_s,
-    )
-
-
 def engine_side(
     port: int,
     *,
@@ -588,7 +567,7 @@ def engine_side(
     claimed_train_world_size: int | None = None,
 ) -> Peer[RefitReport]:
     def receive() -> RefitReport:
-        group = engine_group(
+        group = fake.engine_group(
             port,
             timeout_s=timeout_s,
             rank=train_world_size,
@@ -681,7 +660,7 @@ def test_collective_refit_after_a_failed_one_on_the_same_group_succeeds() -> Non
     params = fake.zeros_like_all(expected())
 
     def engine() -> RefitReport:
-        group = engine_group(port, timeout_s=QUICK)
+        group = fake.engine_group(port, timeout_s=QUICK)
         transport = CollectiveReceiver(group)  # one per group, as the extension keeps it
         try:
             with pytest.raises(RefitError, match="broke while storing bucket 1"):
@@ -896,7 +875,7 @@ def test_collective_round_trip_across_processes() -> None:
     port = free_port()
     params = fake.zeros_like_all(expected())
     process, queue = spawn(fake.run_collective_sender, port, SEED, timeout_s=60.0, direct=False)
-    group = engine_group(port, timeout_s=60.0)
+    group = fake.engine_group(port, timeout_s=60.0)
     try:
         receive_refit(
             CollectiveReceiver(group),
@@ -926,7 +905,7 @@ def test_collective_sender_killed_mid_refit_receiver_raises_a_typed_timeout(
 ) -> None:
     port = free_port()
     process, _ = spawn(fake.run_collective_sender, port, SEED, timeout_s=60.0, **dies)
-    group = engine_group(port, timeout_s=60.0)
+    group = fake.engine_group(port, timeout_s=60.0)
     params = fake.zeros_like_all(expected())
     try:
         started = time.monotonic()
