@@ -2,16 +2,14 @@
 
 The CPU suite's device-independent tests (``tests/shell/test_vllm_engine.py``: the adapter
 against raw ``vllm.LLM``, finish reasons, text, metrics, bad requests, RPC) are imported
-and run here against the session worker's CUDA engine: its fixtures ``cpu_engine`` and
-``cpu_llm`` are bound below to that engine (the names are the CPU suite's). They are
-module-scoped because Hypothesis refuses function-scoped fixtures in ``@given`` tests.
+and run here against the session worker's CUDA engine: ``conftest.py`` binds their fixtures
+``cpu_engine`` and ``cpu_llm`` (the CPU suite's names) to that engine.
 """
 
 from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from gpu.gpu_fixtures import (
     GPU_MARKS,
@@ -22,7 +20,6 @@ from gpu.gpu_fixtures import (
     batch,
     generated,
     greedy,
-    session_engine,
 )
 from shell.test_vllm_engine import (
     test_bad_request_is_bad_batch_and_engine_keeps_serving,
@@ -36,7 +33,6 @@ from shell.test_vllm_engine import (
     test_mismatched_specs_are_bad_batch,
     test_seeded_sampling_matches_raw_vllm,
 )
-from vllm import LLM
 
 from genworker.shell.vllm_engine import VllmEngine
 
@@ -55,18 +51,6 @@ __all__ = [
     "test_mismatched_specs_are_bad_batch",
     "test_seeded_sampling_matches_raw_vllm",
 ]
-
-
-@pytest.fixture(scope="module")
-def cpu_engine(gpu_session: GpuSession) -> VllmEngine:
-    """The CPU suite's engine fixture, bound to the session worker's CUDA engine."""
-    return session_engine(gpu_session)
-
-
-@pytest.fixture(scope="module")
-def cpu_llm(cpu_engine: VllmEngine) -> LLM:
-    """The CPU suite's raw ``vllm.LLM`` fixture: the one the CUDA adapter wraps."""
-    return cpu_engine.llm
 
 
 def test_capabilities_describe_the_cuda_engine(cpu_engine: VllmEngine) -> None:
