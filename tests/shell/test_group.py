@@ -354,6 +354,11 @@ def test_an_ipc_refit_reaches_every_shard_and_the_group_then_equals_one_worker(
             assert sender.send(new.items()).tensors == len(new)
     assert group.collect(futures) == [True, True]
     assert group.release_refit_buffers() == [[0], [0]]  # nothing kept: no keep_mapped
+    # The option reaches every shard's engine workers: each binds a socket for it.
+    guarded = group.refit_address(offer_params=False)
+    assert len({str(a) for (a,) in [*addresses, *guarded]}) == 4
+    assert group.refit_address(offer_params=False) == guarded
+    assert {str(a) for (a,) in group.refit_address()}.isdisjoint(str(a) for (a,) in guarded)
 
     reference.prepare_refit_info(info)
     (address,) = reference.refit_address()
