@@ -100,7 +100,6 @@ _STATE: Final = "_genworker_refit_state"
 class _RefitState:
     manifest: Manifest | None = None
     ipc: IpcReceiver | None = None
-    ipc_options: tuple[str | None, bool] = (None, True)  # the bound socket's
     group: CollectiveGroup | None = None
     collective: CollectiveReceiver | None = None  # kept with the group: it keeps buffers
     version: int = 0
@@ -185,13 +184,13 @@ class WorkerExtension:
         parameters; direct refits then read from the trainer's tensors. A call with other
         options than the bound socket's closes it and binds a new one (a new address)."""
         state = _state(self)
-        options = (tcp_host, bool(offer_params))
-        if state.ipc is not None and state.ipc_options != options:
-            state.ipc.close()
+        offer_params = bool(offer_params)
+        bound = state.ipc
+        if bound is not None and (bound.tcp_host, bound.offer_params) != (tcp_host, offer_params):
+            bound.close()
             state.ipc = None
         if state.ipc is None:
-            state.ipc = IpcReceiver(_device(self), tcp_host=tcp_host, offer_params=options[1])
-            state.ipc_options = options
+            state.ipc = IpcReceiver(_device(self), tcp_host=tcp_host, offer_params=offer_params)
         return state.ipc.address
 
     def update_weights_via_ipc_zmq(self, timeout_s: float = 600.0) -> dict[str, object]:
@@ -341,15 +340,15 @@ def _entries(model: nn.Module) -> tuple[dict[str, torch.Tensor], tuple[_Entry, .
     params: dict[str, torch.Tensor] = {}
     entries: list[_Entry] = []
     seen: set[torch.Tensor] = set()
-    for mod_name, module in model.named_modules():
-        for local, param in module._parameters.items():
-            if param is None or param in seen:
-                continue
-            seen.add(param)
-            params[f"{mod_name}.{local}" if mod_name else local] = param
-            with torch._C.DisableTorchFunctionSubclass():  # see _unchanged
+    with torch._C.DisableTorchFunctionSubclass():  # see _unchanged
+        for mod_name, module in model.named_modules():
+            for local, param in module._parameters.items():
+                if param is None or param in seen:
+                    continue
+                seen.add(param)
+                params[f"{mod_name}.{local}" if mod_name else local] = param
                 facts = (param.data_ptr(), param.numel(), param.dtype, param.is_contiguous())
-            entries.append((module, local, param, *facts))
+                entries.append((module, local, param, *facts))
     return params, tuple(entries)
 
 

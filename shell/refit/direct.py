@@ -36,6 +36,7 @@ from genworker.shell.refit.wire import CpuHandle, CudaHandle, TensorRef
 __all__ = [
     "ExportCache",
     "ListingMemo",
+    "MappedStorages",
     "collect_direct",
     "copy_all",
     "export_refs",
@@ -196,6 +197,42 @@ def export_refs(
         for stale in set(cache) - set(index):
             del cache[stale]
     return storages, refs
+
+
+class MappedStorages:
+    """Another process's storages mapped here and kept across refits, by handle, with the
+    views of the last listing over them.
+
+    ``views`` maps only handles not mapped yet, lets go of those the listing no longer
+    names, and returns the same views for the same listing; ``clear`` lets go of all."""
+
+    def __init__(self) -> None:
+        self.mapped: dict[CpuHandle | CudaHandle, torch.Tensor] = {}
+        self._last: tuple[tuple[object, ...], dict[str, torch.Tensor]] | None = None
+
+    def views(
+        self,
+        storages: Sequence[CpuHandle | CudaHandle],
+        refs: Sequence[TensorRef],
+        device: torch.device,
+    ) -> dict[str, torch.Tensor]:
+        """:func:`open_refs` through the kept mappings; :class:`RefitError` as it raises."""
+        key = (tuple(storages), tuple(refs), device)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        live = set(storages)
+        self.mapped = {h: m for h, m in self.mapped.items() if h in live}
+        self._last = None
+        views = open_refs(storages, refs, device, cache=self.mapped)
+        self._last = (key, views)
+        return views
+
+    def clear(self) -> int:
+        """Let go of every mapping; how many there were."""
+        count = len(self.mapped)
+        self.mapped = {}
+        self._last = None
+        return count
 
 
 def open_refs(

@@ -89,6 +89,7 @@ from genworker.shell.refit.buffers import StagingBuffer, open_handle, private_di
 from genworker.shell.refit.direct import (
     ExportCache,
     ListingMemo,
+    MappedStorages,
     collect_direct,
     copy_all,
     export_refs,
@@ -160,7 +161,8 @@ class IpcReceiver:
                 "(pass allow_remote=True to expose it)"
             )
         self._device = device
-        self._offer_params = offer_params
+        self.tcp_host = tcp_host
+        self.offer_params = offer_params
         self._ctx = zmq.Context()
         self._dir: Path | None = None
         if tcp_host is None:
@@ -175,18 +177,9 @@ class IpcReceiver:
         self._awaiting_begin = True
         self._maps: dict[int, tuple[CpuHandle | CudaHandle, torch.Tensor]] = {}
         self._exports: ExportCache = {}  # this engine's parameters, exported once
-        # storages of a sender that keeps them (DirectMsg.keep), mapped across refits,
-        # and the last refit's (target, source) pairs over them
-        self._kept: dict[CpuHandle | CudaHandle, torch.Tensor] = {}
+        # storages of a sender that keeps them (DirectMsg.keep), mapped across refits
+        self._kept = MappedStorages()
         self._kept_used = False  # this refit read from kept storages
-        self._kept_views: (
-            tuple[
-                tuple[tuple[object, ...], tuple[object, ...]],
-                Mapping[str, torch.Tensor],
-                list[tuple[torch.Tensor, torch.Tensor]],
-            ]
-            | None
-        ) = None
         # the targets and layout of the last offer, and the offer
         self._last_offer: tuple[Mapping[str, torch.Tensor], tuple[object, ...], Offer] | None = None
         self._offered = ""
@@ -289,7 +282,7 @@ class IpcReceiver:
             self._last_offer = (targets, key, last[2])
             return last[2]  # the same parameters in the same places
         self._last_offer = None
-        if not self._offer_params:
+        if not self.offer_params:
             offer = Offer("sender-handles")
         else:
             try:
@@ -322,35 +315,16 @@ class IpcReceiver:
             views = open_refs(msg.storages, msg.tensors, self._device)
             copy_all((targets[name], view) for name, view in views.items())
         else:
-            copy_all(self._kept_pairs(msg, targets))
+            views = self._kept.views(msg.storages, msg.tensors, self._device)
+            copy_all((targets[name], view) for name, view in views.items())
             self._kept_used = True
         _sync(self._device)
         return "sender-handles"
 
-    def _kept_pairs(
-        self, msg: DirectMsg, targets: Mapping[str, torch.Tensor]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(target, source) pairs of a refit whose sender keeps its storages: mapped once
-        and kept; storages the refit no longer lists are let go."""
-        key = (tuple(msg.storages), tuple(msg.tensors))
-        last = self._kept_views
-        if last is not None and last[0] == key and last[1] is targets:
-            return last[2]  # the same storages, the same places, the same parameters
-        live = set(msg.storages)
-        self._kept = {h: m for h, m in self._kept.items() if h in live}
-        self._kept_views = None
-        views = open_refs(msg.storages, msg.tensors, self._device, cache=self._kept)
-        pairs = [(targets[name], view) for name, view in views.items()]
-        self._kept_views = (key, targets, pairs)
-        return pairs
-
     def drop_kept(self) -> int:
         """Let go of the sender storages kept mapped (``IpcSender(keep_mapped=True)``), so
         the trainer's memory returns to the device once it frees it; how many there were."""
-        dropped = len(self._kept)
-        self._kept = {}
-        self._kept_views = None
-        return dropped
+        return self._kept.clear()
 
     def payload(self, msg: BucketMsg, timeout_s: float) -> torch.Tensor:
         if msg.handle is None:
@@ -455,9 +429,7 @@ class IpcSender:
         self._last_export: (
             tuple[list[tuple[object, ...]], list[CpuHandle | CudaHandle], list[TensorRef]] | None
         ) = None
-        self._engine_maps: dict[CpuHandle | CudaHandle, torch.Tensor] = {}
-        # the last offer the views were made for, and those views
-        self._engine_views: tuple[tuple[Offer, torch.device], dict[str, torch.Tensor]] | None = None
+        self._engine = MappedStorages()  # the engine's parameter storages, mapped here
         self._finalizer = weakref.finalize(self, _close_resources, self._ctx, None)
 
     # -- public ---------------------------------------------------------------------
@@ -613,18 +585,11 @@ class IpcSender:
             )
         cuda = any(isinstance(h, CudaHandle) for h in offer.storages)
         device = self._cuda_device(items) if cuda else torch.device("cpu")
-        if self._engine_views is not None and self._engine_views[0] == (offer, device):
-            views = self._engine_views[1]  # the same offer: the same mapped views
-        else:
-            live = set(offer.storages)
-            self._engine_maps = {h: m for h, m in self._engine_maps.items() if h in live}
-            self._engine_views = None
-            try:
-                views = open_refs(offer.storages, offer.tensors, device, cache=self._engine_maps)
-            except RefitError as e:
-                log.warning("refit %s: cannot map the engine's parameters (%s)", refit_id, e)
-                return None
-            self._engine_views = ((offer, device), views)
+        try:
+            views = self._engine.views(offer.storages, offer.tensors, device)
+        except RefitError as e:
+            log.warning("refit %s: cannot map the engine's parameters (%s)", refit_id, e)
+            return None
         laps.lap("map")
         copy_all((views[name], tensor) for name, tensor in items)
         laps.lap("copy")
@@ -651,10 +616,9 @@ class IpcSender:
 
     def close(self) -> None:
         """Free the staging buffers and the socket; the sender is unusable afterwards."""
-        self._engine_maps.clear()
+        self._engine.clear()
         self._exports.clear()
         self._last_export = None
-        self._engine_views = None
         self._drop_socket()
         for buffer in self._buffers.values():
             buffer.close()

@@ -98,7 +98,7 @@ def test_an_arena_refits_over_ipc_directly_and_the_engine_memory_stays_mapped() 
                 assert {"collect", "begin", "map", "copy", "sync", "direct"} <= set(sent.phases)
                 for name, tensor in sent_now.items():
                     assert torch.equal(params[name], tensor), name
-                maps.append(dict(sender._engine_maps))
+                maps.append(dict(sender._engine.mapped))
     finally:
         receiver.close()
     assert [r.mode for r in reports] == ["engine-handles"] * 2
@@ -210,7 +210,7 @@ def test_a_new_arena_replaces_the_kept_mapping(opened: list[object]) -> None:
             first.load_(tensors.items())
             engine.refit(lambda: sender.send(first.items()))
             engine.refit(lambda: sender.send(second.items()))
-            kept = list(engine.receiver._kept)
+            kept = list(engine.receiver._kept.mapped)
     finally:
         engine.receiver.close()
     assert len(opened) == 2
@@ -246,7 +246,7 @@ def test_a_refit_that_sends_nothing_kept_lets_the_kept_mapping_go(opened: list[o
     try:
         with IpcSender(engine.receiver.address, timeout_s=30.0, keep_mapped=True) as kept:
             engine.refit(lambda: kept.send(arena.items()))
-            assert len(engine.receiver._kept) == 1
+            assert len(engine.receiver._kept.mapped) == 1
             with IpcSender(engine.receiver.address, timeout_s=30.0, direct=False) as plain:
                 assert engine.refit(lambda: plain.send(tensors.items())).mode == "buckets"
             assert engine.receiver.drop_kept() == 0  # the bucket refit let it go
