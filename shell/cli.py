@@ -11,6 +11,10 @@ to file descriptor 1 while it runs (a library's print, a C++ warning) lands on s
 
 from __future__ import annotations
 
+import time
+
+_STARTED = time.perf_counter()  # before the heavy imports: the demo reports the command's time
+
 import argparse
 import contextlib
 import importlib.metadata
@@ -18,7 +22,6 @@ import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
@@ -42,10 +45,22 @@ DEMO_PROMPTS = (
 
 
 def worker_config(
-    model: str, *, pad_token_id: int, max_new_tokens: int, temperature: float, device: str
+    model: str,
+    *,
+    pad_token_id: int,
+    max_new_tokens: int,
+    temperature: float,
+    device: str,
+    load_progress: bool = True,
 ) -> dict[str, object]:
-    """A NeMo-RL generation config for ``model`` on this machine."""
+    """A NeMo-RL generation config for ``model`` on this machine (``load_progress``:
+    vLLM's bar while it loads the checkpoint)."""
     on_cpu = device == "cpu"
+    kwargs: dict[str, object] = {"use_tqdm_on_load": False} if not load_progress else {}
+    if on_cpu:
+        # vLLM sizes the CPU KV cache from the NUMA node's memory minus the process's,
+        # which can go negative on a small machine: ask for a fixed 32 MiB instead.
+        kwargs["kv_cache_memory_bytes"] = 32 << 20
     return {
         "backend": "vllm",
         "model_name": model,
@@ -66,9 +81,7 @@ def worker_config(
             "enforce_eager": on_cpu,
             "cap_max_tokens_to_context": True,
         },
-        # On CPU, vLLM sizes the KV cache from the NUMA node's memory minus the process's,
-        # which can go negative on a small machine: ask for a fixed 32 MiB instead.
-        "vllm_kwargs": {"kv_cache_memory_bytes": 32 << 20} if on_cpu else {},
+        "vllm_kwargs": kwargs,
     }
 
 
@@ -131,6 +144,7 @@ def _table_demo(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens or 24,
         temperature=1.0 if args.temperature is None else args.temperature,
         device=_device(),
+        load_progress=args.load_progress,
     )
     prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.batch or 16)]
     rows = [tokenizer(p)["input_ids"] for p in prompts]
@@ -214,10 +228,12 @@ def _rl_demo(args: argparse.Namespace) -> int:
         "policy, refits the engine",
         flush=True,
     )
-    run = run_rl(config, emit=lambda line: print(line, flush=True))
+    run = run_rl(
+        config, emit=lambda line: print(line, flush=True), load_progress=args.load_progress
+    )
     versions = _versions()
     png, record = write_outputs(run, Path(args.out), versions)
-    for line in summary_lines(run, png, record, versions):
+    for line in summary_lines(run, png, record, versions, command_s=time.perf_counter() - _STARTED):
         print(line)
     return 0 if gap_ok(run) else 1
 
@@ -284,6 +300,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens or 24,
         temperature=1.0 if args.temperature is None else args.temperature,
         device=_device(),
+        load_progress=args.load_progress,
     )
     with _records_to(args.out) as sink:
         worker = VllmGenerationWorker(config)
@@ -337,7 +354,7 @@ def _records_to(path: str | None) -> Iterator[TextIO]:
         os.close(original)
 
 
-def _configure_logs(level: str | None, default: str, quiet: bool) -> None:
+def _configure_logs(level: str | None, default: str, quiet: bool) -> str:
     """vLLM's, transformers' and this package's log lines on stderr, at ``level`` (else
     ``VLLM_LOGGING_LEVEL`` if set, else ``default``; ``quiet``: errors only).
 
@@ -345,7 +362,8 @@ def _configure_logs(level: str | None, default: str, quiet: bool) -> None:
     imported (``DEFAULT_LOGGING_CONFIG`` in vllm/logger.py, 0.32: a handler on
     ``VLLM_LOGGING_STREAM``, stdout by default), so they are set here, before that; when
     it was already imported, its logger's level is set instead. Python warnings become
-    log records (``py.warnings``), shown from level ``warning`` on."""
+    log records (``py.warnings``), shown from level ``warning`` on; loading progress bars
+    only from ``info`` on. Returns the level chosen."""
     chosen = "error" if quiet else (level or os.environ.get("VLLM_LOGGING_LEVEL", default).lower())
     if chosen not in LOG_LEVELS:
         raise SystemExit(f"VLLM_LOGGING_LEVEL={chosen!r}: expected one of {', '.join(LOG_LEVELS)}")
@@ -360,6 +378,7 @@ def _configure_logs(level: str | None, default: str, quiet: bool) -> None:
     logging.captureWarnings(True)
     if "vllm" in sys.modules:
         logging.getLogger("vllm").setLevel(chosen.upper())
+    return chosen
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -408,7 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.command == "demo":
         _check_demo_args(args, parser)
-    _configure_logs(args.log_level, args.default_log_level, args.quiet)
+    level = _configure_logs(args.log_level, args.default_log_level, args.quiet)
+    args.load_progress = level in ("debug", "info")
     if args.command == "generate":
         return _generate(args)
     return _table_demo(args) if args.table else _rl_demo(args)

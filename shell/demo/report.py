@@ -46,7 +46,7 @@ def write_outputs(run: RlRun, out_dir: Path, versions: Mapping[str, str]) -> tup
                 "logprob gap per sampled token (nats)",
                 [
                     Series(
-                        f"engine vs trainer after each refit (max {max(s.gap for s in steps):.1e})",
+                        f"engine vs trainer after each refit (max {_worst_gap(run):.1e})",
                         [s.gap for s in steps],
                         ORANGE,
                     ),
@@ -85,25 +85,38 @@ def _where(run: RlRun, versions: Mapping[str, str]) -> dict[str, object]:
     }
 
 
+def _worst_gap(run: RlRun) -> float:
+    return max([s.gap for s in run.steps] + [run.final_gap])
+
+
 def gap_ok(run: RlRun) -> bool:
     """Every step's gap, and the last refit's, under :data:`GAP_BOUND`."""
     gaps = [s.gap for s in run.steps] + [run.final_gap]
     return all(math.isfinite(g) and g <= GAP_BOUND for g in gaps)
 
 
-def summary_lines(run: RlRun, png: Path, record: Path, versions: Mapping[str, str]) -> list[str]:
-    """The lines printed after the last step."""
+def summary_lines(
+    run: RlRun,
+    png: Path,
+    record: Path,
+    versions: Mapping[str, str],
+    *,
+    command_s: float | None = None,
+) -> list[str]:
+    """The lines printed after the last step (``command_s``: the whole command's seconds,
+    imports included)."""
     steps = run.steps
     first, last = reward_rise(steps)
     n = max(1, min(EDGE_STEPS, len(steps) // 2))
-    worst = max([s.gap for s in steps] + [run.final_gap])
+    worst = _worst_gap(run)
     stale = max(s.stale_gap for s in steps)
     lines = [
         "",
         f"reward  {sparkline([s.mean_reward for s in steps], 0.0, 1.0)}  "
         f"{first:.3f} -> {last:.3f} (mean of the first {n} steps -> the last {n})",
         f"gap     {sparkline([s.gap for s in steps], 0.0, stale)}  "
-        f"max {worst:.1e} over {len(steps)} refits, bound {GAP_BOUND:.0e}: "
+        f"max {worst:.1e} (the checkpoint, then after each of {len(steps)} refits), "
+        f"bound {GAP_BOUND:.0e}: "
         f"{'ok' if gap_ok(run) else 'EXCEEDED'}; without refits it would reach {stale:.3f}",
         f"picture {png}   every figure: {record}",
         "",
@@ -126,7 +139,8 @@ def summary_lines(run: RlRun, png: Path, record: Path, versions: Mapping[str, st
         f"new tokens per step, Adam lr {c.learning_rate:g}, seed {c.seed}",
         f"time: engine start {run.engine_start_s:.1f} s, {len(steps)} steps "
         f"{sum(s.generate_s + s.train_s + s.refit_s for s in steps):.1f} s, "
-        f"total {run.total_s:.1f} s",
+        f"the loop {run.total_s:.1f} s"
+        + ("" if command_s is None else f", the whole command {command_s:.1f} s"),
     ]
     return lines
 

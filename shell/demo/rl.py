@@ -69,8 +69,9 @@ RL_PROMPTS: tuple[str, ...] = (
 
 #: The largest train-vs-rollout gap a correct refit may leave (nats per sampled token).
 #: Both sides are float32; vLLM's CPU kernels (oneDNN GEMMs, its own RMSNorm, rotary and
-#: attention) round differently from torch's, which measured 1e-7..3e-7 on the tiny model.
-#: A refit that loses any tensor leaves a gap of order ``stale_gap`` (0.1..3 here).
+#: attention) round differently from torch's: on the tiny model the step means measured
+#: 1e-7..5e-7 and the largest single token 3e-6. A refit that loses a tensor or an update
+#: leaves a gap of the order of ``stale_gap`` (0.2..4.6 nats after the first step here).
 GAP_BOUND = 1e-4
 
 _REFIT_TIMEOUT_S = 120.0
@@ -116,9 +117,14 @@ class StepRecord:
 
     step: int
     mean_reward: float
+    #: tokens the engine generated this step
     tokens: int
+    #: the worker's generate call
     generate_s: float
+    #: scoring, the trainer's forward, backward and optimizer step (and the starting
+    #: policy's forward for ``stale_gap``)
     train_s: float
+    #: the refit, both ends, until the engine answered
     refit_s: float
     #: mean |trainer logprob - engine logprob| over the step's sampled tokens
     gap: float
@@ -187,7 +193,7 @@ def refit_channel(
             try:
                 worker.update_weights_via_ipc_zmq(timeout_s=_REFIT_TIMEOUT_S)
             except BaseException as e:
-                with contextlib.suppress(BaseException):
+                with contextlib.suppress(Exception):  # the note only; e is raised
                     e.add_note(f"the sender said: {sent.exception(_REFIT_TIMEOUT_S)!r}")
                 raise
             sent.result(_REFIT_TIMEOUT_S)
@@ -196,8 +202,11 @@ def refit_channel(
         yield push
 
 
-def run_rl(config: RlConfig, emit: Callable[[str], None] = print) -> RlRun:
-    """Run the loop; ``emit`` gets the header and one line per step as they happen."""
+def run_rl(
+    config: RlConfig, emit: Callable[[str], None] = print, *, load_progress: bool = True
+) -> RlRun:
+    """Run the loop; ``emit`` gets the header and one line per step as they happen
+    (``load_progress``: the engine's bar while it loads the checkpoint)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from genworker.shell.cli import pad_rows, worker_config
@@ -222,6 +231,7 @@ def run_rl(config: RlConfig, emit: Callable[[str], None] = print) -> RlRun:
         max_new_tokens=config.max_new_tokens,
         temperature=1.0,
         device="cpu",
+        load_progress=load_progress,
     )
     wcfg["seed"] = config.seed
     t0 = time.perf_counter()
@@ -254,19 +264,7 @@ def run_rl(config: RlConfig, emit: Callable[[str], None] = print) -> RlRun:
                 out = worker.generate(rollout)
                 t2 = time.perf_counter()
                 rewards = _rewards(out, rollout, numbers, config.max_new_tokens)
-                logprobs, span = _trainer_logprobs(policy, out, rollout["input_lengths"])
-                engine = out["logprobs"][:, 1:]
-                diff = (logprobs.detach() - engine).abs()[span]
-                with torch.no_grad():
-                    start_logprobs, _ = _trainer_logprobs(reference, out, rollout["input_lengths"])
-                stale = _mean((logprobs.detach() - start_logprobs).abs()[span])
-                advantages = group_advantages(rewards, group)
-                tokens = max(int(span.sum()), 1)
-                loss = -(advantages[:, None] * logprobs * span).sum() / tokens
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # type: ignore[no-untyped-call]
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-                optimizer.step()
+                gaps = _grpo_step(policy, reference, optimizer, out, rollout, rewards, group)
                 t3 = time.perf_counter()
                 refit_s = push(policy.state_dict())
                 record = StepRecord(
@@ -276,9 +274,9 @@ def run_rl(config: RlConfig, emit: Callable[[str], None] = print) -> RlRun:
                     generate_s=t2 - t1,
                     train_s=t3 - t2,
                     refit_s=refit_s,
-                    gap=_mean(diff),
-                    gap_max=float(diff.max()) if diff.numel() else float("nan"),
-                    stale_gap=stale,
+                    gap=gaps.mean,
+                    gap_max=gaps.max,
+                    stale_gap=gaps.stale,
                 )
                 records.append(record)
                 emit(record.line())
@@ -294,6 +292,41 @@ def run_rl(config: RlConfig, emit: Callable[[str], None] = print) -> RlRun:
         parameters=parameters,
         engine_start_s=engine_start_s,
         total_s=time.perf_counter() - started,
+    )
+
+
+@attrs.frozen
+class _Gaps:
+    mean: float
+    max: float
+    stale: float
+
+
+def _grpo_step(
+    policy: Any,
+    reference: Any,
+    optimizer: torch.optim.Optimizer,
+    out: Mapping[str, torch.Tensor],
+    rollout: Mapping[str, torch.Tensor],
+    rewards: torch.Tensor,
+    group: int,
+) -> _Gaps:
+    """One policy-gradient step on a batch of rollouts; the train-vs-rollout gaps measured
+    on the way (before the update, so on the weights the engine generated with)."""
+    lengths = rollout["input_lengths"]
+    logprobs, span = _trainer_logprobs(policy, out, lengths)
+    diff = (logprobs.detach() - out["logprobs"][:, 1:]).abs()[span]
+    with torch.no_grad():
+        start_logprobs, _ = _trainer_logprobs(reference, out, lengths)
+    stale = _mean((logprobs.detach() - start_logprobs).abs()[span])
+    advantages = group_advantages(rewards, group)
+    loss = -(advantages[:, None] * logprobs * span).sum() / max(int(span.sum()), 1)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()  # type: ignore[no-untyped-call]
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+    optimizer.step()
+    return _Gaps(
+        mean=_mean(diff), max=float(diff.max()) if diff.numel() else float("nan"), stale=stale
     )
 
 

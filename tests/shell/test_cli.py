@@ -101,6 +101,14 @@ def test_options_that_would_do_nothing_are_refused(
     }
 
 
+CONFIGURED = (
+    "VLLM_LOGGING_LEVEL",
+    "VLLM_LOGGING_STREAM",
+    "TRANSFORMERS_VERBOSITY",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+)
+
+
 @pytest.mark.parametrize(
     ("level", "env", "quiet", "expected"),
     [(None, None, False, "WARNING"), ("info", "DEBUG", False, "INFO"),
@@ -112,9 +120,9 @@ def test_the_log_level_goes_to_vllm_before_it_is_imported(
     """vLLM reads its logging settings when first imported: the CLI sets them first."""
     from genworker.shell import cli
 
-    for name in ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "TRANSFORMERS_VERBOSITY"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    for name in CONFIGURED:  # set first, so that monkeypatch removes them again afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     if env is not None:
         monkeypatch.setenv("VLLM_LOGGING_LEVEL", env)
     monkeypatch.setattr(logging, "captureWarnings", lambda capture: None)
@@ -133,6 +141,8 @@ def test_an_unknown_vllm_logging_level_in_the_environment_is_refused(
 ) -> None:
     from genworker.shell import cli
 
+    for name in CONFIGURED:
+        monkeypatch.setenv(name, "")
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "LOUD")
     with pytest.raises(SystemExit, match="VLLM_LOGGING_LEVEL='loud'"):
         cli._configure_logs(None, "warning", False)

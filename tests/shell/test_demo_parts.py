@@ -300,13 +300,14 @@ def test_the_outputs_hold_every_figure_and_the_summary_names_them(tmp_path: Path
     assert saved["where"]["vllm"] == "0.0"
     assert saved["gap_bound"] == GAP_BOUND
     assert saved["after"][0]["completion"] == " 1 2"
-    text = "\n".join(summary_lines(run, png, record, versions))
+    text = "\n".join(summary_lines(run, png, record, versions, command_s=31.0))
     assert "0.075 -> 0.650" in text  # 2 steps each end
-    assert "max 3.0e-07 over 4 refits" in text
+    assert "max 3.0e-07 (the checkpoint, then after each of 4 refits)" in text
     assert ": ok;" in text
     assert str(png) in text
     assert str(record) in text
     assert "vllm 0.0" in text
     assert "' 1 2'" in text
+    assert "engine start 5.0 s, 4 steps 1.3 s, the loop 20.0 s, the whole command 31.0 s" in text
     bad = a_run([0.05, 0.1], [1e-7, 1.0])
     assert "EXCEEDED" in "\n".join(summary_lines(bad, png, record, versions))
