@@ -269,6 +269,10 @@ def _check_demo_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     for name, value in _RL_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.samples < 2:
+        parser.error(f"--samples must be at least 2 (a group baseline), got {args.samples}")
+    if not args.learning_rate > 0:
+        parser.error(f"--learning-rate must be positive, got {args.learning_rate}")
 
 
 def _read_prompts(stream: TextIO) -> list[str]:

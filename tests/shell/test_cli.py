@@ -83,6 +83,8 @@ def test_generate_writes_only_json_records_to_stdout(tiny_model_dir: Path, tmp_p
         (["demo", "--batch", "3"], "--batch is an option of the table"),
         (["demo", "--greedy"], "--greedy is an option of the table"),
         (["demo", "--steps", "0"], "--steps must be at least 1"),
+        (["demo", "--samples", "1"], "--samples must be at least 2"),
+        (["demo", "--learning-rate", "0"], "--learning-rate must be positive"),
         (["generate", "--model", "m", "--prompts", "p", "--chunk", "0"], "--chunk must be"),
         (["generate", "--model", "m", "--prompts", "p", "--log-level", "loud"], "invalid choice"),
         (["generate", "--model", "m", "--prompts", "p", "-q", "--log-level", "info"], "-q or"),
