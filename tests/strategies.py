@@ -1233,3 +1233,56 @@ def user_hf_overrides(draw: st.DrawFn) -> dict[str, object]:
             )
         )
     return hf
+
+
+# --- delta ---
+import numpy as _np
+
+from genworker.core.delta import Bits as _Bits
+from genworker.core.refit_plan import TensorSpec as _DeltaSpec
+
+#: The dtypes a refit carries, by name: their bit patterns are what the codec sees.
+DELTA_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
+delta_chunk_elements = st.one_of(st.integers(1, 40), st.sampled_from([64, 256, 1 << 16]))
+
+
+@_caps_attrs.frozen
+class BitsPair:
+    """Old and new bit patterns of one tensor, alike in width and length."""
+
+    old: _Bits
+    new: _Bits
+
+
+@st.composite
+def delta_pairs(draw: st.DrawFn, *, max_numel: int = 300) -> BitsPair:
+    """Random old bits and new bits that differ on a random mask: none, few, many or all."""
+    itemsize = draw(st.sampled_from([1, 2, 4, 8]))
+    numel = draw(st.integers(0, max_numel))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = _np.random.default_rng(seed)
+    dtype = _np.dtype(f"u{itemsize}")
+    old = rng.integers(0, 2 ** (8 * itemsize), size=numel, dtype=dtype, endpoint=False)
+    density = draw(st.sampled_from([0.0, 0.01, 0.1, 0.3, 0.6, 1.0]))
+    mask = rng.random(numel) < density
+    flips = rng.integers(1, 2 ** (8 * itemsize), size=numel, dtype=dtype, endpoint=False)
+    new = _np.where(mask, old ^ flips, old).astype(dtype)
+    return BitsPair(old, new)
+
+
+def delta_specs(max_tensors: int = 5) -> st.SearchStrategy[list[_DeltaSpec]]:
+    spec = st.builds(
+        _DeltaSpec,
+        name=st.text("abcdef.", min_size=1, max_size=6),
+        shape=st.lists(st.integers(0, 50), max_size=3).map(tuple),
+        dtype=st.sampled_from(DELTA_DTYPES),
+    )
+    return st.lists(spec, max_size=max_tensors, unique_by=lambda s: s.name)
+
+
+@st.composite
+def relay_receivers(draw: st.DrawFn, *, max_receivers: int = 40) -> tuple[list[str], int]:
+    """Distinct receiver names and a fanout."""
+    count = draw(st.integers(1, max_receivers))
+    fanout = draw(st.integers(1, 6))
+    return [f"r{i}" for i in range(count)], fanout
