@@ -16,9 +16,12 @@ A receiver (:class:`SparseReceiver`, a ZMQ ROUTER on a background thread) takes 
 from ``Begin`` (receivers, fanout, hop bound), so re-planning is the sender's business.
 For each frame it checks the payload's CRC (a corrupted frame is refused and not
 forwarded), forwards the verified message to its children *before* applying it, then
-decompresses and applies it into its own baseline copy, checksumming each tensor as its
-pieces complete. At ``End`` it commits: only when every tensor's checksum matched the
-trainer's does it hand the tensors to its :class:`ApplyTarget`, so bits that failed the
+decompresses and applies it into its own baseline copy (frames on a small thread pool:
+pieces are disjoint element ranges) and checks each piece's result against the trainer's
+CRC-32 of the same elements; a tensor is verified when pieces covering all of it matched
+(per-piece checksums let both ends hash in parallel; together they are the tensor's
+checksum). At ``End`` it commits: only when every tensor is verified does it hand the
+tensors to its :class:`ApplyTarget`, so bits that failed the
 check never reach the engine, which keeps serving its previous, consistent weights. Then
 it waits for each child's report within the child's bound and answers its parent with
 the subtree's report. A receiver that refused or missed a step holds bits nobody can
@@ -124,7 +127,7 @@ class WirePiece(msgspec.Struct, array_like=True, frozen=True):
     start: NonNegative
     stop: NonNegative
     nbytes: NonNegative  # of this piece's delta wire form in the decompressed payload
-    checksum: int  # the tensor's CRC-32 with its last piece, else -1
+    checksum: NonNegative  # CRC-32 of the piece's elements after the step
 
 
 class FrameMsg(msgspec.Struct, frozen=True):
@@ -473,7 +476,7 @@ class SparseSender:
                 delta = encode_delta(old, new, self.chunk_elements)
             data = delta.to_bytes()
             parts.append(data)
-            checksum = tensor_checksum(bits[piece.name]) if piece.last else -1
+            checksum = tensor_checksum(new)
             pieces.append(WirePiece(piece.name, piece.start, piece.stop, len(data), checksum))
             deltas.append((piece, delta))
         raw = b"".join(parts)
@@ -543,6 +546,24 @@ def _report_message(step: int, report: RelayReport) -> list[bytes]:
 # --- the receiver --------------------------------------------------------------------
 
 
+@attrs.frozen
+class _Applied:
+    """One frame's outcome: a problem, or the verified element ranges."""
+
+    problem: str
+    pieces: tuple[tuple[str, int, int], ...]
+
+
+def _tiles(ranges: list[tuple[int, int]], numel: int) -> bool:
+    """True when ``ranges`` cover ``[0, numel)`` back to back, each element once."""
+    at = 0
+    for start, stop in sorted(ranges):
+        if start != at:
+            return False
+        at = stop
+    return at == numel and (numel > 0 or len(ranges) == 1)
+
+
 @attrs.define
 class _Step:
     """A step in progress at one receiver."""
@@ -553,8 +574,7 @@ class _Step:
     node: int
     specs: dict[str, TensorSpec]
     frames: set[int] = attrs.Factory(set)
-    running: dict[str, int] = attrs.Factory(dict)
-    verified: set[str] = attrs.Factory(set)
+    applying: list[concurrent.futures.Future[_Applied]] = attrs.Factory(list)
     problem: str = ""
 
 
@@ -574,6 +594,7 @@ class SparseReceiver:
         port: int = 0,
         allow_remote: bool = False,
         max_frame_bytes: int = FRAME_BYTES,
+        workers: int = 2,
     ) -> None:
         if not allow_remote and not _is_loopback(host):
             raise BadConfigError(
@@ -593,7 +614,7 @@ class SparseReceiver:
         self.synced_step: int | None = None  # None: needs a full step before any delta
         self.frames_received: dict[int, int] = {}  # step -> frames taken
         self.last_problem = ""
-        self._unz = zstandard.ZstdDecompressor()
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "genworker-sparse-apply")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -613,6 +634,7 @@ class SparseReceiver:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self._pool.shutdown(wait=True)
         for sock in self._children.values():
             sock.close(0)
         self._sock.close(0)
@@ -707,39 +729,44 @@ class SparseReceiver:
         step.frames.add(header.index)
         self.frames_received[header.step] = self.frames_received.get(header.step, 0) + 1
         if not step.problem:
-            step.problem = self._apply_frame(step, header, payload)
+            step.applying.append(self._pool.submit(self._apply_frame, step, header, payload))
 
-    def _apply_frame(self, step: _Step, header: FrameMsg, payload: bytes | memoryview) -> str:
+    def _apply_frame(self, step: _Step, header: FrameMsg, payload: bytes | memoryview) -> _Applied:
+        """Decompress, decode, apply and check one frame (on a pool thread)."""
         try:
-            raw = self._unz.decompress(payload, max_output_size=header.raw_bytes)
+            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_bytes)
         except zstandard.ZstdError as e:
-            return f"frame {header.index} does not decompress: {e}"
+            return _Applied(f"frame {header.index} does not decompress: {e}", ())
         if len(raw) != header.raw_bytes:
-            return f"frame {header.index} decompressed to {len(raw)} bytes, not {header.raw_bytes}"
+            return _Applied(
+                f"frame {header.index} decompressed to {len(raw)} bytes, not {header.raw_bytes}",
+                (),
+            )
         at = 0
         view = memoryview(raw)
+        done: list[tuple[str, int, int]] = []
         for piece in header.pieces:
+            where = f"{piece.name!r}[{piece.start}:{piece.stop}]"
             spec = step.specs.get(piece.name)
             if spec is None or not 0 <= piece.start <= piece.stop <= spec.numel:
-                return f"frame {header.index} names {piece.name!r}[{piece.start}:{piece.stop}], not in the manifest"
+                return _Applied(f"frame {header.index} names {where}, not in the manifest", ())
             decoded = decode_delta(view[at : at + piece.nbytes])
             at += piece.nbytes
             if isinstance(decoded, Failure):
-                return f"{piece.name!r}[{piece.start}:{piece.stop}]: {decoded.failure()}"
+                return _Applied(f"{where}: {decoded.failure()}", ())
             target = self._bits[piece.name][piece.start : piece.stop]
             applied = apply_delta_into(target, decoded.unwrap())
             if isinstance(applied, Failure):
-                return f"{piece.name!r}[{piece.start}:{piece.stop}]: {applied.failure()}"
-            step.running[piece.name] = tensor_checksum(target, step.running.get(piece.name, 0))
-            if piece.checksum >= 0:
-                got = step.running[piece.name]
-                if got != piece.checksum:
-                    return (
-                        f"{piece.name!r} failed its checksum: CRC-32 {got:#010x}, the trainer's "
-                        f"{piece.checksum:#010x} (this receiver's bits diverged)"
-                    )
-                step.verified.add(piece.name)
-        return ""
+                return _Applied(f"{where}: {applied.failure()}", ())
+            got = tensor_checksum(target)
+            if got != piece.checksum:
+                return _Applied(
+                    f"{where} failed its checksum: CRC-32 {got:#010x}, the trainer's "
+                    f"{piece.checksum:#010x} (this receiver's bits diverged)",
+                    (),
+                )
+            done.append((piece.name, piece.start, piece.stop))
+        return _Applied("", tuple(done))
 
     def _on_end(self, step: _Step, body: bytes) -> None:
         try:
@@ -763,12 +790,18 @@ class SparseReceiver:
 
     def _commit(self, step: _Step) -> str:
         """Hand every verified tensor to the target; the reason it did not, or ''."""
+        covered: dict[str, list[tuple[int, int]]] = {name: [] for name in step.specs}
         problem = step.problem
+        for future in step.applying:
+            applied = future.result()
+            problem = problem or applied.problem
+            for name, start, stop in applied.pieces:
+                covered[name].append((start, stop))
         if not problem and len(step.frames) != step.begin.frames:
             problem = f"took {len(step.frames)} of the step's {step.begin.frames} frames"
-        missing = sorted(set(step.specs) - step.verified)
-        if not problem and missing:
-            problem = f"never completed {missing[:12]}"
+        unverified = [n for n, spec in step.specs.items() if not _tiles(covered[n], spec.numel)]
+        if not problem and unverified:
+            problem = f"has no verified bits for all of {unverified[:12]}"
         if problem:
             self._diverge(f"step {step.begin.step} refused: {problem}")
             return problem
