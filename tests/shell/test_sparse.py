@@ -276,7 +276,9 @@ def test_a_diverged_receiver_fails_its_checksum_and_keeps_its_weights(threads: N
         assert isinstance(failure, RelayFailure)
         assert failure.names == (addresses[2],)
         assert failure.named(Outcome.REFUSED) == (addresses[2],)
-        assert re.search(r"'layers\.0\.mlp\.weight'\[\d+:\d+\] failed its checksum", str(caught.value))
+        assert re.search(
+            r"'layers\.0\.mlp\.weight'\[\d+:\d+\] failed its checksum", str(caught.value)
+        )
         assert all(torch.equal(target.tensors[n], before[n]) for n in before)  # never served
         assert receiver.needs_full
         assert not threads[0][0].needs_full
