@@ -69,9 +69,7 @@ def shapes() -> dict[str, tuple[int, ...]]:
 def adamw_step_pair() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """bf16 weights before and after one AdamW step at lr 1e-6 (after two warm-up steps)."""
     g = torch.Generator().manual_seed(0)
-    params = [
-        torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes().values()
-    ]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes().values()]
     optimizer = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.01)
 
     def step() -> None:
@@ -127,9 +125,8 @@ def measure() -> list[tuple[str, float]]:
     scratch = {n: b.copy() for n, b in old.items()}
 
     def apply() -> None:
-        for name, (payload, checksum) in payloads.items():
-            target = scratch[name]
-            target[:] = old[name]  # back to the baseline (not counted below)
+        for name in payloads:
+            scratch[name][:] = old[name]  # back to the baseline (not counted below)
         started = time.perf_counter()
         for name, (payload, checksum) in payloads.items():
             delta = decode_delta(zd.decompress(payload)).unwrap()
