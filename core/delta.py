@@ -79,9 +79,9 @@ __all__ = [
     "ChunkKind",
     "DeltaError",
     "Frame",
+    "FramePiece",
     "NodeResult",
     "Outcome",
-    "Piece",
     "RelayFailure",
     "RelayPlan",
     "RelayPlanError",
@@ -435,7 +435,7 @@ def _positions(
 
 
 @attrs.frozen
-class Piece:
+class FramePiece:
     """Elements ``[start, stop)`` of tensor ``name``; ``last`` marks the tensor's final piece."""
 
     name: str
@@ -444,7 +444,7 @@ class Piece:
     last: bool
 
 
-Frame = tuple[Piece, ...]
+Frame = tuple[FramePiece, ...]
 
 
 def plan_frames(
@@ -461,13 +461,13 @@ def plan_frames(
     if frame_bytes < 1:
         raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
     frames: list[Frame] = []
-    current: list[Piece] = []
+    current: list[FramePiece] = []
     fill = 0
     for spec in specs:
         itemsize = DTYPE_ITEMSIZE[spec.dtype]
         numel = spec.numel
         if numel == 0:
-            current.append(Piece(spec.name, 0, 0, True))
+            current.append(FramePiece(spec.name, 0, 0, True))
             continue
         start = 0
         while start < numel:
@@ -477,7 +477,7 @@ def plan_frames(
                 current, fill = [], 0
                 continue
             stop = min(numel, start + max(take, chunk_elements))  # one oversized chunk alone
-            current.append(Piece(spec.name, start, stop, stop == numel))
+            current.append(FramePiece(spec.name, start, stop, stop == numel))
             fill += (stop - start) * itemsize
             start = stop
     if current:

@@ -20,7 +20,7 @@ tensor; boxes may overlap (replicas). Two builders cover the usual trainers:
   ``ceil(n / k)``, the last ones shorter or empty).
 
 *Engine side.* An :class:`EngineShard` is one engine rank's parameter: its local shape
-and its :class:`Piece` s, each a box of a trainer tensor and where it lands in the local
+and its :class:`ShardPiece` s, each a box of a trainer tensor and where it lands in the local
 shard (a box of the same extents), plus padding boxes that no trainer tensor fills
 (vLLM's vocabulary padding). :func:`vllm_shard` derives it from the facts vLLM's layers
 use (``vllm/model_executor/layers/linear.py`` and ``vocab_parallel_embedding.py``,
@@ -66,12 +66,12 @@ __all__ = [
     "Copy",
     "EngineShard",
     "LayerKind",
-    "Piece",
     "Problem",
     "Replicate",
     "ReshardError",
     "ReshardPlan",
     "Shard",
+    "ShardPiece",
     "SourceShard",
     "TrainerLayout",
     "VllmParamFacts",
@@ -315,7 +315,7 @@ def _checked_layout(layout: TrainerLayout) -> Result[TrainerLayout, ReshardError
 
 
 @attrs.frozen
-class Piece:
+class ShardPiece:
     """``source``'s global ``source_box`` lands at ``dest_box`` of the engine shard."""
 
     source: str
@@ -331,7 +331,7 @@ class EngineShard:
     rank: int
     shape: tuple[int, ...]
     dtype: str
-    pieces: tuple[Piece, ...]
+    pieces: tuple[ShardPiece, ...]
     padding: tuple[Box, ...] = ()
 
     @property
@@ -404,7 +404,9 @@ def vllm_shard(facts: VllmParamFacts) -> Result[EngineShard, ReshardError]:
     if facts.kind is LayerKind.REPLICATED:
         name, shape = facts.sources[0]
         box = _full(shape)
-        return Success(EngineShard(facts.param, rank, shape, facts.dtype, (Piece(name, box, box),)))
+        return Success(
+            EngineShard(facts.param, rank, shape, facts.dtype, (ShardPiece(name, box, box),))
+        )
     split = facts.input_dim if facts.kind is LayerKind.ROW else facts.output_dim
     if split is None or not 0 <= split < len(first):
         return _invalid(facts, f"split dim {split} of a {len(first)}-d parameter")
@@ -434,7 +436,7 @@ def _even_split(
         source[split] = (shard_rank * size, (shard_rank + 1) * size)
         dest = list(_full(shape))
         dest[split] = (offset, offset + size)
-        pieces.append(Piece(name, tuple(source), tuple(dest)))
+        pieces.append(ShardPiece(name, tuple(source), tuple(dest)))
         offset += size
     local = list(base)
     local[split] = offset
@@ -459,7 +461,7 @@ def _vocab(facts: VllmParamFacts, split: int) -> Result[EngineShard, ReshardErro
     if real > lo:
         source, dest = list(_full(shape)), list(_full(local))
         source[split], dest[split] = (lo, real), (0, real - lo)
-        pieces.append(Piece(name, tuple(source), tuple(dest)))
+        pieces.append(ShardPiece(name, tuple(source), tuple(dest)))
     if hi > max(lo, real):
         pad = list(_full(local))
         pad[split] = (max(lo, real) - lo, size)
@@ -561,11 +563,11 @@ def plan_reshard(
     layouts = {layout.name: layout for layout in trainer}
     problems: list[ParamProblem] = []
     broken: set[str] = set()  # layouts already named as misshaped: nothing to plan from
-    for layout in layouts.values():
-        found = layout.check()
+    for described in layouts.values():
+        found = described.check()
         problems.extend(found)
         if found:
-            broken.add(layout.name)
+            broken.add(described.name)
     loads: dict[int, int] = {}
     copies: list[Copy] = []
     for shard in engine:
@@ -650,7 +652,7 @@ def _check_engine_shard(shard: EngineShard) -> list[ParamProblem]:
 
 def _plan_piece(
     shard: EngineShard,
-    piece: Piece,
+    piece: ShardPiece,
     layout: TrainerLayout,
     loads: dict[int, int],
     copies: list[Copy],

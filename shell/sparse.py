@@ -59,9 +59,9 @@ from genworker.core.delta import (
     MAX_CHUNK_ELEMENTS,
     Bits,
     Frame,
+    FramePiece,
     NodeResult,
     Outcome,
-    Piece,
     RelayPlan,
     RelayReport,
     TensorDelta,
@@ -312,7 +312,7 @@ def _compressor() -> zstandard.ZstdCompressor:
 class _Encoded:
     header: FrameMsg
     payload: bytes
-    deltas: tuple[tuple[Piece, TensorDelta], ...]
+    deltas: tuple[tuple[FramePiece, TensorDelta], ...]
 
 
 class SparseSender:
@@ -394,7 +394,7 @@ class SparseSender:
         )
         while self._sock.poll(0):
             self._sock.recv_multipart()  # a late report of an earlier, failed step
-        kept: list[tuple[Piece, TensorDelta]] = []
+        kept: list[tuple[FramePiece, TensorDelta]] = []
         wire = self._write([_TAG_BEGIN, _enc.encode(begin)], step)
         for encoded in self._encode_ahead(bits, base is None, step):
             wire += self._write([_TAG_FRAME, _enc.encode(encoded.header), encoded.payload], step)
@@ -466,7 +466,7 @@ class SparseSender:
     ) -> _Encoded:
         parts: list[bytes] = []
         pieces: list[WirePiece] = []
-        deltas: list[tuple[Piece, TensorDelta]] = []
+        deltas: list[tuple[FramePiece, TensorDelta]] = []
         for piece in frame:
             new = bits[piece.name][piece.start : piece.stop]
             if full:
@@ -766,6 +766,8 @@ class SparseReceiver:
                     (),
                 )
             done.append((piece.name, piece.start, piece.stop))
+        if at != len(raw):
+            return _Applied(f"frame {header.index} has {len(raw) - at} bytes past its pieces", ())
         return _Applied("", tuple(done))
 
     def _on_end(self, step: _Step, body: bytes) -> None:

@@ -15,12 +15,12 @@ from genworker.core.reshard import (
     Box,
     EngineShard,
     LayerKind,
-    Piece,
     Problem,
     Replicate,
     ReshardError,
     ReshardPlan,
     Shard,
+    ShardPiece,
     SourceShard,
     TrainerLayout,
     VllmParamFacts,
@@ -265,7 +265,9 @@ def test_a_misshaped_shard_names_the_parameter_and_its_rank() -> None:
         "w", (4, 4), "float32", (SourceShard(0, ((0, 2), (0, 4))), SourceShard(3, ((2, 5), (0, 4))))
     )
     engine = [
-        EngineShard("w", 0, (4, 4), "float32", (Piece("w", ((0, 4), (0, 4)), ((0, 4), (0, 4))),))
+        EngineShard(
+            "w", 0, (4, 4), "float32", (ShardPiece("w", ((0, 4), (0, 4)), ((0, 4), (0, 4))),)
+        )
     ]
     error = _error(plan_reshard([bad], engine))
     assert error.params(Problem.MISSHAPED) == ("w",)
@@ -278,10 +280,12 @@ def test_a_misshaped_shard_names_the_parameter_and_its_rank() -> None:
 
 def test_unknown_sources_mismatched_dtypes_and_bad_engine_shards_are_named() -> None:
     layout = megatron_layout("w", (4, 4), "float32", 0, [[0], [1]]).unwrap()
-    piece = Piece("w", ((0, 4), (0, 4)), ((0, 4), (0, 4)))
+    piece = ShardPiece("w", ((0, 4), (0, 4)), ((0, 4), (0, 4)))
     cases = [
         (
-            EngineShard("p", 5, (4, 4), "float32", (Piece("x", piece.source_box, piece.dest_box),)),
+            EngineShard(
+                "p", 5, (4, 4), "float32", (ShardPiece("x", piece.source_box, piece.dest_box),)
+            ),
             Problem.UNKNOWN,
             "needs 'x'",
         ),
@@ -292,7 +296,7 @@ def test_unknown_sources_mismatched_dtypes_and_bad_engine_shards_are_named() -> 
         ),
         (
             EngineShard(
-                "p", 5, (4, 4), "float32", (Piece("w", ((1, 5), (0, 4)), ((0, 4), (0, 4))),)
+                "p", 5, (4, 4), "float32", (ShardPiece("w", ((1, 5), (0, 4)), ((0, 4), (0, 4))),)
             ),
             Problem.MISSHAPED,
             "whose shape is [4, 4]",
@@ -301,7 +305,7 @@ def test_unknown_sources_mismatched_dtypes_and_bad_engine_shards_are_named() -> 
         (EngineShard("p", 5, (4, 5), "float32", (piece,)), Problem.MISSHAPED, "cover 16 of its 20"),
         (
             EngineShard(
-                "p", 5, (4, 4), "float32", (Piece("w", piece.source_box, ((0, 4), (0, 5))),)
+                "p", 5, (4, 4), "float32", (ShardPiece("w", piece.source_box, ((0, 4), (0, 5))),)
             ),
             Problem.MISSHAPED,
             "outside the shard's shape",
@@ -313,8 +317,8 @@ def test_unknown_sources_mismatched_dtypes_and_bad_engine_shards_are_named() -> 
                 (2, 8),
                 "float32",
                 (
-                    Piece("w", ((0, 2), (0, 4)), ((0, 2), (0, 4))),
-                    Piece("w", ((2, 4), (0, 4)), ((0, 2), (4, 8))),
+                    ShardPiece("w", ((0, 2), (0, 4)), ((0, 2), (0, 4))),
+                    ShardPiece("w", ((2, 4), (0, 4)), ((0, 2), (4, 8))),
                 ),
             ),
             None,
@@ -322,7 +326,7 @@ def test_unknown_sources_mismatched_dtypes_and_bad_engine_shards_are_named() -> 
         ),
         (
             EngineShard(
-                "p", 5, (4, 4), "float32", (Piece("w", ((0, 2), (0, 4)), ((0, 4), (0, 2))),)
+                "p", 5, (4, 4), "float32", (ShardPiece("w", ((0, 2), (0, 4)), ((0, 4), (0, 2))),)
             ),
             Problem.MISSHAPED,
             "changes extents",
@@ -341,7 +345,7 @@ def test_unknown_sources_mismatched_dtypes_and_bad_engine_shards_are_named() -> 
 
 def test_many_problems_are_all_named_and_the_message_cut() -> None:
     engine = [
-        EngineShard(f"p{i}", 0, (1,), "float32", (Piece("nowhere", ((0, 1),), ((0, 1),)),))
+        EngineShard(f"p{i}", 0, (1,), "float32", (ShardPiece("nowhere", ((0, 1),), ((0, 1),)),))
         for i in range(15)
     ]
     error = _error(plan_reshard([], engine))
