@@ -28,6 +28,17 @@ from genworker.core.counters import (
     spec_decode_metrics,
     step_deltas,
 )
+from genworker.core.delta import (
+    DeltaError,
+    RelayFailure,
+    RelayPlan,
+    TensorDelta,
+    apply_delta,
+    decode_delta,
+    encode_delta,
+    encode_full,
+    plan_relay,
+)
 from genworker.core.engine_plan import EngineKwargsPlan, plan_engine_kwargs
 from genworker.core.errors import CoreError
 from genworker.core.lifecycle import Event, LifecycleError, State, check_can_generate, transition
@@ -39,6 +50,14 @@ from genworker.core.placement import (
     plan_cluster,
 )
 from genworker.core.refit_plan import Manifest, ManifestError, TensorSpec, plan_buckets
+from genworker.core.reshard import (
+    ReshardError,
+    ReshardPlan,
+    TrainerLayout,
+    VllmParamFacts,
+    plan_reshard,
+    vllm_shard,
+)
 from genworker.core.sampling import SamplingSpec, group_specs, sampling_spec
 from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards, split_batch
 from genworker.core.stops import StopError, StopMode, merge_stop_strings
@@ -52,6 +71,7 @@ __all__ = [
     "ConfigError",
     "ConfigProblem",
     "CoreError",
+    "DeltaError",
     "EngineKwargsPlan",
     "Event",
     "Generation",
@@ -61,14 +81,22 @@ __all__ = [
     "ManifestError",
     "PlacementError",
     "PlacementPlan",
+    "RelayFailure",
+    "RelayPlan",
+    "ReshardError",
+    "ReshardPlan",
     "SamplingSpec",
     "ShardPlan",
     "State",
     "StopError",
     "StopMode",
+    "TensorDelta",
     "TensorSpec",
+    "TrainerLayout",
     "VllmConfig",
+    "VllmParamFacts",
     "WorkerConfig",
+    "apply_delta",
     "assemble_flat_outputs",
     "assemble_outputs",
     "batch_max_tokens",
@@ -76,7 +104,10 @@ __all__ = [
     "check_can_generate",
     "configure_worker",
     "context_cap",
+    "decode_delta",
     "decode_snapshot",
+    "encode_delta",
+    "encode_full",
     "encode_snapshot",
     "extract_prompts",
     "flatten_generations",
@@ -87,6 +118,8 @@ __all__ = [
     "plan_buckets",
     "plan_cluster",
     "plan_engine_kwargs",
+    "plan_relay",
+    "plan_reshard",
     "plan_shards",
     "request_max_tokens",
     "sampling_spec",
@@ -95,4 +128,5 @@ __all__ = [
     "split_batch",
     "step_deltas",
     "transition",
+    "vllm_shard",
 ]

@@ -1233,3 +1233,172 @@ def user_hf_overrides(draw: st.DrawFn) -> dict[str, object]:
             )
         )
     return hf
+
+
+# --- delta ---
+import numpy as _np
+
+from genworker.core.delta import Bits as _Bits
+from genworker.core.refit_plan import TensorSpec as _DeltaSpec
+
+#: The dtypes a refit carries, by name: their bit patterns are what the codec sees.
+DELTA_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
+delta_chunk_elements = st.one_of(st.integers(1, 40), st.sampled_from([64, 256, 1 << 16]))
+
+
+@_caps_attrs.frozen
+class BitsPair:
+    """Old and new bit patterns of one tensor, alike in width and length."""
+
+    old: _Bits
+    new: _Bits
+
+
+@st.composite
+def delta_pairs(draw: st.DrawFn, *, max_numel: int = 300) -> BitsPair:
+    """Random old bits and new bits that differ on a random mask: none, few, many or all."""
+    itemsize = draw(st.sampled_from([1, 2, 4, 8]))
+    numel = draw(st.integers(0, max_numel))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = _np.random.default_rng(seed)
+    dtype = _np.dtype(f"u{itemsize}")
+    old = rng.integers(0, 2 ** (8 * itemsize), size=numel, dtype=dtype, endpoint=False)
+    density = draw(st.sampled_from([0.0, 0.01, 0.1, 0.3, 0.6, 1.0]))
+    mask = rng.random(numel) < density
+    flips = rng.integers(1, 2 ** (8 * itemsize), size=numel, dtype=dtype, endpoint=False)
+    new = _np.where(mask, old ^ flips, old).astype(dtype)
+    return BitsPair(old, new)
+
+
+def delta_specs(max_tensors: int = 5) -> st.SearchStrategy[list[_DeltaSpec]]:
+    spec = st.builds(
+        _DeltaSpec,
+        name=st.text("abcdef.", min_size=1, max_size=6),
+        shape=st.lists(st.integers(0, 50), max_size=3).map(tuple),
+        dtype=st.sampled_from(DELTA_DTYPES),
+    )
+    return st.lists(spec, max_size=max_tensors, unique_by=lambda s: s.name)
+
+
+@st.composite
+def relay_receivers(draw: st.DrawFn, *, max_receivers: int = 40) -> tuple[list[str], int]:
+    """Distinct receiver names and a fanout."""
+    count = draw(st.integers(1, max_receivers))
+    fanout = draw(st.integers(1, 6))
+    return [f"r{i}" for i in range(count)], fanout
+
+
+# --- reshard ---
+from genworker.core import reshard as _rs
+
+
+@_caps_attrs.frozen
+class ReshardModel:
+    """A Llama-like layer's tensors with the sizes vLLM's TP split needs."""
+
+    vocab: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    intermediate: int
+    engine_tp: int
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        h, hs = self.hidden, self.head_size
+        return {
+            "embed": (self.vocab, h),
+            "q": (self.heads * hs, h),
+            "k": (self.kv_heads * hs, h),
+            "v": (self.kv_heads * hs, h),
+            "o": (h, self.heads * hs),
+            "gate": (self.intermediate, h),
+            "up": (self.intermediate, h),
+            "down": (h, self.intermediate),
+            "norm": (h,),
+            "lm_head": (self.vocab, h),
+        }
+
+    def facts(self, rank: int, dtype: str = "bfloat16") -> list[_rs.VllmParamFacts]:
+        """vLLM's facts for every engine parameter on TP rank ``rank``."""
+        s, kind = self.shapes(), _rs.LayerKind
+
+        def one(param: str, k: _rs.LayerKind, names: str, **extra: int) -> _rs.VllmParamFacts:
+            sources = tuple((n, s[n]) for n in names.split())
+            return _rs.VllmParamFacts(param, k, dtype, rank, self.engine_tp, sources, **extra)
+
+        heads = {
+            "head_size": self.head_size,
+            "num_heads": self.heads,
+            "num_kv_heads": self.kv_heads,
+        }
+        return [
+            one("embed_tokens", kind.VOCAB, "embed", padding_size=8),
+            one("qkv_proj", kind.QKV, "q k v", **heads),
+            one("o_proj", kind.ROW, "o"),
+            one("gate_up_proj", kind.MERGED, "gate up"),
+            one("down_proj", kind.ROW, "down"),
+            one("norm", kind.REPLICATED, "norm"),
+            one("lm_head", kind.VOCAB, "lm_head", padding_size=8),
+        ]
+
+
+@st.composite
+def reshard_models(draw: st.DrawFn) -> ReshardModel:
+    """Sizes every engine TP in the draw can split (vLLM's ``divide`` rules, GQA included)."""
+    tp = draw(st.sampled_from([1, 2, 4]))
+    heads = tp * draw(st.integers(1, 2))
+    kv_heads = draw(
+        st.sampled_from([d for d in (1, 2, 4) if heads % d == 0 and (tp % d == 0 or d % tp == 0)])
+    )
+    head_size = draw(st.sampled_from([4, 8]))
+    hidden = 4 * draw(st.integers(1, 3))
+    intermediate = tp * draw(st.integers(1, 3)) * 2
+    vocab = draw(st.integers(1, 40))
+    return ReshardModel(vocab, hidden, heads, kv_heads, head_size, intermediate, tp)
+
+
+@st.composite
+def megatron_trainers(draw: st.DrawFn, model: ReshardModel) -> list[_rs.TrainerLayout]:
+    """Megatron-style: TP (dividing every split size), PP stages, DP replicas."""
+    shapes = model.shapes()
+    candidates = [
+        t
+        for t in (1, 2, 4)
+        if all(
+            shapes[n][d] % t == 0
+            for n, d in [("q", 0), ("k", 0), ("gate", 0), ("o", 1), ("down", 1)]
+        )
+    ]
+    tp = draw(st.sampled_from(candidates))
+    pp = draw(st.integers(1, 2))
+    dp = draw(st.integers(1, 2))
+    split = {"q": 0, "k": 0, "v": 0, "gate": 0, "up": 0, "o": 1, "down": 1, "norm": None}
+    layouts = []
+    for name, shape in shapes.items():
+        stage = draw(st.integers(0, pp - 1))
+        dim = split.get(name, 0 if shape[0] % tp == 0 else None)
+        groups = [[(stage * tp + t) * dp + d for d in range(dp)] for t in range(tp)]
+        layouts.append(_rs.megatron_layout(name, shape, "bfloat16", dim, groups).unwrap())
+    return layouts
+
+
+placements: st.SearchStrategy[_rs.Shard | _rs.Replicate] = st.sampled_from(
+    [_rs.Replicate(), _rs.Shard(0), _rs.Shard(1)]
+)
+
+
+@st.composite
+def dtensor_trainers(draw: st.DrawFn, model: ReshardModel) -> list[_rs.TrainerLayout]:
+    """DTensor over a (dp, tp) mesh: any Shard/Replicate per mesh dim, uneven chunks too."""
+    mesh = (draw(st.integers(1, 2)), draw(st.integers(1, 3)))
+    ranks = draw(st.permutations(list(range(mesh[0] * mesh[1]))))
+    layouts = []
+    for name, shape in model.shapes().items():
+        chosen = [draw(placements) for _ in mesh]
+        chosen = [
+            p if not isinstance(p, _rs.Shard) or p.dim < len(shape) else _rs.Replicate()
+            for p in chosen
+        ]
+        layouts.append(_rs.dtensor_layout(name, shape, "bfloat16", mesh, ranks, chosen).unwrap())
+    return layouts

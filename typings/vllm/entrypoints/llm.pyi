@@ -1,11 +1,15 @@
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Literal, TypeVar
+
+import torch
 
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.metrics.reader import Metric
+
+_R = TypeVar("_R")
 
 class LLM:
     llm_engine: LLMEngine
@@ -29,6 +33,7 @@ class LLM:
         args: tuple[object, ...] = (),
         kwargs: dict[str, object] | None = None,
     ) -> list[object]: ...
+    def apply_model(self, func: Callable[[torch.nn.Module], _R]) -> list[_R]: ...
     def sleep(self, level: int = 1, mode: Literal["abort", "wait", "keep"] = "abort") -> None: ...
     def wake_up(self, tags: list[str] | None = None) -> bool | None: ...
     def reset_prefix_cache(
