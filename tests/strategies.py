@@ -350,6 +350,74 @@ def wild_batches(
     )
 
 
+_ALL_INTEGER_DTYPES = (
+    _batch_torch.uint8,
+    _batch_torch.int8,
+    _batch_torch.int16,
+    _batch_torch.int32,
+    _batch_torch.int64,
+)
+
+
+class DtypeCase(_BatchNamedTuple):
+    """A valid batch in some integer dtype, the limits it is checked against, and ids an
+    engine could generate for it (every id below the vocabulary)."""
+
+    input_ids: _batch_torch.Tensor
+    input_lengths: _batch_torch.Tensor
+    pad_token_id: int
+    vocab_size: int | None
+    generated: list[list[int]]
+
+
+@st.composite
+def dtype_cases(draw: st.DrawFn, *, max_batch: int = 4, max_width: int = 6) -> DtypeCase:
+    """Batches in every integer dtype, with vocabularies and pad ids on both sides of what
+    the dtype holds (prompt tokens always fit it: the caller built the tensor)."""
+    dtype = draw(st.sampled_from(_ALL_INTEGER_DTYPES))
+    vocab_size = draw(
+        st.none()
+        | st.sampled_from([1, 100, 127, 128, 129, 255, 256, 257, 32_767, 32_768, 32_769])
+        | st.integers(1, 1 << 20)
+        | st.sampled_from([2**31 - 1, 2**31, 2**31 + 1])
+    )
+    top = 100 if vocab_size is None else min(vocab_size, 100)
+    pad = draw(st.integers(-2, top + 1) | st.sampled_from([-129, 127, 128, 255, 256, 32_768]))
+    batch = draw(st.integers(1, max_batch))
+    width = draw(st.integers(1, max_width))
+    prompts = [
+        draw(st.lists(st.integers(0, top - 1), min_size=1, max_size=width)) for _ in range(batch)
+    ]
+    rows = [p + [0] * (width - len(p)) for p in prompts]
+    ids = _batch_torch.tensor(rows, dtype=_batch_torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, len(p) :] = pad
+    bound = 2**31 - 1 if vocab_size is None else vocab_size - 1
+    generated = [
+        draw(st.lists(st.integers(0, bound) | st.just(bound), max_size=4)) for _ in range(batch)
+    ]
+    # The caller's tensor: padding that the dtype cannot hold wraps, as torch converts it.
+    return DtypeCase(
+        input_ids=ids.to(dtype),
+        input_lengths=_batch_torch.tensor([len(p) for p in prompts]),
+        pad_token_id=pad,
+        vocab_size=vocab_size,
+        generated=generated,
+    )
+
+
+# Seeds a caller might send in data["seeds"]: in range, on both edges, and not ints at all.
+seed_values = (
+    st.none()
+    | st.integers(0, 2**64 - 1)
+    | st.sampled_from([0, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**65, -1, -(2**63)])
+    | st.integers(-(2**70), 2**70)
+    | st.booleans()
+    | st.floats(allow_nan=True)
+    | st.text(max_size=2)
+)
+
+
 # --- assembly ---
 import numpy as _asm_np
 
