@@ -23,6 +23,7 @@ __all__ = [
     "EngineContractError",
     "EngineDeadError",
     "EngineStateError",
+    "GenerationAbortedError",
     "GenworkerError",
     "GroupError",
     "RefitError",
@@ -56,6 +57,11 @@ class BadBatchError(BadArgumentError):
 
 class EngineContractError(GenworkerError, RuntimeError):
     """The engine returned something its contract forbids (e.g. a row past max_model_len)."""
+
+
+class GenerationAbortedError(GenworkerError, RuntimeError):
+    """The engine raised while running a batch it had admitted; the batch's requests were
+    aborted and the engine serves the next call (a dead engine is EngineDeadError)."""
 
 
 class BadConfigError(GenworkerError, ValueError):

@@ -16,10 +16,17 @@ Theory of operation
   logprobs each position is a dict looked up by the sampled token id; a missing entry is
   an error, never 0.0.
 - Errors are translated in one place (:func:`_translated`): vLLM's ``EngineDeadError``
-  becomes ours; during a request, ``ValueError`` and ``VLLMValidationError`` (request
-  validation; not a ``ValueError`` in 0.32) become ``BadBatchError``. ``LLM.generate``
+  becomes ours. A generate call runs under :func:`_batch_call` as well: ``LLM.generate``
   aborts the requests it already added when one is rejected (``_render_and_add_requests``
-  in vllm/entrypoints/common/offline.py, 0.32), so the engine keeps serving.
+  in vllm/entrypoints/common/offline.py, 0.32), but an error out of ``LLMEngine.step``
+  (e.g. a seed ``torch.Generator.manual_seed`` cannot take, raised in ``execute_model``)
+  leaves the admitted requests unfinished, and the next ``generate`` steps them forever.
+  So after ANY error the requests still unfinished are aborted
+  (``LLMEngine.abort_request(ids, internal=True)`` on the output processor's request ids,
+  the same call vLLM makes); if that fails, or leaves requests behind, the engine is dead.
+  Only an error of request validation (``ValueError`` / ``VLLMValidationError``, not a
+  ``ValueError`` in 0.32) that left nothing admitted is a ``BadBatchError``; any other is
+  ``GenerationAbortedError`` (the engine serves the next call).
 - ``collective_rpc`` with a timeout waits on a daemon thread for at most that long: the
   in-process executor ignores vLLM's own ``timeout`` (vllm/v1/executor/uniproc_executor.py,
   0.32). Expiry means the engine is wedged: ``EngineDeadError``.
@@ -62,6 +69,7 @@ from genworker.shell.errors import (
     BadConfigError,
     EngineDeadError,
     EngineStateError,
+    GenerationAbortedError,
     GenworkerError,
     UnsupportedError,
 )
@@ -116,7 +124,7 @@ def _sampling_arg_names() -> frozenset[str]:
 
 
 @contextmanager
-def _translated(call: str, *, request: bool = False, profiling: bool = False) -> Iterator[None]:
+def _translated(call: str, *, profiling: bool = False) -> Iterator[None]:
     """The one place vLLM's errors become ours (see the module docstring)."""
     try:
         yield
@@ -124,16 +132,57 @@ def _translated(call: str, *, request: bool = False, profiling: bool = False) ->
         raise
     except VllmEngineDeadError as e:
         raise EngineDeadError(f"{call}: the vLLM engine died: {e}") from e
-    except _REQUEST_ERRORS as e:
-        if not request:
-            raise
-        raise BadBatchError(f"{call}: vLLM rejected the request: {e}") from e
     except RuntimeError as e:
         # The worker's profile() raises RuntimeError when no profiler is configured
         # (vllm/v1/worker/gpu_worker.py, 0.32).
         if not profiling:
             raise
         raise UnsupportedError(f"{call}: profiling is not enabled in this engine: {e}") from e
+
+
+@contextmanager
+def _batch_call(llm: LLM, call: str) -> Iterator[None]:
+    """A generate call: errors translated, and the engine left with no unfinished request
+    after any error (see the module docstring)."""
+    try:
+        with _translated(call):
+            yield
+    except EngineDeadError:
+        raise
+    except BaseException as e:
+        aborted = _abort_unfinished(llm, call, e)
+        if not isinstance(e, Exception) or isinstance(e, GenworkerError):
+            raise
+        if not aborted and isinstance(e, _REQUEST_ERRORS):
+            raise BadBatchError(f"{call}: vLLM rejected the request: {e}") from e
+        raise GenerationAbortedError(
+            f"{call}: the engine raised {type(e).__name__} while running the batch ({e}); "
+            f"its {len(aborted)} unfinished requests were aborted and the engine serves "
+            "the next call"
+        ) from e
+
+
+def _abort_unfinished(llm: LLM, call: str, cause: BaseException) -> list[str]:
+    """Abort every request the engine holds unfinished; the ids aborted. EngineDeadError
+    when that is impossible (no such API on this vLLM, or requests survive the abort)."""
+    engine = llm.llm_engine
+    try:
+        if not engine.has_unfinished_requests():
+            return []
+        ids = list(engine.output_processor.request_states)
+        engine.abort_request(ids, internal=True)
+        left = engine.has_unfinished_requests()
+    except Exception as e:
+        raise EngineDeadError(
+            f"{call}: the engine raised {type(cause).__name__} ({cause}) and its unfinished "
+            f"requests could not be aborted: {type(e).__name__}: {e}"
+        ) from e
+    if left:
+        raise EngineDeadError(
+            f"{call}: the engine raised {type(cause).__name__} ({cause}) and still holds "
+            f"unfinished requests after aborting {ids}"
+        ) from cause
+    return ids
 
 
 class VllmEngine:
@@ -201,7 +250,7 @@ class VllmEngine:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
-        with _translated("generate", request=True):
+        with _batch_call(llm, "generate"):
             params = self._params(specs)
             token_prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
             outputs = llm.generate(token_prompts, params, use_tqdm=False)
@@ -211,7 +260,7 @@ class VllmEngine:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate_text: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
-        with _translated("generate_text", request=True):
+        with _batch_call(llm, "generate_text"):
             outputs = llm.generate(list(prompts), self._params(specs), use_tqdm=False)
         return [out.outputs[0].text for out in outputs]
 

@@ -4,21 +4,29 @@ The worker is a thin shell: every decision is a core function (config, batch che
 stop strings, sampling specs, output assembly, lifecycle), the only effects are calls on
 the engine port. Each call first asks core's lifecycle table whether it is allowed, so a
 refused call touches nothing; an engine that dies marks the worker unusable.
+
+Calls are serialised: every public method that touches the engine or the lifecycle state
+holds the worker's :class:`~genworker.shell.engine_lock.EngineLock` from its lifecycle
+check to its commit. A call that finds another running waits for it, at most
+``busy_wait_s`` seconds, then is refused with ``EngineStateError`` (so a refit that arrives
+during a long ``generate`` runs after it, never under its forward). ``llm`` and ``engine``
+hand out the raw engine outside that rule.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from genworker.core import lifecycle
 from genworker.core.assembly import assemble_outputs
-from genworker.core.batch import check_batch
+from genworker.core.batch import check_batch, check_seeds
 from genworker.core.caps import batch_max_tokens
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import encode_snapshot
@@ -26,6 +34,7 @@ from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.sampling import SamplingSpec, sampling_spec
 from genworker.core.stops import StopMode, merge_stop_strings
+from genworker.shell.engine_lock import EngineLock
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -46,6 +55,7 @@ log = logging.getLogger(__name__)
 
 EXTENSION_CLS = "genworker.shell.extension.WorkerExtension"
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
 _WAKE_EVENTS = {
     frozenset({"weights"}): lifecycle.Event.WAKE_WEIGHTS,
     frozenset({"kv_cache"}): lifecycle.Event.WAKE_KV_CACHE,
@@ -78,8 +88,25 @@ def _default_factory() -> EngineFactory:
     return VllmEngineFactory()
 
 
+def _serialized(
+    method: Callable[Concatenate[VllmGenerationWorker, _P], _T],
+) -> Callable[Concatenate[VllmGenerationWorker, _P], _T]:
+    """Run ``method`` holding the worker's lock (see the module docstring)."""
+
+    @functools.wraps(method)
+    def serialized(self: VllmGenerationWorker, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        with self._lock.hold(method.__name__):
+            return method(self, *args, **kwargs)
+
+    return serialized
+
+
 class VllmGenerationWorker:
-    """One vLLM engine serving rollouts, with NeMo-RL's ``VllmGenerationWorker`` surface."""
+    """One vLLM engine serving rollouts, with NeMo-RL's ``VllmGenerationWorker`` surface.
+
+    ``busy_wait_s``: how long a call waits for another one to finish before it is refused
+    with ``EngineStateError`` (0: refuse at once).
+    """
 
     def __init__(
         self,
@@ -92,7 +119,9 @@ class VllmGenerationWorker:
         *,
         engine_factory: EngineFactory | None = None,
         stop_mode: StopMode = StopMode.PER_SAMPLE,
+        busy_wait_s: float = 600.0,
     ) -> None:
+        self._lock = EngineLock(busy_wait_s)
         self.cfg: WorkerConfig = unwrap(
             WorkerConfig.from_mapping(config), BadConfigError, "worker config"
         )
@@ -136,6 +165,7 @@ class VllmGenerationWorker:
         )
         return dict(plan.resources), dict(plan.env_vars), dict(plan.init_kwargs)
 
+    @_serialized
     def load_model(self) -> None:
         """Start the engine (the deferred half of ``__init__``)."""
         self._move(lifecycle.Event.LOAD)
@@ -205,6 +235,8 @@ class VllmGenerationWorker:
         )
 
     def _call(self, fn: Callable[[EnginePort], _T]) -> _T:
+        if not self._lock.held():
+            raise RuntimeError("genworker bug: an engine call without the worker's lock")
         try:
             return fn(self.engine)
         except EngineDeadError as e:
@@ -217,7 +249,7 @@ class VllmGenerationWorker:
     ) -> list[SamplingSpec]:
         caps = self.engine.capabilities
         per_sample_stops = data.get("stop_strings")
-        seeds = _seeds(data.get("seeds"), len(lengths))
+        seeds = unwrap(check_seeds(data.get("seeds"), len(lengths)), BadBatchError, "seeds")
         stops = unwrap(
             merge_stop_strings(
                 self.cfg.stop_strings,
@@ -256,6 +288,7 @@ class VllmGenerationWorker:
             specs.append(spec)
         return specs
 
+    @_serialized
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
         """Generate for a right-padded batch; returns NeMo-RL's output contract."""
         next_state = self._move(lifecycle.Event.GENERATE)
@@ -289,6 +322,7 @@ class VllmGenerationWorker:
             )
         return out.as_dict()
 
+    @_serialized
     def generate_text(
         self, data: Mapping[str, object], greedy: bool = False
     ) -> dict[str, list[str]]:
@@ -296,6 +330,8 @@ class VllmGenerationWorker:
         next_state = self._move(lifecycle.Event.GENERATE)
         if not isinstance(greedy, bool):
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
+        if not isinstance(data, Mapping):
+            raise BadBatchError(f"generate_text: data must be a mapping, got {type(data).__name__}")
         prompts = data.get("prompts")
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise BadBatchError("generate_text: data['prompts'] must be a list of str")
@@ -317,6 +353,7 @@ class VllmGenerationWorker:
                 f"({self.engine.capabilities.device})"
             )
 
+    @_serialized
     def sleep(self, level: int | None = None) -> None:
         """Free engine memory: level 1 offloads weights to host, level 2 discards them."""
         level = self.cfg.vllm.sleep_level if level is None else level
@@ -331,6 +368,7 @@ class VllmGenerationWorker:
         self._call(lambda e: e.sleep(level))
         self._state = next_state
 
+    @_serialized
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``weights``, ``kv_cache`` or both (``None``); waking an awake tag is a no-op."""
         if tags is not None and (
@@ -352,11 +390,13 @@ class VllmGenerationWorker:
             self._call(lambda e: e.wake_up(list(asleep)))
         self._state = next_state
 
+    @_serialized
     def reset_prefix_cache(self) -> None:
         self._state = self._move(lifecycle.Event.RESET_PREFIX_CACHE)
         self._call(lambda e: e.reset_prefix_cache())
 
     # -- refit ----------------------------------------------------------------------
+    @_serialized
     def prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
     ) -> list[object]:
@@ -370,23 +410,28 @@ class VllmGenerationWorker:
         }
         return self._rpc("prepare_refit_info", info)
 
+    @_serialized
     def init_collective(
         self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int
     ) -> None:
         """Join the trainer's standalone weight-update group (ranks after the trainer's)."""
         self._rpc("init_collective", rank_prefix, ip, port, world_size, train_world_size)
 
+    @_serialized
     def update_weights_from_collective(self, timeout_s: float = 600.0) -> bool:
         return self._refit("update_weights_from_collective", timeout_s)
 
+    @_serialized
     def update_weights_via_ipc_zmq(self, timeout_s: float = 600.0) -> bool:
         return self._refit("update_weights_via_ipc_zmq", timeout_s)
 
+    @_serialized
     def engine_param_layout(self) -> list[object]:
         """Each engine worker's parameters a refit can write straight into memory:
         ``{name: [shape, dtype]}`` (send in this layout for the fast refits)."""
         return self._rpc("engine_param_layout")
 
+    @_serialized
     def refit_address(self, *, offer_params: bool = True) -> list[object]:
         """Where each engine worker listens for IPC refits (one entry per worker).
 
@@ -395,6 +440,7 @@ class VllmGenerationWorker:
         sleep-mode GPU engine always takes). Fixed by the first call."""
         return self._rpc("ipc_address", None, offer_params)
 
+    @_serialized
     def release_refit_buffers(self) -> list[object]:
         """Let go of the trainer memory the engine workers keep mapped between IPC refits
         (``IpcSender(keep_mapped=True)``): call it before the trainer frees that memory,
@@ -445,13 +491,16 @@ class VllmGenerationWorker:
         return True
 
     # -- observability --------------------------------------------------------------
+    @_serialized
     def report_device_id(self) -> list[str]:
         return self._call(lambda e: e.device_ids())
 
+    @_serialized
     def get_counters(self) -> dict[str, float | list[float]]:
         """The engine's Prometheus snapshot, encoded as flat keys (see core.counters)."""
         return encode_snapshot(self._call(lambda e: e.metrics()))
 
+    @_serialized
     def start_gpu_profiling(self) -> None:
         if self.engine.capabilities.device != "cuda":
             log.info(
@@ -460,6 +509,7 @@ class VllmGenerationWorker:
             return
         self._call(lambda e: e.start_profile())
 
+    @_serialized
     def stop_gpu_profiling(self) -> None:
         if self.engine.capabilities.device != "cuda":
             log.info(
@@ -468,6 +518,7 @@ class VllmGenerationWorker:
             return
         self._call(lambda e: e.stop_profile())
 
+    @_serialized
     def shutdown(self) -> bool:
         """Free the engine; idempotent. The worker is unusable afterwards."""
         engine, self._engine = self._engine, None
@@ -492,23 +543,3 @@ def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
             f"generate: data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
         )
     return value
-
-
-def _seeds(value: object, batch_size: int) -> list[int | None]:
-    """Optional per-sample sampling seeds (``data["seeds"]``: a list or 1-D tensor of ints)."""
-    if value is None:
-        return [None] * batch_size
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
-            raise BadBatchError(f"data['seeds'] must be a 1-D integer tensor, got {value.dtype}")
-        value = value.tolist()
-    if not isinstance(value, list | tuple) or len(value) != batch_size:
-        raise BadBatchError(f"data['seeds'] must hold one int per row ({batch_size})")
-    bad = [
-        i
-        for i, v in enumerate(value)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0)
-    ]
-    if bad:
-        raise BadBatchError(f"data['seeds'] rows {bad} are not non-negative ints")
-    return list(value)

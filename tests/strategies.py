@@ -350,6 +350,74 @@ def wild_batches(
     )
 
 
+_ALL_INTEGER_DTYPES = (
+    _batch_torch.uint8,
+    _batch_torch.int8,
+    _batch_torch.int16,
+    _batch_torch.int32,
+    _batch_torch.int64,
+)
+
+
+class DtypeCase(_BatchNamedTuple):
+    """A valid batch in some integer dtype, the limits it is checked against, and ids an
+    engine could generate for it (every id below the vocabulary)."""
+
+    input_ids: _batch_torch.Tensor
+    input_lengths: _batch_torch.Tensor
+    pad_token_id: int
+    vocab_size: int | None
+    generated: list[list[int]]
+
+
+@st.composite
+def dtype_cases(draw: st.DrawFn, *, max_batch: int = 4, max_width: int = 6) -> DtypeCase:
+    """Batches in every integer dtype, with vocabularies and pad ids on both sides of what
+    the dtype holds (prompt tokens always fit it: the caller built the tensor)."""
+    dtype = draw(st.sampled_from(_ALL_INTEGER_DTYPES))
+    vocab_size = draw(
+        st.none()
+        | st.sampled_from([1, 100, 127, 128, 129, 255, 256, 257, 32_767, 32_768, 32_769])
+        | st.integers(1, 1 << 20)
+        | st.sampled_from([2**31 - 1, 2**31, 2**31 + 1])
+    )
+    top = 100 if vocab_size is None else min(vocab_size, 100)
+    pad = draw(st.integers(-2, top + 1) | st.sampled_from([-129, 127, 128, 255, 256, 32_768]))
+    batch = draw(st.integers(1, max_batch))
+    width = draw(st.integers(1, max_width))
+    prompts = [
+        draw(st.lists(st.integers(0, top - 1), min_size=1, max_size=width)) for _ in range(batch)
+    ]
+    rows = [p + [0] * (width - len(p)) for p in prompts]
+    ids = _batch_torch.tensor(rows, dtype=_batch_torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, len(p) :] = pad
+    bound = 2**31 - 1 if vocab_size is None else vocab_size - 1
+    generated = [
+        draw(st.lists(st.integers(0, bound) | st.just(bound), max_size=4)) for _ in range(batch)
+    ]
+    # The caller's tensor: padding that the dtype cannot hold wraps, as torch converts it.
+    return DtypeCase(
+        input_ids=ids.to(dtype),
+        input_lengths=_batch_torch.tensor([len(p) for p in prompts]),
+        pad_token_id=pad,
+        vocab_size=vocab_size,
+        generated=generated,
+    )
+
+
+# Seeds a caller might send in data["seeds"]: in range, on both edges, and not ints at all.
+seed_values = (
+    st.none()
+    | st.integers(0, 2**64 - 1)
+    | st.sampled_from([0, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**65, -1, -(2**63)])
+    | st.integers(-(2**70), 2**70)
+    | st.booleans()
+    | st.floats(allow_nan=True)
+    | st.text(max_size=2)
+)
+
+
 # --- assembly ---
 import numpy as _asm_np
 
@@ -1402,3 +1470,287 @@ def dtensor_trainers(draw: st.DrawFn, model: ReshardModel) -> list[_rs.TrainerLa
         ]
         layouts.append(_rs.dtensor_layout(name, shape, "bfloat16", mesh, ranks, chosen).unwrap())
     return layouts
+
+
+# --- worker: the generate fuzz (tests/shell/test_worker_fuzz.py) ---
+from collections.abc import Callable as _FuzzCallable
+
+
+class FuzzCall(_BatchNamedTuple):
+    """One call a hostile caller makes: ``generate(data, greedy)``, or ``generate_text``
+    when ``text``; ``broken`` names the one input it broke (None: a valid call, which must
+    succeed), and a refusal must name it; ``damage`` says how (for the outcome counts)."""
+
+    data: object
+    greedy: object
+    text: bool
+    broken: str | None
+    damage: str
+
+
+class _FuzzBatch(_BatchNamedTuple):
+    """A valid batch and what a damage needs to know about it."""
+
+    data: dict[str, object]
+    ids: _batch_torch.Tensor
+    lengths: _batch_torch.Tensor
+    row: int
+    vocab_size: int
+    pad: int
+    max_model_len: int
+
+
+_FUZZ_STOP_TEXTS = st.text(alphabet="ae </>\n", min_size=1, max_size=3)
+
+
+@st.composite
+def _fuzz_valid(
+    draw: st.DrawFn, vocab_size: int, pad: int, max_model_len: int, *, min_batch: int = 0
+) -> dict[str, object]:
+    """A valid batch: right-padded (sometimes a strided view), in a dtype that holds the
+    vocabulary, with optional seeds and per-row stop strings; sometimes a row near the
+    context end, sometimes no rows at all."""
+    batch = draw(st.integers(min_batch, 5))
+    tokens = st.integers(0, vocab_size - 1) | st.just(pad)
+    prompts = [draw(st.lists(tokens, min_size=1, max_size=12)) for _ in range(batch)]
+    if batch and draw(st.integers(0, 9)) == 0:  # room for only a few generated tokens
+        room = draw(st.integers(1, 6))
+        prompts[0] = prompts[0] + [7] * (max_model_len - room - len(prompts[0]))
+    longest = max((len(p) for p in prompts), default=draw(st.integers(0, 3)))
+    width = longest + draw(st.integers(0, 3))
+    dtype = draw(st.sampled_from([_batch_torch.int64, _batch_torch.int32, _batch_torch.int16]))
+    stride = draw(st.sampled_from([1, 1, 2]))
+    ids = _batch_torch.full((batch, width * stride), pad, dtype=dtype)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p) * stride : stride] = _batch_torch.tensor(p, dtype=dtype)
+    lengths_dtype = draw(st.sampled_from([_batch_torch.int64, _batch_torch.int32]))
+    data: dict[str, object] = {
+        "input_ids": ids[:, ::stride],
+        "input_lengths": _batch_torch.tensor([len(p) for p in prompts], dtype=lengths_dtype),
+    }
+    seeds = st.none() | st.integers(0, 2**64 - 1) | st.sampled_from([0, 2**64 - 1])
+    choice = draw(st.sampled_from(["none", "list", "tensor"]))
+    if choice == "list":
+        data["seeds"] = draw(st.lists(seeds, min_size=batch, max_size=batch))
+    elif choice == "tensor":
+        values = draw(st.lists(st.integers(0, 2**63 - 1), min_size=batch, max_size=batch))
+        data["seeds"] = _batch_torch.tensor(values, dtype=_batch_torch.int64)
+    if draw(st.booleans()):
+        per_row = st.none() | st.lists(_FUZZ_STOP_TEXTS, max_size=2)
+        data["stop_strings"] = draw(st.lists(per_row, min_size=batch, max_size=batch))
+    return data
+
+
+def _with(b: _FuzzBatch, key: str, value: object) -> dict[str, object]:
+    return {**b.data, key: value}
+
+
+def _without(b: _FuzzBatch, key: str) -> dict[str, object]:
+    return {k: v for k, v in b.data.items() if k != key}
+
+
+def _put(t: _batch_torch.Tensor, index: tuple[int, ...], value: int) -> _batch_torch.Tensor:
+    out = t.clone()
+    out[index] = value
+    return out
+
+
+def _not_right_padded(draw: st.DrawFn, b: _FuzzBatch) -> dict[str, object]:
+    """A real token after the row's length (one more column, so there is one)."""
+    wide = _batch_torch.cat([b.ids, _batch_torch.full((b.ids.shape[0], 1), b.pad)], dim=1)
+    pos = draw(st.integers(int(b.lengths[b.row]), wide.shape[1] - 1))
+    return _with(b, "input_ids", _put(wide, (b.row, pos), (b.pad + 1) % b.vocab_size))
+
+
+def _fills_context(draw: st.DrawFn, b: _FuzzBatch) -> dict[str, object]:
+    """A row of max_model_len tokens or more: no room to generate."""
+    n = b.max_model_len + draw(st.integers(0, 3))
+    ids = _batch_torch.full((b.ids.shape[0], n), b.pad)
+    ids[:, : b.ids.shape[1]] = b.ids
+    ids[b.row, :n] = 7
+    lengths = _put(b.lengths.to(_batch_torch.int64), (b.row,), n)
+    return {**b.data, "input_ids": ids, "input_lengths": lengths}
+
+
+_Damage = _FuzzCallable[[st.DrawFn, _FuzzBatch], tuple[object, str]]
+
+
+def _row_list(b: _FuzzBatch, value: object, other: object) -> list[object]:
+    return [value if i == b.row else other for i in range(b.ids.shape[0])]
+
+
+_FUZZ_DAMAGES: dict[str, _Damage] = {
+    "data not a mapping": lambda d, b: (d(st.sampled_from([None, [], "ids", 3, (1,)])), "data"),
+    "input_ids missing": lambda d, b: (_without(b, "input_ids"), "input_ids"),
+    "input_ids a list": lambda d, b: (_with(b, "input_ids", b.ids.tolist()), "input_ids"),
+    "input_ids float": lambda d, b: (_with(b, "input_ids", b.ids.float()), "input_ids"),
+    "input_ids bool": lambda d, b: (_with(b, "input_ids", b.ids != b.pad), "input_ids"),
+    "input_ids 1-D": lambda d, b: (_with(b, "input_ids", b.ids.reshape(-1)), "input_ids"),
+    "input_ids 3-D": lambda d, b: (_with(b, "input_ids", b.ids.unsqueeze(0)), "input_ids"),
+    "input_ids int8/uint8": lambda d, b: (
+        _with(
+            b, "input_ids", b.ids.to(d(st.sampled_from([_batch_torch.int8, _batch_torch.uint8])))
+        ),
+        "input_ids",
+    ),
+    "input_ids meta": lambda d, b: (_with(b, "input_ids", b.ids.to("meta")), "input_ids"),
+    "input_ids sparse": lambda d, b: (_with(b, "input_ids", b.ids.to_sparse()), "input_ids"),
+    "token out of vocabulary": lambda d, b: (
+        _with(
+            b,
+            "input_ids",
+            _put(
+                b.ids.to(_batch_torch.int64),
+                (b.row, d(st.integers(0, int(b.lengths[b.row]) - 1))),
+                d(st.sampled_from([-1, -7, b.vocab_size, b.vocab_size + 100, 2**31])),
+            ),
+        ),
+        "input_ids",
+    ),
+    "not right-padded": lambda d, b: (_not_right_padded(d, b), "input_ids"),
+    "input_lengths missing": lambda d, b: (_without(b, "input_lengths"), "input_lengths"),
+    "input_lengths a list": lambda d, b: (
+        _with(b, "input_lengths", b.lengths.tolist()),
+        "input_lengths",
+    ),
+    "input_lengths float": lambda d, b: (
+        _with(b, "input_lengths", b.lengths.float()),
+        "input_lengths",
+    ),
+    "input_lengths (B, 1)": lambda d, b: (
+        _with(b, "input_lengths", b.lengths.unsqueeze(1)),
+        "input_lengths",
+    ),
+    "input_lengths meta": lambda d, b: (
+        _with(b, "input_lengths", b.lengths.to("meta")),
+        "input_lengths",
+    ),
+    "input_lengths sparse": lambda d, b: (
+        _with(b, "input_lengths", b.lengths.to_sparse()),
+        "input_lengths",
+    ),
+    "length outside [1, width]": lambda d, b: (
+        _with(
+            b,
+            "input_lengths",
+            _put(
+                b.lengths,
+                (b.row,),
+                d(st.sampled_from([0, -1, -5, b.ids.shape[1] + 1, b.ids.shape[1] + 9])),
+            ),
+        ),
+        "input_lengths",
+    ),
+    "batch sizes differ": lambda d, b: (
+        _with(b, "input_lengths", _batch_torch.cat([b.lengths, b.lengths[:1]])),
+        "input_lengths",
+    ),
+    "fills the context": lambda d, b: (_fills_context(d, b), "input_lengths"),
+    "seed out of range": lambda d, b: (
+        _with(
+            b,
+            "seeds",
+            _row_list(b, d(st.sampled_from([2**64, 2**64 + 1, 2**80, -1, -(2**63)])), None),
+        ),
+        "seeds",
+    ),
+    "seed not an int": lambda d, b: (
+        _with(b, "seeds", _row_list(b, d(st.sampled_from([1.0, True, "3", b"3", [1]])), 0)),
+        "seeds",
+    ),
+    "seeds miscounted": lambda d, b: (
+        _with(b, "seeds", [0] * (b.ids.shape[0] + d(st.sampled_from([-1, 1, 2])))),
+        "seeds",
+    ),
+    "seeds a bad tensor": lambda d, b: (
+        _with(
+            b,
+            "seeds",
+            d(
+                st.sampled_from(
+                    [
+                        _batch_torch.zeros(b.ids.shape[0], 1, dtype=_batch_torch.int64),
+                        _batch_torch.zeros(b.ids.shape[0]),
+                        _batch_torch.zeros(b.ids.shape[0], dtype=_batch_torch.int64).to("meta"),
+                    ]
+                )
+            ),
+        ),
+        "seeds",
+    ),
+    "empty stop string": lambda d, b: (
+        _with(b, "stop_strings", _row_list(b, [""], None)),
+        "stop_strings",
+    ),
+    "stop strings not a list": lambda d, b: (
+        _with(b, "stop_strings", d(st.sampled_from(["</a>", 3, {"a": 1}]))),
+        "stop_strings",
+    ),
+    "stop strings miscounted": lambda d, b: (
+        _with(b, "stop_strings", [None] * (b.ids.shape[0] + 1)),
+        "stop_strings",
+    ),
+    "stop string not a str": lambda d, b: (
+        _with(b, "stop_strings", _row_list(b, [3], None)),
+        "stop_strings",
+    ),
+}
+
+
+_FUZZ_TEXTS = st.text(alphabet="abcdefghij ,.", min_size=1, max_size=12)
+_FUZZ_TEXT_DAMAGES: dict[str, tuple[object, str]] = {
+    "text data not a mapping": (None, "data"),
+    "text data a list": (["Once upon a time"], "data"),
+    "prompts missing": ({}, "prompts"),
+    "prompts not a list": ({"prompts": "Once"}, "prompts"),
+    "prompt not a str": ({"prompts": ["Once", 3]}, "prompts"),
+    "empty prompt": ({"prompts": ["Once", ""]}, "prompts"),
+}
+
+
+FUZZ_KINDS: tuple[str, ...] = (
+    "valid",
+    "valid text",
+    "greedy not a bool",
+    *sorted(_FUZZ_DAMAGES),
+    *sorted(_FUZZ_TEXT_DAMAGES),
+)
+"""Every kind of call :func:`generate_calls` makes: valid ones, and one per damage."""
+
+
+@st.composite
+def generate_calls(
+    draw: st.DrawFn, kind: str, *, vocab_size: int, pad: int, max_model_len: int
+) -> FuzzCall:
+    """A call of one of :data:`FUZZ_KINDS`: valid, or breaking exactly one input."""
+    greedy = draw(st.booleans())
+    if kind == "valid text":
+        prompts = draw(st.lists(_FUZZ_TEXTS, max_size=4))
+        return FuzzCall({"prompts": prompts}, greedy, True, None, kind)
+    if kind in _FUZZ_TEXT_DAMAGES:
+        data, key = _FUZZ_TEXT_DAMAGES[kind]
+        return FuzzCall(data, greedy, True, key, kind)
+    if kind == "valid":
+        return FuzzCall(
+            draw(_fuzz_valid(vocab_size, pad, max_model_len)), greedy, False, None, kind
+        )
+    if kind == "greedy not a bool":
+        bad = draw(st.sampled_from([1, 0, "yes", None, 1.0]))
+        return FuzzCall(
+            draw(_fuzz_valid(vocab_size, pad, max_model_len)), bad, False, "greedy", kind
+        )
+    data = draw(_fuzz_valid(vocab_size, pad, max_model_len, min_batch=1))
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    assert isinstance(ids, _batch_torch.Tensor)
+    assert isinstance(lengths, _batch_torch.Tensor)
+    batch = _FuzzBatch(
+        data=data,
+        ids=ids,
+        lengths=lengths,
+        row=draw(st.integers(0, ids.shape[0] - 1)),
+        vocab_size=vocab_size,
+        pad=pad,
+        max_model_len=max_model_len,
+    )
+    broken, key = _FUZZ_DAMAGES[kind](draw, batch)
+    return FuzzCall(broken, greedy, False, key, kind)
