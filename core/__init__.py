@@ -31,6 +31,7 @@ from genworker.core.counters import (
 from genworker.core.engine_plan import EngineKwargsPlan, plan_engine_kwargs
 from genworker.core.errors import CoreError
 from genworker.core.lifecycle import Event, LifecycleError, State, check_can_generate, transition
+from genworker.core.multimodal import ContextError, MediaError, check_context, check_media
 from genworker.core.placement import (
     ClusterPlan,
     PlacementError,
@@ -51,6 +52,7 @@ __all__ = [
     "ClusterPlan",
     "ConfigError",
     "ConfigProblem",
+    "ContextError",
     "CoreError",
     "EngineKwargsPlan",
     "Event",
@@ -59,6 +61,7 @@ __all__ = [
     "LifecycleError",
     "Manifest",
     "ManifestError",
+    "MediaError",
     "PlacementError",
     "PlacementPlan",
     "SamplingSpec",
@@ -74,6 +77,8 @@ __all__ = [
     "batch_max_tokens",
     "check_batch",
     "check_can_generate",
+    "check_context",
+    "check_media",
     "configure_worker",
     "context_cap",
     "decode_snapshot",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -39,7 +40,7 @@ def reference_verdict(batch: MediaBatch) -> Verdict:
     def adjacent(prompt: list[int]) -> bool:
         return any(a == pid and b == pid for a, b in itertools.pairwise(prompt))
 
-    rules = (
+    rules: tuple[tuple[MediaErrorKind, Callable[[list[int], int], bool]], ...] = (
         (MediaErrorKind.EXPANDED, lambda p, n: p.count(pid) > n and adjacent(p)),
         (MediaErrorKind.EXTRA_IMAGES, lambda p, n: n > p.count(pid)),
         (MediaErrorKind.MISSING_IMAGES, lambda p, n: p.count(pid) > n),
