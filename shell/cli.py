@@ -1,6 +1,7 @@
 """``genworker``: the demo and a JSONL generation command for your own models.
 
 genworker demo [--shards N]                       # tiny local Llama, real vLLM engine
+genworker demo --image                            # tiny local Idefics3: an image row
 genworker generate --model DIR --prompts FILE     # JSONL {"prompt": ...} in, JSONL out
 """
 
@@ -169,6 +170,63 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _image_demo(args: argparse.Namespace) -> int:
+    """An image row and a text row through the worker on the tiny Idefics3: one JSON line
+    per row (image size, prompt ids, expanded prompt ids, completion), then a summary."""
+    from PIL import Image
+
+    from genworker.shell.media import row_media
+    from genworker.shell.tiny_model import build_tiny_vlm
+    from genworker.shell.worker import VllmGenerationWorker
+
+    t0 = time.perf_counter()
+    model = build_tiny_vlm(Path(args.model).parent / "tiny-idefics3")
+    tokenizer = _tokenizer(str(model))
+    config = worker_config(
+        str(model),
+        pad_token_id=_pad_id(tokenizer),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        device=_device(),
+    )
+    vllm_cfg, vllm_kwargs = config["vllm_cfg"], config["vllm_kwargs"]
+    assert isinstance(vllm_cfg, dict)
+    assert isinstance(vllm_kwargs, dict)
+    vllm_cfg["limit_mm_per_prompt"] = {"image": 1}
+    vllm_kwargs["max_num_seqs"] = 4
+    image = Image.new("RGB", (40, 30), (200, 30, 30))
+    texts = ["<image> Describe the image.", "Describe the image."]
+    rows = [tokenizer(t)["input_ids"] for t in texts]  # the tokenizer adds one BOS
+    data: dict[str, object] = {
+        **_pad(rows, _pad_id(tokenizer)),
+        "multi_modal_data": [{"image": image}, None],
+    }
+    worker = VllmGenerationWorker(config)
+    try:
+        started = time.perf_counter() - t0
+        out = worker.generate(data, greedy=args.greedy)
+        media = row_media(data, len(rows), "demo")
+        expanded = worker.engine.expanded_lengths(rows, media or [None] * len(rows))
+    finally:
+        worker.shutdown()
+    lengths = torch.tensor([len(r) for r in rows])
+    for i, completion in enumerate(_completions(out, lengths, tokenizer)):
+        record = {
+            "row": i,
+            "prompt": texts[i],
+            "image_size": list(image.size) if i == 0 else None,
+            "prompt_ids": len(rows[i]),
+            "expanded_prompt_ids": expanded[i],
+            "generated_ids": int(out["generation_lengths"][i]),
+            "completion": completion,
+        }
+        print(json.dumps(record))
+    print(
+        json.dumps({"model": str(model), "start_seconds": round(started, 1), "device": _device()})
+    )
+    return 0
+
+
 def _read_prompts(stream: TextIO) -> list[str]:
     prompts = []
     for n, line in enumerate(stream, 1):
@@ -229,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--model", default="models/tiny-llama", help="where the tiny model lives")
     demo.add_argument("--shards", type=int, default=1, help="data-parallel shards (Ray)")
     demo.add_argument("--batch", type=int, default=16)
+    demo.add_argument("--image", action="store_true", help="an image row on a tiny Idefics3")
     gen = sub.add_parser("generate", help="JSONL prompts in, JSONL completions out")
     gen.add_argument("--model", required=True, help="a local Hugging Face model directory")
     gen.add_argument("--prompts", required=True, help='JSONL file of {"prompt": ...}')
@@ -239,7 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--greedy", action="store_true")
         p.add_argument("--chunk", type=int, default=4, help="rows per generate call")
     args = parser.parse_args(argv)
-    return _demo(args) if args.command == "demo" else _generate(args)
+    if args.command == "demo":
+        return _image_demo(args) if args.image else _demo(args)
+    return _generate(args)
 
 
 if __name__ == "__main__":
