@@ -286,8 +286,10 @@ class VllmGenerationWorker:
         generations = self._call(lambda e: e.generate(batch.prompts, specs, media))
         self._state = next_state
         out = assemble_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
-        # What the context held: the expanded prompt (media rows) plus the generation.
-        held = torch.tensor(context, dtype=torch.int64) + out.generation_lengths.to(torch.int64)
+        # What the context held: the prompt (expanded, for media rows) plus the generation.
+        held = out.unpadded_sequence_lengths
+        if media is not None:
+            held = torch.tensor(context, dtype=held.dtype) + out.generation_lengths.to(held.dtype)
         over = torch.nonzero(held > caps.max_model_len).flatten()
         if over.numel():
             raise EngineContractError(
