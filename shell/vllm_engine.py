@@ -61,6 +61,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.logprobs import FlatLogprobs
 from vllm.platforms import current_platform
+from vllm.renderers import BaseRenderer
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
 
@@ -246,8 +247,14 @@ class VllmEngine:
             outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=False)
         return [out.outputs[0].text for out in outputs]
 
+    def _renderer(self, call: str) -> BaseRenderer:
+        renderer = getattr(self.llm, "renderer", None)  # LLM.renderer: 0.25 and 0.32 have it
+        if not isinstance(renderer, BaseRenderer):
+            raise UnsupportedError(f"{call}: this vLLM's LLM has no renderer to tokenize with")
+        return renderer
+
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        renderer = self.llm.renderer
+        renderer = self._renderer("tokenize")
         with _translated("tokenize", request=True):
             bos = getattr(renderer.get_tokenizer(), "bos_token", None)
             params = renderer.default_cmpl_tok_params
@@ -267,7 +274,7 @@ class VllmEngine:
     def expanded_lengths(
         self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
     ) -> list[int]:
-        renderer = self.llm.renderer
+        renderer = self._renderer("expanded_lengths")
         params = renderer.default_cmpl_tok_params
         lengths = []
         for row, (prompt, row_media) in enumerate(zip(prompts, media, strict=True)):
