@@ -109,7 +109,8 @@ class VllmGenerationWorker:
         self._state = lifecycle.NOT_LOADED
         self._dead: str | None = None
         #: the last successful refit: each engine worker's report (tensors, bytes, mode,
-        #: seconds and ``phases``), the RPC's seconds, and the prefix-cache reset's
+        #: seconds and ``phases``), the RPC's seconds, and each cache reset's
+        #: (``reset_{prefix,mm,encoder}_cache_seconds``; mm and encoder on multimodal engines)
         self.last_refit: dict[str, object] = {}
         #: how many times each engine cache was reset (``get_counters`` reports them)
         self.cache_resets: dict[str, int] = {"prefix": 0, "mm": 0, "encoder": 0}
@@ -401,12 +402,14 @@ class VllmGenerationWorker:
     def _reset_caches(self) -> dict[str, float]:
         """Reset the prefix cache and, on a multimodal engine, the processed-media and
         encoder caches (stale after a refit); seconds per reset."""
-        multimodal = self.engine.capabilities.multimodal
-        resets: tuple[tuple[str, Callable[[EnginePort], None]], ...] = (
-            ("prefix", lambda e: e.reset_prefix_cache()),
-            *((("mm", lambda e: e.reset_mm_cache()),) if multimodal else ()),
-            *((("encoder", lambda e: e.reset_encoder_cache()),) if multimodal else ()),
-        )
+        resets: list[tuple[str, Callable[[EnginePort], None]]] = [
+            ("prefix", lambda e: e.reset_prefix_cache())
+        ]
+        if self.engine.capabilities.multimodal:
+            resets += [
+                ("mm", lambda e: e.reset_mm_cache()),
+                ("encoder", lambda e: e.reset_encoder_cache()),
+            ]
         seconds = {}
         for name, reset in resets:
             started = time.monotonic()
