@@ -12,7 +12,8 @@ image in the row's prompt (:mod:`genworker.core.multimodal` checks those counts)
   image is decoded here (``Image.load``; PIL keeps the pixels, so vLLM does not decode it
   again) and must have a size;
 - NeMo-RL's own multimodal batch keys (``vllm_content``, ``vllm_images``, ``vllm_audios``,
-  ``vllm_videos``) are refused by name: NeMo-RL reads them only together with
+  ``vllm_videos``) are refused by name when any row carries something in them (NeMo-RL
+  itself ignores rows whose entries are empty): NeMo-RL reads them only together with
   ``vllm_content`` (a text prompt used instead of the token ids), which breaks the output
   contract's "the caller's own ids"; ``multi_modal_data`` is the way in.
 
@@ -80,12 +81,21 @@ def _entry(entry: object, row: int, call: str) -> RowMedia | None:
     return RowMedia(images) if images else None
 
 
+def _carries(value: object) -> bool:
+    """Whether a NeMo-RL side channel holds anything (a non-empty entry in some row)."""
+    if value is None:
+        return False
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        return True
+    return any(v is not None and not (isinstance(v, Sequence) and len(v) == 0) for v in value)
+
+
 def row_media(
     data: Mapping[str, object], batch_size: int, call: str
 ) -> list[RowMedia | None] | None:
     """Each row's media from ``data`` (see the module docstring), or ``None`` when no row
     has any."""
-    nemo = [key for key in NEMO_RL_MEDIA_KEYS if key in data]
+    nemo = [key for key in NEMO_RL_MEDIA_KEYS if _carries(data.get(key))]
     if nemo:
         raise BadBatchError(
             f"{call}: data keys {nemo} are NeMo-RL's multimodal side channels, which this "

@@ -224,6 +224,14 @@ def test_bad_media_is_refused_before_the_engine_and_the_next_batch_is_served(
     assert worker.generate(mixed())["output_ids"].shape[0] == 3
 
 
+def test_empty_nemo_rl_side_channels_are_ignored_as_nemo_rl_does() -> None:
+    worker, _ = vlm_worker()
+    data = {**batch([[1, 2], [3]]), "vllm_images": [[], []], "vllm_content": [None, None]}
+    assert worker.generate(data)["output_ids"].shape[0] == 2
+    with pytest.raises(BadBatchError, match=r"\['vllm_content'\]"):
+        worker.generate({**data, "vllm_content": [None, "<image> hi"]})
+
+
 def test_a_placeholder_id_in_a_batch_without_media_is_refused() -> None:
     worker, engine = vlm_worker()
     with pytest.raises(BadBatchError, match=r"row 1 \(1 placeholders, 0 images\)"):
