@@ -42,6 +42,7 @@ from genworker.core.delta import (
 from genworker.core.engine_plan import EngineKwargsPlan, plan_engine_kwargs
 from genworker.core.errors import CoreError
 from genworker.core.lifecycle import Event, LifecycleError, State, check_can_generate, transition
+from genworker.core.multimodal import ContextError, MediaError, check_context, check_media
 from genworker.core.placement import (
     ClusterPlan,
     PlacementError,
@@ -70,6 +71,7 @@ __all__ = [
     "ClusterPlan",
     "ConfigError",
     "ConfigProblem",
+    "ContextError",
     "CoreError",
     "DeltaError",
     "EngineKwargsPlan",
@@ -79,6 +81,7 @@ __all__ = [
     "LifecycleError",
     "Manifest",
     "ManifestError",
+    "MediaError",
     "PlacementError",
     "PlacementPlan",
     "RelayFailure",
@@ -102,6 +105,8 @@ __all__ = [
     "batch_max_tokens",
     "check_batch",
     "check_can_generate",
+    "check_context",
+    "check_media",
     "configure_worker",
     "context_cap",
     "decode_delta",

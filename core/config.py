@@ -30,6 +30,15 @@ Rules, with the vLLM behaviour they mirror (vLLM 0.32, ``vllm/sampling_params.py
 * ``vllm_cfg.nvfp4_per_token: true`` asks for vLLM's online per-token NVFP4 MoE
   quantization (see :mod:`genworker.core.engine_plan`); it needs 16-bit weights
   (``precision`` bfloat16 or float16).
+* Multimodal keys (see :mod:`genworker.core.multimodal`): ``vllm_cfg.limit_mm_per_prompt``
+  (modality -> max items per prompt, an int >= 0 or vLLM's per-modality options mapping
+  with an int ``count``) and ``vllm_cfg.mm_processor_kwargs`` (a mapping: overrides for
+  the model's Hugging Face processor) are honoured: both become engine arguments, and the
+  worker checks each row's images against the engine's limit before submitting. NeMo-RL's
+  ``vllm_cfg.video`` (its TorchCodec video contract) is refused: only images are taken.
+  ``vllm_cfg.reset_encoder_cache_after_weight_update`` may be ``true`` (the worker always
+  resets the encoder and multimodal caches after a refit); ``false`` is refused, because
+  the worker does not keep encoder outputs of old weights.
 * ``telemetry`` (our own block, unknown keys rejected)::
 
       telemetry:
@@ -268,6 +277,8 @@ class VllmConfig:
     kv_cache_dtype: str = "auto"
     sleep_level: int = attrs.field(default=1, validator=attrs.validators.in_((1, 2)))
     nvfp4_per_token: bool = False
+    limit_mm_per_prompt: FrozenMap[str, object] | None = None
+    mm_processor_kwargs: FrozenMap[str, object] | None = None
     extras: FrozenMap[str, object] = attrs.field(factory=_empty)
 
     def __attrs_post_init__(self) -> None:
@@ -310,6 +321,12 @@ class VllmConfig:
             kv_cache_dtype=self.kv_cache_dtype,
             sleep_level=self.sleep_level,
             nvfp4_per_token=self.nvfp4_per_token,
+            limit_mm_per_prompt=None
+            if self.limit_mm_per_prompt is None
+            else thaw(self.limit_mm_per_prompt),
+            mm_processor_kwargs=None
+            if self.mm_processor_kwargs is None
+            else thaw(self.mm_processor_kwargs),
         )
         return out
 
@@ -549,6 +566,50 @@ def _backend(value: object) -> str:
     return "vllm"
 
 
+def _mm_limit(value: object) -> object:
+    if _is_int(value) and int(value) >= 0:
+        return int(value)
+    if isinstance(value, Mapping):
+        count = value.get("count")
+        if _is_int(count) and int(count) >= 0 and all(isinstance(k, str) for k in value):
+            return value
+    raise _Bad("")
+
+
+def _mm_limits(value: object) -> Mapping[str, object]:
+    """``limit_mm_per_prompt``: modality -> an int >= 0, or vLLM's options with a ``count``."""
+    limits = _str_mapping(value)
+    out: dict[str, object] = {}
+    bad: list[str] = []
+    for modality, limit in limits.items():
+        try:
+            out[modality] = _mm_limit(limit)
+        except _Bad:
+            bad.append(f"{modality}={_show(limit)}")
+    if bad:
+        raise _Bad(
+            "must map each modality to an int >= 0 or to options with an int count >= 0; "
+            f"bad entries: {', '.join(bad)}"
+        )
+    return out
+
+
+def _refused(reason: str) -> Callable[[object], None]:
+    def conv(value: object) -> None:
+        raise _Bad(reason)
+
+    return conv
+
+
+def _encoder_reset(value: object) -> bool:
+    if _as_bool(value) is not True:
+        raise _Bad(
+            "false is not supported: the worker resets the encoder and multimodal caches "
+            "after every refit (encoder outputs of the old weights would be stale); remove it"
+        )
+    return True
+
+
 class _Reader:
     """Collects problems while reading; a failed read yields a typed fallback that is never
     used, because any problem turns the whole parse into a ``Failure``."""
@@ -625,6 +686,10 @@ _VLLM_KEYS: Final = frozenset(
         "sleep_level",
         "logprobs_mode",
         "nvfp4_per_token",
+        "limit_mm_per_prompt",
+        "mm_processor_kwargs",
+        "video",
+        "reset_encoder_cache_after_weight_update",
     }
 )
 
@@ -758,6 +823,26 @@ def _parse_vllm(
     logprobs_mode = r.take(
         v, "logprobs_mode", _optional(_choice(LOGPROBS_MODES)), None, prefix=p, default=None
     )
+    mm_limits = r.take(
+        v, "limit_mm_per_prompt", _optional(_mm_limits), None, prefix=p, default=None
+    )
+    mm_kwargs = r.take(
+        v, "mm_processor_kwargs", _optional(_str_mapping), None, prefix=p, default=None
+    )
+    r.take(
+        v,
+        "video",
+        _refused(
+            "video inputs are not supported (the worker takes images, through "
+            "multi_modal_data); remove it"
+        ),
+        None,
+        prefix=p,
+        default=None,
+    )
+    r.take(
+        v, "reset_encoder_cache_after_weight_update", _encoder_reset, True, prefix=p, default=True
+    )
 
     spec_raw = r.take(
         v, "speculative_config", _optional(_str_mapping), None, prefix=p, default=None
@@ -806,6 +891,8 @@ def _parse_vllm(
         kv_cache_dtype=kv_cache_dtype,
         sleep_level=sleep_level,
         nvfp4_per_token=nvfp4,
+        limit_mm_per_prompt=None if mm_limits is None else _freeze_str_map(mm_limits),
+        mm_processor_kwargs=None if mm_kwargs is None else _freeze_str_map(mm_kwargs),
         extras=extras,
     )
     return config, logprobs_mode

@@ -58,6 +58,7 @@ from returns.result import Failure, Result, Success
 from genworker.core.errors import CoreError
 
 __all__ = [
+    "CACHE_RESETS",
     "GENERATION_TOKENS",
     "PROMPT_TOKENS",
     "SPEC_DECODE_NUM_ACCEPTED_TOKENS",
@@ -86,6 +87,8 @@ __all__ = [
 
 PROMPT_TOKENS = "vllm:prompt_tokens"
 GENERATION_TOKENS = "vllm:generation_tokens"
+CACHE_RESETS = "genworker:cache_resets"
+"""The worker's own counter: engine cache resets, labelled ``cache`` = prefix | mm | encoder."""
 SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
 SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"

@@ -2,6 +2,7 @@
 
 genworker demo                                    # a small RL loop: generate, score, train, refit
 genworker demo --table [--shards N]               # one batch on a tiny model, as a table
+genworker demo --image                            # tiny local Idefics3: an image row
 genworker generate --model DIR --prompts FILE     # JSONL {"prompt": ...} in, JSONL out
 
 vLLM logs to stdout by default; here its log lines go to stderr (``--log-level``, ``-q``),
@@ -255,12 +256,15 @@ def _versions() -> dict[str, str]:
 
 def _check_demo_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Refuse options of the other demo mode; fill the RL loop's defaults."""
-    if args.table or args.shards > 1:
-        args.table = True
+    if args.image and (args.table or args.shards > 1):
+        parser.error("--image runs one worker on the tiny Idefics3: not with --table or --shards")
+    if args.image or args.table or args.shards > 1:
+        args.table = not args.image
         for name in _RL_ONLY:
             if getattr(args, name) is not None:
                 parser.error(
-                    f"--{name.replace('_', '-')} is an option of the RL loop, not of --table"
+                    f"--{name.replace('_', '-')} is an option of the RL loop, not of "
+                    + ("--image" if args.image else "--table")
                 )
         return
     for name in _TABLE_ONLY:
@@ -273,6 +277,63 @@ def _check_demo_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"--samples must be at least 2 (a group baseline), got {args.samples}")
     if not args.learning_rate > 0:
         parser.error(f"--learning-rate must be positive, got {args.learning_rate}")
+
+
+def _image_demo(args: argparse.Namespace) -> int:
+    """An image row and a text row through the worker on the tiny Idefics3: one JSON line
+    per row (image size, prompt ids, expanded prompt ids, completion), then a summary."""
+    from PIL import Image
+
+    from genworker.shell.media import row_media
+    from genworker.shell.tiny_model import build_tiny_vlm
+    from genworker.shell.worker import VllmGenerationWorker
+
+    t0 = time.perf_counter()
+    model = build_tiny_vlm(Path(args.model).parent / "tiny-idefics3")
+    tokenizer = _tokenizer(str(model))
+    config = worker_config(
+        str(model),
+        pad_token_id=_pad_id(tokenizer),
+        max_new_tokens=args.max_new_tokens or 24,
+        temperature=1.0 if args.temperature is None else args.temperature,
+        device=_device(),
+    )
+    vllm_cfg, vllm_kwargs = config["vllm_cfg"], config["vllm_kwargs"]
+    assert isinstance(vllm_cfg, dict)
+    assert isinstance(vllm_kwargs, dict)
+    vllm_cfg["limit_mm_per_prompt"] = {"image": 1}
+    vllm_kwargs["max_num_seqs"] = 4
+    image = Image.new("RGB", (40, 30), (200, 30, 30))
+    texts = ["<image> Describe the image.", "Describe the image."]
+    rows = [tokenizer(t)["input_ids"] for t in texts]  # the tokenizer adds one BOS
+    data: dict[str, object] = {
+        **pad_rows(rows, _pad_id(tokenizer)),
+        "multi_modal_data": [{"image": image}, None],
+    }
+    worker = VllmGenerationWorker(config)
+    try:
+        started = time.perf_counter() - t0
+        out = worker.generate(data, greedy=bool(args.greedy))
+        media = row_media(data, len(rows), "demo")
+        expanded = worker.engine.expanded_lengths(rows, media or [None] * len(rows))
+    finally:
+        worker.shutdown()
+    lengths = torch.tensor([len(r) for r in rows])
+    for i, completion in enumerate(_completions(out, lengths, tokenizer)):
+        record = {
+            "row": i,
+            "prompt": texts[i],
+            "image_size": list(image.size) if i == 0 else None,
+            "prompt_ids": len(rows[i]),
+            "expanded_prompt_ids": expanded[i],
+            "generated_ids": int(out["generation_lengths"][i]),
+            "completion": completion,
+        }
+        print(json.dumps(record))
+    print(
+        json.dumps({"model": str(model), "start_seconds": round(started, 1), "device": _device()})
+    )
+    return 0
 
 
 def _read_prompts(stream: TextIO) -> list[str]:
@@ -406,6 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--shards", type=int, default=1, help="the table on this many data-parallel Ray shards"
     )
     demo.add_argument("--batch", type=int, help="table rows (default 16)")
+    demo.add_argument("--image", action="store_true", help="an image row on a tiny Idefics3")
     gen = sub.add_parser("generate", help="JSONL prompts in, JSONL completions out")
     gen.add_argument("--model", required=True, help="a local Hugging Face model directory")
     gen.add_argument("--prompts", required=True, help='JSONL file of {"prompt": ...}')
@@ -435,6 +497,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.load_progress = level in ("debug", "info")
     if args.command == "generate":
         return _generate(args)
+    if args.image:
+        return _image_demo(args)
     return _table_demo(args) if args.table else _rl_demo(args)
 
 

@@ -18,8 +18,12 @@ Theory of operation
   different Ray nodes.
 * Every wait is bounded (placement, engine start, each call, shutdown) and its error says
   what was waited for, how long, and on which shard.
-* ``generate``: the batch is checked in the driver first (core ``check_batch``), so a bad
-  row submits nothing anywhere. Core splits it by token cost (``plan_shards``), the shards
+* ``generate``: the batch is checked in the driver first (core ``check_batch``; with media
+  also ``row_media`` and core ``check_media`` against the placeholder id and image limit
+  the first shard reports once, ``multimodal_info``), so a bad row submits nothing
+  anywhere and errors name the batch's own rows. Media (``multi_modal_data``, one entry per
+  row) travel with their rows: ``split_batch`` splits per-row lists like tensors. A media
+  row's cost counts its placeholders as one token each (the driver cannot expand them). Core splits it by token cost (``plan_shards``), the shards
   with rows run concurrently, a shard without rows never calls its actor, and core merges
   the outputs back into input order, padding each shard to the widest with the pad id.
 * A failed fan-out call waits for every shard (within the bound) before it raises, so no
@@ -56,6 +60,7 @@ from genworker.core.counters import (
     merge_snapshots,
     spec_decode_metrics,
 )
+from genworker.core.multimodal import check_media
 from genworker.core.placement import (
     ClusterPlan,
     ShardPlacement,
@@ -73,6 +78,7 @@ from genworker.shell.errors import (
     GroupError,
     unwrap,
 )
+from genworker.shell.media import image_counts, row_media
 
 __all__ = [
     "ClusterSpec",
@@ -258,6 +264,7 @@ class GenerationGroup:
         self._pg: Any = None
         self._dead: dict[int, str] = {}
         self._closed = False
+        self._multimodal: Mapping[str, object] | None = None
         self._owns_ray = _ensure_ray(cluster)
         try:
             self._pg = self._create_placement_group()
@@ -491,8 +498,22 @@ class GenerationGroup:
             BadBatchError,
             "generate batch",
         )
+        media = row_media(data, batch.batch_size, "generate")
         if not batch.lengths:
             return assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id).as_dict()
+        info = self._multimodal_info(timeout_s)
+        placeholder, limit = info.get("image_token_id"), info.get("max_images")
+        if media is not None or placeholder is not None:
+            unwrap(
+                check_media(
+                    batch.prompts,
+                    image_counts(media, batch.batch_size),
+                    placeholder_id=placeholder if isinstance(placeholder, int) else None,
+                    max_images=limit if isinstance(limit, int) else None,
+                ),
+                BadBatchError,
+                "multi_modal_data",
+            )
         plan = plan_shards(batch.lengths, self.num_shards, max_new_tokens=self.cfg.max_new_tokens)
         results = self._run_shards("generate", plan, data, greedy, timeout_s)
         outputs = [_tensor_dict(results.get(rank, {}), rank) for rank in range(self.num_shards)]
@@ -512,6 +533,7 @@ class GenerationGroup:
         prompts = data.get("prompts") if isinstance(data, Mapping) else None
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise BadBatchError("generate_text: data['prompts'] must be a list of str")
+        row_media(data, len(prompts), "generate_text")  # the shape here; the counts per shard
         if not prompts:
             return {"texts": []}
         # Text has no token count before the engine tokenises it; characters stand in.
@@ -532,6 +554,18 @@ class GenerationGroup:
         for row, text in zip(plan.concat_order, texts, strict=True):
             ordered[row] = text
         return {"texts": ordered}
+
+    def _multimodal_info(self, timeout_s: float | None) -> Mapping[str, object]:
+        """The first shard's image placeholder id and image limit (asked once: every shard
+        serves the same model)."""
+        if self._multimodal is None:
+            self._require_usable("multimodal_info")
+            ref = self._actors[0].multimodal_info.remote()
+            info = self._gather("multimodal_info", {0: ref}, timeout_s)[0]
+            if not isinstance(info, Mapping):
+                raise EngineContractError(f"shard 0: multimodal_info returned {info!r:.200}")
+            self._multimodal = info
+        return self._multimodal
 
     def _run_shards(
         self,

@@ -29,8 +29,9 @@ from genworker.core.assembly import assemble_outputs
 from genworker.core.batch import check_batch, check_seeds
 from genworker.core.caps import batch_max_tokens
 from genworker.core.config import WorkerConfig
-from genworker.core.counters import encode_snapshot
+from genworker.core.counters import CACHE_RESETS, CounterSample, encode_snapshot
 from genworker.core.engine_plan import plan_engine_kwargs
+from genworker.core.multimodal import check_context, check_media
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.sampling import SamplingSpec, sampling_spec
 from genworker.core.stops import StopMode, merge_stop_strings
@@ -47,6 +48,7 @@ from genworker.shell.errors import (
     UnsupportedError,
     unwrap,
 )
+from genworker.shell.media import RowMedia, image_counts, row_media
 from genworker.shell.ports import EngineFactory, EnginePort
 
 __all__ = ["EXTENSION_CLS", "ExistingEngine", "VllmGenerationWorker"]
@@ -136,8 +138,11 @@ class VllmGenerationWorker:
         self._state = lifecycle.NOT_LOADED
         self._dead: str | None = None
         #: the last successful refit: each engine worker's report (tensors, bytes, mode,
-        #: seconds and ``phases``), the RPC's seconds, and the prefix-cache reset's
+        #: seconds and ``phases``), the RPC's seconds, and each cache reset's
+        #: (``reset_{prefix,mm,encoder}_cache_seconds``; mm and encoder on multimodal engines)
         self.last_refit: dict[str, object] = {}
+        #: how many times each engine cache was reset (``get_counters`` reports them)
+        self.cache_resets: dict[str, int] = {"prefix": 0, "mm": 0, "encoder": 0}
         if not defer_model_load:
             self.load_model()
 
@@ -307,20 +312,54 @@ class VllmGenerationWorker:
             BadBatchError,
             "generate batch",
         )
+        media = row_media(data, batch.batch_size, "generate")
         if not batch.prompts:
             return assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id).as_dict()
-        specs = self._specs(batch.lengths, data, greedy)
-        generations = self._call(lambda e: e.generate(batch.prompts, specs))
+        context = self._context_lengths(batch.prompts, batch.lengths, media)
+        specs = self._specs(context, data, greedy)
+        generations = self._call(lambda e: e.generate(batch.prompts, specs, media))
         self._state = next_state
         out = assemble_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
-        over = torch.nonzero(out.unpadded_sequence_lengths > caps.max_model_len).flatten()
+        # What the context held: the prompt (expanded, for media rows) plus the generation.
+        held = out.unpadded_sequence_lengths
+        if media is not None:
+            held = torch.tensor(context, dtype=held.dtype) + out.generation_lengths.to(held.dtype)
+        over = torch.nonzero(held > caps.max_model_len).flatten()
         if over.numel():
             raise EngineContractError(
                 f"rows {over.tolist()} came back longer than max_model_len="
-                f"{caps.max_model_len}: lengths "
-                f"{out.unpadded_sequence_lengths[over].tolist()}"
+                f"{caps.max_model_len}: context lengths {held[over].tolist()}"
             )
         return out.as_dict()
+
+    def _context_lengths(
+        self,
+        prompts: Sequence[Sequence[int]],
+        lengths: Sequence[int],
+        media: Sequence[RowMedia | None] | None,
+    ) -> list[int]:
+        """What each prompt holds in the context: its length, or for a media row the length
+        vLLM expands it to, after core checked the images against the placeholders."""
+        caps = self.engine.capabilities
+        if media is None and caps.image_token_id is None:
+            return list(lengths)
+        unwrap(
+            check_media(
+                prompts,
+                image_counts(media, len(prompts)),
+                placeholder_id=caps.image_token_id,
+                max_images=caps.max_images,
+            ),
+            BadBatchError,
+            "multi_modal_data",
+        )
+        if media is None:
+            return list(lengths)
+        expanded = self._call(lambda e: e.expanded_lengths(prompts, media))
+        unwrap(
+            check_context(lengths, expanded, caps.max_model_len), BadBatchError, "multi_modal_data"
+        )
+        return expanded
 
     @_serialized
     def generate_text(
@@ -339,9 +378,12 @@ class VllmGenerationWorker:
             return {"texts": []}
         if empty := [i for i, p in enumerate(prompts) if not p]:
             raise BadBatchError(f"generate_text: prompts {empty} are empty strings")
-        # Text prompts have no known token length here: cap against the shortest prompt.
-        specs = self._specs([1] * len(prompts), data, greedy)
-        texts = self._call(lambda e: e.generate_text(prompts, specs))
+        media = row_media(data, len(prompts), "generate_text")
+        # Tokenised once, here (no second BOS), so caps and media checks see the real ids.
+        ids = self._call(lambda e: e.tokenize(prompts))
+        context = self._context_lengths(ids, [len(p) for p in ids], media)
+        specs = self._specs(context, data, greedy)
+        texts = self._call(lambda e: e.generate_text(ids, specs, media))
         self._state = next_state
         return {"texts": texts}
 
@@ -364,7 +406,7 @@ class VllmGenerationWorker:
         self._require_sleep_mode("sleep")
         if next_state == self._state:
             return
-        self._call(lambda e: e.reset_prefix_cache())
+        self._reset_caches()
         self._call(lambda e: e.sleep(level))
         self._state = next_state
 
@@ -394,6 +436,26 @@ class VllmGenerationWorker:
     def reset_prefix_cache(self) -> None:
         self._state = self._move(lifecycle.Event.RESET_PREFIX_CACHE)
         self._call(lambda e: e.reset_prefix_cache())
+        self.cache_resets["prefix"] += 1
+
+    def _reset_caches(self) -> dict[str, float]:
+        """Reset the prefix cache and, on a multimodal engine, the processed-media and
+        encoder caches (stale after a refit); seconds per reset."""
+        resets: list[tuple[str, Callable[[EnginePort], None]]] = [
+            ("prefix", lambda e: e.reset_prefix_cache())
+        ]
+        if self.engine.capabilities.multimodal:
+            resets += [
+                ("mm", lambda e: e.reset_mm_cache()),
+                ("encoder", lambda e: e.reset_encoder_cache()),
+            ]
+        seconds = {}
+        for name, reset in resets:
+            started = time.monotonic()
+            self._call(reset)
+            seconds[name] = time.monotonic() - started
+            self.cache_resets[name] += 1
+        return seconds
 
     # -- refit ----------------------------------------------------------------------
     @_serialized
@@ -481,12 +543,11 @@ class VllmGenerationWorker:
             EngineStateError,
             "refit",
         )
-        started = time.monotonic()
-        self._call(lambda e: e.reset_prefix_cache())
+        resets = self._reset_caches()
         self.last_refit = {
             "engine_workers": reports,
             "rpc_seconds": rpc_s,
-            "reset_prefix_cache_seconds": time.monotonic() - started,
+            **{f"reset_{name}_cache_seconds": s for name, s in resets.items()},
         }
         return True
 
@@ -497,8 +558,19 @@ class VllmGenerationWorker:
 
     @_serialized
     def get_counters(self) -> dict[str, float | list[float]]:
-        """The engine's Prometheus snapshot, encoded as flat keys (see core.counters)."""
-        return encode_snapshot(self._call(lambda e: e.metrics()))
+        """The engine's Prometheus snapshot and the worker's cache resets
+        (``genworker:cache_resets{cache=...}``), encoded as flat keys (see core.counters)."""
+        resets = [
+            CounterSample.from_counter(CACHE_RESETS, {"cache": name}, count)
+            for name, count in self.cache_resets.items()
+        ]
+        return encode_snapshot([*self._call(lambda e: e.metrics()), *resets])
+
+    def multimodal_info(self) -> dict[str, int | None]:
+        """The engine's image placeholder id and per-prompt image limit (the group checks
+        a batch's media against them before splitting it)."""
+        caps = self.engine.capabilities
+        return {"image_token_id": caps.image_token_id, "max_images": caps.max_images}
 
     @_serialized
     def start_gpu_profiling(self) -> None:

@@ -741,6 +741,27 @@ def nemo_config_dicts(
     _cfg_maybe(draw, vllm_cfg, "sleep_level", st.sampled_from([1, 2]))
     if vllm_cfg.get("precision", "bfloat16") in ("bfloat16", "float16"):
         _cfg_maybe(draw, vllm_cfg, "nvfp4_per_token", st.booleans())
+    _cfg_maybe(
+        draw,
+        vllm_cfg,
+        "limit_mm_per_prompt",
+        st.none()
+        | st.dictionaries(
+            st.sampled_from(["image", "video", "audio"]),
+            st.integers(0, 8)
+            | st.fixed_dictionaries(
+                {"count": st.integers(0, 8)}, optional={"width": st.integers(1, 512)}
+            ),
+            max_size=2,
+        ),
+    )
+    _cfg_maybe(
+        draw,
+        vllm_cfg,
+        "mm_processor_kwargs",
+        st.none() | st.fixed_dictionaries({}, optional={"do_image_splitting": st.booleans()}),
+    )
+    _cfg_maybe(draw, vllm_cfg, "reset_encoder_cache_after_weight_update", st.just(True))
     _cfg_maybe(draw, vllm_cfg, "use_deep_gemm", st.booleans())
     _cfg_maybe(draw, vllm_cfg, "num_first_layers_in_bf16", st.integers(0, 2))
     for name in draw(st.lists(_CFG_NAMES, max_size=2, unique=True)):
@@ -1131,6 +1152,31 @@ _CFG_BREAKERS: list[
         frozenset({"colocated"}),
         _cfg_set("colocated.enabled", st.sampled_from(["yes", 1])),
     ),
+    (
+        "vllm_cfg.limit_mm_per_prompt",
+        frozenset({"vllm_cfg.limit_mm_per_prompt"}),
+        _cfg_set(
+            "vllm_cfg.limit_mm_per_prompt",
+            st.sampled_from([{"image": -1}, {"image": {"width": 2}}, {"image": True}, 3, {1: 2}]),
+        ),
+    ),
+    (
+        "vllm_cfg.mm_processor_kwargs",
+        frozenset({"vllm_cfg.mm_processor_kwargs"}),
+        _cfg_set("vllm_cfg.mm_processor_kwargs", st.sampled_from(["split", [1], {2: 3}])),
+    ),
+    (
+        "vllm_cfg.video",
+        frozenset({"vllm_cfg.video"}),
+        _cfg_set("vllm_cfg.video", st.sampled_from([None, {"num_frames": 8}])),
+    ),
+    (
+        "vllm_cfg.reset_encoder_cache_after_weight_update",
+        frozenset({"vllm_cfg.reset_encoder_cache_after_weight_update"}),
+        _cfg_set(
+            "vllm_cfg.reset_encoder_cache_after_weight_update", st.sampled_from([False, "yes"])
+        ),
+    ),
     ("(config)", frozenset({"(config)"}), _cfg_non_str_key),
 ]
 # Replacing a whole block breaks everything inside it, so it claims every slot inside.
@@ -1200,6 +1246,10 @@ _CFG_VLLM_KEYS = [
     "nvfp4_per_token",
     "enable_prefix_caching",
     "logprobs_mode",
+    "limit_mm_per_prompt",
+    "mm_processor_kwargs",
+    "video",
+    "reset_encoder_cache_after_weight_update",
 ]
 _cfg_wild_leaf = (
     st.none()
@@ -1754,3 +1804,31 @@ def generate_calls(
     )
     broken, key = _FUZZ_DAMAGES[kind](draw, batch)
     return FuzzCall(broken, greedy, False, key, kind)
+
+
+# --- multimodal ---
+class MediaBatch(_NamedTuple):
+    """Token prompts, each row's image count, the placeholder id (None: a text-only
+    model) and the per-prompt image limit (None: unknown)."""
+
+    prompts: list[list[int]]
+    image_counts: list[int]
+    placeholder_id: int | None
+    max_images: int | None
+
+
+@st.composite
+def media_batches(draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 10) -> MediaBatch:
+    """Rows over a tiny vocabulary so placeholder ids occur often (runs of them too), with
+    image counts that match, miss or exceed them."""
+    placeholder = draw(st.none() | st.integers(0, 3))
+    token = st.integers(0, 3)
+    prompts = [
+        draw(st.lists(token, min_size=1, max_size=max_len))
+        for _ in range(draw(st.integers(0, max_rows)))
+    ]
+    counts = []
+    for prompt in prompts:
+        matching = prompt.count(placeholder) if placeholder is not None else 0
+        counts.append(draw(st.sampled_from([matching, 0, matching + 1, max(matching - 1, 0)])))
+    return MediaBatch(prompts, counts, placeholder, draw(st.none() | st.integers(0, 3)))

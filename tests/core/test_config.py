@@ -451,3 +451,49 @@ def test_documented_rejections(changes: dict[object, object], keys: tuple[str, .
     d: dict[object, object] = {k: v for k, v in _minimal().items()}
     d.update(changes)
     assert _problems(d).keys == keys
+
+
+def test_multimodal_keys_are_kept_as_frozen_values_and_round_trip() -> None:
+    limits = {"image": 2, "video": {"count": 0, "num_frames": 8}}
+    d = dict(_minimal())
+    d["vllm_cfg"] = _vllm(
+        limit_mm_per_prompt=limits,
+        mm_processor_kwargs={"do_image_splitting": False},
+        reset_encoder_cache_after_weight_update=True,
+    )
+    c = _parse(d)
+    assert c.vllm.limit_mm_per_prompt == limits
+    assert thaw(c.vllm.limit_mm_per_prompt) == limits
+    assert c.vllm.mm_processor_kwargs == {"do_image_splitting": False}
+    assert "reset_encoder_cache_after_weight_update" not in c.vllm.extras
+    assert _parse(c.to_mapping()) == c
+
+
+@pytest.mark.parametrize(
+    ("vllm_cfg", "key", "says"),
+    [
+        ({"limit_mm_per_prompt": {"image": -1}}, "limit_mm_per_prompt", "image=-1"),
+        ({"limit_mm_per_prompt": {"video": {"num_frames": 8}}}, "limit_mm_per_prompt", "count"),
+        ({"limit_mm_per_prompt": 2}, "limit_mm_per_prompt", "mapping"),
+        ({"mm_processor_kwargs": ["x"]}, "mm_processor_kwargs", "mapping"),
+        ({"video": {"num_frames": 8}}, "video", "video inputs are not supported"),
+        (
+            {"reset_encoder_cache_after_weight_update": False},
+            "reset_encoder_cache_after_weight_update",
+            "resets the encoder and multimodal caches after every refit",
+        ),
+        (
+            {"reset_encoder_cache_after_weight_update": "true"},
+            "reset_encoder_cache_after_weight_update",
+            "true or false",
+        ),
+    ],
+)
+def test_multimodal_keys_it_cannot_honour_are_refused_naming_them(
+    vllm_cfg: dict[str, object], key: str, says: str
+) -> None:
+    d = dict(_minimal())
+    d["vllm_cfg"] = _vllm(**vllm_cfg)
+    error = _problems(d)
+    assert error.keys == (f"vllm_cfg.{key}",)
+    assert says in error.problems[0].message

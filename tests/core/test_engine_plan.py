@@ -34,6 +34,7 @@ from genworker.core.engine_plan import (
     OTEL_TRACES_ENDPOINT,
     OTEL_TRACES_PROTOCOL,
     RESERVED_KEYS,
+    UNSUPPORTED_KEYS,
     EngineKwargsPlan,
     plan_engine_kwargs,
     resolve_prefix_caching,
@@ -567,3 +568,27 @@ def test_explicit_prefix_caching_and_logprobs_mode_reach_the_engine() -> None:
     assert kwargs["logprobs_mode"] == "processed_logprobs"
     assert _plan(_config(), cap=None).kwargs["enable_prefix_caching"] is False
     assert _plan(_config(), cap=(7, 5)).kwargs["enable_prefix_caching"] is False
+
+
+def test_multimodal_config_keys_reach_the_engine() -> None:
+    c = _config(
+        limit_mm_per_prompt={"image": 2, "video": 0},
+        mm_processor_kwargs={"do_image_splitting": False},
+    )
+    kwargs = _plan(c).llm_kwargs()
+    assert kwargs["limit_mm_per_prompt"] == {"image": 2, "video": 0}
+    assert kwargs["mm_processor_kwargs"] == {"do_image_splitting": False}
+    assert "limit_mm_per_prompt" not in _plan(_config()).kwargs
+    through_kwargs = _plan(_with_kwargs(_config(), {"limit_mm_per_prompt": {"image": 1}}))
+    assert through_kwargs.llm_kwargs()["limit_mm_per_prompt"] == {"image": 1}
+
+
+def test_multimodal_keys_in_both_places_or_unsupported_are_problems_naming_them() -> None:
+    c = _with_kwargs(
+        _config(limit_mm_per_prompt={"image": 2}),
+        {"limit_mm_per_prompt": {"image": 1}, "media_io_kwargs": {"video": {"num_frames": 8}}},
+    )
+    error = _failure(c)
+    assert error.keys == ("vllm_kwargs.media_io_kwargs", "vllm_kwargs.limit_mm_per_prompt")
+    assert UNSUPPORTED_KEYS["media_io_kwargs"] in error.problems[0].message
+    assert "keep one" in error.problems[1].message

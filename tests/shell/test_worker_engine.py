@@ -242,6 +242,21 @@ def test_generate_text_returns_texts(worker: VllmGenerationWorker, cpu_llm: LLM)
     assert worker.generate_text({"prompts": []}) == {"texts": []}
 
 
+def test_an_image_for_the_text_only_model_is_refused_and_the_next_batch_served(
+    worker: VllmGenerationWorker,
+) -> None:
+    from PIL import Image
+
+    assert worker.engine.capabilities.image_token_id is None
+    data: dict[str, object] = dict(right_padded([[5, 6], [7, 8, 9]], pad=PAD))
+    data["multi_modal_data"] = [None, {"image": Image.new("RGB", (8, 8))}]
+    with pytest.raises(BadBatchError, match=r"takes no images.*row 1 \(1 images\)"):
+        worker.generate(data)
+    with pytest.raises(BadBatchError, match=r"takes no images.*row 0"):
+        worker.generate_text({"prompts": ["Hi"], "multi_modal_data": data["multi_modal_data"][1:]})  # type: ignore[index]
+    assert worker.generate(right_padded([[5, 6]], pad=PAD))["output_ids"].shape[0] == 1
+
+
 def test_sleep_is_unsupported_on_cpu_and_the_worker_stays_usable(
     worker: VllmGenerationWorker,
 ) -> None:

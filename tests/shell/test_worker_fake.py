@@ -148,8 +148,8 @@ def test_engine_returning_past_the_context_is_a_contract_error(
     worker, engine = worker_engine
     original = engine.generate
 
-    def overlong(prompts: Any, specs: Any) -> Any:
-        gens = original(prompts, specs)
+    def overlong(prompts: Any, specs: Any, media: Any = None) -> Any:
+        gens = original(prompts, specs, media)
         from genworker.core.assembly import Generation
 
         return [

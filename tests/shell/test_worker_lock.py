@@ -26,6 +26,7 @@ from genworker.shell.errors import (
     GenerationAbortedError,
 )
 from genworker.shell.fake_engine import FakeEngine
+from genworker.shell.media import RowMedia
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,7 +66,10 @@ class GatedEngine(FakeEngine):
                 self.inside -= 1
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        media: Sequence[RowMedia | None] | None = None,
     ) -> list[Generation]:
         def run() -> list[Generation]:
             self.entered.set()
@@ -73,7 +77,7 @@ class GatedEngine(FakeEngine):
             if self.on_generate is not None:
                 self.on_generate()
             time.sleep(0.001)  # give a racing caller the chance to overlap
-            return super(GatedEngine, self).generate(prompts, specs)
+            return super(GatedEngine, self).generate(prompts, specs, media)
 
         result: list[Generation] = self._around("generate", run)
         return result

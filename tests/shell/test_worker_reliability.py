@@ -41,6 +41,7 @@ from genworker.shell.errors import (
     EngineStateError,
     GenerationAbortedError,
 )
+from genworker.shell.media import RowMedia
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
@@ -92,12 +93,15 @@ class WatchedEngine(VllmEngine):
                 self._inside -= 1
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        media: Sequence[RowMedia | None] | None = None,
     ) -> list[Generation]:
         def run() -> list[Generation]:
             self.entered.set()
             assert self.gate.wait(DEADLINE_S), "the test never released generate"
-            return super(WatchedEngine, self).generate(prompts, specs)
+            return super(WatchedEngine, self).generate(prompts, specs, media)
 
         result: list[Generation] = self._around("generate", run)
         return result

@@ -5,6 +5,7 @@ import torch
 
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
+from vllm.renderers import BaseRenderer
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.metrics.reader import Metric
@@ -13,6 +14,7 @@ _R = TypeVar("_R")
 
 class LLM:
     llm_engine: LLMEngine
+    renderer: BaseRenderer
     # The keyword arguments are EngineArgs fields (see the allowlist).
     def __init__(self, model: str, **kwargs: object) -> None: ...
     def generate(
@@ -39,6 +41,7 @@ class LLM:
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool: ...
+    def reset_mm_cache(self) -> None: ...
     def get_metrics(self) -> list[Metric]: ...
     def start_profile(self, profile_prefix: str | None = None) -> None: ...
     def stop_profile(self) -> None: ...
