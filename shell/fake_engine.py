@@ -9,12 +9,22 @@ depend on the other rows. It follows vLLM's contract where the worker relies on 
   reason ``"length"``, at a stop token id or the EOS id (unless ``ignore_eos``) with
   ``"stop"``, or when the detokenised output ends with a stop string (kept in the output,
   as with ``include_stop_str_in_output=True``);
+- a prompt longer than ``max_model_len``, or an empty one, is a ``BadBatchError``;
 - sleep level 2 discards weights: generating after it without new weights gives garbage
   in vLLM; here it raises ``FakeEngineMisuse`` so a test sees the worker let it through;
+- sleep and wake follow vLLM's ``Executor`` (``vllm/v1/executor/abstract.py``, 0.32):
+  ``sleep`` does nothing while the weights are asleep (whatever the level), ``wake_up``
+  does nothing when nothing sleeps, and a ``wake_up(tags)`` naming a tag that is awake
+  drops the WHOLE call, waking none of its tags (vllm#31618);
+- the engine's speculative decoding: ``num_speculative_tokens`` in the capabilities is
+  the config's count, or the drafter's (``FakeEngineFactory(draft_tokens=k)``) when the
+  config leaves it out, as vLLM infers it; neither is vLLM's start error;
 - ``fail_next`` injects the failures an engine adapter raises (``BadBatchError`` for a
   request vLLM rejects, ``EngineDeadError`` for a dead engine), as the port promises.
 
-Detokenisation is one letter per token id (``"abcdefghijklmnopqrstuvwxyz"[id % 26]``).
+Detokenisation is one letter per token id (``"abcdefghijklmnopqrstuvwxyz"[id % 26]``);
+text prompts are tokenized one token per letter (``count_tokens``), other characters
+becoming token 0, and an empty prompt one token 0.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ import numpy.typing as npt
 from genworker.core.assembly import Generation
 from genworker.core.counters import CounterSample, MetricSample
 from genworker.core.sampling import SamplingSpec
-from genworker.shell.errors import BadBatchError, EngineDeadError
+from genworker.shell.errors import BadBatchError, BadConfigError, EngineDeadError
 from genworker.shell.ports import EngineCapabilities
 
 __all__ = ["FakeEngine", "FakeEngineFactory", "FakeEngineMisuse", "detokenize"]
@@ -65,6 +75,7 @@ class FakeEngine:
         seed: int = 0,
         sleep_mode: bool = True,
         device: str = "cpu",
+        num_speculative_tokens: int = 0,
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -72,6 +83,7 @@ class FakeEngine:
             vocab_size=vocab_size,
             max_model_len=max_model_len,
             device=device,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self.eos_token_id = eos_token_id
         self.seed = seed
@@ -160,20 +172,29 @@ class FakeEngine:
     def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
         self._enter("generate_text")
         self._check_servable()
-        encoded = [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] or [0] for p in prompts]
-        return [detokenize(g.token_ids) for g in self.generate(encoded, specs)]
+        return [detokenize(g.token_ids) for g in self.generate(_encode(prompts), specs)]
+
+    def count_tokens(self, prompts: Sequence[str]) -> list[int]:
+        self._enter("count_tokens")
+        return [len(p) for p in _encode(prompts)]
 
     # -- memory ----------------------------------------------------------------------
     def sleep(self, level: int) -> None:
         self._enter(f"sleep({level})")
-        self.sleep_level = max(self.sleep_level, level)
+        if "weights" not in self.awake_tags:
+            return  # vLLM: "Executor is already sleeping."
+        self.sleep_level = level
         self.awake_tags.clear()
         if level == 2:
             self.weights_discarded = True
 
     def wake_up(self, tags: Sequence[str] | None) -> None:
         self._enter(f"wake_up({None if tags is None else sorted(tags)})")
-        self.awake_tags |= {"weights", "kv_cache"} if tags is None else set(tags)
+        if self.awake_tags == {"weights", "kv_cache"}:
+            return  # vLLM: "Executor is not sleeping."
+        if tags and any(t in self.awake_tags for t in tags):
+            return  # vLLM: "Tag ... is not in sleeping tags": the whole call is dropped
+        self.awake_tags |= {"weights", "kv_cache"} if not tags else set(tags)
         if self.awake_tags == {"weights", "kv_cache"}:
             self.sleep_level = 0
 
@@ -226,10 +247,18 @@ class FakeEngine:
         self.shut_down = True
 
 
-class FakeEngineFactory:
-    """Starts ``FakeEngine``s for the worker; records the engine kwargs it was given."""
+def _encode(prompts: Sequence[str]) -> list[list[int]]:
+    return [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] or [0] for p in prompts]
 
-    def __init__(self, **engine_options: object) -> None:
+
+class FakeEngineFactory:
+    """Starts ``FakeEngine``s for the worker; records the engine kwargs it was given.
+
+    ``draft_tokens`` is what a drafter would let vLLM infer when a ``speculative_config``
+    has no ``num_speculative_tokens`` (``None``: vLLM's start error)."""
+
+    def __init__(self, *, draft_tokens: int | None = None, **engine_options: object) -> None:
+        self.draft_tokens = draft_tokens
         self.engine_options = engine_options
         self.started: list[tuple[dict[str, object], FakeEngine]] = []
 
@@ -241,6 +270,16 @@ class FakeEngineFactory:
 
     def start(self, kwargs: Mapping[str, object]) -> FakeEngine:
         seed = kwargs.get("seed", 0)
-        engine = FakeEngine(seed=seed if isinstance(seed, int) else 0, **self.engine_options)  # type: ignore[arg-type]
+        options = dict(self.engine_options)
+        spec = kwargs.get("speculative_config")
+        if isinstance(spec, Mapping):
+            k = spec.get("num_speculative_tokens", self.draft_tokens)
+            if not isinstance(k, int):
+                raise BadConfigError(
+                    "the fake engine failed to start: `num_speculative_tokens` was not "
+                    "provided and the drafter does not say"
+                )
+            options["num_speculative_tokens"] = k
+        engine = FakeEngine(seed=seed if isinstance(seed, int) else 0, **options)  # type: ignore[arg-type]
         self.started.append((dict(kwargs), engine))
         return engine

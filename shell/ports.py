@@ -28,6 +28,9 @@ class EngineCapabilities:
     max_model_len: int
     device: str
     sampling_args: frozenset[str] | None = None
+    #: draft tokens per step of the engine's speculative decoding (0: none); the per-row
+    #: caps reserve k + 1 slots for it
+    num_speculative_tokens: int = 0
 
 
 class EnginePort(Protocol):
@@ -44,6 +47,10 @@ class EnginePort(Protocol):
 
     def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
         """One completion text per prompt, in prompt order."""
+        ...
+
+    def count_tokens(self, prompts: Sequence[str]) -> list[int]:
+        """How many tokens each text prompt becomes, tokenized as ``generate_text`` does."""
         ...
 
     def sleep(self, level: int) -> None: ...

@@ -20,6 +20,14 @@ Theory of operation
   validation; not a ``ValueError`` in 0.32) become ``BadBatchError``. ``LLM.generate``
   aborts the requests it already added when one is rejected (``_render_and_add_requests``
   in vllm/entrypoints/common/offline.py, 0.32), so the engine keeps serving.
+- ``count_tokens`` encodes with the engine's own tokenizer as ``LLM.generate`` does for a
+  text prompt (``tokenizer.encode`` with special tokens, vllm/renderers/base.py, 0.32), so
+  ``generate_text``'s per-row caps count what the engine sees; an engine started with
+  ``skip_tokenizer_init`` has no tokenizer and takes no text prompts.
+- ``num_speculative_tokens`` in the capabilities is what vLLM resolved at start
+  (``vllm_config.speculative_config``: inferred from the drafter when the config left it
+  out).
+- ``use_tqdm`` (``vllm_cfg.use_tqdm``) is passed to every ``LLM.generate``.
 - ``collective_rpc`` with a timeout waits on a daemon thread for at most that long: the
   in-process executor ignores vLLM's own ``timeout`` (vllm/v1/executor/uniproc_executor.py,
   0.32). Expiry means the engine is wedged: ``EngineDeadError``.
@@ -34,7 +42,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -90,8 +98,16 @@ def engine_arg_names() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(EngineArgs))
 
 
+class _Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
 class VllmEngineFactory:
-    """:class:`~genworker.shell.ports.EngineFactory` for the installed vLLM."""
+    """:class:`~genworker.shell.ports.EngineFactory` for the installed vLLM; ``use_tqdm``
+    shows vLLM's progress bar in every generate call of the engines it starts."""
+
+    def __init__(self, *, use_tqdm: bool = False) -> None:
+        self.use_tqdm = use_tqdm
 
     def arg_names(self) -> frozenset[str] | None:
         return engine_arg_names()
@@ -101,7 +117,7 @@ class VllmEngineFactory:
         return None if capability is None else (capability.major, capability.minor)
 
     def start(self, kwargs: Mapping[str, object]) -> VllmEngine:
-        return VllmEngine.start(kwargs)
+        return VllmEngine.start(kwargs, use_tqdm=self.use_tqdm)
 
 
 def sampling_params(spec: SamplingSpec, known: frozenset[str] | None = None) -> SamplingParams:
@@ -139,10 +155,12 @@ def _translated(call: str, *, request: bool = False, profiling: bool = False) ->
 class VllmEngine:
     """:class:`~genworker.shell.ports.EnginePort` over one ``vllm.LLM``."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, *, use_tqdm: bool = False) -> None:
         self._llm: LLM | None = llm
+        self._use_tqdm = use_tqdm
         config = llm.llm_engine.vllm_config
         model = config.model_config
+        spec = config.speculative_config
         self._extension = bool(config.parallel_config.worker_extension_cls)
         self._log_stats = llm.llm_engine.log_stats
         sampling_args = _sampling_arg_names()
@@ -153,10 +171,12 @@ class VllmEngine:
             max_model_len=model.max_model_len,
             device=current_platform.device_type,
             sampling_args=sampling_args,
+            num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
         )
+        self._skip_tokenizer = model.skip_tokenizer_init
 
     @classmethod
-    def start(cls, kwargs: Mapping[str, object]) -> VllmEngine:
+    def start(cls, kwargs: Mapping[str, object], *, use_tqdm: bool = False) -> VllmEngine:
         """Start a ``vllm.LLM`` with these keyword arguments; failures are BadConfigError."""
         rest = dict(kwargs)
         model = rest.pop("model", None)
@@ -166,7 +186,7 @@ class VllmEngine:
             llm = LLM(model, **rest)
         except Exception as e:
             raise BadConfigError(f"vLLM failed to start on {model!r}: {e}") from e
-        return cls(llm)
+        return cls(llm, use_tqdm=use_tqdm)
 
     @property
     def llm(self) -> LLM:
@@ -204,7 +224,7 @@ class VllmEngine:
         with _translated("generate", request=True):
             params = self._params(specs)
             token_prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-            outputs = llm.generate(token_prompts, params, use_tqdm=False)
+            outputs = llm.generate(token_prompts, params, use_tqdm=self._use_tqdm)
         return _generations([out.outputs[0] for out in outputs])
 
     def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
@@ -212,8 +232,19 @@ class VllmEngine:
             raise BadBatchError(f"generate_text: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
         with _translated("generate_text", request=True):
-            outputs = llm.generate(list(prompts), self._params(specs), use_tqdm=False)
+            outputs = llm.generate(list(prompts), self._params(specs), use_tqdm=self._use_tqdm)
         return [out.outputs[0].text for out in outputs]
+
+    def count_tokens(self, prompts: Sequence[str]) -> list[int]:
+        if self._skip_tokenizer:
+            raise UnsupportedError(
+                "text prompts need a tokenizer: the engine was started with "
+                "skip_tokenizer_init=True"
+            )
+        llm = self.llm
+        with _translated("count_tokens"):
+            tokenizer = cast(_Tokenizer, llm.get_tokenizer())
+            return [len(tokenizer.encode(p)) for p in prompts]
 
     # -- memory ---------------------------------------------------------------------
     def _require_sleep_mode(self, call: str) -> None:

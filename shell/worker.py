@@ -4,6 +4,12 @@ The worker is a thin shell: every decision is a core function (config, batch che
 stop strings, sampling specs, output assembly, lifecycle), the only effects are calls on
 the engine port. Each call first asks core's lifecycle table whether it is allowed, so a
 refused call touches nothing; an engine that dies marks the worker unusable.
+
+A row without room left in the context (``core.caps.cap_rows``: with speculative decoding
+the drafter's k + 1 slots count too) is refused alone: it comes back unchanged with
+generation length 0 (``generate_text``: an empty text), it is named in a warning and in
+``last_refused_rows``, and the other rows generate. Multimodal rows (``vllm_images``,
+``vllm_audios``, ``vllm_videos``) are refused: multimodal generation is not supported yet.
 """
 
 from __future__ import annotations
@@ -11,18 +17,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
 
 from genworker.core import lifecycle
-from genworker.core.assembly import assemble_outputs
+from genworker.core.assembly import Generation, assemble_outputs
 from genworker.core.batch import check_batch
-from genworker.core.caps import batch_max_tokens
+from genworker.core.caps import cap_rows
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import encode_snapshot
 from genworker.core.engine_plan import plan_engine_kwargs
+from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.sampling import SamplingSpec, sampling_spec
 from genworker.core.stops import StopMode, merge_stop_strings
@@ -38,6 +45,7 @@ from genworker.shell.errors import (
     UnsupportedError,
     unwrap,
 )
+from genworker.shell.host import ephemeral_ports, vllm_cache_root
 from genworker.shell.ports import EngineFactory, EnginePort
 
 __all__ = ["EXTENSION_CLS", "ExistingEngine", "VllmGenerationWorker"]
@@ -72,10 +80,14 @@ class ExistingEngine:
         return self.engine
 
 
-def _default_factory() -> EngineFactory:
+def _default_factory(config: WorkerConfig) -> EngineFactory:
     from genworker.shell.vllm_engine import VllmEngineFactory
 
-    return VllmEngineFactory()
+    return VllmEngineFactory(use_tqdm=config.vllm.use_tqdm)
+
+
+_MULTIMODAL_KEYS = ("vllm_images", "vllm_audios", "vllm_videos")
+_NO_ROOM = Generation(token_ids=(), logprobs=(), finish_reason="abort")
 
 
 class VllmGenerationWorker:
@@ -109,6 +121,8 @@ class VllmGenerationWorker:
         #: the last successful refit: each engine worker's report (tensors, bytes, mode,
         #: seconds and ``phases``), the RPC's seconds, and the prefix-cache reset's
         self.last_refit: dict[str, object] = {}
+        #: rows of the last generate / generate_text refused for want of room (see above)
+        self.last_refused_rows: tuple[int, ...] = ()
         if not defer_model_load:
             self.load_model()
 
@@ -117,29 +131,39 @@ class VllmGenerationWorker:
     def configure_worker(
         num_gpus: float,
         bundle_indices: tuple[int, Sequence[int]] | None = None,
-        num_gpus_per_node: int = 8,
-        cache_base_dir: str | None = None,
-    ) -> tuple[dict[str, object], dict[str, str], dict[str, object]]:
-        """NeMo-RL's static placement hook: ``(resources, env_vars, init_kwargs)``."""
-        base = cache_base_dir or os.path.join(os.path.expanduser("~"), ".cache")
+        num_gpus_per_node: int | None = None,
+        *,
+        cache_root: str | None = None,
+    ) -> tuple[dict[str, object], dict[str, str], dict[str, object], dict[str, object]]:
+        """NeMo-RL's static placement hook: ``(resources, env_vars, init_kwargs,
+        runtime_env)`` (``runtime_env`` is empty: no nsight profiling).
+
+        ``VLLM_CACHE_ROOT`` is ``<cache_root>_<seed>``, ``cache_root`` defaulting to the
+        inherited ``VLLM_CACHE_ROOT`` or ``~/.cache/vllm``; ``VLLM_PORT`` stays below this
+        host's ephemeral port range or the call fails naming the range."""
+        size = 1
+        if isinstance(bundle_indices, tuple | list) and len(bundle_indices) == 2:
+            ids = bundle_indices[1]
+            size = len(ids) if isinstance(ids, Sequence) and ids else 1
         plan = unwrap(
             plan_placement(
                 num_gpus,
                 bundle_indices,
                 num_gpus_per_node,
-                cache_base_dir=base,
+                cache_root=cache_root or vllm_cache_root(),
                 # NeMo-RL's hook infers the tied group from the bundle count.
-                tensor_parallel_size=1 if bundle_indices is None else len(bundle_indices[1]),
+                tensor_parallel_size=size,
+                ephemeral_ports=ephemeral_ports(),
             ),
             BadConfigError,
             "configure_worker",
         )
-        return dict(plan.resources), dict(plan.env_vars), dict(plan.init_kwargs)
+        return dict(plan.resources), dict(plan.env_vars), dict(plan.init_kwargs), {}
 
     def load_model(self) -> None:
         """Start the engine (the deferred half of ``__init__``)."""
         self._move(lifecycle.Event.LOAD)
-        factory = self._factory or _default_factory()
+        factory = self._factory or _default_factory(self.cfg)
         capability = factory.gpu_capability()
         plan = unwrap(
             plan_engine_kwargs(
@@ -157,12 +181,22 @@ class VllmGenerationWorker:
         if plan.dropped:
             log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
         os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
+        self.forward_env(self.cfg.vllm.env_vars)
         self._engine = factory.start(plan.llm_kwargs())
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
             EngineStateError,
             "load_model",
         )
+
+    @staticmethod
+    def forward_env(names: Iterable[str]) -> None:
+        """Have vLLM's Ray executor copy these variables into its engine workers
+        (``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``); an in-process engine inherits them anyway."""
+        names = list(names)
+        if names:
+            existing = os.environ.get(RAY_EXTRA_ENV_VARS, "")
+            os.environ[RAY_EXTRA_ENV_VARS] = forwarded_env_names(existing, names)
 
     # -- state ----------------------------------------------------------------------
     @property
@@ -214,7 +248,9 @@ class VllmGenerationWorker:
     # -- generation -----------------------------------------------------------------
     def _specs(
         self, lengths: Sequence[int], data: Mapping[str, object], greedy: bool
-    ) -> list[SamplingSpec]:
+    ) -> list[SamplingSpec | None]:
+        """One spec per row; ``None`` for a row without room (refused alone, named in
+        ``last_refused_rows`` and a warning)."""
         caps = self.engine.capabilities
         per_sample_stops = data.get("stop_strings")
         seeds = _seeds(data.get("seeds"), len(lengths))
@@ -228,20 +264,26 @@ class VllmGenerationWorker:
             BadBatchError,
             "stop_strings",
         )
-        max_tokens = unwrap(
-            batch_max_tokens(
+        rows = unwrap(
+            cap_rows(
                 self.cfg.max_new_tokens,
                 lengths,
                 caps.max_model_len,
                 cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
-                num_speculative_tokens=self.cfg.num_speculative_tokens,
+                num_speculative_tokens=caps.num_speculative_tokens,
             ),
             BadBatchError,
             "max tokens",
         )
+        self.last_refused_rows = rows.refused_rows
+        if rows.refused is not None:
+            log.warning("generating without the rows that have no room left: %s", rows.refused)
         made: dict[tuple[int, tuple[str, ...], int | None], SamplingSpec] = {}
-        specs = []
-        for m, s, seed in zip(max_tokens, stops, seeds, strict=True):
+        specs: list[SamplingSpec | None] = []
+        for m, s, seed in zip(rows.max_tokens, stops, seeds, strict=True):
+            if m == 0:
+                specs.append(None)
+                continue
             key = (m, tuple(s), seed)
             spec = made.get(key)
             if spec is None:  # rows alike share one (immutable) spec
@@ -274,10 +316,25 @@ class VllmGenerationWorker:
             BadBatchError,
             "generate batch",
         )
+        _refuse_multimodal(data)
         if not batch.prompts:
+            self.last_refused_rows = ()
             return assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id).as_dict()
         specs = self._specs(batch.lengths, data, greedy)
-        generations = self._call(lambda e: e.generate(batch.prompts, specs))
+        kept = [i for i, spec in enumerate(specs) if spec is not None]
+        if len(kept) == len(specs):
+            generations = self._call(lambda e: e.generate(batch.prompts, specs))  # type: ignore[arg-type]
+        else:
+            generations = [_NO_ROOM] * len(specs)
+            if kept:
+                made = self._call(
+                    lambda e: e.generate(
+                        [batch.prompts[i] for i in kept],
+                        [spec for spec in specs if spec is not None],
+                    )
+                )
+                for i, generation in zip(kept, made, strict=True):
+                    generations[i] = generation
         self._state = next_state
         out = assemble_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
         over = torch.nonzero(out.unpadded_sequence_lengths > caps.max_model_len).flatten()
@@ -303,9 +360,24 @@ class VllmGenerationWorker:
             return {"texts": []}
         if empty := [i for i, p in enumerate(prompts) if not p]:
             raise BadBatchError(f"generate_text: prompts {empty} are empty strings")
-        # Text prompts have no known token length here: cap against the shortest prompt.
-        specs = self._specs([1] * len(prompts), data, greedy)
-        texts = self._call(lambda e: e.generate_text(prompts, specs))
+        lengths = self._call(lambda e: e.count_tokens(prompts))
+        caps = self.engine.capabilities
+        if too_long := [i for i, n in enumerate(lengths) if n > caps.max_model_len]:
+            raise BadBatchError(
+                f"generate_text: prompts {too_long} are longer than max_model_len="
+                f"{caps.max_model_len} tokens ({[lengths[i] for i in too_long]})"
+            )
+        specs = self._specs(lengths, data, greedy)
+        kept = [i for i, spec in enumerate(specs) if spec is not None]
+        texts = [""] * len(prompts)
+        if kept:
+            made = self._call(
+                lambda e: e.generate_text(
+                    [prompts[i] for i in kept], [spec for spec in specs if spec is not None]
+                )
+            )
+            for i, text in zip(kept, made, strict=True):
+                texts[i] = text
         self._state = next_state
         return {"texts": texts}
 
@@ -412,6 +484,8 @@ class VllmGenerationWorker:
             raise RefitError(f"{method} failed on the engine workers: {e}") from e
 
     def _refit(self, method: str, timeout_s: float) -> bool:
+        """The refit RPC, then the prefix-cache reset; the weights count as valid only when
+        both succeeded (a cache still holding KV of the old weights would serve it)."""
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         try:
             started = time.monotonic()
@@ -421,6 +495,16 @@ class VllmGenerationWorker:
                 )
             )
             rpc_s = time.monotonic() - started
+            started = time.monotonic()
+            try:
+                self._call(lambda e: e.reset_prefix_cache())
+            except EngineStateError as e:
+                raise RefitError(
+                    f"{method}: the new weights are in, but resetting the prefix cache failed "
+                    f"({e}), so it may still serve KV computed with the old weights; the "
+                    "weights count as inconsistent until a refit succeeds"
+                ) from e
+            reset_s = time.monotonic() - started
         except BaseException as e:
             self._state = unwrap(
                 lifecycle.transition(self._state, lifecycle.Event.REFIT_FAILED),
@@ -435,12 +519,10 @@ class VllmGenerationWorker:
             EngineStateError,
             "refit",
         )
-        started = time.monotonic()
-        self._call(lambda e: e.reset_prefix_cache())
         self.last_refit = {
             "engine_workers": reports,
             "rpc_seconds": rpc_s,
-            "reset_prefix_cache_seconds": time.monotonic() - started,
+            "reset_prefix_cache_seconds": reset_s,
         }
         return True
 
@@ -512,3 +594,21 @@ def _seeds(value: object, batch_size: int) -> list[int | None]:
     if bad:
         raise BadBatchError(f"data['seeds'] rows {bad} are not non-negative ints")
     return list(value)
+
+
+def _refuse_multimodal(data: Mapping[str, object]) -> None:
+    """Refuse rows carrying images, audio or video (NeMo-RL's ``vllm_*`` side channels)."""
+    for key in _MULTIMODAL_KEYS:
+        value = data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list | tuple):
+            raise BadBatchError(
+                f"generate: data[{key!r}] is given ({type(value).__name__}): multimodal "
+                "generation is not supported yet"
+            )
+        if rows := [i for i, entry in enumerate(value) if entry]:
+            raise BadBatchError(
+                f"generate: data[{key!r}] carries media (rows {rows}): multimodal generation "
+                "is not supported yet"
+            )
