@@ -20,9 +20,11 @@ log = logging.getLogger(__name__)
 PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
-def ephemeral_ports(path: str = PORT_RANGE_FILE) -> tuple[int, int]:
-    """The host's ephemeral port range; Linux's default where ``path`` does not exist
-    (not Linux). A file that exists but does not parse is a :class:`BadConfigError`."""
+def ephemeral_ports(path: str | None = None) -> tuple[int, int]:
+    """The host's ephemeral port range (``path``: :data:`PORT_RANGE_FILE`); Linux's default
+    where the file does not exist (not Linux). A file that does not parse is a
+    :class:`BadConfigError`."""
+    path = PORT_RANGE_FILE if path is None else path
     try:
         with open(path, encoding="ascii") as f:
             text = f.read()

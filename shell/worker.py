@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
@@ -87,6 +88,23 @@ def _default_factory(config: WorkerConfig) -> EngineFactory:
 
 
 _MULTIMODAL_KEYS = ("vllm_images", "vllm_audios", "vllm_videos")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def checked_env_names(names: Sequence[str] | None) -> tuple[str, ...]:
+    """``extra_env_vars`` as a tuple of variable names, or BadArgumentError."""
+    if names is None:
+        return ()
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise BadArgumentError(
+            f"extra_env_vars must be a list of environment variable names, got {names!r}"
+        )
+    bad = [n for n in names if not isinstance(n, str) or not _ENV_NAME.fullmatch(n)]
+    if bad:
+        raise BadArgumentError(f"extra_env_vars: not environment variable names: {bad!r}")
+    return tuple(names)
+
+
 _NO_ROOM = Generation(token_ids=(), logprobs=(), finish_reason="abort")
 
 
@@ -99,7 +117,7 @@ class VllmGenerationWorker:
         bundle_indices: Sequence[int] | None = None,
         fraction_of_gpus: float = 1.0,
         seed: int | None = None,
-        extra_env_vars: Mapping[str, str] | None = None,
+        extra_env_vars: Sequence[str] | None = None,
         defer_model_load: bool = False,
         *,
         engine_factory: EngineFactory | None = None,
@@ -112,8 +130,9 @@ class VllmGenerationWorker:
         self.fraction_of_gpus = fraction_of_gpus
         self.seed = seed if seed is not None else (self.cfg.seed or 0)
         self.stop_mode = stop_mode
-        if extra_env_vars:
-            os.environ.update(extra_env_vars)
+        #: variables (names) vLLM's Ray workers inherit from this process, as NeMo-RL's
+        #: ``extra_env_vars``; ``vllm_cfg.env_vars`` are exported and forwarded as well
+        self.extra_env_vars = checked_env_names(extra_env_vars)
         self._factory = engine_factory
         self._engine: EnginePort | None = None
         self._state = lifecycle.NOT_LOADED
@@ -181,7 +200,7 @@ class VllmGenerationWorker:
         if plan.dropped:
             log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
         os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
-        self.forward_env(self.cfg.vllm.env_vars)
+        self.forward_env([*self.cfg.vllm.env_vars, *self.extra_env_vars])
         self._engine = factory.start(plan.llm_kwargs())
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
