@@ -93,6 +93,8 @@ class FakeEngine:
         self.weights_discarded = False
         self.calls: list[str] = []
         self.requests: list[tuple[list[int], SamplingSpec]] = []
+        #: each generate call's use_tqdm (the fake draws no progress bar)
+        self.progress_bars: list[bool] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefix_cache_resets = 0
@@ -150,9 +152,14 @@ class FakeEngine:
         )
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        *,
+        use_tqdm: bool = False,
     ) -> list[Generation]:
         self._enter("generate")
+        self.progress_bars.append(use_tqdm)
         self._check_servable()
         if len(prompts) != len(specs):
             raise FakeEngineMisuse("one sampling spec per prompt")
@@ -169,10 +176,13 @@ class FakeEngine:
             out.append(generation)
         return out
 
-    def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
+    def generate_text(
+        self, prompts: Sequence[str], specs: Sequence[SamplingSpec], *, use_tqdm: bool = False
+    ) -> list[str]:
         self._enter("generate_text")
         self._check_servable()
-        return [detokenize(g.token_ids) for g in self.generate(_encode(prompts), specs)]
+        generations = self.generate(_encode(prompts), specs, use_tqdm=use_tqdm)
+        return [detokenize(g.token_ids) for g in generations]
 
     def count_tokens(self, prompts: Sequence[str]) -> list[int]:
         self._enter("count_tokens")

@@ -40,12 +40,19 @@ class EnginePort(Protocol):
     def capabilities(self) -> EngineCapabilities: ...
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        *,
+        use_tqdm: bool = False,
     ) -> list[Generation]:
-        """One Generation per prompt, in prompt order; ``specs[i]`` applies to prompt i."""
+        """One Generation per prompt, in prompt order; ``specs[i]`` applies to prompt i.
+        ``use_tqdm`` shows the engine's progress bar."""
         ...
 
-    def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
+    def generate_text(
+        self, prompts: Sequence[str], specs: Sequence[SamplingSpec], *, use_tqdm: bool = False
+    ) -> list[str]:
         """One completion text per prompt, in prompt order."""
         ...
 

@@ -27,7 +27,7 @@ Theory of operation
 - ``num_speculative_tokens`` in the capabilities is what vLLM resolved at start
   (``vllm_config.speculative_config``: inferred from the drafter when the config left it
   out).
-- ``use_tqdm`` (``vllm_cfg.use_tqdm``) is passed to every ``LLM.generate``.
+- ``use_tqdm`` (the worker passes ``vllm_cfg.use_tqdm``) goes to ``LLM.generate``.
 - ``collective_rpc`` with a timeout waits on a daemon thread for at most that long: the
   in-process executor ignores vLLM's own ``timeout`` (vllm/v1/executor/uniproc_executor.py,
   0.32). Expiry means the engine is wedged: ``EngineDeadError``.
@@ -103,11 +103,7 @@ class _Tokenizer(Protocol):
 
 
 class VllmEngineFactory:
-    """:class:`~genworker.shell.ports.EngineFactory` for the installed vLLM; ``use_tqdm``
-    shows vLLM's progress bar in every generate call of the engines it starts."""
-
-    def __init__(self, *, use_tqdm: bool = False) -> None:
-        self.use_tqdm = use_tqdm
+    """:class:`~genworker.shell.ports.EngineFactory` for the installed vLLM."""
 
     def arg_names(self) -> frozenset[str] | None:
         return engine_arg_names()
@@ -117,7 +113,7 @@ class VllmEngineFactory:
         return None if capability is None else (capability.major, capability.minor)
 
     def start(self, kwargs: Mapping[str, object]) -> VllmEngine:
-        return VllmEngine.start(kwargs, use_tqdm=self.use_tqdm)
+        return VllmEngine.start(kwargs)
 
 
 def sampling_params(spec: SamplingSpec, known: frozenset[str] | None = None) -> SamplingParams:
@@ -155,9 +151,8 @@ def _translated(call: str, *, request: bool = False, profiling: bool = False) ->
 class VllmEngine:
     """:class:`~genworker.shell.ports.EnginePort` over one ``vllm.LLM``."""
 
-    def __init__(self, llm: LLM, *, use_tqdm: bool = False) -> None:
+    def __init__(self, llm: LLM) -> None:
         self._llm: LLM | None = llm
-        self._use_tqdm = use_tqdm
         config = llm.llm_engine.vllm_config
         model = config.model_config
         spec = config.speculative_config
@@ -176,7 +171,7 @@ class VllmEngine:
         self._skip_tokenizer = model.skip_tokenizer_init
 
     @classmethod
-    def start(cls, kwargs: Mapping[str, object], *, use_tqdm: bool = False) -> VllmEngine:
+    def start(cls, kwargs: Mapping[str, object]) -> VllmEngine:
         """Start a ``vllm.LLM`` with these keyword arguments; failures are BadConfigError."""
         rest = dict(kwargs)
         model = rest.pop("model", None)
@@ -186,7 +181,7 @@ class VllmEngine:
             llm = LLM(model, **rest)
         except Exception as e:
             raise BadConfigError(f"vLLM failed to start on {model!r}: {e}") from e
-        return cls(llm, use_tqdm=use_tqdm)
+        return cls(llm)
 
     @property
     def llm(self) -> LLM:
@@ -216,7 +211,11 @@ class VllmEngine:
         return [p for p in per_row if p is not None]
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        *,
+        use_tqdm: bool = False,
     ) -> list[Generation]:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate: {len(prompts)} prompts but {len(specs)} specs")
@@ -224,15 +223,17 @@ class VllmEngine:
         with _translated("generate", request=True):
             params = self._params(specs)
             token_prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-            outputs = llm.generate(token_prompts, params, use_tqdm=self._use_tqdm)
+            outputs = llm.generate(token_prompts, params, use_tqdm=use_tqdm)
         return _generations([out.outputs[0] for out in outputs])
 
-    def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
+    def generate_text(
+        self, prompts: Sequence[str], specs: Sequence[SamplingSpec], *, use_tqdm: bool = False
+    ) -> list[str]:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate_text: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
         with _translated("generate_text", request=True):
-            outputs = llm.generate(list(prompts), self._params(specs), use_tqdm=self._use_tqdm)
+            outputs = llm.generate(list(prompts), self._params(specs), use_tqdm=use_tqdm)
         return [out.outputs[0].text for out in outputs]
 
     def count_tokens(self, prompts: Sequence[str]) -> list[int]:

@@ -81,10 +81,10 @@ class ExistingEngine:
         return self.engine
 
 
-def _default_factory(config: WorkerConfig) -> EngineFactory:
+def _default_factory() -> EngineFactory:
     from genworker.shell.vllm_engine import VllmEngineFactory
 
-    return VllmEngineFactory(use_tqdm=config.vllm.use_tqdm)
+    return VllmEngineFactory()
 
 
 _MULTIMODAL_KEYS = ("vllm_images", "vllm_audios", "vllm_videos")
@@ -182,7 +182,7 @@ class VllmGenerationWorker:
     def load_model(self) -> None:
         """Start the engine (the deferred half of ``__init__``)."""
         self._move(lifecycle.Event.LOAD)
-        factory = self._factory or _default_factory(self.cfg)
+        factory = self._factory or _default_factory()
         capability = factory.gpu_capability()
         plan = unwrap(
             plan_engine_kwargs(
@@ -341,8 +341,11 @@ class VllmGenerationWorker:
             return assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id).as_dict()
         specs = self._specs(batch.lengths, data, greedy)
         kept = [i for i, spec in enumerate(specs) if spec is not None]
+        progress = self.cfg.vllm.use_tqdm
         if len(kept) == len(specs):
-            generations = self._call(lambda e: e.generate(batch.prompts, specs))  # type: ignore[arg-type]
+            generations = self._call(
+                lambda e: e.generate(batch.prompts, specs, use_tqdm=progress)  # type: ignore[arg-type]
+            )
         else:
             generations = [_NO_ROOM] * len(specs)
             if kept:
@@ -350,6 +353,7 @@ class VllmGenerationWorker:
                     lambda e: e.generate(
                         [batch.prompts[i] for i in kept],
                         [spec for spec in specs if spec is not None],
+                        use_tqdm=progress,
                     )
                 )
                 for i, generation in zip(kept, made, strict=True):
@@ -392,7 +396,9 @@ class VllmGenerationWorker:
         if kept:
             made = self._call(
                 lambda e: e.generate_text(
-                    [prompts[i] for i in kept], [spec for spec in specs if spec is not None]
+                    [prompts[i] for i in kept],
+                    [spec for spec in specs if spec is not None],
+                    use_tqdm=self.cfg.vllm.use_tqdm,
                 )
             )
             for i, text in zip(kept, made, strict=True):

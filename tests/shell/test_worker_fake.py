@@ -232,8 +232,8 @@ def test_engine_returning_past_the_context_is_a_contract_error(
     worker, engine = worker_engine
     original = engine.generate
 
-    def overlong(prompts: Any, specs: Any) -> Any:
-        gens = original(prompts, specs)
+    def overlong(prompts: Any, specs: Any, **options: Any) -> Any:
+        gens = original(prompts, specs, **options)
         from genworker.core.assembly import Generation
 
         return [
