@@ -227,22 +227,9 @@ class NemoRlGenerationWorker:
         return self.last_refit_error
 
     def _refit(self, method: str, refit_timeout_s: float | None) -> bool:
+        timeout_s = _DEFAULT_REFIT_TIMEOUT_S if refit_timeout_s is None else refit_timeout_s
         try:
-            worker = self._owner(method)
-            if refit_timeout_s is None:
-                timeout_s = _DEFAULT_REFIT_TIMEOUT_S
-            elif (
-                isinstance(refit_timeout_s, bool)
-                or not isinstance(refit_timeout_s, int | float)
-                or not 0 < refit_timeout_s < float("inf")
-            ):
-                raise BadArgumentError(
-                    f"{method}: refit_timeout_s must be a positive number of seconds or None, "
-                    f"got {refit_timeout_s!r}"
-                )
-            else:
-                timeout_s = float(refit_timeout_s)
-            ok = getattr(worker, method)(timeout_s)
+            ok = getattr(self._owner(method), method)(timeout_s=timeout_s)
         except GenworkerError as e:
             self.last_refit_error = e
             log.warning("%s failed (%s: %s)", method, type(e).__name__, e, exc_info=e)

@@ -15,6 +15,7 @@ generation length 0 (``generate_text``: an empty text), it is named in a warning
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import time
@@ -511,6 +512,14 @@ class VllmGenerationWorker:
     def _refit(self, method: str, timeout_s: float) -> bool:
         """The refit RPC, then the prefix-cache reset; the weights count as valid only when
         both succeeded (a cache still holding KV of the old weights would serve it)."""
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, int | float)
+            or not 0 < timeout_s < math.inf
+        ):
+            raise BadArgumentError(
+                f"{method}: timeout_s must be a positive number of seconds, got {timeout_s!r}"
+            )
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         try:
             started = time.monotonic()

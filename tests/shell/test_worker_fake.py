@@ -311,6 +311,17 @@ def test_refit_failure_makes_weights_inconsistent_until_a_good_refit(
     assert not torch.equal(before["output_ids"], after["output_ids"])
 
 
+@pytest.mark.parametrize("timeout", [None, 0, -5.0, float("nan"), float("inf"), "60", True])
+def test_a_bad_refit_timeout_is_refused_before_the_refit_starts(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine], timeout: object
+) -> None:
+    worker, engine = worker_engine
+    with pytest.raises(BadArgumentError, match="timeout_s"):
+        worker.update_weights_from_collective(timeout_s=timeout)  # type: ignore[arg-type]
+    assert worker.state == lifecycle.AWAKE
+    assert not any(c.startswith("rpc:") for c in engine.calls)
+
+
 def test_level2_refit_sequence_serves_new_weights(
     worker_engine: tuple[VllmGenerationWorker, FakeEngine],
 ) -> None:
