@@ -15,28 +15,35 @@ from genworker.core.batch import BatchError, CheckedBatch, check_batch, extract_
 from genworker.core.caps import (
     CapArgumentError,
     CapError,
+    RowCaps,
     batch_max_tokens,
+    cap_rows,
     context_cap,
     request_max_tokens,
     spec_decode_cap,
 )
 from genworker.core.config import ConfigError, ConfigProblem, VllmConfig, WorkerConfig
+from genworker.core.config_keys import KEYS, Fate, KeyRule, check_keys
 from genworker.core.counters import (
     decode_snapshot,
     encode_snapshot,
     merge_snapshots,
     spec_decode_metrics,
     step_deltas,
+    values_by_name,
 )
 from genworker.core.engine_plan import EngineKwargsPlan, plan_engine_kwargs
 from genworker.core.errors import CoreError
 from genworker.core.lifecycle import Event, LifecycleError, State, check_can_generate, transition
 from genworker.core.placement import (
     ClusterPlan,
+    EngineEnv,
     PlacementError,
     PlacementPlan,
     configure_worker,
+    parse_port_range,
     plan_cluster,
+    plan_engine_env,
 )
 from genworker.core.refit_plan import Manifest, ManifestError, TensorSpec, plan_buckets
 from genworker.core.sampling import SamplingSpec, group_specs, sampling_spec
@@ -44,6 +51,7 @@ from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards,
 from genworker.core.stops import StopError, StopMode, merge_stop_strings
 
 __all__ = [
+    "KEYS",
     "BatchError",
     "CapArgumentError",
     "CapError",
@@ -52,15 +60,19 @@ __all__ = [
     "ConfigError",
     "ConfigProblem",
     "CoreError",
+    "EngineEnv",
     "EngineKwargsPlan",
     "Event",
+    "Fate",
     "Generation",
     "GenerationOutputs",
+    "KeyRule",
     "LifecycleError",
     "Manifest",
     "ManifestError",
     "PlacementError",
     "PlacementPlan",
+    "RowCaps",
     "SamplingSpec",
     "ShardPlan",
     "State",
@@ -72,8 +84,10 @@ __all__ = [
     "assemble_flat_outputs",
     "assemble_outputs",
     "batch_max_tokens",
+    "cap_rows",
     "check_batch",
     "check_can_generate",
+    "check_keys",
     "configure_worker",
     "context_cap",
     "decode_snapshot",
@@ -84,8 +98,10 @@ __all__ = [
     "merge_shard_outputs",
     "merge_snapshots",
     "merge_stop_strings",
+    "parse_port_range",
     "plan_buckets",
     "plan_cluster",
+    "plan_engine_env",
     "plan_engine_kwargs",
     "plan_shards",
     "request_max_tokens",
@@ -95,4 +111,5 @@ __all__ = [
     "split_batch",
     "step_deltas",
     "transition",
+    "values_by_name",
 ]

@@ -20,6 +20,8 @@ from genworker.shell.errors import (
     RefitError,
     RefitManifestError,
     RefitTimeoutError,
+    RefitWireError,
+    UnsafePickleError,
     UnsupportedError,
 )
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
@@ -45,6 +47,8 @@ __all__ = [
     "RefitError",
     "RefitManifestError",
     "RefitTimeoutError",
+    "RefitWireError",
+    "UnsafePickleError",
     "UnsupportedError",
     "VllmGenerationWorker",
     "local_cluster",
