@@ -169,7 +169,7 @@ class NemoRlGenerationWorker:
         if self._shut_down:
             return False
         worker = self._worker
-        return worker is None or worker.state is lifecycle.NOT_LOADED or worker.is_alive()
+        return worker is None or worker.state == lifecycle.NOT_LOADED or worker.is_alive()
 
     # -- generation -----------------------------------------------------------------
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
