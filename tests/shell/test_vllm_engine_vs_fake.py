@@ -1,4 +1,6 @@
-"""The fake engine against the real CPU engine: the same checks pass on both.
+"""The fake engine against the real CPU engine: the same checks pass on both (named to run
+after the refit modules, whose own in-process engines must stop before the session engine
+starts; see engine_fixtures.py).
 
 Only what ``FakeEngine`` promises (its module docstring) is compared, as laws both engines
 must satisfy on the same requests, since their tokens differ: why a row stopped (the cap,
