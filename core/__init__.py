@@ -15,18 +15,22 @@ from genworker.core.batch import BatchError, CheckedBatch, check_batch, extract_
 from genworker.core.caps import (
     CapArgumentError,
     CapError,
+    RowCaps,
     batch_max_tokens,
+    cap_rows,
     context_cap,
     request_max_tokens,
     spec_decode_cap,
 )
 from genworker.core.config import ConfigError, ConfigProblem, VllmConfig, WorkerConfig
+from genworker.core.config_keys import KEYS, Fate, KeyRule, check_keys
 from genworker.core.counters import (
     decode_snapshot,
     encode_snapshot,
     merge_snapshots,
     spec_decode_metrics,
     step_deltas,
+    values_by_name,
 )
 from genworker.core.delta import (
     DeltaError,
@@ -45,10 +49,13 @@ from genworker.core.lifecycle import Event, LifecycleError, State, check_can_gen
 from genworker.core.multimodal import ContextError, MediaError, check_context, check_media
 from genworker.core.placement import (
     ClusterPlan,
+    EngineEnv,
     PlacementError,
     PlacementPlan,
     configure_worker,
+    parse_port_range,
     plan_cluster,
+    plan_engine_env,
 )
 from genworker.core.refit_plan import Manifest, ManifestError, TensorSpec, plan_buckets
 from genworker.core.reshard import (
@@ -64,6 +71,7 @@ from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards,
 from genworker.core.stops import StopError, StopMode, merge_stop_strings
 
 __all__ = [
+    "KEYS",
     "BatchError",
     "CapArgumentError",
     "CapError",
@@ -74,10 +82,13 @@ __all__ = [
     "ContextError",
     "CoreError",
     "DeltaError",
+    "EngineEnv",
     "EngineKwargsPlan",
     "Event",
+    "Fate",
     "Generation",
     "GenerationOutputs",
+    "KeyRule",
     "LifecycleError",
     "Manifest",
     "ManifestError",
@@ -88,6 +99,7 @@ __all__ = [
     "RelayPlan",
     "ReshardError",
     "ReshardPlan",
+    "RowCaps",
     "SamplingSpec",
     "ShardPlan",
     "State",
@@ -103,9 +115,11 @@ __all__ = [
     "assemble_flat_outputs",
     "assemble_outputs",
     "batch_max_tokens",
+    "cap_rows",
     "check_batch",
     "check_can_generate",
     "check_context",
+    "check_keys",
     "check_media",
     "configure_worker",
     "context_cap",
@@ -120,8 +134,10 @@ __all__ = [
     "merge_shard_outputs",
     "merge_snapshots",
     "merge_stop_strings",
+    "parse_port_range",
     "plan_buckets",
     "plan_cluster",
+    "plan_engine_env",
     "plan_engine_kwargs",
     "plan_relay",
     "plan_reshard",
@@ -133,5 +149,6 @@ __all__ = [
     "split_batch",
     "step_deltas",
     "transition",
+    "values_by_name",
     "vllm_shard",
 ]

@@ -15,8 +15,9 @@ Layers, lowest first (a later layer wins on the same key):
    ``gpu_memory_utilization``, ``max_model_len``, ``dtype`` (``precision``; ``fp8`` computes in
    bfloat16), ``enforce_eager``, ``load_format``, ``kv_cache_dtype``, ``logprobs_mode`` (when
    set), ``speculative_config`` (dropped when ``num_speculative_tokens == 0``, NeMo-RL's way
-   to switch a drafter off), ``limit_mm_per_prompt`` and ``mm_processor_kwargs`` (when
-   set; the same key in ``vllm_kwargs`` too is a problem: keep one).
+   to switch a drafter off; kept when the count is left to vLLM), ``limit_mm_per_prompt``
+   and ``mm_processor_kwargs`` (when set; the same key in ``vllm_kwargs`` too is a problem:
+   keep one). ``vllm_cfg.env_vars`` goes into ``plan.env``.
 2. Decided here: ``seed`` (argument), ``enable_prefix_caching`` (an explicit config value
    wins; otherwise on when ``gpu_capability >= (8, 0)``, off without a GPU), ``enable_sleep_mode``
    (argument), ``worker_extension_cls`` (argument), ``disable_log_stats=False`` (vLLM's
@@ -222,7 +223,7 @@ def plan_engine_kwargs(
     }
     if config.logprobs_mode is not None:
         kwargs["logprobs_mode"] = config.logprobs_mode
-    if v.speculative_config is not None and v.num_speculative_tokens > 0:
+    if v.speculative_config is not None and v.num_speculative_tokens != 0:
         kwargs["speculative_config"] = v.speculative_config
     for key, value in zip(
         _MM_CONFIG_KEYS, (v.limit_mm_per_prompt, v.mm_processor_kwargs), strict=True
@@ -265,7 +266,7 @@ def plan_engine_kwargs(
                 )
             )
 
-    env: dict[str, str] = {}
+    env: dict[str, str] = dict(v.env_vars)
     if config.telemetry.enabled:
         _plan_tracing(config, telemetry or {}, kwargs, env, problems)
 

@@ -21,6 +21,8 @@ from genworker.shell.errors import (
     RefitError,
     RefitManifestError,
     RefitTimeoutError,
+    RefitWireError,
+    UnsafePickleError,
     UnsupportedError,
 )
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
@@ -47,6 +49,8 @@ __all__ = [
     "RefitError",
     "RefitManifestError",
     "RefitTimeoutError",
+    "RefitWireError",
+    "UnsafePickleError",
     "UnsupportedError",
     "VllmGenerationWorker",
     "local_cluster",

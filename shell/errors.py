@@ -29,6 +29,8 @@ __all__ = [
     "RefitError",
     "RefitManifestError",
     "RefitTimeoutError",
+    "RefitWireError",
+    "UnsafePickleError",
     "UnsupportedError",
     "unwrap",
 ]
@@ -104,3 +106,12 @@ def unwrap(result: Result[_T, _E], error: type[GenworkerError], context: str) ->
         case Failure(problem):
             raise error.from_core(problem, context)
     raise AssertionError("unreachable")
+
+
+class RefitWireError(RefitError, ValueError):
+    """A refit message is not what its wire carries (malformed, or of the wrong shape)."""
+
+
+class UnsafePickleError(RefitWireError):
+    """A pickled refit message names a callable outside the wire's allowlist; it was refused
+    before any object was built."""

@@ -9,8 +9,16 @@ depend on the other rows. It follows vLLM's contract where the worker relies on 
   reason ``"length"``, at a stop token id or the EOS id (unless ``ignore_eos``) with
   ``"stop"``, or when the detokenised output ends with a stop string (kept in the output,
   as with ``include_stop_str_in_output=True``);
+- a prompt longer than ``max_model_len``, or an empty one, is a ``BadBatchError``;
 - sleep level 2 discards weights: generating after it without new weights gives garbage
   in vLLM; here it raises ``FakeEngineMisuse`` so a test sees the worker let it through;
+- sleep and wake follow vLLM's ``Executor`` (``vllm/v1/executor/abstract.py``, 0.32):
+  ``sleep`` does nothing while the weights are asleep (whatever the level), ``wake_up``
+  does nothing when nothing sleeps, and a ``wake_up(tags)`` naming a tag that is awake
+  drops the WHOLE call, waking none of its tags (vllm#31618);
+- the engine's speculative decoding: ``num_speculative_tokens`` in the capabilities is
+  the config's count, or the drafter's (``FakeEngineFactory(draft_tokens=k)``) when the
+  config leaves it out, as vLLM infers it; neither is vLLM's start error;
 - ``fail_next`` injects the failures an engine adapter raises (``BadBatchError`` for a
   request vLLM rejects, ``EngineDeadError`` for a dead engine), as the port promises;
 - with ``image_token_id`` set it takes images: each placeholder id of a media row stands
@@ -22,7 +30,8 @@ depend on the other rows. It follows vLLM's contract where the worker relies on 
   ``reset_encoder_cache`` count their calls.
 
 Tokenisation and detokenisation are one letter per token id
-(``"abcdefghijklmnopqrstuvwxyz"[id % 26]``; other characters tokenise to 0).
+(``"abcdefghijklmnopqrstuvwxyz"[id % 26]``; other characters tokenise to 0): ``tokenize``
+gives a text prompt's ids, whose count is what ``generate_text``'s per-row caps see.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import numpy.typing as npt
 from genworker.core.assembly import Generation
 from genworker.core.counters import CounterSample, MetricSample
 from genworker.core.sampling import SamplingSpec
-from genworker.shell.errors import BadBatchError, EngineDeadError
+from genworker.shell.errors import BadBatchError, BadConfigError, EngineDeadError
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities
 
@@ -85,6 +94,7 @@ class FakeEngine:
         image_token_id: int | None = None,
         image_prompt_ids: int = 7,
         max_images: int | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -95,6 +105,7 @@ class FakeEngine:
             multimodal=image_token_id is not None,
             image_token_id=image_token_id,
             max_images=max_images,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self.image_prompt_ids = image_prompt_ids
         self.eos_token_id = eos_token_id
@@ -105,6 +116,8 @@ class FakeEngine:
         self.weights_discarded = False
         self.calls: list[str] = []
         self.requests: list[tuple[list[int], SamplingSpec]] = []
+        #: each generate call's use_tqdm (the fake draws no progress bar)
+        self.progress_bars: list[bool] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefix_cache_resets = 0
@@ -184,8 +197,11 @@ class FakeEngine:
         prompts: Sequence[Sequence[int]],
         specs: Sequence[SamplingSpec],
         media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[Generation]:
         self._enter("generate")
+        self.progress_bars.append(use_tqdm)
         self._check_servable()
         if len(prompts) != len(specs) or (media is not None and len(media) != len(prompts)):
             raise FakeEngineMisuse("one sampling spec (and media entry) per prompt")
@@ -208,10 +224,13 @@ class FakeEngine:
         prompts: Sequence[Sequence[int]],
         specs: Sequence[SamplingSpec],
         media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[str]:
         self._enter("generate_text")
         self._check_servable()
-        return [detokenize(g.token_ids) for g in self.generate(prompts, specs, media)]
+        generations = self.generate(prompts, specs, media, use_tqdm=use_tqdm)
+        return [detokenize(g.token_ids) for g in generations]
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         self._enter("tokenize")
@@ -226,14 +245,20 @@ class FakeEngine:
     # -- memory ----------------------------------------------------------------------
     def sleep(self, level: int) -> None:
         self._enter(f"sleep({level})")
-        self.sleep_level = max(self.sleep_level, level)
+        if "weights" not in self.awake_tags:
+            return  # vLLM: "Executor is already sleeping."
+        self.sleep_level = level
         self.awake_tags.clear()
         if level == 2:
             self.weights_discarded = True
 
     def wake_up(self, tags: Sequence[str] | None) -> None:
         self._enter(f"wake_up({None if tags is None else sorted(tags)})")
-        self.awake_tags |= {"weights", "kv_cache"} if tags is None else set(tags)
+        if self.awake_tags == {"weights", "kv_cache"}:
+            return  # vLLM: "Executor is not sleeping."
+        if tags and any(t in self.awake_tags for t in tags):
+            return  # vLLM: "Tag ... is not in sleeping tags": the whole call is dropped
+        self.awake_tags |= {"weights", "kv_cache"} if not tags else set(tags)
         if self.awake_tags == {"weights", "kv_cache"}:
             self.sleep_level = 0
 
@@ -295,9 +320,13 @@ class FakeEngine:
 
 
 class FakeEngineFactory:
-    """Starts ``FakeEngine``s for the worker; records the engine kwargs it was given."""
+    """Starts ``FakeEngine``s for the worker; records the engine kwargs it was given.
 
-    def __init__(self, **engine_options: object) -> None:
+    ``draft_tokens`` is what a drafter would let vLLM infer when a ``speculative_config``
+    has no ``num_speculative_tokens`` (``None``: vLLM's start error)."""
+
+    def __init__(self, *, draft_tokens: int | None = None, **engine_options: object) -> None:
+        self.draft_tokens = draft_tokens
         self.engine_options = engine_options
         self.started: list[tuple[dict[str, object], FakeEngine]] = []
 
@@ -309,6 +338,16 @@ class FakeEngineFactory:
 
     def start(self, kwargs: Mapping[str, object]) -> FakeEngine:
         seed = kwargs.get("seed", 0)
-        engine = FakeEngine(seed=seed if isinstance(seed, int) else 0, **self.engine_options)  # type: ignore[arg-type]
+        options = dict(self.engine_options)
+        spec = kwargs.get("speculative_config")
+        if isinstance(spec, Mapping):
+            k = spec.get("num_speculative_tokens", self.draft_tokens)
+            if not isinstance(k, int):
+                raise BadConfigError(
+                    "the fake engine failed to start: `num_speculative_tokens` was not "
+                    "provided and the drafter does not say"
+                )
+            options["num_speculative_tokens"] = k
+        engine = FakeEngine(seed=seed if isinstance(seed, int) else 0, **options)  # type: ignore[arg-type]
         self.started.append((dict(kwargs), engine))
         return engine

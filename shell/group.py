@@ -62,6 +62,8 @@ from genworker.core.counters import (
 )
 from genworker.core.multimodal import check_media
 from genworker.core.placement import (
+    DEFAULT_PORT_BASE,
+    DEFAULT_PORT_WINDOW,
     ClusterPlan,
     ShardPlacement,
     check_inherited_env,
@@ -78,6 +80,7 @@ from genworker.shell.errors import (
     GroupError,
     unwrap,
 )
+from genworker.shell.host import ephemeral_ports, vllm_cache_root
 from genworker.shell.media import image_counts, row_media
 
 __all__ = [
@@ -132,8 +135,8 @@ class ClusterSpec:
     call_timeout_s: float = attrs.field(default=3600.0, validator=_positive)
     shutdown_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     cache_base_dir: str | None = None
-    port_base: int = 20000
-    port_window: int = 64
+    port_base: int = DEFAULT_PORT_BASE
+    port_window: int = DEFAULT_PORT_WINDOW
 
 
 def local_cluster(
@@ -296,18 +299,19 @@ class GenerationGroup:
 
     def _placement(self, shard: ShardPlacement) -> tuple[dict[str, Any], dict[str, object]]:
         """``(ray actor options without the scheduling strategy, worker init kwargs)``."""
-        base = self.cluster.cache_base_dir or os.path.join(os.path.expanduser("~"), ".cache")
+        base = self.cluster.cache_base_dir
         worker = unwrap(
             configure_worker(
                 # A CPU bundle has no GPU; the plan's seed, ports and cache root still apply.
                 self.plan.worker_num_gpus if self.plan.uses_gpus else 1.0,
                 shard.bundle_indices,
                 self.plan.bundles_per_node,
-                cache_base_dir=base,
+                cache_root=vllm_cache_root() if base is None else os.path.join(base, "vllm"),
                 tensor_parallel_size=self.plan.tensor_parallel_size,
                 pipeline_parallel_size=self.plan.pipeline_parallel_size,
                 port_base=self.cluster.port_base,
                 port_window=self.cluster.port_window,
+                ephemeral_ports=ephemeral_ports(),
             ),
             BadConfigError,
             f"placement of shard {shard.rank}",

@@ -35,6 +35,9 @@ class EngineCapabilities:
     image_token_id: int | None = None
     #: the engine's ``limit_mm_per_prompt`` for images (None: not known)
     max_images: int | None = None
+    #: draft tokens per step of the engine's speculative decoding (0: none); the per-row
+    #: caps reserve k + 1 slots for it
+    num_speculative_tokens: int = 0
 
 
 class EnginePort(Protocol):
@@ -48,9 +51,12 @@ class EnginePort(Protocol):
         prompts: Sequence[Sequence[int]],
         specs: Sequence[SamplingSpec],
         media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[Generation]:
         """One Generation per prompt, in prompt order; ``specs[i]`` applies to prompt i and
-        ``media[i]`` (when given) holds its images, one placeholder id each."""
+        ``media[i]`` (when given) holds its images, one placeholder id each. ``use_tqdm``
+        shows the engine's progress bar."""
         ...
 
     def generate_text(
@@ -58,13 +64,16 @@ class EnginePort(Protocol):
         prompts: Sequence[Sequence[int]],
         specs: Sequence[SamplingSpec],
         media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[str]:
         """One completion text per token prompt (from :meth:`tokenize`), in prompt order."""
         ...
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """Each text prompt's token ids as the engine tokenizes it, except that a prompt
-        starting with the tokenizer's BOS string gets no second BOS."""
+        starting with the tokenizer's BOS string gets no second BOS (the ids
+        :meth:`generate_text` takes; their lengths are the rows' token counts)."""
         ...
 
     def expanded_lengths(

@@ -31,11 +31,14 @@ Theory of operation
   renderer's own tokenization (``tokenize_prompts`` with ``default_cmpl_tok_params``, what
   ``LLM.generate`` does to a text prompt) but without special tokens for a prompt that
   already starts with the BOS string, so it never gets two; every text prompt is then
-  submitted as token ids. ``expanded_lengths`` renders each media row as ``LLM.generate``
-  would (``render_cmpl``) with ``skip_mm_cache=True``, the tokenize endpoint's path, which
-  leaves the sender-side multimodal cache alone (an item that cache records as sent but
-  never reaches the engine core would later be missing there); the result's
-  ``prompt_token_ids`` are the expanded prompt. The image placeholder id is the HF
+  submitted as token ids, so ``generate_text``'s per-row caps count what the engine sees
+  (the lengths of ``tokenize``'s ids); an engine started with ``skip_tokenizer_init`` has
+  no tokenizer and takes no text prompts (``UnsupportedError``). ``expanded_lengths``
+  renders each media row as ``LLM.generate`` would (``render_cmpl``) with
+  ``skip_mm_cache=True``, the tokenize endpoint's path, which leaves the sender-side
+  multimodal cache alone (an item that cache records as sent but never reaches the engine
+  core would later be missing there); the result's ``prompt_token_ids`` are the expanded
+  prompt. The image placeholder id is the HF
   config's ``image_token_id`` (or ``image_token_index``); the per-prompt image limit is
   ``multimodal_config.get_limit_per_prompt("image")``. After a refit, vLLM 0.32's
   ``reload_weights`` clears the model runner's encoder cache but not the scheduler's
@@ -43,6 +46,10 @@ Theory of operation
   miss"; 0.25 keeps both, so the encoder outputs of the old weights are reused. Hence the
   worker calls ``LLMEngine.reset_encoder_cache`` (both halves) and ``LLM.reset_mm_cache``
   (front end and engine core) after every refit and before sleep.
+- ``num_speculative_tokens`` in the capabilities is what vLLM resolved at start
+  (``vllm_config.speculative_config``: inferred from the drafter when the config left it
+  out).
+- ``use_tqdm`` (the worker passes ``vllm_cfg.use_tqdm``) goes to ``LLM.generate``.
 - ``collective_rpc`` with a timeout waits on a daemon thread for at most that long: the
   in-process executor ignores vLLM's own ``timeout`` (vllm/v1/executor/uniproc_executor.py,
   0.32). Expiry means the engine is wedged: ``EngineDeadError``.
@@ -212,6 +219,7 @@ class VllmEngine:
         self._llm: LLM | None = llm
         config = llm.llm_engine.vllm_config
         model = config.model_config
+        spec = config.speculative_config
         self._extension = bool(config.parallel_config.worker_extension_cls)
         self._log_stats = llm.llm_engine.log_stats
         sampling_args = _sampling_arg_names()
@@ -226,7 +234,9 @@ class VllmEngine:
             multimodal=media is not None,
             image_token_id=None if media is None else _image_token_id(model),
             max_images=None if media is None else media.get_limit_per_prompt("image"),
+            num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
         )
+        self._skip_tokenizer = model.skip_tokenizer_init
 
     @classmethod
     def start(cls, kwargs: Mapping[str, object]) -> VllmEngine:
@@ -273,13 +283,15 @@ class VllmEngine:
         prompts: Sequence[Sequence[int]],
         specs: Sequence[SamplingSpec],
         media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[Generation]:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
         with _batch_call(llm, "generate"):
             params = self._params(specs)
-            outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=False)
+            outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
         return _generations([out.outputs[0] for out in outputs])
 
     def generate_text(
@@ -287,13 +299,15 @@ class VllmEngine:
         prompts: Sequence[Sequence[int]],
         specs: Sequence[SamplingSpec],
         media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[str]:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate_text: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
         with _batch_call(llm, "generate_text"):
             params = self._params(specs)
-            outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=False)
+            outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
         return [out.outputs[0].text for out in outputs]
 
     def _renderer(self, call: str) -> BaseRenderer:
@@ -303,6 +317,11 @@ class VllmEngine:
         return renderer
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        if self._skip_tokenizer:
+            raise UnsupportedError(
+                "tokenize: text prompts need a tokenizer: the engine was started with "
+                "skip_tokenizer_init=True"
+            )
         renderer = self._renderer("tokenize")
         try:
             with _translated("tokenize"):

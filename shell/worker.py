@@ -11,27 +11,36 @@ check to its commit. A call that finds another running waits for it, at most
 ``busy_wait_s`` seconds, then is refused with ``EngineStateError`` (so a refit that arrives
 during a long ``generate`` runs after it, never under its forward). ``llm`` and ``engine``
 hand out the raw engine outside that rule.
+
+A row without room left in the context (``core.caps.cap_rows``: with speculative decoding
+the drafter's k + 1 slots count too; a media row counts with its expanded prompt) is
+refused alone: it comes back unchanged with generation length 0 (``generate_text``: an
+empty text), it is named in a warning and in ``last_refused_rows``, and the other rows
+generate. Images come in ``data["multi_modal_data"]`` (:mod:`genworker.shell.media`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
+import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from genworker.core import lifecycle
-from genworker.core.assembly import assemble_outputs
+from genworker.core.assembly import Generation, assemble_outputs
 from genworker.core.batch import check_batch, check_seeds
-from genworker.core.caps import batch_max_tokens
+from genworker.core.caps import cap_rows
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import CACHE_RESETS, CounterSample, encode_snapshot
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.multimodal import check_context, check_media
+from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.sampling import SamplingSpec, sampling_spec
 from genworker.core.stops import StopMode, merge_stop_strings
@@ -48,6 +57,7 @@ from genworker.shell.errors import (
     UnsupportedError,
     unwrap,
 )
+from genworker.shell.host import ephemeral_ports, vllm_cache_root
 from genworker.shell.media import RowMedia, image_counts, row_media
 from genworker.shell.ports import EngineFactory, EnginePort
 
@@ -103,6 +113,27 @@ def _serialized(
     return serialized
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def checked_env_names(names: Sequence[str] | None) -> tuple[str, ...]:
+    """``extra_env_vars`` as a tuple of variable names, or BadArgumentError."""
+    if names is None:
+        return ()
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise BadArgumentError(
+            f"extra_env_vars must be a list of environment variable names, got {names!r}"
+        )
+    bad = [n for n in names if not isinstance(n, str) or not _ENV_NAME.fullmatch(n)]
+    if bad:
+        raise BadArgumentError(f"extra_env_vars: not environment variable names: {bad!r}")
+    return tuple(names)
+
+
+_NO_ROOM = Generation(token_ids=(), logprobs=(), finish_reason="abort")
+_CACHES = {"prefix": "prefix cache", "mm": "multimodal cache", "encoder": "encoder cache"}
+
+
 class VllmGenerationWorker:
     """One vLLM engine serving rollouts, with NeMo-RL's ``VllmGenerationWorker`` surface.
 
@@ -116,7 +147,7 @@ class VllmGenerationWorker:
         bundle_indices: Sequence[int] | None = None,
         fraction_of_gpus: float = 1.0,
         seed: int | None = None,
-        extra_env_vars: Mapping[str, str] | None = None,
+        extra_env_vars: Sequence[str] | None = None,
         defer_model_load: bool = False,
         *,
         engine_factory: EngineFactory | None = None,
@@ -131,8 +162,9 @@ class VllmGenerationWorker:
         self.fraction_of_gpus = fraction_of_gpus
         self.seed = seed if seed is not None else (self.cfg.seed or 0)
         self.stop_mode = stop_mode
-        if extra_env_vars:
-            os.environ.update(extra_env_vars)
+        #: variables (names) vLLM's Ray workers inherit from this process, as NeMo-RL's
+        #: ``extra_env_vars``; ``vllm_cfg.env_vars`` are exported and forwarded as well
+        self.extra_env_vars = checked_env_names(extra_env_vars)
         self._factory = engine_factory
         self._engine: EnginePort | None = None
         self._state = lifecycle.NOT_LOADED
@@ -143,6 +175,8 @@ class VllmGenerationWorker:
         self.last_refit: dict[str, object] = {}
         #: how many times each engine cache was reset (``get_counters`` reports them)
         self.cache_resets: dict[str, int] = {"prefix": 0, "mm": 0, "encoder": 0}
+        #: rows of the last generate / generate_text refused for want of room (see above)
+        self.last_refused_rows: tuple[int, ...] = ()
         if not defer_model_load:
             self.load_model()
 
@@ -151,24 +185,34 @@ class VllmGenerationWorker:
     def configure_worker(
         num_gpus: float,
         bundle_indices: tuple[int, Sequence[int]] | None = None,
-        num_gpus_per_node: int = 8,
-        cache_base_dir: str | None = None,
-    ) -> tuple[dict[str, object], dict[str, str], dict[str, object]]:
-        """NeMo-RL's static placement hook: ``(resources, env_vars, init_kwargs)``."""
-        base = cache_base_dir or os.path.join(os.path.expanduser("~"), ".cache")
+        num_gpus_per_node: int | None = None,
+        *,
+        cache_root: str | None = None,
+    ) -> tuple[dict[str, object], dict[str, str], dict[str, object], dict[str, object]]:
+        """NeMo-RL's static placement hook: ``(resources, env_vars, init_kwargs,
+        runtime_env)`` (``runtime_env`` is empty: no nsight profiling).
+
+        ``VLLM_CACHE_ROOT`` is ``<cache_root>_<seed>``, ``cache_root`` defaulting to the
+        inherited ``VLLM_CACHE_ROOT`` or ``~/.cache/vllm``; ``VLLM_PORT`` stays below this
+        host's ephemeral port range or the call fails naming the range."""
+        size = 1
+        if isinstance(bundle_indices, tuple | list) and len(bundle_indices) == 2:
+            ids = bundle_indices[1]
+            size = len(ids) if isinstance(ids, Sequence) and ids else 1
         plan = unwrap(
             plan_placement(
                 num_gpus,
                 bundle_indices,
                 num_gpus_per_node,
-                cache_base_dir=base,
+                cache_root=cache_root or vllm_cache_root(),
                 # NeMo-RL's hook infers the tied group from the bundle count.
-                tensor_parallel_size=1 if bundle_indices is None else len(bundle_indices[1]),
+                tensor_parallel_size=size,
+                ephemeral_ports=ephemeral_ports(),
             ),
             BadConfigError,
             "configure_worker",
         )
-        return dict(plan.resources), dict(plan.env_vars), dict(plan.init_kwargs)
+        return dict(plan.resources), dict(plan.env_vars), dict(plan.init_kwargs), {}
 
     @_serialized
     def load_model(self) -> None:
@@ -192,12 +236,22 @@ class VllmGenerationWorker:
         if plan.dropped:
             log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
         os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
+        self.forward_env([*self.cfg.vllm.env_vars, *self.extra_env_vars])
         self._engine = factory.start(plan.llm_kwargs())
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
             EngineStateError,
             "load_model",
         )
+
+    @staticmethod
+    def forward_env(names: Iterable[str]) -> None:
+        """Have vLLM's Ray executor copy these variables into its engine workers
+        (``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``); an in-process engine inherits them anyway."""
+        names = list(names)
+        if names:
+            existing = os.environ.get(RAY_EXTRA_ENV_VARS, "")
+            os.environ[RAY_EXTRA_ENV_VARS] = forwarded_env_names(existing, names)
 
     # -- state ----------------------------------------------------------------------
     @property
@@ -251,7 +305,9 @@ class VllmGenerationWorker:
     # -- generation -----------------------------------------------------------------
     def _specs(
         self, lengths: Sequence[int], data: Mapping[str, object], greedy: bool
-    ) -> list[SamplingSpec]:
+    ) -> list[SamplingSpec | None]:
+        """One spec per row; ``None`` for a row without room (refused alone, named in
+        ``last_refused_rows`` and a warning)."""
         caps = self.engine.capabilities
         per_sample_stops = data.get("stop_strings")
         seeds = unwrap(check_seeds(data.get("seeds"), len(lengths)), BadBatchError, "seeds")
@@ -265,20 +321,26 @@ class VllmGenerationWorker:
             BadBatchError,
             "stop_strings",
         )
-        max_tokens = unwrap(
-            batch_max_tokens(
+        rows = unwrap(
+            cap_rows(
                 self.cfg.max_new_tokens,
                 lengths,
                 caps.max_model_len,
                 cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
-                num_speculative_tokens=self.cfg.num_speculative_tokens,
+                num_speculative_tokens=caps.num_speculative_tokens,
             ),
             BadBatchError,
             "max tokens",
         )
+        self.last_refused_rows = rows.refused_rows
+        if rows.refused is not None:
+            log.warning("generating without the rows that have no room left: %s", rows.refused)
         made: dict[tuple[int, tuple[str, ...], int | None], SamplingSpec] = {}
-        specs = []
-        for m, s, seed in zip(max_tokens, stops, seeds, strict=True):
+        specs: list[SamplingSpec | None] = []
+        for m, s, seed in zip(rows.max_tokens, stops, seeds, strict=True):
+            if m == 0:
+                specs.append(None)
+                continue
             key = (m, tuple(s), seed)
             spec = made.get(key)
             if spec is None:  # rows alike share one (immutable) spec
@@ -314,10 +376,22 @@ class VllmGenerationWorker:
         )
         media = row_media(data, batch.batch_size, "generate")
         if not batch.prompts:
+            self.last_refused_rows = ()
             return assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id).as_dict()
         context = self._context_lengths(batch.prompts, batch.lengths, media)
         specs = self._specs(context, data, greedy)
-        generations = self._call(lambda e: e.generate(batch.prompts, specs, media))
+        kept = [i for i, spec in enumerate(specs) if spec is not None]
+        progress = self.cfg.vllm.use_tqdm
+        generations = [_NO_ROOM] * len(specs)
+        if kept:
+            prompts = [batch.prompts[i] for i in kept]
+            kept_specs = [spec for spec in specs if spec is not None]
+            kept_media = None if media is None else [media[i] for i in kept]
+            made = self._call(
+                lambda e: e.generate(prompts, kept_specs, kept_media, use_tqdm=progress)
+            )
+            for i, generation in zip(kept, made, strict=True):
+                generations[i] = generation
         self._state = next_state
         out = assemble_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
         # What the context held: the prompt (expanded, for media rows) plus the generation.
@@ -381,9 +455,26 @@ class VllmGenerationWorker:
         media = row_media(data, len(prompts), "generate_text")
         # Tokenised once, here (no second BOS), so caps and media checks see the real ids.
         ids = self._call(lambda e: e.tokenize(prompts))
+        caps = self.engine.capabilities
+        if too_long := [i for i, p in enumerate(ids) if len(p) > caps.max_model_len]:
+            raise BadBatchError(
+                f"generate_text: prompts {too_long} are longer than max_model_len="
+                f"{caps.max_model_len} tokens ({[len(ids[i]) for i in too_long]})"
+            )
         context = self._context_lengths(ids, [len(p) for p in ids], media)
         specs = self._specs(context, data, greedy)
-        texts = self._call(lambda e: e.generate_text(ids, specs, media))
+        kept = [i for i, spec in enumerate(specs) if spec is not None]
+        texts = [""] * len(prompts)
+        if kept:
+            kept_ids = [ids[i] for i in kept]
+            kept_specs = [spec for spec in specs if spec is not None]
+            kept_media = None if media is None else [media[i] for i in kept]
+            progress = self.cfg.vllm.use_tqdm
+            made = self._call(
+                lambda e: e.generate_text(kept_ids, kept_specs, kept_media, use_tqdm=progress)
+            )
+            for i, text in zip(kept, made, strict=True):
+                texts[i] = text
         self._state = next_state
         return {"texts": texts}
 
@@ -438,9 +529,11 @@ class VllmGenerationWorker:
         self._call(lambda e: e.reset_prefix_cache())
         self.cache_resets["prefix"] += 1
 
-    def _reset_caches(self) -> dict[str, float]:
+    def _reset_caches(self, refit: str | None = None) -> dict[str, float]:
         """Reset the prefix cache and, on a multimodal engine, the processed-media and
-        encoder caches (stale after a refit); seconds per reset."""
+        encoder caches (stale after a refit); seconds per reset. After the refit ``refit``,
+        a reset the engine refuses (``EngineStateError``) is a ``RefitError``: that cache
+        may still serve what the old weights computed."""
         resets: list[tuple[str, Callable[[EnginePort], None]]] = [
             ("prefix", lambda e: e.reset_prefix_cache())
         ]
@@ -452,7 +545,16 @@ class VllmGenerationWorker:
         seconds = {}
         for name, reset in resets:
             started = time.monotonic()
-            self._call(reset)
+            try:
+                self._call(reset)
+            except EngineStateError as e:
+                if refit is None:
+                    raise
+                raise RefitError(
+                    f"{refit}: the new weights are in, but resetting the {_CACHES[name]} "
+                    f"failed ({e}), so it may still serve what the old weights computed; the "
+                    "weights count as inconsistent until a refit succeeds"
+                ) from e
             seconds[name] = time.monotonic() - started
             self.cache_resets[name] += 1
         return seconds
@@ -520,6 +622,17 @@ class VllmGenerationWorker:
             raise RefitError(f"{method} failed on the engine workers: {e}") from e
 
     def _refit(self, method: str, timeout_s: float) -> bool:
+        """The refit RPC, then the cache resets; the weights count as valid only when all
+        succeeded (a cache still holding KV or encoder outputs of the old weights would
+        serve them)."""
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, int | float)
+            or not 0 < timeout_s < math.inf
+        ):
+            raise BadArgumentError(
+                f"{method}: timeout_s must be a positive number of seconds, got {timeout_s!r}"
+            )
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         try:
             started = time.monotonic()
@@ -529,6 +642,7 @@ class VllmGenerationWorker:
                 )
             )
             rpc_s = time.monotonic() - started
+            resets = self._reset_caches(method)
         except BaseException as e:
             self._state = unwrap(
                 lifecycle.transition(self._state, lifecycle.Event.REFIT_FAILED),
@@ -543,7 +657,6 @@ class VllmGenerationWorker:
             EngineStateError,
             "refit",
         )
-        resets = self._reset_caches()
         self.last_refit = {
             "engine_workers": reports,
             "rpc_seconds": rpc_s,

@@ -701,8 +701,9 @@ def nemo_config_dicts(
     precision: st.SearchStrategy[str] | None = None,
 ) -> dict[str, object]:
     """Valid NeMo-RL ``policy.generation`` dicts, as NeMo-RL writes them: optional keys present
-    or absent, ``None`` where NeMo-RL allows it, unknown extras at the top level and in
-    ``vllm_cfg``, ``speculative_config``/``logprobs_mode`` in either of their places.
+    or absent, ``None`` where NeMo-RL allows it, keys of other layers (and refused keys at
+    the values that ask for nothing) at the top level and in ``vllm_cfg``,
+    ``speculative_config``/``logprobs_mode`` in either of their places.
 
     Every dict parses (``WorkerConfig.from_mapping`` succeeds) and plans
     (``plan_engine_kwargs`` succeeds given a Blackwell capability when
@@ -761,11 +762,22 @@ def nemo_config_dicts(
         "mm_processor_kwargs",
         st.none() | st.fixed_dictionaries({}, optional={"do_image_splitting": st.booleans()}),
     )
-    _cfg_maybe(draw, vllm_cfg, "reset_encoder_cache_after_weight_update", st.just(True))
-    _cfg_maybe(draw, vllm_cfg, "use_deep_gemm", st.booleans())
-    _cfg_maybe(draw, vllm_cfg, "num_first_layers_in_bf16", st.integers(0, 2))
-    for name in draw(st.lists(_CFG_NAMES, max_size=2, unique=True)):
-        vllm_cfg["x_" + name] = draw(cfg_json_values)
+    _cfg_maybe(
+        draw, vllm_cfg, "reset_encoder_cache_after_weight_update", st.sampled_from([True, "true"])
+    )
+    _cfg_maybe(draw, vllm_cfg, "use_deep_gemm", st.sampled_from([False, "false", 0]))
+    _cfg_maybe(draw, vllm_cfg, "num_first_layers_in_bf16", st.just(0))
+    _cfg_maybe(draw, vllm_cfg, "use_tqdm", st.booleans())
+    _cfg_maybe(
+        draw,
+        vllm_cfg,
+        "env_vars",
+        st.dictionaries(
+            st.sampled_from(["NCCL_DEBUG", "VLLM_X", "MY_VAR"]), st.text("ab1", max_size=3)
+        ),
+    )
+    for key in ("expose_http_server", "enable_vllm_metrics_logger", "tool_parser_plugin"):
+        _cfg_maybe(draw, vllm_cfg, key, cfg_json_values)
 
     d: dict[str, object] = {
         "model_name": draw(_CFG_MODELS),
@@ -799,6 +811,9 @@ def nemo_config_dicts(
     )
     _cfg_maybe(draw, d, "val_temperature", st.floats(0.0, 2.0))
     _cfg_maybe(draw, d, "port_range_low", st.integers(1024, 60000))
+    _cfg_maybe(draw, d, "mcore_generation_config", cfg_json_values)
+    _cfg_maybe(draw, d, "refit_transport", st.none())
+    _cfg_maybe(draw, d, "quant_cfg", st.none())
 
     kwargs: dict[str, object] = {}
     _cfg_maybe(draw, kwargs, "max_num_seqs", st.integers(1, 512))
@@ -833,7 +848,13 @@ def nemo_config_dicts(
     )
 
     k = draw(num_speculative_tokens if num_speculative_tokens is not None else st.integers(0, 4))
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+    spec: dict[str, object] = {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_max": 4,
+    }
+    if num_speculative_tokens is None and draw(st.booleans()):
+        del spec["num_speculative_tokens"]  # vLLM infers it (an MTP drafter) or refuses
     place = draw(st.sampled_from(["none", "none_explicit", "vllm_cfg", "vllm_kwargs"]))
     if num_speculative_tokens is not None and place.startswith("none"):
         place = "vllm_cfg"
@@ -945,12 +966,8 @@ def _cfg_bad_spec(draw: st.DrawFn, d: dict[object, object]) -> None:
         d["vllm_kwargs"] = {k: v for k, v in kwargs.items() if k != "speculative_config"}
     _cfg_vllm(d)["speculative_config"] = {
         "method": "ngram",
-        "num_speculative_tokens": draw(st.sampled_from([-1, 1.5, "3", None, _CFG_DELETE])),
+        "num_speculative_tokens": draw(st.sampled_from([-1, 1.5, "3", True])),
     }
-    spec = _cfg_vllm(d)["speculative_config"]
-    assert isinstance(spec, dict)
-    if spec["num_speculative_tokens"] is _CFG_DELETE:
-        del spec["num_speculative_tokens"]
 
 
 def _cfg_nvfp4_fp8(draw: st.DrawFn, d: dict[object, object]) -> None:
@@ -999,7 +1016,7 @@ _CFG_BREAKERS: list[
     (
         "top_k",
         frozenset({"top_k"}),
-        _cfg_set("top_k", st.sampled_from([0, -2, 2.5, "5"]) | _cfg_delete),
+        _cfg_set("top_k", st.sampled_from([0, -2, 2.5, "5"])),
     ),
     (
         "stop_token_ids",
@@ -1019,7 +1036,7 @@ _CFG_BREAKERS: list[
     (
         "ignore_eos",
         frozenset({"ignore_eos"}),
-        _cfg_set("ignore_eos", st.sampled_from(["yes", 1, None])),
+        _cfg_set("ignore_eos", st.sampled_from(["maybe", 2, None])),
     ),
     (
         "_pad_token_id",
@@ -1075,12 +1092,12 @@ _CFG_BREAKERS: list[
     (
         "vllm_cfg.enforce_eager",
         frozenset({"vllm_cfg.enforce_eager"}),
-        _cfg_set("vllm_cfg.enforce_eager", st.sampled_from(["no", 0])),
+        _cfg_set("vllm_cfg.enforce_eager", st.sampled_from(["nope", 2, "False "])),
     ),
     (
         "vllm_cfg.enable_prefix_caching",
         frozenset({"vllm_cfg.enable_prefix_caching"}),
-        _cfg_set("vllm_cfg.enable_prefix_caching", st.sampled_from(["auto", 1])),
+        _cfg_set("vllm_cfg.enable_prefix_caching", st.sampled_from(["auto", 2])),
     ),
     (
         "vllm_cfg.kv_cache_dtype",
@@ -1125,7 +1142,7 @@ _CFG_BREAKERS: list[
     (
         "telemetry.enabled",
         frozenset({"telemetry", "telemetry.enabled"}),
-        _cfg_set("telemetry.enabled", st.sampled_from(["yes", 1, None])),
+        _cfg_set("telemetry.enabled", st.sampled_from(["maybe", 2, None])),
     ),
     (
         "telemetry.otlp_protocol",
@@ -1150,7 +1167,7 @@ _CFG_BREAKERS: list[
     (
         "colocated.enabled",
         frozenset({"colocated"}),
-        _cfg_set("colocated.enabled", st.sampled_from(["yes", 1])),
+        _cfg_set("colocated.enabled", st.sampled_from(["maybe", 2])),
     ),
     (
         "vllm_cfg.limit_mm_per_prompt",
@@ -1166,18 +1183,49 @@ _CFG_BREAKERS: list[
         _cfg_set("vllm_cfg.mm_processor_kwargs", st.sampled_from(["split", [1], {2: 3}])),
     ),
     (
-        "vllm_cfg.video",
-        frozenset({"vllm_cfg.video"}),
-        _cfg_set("vllm_cfg.video", st.sampled_from([None, {"num_frames": 8}])),
-    ),
-    (
         "vllm_cfg.reset_encoder_cache_after_weight_update",
         frozenset({"vllm_cfg.reset_encoder_cache_after_weight_update"}),
         _cfg_set(
-            "vllm_cfg.reset_encoder_cache_after_weight_update", st.sampled_from([False, "yes"])
+            "vllm_cfg.reset_encoder_cache_after_weight_update",
+            st.sampled_from([False, "no", "maybe"]),
         ),
     ),
     ("(config)", frozenset({"(config)"}), _cfg_non_str_key),
+    (
+        "quant_cfg",
+        frozenset({"quant_cfg"}),
+        _cfg_set("quant_cfg", st.sampled_from(["fp8_default", {"algo": "nvfp4"}])),
+    ),
+    (
+        "vllm_cfg.use_deep_gemm",
+        frozenset({"vllm_cfg.use_deep_gemm"}),
+        _cfg_set("vllm_cfg.use_deep_gemm", st.sampled_from([True, "true", 1])),
+    ),
+    (
+        "vllm_cfg.video",
+        frozenset({"vllm_cfg.video"}),
+        _cfg_set(
+            "vllm_cfg.video",
+            st.sampled_from(
+                [None, {"num_frames": 8}, {"sampling_style": "nemotron_vl", "num_frames": 8}]
+            ),
+        ),
+    ),
+    (
+        "vllm_cfg.x_typo",
+        frozenset({"vllm_cfg.x_typo"}),
+        _cfg_set("vllm_cfg.x_typo", cfg_json_values),
+    ),
+    (
+        "vllm_cfg.use_tqdm",
+        frozenset({"vllm_cfg.use_tqdm"}),
+        _cfg_set("vllm_cfg.use_tqdm", st.sampled_from(["sometimes", [1]])),
+    ),
+    (
+        "vllm_cfg.env_vars",
+        frozenset({"vllm_cfg.env_vars"}),
+        _cfg_set("vllm_cfg.env_vars", st.sampled_from(["A=1", {"A": [1]}, {"": "1"}])),
+    ),
 ]
 # Replacing a whole block breaks everything inside it, so it claims every slot inside.
 _CFG_BREAKERS += [

@@ -15,8 +15,9 @@ from helpers import base_config
 from helpers import right_padded as batch
 from PIL import Image
 
+from genworker.core import lifecycle
 from genworker.core.counters import CACHE_RESETS
-from genworker.shell.errors import BadBatchError
+from genworker.shell.errors import BadBatchError, EngineStateError, RefitError
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
 from genworker.shell.worker import VllmGenerationWorker
 
@@ -248,3 +249,70 @@ def test_images_for_a_text_only_model_are_refused_naming_the_rows() -> None:
     assert "generate" not in engine.calls
     out = worker.generate(with_media([[1, 2]], [None]))  # entries that are all None: no media
     assert out["output_ids"][0, :2].tolist() == [1, 2]
+
+
+def test_an_image_row_without_room_is_refused_alone_by_its_expanded_length() -> None:
+    """With k = 3 draft tokens a row needs k + 2 free slots; the image row's 32 ids leave
+    them, its expanded 44 do not: it alone comes back unchanged, the others generate."""
+    k = 3
+    worker, engine = vlm_worker(
+        vllm_cfg={"speculative_config": {"method": "ngram", "num_speculative_tokens": k}},
+        max_new_tokens=40,
+    )
+    full = [1] * 30 + [IMAGE, IMAGE]  # 32 ids, expanded to 32 + 2 * (7 - 1) = 44
+    fits = [1] * 29 + [IMAGE, IMAGE]  # expanded to 43: one token of room
+    data = with_media(
+        [[1, 2, 3], full, fits],
+        [None, {"image": [image(), image()]}, {"image": [image(), image((0, 9, 0))]}],
+    )
+    out = worker.generate(data, greedy=True)
+    assert worker.last_refused_rows == (1,)
+    assert [prompt for prompt, _ in engine.requests] == [[1, 2, 3], fits]
+    assert [spec.max_tokens for _, spec in engine.requests] == [40, 1]
+    assert int(out["generation_lengths"][1]) == 0
+    assert int(out["unpadded_sequence_lengths"][1]) == len(full)
+    assert out["output_ids"][1, : len(full)].tolist() == full
+    assert int(out["generation_lengths"][2]) == 1
+
+    placeholder = "abcdefghijklmnopqrstuvwxyz"[IMAGE]
+    texts = worker.generate_text(
+        {
+            "prompts": ["b" * 30 + placeholder * 2, "abc"],
+            "multi_modal_data": [{"image": [image(), image()]}, None],
+        },
+        greedy=True,
+    )["texts"]
+    assert worker.last_refused_rows == (0,)
+    assert texts[0] == ""
+    assert texts[1]
+    assert engine.requests[-1][0] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("cache", ["mm", "encoder"])
+@pytest.mark.parametrize(
+    "error",
+    [EngineStateError("the engine kept it"), RuntimeError("reset broke")],
+    ids=["refused", "raised"],
+)
+def test_a_failed_media_cache_reset_after_a_refit_leaves_the_weights_inconsistent(
+    cache: str, error: Exception, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker, engine = vlm_worker()
+    engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+
+    def failing() -> None:
+        raise error
+
+    monkeypatch.setattr(engine, f"reset_{cache}_cache", failing)
+    with pytest.raises(RefitError, match="inconsistent") as info:
+        worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert info.value.__cause__ is error
+    if isinstance(error, EngineStateError):
+        assert {"mm": "multimodal cache", "encoder": "encoder cache"}[cache] in str(info.value)
+    assert worker.state.weights is lifecycle.WeightsStatus.INCONSISTENT
+    with pytest.raises(EngineStateError, match="refit again"):
+        worker.generate(mixed())
+    monkeypatch.undo()
+    assert worker.update_weights_via_ipc_zmq(timeout_s=1.0) is True
+    assert worker.state == lifecycle.AWAKE
+    assert worker.generate(mixed())["output_ids"].shape[0] == 3

@@ -70,6 +70,8 @@ class GatedEngine(FakeEngine):
         prompts: Sequence[Sequence[int]],
         specs: Sequence[SamplingSpec],
         media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[Generation]:
         def run() -> list[Generation]:
             self.entered.set()
@@ -77,7 +79,7 @@ class GatedEngine(FakeEngine):
             if self.on_generate is not None:
                 self.on_generate()
             time.sleep(0.001)  # give a racing caller the chance to overlap
-            return super(GatedEngine, self).generate(prompts, specs, media)
+            return super(GatedEngine, self).generate(prompts, specs, media, use_tqdm=use_tqdm)
 
         result: list[Generation] = self._around("generate", run)
         return result

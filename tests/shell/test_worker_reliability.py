@@ -97,11 +97,13 @@ class WatchedEngine(VllmEngine):
         prompts: Sequence[Sequence[int]],
         specs: Sequence[SamplingSpec],
         media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[Generation]:
         def run() -> list[Generation]:
             self.entered.set()
             assert self.gate.wait(DEADLINE_S), "the test never released generate"
-            return super(WatchedEngine, self).generate(prompts, specs, media)
+            return super(WatchedEngine, self).generate(prompts, specs, media, use_tqdm=use_tqdm)
 
         result: list[Generation] = self._around("generate", run)
         return result

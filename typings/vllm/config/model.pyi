@@ -6,4 +6,5 @@ class ModelConfig:
     # transformers' PretrainedConfig; read with getattr (model-specific attributes).
     hf_config: object
     multimodal_config: MultiModalConfig | None
+    skip_tokenizer_init: bool
     def get_vocab_size(self) -> int: ...
