@@ -2,17 +2,19 @@
 
 The trainer is a spawned process holding 64 float32 tensors of 16 MiB; the receiver is
 this process, writing into a preallocated dict of parameters of the same names (the
-direct path of ``WorkerExtension``, no engine). Both transports use the same packing plan
-(128 MiB buckets, two alternating buffers):
+direct route of ``WorkerExtension``, no engine). One ``RefitSender`` each, defaults only:
 
-- ``refit_gbps_ipc``: shared-memory buffers + ZMQ metadata (``IpcSender``);
-- ``refit_gbps_collective``: a standalone gloo group on loopback (``CollectiveSender``).
+- ``refit_gbps_ipc``: shared memory + ZMQ (``RefitSender.ipc``). The first refit packs
+  (the sender has not seen these storages yet: ``refit_ipc_packed_vs_memcpy``, two
+  copies, pack then store); later ones send the tensors' own storages, which the
+  receiver keeps mapped (one copy);
+- ``refit_gbps_collective``: a standalone gloo group on loopback (``RefitSender.collective``).
 
 Each is compared with a raw operation of the same size measured in the same run:
-``refit_ipc_vs_memcpy`` against one in-process 1 GiB ``copy_`` (the IPC path copies twice:
-pack, then store), ``refit_collective_vs_raw`` against one 1 GiB broadcast over the same
-gloo group. Rates are payload bytes over the trainer's wall time from the first message
-to the receiver's final answer; the best of ``REPEATS`` runs counts (the host is shared).
+``refit_ipc_vs_memcpy`` against one in-process 1 GiB ``copy_``, ``refit_collective_vs_raw``
+against one 1 GiB broadcast over the same gloo group. Rates are payload bytes over the
+trainer's wall time from the first message to the receiver's final answer; the best of
+``REPEATS`` runs counts (the host is shared).
 """
 
 from __future__ import annotations
@@ -26,17 +28,13 @@ from typing import Protocol
 
 import torch
 
-from genworker.shell.refit import fake
-from genworker.shell.refit.collective import CollectiveReceiver, CollectiveSender
-from genworker.shell.refit.ipc import IpcReceiver, IpcSender
-from genworker.shell.refit.session import ParameterSink, manifest_of, receive_refit
+from genworker.shell.refit import CollectiveReceiver, IpcReceiver, RefitSender, fake, manifest_of
 
 __all__ = ["measure"]
 
 TENSORS = 64
 ELEMENTS = 4 << 20  # 16 MiB of float32 each: 1 GiB in all
-BUCKET_BYTES = 128 << 20
-REPEATS = 2
+REPEATS = 3
 TIMEOUT_S = 120.0
 
 
@@ -54,22 +52,22 @@ def _trainer(commands: _Queue, results: _Queue, address: str, port: int) -> None
     torch.set_num_threads(1)
     tensors = state_dict()
     manifest = manifest_of(tensors)
-    with IpcSender(
-        address, manifest=manifest, bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S
-    ) as ipc:
+    with RefitSender.ipc(address, manifest=manifest, timeout_s=TIMEOUT_S) as ipc:
         for _ in range(REPEATS):
             commands.get()
             results.put(ipc.send(tensors.items()).gbps)
-    with CollectiveSender(
-        "127.0.0.1", port, 2, manifest=manifest, bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S
+    with RefitSender.collective(
+        "127.0.0.1", port, 2, manifest=manifest, timeout_s=TIMEOUT_S
     ) as sender:
         for _ in range(REPEATS):
             results.put(sender.send(tensors.items()).gbps)
         raw = torch.zeros(TENSORS * ELEMENTS * 4, dtype=torch.uint8)
+        group = sender.group
+        assert group is not None
         for _ in range(REPEATS):
             started = time.monotonic()
-            sender.group.broadcast(raw, "the raw broadcast", TIMEOUT_S)
-            sender.group.round(None, TIMEOUT_S, "the raw broadcast")
+            group.transfer([raw], "the raw broadcast", TIMEOUT_S)
+            group.settle(None, "the raw broadcast", TIMEOUT_S)
             results.put(raw.numel() / (time.monotonic() - started) / 1e9)
 
 
@@ -103,7 +101,6 @@ def measure() -> list[tuple[str, float]]:
     """Throughputs (GB/s) of both transports and their ratios to the raw operations."""
     expected = state_dict()
     params = {n: torch.zeros_like(t) for n, t in expected.items()}
-    manifest = manifest_of(expected)
     nbytes = sum(t.numel() * t.element_size() for t in expected.values())
 
     memcpy_gbps = nbytes / _best_seconds(functools.partial(_copy, nbytes)) / 1e9
@@ -120,26 +117,26 @@ def measure() -> list[tuple[str, float]]:
         ipc = []
         for _ in range(REPEATS):
             commands.put("go")
-            receive_refit(receiver, manifest, ParameterSink(params), timeout_s=TIMEOUT_S)
+            fake.receive_into(receiver, params, timeout_s=TIMEOUT_S)
+            _check(params, expected)
+            for p in params.values():
+                p.zero_()
             ipc.append(float(results.get(timeout=TIMEOUT_S)))
-        _check(params, expected)
         receiver.close()
-        for p in params.values():
-            p.zero_()
 
         group = fake.engine_group(port, timeout_s=TIMEOUT_S)
         collective = []
         transport = CollectiveReceiver(group)  # one per group: it keeps its buffers
         for _ in range(REPEATS):
-            receive_refit(transport, manifest, ParameterSink(params), timeout_s=TIMEOUT_S)
+            fake.receive_into(transport, params, timeout_s=TIMEOUT_S)
             collective.append(float(results.get(timeout=TIMEOUT_S)))
         _check(params, expected)
         params.clear()
         raw_buffer = torch.empty(nbytes, dtype=torch.uint8)
         raw = []
         for _ in range(REPEATS):
-            group.broadcast(raw_buffer, "the raw broadcast", TIMEOUT_S)
-            group.round(None, TIMEOUT_S, "the raw broadcast")
+            group.transfer([raw_buffer], "the raw broadcast", TIMEOUT_S)
+            group.settle(None, "the raw broadcast", TIMEOUT_S)
             raw.append(float(results.get(timeout=TIMEOUT_S)))
         group.close()
     finally:
@@ -153,6 +150,7 @@ def measure() -> list[tuple[str, float]]:
         ("refit_gbps_ipc", ipc_gbps),
         ("refit_gbps_collective", collective_gbps),
         ("refit_ipc_vs_memcpy", ipc_gbps / memcpy_gbps),
+        ("refit_ipc_packed_vs_memcpy", ipc[0] / memcpy_gbps),
         ("refit_collective_vs_raw", collective_gbps / raw_gbps),
         ("refit_memcpy_gbps", memcpy_gbps),
         ("refit_raw_gloo_gbps", raw_gbps),

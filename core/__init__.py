@@ -38,7 +38,8 @@ from genworker.core.placement import (
     configure_worker,
     plan_cluster,
 )
-from genworker.core.refit_plan import Manifest, ManifestError, TensorSpec, plan_buckets
+from genworker.core.refit_plan import Manifest, ManifestError, TensorSpec
+from genworker.core.refit_protocol import plan_routes, wait_bound
 from genworker.core.sampling import SamplingSpec, group_specs, sampling_spec
 from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards, split_batch
 from genworker.core.stops import StopError, StopMode, merge_stop_strings
@@ -84,9 +85,9 @@ __all__ = [
     "merge_shard_outputs",
     "merge_snapshots",
     "merge_stop_strings",
-    "plan_buckets",
     "plan_cluster",
     "plan_engine_kwargs",
+    "plan_routes",
     "plan_shards",
     "request_max_tokens",
     "sampling_spec",
@@ -95,4 +96,5 @@ __all__ = [
     "split_batch",
     "step_deltas",
     "transition",
+    "wait_bound",
 ]

@@ -211,6 +211,14 @@ def test_refit_failure_makes_weights_inconsistent_until_a_good_refit(
         raise TimeoutError(f"no bucket within {timeout_s} s")
 
     engine.rpc_handlers["update_weights_from_collective"] = failing
+    engine.rpc_handlers["init_collective"] = lambda *args: {"rank": 1}
+    with pytest.raises(EngineStateError, match="init_collective first"):
+        worker.update_weights_from_collective(timeout_s=1.0)  # refused: nothing changes
+    with pytest.raises(EngineStateError, match="prepare_refit_info first"):
+        worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    worker.generate(batch([[4, 5]]), greedy=True)
+    worker.prepare_refit_info({"w": ((2,), "float32")})
+    worker.init_collective(0, "127.0.0.1", 29500, 2, 1)
     with pytest.raises(RefitError, match="inconsistent"):
         worker.update_weights_from_collective(timeout_s=1.0)
     with pytest.raises(EngineStateError, match=r"(?i)refit"):
@@ -232,6 +240,7 @@ def test_level2_refit_sequence_serves_new_weights(
 ) -> None:
     worker, engine = worker_engine
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+    worker.prepare_refit_info({"w": ((2,), "float32")})
     worker.sleep(level=2)
     with pytest.raises(EngineStateError):
         worker.update_weights_via_ipc_zmq()
