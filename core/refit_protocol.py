@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Final, Generic, TypeVar
 
 import attrs
@@ -80,6 +80,7 @@ __all__ = [
     "Phase",
     "Placement",
     "Receiver",
+    "RefitReport",
     "Refusal",
     "RefusalKind",
     "Route",
@@ -637,6 +638,26 @@ def claim_problems(judge: GroupClaim, claims: Iterable[GroupClaim]) -> tuple[str
             if got != want:
                 problems.append(f"rank {claim.rank} has {field}={got!r}, expected {want!r}")
     return tuple(problems)
+
+
+# -- reports ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RefitReport:
+    """What one refit moved (either side), and where the time went (``phases``)."""
+
+    tensors: int
+    nbytes: int
+    chunks: int
+    seconds: float
+    direct: int = 0  # engine: tensors written straight into parameters; sender: by handle
+    loaded: int = 0  # engine: tensors through the loader; sender: packed
+    mapped: int = 0  # engine: storages mapped anew this refit
+    phases: Mapping[str, float] = attrs.field(factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return {**attrs.asdict(self, recurse=False), "phases": dict(self.phases)}
 
 
 # -- bounds ---------------------------------------------------------------------------

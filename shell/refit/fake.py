@@ -7,9 +7,10 @@ from collections.abc import Mapping
 
 import torch
 
+from genworker.core.refit_protocol import RefitReport
 from genworker.shell.refit.collective import CollectiveGroup, CollectiveReceiver
 from genworker.shell.refit.ipc import IpcReceiver
-from genworker.shell.refit.receiver import Loader, ParameterSink, RefitReport, manifest_of, receive
+from genworker.shell.refit.receiver import Loader, ParameterSink, manifest_of, receive
 
 __all__ = ["engine_group", "receive_into"]
 

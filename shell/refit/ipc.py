@@ -81,14 +81,6 @@ class IpcReceiver:
         self._sock = self._bind()
         self.mappings = Mappings(device)
 
-    @property
-    def address(self) -> str:
-        return self._endpoint
-
-    @property
-    def peer(self) -> str:
-        return f"the trainer connected to {self._endpoint}"
-
     def _bind(self) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
@@ -100,7 +92,8 @@ class IpcReceiver:
         except zmq.ZMQError as e:
             sock.close(linger=0)
             raise RefitError(f"could not bind the refit socket {self._endpoint}: {e}") from e
-        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.address = self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.peer = f"the trainer connected to {self.address}"
         return sock
 
     def limit(self, max_bytes: int) -> None:
@@ -228,6 +221,7 @@ class IpcSenderPort:
         if not address.startswith(("ipc://", "tcp://")):
             raise BadConfigError(f"a refit address is ipc://... or tcp://..., got {address!r}")
         self.address, self.budget, self._timeout = address, staging_bytes, timeout_s
+        self.peer = f"the engine worker at {address}"
         self._device, self._staging_parent = device, staging_dir
         self._ctx, self._sock = zmq.Context(), cast(zmq.Socket[bytes] | None, None)
         self._dir: Path | None = None
@@ -237,10 +231,6 @@ class IpcSenderPort:
         self._chunk, self._outstanding = _Chunk(), cast(_Chunk | None, None)
         self._chunks, self._what, self.refit_id = 0, "", ""
         self._used: set[StorageWeakRef] = set()
-
-    @property
-    def peer(self) -> str:
-        return f"the engine worker at {self.address}"
 
     def begin(self, event: p.Begin) -> None:
         self.refit_id, self._chunks, self._used = event.refit_id, 0, set()

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from genworker.shell.refit.collective import CollectiveReceiver
     from genworker.shell.refit.ipc import IpcReceiver
 
-__all__ = ["Laps", "ParameterSink", "RefitReport", "Sink", "Wait", "manifest_of", "receive"]
+__all__ = ["Laps", "ParameterSink", "Sink", "Wait", "manifest_of", "receive"]
 
 Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 
@@ -65,27 +65,6 @@ class Wait:
         return RefitTimeoutError(
             f"{peer} sent nothing within {self.bound_s:g}s: waited for {self.what}"
         )
-
-
-@attrs.frozen
-class RefitReport:
-    """What one refit moved (either side), and where the time went (``phases``)."""
-
-    tensors: int
-    nbytes: int
-    chunks: int
-    seconds: float
-    direct: int = 0  # engine: tensors written straight into parameters; sender: by handle
-    loaded: int = 0  # engine: tensors through the loader; sender: packed
-    mapped: int = 0  # engine: storages mapped anew this refit
-    phases: Mapping[str, float] = attrs.field(factory=dict)
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / max(self.seconds, 1e-9) / 1e9
-
-    def as_dict(self) -> dict[str, object]:
-        return {**attrs.asdict(self, recurse=False), "phases": dict(self.phases)}
 
 
 class Sink(Protocol):
@@ -199,7 +178,7 @@ class _Session:
             yield from loader
             self.laps.lap("load")
 
-    def conclude(self, loader_error: BaseException | None) -> RefitReport:
+    def conclude(self, loader_error: BaseException | None) -> p.RefitReport:
         failed = True
         try:
             if self.error is not None:
@@ -221,7 +200,7 @@ class _Session:
             failed = False
         finally:
             mapped = self.port.release(failed=failed)
-        return RefitReport(
+        return p.RefitReport(
             len(self.machine.received),
             self.nbytes,
             self.machine.chunks,
@@ -246,7 +225,7 @@ def receive(
     routes: p.Routes,
     timeout_s: float,
     loader: Loader | None = None,
-) -> RefitReport:
+) -> p.RefitReport:
     """Receive one refit; every wait bounded by ``timeout_s``."""
     session = _Session(port, manifest, routes, sink, timeout_s)
     loader_error: BaseException | None = None

@@ -21,7 +21,7 @@ from genworker.core.refit_plan import Manifest, TensorSpec, bucket_budget
 from genworker.shell.errors import BadConfigError, RefitError, unwrap
 from genworker.shell.refit.collective import CollectiveGroup, CollectiveSenderPort
 from genworker.shell.refit.ipc import IpcSenderPort
-from genworker.shell.refit.receiver import Laps, RefitReport
+from genworker.shell.refit.receiver import Laps
 
 __all__ = ["RefitSender"]
 
@@ -114,11 +114,11 @@ class RefitSender:
         """The weight-update group of a collective sender."""
         return self._port.group if isinstance(self._port, CollectiveSenderPort) else None
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> RefitReport:
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> p.RefitReport:
         """Send one refit; a typed :class:`RefitError` on any failure."""
         started, laps, port = time.monotonic(), Laps(), self._port
         if isinstance(port, CollectiveSenderPort) and port.group.rank:
-            return RefitReport(port.follow(named_tensors), 0, 0, time.monotonic() - started)
+            return p.RefitReport(port.follow(named_tensors), 0, 0, time.monotonic() - started)
         refit_id = secrets.token_hex(8)
         try:
             port.begin(p.Begin(refit_id, self._digest))
@@ -162,7 +162,7 @@ class RefitSender:
             port.drop()  # an interrupt
             raise
         phases = laps.seconds
-        return RefitReport(
+        return p.RefitReport(
             tensors,
             nbytes,
             plan.index,

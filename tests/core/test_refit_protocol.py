@@ -453,7 +453,7 @@ def test_a_shared_file_is_trusted_only_when_private_and_the_senders(
     change: dict[str, object], why: str
 ) -> None:
     assert p.file_problem(FILE, uid=7, inode=42, size=4096) is None
-    problem = p.file_problem(attrs.evolve(FILE, **change), uid=7, inode=42, size=4096)
+    problem = p.file_problem(attrs.evolve(FILE, **change), uid=7, inode=42, size=4096)  # type: ignore[arg-type]
     assert problem is not None
     assert why in problem
 
