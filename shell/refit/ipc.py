@@ -330,30 +330,22 @@ class IpcSenderPort:
             self._finalizer = weakref.finalize(self, _close, self._ctx, self._dir)
         return StagingBuffer(capacity, self._device, self._dir)
 
-    def _socket(self) -> zmq.Socket[bytes]:
+    def _poll(self, flag: int, what: str) -> zmq.Socket[bytes]:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.REQ)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.connect(self.address)
+        if not self._sock.poll(int(self._timeout * 1000), flag):
+            self.drop()
+            message = f"{self.peer} did not answer {what} within {self._timeout:g}s"
+            raise RefitTimeoutError(f"{message} (refit {self.refit_id})")
         return self._sock
 
-    def _timed_out(self, what: str) -> RefitTimeoutError:
-        self.drop()
-        return RefitTimeoutError(
-            f"{self.peer} did not answer {what} within {self._timeout:g}s (refit {self.refit_id})"
-        )
-
     def _send(self, data: bytes, what: str) -> None:
-        sock = self._socket()
-        if not sock.poll(int(self._timeout * 1000), zmq.POLLOUT):
-            raise self._timed_out(what)
-        sock.send(data, zmq.NOBLOCK)
+        self._poll(zmq.POLLOUT, what).send(data, zmq.NOBLOCK)
 
     def _await(self, what: str) -> None:
-        sock = self._socket()
-        if not sock.poll(int(self._timeout * 1000), zmq.POLLIN):
-            raise self._timed_out(what)
-        reply = decode_reply(sock.recv(zmq.NOBLOCK), self.address)
+        reply = decode_reply(self._poll(zmq.POLLIN, what).recv(zmq.NOBLOCK), self.address)
         if not reply.ok:
             raise error_of(reply.kind, f"{self.peer} refused {what}: {reply.message}")
 
