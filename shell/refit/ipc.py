@@ -30,7 +30,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import TensorSpec
 from genworker.shell.errors import BadConfigError, RefitError, RefitTimeoutError
-from genworker.shell.refit.memory import Exporter, Mappings, StagingBuffer, private_directory
+from genworker.shell.refit.memory import (
+    Exporter,
+    Mappings,
+    StagingBuffer,
+    copy_into,
+    private_directory,
+)
 from genworker.shell.refit.receiver import Sink, Wait
 from genworker.shell.refit.wire import (
     Handle,
@@ -136,7 +142,7 @@ class IpcReceiver:
                 if write.route is p.Route.LOADER:
                     loader.append((write.ref.name, view.clone() if write.copy else view))
                 elif view.numel():
-                    sink.target(write.ref.name).copy_(view, non_blocking=True)
+                    copy_into(sink.target(write.ref.name), view)
         _sync(sink.device)
         self.mappings.drop_temporary(writes.chunk, handles)
         return loader
@@ -282,7 +288,7 @@ class IpcSenderPort:
             offset = placed.offset
             if spec.nbytes:
                 view = buffer.tensor[offset : offset + spec.nbytes].view(tensor.dtype)
-                view.view(tensor.shape).copy_(tensor, non_blocking=True)
+                copy_into(view.view(tensor.shape), tensor)
         chunk.refs.append(p.TensorRef(spec.name, spec.shape, spec.dtype, index, offset))
 
     def flush(self) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -38,7 +39,15 @@ from genworker.core.refit_plan import DTYPE_ITEMSIZE
 from genworker.shell.errors import RefitError
 from genworker.shell.refit.wire import CpuHandle, CudaHandle, Handle
 
-__all__ = ["Exporter", "Mappings", "StagingBuffer", "device_id", "open_handle", "private_directory"]
+__all__ = [
+    "Exporter",
+    "Mappings",
+    "StagingBuffer",
+    "copy_into",
+    "device_id",
+    "open_handle",
+    "private_directory",
+]
 
 _PROC_FD: Final = re.compile(r"/proc/\d+/fd/\d+")
 
@@ -59,6 +68,17 @@ def private_directory(prefix: str, parent: str | Path | None = None) -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     path.chmod(0o700)
     return path
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; between contiguous CPU tensors one plain memcpy (numpy), as
+    torch's parallel copy of many mid-sized tensors stalls on a busy host's OpenMP
+    threads (measured 2-4x slower on a shared 2-core machine)."""
+    cpu = dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype
+    if cpu and dst.is_contiguous() and src.is_contiguous() and dst.numel() == src.numel() > 0:
+        np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+        return
+    dst.copy_(src, non_blocking=True)
 
 
 def _export_cuda(storage: torch.UntypedStorage, device: torch.device) -> CudaHandle:
