@@ -504,28 +504,28 @@ class ChunkPlan:
         return self.staged % 2
 
     def place(self, route: SendRoute, nbytes: int, now: float) -> Placement:
+        # built with the constructor, not attrs.evolve: this runs once per tensor
         late = self.tensors > 0 and now - self.opened_at >= self.flush_after_s
-        if route is SendRoute.HANDLE:
-            plan = self.flushed(now) if late else self
-            return Placement(attrs.evolve(plan, tensors=plan.tensors + 1), late)
-        size = align_up(nbytes)
+        size = 0 if route is SendRoute.HANDLE else align_up(nbytes)
         alone = size > self.budget
-        flush = self.tensors > 0 and (late or alone or self.fill + size > self.budget)
+        flush = late or (self.tensors > 0 and (alone or self.fill + size > self.budget))
         plan = self.flushed(now) if flush else self
         fill = plan.fill if alone else plan.fill + size
-        placed = attrs.evolve(plan, fill=fill, tensors=plan.tensors + 1)
+        placed = ChunkPlan(
+            plan.budget,
+            plan.flush_after_s,
+            plan.opened_at,
+            plan.index,
+            fill,
+            plan.tensors + 1,
+            plan.staged,
+        )
         return Placement(placed, flush, 0 if alone else plan.fill, alone)
 
     def flushed(self, now: float) -> ChunkPlan:
         """The next chunk, once this one was sent at ``now``."""
-        return attrs.evolve(
-            self,
-            index=self.index + 1,
-            fill=0,
-            tensors=0,
-            opened_at=now,
-            staged=self.staged + (self.fill > 0),
-        )
+        staged = self.staged + (self.fill > 0)
+        return ChunkPlan(self.budget, self.flush_after_s, now, self.index + 1, 0, 0, staged)
 
 
 @attrs.frozen

@@ -28,11 +28,16 @@ __all__ = ["RefitSender"]
 Info = Manifest | Mapping[str, object] | None
 
 
-def _spec(name: str, tensor: torch.Tensor) -> TensorSpec:
-    try:
-        return TensorSpec.of(name, tensor)
-    except (ValueError, AttributeError, TypeError) as e:
-        raise ValueError(f"tensor {name!r} cannot travel in a refit: {e}") from e
+def _spec(memo: dict[object, TensorSpec], name: str, tensor: torch.Tensor) -> TensorSpec:
+    """The tensor's spec (remembered: a refit usually sends what the last one sent)."""
+    key = (name, tensor.shape, tensor.dtype)
+    spec = memo.get(key)
+    if spec is None:
+        try:
+            spec = memo[key] = TensorSpec.of(name, tensor)
+        except (ValueError, AttributeError, TypeError) as e:
+            raise ValueError(f"tensor {name!r} cannot travel in a refit: {e}") from e
+    return spec
 
 
 class RefitSender:
@@ -49,7 +54,7 @@ class RefitSender:
     def __init__(
         self, port: IpcSenderPort | CollectiveSenderPort, manifest: Info, timeout_s: float
     ):
-        self._port, self._timeout = port, timeout_s
+        self._port, self._timeout, self._specs = port, timeout_s, dict[object, TensorSpec]()
         if manifest is not None and not isinstance(manifest, Manifest):
             parsed = Manifest.from_info(manifest) if isinstance(manifest, Mapping) else None
             if parsed is None or isinstance(parsed, Failure):
@@ -131,7 +136,7 @@ class RefitSender:
                     item = next(stream, None)
                     if item is None:
                         break
-                    spec = _spec(*item)
+                    spec = _spec(self._specs, *item)
                     route = port.route(item[1])
                     placed = plan.place(route[0], spec.nbytes, time.monotonic())
                     if placed.flush:

@@ -480,3 +480,11 @@ def test_a_groups_topology_and_claims_are_checked_naming_the_ranks() -> None:
         "rank 2 has protocol=1, expected 2",
         "rank 2 has role='trainer', expected 'engine'",
     )
+
+
+def test_a_report_is_a_plain_dict_for_rpc_results() -> None:
+    report = p.RefitReport(3, 96, 1, 0.5, direct=2, loaded=1, phases={"wait": 0.25})
+    assert report.as_dict() == {
+        "tensors": 3, "nbytes": 96, "chunks": 1, "seconds": 0.5, "direct": 2,
+        "loaded": 1, "mapped": 0, "phases": {"wait": 0.25},
+    }  # fmt: skip
