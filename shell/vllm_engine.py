@@ -345,9 +345,10 @@ def _bounded(
     thread = threading.Thread(target=run, name=f"genworker {what}", daemon=True)
     inflight.append((done, time.monotonic() + timeout))
     thread.start()
-    if not done.wait(timeout):  # an interrupt here leaves the call in ``inflight``
+    expired = not done.wait(timeout)  # an interrupt here leaves the call in ``inflight``
+    inflight.clear()  # answered, or declared dead: nothing to wait for
+    if expired:
         raise EngineDeadError(f"{what} did not answer within {timeout:g} s")
-    inflight.clear()
     if error:
         if isinstance(error[0], TimeoutError) and not isinstance(error[0], GenworkerError):
             raise EngineDeadError(f"{what} did not answer within {timeout:g} s") from error[0]
