@@ -29,10 +29,12 @@ All checks are tensor masks over the whole batch; no Python loop runs per token.
 batch (B == 0) is valid whatever its width and holds no prompts.
 
 Per-row sampling seeds (``data["seeds"]``) are checked by :func:`check_seeds`: ints (or
-None, unseeded) in ``[0, 2**64)``. vLLM accepts any int in ``SamplingParams`` and only
-seeds a ``torch.Generator`` when it schedules the request
-(``GPUModelRunner._update_states``, ``generator.manual_seed``), which overflows past
-``2**64 - 1`` inside ``execute_model``, after the request was admitted.
+None, unseeded) in ``[0, 2**63)``. vLLM accepts any int in ``SamplingParams`` and only
+uses it when it schedules the request, inside ``execute_model`` after the request was
+admitted: the CPU runner of 0.32 seeds a ``torch.Generator`` (``manual_seed``, which
+overflows past ``2**64 - 1``), the GPU model runner V2 of 0.25 stores seeds in an int64
+tensor (``OverflowError`` from ``2**63``, measured on the H200). The range is the one
+every engine takes.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ _SEED_DTYPES = _INTEGER_DTYPES | {torch.uint16, torch.uint32, torch.uint64}
 MAX_TOKEN_ID = 2**31 - 1
 """The largest token id vLLM can emit (its token ids are int32)."""
 
-SEED_LIMIT = 2**64
-"""Sampling seeds lie in ``[0, SEED_LIMIT)``: what ``torch.Generator.manual_seed`` takes."""
+SEED_LIMIT = 2**63
+"""Sampling seeds lie in ``[0, SEED_LIMIT)``: int64, what every engine's runner takes."""
 
 
 class BatchErrorKind(enum.StrEnum):
@@ -399,8 +401,8 @@ def check_seeds(value: object, batch_size: int) -> Result[tuple[int | None, ...]
         return Failure(
             BatchError(
                 message=(
-                    "data['seeds'] must be ints in [0, 2**64) (torch.Generator.manual_seed's "
-                    f"range) or None, not in {_plural(len(bad), 'row')}: {detail}"
+                    "data['seeds'] must be ints in [0, 2**63) (int64, the range every "
+                    f"engine takes) or None, not in {_plural(len(bad), 'row')}: {detail}"
                 ),
                 kind=BatchErrorKind.SEEDS,
                 rows=tuple(bad),

@@ -39,7 +39,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ray
 import torch
 
 from genworker.core import lifecycle
@@ -59,6 +58,8 @@ from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 from genworker.shell.worker import checked_env_names
 
 __all__ = ["NemoRlGenerationWorker", "VllmGenerationWorker"]
+
+VllmGenerationWorker: Any  # made on first use by the module __getattr__ below (Ray imported then)
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +269,16 @@ class NemoRlGenerationWorker:
         return True
 
 
-# Ray's ActorClass type hides the class's static methods, which its runtime subclass keeps
-# (NeMo-RL calls VllmGenerationWorker.configure_worker(...) on the actor class).
-VllmGenerationWorker: Any = ray.remote(NemoRlGenerationWorker)
-"""The Ray actor class NeMo-RL's ``RayWorkerBuilder`` instantiates by class path."""
+def __getattr__(name: str) -> Any:
+    """``VllmGenerationWorker``: the Ray actor class NeMo-RL's ``RayWorkerBuilder``
+    instantiates by class path, made on first use, so Ray is imported only then (a host
+    without Ray, such as the GPU runner, drives :class:`NemoRlGenerationWorker` directly).
+    Typed ``Any``: Ray's ActorClass type hides the class's static methods, which its runtime
+    subclass keeps (NeMo-RL calls ``VllmGenerationWorker.configure_worker(...)`` on it)."""
+    if name != "VllmGenerationWorker":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import ray
+
+    actor: Any = ray.remote(NemoRlGenerationWorker)
+    globals()[name] = actor
+    return actor

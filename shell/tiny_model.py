@@ -70,10 +70,16 @@ def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
     return _build(Path(path), lambda out: _write_model(out, seed=seed))
 
 
-def build_tiny_vlm(path: Path, *, seed: int = 0) -> Path:
+def build_tiny_vlm(path: Path, *, seed: int = 0, tiles: int = 1) -> Path:
     """Write the tiny Idefics3, its tokenizer and processor into ``path`` unless it
-    already holds them."""
-    return _build(Path(path), lambda out: _write_vlm(out, seed=seed))
+    already holds them. ``tiles=1``: every image is resized into one 56-pixel tile (no
+    splitting). ``tiles=n > 1``: images are resized to ``n`` tiles on their longest edge and
+    split (a grid of tiles plus the global image): vLLM 0.25 counts an image's patches with
+    transformers' ``get_number_of_image_patches``, which says 0 for an image that fits one
+    tile (measured on the H200, transformers 5.17), so a GPU test needs split images."""
+    if tiles < 1:
+        raise ValueError(f"tiles must be >= 1, got {tiles}")
+    return _build(Path(path), lambda out: _write_vlm(out, seed=seed, tiles=tiles))
 
 
 def _build(path: Path, write: Callable[[Path], None]) -> Path:
@@ -134,7 +140,7 @@ def _write_model(out: Path, *, seed: int) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _write_vlm(out: Path, *, seed: int) -> None:
+def _write_vlm(out: Path, *, seed: int, tiles: int) -> None:
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -172,9 +178,9 @@ def _write_vlm(out: Path, *, seed: int) -> None:
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(_VLM_IMAGE_TOKENS)})
     images = image_processor(
-        size={"longest_edge": VLM_IMAGE_SIZE},
+        size={"longest_edge": VLM_IMAGE_SIZE * tiles},
         max_image_size={"longest_edge": VLM_IMAGE_SIZE},
-        do_image_splitting=False,
+        do_image_splitting=tiles > 1,
         do_resize=True,
         do_rescale=True,
         do_normalize=True,

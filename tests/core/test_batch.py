@@ -369,7 +369,7 @@ def test_seeds_are_refused_exactly_outside_the_generator_range_naming_every_row(
     assert isinstance(result, Failure)
     error = result.failure()
     assert (error.kind, error.rows) == (BatchErrorKind.SEEDS, bad)
-    assert str(error).startswith("data['seeds'] must be ints in [0, 2**64)")
+    assert str(error).startswith("data['seeds'] must be ints in [0, 2**63)")
     for i in bad:
         assert f"row {i} (seed {seeds[i]!r})" in str(error)
 
@@ -380,10 +380,16 @@ def test_no_seeds_leave_every_row_unseeded() -> None:
 
 @pytest.mark.parametrize(
     "tensor",
-    [torch.tensor([1, 2**62]), torch.tensor([0, 2**64 - 1], dtype=torch.uint64)],
+    [torch.tensor([1, 2**63 - 1]), torch.tensor([0, 2**62], dtype=torch.uint64)],
 )
 def test_a_seed_tensor_gives_its_ints(tensor: torch.Tensor) -> None:
     assert check_seeds(tensor, 2) == Success(tuple(tensor.tolist()))
+
+
+def test_a_uint64_seed_past_int64_is_refused_naming_its_row() -> None:
+    result = check_seeds(torch.tensor([0, 2**64 - 1], dtype=torch.uint64), 2)
+    assert isinstance(result, Failure)
+    assert result.failure().rows == (1,)
 
 
 @pytest.mark.parametrize(

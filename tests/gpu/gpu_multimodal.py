@@ -30,7 +30,7 @@ def vlm_main(model_dir: str) -> dict[str, Any]:
     from genworker.shell.vllm_engine import VllmEngine
     from genworker.shell.worker import VllmGenerationWorker
 
-    model = build_tiny_vlm(Path(model_dir) / "tiny-idefics3")
+    model = build_tiny_vlm(Path(model_dir) / "tiny-idefics3-tiled", tiles=2)
     config: dict[str, object] = {
         "backend": "vllm",
         "model_name": str(model),

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -475,3 +477,24 @@ def test_the_class_path_names_a_ray_actor_class() -> None:
 
     assert isinstance(VllmGenerationWorker, ray.actor.ActorClass)
     assert callable(VllmGenerationWorker.options)
+
+
+def test_the_module_imports_without_ray_and_makes_the_actor_class_on_first_use() -> None:
+    code = (
+        "import sys\n"
+        "import genworker.shell.nemo_rl as m\n"
+        "assert 'ray' not in sys.modules, 'imported ray'\n"
+        "actor = m.VllmGenerationWorker\n"
+        "assert 'ray' in sys.modules and actor is m.VllmGenerationWorker\n"
+        "assert actor.configure_worker is m.NemoRlGenerationWorker.configure_worker\n"
+        "try:\n"
+        "    m.NoSuchName\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchName' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
