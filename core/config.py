@@ -27,6 +27,10 @@ Rules, with the vLLM behaviour they mirror (vLLM 0.32, ``vllm/sampling_params.py
   (NeMo-RL's place); it is moved into :attr:`VllmConfig.speculative_config` and must carry
   an integer ``num_speculative_tokens >= 0`` (the per-request clamp needs it). Both places
   at once is a problem. ``logprobs_mode`` likewise may be top-level or in ``vllm_cfg``.
+* ``vllm_cfg.async_engine`` (a bool, default false) picks the worker: false is the
+  synchronous ``vllm.LLM`` (``genworker.shell.worker.VllmGenerationWorker``), true vLLM's
+  ``AsyncLLM`` (``genworker.shell.async_worker.AsyncVllmGenerationWorker``); each worker
+  refuses the other's value, and ``GenerationGroup`` starts the one it names.
 * ``vllm_cfg.nvfp4_per_token: true`` asks for vLLM's online per-token NVFP4 MoE
   quantization (see :mod:`genworker.core.engine_plan`); it needs 16-bit weights
   (``precision`` bfloat16 or float16).
@@ -261,6 +265,7 @@ class VllmConfig:
     enforce_eager: bool = False
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
+    #: vLLM's AsyncLLM (the async worker) instead of the synchronous vllm.LLM
     async_engine: bool = False
     enable_prefix_caching: bool | None = None
     cap_max_tokens_to_context: bool = False

@@ -92,6 +92,7 @@ __all__ = [
     "WEIGHTS_ONLY_INCONSISTENT",
     "WEIGHTS_TAG",
     "Event",
+    "InflightMode",
     "LifecycleError",
     "Phase",
     "State",
@@ -140,6 +141,15 @@ class Event(enum.Enum):
     REFIT_FAILED = "fail a refit"
     RESET_PREFIX_CACHE = "reset_prefix_cache()"
     SHUTDOWN = "shutdown()"
+
+
+class InflightMode(enum.Enum):
+    """What requests in flight do during an in-flight refit: vLLM's ``pause_generation``
+    modes (``AsyncLLM.pause_generation``, ``vllm/v1/engine/async_llm.py``)."""
+
+    KEEP = "keep"  # frozen while the weights change, then continue on the new weights
+    WAIT = "wait"  # finish on the old weights before the refit starts
+    ABORT = "abort"  # dropped when the refit starts
 
 
 def _check_state(state: State) -> None:

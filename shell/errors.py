@@ -28,6 +28,7 @@ __all__ = [
     "RefitError",
     "RefitManifestError",
     "RefitTimeoutError",
+    "RequestAbortedError",
     "UnsupportedError",
     "unwrap",
 ]
@@ -84,6 +85,11 @@ class RefitManifestError(RefitError, ValueError):
 
 class RefitTimeoutError(RefitError, TimeoutError):
     """A refit peer did not answer within its bound."""
+
+
+class RequestAbortedError(GenworkerError, RuntimeError):
+    """A request ended before it finished (an in-flight refit in ``abort`` mode, or the
+    engine aborted it); the message names the row and why."""
 
 
 class GroupError(GenworkerError, RuntimeError):

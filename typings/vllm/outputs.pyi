@@ -10,4 +10,6 @@ class CompletionOutput:
     finish_reason: str | None
 
 class RequestOutput:
+    request_id: str
     outputs: list[CompletionOutput]
+    finished: bool
