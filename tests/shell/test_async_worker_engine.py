@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from async_helpers import collect, generated, outputs, run_soon, sending, until
@@ -28,6 +29,7 @@ from safetensors.torch import load_file
 from genworker.core import lifecycle
 from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
 from genworker.shell.errors import BadBatchError, EngineDeadError, EngineStateError, RefitError
+from genworker.shell.ports import AsyncEnginePort
 from genworker.shell.tiny_model import build_tiny_model
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
@@ -119,11 +121,24 @@ def first(
             run_soon(loop, worker.shutdown())
 
 
-def on_engine(first: AsyncVllmGenerationWorker, **top: Any) -> AsyncVllmGenerationWorker:
-    """A fresh worker (state, version) on the module's engine."""
-    return AsyncVllmGenerationWorker(
-        config(**top), engine_factory=ExistingAsyncEngine(first.engine)
-    )
+def on_engine(
+    first: AsyncVllmGenerationWorker, *, labels: bool = True, **top: Any
+) -> AsyncVllmGenerationWorker:
+    """A fresh worker (state, version) on the module's engine; ``labels=False``: as if
+    this vLLM did not label tokens with weight versions (the worker counts them)."""
+    engine = first.engine if labels else Unlabelled(first.engine)
+    return AsyncVllmGenerationWorker(config(**top), engine_factory=ExistingAsyncEngine(engine))
+
+
+class Unlabelled:
+    """The module's engine, minus vLLM 0.32's weight labels (as vLLM 0.25 would be)."""
+
+    def __init__(self, engine: AsyncEnginePort) -> None:
+        self._engine = engine
+        self.capabilities = attrs.evolve(engine.capabilities, weight_versions=False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
 @pytest.fixture
@@ -152,7 +167,7 @@ def row(data: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
         "input_lengths": data["input_lengths"][i : i + 1],
     }
     if "seeds" in data:
-        out["seeds"] = data["seeds"][i : i + 1]  # type: ignore[assignment]
+        out["seeds"] = data["seeds"][i : i + 1]
     return out
 
 
@@ -356,7 +371,9 @@ def sync_refit(worker: VllmGenerationWorker, tensors: dict[str, torch.Tensor]) -
     assert not isinstance(sent[0], Exception), sent
 
 
+@pytest.mark.parametrize("labels", [True, False], ids=["vllm-labels", "worker-counts"])
 def test_a_refit_in_the_middle_of_the_stream_marks_the_version_boundary_exactly(
+    labels: bool,
     first: AsyncVllmGenerationWorker,
     sync_worker: VllmGenerationWorker,
     loop: asyncio.AbstractEventLoop,
@@ -367,7 +384,7 @@ def test_a_refit_in_the_middle_of_the_stream_marks_the_version_boundary_exactly(
     the no-refit run's, the tokens after it are what B continues from the prompt plus the
     tokens before it (on the sync engine refit to B), and every token's version says which
     side of the boundary it is on."""
-    worker = on_engine(first, max_new_tokens=64)
+    worker = on_engine(first, labels=labels, max_new_tokens=64)
     # Row 0 has room for 4 tokens only: when it comes back, the others are mid-stream.
     data = batch([MAX_MODEL_LEN - 4, 6, 11, 17, 23, 30], seed=5)
     baseline = outputs(run_soon(loop, collect(worker.generate_async(data, greedy=True))))
@@ -400,7 +417,7 @@ def test_a_refit_in_the_middle_of_the_stream_marks_the_version_boundary_exactly(
             prompt = data["input_ids"][i, : int(data["input_lengths"][i])].tolist()
             cont = VllmGenerationWorker(
                 config(async_engine=False, max_new_tokens=len(tokens) - boundary),
-                engine_factory=ExistingEngine(sync_worker.engine),  # type: ignore[arg-type]
+                engine_factory=ExistingEngine(sync_worker.engine),
             ).generate(right_padded([prompt + tokens[:boundary]], pad=PAD), greedy=True)
             g = int(cont["generation_lengths"][0])
             assert cont["output_ids"][0, -g:].tolist() == tokens[boundary:], i
