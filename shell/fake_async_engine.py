@@ -21,7 +21,8 @@ scheduler task admits waiting requests and gives every running request one token
 - ``kill()`` is an engine core that died: every pending request and every later call
   raises ``EngineDeadError``.
 
-It raises ``FakeEngineMisuse`` where a real engine would silently go wrong: weights changed
+``accept_refits=True`` makes every refit RPC succeed at once (for tests whose fake lives
+in another process, a Ray actor). It raises ``FakeEngineMisuse`` where a real engine would silently go wrong: weights changed
 (``load_new_weights``) while requests run unpaused, generating with memory asleep, sleeping
 with requests in flight.
 
@@ -78,6 +79,7 @@ class FakeAsyncEngine:
         device: str = "cpu",
         weight_versions: bool = True,
         step_s: float = 0.0005,
+        accept_refits: bool = False,
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -101,6 +103,9 @@ class FakeAsyncEngine:
         self.rpc_handlers: dict[str, Callable[..., object]] = {
             "report_device_id": lambda: f"fake-{device}",
         }
+        if accept_refits:  # every refit succeeds at once (tests that cannot reach the fake)
+            for method in ("update_weights_via_ipc_zmq", "update_weights_from_collective"):
+                self.rpc_handlers[method] = self._accept_refit
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefix_cache_resets = 0
@@ -283,6 +288,10 @@ class FakeAsyncEngine:
         if not self._caps.weight_versions:
             raise FakeEngineMisuse("label_weights on an engine without weight labels")
         self.label = label
+
+    def _accept_refit(self, timeout_s: float = 600.0) -> dict[str, object]:
+        self.load_new_weights()
+        return {"tensors": 0, "version": self.weight_version}
 
     def load_new_weights(self) -> None:
         """What a successful refit does to the fake: new tokens, weights valid again."""
