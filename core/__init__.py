@@ -30,7 +30,14 @@ from genworker.core.counters import (
 )
 from genworker.core.engine_plan import EngineKwargsPlan, plan_engine_kwargs
 from genworker.core.errors import CoreError
-from genworker.core.lifecycle import Event, LifecycleError, State, check_can_generate, transition
+from genworker.core.lifecycle import (
+    Event,
+    InflightMode,
+    LifecycleError,
+    State,
+    check_can_generate,
+    transition,
+)
 from genworker.core.placement import (
     ClusterPlan,
     PlacementError,
@@ -39,9 +46,19 @@ from genworker.core.placement import (
     plan_cluster,
 )
 from genworker.core.refit_plan import Manifest, ManifestError, TensorSpec, plan_buckets
+from genworker.core.rows import RowChecks, assemble_row, check_rows
 from genworker.core.sampling import SamplingSpec, group_specs, sampling_spec
 from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards, split_batch
 from genworker.core.stops import StopError, StopMode, merge_stop_strings
+from genworker.core.versions import (
+    VersionError,
+    VersionRuns,
+    extend_runs,
+    place_versions,
+    runs_from_spans,
+    runs_from_tokens,
+    staleness,
+)
 
 __all__ = [
     "BatchError",
@@ -56,43 +73,54 @@ __all__ = [
     "Event",
     "Generation",
     "GenerationOutputs",
+    "InflightMode",
     "LifecycleError",
     "Manifest",
     "ManifestError",
     "PlacementError",
     "PlacementPlan",
+    "RowChecks",
     "SamplingSpec",
     "ShardPlan",
     "State",
     "StopError",
     "StopMode",
     "TensorSpec",
+    "VersionError",
+    "VersionRuns",
     "VllmConfig",
     "WorkerConfig",
     "assemble_flat_outputs",
     "assemble_outputs",
+    "assemble_row",
     "batch_max_tokens",
     "check_batch",
     "check_can_generate",
+    "check_rows",
     "configure_worker",
     "context_cap",
     "decode_snapshot",
     "encode_snapshot",
+    "extend_runs",
     "extract_prompts",
     "flatten_generations",
     "group_specs",
     "merge_shard_outputs",
     "merge_snapshots",
     "merge_stop_strings",
+    "place_versions",
     "plan_buckets",
     "plan_cluster",
     "plan_engine_kwargs",
     "plan_shards",
     "request_max_tokens",
+    "runs_from_spans",
+    "runs_from_tokens",
     "sampling_spec",
     "spec_decode_cap",
     "spec_decode_metrics",
     "split_batch",
+    "staleness",
     "step_deltas",
     "transition",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -20,8 +21,10 @@ from genworker.shell.errors import (
     RefitError,
     RefitManifestError,
     RefitTimeoutError,
+    RequestAbortedError,
     UnsupportedError,
 )
+from genworker.shell.fake_async_engine import FakeAsyncEngine, FakeAsyncEngineFactory
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from genworker.shell.group import ClusterSpec, GenerationGroup, local_cluster
 
 __all__ = [
+    "AsyncVllmGenerationWorker",
     "BadArgumentError",
     "BadBatchError",
     "BadConfigError",
@@ -36,7 +40,10 @@ __all__ = [
     "EngineContractError",
     "EngineDeadError",
     "EngineStateError",
+    "ExistingAsyncEngine",
     "ExistingEngine",
+    "FakeAsyncEngine",
+    "FakeAsyncEngineFactory",
     "FakeEngine",
     "FakeEngineFactory",
     "GenerationGroup",
@@ -45,6 +52,7 @@ __all__ = [
     "RefitError",
     "RefitManifestError",
     "RefitTimeoutError",
+    "RequestAbortedError",
     "UnsupportedError",
     "VllmGenerationWorker",
     "local_cluster",
