@@ -17,18 +17,36 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import pytest
 import torch
 from async_helpers import collect, generated, outputs, run_soon, sending, until
 from helpers import right_padded
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from safetensors.torch import load_file
 
 from genworker.core import lifecycle
+from genworker.core.lifecycle import TABLE, Event, InflightMode, State
 from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
-from genworker.shell.errors import BadBatchError, EngineDeadError, EngineStateError, RefitError
+from genworker.shell.errors import (
+    BadBatchError,
+    EngineDeadError,
+    EngineStateError,
+    GenworkerError,
+    RefitError,
+    RequestAbortedError,
+    UnsupportedError,
+)
 from genworker.shell.ports import AsyncEnginePort
 from genworker.shell.tiny_model import build_tiny_model
 from genworker.shell.vllm_engine import VllmEngine
@@ -458,6 +476,176 @@ def test_a_failed_refit_fails_the_rows_in_flight_and_a_good_one_brings_the_worke
         assert len(outputs(await collect(worker.generate_async(batch([5]))))) == 1
 
     run_soon(loop, main())
+
+
+# -- the lifecycle as a state machine on the real engine --------------------------------------
+
+
+class RealEngineMachine(RuleBasedStateMachine):
+    """Streams, in-flight refits (held open until the trainer sends), cancellations and the
+    calls the table refuses, on the real engine; the worker's state must be the literal
+    table's after the events it accepted. Every decision is taken on the loop right before
+    the call it predicts, so a stream that ends meanwhile cannot race it."""
+
+    context: ClassVar[tuple[AsyncVllmGenerationWorker, asyncio.AbstractEventLoop, list[Any]]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        first, self.loop, self.weights = self.context
+        self.worker = on_engine(first, max_new_tokens=48)
+        self.model: State = lifecycle.AWAKE
+        self.streams: list[tuple[asyncio.Task[list[Any]], int]] = []
+        self.refit: asyncio.Task[bool] | None = None
+        self.sending: Iterator[list[object]] | None = None
+        self.on_b = False  # which weights the engine holds (A unless a good refit sent B)
+        self.broken = False
+        self.good = True  # the pending refit's weights are whole
+        self.seed = 0
+        run_soon(self.loop, self.worker.prepare_refit_info(manifest(self.weights[0])))
+        self.address = run_soon(self.loop, self.worker.refit_address())[0]
+
+    def apply(self, event: Event) -> bool:
+        after = TABLE[self.model].get(event)
+        if after is not None:
+            self.model = after
+        return after is not None
+
+    def settle(self) -> None:
+        if self.refit is not None and self.refit.done():
+            assert self.apply(
+                Event.REFIT_FAILED if self.refit.exception() is not None else Event.REFIT_OK
+            )
+            self.refit = None
+        for task, n in [s for s in self.streams if s[0].done()]:
+            self.check_rows(task.result(), n)
+        self.streams = [s for s in self.streams if not s[0].done()]
+        if not self.streams and self.model.streaming:
+            assert self.apply(Event.STREAMS_DONE)
+
+    def check_rows(self, items: list[Any], n: int) -> None:
+        assert sorted(r for r, _ in items) == list(range(n)), "each row once"
+        for _, item in items:
+            if isinstance(item, GenworkerError):
+                assert isinstance(item, RefitError | RequestAbortedError), item
+            else:
+                versions = generated(item)[1]
+                assert versions == sorted(versions)
+                assert versions[-1] <= self.worker.weight_version
+
+    @rule(n=st.integers(1, 3))
+    def open_stream(self, n: int) -> None:
+        async def go() -> None:
+            self.settle()
+            self.seed += 1
+            stream = self.worker.generate_async(batch([4 + k for k in range(n)], seed=self.seed))
+            if TABLE[self.model].get(Event.STREAM_OPEN) is None:
+                with pytest.raises(EngineStateError):
+                    await collect(stream)
+                return
+            before = self.worker.num_unfinished()
+            task = asyncio.ensure_future(collect(stream))
+            await asyncio.sleep(0)
+            assert self.apply(Event.STREAM_OPEN)
+            self.streams.append((task, n))
+            if self.refit is None:  # the requests reach the engine (or the stream failed)
+                await until(lambda: task.done() or self.worker.num_unfinished() >= before + n)
+
+        run_soon(self.loop, go())
+
+    @precondition(lambda self: self.refit is None)
+    @rule(mode=st.sampled_from(list(InflightMode)), good=st.booleans())
+    def begin_refit(self, mode: InflightMode, good: bool) -> None:
+        async def go() -> None:
+            self.settle()
+            call = self.worker.update_weights_via_ipc_zmq(60.0, mode=mode)
+            if TABLE[self.model].get(Event.REFIT_BEGIN) is None:
+                with pytest.raises(EngineStateError):
+                    await call
+                return
+            self.refit = asyncio.ensure_future(call)
+            self.good = good
+            await asyncio.sleep(0)
+            assert self.apply(Event.REFIT_BEGIN)
+
+        run_soon(self.loop, go())
+
+    @precondition(lambda self: self.refit is not None)
+    @rule()
+    def finish_refit(self) -> None:
+        self.finish(self.good)
+
+    def finish(self, good: bool) -> None:
+        a, b = self.weights
+        tensors = (a if self.on_b else b) if good else dict(list(a.items())[1:])
+        assert self.refit is not None
+        with sending(str(self.address), tensors), contextlib.suppress(RefitError):
+            run_soon(self.loop, self.refit)
+        if good:
+            self.on_b = not self.on_b
+        self.broken = not good
+
+    @rule()
+    def let_it_run(self) -> None:
+        run_soon(self.loop, asyncio.sleep(0.2))
+
+    @precondition(lambda self: bool(self.streams) and self.refit is None)
+    @rule(data=st.data())
+    def cancel_a_stream(self, data: st.DataObject) -> None:
+        task = data.draw(st.sampled_from([t for t, _ in self.streams]))
+        task.cancel()
+        run_soon(self.loop, settled([task]))
+        self.streams = [s for s in self.streams if s[0] is not task]
+
+    @rule(reset=st.booleans())
+    def sleep_or_reset(self, reset: bool) -> None:
+        async def go() -> None:
+            self.settle()
+            event = Event.RESET_PREFIX_CACHE if reset else Event.SLEEP_L1
+            call = self.worker.reset_prefix_cache() if reset else self.worker.sleep(1)
+            if TABLE[self.model].get(event) is None:
+                with pytest.raises(EngineStateError):
+                    await call
+            elif reset:
+                await call
+            else:
+                with pytest.raises(UnsupportedError, match="sleep mode"):
+                    await call  # the CPU platform has no sleep mode: nothing changes
+
+        run_soon(self.loop, go())
+
+    @invariant()
+    def the_worker_is_where_the_table_says(self) -> None:
+        async def go() -> None:
+            self.settle()
+            assert self.worker.state == self.model, (self.worker.state, self.model)
+
+        run_soon(self.loop, go())
+
+    def teardown(self) -> None:
+        if self.refit is not None:
+            self.finish(True)
+        for task, _ in self.streams:
+            task.cancel()
+        run_soon(self.loop, settled([t for t, _ in self.streams]))
+        if self.on_b or self.broken:  # leave the engine on A
+            run_soon(self.loop, refit(self.worker, self.weights[0]))
+
+
+async def settled(tasks: list[asyncio.Task[Any]]) -> None:
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_the_lifecycle_with_concurrent_streams_and_refits_on_the_real_engine(
+    first: AsyncVllmGenerationWorker,
+    loop: asyncio.AbstractEventLoop,
+    weights_a: dict[str, torch.Tensor],
+    weights_b: dict[str, torch.Tensor],
+) -> None:
+    RealEngineMachine.context = (first, loop, [weights_a, weights_b])
+    run_state_machine_as_test(
+        RealEngineMachine,
+        settings=settings(max_examples=8, stateful_step_count=12, deadline=None, derandomize=True),
+    )
 
 
 # -- last: a killed engine core --------------------------------------------------------------
