@@ -57,7 +57,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -360,6 +360,21 @@ class AsyncVllmGenerationWorker:
                 "streams_done",
             )
 
+    @contextlib.asynccontextmanager
+    async def in_flight(self) -> AsyncIterator[AsyncEnginePort]:
+        """Requests the caller submits to the engine itself (e.g. an HTTP server around
+        ``worker.llm``) count as a stream while inside: sleeping and prefix-cache resets are
+        refused meanwhile, and the engine's weights are labelled with this worker's
+        version. A refit that fails aborts only the worker's own requests: abort yours
+        when ``update_weights_*`` raises."""
+        self._open_stream()
+        try:
+            engine = self.engine
+            await self._ensure_labelled(engine)
+            yield engine
+        finally:
+            self._close_stream()
+
     def _new_request(self, row: int) -> _Request:
         request = _Request(row, f"{self._id_prefix}-{next(self._ids)}")
         self._requests[request.request_id] = request
@@ -577,18 +592,25 @@ class AsyncVllmGenerationWorker:
             "vocab_size": caps.vocab_size,
             "max_model_len": caps.max_model_len,
         }
+        refused: dict[int, GenworkerError] = {}
         if whole:
-            unwrap(check_batch(input_ids, input_lengths, **limits), BadBatchError, "generate batch")  # type: ignore[arg-type]
-        checks = unwrap(
-            check_rows(input_ids, input_lengths, **limits),  # type: ignore[arg-type]
-            BadBatchError,
-            "generate batch",
-        )
-        refused: dict[int, GenworkerError] = {
-            row: BadBatchError(f"row {row} cannot generate: {error}", detail=error)
-            for row, error in checks.errors
-        }
-        prompts = dict(checks.prompts)
+            checked = unwrap(
+                check_batch(input_ids, input_lengths, **limits),  # type: ignore[arg-type]
+                BadBatchError,
+                "generate batch",
+            )
+            prompts = dict(enumerate(checked.prompts))
+        else:
+            checks = unwrap(
+                check_rows(input_ids, input_lengths, **limits),  # type: ignore[arg-type]
+                BadBatchError,
+                "generate batch",
+            )
+            refused = {
+                row: BadBatchError(f"row {row} cannot generate: {error}", detail=error)
+                for row, error in checks.errors
+            }
+            prompts = dict(checks.prompts)
         specs, no_room = self._row_specs(
             int(input_ids.shape[0]), data, list(prompts), [len(p) for p in prompts.values()], greedy
         )

@@ -42,7 +42,12 @@ from genworker.core.assembly import Generation
 from genworker.core.counters import CounterSample, GaugeSample, MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
-from genworker.shell.errors import BadBatchError, EngineDeadError, EngineStateError
+from genworker.shell.errors import (
+    BadBatchError,
+    EngineDeadError,
+    EngineStateError,
+    RequestAbortedError,
+)
 from genworker.shell.fake_engine import FakeEngineMisuse, _draw, detokenize
 from genworker.shell.ports import EngineCapabilities, StreamedGeneration
 
@@ -251,6 +256,8 @@ class FakeAsyncEngine:
     async def generate_text(self, request_id: str, prompt: str, spec: SamplingSpec) -> str:
         encoded = [_LETTERS.index(c) if c in _LETTERS else 0 for c in prompt] or [0]
         streamed = await self.generate(request_id, encoded, spec)
+        if streamed.generation.finish_reason == "abort":
+            raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
         return detokenize(streamed.generation.token_ids)
 
     async def abort(self, request_ids: Sequence[str]) -> None:

@@ -285,6 +285,28 @@ def test_sleeping_and_resetting_the_prefix_cache_are_refused_while_streams_run()
     asyncio.run(main())
 
 
+def test_requests_of_an_outside_caller_count_as_a_stream() -> None:
+    async def main() -> None:
+        worker, engine = make_worker()
+        async with worker.in_flight() as inside:
+            assert inside is engine
+            assert worker.state == lifecycle.STREAMING
+            assert engine.label == "0", "the engine's weights carry the worker's version"
+            with pytest.raises(EngineStateError, match="requests are in flight"):
+                await worker.sleep(1)
+            async with worker.in_flight():
+                pass
+            assert worker.state == lifecycle.STREAMING, "until the outermost one ends"
+        assert worker.state == lifecycle.AWAKE
+        await worker.sleep(1)
+        with pytest.raises(EngineStateError, match="call wake_up"):
+            async with worker.in_flight():
+                pass
+        assert worker.state == lifecycle.ASLEEP_L1
+
+    asyncio.run(main())
+
+
 def test_sleep_is_unsupported_where_the_engine_has_no_sleep_mode() -> None:
     async def main() -> None:
         worker, _ = make_worker(sleep_mode=False)
