@@ -4,7 +4,7 @@ The shards run ``AsyncVllmGenerationWorker`` over the fake async engine (each sh
 engine gets its own seed from the placement plan, so rows are compared by what the
 group promises: the batch's row index, the row's own prompt, its length under the
 context cap, bad rows refused in the driver, one item per row). What the real engine does
-is in ``test_async_worker_engine.py``. The test that kills a shard runs last.
+is in ``test_worker_async_engine.py``. The test that kills a shard runs last.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from async_helpers import async_config, collect, outputs
+from async_helpers import async_config, collect, outputs, sending
 from helpers import base_config, right_padded
+from safetensors.torch import load_file
 
 from genworker.shell.errors import BadBatchError, GenworkerError, GroupError, UnsupportedError
 from genworker.shell.fake_async_engine import FakeAsyncEngineFactory
@@ -69,6 +71,54 @@ def test_a_sync_group_has_no_stream_and_no_in_flight_refit_options(ray_session: 
             asyncio.run(collect(sync_group.generate_async(right_padded([[3]]))))
         with pytest.raises(UnsupportedError, match="in-flight refits"):
             sync_group.update_weights_via_ipc_zmq(mode="keep")
+
+
+@pytest.mark.engine
+def test_a_real_async_shard_streams_and_refits_in_flight(
+    ray_session: None, tiny_model_dir: Path
+) -> None:
+    """One shard on vLLM's AsyncLLM inside a Ray async actor (the engine core is the
+    actor's child process): rows stream back, and a refit of the same weights lands while
+    they run (mode keep), bumping every later token's version."""
+    config = {
+        **group_config(model_name=str(tiny_model_dir), _pad_token_id=2),
+        "vllm_kwargs": {"kv_cache_memory_bytes": 32 << 20},
+    }
+    config["vllm_cfg"] = {
+        **config["vllm_cfg"],
+        "max_model_len": 256,
+        "gpu_memory_utilization": 0.05,
+    }
+    config["max_new_tokens"] = 60
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    with GenerationGroup(
+        config,
+        ClusterSpec(num_shards=1, cpus_per_node=2, start_timeout_s=600, placement_timeout_s=60),
+    ) as real:
+        real.prepare_refit_info({n: (list(t.shape), t.dtype) for n, t in weights.items()})
+        ((address,),) = real.refit_address()
+        data = right_padded([[5, 6, 7], [8, 9], [10, 11, 12, 13]], pad=2)
+
+        async def main() -> list[Any]:
+            stream = real.generate_async(data, greedy=True)
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(1.0)
+            with sending(str(address), weights):
+                futures = real.update_weights_via_ipc_zmq(60.0, mode="keep")
+                loop = asyncio.get_running_loop()
+                assert await loop.run_in_executor(None, real.collect, futures) == [True]
+            items = [await first]
+            items += [item async for item in stream]
+            return items
+
+        got = outputs(asyncio.run(main()))
+        assert sorted(got) == [0, 1, 2]
+        for row, out in got.items():
+            n = int(data["input_lengths"][row])
+            versions = out["weight_versions"][0, n:].tolist()
+            assert versions == sorted(versions)
+            assert set(versions) <= {0, 1}
+        assert any(1 in o["weight_versions"][0].tolist() for o in got.values())
 
 
 @pytest.fixture(scope="module")

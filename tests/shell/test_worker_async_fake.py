@@ -4,7 +4,7 @@ cancellation, engine death, bad rows, and the lifecycle as a state machine.
 The fake (``shell/fake_async_engine.py``) steps requests the way ``AsyncLLM`` does and
 raises ``FakeEngineMisuse`` when the worker lets through what would go wrong in vLLM
 (weights changed while requests run unpaused, a step with memory asleep, sleeping with
-requests in flight). What the real engine does is tested in ``test_async_worker_engine.py``.
+requests in flight). What the real engine does is tested in ``test_worker_async_engine.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ ONE async engine for the module (its engine core is a process of its own; it sta
 (``ExistingAsyncEngine``). The module's event loop runs every coroutine, since the engine's
 output handler lives on the loop of its first request. The reference is the sync worker on
 the session's in-process engine (``cpu_engine``). The test that kills the engine core runs
-last (file order).
+last (file order). The module's name sorts after ``test_refit_*``: those stop in-process
+engines, which breaks an in-process engine started before them (``engine_fixtures``).
 """
 
 from __future__ import annotations
