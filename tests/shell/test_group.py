@@ -190,6 +190,51 @@ def test_a_placement_group_that_cannot_be_placed_times_out_with_the_cause(
     assert leftovers(set(ray.util.placement_group_table()) - before) == ([], [])
 
 
+def test_rows_travel_with_their_media_and_bad_media_is_refused_in_the_driver(
+    ray_session: None,
+) -> None:
+    from PIL import Image
+
+    red, blue = Image.new("RGB", (8, 6), (255, 0, 0)), Image.new("RGB", (4, 9), (0, 0, 255))
+    placeholder, expansion = 5, 7
+    factory = FakeEngineFactory(
+        image_token_id=placeholder, image_prompt_ids=expansion, max_images=2, max_model_len=64
+    )
+    rows = [[3, 5, 7], [3, 4], [5, 5, 6, 7, 8, 9], [3, 5] + [4] * 10]
+    media = [{"image": red}, None, {"image": [red, blue]}, {"image": blue}]
+
+    def data(media: list[Any]) -> dict[str, object]:
+        ids = torch.full((4, 12), PAD, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+        lengths = torch.tensor([len(r) for r in rows])
+        return {"input_ids": ids, "input_lengths": lengths, "multi_modal_data": media}
+
+    with GenerationGroup(
+        tiny_config("fake"),
+        ClusterSpec(num_shards=2, cpus_per_node=2, start_timeout_s=120),
+        worker_options={"engine_factory": factory},
+    ) as g:
+        out = g.generate(data(media), greedy=True)
+        assert [out["output_ids"][i, : len(r)].tolist() for i, r in enumerate(rows)] == rows
+        # Each shard's engine counted its rows' expanded prompts: the images went along.
+        expanded = sum(len(r) for r in rows) + 4 * (expansion - 1)  # four images
+        assert sum(shard_prompt_tokens(g)) == expanded
+        before = shard_prompt_tokens(g)
+        bad = [{"image": [red, blue]}, None, media[2], media[3]]
+        with pytest.raises(BadBatchError, match=r"row 0 \(2 images, 1 placeholders\)"):
+            g.generate(data(bad))
+        with pytest.raises(BadBatchError, match="NeMo-RL"):
+            g.generate({**data(media), "vllm_images": [[red]] * 4})
+        with pytest.raises(BadBatchError, match=r"multi_modal_data\[3\]\['image'\]\[0\] must be"):
+            g.generate(data([*media[:3], {"image": "red.png"}]))
+        assert shard_prompt_tokens(g) == before
+        texts = g.generate_text(
+            {"prompts": ["afc", "ab"], "multi_modal_data": [{"image": red}, None]}, greedy=True
+        )
+        assert len(texts["texts"]) == 2
+
+
 def test_shard_failures_survive_pickling() -> None:
     failure = ShardFailure("generate failed", call="generate", errors={1: GroupError("dead")})
     copy = pickle.loads(pickle.dumps(failure))
@@ -294,6 +339,18 @@ def test_a_bad_row_submits_nothing_to_any_shard(group: GenerationGroup) -> None:
         group.generate(data)
     with pytest.raises(BadArgumentError, match="greedy"):
         group.generate(batch([4]), greedy=1)  # type: ignore[arg-type]
+    assert shard_prompt_tokens(group) == before
+
+
+@pytest.mark.engine
+def test_an_image_for_the_text_model_is_refused_in_the_driver(group: GenerationGroup) -> None:
+    from PIL import Image
+
+    data: dict[str, object] = dict(batch([4, 5, 6]))
+    data["multi_modal_data"] = [None, None, {"image": Image.new("RGB", (8, 8))}]
+    before = shard_prompt_tokens(group)
+    with pytest.raises(BadBatchError, match=r"takes no images.*row 2 \(1 images\)"):
+        group.generate(data)
     assert shard_prompt_tokens(group) == before
 
 
