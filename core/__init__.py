@@ -64,7 +64,8 @@ from genworker.core.placement import (
     plan_cluster,
     plan_engine_env,
 )
-from genworker.core.refit_plan import Manifest, ManifestError, TensorSpec, plan_buckets
+from genworker.core.refit_plan import Manifest, ManifestError, TensorSpec
+from genworker.core.refit_protocol import plan_routes, wait_bound
 from genworker.core.reshard import (
     ReshardError,
     ReshardPlan,
@@ -160,12 +161,12 @@ __all__ = [
     "merge_stop_strings",
     "parse_port_range",
     "place_versions",
-    "plan_buckets",
     "plan_cluster",
     "plan_engine_env",
     "plan_engine_kwargs",
     "plan_relay",
     "plan_reshard",
+    "plan_routes",
     "plan_shards",
     "request_max_tokens",
     "runs_from_spans",
@@ -179,4 +180,5 @@ __all__ = [
     "transition",
     "values_by_name",
     "vllm_shard",
+    "wait_bound",
 ]

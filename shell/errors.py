@@ -29,6 +29,7 @@ __all__ = [
     "RefitError",
     "RefitManifestError",
     "RefitTimeoutError",
+    "RefitTransportError",
     "RefitWireError",
     "RequestAbortedError",
     "UnsafePickleError",
@@ -92,7 +93,11 @@ class RefitManifestError(RefitError, ValueError):
 
 
 class RefitTimeoutError(RefitError, TimeoutError):
-    """A refit peer did not answer within its bound."""
+    """A refit wait (named in the message) passed its bound."""
+
+
+class RefitTransportError(RefitError):
+    """A refit transport failed (a gloo/NCCL/ZMQ error, a lost peer): its text and peer."""
 
 
 class RequestAbortedError(GenworkerError, RuntimeError):

@@ -126,6 +126,7 @@ class FakeEngine:
         self.fail_next: Exception | None = None
         self.rpc_handlers: dict[str, Callable[..., object]] = {
             "report_device_id": lambda: f"fake-{device}",
+            "prepare_refit_info": lambda info: {"tensors": len(info)},
         }
         self.shut_down = False
 

@@ -750,26 +750,29 @@ class GenerationGroup:
         """Give every shard the names, shapes and dtypes each refit carries."""
         self._call_all("prepare_refit_info", dict(state_dict_info), timeout_s=timeout_s)
 
-    def refit_address(
-        self, *, offer_params: bool = True, timeout_s: float | None = None
-    ) -> list[list[object]]:
-        """Each shard's IPC refit addresses (one per engine worker), in shard order
-        (``offer_params``: see ``VllmGenerationWorker.refit_address``)."""
+    def refit_address(self, *, timeout_s: float | None = None) -> list[list[object]]:
+        """Each shard's IPC refit addresses (one per engine worker), in shard order."""
         return [
             list(_as_list(r, "refit_address"))
-            for r in self._call_all("refit_address", offer_params=offer_params, timeout_s=timeout_s)
+            for r in self._call_all("refit_address", timeout_s=timeout_s)
         ]
 
     def release_refit_buffers(self, *, timeout_s: float | None = None) -> list[list[object]]:
         """Every shard's ``release_refit_buffers``: the trainer memory its engine workers
-        kept mapped between IPC refits is let go (counts per engine worker, shard order)."""
+        keep mapped between IPC refits is let go (counts per engine worker, shard order)."""
         return [
             list(_as_list(r, "release_refit_buffers"))
             for r in self._call_all("release_refit_buffers", timeout_s=timeout_s)
         ]
 
     def init_collective(
-        self, ip: str, port: int, world_size: int, *, train_world_size: int
+        self,
+        ip: str,
+        port: int,
+        world_size: int,
+        *,
+        train_world_size: int,
+        timeout_s: float | None = None,
     ) -> list[object]:
         """Join every engine worker to the trainer's weight-update group; returns futures.
 
@@ -787,26 +790,36 @@ class GenerationGroup:
             )
         size = self.plan.model_parallel_size
         return [
-            actor.init_collective.remote(rank * size, ip, port, world_size, train_world_size)
+            actor.init_collective.remote(
+                rank * size, ip, port, world_size, train_world_size, timeout_s
+            )
             for rank, actor in enumerate(self._actors)
         ]
 
     def update_weights_from_collective(
-        self, timeout_s: float = 600.0, *, mode: str | None = None, clear_cache: bool | None = None
+        self,
+        timeout_s: float | None = None,
+        *,
+        mode: str | None = None,
+        clear_cache: bool | None = None,
     ) -> list[object]:
         """Start the collective refit on every shard; returns one future per shard
         (``mode`` / ``clear_cache``: what async shards do with requests in flight)."""
         return self._refit("update_weights_from_collective", timeout_s, mode, clear_cache)
 
     def update_weights_via_ipc_zmq(
-        self, timeout_s: float = 600.0, *, mode: str | None = None, clear_cache: bool | None = None
+        self,
+        timeout_s: float | None = None,
+        *,
+        mode: str | None = None,
+        clear_cache: bool | None = None,
     ) -> list[object]:
         """Start the IPC refit on every shard; returns one future per shard (``mode`` /
         ``clear_cache``: what async shards do with requests in flight)."""
         return self._refit("update_weights_via_ipc_zmq", timeout_s, mode, clear_cache)
 
     def _refit(
-        self, call: str, timeout_s: float, mode: str | None, clear_cache: bool | None
+        self, call: str, timeout_s: float | None, mode: str | None, clear_cache: bool | None
     ) -> list[object]:
         self._require_usable(call)
         inflight = {

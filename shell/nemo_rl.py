@@ -27,8 +27,8 @@ arguments and return values (``nemo_rl/models/generation/vllm/vllm_worker.py``):
   NeMo-RL's ``aggregate_spec_decode_counters`` reads it.
 * ``vllm_cfg.async_engine: true`` is refused: NeMo-RL starts its async worker for it.
 
-The refit wire is still genworker's own (``IpcSender`` / ``CollectiveSender`` on the
-trainer side); receivers for NeMo-RL's trainer wire (pickled CUDA IPC handles, packed
+The refit wire is still genworker's own (``RefitSender.ipc`` / ``RefitSender.collective``
+on the trainer side); receivers for NeMo-RL's trainer wire (pickled CUDA IPC handles, packed
 broadcasts) are not part of this module yet.
 """
 
@@ -227,9 +227,10 @@ class NemoRlGenerationWorker:
         return self.last_refit_error
 
     def _refit(self, method: str, refit_timeout_s: float | None) -> bool:
-        timeout_s = _DEFAULT_REFIT_TIMEOUT_S if refit_timeout_s is None else refit_timeout_s
+        # None is the native worker's default bound (core.refit_protocol.DEFAULT_TIMEOUT_S),
+        # checked there with every other value, once, before the refit starts.
         try:
-            ok = getattr(self._owner(method), method)(timeout_s=timeout_s)
+            ok = getattr(self._owner(method), method)(timeout_s=refit_timeout_s)
         except GenworkerError as e:
             self.last_refit_error = e
             log.warning("%s failed (%s: %s)", method, type(e).__name__, e, exc_info=e)
@@ -265,9 +266,6 @@ class NemoRlGenerationWorker:
         if self._worker is not None:
             return self._worker.shutdown()
         return True
-
-
-_DEFAULT_REFIT_TIMEOUT_S = 600.0
 
 
 # Ray's ActorClass type hides the class's static methods, which its runtime subclass keeps

@@ -52,7 +52,10 @@ Theory of operation
 - ``use_tqdm`` (the worker passes ``vllm_cfg.use_tqdm``) goes to ``LLM.generate``.
 - ``collective_rpc`` with a timeout waits on a daemon thread for at most that long: the
   in-process executor ignores vLLM's own ``timeout`` (vllm/v1/executor/uniproc_executor.py,
-  0.32). Expiry means the engine is wedged: ``EngineDeadError``.
+  0.32). Expiry (or vLLM's own RPC ``TimeoutError``) means the engine is wedged:
+  ``EngineDeadError``; a typed error the call raised (a refit's own timeout) stays itself.
+  A call the caller stopped waiting for (an interrupt) is waited for, up to its bound,
+  before the next one starts, so two never run at once.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import gc
 import inspect
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar, cast
@@ -221,6 +225,7 @@ class VllmEngine:
         model = config.model_config
         spec = config.speculative_config
         self._extension = bool(config.parallel_config.worker_extension_cls)
+        self._inflight: list[tuple[threading.Event, float]] = []  # a call left running
         self._log_stats = llm.llm_engine.log_stats
         sampling_args = _sampling_arg_names()
         media = model.multimodal_config
@@ -439,10 +444,12 @@ class VllmEngine:
         def call() -> list[object]:
             return llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
-        with _translated(f"collective_rpc({method!r})"):
+        what = f"collective_rpc({method!r})"
+        _settle(self._inflight, what)
+        with _translated(what):
             if timeout is None:
                 return call()
-            return _bounded(call, timeout, what=f"collective_rpc({method!r})")
+            return _bounded(call, timeout, what=what, inflight=self._inflight)
 
     def device_ids(self) -> list[str]:
         if not self._extension:
@@ -492,24 +499,45 @@ def _token_prompts(
     return token_prompts
 
 
-def _bounded(fn: Callable[[], _T], timeout: float, *, what: str) -> _T:
+def _settle(inflight: list[tuple[threading.Event, float]], what: str) -> None:
+    """Wait for a call left running (up to its bound) before ``what`` starts. (An event,
+    not ``Thread.join``: a join interrupted by a signal can mark a running thread as
+    stopped, cpython#90882.)"""
+    for done, deadline in inflight:
+        if not done.wait(max(deadline - time.monotonic(), 0.0)):
+            raise EngineDeadError(f"{what}: an earlier engine call still runs past its bound")
+    inflight.clear()
+
+
+def _bounded(
+    fn: Callable[[], _T],
+    timeout: float,
+    *,
+    what: str,
+    inflight: list[tuple[threading.Event, float]],
+) -> _T:
     """``fn()`` on a daemon thread, waited for at most ``timeout`` seconds."""
     result: list[_T] = []
     error: list[BaseException] = []
+    done = threading.Event()
 
     def run() -> None:
         try:
             result.append(fn())
         except BaseException as e:  # noqa: BLE001 - re-raised on the waiting thread
             error.append(e)
+        finally:
+            done.set()
 
     thread = threading.Thread(target=run, name=f"genworker {what}", daemon=True)
+    inflight.append((done, time.monotonic() + timeout))
     thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
+    expired = not done.wait(timeout)  # an interrupt here leaves the call in ``inflight``
+    inflight.clear()  # answered, or declared dead: nothing to wait for
+    if expired:
         raise EngineDeadError(f"{what} did not answer within {timeout:g} s")
     if error:
-        if isinstance(error[0], TimeoutError):
+        if isinstance(error[0], TimeoutError) and not isinstance(error[0], GenworkerError):
             raise EngineDeadError(f"{what} did not answer within {timeout:g} s") from error[0]
         raise error[0]
     return result[0]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import re
 import time
@@ -42,6 +41,14 @@ from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.multimodal import check_context, check_media
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
 from genworker.core.placement import configure_worker as plan_placement
+from genworker.core.refit_plan import Manifest
+from genworker.core.refit_protocol import (
+    RENDEZVOUS_WAITS,
+    Transport,
+    refit_waits,
+    rpc_bound,
+    wait_bound,
+)
 from genworker.core.sampling import SamplingSpec, sampling_spec
 from genworker.core.stops import StopMode, merge_stop_strings
 from genworker.shell.engine_lock import EngineLock
@@ -54,12 +61,14 @@ from genworker.shell.errors import (
     EngineStateError,
     GenworkerError,
     RefitError,
+    RefitManifestError,
     UnsupportedError,
     unwrap,
 )
 from genworker.shell.host import ephemeral_ports, vllm_cache_root
 from genworker.shell.media import RowMedia, image_counts, row_media
 from genworker.shell.ports import EngineFactory, EnginePort
+from genworker.shell.refit.wire import raise_failures
 
 __all__ = ["EXTENSION_CLS", "ExistingEngine", "VllmGenerationWorker"]
 
@@ -175,6 +184,8 @@ class VllmGenerationWorker:
         self._engine: EnginePort | None = None
         self._state = lifecycle.NOT_LOADED
         self._dead: str | None = None
+        self._manifest: Manifest | None = None  # from prepare_refit_info
+        self._collective = False  # init_collective succeeded
         #: the last successful refit: each engine worker's report (tensors, bytes, mode,
         #: seconds and ``phases``), the RPC's seconds, and each cache reset's
         #: (``reset_{prefix,mm,encoder}_cache_seconds``; mm and encoder on multimodal engines)
@@ -566,6 +577,12 @@ class VllmGenerationWorker:
         return seconds
 
     # -- refit ----------------------------------------------------------------------
+    # Per refit, every wait (engine side and trainer side) is bounded by ``timeout_s``
+    # (None: core.refit_protocol.DEFAULT_TIMEOUT_S); the engine call's own bound is
+    # derived from it (core.refit_protocol.rpc_bound), so only a wedged call ever exceeds
+    # it. A refit refused before it starts (no prepare_refit_info, a bad timeout_s, no
+    # init_collective) changes nothing; one that fails, times out or is interrupted
+    # leaves the weights inconsistent (generate refused) until a refit succeeds.
     @_serialized
     def prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
@@ -574,26 +591,44 @@ class VllmGenerationWorker:
 
         Returns each engine worker's summary (manifest digest, how many tensors go straight
         into parameter memory, how many through the loader)."""
-        info = {
-            str(name): [list(int(d) for d in shape), str(dtype).removeprefix("torch.")]
-            for name, (shape, dtype) in state_dict_info.items()
-        }
-        return self._rpc("prepare_refit_info", info)
+        manifest = unwrap(Manifest.from_info(state_dict_info), RefitManifestError, "refit info")
+        summaries = self._rpc("prepare_refit_info", manifest.to_info())
+        self._manifest = manifest
+        return summaries
 
     @_serialized
     def init_collective(
-        self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int
+        self,
+        rank_prefix: int,
+        ip: str,
+        port: int,
+        world_size: int,
+        train_world_size: int,
+        timeout_s: float | None = None,
     ) -> None:
-        """Join the trainer's standalone weight-update group (ranks after the trainer's)."""
-        self._rpc("init_collective", rank_prefix, ip, port, world_size, train_world_size)
+        """Join the trainer's standalone weight-update group (ranks after the trainer's);
+        every rendezvous wait is bounded by ``timeout_s``."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, "init_collective")
+        self._collective = False
+        self._rpc(
+            "init_collective",
+            rank_prefix,
+            ip,
+            port,
+            world_size,
+            train_world_size,
+            bound,
+            timeout=rpc_bound(RENDEZVOUS_WAITS, bound),
+        )
+        self._collective = True
 
     @_serialized
-    def update_weights_from_collective(self, timeout_s: float = 600.0) -> bool:
-        return self._refit("update_weights_from_collective", timeout_s)
+    def update_weights_from_collective(self, timeout_s: float | None = None) -> bool:
+        return self._refit("update_weights_from_collective", timeout_s, Transport.COLLECTIVE)
 
     @_serialized
-    def update_weights_via_ipc_zmq(self, timeout_s: float = 600.0) -> bool:
-        return self._refit("update_weights_via_ipc_zmq", timeout_s)
+    def update_weights_via_ipc_zmq(self, timeout_s: float | None = None) -> bool:
+        return self._refit("update_weights_via_ipc_zmq", timeout_s, Transport.IPC)
 
     @_serialized
     def engine_param_layout(self) -> list[object]:
@@ -602,51 +637,49 @@ class VllmGenerationWorker:
         return self._rpc("engine_param_layout")
 
     @_serialized
-    def refit_address(self, *, offer_params: bool = True) -> list[object]:
-        """Where each engine worker listens for IPC refits (one entry per worker).
-
-        ``offer_params=False``: the engine workers never give the trainer handles of their
-        parameters; direct refits read from the trainer's tensors instead (the mode a
-        sleep-mode GPU engine always takes). Fixed by the first call."""
-        return self._rpc("ipc_address", None, offer_params)
+    def refit_address(self) -> list[object]:
+        """Where each engine worker listens for IPC refits (one entry per worker), for
+        ``genworker.shell.refit.RefitSender.ipc``."""
+        return self._rpc("refit_address")
 
     @_serialized
     def release_refit_buffers(self) -> list[object]:
-        """Let go of the trainer memory the engine workers keep mapped between IPC refits
-        (``IpcSender(keep_mapped=True)``): call it before the trainer frees that memory,
-        which stays allocated while mapped. How many storages each engine worker let go."""
-        return self._rpc("release_kept_buffers")
+        """Give the trainer its memory back: each engine worker lets go of the trainer
+        storages and staging buffers it keeps mapped between IPC refits (memory mapped
+        stays allocated even after the trainer frees it). How many each let go. The next
+        refit maps again what it sends."""
+        return self._rpc("release_refit_buffers")
 
     def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
         if self._shut_down:
             raise EngineStateError(f"{method}: the worker was shut down")
         try:
-            return self._call(lambda e: e.collective_rpc(method, args=args, timeout=timeout))
+            results = self._call(lambda e: e.collective_rpc(method, args=args, timeout=timeout))
         except GenworkerError:
             raise
         except Exception as e:
             raise RefitError(f"{method} failed on the engine workers: {e}") from e
+        return raise_failures(results, method)
 
-    def _refit(self, method: str, timeout_s: float) -> bool:
+    def _refit(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
         """The refit RPC, then the cache resets; the weights count as valid only when all
         succeeded (a cache still holding KV or encoder outputs of the old weights would
-        serve them)."""
-        if (
-            isinstance(timeout_s, bool)
-            or not isinstance(timeout_s, int | float)
-            or not 0 < timeout_s < math.inf
-        ):
-            raise BadArgumentError(
-                f"{method}: timeout_s must be a positive number of seconds, got {timeout_s!r}"
-            )
+        serve them). ``timeout_s`` is checked first (the one check of it), then what the
+        refit needs (init_collective for a collective one, prepare_refit_info), then the
+        lifecycle: a refit refused by any of them changes nothing."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
+        if transport is Transport.COLLECTIVE and not self._collective:
+            raise EngineStateError(f"{method} needs init_collective first")
+        if self._manifest is None:
+            raise EngineStateError(f"{method} needs prepare_refit_info first")
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
+        outer = rpc_bound(refit_waits(len(self._manifest), transport), bound)
         try:
             started = time.monotonic()
             reports = self._call(
-                lambda e: e.collective_rpc(
-                    method, kwargs={"timeout_s": timeout_s}, timeout=timeout_s + 30.0
-                )
+                lambda e: e.collective_rpc(method, kwargs={"timeout_s": bound}, timeout=outer)
             )
+            raise_failures(reports, method)
             rpc_s = time.monotonic() - started
             resets = self._reset_caches(method)
         except BaseException as e:
@@ -655,8 +688,8 @@ class VllmGenerationWorker:
                 EngineStateError,
                 "refit",
             )
-            if isinstance(e, GenworkerError):
-                raise
+            if isinstance(e, GenworkerError) or not isinstance(e, Exception):
+                raise  # typed, or an interrupt (KeyboardInterrupt, SystemExit) as itself
             raise RefitError(f"{method} failed: {e}; weights are inconsistent") from e
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.REFIT_OK),

@@ -1901,3 +1901,69 @@ def media_batches(draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 10) -> M
         matching = prompt.count(placeholder) if placeholder is not None else 0
         counts.append(draw(st.sampled_from([matching, 0, matching + 1, max(matching - 1, 0)])))
     return MediaBatch(prompts, counts, placeholder, draw(st.none() | st.integers(0, 3)))
+
+
+# --- refit_protocol ---
+import attrs as _protocol_attrs
+
+from genworker.core import refit_protocol as _protocol
+
+
+@_protocol_attrs.frozen
+class RefitSendCase:
+    """A manifest and how a trainer sends it: per tensor, whether its storage is one the
+    engine mapped last refit, its storage's extra bytes, whether it is contiguous and on
+    the transport's device, and the seconds its stream took to produce it."""
+
+    specs: tuple[_refit.TensorSpec, ...]
+    budget: int
+    flush_after_s: float
+    recognised: tuple[bool, ...]
+    extra: tuple[int, ...]
+    contiguous: tuple[bool, ...]
+    local: tuple[bool, ...]
+    delays: tuple[float, ...]
+
+
+@st.composite
+def refit_send_cases(draw: st.DrawFn, *, max_size: int = 12) -> RefitSendCase:
+    specs = tuple(draw(refit_specs(min_size=1, max_size=max_size)))
+    n = len(specs)
+
+    def flags() -> tuple[bool, ...]:
+        return tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+
+    return RefitSendCase(
+        specs=specs,
+        budget=draw(refit_budgets),
+        flush_after_s=draw(st.sampled_from([0.5, 1.0, 1e9])),
+        recognised=flags(),
+        extra=tuple(draw(st.lists(st.sampled_from([0, 1 << 16]), min_size=n, max_size=n))),
+        contiguous=flags(),
+        local=flags(),
+        delays=tuple(draw(st.lists(st.sampled_from([0.0, 0.3, 0.6]), min_size=n, max_size=n))),
+    )
+
+
+_refit_ids = st.sampled_from(["r1", "r2"])
+_refit_refs = st.builds(
+    _protocol.TensorRef,
+    st.sampled_from(["a", "b", "c"]),
+    st.sampled_from([(2,), (3,)]),
+    st.sampled_from(["float32", "int8"]),
+    st.integers(0, 2),
+    st.sampled_from([0, 1, 8, 600]),
+)
+refit_events: st.SearchStrategy[_protocol.Event] = st.one_of(
+    st.builds(_protocol.Begin, _refit_ids, st.sampled_from(["", "wrong"]), st.integers(1, 3)),
+    st.builds(
+        _protocol.Chunk,
+        _refit_ids,
+        st.integers(0, 3),
+        st.lists(_refit_refs, max_size=3).map(tuple),
+        st.none() | st.lists(st.sampled_from([0, 16, 1024]), max_size=3).map(tuple),
+        st.lists(st.sampled_from(list(_protocol.StorageKind)), max_size=3).map(tuple),
+    ),
+    st.builds(_protocol.End, _refit_ids, st.integers(0, 3), st.integers(0, 4)),
+    st.builds(_protocol.Abort, _refit_ids, st.just("stop")),
+)

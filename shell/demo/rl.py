@@ -177,13 +177,13 @@ def refit_channel(
     """Every refit call of the demo: declares ``tensors``' names, shapes and dtypes to the
     engine once, then yields ``push(state_dict) -> seconds``, which sends one refit over
     genworker's IPC sender from a thread while the engine receives it."""
-    from genworker.shell.refit import IpcSender
+    from genworker.shell.refit import RefitSender
 
     info = {name: (t.shape, t.dtype) for name, t in tensors.items()}
     worker.prepare_refit_info(info)
     (address,) = worker.refit_address()
     with (
-        IpcSender(str(address), manifest=info, timeout_s=_REFIT_TIMEOUT_S) as sender,
+        RefitSender.ipc(str(address), manifest=info, timeout_s=_REFIT_TIMEOUT_S) as sender,
         ThreadPoolExecutor(1, thread_name_prefix="refit-sender") as pool,
     ):
 

@@ -361,7 +361,8 @@ def test_bad_media_gets_typed_errors_naming_the_row_and_the_engine_serves_the_ne
 
 
 def refit(worker: VllmGenerationWorker, trainer: Trainer, weights: Path) -> None:
-    """One refit through the current refit API (kept here alone: issue 11 redesigns it)."""
+    """One IPC refit: the trainer process sends the checkpoint with ``RefitSender.ipc``
+    (``refit_helpers.Trainer``) while the worker receives it."""
     state = load_file(weights / "model.safetensors")
     worker.prepare_refit_info({n: (t.shape, t.dtype) for n, t in state.items()})
     (address,) = worker.refit_address()

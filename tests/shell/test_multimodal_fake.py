@@ -116,6 +116,7 @@ def test_generate_text_carries_media_next_to_its_own_tokenization() -> None:
 def test_refit_resets_prefix_mm_and_encoder_caches_in_order_and_counters_show_them() -> None:
     worker, engine = vlm_worker()
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+    worker.prepare_refit_info({"w": ((2,), "float32")})  # what a refit needs first
     assert worker.update_weights_via_ipc_zmq(timeout_s=1.0) is True
     assert engine.calls[-4:] == [
         "rpc:update_weights_via_ipc_zmq",
@@ -145,6 +146,7 @@ def test_sleep_resets_the_multimodal_caches_before_it_sleeps() -> None:
 def test_a_text_only_engine_resets_only_its_prefix_cache() -> None:
     worker, engine = vlm_worker(image_token_id=None)
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+    worker.prepare_refit_info({"w": ((2,), "float32")})  # what a refit needs first
     worker.update_weights_via_ipc_zmq(timeout_s=1.0)
     worker.sleep(level=1)
     assert (engine.prefix_cache_resets, engine.mm_cache_resets, engine.encoder_cache_resets) == (
@@ -299,6 +301,7 @@ def test_a_failed_media_cache_reset_after_a_refit_leaves_the_weights_inconsisten
 ) -> None:
     worker, engine = vlm_worker()
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+    worker.prepare_refit_info({"w": ((2,), "float32")})  # what a refit needs first
 
     def failing() -> None:
         raise error

@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from genworker.core import lifecycle
+from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S
 from genworker.shell import host
 from genworker.shell.errors import (
     BadArgumentError,
@@ -349,9 +350,15 @@ def test_a_failed_refit_returns_false_and_keeps_the_typed_error() -> None:
         raise TimeoutError(f"no bucket within {timeout_s} s")
 
     engine.rpc_handlers["update_weights_from_collective"] = failing
+    engine.rpc_handlers["init_collective"] = lambda *args: {"rank": 1}
+    assert worker.update_weights_from_collective(refit_timeout_s=5) is False  # no group yet
+    assert isinstance(worker.last_refit_error, EngineStateError)
+    assert "init_collective first" in str(worker.last_refit_error)
+    worker.prepare_refit_info({"w": ((2,), torch.float32)})
+    worker.init_collective(0, "127.0.0.1", 29500, 2, 1)
     assert worker.update_weights_from_collective(refit_timeout_s=5) is False
     assert isinstance(worker.last_refit_error, RefitError)
-    assert "no bucket within 5 s" in str(worker.last_refit_error)
+    assert "no bucket within 5.0 s" in str(worker.last_refit_error)
     assert worker.get_last_refit_error() is worker.last_refit_error
     with pytest.raises(EngineStateError, match="refit again"):
         worker.generate(batch([[1]]))
@@ -365,7 +372,7 @@ def test_a_failed_refit_returns_false_and_keeps_the_typed_error() -> None:
     assert worker.update_weights_from_collective() is True
     assert worker.get_last_refit_error() is None
     assert worker.update_weights_via_ipc_zmq(refit_timeout_s=2.5) is True
-    assert timeouts == [5, 600.0, 2.5]
+    assert timeouts == [5.0, DEFAULT_TIMEOUT_S, 2.5]  # None: the refit default
     assert worker.generate(batch([[1]]))["output_ids"].shape[0] == 1
 
 
@@ -382,9 +389,11 @@ def test_a_bad_refit_timeout_returns_false_and_changes_nothing(timeout: object) 
 def test_a_refit_the_lifecycle_refuses_returns_false() -> None:
     worker, engine, _ = _owner()
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: None
+    worker.prepare_refit_info({"w": ((2,), torch.float32)})
     worker.sleep()
     assert worker.update_weights_via_ipc_zmq() is False
     assert isinstance(worker.last_refit_error, EngineStateError)
+    assert "prepare_refit_info" not in str(worker.last_refit_error)  # the lifecycle's refusal
     assert worker._worker is not None
     assert worker._worker.state == lifecycle.ASLEEP_L1
 
@@ -446,6 +455,8 @@ def test_nemo_rls_ray_layer_can_build_and_drive_the_worker(ray_session: None) ->
     assert out["output_ids"].shape[0] == 2
     counters = ray.get(owner._get_raw_spec_counters.remote(), timeout=60)
     assert counters["vllm:prompt_tokens"] == 3.0
+    info = {"w": ((2,), torch.float32)}
+    assert ray.get(owner.prepare_refit_info.remote(info), timeout=60) is None
     assert ray.get(owner.update_weights_via_ipc_zmq.remote(), timeout=60) is False
     error = ray.get(owner.get_last_refit_error.remote(), timeout=60)
     assert isinstance(error, RefitError)

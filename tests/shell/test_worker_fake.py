@@ -295,6 +295,14 @@ def test_refit_failure_makes_weights_inconsistent_until_a_good_refit(
         raise TimeoutError(f"no bucket within {timeout_s} s")
 
     engine.rpc_handlers["update_weights_from_collective"] = failing
+    engine.rpc_handlers["init_collective"] = lambda *args: {"rank": 1}
+    with pytest.raises(EngineStateError, match="init_collective first"):
+        worker.update_weights_from_collective(timeout_s=1.0)  # refused: nothing changes
+    with pytest.raises(EngineStateError, match="prepare_refit_info first"):
+        worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    worker.generate(batch([[4, 5]]), greedy=True)
+    worker.prepare_refit_info({"w": ((2,), "float32")})
+    worker.init_collective(0, "127.0.0.1", 29500, 2, 1)
     with pytest.raises(RefitError, match="inconsistent"):
         worker.update_weights_from_collective(timeout_s=1.0)
     with pytest.raises(EngineStateError, match=r"(?i)refit"):
@@ -311,7 +319,7 @@ def test_refit_failure_makes_weights_inconsistent_until_a_good_refit(
     assert not torch.equal(before["output_ids"], after["output_ids"])
 
 
-@pytest.mark.parametrize("timeout", [None, 0, -5.0, float("nan"), float("inf"), "60", True])
+@pytest.mark.parametrize("timeout", [0, -5.0, float("nan"), float("inf"), "60", True])
 def test_a_bad_refit_timeout_is_refused_before_the_refit_starts(
     worker_engine: tuple[VllmGenerationWorker, FakeEngine], timeout: object
 ) -> None:
@@ -327,6 +335,7 @@ def test_level2_refit_sequence_serves_new_weights(
 ) -> None:
     worker, engine = worker_engine
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+    worker.prepare_refit_info({"w": ((2,), "float32")})
     worker.sleep(level=2)
     with pytest.raises(EngineStateError):
         worker.update_weights_via_ipc_zmq()
@@ -472,6 +481,7 @@ def test_a_failed_prefix_cache_reset_after_a_refit_leaves_the_weights_inconsiste
         engine.fail_next = EngineStateError("reset_prefix_cache: vLLM kept the cache")
 
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = refit_then_busy_cache
+    worker.prepare_refit_info({"w": ((2,), "float32")})
     with pytest.raises(RefitError, match="prefix cache") as info:
         worker.update_weights_via_ipc_zmq(timeout_s=1.0)
     assert isinstance(info.value.__cause__, EngineStateError)

@@ -97,6 +97,7 @@ def gated() -> Iterator[tuple[VllmGenerationWorker, GatedEngine]]:
     worker = VllmGenerationWorker(
         base_config(), engine_factory=ExistingEngine(engine), busy_wait_s=DEADLINE_S
     )
+    worker.prepare_refit_info({"w": ((2,), "float32")})  # what a refit needs first
     yield worker, engine
     engine.gate.set()
 
@@ -178,6 +179,7 @@ def test_a_call_that_waits_too_long_is_refused_and_changes_nothing(call: str) ->
     worker = VllmGenerationWorker(
         base_config(), engine_factory=ExistingEngine(engine), busy_wait_s=0.2
     )
+    worker.prepare_refit_info({"w": ((2,), "float32")})
     calls: dict[str, Callable[[], object]] = {
         "generate": lambda: worker.generate(DATA),
         "get_counters": worker.get_counters,

@@ -192,14 +192,14 @@ def assert_serves_baseline(worker: VllmGenerationWorker, baseline: list[list[int
     assert worker.is_alive()
 
 
-# -- the refit: the current IPC sender API, in one place -----------------------------------
+# -- the refit: the IPC sender (RefitSender.ipc), in one place -----------------------------
 def refit_with_own_weights(
     worker: VllmGenerationWorker, model_dir: Path, timeout_s: float = DEADLINE_S
 ) -> None:
     """One IPC refit that sends the model's own weights (outputs must not change)."""
     from safetensors.torch import load_file
 
-    from genworker.shell.refit import IpcSender
+    from genworker.shell.refit import RefitSender
 
     weights = load_file(str(model_dir / "model.safetensors"))
     info = {n: (t.shape, t.dtype) for n, t in weights.items()}
@@ -210,7 +210,7 @@ def refit_with_own_weights(
 
     def send() -> None:
         try:
-            with IpcSender(str(address), manifest=info, timeout_s=timeout_s) as sender:
+            with RefitSender.ipc(str(address), manifest=info, timeout_s=timeout_s) as sender:
                 sent.append(sender.send(weights.items()).tensors)
         except BaseException as e:  # noqa: BLE001 - reported below
             failed.append(e)
