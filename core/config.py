@@ -28,7 +28,7 @@ Rules, with the vLLM behaviour they mirror (vLLM 0.32, ``vllm/sampling_params.py
   ``sleep_level`` 1 or 2 (default 1), ``use_tqdm`` (default false), ``env_vars`` a mapping
   of variable names to scalars (stored as strings, as NeMo-RL's ``str(v)``).
 * Every key has a fate in :data:`genworker.core.config_keys.KEYS`: keys of other layers
-  (``colocated``, ``val_temperature``, ``expose_http_server``, ``async_engine``...) are
+  (``colocated``, ``val_temperature``, ``expose_http_server``...) are
   kept in :attr:`WorkerConfig.extras` / :attr:`VllmConfig.extras` for their readers; keys
   genworker cannot honour (``quant_cfg``, ``use_deep_gemm: true``, ``vllm_cfg.video``...)
   and unknown keys are problems naming the key and what to use instead.

@@ -57,8 +57,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import secrets
+import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -71,7 +73,8 @@ from genworker.core.assembly import Generation, assemble_outputs
 from genworker.core.batch import check_batch, check_seeds
 from genworker.core.caps import cap_rows
 from genworker.core.config import WorkerConfig
-from genworker.core.counters import encode_snapshot
+from genworker.core.config_keys import parse_bool
+from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.lifecycle import InflightMode
 from genworker.core.refit_plan import Manifest
@@ -219,6 +222,87 @@ def _inflight_mode(mode: object) -> InflightMode:
         raise BadArgumentError(f"mode must be one of {modes}, got {mode!r}") from None
 
 
+# What NeMo-RL's async worker's metrics thread samples (``_start_vllm_metrics_logger``):
+# vLLM metric -> the list it lands in (``get_vllm_logger_metrics``).
+LOGGER_METRICS = {
+    "vllm:num_requests_running": "inflight_batch_sizes",
+    "vllm:num_requests_waiting": "num_pending_samples",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+    "vllm:generation_tokens": "generation_tokens",
+}
+_LOGGER_INTERVAL_S = 0.5  # NeMo-RL's default vllm_metrics_logger_interval
+
+
+def _logger_interval(cfg: WorkerConfig) -> float | None:
+    """``vllm_cfg.enable_vllm_metrics_logger`` / ``vllm_metrics_logger_interval``: the
+    metrics thread's period in seconds, or None when it is off; bad values refused."""
+    extras = cfg.vllm.extras
+    enabled = parse_bool(extras.get("enable_vllm_metrics_logger", False))
+    if enabled is None:
+        raise BadConfigError(
+            "vllm_cfg.enable_vllm_metrics_logger must be a bool, got "
+            f"{extras['enable_vllm_metrics_logger']!r}"
+        )
+    interval = extras.get("vllm_metrics_logger_interval", _LOGGER_INTERVAL_S)
+    if (
+        isinstance(interval, bool)
+        or not isinstance(interval, int | float)
+        or not (math.isfinite(interval) and interval > 0)
+    ):
+        raise BadConfigError(
+            "vllm_cfg.vllm_metrics_logger_interval must be a finite number of seconds > 0, "
+            f"got {interval!r}"
+        )
+    return float(interval) if enabled else None
+
+
+class _MetricsLogger:
+    """A daemon thread sampling :data:`LOGGER_METRICS` from the engine every ``interval``
+    seconds (NeMo-RL's metrics logger); it stops at shutdown or at the first failed read
+    (logged and kept in ``error``)."""
+
+    def __init__(self, engine: AsyncEnginePort, interval: float) -> None:
+        self._engine, self._interval = engine, interval
+        self._lock = threading.Lock()
+        self._samples: dict[str, list[float]] = {v: [] for v in LOGGER_METRICS.values()}
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self._thread = threading.Thread(
+            target=self._run, name="genworker vllm metrics logger", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                metrics = self._engine.metrics()
+            except Exception as e:  # noqa: BLE001 - the thread ends; the error is kept
+                self.error = f"{type(e).__name__}: {e}"
+                log.warning("the vLLM metrics logger stopped: %s", self.error)
+                return
+            sampled: dict[str, float] = {}
+            for m in metrics:
+                key = LOGGER_METRICS.get(m.name)
+                if key is not None and isinstance(m, GaugeSample | CounterSample):
+                    sampled[key] = m.value  # one engine per worker
+            with self._lock:
+                for key, value in sampled.items():
+                    self._samples[key].append(value)
+
+    def samples(self) -> dict[str, list[float]]:
+        with self._lock:
+            return {k: list(v) for k, v in self._samples.items()}
+
+    def clear(self) -> None:
+        with self._lock:
+            for v in self._samples.values():
+                v.clear()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(max(self._interval, 1.0) + 5.0)
+
+
 class AsyncVllmGenerationWorker:
     """One ``AsyncLLM`` serving streamed rollouts, refit while it generates.
 
@@ -246,6 +330,8 @@ class AsyncVllmGenerationWorker:
                 "vllm_cfg.async_engine is false: AsyncVllmGenerationWorker runs vLLM's "
                 "AsyncLLM; set vllm_cfg.async_engine: true, or use VllmGenerationWorker"
             )
+        self._logger_interval = _logger_interval(self.cfg)
+        self._logger: _MetricsLogger | None = None
         self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
         self.fraction_of_gpus = fraction_of_gpus
         self.seed = seed if seed is not None else (self.cfg.seed or 0)
@@ -302,6 +388,8 @@ class AsyncVllmGenerationWorker:
             EngineStateError,
             "load_model",
         )
+        if self._logger_interval is not None:
+            self._logger = _MetricsLogger(self._engine, self._logger_interval)
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -1045,9 +1133,32 @@ class AsyncVllmGenerationWorker:
         engine = self.engine
         return encode_snapshot(engine.metrics())
 
+    def get_vllm_logger_metrics(self) -> dict[str, list[float]]:
+        """What the metrics logger (``vllm_cfg.enable_vllm_metrics_logger: true``) sampled
+        every ``vllm_metrics_logger_interval`` seconds since the last clear, as NeMo-RL's
+        async worker returns it: ``inflight_batch_sizes`` (running requests),
+        ``num_pending_samples`` (waiting), ``kv_cache_usage_perc``, ``generation_tokens``
+        (the running total). A logger that stopped on a failed read raises its error."""
+        if self._logger is None:
+            raise UnsupportedError(
+                "get_vllm_logger_metrics: the metrics logger is off "
+                "(vllm_cfg.enable_vllm_metrics_logger: true starts it)"
+            )
+        if self._logger.error is not None:
+            raise EngineStateError(f"the vLLM metrics logger stopped: {self._logger.error}")
+        return self._logger.samples()
+
+    def clear_vllm_logger_metrics(self) -> None:
+        """Drop what the metrics logger sampled so far (it keeps sampling)."""
+        if self._logger is not None:
+            self._logger.clear()
+
     async def shutdown(self) -> bool:
         """Abort what runs (each row comes back as EngineStateError), stop the engine;
         idempotent. The worker is unusable afterwards."""
+        logger, self._logger = self._logger, None
+        if logger is not None:
+            logger.stop()
         engine, self._engine = self._engine, None
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.SHUTDOWN),

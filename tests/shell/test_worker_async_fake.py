@@ -87,6 +87,80 @@ def test_the_sync_worker_refuses_the_async_engine_and_the_async_worker_the_sync_
         AsyncVllmGenerationWorker(base_config(), engine_factory=FakeAsyncEngineFactory())
 
 
+def test_the_metrics_logger_samples_the_engine_while_it_runs_and_stops_at_shutdown() -> None:
+    """``vllm_cfg.enable_vllm_metrics_logger: true``: NeMo-RL's metrics thread, every
+    ``vllm_metrics_logger_interval`` seconds."""
+
+    async def main() -> None:
+        factory = FakeAsyncEngineFactory(max_model_len=MAX_MODEL_LEN, step_s=0.002)
+        cfg = async_config(
+            max_new_tokens=40,
+            ignore_eos=True,
+            vllm_cfg={
+                "max_model_len": MAX_MODEL_LEN,
+                "enable_vllm_metrics_logger": "true",
+                "vllm_metrics_logger_interval": 0.005,
+            },
+        )
+        worker = AsyncVllmGenerationWorker(cfg, engine_factory=factory)
+        await collect(worker.generate_async(rows(4)))
+        # Sampled until the thread sees the stream's last token (4 rows of 40).
+        await until(lambda: worker.get_vllm_logger_metrics()["generation_tokens"][-1:] == [160])
+        got = worker.get_vllm_logger_metrics()
+        assert set(got) == {
+            "inflight_batch_sizes",
+            "num_pending_samples",
+            "kv_cache_usage_perc",
+            "generation_tokens",
+        }
+        assert got["generation_tokens"] == sorted(got["generation_tokens"])
+        assert len(got["generation_tokens"]) > 1
+        assert max(got["inflight_batch_sizes"]) <= 4
+        assert got["num_pending_samples"] == [], "the fake has no waiting gauge"
+        worker.clear_vllm_logger_metrics()
+        assert len(worker.get_vllm_logger_metrics()["generation_tokens"]) <= 1
+        await worker.shutdown()
+        with pytest.raises(UnsupportedError, match="metrics logger is off"):
+            worker.get_vllm_logger_metrics()
+
+    asyncio.run(main())
+
+
+def test_the_metrics_logger_is_off_by_default_and_bad_settings_are_refused_by_name() -> None:
+    worker, engine = make_worker()
+    with pytest.raises(UnsupportedError, match="enable_vllm_metrics_logger: true starts it"):
+        worker.get_vllm_logger_metrics()
+    worker.clear_vllm_logger_metrics()  # nothing to clear: no error
+    assert "metrics" not in engine.calls
+    for key, value in [
+        ("enable_vllm_metrics_logger", "sometimes"),
+        ("vllm_metrics_logger_interval", 0),
+        ("vllm_metrics_logger_interval", True),
+        ("vllm_metrics_logger_interval", float("nan")),
+        ("vllm_metrics_logger_interval", "1s"),
+    ]:
+        cfg = async_config(vllm_cfg={"enable_vllm_metrics_logger": True, key: value})
+        with pytest.raises(BadConfigError, match=f"vllm_cfg.{key}"):
+            AsyncVllmGenerationWorker(cfg, engine_factory=FakeAsyncEngineFactory())
+
+
+def test_a_metrics_logger_whose_read_fails_stops_and_says_why() -> None:
+    factory = FakeAsyncEngineFactory(max_model_len=MAX_MODEL_LEN)
+    cfg = async_config(
+        vllm_cfg={"enable_vllm_metrics_logger": True, "vllm_metrics_logger_interval": 0.005}
+    )
+    worker = AsyncVllmGenerationWorker(cfg, engine_factory=factory)
+    engine = factory.started[0][1]
+
+    def broken() -> list[object]:
+        raise EngineDeadError("the engine core died")
+
+    engine.metrics = broken  # type: ignore[method-assign,assignment]
+    asyncio.run(until(lambda: worker._logger is not None and worker._logger.error is not None))
+    with pytest.raises(EngineStateError, match="metrics logger stopped: EngineDeadError"):
+        worker.get_vllm_logger_metrics()
+
+
 # -- streams ------------------------------------------------------------------------------
 
 
