@@ -1128,6 +1128,13 @@ class AsyncVllmGenerationWorker:
     async def report_device_id(self) -> list[str]:
         return await self._call(lambda e: e.device_ids())
 
+    def multimodal_info(self) -> dict[str, int | None]:
+        """The engine's image placeholder id and per-prompt image limit, as the sync
+        worker's (``GenerationGroup.generate`` asks shard 0 before it splits a batch);
+        this worker itself refuses images."""
+        caps = self.engine.capabilities
+        return {"image_token_id": caps.image_token_id, "max_images": caps.max_images}
+
     async def get_counters(self) -> dict[str, float | list[float]]:
         """The engine's Prometheus snapshot, encoded as flat keys (see core.counters)."""
         engine = self.engine
