@@ -24,6 +24,13 @@ measured in the same run as its baseline:
   without sleep mode (``ipc-nosleep``).
 - ``nccl`` (``--nccl``, two GPUs): the same refit over NCCL from a trainer on GPU 0 to the
   engine on GPU 1, against a raw NCCL broadcast of the same bytes (bar >= 80%).
+- ``async`` (``--sections async``, opt-in): ``AsyncVllmGenerationWorker`` over vLLM's
+  ``AsyncLLM`` on the generation model: a long-tail batch (one row in ten with eight times
+  the room), time until 90% of its rows are back, ``generate_async`` over the whole-batch
+  ``generate`` (bar <= 0.5); ``worker.generate`` over raw ``AsyncLLM.generate`` of the same
+  requests (median of pairs, bar <= 1.03); an engine-layout refit over CUDA IPC while the
+  engine streams (mode ``keep``) against the same refit on the idle engine, pause to resume
+  (bar: <= 10 ms more).
 
 Every engine runs in its own spawned child process: vLLM's sleep-mode allocator serves one
 engine per process (``CuMemAllocator``, vllm/v1/worker/gpu_worker.py, 0.25), and a section
@@ -58,7 +65,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("gen", "sleep", "refit", "ipc-nosleep", "nccl")
+SECTIONS = ("gen", "sleep", "refit", "ipc-nosleep", "nccl", "async")
 GIB = 1 << 30
 ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in-process (the runner needs it)
@@ -224,7 +231,11 @@ TITLES = {
     "refit": "Refit over CUDA IPC (8B shape, 16 GB bf16)",
     "ipc-nosleep": "Refit over CUDA IPC into an engine without sleep mode (8B shape)",
     "nccl": "Refit over NCCL, GPU 0 -> GPU 1",
+    "async": "Async worker over `AsyncLLM`: streamed rows, in-flight refit, overhead",
 }
+ASYNC_TAIL_BAR = 0.5
+ASYNC_REFIT_EXTRA_BAR_MS = 10.0
+ASYNC_REFIT_TIMEOUT_S = 300.0  # each wait of an in-flight refit (the protocol's per-wait bound)
 
 
 def render(header: Sequence[str], sections: Sequence[Section]) -> str:
@@ -1435,6 +1446,218 @@ def nccl_child(*, report: Callable[[Section], None], scale: Scale) -> None:
     report(sec)
 
 
+# -- async -------------------------------------------------------------------------------
+def async_child(*, report: Callable[[Section], None], scale: Scale) -> None:
+    """The ``async`` section (one ``AsyncLLM``; its engine core is its own process)."""
+    import asyncio
+
+    sec = Section("async", TITLES["async"])
+    loop = asyncio.new_event_loop()
+    trainer: Trainer | None = None
+    worker: Any = None
+    with guarded(sec):
+        from genworker.shell.async_worker import AsyncVllmGenerationWorker
+
+        pinned_cpus = pin_to_gpu_cpus()
+        shape = scale.gen_shape
+        long_room = scale.new_tokens
+        short_room = max(long_room // 8, 1)
+        max_model_len = scale.prompt_len + long_room + 16
+        config = worker_config(
+            write_model(shape, scale.dtype),
+            scale,
+            util=scale.gen_util,
+            max_new_tokens=long_room,
+            max_model_len=max_model_len,
+            prefix_caching=False,
+        )
+        vllm_cfg = dict(config["vllm_cfg"])  # type: ignore[call-overload]
+        vllm_cfg.update(async_engine=True, cap_max_tokens_to_context=True)
+        config["vllm_cfg"] = vllm_cfg
+        before = free_bytes()
+        t0 = time.perf_counter()
+        worker = AsyncVllmGenerationWorker(config)
+        sec.row("model", f"{shape.name}: {fmt_params(shape.num_params())} parameters")
+        sec.row("engine start (AsyncLLM, enforce_eager)", fmt_s(time.perf_counter() - t0), "52 s")
+        sec.row("engine device memory", fmt_gib(before - free_bytes()))
+        sec.row("CPUs of this process", pinned_cpus)
+        with part(sec, "long tail"):
+            loop.run_until_complete(
+                _async_long_tail(sec, worker, scale, max_model_len, short_room, long_room)
+            )
+        with part(sec, "overhead"):
+            loop.run_until_complete(_async_overhead(sec, worker, scale))
+        with part(sec, "in-flight refit"):
+            layout = loop.run_until_complete(worker.engine_param_layout())[0]
+            own = {name: (tuple(shape_), str(dtype)) for name, (shape_, dtype) in layout.items()}
+            (address,) = loop.run_until_complete(worker.refit_address())
+            trainer = Trainer(ipc_trainer_main, {"address": str(address)})
+            trainer.expect("ready")
+            trainer.send("layout", (own, "separate"))
+            trainer.expect("ok")
+            loop.run_until_complete(
+                worker.prepare_refit_info({n: (list(sh), d) for n, (sh, d) in own.items()})
+            )
+            loop.run_until_complete(_async_inflight_refit(sec, worker, trainer, scale))
+    if trainer is not None:
+        trainer.stop()
+    if worker is not None:
+        loop.run_until_complete(worker.shutdown())
+    loop.close()
+    report(sec)
+
+
+def _long_tail_batch(rows: int, vocab: int, lengths: list[int]) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.zeros((rows, max(lengths)), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(1, vocab, (n,), generator=g)
+    return {"input_ids": ids, "input_lengths": torch.tensor(lengths)}
+
+
+async def _async_long_tail(
+    sec: Section, worker: Any, scale: Scale, max_model_len: int, short: int, long: int
+) -> None:
+    rows = max(scale.prompts // 2, 10)
+    lengths = [scale.prompt_len if i % 10 == 0 else max_model_len - short for i in range(rows)]
+    data = _long_tail_batch(rows, scale.gen_shape.vocab, lengths)
+    need = max(int(0.9 * rows), 1)
+    await worker.generate(data)  # warm-up
+    stream_s: list[float] = []
+    batch_s: list[float] = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        seen = 0
+        async for _row in worker.generate_async(data):
+            seen += 1
+            if seen == need:
+                stream_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await worker.generate(data)
+        batch_s.append(time.perf_counter() - t0)
+    ratio = statistics.median(stream_s) / statistics.median(batch_s)
+    sec.row(
+        f"long tail: {rows} rows, {rows - rows // 10} with room for {short} tokens, "
+        f"{rows // 10} for {long}",
+        f"90% of rows back after {fmt_s(statistics.median(stream_s))} streamed, "
+        f"{fmt_s(statistics.median(batch_s))} as one batch",
+        "",
+    )
+    sec.row("async_time_to_90pct_vs_sync", f"{ratio:.3f}", f"bar <= {ASYNC_TAIL_BAR}")
+    sec.verdict(
+        f"async_time_to_90pct_vs_sync {ratio:.3f} <= {ASYNC_TAIL_BAR}", ratio <= ASYNC_TAIL_BAR
+    )
+
+
+async def _async_overhead(sec: Section, worker: Any, scale: Scale) -> None:
+    import asyncio
+
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    from genworker.core.sampling import sampling_spec
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, scale.gen_shape.vocab, (scale.prompts, scale.prompt_len), generator=g)
+    data = {"input_ids": ids, "input_lengths": torch.full((scale.prompts,), scale.prompt_len)}
+    caps = worker.engine.capabilities
+    spec = sampling_spec(
+        worker.cfg,
+        greedy=False,
+        max_tokens=min(scale.new_tokens, worker.cfg.max_new_tokens),
+        stop=(),
+        flat_logprobs=caps.flat_logprobs,
+    )
+    params = SamplingParams(
+        **spec.as_kwargs(caps.sampling_args), output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    prompts = [TokensPrompt(prompt_token_ids=row) for row in ids.tolist()]
+    llm = worker.llm
+    ids_counter = iter(range(1 << 40))
+
+    async def one(prompt: Any) -> int:
+        n = 0
+        async for out in llm.generate(prompt, params, f"raw-{next(ids_counter)}"):
+            n = len(out.outputs[0].token_ids)
+        return n
+
+    async def raw() -> None:
+        await asyncio.gather(*(one(p) for p in prompts))
+
+    async def via_worker() -> None:
+        await worker.generate(data)
+
+    await raw()
+    await via_worker()
+    ratios: list[float] = []
+    for rep in range(scale.gen_reps):
+        pair: dict[str, float] = {}
+        order = [("raw", raw), ("worker", via_worker)]
+        for name, fn in order if rep % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            await fn()
+            pair[name] = time.perf_counter() - t0
+        ratios.append(pair["worker"] / pair["raw"])
+    overhead = statistics.median(ratios)
+    sec.row(
+        f"generate, {scale.prompts} prompts x {scale.prompt_len} in, {spec.max_tokens} out",
+        f"worker / raw AsyncLLM, median of {len(ratios)} pairs",
+        ", ".join(f"{r:.3f}" for r in ratios),
+    )
+    sec.row("async_worker_overhead", f"{overhead:.3f}", f"bar <= {OVERHEAD_BAR}")
+    sec.verdict(f"async_worker_overhead {overhead:.3f} <= {OVERHEAD_BAR}", overhead <= OVERHEAD_BAR)
+
+
+async def _async_inflight_refit(sec: Section, worker: Any, trainer: Trainer, scale: Scale) -> None:
+    import asyncio
+
+    data = _long_tail_batch(16, scale.gen_shape.vocab, [scale.prompt_len] * 16)
+    loop = asyncio.get_running_loop()
+    idle: list[float] = []
+    busy: list[float] = []
+    modes: set[str] = set()
+    for k in range(2 * scale.refit_reps + 1):
+        streaming = k % 2 == 1
+        stream = None
+        if streaming:
+            stream = asyncio.ensure_future(_drain(worker.generate_async(data)))
+            while worker.num_unfinished() < 16:
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.05)
+        trainer.send("send")
+        assert await worker.update_weights_via_ipc_zmq(ASYNC_REFIT_TIMEOUT_S)
+        _, handles, packed, _ = await loop.run_in_executor(None, trainer.expect, "sent")
+        modes.add(f"{handles} by handle, {packed} packed")
+        if k > 0:  # the first refit builds the routes
+            (busy if streaming else idle).append(float(worker.last_refit["paused_seconds"]))
+        if stream is not None:
+            stream.cancel()
+            await asyncio.gather(stream, return_exceptions=True)
+    extra_ms = (statistics.median(busy) - statistics.median(idle)) * 1e3
+    sec.row(
+        f"refit, engine layout over CUDA IPC ({', '.join(sorted(modes))}), pause to resume",
+        f"{fmt_s(statistics.median(busy))} while 16 requests stream (mode keep), "
+        f"{fmt_s(statistics.median(idle))} idle",
+        "runs: busy "
+        + ", ".join(fmt_s(x) for x in busy)
+        + "; idle "
+        + ", ".join(fmt_s(x) for x in idle),
+    )
+    sec.row("inflight_refit_extra_ms", f"{extra_ms:.1f}", f"bar <= {ASYNC_REFIT_EXTRA_BAR_MS:g}")
+    sec.verdict(
+        f"inflight_refit_extra_ms {extra_ms:.1f} <= {ASYNC_REFIT_EXTRA_BAR_MS:g}",
+        extra_ms <= ASYNC_REFIT_EXTRA_BAR_MS,
+    )
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
 # -- main -------------------------------------------------------------------------------
 def machine_lines(scale: Scale, started: float, argv: Sequence[str]) -> list[str]:
     import torch
@@ -1543,6 +1766,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sections += run_child(
             refit_nosleep_child, {"scale": scale}, ["ipc-nosleep"], scale.child_timeout_s
         )
+        write()
+    if "async" in wanted:
+        sections += run_child(async_child, {"scale": scale}, ["async"], scale.child_timeout_s)
         write()
     if "nccl" in wanted:
         if has_cuda and gpus < 2:

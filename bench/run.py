@@ -21,6 +21,7 @@ SUITES = (
     "bench_refit",
     "bench_sparse",
     "bench_reshard",
+    "bench_async",
 )
 
 

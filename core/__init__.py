@@ -45,7 +45,14 @@ from genworker.core.delta import (
 )
 from genworker.core.engine_plan import EngineKwargsPlan, plan_engine_kwargs
 from genworker.core.errors import CoreError
-from genworker.core.lifecycle import Event, LifecycleError, State, check_can_generate, transition
+from genworker.core.lifecycle import (
+    Event,
+    InflightMode,
+    LifecycleError,
+    State,
+    check_can_generate,
+    transition,
+)
 from genworker.core.multimodal import ContextError, MediaError, check_context, check_media
 from genworker.core.placement import (
     ClusterPlan,
@@ -67,9 +74,19 @@ from genworker.core.reshard import (
     plan_reshard,
     vllm_shard,
 )
+from genworker.core.rows import RowChecks, assemble_row, check_rows
 from genworker.core.sampling import SamplingSpec, group_specs, sampling_spec
 from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards, split_batch
 from genworker.core.stops import StopError, StopMode, merge_stop_strings
+from genworker.core.versions import (
+    VersionError,
+    VersionRuns,
+    extend_runs,
+    place_versions,
+    runs_from_spans,
+    runs_from_tokens,
+    staleness,
+)
 
 __all__ = [
     "KEYS",
@@ -89,6 +106,7 @@ __all__ = [
     "Fate",
     "Generation",
     "GenerationOutputs",
+    "InflightMode",
     "KeyRule",
     "LifecycleError",
     "Manifest",
@@ -101,6 +119,7 @@ __all__ = [
     "ReshardError",
     "ReshardPlan",
     "RowCaps",
+    "RowChecks",
     "SamplingSpec",
     "ShardPlan",
     "State",
@@ -109,12 +128,15 @@ __all__ = [
     "TensorDelta",
     "TensorSpec",
     "TrainerLayout",
+    "VersionError",
+    "VersionRuns",
     "VllmConfig",
     "VllmParamFacts",
     "WorkerConfig",
     "apply_delta",
     "assemble_flat_outputs",
     "assemble_outputs",
+    "assemble_row",
     "batch_max_tokens",
     "cap_rows",
     "check_batch",
@@ -122,6 +144,7 @@ __all__ = [
     "check_context",
     "check_keys",
     "check_media",
+    "check_rows",
     "configure_worker",
     "context_cap",
     "decode_delta",
@@ -129,6 +152,7 @@ __all__ = [
     "encode_delta",
     "encode_full",
     "encode_snapshot",
+    "extend_runs",
     "extract_prompts",
     "flatten_generations",
     "group_specs",
@@ -136,6 +160,7 @@ __all__ = [
     "merge_snapshots",
     "merge_stop_strings",
     "parse_port_range",
+    "place_versions",
     "plan_cluster",
     "plan_engine_env",
     "plan_engine_kwargs",
@@ -144,10 +169,13 @@ __all__ = [
     "plan_routes",
     "plan_shards",
     "request_max_tokens",
+    "runs_from_spans",
+    "runs_from_tokens",
     "sampling_spec",
     "spec_decode_cap",
     "spec_decode_metrics",
     "split_batch",
+    "staleness",
     "step_deltas",
     "transition",
     "values_by_name",

@@ -28,7 +28,7 @@ Rules, with the vLLM behaviour they mirror (vLLM 0.32, ``vllm/sampling_params.py
   ``sleep_level`` 1 or 2 (default 1), ``use_tqdm`` (default false), ``env_vars`` a mapping
   of variable names to scalars (stored as strings, as NeMo-RL's ``str(v)``).
 * Every key has a fate in :data:`genworker.core.config_keys.KEYS`: keys of other layers
-  (``colocated``, ``val_temperature``, ``expose_http_server``, ``async_engine``...) are
+  (``colocated``, ``val_temperature``, ``expose_http_server``...) are
   kept in :attr:`WorkerConfig.extras` / :attr:`VllmConfig.extras` for their readers; keys
   genworker cannot honour (``quant_cfg``, ``use_deep_gemm: true``, ``vllm_cfg.video``...)
   and unknown keys are problems naming the key and what to use instead.
@@ -40,6 +40,10 @@ Rules, with the vLLM behaviour they mirror (vLLM 0.32, ``vllm/sampling_params.py
   once is a problem, and so is an MTP drafter under ``load_format: dummy`` (NeMo-RL then
   loads the drafter's weights from disk after start; genworker does not).
   ``logprobs_mode`` likewise may be top-level or in ``vllm_cfg``.
+* ``vllm_cfg.async_engine`` (a bool, default false) picks the worker: false is the
+  synchronous ``vllm.LLM`` (``genworker.shell.worker.VllmGenerationWorker``), true vLLM's
+  ``AsyncLLM`` (``genworker.shell.async_worker.AsyncVllmGenerationWorker``); each worker
+  refuses the other's value, and ``GenerationGroup`` starts the one it names.
 * ``vllm_cfg.nvfp4_per_token: true`` asks for vLLM's online per-token NVFP4 MoE
   quantization (see :mod:`genworker.core.engine_plan`); it needs 16-bit weights
   (``precision`` bfloat16 or float16).
@@ -295,6 +299,7 @@ class VllmConfig:
     enforce_eager: bool = False
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
+    #: vLLM's AsyncLLM (the async worker) instead of the synchronous vllm.LLM
     async_engine: bool = False
     enable_prefix_caching: bool | None = None
     cap_max_tokens_to_context: bool = False

@@ -243,9 +243,24 @@ KEYS: Final[tuple[KeyRule, ...]] = (
         "true only: the worker resets the encoder and multimodal caches after every refit; "
         "false is refused (encoder outputs of the old weights would be stale): remove it",
     ),
-    KeyRule("vllm_cfg.async_engine", _A, "selects the async worker (AsyncLLM)"),
-    KeyRule("vllm_cfg.enable_vllm_metrics_logger", _A, "the async worker's metrics thread"),
-    KeyRule("vllm_cfg.vllm_metrics_logger_interval", _A, "the async worker's metrics thread"),
+    KeyRule(
+        "vllm_cfg.async_engine",
+        _H,
+        "picks the worker: false is VllmGenerationWorker (vllm.LLM), true "
+        "AsyncVllmGenerationWorker (vllm AsyncLLM; GenerationGroup starts it); each refuses "
+        "the other's value with a typed error naming the other class",
+    ),
+    KeyRule(
+        "vllm_cfg.enable_vllm_metrics_logger",
+        _A,
+        "starts the async worker's metrics thread (get_vllm_logger_metrics); the sync "
+        "worker, like NeMo-RL's, has none",
+    ),
+    KeyRule(
+        "vllm_cfg.vllm_metrics_logger_interval",
+        _A,
+        "the async worker's metrics thread's period in seconds (default 0.5)",
+    ),
     KeyRule("vllm_cfg.expose_http_server", _S, "starts vLLM's OpenAI server"),
     KeyRule("vllm_cfg.http_server_serving_chat_kwargs.*", _S, "the OpenAI chat endpoint"),
     KeyRule("vllm_cfg.tool_parser_plugin", _S, "the OpenAI server's tool parser"),

@@ -3,17 +3,19 @@
 Theory of operation
 -------------------
 A :class:`State` is a phase (not loaded, running, refitting, shut down), which of vLLM's
-two sleep-mode memory tags is resident (``weights``, ``kv_cache``), and whether the weights
-in that memory are the ones the trainer last sent (:class:`WeightsStatus`). The named
-states of the design are points of that product: *awake* (both tags resident, weights
-valid), *weights-only awake*, *asleep (level 1)* (nothing resident, weights valid in host
-memory), *asleep (level 2)* (nothing resident, weights discarded), *refitting*, *weights
-inconsistent*, *not loaded* and *shut down*.
+two sleep-mode memory tags is resident (``weights``, ``kv_cache``), whether the weights
+in that memory are the ones the trainer last sent (:class:`WeightsStatus`), and whether
+requests are in flight (``streaming``: the async worker's streams; the sync worker never
+has any). The named states of the design are points of that product: *awake* (both tags
+resident, weights valid), *weights-only awake*, *asleep (level 1)* (nothing resident,
+weights valid in host memory), *asleep (level 2)* (nothing resident, weights discarded),
+*refitting*, *weights inconsistent*, *not loaded*, *shut down*, and the in-flight states
+*streaming*, *refitting while streaming* and *streaming on inconsistent weights*.
 
-:data:`TRANSITIONS` maps every allowed ``(state, event)`` pair to the next state. It is
-generated once, at import, from the rules in ``_rule`` below; a pair missing from it is
-refused by :func:`transition` with a :class:`LifecycleError` that names the state, the
-event and what to do. The rules, and the vLLM 0.32 behaviour they mirror:
+:data:`TABLE` is written out below, state by state: every allowed event and the state it
+leads to. A pair missing from it is refused by :func:`transition` with a
+:class:`LifecycleError` that names the state, the event and what to do (:func:`_refusal`).
+The rules the table follows, and the vLLM 0.32 behaviour they mirror:
 
 - ``LOAD`` only from not loaded; it leaves the worker awake with valid weights.
 - ``GENERATE`` only while running with both tags resident and valid weights; it changes
@@ -34,8 +36,21 @@ event and what to do. The rules, and the vLLM 0.32 behaviour they mirror:
 - ``REFIT_BEGIN`` needs the weights resident (awake or weights-only awake; the KV cache may
   sleep, which is how colocated training refits). While refitting the weights are
   inconsistent and only ``REFIT_OK`` (weights valid), ``REFIT_FAILED`` (weights
-  inconsistent until a later refit succeeds) and ``SHUTDOWN`` are allowed.
-- ``RESET_PREFIX_CACHE`` is allowed whenever running, and changes nothing here.
+  inconsistent until a later refit succeeds) and ``SHUTDOWN`` are allowed, and, with
+  both tags resident, ``STREAM_OPEN`` (below).
+- ``RESET_PREFIX_CACHE`` is allowed whenever running without streams, and changes nothing
+  here.
+- In flight (the async worker over ``AsyncLLM``). ``STREAM_OPEN`` (requests submitted) is
+  allowed wherever ``GENERATE`` is, and during a refit with both tags resident: the async
+  worker pauses the engine for every refit (``AsyncLLM.pause_generation``), and vLLM
+  queues requests added while paused (``EngineCoreProc.pause_scheduler``,
+  ``vllm/v1/engine/core.py``), so they run on the new weights after resume (or are
+  aborted if the refit fails). ``STREAMS_DONE`` (the last open stream ended) leaves the
+  in-flight states. ``REFIT_BEGIN`` is allowed while streaming: that is the in-flight
+  refit; its outcome keeps the streams (``REFIT_FAILED`` leaves them on inconsistent
+  weights, which the shell aborts). While streaming, sleeping is refused (vLLM's
+  ``sleep`` would abort or freeze the requests under the trainer's feet) and so is
+  ``RESET_PREFIX_CACHE`` (vLLM keeps the prefix cache while requests run).
 - ``SHUTDOWN`` from any state leads to shut down, and is idempotent; every other event
   after it is refused.
 """
@@ -53,15 +68,31 @@ from genworker.core.errors import CoreError
 
 __all__ = [
     "ALL_STATES",
+    "ASLEEP_INCONSISTENT",
     "ASLEEP_L1",
     "ASLEEP_L2",
     "AWAKE",
+    "AWAKE_DISCARDED",
+    "AWAKE_INCONSISTENT",
     "KV_CACHE_TAG",
+    "KV_ONLY",
+    "KV_ONLY_DISCARDED",
+    "KV_ONLY_INCONSISTENT",
     "NOT_LOADED",
+    "REFITTING",
+    "REFITTING_STREAMING",
+    "REFITTING_WEIGHTS_ONLY",
     "SHUT_DOWN",
+    "STREAMING",
+    "STREAMING_INCONSISTENT",
+    "TABLE",
     "TRANSITIONS",
+    "WEIGHTS_ONLY",
+    "WEIGHTS_ONLY_DISCARDED",
+    "WEIGHTS_ONLY_INCONSISTENT",
     "WEIGHTS_TAG",
     "Event",
+    "InflightMode",
     "LifecycleError",
     "Phase",
     "State",
@@ -98,6 +129,8 @@ class Event(enum.Enum):
 
     LOAD = "load the model"
     GENERATE = "generate"
+    STREAM_OPEN = "start generating"
+    STREAMS_DONE = "end the last stream"
     SLEEP_L1 = "sleep (level 1)"
     SLEEP_L2 = "sleep (level 2)"
     WAKE_WEIGHTS = "wake_up(tags=['weights'])"
@@ -110,28 +143,45 @@ class Event(enum.Enum):
     SHUTDOWN = "shutdown()"
 
 
+class InflightMode(enum.Enum):
+    """What requests in flight do during an in-flight refit: vLLM's ``pause_generation``
+    modes (``AsyncLLM.pause_generation``, ``vllm/v1/engine/async_llm.py``)."""
+
+    KEEP = "keep"  # frozen while the weights change, then continue on the new weights
+    WAIT = "wait"  # finish on the old weights before the refit starts
+    ABORT = "abort"  # dropped when the refit starts
+
+
 def _check_state(state: State) -> None:
     if state.phase in (Phase.NOT_LOADED, Phase.SHUT_DOWN):
         if (
             state.weights_awake
             or state.kv_cache_awake
+            or state.streaming
             or state.weights is not WeightsStatus.DISCARDED
         ):
-            raise ValueError(f"a {state.phase.value} state holds no memory and no weights")
+            raise ValueError(f"a {state.phase.value} state holds no memory, weights or streams")
     elif state.phase is Phase.REFITTING and (
         not state.weights_awake or state.weights is not WeightsStatus.INCONSISTENT
     ):
         raise ValueError("a refitting state has resident, inconsistent weights")
+    if state.streaming and (
+        not (state.weights_awake and state.kv_cache_awake)
+        or state.weights is WeightsStatus.DISCARDED
+    ):
+        raise ValueError("a streaming state has both tags resident and weights not discarded")
 
 
 @attrs.frozen
 class State:
-    """Phase, which memory tags are resident, and whether the weights are valid."""
+    """Phase, which memory tags are resident, whether the weights are valid, and whether
+    requests are in flight."""
 
     phase: Phase
     weights: WeightsStatus
     weights_awake: bool
     kv_cache_awake: bool
+    streaming: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check_state(self)
@@ -149,35 +199,159 @@ class State:
             (True, False): "weights-only awake",
             (False, True): "KV-cache-only awake",
         }.get((self.weights_awake, self.kv_cache_awake), f"asleep (level {self.sleep_level})")
+        streams = ", streaming" if self.streaming else ""
         if self.phase is Phase.REFITTING:
-            return f"refitting ({memory})"
+            return f"refitting ({memory}{streams})"
         if self.phase is not Phase.RUNNING:
             return str(self.phase.value)
         if self.weights is WeightsStatus.INCONSISTENT:
-            return f"{memory}, weights inconsistent"
+            return f"{memory}, weights inconsistent{streams}"
         if self.weights is WeightsStatus.DISCARDED and self.sleep_level == 0:
             return f"{memory}, weights discarded"
-        return memory
+        return memory + streams
 
 
-NOT_LOADED = State(Phase.NOT_LOADED, WeightsStatus.DISCARDED, False, False)
-SHUT_DOWN = State(Phase.SHUT_DOWN, WeightsStatus.DISCARDED, False, False)
-AWAKE = State(Phase.RUNNING, WeightsStatus.VALID, True, True)
-ASLEEP_L1 = State(Phase.RUNNING, WeightsStatus.VALID, False, False)
-ASLEEP_L2 = State(Phase.RUNNING, WeightsStatus.DISCARDED, False, False)
+_R, _F = Phase.RUNNING, Phase.REFITTING
+_VALID, _DISCARDED, _INCONSISTENT = WeightsStatus
+NOT_LOADED = State(Phase.NOT_LOADED, _DISCARDED, False, False)
+AWAKE = State(_R, _VALID, True, True)
+WEIGHTS_ONLY = State(_R, _VALID, True, False)
+KV_ONLY = State(_R, _VALID, False, True)
+ASLEEP_L1 = State(_R, _VALID, False, False)
+AWAKE_DISCARDED = State(_R, _DISCARDED, True, True)
+WEIGHTS_ONLY_DISCARDED = State(_R, _DISCARDED, True, False)
+KV_ONLY_DISCARDED = State(_R, _DISCARDED, False, True)
+ASLEEP_L2 = State(_R, _DISCARDED, False, False)
+AWAKE_INCONSISTENT = State(_R, _INCONSISTENT, True, True)
+WEIGHTS_ONLY_INCONSISTENT = State(_R, _INCONSISTENT, True, False)
+KV_ONLY_INCONSISTENT = State(_R, _INCONSISTENT, False, True)
+ASLEEP_INCONSISTENT = State(_R, _INCONSISTENT, False, False)
+REFITTING = State(_F, _INCONSISTENT, True, True)
+REFITTING_WEIGHTS_ONLY = State(_F, _INCONSISTENT, True, False)
+STREAMING = State(_R, _VALID, True, True, streaming=True)
+STREAMING_INCONSISTENT = State(_R, _INCONSISTENT, True, True, streaming=True)
+REFITTING_STREAMING = State(_F, _INCONSISTENT, True, True, streaming=True)
+SHUT_DOWN = State(Phase.SHUT_DOWN, _DISCARDED, False, False)
 
-ALL_STATES: tuple[State, ...] = (
-    NOT_LOADED,
-    *(
-        State(Phase.RUNNING, weights, w, kv)
-        for weights in WeightsStatus
-        for w in (True, False)
-        for kv in (True, False)
-    ),
-    *(State(Phase.REFITTING, WeightsStatus.INCONSISTENT, True, kv) for kv in (True, False)),
-    SHUT_DOWN,
+_E = Event
+_OFF = {_E.SHUTDOWN: SHUT_DOWN}
+
+# fmt: off
+TABLE: Mapping[State, Mapping[Event, State]] = MappingProxyType({
+    NOT_LOADED: {_E.LOAD: AWAKE, **_OFF},
+
+    # -- weights valid ---------------------------------------------------------------
+    AWAKE: {
+        _E.GENERATE: AWAKE, _E.STREAM_OPEN: STREAMING,
+        _E.SLEEP_L1: ASLEEP_L1, _E.SLEEP_L2: ASLEEP_L2,
+        _E.WAKE_WEIGHTS: AWAKE, _E.WAKE_KV_CACHE: AWAKE, _E.WAKE_ALL: AWAKE,
+        _E.REFIT_BEGIN: REFITTING, _E.RESET_PREFIX_CACHE: AWAKE, **_OFF,
+    },
+    WEIGHTS_ONLY: {
+        _E.SLEEP_L1: ASLEEP_L1, _E.SLEEP_L2: ASLEEP_L2,
+        _E.WAKE_WEIGHTS: WEIGHTS_ONLY, _E.WAKE_KV_CACHE: AWAKE, _E.WAKE_ALL: AWAKE,
+        _E.REFIT_BEGIN: REFITTING_WEIGHTS_ONLY, _E.RESET_PREFIX_CACHE: WEIGHTS_ONLY, **_OFF,
+    },
+    KV_ONLY: {
+        _E.WAKE_WEIGHTS: AWAKE, _E.WAKE_KV_CACHE: KV_ONLY, _E.WAKE_ALL: AWAKE,
+        _E.RESET_PREFIX_CACHE: KV_ONLY, **_OFF,
+    },
+    ASLEEP_L1: {
+        _E.SLEEP_L1: ASLEEP_L1, _E.SLEEP_L2: ASLEEP_L1,
+        _E.WAKE_WEIGHTS: WEIGHTS_ONLY, _E.WAKE_KV_CACHE: KV_ONLY, _E.WAKE_ALL: AWAKE,
+        _E.RESET_PREFIX_CACHE: ASLEEP_L1, **_OFF,
+    },
+
+    # -- weights discarded by a level-2 sleep ------------------------------------------
+    AWAKE_DISCARDED: {
+        _E.SLEEP_L1: ASLEEP_L2, _E.SLEEP_L2: ASLEEP_L2,
+        _E.WAKE_WEIGHTS: AWAKE_DISCARDED, _E.WAKE_KV_CACHE: AWAKE_DISCARDED,
+        _E.WAKE_ALL: AWAKE_DISCARDED,
+        _E.REFIT_BEGIN: REFITTING, _E.RESET_PREFIX_CACHE: AWAKE_DISCARDED, **_OFF,
+    },
+    WEIGHTS_ONLY_DISCARDED: {
+        _E.SLEEP_L1: ASLEEP_L2, _E.SLEEP_L2: ASLEEP_L2,
+        _E.WAKE_WEIGHTS: WEIGHTS_ONLY_DISCARDED, _E.WAKE_KV_CACHE: AWAKE_DISCARDED,
+        _E.WAKE_ALL: AWAKE_DISCARDED,
+        _E.REFIT_BEGIN: REFITTING_WEIGHTS_ONLY,
+        _E.RESET_PREFIX_CACHE: WEIGHTS_ONLY_DISCARDED, **_OFF,
+    },
+    KV_ONLY_DISCARDED: {
+        _E.WAKE_WEIGHTS: AWAKE_DISCARDED, _E.WAKE_KV_CACHE: KV_ONLY_DISCARDED,
+        _E.WAKE_ALL: AWAKE_DISCARDED,
+        _E.RESET_PREFIX_CACHE: KV_ONLY_DISCARDED, **_OFF,
+    },
+    ASLEEP_L2: {
+        _E.SLEEP_L1: ASLEEP_L2, _E.SLEEP_L2: ASLEEP_L2,
+        _E.WAKE_WEIGHTS: WEIGHTS_ONLY_DISCARDED, _E.WAKE_KV_CACHE: KV_ONLY_DISCARDED,
+        _E.WAKE_ALL: AWAKE_DISCARDED,
+        _E.RESET_PREFIX_CACHE: ASLEEP_L2, **_OFF,
+    },
+
+    # -- weights inconsistent after a failed refit --------------------------------------
+    AWAKE_INCONSISTENT: {
+        _E.SLEEP_L1: ASLEEP_INCONSISTENT, _E.SLEEP_L2: ASLEEP_L2,
+        _E.WAKE_WEIGHTS: AWAKE_INCONSISTENT, _E.WAKE_KV_CACHE: AWAKE_INCONSISTENT,
+        _E.WAKE_ALL: AWAKE_INCONSISTENT,
+        _E.REFIT_BEGIN: REFITTING, _E.RESET_PREFIX_CACHE: AWAKE_INCONSISTENT, **_OFF,
+    },
+    WEIGHTS_ONLY_INCONSISTENT: {
+        _E.SLEEP_L1: ASLEEP_INCONSISTENT, _E.SLEEP_L2: ASLEEP_L2,
+        _E.WAKE_WEIGHTS: WEIGHTS_ONLY_INCONSISTENT, _E.WAKE_KV_CACHE: AWAKE_INCONSISTENT,
+        _E.WAKE_ALL: AWAKE_INCONSISTENT,
+        _E.REFIT_BEGIN: REFITTING_WEIGHTS_ONLY,
+        _E.RESET_PREFIX_CACHE: WEIGHTS_ONLY_INCONSISTENT, **_OFF,
+    },
+    KV_ONLY_INCONSISTENT: {
+        _E.WAKE_WEIGHTS: AWAKE_INCONSISTENT, _E.WAKE_KV_CACHE: KV_ONLY_INCONSISTENT,
+        _E.WAKE_ALL: AWAKE_INCONSISTENT,
+        _E.RESET_PREFIX_CACHE: KV_ONLY_INCONSISTENT, **_OFF,
+    },
+    ASLEEP_INCONSISTENT: {
+        _E.SLEEP_L1: ASLEEP_INCONSISTENT, _E.SLEEP_L2: ASLEEP_INCONSISTENT,
+        _E.WAKE_WEIGHTS: WEIGHTS_ONLY_INCONSISTENT, _E.WAKE_KV_CACHE: KV_ONLY_INCONSISTENT,
+        _E.WAKE_ALL: AWAKE_INCONSISTENT,
+        _E.RESET_PREFIX_CACHE: ASLEEP_INCONSISTENT, **_OFF,
+    },
+
+    # -- refitting --------------------------------------------------------------------
+    REFITTING: {
+        _E.REFIT_OK: AWAKE, _E.REFIT_FAILED: AWAKE_INCONSISTENT,
+        _E.STREAM_OPEN: REFITTING_STREAMING, **_OFF,
+    },
+    REFITTING_WEIGHTS_ONLY: {
+        _E.REFIT_OK: WEIGHTS_ONLY, _E.REFIT_FAILED: WEIGHTS_ONLY_INCONSISTENT, **_OFF,
+    },
+
+    # -- in flight (the async worker) --------------------------------------------------
+    STREAMING: {
+        _E.GENERATE: STREAMING, _E.STREAM_OPEN: STREAMING, _E.STREAMS_DONE: AWAKE,
+        _E.WAKE_WEIGHTS: STREAMING, _E.WAKE_KV_CACHE: STREAMING, _E.WAKE_ALL: STREAMING,
+        _E.REFIT_BEGIN: REFITTING_STREAMING, **_OFF,
+    },
+    REFITTING_STREAMING: {
+        _E.REFIT_OK: STREAMING, _E.REFIT_FAILED: STREAMING_INCONSISTENT,
+        _E.STREAM_OPEN: REFITTING_STREAMING, _E.STREAMS_DONE: REFITTING, **_OFF,
+    },
+    STREAMING_INCONSISTENT: {
+        _E.STREAMS_DONE: AWAKE_INCONSISTENT,
+        _E.WAKE_WEIGHTS: STREAMING_INCONSISTENT, _E.WAKE_KV_CACHE: STREAMING_INCONSISTENT,
+        _E.WAKE_ALL: STREAMING_INCONSISTENT,
+        _E.REFIT_BEGIN: REFITTING_STREAMING, **_OFF,
+    },
+
+    SHUT_DOWN: {**_OFF},
+})
+# fmt: on
+"""Every state, and the events it allows with the state each leads to."""
+
+ALL_STATES: tuple[State, ...] = tuple(TABLE)
+"""Every valid state (19): the rows of the table."""
+
+TRANSITIONS: Mapping[tuple[State, Event], State] = MappingProxyType(
+    {(state, event): after for state, row in TABLE.items() for event, after in row.items()}
 )
-"""Every valid state (16): the rows of the transition table."""
+"""Every allowed (state, event) pair and the state it leads to; the rest are refused."""
 
 
 @attrs.frozen
@@ -194,9 +368,11 @@ _WAKE = {
     Event.WAKE_ALL: (WEIGHTS_TAG, KV_CACHE_TAG),
 }
 
+_STREAMS_RUN = "requests are in flight; wait for their streams to end or cancel them first"
 
-def _generate_refusal(state: State) -> str | None:
-    """Why a running state cannot generate, or None if it can."""
+
+def _generate_refusal(state: State) -> str:
+    """Why a running state cannot generate (the table refuses it)."""
     awake = state.weights_awake and state.kv_cache_awake
     if state.weights is WeightsStatus.DISCARDED:
         why = "weights were discarded by a level-2 sleep; refit before generating"
@@ -204,10 +380,8 @@ def _generate_refusal(state: State) -> str | None:
     elif state.weights is WeightsStatus.INCONSISTENT:
         why = "a refit failed: weights are inconsistent; refit again"
         then = ", then refit again (a refit failed: weights are inconsistent)"
-    elif awake:
-        return None
     else:
-        then = ""
+        why = then = ""
     if awake:
         return why
     wake = {
@@ -217,71 +391,50 @@ def _generate_refusal(state: State) -> str | None:
     return wake + then
 
 
-def _rule(state: State, event: Event) -> State | str:
-    """The next state, or why the event is refused (the remedy, for the error message)."""
-    if event is Event.SHUTDOWN:
-        return SHUT_DOWN
+def _refusal(state: State, event: Event) -> str:
+    """Why the table refuses ``event`` in ``state``: the remedy, for the error message."""
     if state.phase is Phase.SHUT_DOWN:
         return "the worker is shut down; create a new worker"
     if state.phase is Phase.NOT_LOADED:
-        return AWAKE if event is Event.LOAD else "the model is not loaded; load it first"
+        return "the model is not loaded; load it first"
     if event is Event.LOAD:
         return "the model is already loaded; shut down and create a new worker to load another"
+    if event is Event.STREAMS_DONE:
+        return "no stream is open"
     if state.phase is Phase.REFITTING:
-        if event is Event.REFIT_OK:
-            return attrs.evolve(state, phase=Phase.RUNNING, weights=WeightsStatus.VALID)
-        if event is Event.REFIT_FAILED:
-            return attrs.evolve(state, phase=Phase.RUNNING)
-        return "a weight refit is in progress; wait for it to succeed or fail"
-    if event is Event.GENERATE:
-        refusal = _generate_refusal(state)
-        return state if refusal is None else refusal
-    if event in (Event.SLEEP_L1, Event.SLEEP_L2):
-        if state.weights_awake:
-            discard = event is Event.SLEEP_L2
-            weights = WeightsStatus.DISCARDED if discard else state.weights
-            return attrs.evolve(state, weights=weights, weights_awake=False, kv_cache_awake=False)
-        if state.kv_cache_awake:
+        if event is Event.STREAM_OPEN:
             return (
-                "vLLM ignores sleep while the weights are asleep, so the KV cache would stay "
-                "resident; call wake_up() first"
+                "a weight refit is in progress with the KV cache asleep; wait for it, then "
+                "call wake_up(tags=['kv_cache'])"
             )
-        return state
-    if event in _WAKE:
-        tags = _WAKE[event]
-        return attrs.evolve(
-            state,
-            weights_awake=state.weights_awake or WEIGHTS_TAG in tags,
-            kv_cache_awake=state.kv_cache_awake or KV_CACHE_TAG in tags,
+        return "a weight refit is in progress; wait for it to succeed or fail"
+    if event in (Event.GENERATE, Event.STREAM_OPEN):
+        return _generate_refusal(state)
+    if state.streaming:
+        if event is Event.RESET_PREFIX_CACHE:
+            return f"{_STREAMS_RUN} (vLLM keeps the prefix cache while requests run)"
+        return _STREAMS_RUN
+    if event in (Event.SLEEP_L1, Event.SLEEP_L2):
+        return (
+            "vLLM ignores sleep while the weights are asleep, so the KV cache would stay "
+            "resident; call wake_up() first"
         )
     if event is Event.REFIT_BEGIN:
-        if state.weights_awake:
-            return attrs.evolve(state, phase=Phase.REFITTING, weights=WeightsStatus.INCONSISTENT)
         return "the weights are asleep; call wake_up(tags=['weights']) first"
-    if event in (Event.REFIT_OK, Event.REFIT_FAILED):
-        return "no refit is in progress"
-    assert event is Event.RESET_PREFIX_CACHE
-    return state
-
-
-_OUTCOMES: dict[tuple[State, Event], State | str] = {
-    (s, e): _rule(s, e) for s in ALL_STATES for e in Event
-}
-
-TRANSITIONS: Mapping[tuple[State, Event], State] = MappingProxyType(
-    {k: v for k, v in _OUTCOMES.items() if isinstance(v, State)}
-)
-"""Every allowed (state, event) pair and the state it leads to; the rest are refused."""
+    assert event in (Event.REFIT_OK, Event.REFIT_FAILED), (state, event)
+    return "no refit is in progress"
 
 
 def transition(state: State, event: Event) -> Result[State, LifecycleError]:
     """The state after ``event``, or why ``event`` is not allowed in ``state``."""
-    outcome = _OUTCOMES[(state, event)]
-    if isinstance(outcome, State):
-        return Success(outcome)
+    after = TABLE[state].get(event)
+    if after is not None:
+        return Success(after)
     return Failure(
         LifecycleError(
-            message=f"cannot {event.value} while {state}: {outcome}", state=state, event=event
+            message=f"cannot {event.value} while {state}: {_refusal(state, event)}",
+            state=state,
+            event=event,
         )
     )
 
@@ -292,8 +445,8 @@ def check_can_generate(state: State) -> Result[State, LifecycleError]:
 
 
 def allowed_events(state: State) -> frozenset[Event]:
-    """The events :data:`TRANSITIONS` allows in ``state``."""
-    return frozenset(e for e in Event if (state, e) in TRANSITIONS)
+    """The events :data:`TABLE` allows in ``state``."""
+    return frozenset(TABLE[state])
 
 
 def wake_tags(state: State, event: Event) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -22,9 +23,11 @@ from genworker.shell.errors import (
     RefitManifestError,
     RefitTimeoutError,
     RefitWireError,
+    RequestAbortedError,
     UnsafePickleError,
     UnsupportedError,
 )
+from genworker.shell.fake_async_engine import FakeAsyncEngine, FakeAsyncEngineFactory
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from genworker.shell.group import ClusterSpec, GenerationGroup, local_cluster
 
 __all__ = [
+    "AsyncVllmGenerationWorker",
     "BadArgumentError",
     "BadBatchError",
     "BadConfigError",
@@ -39,7 +43,10 @@ __all__ = [
     "EngineContractError",
     "EngineDeadError",
     "EngineStateError",
+    "ExistingAsyncEngine",
     "ExistingEngine",
+    "FakeAsyncEngine",
+    "FakeAsyncEngineFactory",
     "FakeEngine",
     "FakeEngineFactory",
     "GenerationAbortedError",
@@ -50,6 +57,7 @@ __all__ = [
     "RefitManifestError",
     "RefitTimeoutError",
     "RefitWireError",
+    "RequestAbortedError",
     "UnsafePickleError",
     "UnsupportedError",
     "VllmGenerationWorker",

@@ -31,6 +31,7 @@ __all__ = [
     "RefitTimeoutError",
     "RefitTransportError",
     "RefitWireError",
+    "RequestAbortedError",
     "UnsafePickleError",
     "UnsupportedError",
     "unwrap",
@@ -97,6 +98,11 @@ class RefitTimeoutError(RefitError, TimeoutError):
 
 class RefitTransportError(RefitError):
     """A refit transport failed (a gloo/NCCL/ZMQ error, a lost peer): its text and peer."""
+
+
+class RequestAbortedError(GenworkerError, RuntimeError):
+    """A request ended before it finished (an in-flight refit in ``abort`` mode, or the
+    engine aborted it); the message names the row and why."""
 
 
 class GroupError(GenworkerError, RuntimeError):

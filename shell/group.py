@@ -33,17 +33,27 @@ Theory of operation
   (a ``GroupError``). Either way the :class:`ShardFailure` (the exception or its
   ``__cause__``) holds each failed shard's error and the other shards' results. A shard
   whose actor died stays dead: later calls refuse until the group is re-created.
+* ``vllm_cfg.async_engine: true`` starts ``AsyncVllmGenerationWorker`` actors (Ray async
+  actors: many calls at once, so a refit can land while a shard streams). Their
+  ``generate_async`` streams are merged by :meth:`GenerationGroup.generate_async`: rows
+  that cannot generate come back first (checked in the driver, ``core.rows``), then every
+  shard's rows as each finishes, under the batch's row index; a shard that fails gives each
+  of its rows still pending the shard's error; a consumer that stops cancels the shards'
+  streams (Ray cancels the actor tasks, whose requests the workers abort). ``generate``
+  on async shards merges their ``weight_versions`` too.
 * Ray is started only when it is not running (``ray.init(address=...)`` for a cluster
   named in the spec), and only a Ray the group started is shut down with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -70,7 +80,9 @@ from genworker.core.placement import (
     configure_worker,
     plan_cluster,
 )
+from genworker.core.rows import check_rows
 from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards, split_batch
+from genworker.core.versions import NO_VERSION
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -78,6 +90,7 @@ from genworker.shell.errors import (
     EngineContractError,
     GenworkerError,
     GroupError,
+    UnsupportedError,
     unwrap,
 )
 from genworker.shell.host import ephemeral_ports, vllm_cache_root
@@ -353,6 +366,7 @@ class GenerationGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from genworker.shell.async_worker import AsyncVllmGenerationWorker
         from genworker.shell.worker import VllmGenerationWorker
 
         options, init_kwargs = self._placements[shard.rank]
@@ -361,7 +375,10 @@ class GenerationGroup:
             placement_group_bundle_index=shard.global_bundle_ids[0],
             placement_group_capture_child_tasks=True,
         )
-        actor_cls = ray.remote(VllmGenerationWorker)
+        worker_cls = (
+            AsyncVllmGenerationWorker if self.cfg.vllm.async_engine else VllmGenerationWorker
+        )
+        actor_cls = ray.remote(worker_cls)
         return actor_cls.options(scheduling_strategy=strategy, **options).remote(
             self._config, **init_kwargs, **self._worker_options
         )
@@ -521,7 +538,130 @@ class GenerationGroup:
         plan = plan_shards(batch.lengths, self.num_shards, max_new_tokens=self.cfg.max_new_tokens)
         results = self._run_shards("generate", plan, data, greedy, timeout_s)
         outputs = [_tensor_dict(results.get(rank, {}), rank) for rank in range(self.num_shards)]
-        return merge_shard_outputs(plan, outputs, self.cfg.pad_token_id)
+        return merge_shard_outputs(
+            plan, outputs, self.cfg.pad_token_id, pad_values={"weight_versions": NO_VERSION}
+        )
+
+    async def generate_async(
+        self,
+        data: Mapping[str, object],
+        greedy: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> AsyncGenerator[tuple[int, dict[str, torch.Tensor] | GenworkerError], None]:
+        """The shards' ``generate_async`` streams merged: ``(row, output)`` or ``(row,
+        error)`` under the batch's row index, as each row finishes (async shards only;
+        ``timeout_s`` bounds the whole stream, default ``call_timeout_s``)."""
+        self._require_usable("generate_async")
+        if not self.cfg.vllm.async_engine:
+            raise UnsupportedError(
+                "generate_async needs async shards: set vllm_cfg.async_engine: true"
+            )
+        if not isinstance(greedy, bool):
+            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
+        input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
+        checks = unwrap(
+            check_rows(
+                input_ids,
+                input_lengths,
+                pad_token_id=self.cfg.pad_token_id,
+                max_model_len=self.cfg.vllm.max_model_len,
+            ),
+            BadBatchError,
+            "generate_async batch",
+        )
+        for row, problem in checks.errors:
+            yield row, BadBatchError(f"row {row} cannot generate: {problem}", detail=problem)
+        good = checks.rows
+        if not good:
+            return
+        refused = tuple(r for r, _ in checks.errors)
+        keep = ShardPlan(num_rows=len(good) + len(refused), shards=(good, refused), costs=(0, 0))
+        (sub, _) = unwrap(split_batch(keep, data), BadBatchError, "generate_async")
+        plan = plan_shards(
+            [len(p) for _, p in checks.prompts],
+            self.num_shards,
+            max_new_tokens=self.cfg.max_new_tokens,
+        )
+        parts = unwrap(split_batch(plan, sub), BadBatchError, "generate_async")
+        bound = self.cluster.call_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + bound
+        queue: asyncio.Queue[tuple[int, dict[str, torch.Tensor] | GenworkerError]] = asyncio.Queue()
+        streams: dict[int, Any] = {}
+        tasks: list[asyncio.Task[None]] = []
+        for rank, part in enumerate(parts):
+            if not plan.sizes[rank]:
+                continue
+            rows = tuple(good[k] for k in plan.shards[rank])
+            stream = (
+                self._actors[rank]
+                .generate_async.options(num_returns="streaming")
+                .remote(part, greedy)
+            )
+            streams[rank] = stream
+            tasks.append(
+                asyncio.ensure_future(self._drain_shard(rank, stream, rows, deadline, bound, queue))
+            )
+        try:
+            for _ in range(len(good)):
+                yield await queue.get()
+        finally:
+            import ray
+
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams.values():
+                if not stream.is_finished():
+                    ray.cancel(stream)
+
+    async def _drain_shard(
+        self,
+        rank: int,
+        stream: Any,
+        rows: tuple[int, ...],
+        deadline: float,
+        bound: float,
+        queue: asyncio.Queue[tuple[int, dict[str, torch.Tensor] | GenworkerError]],
+    ) -> None:
+        """Put each of a shard's rows on ``queue`` under its batch index; if the shard
+        fails, each row it still owes gets the shard's error."""
+        pending = set(range(len(rows)))
+        try:
+            while pending:
+                ref = await asyncio.wait_for(
+                    stream.__anext__(), max(deadline - time.monotonic(), 1e-3)
+                )
+                local, item = await asyncio.wait_for(ref, max(deadline - time.monotonic(), 1e-3))
+                row = rows[local]
+                pending.discard(local)
+                if isinstance(item, GenworkerError):
+                    named = copy.copy(item)
+                    named.args = (f"shard {rank}, batch row {row}: {item}",)
+                    named.__cause__ = item
+                    item = named
+                elif not isinstance(item, Mapping):
+                    item = EngineContractError(
+                        f"shard {rank}: generate_async yielded {item!r:.200}"
+                    )
+                queue.put_nowait((row, item))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - every row the shard owes gets it
+            if isinstance(e, TimeoutError):
+                error: BaseException = GroupError(
+                    f"shard {rank}: generate_async did not finish within {bound:g} s "
+                    "(the actor may still be running it)"
+                )
+            elif isinstance(e, StopAsyncIteration):
+                error = EngineContractError(
+                    f"shard {rank}: its stream ended with {len(pending)} row(s) missing"
+                )
+            else:
+                error = self._translate("generate_async", rank, e)
+            typed = error if isinstance(error, GenworkerError) else GroupError(str(error))
+            for local in sorted(pending):
+                queue.put_nowait((rows[local], typed))
 
     def generate_text(
         self,
@@ -656,15 +796,41 @@ class GenerationGroup:
             for rank, actor in enumerate(self._actors)
         ]
 
-    def update_weights_from_collective(self, timeout_s: float | None = None) -> list[object]:
-        """Start the collective refit on every shard; returns one future per shard."""
-        self._require_usable("update_weights_from_collective")
-        return [a.update_weights_from_collective.remote(timeout_s) for a in self._actors]
+    def update_weights_from_collective(
+        self,
+        timeout_s: float | None = None,
+        *,
+        mode: str | None = None,
+        clear_cache: bool | None = None,
+    ) -> list[object]:
+        """Start the collective refit on every shard; returns one future per shard
+        (``mode`` / ``clear_cache``: what async shards do with requests in flight)."""
+        return self._refit("update_weights_from_collective", timeout_s, mode, clear_cache)
 
-    def update_weights_via_ipc_zmq(self, timeout_s: float | None = None) -> list[object]:
-        """Start the IPC refit on every shard; returns one future per shard."""
-        self._require_usable("update_weights_via_ipc_zmq")
-        return [a.update_weights_via_ipc_zmq.remote(timeout_s) for a in self._actors]
+    def update_weights_via_ipc_zmq(
+        self,
+        timeout_s: float | None = None,
+        *,
+        mode: str | None = None,
+        clear_cache: bool | None = None,
+    ) -> list[object]:
+        """Start the IPC refit on every shard; returns one future per shard (``mode`` /
+        ``clear_cache``: what async shards do with requests in flight)."""
+        return self._refit("update_weights_via_ipc_zmq", timeout_s, mode, clear_cache)
+
+    def _refit(
+        self, call: str, timeout_s: float | None, mode: str | None, clear_cache: bool | None
+    ) -> list[object]:
+        self._require_usable(call)
+        inflight = {
+            k: v for k, v in (("mode", mode), ("clear_cache", clear_cache)) if v is not None
+        }
+        if inflight and not self.cfg.vllm.async_engine:
+            raise UnsupportedError(
+                f"{call}: {sorted(inflight)} apply to in-flight refits of async shards "
+                "(vllm_cfg.async_engine: true)"
+            )
+        return [getattr(a, call).remote(timeout_s, **inflight) for a in self._actors]
 
     def collect(
         self, futures: Sequence[object], *, call: str = "refit", timeout_s: float | None = None

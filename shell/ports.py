@@ -6,17 +6,25 @@ beside it (``fake_engine.FakeEngine``) that tests and users' own tests use.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
 
 from genworker.core.assembly import Generation
 from genworker.core.counters import MetricSample
+from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.media import RowMedia
 
-__all__ = ["EngineCapabilities", "EngineFactory", "EnginePort"]
+__all__ = [
+    "AsyncEngineFactory",
+    "AsyncEnginePort",
+    "EngineCapabilities",
+    "EngineFactory",
+    "EnginePort",
+    "StreamedGeneration",
+]
 
 
 @attrs.frozen
@@ -29,6 +37,9 @@ class EngineCapabilities:
     max_model_len: int
     device: str
     sampling_args: frozenset[str] | None = None
+    #: the engine labels every token with the weights that sampled it (vLLM 0.32's
+    #: ``CompletionOutput.weight_versions``); async engines only
+    weight_versions: bool = False
     #: the engine takes media (it has multimodal caches to reset)
     multimodal: bool = False
     #: the prompt id that stands for one image (None: the model takes no images)
@@ -130,3 +141,83 @@ class EngineFactory(Protocol):
         ...
 
     def start(self, kwargs: Mapping[str, object]) -> EnginePort: ...
+
+
+@attrs.frozen
+class StreamedGeneration:
+    """One finished request of an async engine: its generation and, when the engine labels
+    tokens (``EngineCapabilities.weight_versions``), the ``(label, start, end)`` spans of
+    the weights that sampled them."""
+
+    generation: Generation
+    version_spans: tuple[tuple[str, int, int], ...] | None = None
+
+
+class AsyncEnginePort(Protocol):
+    """An engine that runs many requests at once (vLLM's ``AsyncLLM``): one coroutine per
+    request, pause/resume around weight changes, and the rest of :class:`EnginePort`."""
+
+    @property
+    def capabilities(self) -> EngineCapabilities: ...
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        spec: SamplingSpec,
+        progress: Callable[[int], None] | None = None,
+    ) -> StreamedGeneration:
+        """Run one request to its end. ``progress(n)`` is called with the request's token
+        count each time the engine hands over new tokens (the worker then counts weight
+        versions itself). Cancelling the coroutine aborts the request."""
+        ...
+
+    async def generate_text(self, request_id: str, prompt: str, spec: SamplingSpec) -> str: ...
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """End these requests now (their ``generate`` returns with finish reason abort)."""
+        ...
+
+    async def pause(self, mode: InflightMode, clear_cache: bool) -> None:
+        """Stop scheduling; requests added meanwhile queue until :meth:`resume`."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    async def label_weights(self, label: str) -> None:
+        """Label the tokens sampled from now on (``capabilities.weight_versions`` only)."""
+        ...
+
+    async def sleep(self, level: int) -> None: ...
+
+    async def wake_up(self, tags: Sequence[str] | None) -> None: ...
+
+    async def reset_prefix_cache(self) -> None: ...
+
+    def metrics(self) -> list[MetricSample]: ...
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+        timeout: float | None = None,
+    ) -> list[object]: ...
+
+    async def device_ids(self) -> list[str]: ...
+
+    def num_unfinished(self) -> int:
+        """Requests the engine has not finished (running, waiting or paused)."""
+        ...
+
+    async def shutdown(self) -> None: ...
+
+
+class AsyncEngineFactory(Protocol):
+    """Starts async engines (the :class:`EngineFactory` of the async worker)."""
+
+    def arg_names(self) -> frozenset[str] | None: ...
+
+    def gpu_capability(self) -> tuple[int, int] | None: ...
+
+    def start(self, kwargs: Mapping[str, object]) -> AsyncEnginePort: ...

@@ -167,6 +167,12 @@ class VllmGenerationWorker:
         self.cfg: WorkerConfig = unwrap(
             WorkerConfig.from_mapping(config), BadConfigError, "worker config"
         )
+        if self.cfg.vllm.async_engine:
+            raise BadConfigError(
+                "vllm_cfg.async_engine is true: VllmGenerationWorker runs the synchronous "
+                "vllm.LLM; use genworker.shell.async_worker.AsyncVllmGenerationWorker, or set "
+                "vllm_cfg.async_engine: false"
+            )
         self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
         self.fraction_of_gpus = fraction_of_gpus
         self.seed = seed if seed is not None else (self.cfg.seed or 0)

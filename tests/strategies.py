@@ -1401,6 +1401,27 @@ def user_hf_overrides(draw: st.DrawFn) -> dict[str, object]:
     return hf
 
 
+# --- versions ---
+@st.composite
+def version_sequences(draw: st.DrawFn, *, max_size: int = 40) -> list[int]:
+    """One row's per-token versions: non-negative and never going down."""
+    start = draw(st.integers(0, 5))
+    steps = draw(st.lists(st.sampled_from([0, 0, 0, 1, 2]), max_size=max_size))
+    out: list[int] = []
+    version = start
+    for step in steps:
+        version += step
+        out.append(version)
+    return out
+
+
+def version_batches(
+    max_rows: int = 6,
+) -> st.SearchStrategy[list[tuple[int, list[int]]]]:
+    """Rows of (input length, per-token versions)."""
+    return st.lists(st.tuples(st.integers(0, 8), version_sequences(max_size=12)), max_size=max_rows)
+
+
 # --- delta ---
 import numpy as _np
 

@@ -16,9 +16,15 @@ from genworker.core.lifecycle import (
     ASLEEP_L1,
     ASLEEP_L2,
     AWAKE,
+    AWAKE_INCONSISTENT,
     KV_CACHE_TAG,
     NOT_LOADED,
+    REFITTING_STREAMING,
+    REFITTING_WEIGHTS_ONLY,
     SHUT_DOWN,
+    STREAMING,
+    STREAMING_INCONSISTENT,
+    TABLE,
     TRANSITIONS,
     WEIGHTS_TAG,
     Event,
@@ -55,23 +61,26 @@ def _ids(value: object) -> str:
 # Columns are the events (_COLUMNS below). Written by hand from the rules in
 # core/lifecycle.py's docstring, not from the code.
 LITERAL_TABLE = """
-state  LOAD  GEN  SL1  SL2  WW   WKV  WALL  RB  ROK  RFAIL  RPC  SHUT
-NL     V11   -    -    -    -    -    -     -   -    -      -    SD
-SD     -     -    -    -    -    -    -     -   -    -      -    SD
-V11    -     V11  V00  D00  V11  V11  V11   R1  -    -      V11  SD
-V10    -     -    V00  D00  V10  V11  V11   R0  -    -      V10  SD
-V01    -     -    -    -    V11  V01  V11   -   -    -      V01  SD
-V00    -     -    V00  V00  V10  V01  V11   -   -    -      V00  SD
-D11    -     -    D00  D00  D11  D11  D11   R1  -    -      D11  SD
-D10    -     -    D00  D00  D10  D11  D11   R0  -    -      D10  SD
-D01    -     -    -    -    D11  D01  D11   -   -    -      D01  SD
-D00    -     -    D00  D00  D10  D01  D11   -   -    -      D00  SD
-I11    -     -    I00  D00  I11  I11  I11   R1  -    -      I11  SD
-I10    -     -    I00  D00  I10  I11  I11   R0  -    -      I10  SD
-I01    -     -    -    -    I11  I01  I11   -   -    -      I01  SD
-I00    -     -    I00  I00  I10  I01  I11   -   -    -      I00  SD
-R1     -     -    -    -    -    -    -     -   V11  I11    -    SD
-R0     -     -    -    -    -    -    -     -   V10  I10    -    SD
+state  LOAD  GEN   SL1  SL2  WW    WKV   WALL  RB   ROK   RFAIL  RPC  SHUT  SOPEN  SDONE
+NL     V11   -     -    -    -     -     -     -    -     -      -    SD    -      -
+SD     -     -     -    -    -     -     -     -    -     -      -    SD    -      -
+V11    -     V11   V00  D00  V11   V11   V11   R1   -     -      V11  SD    V11s   -
+V10    -     -     V00  D00  V10   V11   V11   R0   -     -      V10  SD    -      -
+V01    -     -     -    -    V11   V01   V11   -    -     -      V01  SD    -      -
+V00    -     -     V00  V00  V10   V01   V11   -    -     -      V00  SD    -      -
+D11    -     -     D00  D00  D11   D11   D11   R1   -     -      D11  SD    -      -
+D10    -     -     D00  D00  D10   D11   D11   R0   -     -      D10  SD    -      -
+D01    -     -     -    -    D11   D01   D11   -    -     -      D01  SD    -      -
+D00    -     -     D00  D00  D10   D01   D11   -    -     -      D00  SD    -      -
+I11    -     -     I00  D00  I11   I11   I11   R1   -     -      I11  SD    -      -
+I10    -     -     I00  D00  I10   I11   I11   R0   -     -      I10  SD    -      -
+I01    -     -     -    -    I11   I01   I11   -    -     -      I01  SD    -      -
+I00    -     -     I00  I00  I10   I01   I11   -    -     -      I00  SD    -      -
+R1     -     -     -    -    -     -     -     -    V11   I11    -    SD    R1s    -
+R0     -     -     -    -    -     -     -     -    V10   I10    -    SD    -      -
+V11s   -     V11s  -    -    V11s  V11s  V11s  R1s  -     -      -    SD    V11s   V11
+I11s   -     -     -    -    I11s  I11s  I11s  R1s  -     -      -    SD    -      I11
+R1s    -     -     -    -    -     -     -     -    V11s  I11s   -    SD    R1s    R1
 """
 
 _COLUMNS = {
@@ -87,11 +96,15 @@ _COLUMNS = {
     "RFAIL": Event.REFIT_FAILED,
     "RPC": Event.RESET_PREFIX_CACHE,
     "SHUT": Event.SHUTDOWN,
+    "SOPEN": Event.STREAM_OPEN,
+    "SDONE": Event.STREAMS_DONE,
 }
 _STATUS = {"V": WeightsStatus.VALID, "D": WeightsStatus.DISCARDED, "I": WeightsStatus.INCONSISTENT}
 
 
 def _named(name: str) -> State:
+    if name.endswith("s"):  # requests in flight (the async worker's streams)
+        return attrs.evolve(_named(name[:-1]), streaming=True)
     if name == "NL":
         return State(Phase.NOT_LOADED, WeightsStatus.DISCARDED, False, False)
     if name == "SD":
@@ -175,6 +188,8 @@ def test_sleep_puts_both_tags_to_sleep_and_level_2_discards_weights(
     result = transition(state, event)
     if state.phase is not Phase.RUNNING:
         assert isinstance(result, Failure)
+    elif state.streaming:
+        assert "requests are in flight" in str(_refused(state, event))
     elif state.weights_awake:
         weights = WeightsStatus.DISCARDED if event is Event.SLEEP_L2 else state.weights
         assert result == Success(
@@ -214,7 +229,13 @@ def test_refit_begins_only_with_the_weights_resident(state: State) -> None:
     result = transition(state, Event.REFIT_BEGIN)
     if state.phase is Phase.RUNNING and state.weights_awake:
         assert result == Success(
-            State(Phase.REFITTING, WeightsStatus.INCONSISTENT, True, state.kv_cache_awake)
+            State(
+                Phase.REFITTING,
+                WeightsStatus.INCONSISTENT,
+                True,
+                state.kv_cache_awake,
+                streaming=state.streaming,
+            )
         )
     else:
         assert isinstance(result, Failure)
@@ -235,7 +256,19 @@ def test_refit_outcome_sets_weights_and_keeps_memory(state: State) -> None:
 
 @pytest.mark.parametrize(
     "event",
-    [e for e in Event if e not in (Event.LOAD, Event.REFIT_OK, Event.REFIT_FAILED, Event.SHUTDOWN)],
+    [
+        e
+        for e in Event
+        if e
+        not in (
+            Event.LOAD,
+            Event.REFIT_OK,
+            Event.REFIT_FAILED,
+            Event.SHUTDOWN,
+            Event.STREAM_OPEN,
+            Event.STREAMS_DONE,
+        )
+    ],
     ids=_ids,
 )
 @pytest.mark.parametrize("state", REFITTING, ids=_ids)
@@ -248,13 +281,14 @@ def test_reset_prefix_cache_is_allowed_whenever_running_and_changes_nothing(
     state: State,
 ) -> None:
     result = transition(state, Event.RESET_PREFIX_CACHE)
-    assert (
-        (result == Success(state)) if state.phase is Phase.RUNNING else isinstance(result, Failure)
-    )
+    if state.phase is Phase.RUNNING and not state.streaming:
+        assert result == Success(state)
+    else:
+        assert isinstance(result, Failure)
 
 
 def test_the_written_table_has_every_state_and_event_once() -> None:
-    assert len(LITERAL) == 16 * len(Event)
+    assert len(LITERAL) == 19 * len(Event)
     assert {s for s, _ in LITERAL} == set(ALL_STATES)
 
 
@@ -279,7 +313,8 @@ def test_transition_does_what_the_written_table_says(state: State, event: Event)
 def test_the_table_covers_only_valid_states_and_is_read_only() -> None:
     assert {s for s, _ in TRANSITIONS} <= set(ALL_STATES)
     assert set(TRANSITIONS.values()) <= set(ALL_STATES)
-    assert len(ALL_STATES) == len(set(ALL_STATES)) == 16
+    assert len(ALL_STATES) == len(set(ALL_STATES)) == 19
+    assert set(TABLE) == set(ALL_STATES)
     with pytest.raises(TypeError):
         TRANSITIONS[(AWAKE, Event.LOAD)] = AWAKE  # type: ignore[index]
 
@@ -311,6 +346,9 @@ def test_every_state_has_its_own_name() -> None:
         "awake, weights inconsistent"
     )
     assert [AWAKE.sleep_level, ASLEEP_L1.sleep_level, ASLEEP_L2.sleep_level] == [0, 1, 2]
+    assert str(STREAMING) == "awake, streaming"
+    assert str(REFITTING_STREAMING) == "refitting (awake, streaming)"
+    assert str(STREAMING_INCONSISTENT) == "awake, weights inconsistent, streaming"
 
 
 @pytest.mark.parametrize(
@@ -321,13 +359,66 @@ def test_every_state_has_its_own_name() -> None:
         (Phase.SHUT_DOWN, WeightsStatus.DISCARDED, False, True),
         (Phase.REFITTING, WeightsStatus.INCONSISTENT, False, True),
         (Phase.REFITTING, WeightsStatus.VALID, True, True),
+        (Phase.SHUT_DOWN, WeightsStatus.DISCARDED, False, False, True),
+        (Phase.RUNNING, WeightsStatus.VALID, True, False, True),
+        (Phase.RUNNING, WeightsStatus.VALID, False, True, True),
+        (Phase.RUNNING, WeightsStatus.DISCARDED, True, True, True),
+        (Phase.REFITTING, WeightsStatus.INCONSISTENT, True, False, True),
     ],
 )
 def test_states_outside_the_table_cannot_be_built(
-    fields: tuple[Phase, WeightsStatus, bool, bool],
+    fields: tuple[Phase, WeightsStatus, bool, bool] | tuple[Phase, WeightsStatus, bool, bool, bool],
 ) -> None:
     with pytest.raises(ValueError):
         State(*fields)
+
+
+# --- in flight: the async worker's streams -------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ALL_STATES, ids=_ids)
+def test_streams_open_where_generate_is_allowed_and_queue_during_a_refit(state: State) -> None:
+    result = transition(state, Event.STREAM_OPEN)
+    queued = state.phase is Phase.REFITTING and state.kv_cache_awake
+    if isinstance(check_can_generate(state), Success) or queued:
+        assert result == Success(attrs.evolve(state, streaming=True))
+    else:
+        assert isinstance(result, Failure)
+
+
+@pytest.mark.parametrize("state", ALL_STATES, ids=_ids)
+def test_the_last_stream_ending_leaves_only_the_in_flight_dimension(state: State) -> None:
+    result = transition(state, Event.STREAMS_DONE)
+    if state.streaming:
+        assert result == Success(attrs.evolve(state, streaming=False))
+    elif state.phase in (Phase.RUNNING, Phase.REFITTING):
+        assert "no stream is open" in str(_refused(state, Event.STREAMS_DONE))
+    else:
+        _refused(state, Event.STREAMS_DONE)
+
+
+def test_an_in_flight_refit_keeps_the_streams_whatever_its_outcome() -> None:
+    assert _run([Event.REFIT_BEGIN], STREAMING) == REFITTING_STREAMING
+    assert _run([Event.REFIT_BEGIN, Event.REFIT_OK], STREAMING) == STREAMING
+    failed = _run([Event.REFIT_BEGIN, Event.REFIT_FAILED], STREAMING)
+    assert failed == STREAMING_INCONSISTENT
+    assert isinstance(transition(failed, Event.STREAM_OPEN), Failure), "no new work"
+    assert _run([Event.STREAMS_DONE], failed) == AWAKE_INCONSISTENT
+    assert _run([Event.REFIT_BEGIN, Event.REFIT_OK, Event.STREAMS_DONE], failed) == AWAKE
+
+
+def test_requests_submitted_during_a_refit_queue_and_outlive_it() -> None:
+    state = _run([Event.LOAD, Event.REFIT_BEGIN, Event.STREAM_OPEN])
+    assert state == REFITTING_STREAMING
+    assert _run([Event.REFIT_OK], state) == STREAMING
+    assert _run([Event.STREAMS_DONE, Event.REFIT_OK], state) == AWAKE
+
+
+@pytest.mark.parametrize("state", [s for s in ALL_STATES if s.streaming], ids=_ids)
+def test_nothing_that_would_strand_a_stream_is_allowed_while_streaming(state: State) -> None:
+    for event in (Event.SLEEP_L1, Event.SLEEP_L2, Event.RESET_PREFIX_CACHE, Event.LOAD):
+        _refused(state, event)
+    assert transition(state, Event.SHUTDOWN) == Success(SHUT_DOWN)
 
 
 # --- what the user reads ---------------------------------------------------------------------
@@ -361,6 +452,13 @@ def test_states_outside_the_table_cannot_be_built(
         (AWAKE, Event.REFIT_OK, "no refit is in progress"),
         (AWAKE, Event.LOAD, "already loaded"),
         (KV_ONLY, Event.SLEEP_L1, "call wake_up() first"),
+        (STREAMING, Event.SLEEP_L1, "requests are in flight; wait for their streams to end"),
+        (STREAMING, Event.RESET_PREFIX_CACHE, "vLLM keeps the prefix cache while requests run"),
+        (AWAKE, Event.STREAMS_DONE, "no stream is open"),
+        (REFITTING_WEIGHTS_ONLY, Event.STREAMS_DONE, "no stream is open"),
+        (REFITTING_WEIGHTS_ONLY, Event.STREAM_OPEN, "in progress with the KV cache asleep"),
+        (STREAMING_INCONSISTENT, Event.STREAM_OPEN, "a refit failed: weights are inconsistent"),
+        (ASLEEP_L1, Event.STREAM_OPEN, "cannot start generating while asleep (level 1)"),
     ],
 )
 def test_refusals_say_what_to_do(state: State, event: Event, text: str) -> None:
@@ -427,12 +525,13 @@ class ReferenceWorker:
     weights_on_gpu: bool = False
     kv_on_gpu: bool = False
     weights: str = "discarded"
+    streaming: bool = False
 
     def apply(self, event: Event) -> bool:
         """Apply ``event`` if allowed; return whether it was."""
         if event is Event.SHUTDOWN:
             self.dead, self.loaded, self.refitting = True, False, False
-            self.weights_on_gpu = self.kv_on_gpu = False
+            self.weights_on_gpu = self.kv_on_gpu = self.streaming = False
             self.weights = "discarded"
             return True
         if self.dead or self.loaded == (event is Event.LOAD):
@@ -441,6 +540,21 @@ class ReferenceWorker:
             self.loaded = self.weights_on_gpu = self.kv_on_gpu = True
             self.weights = "valid"
             return True
+        if event is Event.STREAMS_DONE:
+            was, self.streaming = self.streaming, False
+            return was
+        if event is Event.STREAM_OPEN:
+            awake = self.weights_on_gpu and self.kv_on_gpu
+            if awake and (self.refitting or self.weights == "valid"):
+                self.streaming = True
+                return True
+            return False
+        if self.streaming and event in (
+            Event.SLEEP_L1,
+            Event.SLEEP_L2,
+            Event.RESET_PREFIX_CACHE,
+        ):
+            return False
         if self.refitting:
             if event in (Event.REFIT_OK, Event.REFIT_FAILED):
                 self.refitting = False
@@ -467,7 +581,7 @@ class ReferenceWorker:
             self.weights = "inconsistent"
         return event not in (Event.REFIT_OK, Event.REFIT_FAILED)
 
-    def observe(self) -> tuple[str, str, bool, bool]:
+    def observe(self) -> tuple[str, str, bool, bool, bool]:
         phase = (
             "shut down"
             if self.dead
@@ -477,11 +591,17 @@ class ReferenceWorker:
             if self.loaded
             else "not loaded"
         )
-        return (phase, self.weights, self.weights_on_gpu, self.kv_on_gpu)
+        return (phase, self.weights, self.weights_on_gpu, self.kv_on_gpu, self.streaming)
 
 
-def _observe(state: State) -> tuple[str, str, bool, bool]:
-    return (state.phase.value, state.weights.value, state.weights_awake, state.kv_cache_awake)
+def _observe(state: State) -> tuple[str, str, bool, bool, bool]:
+    return (
+        state.phase.value,
+        state.weights.value,
+        state.weights_awake,
+        state.kv_cache_awake,
+        state.streaming,
+    )
 
 
 @given(lifecycle_event_sequences())

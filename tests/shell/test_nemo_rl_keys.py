@@ -17,7 +17,9 @@ import pytest
 from helpers import base_config, right_padded
 
 from genworker.core.config_keys import KEYS, Fate
+from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import BadConfigError, GenworkerError
+from genworker.shell.fake_async_engine import FakeAsyncEngineFactory
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
 from genworker.shell.worker import VllmGenerationWorker
 
@@ -147,6 +149,8 @@ EFFECTS: dict[str, tuple[object, object, Callable[[Run], object], dict[str, Any]
 ONE_VALUE = {
     "backend": ("vllm", "megatron"),
     "vllm_cfg.reset_encoder_cache_after_weight_update": (True, False),
+    # The sync worker's one value; true is AsyncVllmGenerationWorker's (the test below).
+    "vllm_cfg.async_engine": (False, True),
 }
 # Blocks whose keys are the table's other rows.
 BLOCKS = {"vllm_cfg"}
@@ -208,3 +212,21 @@ def test_a_one_value_key_refuses_every_other_value(path: str) -> None:
     assert not isinstance(_run(_with(path, good, {}), 0), str)
     with pytest.raises(BadConfigError, match=path):
         VllmGenerationWorker(_with(path, bad, {}), engine_factory=FakeEngineFactory())
+
+
+def test_async_engine_true_is_the_async_worker_s_and_the_sync_worker_names_it() -> None:
+    """``vllm_cfg.async_engine`` picks the worker: the sync one refuses true naming the
+    async class, which starts its engine on true and refuses false naming the sync one."""
+    config = _with("vllm_cfg.async_engine", True, {})
+    with pytest.raises(BadConfigError, match=r"vllm_cfg\.async_engine.*AsyncVllmGenerationWorker"):
+        VllmGenerationWorker(config, engine_factory=FakeEngineFactory())
+    factory = FakeAsyncEngineFactory(max_model_len=64)
+    worker = AsyncVllmGenerationWorker(config, engine_factory=factory)
+    assert worker.cfg.vllm.async_engine is True
+    assert len(factory.started) == 1, "the async worker started its engine"
+    with pytest.raises(
+        BadConfigError, match=r"vllm_cfg\.async_engine is false.*VllmGenerationWorker"
+    ):
+        AsyncVllmGenerationWorker(
+            _with("vllm_cfg.async_engine", False, {}), engine_factory=FakeAsyncEngineFactory()
+        )

@@ -10,5 +10,7 @@ class CompletionOutput:
     finish_reason: str | None
 
 class RequestOutput:
+    request_id: str
     prompt_token_ids: list[int] | None
     outputs: list[CompletionOutput]
+    finished: bool

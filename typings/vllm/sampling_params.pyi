@@ -1,3 +1,10 @@
+from enum import Enum
+
+class RequestOutputKind(Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
 class SamplingParams:
     def __init__(
         self,
@@ -14,4 +21,5 @@ class SamplingParams:
         flat_logprobs: bool = ...,
         include_stop_str_in_output: bool = ...,
         bad_words: list[str] | None = ...,
+        output_kind: RequestOutputKind = ...,
     ) -> None: ...

@@ -22,3 +22,5 @@ class Histogram(Metric):
     count: int
     sum: float
     buckets: dict[str, int]
+
+def get_metrics_snapshot() -> list[Metric]: ...

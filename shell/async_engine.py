@@ -1,0 +1,325 @@
+"""The vLLM adapter for :class:`genworker.shell.ports.AsyncEnginePort`, over ``AsyncLLM``.
+
+Theory of operation
+-------------------
+- ``AsyncLLM`` always spawns its engine core process, whatever
+  ``VLLM_ENABLE_V1_MULTIPROCESSING`` says (``EngineCoreClient.make_async_mp_client`` in
+  ``vllm/v1/engine/async_llm.py``, 0.32): the program that starts one needs an
+  ``if __name__ == "__main__"`` guard, and the worker extension must import in the child.
+  It may be built outside an event loop; its output handler starts in the loop of the
+  first request, and every later call must come from that same loop.
+- ``generate`` runs one request with its own ``SamplingParams``: ``FINAL_ONLY`` outputs
+  when nobody watches the tokens go by (no per-step work in this process), ``CUMULATIVE``
+  when a ``progress`` callback counts them. Cancelling the coroutine aborts the request:
+  ``AsyncLLM.generate`` aborts on ``CancelledError`` / ``GeneratorExit``.
+- Weight labels are found by looking: ``AsyncLLM.update_weight_version`` and the
+  ``weight_versions`` field of ``CompletionOutput`` (vLLM 0.32; the engine core stamps
+  every step's outputs with the label, ``EngineCore._attach_weight_version`` in
+  ``vllm/v1/engine/core.py``).
+- Errors are translated in one place, as for the sync engine (``vllm_engine._translated``):
+  ``EngineDeadError`` becomes ours, request validation errors become ``BadBatchError``;
+  ``EngineGenerateError`` (an unexpected failure inside one request) becomes a
+  ``GenworkerError`` naming it, the engine keeps serving.
+- ``collective_rpc`` is bounded by ``timeout`` here (the in-process executor inside the
+  engine core ignores vLLM's own): past it the engine core is stuck in the RPC, so dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import attrs
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineGenerateError
+from vllm.v1.metrics.reader import get_metrics_snapshot
+
+from genworker.core.counters import MetricSample
+from genworker.core.lifecycle import InflightMode
+from genworker.core.sampling import SamplingSpec
+from genworker.shell.errors import (
+    BadBatchError,
+    BadConfigError,
+    EngineDeadError,
+    EngineStateError,
+    GenworkerError,
+    RequestAbortedError,
+    UnsupportedError,
+)
+from genworker.shell.ports import EngineCapabilities, StreamedGeneration
+from genworker.shell.vllm_engine import (
+    _REQUEST_ERRORS,
+    _generation,
+    _sample,
+    _sampling_arg_names,
+    _translated,
+    engine_arg_names,
+)
+
+__all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory", "async_engine_arg_names"]
+
+_PARAMS_CACHE_SIZE = 1024
+
+
+def async_engine_arg_names() -> frozenset[str]:
+    """The installed vLLM's ``AsyncEngineArgs`` field names."""
+    return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs)) | engine_arg_names()
+
+
+class AsyncVllmEngineFactory:
+    """:class:`~genworker.shell.ports.AsyncEngineFactory` for the installed vLLM."""
+
+    def arg_names(self) -> frozenset[str] | None:
+        return async_engine_arg_names()
+
+    def gpu_capability(self) -> tuple[int, int] | None:
+        capability = current_platform.get_device_capability()
+        return None if capability is None else (capability.major, capability.minor)
+
+    def start(self, kwargs: Mapping[str, object]) -> AsyncVllmEngine:
+        return AsyncVllmEngine.start(kwargs)
+
+
+@contextmanager
+def _translated_async(call: str, *, request: bool = False) -> Iterator[None]:
+    """:func:`vllm_engine._translated`, plus what one request of the async engine raises:
+    request validation errors (``request``) and an unexpected failure inside it."""
+    try:
+        with _translated(call):
+            yield
+    except GenworkerError:
+        raise
+    except EngineGenerateError as e:
+        cause = e.__cause__
+        raise GenworkerError(
+            f"{call}: the request failed inside vLLM: {type(cause).__name__}: {cause}"
+        ) from e
+    except _REQUEST_ERRORS as e:
+        if not request:
+            raise
+        raise BadBatchError(f"{call}: vLLM rejected the request: {e}") from e
+
+
+def _labels_tokens(llm: AsyncLLM) -> bool:
+    fields = getattr(CompletionOutput, "__dataclass_fields__", {})
+    return callable(getattr(llm, "update_weight_version", None)) and "weight_versions" in fields
+
+
+def _spans(completion: CompletionOutput) -> tuple[tuple[str, int, int], ...] | None:
+    spans = getattr(completion, "weight_versions", None)
+    if spans is None:
+        return None
+    return tuple((str(s.version), int(s.start), int(s.end)) for s in spans)
+
+
+class AsyncVllmEngine:
+    """:class:`~genworker.shell.ports.AsyncEnginePort` over one ``AsyncLLM``."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self._llm: AsyncLLM | None = llm
+        config = llm.vllm_config
+        model = config.model_config
+        spec = config.speculative_config
+        self._extension = bool(config.parallel_config.worker_extension_cls)
+        self._log_stats = llm.log_stats
+        sampling_args = _sampling_arg_names()
+        self._caps = EngineCapabilities(
+            sleep_mode=current_platform.is_sleep_mode_available() and model.enable_sleep_mode,
+            flat_logprobs="flat_logprobs" in sampling_args,
+            vocab_size=model.get_vocab_size(),
+            max_model_len=model.max_model_len,
+            device=current_platform.device_type,
+            sampling_args=sampling_args,
+            weight_versions=_labels_tokens(llm),
+            num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
+        )
+        self._params: dict[tuple[SamplingSpec, RequestOutputKind], SamplingParams] = {}
+
+    @classmethod
+    def start(cls, kwargs: Mapping[str, object]) -> AsyncVllmEngine:
+        """Start an ``AsyncLLM`` with these ``AsyncEngineArgs``; failures are BadConfigError."""
+        if not isinstance(kwargs.get("model"), str):
+            raise BadConfigError(
+                f"engine kwargs need 'model' as a str, got {kwargs.get('model')!r}"
+            )
+        try:
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        except Exception as e:
+            raise BadConfigError(
+                f"vLLM's AsyncLLM failed to start on {kwargs['model']!r}: {e}"
+            ) from e
+        return cls(llm)
+
+    @property
+    def llm(self) -> AsyncLLM:
+        """The ``AsyncLLM`` (vLLM's engine client, e.g. for its OpenAI server)."""
+        if self._llm is None:
+            raise EngineDeadError("the vLLM engine was shut down")
+        return self._llm
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._caps
+
+    # -- generation -----------------------------------------------------------------
+    def _sampling(self, spec: SamplingSpec, kind: RequestOutputKind) -> SamplingParams:
+        key = (spec, kind)
+        params = self._params.get(key)
+        if params is None:
+            if self._caps.flat_logprobs and not spec.flat_logprobs:
+                spec = attrs.evolve(spec, flat_logprobs=True)
+            # as_kwargs yields SamplingParams fields only, each typed as vLLM expects.
+            params = SamplingParams(
+                **spec.as_kwargs(self._caps.sampling_args),  # type: ignore[arg-type]
+                output_kind=kind,
+            )
+            if len(self._params) >= _PARAMS_CACHE_SIZE:
+                self._params.clear()
+            self._params[key] = params
+        return params
+
+    async def _final(
+        self,
+        call: str,
+        prompt: TokensPrompt | str,
+        params: SamplingParams,
+        request_id: str,
+        progress: Callable[[int], None] | None = None,
+    ) -> CompletionOutput:
+        llm = self.llm
+        final: RequestOutput | None = None
+        with _translated_async(call, request=True):
+            async for out in llm.generate(prompt, params, request_id):
+                final = out
+                if progress is not None:
+                    progress(len(out.outputs[0].token_ids))
+        if final is None or not final.finished:
+            raise GenworkerError(f"{call}: request {request_id} ended without a final output")
+        return final.outputs[0]
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        spec: SamplingSpec,
+        progress: Callable[[int], None] | None = None,
+    ) -> StreamedGeneration:
+        kind = RequestOutputKind.FINAL_ONLY if progress is None else RequestOutputKind.CUMULATIVE
+        completion = await self._final(
+            "generate",
+            TokensPrompt(prompt_token_ids=list(prompt)),
+            self._sampling(spec, kind),
+            request_id,
+            progress,
+        )
+        return StreamedGeneration(_generation(0, completion), _spans(completion))
+
+    async def generate_text(self, request_id: str, prompt: str, spec: SamplingSpec) -> str:
+        params = self._sampling(spec, RequestOutputKind.FINAL_ONLY)
+        completion = await self._final("generate_text", prompt, params, request_id)
+        if completion.finish_reason == "abort":
+            raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
+        return completion.text
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        llm = self.llm
+        with _translated_async("abort"):
+            await llm.abort(list(request_ids))
+
+    # -- pause and weights ----------------------------------------------------------
+    async def pause(self, mode: InflightMode, clear_cache: bool) -> None:
+        llm = self.llm
+        with _translated_async("pause_generation"):
+            await llm.pause_generation(mode=mode.value, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        llm = self.llm
+        with _translated_async("resume_generation"):
+            await llm.resume_generation()
+
+    async def label_weights(self, label: str) -> None:
+        update = getattr(self.llm, "update_weight_version", None)
+        if not callable(update):
+            raise UnsupportedError("label_weights: this vLLM does not label weight versions")
+        with _translated_async("update_weight_version"):
+            await update(label)
+
+    # -- memory ---------------------------------------------------------------------
+    def _require_sleep_mode(self, call: str) -> None:
+        if not self._caps.sleep_mode:
+            raise UnsupportedError(
+                f"{call}: sleep mode is unavailable (platform {self._caps.device}, or the "
+                "engine was started without enable_sleep_mode)"
+            )
+
+    async def sleep(self, level: int) -> None:
+        self._require_sleep_mode("sleep")
+        llm = self.llm
+        with _translated_async("sleep"):
+            await llm.sleep(level=level)
+
+    async def wake_up(self, tags: Sequence[str] | None) -> None:
+        self._require_sleep_mode("wake_up")
+        llm = self.llm
+        with _translated_async("wake_up"):
+            await llm.wake_up(tags=None if tags is None else list(tags))
+
+    async def reset_prefix_cache(self) -> None:
+        llm = self.llm
+        with _translated_async("reset_prefix_cache"):
+            reset = await llm.reset_prefix_cache()
+        if not reset:
+            raise EngineStateError("reset_prefix_cache: vLLM kept the cache (requests running)")
+
+    # -- observability --------------------------------------------------------------
+    def metrics(self) -> list[MetricSample]:
+        if not self._log_stats:
+            raise UnsupportedError("metrics: the engine was started with disable_log_stats")
+        self.llm  # noqa: B018 - a shut-down engine has no metrics
+        with _translated_async("metrics"):
+            return [_sample(m) for m in get_metrics_snapshot()]
+
+    def num_unfinished(self) -> int:
+        return self.llm.get_num_unfinished_requests()
+
+    # -- workers --------------------------------------------------------------------
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+        timeout: float | None = None,
+    ) -> list[object]:
+        llm = self.llm
+        call = llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+        with _translated_async(f"collective_rpc({method!r})"):
+            try:
+                return await asyncio.wait_for(call, timeout)
+            except TimeoutError as e:
+                raise EngineDeadError(
+                    f"collective_rpc({method!r}) did not answer within {timeout:g} s"
+                ) from e
+
+    async def device_ids(self) -> list[str]:
+        if not self._extension:
+            return [self._caps.device]
+        return [str(d) for d in await self.collective_rpc("report_device_id", timeout=60.0)]
+
+    async def shutdown(self) -> None:
+        """Stop the engine and drop it; safe to call twice."""
+        llm = self._llm
+        if llm is None:
+            return
+        try:
+            if self._extension and not llm.errored:  # close the refit sockets and groups
+                await self.collective_rpc("cleanup", timeout=60.0)
+        finally:
+            self._llm = None
+            llm.shutdown()

@@ -1,0 +1,1187 @@
+"""``AsyncVllmGenerationWorker``: rows streamed as they finish, weights updated while
+requests run, a weight version on every token; over vLLM's own ``AsyncLLM``.
+
+Theory of operation
+-------------------
+The same core as :class:`~genworker.shell.worker.VllmGenerationWorker` (config, checks,
+caps, stop strings, seeds, sampling specs, assembly, lifecycle); the difference is that
+every row is its own engine request, so rows finish, fail and change weights apart.
+
+- ``generate_async(data)`` checks the batch row by row (``core.rows.check_rows``): a batch
+  wrong as a whole raises, a row that cannot generate comes back at once as
+  ``(row, BadBatchError)``; every other row becomes one request, run as its own task, and
+  comes back as ``(row, output)`` when it finishes: ``output`` is ``generate``'s contract
+  for that one row cut to its own length (``core.rows.assemble_row``) plus
+  ``weight_versions``. A row without room for a token once speculative decoding holds its
+  slots back (``core.caps.cap_rows``) comes back unchanged with no tokens, as the sync
+  worker's does. A row that fails later (the engine died, a refit failed, the worker shut
+  down) comes back as ``(row, error)`` with a typed error; the others go on. Images are
+  not taken here (``multi_modal_data`` is refused, typed).
+- A consumer that stops iterating (``break``, ``aclose()``, a cancelled task) ends the
+  stream: its unfinished requests are cancelled, which aborts them in vLLM
+  (``AsyncLLM.generate`` aborts on ``CancelledError``), and aborted again by id. A stream
+  left for the garbage collector ends on the next loop turn; ``contextlib.aclosing``
+  ends it at once.
+- The lifecycle (``core.lifecycle.TABLE``): a stream opens with ``STREAM_OPEN`` and the
+  last one to end fires ``STREAMS_DONE``; sleeping and resetting the prefix cache are
+  refused while streams run.
+- In-flight refit (``update_weights_via_ipc_zmq`` / ``update_weights_from_collective``):
+  the lifecycle enters refitting at once (a second refit is refused), the engine is paused
+  with ``AsyncLLM.pause_generation(mode, clear_cache)``, the engine workers receive the
+  weights over the refit transports (the same extension RPCs as the sync worker), the
+  weight version goes up by one, and the engine resumes. ``mode`` (``InflightMode``):
+  ``keep`` (default) freezes running requests, which continue on the new weights (with
+  ``clear_cache=True`` vLLM re-prefills them on the new weights,
+  ``Scheduler.reset_prefix_cache(reset_running_requests=True)``); ``wait`` lets them
+  finish on the old weights first; ``abort`` drops them (their rows come back as
+  ``RequestAbortedError``). Requests submitted during the refit queue in the paused
+  engine and run on the new weights. ``timeout_s`` bounds each wait (the pause, and each
+  of the refit protocol's waits, ``core.refit_protocol``), as in the sync worker. A refit that fails leaves the version where it was, aborts every request in
+  flight (each row comes back as ``RefitError``), resumes the engine, and leaves the
+  weights inconsistent: new work is refused until a refit succeeds.
+- Weight versions (``core.versions``): version 0 is the weights loaded, each good refit
+  adds one. Where vLLM labels tokens (``EngineCapabilities.weight_versions``, 0.32) the
+  worker labels the engine's weights ``str(version)`` while paused and reads each row's
+  spans when it finishes. Elsewhere the worker counts each row's tokens as they stream,
+  under the version it runs; after a pause returns it waits until the tokens sampled
+  before it have all come through (vLLM sends every output of the steps before a
+  ``keep``/``wait`` pause before the pause's answer, ``EngineCoreProc.pause_scheduler``),
+  so the count is exact there too.
+- Events: the worker lives on ONE asyncio event loop (the engine's output handler runs on
+  the loop of the first request); build it anywhere, then await it from that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import os
+import secrets
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import torch
+
+from genworker.core import lifecycle
+from genworker.core.assembly import Generation, assemble_outputs
+from genworker.core.batch import check_batch, check_seeds
+from genworker.core.caps import cap_rows
+from genworker.core.config import WorkerConfig
+from genworker.core.config_keys import parse_bool
+from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
+from genworker.core.engine_plan import plan_engine_kwargs
+from genworker.core.lifecycle import InflightMode
+from genworker.core.refit_plan import Manifest
+from genworker.core.refit_protocol import (
+    RENDEZVOUS_WAITS,
+    Transport,
+    refit_waits,
+    rpc_bound,
+    wait_bound,
+)
+from genworker.core.rows import assemble_row, check_rows
+from genworker.core.sampling import SamplingSpec, sampling_spec
+from genworker.core.stops import StopMode, merge_stop_strings
+from genworker.core.versions import (
+    VersionRuns,
+    extend_runs,
+    place_versions,
+    runs_from_spans,
+)
+from genworker.shell.errors import (
+    BadArgumentError,
+    BadBatchError,
+    BadConfigError,
+    EngineContractError,
+    EngineDeadError,
+    EngineStateError,
+    GenworkerError,
+    RefitError,
+    RefitManifestError,
+    RefitTimeoutError,
+    RequestAbortedError,
+    UnsupportedError,
+    unwrap,
+)
+from genworker.shell.ports import (
+    AsyncEngineFactory,
+    AsyncEnginePort,
+    EngineCapabilities,
+    StreamedGeneration,
+)
+from genworker.shell.refit.wire import raise_failures
+from genworker.shell.worker import (
+    EXTENSION_CLS,
+    VllmGenerationWorker,
+    _tensor_field,
+    checked_env_names,
+)
+
+__all__ = [
+    "AsyncVllmGenerationWorker",
+    "ExistingAsyncEngine",
+    "RowResult",
+    "StreamItem",
+]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_WAKE_EVENTS = {
+    frozenset({"weights"}): lifecycle.Event.WAKE_WEIGHTS,
+    frozenset({"kv_cache"}): lifecycle.Event.WAKE_KV_CACHE,
+    frozenset({"weights", "kv_cache"}): lifecycle.Event.WAKE_ALL,
+}
+_SETTLE_ROUNDS = 3
+_SETTLE_BOUND_S = 5.0
+
+StreamItem = tuple[int, dict[str, torch.Tensor] | GenworkerError]
+"""What ``generate_async`` yields: a row index and its output, or why it failed."""
+
+
+class ExistingAsyncEngine:
+    """An :class:`AsyncEngineFactory` that hands the worker an engine already running
+    (benchmarks and tests that compare the worker with raw calls on the same engine)."""
+
+    def __init__(self, engine: AsyncEnginePort) -> None:
+        self.engine = engine
+
+    def arg_names(self) -> frozenset[str] | None:
+        return None
+
+    def gpu_capability(self) -> tuple[int, int] | None:
+        return None
+
+    def start(self, kwargs: Mapping[str, object]) -> AsyncEnginePort:
+        return self.engine
+
+
+def _default_factory() -> AsyncEngineFactory:
+    from genworker.shell.async_engine import AsyncVllmEngineFactory
+
+    return AsyncVllmEngineFactory()
+
+
+@attrs.frozen
+class RowResult:
+    """One finished row: its generation and the version of each of its tokens."""
+
+    generation: Generation
+    versions: VersionRuns
+
+
+@attrs.define(eq=False)
+class _Request:
+    """One engine request of a stream."""
+
+    row: int
+    request_id: str
+    #: why the worker ended it early (the row's error instead of "aborted by the engine")
+    abort_reason: GenworkerError | None = None
+    #: the versions of the tokens seen so far (engines that do not label tokens)
+    runs: VersionRuns = attrs.Factory(lambda: VersionRuns((), (), 0))
+
+
+@attrs.frozen
+class _Plan:
+    """A stream's rows: ``(row, prompt, spec)`` to run, ``(row, error)`` refused, and the
+    rows without room for a token (they come back unchanged, as the sync worker's do)."""
+
+    rows: tuple[tuple[int, Sequence[int] | str, SamplingSpec], ...]
+    errors: tuple[tuple[int, GenworkerError], ...]
+    no_room: tuple[int, ...] = ()
+
+
+# What a row without room gets: its prompt back, no tokens (the sync worker's _NO_ROOM).
+_NO_ROOM = RowResult(Generation((), (), "abort"), VersionRuns((), (), 0))
+
+
+def _for_row(error: GenworkerError, row: int) -> GenworkerError:
+    """``error`` with the row named (same type and detail, chained)."""
+    try:
+        named = type(error)(f"row {row}: {error}", detail=error.detail)
+    except TypeError:  # a subclass with its own constructor
+        named = GenworkerError(f"row {row}: {error}", detail=error.detail)
+    named.__cause__ = error
+    return named
+
+
+def _inflight_mode(mode: object) -> InflightMode:
+    if isinstance(mode, InflightMode):
+        return mode
+    try:
+        return InflightMode(mode)
+    except ValueError:
+        modes = ", ".join(repr(m.value) for m in InflightMode)
+        raise BadArgumentError(f"mode must be one of {modes}, got {mode!r}") from None
+
+
+# What NeMo-RL's async worker's metrics thread samples (``_start_vllm_metrics_logger``):
+# vLLM metric -> the list it lands in (``get_vllm_logger_metrics``).
+LOGGER_METRICS = {
+    "vllm:num_requests_running": "inflight_batch_sizes",
+    "vllm:num_requests_waiting": "num_pending_samples",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+    "vllm:generation_tokens": "generation_tokens",
+}
+_LOGGER_INTERVAL_S = 0.5  # NeMo-RL's default vllm_metrics_logger_interval
+
+
+def _logger_interval(cfg: WorkerConfig) -> float | None:
+    """``vllm_cfg.enable_vllm_metrics_logger`` / ``vllm_metrics_logger_interval``: the
+    metrics thread's period in seconds, or None when it is off; bad values refused."""
+    extras = cfg.vllm.extras
+    enabled = parse_bool(extras.get("enable_vllm_metrics_logger", False))
+    if enabled is None:
+        raise BadConfigError(
+            "vllm_cfg.enable_vllm_metrics_logger must be a bool, got "
+            f"{extras['enable_vllm_metrics_logger']!r}"
+        )
+    interval = extras.get("vllm_metrics_logger_interval", _LOGGER_INTERVAL_S)
+    if (
+        isinstance(interval, bool)
+        or not isinstance(interval, int | float)
+        or not (math.isfinite(interval) and interval > 0)
+    ):
+        raise BadConfigError(
+            "vllm_cfg.vllm_metrics_logger_interval must be a finite number of seconds > 0, "
+            f"got {interval!r}"
+        )
+    return float(interval) if enabled else None
+
+
+class _MetricsLogger:
+    """A daemon thread sampling :data:`LOGGER_METRICS` from the engine every ``interval``
+    seconds (NeMo-RL's metrics logger); it stops at shutdown or at the first failed read
+    (logged and kept in ``error``)."""
+
+    def __init__(self, engine: AsyncEnginePort, interval: float) -> None:
+        self._engine, self._interval = engine, interval
+        self._lock = threading.Lock()
+        self._samples: dict[str, list[float]] = {v: [] for v in LOGGER_METRICS.values()}
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self._thread = threading.Thread(
+            target=self._run, name="genworker vllm metrics logger", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                metrics = self._engine.metrics()
+            except Exception as e:  # noqa: BLE001 - the thread ends; the error is kept
+                self.error = f"{type(e).__name__}: {e}"
+                log.warning("the vLLM metrics logger stopped: %s", self.error)
+                return
+            sampled: dict[str, float] = {}
+            for m in metrics:
+                key = LOGGER_METRICS.get(m.name)
+                if key is not None and isinstance(m, GaugeSample | CounterSample):
+                    sampled[key] = m.value  # one engine per worker
+            with self._lock:
+                for key, value in sampled.items():
+                    self._samples[key].append(value)
+
+    def samples(self) -> dict[str, list[float]]:
+        with self._lock:
+            return {k: list(v) for k, v in self._samples.items()}
+
+    def clear(self) -> None:
+        with self._lock:
+            for v in self._samples.values():
+                v.clear()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(max(self._interval, 1.0) + 5.0)
+
+
+class AsyncVllmGenerationWorker:
+    """One ``AsyncLLM`` serving streamed rollouts, refit while it generates.
+
+    The constructor is the sync worker's (``VllmGenerationWorker``); the config must say
+    ``vllm_cfg.async_engine: true``.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, object],
+        bundle_indices: Sequence[int] | None = None,
+        fraction_of_gpus: float = 1.0,
+        seed: int | None = None,
+        extra_env_vars: Sequence[str] | None = None,
+        defer_model_load: bool = False,
+        *,
+        engine_factory: AsyncEngineFactory | None = None,
+        stop_mode: StopMode = StopMode.PER_SAMPLE,
+    ) -> None:
+        self.cfg: WorkerConfig = unwrap(
+            WorkerConfig.from_mapping(config), BadConfigError, "worker config"
+        )
+        if not self.cfg.vllm.async_engine:
+            raise BadConfigError(
+                "vllm_cfg.async_engine is false: AsyncVllmGenerationWorker runs vLLM's "
+                "AsyncLLM; set vllm_cfg.async_engine: true, or use VllmGenerationWorker"
+            )
+        self._logger_interval = _logger_interval(self.cfg)
+        self._logger: _MetricsLogger | None = None
+        self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
+        self.fraction_of_gpus = fraction_of_gpus
+        self.seed = seed if seed is not None else (self.cfg.seed or 0)
+        self.stop_mode = stop_mode
+        #: variables (names) vLLM's Ray workers inherit from this process (the sync
+        #: worker's ``extra_env_vars``); ``vllm_cfg.env_vars`` are forwarded as well
+        self.extra_env_vars = checked_env_names(extra_env_vars)
+        self._factory = engine_factory
+        self._engine: AsyncEnginePort | None = None
+        self._state = lifecycle.NOT_LOADED
+        self._dead: str | None = None
+        self._version = 0
+        self._label = 0  # the version counted rows' new tokens get (unlabelled engines)
+        self._labelled = False  # the engine labels its weights with our version
+        self._streams = 0
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._id_prefix = f"gw-{secrets.token_hex(4)}"
+        self._activity = 0  # tokens counted; the settle after a pause watches it
+        self._manifest: Manifest | None = None  # from prepare_refit_info
+        self._collective = False  # init_collective succeeded
+        #: the last successful refit: each engine worker's report, its mode, and the
+        #: seconds of its pause, transfer and resume
+        self.last_refit: dict[str, object] = {}
+        if not defer_model_load:
+            self.load_model()
+
+    # -- construction -----------------------------------------------------------------
+    def load_model(self) -> None:
+        """Start the engine (the deferred half of ``__init__``); needs no event loop."""
+        self._move(lifecycle.Event.LOAD)
+        factory = self._factory or _default_factory()
+        capability = factory.gpu_capability()
+        plan = unwrap(
+            plan_engine_kwargs(
+                self.cfg,
+                seed=self.seed,
+                gpu_capability=capability,
+                known_args=factory.arg_names(),
+                extension_cls=EXTENSION_CLS,
+                enable_sleep_mode=capability is not None,
+                telemetry={k: v for k, v in os.environ.items() if k.startswith("OTEL_")},
+            ),
+            BadConfigError,
+            "engine arguments",
+        )
+        if plan.dropped:
+            log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
+        os.environ.update(plan.env)
+        VllmGenerationWorker.forward_env([*self.cfg.vllm.env_vars, *self.extra_env_vars])
+        self._engine = factory.start(plan.llm_kwargs())
+        self._state = unwrap(
+            lifecycle.transition(self._state, lifecycle.Event.LOAD),
+            EngineStateError,
+            "load_model",
+        )
+        if self._logger_interval is not None:
+            self._logger = _MetricsLogger(self._engine, self._logger_interval)
+
+    # -- state ------------------------------------------------------------------------
+    @property
+    def state(self) -> lifecycle.State:
+        return self._state
+
+    @property
+    def weight_version(self) -> int:
+        """Good refits so far (0: the weights loaded)."""
+        return self._version
+
+    @property
+    def engine(self) -> AsyncEnginePort:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine died earlier ({self._dead}); re-create the worker")
+        if self._engine is None:
+            if self._shut_down:
+                raise EngineStateError("the worker was shut down; create a new worker")
+            raise EngineStateError("no engine: call load_model() first (defer_model_load=True)")
+        return self._engine
+
+    @property
+    def llm(self) -> object:
+        """The underlying ``AsyncLLM`` (vLLM's engine client; an HTTP server wraps it)."""
+        engine = self.engine
+        return getattr(engine, "llm", engine)
+
+    def is_alive(self) -> bool:
+        return self._engine is not None and self._dead is None and not self._shut_down
+
+    def num_unfinished(self) -> int:
+        """Requests the engine has not finished (running, waiting or paused)."""
+        return self.engine.num_unfinished()
+
+    @property
+    def _shut_down(self) -> bool:
+        return self._state.phase is lifecycle.Phase.SHUT_DOWN
+
+    def __repr__(self) -> str:
+        return (
+            f"AsyncVllmGenerationWorker(model={self.cfg.model_name!r}, seed={self.seed}, "
+            f"state={self._state}, version={self._version}, alive={self.is_alive()})"
+        )
+
+    def _move(self, event: lifecycle.Event) -> lifecycle.State:
+        """The state ``event`` leads to, or EngineStateError; does not commit it."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine died earlier ({self._dead}); re-create the worker")
+        return unwrap(
+            lifecycle.transition(self._state, event), EngineStateError, event.name.lower()
+        )
+
+    def _died(self, error: EngineDeadError) -> None:
+        if self._dead is None:
+            self._dead = str(error)
+            log.error("the engine died: %s", error)
+
+    async def _call(self, fn: Callable[[AsyncEnginePort], Awaitable[_T]]) -> _T:
+        try:
+            return await fn(self.engine)
+        except EngineDeadError as e:
+            self._died(e)
+            raise
+
+    # -- streams ----------------------------------------------------------------------
+    def _open_stream(self) -> None:
+        self._state = self._move(lifecycle.Event.STREAM_OPEN)
+        self._streams += 1
+
+    def _close_stream(self) -> None:
+        self._streams -= 1
+        if self._streams == 0 and self._state.streaming:
+            self._state = unwrap(
+                lifecycle.transition(self._state, lifecycle.Event.STREAMS_DONE),
+                EngineStateError,
+                "streams_done",
+            )
+
+    @contextlib.asynccontextmanager
+    async def in_flight(self) -> AsyncIterator[AsyncEnginePort]:
+        """Requests the caller submits to the engine itself (e.g. an HTTP server around
+        ``worker.llm``) count as a stream while inside: sleeping and prefix-cache resets are
+        refused meanwhile, and the engine's weights are labelled with this worker's
+        version. A refit that fails aborts only the worker's own requests: abort yours
+        when ``update_weights_*`` raises."""
+        self._open_stream()
+        try:
+            engine = self.engine
+            await self._ensure_labelled(engine)
+            yield engine
+        finally:
+            self._close_stream()
+
+    def _new_request(self, row: int) -> _Request:
+        request = _Request(row, f"{self._id_prefix}-{next(self._ids)}")
+        self._requests[request.request_id] = request
+        return request
+
+    def _progress(
+        self, caps: EngineCapabilities, request: _Request
+    ) -> Callable[[int], None] | None:
+        """Counts a row's tokens under the running version (engines without labels)."""
+        if caps.weight_versions:
+            return None
+
+        def seen(count: int) -> None:
+            new = count - request.runs.length
+            if new > 0:
+                request.runs = unwrap(
+                    extend_runs(request.runs, self._label, new),
+                    EngineContractError,
+                    f"row {request.row} versions",
+                )
+                self._activity += 1
+
+        return seen
+
+    async def _ensure_labelled(self, engine: AsyncEnginePort) -> None:
+        """Label the engine's weights with our version before the first request."""
+        if engine.capabilities.weight_versions and not self._labelled:
+            await engine.label_weights(str(self._version))
+            self._labelled = True
+
+    async def _row_task(
+        self,
+        engine: AsyncEnginePort,
+        request: _Request,
+        prompt: Sequence[int],
+        spec: SamplingSpec,
+        results: asyncio.Queue[tuple[int, RowResult | GenworkerError]],
+    ) -> None:
+        item: RowResult | GenworkerError
+        try:
+            streamed = await engine.generate(
+                request.request_id, prompt, spec, self._progress(engine.capabilities, request)
+            )
+            item = self._finished(engine.capabilities, request, len(prompt), streamed)
+        except EngineDeadError as e:
+            self._died(e)
+            item = _for_row(e, request.row)
+        except GenworkerError as e:
+            item = _for_row(e, request.row)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a foreign error the adapter let through: the row's
+            item = GenworkerError(f"row {request.row}: {type(e).__name__}: {e}")
+            item.__cause__ = e
+        results.put_nowait((request.row, item))
+
+    def _finished(
+        self,
+        caps: EngineCapabilities,
+        request: _Request,
+        prompt_length: int,
+        streamed: StreamedGeneration,
+    ) -> RowResult | GenworkerError:
+        generation = streamed.generation
+        row = request.row
+        if generation.finish_reason == "abort":
+            if request.abort_reason is not None:
+                return request.abort_reason
+            return RequestAbortedError(f"row {row}: the engine aborted the request")
+        if prompt_length + generation.num_tokens > caps.max_model_len:
+            return EngineContractError(
+                f"row {row} came back longer than max_model_len={caps.max_model_len}: "
+                f"{prompt_length} + {generation.num_tokens} tokens"
+            )
+        if caps.weight_versions:
+            if streamed.version_spans is None:
+                return EngineContractError(f"row {row}: the engine did not label its tokens")
+            runs = unwrap(
+                runs_from_spans(streamed.version_spans, generation.num_tokens),
+                EngineContractError,
+                f"row {row} weight versions",
+            )
+        else:
+            missing = generation.num_tokens - request.runs.length
+            if missing < 0:
+                return EngineContractError(
+                    f"row {row}: {request.runs.length} tokens streamed but "
+                    f"{generation.num_tokens} in the final output"
+                )
+            runs = unwrap(
+                extend_runs(request.runs, self._label, missing),
+                EngineContractError,
+                f"row {row} weight versions",
+            )
+        return RowResult(generation, runs)
+
+    async def _stream(
+        self, plan: _Plan
+    ) -> AsyncGenerator[tuple[int, RowResult | GenworkerError], None]:
+        """The plan's refused rows, then each request's result as it finishes."""
+        self._open_stream()
+        requests: list[_Request] = []
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            for row, error in plan.errors:
+                yield row, error
+            for row in plan.no_room:
+                yield row, _NO_ROOM
+            if not plan.rows:
+                return
+            engine = self.engine
+            await self._ensure_labelled(engine)
+            results: asyncio.Queue[tuple[int, RowResult | GenworkerError]] = asyncio.Queue()
+            for row, prompt, spec in plan.rows:
+                request = self._new_request(row)
+                requests.append(request)
+                assert not isinstance(prompt, str)
+                tasks.append(
+                    asyncio.ensure_future(self._row_task(engine, request, prompt, spec, results))
+                )
+            for _ in tasks:
+                yield await results.get()
+        finally:
+            await self._drop(requests, tasks)
+            self._close_stream()
+
+    async def _drop(self, requests: Sequence[_Request], tasks: Sequence[asyncio.Task[Any]]) -> None:
+        """End a stream: cancel what runs (vLLM aborts those requests), abort them by id."""
+        live = [(r, t) for r, t in zip(requests, tasks, strict=True) if not t.done()]
+        for _, task in live:
+            task.cancel()
+        try:
+            if live:
+                await asyncio.gather(*(t for _, t in live), return_exceptions=True)
+                if self._engine is not None and self._dead is None:
+                    await self._engine.abort([r.request_id for r, _ in live])
+        except EngineDeadError as e:
+            self._died(e)
+        finally:
+            for request in requests:
+                self._requests.pop(request.request_id, None)
+
+    # -- generation -------------------------------------------------------------------
+    def _row_specs(
+        self,
+        batch_size: int,
+        data: Mapping[str, object],
+        rows: Sequence[int],
+        lengths: Sequence[int],
+        greedy: bool,
+    ) -> tuple[dict[int, SamplingSpec], tuple[int, ...]]:
+        """One spec per row of ``rows`` (of a batch of ``batch_size``; ``lengths`` theirs),
+        and the rows without room for one token (speculative decoding holds k + 1 slots
+        back), which the sync worker returns unchanged (``core.caps.cap_rows``). Per-sample
+        data (stop strings, seeds) is the whole batch's."""
+        caps = self.engine.capabilities
+        seeds = unwrap(check_seeds(data.get("seeds"), batch_size), BadBatchError, "seeds")
+        stops = unwrap(
+            merge_stop_strings(
+                self.cfg.stop_strings,
+                data.get("stop_strings"),  # type: ignore[arg-type]
+                batch_size,
+                self.stop_mode,
+            ),
+            BadBatchError,
+            "stop_strings",
+        )
+        caps_of_rows = unwrap(
+            cap_rows(
+                self.cfg.max_new_tokens,
+                lengths,
+                caps.max_model_len,
+                cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
+                num_speculative_tokens=caps.num_speculative_tokens,
+            ),
+            BadBatchError,
+            "max tokens",
+        )
+        if caps_of_rows.refused is not None:
+            log.warning(
+                "streaming without the rows that have no room left: %s", caps_of_rows.refused
+            )
+        made: dict[tuple[int, tuple[str, ...], int | None], SamplingSpec] = {}
+        specs: dict[int, SamplingSpec] = {}
+        no_room: list[int] = []
+        for row, m in zip(rows, caps_of_rows.max_tokens, strict=True):
+            if m == 0:
+                no_room.append(row)
+                continue
+            key = (m, tuple(stops[row]), seeds[row])
+            spec = made.get(key)
+            if spec is None:  # rows alike share one (immutable) spec
+                spec = made[key] = sampling_spec(
+                    self.cfg,
+                    greedy=greedy,
+                    max_tokens=m,
+                    stop=stops[row],
+                    seed=seeds[row],
+                    flat_logprobs=caps.flat_logprobs,
+                )
+            specs[row] = spec
+        return specs, tuple(no_room)
+
+    def _token_plan(self, data: Mapping[str, object], greedy: bool, *, whole: bool) -> _Plan:
+        """Check the lifecycle and the batch; ``whole``: a bad row refuses the batch."""
+        self._move(lifecycle.Event.STREAM_OPEN)
+        if not isinstance(greedy, bool):
+            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
+        if isinstance(data, Mapping) and data.get("multi_modal_data") is not None:
+            raise UnsupportedError(
+                "data['multi_modal_data']: the async worker takes token-id and text prompts "
+                "only (images go through VllmGenerationWorker)"
+            )
+        input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
+        caps = self.engine.capabilities
+        limits = {
+            "pad_token_id": self.cfg.pad_token_id,
+            "vocab_size": caps.vocab_size,
+            "max_model_len": caps.max_model_len,
+        }
+        refused: dict[int, GenworkerError] = {}
+        if whole:
+            checked = unwrap(
+                check_batch(input_ids, input_lengths, **limits),  # type: ignore[arg-type]
+                BadBatchError,
+                "generate batch",
+            )
+            prompts = dict(enumerate(checked.prompts))
+        else:
+            checks = unwrap(
+                check_rows(input_ids, input_lengths, **limits),  # type: ignore[arg-type]
+                BadBatchError,
+                "generate batch",
+            )
+            refused = {
+                row: BadBatchError(f"row {row} cannot generate: {error}", detail=error)
+                for row, error in checks.errors
+            }
+            prompts = dict(checks.prompts)
+        specs, no_room = self._row_specs(
+            int(input_ids.shape[0]), data, list(prompts), [len(p) for p in prompts.values()], greedy
+        )
+        return _Plan(
+            rows=tuple((row, prompts[row], spec) for row, spec in specs.items()),
+            errors=tuple(sorted(refused.items())),
+            no_room=no_room,
+        )
+
+    async def generate_async(
+        self, data: Mapping[str, object], greedy: bool = False
+    ) -> AsyncGenerator[StreamItem, None]:
+        """Rows as they finish: ``(row, output)``, or ``(row, error)`` for a row that
+        cannot generate or failed (see the module docstring)."""
+        plan = self._token_plan(data, greedy, whole=False)
+        input_ids, input_lengths = data["input_ids"], data["input_lengths"]
+        assert isinstance(input_ids, torch.Tensor)
+        assert isinstance(input_lengths, torch.Tensor)
+        pad = self.cfg.pad_token_id
+        async with contextlib.aclosing(self._stream(plan)) as rows:
+            async for row, item in rows:
+                if isinstance(item, GenworkerError):
+                    yield row, item
+                    continue
+                out = assemble_row(input_ids, input_lengths, row, item.generation, pad).as_dict()
+                out["weight_versions"] = place_versions(
+                    [int(input_lengths[row])], [item.versions], int(out["output_ids"].shape[1])
+                )
+                yield row, out
+
+    async def generate(
+        self, data: Mapping[str, object], greedy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The whole batch at once, in ``VllmGenerationWorker.generate``'s contract plus
+        ``weight_versions`` (B, W) int64 (the version of each generated token at its
+        position, -1 elsewhere). A bad row refuses the batch; a row that fails raises."""
+        plan = self._token_plan(data, greedy, whole=True)
+        input_ids, input_lengths = data["input_ids"], data["input_lengths"]
+        assert isinstance(input_ids, torch.Tensor)
+        assert isinstance(input_lengths, torch.Tensor)
+        results: dict[int, RowResult] = {}
+        async with contextlib.aclosing(self._stream(plan)) as rows:
+            async for row, item in rows:
+                if isinstance(item, GenworkerError):
+                    raise item
+                results[row] = item
+        ordered = [results[row] for row in range(len(results))]
+        out = assemble_outputs(
+            input_ids, input_lengths, [r.generation for r in ordered], self.cfg.pad_token_id
+        ).as_dict()
+        out["weight_versions"] = place_versions(
+            input_lengths.tolist(), [r.versions for r in ordered], int(out["output_ids"].shape[1])
+        )
+        return out
+
+    def _text_plan(self, data: Mapping[str, object], greedy: bool) -> _Plan:
+        self._move(lifecycle.Event.STREAM_OPEN)
+        if not isinstance(greedy, bool):
+            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
+        prompts = data.get("prompts") if isinstance(data, Mapping) else None
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise BadBatchError("generate_text: data['prompts'] must be a list of str")
+        refused: dict[int, GenworkerError] = {
+            row: BadBatchError(f"generate_text: prompt {row} is an empty string")
+            for row, p in enumerate(prompts)
+            if not p
+        }
+        rows = [row for row in range(len(prompts)) if row not in refused]
+        # Text prompts have no known token length here: cap against the shortest prompt.
+        specs, no_room = self._row_specs(len(prompts), data, rows, [1] * len(rows), greedy)
+        return _Plan(
+            rows=tuple((row, prompts[row], spec) for row, spec in specs.items()),
+            errors=tuple(sorted(refused.items())),
+            no_room=no_room,
+        )
+
+    async def _text_stream(
+        self, plan: _Plan
+    ) -> AsyncGenerator[tuple[int, str | GenworkerError], None]:
+        self._open_stream()
+        tasks: dict[asyncio.Task[str], _Request] = {}
+        try:
+            for row, error in plan.errors:
+                yield row, error
+            for row in plan.no_room:
+                yield row, ""
+            if not plan.rows:
+                return
+            engine = self.engine
+            for row, prompt, spec in plan.rows:
+                request = self._new_request(row)
+                assert isinstance(prompt, str)
+                task = asyncio.ensure_future(engine.generate_text(request.request_id, prompt, spec))
+                tasks[task] = request
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    request = tasks[task]
+                    raised = task.exception()
+                    if raised is None:
+                        yield request.row, task.result()
+                        continue
+                    if isinstance(raised, EngineDeadError):
+                        self._died(raised)
+                    if isinstance(raised, GenworkerError):
+                        typed = raised
+                    else:  # a foreign error the adapter let through: the row's
+                        typed = GenworkerError(f"{type(raised).__name__}: {raised}")
+                        typed.__cause__ = raised
+                    yield request.row, request.abort_reason or _for_row(typed, request.row)
+        finally:
+            await self._drop(list(tasks.values()), list(tasks))
+            self._close_stream()
+
+    async def generate_text_async(
+        self, data: Mapping[str, object], greedy: bool = False
+    ) -> AsyncGenerator[tuple[int, dict[str, list[str]] | GenworkerError], None]:
+        """Texts as they finish: ``(row, {"texts": [text]})`` or ``(row, error)``."""
+        plan = self._text_plan(data, greedy)
+        async with contextlib.aclosing(self._text_stream(plan)) as rows:
+            async for row, item in rows:
+                yield row, item if isinstance(item, GenworkerError) else {"texts": [item]}
+
+    async def generate_text(
+        self, data: Mapping[str, object], greedy: bool = False
+    ) -> dict[str, list[str]]:
+        """Every text at once, in prompt order (``{"texts": [...]}``); a failed row raises."""
+        plan = self._text_plan(data, greedy)
+        if plan.errors:
+            raise plan.errors[0][1]
+        texts: dict[int, str] = {}
+        async with contextlib.aclosing(self._text_stream(plan)) as rows:
+            async for row, item in rows:
+                if isinstance(item, GenworkerError):
+                    raise item
+                texts[row] = item
+        return {"texts": [texts[row] for row in range(len(texts))]}
+
+    # -- memory -----------------------------------------------------------------------
+    def _require_sleep_mode(self, call: str) -> None:
+        caps = self.engine.capabilities
+        if not caps.sleep_mode:
+            raise UnsupportedError(
+                f"{call}: sleep mode is unsupported on this platform ({caps.device})"
+            )
+
+    async def sleep(self, level: int | None = None) -> None:
+        """Free engine memory (refused while streams run): level 1 offloads the weights to
+        host memory, level 2 discards them."""
+        level = self.cfg.vllm.sleep_level if level is None else level
+        if level not in (1, 2) or isinstance(level, bool):
+            raise BadArgumentError(f"sleep level must be 1 or 2, got {level!r}")
+        event = lifecycle.Event.SLEEP_L1 if level == 1 else lifecycle.Event.SLEEP_L2
+        next_state = self._move(event)
+        self._require_sleep_mode("sleep")
+        if next_state == self._state:
+            return
+        before, self._state = self._state, next_state  # new streams are refused from now
+        try:
+            await self._call(lambda e: e.reset_prefix_cache())
+            await self._call(lambda e: e.sleep(level))
+        except EngineDeadError:
+            raise
+        except BaseException:
+            self._state = before
+            raise
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake ``weights``, ``kv_cache`` or both (``None``); waking an awake tag is a no-op."""
+        if tags is not None and (
+            isinstance(tags, str) or not all(isinstance(t, str) for t in tags)
+        ):
+            raise BadArgumentError(f"wake_up tags must be a list of str or None, got {tags!r}")
+        wanted = frozenset(tags) if tags is not None else frozenset({"weights", "kv_cache"})
+        event = _WAKE_EVENTS.get(wanted)
+        if event is None:
+            raise BadArgumentError(
+                f"wake_up tags must be a non-empty subset of ['kv_cache', 'weights'], got {tags!r}"
+            )
+        self._move(event)
+        self._require_sleep_mode("wake_up")
+        asleep = lifecycle.wake_tags(self._state, event)
+        if asleep:
+            await self._call(lambda e: e.wake_up(list(asleep)))
+        self._state = self._move(event)
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache (refused while streams run)."""
+        self._state = self._move(lifecycle.Event.RESET_PREFIX_CACHE)
+        await self._call(lambda e: e.reset_prefix_cache())
+
+    # -- refit ------------------------------------------------------------------------
+    # The refit protocol's bounds (core.refit_protocol), as in VllmGenerationWorker: every
+    # wait of a refit (the pause, each wait on the engine side and the trainer's) is
+    # bounded by ``timeout_s`` (None: DEFAULT_TIMEOUT_S), the engine call by a bound
+    # derived from it (rpc_bound). A refit refused before it starts (a bad argument, no
+    # prepare_refit_info, no init_collective for a collective one) changes nothing.
+    async def prepare_refit_info(
+        self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
+    ) -> list[object]:
+        """Tell the engine workers which tensors every refit carries (names, shapes,
+        dtypes); each engine worker's summary (as ``VllmGenerationWorker``'s)."""
+        manifest = unwrap(Manifest.from_info(state_dict_info), RefitManifestError, "refit info")
+        summaries = await self._rpc("prepare_refit_info", manifest.to_info())
+        self._manifest = manifest
+        return summaries
+
+    async def init_collective(
+        self,
+        rank_prefix: int,
+        ip: str,
+        port: int,
+        world_size: int,
+        train_world_size: int,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Join the trainer's weight-update group (returns once every rank joined); every
+        rendezvous wait is bounded by ``timeout_s``."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, "init_collective")
+        self._collective = False
+        await self._rpc(
+            "init_collective",
+            rank_prefix,
+            ip,
+            port,
+            world_size,
+            train_world_size,
+            bound,
+            timeout=rpc_bound(RENDEZVOUS_WAITS, bound),
+        )
+        self._collective = True
+
+    async def refit_address(self) -> list[object]:
+        """Where each engine worker listens for IPC refits (one entry per worker), for
+        ``genworker.shell.refit.RefitSender.ipc``."""
+        return await self._rpc("refit_address")
+
+    async def engine_param_layout(self) -> list[object]:
+        """Each engine worker's directly writable parameters: ``{name: [shape, dtype]}``."""
+        return await self._rpc("engine_param_layout")
+
+    async def release_refit_buffers(self) -> list[object]:
+        """Let go of the trainer storages and staging buffers the engine workers keep
+        mapped between IPC refits (``VllmGenerationWorker``'s); how many each let go."""
+        return await self._rpc("release_refit_buffers")
+
+    async def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
+        if self._shut_down:
+            raise EngineStateError(f"{method}: the worker was shut down")
+        try:
+            results = await self._call(
+                lambda e: e.collective_rpc(method, args=args, timeout=timeout)
+            )
+        except GenworkerError:
+            raise
+        except Exception as e:
+            raise RefitError(f"{method} failed on the engine workers: {e}") from e
+        return raise_failures(results, method)
+
+    async def update_weights_via_ipc_zmq(
+        self,
+        timeout_s: float | None = None,
+        *,
+        mode: InflightMode | str = InflightMode.KEEP,
+        clear_cache: bool = True,
+    ) -> bool:
+        """Receive a refit over IPC while requests run (see the module docstring)."""
+        return await self._refit(
+            "update_weights_via_ipc_zmq", timeout_s, mode, clear_cache, Transport.IPC
+        )
+
+    async def update_weights_from_collective(
+        self,
+        timeout_s: float | None = None,
+        *,
+        mode: InflightMode | str = InflightMode.KEEP,
+        clear_cache: bool = True,
+    ) -> bool:
+        """Receive a refit over the weight-update group while requests run."""
+        return await self._refit(
+            "update_weights_from_collective", timeout_s, mode, clear_cache, Transport.COLLECTIVE
+        )
+
+    def _mark_in_flight(self, why: Callable[[int], GenworkerError]) -> list[str]:
+        for request in self._requests.values():
+            if request.abort_reason is None:
+                request.abort_reason = why(request.row)
+        return list(self._requests)
+
+    async def _refit(
+        self,
+        method: str,
+        timeout_s: object,
+        mode: object,
+        clear_cache: object,
+        transport: Transport,
+    ) -> bool:
+        timeout = unwrap(wait_bound(timeout_s), BadArgumentError, method)
+        inflight = _inflight_mode(mode)
+        if not isinstance(clear_cache, bool):
+            raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
+        if transport is Transport.COLLECTIVE and not self._collective:
+            raise EngineStateError(f"{method} needs init_collective first")
+        if self._manifest is None:
+            raise EngineStateError(f"{method} needs prepare_refit_info first")
+        outer = rpc_bound(refit_waits(len(self._manifest), transport), timeout)
+        self._state = self._move(lifecycle.Event.REFIT_BEGIN)
+        engine = self.engine
+        started = time.monotonic()
+        paused_at = resumed_at = rpc_done = started
+        try:
+            if inflight is InflightMode.ABORT:
+                self._mark_in_flight(
+                    lambda row: RequestAbortedError(
+                        f"row {row}: aborted by an in-flight refit (mode 'abort')"
+                    )
+                )
+            try:
+                await asyncio.wait_for(engine.pause(inflight, clear_cache), timeout)
+            except TimeoutError as e:
+                raise RefitTimeoutError(
+                    f"{method}: pausing the engine (mode {inflight.value!r}) took over "
+                    f"{timeout:g} s"
+                ) from e
+            paused_at = time.monotonic()
+            if not engine.capabilities.weight_versions:
+                await self._settle()
+            reports = raise_failures(
+                await engine.collective_rpc(method, kwargs={"timeout_s": timeout}, timeout=outer),
+                method,
+            )
+            rpc_done = time.monotonic()
+        except BaseException as e:
+            await self._refit_failed(engine, method, e)
+            if isinstance(e, GenworkerError) or not isinstance(e, Exception):
+                raise
+            raise RefitError(f"{method} failed: {e}; weights are inconsistent") from e
+        self._version += 1
+        try:
+            if engine.capabilities.weight_versions:
+                await engine.label_weights(str(self._version))
+                self._labelled = True
+            self._label = self._version
+            self._state = unwrap(
+                lifecycle.transition(self._state, lifecycle.Event.REFIT_OK),
+                EngineStateError,
+                "refit",
+            )
+            await engine.resume()
+            resumed_at = time.monotonic()
+        except EngineDeadError as e:
+            self._died(e)
+            raise
+        self.last_refit = {
+            "engine_workers": reports,
+            "mode": inflight.value,
+            "version": self._version,
+            "pause_seconds": paused_at - started,
+            "rpc_seconds": rpc_done - paused_at,
+            "resume_seconds": resumed_at - rpc_done,
+            "paused_seconds": resumed_at - started,
+        }
+        return True
+
+    async def _refit_failed(
+        self, engine: AsyncEnginePort, method: str, error: BaseException
+    ) -> None:
+        """A failed refit: weights inconsistent, every request in flight aborted with the
+        refit's error as its row's reason, the engine resumed."""
+        if isinstance(error, EngineDeadError):
+            self._died(error)
+        self._state = lifecycle.transition(self._state, lifecycle.Event.REFIT_FAILED).value_or(
+            self._state
+        )
+        if self._dead is not None:
+            return
+        ids = self._mark_in_flight(
+            lambda row: RefitError(
+                f"row {row}: aborted: the in-flight refit ({method}) failed ({error}); the "
+                "weights are inconsistent until a refit succeeds"
+            )
+        )
+        try:
+            if ids:
+                await engine.abort(ids)
+            await engine.resume()
+        except EngineDeadError as e:
+            self._died(e)
+
+    async def _settle(self) -> None:
+        """Wait until the tokens sampled before the pause have all been counted (engines
+        that do not label tokens): a few loop turns in which no row saw new tokens."""
+        quiet, last = 0, self._activity
+        bound = time.monotonic() + _SETTLE_BOUND_S
+        while quiet < _SETTLE_ROUNDS and time.monotonic() < bound:
+            await asyncio.sleep(0.002)
+            if self._activity == last:
+                quiet += 1
+            else:
+                quiet, last = 0, self._activity
+
+    # -- observability ----------------------------------------------------------------
+    async def report_device_id(self) -> list[str]:
+        return await self._call(lambda e: e.device_ids())
+
+    def multimodal_info(self) -> dict[str, int | None]:
+        """The engine's image placeholder id and per-prompt image limit, as the sync
+        worker's (``GenerationGroup.generate`` asks shard 0 before it splits a batch);
+        this worker itself refuses images."""
+        caps = self.engine.capabilities
+        return {"image_token_id": caps.image_token_id, "max_images": caps.max_images}
+
+    async def get_counters(self) -> dict[str, float | list[float]]:
+        """The engine's Prometheus snapshot, encoded as flat keys (see core.counters)."""
+        engine = self.engine
+        return encode_snapshot(engine.metrics())
+
+    def get_vllm_logger_metrics(self) -> dict[str, list[float]]:
+        """What the metrics logger (``vllm_cfg.enable_vllm_metrics_logger: true``) sampled
+        every ``vllm_metrics_logger_interval`` seconds since the last clear, as NeMo-RL's
+        async worker returns it: ``inflight_batch_sizes`` (running requests),
+        ``num_pending_samples`` (waiting), ``kv_cache_usage_perc``, ``generation_tokens``
+        (the running total). A logger that stopped on a failed read raises its error."""
+        if self._logger is None:
+            raise UnsupportedError(
+                "get_vllm_logger_metrics: the metrics logger is off "
+                "(vllm_cfg.enable_vllm_metrics_logger: true starts it)"
+            )
+        if self._logger.error is not None:
+            raise EngineStateError(f"the vLLM metrics logger stopped: {self._logger.error}")
+        return self._logger.samples()
+
+    def clear_vllm_logger_metrics(self) -> None:
+        """Drop what the metrics logger sampled so far (it keeps sampling)."""
+        if self._logger is not None:
+            self._logger.clear()
+
+    async def shutdown(self) -> bool:
+        """Abort what runs (each row comes back as EngineStateError), stop the engine;
+        idempotent. The worker is unusable afterwards."""
+        logger, self._logger = self._logger, None
+        if logger is not None:
+            logger.stop()
+        engine, self._engine = self._engine, None
+        self._state = unwrap(
+            lifecycle.transition(self._state, lifecycle.Event.SHUTDOWN),
+            EngineStateError,
+            "shutdown",
+        )
+        if engine is None:
+            return True
+        ids = self._mark_in_flight(
+            lambda row: EngineStateError(f"row {row}: the worker was shut down")
+        )
+        try:
+            if ids and self._dead is None:
+                await engine.abort(ids)
+        except EngineDeadError as e:
+            self._died(e)
+        finally:
+            await engine.shutdown()
+        return True

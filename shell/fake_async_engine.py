@@ -1,0 +1,401 @@
+"""A deterministic async engine for tests (ours and users'): the fake of
+:class:`genworker.shell.ports.AsyncEnginePort`.
+
+``FakeAsyncEngine`` runs requests the way ``AsyncLLM`` does, on the running event loop: a
+scheduler task admits waiting requests and gives every running request one token per step
+(``step_s`` apart). It follows vLLM where the async worker relies on it:
+
+- ``pause(mode)`` as ``EngineCoreProc.pause_scheduler`` (vllm/v1/engine/core.py, 0.32):
+  every mode queues new requests; ``keep`` freezes running requests until ``resume``;
+  ``wait`` lets them finish and returns when none runs; ``abort`` ends them all (finish
+  reason ``"abort"``);
+- ``abort(ids)`` ends those requests with finish reason ``"abort"`` and the tokens so far;
+  cancelling a ``generate`` coroutine aborts its request;
+- tokens are a function of (engine seed, weights version, prompt plus the tokens so far,
+  greedy, request seed and position when sampling) only, so a greedy continuation after a
+  weight change equals a fresh greedy run from the prompt plus the tokens before it;
+- weight labels (``weight_versions=True``): every token carries the label set by
+  ``label_weights`` when it was sampled, reported as spans when the request finishes;
+  with ``weight_versions=False`` the engine labels nothing and calls ``progress`` after
+  every step instead;
+- ``kill()`` is an engine core that died: every pending request and every later call
+  raises ``EngineDeadError``.
+
+``accept_refits=True`` makes every refit RPC succeed at once (for tests whose fake lives
+in another process, a Ray actor). It raises ``FakeEngineMisuse`` where a real engine would silently go wrong: weights changed
+(``load_new_weights``) while requests run unpaused, generating with memory asleep, sleeping
+with requests in flight.
+
+Detokenisation is one letter per token id, as in ``fake_engine``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+
+from genworker.core.assembly import Generation
+from genworker.core.counters import CounterSample, GaugeSample, MetricSample
+from genworker.core.lifecycle import InflightMode
+from genworker.core.sampling import SamplingSpec
+from genworker.shell.errors import (
+    BadBatchError,
+    EngineDeadError,
+    EngineStateError,
+    RequestAbortedError,
+)
+from genworker.shell.fake_engine import FakeEngineMisuse, _draw, detokenize
+from genworker.shell.ports import EngineCapabilities, StreamedGeneration
+
+__all__ = ["FakeAsyncEngine", "FakeAsyncEngineFactory"]
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@attrs.define(eq=False)
+class _Request:
+    request_id: str
+    prompt: tuple[int, ...]
+    spec: SamplingSpec
+    progress: Callable[[int], None] | None
+    done: asyncio.Future[StreamedGeneration]
+    tokens: list[int] = attrs.Factory(list)
+    logprobs: list[float] = attrs.Factory(list)
+    labels: list[tuple[str, int]] = attrs.Factory(list)
+    versions: list[int] = attrs.Factory(list)
+    text: str = ""
+
+
+class FakeAsyncEngine:
+    """Deterministic async engine; see the module docstring for its rules."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 64,
+        max_model_len: int = 128,
+        eos_token_id: int = 1,
+        seed: int = 0,
+        sleep_mode: bool = True,
+        device: str = "cpu",
+        weight_versions: bool = True,
+        step_s: float = 0.0005,
+        accept_refits: bool = False,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        self._caps = EngineCapabilities(
+            sleep_mode=sleep_mode,
+            flat_logprobs=True,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            device=device,
+            weight_versions=weight_versions,
+            num_speculative_tokens=num_speculative_tokens,
+        )
+        self.eos_token_id = eos_token_id
+        self.seed = seed
+        self.step_s = step_s
+        #: steps left before the scheduler stops (None: no limit); see allow_steps
+        self.step_budget: int | None = None
+        self.weight_version = 0
+        self.label = "default"
+        self.awake_tags: set[str] = {"weights", "kv_cache"}
+        self.weights_discarded = False
+        self.pause_mode: InflightMode | None = None
+        self.calls: list[str] = []
+        self.rpc_handlers: dict[str, Callable[..., object]] = {
+            "report_device_id": lambda: f"fake-{device}",
+            "prepare_refit_info": lambda info: {"tensors": len(info)},
+        }
+        if accept_refits:  # every refit succeeds at once (tests that cannot reach the fake)
+            for method in ("update_weights_via_ipc_zmq", "update_weights_from_collective"):
+                self.rpc_handlers[method] = self._accept_refit
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.prefix_cache_resets = 0
+        self.dead = False
+        self.shut_down = False
+        #: each finished request's prompt and the weights version of each of its tokens
+        self.finished: dict[tuple[int, ...], tuple[int, ...]] = {}
+        #: the first misuse a step ran into (the requests then in flight raised it)
+        self.misuse: FakeEngineMisuse | None = None
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._scheduler: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._caps
+
+    # -- the scheduler ----------------------------------------------------------------
+    def _enter(self, call: str) -> None:
+        self.calls.append(call)
+        if self.dead or self.shut_down:
+            raise EngineDeadError(f"{call}: the fake engine is {'dead' if self.dead else 'down'}")
+
+    def _ensure_scheduler(self) -> None:
+        if self._scheduler is None or self._scheduler.done():
+            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+
+    async def _schedule(self) -> None:
+        while True:
+            if not self._steppable():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await asyncio.sleep(self.step_s)
+            if not self._steppable():
+                continue
+            try:
+                self._step()
+            except FakeEngineMisuse as e:  # the pending requests see it, and so does the test
+                self.misuse = e
+                for request in [*self._running, *self._waiting]:
+                    if not request.done.done():
+                        request.done.set_exception(e)
+                self._running, self._waiting = [], []
+
+    def allow_steps(self, steps: int | None) -> None:
+        """Let the scheduler take ``steps`` more steps, then hold (None: no limit); a test
+        that decides what happens between two steps."""
+        self.step_budget = steps
+        self._wake.set()
+
+    def _steppable(self) -> bool:
+        if self.pause_mode is InflightMode.KEEP or self.step_budget == 0:
+            return False
+        admit = self.pause_mode is None and bool(self._waiting)
+        return admit or bool(self._running)
+
+    def _step(self) -> None:
+        if self.step_budget is not None:
+            self.step_budget -= 1
+        if self.pause_mode is None:
+            self._running += self._waiting
+            self._waiting = []
+        for request in list(self._running):
+            self._sample(request)
+            if request.progress is not None:
+                request.progress(len(request.tokens))
+        self._wake.set()
+
+    def _sample(self, request: _Request) -> None:
+        if self.awake_tags != {"weights", "kv_cache"} or self.weights_discarded:
+            raise FakeEngineMisuse("a step ran with memory asleep or weights discarded")
+        spec = request.spec
+        greedy = spec.temperature == 0.0
+        position = len(request.tokens)
+        context = (*request.prompt, *request.tokens)
+        key = (self.seed, self.weight_version, context, greedy)
+        u = _draw(*key) if greedy else _draw(*key, spec.seed, position)
+        token = int(u * (self._caps.vocab_size or 64))
+        if not request.labels or request.labels[-1][0] != self.label:
+            request.labels.append((self.label, position))
+        request.tokens.append(token)
+        request.versions.append(self.weight_version)
+        request.logprobs.append(math.log(max(1e-6, 1.0 - u)) - (0.0 if greedy else 0.5))
+        request.text += _LETTERS[token % 26]
+        self.generation_tokens += 1
+        stop_ids = set(spec.stop_token_ids) | (set() if spec.ignore_eos else {self.eos_token_id})
+        room = self._caps.max_model_len - len(request.prompt)
+        if token in stop_ids or any(request.text.endswith(s) for s in spec.stop):
+            self._finish(request, "stop")
+        elif len(request.tokens) >= min(spec.max_tokens, room):
+            self._finish(request, "length")
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        for queue in (self._running, self._waiting):
+            if request in queue:
+                queue.remove(request)
+        self.finished[request.prompt] = tuple(request.versions)
+        if request.done.done():
+            return
+        n = len(request.tokens)
+        spans = None
+        if self._caps.weight_versions:
+            ends = [start for _, start in request.labels[1:]] + ([n] if request.labels else [])
+            spans = tuple(
+                (label, start, end)
+                for (label, start), end in zip(request.labels, ends, strict=True)
+            )
+        request.done.set_result(
+            StreamedGeneration(Generation(request.tokens, request.logprobs, reason), spans)
+        )
+
+    # -- generation -------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        spec: SamplingSpec,
+        progress: Callable[[int], None] | None = None,
+    ) -> StreamedGeneration:
+        self._enter("generate")
+        if not prompt:
+            raise BadBatchError("prompt cannot be empty")
+        if len(prompt) >= self._caps.max_model_len:
+            raise BadBatchError("prompt is at least max_model_len long")
+        if any(r.request_id == request_id for r in (*self._waiting, *self._running)):
+            raise BadBatchError(f"request id {request_id!r} is in use")
+        self._ensure_scheduler()
+        done: asyncio.Future[StreamedGeneration] = asyncio.get_running_loop().create_future()
+        request = _Request(
+            request_id, tuple(prompt), spec, None if self._caps.weight_versions else progress, done
+        )
+        self.prompt_tokens += len(prompt)
+        self._waiting.append(request)
+        self._wake.set()
+        try:
+            return await done
+        except asyncio.CancelledError:
+            self._finish(request, "abort")
+            raise
+
+    async def generate_text(self, request_id: str, prompt: str, spec: SamplingSpec) -> str:
+        encoded = [_LETTERS.index(c) if c in _LETTERS else 0 for c in prompt] or [0]
+        streamed = await self.generate(request_id, encoded, spec)
+        if streamed.generation.finish_reason == "abort":
+            raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
+        return detokenize(streamed.generation.token_ids)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        self._enter("abort")
+        ids = set(request_ids)
+        for request in [r for r in (*self._running, *self._waiting) if r.request_id in ids]:
+            self._finish(request, "abort")
+        self._wake.set()
+
+    def num_unfinished(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    # -- pause and weights ------------------------------------------------------------
+    async def pause(self, mode: InflightMode, clear_cache: bool) -> None:
+        self._enter(f"pause({mode.value})")
+        self.pause_mode = mode
+        if mode is InflightMode.ABORT:
+            for request in [*self._running, *self._waiting]:
+                self._finish(request, "abort")
+        if mode is InflightMode.WAIT:
+            while self._running:
+                self._ensure_scheduler()
+                self._wake.set()
+                await asyncio.sleep(self.step_s)
+                if self.dead:
+                    raise EngineDeadError("pause: the fake engine died")
+
+    async def resume(self) -> None:
+        self._enter("resume")
+        self.pause_mode = None
+        self._wake.set()
+
+    async def label_weights(self, label: str) -> None:
+        self._enter(f"label_weights({label})")
+        if not self._caps.weight_versions:
+            raise FakeEngineMisuse("label_weights on an engine without weight labels")
+        self.label = label
+
+    def _accept_refit(self, timeout_s: float = 600.0) -> dict[str, object]:
+        self.load_new_weights()
+        return {"tensors": 0, "version": self.weight_version}
+
+    def load_new_weights(self) -> None:
+        """What a successful refit does to the fake: new tokens, weights valid again."""
+        if "weights" not in self.awake_tags:
+            raise FakeEngineMisuse("weights written while their memory is asleep")
+        if self._running and self.pause_mode is None:
+            raise FakeEngineMisuse("weights written while requests run unpaused")
+        self.weight_version += 1
+        self.weights_discarded = False
+
+    def kill(self) -> None:
+        """The engine core died: pending requests and later calls raise EngineDeadError."""
+        self.dead = True
+        for request in [*self._running, *self._waiting]:
+            if not request.done.done():
+                request.done.set_exception(EngineDeadError("the fake engine core died"))
+        self._running, self._waiting = [], []
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+
+    # -- memory -----------------------------------------------------------------------
+    async def sleep(self, level: int) -> None:
+        self._enter(f"sleep({level})")
+        if self.num_unfinished():
+            raise FakeEngineMisuse("sleep with requests in flight")
+        self.awake_tags.clear()
+        if level == 2:
+            self.weights_discarded = True
+
+    async def wake_up(self, tags: Sequence[str] | None) -> None:
+        self._enter(f"wake_up({None if tags is None else sorted(tags)})")
+        self.awake_tags |= {"weights", "kv_cache"} if tags is None else set(tags)
+
+    async def reset_prefix_cache(self) -> None:
+        self._enter("reset_prefix_cache")
+        if self._running:
+            raise EngineStateError("reset_prefix_cache: vLLM kept the cache (requests running)")
+        self.prefix_cache_resets += 1
+
+    # -- observability and RPC --------------------------------------------------------
+    def metrics(self) -> list[MetricSample]:
+        self._enter("metrics")
+        labels = (("engine", "0"), ("model_name", "fake"))
+        return [
+            CounterSample(name="vllm:prompt_tokens", labels=labels, value=self.prompt_tokens),
+            CounterSample(
+                name="vllm:generation_tokens", labels=labels, value=self.generation_tokens
+            ),
+            GaugeSample(name="vllm:num_requests_running", labels=labels, value=len(self._running)),
+        ]
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+        timeout: float | None = None,
+    ) -> list[object]:
+        self._enter(f"rpc:{method}")
+        handler = self.rpc_handlers.get(method)
+        if handler is None:
+            raise AttributeError(f"the fake extension has no method {method!r}")
+        result = handler(*args, **(kwargs or {}))
+        if inspect.isawaitable(result):
+            result = await asyncio.wait_for(result, timeout)
+        return [result]
+
+    async def device_ids(self) -> list[str]:
+        return [str(x) for x in await self.collective_rpc("report_device_id")]
+
+    async def shutdown(self) -> None:
+        self.calls.append("shutdown")
+        self.shut_down = True
+        for request in [*self._running, *self._waiting]:
+            self._finish(request, "abort")
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+
+
+class FakeAsyncEngineFactory:
+    """Starts ``FakeAsyncEngine``s for the async worker; records the kwargs it was given."""
+
+    def __init__(self, **engine_options: object) -> None:
+        self.engine_options = engine_options
+        self.started: list[tuple[dict[str, object], FakeAsyncEngine]] = []
+
+    def arg_names(self) -> frozenset[str] | None:
+        return None
+
+    def gpu_capability(self) -> tuple[int, int] | None:
+        return None
+
+    def start(self, kwargs: Mapping[str, object]) -> FakeAsyncEngine:
+        seed = kwargs.get("seed", 0)
+        engine = FakeAsyncEngine(seed=seed if isinstance(seed, int) else 0, **self.engine_options)  # type: ignore[arg-type]
+        self.started.append((dict(kwargs), engine))
+        return engine

@@ -1,0 +1,145 @@
+"""Per-row checks of a streamed batch: each row succeeds or fails alone, by the rules of
+``check_batch``; one row's output in the contract of ``generate``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from returns.result import Failure, Success
+from strategies import AssemblyCase, WildBatch, assembly_cases, wild_batches
+
+from genworker.core.assembly import Generation, assemble_outputs
+from genworker.core.batch import BatchError, BatchErrorKind, check_batch
+from genworker.core.rows import RowChecks, assemble_row, check_rows
+
+
+def _tensors(case: WildBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor(case.ids, dtype=torch.int64).reshape(len(case.lengths), case.width)
+    return ids, torch.tensor(case.lengths, dtype=torch.int64)
+
+
+def _checks(case: WildBatch) -> RowChecks:
+    ids, lengths = _tensors(case)
+    result = check_rows(
+        ids,
+        lengths,
+        pad_token_id=case.pad_token_id,
+        vocab_size=case.vocab_size,
+        max_model_len=case.max_model_len,
+    )
+    assert isinstance(result, Success), result
+    checks = result.unwrap()
+    assert isinstance(checks, RowChecks)
+    return checks
+
+
+@given(wild_batches())
+def test_each_row_gets_the_outcome_it_gets_alone(case: WildBatch) -> None:
+    ids, lengths = _tensors(case)
+    checks = _checks(case)
+    prompts = dict(checks.prompts)
+    errors = dict(checks.errors)
+    assert sorted([*prompts, *errors]) == list(range(len(case.lengths))), "each row once"
+    assert list(checks.rows) == sorted(prompts)
+    for row in range(len(case.lengths)):
+        alone = check_batch(
+            ids[row : row + 1],
+            lengths[row : row + 1],
+            pad_token_id=case.pad_token_id,
+            vocab_size=case.vocab_size,
+            max_model_len=case.max_model_len,
+        )
+        if isinstance(alone, Success):
+            assert prompts[row] == alone.unwrap().prompts[0]
+        else:
+            assert errors[row].kind == alone.failure().kind
+            assert row in errors[row].rows, "the error names the row by its batch index"
+
+
+@given(wild_batches())
+def test_a_batch_without_bad_rows_is_what_check_batch_says(case: WildBatch) -> None:
+    ids, lengths = _tensors(case)
+    whole = check_batch(
+        ids,
+        lengths,
+        pad_token_id=case.pad_token_id,
+        vocab_size=case.vocab_size,
+        max_model_len=case.max_model_len,
+    )
+    checks = _checks(case)
+    if isinstance(whole, Success):
+        assert checks.errors == ()
+        assert [p for _, p in checks.prompts] == list(whole.unwrap().prompts)
+    else:
+        assert checks.errors, "check_batch refused a row, so some row fails alone"
+
+
+def test_rows_breaking_different_rules_are_named_by_their_own_rule() -> None:
+    pad = 0
+    ids = torch.tensor([[5, 6, 0], [7, 99, 0], [8, 0, 3], [9, 9, 9], [4, 0, 0]])
+    lengths = torch.tensor([2, 2, 1, 3, 0])
+    checks = check_rows(ids, lengths, pad_token_id=pad, vocab_size=50, max_model_len=3)
+    assert isinstance(checks, Success)
+    errors = dict(checks.unwrap().errors)
+    assert checks.unwrap().prompts == ((0, [5, 6]),)
+    assert errors[4].kind is BatchErrorKind.LENGTH
+    assert errors[2].kind is BatchErrorKind.PADDING
+    assert errors[1].kind is BatchErrorKind.TOKEN_ID
+    assert errors[3].kind is BatchErrorKind.MAX_MODEL_LEN
+    assert "row 1 position 1 (id 99)" in str(errors[1])
+    assert "row 3 (length 3)" in str(errors[3])
+
+
+def test_a_batch_of_only_bad_rows_has_no_prompts() -> None:
+    checks = check_rows(
+        torch.zeros((2, 0), dtype=torch.int64), torch.tensor([1, 2]), pad_token_id=0
+    )
+    assert isinstance(checks, Success)
+    assert checks.unwrap().prompts == ()
+    assert [r for r, _ in checks.unwrap().errors] == [0, 1]
+    every = check_rows(torch.tensor([[1, 2]]), torch.tensor([2]), pad_token_id=0, max_model_len=1)
+    assert isinstance(every, Success)
+    assert every.unwrap().rows == ()
+
+
+@pytest.mark.parametrize(
+    ("ids", "lengths", "kind"),
+    [
+        (torch.zeros(3, dtype=torch.int64), torch.tensor([1, 1, 1]), BatchErrorKind.INPUT_IDS),
+        (torch.zeros((2, 2), dtype=torch.int64), [1, 1], BatchErrorKind.INPUT_LENGTHS),
+        (torch.ones((2, 2), dtype=torch.int64), torch.tensor([1]), BatchErrorKind.BATCH_SIZE),
+    ],
+)
+def test_a_batch_wrong_as_a_whole_is_refused_as_a_whole(
+    ids: object, lengths: object, kind: BatchErrorKind
+) -> None:
+    result = check_rows(ids, lengths, pad_token_id=0)
+    assert isinstance(result, Failure)
+    error = result.failure()
+    assert isinstance(error, BatchError)
+    assert error.kind is kind
+
+
+@given(assembly_cases())
+def test_one_row_output_is_that_row_of_the_batch_output_cut_to_its_length(
+    case: AssemblyCase,
+) -> None:
+    b = case.batch
+    whole = assemble_outputs(b.input_ids, b.input_lengths, case.generations, b.pad_token_id)
+    for row, generation in enumerate(case.generations):
+        one = assemble_row(b.input_ids, b.input_lengths, row, generation, b.pad_token_id)
+        end = int(whole.unpadded_sequence_lengths[row])
+        assert tuple(one.output_ids.shape) == (1, end)
+        assert torch.equal(one.output_ids[0], whole.output_ids[row, :end])
+        assert torch.equal(one.logprobs[0], whole.logprobs[row, :end])
+        assert one.output_ids.dtype == b.input_ids.dtype
+        assert int(one.generation_lengths[0]) == generation.num_tokens
+        assert bool(one.truncated[0]) == bool(whole.truncated[row])
+
+
+def test_one_row_output_of_an_empty_generation_is_its_prompt() -> None:
+    ids, lengths = torch.tensor([[3, 4, 0], [5, 0, 0]]), torch.tensor([2, 1])
+    one = assemble_row(ids, lengths, 1, Generation([], [], "abort"), 0)
+    assert one.output_ids.tolist() == [[5]]
+    assert one.unpadded_sequence_lengths.tolist() == [1]

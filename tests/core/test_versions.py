@@ -1,0 +1,211 @@
+"""Weight versions: the run-length form, its dense form, vLLM's labelled spans, and the
+per-token layout beside the output contract's logprobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+from strategies import version_batches, version_sequences
+
+from genworker.core.versions import (
+    NO_VERSION,
+    VersionError,
+    VersionRuns,
+    extend_runs,
+    place_versions,
+    runs_from_spans,
+    runs_from_tokens,
+    staleness,
+)
+
+
+def _runs(per_token: list[int]) -> VersionRuns:
+    result = runs_from_tokens(per_token)
+    assert isinstance(result, Success), result
+    runs = result.unwrap()
+    assert isinstance(runs, VersionRuns)
+    return runs
+
+
+def _error(result: object) -> VersionError:
+    assert isinstance(result, Failure), result
+    error = result.failure()
+    assert isinstance(error, VersionError)
+    return error
+
+
+def _spans(runs: VersionRuns) -> list[tuple[str, int, int]]:
+    return [(str(v), s, e) for v, s, e in zip(runs.versions, runs.starts, runs.ends, strict=True)]
+
+
+# --- laws ------------------------------------------------------------------------------------
+
+
+@given(version_sequences())
+def test_runs_round_trip_through_the_dense_form(per_token: list[int]) -> None:
+    runs = _runs(per_token)
+    assert runs.per_token().tolist() == per_token
+    assert runs.per_token().dtype == np.int64
+    assert runs.length == len(per_token)
+    assert _runs(runs.per_token().tolist()) == runs
+
+
+@given(version_sequences())
+def test_runs_are_maximal_and_increasing(per_token: list[int]) -> None:
+    runs = _runs(per_token)
+    assert list(runs.versions) == sorted(set(per_token))
+    assert len(runs.versions) == len(runs.starts) == len(runs.ends)
+    for v, s, e in zip(runs.versions, runs.starts, runs.ends, strict=True):
+        assert s < e
+        assert set(per_token[s:e]) == {v}
+    assert runs.latest == (per_token[-1] if per_token else None)
+
+
+@given(version_sequences(), st.integers(0, 3), st.integers(0, 6))
+def test_extending_is_appending_tokens(per_token: list[int], bump: int, count: int) -> None:
+    runs = _runs(per_token)
+    version = (runs.latest or 0) + bump
+    extended = extend_runs(runs, version, count)
+    assert isinstance(extended, Success)
+    assert extended.unwrap().per_token().tolist() == per_token + [version] * count
+    assert extended.unwrap() == _runs(per_token + [version] * count)
+
+
+@given(version_sequences())
+def test_runs_are_built_by_extending_token_by_token(per_token: list[int]) -> None:
+    runs = VersionRuns((), (), 0)
+    for v in per_token:
+        runs = extend_runs(runs, v, 1).unwrap()
+    assert runs == _runs(per_token)
+
+
+@given(version_sequences())
+def test_vllm_spans_convert_to_the_same_runs(per_token: list[int]) -> None:
+    runs = _runs(per_token)
+    result = runs_from_spans(_spans(runs), runs.length)
+    assert result == Success(runs)
+
+
+@given(version_sequences(), st.data())
+def test_split_spans_of_one_version_merge(per_token: list[int], data: st.DataObject) -> None:
+    runs = _runs(per_token)
+    spans: list[tuple[str, int, int]] = []
+    for label, s, e in _spans(runs):
+        cut = data.draw(st.integers(s, e - 1))
+        spans += [(label, s, cut), (label, cut, e)] if cut > s else [(label, s, e)]
+    assert runs_from_spans(spans, runs.length) == Success(runs)
+
+
+@given(version_sequences(), st.integers(0, 4))
+def test_staleness_counts_refits_behind_and_never_grows_along_a_row(
+    per_token: list[int], ahead: int
+) -> None:
+    runs = _runs(per_token)
+    current = (runs.latest or 0) + ahead
+    lag = staleness(runs, current)
+    assert lag.tolist() == [current - v for v in per_token]
+    assert bool((lag >= 0).all())
+    assert bool((np.diff(lag) <= 0).all())
+
+
+@given(version_batches())
+def test_placed_versions_sit_exactly_on_the_generated_span(
+    rows: list[tuple[int, list[int]]],
+) -> None:
+    lengths = [n for n, _ in rows]
+    runs = [_runs(v) for _, v in rows]
+    width = max((n + r.length for n, r in zip(lengths, runs, strict=True)), default=0) + 1
+    out = place_versions(lengths, runs, width)
+    assert out.dtype == torch.int64
+    assert tuple(out.shape) == (len(rows), width)
+    for i, (n, per_token) in enumerate(rows):
+        row = out[i].tolist()
+        assert row[n : n + len(per_token)] == per_token
+        assert set(row[:n] + row[n + len(per_token) :]) <= {NO_VERSION}
+
+
+# --- what is refused -------------------------------------------------------------------------
+
+
+def test_uniform_runs_and_their_ends() -> None:
+    assert VersionRuns.uniform(3, 4) == VersionRuns((3,), (0,), 4)
+    assert VersionRuns.uniform(3, 0) == VersionRuns((), (), 0)
+    runs = VersionRuns((0, 2), (0, 5), 9)
+    assert runs.ends == (5, 9)
+    assert runs.per_token().tolist() == [0] * 5 + [2] * 4
+
+
+@pytest.mark.parametrize(
+    ("versions", "starts", "length", "text"),
+    [
+        ((0,), (), 3, "1 versions but 0 starts"),
+        ((), (), -1, "negative"),
+        ((), (), 2, "0 runs for 2 tokens"),
+        ((0,), (0,), 0, "1 runs for 0 tokens"),
+        ((0,), (1,), 3, "starts at 1"),
+        ((0, 1), (0, 0), 3, "not increasing"),
+        ((0, 1), (0, 3), 3, "not increasing"),
+        ((-1,), (0,), 3, "negative version"),
+        ((2, 1), (0, 1), 3, "do not increase"),
+        ((1, 1), (0, 1), 3, "do not increase"),
+    ],
+)
+def test_runs_that_describe_no_row_cannot_be_built(
+    versions: tuple[int, ...], starts: tuple[int, ...], length: int, text: str
+) -> None:
+    with pytest.raises(ValueError, match=text):
+        VersionRuns(versions, starts, length)
+
+
+def test_dense_versions_must_be_non_negative_and_never_go_down() -> None:
+    assert runs_from_tokens([]) == Success(VersionRuns((), (), 0))
+    assert "token 2 has the negative version -1" in str(_error(runs_from_tokens([0, 0, -1])))
+    error = _error(runs_from_tokens([0, 2, 1]))
+    assert error.detail == "decreasing"
+    assert "token 2 has version 1 after version 2" in str(error)
+
+
+def test_extending_refuses_what_no_row_can_hold() -> None:
+    runs = VersionRuns.uniform(2, 3)
+    assert _error(extend_runs(runs, 2, -1)).detail == "count"
+    assert _error(extend_runs(runs, 1, 1)).detail == "decreasing"
+    assert _error(extend_runs(VersionRuns((), (), 0), -1, 1)).detail == "negative"
+    assert extend_runs(runs, 0, 0) == Success(runs), "no tokens: nothing to check"
+
+
+@pytest.mark.parametrize(
+    ("spans", "length", "detail", "text"),
+    [
+        ([("default", 0, 3)], 3, "label", "span 0 has the label 'default'"),
+        ([("-1", 0, 3)], 3, "label", "not a version number"),
+        ([("0", 0, 2), ("1", 3, 4)], 4, "tiling", "span 1 covers [3, 4)"),
+        ([("0", 0, 2), ("1", 2, 2)], 2, "tiling", "at least one token"),
+        ([("0", 0, 2)], 3, "tiling", "cover 2 tokens of 3"),
+        ([], 1, "tiling", "cover 0 tokens of 1"),
+        ([("2", 0, 2), ("1", 2, 3)], 3, "decreasing", "version 1 after version 2"),
+    ],
+)
+def test_spans_that_do_not_tile_the_row_in_order_are_refused(
+    spans: list[tuple[str, int, int]], length: int, detail: str, text: str
+) -> None:
+    error = _error(runs_from_spans(spans, length))
+    assert error.detail == detail
+    assert text in str(error)
+
+
+def test_no_spans_for_no_tokens() -> None:
+    assert runs_from_spans([], 0) == Success(VersionRuns((), (), 0))
+
+
+def test_placing_rows_that_do_not_fit_is_a_programming_error() -> None:
+    with pytest.raises(ValueError, match="2 version rows for 1 input lengths"):
+        place_versions([1], [VersionRuns.uniform(0, 1)] * 2, 4)
+    with pytest.raises(ValueError, match="row 0: 3 tokens after 2 input tokens"):
+        place_versions([2], [VersionRuns.uniform(0, 3)], 4)
+    with pytest.raises(ValueError, match="row 0"):
+        place_versions([-1], [VersionRuns.uniform(0, 1)], 4)
+    assert tuple(place_versions([], [], 0).shape) == (0, 0)
