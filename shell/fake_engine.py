@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from genworker.core.assembly import Generation
+from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
 from genworker.core.counters import CounterSample, MetricSample
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.errors import BadBatchError, EngineDeadError
@@ -139,8 +139,13 @@ class FakeEngine:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
-    ) -> list[Generation]:
+    ) -> FlatGenerations:
         self._enter("generate")
+        return flatten_generations(self._generations(prompts, specs))
+
+    def _generations(
+        self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
+    ) -> list[Generation]:
         self._check_servable()
         if len(prompts) != len(specs):
             raise FakeEngineMisuse("one sampling spec per prompt")
@@ -159,9 +164,10 @@ class FakeEngine:
 
     def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
         self._enter("generate_text")
-        self._check_servable()
+        if not all(spec.detokenize for spec in specs):
+            raise FakeEngineMisuse("generate_text with a spec that does not detokenize")
         encoded = [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] or [0] for p in prompts]
-        return [detokenize(g.token_ids) for g in self.generate(encoded, specs)]
+        return [detokenize(g.token_ids) for g in self._generations(encoded, specs)]
 
     # -- memory ----------------------------------------------------------------------
     def sleep(self, level: int) -> None:

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import attrs
 
-from genworker.core.assembly import Generation
+from genworker.core.assembly import FlatGenerations
 from genworker.core.counters import MetricSample
 from genworker.core.sampling import SamplingSpec
 
@@ -38,12 +38,14 @@ class EnginePort(Protocol):
 
     def generate(
         self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
-    ) -> list[Generation]:
-        """One Generation per prompt, in prompt order; ``specs[i]`` applies to prompt i."""
+    ) -> FlatGenerations:
+        """The batch's generations as flat arrays, rows in prompt order; ``specs[i]``
+        applies to prompt i."""
         ...
 
     def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
-        """One completion text per prompt, in prompt order."""
+        """One completion text per prompt, in prompt order; every spec has
+        ``detokenize=True`` (``sampling_spec(text=True)``)."""
         ...
 
     def sleep(self, level: int) -> None: ...

@@ -15,6 +15,24 @@ Theory of operation
   must equal the output ids (a mismatch is an engine contract error). Without flat
   logprobs each position is a dict looked up by the sampled token id; a missing entry is
   an error, never 0.0.
+- One pass from vLLM's outputs to :class:`~genworker.core.assembly.FlatGenerations`: in
+  the common case (``logprobs=0``, flat logprobs holding exactly the sampled token at each
+  position, checked per row with two list comparisons) every row's token ids and
+  logprobs are appended to two flat lists, each turned into one numpy array; no
+  per-row ``Generation`` is built. Anything else goes row by row (:func:`_generation`),
+  which names what is wrong.
+- vLLM detokenizes only the rows whose spec asks for it (``SamplingSpec.detokenize``:
+  stop strings, text requests); ``generate_text`` refuses a spec that does not.
+- Cyclic GC stays out of a generate call (:func:`_collection_deferred`): vLLM allocates
+  objects per request and per step on the host thread (outputs, logprob lists,
+  detokenizer state), and young-generation collections, each walking every object
+  allocated since the last one, run all through the call. The collector is disabled for
+  the call and one young collection runs at its end (the garbage of the call is
+  reclaimed there, not in whatever the caller runs next); the collector's enabled state
+  is restored whatever the call raised. The long-lived heap is already frozen: vLLM's
+  ``EngineCore`` calls ``gc.freeze()`` after start-up (``freeze_gc_heap`` in
+  vllm/utils/gc_utils.py, 0.32); freezing the embedding program's heap again here would
+  keep its later cyclic garbage forever.
 - Errors are translated in one place (:func:`_translated`): vLLM's ``EngineDeadError``
   becomes ours; during a request, ``ValueError`` and ``VLLMValidationError`` (request
   validation; not a ``ValueError`` in 0.32) become ``BadBatchError``. ``LLM.generate``
@@ -30,11 +48,10 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
-import itertools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 import numpy as np
@@ -48,7 +65,7 @@ from vllm.platforms import current_platform
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
 
-from genworker.core.assembly import Generation
+from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
 from genworker.core.counters import (
     CounterSample,
     GaugeSample,
@@ -136,6 +153,20 @@ def _translated(call: str, *, request: bool = False, profiling: bool = False) ->
         raise UnsupportedError(f"{call}: profiling is not enabled in this engine: {e}") from e
 
 
+@contextmanager
+def _collection_deferred() -> Iterator[None]:
+    """No cyclic GC inside the block, one young collection at its end; the collector's
+    enabled state is restored whatever the block raises (see the module docstring)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+            gc.collect(0)
+
+
 class VllmEngine:
     """:class:`~genworker.shell.ports.EnginePort` over one ``vllm.LLM``."""
 
@@ -195,9 +226,10 @@ class VllmEngine:
                 per_row[row] = params
         return [p for p in per_row if p is not None]
 
+    @_collection_deferred()
     def generate(
         self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
-    ) -> list[Generation]:
+    ) -> FlatGenerations:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
@@ -210,6 +242,11 @@ class VllmEngine:
     def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate_text: {len(prompts)} prompts but {len(specs)} specs")
+        if untexted := [row for row, spec in enumerate(specs) if not spec.detokenize]:
+            raise ValueError(
+                f"generate_text: the specs of rows {untexted} have detokenize=False "
+                "(vLLM would return empty texts); build them with sampling_spec(text=True)"
+            )
         llm = self.llm
         with _translated("generate_text", request=True):
             outputs = llm.generate(list(prompts), self._params(specs), use_tqdm=False)
@@ -328,40 +365,36 @@ def _bounded(fn: Callable[[], _T], timeout: float, *, what: str) -> _T:
     return result[0]
 
 
-def _generations(outs: Sequence[CompletionOutput]) -> list[Generation]:
-    """Every row's generation. The common case (flat logprobs holding exactly the sampled
-    token at each position, ``logprobs=0``) converts the whole batch in two bulk copies;
-    anything else goes row by row (:func:`_generation`), which names what is wrong."""
-    if not all(_only_sampled(out) for out in outs):
-        return [_generation(row, out) for row, out in enumerate(outs)]
-    lengths = [len(out.token_ids) for out in outs]
-    total = sum(lengths)
-    tokens = np.fromiter(
-        itertools.chain.from_iterable(out.token_ids for out in outs), np.int64, total
-    )
-    logprobs = np.fromiter(
-        itertools.chain.from_iterable(cast(FlatLogprobs, out.logprobs).logprobs for out in outs),
-        np.float32,
-        total,
-    )
-    bounds = np.cumsum(lengths)[:-1]
-    return [
-        Generation(t, lp, _finish_reason(row, out))
-        for row, (out, t, lp) in enumerate(
-            zip(outs, np.split(tokens, bounds), np.split(logprobs, bounds), strict=True)
-        )
-    ]
-
-
-def _only_sampled(out: CompletionOutput) -> bool:
-    """Flat logprobs with one entry per position, each the sampled token."""
-    logprobs = out.logprobs
-    n = len(out.token_ids)
-    return (
-        isinstance(logprobs, FlatLogprobs)
-        and len(logprobs.logprobs) == n
-        and logprobs.start_indices == list(range(n))
-        and logprobs.token_ids == list(out.token_ids)
+def _generations(outs: Sequence[CompletionOutput]) -> FlatGenerations:
+    """Every row's generation as flat arrays, in one pass where the layout allows it (see
+    the module docstring); otherwise row by row."""
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    lengths: list[int] = []
+    positions: dict[int, list[int]] = {}  # n -> [0, n): the start indices of one-per-position
+    for out in outs:
+        ids = out.token_ids
+        flat = out.logprobs
+        n = len(ids)
+        one_per_position = positions.get(n)
+        if one_per_position is None:
+            one_per_position = positions[n] = list(range(n))
+        if not (
+            isinstance(flat, FlatLogprobs)
+            and len(flat.logprobs) == n
+            and flat.token_ids == ids
+            and flat.start_indices == one_per_position
+        ):
+            return flatten_generations([_generation(row, o) for row, o in enumerate(outs)])
+        token_ids += ids
+        logprobs += flat.logprobs
+        lengths.append(n)
+    reasons = [_finish_reason(row, out) for row, out in enumerate(outs)]
+    return FlatGenerations(
+        token_ids=np.array(token_ids, dtype=np.int64),
+        logprobs=np.array(logprobs, dtype=np.float32),
+        lengths=np.array(lengths, dtype=np.int64),
+        truncated=np.array([r == "length" for r in reasons], dtype=np.bool_),
     )
 
 

@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 
 from genworker.core import lifecycle
-from genworker.core.assembly import assemble_outputs
+from genworker.core.assembly import assemble_flat_outputs, assemble_outputs
 from genworker.core.batch import check_batch
 from genworker.core.caps import batch_max_tokens
 from genworker.core.config import WorkerConfig
@@ -213,7 +213,7 @@ class VllmGenerationWorker:
 
     # -- generation -----------------------------------------------------------------
     def _specs(
-        self, lengths: Sequence[int], data: Mapping[str, object], greedy: bool
+        self, lengths: Sequence[int], data: Mapping[str, object], greedy: bool, text: bool = False
     ) -> list[SamplingSpec]:
         caps = self.engine.capabilities
         per_sample_stops = data.get("stop_strings")
@@ -252,6 +252,7 @@ class VllmGenerationWorker:
                     stop=s,
                     seed=seed,
                     flat_logprobs=caps.flat_logprobs,
+                    text=text,
                 )
             specs.append(spec)
         return specs
@@ -279,7 +280,7 @@ class VllmGenerationWorker:
         specs = self._specs(batch.lengths, data, greedy)
         generations = self._call(lambda e: e.generate(batch.prompts, specs))
         self._state = next_state
-        out = assemble_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
+        out = assemble_flat_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
         over = torch.nonzero(out.unpadded_sequence_lengths > caps.max_model_len).flatten()
         if over.numel():
             raise EngineContractError(
@@ -304,7 +305,7 @@ class VllmGenerationWorker:
         if empty := [i for i, p in enumerate(prompts) if not p]:
             raise BadBatchError(f"generate_text: prompts {empty} are empty strings")
         # Text prompts have no known token length here: cap against the shortest prompt.
-        specs = self._specs([1] * len(prompts), data, greedy)
+        specs = self._specs([1] * len(prompts), data, greedy, text=True)
         texts = self._call(lambda e: e.generate_text(prompts, specs))
         self._state = next_state
         return {"texts": texts}

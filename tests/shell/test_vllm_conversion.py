@@ -1,10 +1,14 @@
-"""Converting vLLM's request outputs into generations (no engine needed).
+"""Converting vLLM's request outputs into flat generations, and the GC around a generate
+call (no engine needed).
 
 The typings stub only the attributes genworker reads; the constructors here come from
 the installed vLLM, reached untyped."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,31 +17,46 @@ import vllm.outputs
 from hypothesis import given
 from hypothesis import strategies as st
 
+from genworker.core.assembly import flatten_generations
 from genworker.shell.errors import GenworkerError
-from genworker.shell.vllm_engine import _generation, _generations
+from genworker.shell.vllm_engine import _collection_deferred, _generation, _generations
 
 _vllm_logprobs: Any = vllm.logprobs
 _vllm_outputs: Any = vllm.outputs
 
 
-def _completion(tokens: list[int], logprobs: list[float], *, extra: bool = False) -> Any:
-    flat = _vllm_logprobs.FlatLogprobs()
+def _completion(
+    tokens: list[int],
+    logprobs: list[float],
+    *,
+    extra: bool = False,
+    flat: bool = True,
+    finish_reason: str | None = "length",
+) -> Any:
+    """A completion as vLLM builds it: flat logprobs, or (``flat=False``) per-position
+    dicts; ``extra`` adds a top-1 alternative at position 0."""
+    positions = []
     logprob = _vllm_logprobs.Logprob
     for i, (token, value) in enumerate(zip(tokens, logprobs, strict=True)):
         entry = {token: logprob(logprob=value, rank=1, decoded_token=None)}
         if extra and i == 0:  # a top-1 alternative: two entries at this position
             entry[token + 1] = logprob(logprob=value - 1.0, rank=2, decoded_token=None)
-        flat.append(entry)
+        positions.append(entry)
+    container: Any = positions
+    if flat:
+        container = _vllm_logprobs.FlatLogprobs()
+        container.extend(positions)
     return _vllm_outputs.CompletionOutput(
         index=0,
         text="",
         token_ids=tokens,
         cumulative_logprob=None,
-        logprobs=flat,
-        finish_reason="length",
+        logprobs=container,
+        finish_reason=finish_reason,
     )
 
 
+_REASONS = ("stop", "length", "abort", "repetition")
 _rows = st.lists(
     st.lists(
         st.tuples(st.integers(0, 1000), st.floats(-20.0, 0.0, width=32)), min_size=0, max_size=6
@@ -47,15 +66,46 @@ _rows = st.lists(
 )
 
 
-@given(_rows, st.booleans())
+@given(_rows, st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(_REASONS))))
 def test_bulk_conversion_equals_the_row_by_row_one(
-    rows: list[list[tuple[int, float]]], extra: bool
+    rows: list[list[tuple[int, float]]], kinds: list[tuple[bool, bool, str]]
 ) -> None:
+    """Whatever mix of layouts (flat or dicts, with or without a top-1 alternative) and
+    finish reasons, the one-pass conversion gives what the row-by-row one does."""
+    outs = []
+    for i, row in enumerate(rows):
+        extra, flat, reason = kinds[i] if i < len(kinds) else (False, True, "length")
+        outs.append(
+            _completion(
+                [t for t, _ in row],
+                [v for _, v in row],
+                extra=extra and bool(row),
+                flat=flat,
+                finish_reason=reason,
+            )
+        )
+    expected = flatten_generations([_generation(i, o) for i, o in enumerate(outs)])
+    assert _generations(outs) == expected
+
+
+def test_conversion_gives_truncation_and_flat_arrays() -> None:
     outs = [
-        _completion([t for t, _ in row], [v for _, v in row], extra=extra and bool(row))
-        for row in rows
+        _completion([5, 6, 7], [-0.5, -1.5, -2.5]),
+        _completion([8], [-3.0], finish_reason="stop"),
+        _completion([9, 10], [-0.25, -0.75], finish_reason="repetition"),
     ]
-    assert _generations(outs) == [_generation(i, o) for i, o in enumerate(outs)]
+    flat = _generations(outs)
+    assert flat.token_ids.tolist() == [5, 6, 7, 8, 9, 10]
+    assert flat.logprobs.tolist() == [-0.5, -1.5, -2.5, -3.0, -0.25, -0.75]
+    assert flat.lengths.tolist() == [3, 1, 2]
+    assert flat.truncated.tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_conversion_names_a_row_that_did_not_finish(flat: bool) -> None:
+    outs = [_completion([5], [-1.0], flat=flat), _completion([6], [-1.0], finish_reason=None)]
+    with pytest.raises(GenworkerError, match="row 1 did not finish"):
+        _generations(outs)
 
 
 def test_conversion_names_a_row_whose_logprobs_are_for_other_tokens() -> None:
@@ -88,3 +138,65 @@ def test_a_shifted_flat_layout_is_not_taken_for_one_entry_per_position() -> None
     )
     with pytest.raises(GenworkerError, match="row 0"):
         _generations([out])
+
+
+# --- cyclic GC around a generate call ---
+
+
+@pytest.fixture
+def collections() -> Iterator[list[int]]:
+    """The generation of every cyclic collection that starts while the test runs."""
+    started: list[int] = []
+
+    def hook(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    gc.callbacks.append(hook)
+    try:
+        yield started
+    finally:
+        gc.callbacks.remove(hook)
+
+
+class _Node:
+    """A weak-referenceable object to put in a reference cycle."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_no_collection_inside_one_young_collection_at_the_end(collections: list[int]) -> None:
+    assert gc.isenabled()
+    with _collection_deferred():
+        assert not gc.isenabled()
+        garbage = [_Node() for _ in range(20_000)]  # far past the young threshold
+        ref = weakref.ref(garbage[0])
+        del garbage
+        inside = list(collections)
+        assert ref() is not None  # cyclic garbage waits: no collection ran
+    after = list(collections)
+    assert inside == []
+    assert after == [0]
+    assert gc.isenabled()
+    assert ref() is None  # the call's cyclic garbage was reclaimed at its end
+
+
+def test_gc_state_is_restored_when_the_block_raises(collections: list[int]) -> None:
+    with pytest.raises(RuntimeError, match="boom"), _collection_deferred():
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+    assert collections == [0]
+
+
+def test_a_disabled_collector_stays_disabled_and_is_not_run(collections: list[int]) -> None:
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="boom"), _collection_deferred():
+            raise RuntimeError("boom")
+        with _collection_deferred():
+            pass
+        assert not gc.isenabled()
+        assert collections == []
+    finally:
+        gc.enable()
