@@ -23,16 +23,8 @@ Theory of operation
   which names what is wrong.
 - vLLM detokenizes only the rows whose spec asks for it (``SamplingSpec.detokenize``:
   stop strings, text requests); ``generate_text`` refuses a spec that does not.
-- Cyclic GC stays out of a generate call (:func:`_collection_deferred`): vLLM allocates
-  objects per request and per step on the host thread (outputs, logprob lists,
-  detokenizer state), and young-generation collections, each walking every object
-  allocated since the last one, run all through the call. The collector is disabled for
-  the call and one young collection runs at its end (the garbage of the call is
-  reclaimed there, not in whatever the caller runs next); the collector's enabled state
-  is restored whatever the call raised. The long-lived heap is already frozen: vLLM's
-  ``EngineCore`` calls ``gc.freeze()`` after start-up (``freeze_gc_heap`` in
-  vllm/utils/gc_utils.py, 0.32); freezing the embedding program's heap again here would
-  keep its later cyclic garbage forever.
+- Cyclic GC stays out of a generate call (:func:`~genworker.shell.collector.defer_cyclic_gc`):
+  vLLM allocates per request and per step on the host thread all through the call.
 - Errors are translated in one place (:func:`_translated`): vLLM's ``EngineDeadError``
   becomes ours; during a request, ``ValueError`` and ``VLLMValidationError`` (request
   validation; not a ``ValueError`` in 0.32) become ``BadBatchError``. ``LLM.generate``
@@ -74,6 +66,7 @@ from genworker.core.counters import (
     VectorSample,
 )
 from genworker.core.sampling import SamplingSpec, group_specs
+from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.errors import (
     BadBatchError,
     BadConfigError,
@@ -153,20 +146,6 @@ def _translated(call: str, *, request: bool = False, profiling: bool = False) ->
         raise UnsupportedError(f"{call}: profiling is not enabled in this engine: {e}") from e
 
 
-@contextmanager
-def _collection_deferred() -> Iterator[None]:
-    """No cyclic GC inside the block, one young collection at its end; the collector's
-    enabled state is restored whatever the block raises (see the module docstring)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-            gc.collect(0)
-
-
 class VllmEngine:
     """:class:`~genworker.shell.ports.EnginePort` over one ``vllm.LLM``."""
 
@@ -226,7 +205,7 @@ class VllmEngine:
                 per_row[row] = params
         return [p for p in per_row if p is not None]
 
-    @_collection_deferred()
+    @defer_cyclic_gc()
     def generate(
         self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
     ) -> FlatGenerations:

@@ -26,6 +26,7 @@ from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.sampling import SamplingSpec, sampling_spec
 from genworker.core.stops import StopMode, merge_stop_strings
+from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -257,8 +258,10 @@ class VllmGenerationWorker:
             specs.append(spec)
         return specs
 
+    @defer_cyclic_gc()
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
-        """Generate for a right-padded batch; returns NeMo-RL's output contract."""
+        """Generate for a right-padded batch; returns NeMo-RL's output contract. Cyclic GC
+        waits for the end of the call (``genworker.shell.collector``)."""
         next_state = self._move(lifecycle.Event.GENERATE)
         if not isinstance(greedy, bool):
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")

@@ -1,14 +1,10 @@
-"""Converting vLLM's request outputs into flat generations, and the GC around a generate
-call (no engine needed).
+"""Converting vLLM's request outputs into flat generations (no engine needed).
 
 The typings stub only the attributes genworker reads; the constructors here come from
 the installed vLLM, reached untyped."""
 
 from __future__ import annotations
 
-import gc
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +15,7 @@ from hypothesis import strategies as st
 
 from genworker.core.assembly import flatten_generations
 from genworker.shell.errors import GenworkerError
-from genworker.shell.vllm_engine import _collection_deferred, _generation, _generations
+from genworker.shell.vllm_engine import _generation, _generations
 
 _vllm_logprobs: Any = vllm.logprobs
 _vllm_outputs: Any = vllm.outputs
@@ -138,65 +134,3 @@ def test_a_shifted_flat_layout_is_not_taken_for_one_entry_per_position() -> None
     )
     with pytest.raises(GenworkerError, match="row 0"):
         _generations([out])
-
-
-# --- cyclic GC around a generate call ---
-
-
-@pytest.fixture
-def collections() -> Iterator[list[int]]:
-    """The generation of every cyclic collection that starts while the test runs."""
-    started: list[int] = []
-
-    def hook(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            started.append(info["generation"])
-
-    gc.callbacks.append(hook)
-    try:
-        yield started
-    finally:
-        gc.callbacks.remove(hook)
-
-
-class _Node:
-    """A weak-referenceable object to put in a reference cycle."""
-
-    def __init__(self) -> None:
-        self.me = self
-
-
-def test_no_collection_inside_one_young_collection_at_the_end(collections: list[int]) -> None:
-    assert gc.isenabled()
-    with _collection_deferred():
-        assert not gc.isenabled()
-        garbage = [_Node() for _ in range(20_000)]  # far past the young threshold
-        ref = weakref.ref(garbage[0])
-        del garbage
-        inside = list(collections)
-        assert ref() is not None  # cyclic garbage waits: no collection ran
-    after = list(collections)
-    assert inside == []
-    assert after == [0]
-    assert gc.isenabled()
-    assert ref() is None  # the call's cyclic garbage was reclaimed at its end
-
-
-def test_gc_state_is_restored_when_the_block_raises(collections: list[int]) -> None:
-    with pytest.raises(RuntimeError, match="boom"), _collection_deferred():
-        raise RuntimeError("boom")
-    assert gc.isenabled()
-    assert collections == [0]
-
-
-def test_a_disabled_collector_stays_disabled_and_is_not_run(collections: list[int]) -> None:
-    gc.disable()
-    try:
-        with pytest.raises(RuntimeError, match="boom"), _collection_deferred():
-            raise RuntimeError("boom")
-        with _collection_deferred():
-            pass
-        assert not gc.isenabled()
-        assert collections == []
-    finally:
-        gc.enable()
