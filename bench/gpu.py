@@ -933,9 +933,7 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
             ", ".join(f"{k}={v}" for k, v in same_fields(same).items()),
             "the worker's spec",
         )
-        sec.row(
-            "warm-up runs: " + ", ".join(names), ", ".join(fmt_s(warm[n]) for n in names), ""
-        )
+        sec.row("warm-up runs: " + ", ".join(names), ", ".join(fmt_s(warm[n]) for n in names), "")
         for name in names:
             sec.row(
                 f"{name}, median",
