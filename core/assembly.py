@@ -21,7 +21,8 @@ fancy-index assignment per buffer, at flat indices computed with ``np.repeat`` a
 torch for the fill and the scatter: on a 512 x 1280 batch it measured about twice as fast on
 an idle 2-core host and over ten times as fast on a busy one, where torch's intra-op threads
 stall.)
-An engine adapter that already has flat arrays can build :class:`FlatGenerations` itself.
+An engine adapter that already has flat arrays builds :class:`FlatGenerations` itself (the
+vLLM adapter does, in one pass over vLLM's outputs) and calls :func:`assemble_flat_outputs`.
 
 An empty batch gives (0, 0) ``output_ids`` (input dtype) and ``logprobs`` (float32) and
 (0,) length (long) and ``truncated`` (bool) vectors, as NeMo-RL's empty-batch shortcut does.

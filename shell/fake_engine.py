@@ -11,6 +11,8 @@ depend on the other rows. It follows vLLM's contract where the worker relies on 
   as with ``include_stop_str_in_output=True``);
 - sleep level 2 discards weights: generating after it without new weights gives garbage
   in vLLM; here it raises ``FakeEngineMisuse`` so a test sees the worker let it through;
+- ``generate`` returns the batch as ``FlatGenerations``; ``generate_text`` refuses a spec
+  without ``detokenize`` (vLLM would return empty texts) with ``FakeEngineMisuse``;
 - ``fail_next`` injects the failures an engine adapter raises (``BadBatchError`` for a
   request vLLM rejects, ``EngineDeadError`` for a dead engine), as the port promises.
 

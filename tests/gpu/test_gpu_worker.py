@@ -18,6 +18,7 @@ from shell.test_worker_engine import (
     test_empty_batch_gives_empty_tensors,
     test_generate_text_returns_texts,
     test_per_sample_stop_strings_stop_only_their_own_row,
+    test_rows_with_and_without_stop_strings_match_raw_vllm_row_by_row,
     worker,
 )
 from shell.test_worker_engine import (
@@ -38,6 +39,7 @@ __all__ = [
     "test_empty_batch_gives_empty_tensors",
     "test_generate_text_returns_texts",
     "test_per_sample_stop_strings_stop_only_their_own_row",
+    "test_rows_with_and_without_stop_strings_match_raw_vllm_row_by_row",
     "test_worker_greedy_matches_raw_vllm",
     "test_worker_seeded_sampling_matches_raw_vllm",
     "worker",
