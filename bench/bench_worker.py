@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -191,6 +192,12 @@ def measure_engine(
                     raise AssertionError(f"{name} generated {tokens} tokens, not {expected}")
                 if name == "worker":
                     outside.append(times[name][-1] - clock.seconds)
+                print(  # progress, on stderr: stdout holds the figures
+                    f"# bench_worker: tokenizer={tokenizer} repetition {rep + 1}/{repeats} "
+                    f"{name} {times[name][-1]:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         # The worker alone: LLM.generate hands back the outputs of the worker's last run.
         outputs = clock.last
