@@ -239,6 +239,7 @@ def measure() -> list[tuple[str, float]]:
         (False, REPEATS_NO_TOKENIZER, "_no_tokenizer"),
     ):
         got = measure_engine(model, tokenizer=tokenizer, repeats=repeats)
+        print(f"# bench_worker: tokenizer={tokenizer} {got}", file=sys.stderr, flush=True)
         figures += [
             (f"worker_vs_raw_default{suffix}", got["vs_raw_default"]),
             (f"worker_overhead{suffix}", got["overhead"]),
