@@ -24,6 +24,12 @@ With the locally trained tokenizer (``skip_tokenizer_init`` off, as users run it
 Without a tokenizer (``skip_tokenizer_init=True``, a second engine started after the first
 stops): ``worker_vs_raw_default_no_tokenizer``, ``worker_overhead_no_tokenizer`` and
 ``worker_outside_ms_no_tokenizer``, the same figures.
+
+The engines run one intra-op thread (``torch.set_num_threads(1)`` before they start, the
+suite's previous count restored after): the in-process CPU engine otherwise uses one
+OpenMP thread per core, and on a host shared with other busy processes its barriers stall
+whenever one thread is descheduled (a 256 x 32 batch measured 5-15 s with two threads and
+0.9-1.1 s with one on this 2-core host under load). Both paths of a ratio share the engine.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ MAX_MODEL_LEN = 512
 # 2 layers x (K + V) x 2 kv heads x head_dim 64 x float32 = 2 KiB per token: the whole
 # batch (512 x 288 tokens, 288 MiB) stays resident, no request waits for blocks.
 KV_CACHE_BYTES = 320 << 20
+ENGINE_THREADS = 1
 
 
 class InnerClock:
@@ -233,6 +240,16 @@ def measure() -> list[tuple[str, float]]:
 
     cache = Path(os.environ.get("GENWORKER_MODEL_CACHE", tempfile.gettempdir()))
     model = build_tiny_model(cache / "genworker-bench-tiny-llama")
+    threads = torch.get_num_threads()
+    set_threads = torch.set_num_threads  # vLLM's CPU worker turns it into a no-op at start
+    set_threads(ENGINE_THREADS)
+    try:
+        return _measure_both(model)
+    finally:
+        set_threads(threads)
+
+
+def _measure_both(model: Path) -> list[tuple[str, float]]:
     figures: list[tuple[str, float]] = []
     for tokenizer, repeats, suffix in (
         (True, REPEATS, ""),
