@@ -136,10 +136,10 @@ def _check_token_ids(_: object, __: object, value: tuple[int, ...]) -> None:
         raise ValueError(f"stop_token_ids must hold non-negative ints, got {value!r}")
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, cache_hash=True)
 class SamplingSpec:
     """The sampling parameters of one request (a hashable value; equal specs share one
-    ``SamplingParams``)."""
+    ``SamplingParams``). The hash is computed once: a batch groups its rows' specs by it."""
 
     temperature: float = attrs.field(validator=_check_temperature)
     top_p: float = attrs.field(validator=_check_top_p)

@@ -18,8 +18,8 @@ Theory of operation
 - One pass from vLLM's outputs to :class:`~genworker.core.assembly.FlatGenerations`: in
   the common case (``logprobs=0``, flat logprobs holding exactly the sampled token at each
   position, checked per row with two list comparisons) every row's token ids and
-  logprobs are appended to two flat lists, each turned into one numpy array; no
-  per-row ``Generation`` is built. Anything else goes row by row (:func:`_generation`),
+  logprobs are packed straight into two flat numpy arrays (``struct``, one C loop per
+  row and array); no per-row ``Generation`` is built. Anything else goes row by row (:func:`_generation`),
   which names what is wrong.
 - vLLM detokenizes only the rows whose spec asks for it (``SamplingSpec.detokenize``:
   stop strings, text requests); ``generate_text`` refuses a spec that does not.
@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
+import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -347,17 +348,25 @@ def _bounded(fn: Callable[[], _T], timeout: float, *, what: str) -> _T:
 def _generations(outs: Sequence[CompletionOutput]) -> FlatGenerations:
     """Every row's generation as flat arrays, in one pass where the layout allows it (see
     the module docstring); otherwise row by row."""
-    token_ids: list[int] = []
-    logprobs: list[float] = []
+    total = sum(len(out.token_ids) for out in outs)
+    token_ids = bytearray(8 * total)  # int64, then wrapped by numpy without a copy
+    logprobs = bytearray(4 * total)  # float32
     lengths: list[int] = []
-    positions: dict[int, list[int]] = {}  # n -> [0, n): the start indices of one-per-position
+    reasons: list[str | None] = []
+    # Per row length n: [0, n) (the start indices of one entry per position) and the
+    # packers of n native int64 / float32 values. struct packs a list's values straight
+    # into the buffers in one C loop each, about twice as fast as array.array or numpy's
+    # list conversion; float32 is rounded from vLLM's doubles as numpy's cast rounds it.
+    layouts: dict[int, tuple[list[int], struct.Struct, struct.Struct]] = {}
+    offset = 0
     for out in outs:
         ids = out.token_ids
         flat = out.logprobs
         n = len(ids)
-        one_per_position = positions.get(n)
-        if one_per_position is None:
-            one_per_position = positions[n] = list(range(n))
+        layout = layouts.get(n)
+        if layout is None:
+            layout = layouts[n] = (list(range(n)), struct.Struct(f"{n}q"), struct.Struct(f"{n}f"))
+        one_per_position, pack_ids, pack_logprobs = layout
         if not (
             isinstance(flat, FlatLogprobs)
             and len(flat.logprobs) == n
@@ -365,13 +374,17 @@ def _generations(outs: Sequence[CompletionOutput]) -> FlatGenerations:
             and flat.start_indices == one_per_position
         ):
             return flatten_generations([_generation(row, o) for row, o in enumerate(outs)])
-        token_ids += ids
-        logprobs += flat.logprobs
+        pack_ids.pack_into(token_ids, 8 * offset, *ids)
+        pack_logprobs.pack_into(logprobs, 4 * offset, *flat.logprobs)
+        offset += n
         lengths.append(n)
-    reasons = [_finish_reason(row, out) for row, out in enumerate(outs)]
+        reasons.append(out.finish_reason)
+    if not _FINISH_REASONS.keys() >= set(reasons):
+        for row, out in enumerate(outs):
+            _finish_reason(row, out)  # raises, naming the first row that did not finish
     return FlatGenerations(
-        token_ids=np.array(token_ids, dtype=np.int64),
-        logprobs=np.array(logprobs, dtype=np.float32),
+        token_ids=np.frombuffer(token_ids, dtype=np.int64),
+        logprobs=np.frombuffer(logprobs, dtype=np.float32),
         lengths=np.array(lengths, dtype=np.int64),
         truncated=np.array([r == "length" for r in reasons], dtype=np.bool_),
     )
