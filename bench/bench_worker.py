@@ -64,21 +64,24 @@ ENGINE_THREADS = 1
 
 class InnerClock:
     """Sums the wall and thread CPU time spent inside one ``LLM``'s ``generate`` inside
-    ``with`` and keeps its last outputs (the instance attribute wraps the bound method;
-    the class is untouched)."""
+    ``with``, and keeps a copy of its outputs while ``keep`` (the instance attribute wraps
+    the bound method; the class is untouched)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self.seconds = 0.0
         self.cpu_seconds = 0.0
         self.last: Any = None
+        self.keep = False
         original = llm.generate
 
         def generate(*args: Any, **kwargs: Any) -> Any:
             started, cpu = time.perf_counter(), time.thread_time()
             try:
-                self.last = original(*args, **kwargs)
-                return self.last
+                outputs = original(*args, **kwargs)
+                if self.keep:  # a copy: the worker hands the list on to be emptied
+                    self.last = list(outputs)
+                return outputs
             finally:
                 self.seconds += time.perf_counter() - started
                 self.cpu_seconds += time.thread_time() - cpu
@@ -215,9 +218,13 @@ def measure_engine(
                     flush=True,
                 )
 
-        # The worker alone: LLM.generate hands back the outputs of the worker's last run.
-        outputs = clock.last
-        llm.generate = lambda *args, **kwargs: outputs
+        # The worker alone: LLM.generate hands back (a fresh list of: the worker empties
+        # the one it gets) the outputs of one more worker run.
+        clock.keep = True
+        via_worker()
+        clock.keep = False
+        outputs, clock.last = clock.last, None
+        llm.generate = lambda *args, **kwargs: list(outputs)
         replays = []
         try:
             for _ in range(REPLAYS):

@@ -24,7 +24,9 @@ Theory of operation
 - vLLM detokenizes only the rows whose spec asks for it (``SamplingSpec.detokenize``:
   stop strings, text requests); ``generate_text`` refuses a spec that does not.
 - Cyclic GC stays out of a generate call (:func:`~genworker.shell.collector.defer_cyclic_gc`):
-  vLLM allocates per request and per step on the host thread all through the call.
+  vLLM allocates per request and per step on the host thread all through the call. Once
+  converted, vLLM's outputs are freed on a background thread
+  (:func:`~genworker.shell.collector.release_later`), not on the caller's path.
 - Errors are translated in one place (:func:`_translated`): vLLM's ``EngineDeadError``
   becomes ours; during a request, ``ValueError`` and ``VLLMValidationError`` (request
   validation; not a ``ValueError`` in 0.32) become ``BadBatchError``. ``LLM.generate``
@@ -67,7 +69,7 @@ from genworker.core.counters import (
     VectorSample,
 )
 from genworker.core.sampling import SamplingSpec, group_specs
-from genworker.shell.collector import defer_cyclic_gc
+from genworker.shell.collector import defer_cyclic_gc, release_later
 from genworker.shell.errors import (
     BadBatchError,
     BadConfigError,
@@ -217,7 +219,9 @@ class VllmEngine:
             params = self._params(specs)
             token_prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
             outputs = llm.generate(token_prompts, params, use_tqdm=False)
-        return _generations([out.outputs[0] for out in outputs])
+        flat = _generations([out.outputs[0] for out in outputs])
+        release_later(outputs)  # freed off the caller's path
+        return flat
 
     def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
         if len(prompts) != len(specs):

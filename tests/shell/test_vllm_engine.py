@@ -17,6 +17,7 @@ from vllm.inputs import TokensPrompt
 
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS, CounterSample
 from genworker.core.sampling import SamplingSpec
+from genworker.shell.collector import wait_released
 from genworker.shell.errors import (
     BadBatchError,
     BadConfigError,
@@ -201,6 +202,24 @@ def test_the_collector_is_off_inside_llm_generate_and_on_after(
     assert [enabled for _, enabled in seen] == [False]
     assert gc.isenabled()
     assert gc.get_threshold() == threshold
+
+
+def test_vllms_outputs_are_freed_off_the_callers_thread(
+    cpu_engine: VllmEngine, cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handed: list[list[object]] = []
+
+    def keep(outs: list[object]) -> list[object]:
+        handed.append(outs)
+        return outs
+
+    _spy(cpu_llm, monkeypatch, keep)
+    flat = cpu_engine.generate([[5, 6], [7, 8, 9]], [greedy(3), greedy(2)])
+    wait_released()
+    assert flat.lengths.tolist() == [3, 2]  # the arrays own their data
+    assert len(flat.token_ids) == 5
+    ((outs,),) = [handed]
+    assert outs == []  # the list vLLM returned was emptied by the releaser
 
 
 def _unfinished(outs: list[object]) -> list[object]:
