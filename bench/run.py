@@ -14,7 +14,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SUITES = ("bench_assembly", "bench_worker", "bench_refit")
+SUITES = (
+    "bench_assembly",
+    "bench_worker",
+    "bench_multimodal",
+    "bench_refit",
+    "bench_sparse",
+    "bench_reshard",
+)
 
 
 def main() -> int:

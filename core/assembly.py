@@ -46,6 +46,7 @@ __all__ = [
     "assemble_flat_outputs",
     "assemble_outputs",
     "flatten_generations",
+    "place_rows",
 ]
 
 FINISH_REASONS = frozenset({"stop", "length", "abort"})
@@ -198,6 +199,31 @@ def flatten_generations(generations: Sequence[Generation]) -> FlatGenerations:
         ).astype(np.float32, copy=False)
     return FlatGenerations(
         token_ids=token_ids, logprobs=logprobs, lengths=lengths, truncated=truncated
+    )
+
+
+def place_rows(flat: FlatGenerations, rows: Sequence[int], batch_size: int) -> FlatGenerations:
+    """``flat``'s rows at positions ``rows`` (strictly increasing, one per row of ``flat``)
+    of a batch of ``batch_size``; every other row is empty (no tokens, not truncated), as a
+    row the engine never saw. The flat token and logprob arrays are shared, not copied:
+    empty rows add nothing to them and the order of the others is kept."""
+    positions = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if (
+        positions.shape[0] != flat.batch_size
+        or bool((positions < 0).any())
+        or bool((positions >= batch_size).any())
+        or bool((np.diff(positions) <= 0).any())
+    ):
+        raise ValueError(
+            f"place_rows needs {flat.batch_size} strictly increasing rows in "
+            f"[0, {batch_size}); got {positions.tolist()}"
+        )
+    lengths = np.zeros(batch_size, dtype=np.int64)
+    truncated = np.zeros(batch_size, dtype=np.bool_)
+    lengths[positions] = flat.lengths
+    truncated[positions] = flat.truncated
+    return FlatGenerations(
+        token_ids=flat.token_ids, logprobs=flat.logprobs, lengths=lengths, truncated=truncated
     )
 
 

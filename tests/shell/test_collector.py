@@ -95,9 +95,9 @@ def _spied_worker(
     seen: list[bool] = []
     original = engine.generate
 
-    def generate(prompts: Any, specs: Any) -> Any:
+    def generate(prompts: Any, specs: Any, media: Any = None, **options: Any) -> Any:
         seen.append(gc.isenabled())
-        return original(prompts, specs)
+        return original(prompts, specs, media, **options)
 
     monkeypatch.setattr(engine, "generate", generate)
     return worker, engine, seen

@@ -148,14 +148,14 @@ def test_finish_reasons(cpu_engine: VllmEngine) -> None:
 def test_generate_text_matches_raw_vllm(cpu_engine: VllmEngine, cpu_llm: LLM) -> None:
     prompts = ["The quick brown fox", "Hello world!"]
     specs = [greedy(6, detokenize=True), greedy(3, detokenize=True)]
-    ours = cpu_engine.generate_text(prompts, specs)
+    ours = cpu_engine.generate_text(cpu_engine.tokenize(prompts), specs)
     raw = cpu_llm.generate(prompts, [sampling_params(s) for s in specs], use_tqdm=False)
     assert ours == [o.outputs[0].text for o in raw]
 
 
 def test_generate_text_refuses_specs_that_do_not_detokenize(cpu_engine: VllmEngine) -> None:
     with pytest.raises(ValueError, match=r"rows \[1\]"):
-        cpu_engine.generate_text(["a", "b"], [greedy(2, detokenize=True), greedy(2)])
+        cpu_engine.generate_text([[5], [6]], [greedy(2, detokenize=True), greedy(2)])
 
 
 # --- what vLLM is asked for, and the collector around the call ---

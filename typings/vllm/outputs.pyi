@@ -10,4 +10,5 @@ class CompletionOutput:
     finish_reason: str | None
 
 class RequestOutput:
+    prompt_token_ids: list[int] | None
     outputs: list[CompletionOutput]
