@@ -579,7 +579,9 @@ def _generations(outs: Sequence[CompletionOutput]) -> FlatGenerations:
     layouts: dict[int, tuple[list[int], struct.Struct, struct.Struct]] = {}
     offset = 0
     for out in outs:
-        ids = out.token_ids
+        ids = out.token_ids  # a list in 0.32; any other sequence is compared as one
+        if not isinstance(ids, list):
+            ids = list(ids)
         flat = out.logprobs
         n = len(ids)
         layout = layouts.get(n)

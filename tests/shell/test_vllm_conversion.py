@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import vllm.logprobs
 import vllm.outputs
@@ -14,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from genworker.core.assembly import flatten_generations
+from genworker.shell import vllm_engine
 from genworker.shell.errors import GenworkerError
 from genworker.shell.vllm_engine import _generation, _generations
 
@@ -81,6 +83,47 @@ def test_bulk_conversion_equals_the_row_by_row_one(
             )
         )
     expected = flatten_generations([_generation(i, o) for i, o in enumerate(outs)])
+    assert _generations(outs) == expected
+
+
+_any_logprob = st.floats(max_value=0.0, allow_nan=False) | st.sampled_from(
+    [-3.4028235677973366e38, -3.4028235677973366e38 * (1 + 2**-30), -1e300, -1e-45, -0.0]
+)
+
+
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 2**40), _any_logprob), max_size=6),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_the_one_pass_conversion_is_bit_identical_for_any_double(
+    rows: list[list[tuple[int, float]]],
+) -> None:
+    """vLLM's logprobs are Python doubles: the one-pass packing rounds each to float32
+    exactly as numpy's cast in the row-by-row path does (bit for bit, -inf and values past
+    float32's range included), and token ids past 32 bits are kept."""
+    outs = [_completion([t for t, _ in row], [v for _, v in row]) for row in rows]
+    bulk = _generations(outs)
+    expected = flatten_generations([_generation(i, o) for i, o in enumerate(outs)])
+    assert bulk.logprobs.view(np.uint32).tolist() == expected.logprobs.view(np.uint32).tolist()
+    assert bulk.token_ids.tolist() == expected.token_ids.tolist()
+    assert bulk == expected
+
+
+def test_token_ids_in_another_sequence_type_take_the_one_pass_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    outs = [_completion([5, 6, 7], [-0.5, -1.5, -2.5]), _completion([8], [-3.0])]
+    expected = _generations(outs)
+    for out in outs:
+        out.token_ids = tuple(out.token_ids)
+
+    def row_by_row(row: int, out: object) -> None:
+        raise AssertionError(f"row {row} went row by row")
+
+    monkeypatch.setattr(vllm_engine, "_generation", row_by_row)
     assert _generations(outs) == expected
 
 
