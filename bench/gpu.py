@@ -10,6 +10,14 @@ measured in the same run as its baseline:
   ``worker_overhead``: the median over pairs of adjacent runs of ``worker_time /
   raw_time`` (bar <= 1.03), beside the ratio of the medians and the worker's own time
   outside ``LLM.generate``.
+- ``gen-tokenizer``: the same model and batch as users run it, with a tokenizer (a
+  byte-level BPE written here whose vocabulary is the dummy model's 32,000 tokens) and
+  CUDA graphs (``enforce_eager=False``: vLLM's torch.compile and CUDA graphs, start ~71 s):
+  ``worker_vs_raw_default``, ``worker.generate`` over raw ``LLM.generate`` with default
+  ``SamplingParams`` plus ``logprobs=0`` (vLLM detokenizes every token and builds a logprob
+  dict per position; bar <= 0.95), ``worker_overhead`` against the ``SamplingParams`` the
+  worker builds (bar <= 1.03), and the worker's own time outside ``LLM.generate`` as a
+  share of that raw run (bar < 0.5%).
 - ``sleep``: sleep/wake latency and GPU memory freed and regained, levels 1 and 2, on that
   engine.
 - ``refit``: an 8B-shaped Llama (Llama-3-8B, dummy weights, ``enforce_eager``); 16 GB of
@@ -35,9 +43,9 @@ measured in the same run as its baseline:
 Every engine runs in its own spawned child process: vLLM's sleep-mode allocator serves one
 engine per process (``CuMemAllocator``, vllm/v1/worker/gpu_worker.py, 0.25), and a section
 that crashes its process (a CUDA fault, an OOM kill) must still leave the others in the
-report, with the failure's text. All engines run with ``enforce_eager=True`` (no CUDA graphs,
-no torch.compile) to keep engine starts near 30 s; generation throughput is lower than with
-graphs, and the report says so.
+report, with the failure's text. All engines but ``gen-tokenizer``'s run with
+``enforce_eager=True`` (no CUDA graphs, no torch.compile) to keep engine starts near 30 s;
+generation throughput is lower than with graphs, and the report says so.
 
 ``--dry-run`` runs the same code on tiny shapes, on the CPU when there is no GPU (vLLM's CPU
 engine; sections the platform cannot do record their error), to check the script itself.
@@ -65,7 +73,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("gen", "sleep", "refit", "ipc-nosleep", "nccl", "async")
+SECTIONS = ("gen", "gen-tokenizer", "sleep", "refit", "ipc-nosleep", "nccl", "async")
 GIB = 1 << 30
 ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in-process (the runner needs it)
@@ -83,6 +91,8 @@ REF_8B_WAKE_L2_S = 0.25
 REF_8B_LOAD_WEIGHTS_S = 0.026
 REF_NCCL_GBPS = 370.0
 OVERHEAD_BAR = 1.03
+VS_RAW_DEFAULT_BAR = 0.95
+OUTSIDE_SHARE_BAR = 0.005
 SWITCH_REFIT = "refit (IPC, engine layout, default)"
 DEFAULT_BAR = 0.60  # the default IPC refit, each trainer layout, of the copy bandwidth
 BEST_BAR = 0.70  # the best IPC refit
@@ -178,6 +188,7 @@ class Scale:
     prompt_len: int = 128
     new_tokens: int = 256
     gen_reps: int = 9
+    gen_tokenizer_reps: int = 5
     gen_util: float = 0.5
     refit_shape: LlamaShape = LLAMA3_8B
     refit_util: float = 0.4
@@ -197,6 +208,7 @@ DRY = Scale(
     prompt_len=8,
     new_tokens=8,
     gen_reps=2,
+    gen_tokenizer_reps=2,
     refit_shape=TINY,
     refit_reps=2,
     copy_bytes=16 << 20,
@@ -227,6 +239,7 @@ class Section:
 
 TITLES = {
     "gen": "Generation: worker vs raw `LLM.generate` on the same engine",
+    "gen-tokenizer": "Generation with a tokenizer and CUDA graphs: worker vs raw `LLM.generate`",
     "sleep": "Sleep / wake on the generation engine",
     "refit": "Refit over CUDA IPC (8B shape, 16 GB bf16)",
     "ipc-nosleep": "Refit over CUDA IPC into an engine without sleep mode (8B shape)",
@@ -407,6 +420,35 @@ def write_model(shape: LlamaShape, dtype: str) -> Path:
     return model_dir
 
 
+def write_tokenizer(model_dir: Path, vocab: int) -> None:
+    """A byte-level BPE tokenizer of exactly ``vocab`` tokens into ``model_dir``, no
+    download: ``<unk>``, ``<s>`` (1) and ``</s>`` (2), as the Llama config has them, the 256
+    byte symbols, then two-symbol merges in a fixed order until the vocabulary is full
+    (decoding a random id costs what a real byte-level vocabulary's does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab_ids = {token: i for i, token in enumerate([*specials, *alphabet])}
+    merges: list[tuple[str, str]] = []
+    for a in alphabet:
+        for b in alphabet:
+            if len(vocab_ids) == vocab:
+                break
+            vocab_ids[a + b] = len(vocab_ids)
+            merges.append((a, b))
+    if len(vocab_ids) != vocab:
+        raise ValueError(f"a vocabulary of {vocab} needs more than two-symbol merges")
+    bpe = Tokenizer(models.BPE(vocab=vocab_ids, merges=merges, unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.save_pretrained(model_dir)
+
+
 def worker_config(
     model_dir: Path,
     scale: Scale,
@@ -415,8 +457,11 @@ def worker_config(
     max_new_tokens: int,
     max_model_len: int,
     prefix_caching: bool | None = None,
+    tokenizer: bool = False,
+    cuda_graphs: bool = False,
 ) -> dict[str, object]:
-    """NeMo-RL's generation config for a dummy-weight, token-id-only engine."""
+    """NeMo-RL's generation config for a dummy-weight engine: token ids only (no tokenizer,
+    eager) unless ``tokenizer`` / ``cuda_graphs``."""
     vllm_kwargs: dict[str, object] = {}
     if scale.device == "cpu":
         vllm_kwargs["kv_cache_memory_bytes"] = scale.cpu_kv_cache_bytes
@@ -438,9 +483,9 @@ def worker_config(
             "gpu_memory_utilization": util,
             "max_model_len": max_model_len,
             "precision": scale.dtype,
-            "enforce_eager": True,
+            "enforce_eager": not cuda_graphs,
             "load_format": "dummy",
-            "skip_tokenizer_init": True,
+            "skip_tokenizer_init": not tokenizer,
             "enable_prefix_caching": prefix_caching,
         },
         "vllm_kwargs": vllm_kwargs,
@@ -787,6 +832,183 @@ def gen_sleep_child(
             )
         report(sec)
     worker.shutdown()
+
+
+# -- generation with a tokenizer and CUDA graphs (one engine, one child) ----------------
+def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> None:
+    """``gen-tokenizer``: the worker against raw ``LLM.generate`` with default
+    ``SamplingParams`` and with the worker's own, tokenizer on, CUDA graphs."""
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+
+    from genworker.core.sampling import sampling_spec
+
+    sec = Section("gen-tokenizer", TITLES["gen-tokenizer"])
+    with guarded(sec):
+        pinned_cpus = pin_to_gpu_cpus()
+        shape = scale.gen_shape
+        model_dir = write_model(shape, scale.dtype)
+        write_tokenizer(model_dir, shape.vocab)
+        graphs = scale.device == "cuda"  # the CPU dry run stays eager (no compiler there)
+        config = worker_config(
+            model_dir,
+            scale,
+            util=scale.gen_util,
+            max_new_tokens=scale.new_tokens,
+            max_model_len=scale.prompt_len + scale.new_tokens + 16,
+            prefix_caching=False,
+            tokenizer=True,
+            cuda_graphs=graphs,
+        )
+        worker, start_s, _ = start_worker(config)
+        sec.row("model", f"{shape.name}: {fmt_params(shape.num_params())} parameters", "")
+        sec.row(
+            "tokenizer",
+            f"byte-level BPE, {shape.vocab} tokens (the model's vocabulary), written locally",
+            "`skip_tokenizer_init=False`",
+        )
+        sec.row(
+            "engine start" + (" (torch.compile + CUDA graphs)" if graphs else " (eager)"),
+            fmt_s(start_s),
+            "71 s with compile + CUDA graphs",
+        )
+        g = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(1, shape.vocab, (scale.prompts, scale.prompt_len), generator=g)
+        data = {
+            "input_ids": input_ids,
+            "input_lengths": torch.full((scale.prompts,), scale.prompt_len),
+        }
+        prompts = [TokensPrompt(prompt_token_ids=row) for row in input_ids.tolist()]
+        caps = worker.engine.capabilities
+        spec = sampling_spec(
+            worker.cfg,
+            greedy=False,
+            max_tokens=scale.new_tokens,
+            stop=(),
+            flat_logprobs=caps.flat_logprobs,
+        )
+        same = SamplingParams(**spec.as_kwargs(caps.sampling_args))
+        default = SamplingParams(max_tokens=scale.new_tokens, logprobs=0, ignore_eos=True)
+        llm = worker.llm
+        expected = scale.prompts * scale.new_tokens
+        probe = GenProbe(llm)
+
+        def via_worker() -> int:
+            return int(worker.generate(data)["generation_lengths"].sum())
+
+        def via_raw(params: Any) -> Callable[[], int]:
+            def run() -> int:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                return sum(len(o.outputs[0].token_ids) for o in outs)
+
+            return run
+
+        paths = {"worker": via_worker, "raw_default": via_raw(default), "raw_same": via_raw(same)}
+        warm = {name: timed(fn)[0] for name, fn in paths.items()}  # first-call costs
+        runs: dict[str, list[float]] = {name: [] for name in paths}
+        inner: dict[str, list[float]] = {name: [] for name in paths}
+        pauses: dict[str, list[float]] = {name: [] for name in paths}
+        counts: set[int] = set()
+        names = list(paths)
+        with probe:
+            for rep in range(scale.gen_tokenizer_reps):
+                for k in range(len(names)):  # rotate the order every repetition
+                    name = names[(rep + k) % len(names)]
+                    probe.reset()
+                    seconds, n = timed(paths[name])
+                    runs[name].append(seconds)
+                    inner[name].append(probe.inner_s)
+                    pauses[name].append(probe.gc_s)
+                    counts.add(int(n))
+
+        def paired(a: str, b: str) -> float:
+            return statistics.median(x / y for x, y in zip(runs[a], runs[b], strict=True))
+
+        def median(name: str) -> float:
+            return statistics.median(runs[name])
+
+        vs_default, overhead = paired("worker", "raw_default"), paired("worker", "raw_same")
+        outside = statistics.median(
+            t - i for t, i in zip(runs["worker"], inner["worker"], strict=True)
+        )
+        share = outside / median("raw_same")
+        sec.row(
+            "batch",
+            f"{scale.prompts} prompts x {scale.prompt_len} tokens in, {scale.new_tokens} out, "
+            "ignore_eos, temperature 1.0, logprobs=0",
+            "",
+        )
+        sec.row(
+            "raw `LLM.generate`, default `SamplingParams` + logprobs=0",
+            "detokenize=True, a logprob dict per position",
+            "what a user of vLLM gets",
+        )
+        sec.row(
+            "raw `LLM.generate`, the worker's `SamplingParams`",
+            ", ".join(f"{k}={v}" for k, v in same_fields(same).items()),
+            "the worker's spec",
+        )
+        sec.row("warm-up runs: " + ", ".join(names), ", ".join(fmt_s(warm[n]) for n in names), "")
+        for name in names:
+            sec.row(
+                f"{name}, median",
+                f"{fmt_s(median(name))}, {expected / median(name):,.0f} tokens/s",
+                "runs (s): " + ", ".join(f"{x:.3f}" for x in runs[name]),
+            )
+        sec.row(
+            "worker: inside `LLM.generate` / outside it (ours), medians",
+            f"{fmt_s(statistics.median(inner['worker']))} / {fmt_s(outside)}",
+            f"outside = {share:.3%} of the raw median (worker's params)",
+        )
+        sec.row(
+            "cyclic GC pauses per run, median: " + " / ".join(names),
+            " / ".join(fmt_s(statistics.median(pauses[n])) for n in names),
+            "gc.callbacks, whole process",
+        )
+        sec.row(
+            "worker_vs_raw_default = worker / raw (default params), median over repetitions",
+            f"{vs_default:.4f}",
+            f"bar <= {VS_RAW_DEFAULT_BAR}",
+        )
+        sec.row(
+            "worker_overhead = worker / raw (worker's params), median over repetitions",
+            f"{overhead:.4f}",
+            f"bar <= {OVERHEAD_BAR}",
+        )
+        sec.verdict(
+            f"worker_vs_raw_default {vs_default:.4f} <= {VS_RAW_DEFAULT_BAR}",
+            vs_default <= VS_RAW_DEFAULT_BAR,
+        )
+        sec.verdict(f"worker_overhead {overhead:.4f} <= {OVERHEAD_BAR}", overhead <= OVERHEAD_BAR)
+        sec.verdict(
+            f"worker outside `LLM.generate` {share:.3%} < {OUTSIDE_SHARE_BAR:.1%} of raw",
+            share < OUTSIDE_SHARE_BAR,
+        )
+        if counts != {expected}:
+            sec.notes.append(f"generated token counts {sorted(counts)}, expected {expected}")
+            sec.verdict("every run generated prompts x new tokens", False)
+        sec.notes.append(
+            "one engine, three paths, the order rotating every repetition; each ratio is the "
+            "median over repetitions of the ratio of the two runs of one repetition. The "
+            "worker detokenizes nothing (no stop strings) and reads flat logprobs; cyclic GC "
+            "is off inside its call, one young collection at its end"
+        )
+        sec.notes.append(
+            f"pinned to CPUs {pinned_cpus}; prefix caching off (every run prefills its prompts)"
+        )
+        if not graphs:
+            sec.notes.append("not on CUDA: eager, so the figures check the script only")
+        worker.shutdown()
+    report(sec)
+
+
+def same_fields(params: Any) -> dict[str, object]:
+    """The ``SamplingParams`` fields that tell the worker's params from vLLM's defaults."""
+    return {
+        name: getattr(params, name)
+        for name in ("detokenize", "flat_logprobs", "logprobs")
+        if hasattr(params, name)
+    }
 
 
 # -- refit over IPC (engine child + trainer grandchild on the same GPU) -----------------
@@ -1680,9 +1902,10 @@ def machine_lines(scale: Scale, started: float, argv: Sequence[str]) -> list[str
         f"Python {platform.python_version()}",
         f"- {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; command `{' '.join(argv)}`; "
         f"total wall time {time.perf_counter() - started:.0f} s",
-        "- every engine: `enforce_eager=True` (no CUDA graphs, no torch.compile), "
-        '`load_format="dummy"`, `skip_tokenizer_init=True`, token-id prompts, the engine core '
-        "in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one spawned process per engine",
+        "- every engine but gen-tokenizer's: `enforce_eager=True` (no CUDA graphs, no "
+        'torch.compile), `skip_tokenizer_init=True`; every engine: `load_format="dummy"`, '
+        "token-id prompts, the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), "
+        "one spawned process per engine",
     ]
     if scale.gen_shape is TINY:
         lines.append("- **dry run**: tiny shapes; the figures check the script, not the product")
@@ -1694,8 +1917,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench/RESULTS-gpu.md"))
     parser.add_argument(
         "--sections",
-        default="gen,sleep,refit,ipc-nosleep",
-        help=f"comma-separated, from {','.join(SECTIONS)} (default gen,sleep,refit,ipc-nosleep)",
+        default="gen,gen-tokenizer,sleep,refit,ipc-nosleep",
+        help=f"comma-separated, from {','.join(SECTIONS)} "
+        "(default gen,gen-tokenizer,sleep,refit,ipc-nosleep)",
     )
     parser.add_argument("--nccl", action="store_true", help="add the two-GPU NCCL section")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes; CPU without a GPU")
@@ -1757,6 +1981,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             {"scale": scale, "sections": gen_sleep},
             gen_sleep,
             scale.child_timeout_s,
+        )
+        write()
+    if "gen-tokenizer" in wanted:
+        sections += run_child(
+            gen_tokenizer_child,
+            {"scale": scale},
+            ["gen-tokenizer"],
+            scale.child_timeout_s + 120.0,  # torch.compile and graph capture at the start
         )
         write()
     if "refit" in wanted:

@@ -12,6 +12,17 @@ asks for the sampled token's logprob only, and ``include_stop_str_in_output=True
 matched stop string in the text (as NeMo-RL does; with False vLLM holds output back by the
 longest stop string, vllm#11089).
 
+Only rows that need text ask vLLM to detokenize. By default vLLM turns every sampled
+token, and every logprob entry, into text on the engine's host thread (the incremental
+detokenizer and ``LogprobsProcessor`` of vllm/v1/engine/output_processor.py and
+vllm/v1/engine/logprobs.py, 0.32); an RL rollout reads token ids and logprobs only.
+``detokenize`` defaults to "the row has stop strings" (vLLM matches stop strings on the
+text, and ``SamplingParams._verify_args`` refuses stop strings without detokenization);
+:func:`sampling_spec` turns it on for every row when ``text`` is asked for
+(``generate_text``). Stop token ids, EOS and ``max_tokens`` are checked on token ids in
+the engine core (``check_stop`` in vllm/v1/core/sched/utils.py), so a row without stop
+strings generates the same tokens and logprobs either way.
+
 The invariants vLLM checks in ``SamplingParams._verify_args`` are checked here at construction
 (older pinned versions lack some of them), so a bad spec is a programming error raised where
 it is built, not a request error deep in the engine.
@@ -109,15 +120,26 @@ def _check_bad_words(_: object, __: object, value: tuple[str, ...] | None) -> No
     _check_nonempty_strings("bad_words", value)
 
 
+def _check_detokenize(instance: SamplingSpec, _: object, value: bool) -> None:
+    if instance.stop and not value:
+        raise ValueError(
+            f"stop strings {instance.stop!r} need detokenize=True: vLLM matches them on the text"
+        )
+
+
+def _has_stop_strings(instance: SamplingSpec) -> bool:
+    return bool(instance.stop)
+
+
 def _check_token_ids(_: object, __: object, value: tuple[int, ...]) -> None:
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
         raise ValueError(f"stop_token_ids must hold non-negative ints, got {value!r}")
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, cache_hash=True)
 class SamplingSpec:
     """The sampling parameters of one request (a hashable value; equal specs share one
-    ``SamplingParams``)."""
+    ``SamplingParams``). The hash is computed once: a batch groups its rows' specs by it."""
 
     temperature: float = attrs.field(validator=_check_temperature)
     top_p: float = attrs.field(validator=_check_top_p)
@@ -135,6 +157,9 @@ class SamplingSpec:
     ignore_eos: bool = False
     seed: int | None = None
     flat_logprobs: bool = False
+    detokenize: bool = attrs.field(
+        default=attrs.Factory(_has_stop_strings, takes_self=True), validator=_check_detokenize
+    )
 
     def as_kwargs(self, known: frozenset[str] | None = None) -> dict[str, object]:
         """Keyword arguments for vLLM ``SamplingParams`` (tuples as lists).
@@ -152,6 +177,7 @@ class SamplingSpec:
             "stop_token_ids": list(self.stop_token_ids),
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "ignore_eos": self.ignore_eos,
+            "detokenize": self.detokenize,
         }
         if self.bad_words is not None:
             kwargs["bad_words"] = list(self.bad_words)
@@ -172,9 +198,11 @@ def sampling_spec(
     stop: Sequence[str],
     seed: int | None = None,
     flat_logprobs: bool = False,
+    text: bool = False,
 ) -> SamplingSpec:
     """The spec for one request: the config's sampling settings, or greedy decoding
-    (temperature 0, top_k 1, top_p 1) when ``greedy``."""
+    (temperature 0, top_k 1, top_p 1) when ``greedy``. vLLM detokenizes the row only when
+    it has stop strings or ``text`` (the caller reads the completion's text)."""
     return SamplingSpec(
         temperature=0.0 if greedy else config.temperature,
         top_p=1.0 if greedy else config.top_p,
@@ -186,6 +214,7 @@ def sampling_spec(
         ignore_eos=config.ignore_eos,
         seed=seed,
         flat_logprobs=flat_logprobs,
+        detokenize=text or bool(stop),
     )
 
 

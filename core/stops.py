@@ -150,6 +150,8 @@ def merge_stop_strings(
         return Failure(_error(problems))
 
     base = tuple(dict.fromkeys(config_stops or ()))
+    if per_sample is None:  # every row gets the config's strings, in either mode
+        return Success((base,) * batch_size)
     if mode is StopMode.BATCH_UNION:
         union = dict.fromkeys(base)
         for strings in rows:

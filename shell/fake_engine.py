@@ -12,6 +12,8 @@ depend on the other rows. It follows vLLM's contract where the worker relies on 
 - a prompt longer than ``max_model_len``, or an empty one, is a ``BadBatchError``;
 - sleep level 2 discards weights: generating after it without new weights gives garbage
   in vLLM; here it raises ``FakeEngineMisuse`` so a test sees the worker let it through;
+- ``generate`` returns the batch as ``FlatGenerations``; ``generate_text`` refuses a spec
+  without ``detokenize`` (vLLM would return empty texts) with ``FakeEngineMisuse``;
 - sleep and wake follow vLLM's ``Executor`` (``vllm/v1/executor/abstract.py``, 0.32):
   ``sleep`` does nothing while the weights are asleep (whatever the level), ``wake_up``
   does nothing when nothing sleeps, and a ``wake_up(tags)`` naming a tag that is awake
@@ -45,7 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from genworker.core.assembly import Generation
+from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
 from genworker.core.counters import CounterSample, MetricSample
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.errors import BadBatchError, BadConfigError, EngineDeadError
@@ -200,6 +202,15 @@ class FakeEngine:
         media: Sequence[RowMedia | None] | None = None,
         *,
         use_tqdm: bool = False,
+    ) -> FlatGenerations:
+        return flatten_generations(self._generations(prompts, specs, media, use_tqdm))
+
+    def _generations(
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        media: Sequence[RowMedia | None] | None,
+        use_tqdm: bool,
     ) -> list[Generation]:
         self._enter("generate")
         self.progress_bars.append(use_tqdm)
@@ -229,8 +240,10 @@ class FakeEngine:
         use_tqdm: bool = False,
     ) -> list[str]:
         self._enter("generate_text")
+        if not all(spec.detokenize for spec in specs):
+            raise FakeEngineMisuse("generate_text with a spec that does not detokenize")
         self._check_servable()
-        generations = self.generate(prompts, specs, media, use_tqdm=use_tqdm)
+        generations = self._generations(prompts, specs, media, use_tqdm)
         return [detokenize(g.token_ids) for g in generations]
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:

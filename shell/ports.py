@@ -11,7 +11,7 @@ from typing import Protocol
 
 import attrs
 
-from genworker.core.assembly import Generation
+from genworker.core.assembly import FlatGenerations, Generation
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
@@ -64,10 +64,10 @@ class EnginePort(Protocol):
         media: Sequence[RowMedia | None] | None = None,
         *,
         use_tqdm: bool = False,
-    ) -> list[Generation]:
-        """One Generation per prompt, in prompt order; ``specs[i]`` applies to prompt i and
-        ``media[i]`` (when given) holds its images, one placeholder id each. ``use_tqdm``
-        shows the engine's progress bar."""
+    ) -> FlatGenerations:
+        """The batch's generations as flat arrays, rows in prompt order; ``specs[i]``
+        applies to prompt i and ``media[i]`` (when given) holds its images, one
+        placeholder id each. ``use_tqdm`` shows the engine's progress bar."""
         ...
 
     def generate_text(
@@ -78,7 +78,8 @@ class EnginePort(Protocol):
         *,
         use_tqdm: bool = False,
     ) -> list[str]:
-        """One completion text per token prompt (from :meth:`tokenize`), in prompt order."""
+        """One completion text per token prompt (from :meth:`tokenize`), in prompt order;
+        every spec has ``detokenize=True`` (``sampling_spec(text=True)``)."""
         ...
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:

@@ -32,7 +32,12 @@ from typing import Concatenate, ParamSpec, TypeVar
 import torch
 
 from genworker.core import lifecycle
-from genworker.core.assembly import Generation, assemble_outputs
+from genworker.core.assembly import (
+    assemble_flat_outputs,
+    assemble_outputs,
+    flatten_generations,
+    place_rows,
+)
 from genworker.core.batch import check_batch, check_seeds
 from genworker.core.caps import cap_rows
 from genworker.core.config import WorkerConfig
@@ -51,6 +56,7 @@ from genworker.core.refit_protocol import (
 )
 from genworker.core.sampling import SamplingSpec, sampling_spec
 from genworker.core.stops import StopMode, merge_stop_strings
+from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.engine_lock import EngineLock
 from genworker.shell.errors import (
     BadArgumentError,
@@ -139,7 +145,7 @@ def checked_env_names(names: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(names)
 
 
-_NO_ROOM = Generation(token_ids=(), logprobs=(), finish_reason="abort")
+_NO_ROWS = flatten_generations([])
 _CACHES = {"prefix": "prefix cache", "mm": "multimodal cache", "encoder": "encoder cache"}
 
 
@@ -321,10 +327,15 @@ class VllmGenerationWorker:
 
     # -- generation -----------------------------------------------------------------
     def _specs(
-        self, lengths: Sequence[int], data: Mapping[str, object], greedy: bool
+        self,
+        lengths: Sequence[int],
+        data: Mapping[str, object],
+        greedy: bool,
+        text: bool = False,
     ) -> list[SamplingSpec | None]:
         """One spec per row; ``None`` for a row without room (refused alone, named in
-        ``last_refused_rows`` and a warning)."""
+        ``last_refused_rows`` and a warning). ``text``: the caller reads the completions'
+        text (vLLM detokenizes every row; otherwise only rows with stop strings)."""
         caps = self.engine.capabilities
         per_sample_stops = data.get("stop_strings")
         seeds = unwrap(check_seeds(data.get("seeds"), len(lengths)), BadBatchError, "seeds")
@@ -368,13 +379,16 @@ class VllmGenerationWorker:
                     stop=s,
                     seed=seed,
                     flat_logprobs=caps.flat_logprobs,
+                    text=text,
                 )
             specs.append(spec)
         return specs
 
     @_serialized
+    @defer_cyclic_gc()
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
-        """Generate for a right-padded batch; returns NeMo-RL's output contract."""
+        """Generate for a right-padded batch; returns NeMo-RL's output contract. Cyclic GC
+        waits for the end of the call (``genworker.shell.collector``)."""
         next_state = self._move(lifecycle.Event.GENERATE)
         if not isinstance(greedy, bool):
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
@@ -399,7 +413,7 @@ class VllmGenerationWorker:
         specs = self._specs(context, data, greedy)
         kept = [i for i, spec in enumerate(specs) if spec is not None]
         progress = self.cfg.vllm.use_tqdm
-        generations = [_NO_ROOM] * len(specs)
+        made = _NO_ROWS
         if kept:
             prompts = [batch.prompts[i] for i in kept]
             kept_specs = [spec for spec in specs if spec is not None]
@@ -407,10 +421,10 @@ class VllmGenerationWorker:
             made = self._call(
                 lambda e: e.generate(prompts, kept_specs, kept_media, use_tqdm=progress)
             )
-            for i, generation in zip(kept, made, strict=True):
-                generations[i] = generation
+        # Rows without room come back empty, as if never sent.
+        generations = made if len(kept) == len(specs) else place_rows(made, kept, len(specs))
         self._state = next_state
-        out = assemble_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
+        out = assemble_flat_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
         # What the context held: the prompt (expanded, for media rows) plus the generation.
         held = out.unpadded_sequence_lengths
         if media is not None:
@@ -479,7 +493,7 @@ class VllmGenerationWorker:
                 f"{caps.max_model_len} tokens ({[len(ids[i]) for i in too_long]})"
             )
         context = self._context_lengths(ids, [len(p) for p in ids], media)
-        specs = self._specs(context, data, greedy)
+        specs = self._specs(context, data, greedy, text=True)
         kept = [i for i, spec in enumerate(specs) if spec is not None]
         texts = [""] * len(prompts)
         if kept:

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from genworker.core.assembly import FlatGenerations
+
 PAD = 0
 
 
@@ -45,3 +47,19 @@ def right_padded(
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
     return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows])}
+
+
+def flat_rows(flat: FlatGenerations) -> list[tuple[list[int], list[float], bool]]:
+    """Each row of a flat batch as (token ids, logprobs, truncated)."""
+    rows = []
+    start = 0
+    for n, truncated in zip(flat.lengths.tolist(), flat.truncated.tolist(), strict=True):
+        rows.append(
+            (
+                flat.token_ids[start : start + n].tolist(),
+                flat.logprobs[start : start + n].tolist(),
+                bool(truncated),
+            )
+        )
+        start += n
+    return rows

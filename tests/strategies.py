@@ -247,7 +247,7 @@ sampling_defaults = st.builds(
     ignore_eos=st.booleans(),
 )
 
-sampling_specs = st.builds(
+_sampling_specs_by_default = st.builds(
     _SamplingSpec,
     temperature=sampling_temperatures,
     top_p=sampling_top_ps,
@@ -261,6 +261,10 @@ sampling_specs = st.builds(
     ignore_eos=st.booleans(),
     seed=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
     flat_logprobs=st.booleans(),
+)
+# ``detokenize`` defaults to "has stop strings"; a spec may also ask for text without them.
+sampling_specs = st.tuples(_sampling_specs_by_default, st.booleans()).map(
+    lambda drawn: _sampling_attrs.evolve(drawn[0], detokenize=True) if drawn[1] else drawn[0]
 )
 
 

@@ -22,6 +22,7 @@ from genworker.core.assembly import (
     assemble_flat_outputs,
     assemble_outputs,
     flatten_generations,
+    place_rows,
 )
 
 _NEMO_RL_KEYS = {
@@ -321,6 +322,32 @@ def test_flat_generations_refuse_inconsistent_arrays(
     assert _flat().batch_size == 2
     with pytest.raises(ValueError, match=match):
         _flat(**changes)
+
+
+_EMPTY_ROW = Generation((), (), "abort")
+
+
+@given(st.lists(st.tuples(st.booleans(), generations(with_logprobs=True)), max_size=8))
+def test_placed_rows_equal_the_batch_with_empty_rows_flattened(
+    rows: list[tuple[bool, Generation]],
+) -> None:
+    # Law: placing the kept rows' flat batch at their positions gives what flattening the
+    # whole batch (every other row empty, not truncated) gives.
+    kept = [i for i, (keep, _) in enumerate(rows) if keep]
+    made = flatten_generations([rows[i][1] for i in kept])
+    placed = place_rows(made, kept, len(rows))
+    assert placed == flatten_generations([g if keep else _EMPTY_ROW for keep, g in rows])
+    assert placed.token_ids is made.token_ids  # shared, not copied
+
+
+@pytest.mark.parametrize(
+    ("rows", "batch"),
+    [([0], 2), ([0, 1, 2], 3), ([1, 1], 3), ([2, 1], 3), ([-1, 0], 2), ([0, 2], 2)],
+    ids=["too-few", "too-many", "repeated", "decreasing", "negative", "past-the-end"],
+)
+def test_place_rows_refuses_positions_that_do_not_fit(rows: list[int], batch: int) -> None:
+    with pytest.raises(ValueError, match=r"place_rows needs 2 strictly increasing rows"):
+        place_rows(_flat(), rows, batch)
 
 
 def test_outputs_refuse_mismatched_tensors() -> None:

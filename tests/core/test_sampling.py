@@ -38,6 +38,7 @@ ALWAYS = frozenset(
         "stop_token_ids",
         "include_stop_str_in_output",
         "ignore_eos",
+        "detokenize",
     }
 )
 OPTIONAL = frozenset({"bad_words", "seed", "flat_logprobs"})
@@ -95,7 +96,7 @@ def test_sampling_carries_config_and_call(
         ignore_eos=config.ignore_eos,
         seed=seed,
         flat_logprobs=flat,
-    )
+    )  # detokenize left to its default: "has stop strings", the rule sampling_spec applies
     assert spec.stop == tuple(stop)
     assert isinstance(spec.stop, tuple)
 
@@ -113,6 +114,7 @@ def test_defaults_of_a_request() -> None:
         "stop_token_ids": [2, 7],
         "include_stop_str_in_output": True,
         "ignore_eos": False,
+        "detokenize": True,
     }
 
 
@@ -128,6 +130,47 @@ def test_every_valid_worker_config_builds_specs(
     assert spec.stop_token_ids == config.stop_token_ids
     assert spec.bad_words == config.bad_words
     assert spec.temperature == (0.0 if greedy else config.temperature)
+
+
+# --- detokenize ---
+
+
+@given(sampling_defaults, st.booleans(), max_tokens_values, sampling_stops, st.booleans())
+def test_only_rows_that_need_text_detokenize(
+    config: SamplingDefaultsValue,
+    greedy: bool,
+    max_tokens: int,
+    stop: Sequence[str],
+    text: bool,
+) -> None:
+    """Stop strings or a text request turn detokenization on; nothing else does."""
+    spec = sampling_spec(config, greedy=greedy, max_tokens=max_tokens, stop=stop, text=text)
+    assert spec.detokenize == (text or bool(stop))
+    assert spec.as_kwargs()["detokenize"] is spec.detokenize
+
+
+def test_a_token_only_request_skips_detokenization() -> None:
+    config = SamplingDefaultsValue(1.0, 1.0, -1, (), ("zz",), True)
+    spec = sampling_spec(config, greedy=False, max_tokens=4, stop=[])
+    assert spec.as_kwargs()["detokenize"] is False
+    # bad_words are tokenized when the request is added, not detokenized: no text needed.
+    assert spec.bad_words == ("zz",)
+    assert sampling_spec(config, greedy=False, max_tokens=4, stop=[], text=True).detokenize
+
+
+@given(sampling_specs)
+def test_stop_strings_always_come_with_detokenization(spec: SamplingSpec) -> None:
+    assert spec.detokenize or not spec.stop
+
+
+def test_stop_strings_without_detokenization_are_refused() -> None:
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingSpec(**GOOD, stop=["</a>"], detokenize=False)  # type: ignore[arg-type]
+    spec = SamplingSpec(**GOOD)  # type: ignore[arg-type]
+    assert spec.detokenize is False
+    with pytest.raises(ValueError, match="detokenize"):
+        attrs.evolve(spec, stop=("x",))
+    assert attrs.evolve(spec, stop=("x",), detokenize=True).stop == ("x",)
 
 
 # --- as_kwargs ---

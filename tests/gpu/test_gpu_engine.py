@@ -28,10 +28,14 @@ from shell.test_vllm_engine import (
     test_device_ids_name_the_device,
     test_finish_reasons,
     test_generate_text_matches_raw_vllm,
+    test_generate_text_refuses_specs_that_do_not_detokenize,
     test_greedy_matches_raw_vllm,
     test_metrics_count_a_batch_tokens,
     test_mismatched_specs_are_bad_batch,
+    test_only_rows_with_stop_strings_are_detokenized,
     test_seeded_sampling_matches_raw_vllm,
+    test_the_collector_is_off_inside_llm_generate_and_on_after,
+    test_the_collector_state_is_restored_when_generate_raises,
 )
 
 from genworker.shell.vllm_engine import VllmEngine
@@ -46,10 +50,14 @@ __all__ = [
     "test_device_ids_name_the_device",
     "test_finish_reasons",
     "test_generate_text_matches_raw_vllm",
+    "test_generate_text_refuses_specs_that_do_not_detokenize",
     "test_greedy_matches_raw_vllm",
     "test_metrics_count_a_batch_tokens",
     "test_mismatched_specs_are_bad_batch",
+    "test_only_rows_with_stop_strings_are_detokenized",
     "test_seeded_sampling_matches_raw_vllm",
+    "test_the_collector_is_off_inside_llm_generate_and_on_after",
+    "test_the_collector_state_is_restored_when_generate_raises",
 ]
 
 

@@ -86,9 +86,16 @@ def test_guarded_and_part_record_failures_and_go_on() -> None:
 
 
 def test_command_line_sections() -> None:
-    assert bench.parse_args([]).sections == ["gen", "sleep", "refit", "ipc-nosleep"]
+    assert bench.parse_args([]).sections == [
+        "gen",
+        "gen-tokenizer",
+        "sleep",
+        "refit",
+        "ipc-nosleep",
+    ]
     assert bench.parse_args(["--nccl"]).sections == [
         "gen",
+        "gen-tokenizer",
         "sleep",
         "refit",
         "ipc-nosleep",
@@ -105,3 +112,22 @@ def test_without_cuda_the_dry_run_goes_to_the_cpu_in_float32() -> None:
     assert (scale.device, scale.dtype, scale.gen_reps) == ("cpu", "float32", 1)
     assert scale.gen_shape is bench.TINY
     assert bench.choose_scale(bench.parse_args([]), has_cuda=True) == bench.FULL
+
+
+def test_the_generation_tokenizer_has_the_dummy_models_vocabulary(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    shape = bench.LLAMA_1B
+    bench.write_tokenizer(tmp_path, shape.vocab)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == shape.vocab
+    config = shape.config("bfloat16")
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (
+        config["bos_token_id"],
+        config["eos_token_id"],
+    )
+    text = "The worker reads token ids, not text."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    assert max(ids) < shape.vocab
+    assert isinstance(tokenizer.decode([shape.vocab - 1, 3, 300]), str)

@@ -1,4 +1,4 @@
-"""Converting vLLM's request outputs into generations (no engine needed).
+"""Converting vLLM's request outputs into flat generations (no engine needed).
 
 The typings stub only the attributes genworker reads; the constructors here come from
 the installed vLLM, reached untyped."""
@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import vllm.logprobs
 import vllm.outputs
 from hypothesis import given
 from hypothesis import strategies as st
 
+from genworker.core.assembly import flatten_generations
+from genworker.shell import vllm_engine
 from genworker.shell.errors import GenworkerError
 from genworker.shell.vllm_engine import _generation, _generations
 
@@ -20,24 +23,38 @@ _vllm_logprobs: Any = vllm.logprobs
 _vllm_outputs: Any = vllm.outputs
 
 
-def _completion(tokens: list[int], logprobs: list[float], *, extra: bool = False) -> Any:
-    flat = _vllm_logprobs.FlatLogprobs()
+def _completion(
+    tokens: list[int],
+    logprobs: list[float],
+    *,
+    extra: bool = False,
+    flat: bool = True,
+    finish_reason: str | None = "length",
+) -> Any:
+    """A completion as vLLM builds it: flat logprobs, or (``flat=False``) per-position
+    dicts; ``extra`` adds a top-1 alternative at position 0."""
+    positions = []
     logprob = _vllm_logprobs.Logprob
     for i, (token, value) in enumerate(zip(tokens, logprobs, strict=True)):
         entry = {token: logprob(logprob=value, rank=1, decoded_token=None)}
         if extra and i == 0:  # a top-1 alternative: two entries at this position
             entry[token + 1] = logprob(logprob=value - 1.0, rank=2, decoded_token=None)
-        flat.append(entry)
+        positions.append(entry)
+    container: Any = positions
+    if flat:
+        container = _vllm_logprobs.FlatLogprobs()
+        container.extend(positions)
     return _vllm_outputs.CompletionOutput(
         index=0,
         text="",
         token_ids=tokens,
         cumulative_logprob=None,
-        logprobs=flat,
-        finish_reason="length",
+        logprobs=container,
+        finish_reason=finish_reason,
     )
 
 
+_REASONS = ("stop", "length", "abort", "repetition")
 _rows = st.lists(
     st.lists(
         st.tuples(st.integers(0, 1000), st.floats(-20.0, 0.0, width=32)), min_size=0, max_size=6
@@ -47,15 +64,87 @@ _rows = st.lists(
 )
 
 
-@given(_rows, st.booleans())
+@given(_rows, st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(_REASONS))))
 def test_bulk_conversion_equals_the_row_by_row_one(
-    rows: list[list[tuple[int, float]]], extra: bool
+    rows: list[list[tuple[int, float]]], kinds: list[tuple[bool, bool, str]]
 ) -> None:
+    """Whatever mix of layouts (flat or dicts, with or without a top-1 alternative) and
+    finish reasons, the one-pass conversion gives what the row-by-row one does."""
+    outs = []
+    for i, row in enumerate(rows):
+        extra, flat, reason = kinds[i] if i < len(kinds) else (False, True, "length")
+        outs.append(
+            _completion(
+                [t for t, _ in row],
+                [v for _, v in row],
+                extra=extra and bool(row),
+                flat=flat,
+                finish_reason=reason,
+            )
+        )
+    expected = flatten_generations([_generation(i, o) for i, o in enumerate(outs)])
+    assert _generations(outs) == expected
+
+
+_any_logprob = st.floats(max_value=0.0, allow_nan=False) | st.sampled_from(
+    [-3.4028235677973366e38, -3.4028235677973366e38 * (1 + 2**-30), -1e300, -1e-45, -0.0]
+)
+
+
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 2**40), _any_logprob), max_size=6),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_the_one_pass_conversion_is_bit_identical_for_any_double(
+    rows: list[list[tuple[int, float]]],
+) -> None:
+    """vLLM's logprobs are Python doubles: the one-pass packing rounds each to float32
+    exactly as numpy's cast in the row-by-row path does (bit for bit, -inf and values past
+    float32's range included), and token ids past 32 bits are kept."""
+    outs = [_completion([t for t, _ in row], [v for _, v in row]) for row in rows]
+    bulk = _generations(outs)
+    expected = flatten_generations([_generation(i, o) for i, o in enumerate(outs)])
+    assert bulk.logprobs.view(np.uint32).tolist() == expected.logprobs.view(np.uint32).tolist()
+    assert bulk.token_ids.tolist() == expected.token_ids.tolist()
+    assert bulk == expected
+
+
+def test_token_ids_in_another_sequence_type_take_the_one_pass_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    outs = [_completion([5, 6, 7], [-0.5, -1.5, -2.5]), _completion([8], [-3.0])]
+    expected = _generations(outs)
+    for out in outs:
+        out.token_ids = tuple(out.token_ids)
+
+    def row_by_row(row: int, out: object) -> None:
+        raise AssertionError(f"row {row} went row by row")
+
+    monkeypatch.setattr(vllm_engine, "_generation", row_by_row)
+    assert _generations(outs) == expected
+
+
+def test_conversion_gives_truncation_and_flat_arrays() -> None:
     outs = [
-        _completion([t for t, _ in row], [v for _, v in row], extra=extra and bool(row))
-        for row in rows
+        _completion([5, 6, 7], [-0.5, -1.5, -2.5]),
+        _completion([8], [-3.0], finish_reason="stop"),
+        _completion([9, 10], [-0.25, -0.75], finish_reason="repetition"),
     ]
-    assert _generations(outs) == [_generation(i, o) for i, o in enumerate(outs)]
+    flat = _generations(outs)
+    assert flat.token_ids.tolist() == [5, 6, 7, 8, 9, 10]
+    assert flat.logprobs.tolist() == [-0.5, -1.5, -2.5, -3.0, -0.25, -0.75]
+    assert flat.lengths.tolist() == [3, 1, 2]
+    assert flat.truncated.tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_conversion_names_a_row_that_did_not_finish(flat: bool) -> None:
+    outs = [_completion([5], [-1.0], flat=flat), _completion([6], [-1.0], finish_reason=None)]
+    with pytest.raises(GenworkerError, match="row 1 did not finish"):
+        _generations(outs)
 
 
 def test_conversion_names_a_row_whose_logprobs_are_for_other_tokens() -> None:

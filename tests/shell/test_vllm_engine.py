@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import flat_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm import LLM
@@ -15,7 +17,14 @@ from vllm.inputs import TokensPrompt
 
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS, CounterSample
 from genworker.core.sampling import SamplingSpec
-from genworker.shell.errors import BadBatchError, BadConfigError, EngineDeadError, UnsupportedError
+from genworker.shell.collector import wait_released
+from genworker.shell.errors import (
+    BadBatchError,
+    BadConfigError,
+    EngineDeadError,
+    GenworkerError,
+    UnsupportedError,
+)
 from genworker.shell.vllm_engine import (
     VllmEngine,
     VllmEngineFactory,
@@ -33,14 +42,15 @@ def greedy(max_tokens: int, **kw: object) -> SamplingSpec:
     return SamplingSpec(temperature=0.0, top_p=1.0, top_k=1, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
 
 
-Row = tuple[list[int], list[float], str | None]
+Row = tuple[list[int], list[float], bool]  # token ids, sampled logprobs, truncated
 
 
 def raw_generate(
     llm: LLM, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
 ) -> list[Row]:
     """Tokens, sampled-token logprobs (read through the per-position dicts: the specs ask
-    for no flat logprobs) and finish reasons, from ``llm.generate``, one params per row."""
+    for no flat logprobs) and "finished on length", from ``llm.generate``, one params per
+    row."""
     params = [sampling_params(s) for s in specs]
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
@@ -50,18 +60,14 @@ def raw_generate(
         c = out.outputs[0]
         assert isinstance(c.logprobs, list)
         logprobs = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs, strict=True)]
-        rows.append((list(c.token_ids), logprobs, c.finish_reason))
+        rows.append((list(c.token_ids), logprobs, c.finish_reason == "length"))
     return rows
 
 
 def adapter_rows(
     engine: VllmEngine, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
 ) -> list[Row]:
-    rows: list[Row] = []
-    for g in engine.generate(prompts, specs):
-        assert g.logprobs is not None
-        rows.append((g.token_ids.tolist(), g.logprobs.tolist(), g.finish_reason))
-    return rows
+    return flat_rows(engine.generate(prompts, specs))
 
 
 def as_float32(rows: list[Row]) -> list[object]:
@@ -127,22 +133,135 @@ def test_engine_arg_names_are_engine_args_fields() -> None:
 
 def test_finish_reasons(cpu_engine: VllmEngine) -> None:
     prompt = [10, 11, 12, 13]
-    (first,) = cpu_engine.generate([prompt], [greedy(4)])
-    assert first.finish_reason == "length"
-    assert len(first.token_ids) == 4
-    stop_at = int(first.token_ids[1])
-    (stopped,) = cpu_engine.generate([prompt], [greedy(4, stop_token_ids=(stop_at,))])
-    assert stopped.finish_reason == "stop"
-    assert stopped.token_ids.tolist() == first.token_ids[: len(stopped.token_ids)].tolist()
-    assert int(stopped.token_ids[-1]) == stop_at
+    ((first, _, first_truncated),) = adapter_rows(cpu_engine, [prompt], [greedy(4)])
+    assert first_truncated
+    assert len(first) == 4
+    stop_at = first[1]
+    ((stopped, _, truncated),) = adapter_rows(
+        cpu_engine, [prompt], [greedy(4, stop_token_ids=(stop_at,))]
+    )
+    assert not truncated
+    assert stopped == first[: len(stopped)]
+    assert stopped[-1] == stop_at
 
 
 def test_generate_text_matches_raw_vllm(cpu_engine: VllmEngine, cpu_llm: LLM) -> None:
     prompts = ["The quick brown fox", "Hello world!"]
-    specs = [greedy(6), greedy(3)]
+    specs = [greedy(6, detokenize=True), greedy(3, detokenize=True)]
     ours = cpu_engine.generate_text(cpu_engine.tokenize(prompts), specs)
     raw = cpu_llm.generate(prompts, [sampling_params(s) for s in specs], use_tqdm=False)
     assert ours == [o.outputs[0].text for o in raw]
+
+
+def test_generate_text_refuses_specs_that_do_not_detokenize(cpu_engine: VllmEngine) -> None:
+    with pytest.raises(ValueError, match=r"rows \[1\]"):
+        cpu_engine.generate_text([[5], [6]], [greedy(2, detokenize=True), greedy(2)])
+
+
+# --- what vLLM is asked for, and the collector around the call ---
+
+
+def _spy(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, then: Callable[[list[object]], list[object]]
+) -> list[tuple[object, bool]]:
+    """Wrap this ``llm``'s ``generate`` (an instance attribute): record the params it gets
+    and whether the collector was on, then pass vLLM's outputs through ``then``."""
+    seen: list[tuple[object, bool]] = []
+    original = llm.generate
+
+    def generate(prompts: object, params: object, **kwargs: object) -> list[object]:
+        seen.append((params, gc.isenabled()))
+        return then(original(prompts, params, **kwargs))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llm, "generate", generate)
+    return seen
+
+
+def test_only_rows_with_stop_strings_are_detokenized(
+    cpu_engine: VllmEngine, cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _spy(cpu_llm, monkeypatch, lambda outs: outs)
+    specs = [greedy(3), greedy(3, stop=("zz",)), greedy(3), greedy(3, detokenize=True)]
+    flat = cpu_engine.generate([[5, 6], [7, 8], [9, 10], [11]], specs)
+    assert flat.batch_size == 4
+    ((params, _),) = seen
+    assert isinstance(params, list)
+    assert [p.detokenize for p in params] == [False, True, False, True]
+    assert [p.stop for p in params] == [[], ["zz"], [], []]
+    assert all(p.flat_logprobs for p in params)
+    assert params[0] is params[2]  # equal specs share one SamplingParams
+
+
+def test_the_collector_is_off_inside_llm_generate_and_on_after(
+    cpu_engine: VllmEngine, cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _spy(cpu_llm, monkeypatch, lambda outs: outs)
+    assert gc.isenabled()
+    threshold = gc.get_threshold()
+    assert cpu_engine.generate([[5, 6]], [greedy(2)]).lengths.tolist() == [2]
+    assert [enabled for _, enabled in seen] == [False]
+    assert gc.isenabled()
+    assert gc.get_threshold() == threshold
+
+
+def test_vllms_outputs_are_freed_off_the_callers_thread(
+    cpu_engine: VllmEngine, cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handed: list[list[object]] = []
+
+    def keep(outs: list[object]) -> list[object]:
+        handed.append(outs)
+        return outs
+
+    _spy(cpu_llm, monkeypatch, keep)
+    flat = cpu_engine.generate([[5, 6], [7, 8, 9]], [greedy(3), greedy(2)])
+    wait_released()
+    assert flat.lengths.tolist() == [3, 2]  # the arrays own their data
+    assert len(flat.token_ids) == 5
+    ((outs,),) = [handed]
+    assert outs == []  # the list vLLM returned was emptied by the releaser
+
+
+def _unfinished(outs: list[object]) -> list[object]:
+    outs[-1].outputs[0].finish_reason = None  # type: ignore[attr-defined]
+    return outs
+
+
+def _raising(outs: list[object]) -> list[object]:
+    raise RuntimeError("the engine step failed")
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["gc-on", "gc-off"])
+@pytest.mark.parametrize(
+    ("then", "prompt", "error"),
+    [
+        (lambda outs: outs, [5, VOCAB + 1], BadBatchError),  # vLLM rejects the request
+        (_raising, [5], Exception),  # an error out of the engine call
+        (_unfinished, [5], GenworkerError),  # the conversion refuses the outputs
+    ],
+    ids=["rejected", "engine-error", "conversion-error"],
+)
+def test_the_collector_state_is_restored_when_generate_raises(
+    cpu_engine: VllmEngine,
+    cpu_llm: LLM,
+    monkeypatch: pytest.MonkeyPatch,
+    then: Callable[[list[object]], list[object]],
+    prompt: list[int],
+    error: type[Exception],
+    enabled: bool,
+) -> None:
+    seen = _spy(cpu_llm, monkeypatch, then)
+    if not enabled:
+        gc.disable()
+    try:
+        with pytest.raises(error):
+            cpu_engine.generate([[7, 8], prompt], [greedy(2), greedy(2)])
+        assert gc.isenabled() is enabled
+        assert [on for _, on in seen] == [False]
+    finally:
+        gc.enable()
+    monkeypatch.undo()
+    assert cpu_engine.generate([[7, 8]], [greedy(2)]).lengths.tolist() == [2]
 
 
 def _counter(samples: Sequence[object], name: str) -> float:
@@ -155,7 +274,7 @@ def test_metrics_count_a_batch_tokens(cpu_engine: VllmEngine) -> None:
     gens = cpu_engine.generate(prompts, [greedy(5), greedy(2)])
     after = cpu_engine.metrics()
     assert _counter(after, PROMPT_TOKENS) - _counter(before, PROMPT_TOKENS) == 8
-    generated = sum(len(g.token_ids) for g in gens)
+    generated = int(gens.lengths.sum())
     assert _counter(after, GENERATION_TOKENS) - _counter(before, GENERATION_TOKENS) == generated
 
 
@@ -170,8 +289,7 @@ def test_bad_request_is_bad_batch_and_engine_keeps_serving(
     with pytest.raises(BadBatchError) as info:
         cpu_engine.generate([good, prompt], [greedy(3), greedy(3)])
     assert info.value.__cause__ is not None, why
-    (after,) = cpu_engine.generate([good], [greedy(3)])
-    assert len(after.token_ids) == 3
+    assert cpu_engine.generate([good], [greedy(3)]).lengths.tolist() == [3]
 
 
 def test_mismatched_specs_are_bad_batch(cpu_engine: VllmEngine) -> None:

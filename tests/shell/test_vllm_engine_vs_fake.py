@@ -17,8 +17,9 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 import pytest
+from helpers import flat_rows
 
-from genworker.core.assembly import Generation
+from genworker.core.assembly import FlatGenerations
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS, values_by_name
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.errors import BadBatchError
@@ -62,41 +63,57 @@ def _spec(subject: Subject, **changes: object) -> SamplingSpec:
 PROMPTS = [[5, 17, 99, 240, 7], [300, 12], [45, 46, 47, 48, 49], [88]]
 
 
+@attrs.frozen
+class Row:
+    """One row of a flat batch; not ``truncated``: it stopped (a stop token or string)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    truncated: bool
+
+
+def _rows(flat: FlatGenerations) -> list[Row]:
+    return [Row(*row) for row in flat_rows(flat)]
+
+
+def _generate(
+    subject: Subject, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
+) -> list[Row]:
+    return _rows(subject.engine.generate(prompts, specs))
+
+
 def _check_stopped_for_its_reason(
-    subject: Subject, prompt: Sequence[int], spec: SamplingSpec, g: Generation
+    subject: Subject, prompt: Sequence[int], spec: SamplingSpec, g: Row
 ) -> None:
     n = len(g.token_ids)
-    assert g.logprobs is not None
     assert len(g.logprobs) == n
-    assert (g.logprobs <= 0).all()
+    assert all(lp <= 0 for lp in g.logprobs)
     max_len = subject.engine.capabilities.max_model_len
     assert n <= spec.max_tokens
     assert len(prompt) + n <= max_len
-    tokens = g.token_ids.tolist()
-    if g.finish_reason == "length":
+    tokens = g.token_ids
+    if g.truncated:
         assert n == spec.max_tokens or len(prompt) + n == max_len
         return
-    assert g.finish_reason == "stop"
     stop_ids = set(spec.stop_token_ids) | (set() if spec.ignore_eos else {EOS})
     # A stop string is matched on the detokenized text (checked on texts below).
     assert tokens[-1] in stop_ids or spec.stop, tokens
 
 
 def test_rows_stop_at_their_cap_a_stop_token_or_a_stop_string(subject: Subject) -> None:
-    engine = subject.engine
-    free = engine.generate(PROMPTS, [_spec(subject, ignore_eos=True)] * len(PROMPTS))
+    free = _generate(subject, PROMPTS, [_spec(subject, ignore_eos=True)] * len(PROMPTS))
     for prompt, g in zip(PROMPTS, free, strict=True):
-        assert g.finish_reason == "length"  # ignore_eos and no stops: the cap
+        assert g.truncated  # ignore_eos and no stops: the cap
         _check_stopped_for_its_reason(subject, prompt, _spec(subject, ignore_eos=True), g)
     # Stop at the third token each row would generate, as a stop token id.
     by_id = [_spec(subject, stop_token_ids=(int(g.token_ids[2]),), ignore_eos=True) for g in free]
-    for prompt, spec, g in zip(PROMPTS, by_id, engine.generate(PROMPTS, by_id), strict=True):
-        assert g.finish_reason == "stop"
+    for prompt, spec, g in zip(PROMPTS, by_id, _generate(subject, PROMPTS, by_id), strict=True):
+        assert not g.truncated
         assert len(g.token_ids) <= 3
         _check_stopped_for_its_reason(subject, prompt, spec, g)
     # EOS stops a row unless ignore_eos: ask for long rows and check every reason.
     long = [_spec(subject, max_tokens=64)] * len(PROMPTS)
-    for prompt, spec, g in zip(PROMPTS, long, engine.generate(PROMPTS, long), strict=True):
+    for prompt, spec, g in zip(PROMPTS, long, _generate(subject, PROMPTS, long), strict=True):
         _check_stopped_for_its_reason(subject, prompt, spec, g)
 
 
@@ -105,7 +122,7 @@ TEXTS = ["Once upon a time", "The quick brown fox", "Hello world! How are", "Num
 
 def test_a_stop_string_ends_the_text_at_its_first_match_and_is_kept(subject: Subject) -> None:
     engine = subject.engine
-    free_spec = _spec(subject, max_tokens=24, ignore_eos=True)
+    free_spec = _spec(subject, max_tokens=24, ignore_eos=True, detokenize=True)
     ids = engine.tokenize(TEXTS)
     free = engine.generate_text(ids, [free_spec] * len(TEXTS))
     tried = 0
@@ -125,20 +142,17 @@ def test_a_stop_string_ends_the_text_at_its_first_match_and_is_kept(subject: Sub
 def test_a_row_stops_at_the_context_end(subject: Subject) -> None:
     max_len = subject.engine.capabilities.max_model_len
     prompt = [7] * (max_len - 3)
-    (g,) = subject.engine.generate([prompt], [_spec(subject, max_tokens=50, ignore_eos=True)])
-    assert g.finish_reason == "length"
+    (g,) = _generate(subject, [prompt], [_spec(subject, max_tokens=50, ignore_eos=True)])
+    assert g.truncated
     assert len(g.token_ids) == 3
 
 
 def test_greedy_rows_do_not_depend_on_the_batch_or_on_repetition(subject: Subject) -> None:
-    engine = subject.engine
     spec = _spec(subject)
-    alone = [engine.generate([p], [spec])[0] for p in PROMPTS]
-    together = engine.generate(list(reversed(PROMPTS)), [spec] * len(PROMPTS))
-    assert [g.token_ids.tolist() for g in alone] == [
-        g.token_ids.tolist() for g in reversed(together)
-    ]
-    assert [g.finish_reason for g in alone] == [g.finish_reason for g in reversed(together)]
+    alone = [_generate(subject, [p], [spec])[0] for p in PROMPTS]
+    together = _generate(subject, list(reversed(PROMPTS)), [spec] * len(PROMPTS))
+    assert [g.token_ids for g in alone] == [g.token_ids for g in reversed(together)]
+    assert [g.truncated for g in alone] == [g.truncated for g in reversed(together)]
 
 
 def test_empty_and_over_long_prompts_are_bad_batches(subject: Subject) -> None:
@@ -146,10 +160,7 @@ def test_empty_and_over_long_prompts_are_bad_batches(subject: Subject) -> None:
     for prompt in ([], [5] * (max_len + 1)):
         with pytest.raises(BadBatchError):
             subject.engine.generate([[5, 6], prompt], [_spec(subject)] * 2)
-    assert subject.engine.generate([[5, 6]], [_spec(subject)])[0].finish_reason in (
-        "stop",
-        "length",
-    )
+    assert subject.engine.generate([[5, 6]], [_spec(subject)]).batch_size == 1
 
 
 def test_text_prompts_are_tokenized_into_the_ids_generate_text_takes(subject: Subject) -> None:
@@ -158,7 +169,7 @@ def test_text_prompts_are_tokenized_into_the_ids_generate_text_takes(subject: Su
     counts = [len(row) for row in ids]
     assert all(n >= 1 for n in counts)
     assert counts[0] > counts[2]
-    spec = _spec(subject, max_tokens=1, ignore_eos=True)
+    spec = _spec(subject, max_tokens=1, ignore_eos=True, detokenize=True)
     texts = subject.engine.generate_text(ids, [spec] * len(prompts))
     assert len(texts) == len(prompts)
     assert all(isinstance(t, str) for t in texts)
@@ -172,4 +183,4 @@ def test_the_token_counters_grow_by_the_batch(subject: Subject) -> None:
     prompt_grew = float(after[PROMPT_TOKENS]) - float(before.get(PROMPT_TOKENS, 0.0))  # type: ignore[arg-type]
     gen_grew = float(after[GENERATION_TOKENS]) - float(before.get(GENERATION_TOKENS, 0.0))  # type: ignore[arg-type]
     assert prompt_grew == sum(len(p) for p in PROMPTS)
-    assert gen_grew == sum(len(g.token_ids) for g in out)
+    assert gen_grew == int(out.lengths.sum())

@@ -18,6 +18,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS
+from genworker.core.stops import StopMode
 from genworker.shell.errors import BadBatchError, UnsupportedError
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
@@ -155,6 +156,75 @@ def test_per_sample_stop_strings_stop_only_their_own_row(
     assert stop in tokenizer.decode(out["output_ids"][0, n : n + stopped].tolist())
     assert other == MAX_NEW
     assert torch.equal(out["output_ids"][1, : n + other], full["output_ids"][1, : n + other])
+
+
+def raw_per_row(
+    llm: LLM, prompts: Sequence[Sequence[int]], stops: Sequence[Sequence[str]]
+) -> list[tuple[list[int], list[float], str]]:
+    """Raw vLLM with default ``SamplingParams`` (detokenized, per-position logprob dicts)
+    and each row's own stop strings, greedy."""
+    llm.reset_prefix_cache()
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+        [
+            SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=0, stop=list(s))
+            for s in stops
+        ],
+        use_tqdm=False,
+    )
+    rows = []
+    for out in outs:
+        c = out.outputs[0]
+        assert isinstance(c.logprobs, list)
+        lps = [float(pos[t].logprob) for t, pos in zip(c.token_ids, c.logprobs, strict=True)]
+        rows.append((list(c.token_ids), lps, "length" if c.finish_reason == "length" else "stop"))
+    return rows
+
+
+def stops_that_hit(llm: LLM, prompts: Sequence[Sequence[int]]) -> list[str]:
+    """For each prompt, a two-character stop string from the middle of its greedy text."""
+    llm.reset_prefix_cache()
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+        SamplingParams(max_tokens=MAX_NEW, temperature=0.0),
+        use_tqdm=False,
+    )
+    stops = []
+    for out in outs:
+        text = out.outputs[0].text
+        middle = len(text) // 2
+        stop = next(
+            text[i : i + 2] for i in range(middle, len(text) - 1) if text[i : i + 2].strip()
+        )
+        stops.append(stop)
+    return stops
+
+
+@pytest.mark.parametrize("mode", [StopMode.PER_SAMPLE, StopMode.BATCH_UNION])
+def test_rows_with_and_without_stop_strings_match_raw_vllm_row_by_row(
+    cpu_engine: VllmEngine, cpu_llm: LLM, mode: StopMode
+) -> None:
+    """Only the rows with stop strings are detokenized; every row, with or without them,
+    gets the tokens, logprobs and truncation raw vLLM gives with default SamplingParams."""
+    w = VllmGenerationWorker(config(), engine_factory=ExistingEngine(cpu_engine), stop_mode=mode)
+    found = stops_that_hit(cpu_llm, PROMPTS)
+    per_sample: list[list[str] | None] = [[found[0]], None, [found[2]], None]
+    union = [found[0], found[2]]
+    raw_stops = [s or [] for s in per_sample] if mode is StopMode.PER_SAMPLE else [union] * 4
+    expected = as_f32(raw_per_row(cpu_llm, PROMPTS, raw_stops))
+    cpu_engine.reset_prefix_cache()
+    out = w.generate({**right_padded(PROMPTS, pad=PAD), "stop_strings": per_sample}, greedy=True)
+    got = rows_of(out, [len(p) for p in PROMPTS])
+    assert got == expected
+    assert got[0][2] == "stop"
+    assert len(got[0][0]) < MAX_NEW  # the stop string ended row 0 early
+    if mode is StopMode.PER_SAMPLE:  # rows without stop strings are as without any
+        cpu_engine.reset_prefix_cache()
+        plain = rows_of(
+            w.generate(right_padded(PROMPTS, pad=PAD), greedy=True), [len(p) for p in PROMPTS]
+        )
+        assert (got[1], got[3]) == (plain[1], plain[3])
+        assert got[0] != plain[0]
 
 
 @pytest.mark.parametrize(

@@ -234,12 +234,14 @@ def test_engine_returning_past_the_context_is_a_contract_error(
 
     def overlong(prompts: Any, specs: Any, media: Any = None, **options: Any) -> Any:
         gens = original(prompts, specs, media, **options)
-        from genworker.core.assembly import Generation
+        from genworker.core.assembly import Generation, flatten_generations
 
-        return [
-            Generation(token_ids=[2] * 40, logprobs=[-1.0] * 40, finish_reason="length")
-            for _ in gens
-        ]
+        return flatten_generations(
+            [
+                Generation(token_ids=[2] * 40, logprobs=[-1.0] * 40, finish_reason="length")
+                for _ in range(gens.batch_size)
+            ]
+        )
 
     monkeypatch.setattr(engine, "generate", overlong)
     with pytest.raises(EngineContractError, match="max_model_len"):

@@ -16,7 +16,7 @@ from helpers import base_config
 from helpers import right_padded as batch
 
 from genworker.core import lifecycle
-from genworker.core.assembly import Generation
+from genworker.core.assembly import FlatGenerations
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.engine_lock import EngineLock
 from genworker.shell.errors import (
@@ -72,8 +72,8 @@ class GatedEngine(FakeEngine):
         media: Sequence[RowMedia | None] | None = None,
         *,
         use_tqdm: bool = False,
-    ) -> list[Generation]:
-        def run() -> list[Generation]:
+    ) -> FlatGenerations:
+        def run() -> FlatGenerations:
             self.entered.set()
             assert self.gate.wait(DEADLINE_S), "the test never released generate"
             if self.on_generate is not None:
@@ -81,7 +81,7 @@ class GatedEngine(FakeEngine):
             time.sleep(0.001)  # give a racing caller the chance to overlap
             return super(GatedEngine, self).generate(prompts, specs, media, use_tqdm=use_tqdm)
 
-        result: list[Generation] = self._around("generate", run)
+        result: FlatGenerations = self._around("generate", run)
         return result
 
     def metrics(self) -> Any:

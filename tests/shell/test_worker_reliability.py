@@ -32,7 +32,7 @@ from vllm.inputs import TokensPrompt
 
 from genworker.core import batch as core_batch
 from genworker.core import lifecycle
-from genworker.core.assembly import Generation
+from genworker.core.assembly import FlatGenerations
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.errors import (
@@ -99,13 +99,13 @@ class WatchedEngine(VllmEngine):
         media: Sequence[RowMedia | None] | None = None,
         *,
         use_tqdm: bool = False,
-    ) -> list[Generation]:
-        def run() -> list[Generation]:
+    ) -> FlatGenerations:
+        def run() -> FlatGenerations:
             self.entered.set()
             assert self.gate.wait(DEADLINE_S), "the test never released generate"
             return super(WatchedEngine, self).generate(prompts, specs, media, use_tqdm=use_tqdm)
 
-        result: list[Generation] = self._around("generate", run)
+        result: FlatGenerations = self._around("generate", run)
         return result
 
     def metrics(self) -> Any:
