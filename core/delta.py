@@ -301,7 +301,8 @@ def _changed(old: Bits, new: Bits) -> npt.NDArray[np.int64]:
     candidates = (words[:, None] * per + np.arange(per)).reshape(-1)
     inside = candidates[old[candidates] != new[candidates]]
     tail = whole + np.flatnonzero(old[whole:] != new[whole:])
-    return np.concatenate([inside, tail]).astype(np.int64, copy=False)
+    changed: npt.NDArray[np.int64] = np.concatenate([inside, tail]).astype(np.int64, copy=False)
+    return changed
 
 
 def encode_full(new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS) -> TensorDelta:
