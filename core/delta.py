@@ -264,7 +264,7 @@ def encode_delta(old: Bits, new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS)
         )
     numel, itemsize = len(new), new.itemsize
     n_chunks = chunk_count(numel, chunk_elements)
-    changed = _changed(old, new)
+    changed = np.flatnonzero(old != new)
     chunk_of = changed // chunk_elements
     counts = np.bincount(chunk_of, minlength=n_chunks)
     lengths = _lengths(numel, chunk_elements, n_chunks)
@@ -282,27 +282,6 @@ def encode_delta(old: Bits, new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS)
         values=new[positions],
         blocks=np.concatenate(blocks) if blocks else new[:0].copy(),
     )
-
-
-def _changed(old: Bits, new: Bits) -> npt.NDArray[np.int64]:
-    """The positions where ``old`` and ``new`` differ, in order.
-
-    Narrow elements are compared eight bytes at a time (one ``uint64`` word holds 8 fp8,
-    4 bf16 or 2 fp32 elements; after an RL step most words are equal), then only the
-    differing words element by element: several times fewer compares and a smaller mask
-    than comparing elements.
-    """
-    per = 8 // new.itemsize
-    whole = len(new) - len(new) % per
-    if per == 1 or not whole:
-        return np.flatnonzero(old != new)
-    wide = np.dtype(np.uint64)
-    words = np.flatnonzero(old[:whole].view(wide) != new[:whole].view(wide))
-    candidates = (words[:, None] * per + np.arange(per)).reshape(-1)
-    inside = candidates[old[candidates] != new[candidates]]
-    tail = whole + np.flatnonzero(old[whole:] != new[whole:])
-    changed: npt.NDArray[np.int64] = np.concatenate([inside, tail]).astype(np.int64, copy=False)
-    return changed
 
 
 def encode_full(new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS) -> TensorDelta:
