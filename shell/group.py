@@ -937,6 +937,33 @@ class GenerationGroup:
             f"{state if self._closed or self._dead else 'running'})"
         )
 
+    # -- sparse-delta refit (issue 16): each shard's calls, in shard order ---------------
+    def start_zmq_sparse_refit_relay(
+        self, host: str = "127.0.0.1", allow_remote: bool = False, *, timeout_s: float | None = None
+    ) -> list[list[object]]:
+        """Start every shard's relay receivers; their addresses (per engine worker)."""
+        return [
+            list(_as_list(r, "start_zmq_sparse_refit_relay"))
+            for r in self._call_all(
+                "start_zmq_sparse_refit_relay", host, allow_remote, timeout_s=timeout_s
+            )
+        ]
+
+    def configure_zmq_sparse_refit_relay(
+        self, relay_addresses: Sequence[str], *, timeout_s: float | None = None
+    ) -> None:
+        """Tell every shard's receivers the whole relay (the root first)."""
+        self._call_all(
+            "configure_zmq_sparse_refit_relay", list(relay_addresses), timeout_s=timeout_s
+        )
+
+    def report_refit_server_base_url(self, *, timeout_s: float | None = None) -> list[object]:
+        """Each shard's first relay receiver address (``None`` where the relay is off)."""
+        return self._call_all("report_refit_server_base_url", timeout_s=timeout_s)
+
+    def stop_zmq_sparse_refit_relay(self, *, timeout_s: float | None = None) -> None:
+        self._call_all("stop_zmq_sparse_refit_relay", timeout_s=timeout_s)
+
 
 # -- Ray edge ---------------------------------------------------------------------------
 

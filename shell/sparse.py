@@ -43,7 +43,7 @@ import mmap
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Final, Protocol
 
@@ -254,7 +254,13 @@ class ApplyTarget(Protocol):
     own baseline, changed by the next step, so copy it before returning.
     """
 
+    def begin(self, step: int, specs: Sequence[TensorSpec]) -> None:
+        """Verified step ``step``'s tensors are about to be applied (``specs``: all)."""
+
     def apply(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    def finish(self) -> None:
+        """Every tensor of the step was applied (the step counts as applied on return)."""
 
 
 class DictTarget:
@@ -262,6 +268,12 @@ class DictTarget:
 
     def __init__(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
         self.tensors: dict[str, torch.Tensor] = {} if tensors is None else tensors
+
+    def begin(self, step: int, specs: Sequence[TensorSpec]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
 
     def apply(self, name: str, tensor: torch.Tensor) -> None:
         mine = self.tensors.get(name)
@@ -408,9 +420,9 @@ class SparseSender:
                 f"after {time.monotonic() - started:.2f} s: {failure}",
                 detail=failure,
             )
-        for piece, delta in kept:
-            target = self.baseline.bits(piece.name)[piece.start : piece.stop]
-            unwrap(apply_delta_into(target, delta), RefitError, f"the baseline of {piece.name!r}")
+        # pieces are disjoint element ranges: the pool moves the baseline in parallel
+        for _ in self._pool.map(self._advance, kept):
+            pass
         self.synced_step = step
         return StepReport(
             step=step,
@@ -421,6 +433,11 @@ class SparseSender:
             seconds=time.monotonic() - started,
             report=verdict.unwrap(),
         )
+
+    def _advance(self, kept: tuple[FramePiece, TensorDelta]) -> None:
+        piece, delta = kept
+        target = self.baseline.bits(piece.name)[piece.start : piece.stop]
+        unwrap(apply_delta_into(target, delta), RefitError, f"the baseline of {piece.name!r}")
 
     def _bits_of(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Bits]:
         problems = []
@@ -595,6 +612,7 @@ class SparseReceiver:
         allow_remote: bool = False,
         max_frame_bytes: int = FRAME_BYTES,
         workers: int = 2,
+        on_diverge: Callable[[str], None] | None = None,
     ) -> None:
         if not allow_remote and not _is_loopback(host):
             raise BadConfigError(
@@ -614,6 +632,10 @@ class SparseReceiver:
         self.synced_step: int | None = None  # None: needs a full step before any delta
         self.frames_received: dict[int, int] = {}  # step -> frames taken
         self.last_problem = ""
+        #: the relay this receiver was configured into (:meth:`expect_relay`): a step
+        #: planned over other receivers is refused; ``None``: any plan naming it
+        self.relay: tuple[str, ...] | None = None
+        self._on_diverge = on_diverge
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "genworker-sparse-apply")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -622,6 +644,20 @@ class SparseReceiver:
     def needs_full(self) -> bool:
         """True until a full step succeeds, and again after any refused or missed step."""
         return self.synced_step is None
+
+    def expect_relay(self, receivers: Sequence[str] | None) -> None:
+        """Take only steps planned over exactly ``receivers`` (in that order), or any
+        plan naming this receiver (``None``). Refused (``BadArgumentError``) when they are
+        not distinct non-empty names or do not include :attr:`address`."""
+        if receivers is not None:
+            names = unwrap(plan_relay(receivers, 1), BadArgumentError, "relay_addresses")
+            if self.address not in names.receivers:
+                raise BadArgumentError(
+                    f"relay_addresses {list(receivers)!r} do not include this receiver's "
+                    f"address {self.address!r}"
+                )
+            receivers = names.receivers
+        self.relay = None if receivers is None else tuple(receivers)
 
     def start(self) -> SparseReceiver:
         self._thread = threading.Thread(
@@ -688,6 +724,11 @@ class SparseReceiver:
         if step.plan is None:
             step.problem = f"is not in the step's relay ({plan_result})"
             return step
+        if self.relay is not None and tuple(begin.receivers) != self.relay:
+            step.problem = (
+                f"was configured into the relay {list(self.relay)!r}, but the step is planned "
+                f"over {begin.receivers!r}"
+            )
         self._forward(step, [_TAG_BEGIN, body])
         specs = Manifest.from_info(dict(begin.manifest))
         if isinstance(specs, Failure):
@@ -808,8 +849,10 @@ class SparseReceiver:
             self._diverge(f"step {step.begin.step} refused: {problem}")
             return problem
         try:
+            self.target.begin(step.begin.step, list(step.specs.values()))
             for name, spec in step.specs.items():
                 self.target.apply(name, _as_tensor(self._bits[name], spec))
+            self.target.finish()
         except Exception as e:  # noqa: BLE001 -- the target's failure is this node's answer
             problem = f"the apply target failed: {type(e).__name__}: {e}"
             self._diverge(f"step {step.begin.step} refused: {problem}")
@@ -821,6 +864,8 @@ class SparseReceiver:
         log.warning("sparse relay %s: %s; a full refit is needed", self.address, why)
         self.synced_step = None
         self.last_problem = why
+        if self._on_diverge is not None:
+            self._on_diverge(why)
 
     def _child(self, address: str) -> zmq.Socket[bytes]:
         sock = self._children.get(address)

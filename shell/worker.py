@@ -75,6 +75,7 @@ from genworker.shell.host import ephemeral_ports, vllm_cache_root
 from genworker.shell.media import RowMedia, image_counts, row_media
 from genworker.shell.ports import EngineFactory, EnginePort
 from genworker.shell.refit.wire import raise_failures
+from genworker.shell.sparse import SparseRefitError
 
 __all__ = ["EXTENSION_CLS", "ExistingEngine", "VllmGenerationWorker"]
 
@@ -200,6 +201,8 @@ class VllmGenerationWorker:
         self.cache_resets: dict[str, int] = {"prefix": 0, "mm": 0, "encoder": 0}
         #: rows of the last generate / generate_text refused for want of room (see above)
         self.last_refused_rows: tuple[int, ...] = ()
+        self._sparse_urls: list[str] | None = None  # the engine workers' relay receivers
+        self._sparse_applied: list[object] = []  # their applied counts as last seen
         if not defer_model_load:
             self.load_model()
 
@@ -389,6 +392,7 @@ class VllmGenerationWorker:
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
         """Generate for a right-padded batch; returns NeMo-RL's output contract. Cyclic GC
         waits for the end of the call (``genworker.shell.collector``)."""
+        self._check_sparse()
         next_state = self._move(lifecycle.Event.GENERATE)
         if not isinstance(greedy, bool):
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
@@ -471,6 +475,7 @@ class VllmGenerationWorker:
         self, data: Mapping[str, object], greedy: bool = False
     ) -> dict[str, list[str]]:
         """Generate from text prompts (``data["prompts"]``); returns ``{"texts": [...]}``."""
+        self._check_sparse()
         next_state = self._move(lifecycle.Event.GENERATE)
         if not isinstance(greedy, bool):
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
@@ -768,6 +773,100 @@ class VllmGenerationWorker:
         if engine is not None:
             engine.shutdown()
         return True
+
+    # -- sparse-delta refit (issue 16; the engine side is shell/sparse_engine.py) -------
+    # The trainer's SparseSender pushes steps to the relay receivers in the engine
+    # workers; each generate first asks them where they stand: a diverged one (or engine
+    # workers on different steps) is refused with SparseRefitError until a full refit,
+    # and new weights reset the caches and count as a refit.
+    @_serialized
+    def start_zmq_sparse_refit_relay(
+        self, host: str = "127.0.0.1", allow_remote: bool = False
+    ) -> list[str]:
+        """Start a sparse-refit relay receiver in every engine worker (idempotent); their
+        addresses, for ``SparseSender`` or :meth:`configure_zmq_sparse_refit_relay`.
+        ``host`` other than loopback needs ``allow_remote=True`` (the relay is
+        unauthenticated)."""
+        if not isinstance(host, str) or not isinstance(allow_remote, bool):
+            raise BadArgumentError(
+                f"start_zmq_sparse_refit_relay: host must be a str and allow_remote a bool, "
+                f"got {host!r} and {allow_remote!r}"
+            )
+        urls = [str(u) for u in self._rpc("start_sparse_relay", host, allow_remote)]
+        if self._sparse_urls is None:
+            self._sparse_applied = [s["applied"] for s in self._sparse_status()]
+        self._sparse_urls = urls
+        return urls
+
+    @_serialized
+    def configure_zmq_sparse_refit_relay(self, relay_addresses: Sequence[str]) -> None:
+        """The whole relay, in order (the root first): every engine worker takes only
+        steps planned over exactly these receivers, which must include its own."""
+        if self._sparse_urls is None:
+            raise EngineStateError(
+                "configure_zmq_sparse_refit_relay needs start_zmq_sparse_refit_relay first"
+            )
+        if isinstance(relay_addresses, str) or not isinstance(relay_addresses, Sequence):
+            raise BadArgumentError(
+                f"relay_addresses must be a list of addresses, got {relay_addresses!r}"
+            )
+        self._rpc("configure_sparse_relay", list(relay_addresses))
+
+    @_serialized
+    def report_refit_server_base_url(self) -> str | None:
+        """Where the first engine worker's relay receiver listens; ``None`` when the
+        sparse relay is off (every engine worker's: :meth:`start_zmq_sparse_refit_relay`)."""
+        return None if not self._sparse_urls else self._sparse_urls[0]
+
+    @_serialized
+    def stop_zmq_sparse_refit_relay(self) -> None:
+        """Close every engine worker's relay receiver; idempotent."""
+        if self._sparse_urls is not None and not self._shut_down:
+            self._rpc("stop_sparse_relay")
+        self._sparse_urls = None
+
+    def _sparse_status(self) -> list[dict[str, object]]:
+        statuses = self._rpc("sparse_relay_status")
+        if not all(isinstance(s, dict) for s in statuses):
+            raise EngineContractError(f"sparse_relay_status returned {statuses!r}")
+        return [dict(s) for s in statuses]  # type: ignore[call-overload]
+
+    def _check_sparse(self) -> None:
+        """Before serving: refuse diverged weights; take in new ones (see above)."""
+        if self._sparse_urls is None:
+            return
+        statuses = self._sparse_status()
+        applied = [s["applied"] for s in statuses]
+        problems = [
+            f"engine worker {i}: {s['diverged']}" for i, s in enumerate(statuses) if s["diverged"]
+        ]
+        if not problems and len({str(s["step"]) for s in statuses}) > 1:
+            steps = [s["step"] for s in statuses]
+            problems = [f"the engine workers hold different sparse steps {steps}"]
+        if problems:
+            if lifecycle.transition(self._state, lifecycle.Event.REFIT_BEGIN).value_or(None):
+                self._state = self._move(lifecycle.Event.REFIT_BEGIN)
+                self._state = self._move(lifecycle.Event.REFIT_FAILED)
+            raise SparseRefitError(
+                "generate refused: the sparse refit left weights nobody can vouch for ("
+                + "; ".join(problems)
+                + "); a full refit (the sender's next step, or an IPC/collective refit) "
+                "makes them valid again"
+            )
+        if applied == self._sparse_applied:
+            return
+        self._state = self._move(lifecycle.Event.REFIT_BEGIN)
+        try:
+            resets = self._reset_caches("sparse refit")
+        except BaseException:
+            self._state = self._move(lifecycle.Event.REFIT_FAILED)
+            raise
+        self._state = self._move(lifecycle.Event.REFIT_OK)
+        self._sparse_applied = applied
+        self.last_refit = {
+            "engine_workers": statuses,
+            **{f"reset_{name}_cache_seconds": sec for name, sec in resets.items()},
+        }
 
 
 def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:

@@ -304,6 +304,35 @@ def test_a_receiver_outside_the_plan_or_behind_refuses_the_delta(threads: Nodes)
             sender.send(trainer.weights())
 
 
+def test_a_receiver_configured_into_a_relay_refuses_steps_planned_over_others(
+    threads: Nodes,
+) -> None:
+    (a, target), (b, _), (c, _) = threads
+    with pytest.raises(BadArgumentError, match="do not include this receiver"):
+        a.expect_relay([b.address, c.address])
+    with pytest.raises(BadArgumentError, match="repeated"):
+        a.expect_relay([a.address, a.address])
+    a.expect_relay([a.address, b.address])
+    weights = Trainer.make().weights()
+    everyone = [a.address, b.address, c.address]
+    with (
+        SparseSender(everyone, manifest(), hop_s=5.0) as sender,
+        pytest.raises(SparseRefitError) as caught,
+    ):
+        sender.send(weights)
+    failure = caught.value.detail
+    assert isinstance(failure, RelayFailure)
+    assert failure.names == (a.address,)
+    assert "was configured into the relay" in str(caught.value)
+    assert target.tensors == {}  # never applied
+    with SparseSender([a.address, b.address], manifest(), hop_s=5.0) as sender:
+        assert sender.send(weights).full
+    assert all(torch.equal(raw(target.tensors[n]), raw(weights[n])) for n in weights)
+    a.expect_relay(None)  # any plan naming it again
+    with SparseSender([a.address, c.address], manifest(), hop_s=5.0) as sender:
+        assert sender.send(weights).full
+
+
 def test_the_sender_refuses_tensors_off_the_manifest(threads: Nodes) -> None:
     addresses = [r.address for r, _ in threads]
     with SparseSender(addresses, manifest(), hop_s=5.0) as sender:
