@@ -249,6 +249,13 @@ class VllmGenerationWorker:
         os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
         self.forward_env([*self.cfg.vllm.env_vars, *self.extra_env_vars])
         self._engine = factory.start(plan.llm_kwargs())
+        problem = self.cfg.vllm.encoder_reset_problem(
+            multimodal=self._engine.capabilities.multimodal
+        )
+        if problem is not None:
+            engine, self._engine = self._engine, None
+            engine.shutdown()
+            raise BadConfigError(problem)
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
             EngineStateError,
