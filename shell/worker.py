@@ -756,6 +756,30 @@ class VllmGenerationWorker:
             engine.shutdown()
         return True
 
+    # -- receivers of other refit wires (genworker.shell.nemo_rl) ---------------------
+    @_serialized
+    def call_engine_workers(self, method: str, *args: object) -> list[object]:
+        """Every engine worker's answer to its ``WorkerExtension.method(*args)`` (plain
+        values); a failure raised typed, naming the worker."""
+        return self._rpc(method, *args)
+
+    @_serialized
+    def init_collective_via(
+        self, method: str, *args: object, timeout_s: float | None = None
+    ) -> None:
+        """:meth:`init_collective` through another extension method (``method(*args,
+        bound)``, e.g. the receiver of NeMo-RL's weight-update group)."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
+        self._collective = False
+        self._rpc(method, *args, bound, timeout=rpc_bound(RENDEZVOUS_WAITS, bound))
+        self._collective = True
+
+    @_serialized
+    def refit_via(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
+        """A refit through another extension receiver ``method(timeout_s=)`` of
+        ``transport``, with the built-in refits' checks, bounds, lifecycle and resets."""
+        return self._refit(method, timeout_s, transport)
+
 
 def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
     if not isinstance(data, Mapping):

@@ -43,3 +43,29 @@ def sender_main(*, commands: Any, replies: Any) -> None:
         command, _ = commands.get()
         if command == "stop":
             return
+
+
+def nemo_rl_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
+    """NeMo-RL's trainer on this GPU (``tests/nemo_rl_trainer.py`` on CUDA): binds its REQ
+    socket at ``address`` and, per ``("send", (checkpoint, evil))``, streams the checkpoint
+    as ``stream_weights_via_ipc_zmq_impl`` does (CUDA staging buffers, their
+    ``reduce_tensor`` handles), ``evil`` first sending a pickle that calls ``os.system``."""
+    import traceback
+    from pathlib import Path
+
+    from gpu.gpu_fixtures import REFIT_TIMEOUT_S, load_checkpoint
+    from nemo_rl_trainer import _Trainer
+
+    try:
+        trainer = _Trainer()
+        sock = trainer._socket(address, REFIT_TIMEOUT_S)
+        while True:
+            command, arg = commands.get()
+            if command == "stop":
+                break
+            path, evil = arg
+            tensors = load_checkpoint(Path(path), "cpu")
+            replies.put(("sent", trainer.ipc(sock, tensors, 8 << 20, evil, device="cuda")))
+        trainer.close()
+    except BaseException:  # noqa: BLE001 - the engine side raises it with this traceback
+        replies.put(("error", traceback.format_exc()))
