@@ -19,8 +19,9 @@ its order), read at NeMo-RL commit 7ea279ab:
 
 The shell turns each message into a :class:`~refit_protocol.Chunk` with :func:`ipc_chunk`
 or :func:`packed_chunk` and feeds the usual :class:`~refit_protocol.Receiver`, with a
-synthesized :class:`~refit_protocol.Begin` first and :func:`end_of` last, so the manifest
-checks (missing, duplicated, misplaced tensors) are the same as on genworker's own wire.
+synthesized :class:`~refit_protocol.Begin` first and an :class:`~refit_protocol.End`
+counting what arrived last, so the manifest checks (missing, duplicated, misplaced
+tensors) are the same as on genworker's own wire.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from genworker.core.refit_plan import (
     manifest_error,
 )
 
-__all__ = ["IPC_ALIGN", "end_of", "ipc_chunk", "packed_chunk", "packed_groups"]
+__all__ = ["IPC_ALIGN", "ipc_chunk", "packed_chunk", "packed_groups"]
 
 #: NeMo-RL's ``calculate_aligned_size`` default: each packed tensor starts at a multiple.
 IPC_ALIGN: Final = 512
@@ -103,8 +104,3 @@ def packed_chunk(refit_id: str, index: int, group: Sequence[TensorSpec]) -> p.Ch
     refs = tuple(p.TensorRef(s.name, s.shape, s.dtype) for s in group)
     return p.Chunk(refit_id, index, refs)
 
-
-def end_of(receiver: p.Receiver) -> p.End:
-    """The end a sender that counts nothing implies: what this receiver took so far (the
-    receiver still checks that every manifest tensor arrived)."""
-    return p.End(receiver.refit_id, receiver.chunks, len(receiver.received))

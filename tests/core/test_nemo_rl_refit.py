@@ -61,7 +61,7 @@ def test_ipc_buckets_as_the_trainer_packs_them_are_a_complete_refit(
         assert all(r.offset % n.IPC_ALIGN == 0 for r in chunk.unwrap().tensors)
         chunks.append(chunk.unwrap())
     receiver = _receive(manifest, chunks)
-    end = receiver.handle(n.end_of(receiver))
+    end = receiver.handle(p.End(receiver.refit_id, receiver.chunks, len(receiver.received)))
     assert isinstance(end, Success)
     assert isinstance(end.unwrap().decision, p.Finished)
 
@@ -96,7 +96,7 @@ def test_a_refit_that_stops_early_is_refused_naming_what_never_arrived() -> None
     specs = [TensorSpec("a", (4,), "float32"), TensorSpec("b", (2,), "int64")]
     manifest = Manifest.from_specs(specs).unwrap()
     receiver = _receive(manifest, [n.ipc_chunk(manifest, "r", 0, ["a"], 512, 512).unwrap()])
-    end = receiver.handle(n.end_of(receiver))
+    end = receiver.handle(p.End(receiver.refit_id, receiver.chunks, len(receiver.received)))
     assert isinstance(end, Failure)
     assert end.failure().detail is not None
     assert end.failure().detail.missing == ("b",)
