@@ -103,4 +103,3 @@ def packed_chunk(refit_id: str, index: int, group: Sequence[TensorSpec]) -> p.Ch
     """The chunk of one packed broadcast: its tensors arrive by broadcast, in order."""
     refs = tuple(p.TensorRef(s.name, s.shape, s.dtype) for s in group)
     return p.Chunk(refit_id, index, refs)
-

@@ -15,15 +15,27 @@ from gpu.gpu_fixtures import (
     GPU_MARKS,
     PROMPTS,
     REFIT_TIMEOUT_S,
+    Checkpoints,
+    Child,
     GpuSession,
     Trainer,
     batch,
+    free_port,
     generated,
     gpu_config,
+    load_checkpoint,
     manifest,
+    requires_two_gpus,
     session_engine,
 )
-from gpu.nemo_rl_wire_sender import ALIGN, expected_tensors, nemo_rl_trainer_main, sender_main
+from gpu.nemo_rl_wire_sender import (
+    ALIGN,
+    expected_tensors,
+    nemo_rl_collective_engine_main,
+    nemo_rl_collective_trainer_main,
+    nemo_rl_trainer_main,
+    sender_main,
+)
 
 from genworker.shell.errors import EngineStateError, RefitError
 from genworker.shell.nemo_rl import NemoRlGenerationWorker
@@ -102,3 +114,30 @@ def test_nemo_rl_s_ipc_stream_refits_the_gpu_engine_through_the_nemo_rl_worker(
     finally:
         trainer.stop()
         shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+@requires_two_gpus
+def test_nemo_rl_s_packed_broadcasts_refit_an_engine_on_gpu1_from_a_trainer_on_gpu0(
+    gpu_session: GpuSession, checkpoints: Checkpoints, reference_b: list[list[int]]
+) -> None:
+    port = free_port()
+    config = gpu_config(checkpoints.a, checkpoints.pad)
+    engine = Child(
+        nemo_rl_collective_engine_main,
+        gpu=1,
+        config=config,
+        checkpoint=str(checkpoints.b),
+        pad=checkpoints.pad,
+        port=port,
+    )
+    trainer = Child(
+        nemo_rl_collective_trainer_main, checkpoint=str(checkpoints.b), port=port, gpu=0
+    )
+    sent = trainer.result()
+    got = engine.result()
+    assert sent == sum(
+        t.numel() * t.element_size() for t in load_checkpoint(checkpoints.b, "cpu").values()
+    )
+    assert isinstance(got, dict)
+    assert got["before"] == gpu_session.baseline_a
+    assert got["after"] == reference_b
