@@ -36,7 +36,12 @@ from refit_helpers import (
 )
 from safetensors.torch import load_file
 
-from genworker.shell.errors import EngineStateError, RefitError, RefitManifestError
+from genworker.shell.errors import (
+    EngineStateError,
+    RefitError,
+    RefitManifestError,
+    RefitTimeoutError,
+)
 from genworker.shell.nemo_rl import NemoRlGenerationWorker
 from genworker.shell.nemo_rl_refit import CODECS
 from genworker.shell.tiny_model import build_tiny_model
@@ -176,6 +181,21 @@ def test_nemo_rl_ipc_refits_match_fresh_engines(
         assert isinstance(sent["groups"], int)
         assert 2 < sent["groups"] < 21  # packed ping-pong buffers, oversized tensors alone
         assert tokens(worker) == expected
+
+
+def test_a_silent_trainer_times_out_typed_and_the_worker_stays_usable(
+    worker: NemoRlGenerationWorker,
+    trainer: NemoRlTrainer,
+    socket_dir: str,
+    weights: Weights,
+    reference_b: list[list[int]],
+) -> None:
+    assert worker.update_weights_via_ipc_zmq(refit_timeout_s=1.0) is False
+    assert isinstance(worker.last_refit_error, RefitTimeoutError)
+    assert "sent nothing within 1s" in str(worker.last_refit_error)
+    ok, _ = ipc_refit(worker, trainer, socket_dir, weights.b)
+    assert ok is True, worker.last_refit_error
+    assert tokens(worker) == reference_b
 
 
 @pytest.mark.parametrize("evil", ["os.system", "eval"])
