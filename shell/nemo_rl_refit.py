@@ -190,12 +190,14 @@ class NemoRlIpcPort:
         self._bound = p.DEFAULT_TIMEOUT_S
 
     def begin(self, manifest: Manifest) -> None:
-        """Ready for one refit of ``manifest`` (inbound messages capped by its size)."""
+        """Ready for one refit of ``manifest`` (inbound messages capped by its size); a
+        socket left owing an answer (a refit cut short) is replaced."""
+        stale = self._pending
         self._refits += 1
         self._start()
         self._manifest = manifest
         cap = p.max_message_bytes(manifest)
-        if self._sock is None or cap > self._cap:
+        if self._sock is None or cap > self._cap or stale:
             if self._sock is not None:
                 self._sock.close(linger=0)
             self._cap, self._sock = cap, self._ctx.socket(zmq.REP)
@@ -590,11 +592,13 @@ class NemoRlRefit:
     """NeMo-RL's trainer wire on the engine side; every method a ``collective_rpc`` target
     (plain arguments, a failure returned as ``refit.wire.failure``)."""
 
-    def nemo_rl_ipc_socket_dir(self, socket_dir: str) -> str:
+    def nemo_rl_ipc_socket_dir(self, socket_dir: str) -> str | dict[str, object]:
         """Where NeMo-RL's trainer binds its sockets (``/tmp`` unless set); the address
         this worker connects to, ``ipc://<dir>/<GPU UUID>.sock``."""
         if not isinstance(socket_dir, str) or not os.path.isabs(socket_dir):
-            raise BadArgumentError(f"socket_dir must be an absolute path, got {socket_dir!r}")
+            return failure(
+                BadArgumentError(f"socket_dir must be an absolute path, got {socket_dir!r}")
+            )
         state = _nemo_state(self)
         if socket_dir != state.socket_dir and state.ipc is not None:
             state.ipc.close()

@@ -37,6 +37,7 @@ from refit_helpers import (
 from safetensors.torch import load_file
 
 from genworker.shell.errors import (
+    BadArgumentError,
     EngineStateError,
     RefitError,
     RefitManifestError,
@@ -273,3 +274,14 @@ def test_nemo_rl_collective_refits_match_fresh_engines(
         assert isinstance(sent.detail["groups"], int)
         assert sent.detail["groups"] > 1
         assert tokens(worker) == expected
+
+
+def test_a_relative_socket_dir_is_refused_by_name(engine: Engine) -> None:
+    from genworker.shell.vllm_engine import VllmEngine
+
+    w = NemoRlGenerationWorker(
+        CONFIG, [0], engine_factory=ExistingEngine(VllmEngine(engine.llm)), ipc_socket_dir="tmp"
+    )
+    assert w.update_weights_via_ipc_zmq(refit_timeout_s=1.0) is False
+    assert isinstance(w.last_refit_error, BadArgumentError)
+    assert "socket_dir must be an absolute path" in str(w.last_refit_error)
