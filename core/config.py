@@ -54,9 +54,11 @@ Rules, with the vLLM behaviour they mirror (vLLM 0.32, ``vllm/sampling_params.py
   worker checks each row's images against the engine's limit before submitting. NeMo-RL's
   ``vllm_cfg.video`` (its TorchCodec video contract) is refused by the key table
   (:mod:`genworker.core.config_keys`): only images are taken.
-  ``vllm_cfg.reset_encoder_cache_after_weight_update`` may be ``true`` (the worker always
-  resets the encoder and multimodal caches after a refit); ``false`` is refused, because
-  the worker does not keep encoder outputs of old weights.
+  ``vllm_cfg.reset_encoder_cache_after_weight_update``: ``true`` (the default) is what the
+  worker does, resetting the encoder and multimodal caches after every refit; ``false``
+  (NeMo-RL's stock value) is vacuous on a text-only model, which has no encoder cache, and
+  refused when the engine turns out multimodal (:meth:`VllmConfig.encoder_reset_problem`,
+  checked once the engine is up): encoder outputs of the old weights would be stale.
 * ``telemetry`` (our own block, unknown keys rejected)::
 
       telemetry:
@@ -312,6 +314,7 @@ class VllmConfig:
     use_tqdm: bool = False
     env_vars: FrozenMap[str, str] = attrs.field(factory=FrozenMap)
     extras: FrozenMap[str, object] = attrs.field(factory=_empty)
+    reset_encoder_cache_after_weight_update: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.nvfp4_per_token and self.precision not in _NVFP4_PRECISIONS:
@@ -339,6 +342,19 @@ class VllmConfig:
             return None
         assert isinstance(k, numbers.Integral)
         return int(k)
+
+    def encoder_reset_problem(self, *, multimodal: bool) -> str | None:
+        """Why this config cannot drive an engine (``multimodal`` or not), or None:
+        ``reset_encoder_cache_after_weight_update: false`` asks a multimodal engine to keep
+        encoder outputs of the old weights after a refit, which the worker never does."""
+        if self.reset_encoder_cache_after_weight_update or not multimodal:
+            return None
+        return (
+            "vllm_cfg.reset_encoder_cache_after_weight_update: false is refused on a "
+            "multimodal model: the worker resets the encoder and multimodal caches after every "
+            "refit (encoder outputs of the old weights would be stale); set it to true or "
+            "remove it"
+        )
 
     def to_mapping(self) -> dict[str, object]:
         out = _thaw_str_map(self.extras)
@@ -369,6 +385,7 @@ class VllmConfig:
             else thaw(self.mm_processor_kwargs),
             use_tqdm=self.use_tqdm,
             env_vars=dict(self.env_vars),
+            reset_encoder_cache_after_weight_update=self.reset_encoder_cache_after_weight_update,
         )
         return out
 
@@ -671,15 +688,6 @@ def _mm_limits(value: object) -> Mapping[str, object]:
     return out
 
 
-def _encoder_reset(value: object) -> bool:
-    if _as_bool(value) is not True:
-        raise _Bad(
-            "false is not supported: the worker resets the encoder and multimodal caches "
-            "after every refit (encoder outputs of the old weights would be stale); remove it"
-        )
-    return True
-
-
 class _Reader:
     """Collects problems while reading; a failed read yields a typed fallback that is never
     used, because any problem turns the whole parse into a ``Failure``."""
@@ -904,8 +912,8 @@ def _parse_vllm(
     mm_kwargs = r.take(
         v, "mm_processor_kwargs", _optional(_str_mapping), None, prefix=p, default=None
     )
-    r.take(
-        v, "reset_encoder_cache_after_weight_update", _encoder_reset, True, prefix=p, default=True
+    encoder_reset = r.take(
+        v, "reset_encoder_cache_after_weight_update", _as_bool, True, prefix=p, default=True
     )
 
     spec_raw = r.take(
@@ -978,6 +986,7 @@ def _parse_vllm(
         use_tqdm=use_tqdm,
         env_vars=env_vars,
         extras=extras,
+        reset_encoder_cache_after_weight_update=encoder_reset,
     )
     return config, logprobs_mode
 

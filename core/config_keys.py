@@ -19,8 +19,10 @@ parses and then does nothing is a bug, so :data:`KEYS` gives each key one :class
   genworker already does nothing there.
 
 An honoured key's value is checked by the parser (``config.py``), which may still refuse
-some values by name: ``vllm_cfg.reset_encoder_cache_after_weight_update: false`` is one
-(the worker always resets the encoder and multimodal caches after a refit).
+some values by name, and the worker may refuse a value once it knows the engine:
+``vllm_cfg.reset_encoder_cache_after_weight_update: false`` is accepted on a text-only
+model (there is no encoder cache to keep) and refused on a multimodal one (the worker
+always resets the encoder and multimodal caches after a refit).
 
 A rule whose key ends in ``.*`` covers a whole block (its sub-keys are not looked at);
 ``vllm_kwargs`` is passed to vLLM, so only the ``vllm_kwargs.<name>`` rules below are
@@ -240,8 +242,9 @@ KEYS: Final[tuple[KeyRule, ...]] = (
     KeyRule(
         "vllm_cfg.reset_encoder_cache_after_weight_update",
         _H,
-        "true only: the worker resets the encoder and multimodal caches after every refit; "
-        "false is refused (encoder outputs of the old weights would be stale): remove it",
+        "true: the worker resets the encoder and multimodal caches after every refit; false: "
+        "vacuous on a text-only model (no encoder cache), refused with a BadConfigError when "
+        "the engine is multimodal (encoder outputs of the old weights would be stale)",
     ),
     KeyRule(
         "vllm_cfg.async_engine",

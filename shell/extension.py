@@ -45,6 +45,7 @@ from genworker.shell.errors import (
     RefitManifestError,
     unwrap,
 )
+from genworker.shell.nemo_rl_refit import NemoRlRefit
 from genworker.shell.refit.collective import CollectiveGroup, CollectiveReceiver
 from genworker.shell.refit.ipc import IpcReceiver
 from genworker.shell.refit.memory import device_id
@@ -84,7 +85,7 @@ def _state(worker: object) -> _RefitState:
     return state
 
 
-class WorkerExtension(SparseRefitMixin):
+class WorkerExtension(SparseRefitMixin, NemoRlRefit):
     """Mixed into each vLLM worker; every method is a ``collective_rpc`` target."""
 
     def prepare_refit_info(self, info: Mapping[str, object]) -> dict[str, object]:

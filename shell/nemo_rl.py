@@ -27,9 +27,13 @@ arguments and return values (``nemo_rl/models/generation/vllm/vllm_worker.py``):
   NeMo-RL's ``aggregate_spec_decode_counters`` reads it.
 * ``vllm_cfg.async_engine: true`` is refused: NeMo-RL starts its async worker for it.
 
-The refit wire is still genworker's own (``RefitSender.ipc`` / ``RefitSender.collective``
-on the trainer side); receivers for NeMo-RL's trainer wire (pickled CUDA IPC handles, packed
-broadcasts) are not part of this module yet.
+* The refit methods speak NeMo-RL's own trainer wire (:mod:`genworker.shell.nemo_rl_refit`,
+  the extension's ``nemo_rl_*`` methods): ``update_weights_via_ipc_zmq`` connects to the
+  socket NeMo-RL's policy worker binds at ``ipc://<ipc_socket_dir>/<GPU UUID>.sock``
+  (``/tmp``, as NeMo-RL's ``get_zmq_address``) and reads its pickled CUDA IPC handles
+  through an allowlist; ``init_collective`` / ``update_weights_from_collective`` join its
+  ``StatelessProcessGroup`` store and receive its packed NCCL broadcasts. genworker's own
+  worker (:class:`genworker.shell.worker.VllmGenerationWorker`) keeps genworker's wire.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from genworker.core import lifecycle
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import CACHE_RESETS, decode_snapshot, values_by_name
 from genworker.core.placement import plan_engine_env
+from genworker.core.refit_protocol import Transport, wait_bound
 from genworker.shell.errors import (
     BadArgumentError,
     BadConfigError,
@@ -53,6 +58,7 @@ from genworker.shell.errors import (
     GenworkerError,
     unwrap,
 )
+from genworker.shell.nemo_rl_refit import DEFAULT_SOCKET_DIR
 from genworker.shell.ports import EngineFactory
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 from genworker.shell.worker import checked_env_names
@@ -77,6 +83,7 @@ class NemoRlGenerationWorker:
         defer_model_load: bool = False,
         *,
         engine_factory: EngineFactory | None = None,
+        ipc_socket_dir: str = DEFAULT_SOCKET_DIR,
     ) -> None:
         self.cfg: WorkerConfig = unwrap(
             WorkerConfig.from_mapping(config), BadConfigError, "worker config"
@@ -96,6 +103,9 @@ class NemoRlGenerationWorker:
         self.last_refit_error: GenworkerError | None = None
         #: each engine worker's manifest summary from the last ``prepare_refit_info``
         self.refit_info: list[object] = []
+        #: where NeMo-RL's trainer binds its IPC refit sockets (its ``/tmp``)
+        self.ipc_socket_dir = ipc_socket_dir
+        self._socket_dir_sent = False
         self._shut_down = False
         self._worker: NativeWorker | None = None
         if self.bundle_indices is None:
@@ -213,25 +223,35 @@ class NemoRlGenerationWorker:
     def init_collective(
         self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int
     ) -> None:
-        self._owner("init_collective").init_collective(
-            rank_prefix, ip, port, world_size, train_world_size
+        """Join NeMo-RL's weight-update group (its trainer rank 0 hosts the store)."""
+        self._owner("init_collective").init_collective_via(
+            "nemo_rl_init_collective", rank_prefix, ip, port, world_size, train_world_size
         )
 
     def update_weights_via_ipc_zmq(self, refit_timeout_s: float | None = None) -> bool:
-        return self._refit("update_weights_via_ipc_zmq", refit_timeout_s)
+        """One refit from NeMo-RL's trainer over its IPC wire; False on failure."""
+        return self._refit("nemo_rl_update_weights_via_ipc_zmq", refit_timeout_s, Transport.IPC)
 
     def update_weights_from_collective(self, refit_timeout_s: float | None = None) -> bool:
-        return self._refit("update_weights_from_collective", refit_timeout_s)
+        """One refit from NeMo-RL's trainer over its packed broadcasts; False on failure."""
+        return self._refit(
+            "nemo_rl_update_weights_from_collective", refit_timeout_s, Transport.COLLECTIVE
+        )
 
     def get_last_refit_error(self) -> GenworkerError | None:
         """:attr:`last_refit_error`, for callers that hold only the actor handle."""
         return self.last_refit_error
 
-    def _refit(self, method: str, refit_timeout_s: float | None) -> bool:
-        # None is the native worker's default bound (core.refit_protocol.DEFAULT_TIMEOUT_S),
-        # checked there with every other value, once, before the refit starts.
+    def _refit(self, method: str, refit_timeout_s: float | None, transport: Transport) -> bool:
+        # None is the native worker's default bound (core.refit_protocol.DEFAULT_TIMEOUT_S);
+        # a bad value is refused before any engine call.
         try:
-            ok = getattr(self._owner(method), method)(timeout_s=refit_timeout_s)
+            unwrap(wait_bound(refit_timeout_s), BadArgumentError, method.removeprefix("nemo_rl_"))
+            worker = self._owner(method)
+            if transport is Transport.IPC and not self._socket_dir_sent:
+                worker.call_engine_workers("nemo_rl_ipc_socket_dir", self.ipc_socket_dir)
+                self._socket_dir_sent = True
+            ok = worker.refit_via(method, refit_timeout_s, transport)
         except GenworkerError as e:
             self.last_refit_error = e
             log.warning("%s failed (%s: %s)", method, type(e).__name__, e, exc_info=e)

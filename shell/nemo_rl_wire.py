@@ -31,7 +31,8 @@ values, and checks the whole pickle before building anything:
    a ``REDUCE`` on one fails instead of calling it; the only callables a pickle can reach
    are ``torch.Size`` (a tuple of ints) and the protocol ``Enum`` (genworker's own copy).
 3. :func:`read_message` checks the loaded value's shape and returns an :class:`IpcBucket`
-   (the handle's fields as plain values) or :data:`IPC_COMPLETE`.
+   (the handle's fields as plain values, read by :func:`cuda_ipc_handle` or another
+   reader a test configuration passes with its own allowlist) or :data:`IPC_COMPLETE`.
 
 Protocol 3 or newer (pyzmq sends ``pickle.DEFAULT_PROTOCOL``): protocol 2 pickles bytes
 through ``_codecs.encode``, which is not on the allowlist.
@@ -43,8 +44,8 @@ import enum
 import io
 import pickle
 import pickletools
-from collections.abc import Iterator, Mapping
-from typing import Final
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Final, Generic, TypeVar, overload
 
 import attrs
 import torch
@@ -60,6 +61,7 @@ __all__ = [
     "IpcProtocol",
     "WireName",
     "WireUnpickler",
+    "cuda_ipc_handle",
     "loads",
     "read_message",
     "scan_pickle",
@@ -256,11 +258,15 @@ class CudaIpcHandle:
         )
 
 
-@attrs.frozen
-class IpcBucket:
-    """One packed bucket: its CUDA IPC handle, the parameters in it and the bytes used."""
+H = TypeVar("H")
 
-    handle: CudaIpcHandle
+
+@attrs.frozen
+class IpcBucket(Generic[H]):
+    """One packed bucket: its handle (a :class:`CudaIpcHandle` on NeMo-RL's wire), the
+    parameters in it and the bytes used."""
+
+    handle: H
     names: tuple[str, ...]
     used_bytes: int
 
@@ -283,7 +289,8 @@ def _ints(value: object, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _handle(value: object) -> CudaIpcHandle:
+def cuda_ipc_handle(value: object) -> CudaIpcHandle:
+    """A bucket's handle as NeMo-RL sends it, checked field by field."""
     if isinstance(value, tuple) and len(value) == 2 and value[0] is WireName.REBUILD_CUDA_TENSOR:
         value = (value[1],)  # (rebuild_cuda_tensor, args): the whole reduce_tensor result
     if not isinstance(value, tuple) or len(value) != 1 or not isinstance(value[0], tuple):
@@ -337,8 +344,17 @@ def _handle(value: object) -> CudaIpcHandle:
     )
 
 
-def read_message(message: object) -> IpcBucket | IpcComplete:
-    """A loaded message as a value: a bucket, or the end of the stream."""
+@overload
+def read_message(message: object) -> IpcBucket[CudaIpcHandle] | IpcComplete: ...
+@overload
+def read_message(
+    message: object, handle_of: Callable[[object], H]
+) -> IpcBucket[H] | IpcComplete: ...
+def read_message(
+    message: object, handle_of: Callable[[object], object] = cuda_ipc_handle
+) -> IpcBucket[Any] | IpcComplete:
+    """A loaded message as a value: a bucket (its handle read by ``handle_of``), or the end
+    of the stream."""
     if message is IpcProtocol.COMPLETE:
         return IPC_COMPLETE
     if not isinstance(message, tuple) or len(message) != 3:
@@ -353,4 +369,4 @@ def read_message(message: object) -> IpcBucket | IpcComplete:
         )
     if not _is_int(used) or used < 0:
         raise RefitWireError(f"refit message used_bytes must be an int >= 0, got {used!r}")
-    return IpcBucket(handle=_handle(handle), names=tuple(names), used_bytes=used)
+    return IpcBucket(handle=handle_of(handle), names=tuple(names), used_bytes=used)

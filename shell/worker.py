@@ -264,6 +264,13 @@ class VllmGenerationWorker:
         os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
         self.forward_env([*self.cfg.vllm.env_vars, *self.extra_env_vars])
         self._engine = factory.start(plan.llm_kwargs())
+        problem = self.cfg.vllm.encoder_reset_problem(
+            multimodal=self._engine.capabilities.multimodal
+        )
+        if problem is not None:
+            engine, self._engine = self._engine, None
+            engine.shutdown()
+            raise BadConfigError(problem)
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
             EngineStateError,
@@ -867,6 +874,30 @@ class VllmGenerationWorker:
             "engine_workers": statuses,
             **{f"reset_{name}_cache_seconds": sec for name, sec in resets.items()},
         }
+
+    # -- receivers of other refit wires (genworker.shell.nemo_rl) ---------------------
+    @_serialized
+    def call_engine_workers(self, method: str, *args: object) -> list[object]:
+        """Every engine worker's answer to its ``WorkerExtension.method(*args)`` (plain
+        values); a failure raised typed, naming the worker."""
+        return self._rpc(method, *args)
+
+    @_serialized
+    def init_collective_via(
+        self, method: str, *args: object, timeout_s: float | None = None
+    ) -> None:
+        """:meth:`init_collective` through another extension method (``method(*args,
+        bound)``, e.g. the receiver of NeMo-RL's weight-update group)."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
+        self._collective = False
+        self._rpc(method, *args, bound, timeout=rpc_bound(RENDEZVOUS_WAITS, bound))
+        self._collective = True
+
+    @_serialized
+    def refit_via(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
+        """A refit through another extension receiver ``method(timeout_s=)`` of
+        ``transport``, with the built-in refits' checks, bounds, lifecycle and resets."""
+        return self._refit(method, timeout_s, transport)
 
 
 def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:

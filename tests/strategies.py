@@ -767,7 +767,10 @@ def nemo_config_dicts(
         st.none() | st.fixed_dictionaries({}, optional={"do_image_splitting": st.booleans()}),
     )
     _cfg_maybe(
-        draw, vllm_cfg, "reset_encoder_cache_after_weight_update", st.sampled_from([True, "true"])
+        draw,
+        vllm_cfg,
+        "reset_encoder_cache_after_weight_update",
+        st.sampled_from([True, "true", False, "no"]),
     )
     _cfg_maybe(draw, vllm_cfg, "use_deep_gemm", st.sampled_from([False, "false", 0]))
     _cfg_maybe(draw, vllm_cfg, "num_first_layers_in_bf16", st.just(0))
@@ -1191,7 +1194,7 @@ _CFG_BREAKERS: list[
         frozenset({"vllm_cfg.reset_encoder_cache_after_weight_update"}),
         _cfg_set(
             "vllm_cfg.reset_encoder_cache_after_weight_update",
-            st.sampled_from([False, "no", "maybe"]),
+            st.sampled_from(["maybe", 2, [True]]),
         ),
     ),
     ("(config)", frozenset({"(config)"}), _cfg_non_str_key),

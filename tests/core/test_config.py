@@ -589,6 +589,25 @@ def test_multimodal_keys_are_kept_as_frozen_values_and_round_trip() -> None:
     assert _parse(c.to_mapping()) == c
 
 
+@pytest.mark.parametrize("value", [False, "false", "no", 0])
+def test_keeping_the_encoder_cache_parses_and_is_refused_only_for_a_multimodal_engine(
+    value: object,
+) -> None:
+    d = dict(_minimal())
+    d["vllm_cfg"] = _vllm(reset_encoder_cache_after_weight_update=value)
+    c = _parse(d)
+    assert c.vllm.reset_encoder_cache_after_weight_update is False
+    assert _parse(c.to_mapping()) == c
+    assert c.vllm.encoder_reset_problem(multimodal=False) is None
+    problem = c.vllm.encoder_reset_problem(multimodal=True)
+    assert problem is not None
+    assert "vllm_cfg.reset_encoder_cache_after_weight_update" in problem
+    assert "stale" in problem
+    default = _parse(dict(_minimal()))
+    assert default.vllm.reset_encoder_cache_after_weight_update is True
+    assert default.vllm.encoder_reset_problem(multimodal=True) is None
+
+
 @pytest.mark.parametrize(
     ("vllm_cfg", "key", "says"),
     [
@@ -597,11 +616,6 @@ def test_multimodal_keys_are_kept_as_frozen_values_and_round_trip() -> None:
         ({"limit_mm_per_prompt": 2}, "limit_mm_per_prompt", "mapping"),
         ({"mm_processor_kwargs": ["x"]}, "mm_processor_kwargs", "mapping"),
         ({"video": {"num_frames": 8}}, "video", "video inputs are not supported"),
-        (
-            {"reset_encoder_cache_after_weight_update": False},
-            "reset_encoder_cache_after_weight_update",
-            "resets the encoder and multimodal caches after every refit",
-        ),
         (
             {"reset_encoder_cache_after_weight_update": "sometimes"},
             "reset_encoder_cache_after_weight_update",

@@ -87,8 +87,7 @@ IMAGE_KEYS: dict[str, object] = {
 }
 
 # NeMo-RL's examples/configs/grpo_math_1B.yaml policy.generation block, interpolated, less
-# its vllm_cfg.reset_encoder_cache_after_weight_update: false (refused: the worker always
-# resets the encoder caches after a refit; see the test below).
+# its vllm_cfg.reset_encoder_cache_after_weight_update: false (see the test below).
 GRPO_MATH_1B: dict[str, object] = {
     "port_range_low": 3000,
     "port_range_high": 4999,
@@ -201,16 +200,24 @@ def test_a_nemo_rl_grpo_config_parses_as_nemo_rl_writes_it() -> None:
     assert WorkerConfig.from_mapping(c.to_mapping()) == Success(c)
 
 
-def test_nemo_rl_s_reset_encoder_cache_false_is_the_one_line_to_remove() -> None:
-    """NeMo-RL's example configs carry ``reset_encoder_cache_after_weight_update: false``;
-    the worker resets those caches after every refit, so it refuses the key by name."""
-    nemo_rl_written = _at(GRPO_MATH_1B, "vllm_cfg.reset_encoder_cache_after_weight_update", False)
-    result = WorkerConfig.from_mapping(nemo_rl_written)
-    assert _keys(result) == ("vllm_cfg.reset_encoder_cache_after_weight_update",)
-    assert "remove it" in result.failure().message
-    for value in (True, "true"):
-        fixed = _at(GRPO_MATH_1B, "vllm_cfg.reset_encoder_cache_after_weight_update", value)
-        assert isinstance(WorkerConfig.from_mapping(fixed), Success)
+def test_nemo_rl_s_stock_config_with_reset_encoder_cache_false_parses_unchanged() -> None:
+    """NeMo-RL's example configs carry ``reset_encoder_cache_after_weight_update: false``:
+    it parses (vacuous on a text-only model); only a multimodal engine refuses it, naming
+    the key, once the worker knows the engine is multimodal."""
+    for value in (False, "false", True, "true"):
+        written = _at(GRPO_MATH_1B, "vllm_cfg.reset_encoder_cache_after_weight_update", value)
+        result = WorkerConfig.from_mapping(written)
+        assert isinstance(result, Success), result
+        vllm = result.unwrap().vllm
+        keeps = value in (False, "false")
+        assert vllm.reset_encoder_cache_after_weight_update is not keeps
+        assert vllm.encoder_reset_problem(multimodal=False) is None
+        problem = vllm.encoder_reset_problem(multimodal=True)
+        assert (problem is not None) is keeps
+    bad = _at(GRPO_MATH_1B, "vllm_cfg.reset_encoder_cache_after_weight_update", "sometimes")
+    assert _keys(WorkerConfig.from_mapping(bad)) == (
+        "vllm_cfg.reset_encoder_cache_after_weight_update",
+    )
 
 
 @pytest.mark.parametrize("path", sorted(IMAGE_KEYS))

@@ -351,8 +351,8 @@ def test_a_failed_refit_returns_false_and_keeps_the_typed_error() -> None:
         timeouts.append(timeout_s)
         raise TimeoutError(f"no bucket within {timeout_s} s")
 
-    engine.rpc_handlers["update_weights_from_collective"] = failing
-    engine.rpc_handlers["init_collective"] = lambda *args: {"rank": 1}
+    engine.rpc_handlers["nemo_rl_update_weights_from_collective"] = failing
+    engine.rpc_handlers["nemo_rl_init_collective"] = lambda *args: {"rank": 1}
     assert worker.update_weights_from_collective(refit_timeout_s=5) is False  # no group yet
     assert isinstance(worker.last_refit_error, EngineStateError)
     assert "init_collective first" in str(worker.last_refit_error)
@@ -369,8 +369,9 @@ def test_a_failed_refit_returns_false_and_keeps_the_typed_error() -> None:
         timeouts.append(timeout_s)
         engine.load_new_weights()
 
-    engine.rpc_handlers["update_weights_from_collective"] = succeeding
-    engine.rpc_handlers["update_weights_via_ipc_zmq"] = succeeding
+    engine.rpc_handlers["nemo_rl_update_weights_from_collective"] = succeeding
+    engine.rpc_handlers["nemo_rl_update_weights_via_ipc_zmq"] = succeeding
+    engine.rpc_handlers["nemo_rl_ipc_socket_dir"] = lambda d: f"ipc://{d}/cpu.sock"
     assert worker.update_weights_from_collective() is True
     assert worker.get_last_refit_error() is None
     assert worker.update_weights_via_ipc_zmq(refit_timeout_s=2.5) is True
@@ -390,7 +391,8 @@ def test_a_bad_refit_timeout_returns_false_and_changes_nothing(timeout: object) 
 
 def test_a_refit_the_lifecycle_refuses_returns_false() -> None:
     worker, engine, _ = _owner()
-    engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: None
+    engine.rpc_handlers["nemo_rl_update_weights_via_ipc_zmq"] = lambda timeout_s: None
+    engine.rpc_handlers["nemo_rl_ipc_socket_dir"] = lambda d: f"ipc://{d}/cpu.sock"
     worker.prepare_refit_info({"w": ((2,), torch.float32)})
     worker.sleep()
     assert worker.update_weights_via_ipc_zmq() is False

@@ -148,10 +148,11 @@ EFFECTS: dict[str, tuple[object, object, Callable[[Run], object], dict[str, Any]
 # Keys whose only honoured value is fixed: any other is refused (the effect is the refusal).
 ONE_VALUE = {
     "backend": ("vllm", "megatron"),
-    "vllm_cfg.reset_encoder_cache_after_weight_update": (True, False),
     # The sync worker's one value; true is AsyncVllmGenerationWorker's (the test below).
     "vllm_cfg.async_engine": (False, True),
 }
+# Keys whose effect depends on the engine: tested on their own below.
+ENGINE_DEPENDENT = {"vllm_cfg.reset_encoder_cache_after_weight_update"}
 # Blocks whose keys are the table's other rows.
 BLOCKS = {"vllm_cfg"}
 
@@ -166,7 +167,7 @@ def _restore_env() -> Iterator[None]:
 
 def test_every_honoured_key_has_an_effect_row() -> None:
     honoured = {r.key for r in KEYS if r.fate is Fate.HONOURED}
-    assert honoured == set(EFFECTS) | set(ONE_VALUE) | BLOCKS
+    assert honoured == set(EFFECTS) | set(ONE_VALUE) | BLOCKS | ENGINE_DEPENDENT
 
 
 def _with(path: str, value: object, extra: dict[str, Any]) -> dict[str, Any]:
@@ -230,3 +231,25 @@ def test_async_engine_true_is_the_async_worker_s_and_the_sync_worker_names_it() 
         AsyncVllmGenerationWorker(
             _with("vllm_cfg.async_engine", False, {}), engine_factory=FakeAsyncEngineFactory()
         )
+
+
+@pytest.mark.parametrize("value", [False, "false", 0])
+def test_keeping_the_encoder_cache_is_vacuous_on_text_and_refused_on_a_multimodal_engine(
+    value: object,
+) -> None:
+    """NeMo-RL's stock ``reset_encoder_cache_after_weight_update: false``: a text-only
+    engine has no encoder cache (the worker runs); a multimodal one would keep encoder
+    outputs of the old weights, so the worker refuses it naming the key, and the engine it
+    started for the check is shut down."""
+    path = "vllm_cfg.reset_encoder_cache_after_weight_update"
+    text = _run(_with(path, value, {}), 0)
+    assert isinstance(text, Run)
+    factory = FakeEngineFactory(image_token_id=5, max_images=1)
+    with pytest.raises(BadConfigError, match=path):
+        VllmGenerationWorker(_with(path, value, {}), engine_factory=factory)
+    assert factory.started
+    assert factory.started[-1][1].shut_down
+    kept = VllmGenerationWorker(
+        _with(path, True, {}), engine_factory=FakeEngineFactory(image_token_id=5, max_images=1)
+    )
+    assert kept.is_alive()

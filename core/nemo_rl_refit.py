@@ -1,0 +1,105 @@
+"""NeMo-RL's trainer-side refit wire as events of :mod:`genworker.core.refit_protocol`.
+
+Theory of operation
+-------------------
+NeMo-RL's trainer sends neither a start, an end count nor tensor specs: both its wires
+lean on the manifest the engine got from ``prepare_refit_info`` (``state_dict_info``, in
+its order), read at NeMo-RL commit 7ea279ab:
+
+* IPC (``stream_weights_via_ipc_zmq_impl``, ``nemo_rl/models/policy/utils.py``): one
+  message per packed staging buffer listing only parameter names and the bytes used; the
+  tensors lie back to back in the buffer, each at a multiple of :data:`IPC_ALIGN` bytes
+  (``calculate_aligned_size``), shapes and dtypes from the manifest. The buffers are
+  reused (ping-pong), so each is a :attr:`~refit_protocol.StorageKind.TEMPORARY` storage
+  here: its mapping goes after the chunk and the loader gets copies. Then ``COMPLETE``.
+* Collective (``packed_broadcast_producer`` / ``_consumer``,
+  ``nemo_rl/utils/packed_tensor.py``): the manifest's tensors in order, grouped so that
+  a group closes as soon as its bytes exceed the target size, each group one broadcast of
+  its tensors' bytes unpadded, and nothing else on the wire (:func:`packed_groups`).
+
+The shell turns each message into a :class:`~refit_protocol.Chunk` with :func:`ipc_chunk`
+or :func:`packed_chunk` and feeds the usual :class:`~refit_protocol.Receiver`, with a
+synthesized :class:`~refit_protocol.Begin` first and an :class:`~refit_protocol.End`
+counting what arrived last, so the manifest checks (missing, duplicated, misplaced
+tensors) are the same as on genworker's own wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from returns.result import Failure, Result, Success
+
+from genworker.core import refit_protocol as p
+from genworker.core.refit_plan import (
+    Deviation,
+    Manifest,
+    ManifestError,
+    TensorProblem,
+    TensorSpec,
+    align_up,
+    manifest_error,
+)
+
+__all__ = ["IPC_ALIGN", "ipc_chunk", "packed_chunk", "packed_groups"]
+
+#: NeMo-RL's ``calculate_aligned_size`` default: each packed tensor starts at a multiple.
+IPC_ALIGN: Final = 512
+
+
+def ipc_chunk(
+    manifest: Manifest,
+    refit_id: str,
+    index: int,
+    names: Sequence[str],
+    used_bytes: int,
+    storage_bytes: int,
+) -> Result[p.Chunk, ManifestError]:
+    """The chunk of one IPC bucket: ``names`` back to back at aligned offsets in one
+    storage of ``storage_bytes``; refused when a name is not in the manifest (no offset
+    follows from it) or the offsets do not add up to ``used_bytes``."""
+    refs: list[p.TensorRef] = []
+    unknown: list[TensorProblem] = []
+    offset = 0
+    for name in names:
+        spec = manifest.get(name)
+        if spec is None:
+            unknown.append(TensorProblem(name, Deviation.UNEXPECTED, "is not in the manifest"))
+            continue
+        refs.append(p.TensorRef(name, spec.shape, spec.dtype, 0, offset))
+        offset += align_up(spec.nbytes, IPC_ALIGN)
+    if unknown:
+        return Failure(manifest_error(f"IPC bucket {index} does not match the manifest", unknown))
+    if offset != used_bytes:
+        why = (
+            f"its tensors take {offset} bytes at {IPC_ALIGN}-byte alignment, the trainer says "
+            f"{used_bytes} (names, shapes or dtypes differ from prepare_refit_info's)"
+        )
+        problems = [TensorProblem(n, Deviation.MISPLACED, why) for n in names]
+        return Failure(manifest_error(f"IPC bucket {index} does not match the manifest", problems))
+    kinds = (p.StorageKind.TEMPORARY,)
+    return Success(p.Chunk(refit_id, index, tuple(refs), (storage_bytes,), kinds))
+
+
+def packed_groups(manifest: Manifest, target_bytes: int) -> tuple[tuple[TensorSpec, ...], ...]:
+    """The manifest's tensors as NeMo-RL's packed broadcasts group them: in order, a group
+    closing once its bytes exceed ``target_bytes``."""
+    groups: list[tuple[TensorSpec, ...]] = []
+    group: list[TensorSpec] = []
+    size = 0
+    for spec in manifest.specs:
+        group.append(spec)
+        size += spec.nbytes
+        if size > target_bytes:
+            groups.append(tuple(group))
+            group, size = [], 0
+    if group:
+        groups.append(tuple(group))
+    return tuple(groups)
+
+
+def packed_chunk(refit_id: str, index: int, group: Sequence[TensorSpec]) -> p.Chunk:
+    """The chunk of one packed broadcast: its tensors arrive by broadcast, in order."""
+    refs = tuple(p.TensorRef(s.name, s.shape, s.dtype) for s in group)
+    return p.Chunk(refit_id, index, refs)

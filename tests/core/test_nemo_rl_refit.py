@@ -1,0 +1,121 @@
+"""Laws of NeMo-RL's refit wire as protocol events: what its trainer packs, the receiver
+machine takes, and any deviation is refused naming the tensor."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+from strategies import refit_specs
+
+from genworker.core import nemo_rl_refit as n
+from genworker.core import refit_protocol as p
+from genworker.core.refit_plan import Deviation, Manifest, TensorSpec, align_up
+
+
+def _trainer_buckets(specs: list[TensorSpec], budget: int) -> list[tuple[list[str], int]]:
+    """Buckets as ``stream_weights_via_ipc_zmq_impl`` fills them (its packing loop, with
+    the oversized-parameter case: a bucket of its own)."""
+    buckets: list[tuple[list[str], int]] = []
+    names: list[str] = []
+    used = 0
+    for spec in specs:
+        size = align_up(spec.nbytes, n.IPC_ALIGN)
+        if size > budget:
+            if names:
+                buckets.append((names, used))
+                names, used = [], 0
+            buckets.append(([spec.name], size))
+            continue
+        if used + size > budget:
+            buckets.append((names, used))
+            names, used = [], 0
+        names.append(spec.name)
+        used += size
+    if names:
+        buckets.append((names, used))
+    return buckets
+
+
+def _receive(manifest: Manifest, chunks: list[p.Chunk]) -> p.Receiver:
+    step = p.Receiver(manifest).handle(p.Begin("r", ""))
+    assert isinstance(step, Success)
+    receiver: p.Receiver = step.unwrap().receiver
+    for chunk in chunks:
+        got = receiver.handle(chunk)
+        assert isinstance(got, Success), got
+        receiver = got.unwrap().receiver
+    return receiver
+
+
+@given(refit_specs(min_size=1), st.integers(1, 8).map(lambda k: k * n.IPC_ALIGN))
+def test_ipc_buckets_as_the_trainer_packs_them_are_a_complete_refit(
+    specs: list[TensorSpec], budget: int
+) -> None:
+    manifest = Manifest.from_specs(specs).unwrap()
+    chunks = []
+    for index, (names, used) in enumerate(_trainer_buckets(specs, budget)):
+        chunk = n.ipc_chunk(manifest, "r", index, names, used, max(used, budget))
+        assert isinstance(chunk, Success), chunk
+        assert chunk.unwrap().kinds == (p.StorageKind.TEMPORARY,)
+        assert all(r.offset % n.IPC_ALIGN == 0 for r in chunk.unwrap().tensors)
+        chunks.append(chunk.unwrap())
+    receiver = _receive(manifest, chunks)
+    end = receiver.handle(p.End(receiver.refit_id, receiver.chunks, len(receiver.received)))
+    assert isinstance(end, Success)
+    assert isinstance(end.unwrap().decision, p.Finished)
+
+
+def test_a_bucket_naming_a_tensor_outside_the_manifest_is_refused_by_name() -> None:
+    manifest = Manifest.from_specs([TensorSpec("a", (4,), "float32")]).unwrap()
+    got = n.ipc_chunk(manifest, "r", 0, ["a", "zz"], 512, 1024)
+    assert isinstance(got, Failure)
+    assert got.failure().unexpected == ("zz",)
+
+
+def test_a_bucket_whose_bytes_do_not_add_up_is_refused_naming_its_tensors() -> None:
+    manifest = Manifest.from_specs([TensorSpec("a", (4,), "float32")]).unwrap()
+    got = n.ipc_chunk(manifest, "r", 3, ["a"], 1024, 1024)
+    assert isinstance(got, Failure)
+    assert got.failure().names(Deviation.MISPLACED) == ("a",)
+    assert "512 bytes" in str(got.failure())
+    assert "1024" in str(got.failure())
+
+
+def test_a_bucket_overrunning_its_storage_is_refused_by_the_receiver() -> None:
+    manifest = Manifest.from_specs([TensorSpec("a", (256,), "float32")]).unwrap()
+    chunk = n.ipc_chunk(manifest, "r", 0, ["a"], 1024, 512)
+    assert isinstance(chunk, Success)
+    begun = p.Receiver(manifest).handle(p.Begin("r", "")).unwrap().receiver
+    refused = begun.handle(chunk.unwrap())
+    assert isinstance(refused, Failure)
+    assert refused.failure().kind is p.RefusalKind.MANIFEST
+
+
+def test_a_refit_that_stops_early_is_refused_naming_what_never_arrived() -> None:
+    specs = [TensorSpec("a", (4,), "float32"), TensorSpec("b", (2,), "int64")]
+    manifest = Manifest.from_specs(specs).unwrap()
+    receiver = _receive(manifest, [n.ipc_chunk(manifest, "r", 0, ["a"], 512, 512).unwrap()])
+    end = receiver.handle(p.End(receiver.refit_id, receiver.chunks, len(receiver.received)))
+    assert isinstance(end, Failure)
+    assert end.failure().detail is not None
+    assert end.failure().detail.missing == ("b",)
+
+
+@given(refit_specs(min_size=1), st.integers(0, 4096))
+def test_packed_groups_are_the_manifest_in_order_each_closing_once_over_target(
+    specs: list[TensorSpec], target: int
+) -> None:
+    manifest = Manifest.from_specs(specs).unwrap()
+    groups = n.packed_groups(manifest, target)
+    assert [s for g in groups for s in g] == specs
+    for group in groups[:-1]:
+        sizes = [s.nbytes for s in group]
+        assert sum(sizes) > target >= sum(sizes[:-1])
+    assert all(groups)
+    assert sum(s.nbytes for s in groups[-1][:-1]) <= target
+    chunks = [n.packed_chunk("r", i, g) for i, g in enumerate(groups)]
+    assert all(c.storages is None for c in chunks)
+    receiver = _receive(manifest, chunks)
+    assert receiver.received == frozenset(manifest.names)
+    assert receiver.chunks == len(groups)
