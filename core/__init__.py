@@ -48,6 +48,18 @@ from genworker.core.placement import (
 from genworker.core.refit_plan import Manifest, ManifestError, TensorSpec, plan_buckets
 from genworker.core.rows import RowChecks, assemble_row, check_rows
 from genworker.core.sampling import SamplingSpec, group_specs, sampling_spec
+from genworker.core.serving import (
+    OffPolicy,
+    PrefixMismatch,
+    ServerOptions,
+    Turn,
+    check_on_policy,
+    check_turns,
+    http_max_tokens,
+    server_options,
+    splice_prefix,
+    training_policy,
+)
 from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards, split_batch
 from genworker.core.stops import StopError, StopMode, merge_stop_strings
 from genworker.core.versions import (
@@ -77,15 +89,19 @@ __all__ = [
     "LifecycleError",
     "Manifest",
     "ManifestError",
+    "OffPolicy",
     "PlacementError",
     "PlacementPlan",
+    "PrefixMismatch",
     "RowChecks",
     "SamplingSpec",
+    "ServerOptions",
     "ShardPlan",
     "State",
     "StopError",
     "StopMode",
     "TensorSpec",
+    "Turn",
     "VersionError",
     "VersionRuns",
     "VllmConfig",
@@ -96,7 +112,9 @@ __all__ = [
     "batch_max_tokens",
     "check_batch",
     "check_can_generate",
+    "check_on_policy",
     "check_rows",
+    "check_turns",
     "configure_worker",
     "context_cap",
     "decode_snapshot",
@@ -105,6 +123,7 @@ __all__ = [
     "extract_prompts",
     "flatten_generations",
     "group_specs",
+    "http_max_tokens",
     "merge_shard_outputs",
     "merge_snapshots",
     "merge_stop_strings",
@@ -117,10 +136,13 @@ __all__ = [
     "runs_from_spans",
     "runs_from_tokens",
     "sampling_spec",
+    "server_options",
     "spec_decode_cap",
     "spec_decode_metrics",
+    "splice_prefix",
     "split_batch",
     "staleness",
     "step_deltas",
+    "training_policy",
     "transition",
 ]

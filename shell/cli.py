@@ -2,6 +2,9 @@
 
 genworker demo [--shards N]                       # tiny local Llama, real vLLM engine
 genworker generate --model DIR --prompts FILE     # JSONL {"prompt": ...} in, JSONL out
+genworker serve --model DIR [--host H --port P]   # vLLM's OpenAI server, genworker's layer
+
+``generate`` and ``serve`` write JSON lines only on stdout; logs (vLLM's too) go to stderr.
 """
 
 from __future__ import annotations
@@ -219,8 +222,55 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """The async worker with its OpenAI server until SIGINT/SIGTERM: one JSON line
+    ``{"base_url": ...}`` once it serves, ``{"stopped": true}`` once it stopped."""
+    import asyncio
+    import signal
+
+    from genworker.shell.async_worker import AsyncVllmGenerationWorker
+
+    config = worker_config(
+        args.model,
+        pad_token_id=_pad_id(_tokenizer(args.model)),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        device=_device(),
+    )
+    vllm_cfg = config["vllm_cfg"]
+    assert isinstance(vllm_cfg, dict)
+    vllm_cfg.update(
+        async_engine=True,
+        expose_http_server=True,
+        http_server_host=args.host,
+        http_server_port=args.port,
+        http_server_on_policy_guard=not args.no_on_policy_guard,
+    )
+    if args.chat_template is not None:
+        template = Path(args.chat_template).read_text(encoding="utf-8")
+        vllm_cfg["http_server_serving_chat_kwargs"] = {"chat_template": template}
+
+    async def serve() -> None:
+        worker = AsyncVllmGenerationWorker(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            url = await worker.start_http_server()
+            print(json.dumps({"base_url": url}), flush=True)
+            await stop.wait()
+        finally:
+            await worker.shutdown()
+        print(json.dumps({"stopped": True}), flush=True)
+
+    asyncio.run(serve())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for results
     parser = argparse.ArgumentParser(
         prog="genworker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -234,12 +284,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--prompts", required=True, help='JSONL file of {"prompt": ...}')
     gen.add_argument("--out", help="output JSONL (default: stdout)")
     for p in (demo, gen):
-        p.add_argument("--max-new-tokens", type=int, default=24)
-        p.add_argument("--temperature", type=float, default=1.0)
         p.add_argument("--greedy", action="store_true")
         p.add_argument("--chunk", type=int, default=4, help="rows per generate call")
+    serve = sub.add_parser("serve", help="vLLM's OpenAI server around the async worker")
+    serve.add_argument("--model", required=True, help="a local Hugging Face model directory")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default loopback)")
+    serve.add_argument("--port", type=int, default=0, help="listen port (0: any free port)")
+    serve.add_argument("--chat-template", help="a Jinja chat template file")
+    serve.add_argument(
+        "--no-on-policy-guard", action="store_true", help="accept any sampling parameters"
+    )
+    for p in (demo, gen, serve):
+        p.add_argument("--max-new-tokens", type=int, default=24)
+        p.add_argument("--temperature", type=float, default=1.0)
     args = parser.parse_args(argv)
-    return _demo(args) if args.command == "demo" else _generate(args)
+    commands = {"demo": _demo, "generate": _generate, "serve": _serve}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":
