@@ -957,6 +957,11 @@ class AsyncVllmGenerationWorker:
                 "weights are inconsistent until a refit succeeds"
             )
         )
+        if self._http is not None:
+            self._http.abort_all(
+                f"aborted: the in-flight refit ({method}) failed ({error}); the weights are "
+                "inconsistent until a refit succeeds"
+            )
         try:
             if ids:
                 await engine.abort(ids)

@@ -29,7 +29,8 @@ Theory of operation
   the parameter or the message).
 - **Weight versions**: each request runs inside ``AsyncVllmGenerationWorker.in_flight()``
   (a stream for the lifecycle: sleep and prefix-cache resets wait, in-flight refits pause
-  and resume it like the worker's own rows). Non-streaming responses carry the header
+  and resume it like the worker's own rows; a refit that fails ends them: 500 naming the
+  failure, or the stream ends). Non-streaming responses carry the header
   ``x-genworker-weight-versions`` (comma-separated: every version from the request's
   arrival to its response, ``core.serving.versions_between``); every streamed event
   carries the same as a ``weight_versions`` list field (up to that event), and the
@@ -168,6 +169,16 @@ class RolloutLayer:
         self.num_speculative_tokens = num_speculative_tokens
         self.decode = decode
         self.reuses_prompt_ids = reuses_prompt_ids
+        self._running: set[asyncio.Task[Any]] = set()
+        self._aborted: dict[asyncio.Task[Any], str] = {}
+
+    def abort_all(self, reason: str) -> int:
+        """End every generation request in flight (vLLM aborts it: ``AsyncLLM.generate``
+        on cancellation); each answers 500 with ``reason``, or its stream ends there."""
+        for task in self._running:
+            self._aborted.setdefault(task, reason)
+            task.cancel()
+        return len(self._running)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -189,12 +200,46 @@ class RolloutLayer:
         try:
             await self._prepare(scope, body, chat)
             async with self.hooks.in_flight():
-                first = self.hooks.weight_version
-                await self.app(scope, _replay(json.dumps(body).encode()), self._sender(send, first))
+                await self._generate(scope, body, send)
         except _Refused as e:
             await _respond(send, e.status, _error_body(e.status, str(e), e.param))
         except EngineStateError as e:
             await _respond(send, 503, _error_body(503, str(e), None))
+
+    async def _generate(self, scope: Scope, body: dict[str, Any], send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            reason = self._aborted.get(task)
+            if reason is not None:  # vLLM answered the cancellation itself: ours instead
+                if not started:
+                    started = True
+                    await _respond(send, 500, _error_body(500, reason, None))
+                return
+            started = started or message["type"] == "http.response.start"
+            await forward(message)
+
+        forward = self._sender(send, self.hooks.weight_version)
+        self._running.add(task)
+        try:
+            await self.app(scope, _replay(json.dumps(body).encode()), tracked)
+            if task in self._aborted:  # vLLM took the cancellation as a disconnect
+                task.uncancel()
+        except asyncio.CancelledError:
+            reason = self._aborted.get(task)
+            if reason is None:
+                raise
+            task.uncancel()
+            if not started:
+                await _respond(send, 500, _error_body(500, reason, None))
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._running.discard(task)
+            self._aborted.pop(task, None)
 
     # -- the request -------------------------------------------------------------------
     async def _prepare(self, scope: Scope, body: dict[str, Any], chat: bool) -> None:
@@ -581,6 +626,11 @@ class OpenAIServer:
             )
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._layer: RolloutLayer | None = None
+
+    def abort_all(self, reason: str) -> int:
+        """End every HTTP generation request in flight (see ``RolloutLayer.abort_all``)."""
+        return 0 if self._layer is None else self._layer.abort_all(reason)
 
     @property
     def serving(self) -> bool:
@@ -619,6 +669,7 @@ class OpenAIServer:
             decode=decode,
             reuses_prompt_ids=_reuses_prompt_ids(),
         )
+        self._layer = layer
         self._server, self._task = await serve_on(layer, self._socket)
         log.info("vLLM's OpenAI server listens on %s", self.base_url)
 

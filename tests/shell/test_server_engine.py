@@ -28,7 +28,7 @@ from async_helpers import run_soon, sending
 from safetensors.torch import load_file
 
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
-from genworker.shell.errors import BadConfigError
+from genworker.shell.errors import BadConfigError, RefitError
 from genworker.shell.server import VERSIONS_HEADER
 from genworker.shell.vllm_engine import VllmEngine
 
@@ -408,6 +408,52 @@ def test_an_in_flight_refit_applies_to_http_requests(
                 "/v1/completions", json={"model": model, "prompt": "after", "max_tokens": 2}
             )
             assert versions(after) == [before + 1]
+
+    run_soon(loop, body())
+
+
+def test_a_failed_refit_ends_the_http_requests_in_flight(
+    worker: AsyncVllmGenerationWorker,
+    loop: asyncio.AbstractEventLoop,
+    model: str,
+    tiny_model_dir: Path,
+) -> None:
+    tensors = load_file(tiny_model_dir / "model.safetensors")
+    broken = dict(list(tensors.items())[1:])  # one tensor short
+
+    async def body() -> None:
+        before = worker.weight_version
+        async with client(worker) as c:
+            request = asyncio.ensure_future(
+                c.post(
+                    "/v1/completions",
+                    json={
+                        "model": model,
+                        "prompt": "doomed",
+                        "max_tokens": 200,
+                        "ignore_eos": True,
+                    },
+                )
+            )
+            async with asyncio.timeout(60):
+                while worker.num_unfinished() == 0:
+                    await asyncio.sleep(0.005)
+            await worker.prepare_refit_info({k: (t.shape, t.dtype) for k, t in tensors.items()})
+            (address,) = await worker.refit_address()
+            with sending(str(address), broken), pytest.raises(RefitError):
+                await worker.update_weights_via_ipc_zmq(30.0)
+            r = await request
+            assert r.status_code == 500
+            assert "refit" in r.json()["error"]["message"]
+            refused = await c.post("/v1/completions", json={"model": model, "prompt": "x"})
+            assert refused.status_code == 503
+            with sending(str(address), tensors):
+                assert await worker.update_weights_via_ipc_zmq(60.0)
+            ok = await c.post(
+                "/v1/completions", json={"model": model, "prompt": "again", "max_tokens": 2}
+            )
+            assert ok.status_code == 200, ok.text
+            assert versions(ok) == [before + 1]
 
     run_soon(loop, body())
 
