@@ -70,6 +70,7 @@ __all__ = [
     "check_on_policy",
     "check_turns",
     "http_max_tokens",
+    "prompt_tokens_at_most",
     "server_options",
     "splice_prefix",
     "training_policy",
@@ -323,6 +324,16 @@ def http_max_tokens(
             )
         )
     return Success(min(tokens, room))
+
+
+def prompt_tokens_at_most(num_bytes: int) -> int:
+    """An upper bound on the tokens of a text prompt of ``num_bytes`` UTF-8 bytes, for the
+    budget's fast path: every token of the text covers at least one of its bytes (byte-level
+    BPE, SentencePiece with byte fallback), plus the special tokens the tokenizer adds
+    (BOS, a dummy-prefix piece); doubled, plus 16, for margin. The caps only shrink as the
+    prompt grows, so a ``max_tokens`` that fits with this bound fits with the exact count
+    and the prompt need not be tokenized."""
+    return 2 * num_bytes + 16
 
 
 # --- multi-turn prefix -----------------------------------------------------------------

@@ -20,7 +20,9 @@ Theory of operation
   guard is on) and fills the training values in; asks vLLM for ``return_token_ids`` and
   the sampled tokens' logprobs; tokenizes the prompt through vLLM's own ``/tokenize``
   route (an in-process ASGI call, same renderer, same chat template) to apply the
-  context budget of ``core.serving.http_max_tokens``; for chat with earlier turns' ids,
+  context budget of ``core.serving.http_max_tokens`` (a completion prompt whose byte
+  length bounds its tokens well inside the budget, ``core.serving.prompt_tokens_at_most``,
+  is not tokenized: the common case costs nothing); for chat with earlier turns' ids,
   checks and splices the prefix (``core.serving.check_turns`` / ``splice_prefix``) and
   hands the final ids to vLLM as ``kv_transfer_params.prompt_token_ids``, which vLLM's
   renderer feeds to the engine verbatim instead of re-rendering the messages
@@ -60,6 +62,7 @@ from genworker.core.serving import (
     check_on_policy,
     check_turns,
     http_max_tokens,
+    prompt_tokens_at_most,
     splice_prefix,
     versions_between,
 )
@@ -71,6 +74,10 @@ __all__ = [
     "RolloutHooks",
     "RolloutLayer",
     "bind_socket",
+    "build_vllm_app",
+    "chat_takes_prompt_ids",
+    "serve_on",
+    "stop_serving",
 ]
 
 log = logging.getLogger(__name__)
@@ -262,14 +269,7 @@ class RolloutLayer:
         requested = body.get(key)
         budgets = []
         for length in lengths:
-            budget = http_max_tokens(
-                requested,
-                length,
-                max_new_tokens=self.max_new_tokens,
-                max_model_len=self.max_model_len,
-                cap_to_context=self.cap_to_context,
-                num_speculative_tokens=self.num_speculative_tokens,
-            )
+            budget = self._budget(requested, length)
             if isinstance(budget, Failure):
                 problem_ = budget.failure()
                 param = "messages" if chat else "prompt"
@@ -278,6 +278,26 @@ class RolloutLayer:
                 raise _Refused(400, f"{param}: {problem_}", param)
             budgets.append(budget.unwrap())
         body[key] = min(budgets)
+
+    def _budget(self, requested: object, prompt_length: int) -> Any:
+        return http_max_tokens(
+            requested,
+            prompt_length,
+            max_new_tokens=self.max_new_tokens,
+            max_model_len=self.max_model_len,
+            cap_to_context=self.cap_to_context,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )
+
+    def _fits_untokenized(self, requested: object, prompt: str) -> int | None:
+        """The prompt-length bound when ``requested`` fits with it unchanged
+        (``core.serving.prompt_tokens_at_most``), else None: tokenize."""
+        bound = prompt_tokens_at_most(len(prompt.encode()))
+        wanted = self.max_new_tokens if requested is None else requested
+        budget = self._budget(requested, bound)
+        if isinstance(budget, Failure) or budget.unwrap() != wanted:
+            return None
+        return bound
 
     async def _tokenize(self, scope: Scope, payload: dict[str, Any]) -> list[int]:
         status, answer = await _call_json(self.app, scope, "/tokenize", payload)
@@ -301,6 +321,10 @@ class RolloutLayer:
             if isinstance(p, list):
                 lengths.append(len(p))
             elif isinstance(p, str):
+                bound = self._fits_untokenized(body.get("max_tokens"), p)
+                if bound is not None:
+                    lengths.append(bound)
+                    continue
                 payload: dict[str, Any] = {"prompt": p}
                 for field in ("model", "add_special_tokens"):
                     if field in body:
@@ -499,7 +523,9 @@ def _call_by_signature(fn: Any, /, **available: Any) -> Any:
     return fn(**{k: v for k, v in available.items() if k in params})
 
 
-def _reuses_prompt_ids() -> bool:
+def chat_takes_prompt_ids() -> bool:
+    """Whether the installed vLLM's chat route takes the prompt as token ids
+    (``kv_transfer_params.prompt_token_ids``, ``vllm/renderers/online_renderer.py``)."""
     try:
         renderer = importlib.import_module("vllm.renderers.online_renderer")
     except ImportError:
@@ -667,7 +693,7 @@ class OpenAIServer:
             cap_to_context=cap_to_context,
             num_speculative_tokens=num_speculative_tokens,
             decode=decode,
-            reuses_prompt_ids=_reuses_prompt_ids(),
+            reuses_prompt_ids=chat_takes_prompt_ids(),
         )
         self._layer = layer
         self._server, self._task = await serve_on(layer, self._socket)

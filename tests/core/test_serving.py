@@ -22,6 +22,7 @@ from genworker.core.serving import (
     check_on_policy,
     check_turns,
     http_max_tokens,
+    prompt_tokens_at_most,
     server_options,
     splice_prefix,
     training_policy,
@@ -258,6 +259,32 @@ def test_a_bad_max_tokens_is_refused(bad: object) -> None:
     assert isinstance(got, Failure)
     assert isinstance(got.failure(), BudgetError)
     assert "max_tokens" in str(got.failure())
+
+
+@given(
+    requested=st.one_of(st.none(), st.integers(1, 300)),
+    num_bytes=st.integers(0, 200),
+    exact=st.data(),
+    cap=st.booleans(),
+    spec=st.integers(0, 3),
+)
+def test_a_budget_that_fits_the_bound_fits_the_exact_prompt(
+    requested: int | None, num_bytes: int, exact: st.DataObject, cap: bool, spec: int
+) -> None:
+    bound = prompt_tokens_at_most(num_bytes)
+    assert bound > num_bytes  # every token covers a byte, plus the added special tokens
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": 16,
+        "max_model_len": 512,
+        "cap_to_context": cap,
+        "num_speculative_tokens": spec,
+    }
+    with_bound = http_max_tokens(requested, bound, **kwargs)
+    wanted = 16 if requested is None else requested
+    if with_bound != Success(wanted):
+        return
+    length = exact.draw(st.integers(0, bound))
+    assert http_max_tokens(requested, length, **kwargs) == Success(wanted)
 
 
 # --- multi-turn prefix -----------------------------------------------------------------

@@ -28,7 +28,7 @@ from gpu.gpu_fixtures import (
 )
 
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
-from genworker.shell.server import VERSIONS_HEADER, _reuses_prompt_ids
+from genworker.shell.server import VERSIONS_HEADER, chat_takes_prompt_ids
 
 pytest_plugins = ["gpu.gpu_fixtures"]
 pytestmark = GPU_MARKS
@@ -159,7 +159,7 @@ def test_a_second_turn_keeps_the_first_turn_ids(
             r = await c.post(
                 "/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2}
             )
-            if not _reuses_prompt_ids():
+            if not chat_takes_prompt_ids():
                 assert r.status_code == 501
                 assert "token ids" in r.json()["error"]["message"]
                 return
