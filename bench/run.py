@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SUITES = ("bench_assembly", "bench_worker", "bench_refit", "bench_async")
+SUITES = ("bench_assembly", "bench_worker", "bench_refit", "bench_async", "bench_server")
 
 
 def main() -> int:
