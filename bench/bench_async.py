@@ -70,11 +70,11 @@ def _batch(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
 
 
 def _send(address: str, tensors: Mapping[str, torch.Tensor], out: list[object]) -> threading.Thread:
-    from genworker.shell.refit import IpcSender
+    from genworker.shell.refit import RefitSender
 
     def run() -> None:
         try:
-            with IpcSender(address, timeout_s=120.0) as sender:
+            with RefitSender.ipc(address, timeout_s=120.0) as sender:
                 out.append(sender.send(tensors.items()))
         except Exception as e:  # noqa: BLE001 - the refit's caller reports it
             out.append(e)

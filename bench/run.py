@@ -14,7 +14,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SUITES = ("bench_assembly", "bench_worker", "bench_refit", "bench_async", "bench_server")
+SUITES = (
+    "bench_assembly",
+    "bench_worker",
+    "bench_multimodal",
+    "bench_refit",
+    "bench_sparse",
+    "bench_reshard",
+    "bench_async",
+    "bench_server",
+)
 
 
 def main() -> int:

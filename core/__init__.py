@@ -15,18 +15,33 @@ from genworker.core.batch import BatchError, CheckedBatch, check_batch, extract_
 from genworker.core.caps import (
     CapArgumentError,
     CapError,
+    RowCaps,
     batch_max_tokens,
+    cap_rows,
     context_cap,
     request_max_tokens,
     spec_decode_cap,
 )
 from genworker.core.config import ConfigError, ConfigProblem, VllmConfig, WorkerConfig
+from genworker.core.config_keys import KEYS, Fate, KeyRule, check_keys
 from genworker.core.counters import (
     decode_snapshot,
     encode_snapshot,
     merge_snapshots,
     spec_decode_metrics,
     step_deltas,
+    values_by_name,
+)
+from genworker.core.delta import (
+    DeltaError,
+    RelayFailure,
+    RelayPlan,
+    TensorDelta,
+    apply_delta,
+    decode_delta,
+    encode_delta,
+    encode_full,
+    plan_relay,
 )
 from genworker.core.engine_plan import EngineKwargsPlan, plan_engine_kwargs
 from genworker.core.errors import CoreError
@@ -38,14 +53,27 @@ from genworker.core.lifecycle import (
     check_can_generate,
     transition,
 )
+from genworker.core.multimodal import ContextError, MediaError, check_context, check_media
 from genworker.core.placement import (
     ClusterPlan,
+    EngineEnv,
     PlacementError,
     PlacementPlan,
     configure_worker,
+    parse_port_range,
     plan_cluster,
+    plan_engine_env,
 )
-from genworker.core.refit_plan import Manifest, ManifestError, TensorSpec, plan_buckets
+from genworker.core.refit_plan import Manifest, ManifestError, TensorSpec
+from genworker.core.refit_protocol import plan_routes, wait_bound
+from genworker.core.reshard import (
+    ReshardError,
+    ReshardPlan,
+    TrainerLayout,
+    VllmParamFacts,
+    plan_reshard,
+    vllm_shard,
+)
 from genworker.core.rows import RowChecks, assemble_row, check_rows
 from genworker.core.sampling import SamplingSpec, group_specs, sampling_spec
 from genworker.core.serving import (
@@ -73,6 +101,7 @@ from genworker.core.versions import (
 )
 
 __all__ = [
+    "KEYS",
     "BatchError",
     "CapArgumentError",
     "CapError",
@@ -80,19 +109,30 @@ __all__ = [
     "ClusterPlan",
     "ConfigError",
     "ConfigProblem",
+    "ContextError",
     "CoreError",
+    "DeltaError",
+    "EngineEnv",
     "EngineKwargsPlan",
     "Event",
+    "Fate",
     "Generation",
     "GenerationOutputs",
     "InflightMode",
+    "KeyRule",
     "LifecycleError",
     "Manifest",
     "ManifestError",
+    "MediaError",
     "OffPolicy",
     "PlacementError",
     "PlacementPlan",
     "PrefixMismatch",
+    "RelayFailure",
+    "RelayPlan",
+    "ReshardError",
+    "ReshardPlan",
+    "RowCaps",
     "RowChecks",
     "SamplingSpec",
     "ServerOptions",
@@ -100,24 +140,35 @@ __all__ = [
     "State",
     "StopError",
     "StopMode",
+    "TensorDelta",
     "TensorSpec",
+    "TrainerLayout",
     "Turn",
     "VersionError",
     "VersionRuns",
     "VllmConfig",
+    "VllmParamFacts",
     "WorkerConfig",
+    "apply_delta",
     "assemble_flat_outputs",
     "assemble_outputs",
     "assemble_row",
     "batch_max_tokens",
+    "cap_rows",
     "check_batch",
     "check_can_generate",
+    "check_context",
+    "check_keys",
+    "check_media",
     "check_on_policy",
     "check_rows",
     "check_turns",
     "configure_worker",
     "context_cap",
+    "decode_delta",
     "decode_snapshot",
+    "encode_delta",
+    "encode_full",
     "encode_snapshot",
     "extend_runs",
     "extract_prompts",
@@ -127,10 +178,14 @@ __all__ = [
     "merge_shard_outputs",
     "merge_snapshots",
     "merge_stop_strings",
+    "parse_port_range",
     "place_versions",
-    "plan_buckets",
     "plan_cluster",
+    "plan_engine_env",
     "plan_engine_kwargs",
+    "plan_relay",
+    "plan_reshard",
+    "plan_routes",
     "plan_shards",
     "request_max_tokens",
     "runs_from_spans",
@@ -145,4 +200,7 @@ __all__ = [
     "step_deltas",
     "training_policy",
     "transition",
+    "values_by_name",
+    "vllm_shard",
+    "wait_bound",
 ]

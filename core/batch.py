@@ -10,7 +10,13 @@ is reported with *all* its offending rows:
 
 1. ``input_ids`` is a 2-D integer tensor, ``input_lengths`` a 1-D integer tensor, and both
    have the same batch size (bool and float dtypes are refused; a (B, 1) lengths tensor is
-   refused rather than silently flattened).
+   refused rather than silently flattened). Both are plain dense tensors holding data:
+   sparse and nested layouts, the meta device and wrapper subclasses that dispatch every
+   op themselves (fake, masked tensors) are refused, since their values cannot be read.
+   ``output_ids`` keeps the dtype of ``input_ids`` (NeMo-RL's contract), so that dtype
+   must hold every id the outputs can carry: the pad id and ``vocab_size - 1`` (without a
+   known vocabulary, the largest id vLLM can emit, ``2**31 - 1``: its token ids are int32,
+   ``vllm/v1/worker/gpu_input_batch.py``, 0.32); an int8 batch would wrap generated ids.
 2. Every length lies in [1, P]: vLLM refuses an empty prompt, and a length past the width
    would read tokens that are not there.
 3. Every position at or after a row's length holds the pad id (right padding).
@@ -21,6 +27,12 @@ is reported with *all* its offending rows:
 
 All checks are tensor masks over the whole batch; no Python loop runs per token. An empty
 batch (B == 0) is valid whatever its width and holds no prompts.
+
+Per-row sampling seeds (``data["seeds"]``) are checked by :func:`check_seeds`: ints (or
+None, unseeded) in ``[0, 2**64)``. vLLM accepts any int in ``SamplingParams`` and only
+seeds a ``torch.Generator`` when it schedules the request
+(``GPUModelRunner._update_states``, ``generator.manual_seed``), which overflows past
+``2**64 - 1`` inside ``execute_model``, after the request was admitted.
 """
 
 from __future__ import annotations
@@ -34,14 +46,24 @@ from returns.result import Failure, Result, Success
 from genworker.core.errors import CoreError
 
 __all__ = [
+    "MAX_TOKEN_ID",
+    "SEED_LIMIT",
     "BatchError",
     "BatchErrorKind",
     "CheckedBatch",
     "check_batch",
+    "check_seeds",
     "extract_prompts",
 ]
 
 _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+_SEED_DTYPES = _INTEGER_DTYPES | {torch.uint16, torch.uint32, torch.uint64}
+
+MAX_TOKEN_ID = 2**31 - 1
+"""The largest token id vLLM can emit (its token ids are int32)."""
+
+SEED_LIMIT = 2**64
+"""Sampling seeds lie in ``[0, SEED_LIMIT)``: what ``torch.Generator.manual_seed`` takes."""
 
 
 class BatchErrorKind(enum.StrEnum):
@@ -54,6 +76,7 @@ class BatchErrorKind(enum.StrEnum):
     PADDING = "padding"
     TOKEN_ID = "token_id"
     MAX_MODEL_LEN = "max_model_len"
+    SEEDS = "seeds"
 
 
 @attrs.frozen
@@ -117,46 +140,96 @@ def extract_prompts(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> lis
 
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+        return (
+            f"a {type(value).__name__} of shape {tuple(value.shape)}, dtype {value.dtype}, "
+            f"layout {value.layout} on {value.device}"
+        )
     return f"a {type(value).__name__}"
 
 
+def _unreadable(value: torch.Tensor) -> str | None:
+    """Why a tensor's values cannot be read as plain data, or None if they can."""
+    if value.is_nested:
+        return "a nested tensor"
+    if value.layout is not torch.strided:
+        return f"a {value.layout} tensor (not dense)"
+    if value.device.type == "meta":
+        return "a meta tensor (it holds no data)"
+    if type(value).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        return f"a {type(value).__name__} (a tensor subclass that dispatches its own ops)"
+    return None
+
+
+def _plain_tensor(
+    name: str, value: object, dim: int, dtypes: frozenset[torch.dtype], kind: BatchErrorKind
+) -> torch.Tensor | BatchError:
+    """``value`` if it is a plain ``dim``-D tensor of one of ``dtypes``, else the error."""
+    if not isinstance(value, torch.Tensor) or value.dim() != dim or value.dtype not in dtypes:
+        shape = "(batch, width)" if dim == 2 else "(batch,)"
+        kinds = "int8 to int64, or uint8" if dtypes is _INTEGER_DTYPES else "int or uint"
+        detail = f"got {_describe(value)}"
+        return BatchError(
+            message=f"{name} must be a {dim}-D integer tensor {shape} ({kinds}); {detail}",
+            kind=kind,
+            detail=detail,
+        )
+    unreadable = _unreadable(value)
+    if unreadable is not None:
+        detail = f"got {unreadable}: {_describe(value)}"
+        return BatchError(
+            message=f"{name} must be a dense tensor holding data; {detail}",
+            kind=kind,
+            detail=detail,
+        )
+    return value
+
+
+def _capacity_error(
+    dtype: torch.dtype, pad_token_id: int, vocab_size: int | None
+) -> BatchError | None:
+    """The error if ``dtype`` cannot hold the pad id or every id the engine can generate."""
+    info = torch.iinfo(dtype)
+    largest = (
+        ("the largest id vLLM emits", MAX_TOKEN_ID)
+        if vocab_size is None
+        else ("the largest token id (vocab_size - 1)", vocab_size - 1)
+    )
+    for what, value in (("the pad id", pad_token_id), largest):
+        if not info.min <= value <= info.max:
+            detail = f"{dtype} holds [{info.min}, {info.max}], not {what} {value}"
+            return BatchError(
+                message=(
+                    f"input_ids dtype {dtype} cannot hold the output ids (output_ids keeps "
+                    f"the input dtype): {detail}; send int32 or int64"
+                ),
+                kind=BatchErrorKind.INPUT_IDS,
+                detail=detail,
+            )
+    return None
+
+
 def _shape_error(
-    input_ids: object, input_lengths: object
+    input_ids: object, input_lengths: object, pad_token_id: int, vocab_size: int | None
 ) -> BatchError | tuple[torch.Tensor, torch.Tensor]:
-    if not (
-        isinstance(input_ids, torch.Tensor)
-        and input_ids.dim() == 2
-        and input_ids.dtype in _INTEGER_DTYPES
-    ):
-        detail = f"got {_describe(input_ids)}"
-        return BatchError(
-            message=f"input_ids must be a 2-D integer tensor (batch, width); {detail}",
-            kind=BatchErrorKind.INPUT_IDS,
-            detail=detail,
-        )
-    if not (
-        isinstance(input_lengths, torch.Tensor)
-        and input_lengths.dim() == 1
-        and input_lengths.dtype in _INTEGER_DTYPES
-    ):
-        detail = f"got {_describe(input_lengths)}"
-        return BatchError(
-            message=f"input_lengths must be a 1-D integer tensor (batch,); {detail}",
-            kind=BatchErrorKind.INPUT_LENGTHS,
-            detail=detail,
-        )
-    if input_ids.shape[0] != input_lengths.shape[0]:
-        detail = (
-            f"input_ids has {input_ids.shape[0]} rows, input_lengths has "
-            f"{input_lengths.shape[0]} entries"
-        )
+    ids = _plain_tensor("input_ids", input_ids, 2, _INTEGER_DTYPES, BatchErrorKind.INPUT_IDS)
+    if isinstance(ids, BatchError):
+        return ids
+    lengths = _plain_tensor(
+        "input_lengths", input_lengths, 1, _INTEGER_DTYPES, BatchErrorKind.INPUT_LENGTHS
+    )
+    if isinstance(lengths, BatchError):
+        return lengths
+    if ids.shape[0] != lengths.shape[0]:
+        detail = f"input_ids has {ids.shape[0]} rows, input_lengths has {lengths.shape[0]} entries"
         return BatchError(
             message=f"input_ids and input_lengths disagree on the batch size: {detail}",
             kind=BatchErrorKind.BATCH_SIZE,
             detail=detail,
         )
-    return input_ids, input_lengths
+    problem = _capacity_error(ids.dtype, pad_token_id, vocab_size)
+    if problem is not None:
+        return problem
+    return ids, lengths
 
 
 def _rows_with_lengths(mask: torch.Tensor, lengths: torch.Tensor) -> tuple[tuple[int, ...], str]:
@@ -240,7 +313,7 @@ def check_batch(
     ``input_ids`` and ``input_lengths`` are typed ``object`` because they come straight
     from a caller's data dict; anything but the documented tensors is an error value.
     """
-    shaped = _shape_error(input_ids, input_lengths)
+    shaped = _shape_error(input_ids, input_lengths, pad_token_id, vocab_size)
     if isinstance(shaped, BatchError):
         return Failure(shaped)
     ids_in, lengths_in = shaped
@@ -290,3 +363,48 @@ def check_batch(
 
     prompts = extract_prompts(ids_in, lengths)
     return Success(CheckedBatch(prompts=tuple(prompts), lengths=tuple(len(p) for p in prompts)))
+
+
+def check_seeds(value: object, batch_size: int) -> Result[tuple[int | None, ...], BatchError]:
+    """Per-row sampling seeds: ``None`` (unseeded), or a list, tuple or plain 1-D integer
+    tensor with one entry per row, each an int in ``[0, SEED_LIMIT)`` or None (that row
+    unseeded). The error names every offending row."""
+    if value is None:
+        return Success((None,) * batch_size)
+    if isinstance(value, torch.Tensor):
+        tensor = _plain_tensor("data['seeds']", value, 1, _SEED_DTYPES, BatchErrorKind.SEEDS)
+        if isinstance(tensor, BatchError):
+            return Failure(tensor)
+        value = tensor.tolist()
+    if not isinstance(value, list | tuple) or len(value) != batch_size:
+        detail = f"got {_describe(value)}" + (
+            f" of {len(value)}" if isinstance(value, list | tuple) else ""
+        )
+        return Failure(
+            BatchError(
+                message=f"data['seeds'] must hold one seed per row ({batch_size}); {detail}",
+                kind=BatchErrorKind.SEEDS,
+                detail=detail,
+            )
+        )
+    seeds: list[int | None] = []
+    bad: list[int] = []
+    for row, seed in enumerate(value):
+        if seed is None or (type(seed) is int and 0 <= seed < SEED_LIMIT):
+            seeds.append(seed)
+        else:
+            bad.append(row)
+    if bad:
+        detail = ", ".join(f"row {i} (seed {value[i]!r})" for i in bad)
+        return Failure(
+            BatchError(
+                message=(
+                    "data['seeds'] must be ints in [0, 2**64) (torch.Generator.manual_seed's "
+                    f"range) or None, not in {_plural(len(bad), 'row')}: {detail}"
+                ),
+                kind=BatchErrorKind.SEEDS,
+                rows=tuple(bad),
+                detail=detail,
+            )
+        )
+    return Success(tuple(seeds))

@@ -23,7 +23,10 @@ apply. Deliberate fix vs NeMo-RL: where that leaves less than one token, NeMo-RL
 and steps past the context end; here the row is refused with a :class:`CapError` naming it.
 
 The batch form is vectorised over a 1-D integer tensor or a sequence of ints and equals the
-scalar form row by row, errors included.
+scalar form row by row, errors included. :func:`cap_rows` is the batch form that refuses
+rows one by one: a row without room gets ``max_tokens`` 0 and is named in
+``RowCaps.refused`` while the other rows keep their caps (NeMo-RL's async worker returns
+such a row unchanged; the output contract allows a generation of length 0).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ __all__ = [
     "CapArgumentError",
     "CapError",
     "CapFailure",
+    "RowCaps",
     "batch_max_tokens",
+    "cap_rows",
     "context_cap",
     "request_max_tokens",
     "reserved_tokens",
@@ -300,3 +305,54 @@ def batch_max_tokens(
         return Failure(_no_room(rows, values, max_model_len, reserve))
     ceiling = min(max_new_tokens, limit)
     return Success(tuple(np.minimum(room, ceiling).tolist()))
+
+
+@attrs.frozen
+class RowCaps:
+    """Each row's ``max_tokens`` (0 for a row without room) and why rows were refused."""
+
+    max_tokens: tuple[int, ...]
+    refused: CapError | None = None
+
+    @property
+    def refused_rows(self) -> tuple[int, ...]:
+        return () if self.refused is None else self.refused.rows
+
+
+def cap_rows(
+    max_new_tokens: int,
+    input_lengths: Sequence[int] | torch.Tensor,
+    max_model_len: int,
+    *,
+    cap_to_context: bool,
+    num_speculative_tokens: int,
+) -> Result[RowCaps, CapArgumentError]:
+    """:func:`batch_max_tokens`, but rows without room are refused alone (``max_tokens`` 0,
+    named in ``refused``) instead of failing the batch; argument errors still fail it."""
+    result = batch_max_tokens(
+        max_new_tokens,
+        input_lengths,
+        max_model_len,
+        cap_to_context=cap_to_context,
+        num_speculative_tokens=num_speculative_tokens,
+    )
+    if isinstance(result, Success):
+        return Success(RowCaps(result.unwrap()))
+    error = result.failure()
+    if isinstance(error, CapArgumentError):
+        return Failure(error)
+    lengths = _lengths_array(input_lengths)
+    assert not isinstance(lengths, CapArgumentError)  # batch_max_tokens accepted them
+    refused = set(error.rows)
+    kept = [i for i in range(lengths.size) if i not in refused]
+    caps = batch_max_tokens(
+        max_new_tokens,
+        lengths[kept].tolist(),
+        max_model_len,
+        cap_to_context=cap_to_context,
+        num_speculative_tokens=num_speculative_tokens,
+    )
+    out = [0] * lengths.size
+    for row, cap in zip(kept, caps.unwrap(), strict=True):
+        out[row] = cap
+    return Success(RowCaps(tuple(out), error))

@@ -13,20 +13,33 @@ Rules, with the vLLM behaviour they mirror (vLLM 0.32, ``vllm/sampling_params.py
 ``SamplingParams._verify_args``; NeMo-RL ``vllm_generation.py`` for top_k/top_p):
 
 * ``temperature`` finite and in ``[0, 2]``; ``top_p`` in ``(0, 1]`` (NaN rejected);
-  ``top_k`` is ``None`` (stored as ``-1``), ``-1`` or ``>= 1``; ``max_new_tokens >= 1``.
+  ``top_k`` is ``None`` or absent (stored as ``-1``), ``-1`` or ``>= 1``;
+  ``max_new_tokens >= 1``.
+* Booleans are read as vLLM reads them (pydantic's lax bools, ``config_keys.parse_bool``):
+  ``enforce_eager: "False"`` is false.
 * ``stop_token_ids`` non-negative ints, ``stop_strings`` / ``bad_words`` non-empty strings;
   ``None`` or absent means none.
 * ``_pad_token_id`` is required (NeMo-RL's ``configure_generation_config`` writes it; the
   padded output contract cannot be built without it).
-* ``vllm_cfg``: sizes ``>= 1``, ``gpu_memory_utilization`` in ``(0, 1]``,
-  ``max_model_len >= 1``, ``precision`` one of :data:`PRECISIONS`, ``sleep_level`` 1 or 2
-  (default 1). Unknown ``vllm_cfg`` keys (NeMo-RL carries many: ``use_deep_gemm``,
-  ``num_first_layers_in_bf16``, ``expose_http_server``...) are kept in
-  :attr:`VllmConfig.extras`, never an error.
+* ``vllm_cfg``: sizes ``>= 1``, ``expert_parallel_size <= tensor_parallel_size`` (NeMo-RL
+  runs vLLM's internal data parallel for EP > TP; genworker does not),
+  ``gpu_memory_utilization`` in ``(0, 1]``, ``max_model_len >= 1``, ``precision`` one of
+  :data:`PRECISIONS` or an alias of :data:`PRECISION_ALIASES` (stored canonical),
+  ``sleep_level`` 1 or 2 (default 1), ``use_tqdm`` (default false), ``env_vars`` a mapping
+  of variable names to scalars (stored as strings, as NeMo-RL's ``str(v)``).
+* Every key has a fate in :data:`genworker.core.config_keys.KEYS`: keys of other layers
+  (``colocated``, ``val_temperature``, ``expose_http_server``...) are
+  kept in :attr:`WorkerConfig.extras` / :attr:`VllmConfig.extras` for their readers; keys
+  genworker cannot honour (``quant_cfg``, ``use_deep_gemm: true``, ``vllm_cfg.video``...)
+  and unknown keys are problems naming the key and what to use instead.
 * ``speculative_config`` may sit in ``vllm_cfg`` (our place) or in ``vllm_kwargs``
-  (NeMo-RL's place); it is moved into :attr:`VllmConfig.speculative_config` and must carry
-  an integer ``num_speculative_tokens >= 0`` (the per-request clamp needs it). Both places
-  at once is a problem. ``logprobs_mode`` likewise may be top-level or in ``vllm_cfg``.
+  (NeMo-RL's place); it is moved into :attr:`VllmConfig.speculative_config`. Its
+  ``num_speculative_tokens``, when given, is an integer ``>= 0`` (0 switches the drafter
+  off, NeMo-RL's way); when absent vLLM infers it from the drafter or refuses at engine
+  start, and the worker reads the engine's value for its per-request clamp. Both places at
+  once is a problem, and so is an MTP drafter under ``load_format: dummy`` (NeMo-RL then
+  loads the drafter's weights from disk after start; genworker does not).
+  ``logprobs_mode`` likewise may be top-level or in ``vllm_cfg``.
 * ``vllm_cfg.async_engine`` (a bool, default false) picks the worker: false is the
   synchronous ``vllm.LLM`` (``genworker.shell.worker.VllmGenerationWorker``), true vLLM's
   ``AsyncLLM`` (``genworker.shell.async_worker.AsyncVllmGenerationWorker``); each worker
@@ -34,6 +47,16 @@ Rules, with the vLLM behaviour they mirror (vLLM 0.32, ``vllm/sampling_params.py
 * ``vllm_cfg.nvfp4_per_token: true`` asks for vLLM's online per-token NVFP4 MoE
   quantization (see :mod:`genworker.core.engine_plan`); it needs 16-bit weights
   (``precision`` bfloat16 or float16).
+* Multimodal keys (see :mod:`genworker.core.multimodal`): ``vllm_cfg.limit_mm_per_prompt``
+  (modality -> max items per prompt, an int >= 0 or vLLM's per-modality options mapping
+  with an int ``count``) and ``vllm_cfg.mm_processor_kwargs`` (a mapping: overrides for
+  the model's Hugging Face processor) are honoured: both become engine arguments, and the
+  worker checks each row's images against the engine's limit before submitting. NeMo-RL's
+  ``vllm_cfg.video`` (its TorchCodec video contract) is refused by the key table
+  (:mod:`genworker.core.config_keys`): only images are taken.
+  ``vllm_cfg.reset_encoder_cache_after_weight_update`` may be ``true`` (the worker always
+  resets the encoder and multimodal caches after a refit); ``false`` is refused, because
+  the worker does not keep encoder outputs of old weights.
 * ``telemetry`` (our own block, unknown keys rejected)::
 
       telemetry:
@@ -45,8 +68,7 @@ Rules, with the vLLM behaviour they mirror (vLLM 0.32, ``vllm/sampling_params.py
 
   Missing values may come from the process environment, resolved by
   :func:`genworker.core.engine_plan.plan_engine_kwargs`.
-* ``backend``, when present, must be ``"vllm"``. Other top-level keys (``colocated``,
-  ``val_temperature``, ``port_range_low``...) are kept in :attr:`WorkerConfig.extras`.
+* ``backend``, when present, must be ``"vllm"``.
 
 Every mapping is stored as a :class:`FrozenMap` (an immutable, hashable mapping, values
 frozen deeply: lists become tuples); :meth:`WorkerConfig.to_mapping` thaws them back, and
@@ -63,6 +85,7 @@ from typing import Final, TypeGuard, TypeVar
 import attrs
 from returns.result import Failure, Result, Success
 
+from genworker.core.config_keys import check_keys, parse_bool
 from genworker.core.errors import CoreError
 
 __all__ = [
@@ -70,6 +93,7 @@ __all__ = [
     "LOGPROBS_MODES",
     "OTLP_PROTOCOLS",
     "PRECISIONS",
+    "PRECISION_ALIASES",
     "ConfigError",
     "ConfigProblem",
     "FrozenMap",
@@ -86,6 +110,16 @@ T = TypeVar("T")
 
 PRECISIONS: Final = frozenset({"auto", "bfloat16", "float16", "float32", "fp8"})
 """Accepted ``vllm_cfg.precision`` values (``fp8`` = bfloat16 compute + fp8 weights)."""
+
+PRECISION_ALIASES: Final = {
+    "half": "float16",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+}
+"""Other spellings of :data:`PRECISIONS`: vLLM's dtype aliases (``half``, ``float``,
+``vllm/config/model.py`` ``ModelDType``) and NeMo-RL's / Megatron's (``bf16``, ...)."""
 
 LOGPROBS_MODES: Final = frozenset(
     {"raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"}
@@ -273,6 +307,10 @@ class VllmConfig:
     kv_cache_dtype: str = "auto"
     sleep_level: int = attrs.field(default=1, validator=attrs.validators.in_((1, 2)))
     nvfp4_per_token: bool = False
+    limit_mm_per_prompt: FrozenMap[str, object] | None = None
+    mm_processor_kwargs: FrozenMap[str, object] | None = None
+    use_tqdm: bool = False
+    env_vars: FrozenMap[str, str] = attrs.field(factory=FrozenMap)
     extras: FrozenMap[str, object] = attrs.field(factory=_empty)
 
     def __attrs_post_init__(self) -> None:
@@ -280,17 +318,25 @@ class VllmConfig:
             raise ValueError(
                 f"nvfp4_per_token needs precision bfloat16 or float16, got {self.precision!r}"
             )
+        if self.expert_parallel_size > self.tensor_parallel_size:
+            raise ValueError(
+                f"expert_parallel_size {self.expert_parallel_size} exceeds "
+                f"tensor_parallel_size {self.tensor_parallel_size}"
+            )
         if self.speculative_config is not None:
             k = self.speculative_config.get("num_speculative_tokens")
-            if not _is_int(k) or int(k) < 0:
+            if k is not None and (not _is_int(k) or int(k) < 0):
                 raise ValueError(f"speculative_config needs num_speculative_tokens >= 0, got {k!r}")
 
     @property
-    def num_speculative_tokens(self) -> int:
-        """Draft tokens per step (0 when speculative decoding is off)."""
+    def num_speculative_tokens(self) -> int | None:
+        """Draft tokens per step: 0 when speculative decoding is off, ``None`` when the
+        config leaves the count to vLLM (the running engine knows it)."""
         if self.speculative_config is None:
             return 0
-        k = self.speculative_config["num_speculative_tokens"]
+        k = self.speculative_config.get("num_speculative_tokens")
+        if k is None:
+            return None
         assert isinstance(k, numbers.Integral)
         return int(k)
 
@@ -315,6 +361,14 @@ class VllmConfig:
             kv_cache_dtype=self.kv_cache_dtype,
             sleep_level=self.sleep_level,
             nvfp4_per_token=self.nvfp4_per_token,
+            limit_mm_per_prompt=None
+            if self.limit_mm_per_prompt is None
+            else thaw(self.limit_mm_per_prompt),
+            mm_processor_kwargs=None
+            if self.mm_processor_kwargs is None
+            else thaw(self.mm_processor_kwargs),
+            use_tqdm=self.use_tqdm,
+            env_vars=dict(self.env_vars),
         )
         return out
 
@@ -343,15 +397,15 @@ class WorkerConfig:
     extras: FrozenMap[str, object] = attrs.field(factory=_empty)
 
     @property
-    def num_speculative_tokens(self) -> int:
-        """Draft tokens per step (0 when speculative decoding is off)."""
+    def num_speculative_tokens(self) -> int | None:
+        """Draft tokens per step (0: off; ``None``: the engine infers it)."""
         return self.vllm.num_speculative_tokens
 
     @property
     def is_colocated(self) -> bool:
         """NeMo-RL's ``colocated.enabled`` (training and generation share GPUs)."""
         colocated = self.extras.get("colocated")
-        return isinstance(colocated, Mapping) and colocated.get("enabled") is True
+        return isinstance(colocated, Mapping) and parse_bool(colocated.get("enabled")) is True
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, object]) -> Result[WorkerConfig, ConfigError]:
@@ -447,9 +501,44 @@ def _as_float(value: object) -> float:
 
 
 def _as_bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise _Bad(f"must be true or false, got {_show(value)}")
+    parsed = parse_bool(value)
+    if parsed is None:
+        raise _Bad(f"must be true or false (or a spelling vLLM accepts), got {_show(value)}")
+    return parsed
+
+
+def _precision(value: object) -> str:
+    if isinstance(value, str) and value in PRECISION_ALIASES:
+        return PRECISION_ALIASES[value]
+    if not isinstance(value, str) or value not in PRECISIONS:
+        allowed = sorted(PRECISIONS | PRECISION_ALIASES.keys())
+        raise _Bad(f"must be one of {allowed}, got {_show(value)}")
     return value
+
+
+def _env_value(value: object) -> str:
+    if isinstance(value, str | int | float):  # bools too: NeMo-RL exports str(v)
+        return str(value)
+    raise _Bad("")
+
+
+def _env_vars(value: object) -> FrozenMap[str, str]:
+    if value is None:
+        return FrozenMap()
+    mapping = _str_mapping(value)
+    bad = [k for k in mapping if not k or "=" in k or "\0" in k]
+    if bad:
+        raise _Bad(f"variable names must be non-empty and hold no '=', got {bad}")
+    out: list[tuple[str, str]] = []
+    wrong: list[str] = []
+    for k, v in mapping.items():
+        try:
+            out.append((k, _env_value(v)))
+        except _Bad:
+            wrong.append(f"{k}={_show(v)}")
+    if wrong:
+        raise _Bad(f"values must be strings or numbers; bad entries: {', '.join(wrong)}")
+    return FrozenMap(tuple(out))
 
 
 def _as_str(value: object) -> str:
@@ -554,6 +643,43 @@ def _backend(value: object) -> str:
     return "vllm"
 
 
+def _mm_limit(value: object) -> object:
+    if _is_int(value) and int(value) >= 0:
+        return int(value)
+    if isinstance(value, Mapping):
+        count = value.get("count")
+        if _is_int(count) and int(count) >= 0 and all(isinstance(k, str) for k in value):
+            return value
+    raise _Bad("")
+
+
+def _mm_limits(value: object) -> Mapping[str, object]:
+    """``limit_mm_per_prompt``: modality -> an int >= 0, or vLLM's options with a ``count``."""
+    limits = _str_mapping(value)
+    out: dict[str, object] = {}
+    bad: list[str] = []
+    for modality, limit in limits.items():
+        try:
+            out[modality] = _mm_limit(limit)
+        except _Bad:
+            bad.append(f"{modality}={_show(limit)}")
+    if bad:
+        raise _Bad(
+            "must map each modality to an int >= 0 or to options with an int count >= 0; "
+            f"bad entries: {', '.join(bad)}"
+        )
+    return out
+
+
+def _encoder_reset(value: object) -> bool:
+    if _as_bool(value) is not True:
+        raise _Bad(
+            "false is not supported: the worker resets the encoder and multimodal caches "
+            "after every refit (encoder outputs of the old weights would be stale); remove it"
+        )
+    return True
+
+
 class _Reader:
     """Collects problems while reading; a failed read yields a typed fallback that is never
     used, because any problem turns the whole parse into a ``Failure``."""
@@ -630,6 +756,11 @@ _VLLM_KEYS: Final = frozenset(
         "sleep_level",
         "logprobs_mode",
         "nvfp4_per_token",
+        "limit_mm_per_prompt",
+        "mm_processor_kwargs",
+        "reset_encoder_cache_after_weight_update",
+        "use_tqdm",
+        "env_vars",
     }
 )
 
@@ -642,6 +773,7 @@ _TELEMETRY_KEYS: Final = (
 )
 
 _DEFAULT_VLLM: Final = VllmConfig(1, 1, 1, 1.0, 1)
+_MTP_METHODS: Final = frozenset({"mtp", "deepseek_mtp"})
 
 
 def _parse(m: Mapping[object, object]) -> Result[WorkerConfig, ConfigError]:
@@ -650,13 +782,15 @@ def _parse(m: Mapping[object, object]) -> Result[WorkerConfig, ConfigError]:
     if bad_keys:
         r.add("(config)", f"keys must be strings, got {', '.join(_show(k) for k in bad_keys)}")
     top: dict[str, object] = {k: v for k, v in m.items() if isinstance(k, str)}
+    for verdict in check_keys(top):
+        r.add(verdict.key, verdict.message)
 
     r.take(top, "backend", _backend, "vllm", default="vllm")
     model_name = r.take(top, "model_name", _as_str, "")
     max_new_tokens = r.take(top, "max_new_tokens", _int_at_least(1), 1)
     temperature = r.take(top, "temperature", _temperature, 1.0)
     top_p = r.take(top, "top_p", _top_p, 1.0)
-    top_k = r.take(top, "top_k", _top_k, -1)
+    top_k = r.take(top, "top_k", _top_k, -1, default=-1)
     stop_token_ids = r.take(
         top,
         "stop_token_ids",
@@ -746,9 +880,7 @@ def _parse_vllm(
     ep = r.take(v, "expert_parallel_size", size, 1, prefix=p, default=1)
     memory = r.take(v, "gpu_memory_utilization", _memory_fraction, 1.0, prefix=p)
     max_model_len = r.take(v, "max_model_len", size, 1, prefix=p)
-    precision = r.take(
-        v, "precision", _choice(PRECISIONS), "bfloat16", prefix=p, default="bfloat16"
-    )
+    precision = r.take(v, "precision", _precision, "bfloat16", prefix=p, default="bfloat16")
     enforce_eager = r.take(v, "enforce_eager", _as_bool, False, prefix=p, default=False)
     load_format = r.take(v, "load_format", _as_str, "auto", prefix=p, default="auto")
     skip_tokenizer_init = r.take(v, "skip_tokenizer_init", _as_bool, False, prefix=p, default=False)
@@ -760,8 +892,20 @@ def _parse_vllm(
     kv_cache_dtype = r.take(v, "kv_cache_dtype", _as_str, "auto", prefix=p, default="auto")
     sleep_level = r.take(v, "sleep_level", _sleep_level, 1, prefix=p, default=1)
     nvfp4 = r.take(v, "nvfp4_per_token", _as_bool, False, prefix=p, default=False)
+    use_tqdm = r.take(v, "use_tqdm", _as_bool, False, prefix=p, default=False)
+    no_env: FrozenMap[str, str] = FrozenMap()
+    env_vars = r.take(v, "env_vars", _env_vars, no_env, prefix=p, default=no_env)
     logprobs_mode = r.take(
         v, "logprobs_mode", _optional(_choice(LOGPROBS_MODES)), None, prefix=p, default=None
+    )
+    mm_limits = r.take(
+        v, "limit_mm_per_prompt", _optional(_mm_limits), None, prefix=p, default=None
+    )
+    mm_kwargs = r.take(
+        v, "mm_processor_kwargs", _optional(_str_mapping), None, prefix=p, default=None
+    )
+    r.take(
+        v, "reset_encoder_cache_after_weight_update", _encoder_reset, True, prefix=p, default=True
     )
 
     spec_raw = r.take(
@@ -780,11 +924,29 @@ def _parse_vllm(
         r.take(
             spec_raw,
             "num_speculative_tokens",
-            _int_at_least(0),
+            _optional(_int_at_least(0)),
             0,
             prefix=f"{spec_prefix}speculative_config.",
+            default=None,
         )
         speculative_config = _freeze_str_map(spec_raw)
+        if load_format == "dummy" and spec_raw.get("method") in _MTP_METHODS:
+            r.add(
+                f"{spec_prefix}speculative_config.method",
+                f"an MTP drafter ({spec_raw.get('method')!r}) under vllm_cfg.load_format "
+                "'dummy' keeps random drafter weights: NeMo-RL loads them from disk after "
+                "start, genworker does not; use load_format 'auto'",
+            )
+
+    sizes_ok = not r.failed(p + "tensor_parallel_size") and not r.failed(p + "expert_parallel_size")
+    if sizes_ok and ep > tp:
+        r.add(
+            p + "expert_parallel_size",
+            f"{ep} exceeds tensor_parallel_size {tp}: expert parallelism beyond the "
+            "tensor-parallel group needs vLLM's internal data parallel, which genworker "
+            "does not set up; use expert_parallel_size <= tensor_parallel_size and "
+            "data-parallel shards (GenerationGroup) instead",
+        )
 
     if nvfp4 and not r.failed(p + "precision") and precision not in _NVFP4_PRECISIONS:
         r.add(
@@ -811,6 +973,10 @@ def _parse_vllm(
         kv_cache_dtype=kv_cache_dtype,
         sleep_level=sleep_level,
         nvfp4_per_token=nvfp4,
+        limit_mm_per_prompt=None if mm_limits is None else _freeze_str_map(mm_limits),
+        mm_processor_kwargs=None if mm_kwargs is None else _freeze_str_map(mm_kwargs),
+        use_tqdm=use_tqdm,
+        env_vars=env_vars,
         extras=extras,
     )
     return config, logprobs_mode

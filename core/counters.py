@@ -58,6 +58,7 @@ from returns.result import Failure, Result, Success
 from genworker.core.errors import CoreError
 
 __all__ = [
+    "CACHE_RESETS",
     "GENERATION_TOKENS",
     "PROMPT_TOKENS",
     "SPEC_DECODE_NUM_ACCEPTED_TOKENS",
@@ -82,10 +83,13 @@ __all__ = [
     "series_id",
     "spec_decode_metrics",
     "step_deltas",
+    "values_by_name",
 ]
 
 PROMPT_TOKENS = "vllm:prompt_tokens"
 GENERATION_TOKENS = "vllm:generation_tokens"
+CACHE_RESETS = "genworker:cache_resets"
+"""The worker's own counter: engine cache resets, labelled ``cache`` = prefix | mm | encoder."""
 SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
 SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
@@ -334,6 +338,28 @@ def encode_snapshot(samples: Snapshot | Iterable[Sample]) -> EncodedSnapshot:
     return dict(sorted(out.items()))
 
 
+def values_by_name(samples: Snapshot | Iterable[Sample]) -> dict[str, float | list[float]]:
+    """The snapshot keyed by metric name alone, as NeMo-RL's ``_get_raw_spec_counters``
+    returns it: counters and gauges as floats, vectors as per-position lists, histograms
+    left out (NeMo-RL keeps only metrics with a ``value`` or ``values``). Where several
+    series share a name (engines of one process) they are summed, as NeMo-RL's
+    ``aggregate_spec_decode_counters`` sums workers; NeMo-RL keeps the last series instead.
+    Keys sorted."""
+    merged: dict[str, Sample] = {}
+    for s in _as_snapshot(samples).samples:
+        if isinstance(s, HistogramSample):
+            continue
+        merged[s.name] = _add(merged[s.name], s) if s.name in merged else s
+    out: dict[str, float | list[float]] = {}
+    for name, sample in sorted(merged.items()):
+        if isinstance(sample, VectorSample):
+            out[name] = list(sample.values)
+        else:
+            assert isinstance(sample, CounterSample | GaugeSample)
+            out[name] = sample.value
+    return out
+
+
 def _unescape(value: str) -> str:
     return _UNESCAPE_RE.sub(lambda m: _UNESCAPES[m.group(1)], value)
 
@@ -491,6 +517,7 @@ def step_deltas(before: Snapshot, after: Snapshot) -> StepDeltas:
 
 
 def _add(a: Sample, b: Sample) -> Sample:
+    """``a + b`` for samples of one series (or one name); labels are ``a``'s."""
     if type(a) is not type(b):
         raise ValueError(
             f"series {series_id(a.name, a.labels)} is a {type(a).__name__} in one snapshot "
@@ -545,7 +572,8 @@ class SpecDecodeMetrics:
 
     As vLLM defines them (``vllm/v1/spec_decode/metrics.py``): acceptance rate = accepted /
     draft tokens; mean acceptance length = 1 + accepted / drafts; the rate at position i =
-    accepted at position i / drafts.
+    accepted at position i / drafts. Positions are 0-based here and 1-based in
+    :meth:`as_dict`, as NeMo-RL names them.
     """
 
     num_drafts: float
@@ -554,9 +582,13 @@ class SpecDecodeMetrics:
     acceptance_rate: float
     mean_acceptance_length: float
     per_position_acceptance_rates: tuple[float, ...]
+    per_position_accepted_tokens: tuple[float, ...]
 
     def as_dict(self, prefix: str = "vllm/") -> dict[str, float]:
-        """Log-ready values under NeMo-RL's names (``vllm/spec_acceptance_rate``, ...)."""
+        """Log-ready values under NeMo-RL's names (``compute_spec_decode_metrics`` in
+        ``nemo_rl/models/generation/vllm/utils.py``): ``vllm/spec_acceptance_rate``, ...,
+        ``vllm/spec_acceptance_rate-pos-1`` for the first draft position, and the position's
+        accepted-token count under ``vllm/vllm:spec_decode_num_accepted_tokens_per_pos-1``."""
         out = {
             f"{prefix}spec_num_drafts": self.num_drafts,
             f"{prefix}spec_num_draft_tokens": self.num_draft_tokens,
@@ -564,7 +596,9 @@ class SpecDecodeMetrics:
             f"{prefix}spec_acceptance_rate": self.acceptance_rate,
             f"{prefix}spec_acceptance_length": self.mean_acceptance_length,
         }
-        for i, rate in enumerate(self.per_position_acceptance_rates):
+        for i, count in enumerate(self.per_position_accepted_tokens, 1):
+            out[f"{prefix}{SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS}-{i}"] = count
+        for i, rate in enumerate(self.per_position_acceptance_rates, 1):
             out[f"{prefix}spec_acceptance_rate-pos-{i}"] = rate
         return out
 
@@ -624,5 +658,6 @@ def spec_decode_metrics(
             acceptance_rate=accepted / draft_tokens,
             mean_acceptance_length=1.0 + accepted / drafts,
             per_position_acceptance_rates=tuple(v / drafts for v in per_pos),
+            per_position_accepted_tokens=per_pos,
         )
     )

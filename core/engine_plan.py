@@ -15,7 +15,9 @@ Layers, lowest first (a later layer wins on the same key):
    ``gpu_memory_utilization``, ``max_model_len``, ``dtype`` (``precision``; ``fp8`` computes in
    bfloat16), ``enforce_eager``, ``load_format``, ``kv_cache_dtype``, ``logprobs_mode`` (when
    set), ``speculative_config`` (dropped when ``num_speculative_tokens == 0``, NeMo-RL's way
-   to switch a drafter off).
+   to switch a drafter off; kept when the count is left to vLLM), ``limit_mm_per_prompt``
+   and ``mm_processor_kwargs`` (when set; the same key in ``vllm_kwargs`` too is a problem:
+   keep one). ``vllm_cfg.env_vars`` goes into ``plan.env``.
 2. Decided here: ``seed`` (argument), ``enable_prefix_caching`` (an explicit config value
    wins; otherwise on when ``gpu_capability >= (8, 0)``, off without a GPU), ``enable_sleep_mode``
    (argument), ``worker_extension_cls`` (argument), ``disable_log_stats=False`` (vLLM's
@@ -50,8 +52,9 @@ Layers, lowest first (a later layer wins on the same key):
      (vLLM's default). The generic protocol is thus copied to the traces variable.
 
 5. The user's ``vllm_kwargs``, on top of everything, except :data:`RESERVED_KEYS` (values the
-   worker owns; a user value is a problem naming it) and ``hf_overrides`` under fp8 (merged
-   in layer 3).
+   worker owns; a user value is a problem naming it), :data:`UNSUPPORTED_KEYS` (vLLM
+   arguments that would do nothing behind this worker; a problem naming the key) and
+   ``hf_overrides`` under fp8 (merged in layer 3).
 6. Finally, with ``known_args`` (the installed vLLM's ``EngineArgs`` field names), keys the
    installed vLLM does not know are removed and listed, sorted, in ``plan.dropped``.
 """
@@ -84,6 +87,7 @@ __all__ = [
     "OTEL_TRACES_ENDPOINT",
     "OTEL_TRACES_PROTOCOL",
     "RESERVED_KEYS",
+    "UNSUPPORTED_KEYS",
     "EngineKwargsPlan",
     "plan_engine_kwargs",
     "resolve_prefix_caching",
@@ -104,6 +108,19 @@ RESERVED_KEYS: Final = FrozenMap[str, str](
     )
 )
 """``vllm_kwargs`` keys the worker owns, each with the reason a user value is refused."""
+
+UNSUPPORTED_KEYS: Final = FrozenMap[str, str](
+    (
+        (
+            "media_io_kwargs",
+            "the worker hands vLLM decoded PIL images; vLLM reads media_io_kwargs only for "
+            "media it loads itself (URLs, bytes, video files)",
+        ),
+    )
+)
+"""``vllm_kwargs`` keys vLLM knows that would do nothing behind the worker, with the reason."""
+
+_MM_CONFIG_KEYS: Final = ("limit_mm_per_prompt", "mm_processor_kwargs")
 
 FP8_BASE_QUANTIZATION_CONFIG: Final = FrozenMap[str, object](
     (
@@ -175,6 +192,11 @@ def plan_engine_kwargs(
         for key in user
         if key in RESERVED_KEYS
     ]
+    problems.extend(
+        ConfigProblem(f"vllm_kwargs.{key}", f"is not supported: {UNSUPPORTED_KEYS[key]}")
+        for key in user
+        if key in UNSUPPORTED_KEYS
+    )
 
     kwargs: dict[str, object] = {
         "model": config.model_name,
@@ -201,8 +223,18 @@ def plan_engine_kwargs(
     }
     if config.logprobs_mode is not None:
         kwargs["logprobs_mode"] = config.logprobs_mode
-    if v.speculative_config is not None and v.num_speculative_tokens > 0:
+    if v.speculative_config is not None and v.num_speculative_tokens != 0:
         kwargs["speculative_config"] = v.speculative_config
+    for key, value in zip(
+        _MM_CONFIG_KEYS, (v.limit_mm_per_prompt, v.mm_processor_kwargs), strict=True
+    ):
+        if value is None:
+            continue
+        kwargs[key] = value
+        if key in user:
+            problems.append(
+                ConfigProblem(f"vllm_kwargs.{key}", f"also given as vllm_cfg.{key}; keep one")
+            )
 
     quantization: str | None = None
     merged_keys: set[str] = set()
@@ -234,14 +266,14 @@ def plan_engine_kwargs(
                 )
             )
 
-    env: dict[str, str] = {}
+    env: dict[str, str] = dict(v.env_vars)
     if config.telemetry.enabled:
         _plan_tracing(config, telemetry or {}, kwargs, env, problems)
 
     kwargs.update(
         (key, value)
         for key, value in user.items()
-        if key not in RESERVED_KEYS and key not in merged_keys
+        if key not in RESERVED_KEYS and key not in UNSUPPORTED_KEYS and key not in merged_keys
     )
 
     if problems:

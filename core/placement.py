@@ -16,14 +16,22 @@ and counts upward past ports in use; ``get_open_ports_list`` takes several in a 
   placement group) names global ids, ``(0, [8, ..., 15])``, under the same alignment rule;
   its port slot is 0, because no two such engines start on the same node.
 * Seed ``node_idx * 1024 + ids[0] // size`` (NeMo-RL's formula; ``node_idx * 1024 + id`` for
-  one-GPU engines). ``VLLM_CACHE_ROOT`` is ``<cache_base_dir>/vllm_<seed>``: engines never
-  share a compile cache (vllm#18851). Core does not expand ``~``; the shell passes a real path.
+  one-GPU engines). ``VLLM_CACHE_ROOT`` is ``<cache_root>_<seed>`` (NeMo-RL's formula), where
+  ``cache_root`` is the inherited ``VLLM_CACHE_ROOT`` or ``~/.cache/vllm``: engines never
+  share a compile cache (vllm#18851). Core reads no environment and does not expand ``~``;
+  the shell passes a real path.
 * Ports: slot ``s`` owns ``[port_base + s * port_window, port_base + (s + 1) * port_window)``
   and ``VLLM_PORT`` is its first port, so vLLM's upward scan stays inside the window unless
-  ``port_window`` ports are taken (nemo-rl#2380, vllm#43206). Every window the node can need
-  (one per slot) must end below ``ephemeral_start``, where the OS picks ports for outgoing
+  ``port_window`` ports are taken (nemo-rl#2380, vllm#43206). The defaults are NeMo-RL's
+  layout (``DEFAULT_VLLM_PORT_RANGE_LOW = 7000``, 100 ports per engine,
+  ``nemo_rl/distributed/virtual_cluster.py``), below the 9000 ephemeral floor of some
+  DGX/GB200 hosts. Every window the node can need (one per slot) must end below the host's
+  ephemeral range (``ephemeral_ports``: ``net.ipv4.ip_local_port_range``, which the shell
+  reads and :func:`parse_port_range` parses), where the OS picks ports for outgoing
   connections, and at most at 65535; checking all slots makes every engine of a node fail
-  alike, before any actor starts.
+  alike, before any actor starts. With ``num_gpus_per_node=None`` (NeMo-RL's default when
+  the topology is unknown) the slot is the group's first id over its size, as NeMo-RL
+  computes it, and only this engine's own window can be checked.
 * Workers of a TP/PP group (and the inert members of a tied group, ``bundle_indices=None``)
   ask Ray for 0 GPUs, stop Ray from setting ``CUDA_VISIBLE_DEVICES``
   (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``) and hand their GPU fraction to the
@@ -35,31 +43,46 @@ from __future__ import annotations
 
 import ipaddress
 import math
-import posixpath
 from collections.abc import Mapping, Sequence
 
 import attrs
 from returns.result import Failure, Result, Success
 
+from genworker.core.config import FrozenMap
 from genworker.core.errors import CoreError
 
 __all__ = [
+    "DEFAULT_EPHEMERAL_PORTS",
+    "DEFAULT_PORT_BASE",
+    "DEFAULT_PORT_WINDOW",
     "MAX_PORT",
+    "RAY_EXTRA_ENV_VARS",
     "SEED_STRIDE",
     "ClusterPlan",
+    "EngineEnv",
     "PlacementError",
     "PlacementPlan",
     "PortWindow",
     "ShardPlacement",
     "check_inherited_env",
     "configure_worker",
+    "forwarded_env_names",
+    "parse_port_range",
     "plan_cluster",
+    "plan_engine_env",
 ]
 
 MAX_PORT = 65535
 # NeMo-RL's seed layout: node_idx * 1024 + engine slot. A slot of 1024 or more would collide
 # with the next node's seeds, so it is refused.
 SEED_STRIDE = 1024
+DEFAULT_PORT_BASE = 7000
+DEFAULT_PORT_WINDOW = 100
+DEFAULT_EPHEMERAL_PORTS = (32768, 60999)
+"""Linux's default ``net.ipv4.ip_local_port_range``, for hosts where it cannot be read."""
+RAY_EXTRA_ENV_VARS = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+"""vLLM's list of extra variables its Ray executor copies into its workers (vLLM >= 0.25,
+``vllm/ray/ray_env.py``), comma-separated."""
 
 
 @attrs.frozen
@@ -186,54 +209,64 @@ def _slots_per_node(group_size: int, num_gpus_per_node: int) -> int:
     return max(1, num_gpus_per_node // group_size)
 
 
+def _describe_ephemeral(ephemeral_ports: tuple[int, int]) -> str:
+    low, high = ephemeral_ports
+    return f"the host's ephemeral port range {low}-{high} (net.ipv4.ip_local_port_range)"
+
+
 def configure_worker(
     num_gpus: float,
     bundle_indices: tuple[int, Sequence[int]] | None,
-    num_gpus_per_node: int,
+    num_gpus_per_node: int | None,
     *,
-    cache_base_dir: str,
+    cache_root: str,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
-    port_base: int = 20000,
-    port_window: int = 64,
-    ephemeral_start: int = 32768,
+    port_base: int = DEFAULT_PORT_BASE,
+    port_window: int = DEFAULT_PORT_WINDOW,
+    ephemeral_ports: tuple[int, int] = DEFAULT_EPHEMERAL_PORTS,
 ) -> Result[PlacementPlan, PlacementError]:
     """Plan one worker actor of a generation engine (see the module docstring for the rules).
 
     ``bundle_indices`` is ``(node_idx, ids)`` for the first worker of an engine (the one that
     builds it) and ``None`` for the other members of its tied TP/PP group.
+    ``num_gpus_per_node=None`` means the topology is unknown (NeMo-RL's default).
     """
     gpus = _number(num_gpus)
     if gpus is None or gpus <= 0:
         return _error("num_gpus", num_gpus, "must be a finite number greater than 0")
-    per_node = _count(num_gpus_per_node)
-    if per_node is None or per_node <= 0:
-        return _error("num_gpus_per_node", num_gpus_per_node, "must be an integer >= 1")
+    per_node = None if num_gpus_per_node is None else _count(num_gpus_per_node)
+    if num_gpus_per_node is not None and (per_node is None or per_node <= 0):
+        return _error("num_gpus_per_node", num_gpus_per_node, "must be None or an integer >= 1")
     for name, size in (
         ("tensor_parallel_size", tensor_parallel_size),
         ("pipeline_parallel_size", pipeline_parallel_size),
     ):
         if (_count(size) or 0) < 1:
             return _error(name, size, "must be an integer >= 1")
-    if not cache_base_dir:
-        return _error("cache_base_dir", cache_base_dir, "must name a directory")
+    root = cache_root.rstrip("/")
+    if not root:
+        return _error("cache_root", cache_root, "must name a directory")
     if port_window < 1:
         return _error("port_window", port_window, "must be at least 1 port")
     if port_base < 1:
         return _error("port_base", port_base, "must be a port number >= 1")
+    if not 1 <= ephemeral_ports[0] <= ephemeral_ports[1] <= MAX_PORT:
+        return _error("ephemeral_ports", ephemeral_ports, f"must be 1 <= low <= high <= {MAX_PORT}")
 
     group_size = tensor_parallel_size * pipeline_parallel_size
-    slots = _slots_per_node(group_size, per_node)
-    node_last_port = port_base + slots * port_window - 1
-    limit = min(ephemeral_start - 1, MAX_PORT)
-    if node_last_port > limit:
-        return _error(
-            "port_window",
-            port_window,
-            f"{slots} engine slot(s) per node from port_base={port_base} need ports up to "
-            f"{node_last_port}, past {limit} (ports from ephemeral_start={ephemeral_start} "
-            f"belong to the OS and {MAX_PORT} is the highest port)",
-        )
+    limit = min(ephemeral_ports[0] - 1, MAX_PORT)
+    if per_node is not None:
+        slots = _slots_per_node(group_size, per_node)
+        node_last_port = port_base + slots * port_window - 1
+        if node_last_port > limit:
+            return _port_error(
+                port_base,
+                port_window,
+                f"{slots} engine slot(s) per node from port_base={port_base} need ports up to "
+                f"{node_last_port}",
+                ephemeral_ports,
+            )
 
     tied = bundle_indices is None or group_size > 1
     fraction = gpus if tied else None
@@ -271,8 +304,8 @@ def configure_worker(
             f"{tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size} "
             f"= {group_size} GPU(s)",
         )
-    spans_nodes = group_size > per_node
-    if not spans_nodes and max(ids) >= per_node:
+    spans_nodes = per_node is not None and group_size > per_node
+    if per_node is not None and not spans_nodes and max(ids) >= per_node:
         return _error(
             "bundle_indices",
             bundle_indices,
@@ -298,6 +331,14 @@ def configure_worker(
     seed = node * SEED_STRIDE + engine_slot
     port_slot = 0 if spans_nodes else engine_slot
     window_first = port_base + port_slot * port_window
+    window_last = window_first + port_window - 1
+    if window_last > limit:  # only reachable when the node's slot count is unknown
+        return _port_error(
+            port_base,
+            port_window,
+            f"engine slot {port_slot} from port_base={port_base} needs ports up to {window_last}",
+            ephemeral_ports,
+        )
     return Success(
         PlacementPlan(
             num_gpus=0.0 if tied else gpus,
@@ -306,10 +347,90 @@ def configure_worker(
             bundle_ids=ids,
             seed=seed,
             slot=port_slot,
-            ports=PortWindow(window_first, window_first + port_window - 1),
-            cache_root=posixpath.join(cache_base_dir, f"vllm_{seed}"),
+            ports=PortWindow(window_first, window_last),
+            cache_root=f"{root}_{seed}",
         )
     )
+
+
+def _port_error(
+    port_base: int, port_window: int, need: str, ephemeral_ports: tuple[int, int]
+) -> Failure[PlacementError]:
+    limit = min(ephemeral_ports[0] - 1, MAX_PORT)
+    return _error(
+        "port_window",
+        port_window,
+        f"{need}, past {limit}: ports from {ephemeral_ports[0]} are "
+        f"{_describe_ephemeral(ephemeral_ports)}, where the OS picks ports for outgoing "
+        f"connections, and {MAX_PORT} is the highest port; lower port_base below "
+        f"{ephemeral_ports[0]} or narrow port_window",
+    )
+
+
+def parse_port_range(text: str) -> Result[tuple[int, int], PlacementError]:
+    """``(low, high)`` from the text of ``/proc/sys/net/ipv4/ip_local_port_range``."""
+    fields = text.split()
+    if (
+        len(fields) != 2
+        or not all(f.isascii() and f.isdecimal() for f in fields)
+        or not 1 <= int(fields[0]) <= int(fields[1]) <= MAX_PORT
+    ):
+        return _error(
+            "ip_local_port_range", text, f"must be two port numbers low <= high <= {MAX_PORT}"
+        )
+    return Success((int(fields[0]), int(fields[1])))
+
+
+@attrs.frozen
+class EngineEnv:
+    """Environment changes before a worker builds its engine: ``set`` these, ``unset`` those."""
+
+    set: FrozenMap[str, str]
+    unset: tuple[str, ...] = ()
+
+
+def plan_engine_env(
+    bundle_ids: Sequence[int] | None,
+    fraction_of_gpus: float,
+    *,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+) -> Result[EngineEnv, PlacementError]:
+    """What a NeMo-RL model owner sets before starting a TP/PP engine on Ray's executor.
+
+    NeMo-RL's ``_load_model``: for ``tp * pp > 1`` the worker drops ``CUDA_VISIBLE_DEVICES``
+    (Ray set none, ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``; vLLM's Ray workers each
+    get their own), gives each vLLM Ray worker ``fraction_of_gpus / (tp * pp)`` GPUs
+    (``VLLM_RAY_PER_WORKER_GPUS``) and places them on its bundles
+    (``VLLM_RAY_BUNDLE_INDICES``, one per worker). One-GPU engines change nothing.
+    """
+    size = tensor_parallel_size * pipeline_parallel_size
+    if size == 1:
+        return Success(EngineEnv(FrozenMap()))
+    fraction = _number(fraction_of_gpus)
+    if fraction is None or not 0 < fraction <= 1:
+        return _error("fraction_of_gpus", fraction_of_gpus, "must be a number in (0, 1]")
+    if bundle_ids is None or len(bundle_ids) != size:
+        return _error(
+            "bundle_indices",
+            bundle_ids,
+            f"an engine of tensor_parallel_size x pipeline_parallel_size = {size} needs "
+            f"{size} bundle ids",
+        )
+    env = FrozenMap(
+        (
+            ("VLLM_RAY_PER_WORKER_GPUS", repr(fraction / size)),
+            ("VLLM_RAY_BUNDLE_INDICES", ",".join(str(int(i)) for i in bundle_ids)),
+        )
+    )
+    return Success(EngineEnv(env, unset=("CUDA_VISIBLE_DEVICES",)))
+
+
+def forwarded_env_names(existing: str, names: Sequence[str]) -> str:
+    """The new value of :data:`RAY_EXTRA_ENV_VARS`: its ``existing`` names and ``names``,
+    sorted and unique (NeMo-RL's ``_patch_vllm_init_workers_ray`` merges the same way)."""
+    merged = {n.strip() for n in (*existing.split(","), *names) if n.strip()}
+    return ",".join(sorted(merged))
 
 
 def check_inherited_env(env: Mapping[str, str]) -> Result[None, PlacementError]:

@@ -57,6 +57,7 @@ from returns.result import Failure, Result, Success
 
 from genworker.core.caps import CapError, CapFailure, request_max_tokens
 from genworker.core.config import ConfigError, ConfigProblem, WorkerConfig
+from genworker.core.config_keys import parse_bool
 from genworker.core.errors import CoreError
 
 __all__ = [
@@ -116,11 +117,10 @@ def _problem(key: str, message: str) -> Failure[ConfigError]:
 def server_options(cfg: WorkerConfig) -> Result[ServerOptions | None, ConfigError]:
     """The server's options, or ``None`` when ``expose_http_server`` is off or absent."""
     extras = cfg.vllm.extras
-    expose = extras.get("expose_http_server", False)
+    raw_expose = extras.get("expose_http_server", False)
+    expose = False if raw_expose is None else parse_bool(raw_expose)
     if expose is None:
-        expose = False
-    if not isinstance(expose, bool):
-        return _problem("expose_http_server", f"must be a bool, got {expose!r}")
+        return _problem("expose_http_server", f"must be a bool, got {raw_expose!r}")
     given = [k for k in (*_SERVER_KEYS, *_REFUSED_KEYS) if extras.get(k) is not None]
     if not expose:
         if given:
@@ -139,11 +139,10 @@ def server_options(cfg: WorkerConfig) -> Result[ServerOptions | None, ConfigErro
         port = 0
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         return _problem("http_server_port", f"must be an int in [0, 65535], got {port!r}")
-    guard = extras.get("http_server_on_policy_guard", True)
+    raw_guard = extras.get("http_server_on_policy_guard", True)
+    guard = True if raw_guard is None else parse_bool(raw_guard)
     if guard is None:
-        guard = True
-    if not isinstance(guard, bool):
-        return _problem("http_server_on_policy_guard", f"must be a bool, got {guard!r}")
+        return _problem("http_server_on_policy_guard", f"must be a bool, got {raw_guard!r}")
     chat = extras.get("http_server_serving_chat_kwargs") or {}
     if not isinstance(chat, Mapping):
         return _problem("http_server_serving_chat_kwargs", f"must be a mapping, got {chat!r}")

@@ -45,6 +45,7 @@ from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.errors import (
+    BadBatchError,
     BadConfigError,
     EngineDeadError,
     EngineStateError,
@@ -54,6 +55,7 @@ from genworker.shell.errors import (
 )
 from genworker.shell.ports import EngineCapabilities, StreamedGeneration
 from genworker.shell.vllm_engine import (
+    _REQUEST_ERRORS,
     _generation,
     _sample,
     _sampling_arg_names,
@@ -87,15 +89,22 @@ class AsyncVllmEngineFactory:
 
 @contextmanager
 def _translated_async(call: str, *, request: bool = False) -> Iterator[None]:
-    """:func:`vllm_engine._translated`, plus the async engine's per-request failure."""
+    """:func:`vllm_engine._translated`, plus what one request of the async engine raises:
+    request validation errors (``request``) and an unexpected failure inside it."""
     try:
-        with _translated(call, request=request):
+        with _translated(call):
             yield
+    except GenworkerError:
+        raise
     except EngineGenerateError as e:
         cause = e.__cause__
         raise GenworkerError(
             f"{call}: the request failed inside vLLM: {type(cause).__name__}: {cause}"
         ) from e
+    except _REQUEST_ERRORS as e:
+        if not request:
+            raise
+        raise BadBatchError(f"{call}: vLLM rejected the request: {e}") from e
 
 
 def _labels_tokens(llm: AsyncLLM) -> bool:
@@ -117,6 +126,7 @@ class AsyncVllmEngine:
         self._llm: AsyncLLM | None = llm
         config = llm.vllm_config
         model = config.model_config
+        spec = config.speculative_config
         self._extension = bool(config.parallel_config.worker_extension_cls)
         self._log_stats = llm.log_stats
         sampling_args = _sampling_arg_names()
@@ -128,6 +138,7 @@ class AsyncVllmEngine:
             device=current_platform.device_type,
             sampling_args=sampling_args,
             weight_versions=_labels_tokens(llm),
+            num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
         )
         self._params: dict[tuple[SamplingSpec, RequestOutputKind], SamplingParams] = {}
 

@@ -12,8 +12,11 @@ every row is its own engine request, so rows finish, fail and change weights apa
   ``(row, BadBatchError)``; every other row becomes one request, run as its own task, and
   comes back as ``(row, output)`` when it finishes: ``output`` is ``generate``'s contract
   for that one row cut to its own length (``core.rows.assemble_row``) plus
-  ``weight_versions``. A row that fails later (the engine died, a refit failed, the worker
-  shut down) comes back as ``(row, error)`` with a typed error; the others go on.
+  ``weight_versions``. A row without room for a token once speculative decoding holds its
+  slots back (``core.caps.cap_rows``) comes back unchanged with no tokens, as the sync
+  worker's does. A row that fails later (the engine died, a refit failed, the worker shut
+  down) comes back as ``(row, error)`` with a typed error; the others go on. Images are
+  not taken here (``multi_modal_data`` is refused, typed).
 - A consumer that stops iterating (``break``, ``aclose()``, a cancelled task) ends the
   stream: its unfinished requests are cancelled, which aborts them in vLLM
   (``AsyncLLM.generate`` aborts on ``CancelledError``), and aborted again by id. A stream
@@ -32,8 +35,8 @@ every row is its own engine request, so rows finish, fail and change weights apa
   ``Scheduler.reset_prefix_cache(reset_running_requests=True)``); ``wait`` lets them
   finish on the old weights first; ``abort`` drops them (their rows come back as
   ``RequestAbortedError``). Requests submitted during the refit queue in the paused
-  engine and run on the new weights. One bound, ``timeout_s``, covers the pause and the
-  transfer. A refit that fails leaves the version where it was, aborts every request in
+  engine and run on the new weights. ``timeout_s`` bounds each wait (the pause, and each
+  of the refit protocol's waits, ``core.refit_protocol``), as in the sync worker. A refit that fails leaves the version where it was, aborts every request in
   flight (each row comes back as ``RefitError``), resumes the engine, and leaves the
   weights inconsistent: new work is refused until a refit succeeds.
 - Weight versions (``core.versions``): version 0 is the weights loaded, each good refit
@@ -54,24 +57,34 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import secrets
+import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
 import torch
-from returns.result import Failure
 
 from genworker.core import lifecycle
 from genworker.core.assembly import Generation, assemble_outputs
-from genworker.core.batch import check_batch
-from genworker.core.caps import CapError, batch_max_tokens
+from genworker.core.batch import check_batch, check_seeds
+from genworker.core.caps import cap_rows
 from genworker.core.config import WorkerConfig
-from genworker.core.counters import encode_snapshot
+from genworker.core.config_keys import parse_bool
+from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.lifecycle import InflightMode
+from genworker.core.refit_plan import Manifest
+from genworker.core.refit_protocol import (
+    RENDEZVOUS_WAITS,
+    Transport,
+    refit_waits,
+    rpc_bound,
+    wait_bound,
+)
 from genworker.core.rows import assemble_row, check_rows
 from genworker.core.sampling import SamplingSpec, sampling_spec
 from genworker.core.serving import server_options, training_policy
@@ -91,6 +104,7 @@ from genworker.shell.errors import (
     EngineStateError,
     GenworkerError,
     RefitError,
+    RefitManifestError,
     RefitTimeoutError,
     RequestAbortedError,
     UnsupportedError,
@@ -102,8 +116,14 @@ from genworker.shell.ports import (
     EngineCapabilities,
     StreamedGeneration,
 )
+from genworker.shell.refit.wire import raise_failures
 from genworker.shell.server import OpenAIServer
-from genworker.shell.worker import EXTENSION_CLS, _seeds, _tensor_field
+from genworker.shell.worker import (
+    EXTENSION_CLS,
+    VllmGenerationWorker,
+    _tensor_field,
+    checked_env_names,
+)
 
 __all__ = [
     "AsyncVllmGenerationWorker",
@@ -120,7 +140,6 @@ _WAKE_EVENTS = {
     frozenset({"kv_cache"}): lifecycle.Event.WAKE_KV_CACHE,
     frozenset({"weights", "kv_cache"}): lifecycle.Event.WAKE_ALL,
 }
-_RPC_GRACE_S = 30.0  # the engine-side bound (timeout_s) fires first
 _SETTLE_ROUNDS = 3
 _SETTLE_BOUND_S = 5.0
 
@@ -173,10 +192,16 @@ class _Request:
 
 @attrs.frozen
 class _Plan:
-    """A stream's rows: ``(row, prompt, spec)`` to run and ``(row, error)`` refused."""
+    """A stream's rows: ``(row, prompt, spec)`` to run, ``(row, error)`` refused, and the
+    rows without room for a token (they come back unchanged, as the sync worker's do)."""
 
     rows: tuple[tuple[int, Sequence[int] | str, SamplingSpec], ...]
     errors: tuple[tuple[int, GenworkerError], ...]
+    no_room: tuple[int, ...] = ()
+
+
+# What a row without room gets: its prompt back, no tokens (the sync worker's _NO_ROOM).
+_NO_ROOM = RowResult(Generation((), (), "abort"), VersionRuns((), (), 0))
 
 
 def _for_row(error: GenworkerError, row: int) -> GenworkerError:
@@ -199,10 +224,85 @@ def _inflight_mode(mode: object) -> InflightMode:
         raise BadArgumentError(f"mode must be one of {modes}, got {mode!r}") from None
 
 
-def _timeout(timeout_s: object) -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
-        raise BadArgumentError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    return float(timeout_s)
+# What NeMo-RL's async worker's metrics thread samples (``_start_vllm_metrics_logger``):
+# vLLM metric -> the list it lands in (``get_vllm_logger_metrics``).
+LOGGER_METRICS = {
+    "vllm:num_requests_running": "inflight_batch_sizes",
+    "vllm:num_requests_waiting": "num_pending_samples",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+    "vllm:generation_tokens": "generation_tokens",
+}
+_LOGGER_INTERVAL_S = 0.5  # NeMo-RL's default vllm_metrics_logger_interval
+
+
+def _logger_interval(cfg: WorkerConfig) -> float | None:
+    """``vllm_cfg.enable_vllm_metrics_logger`` / ``vllm_metrics_logger_interval``: the
+    metrics thread's period in seconds, or None when it is off; bad values refused."""
+    extras = cfg.vllm.extras
+    enabled = parse_bool(extras.get("enable_vllm_metrics_logger", False))
+    if enabled is None:
+        raise BadConfigError(
+            "vllm_cfg.enable_vllm_metrics_logger must be a bool, got "
+            f"{extras['enable_vllm_metrics_logger']!r}"
+        )
+    interval = extras.get("vllm_metrics_logger_interval", _LOGGER_INTERVAL_S)
+    if (
+        isinstance(interval, bool)
+        or not isinstance(interval, int | float)
+        or not (math.isfinite(interval) and interval > 0)
+    ):
+        raise BadConfigError(
+            "vllm_cfg.vllm_metrics_logger_interval must be a finite number of seconds > 0, "
+            f"got {interval!r}"
+        )
+    return float(interval) if enabled else None
+
+
+class _MetricsLogger:
+    """A daemon thread sampling :data:`LOGGER_METRICS` from the engine every ``interval``
+    seconds (NeMo-RL's metrics logger); it stops at shutdown or at the first failed read
+    (logged and kept in ``error``)."""
+
+    def __init__(self, engine: AsyncEnginePort, interval: float) -> None:
+        self._engine, self._interval = engine, interval
+        self._lock = threading.Lock()
+        self._samples: dict[str, list[float]] = {v: [] for v in LOGGER_METRICS.values()}
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self._thread = threading.Thread(
+            target=self._run, name="genworker vllm metrics logger", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                metrics = self._engine.metrics()
+            except Exception as e:  # noqa: BLE001 - the thread ends; the error is kept
+                self.error = f"{type(e).__name__}: {e}"
+                log.warning("the vLLM metrics logger stopped: %s", self.error)
+                return
+            sampled: dict[str, float] = {}
+            for m in metrics:
+                key = LOGGER_METRICS.get(m.name)
+                if key is not None and isinstance(m, GaugeSample | CounterSample):
+                    sampled[key] = m.value  # one engine per worker
+            with self._lock:
+                for key, value in sampled.items():
+                    self._samples[key].append(value)
+
+    def samples(self) -> dict[str, list[float]]:
+        with self._lock:
+            return {k: list(v) for k, v in self._samples.items()}
+
+    def clear(self) -> None:
+        with self._lock:
+            for v in self._samples.values():
+                v.clear()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(max(self._interval, 1.0) + 5.0)
 
 
 class AsyncVllmGenerationWorker:
@@ -218,7 +318,7 @@ class AsyncVllmGenerationWorker:
         bundle_indices: Sequence[int] | None = None,
         fraction_of_gpus: float = 1.0,
         seed: int | None = None,
-        extra_env_vars: Mapping[str, str] | None = None,
+        extra_env_vars: Sequence[str] | None = None,
         defer_model_load: bool = False,
         *,
         engine_factory: AsyncEngineFactory | None = None,
@@ -232,12 +332,15 @@ class AsyncVllmGenerationWorker:
                 "vllm_cfg.async_engine is false: AsyncVllmGenerationWorker runs vLLM's "
                 "AsyncLLM; set vllm_cfg.async_engine: true, or use VllmGenerationWorker"
             )
+        self._logger_interval = _logger_interval(self.cfg)
+        self._logger: _MetricsLogger | None = None
         self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
         self.fraction_of_gpus = fraction_of_gpus
         self.seed = seed if seed is not None else (self.cfg.seed or 0)
         self.stop_mode = stop_mode
-        if extra_env_vars:
-            os.environ.update(extra_env_vars)
+        #: variables (names) vLLM's Ray workers inherit from this process (the sync
+        #: worker's ``extra_env_vars``); ``vllm_cfg.env_vars`` are forwarded as well
+        self.extra_env_vars = checked_env_names(extra_env_vars)
         self._factory = engine_factory
         self._engine: AsyncEnginePort | None = None
         self._state = lifecycle.NOT_LOADED
@@ -250,6 +353,8 @@ class AsyncVllmGenerationWorker:
         self._ids = itertools.count()
         self._id_prefix = f"gw-{secrets.token_hex(4)}"
         self._activity = 0  # tokens counted; the settle after a pause watches it
+        self._manifest: Manifest | None = None  # from prepare_refit_info
+        self._collective = False  # init_collective succeeded
         #: the last successful refit: each engine worker's report, its mode, and the
         #: seconds of its pause, transfer and resume
         self.last_refit: dict[str, object] = {}
@@ -281,12 +386,15 @@ class AsyncVllmGenerationWorker:
         if plan.dropped:
             log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
         os.environ.update(plan.env)
+        VllmGenerationWorker.forward_env([*self.cfg.vllm.env_vars, *self.extra_env_vars])
         self._engine = factory.start(plan.llm_kwargs())
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
             EngineStateError,
             "load_model",
         )
+        if self._logger_interval is not None:
+            self._logger = _MetricsLogger(self._engine, self._logger_interval)
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -486,6 +594,8 @@ class AsyncVllmGenerationWorker:
         try:
             for row, error in plan.errors:
                 yield row, error
+            for row in plan.no_room:
+                yield row, _NO_ROOM
             if not plan.rows:
                 return
             engine = self.engine
@@ -528,52 +638,48 @@ class AsyncVllmGenerationWorker:
         rows: Sequence[int],
         lengths: Sequence[int],
         greedy: bool,
-    ) -> tuple[dict[int, SamplingSpec], dict[int, GenworkerError]]:
-        """One spec per row of ``rows`` (of a batch of ``batch_size``; ``lengths`` theirs);
-        a row without room for one token (speculative decoding holds some back) comes back
-        as its error instead. Per-sample data (stop strings, seeds) is the whole batch's."""
+    ) -> tuple[dict[int, SamplingSpec], tuple[int, ...]]:
+        """One spec per row of ``rows`` (of a batch of ``batch_size``; ``lengths`` theirs),
+        and the rows without room for one token (speculative decoding holds k + 1 slots
+        back), which the sync worker returns unchanged (``core.caps.cap_rows``). Per-sample
+        data (stop strings, seeds) is the whole batch's."""
         caps = self.engine.capabilities
-        per_sample = data.get("stop_strings")
-        seeds = _seeds(data.get("seeds"), batch_size)
+        seeds = unwrap(check_seeds(data.get("seeds"), batch_size), BadBatchError, "seeds")
         stops = unwrap(
             merge_stop_strings(
                 self.cfg.stop_strings,
-                per_sample,  # type: ignore[arg-type]
+                data.get("stop_strings"),  # type: ignore[arg-type]
                 batch_size,
                 self.stop_mode,
             ),
             BadBatchError,
             "stop_strings",
         )
-        errors: dict[int, GenworkerError] = {}
-        keep = list(range(len(rows)))
-        for _ in range(2):
-            result = batch_max_tokens(
+        caps_of_rows = unwrap(
+            cap_rows(
                 self.cfg.max_new_tokens,
-                [lengths[k] for k in keep],
+                lengths,
                 caps.max_model_len,
                 cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
-                num_speculative_tokens=self.cfg.num_speculative_tokens,
+                num_speculative_tokens=caps.num_speculative_tokens,
+            ),
+            BadBatchError,
+            "max tokens",
+        )
+        if caps_of_rows.refused is not None:
+            log.warning(
+                "streaming without the rows that have no room left: %s", caps_of_rows.refused
             )
-            if not isinstance(result, Failure):
-                break
-            problem = result.failure()
-            if not isinstance(problem, CapError):
-                break
-            failed = {keep[k] for k in problem.rows}
-            for k in failed:
-                errors[rows[k]] = BadBatchError(
-                    f"row {rows[k]} cannot generate: {problem}", detail=problem
-                )
-            keep = [k for k in keep if k not in failed]
-        max_tokens = unwrap(result, BadBatchError, "max tokens")
         made: dict[tuple[int, tuple[str, ...], int | None], SamplingSpec] = {}
         specs: dict[int, SamplingSpec] = {}
-        for k, m in zip(keep, max_tokens, strict=True):
-            row = rows[k]
+        no_room: list[int] = []
+        for row, m in zip(rows, caps_of_rows.max_tokens, strict=True):
+            if m == 0:
+                no_room.append(row)
+                continue
             key = (m, tuple(stops[row]), seeds[row])
             spec = made.get(key)
-            if spec is None:
+            if spec is None:  # rows alike share one (immutable) spec
                 spec = made[key] = sampling_spec(
                     self.cfg,
                     greedy=greedy,
@@ -583,13 +689,18 @@ class AsyncVllmGenerationWorker:
                     flat_logprobs=caps.flat_logprobs,
                 )
             specs[row] = spec
-        return specs, errors
+        return specs, tuple(no_room)
 
     def _token_plan(self, data: Mapping[str, object], greedy: bool, *, whole: bool) -> _Plan:
         """Check the lifecycle and the batch; ``whole``: a bad row refuses the batch."""
         self._move(lifecycle.Event.STREAM_OPEN)
         if not isinstance(greedy, bool):
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
+        if isinstance(data, Mapping) and data.get("multi_modal_data") is not None:
+            raise UnsupportedError(
+                "data['multi_modal_data']: the async worker takes token-id and text prompts "
+                "only (images go through VllmGenerationWorker)"
+            )
         input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
         caps = self.engine.capabilities
         limits = {
@@ -619,12 +730,10 @@ class AsyncVllmGenerationWorker:
         specs, no_room = self._row_specs(
             int(input_ids.shape[0]), data, list(prompts), [len(p) for p in prompts.values()], greedy
         )
-        if whole and no_room:
-            raise next(iter(no_room.values()))
-        refused.update(no_room)
         return _Plan(
             rows=tuple((row, prompts[row], spec) for row, spec in specs.items()),
             errors=tuple(sorted(refused.items())),
+            no_room=no_room,
         )
 
     async def generate_async(
@@ -687,10 +796,11 @@ class AsyncVllmGenerationWorker:
         }
         rows = [row for row in range(len(prompts)) if row not in refused]
         # Text prompts have no known token length here: cap against the shortest prompt.
-        specs, _ = self._row_specs(len(prompts), data, rows, [1] * len(rows), greedy)
+        specs, no_room = self._row_specs(len(prompts), data, rows, [1] * len(rows), greedy)
         return _Plan(
-            rows=tuple((row, prompts[row], specs[row]) for row in rows),
+            rows=tuple((row, prompts[row], spec) for row, spec in specs.items()),
             errors=tuple(sorted(refused.items())),
+            no_room=no_room,
         )
 
     async def _text_stream(
@@ -701,6 +811,8 @@ class AsyncVllmGenerationWorker:
         try:
             for row, error in plan.errors:
                 yield row, error
+            for row in plan.no_room:
+                yield row, ""
             if not plan.rows:
                 return
             engine = self.engine
@@ -808,64 +920,96 @@ class AsyncVllmGenerationWorker:
         await self._call(lambda e: e.reset_prefix_cache())
 
     # -- refit ------------------------------------------------------------------------
+    # The refit protocol's bounds (core.refit_protocol), as in VllmGenerationWorker: every
+    # wait of a refit (the pause, each wait on the engine side and the trainer's) is
+    # bounded by ``timeout_s`` (None: DEFAULT_TIMEOUT_S), the engine call by a bound
+    # derived from it (rpc_bound). A refit refused before it starts (a bad argument, no
+    # prepare_refit_info, no init_collective for a collective one) changes nothing.
     async def prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
     ) -> list[object]:
         """Tell the engine workers which tensors every refit carries (names, shapes,
         dtypes); each engine worker's summary (as ``VllmGenerationWorker``'s)."""
-        info = {
-            str(name): [list(int(d) for d in shape), str(dtype).removeprefix("torch.")]
-            for name, (shape, dtype) in state_dict_info.items()
-        }
-        return await self._rpc("prepare_refit_info", info)
+        manifest = unwrap(Manifest.from_info(state_dict_info), RefitManifestError, "refit info")
+        summaries = await self._rpc("prepare_refit_info", manifest.to_info())
+        self._manifest = manifest
+        return summaries
 
     async def init_collective(
-        self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int
+        self,
+        rank_prefix: int,
+        ip: str,
+        port: int,
+        world_size: int,
+        train_world_size: int,
+        timeout_s: float | None = None,
     ) -> None:
-        """Join the trainer's weight-update group (returns once every rank joined)."""
-        await self._rpc("init_collective", rank_prefix, ip, port, world_size, train_world_size)
+        """Join the trainer's weight-update group (returns once every rank joined); every
+        rendezvous wait is bounded by ``timeout_s``."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, "init_collective")
+        self._collective = False
+        await self._rpc(
+            "init_collective",
+            rank_prefix,
+            ip,
+            port,
+            world_size,
+            train_world_size,
+            bound,
+            timeout=rpc_bound(RENDEZVOUS_WAITS, bound),
+        )
+        self._collective = True
 
-    async def refit_address(self, *, offer_params: bool = True) -> list[object]:
-        """Where each engine worker listens for IPC refits (``VllmGenerationWorker``'s)."""
-        return await self._rpc("ipc_address", None, offer_params)
+    async def refit_address(self) -> list[object]:
+        """Where each engine worker listens for IPC refits (one entry per worker), for
+        ``genworker.shell.refit.RefitSender.ipc``."""
+        return await self._rpc("refit_address")
 
     async def engine_param_layout(self) -> list[object]:
         """Each engine worker's directly writable parameters: ``{name: [shape, dtype]}``."""
         return await self._rpc("engine_param_layout")
 
     async def release_refit_buffers(self) -> list[object]:
-        """Let go of the trainer memory the engine workers keep mapped between IPC refits."""
-        return await self._rpc("release_kept_buffers")
+        """Let go of the trainer storages and staging buffers the engine workers keep
+        mapped between IPC refits (``VllmGenerationWorker``'s); how many each let go."""
+        return await self._rpc("release_refit_buffers")
 
-    async def _rpc(self, method: str, *args: object, timeout: float = 120.0) -> list[object]:
+    async def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
         if self._shut_down:
             raise EngineStateError(f"{method}: the worker was shut down")
         try:
-            return await self._call(lambda e: e.collective_rpc(method, args=args, timeout=timeout))
+            results = await self._call(
+                lambda e: e.collective_rpc(method, args=args, timeout=timeout)
+            )
         except GenworkerError:
             raise
         except Exception as e:
             raise RefitError(f"{method} failed on the engine workers: {e}") from e
+        return raise_failures(results, method)
 
     async def update_weights_via_ipc_zmq(
         self,
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,
         *,
         mode: InflightMode | str = InflightMode.KEEP,
         clear_cache: bool = True,
     ) -> bool:
         """Receive a refit over IPC while requests run (see the module docstring)."""
-        return await self._refit("update_weights_via_ipc_zmq", timeout_s, mode, clear_cache)
+        return await self._refit(
+            "update_weights_via_ipc_zmq", timeout_s, mode, clear_cache, Transport.IPC
+        )
 
     async def update_weights_from_collective(
         self,
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,
         *,
         mode: InflightMode | str = InflightMode.KEEP,
         clear_cache: bool = True,
     ) -> bool:
         """Receive a refit over the weight-update group while requests run."""
-        return await self._refit("update_weights_from_collective", timeout_s, mode, clear_cache)
+        return await self._refit(
+            "update_weights_from_collective", timeout_s, mode, clear_cache, Transport.COLLECTIVE
+        )
 
     def _mark_in_flight(self, why: Callable[[int], GenworkerError]) -> list[str]:
         for request in self._requests.values():
@@ -874,16 +1018,25 @@ class AsyncVllmGenerationWorker:
         return list(self._requests)
 
     async def _refit(
-        self, method: str, timeout_s: object, mode: object, clear_cache: object
+        self,
+        method: str,
+        timeout_s: object,
+        mode: object,
+        clear_cache: object,
+        transport: Transport,
     ) -> bool:
-        timeout = _timeout(timeout_s)
+        timeout = unwrap(wait_bound(timeout_s), BadArgumentError, method)
         inflight = _inflight_mode(mode)
         if not isinstance(clear_cache, bool):
             raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
+        if transport is Transport.COLLECTIVE and not self._collective:
+            raise EngineStateError(f"{method} needs init_collective first")
+        if self._manifest is None:
+            raise EngineStateError(f"{method} needs prepare_refit_info first")
+        outer = rpc_bound(refit_waits(len(self._manifest), transport), timeout)
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         engine = self.engine
         started = time.monotonic()
-        deadline = started + timeout
         paused_at = resumed_at = rpc_done = started
         try:
             if inflight is InflightMode.ABORT:
@@ -902,9 +1055,9 @@ class AsyncVllmGenerationWorker:
             paused_at = time.monotonic()
             if not engine.capabilities.weight_versions:
                 await self._settle()
-            remaining = max(deadline - time.monotonic(), 1e-3)
-            reports = await engine.collective_rpc(
-                method, kwargs={"timeout_s": remaining}, timeout=remaining + _RPC_GRACE_S
+            reports = raise_failures(
+                await engine.collective_rpc(method, kwargs={"timeout_s": timeout}, timeout=outer),
+                method,
             )
             rpc_done = time.monotonic()
         except BaseException as e:
@@ -985,16 +1138,46 @@ class AsyncVllmGenerationWorker:
     async def report_device_id(self) -> list[str]:
         return await self._call(lambda e: e.device_ids())
 
+    def multimodal_info(self) -> dict[str, int | None]:
+        """The engine's image placeholder id and per-prompt image limit, as the sync
+        worker's (``GenerationGroup.generate`` asks shard 0 before it splits a batch);
+        this worker itself refuses images."""
+        caps = self.engine.capabilities
+        return {"image_token_id": caps.image_token_id, "max_images": caps.max_images}
+
     async def get_counters(self) -> dict[str, float | list[float]]:
         """The engine's Prometheus snapshot, encoded as flat keys (see core.counters)."""
         engine = self.engine
         return encode_snapshot(engine.metrics())
+
+    def get_vllm_logger_metrics(self) -> dict[str, list[float]]:
+        """What the metrics logger (``vllm_cfg.enable_vllm_metrics_logger: true``) sampled
+        every ``vllm_metrics_logger_interval`` seconds since the last clear, as NeMo-RL's
+        async worker returns it: ``inflight_batch_sizes`` (running requests),
+        ``num_pending_samples`` (waiting), ``kv_cache_usage_perc``, ``generation_tokens``
+        (the running total). A logger that stopped on a failed read raises its error."""
+        if self._logger is None:
+            raise UnsupportedError(
+                "get_vllm_logger_metrics: the metrics logger is off "
+                "(vllm_cfg.enable_vllm_metrics_logger: true starts it)"
+            )
+        if self._logger.error is not None:
+            raise EngineStateError(f"the vLLM metrics logger stopped: {self._logger.error}")
+        return self._logger.samples()
+
+    def clear_vllm_logger_metrics(self) -> None:
+        """Drop what the metrics logger sampled so far (it keeps sampling)."""
+        if self._logger is not None:
+            self._logger.clear()
 
     async def shutdown(self) -> bool:
         """Abort what runs (each row comes back as EngineStateError), stop the engine;
         idempotent. The worker is unusable afterwards."""
         if self._http is not None:
             await self._http.stop()
+        logger, self._logger = self._logger, None
+        if logger is not None:
+            logger.stop()
         engine, self._engine = self._engine, None
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.SHUTDOWN),
@@ -1041,7 +1224,7 @@ class AsyncVllmGenerationWorker:
                 policy=training_policy(self.cfg) if self._http.options.on_policy_guard else None,
                 max_new_tokens=self.cfg.max_new_tokens,
                 cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
-                num_speculative_tokens=self.cfg.num_speculative_tokens,
+                num_speculative_tokens=self.engine.capabilities.num_speculative_tokens,
             )
         return self._http.base_url
 

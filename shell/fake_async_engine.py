@@ -85,6 +85,7 @@ class FakeAsyncEngine:
         weight_versions: bool = True,
         step_s: float = 0.0005,
         accept_refits: bool = False,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -93,6 +94,7 @@ class FakeAsyncEngine:
             max_model_len=max_model_len,
             device=device,
             weight_versions=weight_versions,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self.eos_token_id = eos_token_id
         self.seed = seed
@@ -107,6 +109,7 @@ class FakeAsyncEngine:
         self.calls: list[str] = []
         self.rpc_handlers: dict[str, Callable[..., object]] = {
             "report_device_id": lambda: f"fake-{device}",
+            "prepare_refit_info": lambda info: {"tensors": len(info)},
         }
         if accept_refits:  # every refit succeeds at once (tests that cannot reach the fake)
             for method in ("update_weights_via_ipc_zmq", "update_weights_from_collective"):

@@ -9,12 +9,29 @@ depend on the other rows. It follows vLLM's contract where the worker relies on 
   reason ``"length"``, at a stop token id or the EOS id (unless ``ignore_eos``) with
   ``"stop"``, or when the detokenised output ends with a stop string (kept in the output,
   as with ``include_stop_str_in_output=True``);
+- a prompt longer than ``max_model_len``, or an empty one, is a ``BadBatchError``;
 - sleep level 2 discards weights: generating after it without new weights gives garbage
   in vLLM; here it raises ``FakeEngineMisuse`` so a test sees the worker let it through;
+- sleep and wake follow vLLM's ``Executor`` (``vllm/v1/executor/abstract.py``, 0.32):
+  ``sleep`` does nothing while the weights are asleep (whatever the level), ``wake_up``
+  does nothing when nothing sleeps, and a ``wake_up(tags)`` naming a tag that is awake
+  drops the WHOLE call, waking none of its tags (vllm#31618);
+- the engine's speculative decoding: ``num_speculative_tokens`` in the capabilities is
+  the config's count, or the drafter's (``FakeEngineFactory(draft_tokens=k)``) when the
+  config leaves it out, as vLLM infers it; neither is vLLM's start error;
 - ``fail_next`` injects the failures an engine adapter raises (``BadBatchError`` for a
-  request vLLM rejects, ``EngineDeadError`` for a dead engine), as the port promises.
+  request vLLM rejects, ``EngineDeadError`` for a dead engine), as the port promises;
+- with ``image_token_id`` set it takes images: each placeholder id of a media row stands
+  for ``image_prompt_ids`` ids of the context (vLLM's expansion; the room to generate
+  shrinks accordingly) and the tokens depend on the images' sizes and pixels too. A row
+  whose images and placeholders differ in number is refused (vLLM asserts or silently
+  keeps the placeholders as text: the worker must not let it through), and so is a media
+  row without ``image_token_id`` (FakeEngineMisuse). ``reset_mm_cache`` and
+  ``reset_encoder_cache`` count their calls.
 
-Detokenisation is one letter per token id (``"abcdefghijklmnopqrstuvwxyz"[id % 26]``).
+Tokenisation and detokenisation are one letter per token id
+(``"abcdefghijklmnopqrstuvwxyz"[id % 26]``; other characters tokenise to 0): ``tokenize``
+gives a text prompt's ids, whose count is what ``generate_text``'s per-row caps see.
 """
 
 from __future__ import annotations
@@ -23,6 +40,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -30,8 +48,12 @@ import numpy.typing as npt
 from genworker.core.assembly import Generation
 from genworker.core.counters import CounterSample, MetricSample
 from genworker.core.sampling import SamplingSpec
-from genworker.shell.errors import BadBatchError, EngineDeadError
+from genworker.shell.errors import BadBatchError, BadConfigError, EngineDeadError
+from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 __all__ = ["FakeEngine", "FakeEngineFactory", "FakeEngineMisuse", "detokenize"]
 
@@ -53,6 +75,10 @@ def _draw(*parts: object) -> float:
     return int(value) / 2**64
 
 
+def _image_digest(image: Image) -> str:
+    return f"{hashlib.blake2b(image.tobytes(), digest_size=8).hexdigest()}{image.size}"
+
+
 class FakeEngine:
     """Deterministic engine; see the module docstring for its rules."""
 
@@ -65,6 +91,10 @@ class FakeEngine:
         seed: int = 0,
         sleep_mode: bool = True,
         device: str = "cpu",
+        image_token_id: int | None = None,
+        image_prompt_ids: int = 7,
+        max_images: int | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -72,7 +102,12 @@ class FakeEngine:
             vocab_size=vocab_size,
             max_model_len=max_model_len,
             device=device,
+            multimodal=image_token_id is not None,
+            image_token_id=image_token_id,
+            max_images=max_images,
+            num_speculative_tokens=num_speculative_tokens,
         )
+        self.image_prompt_ids = image_prompt_ids
         self.eos_token_id = eos_token_id
         self.seed = seed
         self.weight_version = 0
@@ -81,12 +116,17 @@ class FakeEngine:
         self.weights_discarded = False
         self.calls: list[str] = []
         self.requests: list[tuple[list[int], SamplingSpec]] = []
+        #: each generate call's use_tqdm (the fake draws no progress bar)
+        self.progress_bars: list[bool] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefix_cache_resets = 0
+        self.mm_cache_resets = 0
+        self.encoder_cache_resets = 0
         self.fail_next: Exception | None = None
         self.rpc_handlers: dict[str, Callable[..., object]] = {
             "report_device_id": lambda: f"fake-{device}",
+            "prepare_refit_info": lambda info: {"tensors": len(info)},
         }
         self.shut_down = False
 
@@ -109,14 +149,30 @@ class FakeEngine:
         if self.weights_discarded:
             raise FakeEngineMisuse("generate after a level-2 sleep without new weights")
 
-    def _sample(self, prompt: Sequence[int], spec: SamplingSpec) -> Generation:
+    def _expanded(self, prompt: Sequence[int], media: RowMedia | None) -> int:
+        if media is None:
+            return len(prompt)
+        placeholder = self._caps.image_token_id
+        if placeholder is None:
+            raise FakeEngineMisuse("media for a fake engine without image_token_id")
+        placeholders = list(prompt).count(placeholder)
+        if placeholders != len(media.images):
+            raise BadBatchError(
+                f"the fake engine got {len(media.images)} images for {placeholders} placeholders"
+            )
+        return len(prompt) + placeholders * (self.image_prompt_ids - 1)
+
+    def _sample(
+        self, prompt: Sequence[int], spec: SamplingSpec, media: RowMedia | None = None
+    ) -> Generation:
         vocab = self._caps.vocab_size or 64
-        room = self._caps.max_model_len - len(prompt)
+        room = self._caps.max_model_len - self._expanded(prompt, media)
         tokens: list[int] = []
         logprobs: list[float] = []
         finish = "length"
         greedy = spec.temperature == 0.0
-        key = (self.seed, self.weight_version, tuple(prompt), greedy, spec.seed)
+        pixels = () if media is None else tuple(_image_digest(i) for i in media.images)
+        key = (self.seed, self.weight_version, tuple(prompt), greedy, spec.seed, pixels)
         stops = tuple(spec.stop)
         stop_ids = set(spec.stop_token_ids)
         if not spec.ignore_eos:
@@ -138,48 +194,86 @@ class FakeEngine:
         )
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[Generation]:
         self._enter("generate")
+        self.progress_bars.append(use_tqdm)
         self._check_servable()
-        if len(prompts) != len(specs):
-            raise FakeEngineMisuse("one sampling spec per prompt")
+        if len(prompts) != len(specs) or (media is not None and len(media) != len(prompts)):
+            raise FakeEngineMisuse("one sampling spec (and media entry) per prompt")
+        rows_media = list(media) if media is not None else [None] * len(prompts)
         out = []
-        for prompt, spec in zip(prompts, specs, strict=True):
+        for prompt, spec, row_media in zip(prompts, specs, rows_media, strict=True):
             if not prompt:
                 raise BadBatchError("prompt cannot be empty")
-            if len(prompt) > self._caps.max_model_len:
+            if self._expanded(prompt, row_media) > self._caps.max_model_len:
                 raise BadBatchError("prompt is longer than max_model_len")
             self.requests.append((list(prompt), spec))
-            generation = self._sample(prompt, spec)
-            self.prompt_tokens += len(prompt)
+            generation = self._sample(prompt, spec, row_media)
+            self.prompt_tokens += self._expanded(prompt, row_media)
             self.generation_tokens += len(generation.token_ids)
             out.append(generation)
         return out
 
-    def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
+    def generate_text(
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[str]:
         self._enter("generate_text")
         self._check_servable()
-        encoded = [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] or [0] for p in prompts]
-        return [detokenize(g.token_ids) for g in self.generate(encoded, specs)]
+        generations = self.generate(prompts, specs, media, use_tqdm=use_tqdm)
+        return [detokenize(g.token_ids) for g in generations]
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        self._enter("tokenize")
+        return [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] for p in prompts]
+
+    def expanded_lengths(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        self._enter("expanded_lengths")
+        return [self._expanded(p, m) for p, m in zip(prompts, media, strict=True)]
 
     # -- memory ----------------------------------------------------------------------
     def sleep(self, level: int) -> None:
         self._enter(f"sleep({level})")
-        self.sleep_level = max(self.sleep_level, level)
+        if "weights" not in self.awake_tags:
+            return  # vLLM: "Executor is already sleeping."
+        self.sleep_level = level
         self.awake_tags.clear()
         if level == 2:
             self.weights_discarded = True
 
     def wake_up(self, tags: Sequence[str] | None) -> None:
         self._enter(f"wake_up({None if tags is None else sorted(tags)})")
-        self.awake_tags |= {"weights", "kv_cache"} if tags is None else set(tags)
+        if self.awake_tags == {"weights", "kv_cache"}:
+            return  # vLLM: "Executor is not sleeping."
+        if tags and any(t in self.awake_tags for t in tags):
+            return  # vLLM: "Tag ... is not in sleeping tags": the whole call is dropped
+        self.awake_tags |= {"weights", "kv_cache"} if not tags else set(tags)
         if self.awake_tags == {"weights", "kv_cache"}:
             self.sleep_level = 0
 
     def reset_prefix_cache(self) -> None:
         self._enter("reset_prefix_cache")
         self.prefix_cache_resets += 1
+
+    def reset_mm_cache(self) -> None:
+        self._enter("reset_mm_cache")
+        self.mm_cache_resets += 1
+
+    def reset_encoder_cache(self) -> None:
+        self._enter("reset_encoder_cache")
+        self.encoder_cache_resets += 1
 
     def load_new_weights(self) -> None:
         """What a successful refit does to the fake: new outputs, weights valid again."""
@@ -227,9 +321,13 @@ class FakeEngine:
 
 
 class FakeEngineFactory:
-    """Starts ``FakeEngine``s for the worker; records the engine kwargs it was given."""
+    """Starts ``FakeEngine``s for the worker; records the engine kwargs it was given.
 
-    def __init__(self, **engine_options: object) -> None:
+    ``draft_tokens`` is what a drafter would let vLLM infer when a ``speculative_config``
+    has no ``num_speculative_tokens`` (``None``: vLLM's start error)."""
+
+    def __init__(self, *, draft_tokens: int | None = None, **engine_options: object) -> None:
+        self.draft_tokens = draft_tokens
         self.engine_options = engine_options
         self.started: list[tuple[dict[str, object], FakeEngine]] = []
 
@@ -241,6 +339,16 @@ class FakeEngineFactory:
 
     def start(self, kwargs: Mapping[str, object]) -> FakeEngine:
         seed = kwargs.get("seed", 0)
-        engine = FakeEngine(seed=seed if isinstance(seed, int) else 0, **self.engine_options)  # type: ignore[arg-type]
+        options = dict(self.engine_options)
+        spec = kwargs.get("speculative_config")
+        if isinstance(spec, Mapping):
+            k = spec.get("num_speculative_tokens", self.draft_tokens)
+            if not isinstance(k, int):
+                raise BadConfigError(
+                    "the fake engine failed to start: `num_speculative_tokens` was not "
+                    "provided and the drafter does not say"
+                )
+            options["num_speculative_tokens"] = k
+        engine = FakeEngine(seed=seed if isinstance(seed, int) else 0, **options)  # type: ignore[arg-type]
         self.started.append((dict(kwargs), engine))
         return engine

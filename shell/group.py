@@ -18,8 +18,12 @@ Theory of operation
   different Ray nodes.
 * Every wait is bounded (placement, engine start, each call, shutdown) and its error says
   what was waited for, how long, and on which shard.
-* ``generate``: the batch is checked in the driver first (core ``check_batch``), so a bad
-  row submits nothing anywhere. Core splits it by token cost (``plan_shards``), the shards
+* ``generate``: the batch is checked in the driver first (core ``check_batch``; with media
+  also ``row_media`` and core ``check_media`` against the placeholder id and image limit
+  the first shard reports once, ``multimodal_info``), so a bad row submits nothing
+  anywhere and errors name the batch's own rows. Media (``multi_modal_data``, one entry per
+  row) travel with their rows: ``split_batch`` splits per-row lists like tensors. A media
+  row's cost counts its placeholders as one token each (the driver cannot expand them). Core splits it by token cost (``plan_shards``), the shards
   with rows run concurrently, a shard without rows never calls its actor, and core merges
   the outputs back into input order, padding each shard to the widest with the pad id.
 * A failed fan-out call waits for every shard (within the bound) before it raises, so no
@@ -66,7 +70,10 @@ from genworker.core.counters import (
     merge_snapshots,
     spec_decode_metrics,
 )
+from genworker.core.multimodal import check_media
 from genworker.core.placement import (
+    DEFAULT_PORT_BASE,
+    DEFAULT_PORT_WINDOW,
     ClusterPlan,
     ShardPlacement,
     check_inherited_env,
@@ -86,6 +93,8 @@ from genworker.shell.errors import (
     UnsupportedError,
     unwrap,
 )
+from genworker.shell.host import ephemeral_ports, vllm_cache_root
+from genworker.shell.media import image_counts, row_media
 
 __all__ = [
     "ClusterSpec",
@@ -139,8 +148,8 @@ class ClusterSpec:
     call_timeout_s: float = attrs.field(default=3600.0, validator=_positive)
     shutdown_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     cache_base_dir: str | None = None
-    port_base: int = 20000
-    port_window: int = 64
+    port_base: int = DEFAULT_PORT_BASE
+    port_window: int = DEFAULT_PORT_WINDOW
 
 
 def local_cluster(
@@ -271,6 +280,7 @@ class GenerationGroup:
         self._pg: Any = None
         self._dead: dict[int, str] = {}
         self._closed = False
+        self._multimodal: Mapping[str, object] | None = None
         self._owns_ray = _ensure_ray(cluster)
         try:
             self._pg = self._create_placement_group()
@@ -302,18 +312,19 @@ class GenerationGroup:
 
     def _placement(self, shard: ShardPlacement) -> tuple[dict[str, Any], dict[str, object]]:
         """``(ray actor options without the scheduling strategy, worker init kwargs)``."""
-        base = self.cluster.cache_base_dir or os.path.join(os.path.expanduser("~"), ".cache")
+        base = self.cluster.cache_base_dir
         worker = unwrap(
             configure_worker(
                 # A CPU bundle has no GPU; the plan's seed, ports and cache root still apply.
                 self.plan.worker_num_gpus if self.plan.uses_gpus else 1.0,
                 shard.bundle_indices,
                 self.plan.bundles_per_node,
-                cache_base_dir=base,
+                cache_root=vllm_cache_root() if base is None else os.path.join(base, "vllm"),
                 tensor_parallel_size=self.plan.tensor_parallel_size,
                 pipeline_parallel_size=self.plan.pipeline_parallel_size,
                 port_base=self.cluster.port_base,
                 port_window=self.cluster.port_window,
+                ephemeral_ports=ephemeral_ports(),
             ),
             BadConfigError,
             f"placement of shard {shard.rank}",
@@ -508,8 +519,22 @@ class GenerationGroup:
             BadBatchError,
             "generate batch",
         )
+        media = row_media(data, batch.batch_size, "generate")
         if not batch.lengths:
             return assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id).as_dict()
+        info = self._multimodal_info(timeout_s)
+        placeholder, limit = info.get("image_token_id"), info.get("max_images")
+        if media is not None or placeholder is not None:
+            unwrap(
+                check_media(
+                    batch.prompts,
+                    image_counts(media, batch.batch_size),
+                    placeholder_id=placeholder if isinstance(placeholder, int) else None,
+                    max_images=limit if isinstance(limit, int) else None,
+                ),
+                BadBatchError,
+                "multi_modal_data",
+            )
         plan = plan_shards(batch.lengths, self.num_shards, max_new_tokens=self.cfg.max_new_tokens)
         results = self._run_shards("generate", plan, data, greedy, timeout_s)
         outputs = [_tensor_dict(results.get(rank, {}), rank) for rank in range(self.num_shards)]
@@ -652,6 +677,7 @@ class GenerationGroup:
         prompts = data.get("prompts") if isinstance(data, Mapping) else None
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise BadBatchError("generate_text: data['prompts'] must be a list of str")
+        row_media(data, len(prompts), "generate_text")  # the shape here; the counts per shard
         if not prompts:
             return {"texts": []}
         # Text has no token count before the engine tokenises it; characters stand in.
@@ -672,6 +698,18 @@ class GenerationGroup:
         for row, text in zip(plan.concat_order, texts, strict=True):
             ordered[row] = text
         return {"texts": ordered}
+
+    def _multimodal_info(self, timeout_s: float | None) -> Mapping[str, object]:
+        """The first shard's image placeholder id and image limit (asked once: every shard
+        serves the same model)."""
+        if self._multimodal is None:
+            self._require_usable("multimodal_info")
+            ref = self._actors[0].multimodal_info.remote()
+            info = self._gather("multimodal_info", {0: ref}, timeout_s)[0]
+            if not isinstance(info, Mapping):
+                raise EngineContractError(f"shard 0: multimodal_info returned {info!r:.200}")
+            self._multimodal = info
+        return self._multimodal
 
     def _run_shards(
         self,
@@ -712,26 +750,29 @@ class GenerationGroup:
         """Give every shard the names, shapes and dtypes each refit carries."""
         self._call_all("prepare_refit_info", dict(state_dict_info), timeout_s=timeout_s)
 
-    def refit_address(
-        self, *, offer_params: bool = True, timeout_s: float | None = None
-    ) -> list[list[object]]:
-        """Each shard's IPC refit addresses (one per engine worker), in shard order
-        (``offer_params``: see ``VllmGenerationWorker.refit_address``)."""
+    def refit_address(self, *, timeout_s: float | None = None) -> list[list[object]]:
+        """Each shard's IPC refit addresses (one per engine worker), in shard order."""
         return [
             list(_as_list(r, "refit_address"))
-            for r in self._call_all("refit_address", offer_params=offer_params, timeout_s=timeout_s)
+            for r in self._call_all("refit_address", timeout_s=timeout_s)
         ]
 
     def release_refit_buffers(self, *, timeout_s: float | None = None) -> list[list[object]]:
         """Every shard's ``release_refit_buffers``: the trainer memory its engine workers
-        kept mapped between IPC refits is let go (counts per engine worker, shard order)."""
+        keep mapped between IPC refits is let go (counts per engine worker, shard order)."""
         return [
             list(_as_list(r, "release_refit_buffers"))
             for r in self._call_all("release_refit_buffers", timeout_s=timeout_s)
         ]
 
     def init_collective(
-        self, ip: str, port: int, world_size: int, *, train_world_size: int
+        self,
+        ip: str,
+        port: int,
+        world_size: int,
+        *,
+        train_world_size: int,
+        timeout_s: float | None = None,
     ) -> list[object]:
         """Join every engine worker to the trainer's weight-update group; returns futures.
 
@@ -749,26 +790,36 @@ class GenerationGroup:
             )
         size = self.plan.model_parallel_size
         return [
-            actor.init_collective.remote(rank * size, ip, port, world_size, train_world_size)
+            actor.init_collective.remote(
+                rank * size, ip, port, world_size, train_world_size, timeout_s
+            )
             for rank, actor in enumerate(self._actors)
         ]
 
     def update_weights_from_collective(
-        self, timeout_s: float = 600.0, *, mode: str | None = None, clear_cache: bool | None = None
+        self,
+        timeout_s: float | None = None,
+        *,
+        mode: str | None = None,
+        clear_cache: bool | None = None,
     ) -> list[object]:
         """Start the collective refit on every shard; returns one future per shard
         (``mode`` / ``clear_cache``: what async shards do with requests in flight)."""
         return self._refit("update_weights_from_collective", timeout_s, mode, clear_cache)
 
     def update_weights_via_ipc_zmq(
-        self, timeout_s: float = 600.0, *, mode: str | None = None, clear_cache: bool | None = None
+        self,
+        timeout_s: float | None = None,
+        *,
+        mode: str | None = None,
+        clear_cache: bool | None = None,
     ) -> list[object]:
         """Start the IPC refit on every shard; returns one future per shard (``mode`` /
         ``clear_cache``: what async shards do with requests in flight)."""
         return self._refit("update_weights_via_ipc_zmq", timeout_s, mode, clear_cache)
 
     def _refit(
-        self, call: str, timeout_s: float, mode: str | None, clear_cache: bool | None
+        self, call: str, timeout_s: float | None, mode: str | None, clear_cache: bool | None
     ) -> list[object]:
         self._require_usable(call)
         inflight = {

@@ -15,6 +15,7 @@ from genworker.core.assembly import Generation
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
+from genworker.shell.media import RowMedia
 
 __all__ = [
     "AsyncEngineFactory",
@@ -39,6 +40,15 @@ class EngineCapabilities:
     #: the engine labels every token with the weights that sampled it (vLLM 0.32's
     #: ``CompletionOutput.weight_versions``); async engines only
     weight_versions: bool = False
+    #: the engine takes media (it has multimodal caches to reset)
+    multimodal: bool = False
+    #: the prompt id that stands for one image (None: the model takes no images)
+    image_token_id: int | None = None
+    #: the engine's ``limit_mm_per_prompt`` for images (None: not known)
+    max_images: int | None = None
+    #: draft tokens per step of the engine's speculative decoding (0: none); the per-row
+    #: caps reserve k + 1 slots for it
+    num_speculative_tokens: int = 0
 
 
 class EnginePort(Protocol):
@@ -48,13 +58,40 @@ class EnginePort(Protocol):
     def capabilities(self) -> EngineCapabilities: ...
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[Generation]:
-        """One Generation per prompt, in prompt order; ``specs[i]`` applies to prompt i."""
+        """One Generation per prompt, in prompt order; ``specs[i]`` applies to prompt i and
+        ``media[i]`` (when given) holds its images, one placeholder id each. ``use_tqdm``
+        shows the engine's progress bar."""
         ...
 
-    def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
-        """One completion text per prompt, in prompt order."""
+    def generate_text(
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[str]:
+        """One completion text per token prompt (from :meth:`tokenize`), in prompt order."""
+        ...
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Each text prompt's token ids as the engine tokenizes it, except that a prompt
+        starting with the tokenizer's BOS string gets no second BOS (the ids
+        :meth:`generate_text` takes; their lengths are the rows' token counts)."""
+        ...
+
+    def expanded_lengths(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        """How many ids each prompt holds in the context once the engine expanded its
+        images' placeholders (a row without media: its own length)."""
         ...
 
     def sleep(self, level: int) -> None: ...
@@ -62,6 +99,14 @@ class EnginePort(Protocol):
     def wake_up(self, tags: Sequence[str] | None) -> None: ...
 
     def reset_prefix_cache(self) -> None: ...
+
+    def reset_mm_cache(self) -> None:
+        """Drop the processed media the engine keeps (front end and engine core)."""
+        ...
+
+    def reset_encoder_cache(self) -> None:
+        """Drop the encoder outputs the engine keeps (they depend on the weights)."""
+        ...
 
     def metrics(self) -> list[MetricSample]: ...
 

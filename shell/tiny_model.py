@@ -1,19 +1,32 @@
-"""A tiny random Llama with a locally trained byte-level BPE tokenizer.
+"""Tiny random models with locally trained byte-level BPE tokenizers.
 
-Tests, the demo and the benchmarks need a model vLLM can load without downloading
-anything. ``build_tiny_model`` writes one (random weights from ``seed``, head_dim 64, the
-smallest head size vLLM's CPU attention accepts) into ``path`` once: it builds into a
-sibling temporary directory and renames it into place, so concurrent builders never see
-or leave a half-written model; the loser of a rename race discards its copy.
+Tests, the demo and the benchmarks need models vLLM can load without downloading
+anything. ``build_tiny_model`` writes a Llama (random weights from ``seed``, head_dim 64,
+the smallest head size vLLM's CPU attention accepts) into ``path`` once;
+``build_tiny_vlm`` writes an Idefics3 (the architecture SmolVLM uses, which vLLM serves on
+CPU without torchvision): a SigLIP-like vision tower (hidden 64, 2 layers, 56 px images,
+14 px patches), the pixel-shuffle connector and a Llama text model like the one above,
+with a tokenizer that prepends ``<s>`` itself (so an explicit BOS in a text prompt would
+double) and a processor without image splitting, so every image becomes the same
+:data:`VLM_IMAGE_PROMPT_IDS` ids. Both build into a sibling temporary directory and rename
+it into place, so concurrent builders never see or leave a half-written model; the loser
+of a rename race discards its copy.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["CORPUS", "build_tiny_model"]
+__all__ = [
+    "CORPUS",
+    "VLM_IMAGE_PROMPT_IDS",
+    "VLM_IMAGE_SIZE",
+    "build_tiny_model",
+    "build_tiny_vlm",
+]
 
 CORPUS: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",
@@ -36,15 +49,40 @@ _VOCAB_SIZE = 512
 _SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 
 
+_VLM_IMAGE_TOKENS = (
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+    "<global-img>",
+    *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)),
+)
+VLM_IMAGE_SIZE = 56
+"""The tiny VLM's image side in pixels: every image is resized to fit it."""
+_VLM_PATCH = 14
+_VLM_SCALE = 2  # pixel shuffle: (56 / 14) ** 2 = 16 patches become 4 <image> ids
+VLM_IMAGE_PROMPT_IDS = 3 + ((VLM_IMAGE_SIZE // _VLM_PATCH) ** 2) // _VLM_SCALE**2
+"""How many prompt ids one ``<image>`` placeholder becomes in the tiny VLM:
+``<fake_token_around_image><global-img><image>x4<fake_token_around_image>``."""
+
+
 def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
     """Write the tiny model and tokenizer into ``path`` unless it already holds them."""
-    path = Path(path)
+    return _build(Path(path), lambda out: _write_model(out, seed=seed))
+
+
+def build_tiny_vlm(path: Path, *, seed: int = 0) -> Path:
+    """Write the tiny Idefics3, its tokenizer and processor into ``path`` unless it
+    already holds them."""
+    return _build(Path(path), lambda out: _write_vlm(out, seed=seed))
+
+
+def _build(path: Path, write: Callable[[Path], None]) -> Path:
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        _write_model(staging, seed=seed)
+        write(staging)
         try:
             staging.rename(path)
         except OSError:
@@ -94,3 +132,93 @@ def _write_model(out: Path, *, seed: int) -> None:
     model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]  # float32 by default
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _write_vlm(out: Path, *, seed: int) -> None:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+        LlamaConfig,
+        PreTrainedTokenizerFast,
+    )
+
+    # transformers 5.x keeps a PIL-only image processor apart (no torchvision needed).
+    image_processor = getattr(transformers, "Idefics3ImageProcessorPil", None)
+    if image_processor is None:
+        image_processor = transformers.Idefics3ImageProcessor
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB_SIZE,
+        special_tokens=[*_SPECIAL_TOKENS, *_VLM_IMAGE_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator([*CORPUS, "Describe the image in one short sentence."], trainer)
+    bos_id = bpe.token_to_id("<s>")
+    # Llama-style: the tokenizer prepends <s> itself when add_special_tokens=True.
+    bpe.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+    )
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_VLM_IMAGE_TOKENS)})
+    images = image_processor(
+        size={"longest_edge": VLM_IMAGE_SIZE},
+        max_image_size={"longest_edge": VLM_IMAGE_SIZE},
+        do_image_splitting=False,
+        do_resize=True,
+        do_rescale=True,
+        do_normalize=True,
+        do_convert_rgb=True,
+        do_pad=True,
+    )
+    processor = Idefics3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_len=VLM_IMAGE_PROMPT_IDS - 3,
+        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    tokenizer = processor.tokenizer
+    vision = Idefics3VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=VLM_IMAGE_SIZE,
+        patch_size=_VLM_PATCH,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = Idefics3Config(
+        vision_config=vision,
+        text_config=text,
+        scale_factor=_VLM_SCALE,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)  # type: ignore[no-untyped-call]  # float32
+    model.save_pretrained(out)
+    processor.save_pretrained(out)

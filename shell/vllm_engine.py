@@ -16,13 +16,46 @@ Theory of operation
   logprobs each position is a dict looked up by the sampled token id; a missing entry is
   an error, never 0.0.
 - Errors are translated in one place (:func:`_translated`): vLLM's ``EngineDeadError``
-  becomes ours; during a request, ``ValueError`` and ``VLLMValidationError`` (request
-  validation; not a ``ValueError`` in 0.32) become ``BadBatchError``. ``LLM.generate``
+  becomes ours. A generate call runs under :func:`_batch_call` as well: ``LLM.generate``
   aborts the requests it already added when one is rejected (``_render_and_add_requests``
-  in vllm/entrypoints/common/offline.py, 0.32), so the engine keeps serving.
+  in vllm/entrypoints/common/offline.py, 0.32), but an error out of ``LLMEngine.step``
+  (e.g. a seed ``torch.Generator.manual_seed`` cannot take, raised in ``execute_model``)
+  leaves the admitted requests unfinished, and the next ``generate`` steps them forever.
+  So after ANY error the requests still unfinished are aborted
+  (``LLMEngine.abort_request(ids, internal=True)`` on the output processor's request ids,
+  the same call vLLM makes); if that fails, or leaves requests behind, the engine is dead.
+  Only an error of request validation (``ValueError`` / ``VLLMValidationError``, not a
+  ``ValueError`` in 0.32) that left nothing admitted is a ``BadBatchError``; any other is
+  ``GenerationAbortedError`` (the engine serves the next call).
+- Media (vLLM 0.32 ``vllm/renderers/base.py``, the same in 0.25): ``tokenize`` runs the
+  renderer's own tokenization (``tokenize_prompts`` with ``default_cmpl_tok_params``, what
+  ``LLM.generate`` does to a text prompt) but without special tokens for a prompt that
+  already starts with the BOS string, so it never gets two; every text prompt is then
+  submitted as token ids, so ``generate_text``'s per-row caps count what the engine sees
+  (the lengths of ``tokenize``'s ids); an engine started with ``skip_tokenizer_init`` has
+  no tokenizer and takes no text prompts (``UnsupportedError``). ``expanded_lengths``
+  renders each media row as ``LLM.generate`` would (``render_cmpl``) with
+  ``skip_mm_cache=True``, the tokenize endpoint's path, which leaves the sender-side
+  multimodal cache alone (an item that cache records as sent but never reaches the engine
+  core would later be missing there); the result's ``prompt_token_ids`` are the expanded
+  prompt. The image placeholder id is the HF
+  config's ``image_token_id`` (or ``image_token_index``); the per-prompt image limit is
+  ``multimodal_config.get_limit_per_prompt("image")``. After a refit, vLLM 0.32's
+  ``reload_weights`` clears the model runner's encoder cache but not the scheduler's
+  record of it, so the next request with an image seen before fails with "Encoder cache
+  miss"; 0.25 keeps both, so the encoder outputs of the old weights are reused. Hence the
+  worker calls ``LLMEngine.reset_encoder_cache`` (both halves) and ``LLM.reset_mm_cache``
+  (front end and engine core) after every refit and before sleep.
+- ``num_speculative_tokens`` in the capabilities is what vLLM resolved at start
+  (``vllm_config.speculative_config``: inferred from the drafter when the config left it
+  out).
+- ``use_tqdm`` (the worker passes ``vllm_cfg.use_tqdm``) goes to ``LLM.generate``.
 - ``collective_rpc`` with a timeout waits on a daemon thread for at most that long: the
   in-process executor ignores vLLM's own ``timeout`` (vllm/v1/executor/uniproc_executor.py,
-  0.32). Expiry means the engine is wedged: ``EngineDeadError``.
+  0.32). Expiry (or vLLM's own RPC ``TimeoutError``) means the engine is wedged:
+  ``EngineDeadError``; a typed error the call raised (a refit's own timeout) stays itself.
+  A call the caller stopped waiting for (an interrupt) is waited for, up to its bound,
+  before the next one starts, so two never run at once.
 """
 
 from __future__ import annotations
@@ -32,6 +65,7 @@ import gc
 import inspect
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar, cast
@@ -42,9 +76,10 @@ import numpy.typing as npt
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
-from vllm.inputs import TokensPrompt
+from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.logprobs import FlatLogprobs
 from vllm.platforms import current_platform
+from vllm.renderers import BaseRenderer
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
 
@@ -60,14 +95,18 @@ from genworker.core.sampling import SamplingSpec, group_specs
 from genworker.shell.errors import (
     BadBatchError,
     BadConfigError,
+    EngineContractError,
     EngineDeadError,
     EngineStateError,
+    GenerationAbortedError,
     GenworkerError,
     UnsupportedError,
 )
+from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities
 
 if TYPE_CHECKING:
+    from vllm.config import ModelConfig
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput
 
@@ -116,7 +155,7 @@ def _sampling_arg_names() -> frozenset[str]:
 
 
 @contextmanager
-def _translated(call: str, *, request: bool = False, profiling: bool = False) -> Iterator[None]:
+def _translated(call: str, *, profiling: bool = False) -> Iterator[None]:
     """The one place vLLM's errors become ours (see the module docstring)."""
     try:
         yield
@@ -124,16 +163,57 @@ def _translated(call: str, *, request: bool = False, profiling: bool = False) ->
         raise
     except VllmEngineDeadError as e:
         raise EngineDeadError(f"{call}: the vLLM engine died: {e}") from e
-    except _REQUEST_ERRORS as e:
-        if not request:
-            raise
-        raise BadBatchError(f"{call}: vLLM rejected the request: {e}") from e
     except RuntimeError as e:
         # The worker's profile() raises RuntimeError when no profiler is configured
         # (vllm/v1/worker/gpu_worker.py, 0.32).
         if not profiling:
             raise
         raise UnsupportedError(f"{call}: profiling is not enabled in this engine: {e}") from e
+
+
+@contextmanager
+def _batch_call(llm: LLM, call: str) -> Iterator[None]:
+    """A generate call: errors translated, and the engine left with no unfinished request
+    after any error (see the module docstring)."""
+    try:
+        with _translated(call):
+            yield
+    except EngineDeadError:
+        raise
+    except BaseException as e:
+        aborted = _abort_unfinished(llm, call, e)
+        if not isinstance(e, Exception) or isinstance(e, GenworkerError):
+            raise
+        if not aborted and isinstance(e, _REQUEST_ERRORS):
+            raise BadBatchError(f"{call}: vLLM rejected the request: {e}") from e
+        raise GenerationAbortedError(
+            f"{call}: the engine raised {type(e).__name__} while running the batch ({e}); "
+            f"its {len(aborted)} unfinished requests were aborted and the engine serves "
+            "the next call"
+        ) from e
+
+
+def _abort_unfinished(llm: LLM, call: str, cause: BaseException) -> list[str]:
+    """Abort every request the engine holds unfinished; the ids aborted. EngineDeadError
+    when that is impossible (no such API on this vLLM, or requests survive the abort)."""
+    engine = llm.llm_engine
+    try:
+        if not engine.has_unfinished_requests():
+            return []
+        ids = list(engine.output_processor.request_states)
+        engine.abort_request(ids, internal=True)
+        left = engine.has_unfinished_requests()
+    except Exception as e:
+        raise EngineDeadError(
+            f"{call}: the engine raised {type(cause).__name__} ({cause}) and its unfinished "
+            f"requests could not be aborted: {type(e).__name__}: {e}"
+        ) from e
+    if left:
+        raise EngineDeadError(
+            f"{call}: the engine raised {type(cause).__name__} ({cause}) and still holds "
+            f"unfinished requests after aborting {ids}"
+        ) from cause
+    return ids
 
 
 class VllmEngine:
@@ -143,9 +223,12 @@ class VllmEngine:
         self._llm: LLM | None = llm
         config = llm.llm_engine.vllm_config
         model = config.model_config
+        spec = config.speculative_config
         self._extension = bool(config.parallel_config.worker_extension_cls)
+        self._inflight: list[tuple[threading.Event, float]] = []  # a call left running
         self._log_stats = llm.llm_engine.log_stats
         sampling_args = _sampling_arg_names()
+        media = model.multimodal_config
         self._caps = EngineCapabilities(
             sleep_mode=current_platform.is_sleep_mode_available() and model.enable_sleep_mode,
             flat_logprobs="flat_logprobs" in sampling_args,
@@ -153,7 +236,12 @@ class VllmEngine:
             max_model_len=model.max_model_len,
             device=current_platform.device_type,
             sampling_args=sampling_args,
+            multimodal=media is not None,
+            image_token_id=None if media is None else _image_token_id(model),
+            max_images=None if media is None else media.get_limit_per_prompt("image"),
+            num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
         )
+        self._skip_tokenizer = model.skip_tokenizer_init
 
     @classmethod
     def start(cls, kwargs: Mapping[str, object]) -> VllmEngine:
@@ -196,24 +284,97 @@ class VllmEngine:
         return [p for p in per_row if p is not None]
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[Generation]:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
-        with _translated("generate", request=True):
+        with _batch_call(llm, "generate"):
             params = self._params(specs)
-            token_prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-            outputs = llm.generate(token_prompts, params, use_tqdm=False)
+            outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
         return _generations([out.outputs[0] for out in outputs])
 
-    def generate_text(self, prompts: Sequence[str], specs: Sequence[SamplingSpec]) -> list[str]:
+    def generate_text(
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        media: Sequence[RowMedia | None] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[str]:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate_text: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
-        with _translated("generate_text", request=True):
-            outputs = llm.generate(list(prompts), self._params(specs), use_tqdm=False)
+        with _batch_call(llm, "generate_text"):
+            params = self._params(specs)
+            outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
         return [out.outputs[0].text for out in outputs]
+
+    def _renderer(self, call: str) -> BaseRenderer:
+        renderer = getattr(self.llm, "renderer", None)  # LLM.renderer: 0.25 and 0.32 have it
+        if not isinstance(renderer, BaseRenderer):
+            raise UnsupportedError(f"{call}: this vLLM's LLM has no renderer to tokenize with")
+        return renderer
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        if self._skip_tokenizer:
+            raise UnsupportedError(
+                "tokenize: text prompts need a tokenizer: the engine was started with "
+                "skip_tokenizer_init=True"
+            )
+        renderer = self._renderer("tokenize")
+        try:
+            with _translated("tokenize"):
+                bos = getattr(renderer.get_tokenizer(), "bos_token", None)
+                params = renderer.default_cmpl_tok_params
+                plain = params.with_kwargs(add_special_tokens=False)
+                starts = [isinstance(bos, str) and bool(bos) and p.startswith(bos) for p in prompts]
+                ids: list[list[int]] = [[] for _ in prompts]
+                for bare in (False, True):
+                    rows = [row for row, s in enumerate(starts) if s is bare]
+                    if not rows:
+                        continue
+                    texts = [TextPrompt(prompt=prompts[row]) for row in rows]
+                    tokenized = renderer.tokenize_prompts(texts, plain if bare else params)
+                    for row, prompt in zip(rows, tokenized, strict=True):
+                        ids[row] = list(prompt["prompt_token_ids"])
+        except _REQUEST_ERRORS as e:
+            raise BadBatchError(f"tokenize: vLLM refused a prompt: {e}") from e
+        return ids
+
+    def expanded_lengths(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        renderer = self._renderer("expanded_lengths")
+        params = renderer.default_cmpl_tok_params
+        lengths = []
+        for row, (prompt, row_media) in enumerate(zip(prompts, media, strict=True)):
+            if row_media is None:
+                lengths.append(len(prompt))
+                continue
+            request = TokensPrompt(
+                prompt_token_ids=list(prompt), multi_modal_data=row_media.vllm_data()
+            )
+            try:
+                (rendered,) = renderer.render_cmpl([request], params, skip_mm_cache=True)
+            except (AssertionError, OSError, *_REQUEST_ERRORS) as e:
+                raise BadBatchError(
+                    f"multi_modal_data[{row}]: vLLM's processor refused the row: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            expanded = rendered.get("prompt_token_ids")
+            if not isinstance(expanded, list) or len(expanded) < len(prompt):
+                raise EngineContractError(
+                    f"multi_modal_data[{row}]: vLLM rendered {len(prompt)} prompt ids as "
+                    f"{expanded!r:.200}"
+                )
+            lengths.append(len(expanded))
+        return lengths
 
     # -- memory ---------------------------------------------------------------------
     def _require_sleep_mode(self, call: str) -> None:
@@ -241,6 +402,16 @@ class VllmEngine:
             reset = llm.reset_prefix_cache()
         if not reset:
             raise EngineStateError("reset_prefix_cache: vLLM kept the cache (requests running)")
+
+    def reset_mm_cache(self) -> None:
+        llm = self.llm
+        with _translated("reset_mm_cache"):
+            llm.reset_mm_cache()
+
+    def reset_encoder_cache(self) -> None:
+        llm = self.llm
+        with _translated("reset_encoder_cache"):
+            llm.llm_engine.reset_encoder_cache()
 
     # -- observability --------------------------------------------------------------
     def metrics(self) -> list[MetricSample]:
@@ -273,10 +444,12 @@ class VllmEngine:
         def call() -> list[object]:
             return llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
-        with _translated(f"collective_rpc({method!r})"):
+        what = f"collective_rpc({method!r})"
+        _settle(self._inflight, what)
+        with _translated(what):
             if timeout is None:
                 return call()
-            return _bounded(call, timeout, what=f"collective_rpc({method!r})")
+            return _bounded(call, timeout, what=what, inflight=self._inflight)
 
     def device_ids(self) -> list[str]:
         if not self._extension:
@@ -305,24 +478,66 @@ class VllmEngine:
                 gc.collect()
 
 
-def _bounded(fn: Callable[[], _T], timeout: float, *, what: str) -> _T:
+def _image_token_id(model: ModelConfig) -> int | None:
+    """The prompt id that stands for one image: the HF config's ``image_token_id``
+    (Idefics3, Qwen2-VL) or ``image_token_index`` (LLaVA, Gemma 3), else None."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(model.hf_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _token_prompts(
+    prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None] | None
+) -> list[TokensPrompt]:
+    token_prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    if media is not None:
+        for prompt, row_media in zip(token_prompts, media, strict=True):
+            if row_media is not None:
+                prompt["multi_modal_data"] = row_media.vllm_data()
+    return token_prompts
+
+
+def _settle(inflight: list[tuple[threading.Event, float]], what: str) -> None:
+    """Wait for a call left running (up to its bound) before ``what`` starts. (An event,
+    not ``Thread.join``: a join interrupted by a signal can mark a running thread as
+    stopped, cpython#90882.)"""
+    for done, deadline in inflight:
+        if not done.wait(max(deadline - time.monotonic(), 0.0)):
+            raise EngineDeadError(f"{what}: an earlier engine call still runs past its bound")
+    inflight.clear()
+
+
+def _bounded(
+    fn: Callable[[], _T],
+    timeout: float,
+    *,
+    what: str,
+    inflight: list[tuple[threading.Event, float]],
+) -> _T:
     """``fn()`` on a daemon thread, waited for at most ``timeout`` seconds."""
     result: list[_T] = []
     error: list[BaseException] = []
+    done = threading.Event()
 
     def run() -> None:
         try:
             result.append(fn())
         except BaseException as e:  # noqa: BLE001 - re-raised on the waiting thread
             error.append(e)
+        finally:
+            done.set()
 
     thread = threading.Thread(target=run, name=f"genworker {what}", daemon=True)
+    inflight.append((done, time.monotonic() + timeout))
     thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
+    expired = not done.wait(timeout)  # an interrupt here leaves the call in ``inflight``
+    inflight.clear()  # answered, or declared dead: nothing to wait for
+    if expired:
         raise EngineDeadError(f"{what} did not answer within {timeout:g} s")
     if error:
-        if isinstance(error[0], TimeoutError):
+        if isinstance(error[0], TimeoutError) and not isinstance(error[0], GenworkerError):
             raise EngineDeadError(f"{what} did not answer within {timeout:g} s") from error[0]
         raise error[0]
     return result[0]

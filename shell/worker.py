@@ -4,28 +4,54 @@ The worker is a thin shell: every decision is a core function (config, batch che
 stop strings, sampling specs, output assembly, lifecycle), the only effects are calls on
 the engine port. Each call first asks core's lifecycle table whether it is allowed, so a
 refused call touches nothing; an engine that dies marks the worker unusable.
+
+Calls are serialised: every public method that touches the engine or the lifecycle state
+holds the worker's :class:`~genworker.shell.engine_lock.EngineLock` from its lifecycle
+check to its commit. A call that finds another running waits for it, at most
+``busy_wait_s`` seconds, then is refused with ``EngineStateError`` (so a refit that arrives
+during a long ``generate`` runs after it, never under its forward). ``llm`` and ``engine``
+hand out the raw engine outside that rule.
+
+A row without room left in the context (``core.caps.cap_rows``: with speculative decoding
+the drafter's k + 1 slots count too; a media row counts with its expanded prompt) is
+refused alone: it comes back unchanged with generation length 0 (``generate_text``: an
+empty text), it is named in a warning and in ``last_refused_rows``, and the other rows
+generate. Images come in ``data["multi_modal_data"]`` (:mod:`genworker.shell.media`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from genworker.core import lifecycle
-from genworker.core.assembly import assemble_outputs
-from genworker.core.batch import check_batch
-from genworker.core.caps import batch_max_tokens
+from genworker.core.assembly import Generation, assemble_outputs
+from genworker.core.batch import check_batch, check_seeds
+from genworker.core.caps import cap_rows
 from genworker.core.config import WorkerConfig
-from genworker.core.counters import encode_snapshot
+from genworker.core.counters import CACHE_RESETS, CounterSample, encode_snapshot
 from genworker.core.engine_plan import plan_engine_kwargs
+from genworker.core.multimodal import check_context, check_media
+from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
 from genworker.core.placement import configure_worker as plan_placement
+from genworker.core.refit_plan import Manifest
+from genworker.core.refit_protocol import (
+    RENDEZVOUS_WAITS,
+    Transport,
+    refit_waits,
+    rpc_bound,
+    wait_bound,
+)
 from genworker.core.sampling import SamplingSpec, sampling_spec
 from genworker.core.stops import StopMode, merge_stop_strings
+from genworker.shell.engine_lock import EngineLock
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -35,10 +61,14 @@ from genworker.shell.errors import (
     EngineStateError,
     GenworkerError,
     RefitError,
+    RefitManifestError,
     UnsupportedError,
     unwrap,
 )
+from genworker.shell.host import ephemeral_ports, vllm_cache_root
+from genworker.shell.media import RowMedia, image_counts, row_media
 from genworker.shell.ports import EngineFactory, EnginePort
+from genworker.shell.refit.wire import raise_failures
 
 __all__ = ["EXTENSION_CLS", "ExistingEngine", "VllmGenerationWorker"]
 
@@ -46,6 +76,7 @@ log = logging.getLogger(__name__)
 
 EXTENSION_CLS = "genworker.shell.extension.WorkerExtension"
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
 _WAKE_EVENTS = {
     frozenset({"weights"}): lifecycle.Event.WAKE_WEIGHTS,
     frozenset({"kv_cache"}): lifecycle.Event.WAKE_KV_CACHE,
@@ -78,8 +109,46 @@ def _default_factory() -> EngineFactory:
     return VllmEngineFactory()
 
 
+def _serialized(
+    method: Callable[Concatenate[VllmGenerationWorker, _P], _T],
+) -> Callable[Concatenate[VllmGenerationWorker, _P], _T]:
+    """Run ``method`` holding the worker's lock (see the module docstring)."""
+
+    @functools.wraps(method)
+    def serialized(self: VllmGenerationWorker, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        with self._lock.hold(method.__name__):
+            return method(self, *args, **kwargs)
+
+    return serialized
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def checked_env_names(names: Sequence[str] | None) -> tuple[str, ...]:
+    """``extra_env_vars`` as a tuple of variable names, or BadArgumentError."""
+    if names is None:
+        return ()
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise BadArgumentError(
+            f"extra_env_vars must be a list of environment variable names, got {names!r}"
+        )
+    bad = [n for n in names if not isinstance(n, str) or not _ENV_NAME.fullmatch(n)]
+    if bad:
+        raise BadArgumentError(f"extra_env_vars: not environment variable names: {bad!r}")
+    return tuple(names)
+
+
+_NO_ROOM = Generation(token_ids=(), logprobs=(), finish_reason="abort")
+_CACHES = {"prefix": "prefix cache", "mm": "multimodal cache", "encoder": "encoder cache"}
+
+
 class VllmGenerationWorker:
-    """One vLLM engine serving rollouts, with NeMo-RL's ``VllmGenerationWorker`` surface."""
+    """One vLLM engine serving rollouts, with NeMo-RL's ``VllmGenerationWorker`` surface.
+
+    ``busy_wait_s``: how long a call waits for another one to finish before it is refused
+    with ``EngineStateError`` (0: refuse at once).
+    """
 
     def __init__(
         self,
@@ -87,12 +156,14 @@ class VllmGenerationWorker:
         bundle_indices: Sequence[int] | None = None,
         fraction_of_gpus: float = 1.0,
         seed: int | None = None,
-        extra_env_vars: Mapping[str, str] | None = None,
+        extra_env_vars: Sequence[str] | None = None,
         defer_model_load: bool = False,
         *,
         engine_factory: EngineFactory | None = None,
         stop_mode: StopMode = StopMode.PER_SAMPLE,
+        busy_wait_s: float = 600.0,
     ) -> None:
+        self._lock = EngineLock(busy_wait_s)
         self.cfg: WorkerConfig = unwrap(
             WorkerConfig.from_mapping(config), BadConfigError, "worker config"
         )
@@ -106,15 +177,23 @@ class VllmGenerationWorker:
         self.fraction_of_gpus = fraction_of_gpus
         self.seed = seed if seed is not None else (self.cfg.seed or 0)
         self.stop_mode = stop_mode
-        if extra_env_vars:
-            os.environ.update(extra_env_vars)
+        #: variables (names) vLLM's Ray workers inherit from this process, as NeMo-RL's
+        #: ``extra_env_vars``; ``vllm_cfg.env_vars`` are exported and forwarded as well
+        self.extra_env_vars = checked_env_names(extra_env_vars)
         self._factory = engine_factory
         self._engine: EnginePort | None = None
         self._state = lifecycle.NOT_LOADED
         self._dead: str | None = None
+        self._manifest: Manifest | None = None  # from prepare_refit_info
+        self._collective = False  # init_collective succeeded
         #: the last successful refit: each engine worker's report (tensors, bytes, mode,
-        #: seconds and ``phases``), the RPC's seconds, and the prefix-cache reset's
+        #: seconds and ``phases``), the RPC's seconds, and each cache reset's
+        #: (``reset_{prefix,mm,encoder}_cache_seconds``; mm and encoder on multimodal engines)
         self.last_refit: dict[str, object] = {}
+        #: how many times each engine cache was reset (``get_counters`` reports them)
+        self.cache_resets: dict[str, int] = {"prefix": 0, "mm": 0, "encoder": 0}
+        #: rows of the last generate / generate_text refused for want of room (see above)
+        self.last_refused_rows: tuple[int, ...] = ()
         if not defer_model_load:
             self.load_model()
 
@@ -123,25 +202,36 @@ class VllmGenerationWorker:
     def configure_worker(
         num_gpus: float,
         bundle_indices: tuple[int, Sequence[int]] | None = None,
-        num_gpus_per_node: int = 8,
-        cache_base_dir: str | None = None,
-    ) -> tuple[dict[str, object], dict[str, str], dict[str, object]]:
-        """NeMo-RL's static placement hook: ``(resources, env_vars, init_kwargs)``."""
-        base = cache_base_dir or os.path.join(os.path.expanduser("~"), ".cache")
+        num_gpus_per_node: int | None = None,
+        *,
+        cache_root: str | None = None,
+    ) -> tuple[dict[str, object], dict[str, str], dict[str, object], dict[str, object]]:
+        """NeMo-RL's static placement hook: ``(resources, env_vars, init_kwargs,
+        runtime_env)`` (``runtime_env`` is empty: no nsight profiling).
+
+        ``VLLM_CACHE_ROOT`` is ``<cache_root>_<seed>``, ``cache_root`` defaulting to the
+        inherited ``VLLM_CACHE_ROOT`` or ``~/.cache/vllm``; ``VLLM_PORT`` stays below this
+        host's ephemeral port range or the call fails naming the range."""
+        size = 1
+        if isinstance(bundle_indices, tuple | list) and len(bundle_indices) == 2:
+            ids = bundle_indices[1]
+            size = len(ids) if isinstance(ids, Sequence) and ids else 1
         plan = unwrap(
             plan_placement(
                 num_gpus,
                 bundle_indices,
                 num_gpus_per_node,
-                cache_base_dir=base,
+                cache_root=cache_root or vllm_cache_root(),
                 # NeMo-RL's hook infers the tied group from the bundle count.
-                tensor_parallel_size=1 if bundle_indices is None else len(bundle_indices[1]),
+                tensor_parallel_size=size,
+                ephemeral_ports=ephemeral_ports(),
             ),
             BadConfigError,
             "configure_worker",
         )
-        return dict(plan.resources), dict(plan.env_vars), dict(plan.init_kwargs)
+        return dict(plan.resources), dict(plan.env_vars), dict(plan.init_kwargs), {}
 
+    @_serialized
     def load_model(self) -> None:
         """Start the engine (the deferred half of ``__init__``)."""
         self._move(lifecycle.Event.LOAD)
@@ -163,12 +253,22 @@ class VllmGenerationWorker:
         if plan.dropped:
             log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
         os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
+        self.forward_env([*self.cfg.vllm.env_vars, *self.extra_env_vars])
         self._engine = factory.start(plan.llm_kwargs())
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
             EngineStateError,
             "load_model",
         )
+
+    @staticmethod
+    def forward_env(names: Iterable[str]) -> None:
+        """Have vLLM's Ray executor copy these variables into its engine workers
+        (``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``); an in-process engine inherits them anyway."""
+        names = list(names)
+        if names:
+            existing = os.environ.get(RAY_EXTRA_ENV_VARS, "")
+            os.environ[RAY_EXTRA_ENV_VARS] = forwarded_env_names(existing, names)
 
     # -- state ----------------------------------------------------------------------
     @property
@@ -211,6 +311,8 @@ class VllmGenerationWorker:
         )
 
     def _call(self, fn: Callable[[EnginePort], _T]) -> _T:
+        if not self._lock.held():
+            raise RuntimeError("genworker bug: an engine call without the worker's lock")
         try:
             return fn(self.engine)
         except EngineDeadError as e:
@@ -220,10 +322,12 @@ class VllmGenerationWorker:
     # -- generation -----------------------------------------------------------------
     def _specs(
         self, lengths: Sequence[int], data: Mapping[str, object], greedy: bool
-    ) -> list[SamplingSpec]:
+    ) -> list[SamplingSpec | None]:
+        """One spec per row; ``None`` for a row without room (refused alone, named in
+        ``last_refused_rows`` and a warning)."""
         caps = self.engine.capabilities
         per_sample_stops = data.get("stop_strings")
-        seeds = _seeds(data.get("seeds"), len(lengths))
+        seeds = unwrap(check_seeds(data.get("seeds"), len(lengths)), BadBatchError, "seeds")
         stops = unwrap(
             merge_stop_strings(
                 self.cfg.stop_strings,
@@ -234,20 +338,26 @@ class VllmGenerationWorker:
             BadBatchError,
             "stop_strings",
         )
-        max_tokens = unwrap(
-            batch_max_tokens(
+        rows = unwrap(
+            cap_rows(
                 self.cfg.max_new_tokens,
                 lengths,
                 caps.max_model_len,
                 cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
-                num_speculative_tokens=self.cfg.num_speculative_tokens,
+                num_speculative_tokens=caps.num_speculative_tokens,
             ),
             BadBatchError,
             "max tokens",
         )
+        self.last_refused_rows = rows.refused_rows
+        if rows.refused is not None:
+            log.warning("generating without the rows that have no room left: %s", rows.refused)
         made: dict[tuple[int, tuple[str, ...], int | None], SamplingSpec] = {}
-        specs = []
-        for m, s, seed in zip(max_tokens, stops, seeds, strict=True):
+        specs: list[SamplingSpec | None] = []
+        for m, s, seed in zip(rows.max_tokens, stops, seeds, strict=True):
+            if m == 0:
+                specs.append(None)
+                continue
             key = (m, tuple(s), seed)
             spec = made.get(key)
             if spec is None:  # rows alike share one (immutable) spec
@@ -262,6 +372,7 @@ class VllmGenerationWorker:
             specs.append(spec)
         return specs
 
+    @_serialized
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
         """Generate for a right-padded batch; returns NeMo-RL's output contract."""
         next_state = self._move(lifecycle.Event.GENERATE)
@@ -280,21 +391,68 @@ class VllmGenerationWorker:
             BadBatchError,
             "generate batch",
         )
+        media = row_media(data, batch.batch_size, "generate")
         if not batch.prompts:
+            self.last_refused_rows = ()
             return assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id).as_dict()
-        specs = self._specs(batch.lengths, data, greedy)
-        generations = self._call(lambda e: e.generate(batch.prompts, specs))
+        context = self._context_lengths(batch.prompts, batch.lengths, media)
+        specs = self._specs(context, data, greedy)
+        kept = [i for i, spec in enumerate(specs) if spec is not None]
+        progress = self.cfg.vllm.use_tqdm
+        generations = [_NO_ROOM] * len(specs)
+        if kept:
+            prompts = [batch.prompts[i] for i in kept]
+            kept_specs = [spec for spec in specs if spec is not None]
+            kept_media = None if media is None else [media[i] for i in kept]
+            made = self._call(
+                lambda e: e.generate(prompts, kept_specs, kept_media, use_tqdm=progress)
+            )
+            for i, generation in zip(kept, made, strict=True):
+                generations[i] = generation
         self._state = next_state
         out = assemble_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
-        over = torch.nonzero(out.unpadded_sequence_lengths > caps.max_model_len).flatten()
+        # What the context held: the prompt (expanded, for media rows) plus the generation.
+        held = out.unpadded_sequence_lengths
+        if media is not None:
+            held = torch.tensor(context, dtype=held.dtype) + out.generation_lengths.to(held.dtype)
+        over = torch.nonzero(held > caps.max_model_len).flatten()
         if over.numel():
             raise EngineContractError(
                 f"rows {over.tolist()} came back longer than max_model_len="
-                f"{caps.max_model_len}: lengths "
-                f"{out.unpadded_sequence_lengths[over].tolist()}"
+                f"{caps.max_model_len}: context lengths {held[over].tolist()}"
             )
         return out.as_dict()
 
+    def _context_lengths(
+        self,
+        prompts: Sequence[Sequence[int]],
+        lengths: Sequence[int],
+        media: Sequence[RowMedia | None] | None,
+    ) -> list[int]:
+        """What each prompt holds in the context: its length, or for a media row the length
+        vLLM expands it to, after core checked the images against the placeholders."""
+        caps = self.engine.capabilities
+        if media is None and caps.image_token_id is None:
+            return list(lengths)
+        unwrap(
+            check_media(
+                prompts,
+                image_counts(media, len(prompts)),
+                placeholder_id=caps.image_token_id,
+                max_images=caps.max_images,
+            ),
+            BadBatchError,
+            "multi_modal_data",
+        )
+        if media is None:
+            return list(lengths)
+        expanded = self._call(lambda e: e.expanded_lengths(prompts, media))
+        unwrap(
+            check_context(lengths, expanded, caps.max_model_len), BadBatchError, "multi_modal_data"
+        )
+        return expanded
+
+    @_serialized
     def generate_text(
         self, data: Mapping[str, object], greedy: bool = False
     ) -> dict[str, list[str]]:
@@ -302,6 +460,8 @@ class VllmGenerationWorker:
         next_state = self._move(lifecycle.Event.GENERATE)
         if not isinstance(greedy, bool):
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
+        if not isinstance(data, Mapping):
+            raise BadBatchError(f"generate_text: data must be a mapping, got {type(data).__name__}")
         prompts = data.get("prompts")
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise BadBatchError("generate_text: data['prompts'] must be a list of str")
@@ -309,9 +469,29 @@ class VllmGenerationWorker:
             return {"texts": []}
         if empty := [i for i, p in enumerate(prompts) if not p]:
             raise BadBatchError(f"generate_text: prompts {empty} are empty strings")
-        # Text prompts have no known token length here: cap against the shortest prompt.
-        specs = self._specs([1] * len(prompts), data, greedy)
-        texts = self._call(lambda e: e.generate_text(prompts, specs))
+        media = row_media(data, len(prompts), "generate_text")
+        # Tokenised once, here (no second BOS), so caps and media checks see the real ids.
+        ids = self._call(lambda e: e.tokenize(prompts))
+        caps = self.engine.capabilities
+        if too_long := [i for i, p in enumerate(ids) if len(p) > caps.max_model_len]:
+            raise BadBatchError(
+                f"generate_text: prompts {too_long} are longer than max_model_len="
+                f"{caps.max_model_len} tokens ({[len(ids[i]) for i in too_long]})"
+            )
+        context = self._context_lengths(ids, [len(p) for p in ids], media)
+        specs = self._specs(context, data, greedy)
+        kept = [i for i, spec in enumerate(specs) if spec is not None]
+        texts = [""] * len(prompts)
+        if kept:
+            kept_ids = [ids[i] for i in kept]
+            kept_specs = [spec for spec in specs if spec is not None]
+            kept_media = None if media is None else [media[i] for i in kept]
+            progress = self.cfg.vllm.use_tqdm
+            made = self._call(
+                lambda e: e.generate_text(kept_ids, kept_specs, kept_media, use_tqdm=progress)
+            )
+            for i, text in zip(kept, made, strict=True):
+                texts[i] = text
         self._state = next_state
         return {"texts": texts}
 
@@ -323,6 +503,7 @@ class VllmGenerationWorker:
                 f"({self.engine.capabilities.device})"
             )
 
+    @_serialized
     def sleep(self, level: int | None = None) -> None:
         """Free engine memory: level 1 offloads weights to host, level 2 discards them."""
         level = self.cfg.vllm.sleep_level if level is None else level
@@ -333,10 +514,11 @@ class VllmGenerationWorker:
         self._require_sleep_mode("sleep")
         if next_state == self._state:
             return
-        self._call(lambda e: e.reset_prefix_cache())
+        self._reset_caches()
         self._call(lambda e: e.sleep(level))
         self._state = next_state
 
+    @_serialized
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``weights``, ``kv_cache`` or both (``None``); waking an awake tag is a no-op."""
         if tags is not None and (
@@ -358,11 +540,50 @@ class VllmGenerationWorker:
             self._call(lambda e: e.wake_up(list(asleep)))
         self._state = next_state
 
+    @_serialized
     def reset_prefix_cache(self) -> None:
         self._state = self._move(lifecycle.Event.RESET_PREFIX_CACHE)
         self._call(lambda e: e.reset_prefix_cache())
+        self.cache_resets["prefix"] += 1
+
+    def _reset_caches(self, refit: str | None = None) -> dict[str, float]:
+        """Reset the prefix cache and, on a multimodal engine, the processed-media and
+        encoder caches (stale after a refit); seconds per reset. After the refit ``refit``,
+        a reset the engine refuses (``EngineStateError``) is a ``RefitError``: that cache
+        may still serve what the old weights computed."""
+        resets: list[tuple[str, Callable[[EnginePort], None]]] = [
+            ("prefix", lambda e: e.reset_prefix_cache())
+        ]
+        if self.engine.capabilities.multimodal:
+            resets += [
+                ("mm", lambda e: e.reset_mm_cache()),
+                ("encoder", lambda e: e.reset_encoder_cache()),
+            ]
+        seconds = {}
+        for name, reset in resets:
+            started = time.monotonic()
+            try:
+                self._call(reset)
+            except EngineStateError as e:
+                if refit is None:
+                    raise
+                raise RefitError(
+                    f"{refit}: the new weights are in, but resetting the {_CACHES[name]} "
+                    f"failed ({e}), so it may still serve what the old weights computed; the "
+                    "weights count as inconsistent until a refit succeeds"
+                ) from e
+            seconds[name] = time.monotonic() - started
+            self.cache_resets[name] += 1
+        return seconds
 
     # -- refit ----------------------------------------------------------------------
+    # Per refit, every wait (engine side and trainer side) is bounded by ``timeout_s``
+    # (None: core.refit_protocol.DEFAULT_TIMEOUT_S); the engine call's own bound is
+    # derived from it (core.refit_protocol.rpc_bound), so only a wedged call ever exceeds
+    # it. A refit refused before it starts (no prepare_refit_info, a bad timeout_s, no
+    # init_collective) changes nothing; one that fails, times out or is interrupted
+    # leaves the weights inconsistent (generate refused) until a refit succeeds.
+    @_serialized
     def prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
     ) -> list[object]:
@@ -370,94 +591,140 @@ class VllmGenerationWorker:
 
         Returns each engine worker's summary (manifest digest, how many tensors go straight
         into parameter memory, how many through the loader)."""
-        info = {
-            str(name): [list(int(d) for d in shape), str(dtype).removeprefix("torch.")]
-            for name, (shape, dtype) in state_dict_info.items()
-        }
-        return self._rpc("prepare_refit_info", info)
+        manifest = unwrap(Manifest.from_info(state_dict_info), RefitManifestError, "refit info")
+        summaries = self._rpc("prepare_refit_info", manifest.to_info())
+        self._manifest = manifest
+        return summaries
 
+    @_serialized
     def init_collective(
-        self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int
+        self,
+        rank_prefix: int,
+        ip: str,
+        port: int,
+        world_size: int,
+        train_world_size: int,
+        timeout_s: float | None = None,
     ) -> None:
-        """Join the trainer's standalone weight-update group (ranks after the trainer's)."""
-        self._rpc("init_collective", rank_prefix, ip, port, world_size, train_world_size)
+        """Join the trainer's standalone weight-update group (ranks after the trainer's);
+        every rendezvous wait is bounded by ``timeout_s``."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, "init_collective")
+        self._collective = False
+        self._rpc(
+            "init_collective",
+            rank_prefix,
+            ip,
+            port,
+            world_size,
+            train_world_size,
+            bound,
+            timeout=rpc_bound(RENDEZVOUS_WAITS, bound),
+        )
+        self._collective = True
 
-    def update_weights_from_collective(self, timeout_s: float = 600.0) -> bool:
-        return self._refit("update_weights_from_collective", timeout_s)
+    @_serialized
+    def update_weights_from_collective(self, timeout_s: float | None = None) -> bool:
+        return self._refit("update_weights_from_collective", timeout_s, Transport.COLLECTIVE)
 
-    def update_weights_via_ipc_zmq(self, timeout_s: float = 600.0) -> bool:
-        return self._refit("update_weights_via_ipc_zmq", timeout_s)
+    @_serialized
+    def update_weights_via_ipc_zmq(self, timeout_s: float | None = None) -> bool:
+        return self._refit("update_weights_via_ipc_zmq", timeout_s, Transport.IPC)
 
+    @_serialized
     def engine_param_layout(self) -> list[object]:
         """Each engine worker's parameters a refit can write straight into memory:
         ``{name: [shape, dtype]}`` (send in this layout for the fast refits)."""
         return self._rpc("engine_param_layout")
 
-    def refit_address(self, *, offer_params: bool = True) -> list[object]:
-        """Where each engine worker listens for IPC refits (one entry per worker).
+    @_serialized
+    def refit_address(self) -> list[object]:
+        """Where each engine worker listens for IPC refits (one entry per worker), for
+        ``genworker.shell.refit.RefitSender.ipc``."""
+        return self._rpc("refit_address")
 
-        ``offer_params=False``: the engine workers never give the trainer handles of their
-        parameters; direct refits read from the trainer's tensors instead (the mode a
-        sleep-mode GPU engine always takes). Fixed by the first call."""
-        return self._rpc("ipc_address", None, offer_params)
-
+    @_serialized
     def release_refit_buffers(self) -> list[object]:
-        """Let go of the trainer memory the engine workers keep mapped between IPC refits
-        (``IpcSender(keep_mapped=True)``): call it before the trainer frees that memory,
-        which stays allocated while mapped. How many storages each engine worker let go."""
-        return self._rpc("release_kept_buffers")
+        """Give the trainer its memory back: each engine worker lets go of the trainer
+        storages and staging buffers it keeps mapped between IPC refits (memory mapped
+        stays allocated even after the trainer frees it). How many each let go. The next
+        refit maps again what it sends."""
+        return self._rpc("release_refit_buffers")
 
     def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
         if self._shut_down:
             raise EngineStateError(f"{method}: the worker was shut down")
         try:
-            return self._call(lambda e: e.collective_rpc(method, args=args, timeout=timeout))
+            results = self._call(lambda e: e.collective_rpc(method, args=args, timeout=timeout))
         except GenworkerError:
             raise
         except Exception as e:
             raise RefitError(f"{method} failed on the engine workers: {e}") from e
+        return raise_failures(results, method)
 
-    def _refit(self, method: str, timeout_s: float) -> bool:
+    def _refit(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
+        """The refit RPC, then the cache resets; the weights count as valid only when all
+        succeeded (a cache still holding KV or encoder outputs of the old weights would
+        serve them). ``timeout_s`` is checked first (the one check of it), then what the
+        refit needs (init_collective for a collective one, prepare_refit_info), then the
+        lifecycle: a refit refused by any of them changes nothing."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
+        if transport is Transport.COLLECTIVE and not self._collective:
+            raise EngineStateError(f"{method} needs init_collective first")
+        if self._manifest is None:
+            raise EngineStateError(f"{method} needs prepare_refit_info first")
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
+        outer = rpc_bound(refit_waits(len(self._manifest), transport), bound)
         try:
             started = time.monotonic()
             reports = self._call(
-                lambda e: e.collective_rpc(
-                    method, kwargs={"timeout_s": timeout_s}, timeout=timeout_s + 30.0
-                )
+                lambda e: e.collective_rpc(method, kwargs={"timeout_s": bound}, timeout=outer)
             )
+            raise_failures(reports, method)
             rpc_s = time.monotonic() - started
+            resets = self._reset_caches(method)
         except BaseException as e:
             self._state = unwrap(
                 lifecycle.transition(self._state, lifecycle.Event.REFIT_FAILED),
                 EngineStateError,
                 "refit",
             )
-            if isinstance(e, GenworkerError):
-                raise
+            if isinstance(e, GenworkerError) or not isinstance(e, Exception):
+                raise  # typed, or an interrupt (KeyboardInterrupt, SystemExit) as itself
             raise RefitError(f"{method} failed: {e}; weights are inconsistent") from e
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.REFIT_OK),
             EngineStateError,
             "refit",
         )
-        started = time.monotonic()
-        self._call(lambda e: e.reset_prefix_cache())
         self.last_refit = {
             "engine_workers": reports,
             "rpc_seconds": rpc_s,
-            "reset_prefix_cache_seconds": time.monotonic() - started,
+            **{f"reset_{name}_cache_seconds": s for name, s in resets.items()},
         }
         return True
 
     # -- observability --------------------------------------------------------------
+    @_serialized
     def report_device_id(self) -> list[str]:
         return self._call(lambda e: e.device_ids())
 
+    @_serialized
     def get_counters(self) -> dict[str, float | list[float]]:
-        """The engine's Prometheus snapshot, encoded as flat keys (see core.counters)."""
-        return encode_snapshot(self._call(lambda e: e.metrics()))
+        """The engine's Prometheus snapshot and the worker's cache resets
+        (``genworker:cache_resets{cache=...}``), encoded as flat keys (see core.counters)."""
+        resets = [
+            CounterSample.from_counter(CACHE_RESETS, {"cache": name}, count)
+            for name, count in self.cache_resets.items()
+        ]
+        return encode_snapshot([*self._call(lambda e: e.metrics()), *resets])
 
+    def multimodal_info(self) -> dict[str, int | None]:
+        """The engine's image placeholder id and per-prompt image limit (the group checks
+        a batch's media against them before splitting it)."""
+        caps = self.engine.capabilities
+        return {"image_token_id": caps.image_token_id, "max_images": caps.max_images}
+
+    @_serialized
     def start_gpu_profiling(self) -> None:
         if self.engine.capabilities.device != "cuda":
             log.info(
@@ -466,6 +733,7 @@ class VllmGenerationWorker:
             return
         self._call(lambda e: e.start_profile())
 
+    @_serialized
     def stop_gpu_profiling(self) -> None:
         if self.engine.capabilities.device != "cuda":
             log.info(
@@ -474,6 +742,7 @@ class VllmGenerationWorker:
             return
         self._call(lambda e: e.stop_profile())
 
+    @_serialized
     def shutdown(self) -> bool:
         """Free the engine; idempotent. The worker is unusable afterwards."""
         engine, self._engine = self._engine, None
@@ -498,23 +767,3 @@ def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
             f"generate: data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
         )
     return value
-
-
-def _seeds(value: object, batch_size: int) -> list[int | None]:
-    """Optional per-sample sampling seeds (``data["seeds"]``: a list or 1-D tensor of ints)."""
-    if value is None:
-        return [None] * batch_size
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
-            raise BadBatchError(f"data['seeds'] must be a 1-D integer tensor, got {value.dtype}")
-        value = value.tolist()
-    if not isinstance(value, list | tuple) or len(value) != batch_size:
-        raise BadBatchError(f"data['seeds'] must hold one int per row ({batch_size})")
-    bad = [
-        i
-        for i, v in enumerate(value)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0)
-    ]
-    if bad:
-        raise BadBatchError(f"data['seeds'] rows {bad} are not non-negative ints")
-    return list(value)

@@ -1,8 +1,7 @@
 """Shared pieces of the async worker's tests (importable as ``async_helpers``).
 
 :func:`send_weights` is the ONE place these tests move weights from a "trainer" to an
-engine: today through ``genworker.shell.refit.IpcSender``; switch it to the new
-``RefitSender`` API when the refit protocol redesign lands.
+engine: ``genworker.shell.refit.RefitSender.ipc`` to the worker's ``refit_address()``.
 """
 
 from __future__ import annotations
@@ -84,9 +83,9 @@ def sending(address: str, tensors: Mapping[str, torch.Tensor]) -> Iterator[list[
 
 def send_weights(address: str, tensors: Mapping[str, torch.Tensor]) -> object:
     """The trainer's side of one IPC refit (the one refit-transport call of these tests)."""
-    from genworker.shell.refit import IpcSender
+    from genworker.shell.refit import RefitSender
 
-    with IpcSender(address, timeout_s=60.0) as sender:
+    with RefitSender.ipc(address, timeout_s=60.0) as sender:
         return sender.send(tensors.items())
 
 

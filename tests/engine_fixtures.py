@@ -28,14 +28,21 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from genworker.shell.tiny_model import build_tiny_model
+from genworker.shell.tiny_model import build_tiny_model, build_tiny_vlm
 
 if TYPE_CHECKING:
     from vllm import LLM
 
     from genworker.shell.vllm_engine import VllmEngine
 
-__all__ = ["EXTENSION_CLS", "cpu_engine", "cpu_engine_kwargs", "cpu_llm", "tiny_model_dir"]
+__all__ = [
+    "EXTENSION_CLS",
+    "cpu_engine",
+    "cpu_engine_kwargs",
+    "cpu_llm",
+    "tiny_model_dir",
+    "tiny_vlm_dir",
+]
 
 EXTENSION_CLS = "genworker.shell.extension.WorkerExtension"
 _KV_CACHE_BYTES = 32 << 20
@@ -76,6 +83,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = os.environ.get("GENWORKER_MODEL_CACHE")
     base = Path(cache) if cache else tmp_path_factory.mktemp("models")
     return build_tiny_model(base / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Idefics3 (``build_tiny_vlm``); engines on it are the test modules' own."""
+    cache = os.environ.get("GENWORKER_MODEL_CACHE")
+    base = Path(cache) if cache else tmp_path_factory.mktemp("models")
+    return build_tiny_vlm(base / "tiny-idefics3")
 
 
 @pytest.fixture(scope="session")

@@ -350,6 +350,74 @@ def wild_batches(
     )
 
 
+_ALL_INTEGER_DTYPES = (
+    _batch_torch.uint8,
+    _batch_torch.int8,
+    _batch_torch.int16,
+    _batch_torch.int32,
+    _batch_torch.int64,
+)
+
+
+class DtypeCase(_BatchNamedTuple):
+    """A valid batch in some integer dtype, the limits it is checked against, and ids an
+    engine could generate for it (every id below the vocabulary)."""
+
+    input_ids: _batch_torch.Tensor
+    input_lengths: _batch_torch.Tensor
+    pad_token_id: int
+    vocab_size: int | None
+    generated: list[list[int]]
+
+
+@st.composite
+def dtype_cases(draw: st.DrawFn, *, max_batch: int = 4, max_width: int = 6) -> DtypeCase:
+    """Batches in every integer dtype, with vocabularies and pad ids on both sides of what
+    the dtype holds (prompt tokens always fit it: the caller built the tensor)."""
+    dtype = draw(st.sampled_from(_ALL_INTEGER_DTYPES))
+    vocab_size = draw(
+        st.none()
+        | st.sampled_from([1, 100, 127, 128, 129, 255, 256, 257, 32_767, 32_768, 32_769])
+        | st.integers(1, 1 << 20)
+        | st.sampled_from([2**31 - 1, 2**31, 2**31 + 1])
+    )
+    top = 100 if vocab_size is None else min(vocab_size, 100)
+    pad = draw(st.integers(-2, top + 1) | st.sampled_from([-129, 127, 128, 255, 256, 32_768]))
+    batch = draw(st.integers(1, max_batch))
+    width = draw(st.integers(1, max_width))
+    prompts = [
+        draw(st.lists(st.integers(0, top - 1), min_size=1, max_size=width)) for _ in range(batch)
+    ]
+    rows = [p + [0] * (width - len(p)) for p in prompts]
+    ids = _batch_torch.tensor(rows, dtype=_batch_torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, len(p) :] = pad
+    bound = 2**31 - 1 if vocab_size is None else vocab_size - 1
+    generated = [
+        draw(st.lists(st.integers(0, bound) | st.just(bound), max_size=4)) for _ in range(batch)
+    ]
+    # The caller's tensor: padding that the dtype cannot hold wraps, as torch converts it.
+    return DtypeCase(
+        input_ids=ids.to(dtype),
+        input_lengths=_batch_torch.tensor([len(p) for p in prompts]),
+        pad_token_id=pad,
+        vocab_size=vocab_size,
+        generated=generated,
+    )
+
+
+# Seeds a caller might send in data["seeds"]: in range, on both edges, and not ints at all.
+seed_values = (
+    st.none()
+    | st.integers(0, 2**64 - 1)
+    | st.sampled_from([0, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**65, -1, -(2**63)])
+    | st.integers(-(2**70), 2**70)
+    | st.booleans()
+    | st.floats(allow_nan=True)
+    | st.text(max_size=2)
+)
+
+
 # --- assembly ---
 import numpy as _asm_np
 
@@ -633,8 +701,9 @@ def nemo_config_dicts(
     precision: st.SearchStrategy[str] | None = None,
 ) -> dict[str, object]:
     """Valid NeMo-RL ``policy.generation`` dicts, as NeMo-RL writes them: optional keys present
-    or absent, ``None`` where NeMo-RL allows it, unknown extras at the top level and in
-    ``vllm_cfg``, ``speculative_config``/``logprobs_mode`` in either of their places.
+    or absent, ``None`` where NeMo-RL allows it, keys of other layers (and refused keys at
+    the values that ask for nothing) at the top level and in ``vllm_cfg``,
+    ``speculative_config``/``logprobs_mode`` in either of their places.
 
     Every dict parses (``WorkerConfig.from_mapping`` succeeds) and plans
     (``plan_engine_kwargs`` succeeds given a Blackwell capability when
@@ -673,10 +742,42 @@ def nemo_config_dicts(
     _cfg_maybe(draw, vllm_cfg, "sleep_level", st.sampled_from([1, 2]))
     if vllm_cfg.get("precision", "bfloat16") in ("bfloat16", "float16"):
         _cfg_maybe(draw, vllm_cfg, "nvfp4_per_token", st.booleans())
-    _cfg_maybe(draw, vllm_cfg, "use_deep_gemm", st.booleans())
-    _cfg_maybe(draw, vllm_cfg, "num_first_layers_in_bf16", st.integers(0, 2))
-    for name in draw(st.lists(_CFG_NAMES, max_size=2, unique=True)):
-        vllm_cfg["x_" + name] = draw(cfg_json_values)
+    _cfg_maybe(
+        draw,
+        vllm_cfg,
+        "limit_mm_per_prompt",
+        st.none()
+        | st.dictionaries(
+            st.sampled_from(["image", "video", "audio"]),
+            st.integers(0, 8)
+            | st.fixed_dictionaries(
+                {"count": st.integers(0, 8)}, optional={"width": st.integers(1, 512)}
+            ),
+            max_size=2,
+        ),
+    )
+    _cfg_maybe(
+        draw,
+        vllm_cfg,
+        "mm_processor_kwargs",
+        st.none() | st.fixed_dictionaries({}, optional={"do_image_splitting": st.booleans()}),
+    )
+    _cfg_maybe(
+        draw, vllm_cfg, "reset_encoder_cache_after_weight_update", st.sampled_from([True, "true"])
+    )
+    _cfg_maybe(draw, vllm_cfg, "use_deep_gemm", st.sampled_from([False, "false", 0]))
+    _cfg_maybe(draw, vllm_cfg, "num_first_layers_in_bf16", st.just(0))
+    _cfg_maybe(draw, vllm_cfg, "use_tqdm", st.booleans())
+    _cfg_maybe(
+        draw,
+        vllm_cfg,
+        "env_vars",
+        st.dictionaries(
+            st.sampled_from(["NCCL_DEBUG", "VLLM_X", "MY_VAR"]), st.text("ab1", max_size=3)
+        ),
+    )
+    for key in ("expose_http_server", "enable_vllm_metrics_logger", "tool_parser_plugin"):
+        _cfg_maybe(draw, vllm_cfg, key, cfg_json_values)
 
     d: dict[str, object] = {
         "model_name": draw(_CFG_MODELS),
@@ -710,6 +811,9 @@ def nemo_config_dicts(
     )
     _cfg_maybe(draw, d, "val_temperature", st.floats(0.0, 2.0))
     _cfg_maybe(draw, d, "port_range_low", st.integers(1024, 60000))
+    _cfg_maybe(draw, d, "mcore_generation_config", cfg_json_values)
+    _cfg_maybe(draw, d, "refit_transport", st.none())
+    _cfg_maybe(draw, d, "quant_cfg", st.none())
 
     kwargs: dict[str, object] = {}
     _cfg_maybe(draw, kwargs, "max_num_seqs", st.integers(1, 512))
@@ -744,7 +848,13 @@ def nemo_config_dicts(
     )
 
     k = draw(num_speculative_tokens if num_speculative_tokens is not None else st.integers(0, 4))
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+    spec: dict[str, object] = {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_max": 4,
+    }
+    if num_speculative_tokens is None and draw(st.booleans()):
+        del spec["num_speculative_tokens"]  # vLLM infers it (an MTP drafter) or refuses
     place = draw(st.sampled_from(["none", "none_explicit", "vllm_cfg", "vllm_kwargs"]))
     if num_speculative_tokens is not None and place.startswith("none"):
         place = "vllm_cfg"
@@ -856,12 +966,8 @@ def _cfg_bad_spec(draw: st.DrawFn, d: dict[object, object]) -> None:
         d["vllm_kwargs"] = {k: v for k, v in kwargs.items() if k != "speculative_config"}
     _cfg_vllm(d)["speculative_config"] = {
         "method": "ngram",
-        "num_speculative_tokens": draw(st.sampled_from([-1, 1.5, "3", None, _CFG_DELETE])),
+        "num_speculative_tokens": draw(st.sampled_from([-1, 1.5, "3", True])),
     }
-    spec = _cfg_vllm(d)["speculative_config"]
-    assert isinstance(spec, dict)
-    if spec["num_speculative_tokens"] is _CFG_DELETE:
-        del spec["num_speculative_tokens"]
 
 
 def _cfg_nvfp4_fp8(draw: st.DrawFn, d: dict[object, object]) -> None:
@@ -910,7 +1016,7 @@ _CFG_BREAKERS: list[
     (
         "top_k",
         frozenset({"top_k"}),
-        _cfg_set("top_k", st.sampled_from([0, -2, 2.5, "5"]) | _cfg_delete),
+        _cfg_set("top_k", st.sampled_from([0, -2, 2.5, "5"])),
     ),
     (
         "stop_token_ids",
@@ -930,7 +1036,7 @@ _CFG_BREAKERS: list[
     (
         "ignore_eos",
         frozenset({"ignore_eos"}),
-        _cfg_set("ignore_eos", st.sampled_from(["yes", 1, None])),
+        _cfg_set("ignore_eos", st.sampled_from(["maybe", 2, None])),
     ),
     (
         "_pad_token_id",
@@ -986,12 +1092,12 @@ _CFG_BREAKERS: list[
     (
         "vllm_cfg.enforce_eager",
         frozenset({"vllm_cfg.enforce_eager"}),
-        _cfg_set("vllm_cfg.enforce_eager", st.sampled_from(["no", 0])),
+        _cfg_set("vllm_cfg.enforce_eager", st.sampled_from(["nope", 2, "False "])),
     ),
     (
         "vllm_cfg.enable_prefix_caching",
         frozenset({"vllm_cfg.enable_prefix_caching"}),
-        _cfg_set("vllm_cfg.enable_prefix_caching", st.sampled_from(["auto", 1])),
+        _cfg_set("vllm_cfg.enable_prefix_caching", st.sampled_from(["auto", 2])),
     ),
     (
         "vllm_cfg.kv_cache_dtype",
@@ -1036,7 +1142,7 @@ _CFG_BREAKERS: list[
     (
         "telemetry.enabled",
         frozenset({"telemetry", "telemetry.enabled"}),
-        _cfg_set("telemetry.enabled", st.sampled_from(["yes", 1, None])),
+        _cfg_set("telemetry.enabled", st.sampled_from(["maybe", 2, None])),
     ),
     (
         "telemetry.otlp_protocol",
@@ -1061,9 +1167,65 @@ _CFG_BREAKERS: list[
     (
         "colocated.enabled",
         frozenset({"colocated"}),
-        _cfg_set("colocated.enabled", st.sampled_from(["yes", 1])),
+        _cfg_set("colocated.enabled", st.sampled_from(["maybe", 2])),
+    ),
+    (
+        "vllm_cfg.limit_mm_per_prompt",
+        frozenset({"vllm_cfg.limit_mm_per_prompt"}),
+        _cfg_set(
+            "vllm_cfg.limit_mm_per_prompt",
+            st.sampled_from([{"image": -1}, {"image": {"width": 2}}, {"image": True}, 3, {1: 2}]),
+        ),
+    ),
+    (
+        "vllm_cfg.mm_processor_kwargs",
+        frozenset({"vllm_cfg.mm_processor_kwargs"}),
+        _cfg_set("vllm_cfg.mm_processor_kwargs", st.sampled_from(["split", [1], {2: 3}])),
+    ),
+    (
+        "vllm_cfg.reset_encoder_cache_after_weight_update",
+        frozenset({"vllm_cfg.reset_encoder_cache_after_weight_update"}),
+        _cfg_set(
+            "vllm_cfg.reset_encoder_cache_after_weight_update",
+            st.sampled_from([False, "no", "maybe"]),
+        ),
     ),
     ("(config)", frozenset({"(config)"}), _cfg_non_str_key),
+    (
+        "quant_cfg",
+        frozenset({"quant_cfg"}),
+        _cfg_set("quant_cfg", st.sampled_from(["fp8_default", {"algo": "nvfp4"}])),
+    ),
+    (
+        "vllm_cfg.use_deep_gemm",
+        frozenset({"vllm_cfg.use_deep_gemm"}),
+        _cfg_set("vllm_cfg.use_deep_gemm", st.sampled_from([True, "true", 1])),
+    ),
+    (
+        "vllm_cfg.video",
+        frozenset({"vllm_cfg.video"}),
+        _cfg_set(
+            "vllm_cfg.video",
+            st.sampled_from(
+                [None, {"num_frames": 8}, {"sampling_style": "nemotron_vl", "num_frames": 8}]
+            ),
+        ),
+    ),
+    (
+        "vllm_cfg.x_typo",
+        frozenset({"vllm_cfg.x_typo"}),
+        _cfg_set("vllm_cfg.x_typo", cfg_json_values),
+    ),
+    (
+        "vllm_cfg.use_tqdm",
+        frozenset({"vllm_cfg.use_tqdm"}),
+        _cfg_set("vllm_cfg.use_tqdm", st.sampled_from(["sometimes", [1]])),
+    ),
+    (
+        "vllm_cfg.env_vars",
+        frozenset({"vllm_cfg.env_vars"}),
+        _cfg_set("vllm_cfg.env_vars", st.sampled_from(["A=1", {"A": [1]}, {"": "1"}])),
+    ),
 ]
 # Replacing a whole block breaks everything inside it, so it claims every slot inside.
 _CFG_BREAKERS += [
@@ -1132,6 +1294,10 @@ _CFG_VLLM_KEYS = [
     "nvfp4_per_token",
     "enable_prefix_caching",
     "logprobs_mode",
+    "limit_mm_per_prompt",
+    "mm_processor_kwargs",
+    "video",
+    "reset_encoder_cache_after_weight_update",
 ]
 _cfg_wild_leaf = (
     st.none()
@@ -1284,3 +1450,550 @@ def serving_segmentations(draw: st.DrawFn, text: str) -> list[int]:
         ids.append(_SERVING_PIECES[text[i : i + n]])
         i += n
     return ids
+
+
+# --- delta ---
+import numpy as _np
+
+from genworker.core.delta import Bits as _Bits
+from genworker.core.refit_plan import TensorSpec as _DeltaSpec
+
+#: The dtypes a refit carries, by name: their bit patterns are what the codec sees.
+DELTA_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
+delta_chunk_elements = st.one_of(st.integers(1, 40), st.sampled_from([64, 256, 1 << 16]))
+
+
+@_caps_attrs.frozen
+class BitsPair:
+    """Old and new bit patterns of one tensor, alike in width and length."""
+
+    old: _Bits
+    new: _Bits
+
+
+@st.composite
+def delta_pairs(draw: st.DrawFn, *, max_numel: int = 300) -> BitsPair:
+    """Random old bits and new bits that differ on a random mask: none, few, many or all."""
+    itemsize = draw(st.sampled_from([1, 2, 4, 8]))
+    numel = draw(st.integers(0, max_numel))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = _np.random.default_rng(seed)
+    dtype = _np.dtype(f"u{itemsize}")
+    old = rng.integers(0, 2 ** (8 * itemsize), size=numel, dtype=dtype, endpoint=False)
+    density = draw(st.sampled_from([0.0, 0.01, 0.1, 0.3, 0.6, 1.0]))
+    mask = rng.random(numel) < density
+    flips = rng.integers(1, 2 ** (8 * itemsize), size=numel, dtype=dtype, endpoint=False)
+    new = _np.where(mask, old ^ flips, old).astype(dtype)
+    return BitsPair(old, new)
+
+
+def delta_specs(max_tensors: int = 5) -> st.SearchStrategy[list[_DeltaSpec]]:
+    spec = st.builds(
+        _DeltaSpec,
+        name=st.text("abcdef.", min_size=1, max_size=6),
+        shape=st.lists(st.integers(0, 50), max_size=3).map(tuple),
+        dtype=st.sampled_from(DELTA_DTYPES),
+    )
+    return st.lists(spec, max_size=max_tensors, unique_by=lambda s: s.name)
+
+
+@st.composite
+def relay_receivers(draw: st.DrawFn, *, max_receivers: int = 40) -> tuple[list[str], int]:
+    """Distinct receiver names and a fanout."""
+    count = draw(st.integers(1, max_receivers))
+    fanout = draw(st.integers(1, 6))
+    return [f"r{i}" for i in range(count)], fanout
+
+
+# --- reshard ---
+from genworker.core import reshard as _rs
+
+
+@_caps_attrs.frozen
+class ReshardModel:
+    """A Llama-like layer's tensors with the sizes vLLM's TP split needs."""
+
+    vocab: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    intermediate: int
+    engine_tp: int
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        h, hs = self.hidden, self.head_size
+        return {
+            "embed": (self.vocab, h),
+            "q": (self.heads * hs, h),
+            "k": (self.kv_heads * hs, h),
+            "v": (self.kv_heads * hs, h),
+            "o": (h, self.heads * hs),
+            "gate": (self.intermediate, h),
+            "up": (self.intermediate, h),
+            "down": (h, self.intermediate),
+            "norm": (h,),
+            "lm_head": (self.vocab, h),
+        }
+
+    def facts(self, rank: int, dtype: str = "bfloat16") -> list[_rs.VllmParamFacts]:
+        """vLLM's facts for every engine parameter on TP rank ``rank``."""
+        s, kind = self.shapes(), _rs.LayerKind
+
+        def one(param: str, k: _rs.LayerKind, names: str, **extra: int) -> _rs.VllmParamFacts:
+            sources = tuple((n, s[n]) for n in names.split())
+            return _rs.VllmParamFacts(param, k, dtype, rank, self.engine_tp, sources, **extra)
+
+        heads = {
+            "head_size": self.head_size,
+            "num_heads": self.heads,
+            "num_kv_heads": self.kv_heads,
+        }
+        return [
+            one("embed_tokens", kind.VOCAB, "embed", padding_size=8),
+            one("qkv_proj", kind.QKV, "q k v", **heads),
+            one("o_proj", kind.ROW, "o"),
+            one("gate_up_proj", kind.MERGED, "gate up"),
+            one("down_proj", kind.ROW, "down"),
+            one("norm", kind.REPLICATED, "norm"),
+            one("lm_head", kind.VOCAB, "lm_head", padding_size=8),
+        ]
+
+
+@st.composite
+def reshard_models(draw: st.DrawFn) -> ReshardModel:
+    """Sizes every engine TP in the draw can split (vLLM's ``divide`` rules, GQA included)."""
+    tp = draw(st.sampled_from([1, 2, 4]))
+    heads = tp * draw(st.integers(1, 2))
+    kv_heads = draw(
+        st.sampled_from([d for d in (1, 2, 4) if heads % d == 0 and (tp % d == 0 or d % tp == 0)])
+    )
+    head_size = draw(st.sampled_from([4, 8]))
+    hidden = 4 * draw(st.integers(1, 3))
+    intermediate = tp * draw(st.integers(1, 3)) * 2
+    vocab = draw(st.integers(1, 40))
+    return ReshardModel(vocab, hidden, heads, kv_heads, head_size, intermediate, tp)
+
+
+@st.composite
+def megatron_trainers(draw: st.DrawFn, model: ReshardModel) -> list[_rs.TrainerLayout]:
+    """Megatron-style: TP (dividing every split size), PP stages, DP replicas."""
+    shapes = model.shapes()
+    candidates = [
+        t
+        for t in (1, 2, 4)
+        if all(
+            shapes[n][d] % t == 0
+            for n, d in [("q", 0), ("k", 0), ("gate", 0), ("o", 1), ("down", 1)]
+        )
+    ]
+    tp = draw(st.sampled_from(candidates))
+    pp = draw(st.integers(1, 2))
+    dp = draw(st.integers(1, 2))
+    split = {"q": 0, "k": 0, "v": 0, "gate": 0, "up": 0, "o": 1, "down": 1, "norm": None}
+    layouts = []
+    for name, shape in shapes.items():
+        stage = draw(st.integers(0, pp - 1))
+        dim = split.get(name, 0 if shape[0] % tp == 0 else None)
+        groups = [[(stage * tp + t) * dp + d for d in range(dp)] for t in range(tp)]
+        layouts.append(_rs.megatron_layout(name, shape, "bfloat16", dim, groups).unwrap())
+    return layouts
+
+
+placements: st.SearchStrategy[_rs.Shard | _rs.Replicate] = st.sampled_from(
+    [_rs.Replicate(), _rs.Shard(0), _rs.Shard(1)]
+)
+
+
+@st.composite
+def dtensor_trainers(draw: st.DrawFn, model: ReshardModel) -> list[_rs.TrainerLayout]:
+    """DTensor over a (dp, tp) mesh: any Shard/Replicate per mesh dim, uneven chunks too."""
+    mesh = (draw(st.integers(1, 2)), draw(st.integers(1, 3)))
+    ranks = draw(st.permutations(list(range(mesh[0] * mesh[1]))))
+    layouts = []
+    for name, shape in model.shapes().items():
+        chosen = [draw(placements) for _ in mesh]
+        chosen = [
+            p if not isinstance(p, _rs.Shard) or p.dim < len(shape) else _rs.Replicate()
+            for p in chosen
+        ]
+        layouts.append(_rs.dtensor_layout(name, shape, "bfloat16", mesh, ranks, chosen).unwrap())
+    return layouts
+
+
+# --- worker: the generate fuzz (tests/shell/test_worker_fuzz.py) ---
+from collections.abc import Callable as _FuzzCallable
+
+
+class FuzzCall(_BatchNamedTuple):
+    """One call a hostile caller makes: ``generate(data, greedy)``, or ``generate_text``
+    when ``text``; ``broken`` names the one input it broke (None: a valid call, which must
+    succeed), and a refusal must name it; ``damage`` says how (for the outcome counts)."""
+
+    data: object
+    greedy: object
+    text: bool
+    broken: str | None
+    damage: str
+
+
+class _FuzzBatch(_BatchNamedTuple):
+    """A valid batch and what a damage needs to know about it."""
+
+    data: dict[str, object]
+    ids: _batch_torch.Tensor
+    lengths: _batch_torch.Tensor
+    row: int
+    vocab_size: int
+    pad: int
+    max_model_len: int
+
+
+_FUZZ_STOP_TEXTS = st.text(alphabet="ae </>\n", min_size=1, max_size=3)
+
+
+@st.composite
+def _fuzz_valid(
+    draw: st.DrawFn, vocab_size: int, pad: int, max_model_len: int, *, min_batch: int = 0
+) -> dict[str, object]:
+    """A valid batch: right-padded (sometimes a strided view), in a dtype that holds the
+    vocabulary, with optional seeds and per-row stop strings; sometimes a row near the
+    context end, sometimes no rows at all."""
+    batch = draw(st.integers(min_batch, 5))
+    tokens = st.integers(0, vocab_size - 1) | st.just(pad)
+    prompts = [draw(st.lists(tokens, min_size=1, max_size=12)) for _ in range(batch)]
+    if batch and draw(st.integers(0, 9)) == 0:  # room for only a few generated tokens
+        room = draw(st.integers(1, 6))
+        prompts[0] = prompts[0] + [7] * (max_model_len - room - len(prompts[0]))
+    longest = max((len(p) for p in prompts), default=draw(st.integers(0, 3)))
+    width = longest + draw(st.integers(0, 3))
+    dtype = draw(st.sampled_from([_batch_torch.int64, _batch_torch.int32, _batch_torch.int16]))
+    stride = draw(st.sampled_from([1, 1, 2]))
+    ids = _batch_torch.full((batch, width * stride), pad, dtype=dtype)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p) * stride : stride] = _batch_torch.tensor(p, dtype=dtype)
+    lengths_dtype = draw(st.sampled_from([_batch_torch.int64, _batch_torch.int32]))
+    data: dict[str, object] = {
+        "input_ids": ids[:, ::stride],
+        "input_lengths": _batch_torch.tensor([len(p) for p in prompts], dtype=lengths_dtype),
+    }
+    seeds = st.none() | st.integers(0, 2**64 - 1) | st.sampled_from([0, 2**64 - 1])
+    choice = draw(st.sampled_from(["none", "list", "tensor"]))
+    if choice == "list":
+        data["seeds"] = draw(st.lists(seeds, min_size=batch, max_size=batch))
+    elif choice == "tensor":
+        values = draw(st.lists(st.integers(0, 2**63 - 1), min_size=batch, max_size=batch))
+        data["seeds"] = _batch_torch.tensor(values, dtype=_batch_torch.int64)
+    if draw(st.booleans()):
+        per_row = st.none() | st.lists(_FUZZ_STOP_TEXTS, max_size=2)
+        data["stop_strings"] = draw(st.lists(per_row, min_size=batch, max_size=batch))
+    return data
+
+
+def _with(b: _FuzzBatch, key: str, value: object) -> dict[str, object]:
+    return {**b.data, key: value}
+
+
+def _without(b: _FuzzBatch, key: str) -> dict[str, object]:
+    return {k: v for k, v in b.data.items() if k != key}
+
+
+def _put(t: _batch_torch.Tensor, index: tuple[int, ...], value: int) -> _batch_torch.Tensor:
+    out = t.clone()
+    out[index] = value
+    return out
+
+
+def _not_right_padded(draw: st.DrawFn, b: _FuzzBatch) -> dict[str, object]:
+    """A real token after the row's length (one more column, so there is one)."""
+    wide = _batch_torch.cat([b.ids, _batch_torch.full((b.ids.shape[0], 1), b.pad)], dim=1)
+    pos = draw(st.integers(int(b.lengths[b.row]), wide.shape[1] - 1))
+    return _with(b, "input_ids", _put(wide, (b.row, pos), (b.pad + 1) % b.vocab_size))
+
+
+def _fills_context(draw: st.DrawFn, b: _FuzzBatch) -> dict[str, object]:
+    """A row of max_model_len tokens or more: no room to generate."""
+    n = b.max_model_len + draw(st.integers(0, 3))
+    ids = _batch_torch.full((b.ids.shape[0], n), b.pad)
+    ids[:, : b.ids.shape[1]] = b.ids
+    ids[b.row, :n] = 7
+    lengths = _put(b.lengths.to(_batch_torch.int64), (b.row,), n)
+    return {**b.data, "input_ids": ids, "input_lengths": lengths}
+
+
+_Damage = _FuzzCallable[[st.DrawFn, _FuzzBatch], tuple[object, str]]
+
+
+def _row_list(b: _FuzzBatch, value: object, other: object) -> list[object]:
+    return [value if i == b.row else other for i in range(b.ids.shape[0])]
+
+
+_FUZZ_DAMAGES: dict[str, _Damage] = {
+    "data not a mapping": lambda d, b: (d(st.sampled_from([None, [], "ids", 3, (1,)])), "data"),
+    "input_ids missing": lambda d, b: (_without(b, "input_ids"), "input_ids"),
+    "input_ids a list": lambda d, b: (_with(b, "input_ids", b.ids.tolist()), "input_ids"),
+    "input_ids float": lambda d, b: (_with(b, "input_ids", b.ids.float()), "input_ids"),
+    "input_ids bool": lambda d, b: (_with(b, "input_ids", b.ids != b.pad), "input_ids"),
+    "input_ids 1-D": lambda d, b: (_with(b, "input_ids", b.ids.reshape(-1)), "input_ids"),
+    "input_ids 3-D": lambda d, b: (_with(b, "input_ids", b.ids.unsqueeze(0)), "input_ids"),
+    "input_ids int8/uint8": lambda d, b: (
+        _with(
+            b, "input_ids", b.ids.to(d(st.sampled_from([_batch_torch.int8, _batch_torch.uint8])))
+        ),
+        "input_ids",
+    ),
+    "input_ids meta": lambda d, b: (_with(b, "input_ids", b.ids.to("meta")), "input_ids"),
+    "input_ids sparse": lambda d, b: (_with(b, "input_ids", b.ids.to_sparse()), "input_ids"),
+    "token out of vocabulary": lambda d, b: (
+        _with(
+            b,
+            "input_ids",
+            _put(
+                b.ids.to(_batch_torch.int64),
+                (b.row, d(st.integers(0, int(b.lengths[b.row]) - 1))),
+                d(st.sampled_from([-1, -7, b.vocab_size, b.vocab_size + 100, 2**31])),
+            ),
+        ),
+        "input_ids",
+    ),
+    "not right-padded": lambda d, b: (_not_right_padded(d, b), "input_ids"),
+    "input_lengths missing": lambda d, b: (_without(b, "input_lengths"), "input_lengths"),
+    "input_lengths a list": lambda d, b: (
+        _with(b, "input_lengths", b.lengths.tolist()),
+        "input_lengths",
+    ),
+    "input_lengths float": lambda d, b: (
+        _with(b, "input_lengths", b.lengths.float()),
+        "input_lengths",
+    ),
+    "input_lengths (B, 1)": lambda d, b: (
+        _with(b, "input_lengths", b.lengths.unsqueeze(1)),
+        "input_lengths",
+    ),
+    "input_lengths meta": lambda d, b: (
+        _with(b, "input_lengths", b.lengths.to("meta")),
+        "input_lengths",
+    ),
+    "input_lengths sparse": lambda d, b: (
+        _with(b, "input_lengths", b.lengths.to_sparse()),
+        "input_lengths",
+    ),
+    "length outside [1, width]": lambda d, b: (
+        _with(
+            b,
+            "input_lengths",
+            _put(
+                b.lengths,
+                (b.row,),
+                d(st.sampled_from([0, -1, -5, b.ids.shape[1] + 1, b.ids.shape[1] + 9])),
+            ),
+        ),
+        "input_lengths",
+    ),
+    "batch sizes differ": lambda d, b: (
+        _with(b, "input_lengths", _batch_torch.cat([b.lengths, b.lengths[:1]])),
+        "input_lengths",
+    ),
+    "fills the context": lambda d, b: (_fills_context(d, b), "input_lengths"),
+    "seed out of range": lambda d, b: (
+        _with(
+            b,
+            "seeds",
+            _row_list(b, d(st.sampled_from([2**64, 2**64 + 1, 2**80, -1, -(2**63)])), None),
+        ),
+        "seeds",
+    ),
+    "seed not an int": lambda d, b: (
+        _with(b, "seeds", _row_list(b, d(st.sampled_from([1.0, True, "3", b"3", [1]])), 0)),
+        "seeds",
+    ),
+    "seeds miscounted": lambda d, b: (
+        _with(b, "seeds", [0] * (b.ids.shape[0] + d(st.sampled_from([-1, 1, 2])))),
+        "seeds",
+    ),
+    "seeds a bad tensor": lambda d, b: (
+        _with(
+            b,
+            "seeds",
+            d(
+                st.sampled_from(
+                    [
+                        _batch_torch.zeros(b.ids.shape[0], 1, dtype=_batch_torch.int64),
+                        _batch_torch.zeros(b.ids.shape[0]),
+                        _batch_torch.zeros(b.ids.shape[0], dtype=_batch_torch.int64).to("meta"),
+                    ]
+                )
+            ),
+        ),
+        "seeds",
+    ),
+    "empty stop string": lambda d, b: (
+        _with(b, "stop_strings", _row_list(b, [""], None)),
+        "stop_strings",
+    ),
+    "stop strings not a list": lambda d, b: (
+        _with(b, "stop_strings", d(st.sampled_from(["</a>", 3, {"a": 1}]))),
+        "stop_strings",
+    ),
+    "stop strings miscounted": lambda d, b: (
+        _with(b, "stop_strings", [None] * (b.ids.shape[0] + 1)),
+        "stop_strings",
+    ),
+    "stop string not a str": lambda d, b: (
+        _with(b, "stop_strings", _row_list(b, [3], None)),
+        "stop_strings",
+    ),
+}
+
+
+_FUZZ_TEXTS = st.text(alphabet="abcdefghij ,.", min_size=1, max_size=12)
+_FUZZ_TEXT_DAMAGES: dict[str, tuple[object, str]] = {
+    "text data not a mapping": (None, "data"),
+    "text data a list": (["Once upon a time"], "data"),
+    "prompts missing": ({}, "prompts"),
+    "prompts not a list": ({"prompts": "Once"}, "prompts"),
+    "prompt not a str": ({"prompts": ["Once", 3]}, "prompts"),
+    "empty prompt": ({"prompts": ["Once", ""]}, "prompts"),
+}
+
+
+FUZZ_KINDS: tuple[str, ...] = (
+    "valid",
+    "valid text",
+    "greedy not a bool",
+    *sorted(_FUZZ_DAMAGES),
+    *sorted(_FUZZ_TEXT_DAMAGES),
+)
+"""Every kind of call :func:`generate_calls` makes: valid ones, and one per damage."""
+
+
+@st.composite
+def generate_calls(
+    draw: st.DrawFn, kind: str, *, vocab_size: int, pad: int, max_model_len: int
+) -> FuzzCall:
+    """A call of one of :data:`FUZZ_KINDS`: valid, or breaking exactly one input."""
+    greedy = draw(st.booleans())
+    if kind == "valid text":
+        prompts = draw(st.lists(_FUZZ_TEXTS, max_size=4))
+        return FuzzCall({"prompts": prompts}, greedy, True, None, kind)
+    if kind in _FUZZ_TEXT_DAMAGES:
+        data, key = _FUZZ_TEXT_DAMAGES[kind]
+        return FuzzCall(data, greedy, True, key, kind)
+    if kind == "valid":
+        return FuzzCall(
+            draw(_fuzz_valid(vocab_size, pad, max_model_len)), greedy, False, None, kind
+        )
+    if kind == "greedy not a bool":
+        bad = draw(st.sampled_from([1, 0, "yes", None, 1.0]))
+        return FuzzCall(
+            draw(_fuzz_valid(vocab_size, pad, max_model_len)), bad, False, "greedy", kind
+        )
+    data = draw(_fuzz_valid(vocab_size, pad, max_model_len, min_batch=1))
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    assert isinstance(ids, _batch_torch.Tensor)
+    assert isinstance(lengths, _batch_torch.Tensor)
+    batch = _FuzzBatch(
+        data=data,
+        ids=ids,
+        lengths=lengths,
+        row=draw(st.integers(0, ids.shape[0] - 1)),
+        vocab_size=vocab_size,
+        pad=pad,
+        max_model_len=max_model_len,
+    )
+    broken, key = _FUZZ_DAMAGES[kind](draw, batch)
+    return FuzzCall(broken, greedy, False, key, kind)
+
+
+# --- multimodal ---
+class MediaBatch(_NamedTuple):
+    """Token prompts, each row's image count, the placeholder id (None: a text-only
+    model) and the per-prompt image limit (None: unknown)."""
+
+    prompts: list[list[int]]
+    image_counts: list[int]
+    placeholder_id: int | None
+    max_images: int | None
+
+
+@st.composite
+def media_batches(draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 10) -> MediaBatch:
+    """Rows over a tiny vocabulary so placeholder ids occur often (runs of them too), with
+    image counts that match, miss or exceed them."""
+    placeholder = draw(st.none() | st.integers(0, 3))
+    token = st.integers(0, 3)
+    prompts = [
+        draw(st.lists(token, min_size=1, max_size=max_len))
+        for _ in range(draw(st.integers(0, max_rows)))
+    ]
+    counts = []
+    for prompt in prompts:
+        matching = prompt.count(placeholder) if placeholder is not None else 0
+        counts.append(draw(st.sampled_from([matching, 0, matching + 1, max(matching - 1, 0)])))
+    return MediaBatch(prompts, counts, placeholder, draw(st.none() | st.integers(0, 3)))
+
+
+# --- refit_protocol ---
+import attrs as _protocol_attrs
+
+from genworker.core import refit_protocol as _protocol
+
+
+@_protocol_attrs.frozen
+class RefitSendCase:
+    """A manifest and how a trainer sends it: per tensor, whether its storage is one the
+    engine mapped last refit, its storage's extra bytes, whether it is contiguous and on
+    the transport's device, and the seconds its stream took to produce it."""
+
+    specs: tuple[_refit.TensorSpec, ...]
+    budget: int
+    flush_after_s: float
+    recognised: tuple[bool, ...]
+    extra: tuple[int, ...]
+    contiguous: tuple[bool, ...]
+    local: tuple[bool, ...]
+    delays: tuple[float, ...]
+
+
+@st.composite
+def refit_send_cases(draw: st.DrawFn, *, max_size: int = 12) -> RefitSendCase:
+    specs = tuple(draw(refit_specs(min_size=1, max_size=max_size)))
+    n = len(specs)
+
+    def flags() -> tuple[bool, ...]:
+        return tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+
+    return RefitSendCase(
+        specs=specs,
+        budget=draw(refit_budgets),
+        flush_after_s=draw(st.sampled_from([0.5, 1.0, 1e9])),
+        recognised=flags(),
+        extra=tuple(draw(st.lists(st.sampled_from([0, 1 << 16]), min_size=n, max_size=n))),
+        contiguous=flags(),
+        local=flags(),
+        delays=tuple(draw(st.lists(st.sampled_from([0.0, 0.3, 0.6]), min_size=n, max_size=n))),
+    )
+
+
+_refit_ids = st.sampled_from(["r1", "r2"])
+_refit_refs = st.builds(
+    _protocol.TensorRef,
+    st.sampled_from(["a", "b", "c"]),
+    st.sampled_from([(2,), (3,)]),
+    st.sampled_from(["float32", "int8"]),
+    st.integers(0, 2),
+    st.sampled_from([0, 1, 8, 600]),
+)
+refit_events: st.SearchStrategy[_protocol.Event] = st.one_of(
+    st.builds(_protocol.Begin, _refit_ids, st.sampled_from(["", "wrong"]), st.integers(1, 3)),
+    st.builds(
+        _protocol.Chunk,
+        _refit_ids,
+        st.integers(0, 3),
+        st.lists(_refit_refs, max_size=3).map(tuple),
+        st.none() | st.lists(st.sampled_from([0, 16, 1024]), max_size=3).map(tuple),
+        st.lists(st.sampled_from(list(_protocol.StorageKind)), max_size=3).map(tuple),
+    ),
+    st.builds(_protocol.End, _refit_ids, st.integers(0, 3), st.integers(0, 4)),
+    st.builds(_protocol.Abort, _refit_ids, st.just("stop")),
+)

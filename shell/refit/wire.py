@@ -1,80 +1,50 @@
-"""The refit wire format: fixed msgpack schemas, no pickle anywhere.
+"""The refit wire: :mod:`genworker.core.refit_protocol`'s events as msgpack, never pickle.
 
-Every refit, over either transport, is the same sequence of messages from the trainer:
-``Begin`` (refit id, manifest digest), one ``BucketMsg`` per bucket, then ``Complete``;
-``Abort`` replaces the rest when the trainer itself fails. Messages are msgspec structs
-tagged by ``kind`` and decoded against this schema only (a malformed frame is an error
-answer, never an object). Buffers travel as handles made of bytes and ints
-(:class:`CpuHandle` for a shared-memory file, :class:`CudaHandle` for a CUDA IPC handle),
-the way failure-modes §3.1 recommends instead of vLLM's pickled ``rebuild_cuda_tensor``.
-
-A trainer that can send every tensor straight into the engine's memory lists its tensors
-in ``Begin.direct`` (:class:`TensorRef` values: name, shape, dtype). The engine checks the
-list against the manifest before anything moves; when every tensor is a direct route it
-agrees (IPC: the ``Begin`` answer carries an :class:`Offer`; collective: a vote in the
-``Begin`` status round), and one :class:`DirectMsg` replaces the buckets and ``Complete``
-(see ``refit.ipc`` and ``refit.collective`` for what each transport moves).
-
-Answers are :class:`Reply` values: ``ok`` or an error with its ``kind`` (``manifest``,
-``timeout``, ``aborted``, ``error``) and the receiver's message, so the sender raises the
-matching typed error with the receiver's own words.
+A frame is ``[kind, event, handles]``, decoded against the event's own schema (a
+malformed frame is an error answer, never an object). Storages travel as handles of bytes
+and ints (:class:`CpuHandle`, a shared-memory file; :class:`CudaHandle`, the fields of
+``UntypedStorage._share_cuda_()``), as failure-modes §3.1 recommends instead of vLLM's
+pickled ``rebuild_cuda_tensor``. Errors cross processes as a kind and a message
+(:func:`failure`, :func:`raise_failures`): vLLM's multiprocess executor and ``AsyncLLM``
+turn a raised error into text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Final
 
+import attrs
 import msgspec
 
-from genworker.core.refit_plan import Bucket, Slot
-from genworker.shell.errors import RefitError, RefitManifestError, RefitTimeoutError
+from genworker.core import refit_protocol as p
+from genworker.shell.errors import (
+    BadArgumentError,
+    BadConfigError,
+    EngineStateError,
+    GenworkerError,
+    RefitError,
+    RefitManifestError,
+    RefitTimeoutError,
+    RefitTransportError,
+)
 
-__all__ = [
-    "PROTOCOL",
-    "Abort",
-    "Begin",
-    "BucketMsg",
-    "Complete",
-    "CpuHandle",
-    "CudaHandle",
-    "DirectMsg",
-    "Hello",
-    "Message",
-    "Offer",
-    "Reply",
-    "TensorRef",
-    "WireSlot",
-    "bucket_from_wire",
-    "bucket_to_wire",
-    "decode_message",
-    "decode_reply",
-    "encode",
-    "error_from_reply",
-    "error_kind",
-]
-
-PROTOCOL: Final = 1
+__all__ = ["CpuHandle", "CudaHandle", "Handle", "Reply", "decode", "encode", "failure"]
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class WireSlot(msgspec.Struct, array_like=True, frozen=True):
-    name: str
-    offset: NonNegative
-    nbytes: NonNegative
-    shape: list[NonNegative]
-    dtype: str
-
-
-class CpuHandle(msgspec.Struct, tag="cpu", frozen=True):
-    """A file in a private shared-memory directory, mapped by both sides."""
+class CpuHandle(msgspec.Struct, tag="cpu", frozen=True, array_like=True):
+    """A file in shared memory (a private staging file, or ``/proc/<pid>/fd/<fd>`` of a
+    trainer's tensor); ``inode`` tells two files at one path apart."""
 
     path: str
     size: NonNegative
+    inode: int
     device_id: str
 
 
-class CudaHandle(msgspec.Struct, tag="cuda", frozen=True):
+class CudaHandle(msgspec.Struct, tag="cuda", frozen=True, array_like=True):
     """The fields of ``UntypedStorage._share_cuda_()``; the device index is the receiver's."""
 
     device_id: str
@@ -87,157 +57,87 @@ class CudaHandle(msgspec.Struct, tag="cuda", frozen=True):
     event_sync_required: bool
 
 
-class TensorRef(msgspec.Struct, array_like=True, frozen=True):
-    """One tensor of a direct refit; ``storage``/``offset`` place it in a frame's handles."""
-
-    name: str
-    shape: list[NonNegative]
-    dtype: str
-    storage: NonNegative = 0  # index into the frame's storages
-    offset: NonNegative = 0  # byte offset in that storage
-
-
-class Begin(msgspec.Struct, tag="begin", frozen=True):
-    refit_id: str
-    manifest_digest: str  # "" when the sender does not know the manifest
-    protocol: int = PROTOCOL
-    direct: list[TensorRef] | None = None  # the whole stream, when the sender can go direct
-    # collective direct refits: broadcasts are issued in NCCL group calls of at most this
-    # many bytes (core.refit_plan.broadcast_groups); 0: one call per tensor
-    group_bytes: NonNegative = 0
-
-
-class Offer(msgspec.Struct, frozen=True):
-    """The engine's answer to a direct ``Begin`` over IPC.
-
-    ``engine-handles``: ``storages`` map the engine's own parameters, ``tensors`` place
-    each manifest tensor in them; the sender writes, then sends a :class:`DirectMsg`
-    without storages. ``sender-handles``: the engine cannot export its memory (CUDA
-    virtual-memory allocations, as vLLM's sleep mode makes); the sender exports its own
-    tensors in the :class:`DirectMsg` and the engine copies from them.
-    """
-
-    mode: str
-    storages: list[CpuHandle | CudaHandle] = []
-    tensors: list[TensorRef] = []
-
-
-class DirectMsg(msgspec.Struct, tag="direct", frozen=True):
-    """Every tensor of a direct refit, in order; ends the refit like ``Complete``."""
-
-    refit_id: str
-    tensors: list[TensorRef]
-    storages: list[CpuHandle | CudaHandle] = []
-    # the sender keeps these storages for later refits: the engine may keep them mapped
-    # (until a refit lists other ones or none, or it is told to release them)
-    keep: bool = False
-
-
-class BucketMsg(msgspec.Struct, tag="bucket", frozen=True):
-    refit_id: str
-    index: NonNegative
-    buffer: Annotated[int, msgspec.Meta(ge=0, le=1)]
-    used_bytes: NonNegative
-    slots: list[WireSlot]
-    checksum: int | None = None
-    handle: CpuHandle | CudaHandle | None = None  # None on the collective path
-
-
-class Complete(msgspec.Struct, tag="complete", frozen=True):
-    refit_id: str
-    buckets: NonNegative
-    tensors: NonNegative
-
-
-class Abort(msgspec.Struct, tag="abort", frozen=True):
-    refit_id: str
-    message: str
-
-
-class Hello(msgspec.Struct, tag="hello", frozen=True):
-    """One rank's view of the weight-update group, compared by rank 0 at rendezvous."""
-
-    rank: int
-    world_size: int
-    train_world_size: int
-    backend: str
-    role: str
-    protocol: int = PROTOCOL
+Handle = CpuHandle | CudaHandle
 
 
 class Reply(msgspec.Struct, frozen=True):
+    """The receiver's answer to every message: ok, or an error's kind and text."""
+
     ok: bool
-    refit_id: str = ""
-    kind: str = "ack"
+    kind: str = ""
     message: str = ""
-    offer: Offer | None = None
 
 
-Message = Begin | BucketMsg | Complete | Abort | DirectMsg
-
-_message_decoder: Final = msgspec.msgpack.Decoder(Message)
-_reply_decoder: Final = msgspec.msgpack.Decoder(Reply)
+_KIND: Final = {p.Begin: "begin", p.Chunk: "chunk", p.End: "end", p.Abort: "abort"}
+_BODY: Final[dict[str, msgspec.msgpack.Decoder[p.Event]]] = {
+    kind: msgspec.msgpack.Decoder(cls) for cls, kind in _KIND.items()
+}
+_FRAME: Final = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw, list[Handle] | None])
 _encoder: Final = msgspec.msgpack.Encoder()
 
 
-def encode(value: msgspec.Struct) -> bytes:
-    return _encoder.encode(value)
+def encode(event: object, handles: Sequence[Handle] | None = None) -> bytes:
+    """An event's frame (a chunk's storage sizes travel in its handles), or any other
+    value msgspec encodes (a reply, a group claim)."""
+    if type(event) not in _KIND:
+        return _encoder.encode(event)
+    if isinstance(event, p.Chunk):
+        event = attrs.evolve(event, storages=None)
+    return _encoder.encode((_KIND[type(event)], event, handles))
 
 
-def decode_message(data: bytes | memoryview) -> Message:
-    """Decode a trainer message; :class:`RefitError` on anything off the schema."""
+def decode(data: bytes | memoryview) -> tuple[p.Event, list[Handle] | None]:
+    """The event and a chunk's handles; :class:`RefitError` off the schema."""
     try:
-        return _message_decoder.decode(data)
-    except msgspec.DecodeError as e:
-        raise RefitError(f"malformed refit message ({len(data)} bytes): {e}") from e
+        kind, body, handles = _FRAME.decode(data)
+        event = _BODY[kind].decode(body)
+    except (msgspec.DecodeError, KeyError) as error:
+        raise RefitError(f"malformed refit message ({len(data)} bytes): {error!r}") from error
+    if isinstance(event, p.Chunk):
+        sizes = None if handles is None else tuple(h.size for h in handles)
+        event = attrs.evolve(event, storages=sizes)
+    return event, handles
 
 
-def decode_reply(data: bytes | memoryview, peer: str) -> Reply:
+def decode_reply(data: bytes, peer: str) -> Reply:
     try:
-        return _reply_decoder.decode(data)
-    except msgspec.DecodeError as e:
-        raise RefitError(f"malformed refit reply from {peer}: {e}") from e
+        return msgspec.msgpack.decode(data, type=Reply)
+    except msgspec.DecodeError as error:
+        raise RefitError(f"malformed refit reply from {peer}: {error}") from error
 
 
-def bucket_to_wire(
-    bucket: Bucket,
-    refit_id: str,
-    *,
-    checksum: int | None = None,
-    handle: CpuHandle | CudaHandle | None = None,
-) -> BucketMsg:
-    return BucketMsg(
-        refit_id=refit_id,
-        index=bucket.index,
-        buffer=bucket.buffer,
-        used_bytes=bucket.used_bytes,
-        slots=[WireSlot(s.name, s.offset, s.nbytes, list(s.shape), s.dtype) for s in bucket.slots],
-        checksum=checksum,
-        handle=handle,
-    )
+_KINDS: Final[tuple[tuple[str, type[GenworkerError]], ...]] = (
+    ("manifest", RefitManifestError),
+    ("timeout", RefitTimeoutError),
+    ("transport", RefitTransportError),
+    ("refit", RefitError),
+    ("state", EngineStateError),
+    ("argument", BadArgumentError),
+    ("config", BadConfigError),
+)
+KINDS: Final = tuple(kind for kind, _ in _KINDS)
 
 
-def bucket_from_wire(msg: BucketMsg) -> Bucket:
-    """The core bucket of a message; :class:`RefitError` when a slot is not a valid value."""
-    try:
-        slots = tuple(Slot(s.name, s.offset, s.nbytes, tuple(s.shape), s.dtype) for s in msg.slots)
-        return Bucket(msg.index, msg.buffer, slots, msg.used_bytes)
-    except ValueError as e:
-        raise RefitError(f"refit bucket {msg.index} has an invalid slot: {e}") from e
+def kind_of(error: BaseException) -> str:
+    """The wire name of an error's type (``refit`` for anything untyped)."""
+    return next((kind for kind, cls in _KINDS if isinstance(error, cls)), "refit")
 
 
-def error_kind(error: BaseException) -> str:
-    if isinstance(error, RefitManifestError):
-        return "manifest"
-    if isinstance(error, RefitTimeoutError):
-        return "timeout"
-    return "error"
+def error_of(kind: str, message: str) -> GenworkerError:
+    """The typed error for a kind from :func:`kind_of`."""
+    return dict(_KINDS).get(kind, RefitError)(message)
 
 
-def error_from_reply(reply: Reply, context: str) -> RefitError:
-    """The typed error a sender raises for a receiver's error answer."""
-    cls: type[RefitError] = {
-        "manifest": RefitManifestError,
-        "timeout": RefitTimeoutError,
-    }.get(reply.kind, RefitError)
-    return cls(f"{context}: {reply.message}")
+def failure(error: BaseException) -> dict[str, object]:
+    """An engine worker's failed call as a plain value (see :func:`raise_failures`)."""
+    return {"error": kind_of(error), "message": str(error)}
+
+
+def raise_failures(results: Sequence[object], call: str) -> list[object]:
+    """``results`` of a ``collective_rpc``, or the typed error of the first engine worker
+    that failed (a :func:`failure` value), naming the worker."""
+    for rank, result in enumerate(results):
+        if isinstance(result, dict) and "error" in result:
+            message = f"{call} failed on engine worker {rank}: {result.get('message', '')}"
+            raise error_of(str(result["error"]), message)
+    return list(results)

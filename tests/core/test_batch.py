@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from returns.result import Failure, Success
-from strategies import PaddedBatch, WildBatch, right_padded_batches, st, wild_batches
+from strategies import (
+    DtypeCase,
+    PaddedBatch,
+    WildBatch,
+    dtype_cases,
+    right_padded_batches,
+    seed_values,
+    st,
+    wild_batches,
+)
 
+from genworker.core.assembly import Generation, assemble_outputs
 from genworker.core.batch import (
+    MAX_TOKEN_ID,
+    SEED_LIMIT,
     BatchError,
     BatchErrorKind,
     CheckedBatch,
     check_batch,
+    check_seeds,
     extract_prompts,
 )
 
@@ -206,10 +222,188 @@ def test_a_row_that_fills_the_context_leaves_no_room_to_generate() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
-def test_narrow_integer_dtypes_are_accepted(dtype: torch.dtype) -> None:
+def test_narrow_integer_dtypes_are_accepted_when_they_hold_the_vocabulary(
+    dtype: torch.dtype,
+) -> None:
     ids = torch.tensor([[1, 2, 0]], dtype=dtype)
     checked = check_batch(ids, torch.tensor([2], dtype=dtype), pad_token_id=0, vocab_size=3)
     assert checked.unwrap().prompts == ([1, 2],)
+
+
+def _holds(dtype: torch.dtype, case: DtypeCase) -> bool:
+    info = torch.iinfo(dtype)
+    largest = MAX_TOKEN_ID if case.vocab_size is None else case.vocab_size - 1
+    return info.min <= case.pad_token_id <= info.max and largest <= info.max
+
+
+@given(dtype_cases())
+def test_a_dtype_is_refused_exactly_when_it_cannot_hold_the_outputs_and_never_wraps(
+    case: DtypeCase,
+) -> None:
+    """Law: check_batch accepts a dtype iff it holds the pad id and every id the engine can
+    generate; accepted, the assembled output_ids (in that dtype) hold the generated ids
+    exactly, and the pad id exactly."""
+    dtype = case.input_ids.dtype
+    result = check_batch(
+        case.input_ids,
+        case.input_lengths,
+        pad_token_id=case.pad_token_id,
+        vocab_size=case.vocab_size,
+    )
+    if not _holds(dtype, case):
+        assert isinstance(result, Failure)
+        error = result.failure()
+        assert error.kind is BatchErrorKind.INPUT_IDS
+        assert str(error).startswith(f"input_ids dtype {dtype} cannot hold")
+        return
+    assert isinstance(result, Success)
+    generations = [
+        Generation(np.asarray(g, dtype=np.int64), None, "length") for g in case.generated
+    ]
+    out = assemble_outputs(case.input_ids, case.input_lengths, generations, case.pad_token_id)
+    assert out.output_ids.dtype == dtype
+    wide = out.output_ids.to(torch.int64)
+    for i, (n, g) in enumerate(zip(case.input_lengths.tolist(), case.generated, strict=True)):
+        assert wide[i, n : n + len(g)].tolist() == g
+        assert (wide[i, n + len(g) :] == case.pad_token_id).all()
+
+
+def test_int8_cannot_carry_a_512_token_vocabulary() -> None:
+    error = check_batch(
+        torch.tensor([[5, 6, 2]], dtype=torch.int8),
+        torch.tensor([2]),
+        pad_token_id=2,
+        vocab_size=512,
+    ).failure()
+    assert str(error) == (
+        "input_ids dtype torch.int8 cannot hold the output ids (output_ids keeps the input "
+        "dtype): torch.int8 holds [-128, 127], not the largest token id (vocab_size - 1) "
+        "511; send int32 or int64"
+    )
+
+
+def test_without_a_vocabulary_the_dtype_must_hold_every_id_vllm_emits() -> None:
+    ids = torch.tensor([[5, 6]], dtype=torch.int16)
+    error = check_batch(ids, torch.tensor([2]), pad_token_id=0).failure()
+    assert "not the largest id vLLM emits 2147483647" in str(error)
+    assert check_batch(ids.to(torch.int32), torch.tensor([2]), pad_token_id=0).unwrap()
+
+
+def test_a_pad_id_the_dtype_cannot_hold_is_refused() -> None:
+    ids = torch.tensor([[5, 6]], dtype=torch.uint8)
+    error = check_batch(ids, torch.tensor([2]), pad_token_id=-1, vocab_size=8).failure()
+    assert "torch.uint8 holds [0, 255], not the pad id -1" in str(error)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_wide_unsigned_dtypes_are_refused_naming_the_dtypes_taken(dtype: torch.dtype) -> None:
+    error = check_batch(torch.ones(1, 2, dtype=dtype), torch.tensor([2]), pad_token_id=0).failure()
+    assert error.kind is BatchErrorKind.INPUT_IDS
+    assert "(int8 to int64, or uint8)" in str(error)
+    assert f"dtype {dtype}" in str(error)
+
+
+def _masked(t: torch.Tensor) -> torch.Tensor:
+    from torch.masked import masked_tensor
+
+    return masked_tensor(t, torch.ones_like(t, dtype=torch.bool))
+
+
+def _fake(t: torch.Tensor) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode().from_tensor(t)
+
+
+def _nested(t: torch.Tensor) -> torch.Tensor:
+    return torch.nested.nested_tensor(list(t), layout=torch.jagged)
+
+
+_EXOTIC: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
+    "meta": (lambda t: t.to("meta"), "a meta tensor (it holds no data)"),
+    "sparse_coo": (lambda t: t.to_sparse(), "a torch.sparse_coo tensor (not dense)"),
+    "sparse_csr": (lambda t: t.to_sparse_csr(), "a torch.sparse_csr tensor (not dense)"),
+    "nested": (_nested, "a nested tensor"),
+    "fake": (_fake, "a FakeTensor (a tensor subclass that dispatches its own ops)"),
+    "masked": (_masked, "a MaskedTensor (a tensor subclass that dispatches its own ops)"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    ("subject", "exotic"),
+    [("input_ids", name) for name in sorted(_EXOTIC)]
+    # 1-D: CSR and nested tensors need two dimensions
+    + [("input_lengths", name) for name in ("fake", "masked", "meta", "sparse_coo")],
+)
+def test_exotic_tensors_are_refused_naming_the_input(subject: str, exotic: str) -> None:
+    make, named = _EXOTIC[exotic]
+    ids, lengths = torch.tensor([[5, 6, 0], [7, 0, 0]]), torch.tensor([2, 1])
+    args = (make(ids), lengths) if subject == "input_ids" else (ids, make(lengths))
+    error = check_batch(*args, pad_token_id=0, vocab_size=8).failure()
+    kind = BatchErrorKind.INPUT_IDS if subject == "input_ids" else BatchErrorKind.INPUT_LENGTHS
+    assert error.kind is kind
+    assert str(error).startswith(f"{subject} must be a dense tensor holding data; got {named}")
+
+
+def test_a_strided_view_is_a_plain_tensor() -> None:
+    wide = torch.tensor([[5, 9, 6, 9, 0, 9], [7, 9, 0, 9, 0, 9]])
+    checked = check_batch(wide[:, ::2], torch.tensor([2, 1]), pad_token_id=0, vocab_size=16)
+    assert checked.unwrap().prompts == ([5, 6], [7])
+
+
+# -- seeds ---------------------------------------------------------------------------------
+@given(st.lists(seed_values, max_size=6))
+def test_seeds_are_refused_exactly_outside_the_generator_range_naming_every_row(
+    seeds: list[object],
+) -> None:
+    result = check_seeds(seeds, len(seeds))
+    bad = tuple(
+        i
+        for i, v in enumerate(seeds)
+        if v is not None and not (type(v) is int and 0 <= v < SEED_LIMIT)
+    )
+    if not bad:
+        assert result == Success(tuple(seeds))
+        return
+    assert isinstance(result, Failure)
+    error = result.failure()
+    assert (error.kind, error.rows) == (BatchErrorKind.SEEDS, bad)
+    assert str(error).startswith("data['seeds'] must be ints in [0, 2**64)")
+    for i in bad:
+        assert f"row {i} (seed {seeds[i]!r})" in str(error)
+
+
+def test_no_seeds_leave_every_row_unseeded() -> None:
+    assert check_seeds(None, 3) == Success((None, None, None))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.tensor([1, 2**62]), torch.tensor([0, 2**64 - 1], dtype=torch.uint64)],
+)
+def test_a_seed_tensor_gives_its_ints(tensor: torch.Tensor) -> None:
+    assert check_seeds(tensor, 2) == Success(tuple(tensor.tolist()))
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        (torch.tensor([[1, 2]]), "must be a 1-D integer tensor (batch,) (int or uint)"),
+        (torch.tensor([1.0, 2.0]), "dtype torch.float32"),
+        (torch.tensor([1, 2]).to("meta"), "a meta tensor"),
+        (torch.tensor([1, 2]).to_sparse(), "not dense"),
+        ([1, 2, 3], "one seed per row (2); got a list of 3"),
+        ((1,), "one seed per row (2); got a tuple of 1"),
+        ("12", "one seed per row (2); got a str"),
+        ({0: 1, 1: 2}, "one seed per row (2); got a dict"),
+    ],
+)
+def test_malformed_seeds_are_refused_naming_the_input(value: object, named: str) -> None:
+    error = check_seeds(value, 2).failure()
+    assert error.kind is BatchErrorKind.SEEDS
+    assert str(error).startswith("data['seeds'] ")
+    assert named in str(error)
 
 
 def test_extract_prompts_refuses_mismatched_lengths() -> None:

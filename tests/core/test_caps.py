@@ -27,7 +27,9 @@ from genworker.core.caps import (
     CapArgumentError,
     CapError,
     CapFailure,
+    RowCaps,
     batch_max_tokens,
+    cap_rows,
     context_cap,
     request_max_tokens,
     reserved_tokens,
@@ -324,6 +326,40 @@ def test_batch_is_the_scalar_row_by_row(
         assert {error.reserve} == {r.failure().reserve for r in rows if isinstance(r, Failure)}
     else:
         assert got == Success(tuple(r.unwrap() for r in rows))
+
+
+@given(batch_cap_cases(), st.sampled_from(LENGTH_CONTAINERS))
+def test_rows_without_room_are_refused_alone_and_the_rest_keep_their_caps(
+    case: BatchCapCase, container: Callable[[list[int]], Sequence[int] | torch.Tensor]
+) -> None:
+    got = cap_rows(
+        case.max_new_tokens,
+        container(case.input_lengths),
+        case.max_model_len,
+        cap_to_context=case.cap_to_context,
+        num_speculative_tokens=case.num_speculative_tokens,
+    )
+    assert isinstance(got, Success)
+    caps = got.unwrap()
+    rows = scalar_rows(case)
+    refused = tuple(i for i, r in enumerate(rows) if isinstance(r, Failure))
+    assert caps.refused_rows == refused
+    assert caps.max_tokens == tuple(0 if isinstance(r, Failure) else r.unwrap() for r in rows)
+    whole = batch(case, case.input_lengths)
+    if refused:
+        assert caps.refused == whole.failure()
+    else:
+        assert caps == RowCaps(whole.unwrap())
+
+
+def test_cap_rows_still_refuses_bad_arguments() -> None:
+    result = cap_rows(8, [3, -1], 16, cap_to_context=True, num_speculative_tokens=0)
+    assert isinstance(result, Failure)
+    assert result.failure().argument == "input_lengths"
+    every = cap_rows(8, [16, 20], 16, cap_to_context=True, num_speculative_tokens=0)
+    assert isinstance(every, Success)
+    assert every.unwrap().max_tokens == (0, 0)
+    assert every.unwrap().refused_rows == (0, 1)
 
 
 @given(batch_cap_cases(max_size=40))

@@ -136,17 +136,31 @@ def test_every_problem_is_reported_at_once(
 @given(
     nemo_config_dicts(),
     st.dictionaries(st.text("abc_", min_size=1).map("z_".__add__), cfg_json_values, max_size=4),
+    st.sampled_from(["top", "vllm_cfg"]),
 )
-def test_unknown_vllm_cfg_keys_are_kept_never_an_error(
-    d: dict[str, object], extra: dict[str, object]
+def test_unknown_keys_are_refused_by_name(
+    d: dict[str, object], extra: dict[str, object], where: str
 ) -> None:
+    target = d if where == "top" else d["vllm_cfg"]
+    assert isinstance(target, dict)
+    target.update(extra)
+    if not extra:
+        assert isinstance(WorkerConfig.from_mapping(d), Success)
+        return
+    error = _problems(d)
+    prefix = "" if where == "top" else "vllm_cfg."
+    assert set(error.keys) == {prefix + key for key in extra}
+    assert "unknown key" in error.message
+
+
+@given(nemo_config_dicts(), st.sampled_from(["val_top_p", "_debug_payload_metrics"]))
+def test_keys_of_other_layers_are_kept_for_them(d: dict[str, object], key: str) -> None:
+    d[key] = 0.5
+    assert _parse(d).extras[key] == 0.5
     v = d["vllm_cfg"]
     assert isinstance(v, dict)
-    v.update(extra)
-    c = _parse(d)
-    for key, value in extra.items():
-        assert c.vllm.extras[key] == freeze(value)
-        assert thaw(c.vllm.extras[key]) == value
+    v["expose_http_server"] = [1]
+    assert thaw(_parse(d).vllm.extras["expose_http_server"]) == [1]
 
 
 @given(wild_nemo_config_dicts())
@@ -158,8 +172,9 @@ def test_any_mapping_gives_a_config_or_a_config_error(d: dict[object, object]) -
         assert 0.0 <= c.temperature <= 2.0
         assert 0.0 < c.top_p <= 1.0
         assert c.top_k == -1 or c.top_k >= 1
+        k = c.num_speculative_tokens
+        assert k is None or k >= 0
         assert 0.0 < c.vllm.gpu_memory_utilization <= 1.0
-        assert c.num_speculative_tokens >= 0
     else:
         error = result.failure()
         assert error.problems
@@ -302,12 +317,111 @@ def test_speculative_config_in_vllm_kwargs_moves_to_vllm_cfg() -> None:
     assert c.to_mapping()["vllm_cfg"]["speculative_config"] == spec  # type: ignore[index]
 
 
-def test_speculative_config_needs_its_token_count() -> None:
+def test_speculative_config_may_leave_its_token_count_to_vllm() -> None:
+    """vLLM infers num_speculative_tokens from an MTP drafter (SpeculativeConfig): the
+    config may leave it out, the worker then reads the engine's count."""
     d = _minimal()
     d["vllm_cfg"] = dict(d["vllm_cfg"], speculative_config={"method": "mtp"})  # type: ignore[call-overload]
+    c = _parse(d)
+    assert c.num_speculative_tokens is None
+    assert c.vllm.speculative_config == {"method": "mtp"}
+    assert _parse(c.to_mapping()) == c
+    d["vllm_cfg"]["speculative_config"] = {"method": "mtp", "num_speculative_tokens": -1}  # type: ignore[index]
     error = _problems(d)
     assert error.keys == ("vllm_cfg.speculative_config.num_speculative_tokens",)
-    assert "is required" in error.message
+    assert ">= 0" in error.message
+
+
+def test_an_mtp_drafter_under_a_dummy_load_is_refused() -> None:
+    d = _minimal()
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 1}
+    d["vllm_kwargs"] = {"speculative_config": spec}
+    d["vllm_cfg"] = dict(d["vllm_cfg"], load_format="dummy")  # type: ignore[call-overload]
+    error = _problems(d)
+    assert error.keys == ("vllm_kwargs.speculative_config.method",)
+    assert "load_format 'auto'" in error.message
+    d["vllm_cfg"]["load_format"] = "auto"  # type: ignore[index]
+    assert _parse(d).num_speculative_tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [
+        ("bf16", "bfloat16"),
+        ("half", "float16"),
+        ("fp16", "float16"),
+        ("float", "float32"),
+        ("fp32", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("fp8", "fp8"),
+        ("auto", "auto"),
+    ],
+)
+def test_precision_aliases_vllm_and_nemo_rl_accept_are_stored_canonical(
+    given: str, stored: str
+) -> None:
+    d = _minimal()
+    d["vllm_cfg"] = dict(d["vllm_cfg"], precision=given)  # type: ignore[call-overload]
+    c = _parse(d)
+    assert c.vllm.precision == stored
+    assert c.to_mapping()["vllm_cfg"]["precision"] == stored  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("given", "value"),
+    [
+        ("False", False),
+        ("false", False),
+        ("0", False),
+        ("no", False),
+        ("off", False),
+        (0, False),
+        ("True", True),
+        ("yes", True),
+        ("ON", True),
+        (1, True),
+        (True, True),
+    ],
+)
+def test_booleans_are_read_as_vllm_reads_them(given: object, value: bool) -> None:
+    d = _minimal() | {"ignore_eos": given}
+    d["vllm_cfg"] = dict(d["vllm_cfg"], enforce_eager=given, use_tqdm=given)  # type: ignore[call-overload]
+    c = _parse(d)
+    assert (c.vllm.enforce_eager, c.vllm.use_tqdm, c.ignore_eos) == (value, value, value)
+
+
+@pytest.mark.parametrize("given", ["Flase", "", 2, 0.5, None, [True]])
+def test_other_boolean_spellings_are_refused(given: object) -> None:
+    d = _minimal()
+    d["vllm_cfg"] = dict(d["vllm_cfg"], enforce_eager=given)  # type: ignore[call-overload]
+    assert _problems(d).keys == ("vllm_cfg.enforce_eager",)
+
+
+def test_a_missing_top_k_is_off() -> None:
+    d = _minimal()
+    del d["top_k"]
+    assert _parse(d).top_k == -1
+
+
+def test_env_vars_are_kept_as_strings_as_nemo_rl_exports_them() -> None:
+    d = _minimal()
+    d["vllm_cfg"] = dict(d["vllm_cfg"], env_vars={"A": 1, "B_X": "x", "C": True, "D": 0.5})  # type: ignore[call-overload]
+    c = _parse(d)
+    assert dict(c.vllm.env_vars) == {"A": "1", "B_X": "x", "C": "True", "D": "0.5"}
+    d["vllm_cfg"]["env_vars"] = None  # type: ignore[index]
+    assert dict(_parse(d).vllm.env_vars) == {}
+    d["vllm_cfg"]["env_vars"] = {"A=B": "1", "C": [1]}  # type: ignore[index]
+    assert _problems(d).keys == ("vllm_cfg.env_vars",)
+    d["vllm_cfg"]["env_vars"] = {"C": [1]}  # type: ignore[index]
+    assert "C=[1]" in _problems(d).message
+
+
+def test_expert_parallel_beyond_tensor_parallel_is_refused() -> None:
+    d = _minimal()
+    d["vllm_cfg"] = dict(d["vllm_cfg"], tensor_parallel_size=2, expert_parallel_size=4)  # type: ignore[call-overload]
+    error = _problems(d)
+    assert error.keys == ("vllm_cfg.expert_parallel_size",)
+    assert "data parallel" in error.message
 
 
 def test_logprobs_mode_may_be_given_in_both_places_when_equal() -> None:
@@ -372,7 +486,13 @@ def test_direct_construction_enforces_the_same_invariants() -> None:
     with pytest.raises(ValueError, match="nvfp4_per_token"):
         VllmConfig(1, 1, 1, 0.5, 128, precision="fp8", nvfp4_per_token=True)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        VllmConfig(1, 1, 1, 0.5, 128, speculative_config=FrozenMap((("method", "mtp"),)))
+        VllmConfig(
+            1, 1, 1, 0.5, 128, speculative_config=FrozenMap((("num_speculative_tokens", -1),))
+        )
+    with pytest.raises(ValueError, match="expert_parallel_size"):
+        VllmConfig(1, 1, 2, 0.5, 128)
+    spec = VllmConfig(1, 1, 1, 0.5, 128, speculative_config=FrozenMap((("method", "mtp"),)))
+    assert spec.num_speculative_tokens is None
     with pytest.raises(ValueError, match="logprobs_mode"):
         WorkerConfig("m", 1, 1.0, 1.0, -1, 0, ok, logprobs_mode="logits")
     with pytest.raises(ValueError, match="otlp_protocol"):
@@ -431,11 +551,11 @@ def _vllm(**extra: object) -> dict[str, object]:
             },
             ("vllm_kwargs.speculative_config",),
         ),
-        ({"colocated": {"enabled": "yes"}}, ("colocated.enabled",)),
+        ({"colocated": {"enabled": "maybe"}}, ("colocated.enabled",)),
         ({"colocated": "yes"}, ("colocated",)),
         ({3: "three"}, ("(config)",)),
         (
-            {"telemetry": {"enabled": 1, "otlp_protocol": "http/json"}},
+            {"telemetry": {"enabled": 2, "otlp_protocol": "http/json"}},
             ("telemetry.enabled", "telemetry.otlp_protocol"),
         ),
         ({"vllm_cfg": _vllm(sleep_level=True)}, ("vllm_cfg.sleep_level",)),
@@ -451,3 +571,49 @@ def test_documented_rejections(changes: dict[object, object], keys: tuple[str, .
     d: dict[object, object] = {k: v for k, v in _minimal().items()}
     d.update(changes)
     assert _problems(d).keys == keys
+
+
+def test_multimodal_keys_are_kept_as_frozen_values_and_round_trip() -> None:
+    limits = {"image": 2, "video": {"count": 0, "num_frames": 8}}
+    d = dict(_minimal())
+    d["vllm_cfg"] = _vllm(
+        limit_mm_per_prompt=limits,
+        mm_processor_kwargs={"do_image_splitting": False},
+        reset_encoder_cache_after_weight_update=True,
+    )
+    c = _parse(d)
+    assert c.vllm.limit_mm_per_prompt == limits
+    assert thaw(c.vllm.limit_mm_per_prompt) == limits
+    assert c.vllm.mm_processor_kwargs == {"do_image_splitting": False}
+    assert "reset_encoder_cache_after_weight_update" not in c.vllm.extras
+    assert _parse(c.to_mapping()) == c
+
+
+@pytest.mark.parametrize(
+    ("vllm_cfg", "key", "says"),
+    [
+        ({"limit_mm_per_prompt": {"image": -1}}, "limit_mm_per_prompt", "image=-1"),
+        ({"limit_mm_per_prompt": {"video": {"num_frames": 8}}}, "limit_mm_per_prompt", "count"),
+        ({"limit_mm_per_prompt": 2}, "limit_mm_per_prompt", "mapping"),
+        ({"mm_processor_kwargs": ["x"]}, "mm_processor_kwargs", "mapping"),
+        ({"video": {"num_frames": 8}}, "video", "video inputs are not supported"),
+        (
+            {"reset_encoder_cache_after_weight_update": False},
+            "reset_encoder_cache_after_weight_update",
+            "resets the encoder and multimodal caches after every refit",
+        ),
+        (
+            {"reset_encoder_cache_after_weight_update": "sometimes"},
+            "reset_encoder_cache_after_weight_update",
+            "true or false",
+        ),
+    ],
+)
+def test_multimodal_keys_it_cannot_honour_are_refused_naming_them(
+    vllm_cfg: dict[str, object], key: str, says: str
+) -> None:
+    d = dict(_minimal())
+    d["vllm_cfg"] = _vllm(**vllm_cfg)
+    error = _problems(d)
+    assert error.keys == (f"vllm_cfg.{key}",)
+    assert says in error.problems[0].message

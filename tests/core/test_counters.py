@@ -42,6 +42,7 @@ from genworker.core.counters import (
     series_id,
     spec_decode_metrics,
     step_deltas,
+    values_by_name,
 )
 
 ENGINE0 = {"engine": "0", "model_name": "m"}
@@ -540,15 +541,19 @@ def test_spec_decode_metrics_follow_vllm_definitions() -> None:
         acceptance_rate=36 / 80,
         mean_acceptance_length=1 + 36 / 40,
         per_position_acceptance_rates=(24 / 40, 12 / 40),
+        per_position_accepted_tokens=(24.0, 12.0),
     )
+    # NeMo-RL's names (compute_spec_decode_metrics): positions numbered from 1.
     assert metrics.as_dict() == {
         "vllm/spec_num_drafts": 40.0,
         "vllm/spec_num_draft_tokens": 80.0,
         "vllm/spec_num_accepted_tokens": 36.0,
         "vllm/spec_acceptance_rate": 0.45,
         "vllm/spec_acceptance_length": 1.9,
-        "vllm/spec_acceptance_rate-pos-0": 0.6,
-        "vllm/spec_acceptance_rate-pos-1": 0.3,
+        "vllm/vllm:spec_decode_num_accepted_tokens_per_pos-1": 24.0,
+        "vllm/vllm:spec_decode_num_accepted_tokens_per_pos-2": 12.0,
+        "vllm/spec_acceptance_rate-pos-1": 0.6,
+        "vllm/spec_acceptance_rate-pos-2": 0.3,
     }
 
 
@@ -568,7 +573,9 @@ def test_spec_decode_metrics_ignore_same_named_series_of_other_kinds() -> None:
             CounterSample(SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS, ENGINE1, 100),
         ]
     )
-    assert spec_decode_metrics(snap).unwrap() == SpecDecodeMetrics(4.0, 4.0, 2.0, 0.5, 1.5, (0.5,))
+    assert spec_decode_metrics(snap).unwrap() == SpecDecodeMetrics(
+        4.0, 4.0, 2.0, 0.5, 1.5, (0.5,), (2.0,)
+    )
 
 
 @pytest.mark.parametrize(
@@ -633,3 +640,100 @@ def test_spec_decode_over_engines_is_the_sum_of_their_counters(history: list[Sna
         for snap in (before, after)
     ]
     assert spec_decode_metrics(step_deltas(*one_engine)).unwrap() == per_engine
+
+
+# --- NeMo-RL's view: metric names alone ------------------------------------------------------
+
+
+def _nemo_rl_aggregate(reports: list[dict[str, float | list[float]]]) -> dict[object, float]:
+    """An independent re-implementation of NeMo-RL's ``aggregate_spec_decode_counters``."""
+    out: dict[object, float] = {}
+    for report in reports:
+        for name, value in report.items():
+            if "spec_decode" not in name:
+                continue
+            if isinstance(value, list):
+                for position, v in enumerate(value, 1):
+                    out[(name, position)] = out.get((name, position), 0.0) + v
+            else:
+                out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def _nemo_rl_metrics(start: dict[object, float], end: dict[object, float]) -> dict[str, float]:
+    """An independent re-implementation of NeMo-RL's ``compute_spec_decode_metrics``."""
+    delta = {k: end.get(k, 0.0) - start.get(k, 0.0) for k in set(start) | set(end)}
+    drafts = delta.get(SPEC_DECODE_NUM_DRAFTS, 0.0)
+    draft_tokens = delta.get(SPEC_DECODE_NUM_DRAFT_TOKENS, 0.0)
+    accepted = delta.get(SPEC_DECODE_NUM_ACCEPTED_TOKENS, 0.0)
+    out = {
+        "vllm/spec_num_drafts": drafts,
+        "vllm/spec_num_draft_tokens": draft_tokens,
+        "vllm/spec_num_accepted_tokens": accepted,
+        "vllm/spec_acceptance_length": 1.0 + accepted / drafts if drafts > 0 else 1.0,
+        "vllm/spec_acceptance_rate": accepted / draft_tokens if draft_tokens > 0 else 0.0,
+    }
+    for key, value in delta.items():
+        if isinstance(key, tuple):
+            name, position = key
+            out[f"vllm/{name}-{position}"] = value
+            if drafts > 0:
+                out[f"vllm/spec_acceptance_rate-pos-{position}"] = value / drafts
+    return out
+
+
+@st.composite
+def _spec_steps(draw: st.DrawFn) -> tuple[list[Snapshot], list[Snapshot]]:
+    """Per-worker snapshots before and after a step (one or two engines each)."""
+    k = draw(st.integers(1, 3))
+    befores, afters = [], []
+    for _ in range(draw(st.integers(1, 3))):
+        engines = draw(st.sampled_from([[ENGINE0], [ENGINE0, ENGINE1]]))
+        before: list[Sample] = []
+        after: list[Sample] = []
+        for labels in engines:
+            drafts = draw(st.integers(0, 50))
+            extra = draw(st.integers(1, 50))
+            accepted = [draw(st.integers(0, drafts)) for _ in range(k)]
+            more = [a + draw(st.integers(0, extra)) for a in accepted]
+            before += _spec(labels, drafts, accepted, k=k)
+            after += _spec(labels, drafts + extra, more, k=k)
+            before.append(CounterSample(PROMPT_TOKENS, labels, 3.0))
+            after.append(CounterSample(PROMPT_TOKENS, labels, 9.0))
+        befores.append(Snapshot(before))
+        afters.append(Snapshot(after))
+    return befores, afters
+
+
+@given(_spec_steps())
+def test_values_by_name_feed_nemo_rls_own_spec_decode_metrics_to_our_numbers(
+    step: tuple[list[Snapshot], list[Snapshot]],
+) -> None:
+    """What ``_get_raw_spec_counters`` returns, through NeMo-RL's aggregation and step
+    metrics, gives exactly ``spec_decode_metrics(...).as_dict()``: same names, positions from 1."""
+    befores, afters = step
+    start = _nemo_rl_aggregate([values_by_name(s) for s in befores])
+    end = _nemo_rl_aggregate([values_by_name(s) for s in afters])
+    theirs = _nemo_rl_metrics(start, end)
+    ours = spec_decode_metrics(step_deltas(merge_snapshots(befores), merge_snapshots(afters)))
+    metrics = ours.unwrap()
+    assert metrics is not None
+    assert metrics.as_dict() == pytest.approx(theirs)
+
+
+def test_values_by_name_sum_series_and_leave_histograms_out() -> None:
+    snap = Snapshot(
+        [
+            CounterSample(PROMPT_TOKENS, ENGINE0, 3.0),
+            CounterSample(PROMPT_TOKENS, ENGINE1, 4.0),
+            GaugeSample("vllm:num_requests_running", ENGINE0, 2.0),
+            VectorSample(SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS, ENGINE0, [1.0, 2.0]),
+            VectorSample(SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS, ENGINE1, [3.0]),
+            HistogramSample("vllm:e2e_request_latency_seconds", ENGINE0, 1.0, 0.5, [("+Inf", 1.0)]),
+        ]
+    )
+    assert values_by_name(snap) == {
+        PROMPT_TOKENS: 7.0,
+        "vllm:num_requests_running": 2.0,
+        SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS: [4.0, 2.0],
+    }

@@ -34,6 +34,7 @@ from genworker.core.engine_plan import (
     OTEL_TRACES_ENDPOINT,
     OTEL_TRACES_PROTOCOL,
     RESERVED_KEYS,
+    UNSUPPORTED_KEYS,
     EngineKwargsPlan,
     plan_engine_kwargs,
     resolve_prefix_caching,
@@ -276,9 +277,13 @@ def test_plan_decisions_follow_the_config(c: WorkerConfig, cap: tuple[int, int] 
     parallel = v.tensor_parallel_size * v.pipeline_parallel_size
     assert kwargs["distributed_executor_backend"] == ("ray" if parallel > 1 else "uni")
     assert kwargs["enable_expert_parallel"] == (v.expert_parallel_size > 1)
-    assert ("speculative_config" in kwargs) == (c.num_speculative_tokens > 0)
-    if c.num_speculative_tokens:
+    # Dropped only when the config switches the drafter off (k == 0); kept when vLLM infers k.
+    spec_on = v.speculative_config is not None and c.num_speculative_tokens != 0
+    assert ("speculative_config" in kwargs) == spec_on
+    if spec_on:
         assert kwargs["speculative_config"] == v.speculative_config
+    env = _plan(c, cap=cap).env
+    assert {k: env[k] for k in v.env_vars} == v.env_vars
     assert kwargs["dtype"] == ("bfloat16" if v.precision == "fp8" else v.precision)
     expected_quantization = (
         "fp8" if v.precision == "fp8" else "nvfp4_per_token" if v.nvfp4_per_token else None
@@ -341,7 +346,7 @@ def test_traces_protocol_is_resolved_config_first_and_specific_before_generic(
     }
     plan = _plan(c, telemetry=environ)
     expected = next(p for p in (cfg_traces, cfg_generic, env_traces, env_generic, "grpc") if p)
-    assert plan.env == {OTEL_TRACES_PROTOCOL: expected}
+    assert plan.env == {**c.vllm.env_vars, OTEL_TRACES_PROTOCOL: expected}
     assert plan.kwargs["otlp_traces_endpoint"] == "http://collector:4317"
 
 
@@ -354,7 +359,7 @@ def test_tracing_off_adds_nothing_whatever_the_environment(
 ) -> None:
     c = _with_telemetry(c, enabled=False)
     plan = _plan(c, telemetry=environ)
-    assert plan.env == {}
+    assert plan.env == c.vllm.env_vars
     assert "otlp_traces_endpoint" not in plan.kwargs
     assert "collect_detailed_traces" not in plan.kwargs
 
@@ -473,6 +478,13 @@ def test_speculative_config_with_zero_tokens_is_dropped() -> None:
     assert "speculative_config" not in _plan(_config(speculative_config=spec)).kwargs
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     assert _plan(_config(speculative_config=spec)).llm_kwargs()["speculative_config"] == spec
+    spec = {"method": "mtp"}  # vLLM infers the count from the drafter
+    assert _plan(_config(speculative_config=spec)).llm_kwargs()["speculative_config"] == spec
+
+
+def test_env_vars_are_exported_before_the_engine_starts() -> None:
+    plan = _plan(_config(env_vars={"NCCL_DEBUG": "INFO", "MY_FLAG": 1}))
+    assert dict(plan.env) == {"NCCL_DEBUG": "INFO", "MY_FLAG": "1"}
 
 
 def test_tracing_from_config_with_detailed_traces() -> None:
@@ -567,3 +579,27 @@ def test_explicit_prefix_caching_and_logprobs_mode_reach_the_engine() -> None:
     assert kwargs["logprobs_mode"] == "processed_logprobs"
     assert _plan(_config(), cap=None).kwargs["enable_prefix_caching"] is False
     assert _plan(_config(), cap=(7, 5)).kwargs["enable_prefix_caching"] is False
+
+
+def test_multimodal_config_keys_reach_the_engine() -> None:
+    c = _config(
+        limit_mm_per_prompt={"image": 2, "video": 0},
+        mm_processor_kwargs={"do_image_splitting": False},
+    )
+    kwargs = _plan(c).llm_kwargs()
+    assert kwargs["limit_mm_per_prompt"] == {"image": 2, "video": 0}
+    assert kwargs["mm_processor_kwargs"] == {"do_image_splitting": False}
+    assert "limit_mm_per_prompt" not in _plan(_config()).kwargs
+    through_kwargs = _plan(_with_kwargs(_config(), {"limit_mm_per_prompt": {"image": 1}}))
+    assert through_kwargs.llm_kwargs()["limit_mm_per_prompt"] == {"image": 1}
+
+
+def test_multimodal_keys_in_both_places_or_unsupported_are_problems_naming_them() -> None:
+    c = _with_kwargs(
+        _config(limit_mm_per_prompt={"image": 2}),
+        {"limit_mm_per_prompt": {"image": 1}, "media_io_kwargs": {"video": {"num_frames": 8}}},
+    )
+    error = _failure(c)
+    assert error.keys == ("vllm_kwargs.media_io_kwargs", "vllm_kwargs.limit_mm_per_prompt")
+    assert UNSUPPORTED_KEYS["media_io_kwargs"] in error.problems[0].message
+    assert "keep one" in error.problems[1].message

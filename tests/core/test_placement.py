@@ -20,10 +20,13 @@ from genworker.core.placement import (
     PortWindow,
     check_inherited_env,
     configure_worker,
+    forwarded_env_names,
+    parse_port_range,
     plan_cluster,
+    plan_engine_env,
 )
 
-CACHE = "/cache/genworker"
+CACHE = "/cache/genworker/vllm"
 
 
 def _plan(result: Result[PlacementPlan, PlacementError]) -> PlacementPlan:
@@ -55,7 +58,7 @@ def _owners(topology: Topology) -> list[tuple[int, PlacementPlan]]:
                     1.0,
                     shard.bundle_indices,
                     topology.gpus_per_node,
-                    cache_base_dir=CACHE,
+                    cache_root=CACHE,
                     tensor_parallel_size=topology.tensor_parallel_size,
                     pipeline_parallel_size=topology.pipeline_parallel_size,
                 )
@@ -69,15 +72,15 @@ def _owners(topology: Topology) -> list[tuple[int, PlacementPlan]]:
 
 
 def test_single_gpu_engine_keeps_its_gpu_and_gets_seed_port_and_cache() -> None:
-    plan = _plan(configure_worker(1, (1, [3]), 8, cache_base_dir="/c"))
+    plan = _plan(configure_worker(1, (1, [3]), 8, cache_root="/c/vllm"))
     assert plan.resources == {"num_gpus": 1.0}
     assert plan.seed == 1 * 1024 + 3
     assert plan.slot == 3
-    assert plan.port_window == (20000 + 3 * 64, 20000 + 4 * 64 - 1)
+    assert plan.port_window == (7000 + 3 * 100, 7000 + 4 * 100 - 1)
     assert plan.init_kwargs == {"bundle_indices": [3], "seed": 1027}
     assert plan.env_vars == {
         "VLLM_CACHE_ROOT": "/c/vllm_1027",
-        "VLLM_PORT": "20192",
+        "VLLM_PORT": "7300",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_SKIP_P2P_CHECK": "1",
     }
@@ -86,7 +89,7 @@ def test_single_gpu_engine_keeps_its_gpu_and_gets_seed_port_and_cache() -> None:
 
 def test_tensor_parallel_owner_asks_ray_for_no_gpu_and_passes_its_fraction() -> None:
     plan = _plan(
-        configure_worker(0.5, (0, [4, 5, 6, 7]), 8, cache_base_dir="/c/", tensor_parallel_size=4)
+        configure_worker(0.5, (0, [4, 5, 6, 7]), 8, cache_root="/c/vllm/", tensor_parallel_size=4)
     )
     assert plan.resources == {"num_gpus": 0.0}
     assert plan.seed == 1
@@ -94,11 +97,11 @@ def test_tensor_parallel_owner_asks_ray_for_no_gpu_and_passes_its_fraction() -> 
     env = plan.env_vars
     assert env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1"
     assert env["VLLM_CACHE_ROOT"] == "/c/vllm_1"
-    assert env["VLLM_PORT"] == str(20000 + 64)
+    assert env["VLLM_PORT"] == str(7000 + 100)
 
 
 def test_inert_group_member_gets_only_the_fraction_and_fixed_env() -> None:
-    plan = _plan(configure_worker(1.0, None, 8, cache_base_dir=CACHE, tensor_parallel_size=2))
+    plan = _plan(configure_worker(1.0, None, 8, cache_root=CACHE, tensor_parallel_size=2))
     assert plan.resources == {"num_gpus": 0.0}
     assert plan.init_kwargs == {"fraction_of_gpus": 1.0}
     assert plan.env_vars == {
@@ -111,16 +114,42 @@ def test_inert_group_member_gets_only_the_fraction_and_fixed_env() -> None:
 
 def test_cross_node_engine_uses_global_ids_and_port_slot_zero() -> None:
     plan = _plan(
-        configure_worker(1.0, (0, range(8, 16)), 4, cache_base_dir=CACHE, tensor_parallel_size=8)
+        configure_worker(1.0, (0, range(8, 16)), 4, cache_root=CACHE, tensor_parallel_size=8)
     )
     assert plan.seed == 1
     assert plan.slot == 0
-    assert plan.env_vars["VLLM_PORT"] == "20000"
+    assert plan.env_vars["VLLM_PORT"] == "7000"
 
 
-def test_cache_root_is_not_expanded() -> None:
-    plan = _plan(configure_worker(1.0, (0, [0]), 1, cache_base_dir="~/.cache"))
-    assert plan.env_vars["VLLM_CACHE_ROOT"] == "~/.cache/vllm_0"
+def test_cache_root_is_nemo_rls_inherited_root_with_the_seed_and_is_not_expanded() -> None:
+    plan = _plan(configure_worker(1.0, (0, [2]), 4, cache_root="~/.cache/vllm"))
+    assert plan.env_vars["VLLM_CACHE_ROOT"] == "~/.cache/vllm_2"
+    plan = _plan(configure_worker(1.0, (1, [0]), 4, cache_root="/scratch/vllm"))
+    assert plan.env_vars["VLLM_CACHE_ROOT"] == "/scratch/vllm_1024"
+
+
+@pytest.mark.parametrize(
+    ("ids", "tp", "slot", "seed"),
+    [([3], 1, 3, 3), ([2, 3], 2, 1, 1), ([4, 5, 6, 7], 4, 1, 1), ([12], 1, 12, 12)],
+)
+def test_unknown_gpus_per_node_takes_nemo_rls_slot(
+    ids: list[int], tp: int, slot: int, seed: int
+) -> None:
+    """NeMo-RL passes num_gpus_per_node=None when it does not know the topology: the slot is
+    the first id over the group size, as its configure_worker computes it."""
+    plan = _plan(configure_worker(1.0, (0, ids), None, cache_root=CACHE, tensor_parallel_size=tp))
+    assert (plan.slot, plan.seed) == (slot, seed)
+    assert plan.env_vars["VLLM_PORT"] == str(7000 + slot * 100)
+    inert = _plan(configure_worker(1.0, None, None, cache_root=CACHE, tensor_parallel_size=tp))
+    assert inert.ports is None
+
+
+def test_unknown_gpus_per_node_still_checks_this_engines_window() -> None:
+    error = _error(
+        configure_worker(1.0, (0, [20]), None, cache_root=CACHE, ephemeral_ports=(9000, 65535))
+    )
+    assert "9000-65535" in error.message
+    assert "engine slot 20" in error.message
 
 
 def test_port_window_membership() -> None:
@@ -152,9 +181,12 @@ def test_port_window_membership() -> None:
         ({"num_gpus": True}, "num_gpus", "finite"),
         ({"num_gpus_per_node": 0}, "num_gpus_per_node", ">= 1"),
         ({"num_gpus_per_node": 2.0}, "num_gpus_per_node", ">= 1"),
+        ({"ephemeral_ports": (9000, 8000)}, "ephemeral_ports", "low <= high"),
+        ({"ephemeral_ports": (0, 8000)}, "ephemeral_ports", "low <= high"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size", ">= 1"),
         ({"pipeline_parallel_size": -1}, "pipeline_parallel_size", ">= 1"),
-        ({"cache_base_dir": ""}, "cache_base_dir", "directory"),
+        ({"cache_root": ""}, "cache_root", "directory"),
+        ({"cache_root": "/"}, "cache_root", "directory"),
         ({"port_window": 0}, "port_window", "at least 1"),
         ({"port_base": 0}, "port_base", ">= 1"),
         ({"bundle_indices": (-1, [0])}, "bundle_indices", "node index is negative"),
@@ -174,7 +206,7 @@ def test_refusals_name_the_input(kwargs: dict[str, object], name: str, why: str)
         "num_gpus": 1.0,
         "bundle_indices": (0, [0]),
         "num_gpus_per_node": 8,
-        "cache_base_dir": CACHE,
+        "cache_root": CACHE,
         **kwargs,
     }
     error = _error(configure_worker(**call))  # type: ignore[arg-type]
@@ -188,35 +220,32 @@ def test_refusals_name_the_input(kwargs: dict[str, object], name: str, why: str)
     [([1, 2], 2), ([0, 2], 2), ([3, 2], 2), ([0, 1, 3], 3), ([3, 4, 5, 6, 7, 8], 6)],
 )
 def test_group_must_be_consecutive_and_aligned(ids: list[int], tp: int) -> None:
-    error = _error(
-        configure_worker(1.0, (0, ids), 4, cache_base_dir=CACHE, tensor_parallel_size=tp)
-    )
+    error = _error(configure_worker(1.0, (0, ids), 4, cache_root=CACHE, tensor_parallel_size=tp))
     assert "consecutive ascending" in error.message
 
 
 def test_group_split_over_two_nodes_is_refused_when_it_fits_on_one() -> None:
     # open-instruct#949: TP traffic crossed nodes. ids 2,3 of a 2-GPU node do not exist.
-    error = _error(
-        configure_worker(1.0, (0, [2, 3]), 2, cache_base_dir=CACHE, tensor_parallel_size=2)
-    )
+    error = _error(configure_worker(1.0, (0, [2, 3]), 2, cache_root=CACHE, tensor_parallel_size=2))
     assert "local ids below 2" in error.message
 
 
 def test_engine_slot_past_the_seed_stride_is_refused() -> None:
-    error = _error(configure_worker(1.0, (0, [1024]), 2048, cache_base_dir=CACHE, port_window=1))
+    error = _error(configure_worker(1.0, (0, [1024]), 2048, cache_root=CACHE, port_window=1))
     assert "reuse the seeds of node 1" in error.message
 
 
 @pytest.mark.parametrize(
     ("port_base", "port_window", "per_node", "ephemeral"),
     [
-        (32000, 64, 16, 32768),  # last slot's window runs into the ephemeral range
-        (32705, 64, 1, 32768),  # one window ending exactly on ephemeral_start
-        (65500, 64, 1, 70000),  # above 65535
+        (32000, 64, 16, (32768, 60999)),  # last slot's window runs into the ephemeral range
+        (32705, 64, 1, (32768, 60999)),  # one window ending exactly on the range's start
+        (7000, 100, 8, (7500, 65535)),  # NeMo-RL's layout on a host whose range starts lower
+        (65500, 64, 1, (65535, 65535)),  # above 65535
     ],
 )
 def test_windows_reaching_the_ephemeral_range_or_past_65535_are_refused(
-    port_base: int, port_window: int, per_node: int, ephemeral: int
+    port_base: int, port_window: int, per_node: int, ephemeral: tuple[int, int]
 ) -> None:
     # The refusal covers every slot of the node, so slot 0 fails as the last one would.
     error = _error(
@@ -224,19 +253,29 @@ def test_windows_reaching_the_ephemeral_range_or_past_65535_are_refused(
             1.0,
             (0, [0]),
             per_node,
-            cache_base_dir=CACHE,
+            cache_root=CACHE,
             port_base=port_base,
             port_window=port_window,
-            ephemeral_start=ephemeral,
+            ephemeral_ports=ephemeral,
         )
     )
     assert error.name == "port_window"
     assert "past" in error.message
+    assert f"ephemeral port range {ephemeral[0]}-{ephemeral[1]}" in error.message
+
+
+def test_nemo_rls_layout_fits_below_a_9000_ephemeral_floor() -> None:
+    """Some DGX/GB200 hosts start their ephemeral range at 9000 (NeMo-RL's port layout)."""
+    plans = [
+        _plan(configure_worker(1.0, (0, [i]), 8, cache_root=CACHE, ephemeral_ports=(9000, 65535)))
+        for i in range(8)
+    ]
+    assert [p.port_window for p in plans][-1] == (7700, 7799)
 
 
 def test_window_ending_just_below_the_ephemeral_range_is_accepted() -> None:
     plan = _plan(
-        configure_worker(1.0, (0, [0]), 1, cache_base_dir=CACHE, port_base=32704, port_window=64)
+        configure_worker(1.0, (0, [0]), 1, cache_root=CACHE, port_base=32704, port_window=64)
     )
     assert plan.port_window == (32704, 32767)
 
@@ -248,7 +287,7 @@ def test_configure_worker_is_total(num_gpus: object, bundle_indices: object) -> 
         num_gpus,  # type: ignore[arg-type]
         bundle_indices,  # type: ignore[arg-type]
         8,
-        cache_base_dir=CACHE,
+        cache_root=CACHE,
     )
     if isinstance(result, Failure):
         assert result.failure().name in {"num_gpus", "bundle_indices"}
@@ -272,32 +311,59 @@ def test_engines_on_one_node_never_share_a_port_window(topology: Topology) -> No
                 assert not plan_a.ports.overlaps(plan_b.ports)
 
 
-@given(topologies(), st.integers(1, 30000), st.integers(1, 256))
-def test_ports_are_integers_below_the_ephemeral_range(
-    topology: Topology, port_base: int, port_window: int
+@st.composite
+def _port_ranges(draw: st.DrawFn) -> tuple[int, int]:
+    low = draw(st.sampled_from([9000, 32768, 49152]) | st.integers(1, 65535))
+    return low, draw(st.integers(low, 65535))
+
+
+@given(topologies(), st.integers(1, 30000), st.integers(1, 256), _port_ranges())
+def test_ports_are_below_the_hosts_ephemeral_range_or_the_range_is_named(
+    topology: Topology, port_base: int, port_window: int, ephemeral: tuple[int, int]
 ) -> None:
     for shard in _cluster(topology).shards:
         result = configure_worker(
             1.0,
             shard.bundle_indices,
             topology.gpus_per_node,
-            cache_base_dir=CACHE,
+            cache_root=CACHE,
             tensor_parallel_size=topology.tensor_parallel_size,
             pipeline_parallel_size=topology.pipeline_parallel_size,
             port_base=port_base,
             port_window=port_window,
+            ephemeral_ports=ephemeral,
         )
+        size = topology.tensor_parallel_size * topology.pipeline_parallel_size
+        slots = max(1, topology.gpus_per_node // size)
+        fits = port_base + slots * port_window - 1 < ephemeral[0]
         if isinstance(result, Failure):
-            assert result.failure().name == "port_window"
+            error = result.failure()
+            assert error.name == "port_window"
+            assert f"{ephemeral[0]}-{ephemeral[1]}" in error.message
+            assert not fits
             continue
+        assert fits
         plan = result.unwrap()
         port = plan.env_vars["VLLM_PORT"]
         assert port.isdecimal()
         assert int(port) == port_base + (plan.slot or 0) * port_window
         assert plan.ports is not None
         assert int(port) in plan.ports
-        assert plan.ports.last < 32768
+        assert plan.ports.last < ephemeral[0]
         assert plan.ports.last <= MAX_PORT
+
+
+@given(_port_ranges(), st.sampled_from([" ", "\t", "  \t"]), st.sampled_from(["", "\n"]))
+def test_the_hosts_port_range_parses_as_the_kernel_writes_it(
+    ephemeral: tuple[int, int], sep: str, end: str
+) -> None:
+    assert parse_port_range(f"{ephemeral[0]}{sep}{ephemeral[1]}{end}") == Success(ephemeral)
+
+
+@pytest.mark.parametrize("text", ["", "9000", "9000 8000", "0 100", "1 70000", "a b", "1 2 3"])
+def test_a_malformed_port_range_is_refused(text: str) -> None:
+    error = _error(parse_port_range(text))
+    assert error.name == "ip_local_port_range"
 
 
 @given(topologies())
@@ -307,7 +373,7 @@ def test_seeds_and_cache_roots_are_unique_across_engines(topology: Topology) -> 
     roots = [plan.env_vars["VLLM_CACHE_ROOT"] for plan in owners]
     assert len(set(seeds)) == len(seeds)
     assert len(set(roots)) == len(roots)
-    assert all(root.startswith(CACHE + "/") for root in roots)
+    assert all(root.startswith(CACHE + "_") for root in roots)
 
 
 @given(topologies())
@@ -320,7 +386,7 @@ def test_returned_dicts_are_fresh(topology: Topology) -> None:
                 1.0,
                 shard.bundle_indices,
                 topology.gpus_per_node,
-                cache_base_dir=CACHE,
+                cache_root=CACHE,
                 tensor_parallel_size=topology.tensor_parallel_size,
                 pipeline_parallel_size=topology.pipeline_parallel_size,
             )
@@ -476,7 +542,56 @@ def test_malformed_inherited_env_is_refused_by_name(env: dict[str, str], name: s
 
 
 def test_placement_error_is_a_frozen_value() -> None:
-    error = _error(configure_worker(0, None, 8, cache_base_dir=CACHE))
+    error = _error(configure_worker(0, None, 8, cache_root=CACHE))
     assert error.value == "0"
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         error.name = "x"  # type: ignore[misc]
+
+
+# --- the engine environment of a NeMo-RL model owner ---
+
+
+@pytest.mark.parametrize(
+    ("ids", "tp", "pp", "fraction", "per_worker"),
+    [([0, 1], 2, 1, 1.0, "0.5"), ([4, 5, 6, 7], 4, 1, 1.0, "0.25"), ([2, 3], 1, 2, 0.5, "0.25")],
+)
+def test_a_tp_or_pp_owner_places_vllms_ray_workers_on_its_bundles(
+    ids: list[int], tp: int, pp: int, fraction: float, per_worker: str
+) -> None:
+    env = plan_engine_env(
+        ids, fraction, tensor_parallel_size=tp, pipeline_parallel_size=pp
+    ).unwrap()
+    assert dict(env.set) == {
+        "VLLM_RAY_PER_WORKER_GPUS": per_worker,
+        "VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, ids)),
+    }
+    assert env.unset == ("CUDA_VISIBLE_DEVICES",)
+
+
+def test_a_one_gpu_engine_changes_no_environment() -> None:
+    env = plan_engine_env([3], 1.0, tensor_parallel_size=1, pipeline_parallel_size=1).unwrap()
+    assert (dict(env.set), env.unset) == ({}, ())
+
+
+@pytest.mark.parametrize(
+    ("ids", "fraction", "name"),
+    [(None, 1.0, "bundle_indices"), ([0], 1.0, "bundle_indices"), ([0, 1], 0.0, "fraction")],
+)
+def test_engine_env_refusals_name_the_input(
+    ids: list[int] | None, fraction: float, name: str
+) -> None:
+    error = _error(plan_engine_env(ids, fraction, tensor_parallel_size=2, pipeline_parallel_size=1))
+    assert error.name.startswith(name)
+
+
+@given(
+    st.lists(st.sampled_from(["A", "B_1", "HF_X", " C "]), max_size=4),
+    st.lists(st.sampled_from(["A", "NEW", "B_1"]), max_size=3),
+)
+def test_forwarded_names_keep_every_name_once_in_order(
+    existing: list[str], names: list[str]
+) -> None:
+    merged = forwarded_env_names(",".join(existing), names)
+    parts = merged.split(",") if merged else []
+    assert parts == sorted(set(parts))
+    assert set(parts) == {n.strip() for n in [*existing, *names]}

@@ -105,13 +105,13 @@ def test_none_values_mean_defaults() -> None:
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("expose_http_server", "yes"),
+        ("expose_http_server", "maybe"),
         ("http_server_host", ""),
         ("http_server_host", 7),
         ("http_server_port", 70000),
         ("http_server_port", True),
         ("http_server_port", "80"),
-        ("http_server_on_policy_guard", "no"),
+        ("http_server_on_policy_guard", "sometimes"),
         ("http_server_serving_chat_kwargs", ["chat_template"]),
         ("http_server_serving_chat_kwargs", {"response_role": "bot"}),
         ("http_server_serving_chat_kwargs", {"chat_template": 3}),

@@ -294,23 +294,24 @@ def session_engine(session: GpuSession) -> VllmEngine:
 
 
 def refit_over_ipc(
-    session: GpuSession, checkpoint: Path, *, arena: bool = False, keep_mapped: bool = False
-) -> str:
+    session: GpuSession, checkpoint: Path, *, one_allocation: bool = False
+) -> dict[str, int]:
     """Push ``checkpoint`` (a safetensors model directory, or a ``.pt`` of engine-layout
-    tensors) from the trainer process into the session worker over CUDA IPC (from a
-    :class:`RefitArena` with ``arena``; one the trainer keeps, and a sender with
-    ``keep_mapped``, with ``keep_mapped``); the sender's mode."""
+    tensors) from the trainer process into the session worker over CUDA IPC, from tensors
+    the trainer keeps (each in its own allocation, or with ``one_allocation`` all views
+    of one), so sending the same checkpoint again sends the same storages; the sender's
+    report: ``nbytes``, ``handles`` (tensors sent by the handle of their own storage),
+    ``packed``."""
     worker, trainer = session.worker, session.ipc_trainer()
     expected = manifest(checkpoint)
     worker.prepare_refit_info(expected)
-    trainer.send("send", (str(checkpoint), arena, keep_mapped))
+    trainer.send("send", (str(checkpoint), one_allocation))
     trainer.expect("sending")
     assert worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT_S)
     sent = trainer.expect("sent")
-    assert isinstance(sent, tuple)
-    nbytes, mode = sent
-    assert nbytes == sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected.values())
-    return str(mode)
+    assert isinstance(sent, dict)
+    assert sent["nbytes"] == sum(math.prod(s) * d.itemsize for s, d in expected.values())
+    return sent
 
 
 # -- child processes ---------------------------------------------------------------------------
@@ -423,49 +424,54 @@ class Trainer:
             self.proc.join(5)
 
 
+def one_allocation(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors as views of one allocation (each at a 512-byte aligned offset)."""
+    sizes = [-(-t.numel() * t.element_size() // 512) * 512 for t in tensors.values()]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=next(iter(tensors.values())).device)
+    out, offset = {}, 0
+    for (name, tensor), size in zip(tensors.items(), sizes, strict=True):
+        nbytes = tensor.numel() * tensor.element_size()
+        view = flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        out[name] = view.copy_(tensor)
+        offset += size
+    return out
+
+
 def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
-    """Trainer on the engine's GPU: ``("send", (checkpoint, arena, keep_mapped))`` pushes
-    it over CUDA IPC (``keep_mapped``: from an arena kept for the next such send)."""
+    """Trainer on the engine's GPU: ``("send", (checkpoint, one_allocation))`` pushes it
+    over CUDA IPC, from tensors kept for the next send of the same checkpoint."""
     try:
-        from genworker.shell.refit.arena import RefitArena
-        from genworker.shell.refit.ipc import IpcSender
+        from genworker.shell.refit import RefitSender
 
         device = "cuda" if torch.cuda.is_available() else "cpu"  # shared memory on a CPU
-        # one sender per manifest and keep_mapped (the sender checks its digest), and the
-        # arenas kept for keep_mapped sends
-        senders: dict[tuple[str, bool], IpcSender] = {}
-        kept: dict[str, RefitArena] = {}
-        while True:
-            command, arg = commands.get()
-            if command == "stop":
-                break
-            path, arena, keep_mapped = (arg, False, False) if isinstance(arg, str) else arg
-            checkpoint = Path(str(path))
-            tensors = (
-                {n: t.to(device) for n, t in torch.load(checkpoint).items()}
-                if checkpoint.suffix == ".pt"
-                else load_checkpoint(checkpoint, device)
-            )
-            info = {n: (t.shape, t.dtype) for n, t in tensors.items()}
-            key = repr(sorted((n, tuple(s), str(d)) for n, (s, d) in info.items()))
-            if arena:
-                flat = kept.get(key) if keep_mapped else None
-                if flat is None:
-                    flat = RefitArena(info, device)
-                    if keep_mapped:
-                        kept[key] = flat
-                flat.load_(tensors.items())
-                tensors = flat.tensors
-            sender = senders.get((key, keep_mapped))
-            if sender is None:
-                sender = senders[key, keep_mapped] = IpcSender(
-                    address, manifest=info, timeout_s=REFIT_TIMEOUT_S, keep_mapped=keep_mapped
+        kept: dict[tuple[str, bool], dict[str, torch.Tensor]] = {}
+        with RefitSender.ipc(address, timeout_s=REFIT_TIMEOUT_S) as sender:
+            while True:
+                command, arg = commands.get()
+                if command == "stop":
+                    break
+                path, flat = arg
+                tensors = kept.get((path, flat))
+                if tensors is None:
+                    checkpoint = Path(str(path))
+                    loaded = (
+                        {n: t.to(device) for n, t in torch.load(checkpoint).items()}
+                        if checkpoint.suffix == ".pt"
+                        else load_checkpoint(checkpoint, device)
+                    )
+                    tensors = kept[path, flat] = one_allocation(loaded) if flat else loaded
+                replies.put(("sending", None))
+                report = sender.send(tensors.items())
+                replies.put(
+                    (
+                        "sent",
+                        {
+                            "nbytes": report.nbytes,
+                            "handles": report.direct,
+                            "packed": report.loaded,
+                        },
+                    )
                 )
-            replies.put(("sending", None))
-            report = sender.send(tensors.items())
-            replies.put(("sent", (report.nbytes, report.mode)))
-        for sender in senders.values():
-            sender.close()
     except BaseException:  # noqa: BLE001 - the engine side raises it with this traceback
         replies.put(("error", traceback.format_exc()))
 
@@ -530,12 +536,12 @@ def collective_engine_main(
 def collective_trainer_main(*, checkpoint: str, port: int) -> int:
     """The trainer (on its pinned GPU): rank 0 of the update group, broadcasts ``checkpoint``
     once; the bytes it sent."""
-    from genworker.shell.refit.collective import CollectiveSender
+    from genworker.shell.refit import RefitSender
 
     device = "cuda:0" if torch.cuda.is_available() else "cpu"  # gloo on a CPU
     tensors = load_checkpoint(Path(checkpoint), device)
     info = {n: (t.shape, t.dtype) for n, t in tensors.items()}
-    with CollectiveSender(
+    with RefitSender.collective(
         "127.0.0.1",
         port,
         2,
@@ -548,16 +554,16 @@ def collective_trainer_main(*, checkpoint: str, port: int) -> int:
         return sender.send(tensors.items()).nbytes
 
 
-# -- transports alone (no engine): genworker.shell.refit.fake's state dict on CUDA ----------
+# -- transports alone (no engine): refit_helpers' state dict on CUDA -----------------------
 FAKE_SEED = 7
 
 
 def fake_state_dict(device: str) -> dict[str, torch.Tensor]:
-    """Several dtypes and shapes, one non-contiguous, one empty (``fake.random_state_dict``),
-    on ``device`` with their strides kept."""
-    from genworker.shell.refit import fake
+    """Several dtypes and shapes, one non-contiguous, one empty, two large enough to go
+    by handle (``refit_helpers.random_state_dict``), on ``device`` with their strides."""
+    from refit_helpers import random_state_dict
 
-    return {n: t.to(device) for n, t in fake.random_state_dict(FAKE_SEED).items()}
+    return {n: t.to(device) for n, t in random_state_dict(FAKE_SEED).items()}
 
 
 def zeros_like(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -567,72 +573,57 @@ def zeros_like(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def ipc_fake_sender_main(
     *,
     address: str,
-    bucket_bytes: int,
+    staging_bytes: int,
+    refits: int = 1,
     die_after: int | None = None,
     ready: Any = None,
-    direct: bool = True,
-) -> dict[str, object]:
-    """Send the fake state dict from this GPU over CUDA IPC (``die_after``: die mid-stream;
-    ``ready``: an event set just before the refit starts)."""
-    from genworker.shell.refit import fake
-    from genworker.shell.refit.ipc import IpcSender
-    from genworker.shell.refit.session import manifest_of
+) -> list[dict[str, int]]:
+    """Send the fake state dict from this GPU over CUDA IPC ``refits`` times (``die_after``:
+    die mid-stream; ``ready``: an event set just before the first refit starts)."""
+    from refit_helpers import scripted_stream
+
+    from genworker.shell.refit import RefitSender, manifest_of
 
     tensors = fake_state_dict("cuda")
     torch.cuda.synchronize()
     if ready is not None:
         ready.set()
-    with IpcSender(
-        address,
-        manifest=manifest_of(tensors),
-        bucket_bytes=bucket_bytes,
-        timeout_s=60.0,
-        direct=direct,
+    reports = []
+    with RefitSender.ipc(
+        address, manifest=manifest_of(tensors), staging_bytes=staging_bytes, timeout_s=60.0
     ) as sender:
-        report = sender.send(fake.scripted_stream(tensors, die_after=die_after))
-    return {
-        "tensors": report.tensors,
-        "bytes": report.nbytes,
-        "buckets": report.buckets,
-        "mode": report.mode,
-    }
+        for _ in range(refits):
+            report = sender.send(scripted_stream(tensors, die_after=die_after))
+            reports.append({"tensors": report.tensors, "handles": report.direct})
+    return reports
 
 
 def collective_fake_receiver_main(*, port: int) -> bool:
     """Rank 1 of a weight-update group on this GPU: receive the fake state dict, compare."""
-    from genworker.shell.refit import fake
-    from genworker.shell.refit.collective import CollectiveReceiver
-    from genworker.shell.refit.session import ParameterSink, manifest_of, receive_refit
+    from genworker.shell.refit import CollectiveReceiver, fake
 
     expected = fake_state_dict("cuda:0")
     params = zeros_like(expected)
     group = fake.engine_group(port, timeout_s=CHILD_TIMEOUT_S, device=torch.device("cuda", 0))
     try:
-        receive_refit(
-            CollectiveReceiver(group),
-            manifest_of(expected),
-            ParameterSink(params),
-            timeout_s=REFIT_TIMEOUT_S,
-        )
+        fake.receive_into(CollectiveReceiver(group), params, timeout_s=REFIT_TIMEOUT_S)
     finally:
         group.close()
     return all(torch.equal(params[n], t) for n, t in expected.items())
 
 
-def collective_fake_sender_main(*, port: int, bucket_bytes: int, direct: bool = True) -> int:
+def collective_fake_sender_main(*, port: int, chunk_bytes: int) -> int:
     """Rank 0 on this GPU: broadcast the fake state dict; the bytes sent."""
-    from genworker.shell.refit.collective import CollectiveSender
-    from genworker.shell.refit.session import manifest_of
+    from genworker.shell.refit import RefitSender, manifest_of
 
     tensors = fake_state_dict("cuda:0")
-    with CollectiveSender(
+    with RefitSender.collective(
         "127.0.0.1",
         port,
         2,
         device="cuda:0",
         manifest=manifest_of(tensors),
-        bucket_bytes=bucket_bytes,
+        chunk_bytes=chunk_bytes,
         timeout_s=CHILD_TIMEOUT_S,
-        direct=direct,
     ) as sender:
         return sender.send(tensors.items()).nbytes

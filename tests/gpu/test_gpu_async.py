@@ -77,7 +77,7 @@ def trainer(
 async def refit(worker: AsyncVllmGenerationWorker, trainer: Trainer, checkpoint: Any) -> None:
     """Push ``checkpoint`` from the trainer process while whatever runs keeps running."""
     await worker.prepare_refit_info(manifest(checkpoint))
-    trainer.send("send", (str(checkpoint), False, False))
+    trainer.send("send", (str(checkpoint), False))
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, trainer.expect, "sending")
     assert await worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT_S)

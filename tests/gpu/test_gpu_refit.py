@@ -6,6 +6,8 @@ engine started on the same saved weights (see gpu_fixtures).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 from gpu.gpu_fixtures import (
     GPU_MARKS,
@@ -22,7 +24,21 @@ from gpu.gpu_fixtures import (
     requires_two_gpus,
 )
 
+if TYPE_CHECKING:
+    from genworker.shell.worker import VllmGenerationWorker
+
 pytest_plugins = ["gpu.gpu_fixtures"]
+
+
+def engine_report(worker: VllmGenerationWorker) -> dict[str, int]:
+    """The last refit's report of the (one) engine worker."""
+    reports = worker.last_refit["engine_workers"]
+    assert isinstance(reports, list)
+    (report,) = reports
+    assert isinstance(report, dict)
+    return report
+
+
 pytestmark = GPU_MARKS
 
 
@@ -43,40 +59,33 @@ def test_ipc_refit_from_a_trainer_process_matches_a_fresh_engine(
     assert greedy(worker, ckpt.pad) == gpu_session.baseline_a
 
 
-@pytest.mark.parametrize("arena", [False, True], ids=["per-tensor", "arena"])
-def test_ipc_refit_in_the_engine_layout_goes_direct_and_matches_a_fresh_engine(
-    gpu_session: GpuSession, reference_b: list[list[int]], arena: bool
+@pytest.mark.parametrize("one", [False, True], ids=["separate-allocations", "one-allocation"])
+def test_ipc_refit_in_the_engine_layout_keeps_the_trainers_storages_and_matches_a_fresh_engine(
+    gpu_session: GpuSession, reference_b: list[list[int]], one: bool
 ) -> None:
-    """Engine-layout tensors (fused qkv / gate_up, as a fresh engine on B holds them) take
-    the direct path: sender-handles, the sleep-mode engine copying from the trainer's
-    memory, from one allocation per tensor or from one RefitArena."""
+    """Engine-layout tensors (fused qkv / gate_up, as a fresh engine on B holds them) go
+    straight into the sleep-mode engine's parameters: packed on the first refit, then by
+    the handles of the trainer's own storages, which the engine keeps mapped until a refit
+    sends others or the trainer asks for its memory back."""
     worker, ckpt = gpu_session.worker, gpu_session.checkpoints
-    mode = refit_over_ipc(gpu_session, ckpt.b_engine, arena=arena)
-    assert mode == "sender-handles"
+    first = refit_over_ipc(gpu_session, ckpt.b_engine, one_allocation=one)
+    assert first["handles"] == 0  # the sender had not seen these storages
     assert greedy(worker, ckpt.pad) == reference_b
-    refit_over_ipc(gpu_session, ckpt.a)
-    assert greedy(worker, ckpt.pad) == gpu_session.baseline_a
-
-
-def test_ipc_refit_from_a_kept_arena_keeps_one_mapping_and_matches_a_fresh_engine(
-    gpu_session: GpuSession, reference_b: list[list[int]]
-) -> None:
-    """``keep_mapped``: the sleep-mode engine keeps the trainer's arena mapped between
-    refits (one storage) until released, or until a refit sends something else."""
-    worker, ckpt = gpu_session.worker, gpu_session.checkpoints
-    for _ in range(2):
-        mode = refit_over_ipc(gpu_session, ckpt.b_engine, arena=True, keep_mapped=True)
-        assert mode == "sender-handles"
-        assert greedy(worker, ckpt.pad) == reference_b
-    assert worker.release_refit_buffers() == [1]
-    assert worker.release_refit_buffers() == [0]
-    worker.sleep(2)  # the kept mapping is the trainer's memory: the engine's sleep keeps it
+    again = refit_over_ipc(gpu_session, ckpt.b_engine, one_allocation=one)
+    assert again["handles"] > 0
+    assert greedy(worker, ckpt.pad) == reference_b
+    assert engine_report(worker)["mapped"] > 0  # the trainer's storages, mapped once ...
+    refit_over_ipc(gpu_session, ckpt.b_engine, one_allocation=one)
+    assert engine_report(worker)["mapped"] == 0  # ... and kept
+    worker.sleep(2)  # the kept mappings are the trainer's memory: the engine's sleep keeps them
     worker.wake_up(["weights"])
-    refit_over_ipc(gpu_session, ckpt.b_engine, arena=True, keep_mapped=True)
+    refit_over_ipc(gpu_session, ckpt.b_engine, one_allocation=one)
     worker.wake_up(["kv_cache"])
     assert greedy(worker, ckpt.pad) == reference_b
-    refit_over_ipc(gpu_session, ckpt.a)  # checkpoint layout, in buckets: lets the arena go
+    (released,) = worker.release_refit_buffers()
+    assert released > 0  # type: ignore[operator]
     assert worker.release_refit_buffers() == [0]
+    refit_over_ipc(gpu_session, ckpt.a)
     assert greedy(worker, ckpt.pad) == gpu_session.baseline_a
 
 

@@ -1,5 +1,5 @@
 """The refit transports on CUDA without an engine: CUDA IPC between two processes on one
-GPU (buckets, oversized tensors, a sender dying mid-refit) and NCCL across two GPUs."""
+GPU (staging, oversized tensors, kept handles, a sender dying mid-refit) and NCCL across two GPUs."""
 
 from __future__ import annotations
 
@@ -21,54 +21,39 @@ from gpu.gpu_fixtures import (
     zeros_like,
 )
 
+from genworker.core.refit_protocol import DEFAULT_STAGING_BYTES
 from genworker.shell.errors import RefitTimeoutError
-from genworker.shell.refit.ipc import IpcReceiver
-from genworker.shell.refit.packing import DEFAULT_BUCKET_BYTES
-from genworker.shell.refit.session import ParameterSink, manifest_of, receive_refit
+from genworker.shell.refit import IpcReceiver, fake
 
 pytest_plugins = ["gpu.gpu_fixtures"]
 pytestmark = GPU_MARKS
 
 
-def _receive(receiver: IpcReceiver, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+def _receive(receiver: IpcReceiver, timeout_s: float) -> int:
     expected = fake_state_dict("cuda")
     params = zeros_like(expected)
-    report = receive_refit(
-        receiver, manifest_of(expected), ParameterSink(params), timeout_s=timeout_s
-    )
+    report = fake.receive_into(receiver, params, timeout_s=timeout_s)
     for name, tensor in expected.items():
         assert torch.equal(params[name], tensor), name
-    return params, report.tensors
+    return report.tensors
 
 
-# 4 KiB buckets: many buckets, both staging buffers, oversized tensors in their own buffer;
-# direct: the trainer writes into the receiver's tensors through their CUDA IPC handles.
-@pytest.mark.parametrize(
-    ("bucket_bytes", "direct", "mode"),
-    [
-        (4096, False, "buckets"),
-        (DEFAULT_BUCKET_BYTES, False, "buckets"),
-        (DEFAULT_BUCKET_BYTES, True, "engine-handles"),
-    ],
-)
-def test_cuda_ipc_round_trip_between_processes_on_one_gpu(
-    bucket_bytes: int, direct: bool, mode: str
-) -> None:
+# 4 KiB staging: many chunks, both staging buffers, oversized tensors in temporary copies;
+# the second and third refits send the two large tensors by the handles of their storages.
+@pytest.mark.parametrize("staging_bytes", [4096, DEFAULT_STAGING_BYTES])
+def test_cuda_ipc_round_trips_between_processes_on_one_gpu(staging_bytes: int) -> None:
     receiver = IpcReceiver(torch.device("cuda", 0))
     try:
         sender = Child(
-            ipc_fake_sender_main,
-            address=receiver.address,
-            bucket_bytes=bucket_bytes,
-            direct=direct,
+            ipc_fake_sender_main, address=receiver.address, staging_bytes=staging_bytes, refits=3
         )
-        _, tensors = _receive(receiver, timeout_s=120.0)
+        tensors = [_receive(receiver, timeout_s=120.0) for _ in range(3)]
         sent = sender.result()
     finally:
         receiver.close()
-    assert isinstance(sent, dict)
-    assert sent["tensors"] == tensors == len(fake_state_dict("cpu"))
-    assert sent["mode"] == mode
+    assert isinstance(sent, list)
+    assert [s["tensors"] for s in sent] == tensors == [len(fake_state_dict("cpu"))] * 3
+    assert [s["handles"] for s in sent] == [0, 2, 2]
 
 
 def test_cuda_ipc_sender_dying_mid_refit_times_out_and_the_next_refit_works() -> None:
@@ -78,21 +63,19 @@ def test_cuda_ipc_sender_dying_mid_refit_times_out_and_the_next_refit_works() ->
         dying = Child(
             ipc_fake_sender_main,
             address=receiver.address,
-            bucket_bytes=4096,
+            staging_bytes=4096,
             die_after=4,
             ready=ready,
-            direct=False,
         )
         assert ready.wait(CHILD_TIMEOUT_S), "the sender never got ready"
         started = time.monotonic()
-        with pytest.raises(RefitTimeoutError, match=r"within 5\.0s"):
+        with pytest.raises(RefitTimeoutError, match=r"within 5s"):
             _receive(receiver, timeout_s=5.0)
         assert time.monotonic() - started < 10.0
         with pytest.raises(RuntimeError, match="exit code 17"):
             dying.result()
-        receiver.reset()
-        sender = Child(ipc_fake_sender_main, address=receiver.address, bucket_bytes=4096)
-        _, tensors = _receive(receiver, timeout_s=120.0)
+        sender = Child(ipc_fake_sender_main, address=receiver.address, staging_bytes=4096)
+        tensors = _receive(receiver, timeout_s=120.0)
         assert sender.result() is not None
     finally:
         receiver.close()
@@ -100,15 +83,11 @@ def test_cuda_ipc_sender_dying_mid_refit_times_out_and_the_next_refit_works() ->
 
 
 @requires_two_gpus
-@pytest.mark.parametrize(
-    ("bucket_bytes", "direct"), [(4096, False), (DEFAULT_BUCKET_BYTES, False), (4096, True)]
-)
-def test_nccl_round_trip_between_two_gpus(bucket_bytes: int, direct: bool) -> None:
+@pytest.mark.parametrize("chunk_bytes", [4096, 1 << 30])
+def test_nccl_round_trip_between_two_gpus(chunk_bytes: int) -> None:
     port = free_port()
     receiver = Child(collective_fake_receiver_main, gpu=1, port=port)
-    sender = Child(
-        collective_fake_sender_main, gpu=0, port=port, bucket_bytes=bucket_bytes, direct=direct
-    )
+    sender = Child(collective_fake_sender_main, gpu=0, port=port, chunk_bytes=chunk_bytes)
     sent = sender.result()
     assert receiver.result() is True
     assert sent == sum(t.numel() * t.element_size() for t in fake_state_dict("cpu").values())

@@ -18,6 +18,8 @@ from shell.test_worker_engine import (
     test_empty_batch_gives_empty_tensors,
     test_generate_text_returns_texts,
     test_per_sample_stop_strings_stop_only_their_own_row,
+    test_the_nemo_rl_worker_over_the_real_engine,
+    test_tokenize_gives_the_ids_vllm_makes_of_a_text_prompt,
     worker,
 )
 from shell.test_worker_engine import (
@@ -38,6 +40,8 @@ __all__ = [
     "test_empty_batch_gives_empty_tensors",
     "test_generate_text_returns_texts",
     "test_per_sample_stop_strings_stop_only_their_own_row",
+    "test_the_nemo_rl_worker_over_the_real_engine",
+    "test_tokenize_gives_the_ids_vllm_makes_of_a_text_prompt",
     "test_worker_greedy_matches_raw_vllm",
     "test_worker_seeded_sampling_matches_raw_vllm",
     "worker",

@@ -190,6 +190,51 @@ def test_a_placement_group_that_cannot_be_placed_times_out_with_the_cause(
     assert leftovers(set(ray.util.placement_group_table()) - before) == ([], [])
 
 
+def test_rows_travel_with_their_media_and_bad_media_is_refused_in_the_driver(
+    ray_session: None,
+) -> None:
+    from PIL import Image
+
+    red, blue = Image.new("RGB", (8, 6), (255, 0, 0)), Image.new("RGB", (4, 9), (0, 0, 255))
+    placeholder, expansion = 5, 7
+    factory = FakeEngineFactory(
+        image_token_id=placeholder, image_prompt_ids=expansion, max_images=2, max_model_len=64
+    )
+    rows = [[3, 5, 7], [3, 4], [5, 5, 6, 7, 8, 9], [3, 5] + [4] * 10]
+    media = [{"image": red}, None, {"image": [red, blue]}, {"image": blue}]
+
+    def data(media: list[Any]) -> dict[str, object]:
+        ids = torch.full((4, 12), PAD, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+        lengths = torch.tensor([len(r) for r in rows])
+        return {"input_ids": ids, "input_lengths": lengths, "multi_modal_data": media}
+
+    with GenerationGroup(
+        tiny_config("fake"),
+        ClusterSpec(num_shards=2, cpus_per_node=2, start_timeout_s=120),
+        worker_options={"engine_factory": factory},
+    ) as g:
+        out = g.generate(data(media), greedy=True)
+        assert [out["output_ids"][i, : len(r)].tolist() for i, r in enumerate(rows)] == rows
+        # Each shard's engine counted its rows' expanded prompts: the images went along.
+        expanded = sum(len(r) for r in rows) + 4 * (expansion - 1)  # four images
+        assert sum(shard_prompt_tokens(g)) == expanded
+        before = shard_prompt_tokens(g)
+        bad = [{"image": [red, blue]}, None, media[2], media[3]]
+        with pytest.raises(BadBatchError, match=r"row 0 \(2 images, 1 placeholders\)"):
+            g.generate(data(bad))
+        with pytest.raises(BadBatchError, match="NeMo-RL"):
+            g.generate({**data(media), "vllm_images": [[red]] * 4})
+        with pytest.raises(BadBatchError, match=r"multi_modal_data\[3\]\['image'\]\[0\] must be"):
+            g.generate(data([*media[:3], {"image": "red.png"}]))
+        assert shard_prompt_tokens(g) == before
+        texts = g.generate_text(
+            {"prompts": ["afc", "ab"], "multi_modal_data": [{"image": red}, None]}, greedy=True
+        )
+        assert len(texts["texts"]) == 2
+
+
 def test_shard_failures_survive_pickling() -> None:
     failure = ShardFailure("generate failed", call="generate", errors={1: GroupError("dead")})
     copy = pickle.loads(pickle.dumps(failure))
@@ -298,6 +343,18 @@ def test_a_bad_row_submits_nothing_to_any_shard(group: GenerationGroup) -> None:
 
 
 @pytest.mark.engine
+def test_an_image_for_the_text_model_is_refused_in_the_driver(group: GenerationGroup) -> None:
+    from PIL import Image
+
+    data: dict[str, object] = dict(batch([4, 5, 6]))
+    data["multi_modal_data"] = [None, None, {"image": Image.new("RGB", (8, 8))}]
+    before = shard_prompt_tokens(group)
+    with pytest.raises(BadBatchError, match=r"takes no images.*row 2 \(1 images\)"):
+        group.generate(data)
+    assert shard_prompt_tokens(group) == before
+
+
+@pytest.mark.engine
 def test_a_worker_error_keeps_its_type_and_names_every_shard(group: GenerationGroup) -> None:
     with pytest.raises(UnsupportedError) as info:
         group.sleep()  # no sleep mode on the CPU backend
@@ -337,7 +394,7 @@ def test_an_ipc_refit_reaches_every_shard_and_the_group_then_equals_one_worker(
     group's futures) and into the reference worker: the outputs change and stay equal."""
     from safetensors.torch import load_file
 
-    from genworker.shell.refit.ipc import IpcSender
+    from genworker.shell.refit import RefitSender
 
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
     generator = torch.Generator().manual_seed(7)
@@ -350,22 +407,21 @@ def test_an_ipc_refit_reaches_every_shard_and_the_group_then_equals_one_worker(
     addresses = group.refit_address()
     futures = group.update_weights_via_ipc_zmq(timeout_s=120.0)
     for (address,) in addresses:
-        with IpcSender(str(address), manifest=info, timeout_s=120.0) as sender:
+        with RefitSender.ipc(str(address), manifest=info, timeout_s=120.0) as sender:
             assert sender.send(new.items()).tensors == len(new)
     assert group.collect(futures) == [True, True]
-    assert group.release_refit_buffers() == [[0], [0]]  # nothing kept: no keep_mapped
-    # The option reaches every shard's engine workers: each binds a socket for it.
-    guarded = group.refit_address(offer_params=False)
-    assert len({str(a) for (a,) in [*addresses, *guarded]}) == 4
-    assert group.refit_address(offer_params=False) == guarded
-    assert {str(a) for (a,) in group.refit_address()}.isdisjoint(str(a) for (a,) in guarded)
+    assert len({str(a) for (a,) in addresses}) == 2  # one socket per engine worker
+    # each kept the sender's staging buffers mapped; released, there are none
+    kept = group.release_refit_buffers()
+    assert all(n > 0 for (n,) in kept), kept  # type: ignore[operator]
+    assert group.release_refit_buffers() == [[0], [0]]
 
     reference.prepare_refit_info(info)
     (address,) = reference.refit_address()
     sender_done: list[int] = []
 
     def send() -> None:
-        with IpcSender(str(address), manifest=info, timeout_s=120.0) as sender:
+        with RefitSender.ipc(str(address), manifest=info, timeout_s=120.0) as sender:
             sender_done.append(sender.send(new.items()).tensors)
 
     thread = threading.Thread(target=send)
@@ -389,8 +445,7 @@ def test_a_collective_refit_reaches_every_shard(
 
     from safetensors.torch import load_file
 
-    from genworker.shell.refit.collective import CollectiveSender
-    from genworker.shell.refit.ipc import IpcSender
+    from genworker.shell.refit import RefitSender
 
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
     generator = torch.Generator().manual_seed(11)
@@ -404,7 +459,7 @@ def test_a_collective_refit_reaches_every_shard(
         port = int(probe.getsockname()[1])
     group.prepare_refit_info(info)
     joins = group.init_collective("127.0.0.1", port, world_size=3, train_world_size=1)
-    with CollectiveSender("127.0.0.1", port, 3, manifest=info, timeout_s=120.0) as sender:
+    with RefitSender.collective("127.0.0.1", port, 3, manifest=info, timeout_s=120.0) as sender:
         group.collect(joins, call="init_collective")
         futures = group.update_weights_from_collective(timeout_s=120.0)
         assert sender.send(new.items()).tensors == len(new)
@@ -414,7 +469,7 @@ def test_a_collective_refit_reaches_every_shard(
     (address,) = reference.refit_address()
 
     def send() -> None:
-        with IpcSender(str(address), manifest=info, timeout_s=120.0) as ipc:
+        with RefitSender.ipc(str(address), manifest=info, timeout_s=120.0) as ipc:
             ipc.send(new.items())
 
     thread = threading.Thread(target=send)

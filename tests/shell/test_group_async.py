@@ -89,7 +89,9 @@ def test_a_real_async_shard_streams_and_refits_in_flight(
         "max_model_len": 256,
         "gpu_memory_utilization": 0.05,
     }
-    config["max_new_tokens"] = 60
+    # Room for 200 tokens a row: the rows are still running when the refit lands, even on
+    # a quiet host (the tiny model makes 60 tokens in well under the second below).
+    config["max_new_tokens"] = 200
     weights = load_file(tiny_model_dir / "model.safetensors")
     with GenerationGroup(
         config,
@@ -167,6 +169,7 @@ def test_generate_on_async_shards_merges_weight_versions(group: GenerationGroup)
 
 def test_an_in_flight_refit_through_the_group_reaches_every_shard(group: GenerationGroup) -> None:
     data = right_padded([[3 + i] * (4 + i) for i in range(4)])
+    group.prepare_refit_info({"w": ([2], "float32")})
 
     async def main() -> list[Any]:
         stream = group.generate_async(data)

@@ -4,20 +4,26 @@ The engine here is this module's own (refits change its weights; the session eng
 ``engine_fixtures`` must stay pristine). Every refit is checked the strong way: greedy
 tokens afterwards equal those of a fresh engine started on the same saved weights, and
 differ before. The first tests drive the extension's routing with a plain ``nn.Module``
-standing in for the worker's model (no engine).
+standing in for the worker's model (no engine). The worker tests each end with the same
+worker serving the reference tokens after a good refit, whatever failed before, within a
+deadline (issue 21: a refit timeout, a refit refused before it starts, a rendezvous
+without a trainer, hostile messages, an interrupt, killed trainers).
 """
 
 from __future__ import annotations
 
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import attrs
+import msgspec
 import pytest
 import torch
+import zmq
 from refit_helpers import (
     PROMPTS,
     REFIT_TIMEOUT,
@@ -33,20 +39,20 @@ from refit_helpers import (
 from safetensors.torch import load_file
 from torch import nn
 
-from genworker.core.refit_plan import Bucket, Manifest, TensorSpec, plan_buckets
-from genworker.shell.errors import EngineStateError, RefitError, RefitManifestError
-from genworker.shell.extension import (
-    EngineSink,
-    WorkerExtension,
-    _routed,
-    _routes,
-    direct_routes,
+from genworker.core import refit_protocol as p
+from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.shell.errors import (
+    BadArgumentError,
+    EngineStateError,
+    RefitError,
+    RefitManifestError,
+    RefitTimeoutError,
+    RefitTransportError,
 )
-from genworker.shell.refit.session import bucket_views
+from genworker.shell.extension import EngineSink, WorkerExtension, _routed
+from genworker.shell.refit.wire import Reply, encode
 from genworker.shell.tiny_model import build_tiny_model
-
-if TYPE_CHECKING:
-    pass
+from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -60,6 +66,7 @@ DIRECT = {
     "model.norm.weight",
     "lm_head.weight",
 }
+SLACK = 10.0  # what a bounded wait may take beyond its bound on this shared machine
 
 
 # -- routing, with a plain module standing in for vLLM's model ------------------------
@@ -109,50 +116,51 @@ def specs(**shapes: tuple[int, ...]) -> Manifest:
     ).unwrap()
 
 
-def test_direct_routes_need_an_exact_match_for_every_parameter_of_a_module() -> None:
+@attrs.define(slots=False)
+class FakeWorker(WorkerExtension):
+    """What the extension reads from a vLLM worker: a model, a device, a rank."""
+
+    model: Toy = attrs.field(factory=Toy)
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    rank: int = 0
+
+    def get_model(self) -> nn.Module:
+        return self.model
+
+
+def test_routes_need_every_writable_parameter_of_an_unquantized_module() -> None:
+    worker = FakeWorker()
     manifest = specs(
         norm__weight=(4,),
         packed__weight=(2, 2),  # the checkpoint's shape; the parameter is a placeholder
         quantized__weight=(2, 2),
         proj__weight=(3, 4),  # proj.bias goes to the loader, so proj.weight must too
     )
-    routes = direct_routes(Toy(), manifest, sharded_ok=True)
-    assert routes.direct == frozenset({"norm.weight"})
-    assert routes.modules == frozenset({"norm"})
+    assert _routed(worker, manifest, True).routes.direct == {"norm.weight"}
     both = specs(proj__weight=(3, 4), proj__bias=(3,))
-    assert direct_routes(Toy(), both, sharded_ok=True).direct == {"proj.weight", "proj.bias"}
+    assert _routed(worker, both, True).routes.direct == {"proj.weight", "proj.bias"}
+    vars(worker.model.norm.weight)["output_dim"] = 0  # sharded, as vLLM marks it
+    assert _routed(worker, specs(norm__weight=(4,)), False).routes.direct == frozenset()
+    assert worker.engine_param_layout() == {
+        "norm.weight": [[4], "float32"],
+        "proj.weight": [[3, 4], "float32"],
+        "proj.bias": [[3], "float32"],
+    }
 
 
-class Bare:
-    """Where the extension keeps its state, and nothing else: enough for the routes."""
-
-
-def test_routes_are_kept_until_a_parameter_moves_or_changes_shape() -> None:
-    model, worker = Toy(), Bare()
+def test_routes_are_kept_until_a_parameter_moves_is_replaced_or_changes_shape() -> None:
+    worker = FakeWorker()
     manifest = specs(proj__weight=(3, 4), proj__bias=(3,))
-    first = _routes(worker, model, manifest, True)
-    assert _routes(worker, model, manifest, True) is first
-    model.proj.weight.data = torch.ones(3, 4)  # new memory: computed again, same answer
-    again = _routes(worker, model, manifest, True)
+    first = _routed(worker, manifest, True)
+    assert _routed(worker, manifest, True) is first
+    worker.model.proj.weight.data = torch.ones(3, 4)  # new memory: computed again
+    again = _routed(worker, manifest, True)
     assert again is not first
-    assert again == first
-    model.proj.bias.data = torch.zeros(5)  # the bias no longer matches: nothing goes direct
-    assert _routes(worker, model, manifest, True).direct == frozenset()
-
-
-def test_routes_are_computed_again_when_a_parameter_is_replaced_in_place() -> None:
-    """A new Parameter object over the same memory (as a reload may register) is seen."""
-
-    model, worker = Toy(), Bare()
-    manifest = specs(proj__weight=(3, 4), proj__bias=(3,))
-    first = _routed(worker, model, manifest, True)
-    assert _routed(worker, model, manifest, True) is first
-    model.proj.weight = nn.Parameter(model.proj.weight.data)  # same pointer, new object
-    again = _routed(worker, model, manifest, True)
-    assert again is not first
-    assert again.direct["proj.weight"] is model.proj.weight
-    assert _routed(worker, model, specs(norm__weight=(4,)), True) is not again  # new manifest
-    assert _routed(worker, Toy(), specs(norm__weight=(4,)), True).model is not model
+    assert again.routes == first.routes
+    worker.model.proj.weight = nn.Parameter(worker.model.proj.weight.data)  # same memory
+    assert _routed(worker, manifest, True) is not again
+    worker.model.proj.bias.data = torch.zeros(5)  # the bias no longer matches
+    assert _routed(worker, manifest, True).routes.direct == frozenset()
 
 
 class CountingParameter(nn.Parameter):
@@ -173,20 +181,18 @@ class CountingParameter(nn.Parameter):
 
 
 def test_checking_cached_routes_does_not_go_through_torch_function() -> None:
-    model, worker = Toy(), Bare()
-    model.proj.weight = CountingParameter(torch.ones(3, 4))
-    model.proj.bias = CountingParameter(torch.zeros(3))
+    worker = FakeWorker()
+    worker.model.proj.weight = CountingParameter(torch.ones(3, 4))
+    worker.model.proj.bias = CountingParameter(torch.zeros(3))
     manifest = specs(proj__weight=(3, 4), proj__bias=(3,))
-    first = _routed(worker, model, manifest, True)
+    first = _routed(worker, manifest, True)
     CountingParameter.calls = 0
     for _ in range(3):
-        assert _routed(worker, model, manifest, True) is first
+        assert _routed(worker, manifest, True) is first
     assert CountingParameter.calls == 0
-    model.proj.bias.data = torch.zeros(3)  # still seen: new memory
-    assert _routed(worker, model, manifest, True) is not first
 
 
-def test_engine_sink_runs_the_post_load_processing_of_the_modules_written() -> None:
+def test_the_sink_runs_the_post_load_processing_of_the_modules_written() -> None:
     processed: list[str] = []
 
     class Method:
@@ -197,87 +203,25 @@ def test_engine_sink_runs_the_post_load_processing_of_the_modules_written() -> N
             processed.append(self.name)
 
     Method.__name__ = "UnquantizedLinearMethod"
-    model = Toy()
-    vars(model.norm)["quant_method"] = Method("norm")
-    vars(model.proj)["quant_method"] = Method("proj")
-    manifest = specs(norm__weight=(4,), proj__weight=(3, 4), proj__bias=(3,))
-    routed = _routed(Bare(), model, manifest, True)
-    assert routed.targets is not None
-    assert set(routed.targets) == {"norm.weight", "proj.weight", "proj.bias"}
-    sink = EngineSink(model, routed.routes, torch.device("cpu"), routed=routed)
-    assert sink.direct_targets(manifest) is routed.targets
-    sink.written(["proj.bias", "norm.weight", "proj.weight"])  # all of them
-    sink.finalize()
-    assert processed == ["norm", "proj"]
-    processed.clear()
-    sink = EngineSink(model, routed.routes, torch.device("cpu"), routed=routed)
-    sink.written(["proj.weight"])
-    sink.finalize()
-    assert processed == ["proj"]
-
-
-def test_sharded_parameters_never_go_direct_over_a_collective() -> None:
-    model = Toy()
-    model.norm.weight.output_dim = 0  # type: ignore[attr-defined]
-    manifest = specs(norm__weight=(4,))
-    assert direct_routes(model, manifest, sharded_ok=False).direct == frozenset()
-    assert direct_routes(model, manifest, sharded_ok=True).direct == {"norm.weight"}
-
-
-def test_engine_sink_copies_direct_and_defers_owned_copies() -> None:
-    model = Toy()
-    manifest = specs(norm__weight=(4,), packed__weight=(2, 2))
-    sink = EngineSink(model, direct_routes(model, manifest, sharded_ok=True), torch.device("cpu"))
-    buffer = torch.zeros(1024, dtype=torch.uint8)
-    slots = [s for b in _plan(manifest) for s in b.slots]
-    views = bucket_views(buffer, slots)
-    views[0][1].copy_(torch.full((4,), 2.0))
-    views[1][1].copy_(torch.full((2, 2), 3.0))
-    deferred = sink.store(views)
-    sink.finalize()
-    assert torch.equal(model.norm.weight.data, torch.full((4,), 2.0))
-    ((name, tensor),) = deferred
-    assert name == "packed.weight"
-    buffer.zero_()  # the transport reuses its buffer: the deferred copy must not change
-    assert torch.equal(tensor, torch.full((2, 2), 3.0))
-
-
-def _plan(manifest: Manifest) -> list[Bucket]:
-    return list(plan_buckets(manifest.specs, 1024))
-
-
-@attrs.define(slots=False)
-class FakeWorker(WorkerExtension):
-    """What the extension reads from a vLLM worker: a model, a device, a rank."""
-
-    model: nn.Module = attrs.field(factory=Toy)
-    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
-    rank: int = 0
-
-    def get_model(self) -> nn.Module:
-        return self.model
-
-
-def test_extension_refuses_refits_before_their_setup() -> None:
     worker = FakeWorker()
-    with pytest.raises(EngineStateError, match="prepare_refit_info first"):
-        worker.update_weights_via_ipc_zmq(timeout_s=0.1)
-    with pytest.raises(EngineStateError, match="before init_collective"):
-        worker.update_weights_from_collective(timeout_s=0.1)
+    vars(worker.model.norm)["quant_method"] = Method("norm")
+    vars(worker.model.proj)["quant_method"] = Method("proj")
+    routed = _routed(worker, specs(norm__weight=(4,), proj__weight=(3, 4), proj__bias=(3,)), True)
+    sink = EngineSink(routed, torch.device("cpu"))
+    assert sink.target("proj.bias").data_ptr() == worker.model.proj.bias.data_ptr()
+    sink.finish(["proj.bias", "norm.weight", "proj.weight"])
+    assert processed == ["norm", "proj"]
+
+
+def test_extension_refusals_are_values_a_caller_raises_typed() -> None:
+    worker = FakeWorker()
+    assert worker.update_weights_via_ipc_zmq(timeout_s=0.1)["error"] == "state"
+    assert worker.update_weights_from_collective(timeout_s=0.1)["error"] == "state"
+    for bad in (float("nan"), float("inf"), "5"):
+        worker.prepare_refit_info({"norm.weight": ([4], "float32")})
+        assert worker.update_weights_via_ipc_zmq(timeout_s=bad)["error"] == "argument"  # type: ignore[arg-type]
     with pytest.raises(RefitManifestError, match="'w' has shape"):
         worker.prepare_refit_info({"w": ([-1], "float32")})
-    summary = worker.prepare_refit_info({"norm.weight": ([4], "float32")})
-    assert summary == {
-        "manifest_digest": specs(norm__weight=(4,)).digest(),
-        "tensors": 1,
-        "direct": 1,
-        "loaded": 0,
-    }
-    assert worker.engine_param_layout() == {
-        "norm.weight": [[4], "float32"],
-        "proj.weight": [[3, 4], "float32"],
-        "proj.bias": [[3], "float32"],
-    }
     worker.cleanup()
 
 
@@ -318,8 +262,7 @@ def trainer() -> Iterator[Trainer]:
 
 
 def refit_ipc(engine: Engine, trainer: Trainer, path: Path, **edits: object) -> dict[str, object]:
-    address = engine.rpc("ipc_address")
-    trainer.submit("ipc", address=address, path=str(path), **edits)
+    trainer.submit("ipc", address=engine.rpc("refit_address"), path=str(path), **edits)
     try:
         report = engine.rpc("update_weights_via_ipc_zmq", timeout_s=REFIT_TIMEOUT)
     finally:
@@ -345,10 +288,6 @@ def test_worker_extension_reports_its_device_and_layout(engine: Engine, weights:
     layout = engine.rpc("engine_param_layout")
     assert isinstance(layout, dict)
     assert set(layout) == DIRECT
-    assert layout["lm_head.weight"] == [
-        list(load_file(weights.b)["lm_head.weight"].shape),
-        "float32",
-    ]
     summary = engine.rpc("prepare_refit_info", info(weights.b))
     checkpoint = info(weights.b)
     assert summary == {
@@ -360,17 +299,23 @@ def test_worker_extension_reports_its_device_and_layout(engine: Engine, weights:
 
 
 @pytest.mark.engine
-def test_ipc_refit_from_a_trainer_process_matches_a_fresh_engine(
+def test_ipc_refits_match_fresh_engines_and_keep_the_trainers_storages_mapped(
     engine: Engine, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
 ) -> None:
     assert engine.baseline_a != reference_b  # or a refit that changed nothing would pass
     engine.rpc("prepare_refit_info", info(weights.b))
-    report = refit_ipc(engine, trainer, weights.b, manifest_path=str(weights.b))
+    first = refit_ipc(engine, trainer, weights.b)
     assert engine.tokens() == reference_b
-    assert report["tensors"] == len(info(weights.b))
-    assert (report["direct"], report["loaded"]) == (len(DIRECT), len(info(weights.b)) - len(DIRECT))
+    assert first["tensors"] == len(info(weights.b))
+    assert (first["direct"], first["loaded"]) == (len(DIRECT), len(info(weights.b)) - len(DIRECT))
+    again = refit_ipc(engine, trainer, weights.b)  # the same trainer tensors: by handle
+    assert engine.tokens() == reference_b
+    assert int(again["mapped"]) > 0  # type: ignore[call-overload]  # mapped once ...
+    assert refit_ipc(engine, trainer, weights.b)["mapped"] == 0  # ... and kept
     refit_ipc(engine, trainer, weights.a)
     assert engine.tokens() == engine.baseline_a
+    assert engine.rpc("release_refit_buffers") not in (0, None)
+    assert engine.rpc("release_refit_buffers") == 0
 
 
 @pytest.mark.engine
@@ -385,7 +330,7 @@ def test_collective_refits_twice_in_a_row_match_fresh_engines(
         sent = trainer.result()
         assert sent.ok, sent
         assert isinstance(report, dict)
-        assert report["bytes"] == sent.detail["bytes"]
+        assert report["nbytes"] == sent.detail["nbytes"]
         assert engine.tokens() == expected
 
 
@@ -395,108 +340,26 @@ def test_a_refit_in_the_engine_layout_goes_straight_into_parameter_memory(
     engine: Engine, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
 ) -> None:
     engine.rpc("prepare_refit_info", info(weights.b))
-    trainer.submit("collective", path=str(weights.b))
-    engine.rpc("update_weights_from_collective", timeout_s=REFIT_TIMEOUT)
-    assert trainer.result().ok
+    refit_ipc(engine, trainer, weights.b)
     assert engine.tokens() == reference_b
     # Only the parameters vLLM keeps as they are, from A: every one is copied directly.
     summary = engine.rpc("prepare_refit_info", info(weights.a, keep=DIRECT))
     assert summary["direct"] == len(DIRECT)  # type: ignore[index]
     trainer.submit("collective", path=str(weights.a), keep=sorted(DIRECT))
     report = engine.rpc("update_weights_from_collective", timeout_s=REFIT_TIMEOUT)
-    sent = trainer.result()
-    assert sent.ok
+    assert trainer.result().ok
     assert isinstance(report, dict)
     assert (report["direct"], report["loaded"]) == (len(DIRECT), 0)
-    assert report["mode"] == sent.detail["mode"] == "direct-receive"
     mixed = engine.tokens()
     assert mixed != reference_b
-    # The bucket path writes the same weights.
-    trainer.submit("collective", path=str(weights.b), keep=sorted(DIRECT))
-    engine.rpc("update_weights_from_collective", timeout_s=REFIT_TIMEOUT)
-    assert trainer.result().ok
-    trainer.submit("collective", path=str(weights.a), keep=sorted(DIRECT), direct=False)
-    report = engine.rpc("update_weights_from_collective", timeout_s=REFIT_TIMEOUT)
-    assert trainer.result().ok
-    assert report["mode"] == "buckets"  # type: ignore[index]
-    assert engine.tokens() == mixed
-    trainer.submit("collective", path=str(weights.b), keep=sorted(DIRECT))
-    engine.rpc("update_weights_from_collective", timeout_s=REFIT_TIMEOUT)
-    assert trainer.result().ok
+    refit_ipc(engine, trainer, weights.b, keep=sorted(DIRECT))
     assert engine.tokens() == reference_b
-
-
-@pytest.mark.engine
-def test_ipc_engine_handles_write_the_same_weights_as_buckets(
-    engine: Engine, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
-) -> None:
-    engine.rpc("prepare_refit_info", info(weights.b))
-    report = refit_ipc(engine, trainer, weights.b)
-    assert report["mode"] == "buckets"  # the linear weights need the loader on CPU
-    assert engine.tokens() == reference_b
-    engine.rpc("prepare_refit_info", info(weights.a, keep=DIRECT))
     report = refit_ipc(engine, trainer, weights.a, keep=sorted(DIRECT))
-    assert report["mode"] == "engine-handles"
-    assert (report["direct"], report["loaded"], report["buckets"]) == (len(DIRECT), 0, 0)
-    mixed = engine.tokens()
-    assert mixed != reference_b
-    refit_ipc(engine, trainer, weights.b, keep=sorted(DIRECT))
-    assert engine.tokens() == reference_b
-    report = refit_ipc(engine, trainer, weights.a, keep=sorted(DIRECT), direct=False)
-    assert report["mode"] == "buckets"
+    assert (report["direct"], report["loaded"]) == (len(DIRECT), 0)
     assert engine.tokens() == mixed
-    # A wrong shape is refused before anything is written, naming the tensor.
-    trainer.submit(
-        "ipc",
-        address=engine.rpc("ipc_address"),
-        path=str(weights.b),
-        keep=sorted(DIRECT),
-        reshape={"model.norm.weight": [64]},
-    )
-    with pytest.raises(RefitManifestError, match=r"model\.norm\.weight"):
-        engine.rpc("update_weights_via_ipc_zmq", timeout_s=REFIT_TIMEOUT)
-    assert not trainer.result().ok
-    assert engine.tokens() == mixed
-    refit_ipc(engine, trainer, weights.b, keep=sorted(DIRECT))
-    assert engine.tokens() == reference_b
-
-
-@pytest.mark.engine
-def test_ipc_sender_handles_read_the_trainers_tensors_and_keep_mapped_keeps_them(
-    engine: Engine, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
-) -> None:
-    """An engine that offers none of its memory reads the trainer's tensors (the mode of
-    a sleep-mode GPU engine); with ``keep_mapped`` it keeps them mapped until released."""
     engine.rpc("prepare_refit_info", info(weights.b))
     refit_ipc(engine, trainer, weights.b)
-    engine.rpc("prepare_refit_info", info(weights.a, keep=DIRECT))
-    assert refit_ipc(engine, trainer, weights.a, keep=sorted(DIRECT))["mode"] == "engine-handles"
-    mixed = engine.tokens()
-    assert mixed != reference_b
-    default = engine.rpc("ipc_address")
-    try:
-        address = engine.rpc("ipc_address", None, False)  # a new socket, with these options
-        assert address != default
-        assert engine.rpc("ipc_address", None, False) == address
-        for path, expected, keep_mapped in [
-            (weights.b, reference_b, True),
-            (weights.a, mixed, True),
-            (weights.b, reference_b, False),
-        ]:
-            trainer.submit(
-                "ipc", address=address, path=str(path), keep=sorted(DIRECT), keep_mapped=keep_mapped
-            )
-            report = engine.rpc("update_weights_via_ipc_zmq", timeout_s=REFIT_TIMEOUT)
-            assert trainer.result().ok
-            assert isinstance(report, dict)
-            assert report["mode"] == "sender-handles"
-            assert (report["direct"], report["buckets"]) == (len(DIRECT), 0)
-            assert engine.tokens() == expected
-            kept = engine.rpc("release_kept_buffers")
-            assert (kept > 0) if keep_mapped else (kept == 0), kept  # type: ignore[operator]
-            assert engine.rpc("release_kept_buffers") == 0
-    finally:
-        engine.rpc("ipc_address")  # the default socket again, for the other tests
+    assert engine.tokens() == reference_b
 
 
 FAULTS = [
@@ -529,8 +392,7 @@ def test_ipc_stream_that_breaks_the_manifest_raises_typed_errors_naming_the_tens
     detail: str,
 ) -> None:
     engine.rpc("prepare_refit_info", info(weights.b))
-    address = engine.rpc("ipc_address")
-    trainer.submit("ipc", address=address, path=str(weights.b), **edits)
+    trainer.submit("ipc", address=engine.rpc("refit_address"), path=str(weights.b), **edits)
     with pytest.raises(RefitManifestError) as raised:
         engine.rpc("update_weights_via_ipc_zmq", timeout_s=REFIT_TIMEOUT)
     sent = trainer.result()
@@ -539,8 +401,7 @@ def test_ipc_stream_that_breaks_the_manifest_raises_typed_errors_naming_the_tens
     assert not sent.ok
     assert sent.error == "RefitManifestError"
     assert name in sent.message
-    # The weights are inconsistent now; the next complete refit restores them exactly.
-    refit_ipc(engine, trainer, weights.b)
+    refit_ipc(engine, trainer, weights.b)  # the next complete refit restores them exactly
     assert engine.tokens() == reference_b
 
 
@@ -565,68 +426,282 @@ def test_collective_stream_missing_a_tensor_fails_on_both_sides_then_recovers(
     assert engine.tokens() == reference_b
 
 
-@pytest.mark.engine
-def test_refit_errors_are_refit_errors(engine: Engine, weights: Weights) -> None:
-    # No trainer at all: the engine gives up within its bound, with a typed error.
-    engine.rpc("prepare_refit_info", info(weights.b))
-    started = time.monotonic()
-    with pytest.raises(RefitError, match=r"no refit message from .* within 1\.0s"):
-        engine.rpc("update_weights_via_ipc_zmq", timeout_s=1.0)
-    assert time.monotonic() - started < 5.0
+# -- the same, through VllmGenerationWorker: what a training loop throws at it ---------
 
 
-# -- the same, through VllmGenerationWorker: the lifecycle around a refit ---------------
+CONFIG = {
+    "model_name": "tiny", "max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0,
+    "top_k": None, "stop_token_ids": None, "stop_strings": None, "_pad_token_id": 2,
+    "vllm_cfg": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                 "gpu_memory_utilization": 0.05, "max_model_len": 256,
+                 "precision": "float32"},
+}  # fmt: skip
+
+
+@attrs.define
+class Worker:
+    """A worker over the module's engine, and its greedy tokens through ``generate``."""
+
+    worker: VllmGenerationWorker
+    engine: Engine
+    weights: Weights
+
+    def tokens(self) -> list[list[int]]:
+        from helpers import right_padded
+
+        data = right_padded(PROMPTS, pad=2)
+        out = self.worker.generate(data, greedy=True)
+        starts, ends = data["input_lengths"], out["unpadded_sequence_lengths"]
+        return [out["output_ids"][i, starts[i] : ends[i]].tolist() for i in range(len(PROMPTS))]
+
+    def refuses_to_generate(self) -> None:
+        with pytest.raises(EngineStateError, match="refit"):
+            self.tokens()
+
+    def good_refit(self, trainer: Trainer, path: Path, **command: object) -> None:
+        (address,) = self.worker.refit_address()
+        trainer.submit("ipc", address=address, path=str(path), **command)
+        assert self.worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT) is True
+        sent = trainer.result()
+        assert sent.ok, sent
+
+    def prepare(self) -> None:
+        state_dict = load_file(self.weights.b)
+        self.worker.prepare_refit_info({n: (t.shape, t.dtype) for n, t in state_dict.items()})
+
+
+@pytest.fixture
+def worker(engine: Engine, weights: Weights) -> Worker:
+    from genworker.shell.vllm_engine import VllmEngine
+
+    w = VllmGenerationWorker(CONFIG, engine_factory=ExistingEngine(VllmEngine(engine.llm)))
+    return Worker(w, engine, weights)
 
 
 @pytest.mark.engine
 def test_worker_refuses_to_generate_after_a_bad_refit_until_a_good_one(
-    engine: Engine, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
+    worker: Worker, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
 ) -> None:
-    from helpers import right_padded
-
-    from genworker.shell.vllm_engine import VllmEngine
-    from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
-
-    config = {
-        "model_name": "tiny", "max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0,
-        "top_k": None, "stop_token_ids": None, "stop_strings": None, "_pad_token_id": 2,
-        "vllm_cfg": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-                     "gpu_memory_utilization": 0.05, "max_model_len": 256,
-                     "precision": "float32"},
-    }  # fmt: skip
-    worker = VllmGenerationWorker(config, engine_factory=ExistingEngine(VllmEngine(engine.llm)))
-    data = right_padded(PROMPTS, pad=2)
-
-    def tokens() -> list[list[int]]:
-        out = worker.generate(data, greedy=True)
-        starts, ends = data["input_lengths"], out["unpadded_sequence_lengths"]
-        return [out["output_ids"][i, starts[i] : ends[i]].tolist() for i in range(len(PROMPTS))]
-
-    state_dict = load_file(weights.b)
-    worker.prepare_refit_info({n: (t.shape, t.dtype) for n, t in state_dict.items()})
-    (address,) = worker.refit_address()
+    worker.prepare()
+    (address,) = worker.worker.refit_address()
     missing = "model.norm.weight"
     trainer.submit("ipc", address=address, path=str(weights.b), drop=[missing])
     with pytest.raises(RefitManifestError, match=missing.replace(".", r"\.")):
-        worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT)
+        worker.worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT)
     assert not trainer.result().ok
-    with pytest.raises(EngineStateError, match="refit"):
-        worker.generate(data, greedy=True)
-
-    (address,) = worker.refit_address()
-    trainer.submit("ipc", address=address, path=str(weights.b))
-    assert worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT) is True
-    assert trainer.result().ok
-    assert tokens() == reference_b
-    reports = worker.last_refit["engine_workers"]
+    worker.refuses_to_generate()
+    worker.good_refit(trainer, weights.b)
+    assert worker.tokens() == reference_b
+    reports = worker.worker.last_refit["engine_workers"]
     assert isinstance(reports, list)
-    report = reports[0]
+    (report,) = reports
     assert isinstance(report, dict)
-    assert report["bytes"] == sum(t.numel() * t.element_size() for t in state_dict.values())
-    assert {"routes", "begin", "finalize", "answer"} <= set(report["phases"])
-    rpc_seconds = worker.last_refit["rpc_seconds"]
-    assert isinstance(rpc_seconds, float)
-    assert rpc_seconds >= report["seconds"]
-    (layout,) = worker.engine_param_layout()
-    assert layout == engine.rpc("engine_param_layout")
-    assert worker.release_refit_buffers() == [0]  # the engine offered its own memory
+    state_dict = load_file(weights.b)
+    assert report["nbytes"] == sum(t.numel() * t.element_size() for t in state_dict.values())
+    assert {"wait", "write", "finalize", "answer"} <= set(report["phases"])
+    assert float(worker.worker.last_refit["rpc_seconds"]) >= report["seconds"]  # type: ignore[arg-type]
+    worker.good_refit(trainer, weights.a)
+    assert worker.tokens() == worker.engine.baseline_a
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(120)
+def test_a_refit_timeout_is_a_failed_refit_never_a_dead_engine(
+    worker: Worker, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
+) -> None:
+    """Issue 21 item 1: no trainer at all; the receiver's own bound expires."""
+    worker.prepare()
+    started = time.monotonic()
+    with pytest.raises(RefitTimeoutError, match=r"within 2s: waited for the start of a refit"):
+        worker.worker.update_weights_via_ipc_zmq(timeout_s=2.0)
+    assert time.monotonic() - started < 2.0 + SLACK
+    assert worker.worker.is_alive()
+    worker.refuses_to_generate()
+    worker.good_refit(trainer, weights.b)
+    assert worker.tokens() == reference_b
+    worker.good_refit(trainer, weights.a)
+    assert worker.tokens() == worker.engine.baseline_a
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), "5", -1.0])
+def test_a_refit_refused_before_it_starts_leaves_the_weights_as_they_were(
+    worker: Worker,
+    trainer: Trainer,
+    weights: Weights,
+    reference_b: list[list[int]],
+    timeout_s: object,
+) -> None:
+    """Issue 21 item 5: no prepare_refit_info, or a timeout_s that is no bound."""
+    with pytest.raises(EngineStateError, match="prepare_refit_info first"):
+        worker.worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert worker.tokens() == worker.engine.baseline_a  # still served
+    worker.prepare()
+    with pytest.raises(BadArgumentError, match="timeout_s"):
+        worker.worker.update_weights_via_ipc_zmq(timeout_s=timeout_s)  # type: ignore[arg-type]
+    with pytest.raises(EngineStateError, match="init_collective first"):
+        worker.worker.update_weights_from_collective()
+    assert worker.tokens() == worker.engine.baseline_a
+    worker.good_refit(trainer, weights.b)
+    assert worker.tokens() == reference_b
+    worker.good_refit(trainer, weights.a)
+    assert worker.tokens() == worker.engine.baseline_a
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(120)
+def test_init_collective_without_a_trainer_is_a_typed_timeout_within_its_bound(
+    worker: Worker, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
+) -> None:
+    """Issue 21 item 6: one bound per rendezvous wait, the RPC's derived above it."""
+    started = time.monotonic()
+    with pytest.raises(RefitTimeoutError, match="reaching the weight-update store"):
+        worker.worker.init_collective(0, "127.0.0.1", free_port(), 2, 1, timeout_s=2.0)
+    assert time.monotonic() - started < 2.0 + SLACK
+    assert worker.worker.is_alive()
+    assert worker.tokens() == worker.engine.baseline_a  # no refit began
+    worker.prepare()
+    worker.good_refit(trainer, weights.b)
+    assert worker.tokens() == reference_b
+    worker.good_refit(trainer, weights.a)
+
+
+def raw_request(address: str, *frames: bytes, wait_s: float) -> Reply | None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send_multipart(list(frames))
+        if not sock.poll(int(wait_s * 1000)):
+            return None
+        return msgspec.msgpack.decode(sock.recv(), type=Reply)
+    finally:
+        sock.close()
+        ctx.term()
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(180)
+def test_hostile_messages_are_answered_or_dropped_and_the_worker_refits_again(
+    worker: Worker, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
+) -> None:
+    """Issue 21 item 7: a multipart message and a Begin of another protocol version get
+    an answer at once; a message beyond the manifest's cap is dropped unread."""
+    worker.prepare()
+    (address,) = worker.worker.refit_address()
+    stray = encode(p.Begin("r", "", p.PROTOCOL_VERSION))
+    for frames, says in [
+        ((stray, stray), "one frame, got 2"),
+        ((encode(p.Begin("r", "", 1)),), "protocol 1"),
+    ]:
+        replies: list[Reply | None] = []
+
+        def ask(frames: tuple[bytes, ...] = frames, out: list[Reply | None] = replies) -> None:
+            out.append(raw_request(str(address), *frames, wait_s=5.0))
+
+        client = threading.Thread(target=ask)
+        client.start()
+        started = time.monotonic()
+        with pytest.raises(RefitError, match=says):
+            worker.worker.update_weights_via_ipc_zmq(timeout_s=5.0)
+        assert time.monotonic() - started < 5.0
+        client.join(10)
+        (reply,) = replies
+        assert reply is not None
+        assert not reply.ok
+        assert says in reply.message
+        worker.refuses_to_generate()
+    big: list[Reply | None] = []
+    client = threading.Thread(
+        target=lambda: big.append(raw_request(str(address), bytes(4 << 20), wait_s=3.0))
+    )
+    client.start()
+    with pytest.raises(RefitTimeoutError):
+        worker.worker.update_weights_via_ipc_zmq(timeout_s=2.0)
+    client.join(10)
+    assert big == [None]  # never read, never answered
+    worker.good_refit(trainer, weights.b)
+    assert worker.tokens() == reference_b
+    worker.good_refit(trainer, weights.a)
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(180)
+def test_a_refit_slower_than_the_old_outer_bound_succeeds_when_every_wait_is_on_time(
+    worker: Worker, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
+) -> None:
+    """The old worker bounded a whole refit at ``timeout_s + 30`` s; each wait here is on
+    time (the trainer paces its tensors below the bound) while the refit takes longer."""
+    worker.prepare()
+    timeout_s = 2.5
+    tensors = len(load_file(weights.b))
+    delay_s = (timeout_s + 32.0) / tensors
+    assert delay_s < timeout_s - 0.8  # every wait stays on time
+    started = time.monotonic()
+    worker.good_refit(trainer, weights.b, delay_s=delay_s)
+    assert time.monotonic() - started > timeout_s + 30.0
+    assert worker.tokens() == reference_b
+    worker.good_refit(trainer, weights.a)
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(120)
+def test_an_interrupt_during_a_refit_propagates_and_the_weights_wait_for_a_good_refit(
+    worker: Worker, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
+) -> None:
+    worker.prepare()
+    main = threading.main_thread().ident
+    assert main is not None
+    assert main == threading.get_ident()
+    timer = threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        worker.worker.update_weights_via_ipc_zmq(timeout_s=2.0)  # no trainer: it waits
+    timer.join()
+    worker.refuses_to_generate()
+    # the receiver may still wait out its bound: the next refit waits for it, not beside it
+    worker.good_refit(trainer, weights.b)
+    assert worker.tokens() == reference_b
+    worker.good_refit(trainer, weights.a)
+    assert worker.tokens() == worker.engine.baseline_a
+
+
+# Last: it replaces the module's weight-update group with one whose trainer dies.
+@pytest.mark.engine
+@pytest.mark.timeout(240)
+def test_killed_trainers_give_typed_errors_naming_the_wait_and_gloo_is_no_timeout(
+    worker: Worker, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
+) -> None:
+    worker.prepare()
+    dying = Trainer()
+    try:
+        (address,) = worker.worker.refit_address()
+        dying.submit("ipc", address=address, path=str(weights.b), die_after=3, delay_s=0.2)
+        started = time.monotonic()
+        with pytest.raises(RefitTimeoutError, match=r"within 3s: waited for chunk \d+ or the end"):
+            worker.worker.update_weights_via_ipc_zmq(timeout_s=3.0)
+        assert time.monotonic() - started < 3.0 + SLACK
+        worker.refuses_to_generate()
+    finally:
+        dying.stop()
+    dying = Trainer()
+    try:
+        port = free_port()
+        dying.submit("join", port=port, world_size=2)
+        worker.worker.init_collective(0, "127.0.0.1", port, 2, 1, timeout_s=60.0)
+        assert dying.result().ok
+        dying.submit("collective", path=str(weights.b), die_after=3, delay_s=0.2)
+        started = time.monotonic()
+        with pytest.raises(RefitTransportError, match="broadcasting") as failed:
+            worker.worker.update_weights_from_collective(timeout_s=30.0)
+        assert not isinstance(failed.value, RefitTimeoutError)
+        assert time.monotonic() - started < 30.0
+    finally:
+        dying.stop()
+    assert worker.worker.is_alive()
+    worker.good_refit(trainer, weights.b)
+    assert worker.tokens() == reference_b
+    worker.good_refit(trainer, weights.a)
+    assert worker.tokens() == worker.engine.baseline_a

@@ -140,7 +140,7 @@ def test_finish_reasons(cpu_engine: VllmEngine) -> None:
 def test_generate_text_matches_raw_vllm(cpu_engine: VllmEngine, cpu_llm: LLM) -> None:
     prompts = ["The quick brown fox", "Hello world!"]
     specs = [greedy(6), greedy(3)]
-    ours = cpu_engine.generate_text(prompts, specs)
+    ours = cpu_engine.generate_text(cpu_engine.tokenize(prompts), specs)
     raw = cpu_llm.generate(prompts, [sampling_params(s) for s in specs], use_tqdm=False)
     assert ours == [o.outputs[0].text for o in raw]
 

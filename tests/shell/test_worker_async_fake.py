@@ -33,11 +33,13 @@ from genworker.shell.errors import (
     EngineStateError,
     GenworkerError,
     RefitError,
+    RefitTimeoutError,
     RequestAbortedError,
     UnsupportedError,
 )
 from genworker.shell.fake_async_engine import FakeAsyncEngine, FakeAsyncEngineFactory
 from genworker.shell.fake_engine import FakeEngineFactory
+from genworker.shell.refit.wire import failure
 from genworker.shell.worker import VllmGenerationWorker
 
 MAX_MODEL_LEN = 64
@@ -68,6 +70,11 @@ def refit_handler(engine: FakeAsyncEngine, gate: asyncio.Event | None = None, fa
     return update
 
 
+async def prepared(worker: AsyncVllmGenerationWorker) -> None:
+    """``prepare_refit_info`` (every refit needs it first): one tensor, the fake's."""
+    assert await worker.prepare_refit_info({"w": ([2], "float32")}) == [{"tensors": 1}]
+
+
 def rows(n: int, width: int = 4, start: int = 3) -> dict[str, torch.Tensor]:
     """``n`` distinct prompts of ``width`` tokens."""
     return right_padded([[start + i, *range(10, 10 + width - 1)] for i in range(n)])
@@ -78,6 +85,80 @@ def test_the_sync_worker_refuses_the_async_engine_and_the_async_worker_the_sync_
         VllmGenerationWorker(async_config(), engine_factory=FakeEngineFactory())
     with pytest.raises(BadConfigError, match=r"vllm_cfg\.async_engine is false"):
         AsyncVllmGenerationWorker(base_config(), engine_factory=FakeAsyncEngineFactory())
+
+
+def test_the_metrics_logger_samples_the_engine_while_it_runs_and_stops_at_shutdown() -> None:
+    """``vllm_cfg.enable_vllm_metrics_logger: true``: NeMo-RL's metrics thread, every
+    ``vllm_metrics_logger_interval`` seconds."""
+
+    async def main() -> None:
+        factory = FakeAsyncEngineFactory(max_model_len=MAX_MODEL_LEN, step_s=0.002)
+        cfg = async_config(
+            max_new_tokens=40,
+            ignore_eos=True,
+            vllm_cfg={
+                "max_model_len": MAX_MODEL_LEN,
+                "enable_vllm_metrics_logger": "true",
+                "vllm_metrics_logger_interval": 0.005,
+            },
+        )
+        worker = AsyncVllmGenerationWorker(cfg, engine_factory=factory)
+        await collect(worker.generate_async(rows(4)))
+        # Sampled until the thread sees the stream's last token (4 rows of 40).
+        await until(lambda: worker.get_vllm_logger_metrics()["generation_tokens"][-1:] == [160])
+        got = worker.get_vllm_logger_metrics()
+        assert set(got) == {
+            "inflight_batch_sizes",
+            "num_pending_samples",
+            "kv_cache_usage_perc",
+            "generation_tokens",
+        }
+        assert got["generation_tokens"] == sorted(got["generation_tokens"])
+        assert len(got["generation_tokens"]) > 1
+        assert max(got["inflight_batch_sizes"]) <= 4
+        assert got["num_pending_samples"] == [], "the fake has no waiting gauge"
+        worker.clear_vllm_logger_metrics()
+        assert len(worker.get_vllm_logger_metrics()["generation_tokens"]) <= 1
+        await worker.shutdown()
+        with pytest.raises(UnsupportedError, match="metrics logger is off"):
+            worker.get_vllm_logger_metrics()
+
+    asyncio.run(main())
+
+
+def test_the_metrics_logger_is_off_by_default_and_bad_settings_are_refused_by_name() -> None:
+    worker, engine = make_worker()
+    with pytest.raises(UnsupportedError, match="enable_vllm_metrics_logger: true starts it"):
+        worker.get_vllm_logger_metrics()
+    worker.clear_vllm_logger_metrics()  # nothing to clear: no error
+    assert "metrics" not in engine.calls
+    for key, value in [
+        ("enable_vllm_metrics_logger", "sometimes"),
+        ("vllm_metrics_logger_interval", 0),
+        ("vllm_metrics_logger_interval", True),
+        ("vllm_metrics_logger_interval", float("nan")),
+        ("vllm_metrics_logger_interval", "1s"),
+    ]:
+        cfg = async_config(vllm_cfg={"enable_vllm_metrics_logger": True, key: value})
+        with pytest.raises(BadConfigError, match=f"vllm_cfg.{key}"):
+            AsyncVllmGenerationWorker(cfg, engine_factory=FakeAsyncEngineFactory())
+
+
+def test_a_metrics_logger_whose_read_fails_stops_and_says_why() -> None:
+    factory = FakeAsyncEngineFactory(max_model_len=MAX_MODEL_LEN)
+    cfg = async_config(
+        vllm_cfg={"enable_vllm_metrics_logger": True, "vllm_metrics_logger_interval": 0.005}
+    )
+    worker = AsyncVllmGenerationWorker(cfg, engine_factory=factory)
+    engine = factory.started[0][1]
+
+    def broken() -> list[object]:
+        raise EngineDeadError("the engine core died")
+
+    engine.metrics = broken  # type: ignore[method-assign,assignment]
+    asyncio.run(until(lambda: worker._logger is not None and worker._logger.error is not None))
+    with pytest.raises(EngineStateError, match="metrics logger stopped: EngineDeadError"):
+        worker.get_vllm_logger_metrics()
 
 
 # -- streams ------------------------------------------------------------------------------
@@ -125,6 +206,37 @@ def test_bad_rows_fail_alone_and_first() -> None:
         assert len(engine.finished) == 2, "the bad rows never reached the engine"
         with pytest.raises(BadBatchError, match=r"outside \[0, 64\)"):
             await worker.generate(data)
+
+    asyncio.run(main())
+
+
+def test_rows_without_room_for_the_drafter_come_back_unchanged_as_in_the_sync_worker() -> None:
+    async def main() -> None:
+        # Speculative decoding holds k + 1 = 3 slots back: a prompt of 62 has no room.
+        worker, engine = make_worker(num_speculative_tokens=2)
+        data = right_padded([[3, 4], [5] * (MAX_MODEL_LEN - 2)])
+        items = await collect(worker.generate_async(data))
+        assert items[0][0] == 1, "the row without room comes back first"
+        out = outputs(items)
+        assert out[1]["generation_lengths"].tolist() == [0]
+        assert out[1]["output_ids"][0].tolist() == [5] * (MAX_MODEL_LEN - 2)
+        assert out[1]["truncated"].tolist() == [False]
+        assert int(out[0]["generation_lengths"][0]) == 12
+        assert len(engine.finished) == 1, "only the row with room reached the engine"
+        whole = await worker.generate(data)
+        assert whole["generation_lengths"].tolist() == [12, 0]
+        texts = await worker.generate_text({"prompts": ["ab", "c"]})
+        assert [len(t) for t in texts["texts"]] == [12, 12]
+
+    asyncio.run(main())
+
+
+def test_images_are_refused_by_name() -> None:
+    async def main() -> None:
+        worker, engine = make_worker()
+        with pytest.raises(UnsupportedError, match="multi_modal_data"):
+            await collect(worker.generate_async({**rows(1), "multi_modal_data": [None]}))
+        assert engine.calls == []
 
     asyncio.run(main())
 
@@ -329,6 +441,7 @@ def test_an_in_flight_refit_marks_the_version_boundary_exactly(labels: bool) -> 
     async def main() -> None:
         worker, engine = make_worker(max_new_tokens=50, cap=False, weight_versions=labels)
         gate = asyncio.Event()
+        await prepared(worker)
         engine.rpc_handlers["update_weights_via_ipc_zmq"] = refit_handler(engine, gate)
         data = rows(5)
         pending = asyncio.ensure_future(collect(worker.generate_async(data, greedy=True)))
@@ -371,6 +484,7 @@ def generated_tokens(batch: dict[str, torch.Tensor]) -> list[int]:
 def test_wait_finishes_the_rows_on_the_old_weights_and_abort_drops_them() -> None:
     async def main() -> None:
         worker, engine = make_worker(max_new_tokens=30, cap=False)
+        await prepared(worker)
         engine.rpc_handlers["update_weights_via_ipc_zmq"] = refit_handler(engine)
         pending = asyncio.ensure_future(collect(worker.generate_async(rows(3))))
         await until(lambda: engine.generation_tokens >= 3)
@@ -401,6 +515,7 @@ def test_requests_submitted_during_a_refit_queue_and_run_on_the_new_weights() ->
     async def main() -> None:
         worker, engine = make_worker(max_new_tokens=10, cap=False)
         gate = asyncio.Event()
+        await prepared(worker)
         engine.rpc_handlers["update_weights_via_ipc_zmq"] = refit_handler(engine, gate)
         refit = asyncio.ensure_future(worker.update_weights_via_ipc_zmq())
         await until(lambda: engine.pause_mode is InflightMode.KEEP)
@@ -423,6 +538,7 @@ def test_requests_submitted_during_a_refit_queue_and_run_on_the_new_weights() ->
 def test_a_failed_refit_aborts_the_rows_in_flight_and_blocks_new_work_until_a_good_one() -> None:
     async def main() -> None:
         worker, engine = make_worker(max_new_tokens=60, cap=False)
+        await prepared(worker)
         engine.rpc_handlers["update_weights_via_ipc_zmq"] = refit_handler(engine, fail=True)
         pending = asyncio.ensure_future(collect(worker.generate_async(rows(3))))
         await until(lambda: engine.generation_tokens >= 3)
@@ -445,6 +561,57 @@ def test_a_failed_refit_aborts_the_rows_in_flight_and_blocks_new_work_until_a_go
     asyncio.run(main())
 
 
+def test_a_refit_needs_prepare_refit_info_and_a_collective_one_init_collective() -> None:
+    """Refused before anything starts: the state, the version and the engine unchanged."""
+
+    async def main() -> None:
+        worker, engine = make_worker(accept_refits=True)
+        with pytest.raises(EngineStateError, match="needs prepare_refit_info first"):
+            await worker.update_weights_via_ipc_zmq()
+        await prepared(worker)
+        with pytest.raises(EngineStateError, match="needs init_collective first"):
+            await worker.update_weights_from_collective()
+        with pytest.raises(BadArgumentError, match="timeout_s"):
+            await worker.init_collective(0, "127.0.0.1", 1, 2, 1, timeout_s=float("inf"))
+        assert worker.weight_version == 0
+        assert worker.state == lifecycle.AWAKE
+        assert engine.pause_mode is None
+        assert engine.calls == ["rpc:prepare_refit_info"]
+        engine.rpc_handlers["init_collective"] = lambda *args: None
+        await worker.init_collective(0, "127.0.0.1", 1, 2, 1, timeout_s=5.0)
+        assert await worker.update_weights_from_collective(5.0)
+        assert await worker.update_weights_via_ipc_zmq(None)
+        assert worker.weight_version == 2
+
+    asyncio.run(main())
+
+
+def test_engine_worker_failures_come_back_typed_naming_the_worker() -> None:
+    """The extension answers a failure as a value (``refit.wire.failure``); the worker
+    raises it as the typed error it names, as the sync worker does."""
+
+    async def main() -> None:
+        worker, engine = make_worker()
+        await prepared(worker)
+        engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: failure(
+            RefitTimeoutError("waiting for the trainer's next chunk passed 5 s")
+        )
+        pending = asyncio.ensure_future(collect(worker.generate_async(rows(2))))
+        await until(lambda: engine.generation_tokens >= 2)
+        with pytest.raises(RefitTimeoutError, match="engine worker 0: waiting for the trainer"):
+            await worker.update_weights_via_ipc_zmq(5.0)
+        assert all(isinstance(e, RefitError) for _, e in await pending)
+        assert worker.weight_version == 0
+        assert worker.state == lifecycle.AWAKE_INCONSISTENT
+        engine.rpc_handlers["release_refit_buffers"] = lambda: 3
+        assert await worker.release_refit_buffers() == [3]
+        engine.rpc_handlers["refit_address"] = lambda: failure(RefitError("no socket"))
+        with pytest.raises(RefitError, match="refit_address failed on engine worker 0"):
+            await worker.refit_address()
+
+    asyncio.run(main())
+
+
 # -- the lifecycle as a state machine, concurrent streams and refits -------------------------
 
 
@@ -459,6 +626,7 @@ class AsyncWorkerMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.labels = True
         self.worker, self.engine = make_worker(max_new_tokens=20, cap=False, vocab_size=1 << 20)
+        self.loop.run_until_complete(prepared(self.worker))
         self.engine.allow_steps(0)  # the engine steps only in let_it_run and finish_refit
         self.model: State = lifecycle.AWAKE
         self.streams: list[tuple[asyncio.Task[list[Any]], int, dict[str, torch.Tensor]]] = []

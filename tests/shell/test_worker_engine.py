@@ -242,6 +242,21 @@ def test_generate_text_returns_texts(worker: VllmGenerationWorker, cpu_llm: LLM)
     assert worker.generate_text({"prompts": []}) == {"texts": []}
 
 
+def test_an_image_for_the_text_only_model_is_refused_and_the_next_batch_served(
+    worker: VllmGenerationWorker,
+) -> None:
+    from PIL import Image
+
+    assert worker.engine.capabilities.image_token_id is None
+    data: dict[str, object] = dict(right_padded([[5, 6], [7, 8, 9]], pad=PAD))
+    data["multi_modal_data"] = [None, {"image": Image.new("RGB", (8, 8))}]
+    with pytest.raises(BadBatchError, match=r"takes no images.*row 1 \(1 images\)"):
+        worker.generate(data)
+    with pytest.raises(BadBatchError, match=r"takes no images.*row 0"):
+        worker.generate_text({"prompts": ["Hi"], "multi_modal_data": data["multi_modal_data"][1:]})  # type: ignore[index]
+    assert worker.generate(right_padded([[5, 6]], pad=PAD))["output_ids"].shape[0] == 1
+
+
 def test_sleep_is_unsupported_on_cpu_and_the_worker_stays_usable(
     worker: VllmGenerationWorker,
 ) -> None:
@@ -253,3 +268,102 @@ def test_sleep_is_unsupported_on_cpu_and_the_worker_stays_usable(
     worker.start_gpu_profiling()  # a logged no-op off CUDA
     worker.stop_gpu_profiling()
     assert worker.report_device_id()
+
+
+def _count(engine: VllmEngine, prompts: list[str]) -> list[int]:
+    """Each text prompt's token count, as the worker derives it from ``tokenize``."""
+    return [len(ids) for ids in engine.tokenize(prompts)]
+
+
+def test_tokenize_gives_the_ids_vllm_makes_of_a_text_prompt(
+    cpu_engine: VllmEngine, cpu_llm: LLM
+) -> None:
+    prompts = ["Once upon a time", "Hello world! How are you today?", "a", "The quick brown fox"]
+    cpu_llm.reset_prefix_cache()
+    outs = cpu_llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert cpu_engine.tokenize(prompts) == [o.prompt_token_ids for o in outs]
+
+
+def test_generate_text_caps_each_row_by_its_own_token_count(
+    cpu_engine: VllmEngine, cpu_llm: LLM
+) -> None:
+    cfg = config(cap_max_tokens_to_context=True)
+    cfg["max_new_tokens"] = MAX_MODEL_LEN
+    w = VllmGenerationWorker(cfg, engine_factory=ExistingEngine(cpu_engine))
+    sentence = "The quick brown fox jumps over the lazy dog."
+    long_text = sentence
+    while _count(cpu_engine, [long_text])[0] <= MAX_MODEL_LEN // 2:
+        long_text += " " + sentence
+    (n_long,) = _count(cpu_engine, [long_text])
+    assert MAX_MODEL_LEN // 2 < n_long < MAX_MODEL_LEN - 10
+    prompts = ["Once upon a time", long_text]
+    out = w.generate_text({"prompts": prompts}, greedy=True)
+    cpu_llm.reset_prefix_cache()
+    raw_out = cpu_llm.generate(
+        prompts,
+        [
+            SamplingParams(max_tokens=MAX_MODEL_LEN - n, temperature=0.0)
+            for n in _count(cpu_engine, prompts)
+        ],
+        use_tqdm=False,
+    )
+    assert out["texts"] == [o.outputs[0].text for o in raw_out]
+    for o in raw_out:
+        assert len(o.prompt_token_ids or []) + len(o.outputs[0].token_ids) <= MAX_MODEL_LEN
+    # A text longer than the context is a bad batch (vLLM's renderer refuses it in
+    # tokenize, which the worker calls first); a text that fills the context is refused
+    # alone: an empty text, its index named.
+    full = " ".join(["The quick brown fox jumps over the lazy dog."] * 200)
+    with pytest.raises(BadBatchError, match="maximum context length"):
+        w.generate_text({"prompts": [full]})
+    exact = _text_of_length(cpu_engine, MAX_MODEL_LEN)
+    out = w.generate_text({"prompts": ["Once upon a time", exact]}, greedy=True)
+    assert out["texts"][1] == ""
+    assert out["texts"][0]
+    assert w.last_refused_rows == (1,)
+
+
+def _text_of_length(engine: VllmEngine, n: int) -> str:
+    words = ["7"]
+    while _count(engine, [" ".join(words)])[0] < n:
+        words.append("7")
+    text = " ".join(words)
+    assert _count(engine, [text]) == [n], "the tiny tokenizer counts one token per ' 7'"
+    return text
+
+
+def test_use_tqdm_shows_vllms_progress_bar(
+    cpu_engine: VllmEngine, capfd: pytest.CaptureFixture[str]
+) -> None:
+    quiet = VllmGenerationWorker(config(), engine_factory=ExistingEngine(cpu_engine))
+    loud = VllmGenerationWorker(config(use_tqdm=True), engine_factory=ExistingEngine(cpu_engine))
+    capfd.readouterr()
+    quiet.generate(right_padded([[5, 6]], pad=PAD))
+    assert "Processed prompts" not in capfd.readouterr().err
+    loud.generate(right_padded([[5, 6]], pad=PAD))
+    assert "Processed prompts" in capfd.readouterr().err
+
+
+def test_the_nemo_rl_worker_over_the_real_engine(
+    worker: VllmGenerationWorker, cpu_engine: VllmEngine
+) -> None:
+    from genworker.shell.nemo_rl import NemoRlGenerationWorker
+
+    nemo = NemoRlGenerationWorker(config(), [0], engine_factory=ExistingEngine(cpu_engine))
+    nemo.post_init()
+    assert nemo.vllm_device_ids == worker.report_device_id()
+    assert nemo.llm() is cpu_engine.llm
+    before = nemo._get_raw_spec_counters()
+    cpu_engine.reset_prefix_cache()
+    out = nemo.generate(right_padded(PROMPTS, pad=PAD), greedy=True)
+    after = nemo._get_raw_spec_counters()
+    assert after[PROMPT_TOKENS] == before[PROMPT_TOKENS] + sum(len(p) for p in PROMPTS)  # type: ignore[operator]
+    assert after[GENERATION_TOKENS] == before[GENERATION_TOKENS] + int(  # type: ignore[operator]
+        out["generation_lengths"].sum()
+    )
+    assert all(":" in name and "{" not in name for name in after)
+    cpu_engine.reset_prefix_cache()
+    assert torch.equal(
+        out["output_ids"],
+        worker.generate(right_padded(PROMPTS, pad=PAD), greedy=True)["output_ids"],
+    )

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import PAD, base_config
 from helpers import right_padded as batch
+from returns.result import Failure, Success
 
 from genworker.core import lifecycle
 from genworker.shell.errors import (
@@ -34,6 +35,10 @@ def make_worker(**kw: Any) -> tuple[VllmGenerationWorker, FakeEngine]:
     worker = VllmGenerationWorker(kw.pop("config", base_config()), engine_factory=factory, **kw)
     engine = factory.started[-1][1]
     return worker, engine
+
+
+def _refused(worker: VllmGenerationWorker) -> tuple[int, ...]:
+    return worker.last_refused_rows
 
 
 @pytest.fixture
@@ -138,8 +143,87 @@ def test_context_cap_and_spec_decode_clamp_reach_the_engine() -> None:
     worker, engine = make_worker(config=cfg)
     worker.generate(batch([[1] * 10]))
     assert [spec.max_tokens for _, spec in engine.requests] == [18]
-    with pytest.raises(BadBatchError, match="1"):
-        worker.generate(batch([[1] * 28, [1]]))
+
+
+def test_a_row_without_room_is_refused_alone_and_comes_back_unchanged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = base_config(
+        max_new_tokens=30, vllm_cfg={"speculative_config": {"num_speculative_tokens": 3}}
+    )
+    worker, engine = make_worker(config=cfg)
+    alone = worker.generate(batch([[5, 6]]), greedy=True)
+    assert not worker.last_refused_rows
+    data = batch([[2] * 28, [5, 6], [3] * 29])
+    out = worker.generate(data, greedy=True)
+    # Rows 0 and 2 leave fewer than k + 1 = 4 slots: only row 1 reaches the engine.
+    assert [prompt for prompt, _ in engine.requests[1:]] == [[5, 6]]
+    assert _refused(worker) == (0, 2)
+    assert "row" in caplog.text
+    assert "28" in caplog.text
+    assert out["generation_lengths"].tolist()[0::2] == [0, 0]
+    assert out["unpadded_sequence_lengths"].tolist()[0::2] == [28, 29]
+    assert out["truncated"].tolist()[0::2] == [False, False]
+    width = out["output_ids"].shape[1]
+    for row, length in ((0, 28), (2, 29)):
+        assert torch.equal(out["output_ids"][row, :length], data["input_ids"][row, :length])
+        assert (out["output_ids"][row, length:] == PAD).all()
+        assert (out["logprobs"][row] == 0).all()
+    g = int(alone["generation_lengths"][0])
+    assert out["output_ids"][1, : 2 + g].tolist() == alone["output_ids"][0, : 2 + g].tolist()
+    assert width == 29 + int(out["generation_lengths"][1])
+    # Every row refused: nothing reaches the engine, the batch still comes back.
+    calls = engine.calls.count("generate")
+    out = worker.generate(batch([[2] * 29]))
+    assert engine.calls.count("generate") == calls
+    assert out["generation_lengths"].tolist() == [0]
+    assert _refused(worker) == (0,)
+
+
+def test_the_engines_inferred_draft_count_drives_the_clamp() -> None:
+    """A speculative_config without num_speculative_tokens: vLLM infers k from the drafter,
+    and the worker clamps with the engine's k."""
+    cfg = base_config(max_new_tokens=30, vllm_cfg={"speculative_config": {"method": "mtp"}})
+    factory = FakeEngineFactory(max_model_len=32, draft_tokens=2)
+    worker = VllmGenerationWorker(cfg, engine_factory=factory)
+    engine = factory.started[-1][1]
+    assert factory.started[-1][0]["speculative_config"] == {"method": "mtp"}
+    worker.generate(batch([[1] * 10]))
+    assert [spec.max_tokens for _, spec in engine.requests] == [32 - 10 - 3]
+    with pytest.raises(BadConfigError, match="num_speculative_tokens"):
+        VllmGenerationWorker(cfg, engine_factory=FakeEngineFactory(max_model_len=32))
+
+
+def test_generate_text_caps_each_row_by_its_token_count() -> None:
+    cfg = base_config(
+        max_new_tokens=30, vllm_cfg={"speculative_config": {"num_speculative_tokens": 3}}
+    )
+    worker, engine = make_worker(config=cfg)
+    prompts = ["abcdefghij", "a" * 28, "abc"]
+    out = worker.generate_text({"prompts": prompts}, greedy=True)
+    # The fake tokenizes one token per letter: 10 and 3 tokens; 28 leaves no room.
+    assert [spec.max_tokens for _, spec in engine.requests] == [32 - 10 - 4, 32 - 3 - 4]
+    assert [len(prompt) for prompt, _ in engine.requests] == [10, 3]
+    assert _refused(worker) == (1,)
+    assert out["texts"][1] == ""
+    assert len(out["texts"]) == 3
+    with pytest.raises(BadBatchError, match="longer than max_model_len"):
+        worker.generate_text({"prompts": ["a" * 33]})
+    assert "generate_text" in engine.calls
+
+
+def test_nemo_rl_media_side_channels_are_refused_and_text_rows_pass(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    worker, engine = worker_engine
+    data = batch([[1, 2], [3]])
+    with pytest.raises(BadBatchError, match=r"\['vllm_images'\].*NeMo-RL.*multi_modal_data"):
+        worker.generate({**data, "vllm_images": [[], ["<image>"]]})
+    with pytest.raises(BadBatchError, match="vllm_videos"):
+        worker.generate({**data, "vllm_videos": torch.zeros(2)})
+    assert "generate" not in engine.calls
+    out = worker.generate({**data, "vllm_images": [[], []], "vllm_audios": None})
+    assert out["output_ids"].shape[0] == 2
 
 
 def test_engine_returning_past_the_context_is_a_contract_error(
@@ -148,8 +232,8 @@ def test_engine_returning_past_the_context_is_a_contract_error(
     worker, engine = worker_engine
     original = engine.generate
 
-    def overlong(prompts: Any, specs: Any) -> Any:
-        gens = original(prompts, specs)
+    def overlong(prompts: Any, specs: Any, media: Any = None, **options: Any) -> Any:
+        gens = original(prompts, specs, media, **options)
         from genworker.core.assembly import Generation
 
         return [
@@ -211,6 +295,14 @@ def test_refit_failure_makes_weights_inconsistent_until_a_good_refit(
         raise TimeoutError(f"no bucket within {timeout_s} s")
 
     engine.rpc_handlers["update_weights_from_collective"] = failing
+    engine.rpc_handlers["init_collective"] = lambda *args: {"rank": 1}
+    with pytest.raises(EngineStateError, match="init_collective first"):
+        worker.update_weights_from_collective(timeout_s=1.0)  # refused: nothing changes
+    with pytest.raises(EngineStateError, match="prepare_refit_info first"):
+        worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    worker.generate(batch([[4, 5]]), greedy=True)
+    worker.prepare_refit_info({"w": ((2,), "float32")})
+    worker.init_collective(0, "127.0.0.1", 29500, 2, 1)
     with pytest.raises(RefitError, match="inconsistent"):
         worker.update_weights_from_collective(timeout_s=1.0)
     with pytest.raises(EngineStateError, match=r"(?i)refit"):
@@ -227,11 +319,23 @@ def test_refit_failure_makes_weights_inconsistent_until_a_good_refit(
     assert not torch.equal(before["output_ids"], after["output_ids"])
 
 
+@pytest.mark.parametrize("timeout", [0, -5.0, float("nan"), float("inf"), "60", True])
+def test_a_bad_refit_timeout_is_refused_before_the_refit_starts(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine], timeout: object
+) -> None:
+    worker, engine = worker_engine
+    with pytest.raises(BadArgumentError, match="timeout_s"):
+        worker.update_weights_from_collective(timeout_s=timeout)  # type: ignore[arg-type]
+    assert worker.state == lifecycle.AWAKE
+    assert not any(c.startswith("rpc:") for c in engine.calls)
+
+
 def test_level2_refit_sequence_serves_new_weights(
     worker_engine: tuple[VllmGenerationWorker, FakeEngine],
 ) -> None:
     worker, engine = worker_engine
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+    worker.prepare_refit_info({"w": ((2,), "float32")})
     worker.sleep(level=2)
     with pytest.raises(EngineStateError):
         worker.update_weights_via_ipc_zmq()
@@ -303,12 +407,14 @@ def test_counters_show_token_totals(worker_engine: tuple[VllmGenerationWorker, F
 
 
 def test_configure_worker_matches_nemo_rl_shape() -> None:
-    resources, env, init_kwargs = VllmGenerationWorker.configure_worker(
-        2, (1, [2, 3]), 8, cache_base_dir="/cache"
+    resources, env, init_kwargs, runtime_env = VllmGenerationWorker.configure_worker(
+        2, (1, [2, 3]), 8, cache_root="/cache/vllm"
     )
     assert resources["num_gpus"] == 0
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["VLLM_CACHE_ROOT"] == "/cache/vllm_1025"
     assert init_kwargs["seed"] == 1 * 1024 + 1
+    assert runtime_env == {}
     with pytest.raises(BadConfigError, match="num_gpus_per_node"):
         VllmGenerationWorker.configure_worker(1, (0, [0]), 0)
 
@@ -323,7 +429,69 @@ def test_config_is_not_mutated() -> None:
 
 def test_lifecycle_state_is_exposed(worker_engine: tuple[VllmGenerationWorker, FakeEngine]) -> None:
     worker, _ = worker_engine
-    assert lifecycle.check_can_generate(worker.state)
+    assert worker.state == lifecycle.AWAKE
+    assert isinstance(lifecycle.check_can_generate(worker.state), Success)
+    worker.sleep(level=1)
+    assert worker.state == lifecycle.ASLEEP_L1
+    assert isinstance(lifecycle.check_can_generate(worker.state), Failure)
+    worker.wake_up(["weights"])
+    assert worker.state.weights_awake
+    assert not worker.state.kv_cache_awake
+    worker.shutdown()
+    assert worker.state == lifecycle.SHUT_DOWN
+
+
+def test_waking_after_a_partial_wake_names_only_the_asleep_tag(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    """The fake drops a wake_up(tags) naming an awake tag, as vLLM does; the worker must
+    pass only the asleep ones, or the KV cache would stay asleep."""
+    worker, engine = worker_engine
+    worker.sleep(level=1)
+    worker.wake_up(["weights"])
+    worker.wake_up()
+    assert engine.calls[-2:] == ["wake_up(['weights'])", "wake_up(['kv_cache'])"]
+    assert engine.awake_tags == {"weights", "kv_cache"}
+    assert worker.generate(batch([[1, 2]]))["output_ids"].shape[0] == 1
+
+
+def test_the_fake_engine_follows_vllms_sleep_and_wake_rules() -> None:
+    engine = FakeEngine()
+    engine.wake_up(["weights"])  # nothing sleeps: a no-op
+    assert engine.awake_tags == {"weights", "kv_cache"}
+    engine.sleep(1)
+    engine.sleep(2)  # the weights already sleep: vLLM returns early, level 1 stays
+    assert engine.sleep_level == 1
+    engine.wake_up(["weights"])
+    engine.wake_up(["weights", "kv_cache"])  # names an awake tag: the whole call is dropped
+    assert engine.awake_tags == {"weights"}
+    engine.wake_up(["kv_cache"])
+    assert engine.awake_tags == {"weights", "kv_cache"}
+    engine.sleep(2)
+    assert (engine.weights_discarded, engine.awake_tags) == (True, set())
+
+
+def test_a_failed_prefix_cache_reset_after_a_refit_leaves_the_weights_inconsistent(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    worker, engine = worker_engine
+
+    def refit_then_busy_cache(timeout_s: float) -> None:
+        engine.load_new_weights()
+        engine.fail_next = EngineStateError("reset_prefix_cache: vLLM kept the cache")
+
+    engine.rpc_handlers["update_weights_via_ipc_zmq"] = refit_then_busy_cache
+    worker.prepare_refit_info({"w": ((2,), "float32")})
+    with pytest.raises(RefitError, match="prefix cache") as info:
+        worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert isinstance(info.value.__cause__, EngineStateError)
+    assert worker.state.weights is lifecycle.WeightsStatus.INCONSISTENT
+    with pytest.raises(EngineStateError, match="refit again"):
+        worker.generate(batch([[4, 5]]))
+    engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: None
+    assert worker.update_weights_via_ipc_zmq(timeout_s=1.0) is True
+    assert worker.state == lifecycle.AWAKE
+    assert worker.generate(batch([[4, 5]]))["output_ids"].shape[0] == 1
 
 
 def test_tracing_plan_reaches_the_engine_and_its_environment(

@@ -28,6 +28,7 @@ class WorkerMachine(RuleBasedStateMachine):
         self.worker = VllmGenerationWorker(base_config(), engine_factory=factory)
         self.engine: FakeEngine = factory.started[0][1]
         self.engine.rpc_handlers["update_weights_via_ipc_zmq"] = self._refit_handler
+        self.worker.prepare_refit_info({"w": ((2,), "float32")})
         self.refit_should_fail = False
         # The model: resident tags, weights validity, and shutdown.
         self.weights_awake = True

@@ -11,5 +11,6 @@ class CompletionOutput:
 
 class RequestOutput:
     request_id: str
+    prompt_token_ids: list[int] | None
     outputs: list[CompletionOutput]
     finished: bool

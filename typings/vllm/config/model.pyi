@@ -1,4 +1,10 @@
+from vllm.config.multimodal import MultiModalConfig
+
 class ModelConfig:
     max_model_len: int
     enable_sleep_mode: bool
+    # transformers' PretrainedConfig; read with getattr (model-specific attributes).
+    hf_config: object
+    multimodal_config: MultiModalConfig | None
+    skip_tokenizer_init: bool
     def get_vocab_size(self) -> int: ...

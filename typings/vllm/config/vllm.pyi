@@ -1,6 +1,8 @@
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
+from vllm.config.speculative import SpeculativeConfig
 
 class VllmConfig:
     model_config: ModelConfig
     parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig | None

@@ -1,4 +1,9 @@
-from typing import TypedDict
+from collections.abc import Mapping
+from typing import NotRequired, TypedDict
+
+class TextPrompt(TypedDict):
+    prompt: str
 
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
+    multi_modal_data: NotRequired[Mapping[str, object] | None]

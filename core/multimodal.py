@@ -1,0 +1,225 @@
+"""Images against placeholder ids: the pure checks of a multimodal batch.
+
+Theory of operation
+-------------------
+A multimodal row is a token prompt plus images. vLLM's multimodal processor
+(``BaseMultiModalProcessor.apply``, ``vllm/multimodal/processing``, vLLM 0.32) replaces each
+image placeholder id of a token prompt (Idefics3: ``<image>``) by that image's whole
+placeholder sequence (7 ids for the tiny Idefics3), in order, one placeholder per image.
+Its failures are deep or silent:
+
+* more images than placeholders: ``AssertionError: Failed to apply prompt replacement for
+  mm_items['image'][k]`` from inside the processor;
+* more placeholders than images: the extra placeholders stay in the prompt as text;
+* an already-expanded prompt (a caller that passes back vLLM's ``prompt_token_ids``): the
+  first placeholder is expanded again and the others stay text;
+* images for a model without an image placeholder (a text-only model);
+* more images in one prompt than the engine's ``limit_mm_per_prompt``: one error for the
+  whole batch.
+
+:func:`check_media` refuses all of these before anything is submitted, from counts only:
+the shell passes each row's token ids, its number of images, the model's placeholder id
+(``None`` for a model that takes no images) and the engine's per-prompt image limit. The
+rules, in this order; the first rule that fails is reported with *all* its rows:
+
+1. ``TEXT_ONLY_MODEL``: a row has images but the model has no image placeholder.
+2. ``IMAGE_LIMIT``: a row has more images than the limit.
+3. ``EXPANDED``: a row holds more placeholders than images and two placeholder ids next to
+   each other, the shape of a prompt vLLM already expanded.
+4. ``EXTRA_IMAGES``: a row has more images than placeholders.
+5. ``MISSING_IMAGES``: a row has more placeholders than images (a row without images that
+   holds a placeholder id included).
+
+Images placed next to each other (``<image><image>`` for two images) are fine: rule 3
+needs more placeholders than images.
+
+What the context holds is the *expanded* prompt, which only vLLM's processor knows (with
+image splitting it depends on each image's size): the shell measures it, and
+:func:`check_context` refuses rows whose expanded prompt leaves no room to generate. The
+caps of :mod:`genworker.core.caps` take the expanded lengths too. The output contract keeps
+the caller's own ids: one placeholder per image, never vLLM's expansion.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Sequence
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from genworker.core.errors import CoreError
+
+__all__ = ["ContextError", "MediaError", "MediaErrorKind", "check_context", "check_media"]
+
+
+class MediaErrorKind(enum.StrEnum):
+    """Which rule of a multimodal batch was broken (see the module docstring)."""
+
+    TEXT_ONLY_MODEL = "text_only_model"
+    IMAGE_LIMIT = "image_limit"
+    EXPANDED = "expanded"
+    EXTRA_IMAGES = "extra_images"
+    MISSING_IMAGES = "missing_images"
+
+
+@attrs.frozen
+class MediaError(CoreError):
+    """A multimodal batch that breaks one rule, with every row that breaks it.
+
+    ``rows`` lists the offending rows in ascending order; ``images`` and ``placeholders``
+    (each row's count of placeholder ids; 0 where the model has none) are parallel to it;
+    ``detail`` is the listing ``message`` ends with.
+    """
+
+    kind: MediaErrorKind
+    rows: tuple[int, ...]
+    images: tuple[int, ...]
+    placeholders: tuple[int, ...]
+    detail: str
+
+
+@attrs.frozen
+class ContextError(CoreError):
+    """Rows whose expanded prompt fills the context: ``rows``, their caller-side
+    ``lengths`` and their ``expanded`` lengths (parallel), and the ``max_model_len``."""
+
+    rows: tuple[int, ...]
+    lengths: tuple[int, ...]
+    expanded: tuple[int, ...]
+    max_model_len: int
+
+
+def _adjacent(prompt: Sequence[int], placeholder_id: int) -> bool:
+    return any(a == b == placeholder_id for a, b in itertools.pairwise(prompt))
+
+
+def _rows_error(
+    kind: MediaErrorKind,
+    head: str,
+    rows: list[tuple[int, int, int]],
+    describe: str,
+) -> MediaError:
+    detail = ", ".join(describe.format(row=r, images=n, placeholders=p) for r, n, p in rows)
+    return MediaError(
+        f"{head}: {detail}",
+        kind=kind,
+        rows=tuple(r for r, _, _ in rows),
+        images=tuple(n for _, n, _ in rows),
+        placeholders=tuple(p for _, _, p in rows),
+        detail=detail,
+    )
+
+
+def check_media(
+    prompts: Sequence[Sequence[int]],
+    image_counts: Sequence[int],
+    *,
+    placeholder_id: int | None,
+    max_images: int | None,
+) -> Result[tuple[int, ...], MediaError]:
+    """Check every row's images against its placeholder ids (the module docstring's rules).
+
+    ``image_counts[i]`` is the number of images of row ``i`` (0 for a row without media).
+    Returns the rows that carry images, ascending. Counts of the wrong length or negative
+    counts are programming errors (``ValueError``).
+    """
+    if len(image_counts) != len(prompts):
+        raise ValueError(f"{len(image_counts)} image counts for {len(prompts)} prompts")
+    if any(n < 0 for n in image_counts):
+        raise ValueError(f"image counts must not be negative: {list(image_counts)}")
+    with_images = tuple(row for row, n in enumerate(image_counts) if n)
+    if placeholder_id is None:
+        if with_images:
+            listed = [(r, image_counts[r], 0) for r in with_images]
+            return Failure(
+                _rows_error(
+                    MediaErrorKind.TEXT_ONLY_MODEL,
+                    "the model takes no images (it has no image placeholder id), "
+                    "but rows carry images",
+                    listed,
+                    "row {row} ({images} images)",
+                )
+            )
+        return Success(with_images)
+    counts = [
+        (row, n, prompt.count(placeholder_id))
+        for row, (prompt, n) in enumerate(zip(prompts, image_counts, strict=True))
+    ]
+    if max_images is not None:
+        over = [c for c in counts if c[1] > max_images]
+        if over:
+            return Failure(
+                _rows_error(
+                    MediaErrorKind.IMAGE_LIMIT,
+                    f"rows carry more images than the engine takes per prompt "
+                    f"(limit_mm_per_prompt image={max_images})",
+                    over,
+                    "row {row} ({images} images)",
+                )
+            )
+    expanded = [c for c in counts if c[2] > c[1] and _adjacent(prompts[c[0]], placeholder_id)]
+    if expanded:
+        return Failure(
+            _rows_error(
+                MediaErrorKind.EXPANDED,
+                f"rows look already expanded (adjacent placeholder ids {placeholder_id}, more "
+                "than their images): pass one placeholder id per image, vLLM expands it",
+                expanded,
+                "row {row} ({placeholders} placeholders, {images} images)",
+            )
+        )
+    extra = [c for c in counts if c[1] > c[2]]
+    if extra:
+        return Failure(
+            _rows_error(
+                MediaErrorKind.EXTRA_IMAGES,
+                f"rows carry more images than placeholder ids {placeholder_id} (one "
+                "placeholder per image)",
+                extra,
+                "row {row} ({images} images, {placeholders} placeholders)",
+            )
+        )
+    missing = [c for c in counts if c[2] > c[1]]
+    if missing:
+        return Failure(
+            _rows_error(
+                MediaErrorKind.MISSING_IMAGES,
+                f"rows hold more placeholder ids {placeholder_id} than images (vLLM would "
+                "leave the extra ones as text)",
+                missing,
+                "row {row} ({placeholders} placeholders, {images} images)",
+            )
+        )
+    return Success(with_images)
+
+
+def check_context(
+    lengths: Sequence[int], expanded: Sequence[int], max_model_len: int
+) -> Result[None, ContextError]:
+    """Refuse rows whose expanded prompt leaves no room to generate under ``max_model_len``.
+
+    ``lengths`` are the caller's prompt lengths, ``expanded`` what the context holds (both
+    per row). An expansion shorter than the prompt is a programming error (``ValueError``).
+    """
+    if len(lengths) != len(expanded):
+        raise ValueError(f"{len(expanded)} expanded lengths for {len(lengths)} prompts")
+    pairs = list(enumerate(zip(lengths, expanded, strict=True)))
+    shrunk = [r for r, (n, e) in pairs if e < n]
+    if shrunk:
+        raise ValueError(f"rows {shrunk} have expanded lengths below their prompt lengths")
+    full = [(r, n, e) for r, (n, e) in pairs if e >= max_model_len]
+    if not full:
+        return Success(None)
+    detail = ", ".join(f"row {r} (length {n}, expanded {e})" for r, n, e in full)
+    return Failure(
+        ContextError(
+            f"expanded prompts leave no room to generate under max_model_len {max_model_len}: "
+            f"{detail}",
+            rows=tuple(r for r, _, _ in full),
+            lengths=tuple(n for _, n, _ in full),
+            expanded=tuple(e for _, _, e in full),
+            max_model_len=max_model_len,
+        )
+    )

@@ -1,0 +1,711 @@
+"""The refit protocol as pure state machines: one vocabulary for every transport.
+
+Theory of operation
+-------------------
+A refit moves a trainer's named tensors into a running engine in vLLM's weight-transfer
+shape (init once; start / update / finish per refit): :class:`Begin` (refit id, manifest
+digest, protocol version), one or more :class:`Chunk` values, then :class:`End`;
+:class:`Abort` replaces the rest when the trainer fails. A chunk lists *storages* (their
+byte sizes here; the transport carries the handles: a CUDA IPC handle, a shared-memory
+file) and :class:`TensorRef` values placing each tensor in one of them at a byte offset.
+A staging buffer is a chunk with one storage; the trainer's own tensors are a chunk with
+many. Over a collective the bytes arrive by broadcast in listing order instead
+(``storages is None``).
+
+The engine side feeds every event to a :class:`Receiver`, which answers with a
+:class:`Step` (the next machine and a decision) or a typed :class:`Refusal` naming the
+event and every offending tensor; it never raises on a peer's input. Decisions are plain
+values the shell executes: where each tensor goes (:class:`Route`: straight into the
+parameter's memory, or through vLLM's weight loader, from :func:`plan_routes` over a
+plain description of the engine's parameters), whether the loader needs a copy (the
+sender reuses that storage for a later chunk), and which mappings to keep
+(:class:`Kept`: a mapping is released by the first refit that does not use it).
+
+The trainer side asks :func:`send_route` whether a tensor travels by the handle of its
+own storage (the same storage came back from the last refit: the engine still maps it)
+or packed into a staging buffer (a fresh or small allocation, another device, not
+contiguous), and a :class:`ChunkPlan` where it lies and when a chunk is full or the
+receiver has waited half its bound.
+
+Bounds: every wait gets the same bound (:func:`wait_bound`; ``None`` means
+:data:`DEFAULT_TIMEOUT_S`). A receiver refuses empty chunks, so a refit of ``n`` tensors
+has at most ``n + 2`` messages; :func:`refit_waits` counts the waits they cost on each
+transport and :func:`rpc_bound` derives the engine call's bound from them, so an outer
+bound never expires while every inner wait is on time.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from typing import Final, Generic, TypeVar
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from genworker.core.errors import CoreError
+from genworker.core.refit_plan import (
+    DTYPE_ITEMSIZE,
+    Deviation,
+    Manifest,
+    ManifestError,
+    TensorProblem,
+    TensorSpec,
+    align_up,
+    manifest_error,
+)
+
+__all__ = [
+    "DEFAULT_STAGING_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "GRACE_S",
+    "PACK_BELOW_BYTES",
+    "PROTOCOL_VERSION",
+    "RENDEZVOUS_WAITS",
+    "Abort",
+    "Aborted",
+    "Accepted",
+    "Begin",
+    "BudgetError",
+    "Chunk",
+    "ChunkPlan",
+    "End",
+    "EngineParam",
+    "Event",
+    "FileFacts",
+    "Finished",
+    "GroupClaim",
+    "Kept",
+    "Phase",
+    "Placement",
+    "Receiver",
+    "RefitReport",
+    "Refusal",
+    "RefusalKind",
+    "Route",
+    "Routes",
+    "SendRoute",
+    "Settled",
+    "Step",
+    "StorageKind",
+    "TensorRef",
+    "Transport",
+    "Write",
+    "Writes",
+    "claim_problems",
+    "file_problem",
+    "max_message_bytes",
+    "plan_routes",
+    "refit_waits",
+    "rpc_bound",
+    "send_route",
+    "topology_problems",
+    "wait_bound",
+]
+
+PROTOCOL_VERSION: Final = 2
+#: The bound of each wait when the caller passes ``timeout_s=None``.
+DEFAULT_TIMEOUT_S: Final = 300.0
+#: The engine's own work around its waits (routes, post-load processing, answers).
+GRACE_S: Final = 30.0
+#: Waits of a collective rendezvous: the store, the handshake's hellos and verdict, the
+#: group's first status round (all-reduce, and the all-gather of errors).
+RENDEZVOUS_WAITS: Final = 5
+#: Storages smaller than this travel packed: a copy costs less than a kept mapping.
+PACK_BELOW_BYTES: Final = 64 << 10
+#: One staging buffer's bytes (two alternate).
+DEFAULT_STAGING_BYTES: Final = 512 << 20
+
+K = TypeVar("K")
+
+
+# -- the vocabulary -------------------------------------------------------------------
+
+
+@attrs.frozen
+class Begin:
+    refit_id: str
+    manifest_digest: str  # "" when the sender does not know the manifest
+    protocol: int = PROTOCOL_VERSION
+
+
+@attrs.frozen
+class TensorRef:
+    """One tensor of a chunk: its spec and where it lies (storage index, byte offset)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    storage: int = 0
+    offset: int = 0
+
+
+class StorageKind(enum.Enum):
+    """What a chunk's storage is to the sender, which decides its mapping's life."""
+
+    STAGING = "staging"  # a staging buffer: kept, and written again by later chunks
+    OWN = "own"  # the trainer's own tensor: kept while later refits send it again
+    TEMPORARY = "temporary"  # a copy made for this chunk: freed once it is answered
+
+    @property
+    def kept(self) -> bool:
+        """The engine keeps its mapping after the chunk (by handle, see :class:`Kept`)."""
+        return self is not StorageKind.TEMPORARY
+
+    @property
+    def stable(self) -> bool:
+        """Its bytes stay as they are until the refit ends (no copy for the loader)."""
+        return self is StorageKind.OWN
+
+
+@attrs.frozen
+class Chunk:
+    """Tensors in storages of ``storages`` bytes each, of ``kinds`` (None: the bytes
+    come by broadcast, in listing order)."""
+
+    refit_id: str
+    index: int
+    tensors: tuple[TensorRef, ...]
+    storages: tuple[int, ...] | None = None
+    kinds: tuple[StorageKind, ...] = ()
+
+
+@attrs.frozen
+class End:
+    refit_id: str
+    chunks: int
+    tensors: int
+
+
+@attrs.frozen
+class Abort:
+    refit_id: str
+    reason: str
+
+
+Event = Begin | Chunk | End | Abort
+
+
+class Route(enum.Enum):
+    """Where a received tensor goes on the engine."""
+
+    DIRECT = "direct"  # copied straight into the parameter's memory
+    LOADER = "loader"  # handed to vLLM's weight loader
+
+
+class SendRoute(enum.Enum):
+    """How a trainer's tensor travels over shared memory."""
+
+    HANDLE = "handle"  # the handle of its own storage, mapped (and kept) by the engine
+    PACK = "pack"  # copied into a staging buffer
+
+
+class Transport(enum.Enum):
+    IPC = "ipc"
+    COLLECTIVE = "collective"
+
+
+# -- routing --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class EngineParam:
+    """One engine parameter as the shell saw it: ``writable`` when its module is
+    unquantized, every parameter of the module holds data, and this one is contiguous;
+    ``sharded`` when tensor parallelism split it."""
+
+    name: str
+    module: str
+    spec: TensorSpec
+    writable: bool
+    sharded: bool = False
+
+
+@attrs.frozen
+class Routes:
+    """The manifest tensors that go straight into parameter memory, and their modules."""
+
+    direct: frozenset[str] = frozenset()
+    modules: frozenset[str] = frozenset()
+
+    def route(self, name: str) -> Route:
+        return Route.DIRECT if name in self.direct else Route.LOADER
+
+
+def plan_routes(manifest: Manifest, params: Iterable[EngineParam], *, sharded_ok: bool) -> Routes:
+    """A tensor goes direct when it equals a writable parameter (name, shape, dtype; not
+    sharded unless ``sharded_ok``) and so does every other writable parameter of that
+    module: the module's post-load processing then sees all its weights new."""
+    writable: dict[str, set[str]] = {}
+    matching: dict[str, set[str]] = {}
+    for p in params:
+        if not p.writable:
+            continue
+        writable.setdefault(p.module, set()).add(p.name)
+        if manifest.get(p.name) == p.spec and (sharded_ok or not p.sharded):
+            matching.setdefault(p.module, set()).add(p.name)
+    modules = frozenset(m for m, names in matching.items() if names == writable[m])
+    direct = frozenset(n for m in modules for n in matching[m])
+    return Routes(direct, modules)
+
+
+# -- the receiver ---------------------------------------------------------------------
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # waiting for a Begin
+    RECEIVING = "receiving"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class RefusalKind(enum.Enum):
+    ORDER = "order"  # an event this phase does not take
+    VERSION = "version"
+    DIGEST = "digest"
+    MANIFEST = "manifest"  # names every offending tensor (``detail``)
+    STRAY = "stray"  # another refit's event
+
+
+@attrs.frozen
+class Refusal(CoreError):
+    """An event the receiver refuses. Not ``fatal``: a stray event before any Begin,
+    answered and ignored (the refit has not started)."""
+
+    kind: RefusalKind = RefusalKind.ORDER
+    event: str = ""
+    fatal: bool = True
+    detail: ManifestError | None = None
+
+
+@attrs.frozen
+class Write:
+    """Where one received tensor goes; ``copy``: the loader gets a copy (its storage
+    changes before the refit ends)."""
+
+    ref: TensorRef
+    route: Route
+    copy: bool = False
+
+
+@attrs.frozen
+class Accepted:
+    refit_id: str
+
+
+@attrs.frozen
+class Writes:
+    chunk: Chunk
+    writes: tuple[Write, ...]
+
+
+@attrs.frozen
+class Finished:
+    tensors: int
+    chunks: int
+
+
+@attrs.frozen
+class Aborted:
+    reason: str
+
+
+Decision = Accepted | Writes | Finished | Aborted
+
+
+@attrs.frozen
+class Step:
+    receiver: Receiver
+    decision: Decision
+
+
+def _name(event: Event) -> str:
+    if isinstance(event, Chunk):
+        return f"chunk {event.index} of refit {event.refit_id!r}"
+    return f"{type(event).__name__} of refit {event.refit_id!r}"
+
+
+@attrs.frozen
+class Receiver:
+    """The engine side of one refit (a fresh one per refit)."""
+
+    manifest: Manifest
+    routes: Routes = Routes()
+    phase: Phase = Phase.IDLE
+    refit_id: str = ""
+    received: frozenset[str] = frozenset()
+    chunks: int = 0
+
+    def handle(self, event: Event) -> Result[Step, Refusal]:
+        if self.phase is Phase.IDLE or (
+            isinstance(event, Begin) and self.phase is Phase.RECEIVING and not self.chunks
+        ):  # a trainer whose first Begin timed out starts over
+            if isinstance(event, Begin):
+                return self._begin(event)
+            return self._refuse(RefusalKind.ORDER, event, "no refit is in progress", fatal=False)
+        if self.phase is not Phase.RECEIVING or isinstance(event, Begin):
+            return self._refuse(RefusalKind.ORDER, event, f"the refit is {self.phase.value}")
+        if event.refit_id != self.refit_id:
+            return self._refuse(RefusalKind.STRAY, event, f"refit {self.refit_id!r} is running")
+        if isinstance(event, Abort):
+            return Success(Step(attrs.evolve(self, phase=Phase.FAILED), Aborted(event.reason)))
+        if isinstance(event, End):
+            return self._end(event)
+        return self._chunk(event)
+
+    def _refuse(
+        self,
+        kind: RefusalKind,
+        event: Event,
+        why: str,
+        *,
+        fatal: bool = True,
+        detail: ManifestError | None = None,
+    ) -> Result[Step, Refusal]:
+        return Failure(Refusal(f"refused {_name(event)}: {why}", kind, _name(event), fatal, detail))
+
+    def _begin(self, event: Begin) -> Result[Step, Refusal]:
+        if event.protocol != PROTOCOL_VERSION:
+            why = f"it speaks refit protocol {event.protocol}, this engine {PROTOCOL_VERSION}"
+            return self._refuse(RefusalKind.VERSION, event, why)
+        if event.manifest_digest not in ("", self.manifest.digest()):
+            why = (
+                "the trainer sends a different manifest than the one given to "
+                "prepare_refit_info (names, shapes or dtypes differ)"
+            )
+            return self._refuse(RefusalKind.DIGEST, event, why)
+        started = attrs.evolve(
+            self, phase=Phase.RECEIVING, refit_id=event.refit_id, received=frozenset(), chunks=0
+        )
+        return Success(Step(started, Accepted(event.refit_id)))
+
+    def _chunk(self, chunk: Chunk) -> Result[Step, Refusal]:
+        if chunk.index != self.chunks:
+            return self._refuse(RefusalKind.ORDER, chunk, f"chunk {self.chunks} was expected")
+        if not chunk.tensors:
+            return self._refuse(RefusalKind.ORDER, chunk, "it lists no tensors")
+        if chunk.storages is not None and len(chunk.kinds) != len(chunk.storages):
+            return self._refuse(RefusalKind.ORDER, chunk, "its storage kinds do not match")
+        problems: list[TensorProblem] = []
+        here: set[str] = set()
+        writes = []
+        for ref in chunk.tensors:
+            problem = self._check(ref, chunk.storages, here)
+            here.add(ref.name)
+            if problem is not None:
+                problems.append(problem)
+                continue
+            route = self.routes.route(ref.name)
+            copy = (
+                chunk.storages is not None
+                and route is Route.LOADER
+                and not chunk.kinds[ref.storage].stable
+            )
+            writes.append(Write(ref, route, copy))
+        if problems:
+            error = manifest_error(f"chunk {chunk.index} does not match the manifest", problems)
+            return self._refuse(RefusalKind.MANIFEST, chunk, str(error), detail=error)
+        progressed = attrs.evolve(self, received=self.received | here, chunks=self.chunks + 1)
+        return Success(Step(progressed, Writes(chunk, tuple(writes))))
+
+    def _check(
+        self, ref: TensorRef, storages: tuple[int, ...] | None, here: set[str]
+    ) -> TensorProblem | None:
+        spec = self.manifest.get(ref.name)
+        if spec is None:
+            return TensorProblem(ref.name, Deviation.UNEXPECTED, "is not in the manifest")
+        if ref.name in self.received or ref.name in here:
+            return TensorProblem(ref.name, Deviation.DUPLICATED, "arrived twice")
+        if (ref.shape, ref.dtype) != (spec.shape, spec.dtype):
+            got = f"{list(ref.shape)} {ref.dtype}"
+            return TensorProblem(
+                ref.name, Deviation.MISMATCHED, f"expected {spec.describe()}, got {got}"
+            )
+        if storages is None:
+            if (ref.storage, ref.offset) == (0, 0):
+                return None
+            where = "a broadcast chunk places no tensor in a storage"
+        elif not 0 <= ref.storage < len(storages):
+            where = f"storage {ref.storage} is not in the chunk"
+        elif ref.offset < 0 or ref.offset + spec.nbytes > storages[ref.storage]:
+            where = (
+                f"{spec.nbytes} bytes at offset {ref.offset} overrun storage {ref.storage} "
+                f"({storages[ref.storage]} bytes)"
+            )
+        elif ref.offset % DTYPE_ITEMSIZE[spec.dtype]:
+            where = f"offset {ref.offset} is not aligned for {spec.dtype}"
+        else:
+            return None
+        return TensorProblem(ref.name, Deviation.MISPLACED, where)
+
+    def _end(self, end: End) -> Result[Step, Refusal]:
+        missing = [
+            TensorProblem(s.name, Deviation.MISSING, "never arrived")
+            for s in self.manifest.specs
+            if s.name not in self.received
+        ]
+        if missing:
+            error = manifest_error("the refit ended incomplete", missing)
+            return self._refuse(RefusalKind.MANIFEST, end, str(error), detail=error)
+        if (end.chunks, end.tensors) != (self.chunks, len(self.received)):
+            why = (
+                f"it counts {end.chunks} chunks and {end.tensors} tensors, this engine "
+                f"received {self.chunks} and {len(self.received)}"
+            )
+            return self._refuse(RefusalKind.ORDER, end, why)
+        done = attrs.evolve(self, phase=Phase.DONE)
+        return Success(Step(done, Finished(len(self.received), self.chunks)))
+
+
+# -- the sender -----------------------------------------------------------------------
+
+
+def send_route(*, storage_bytes: int, contiguous: bool, local: bool, recognised: bool) -> SendRoute:
+    """By handle only a storage the engine mapped last refit (the same storage came back;
+    recognised by the sender, never declared), large enough, contiguous and on the
+    transport's device; anything else packed."""
+    if recognised and contiguous and local and storage_bytes >= PACK_BELOW_BYTES:
+        return SendRoute.HANDLE
+    return SendRoute.PACK
+
+
+@attrs.frozen
+class Placement:
+    """Where the sender puts a tensor: ``flush`` the open chunk first; a packed tensor
+    at ``offset`` of the chunk's staging buffer, ``alone`` in a buffer of its own size
+    when it exceeds the budget (its chunk then closes right after it)."""
+
+    plan: ChunkPlan
+    flush: bool
+    offset: int = 0
+    alone: bool = False
+
+
+@attrs.frozen
+class ChunkPlan:
+    """The chunk being filled. ``budget``: bytes packed per chunk (one staging buffer, or
+    one group of broadcasts); ``flush_after_s``: a chunk goes out once this long passed
+    since the last message, so a slow trainer never lets the receiver's wait expire.
+    ``staged``: chunks sent that packed into a staging buffer (they alternate)."""
+
+    budget: int
+    flush_after_s: float
+    opened_at: float
+    index: int = 0
+    fill: int = 0
+    tensors: int = 0
+    staged: int = 0
+
+    @property
+    def buffer(self) -> int:
+        """The staging buffer this chunk packs into: the other one than the last chunk
+        that packed, which may still be read."""
+        return self.staged % 2
+
+    def place(self, route: SendRoute, nbytes: int, now: float) -> Placement:
+        # built with the constructor, not attrs.evolve: this runs once per tensor
+        late = self.tensors > 0 and now - self.opened_at >= self.flush_after_s
+        size = 0 if route is SendRoute.HANDLE else align_up(nbytes)
+        alone = size > self.budget
+        flush = late or (self.tensors > 0 and (alone or self.fill + size > self.budget))
+        plan = self.flushed(now) if flush else self
+        fill = plan.fill if alone else plan.fill + size
+        placed = ChunkPlan(
+            plan.budget,
+            plan.flush_after_s,
+            plan.opened_at,
+            plan.index,
+            fill,
+            plan.tensors + 1,
+            plan.staged,
+        )
+        return Placement(placed, flush, 0 if alone else plan.fill, alone)
+
+    def flushed(self, now: float) -> ChunkPlan:
+        """The next chunk, once this one was sent at ``now``."""
+        staged = self.staged + (self.fill > 0)
+        return ChunkPlan(self.budget, self.flush_after_s, now, self.index + 1, 0, 0, staged)
+
+
+@attrs.frozen
+class Settled(Generic[K]):
+    kept: Kept[K]
+    released: frozenset[K]
+
+
+@attrs.frozen
+class Kept(Generic[K]):
+    """Mappings kept across refits (by handle) and those this refit used."""
+
+    kept: frozenset[K] = frozenset()
+    used: frozenset[K] = frozenset()
+
+    def use(self, keys: Iterable[K]) -> Kept[K]:
+        keys = frozenset(keys)
+        return Kept(self.kept | keys, self.used | keys)
+
+    def settle(self) -> Settled[K]:
+        """At a refit's end: keep what it used, release the rest."""
+        return Settled(Kept(self.used), self.kept - self.used)
+
+    def clear(self) -> Settled[K]:
+        """Release everything (a failed refit, or the trainer asks for its memory)."""
+        return Settled(Kept(), self.kept)
+
+
+# -- trust: shared-memory files and weight-update groups --------------------------------
+
+
+@attrs.frozen
+class FileFacts:
+    """What ``fstat`` says of a file a sender named, and of its directory."""
+
+    absolute: bool
+    regular: bool
+    owner: int
+    parent_owner: int
+    parent_is_dir: bool
+    parent_mode: int
+    inode: int
+    size: int
+
+
+def file_problem(facts: FileFacts, *, uid: int, inode: int, size: int) -> str | None:
+    """Why a receiver running as ``uid`` must not map this file as the sender's storage
+    (``inode``, ``size`` bytes), or None: the file must be a regular file of ``uid``'s, in
+    a directory of ``uid``'s that no one else can enter, the very file the handle names."""
+    checks = (
+        (facts.absolute, "its path is not absolute"),
+        (facts.regular, "it is not a regular file"),
+        (facts.owner == facts.parent_owner == uid, "it belongs to another user"),
+        (
+            facts.parent_is_dir and not facts.parent_mode & 0o077,
+            "its directory is open to other users",
+        ),
+        (facts.inode == inode, "it is another file than the sender's"),
+        (facts.size >= size, f"it holds {facts.size} bytes, fewer than the {size} declared"),
+    )
+    return next((why for ok, why in checks if not ok), None)
+
+
+@attrs.frozen
+class GroupClaim:
+    """One rank's view of a weight-update group, compared by rank 0 at rendezvous."""
+
+    rank: int
+    world_size: int
+    train_world_size: int
+    backend: str
+    role: str
+    protocol: int = PROTOCOL_VERSION
+
+
+def topology_problems(ip: str, port: int, claim: GroupClaim) -> tuple[str, ...]:
+    """What makes a rank's place in a group impossible, before any socket opens."""
+    rank, world, train = claim.rank, claim.world_size, claim.train_world_size
+    problems = [
+        *(["ip is empty"] if not ip else []),
+        *([f"port {port} is not in 1..65535"] if not 0 < port < 65536 else []),
+        *([f"world_size {world} leaves no one to send to"] if world < 2 else []),
+        *(
+            [f"train_world_size {train} must be in 1..{world - 1}"]
+            if not 1 <= train < world
+            else []
+        ),
+    ]
+    if not 0 <= rank < world:
+        problems.append(f"rank {rank} is outside 0..{world - 1}")
+    elif (claim.role == "trainer") != (rank < train):
+        role = "trainer" if rank < train else "engine"
+        problems.append(f"rank {rank} would be a {role} rank, but this process is the {claim.role}")
+    return tuple(problems)
+
+
+def claim_problems(judge: GroupClaim, claims: Iterable[GroupClaim]) -> tuple[str, ...]:
+    """Where the ranks' claims disagree with rank 0's (``judge``), naming each rank."""
+    problems = []
+    for claim in claims:
+        role = "trainer" if claim.rank < judge.train_world_size else "engine"
+        for field, want in (
+            ("world_size", judge.world_size),
+            ("train_world_size", judge.train_world_size),
+            ("backend", judge.backend),
+            ("protocol", judge.protocol),
+            ("role", role),
+        ):
+            got = getattr(claim, field)
+            if got != want:
+                problems.append(f"rank {claim.rank} has {field}={got!r}, expected {want!r}")
+    return tuple(problems)
+
+
+# -- reports ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RefitReport:
+    """What one refit moved (either side), and where the time went (``phases``)."""
+
+    tensors: int
+    nbytes: int
+    chunks: int
+    seconds: float
+    direct: int = 0  # engine: tensors written straight into parameters; sender: by handle
+    loaded: int = 0  # engine: tensors through the loader; sender: packed
+    mapped: int = 0  # engine: storages mapped anew this refit
+    phases: Mapping[str, float] = attrs.field(factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return {**attrs.asdict(self, recurse=False), "phases": dict(self.phases)}
+
+
+# -- bounds ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class BudgetError(CoreError):
+    timeout_s: object = None
+
+
+def wait_bound(timeout_s: object) -> Result[float, BudgetError]:
+    """The bound of each wait: ``timeout_s`` seconds (a finite number > 0), or
+    :data:`DEFAULT_TIMEOUT_S` for ``None``; anything else is refused."""
+    if timeout_s is None:
+        return Success(DEFAULT_TIMEOUT_S)
+    if (
+        isinstance(timeout_s, int | float)
+        and not isinstance(timeout_s, bool)
+        and math.isfinite(timeout_s)
+        and timeout_s > 0
+    ):
+        return Success(float(timeout_s))
+    return Failure(
+        BudgetError(
+            f"timeout_s must be a finite number of seconds > 0 or None, got {timeout_s!r}",
+            timeout_s,
+        )
+    )
+
+
+def refit_waits(tensors: int, transport: Transport) -> int:
+    """The most waits a receiver makes in a refit of ``tensors`` tensors: one per message
+    over IPC (at most ``tensors`` chunks, each carrying one tensor or more, plus Begin
+    and End); over a collective each message's header may take two broadcasts, each
+    tensor one, and two status rounds two collectives each."""
+    messages = tensors + 2
+    if transport is Transport.IPC:
+        return messages
+    return 2 * messages + tensors + 4
+
+
+def rpc_bound(waits: int, per_wait_s: float) -> float:
+    """The engine call's bound: more than ``waits`` waits of ``per_wait_s`` each."""
+    return waits * per_wait_s + GRACE_S
+
+
+def max_message_bytes(manifest: Manifest) -> int:
+    """The largest refit message a receiver of ``manifest`` takes: every tensor listed
+    once in its own storage, with room for encoding and handles (512 bytes each)."""
+    per_tensor = sum(len(s.name.encode()) + 16 * len(s.shape) + 64 for s in manifest.specs)
+    return 64 * 1024 + per_tensor + 512 * (len(manifest) + 2)

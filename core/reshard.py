@@ -1,0 +1,699 @@
+"""Shard-to-shard refit plans: which trainer rank copies which slice into which engine
+shard (pure values).
+
+Theory of operation
+-------------------
+*Boxes.* A region of a tensor is a :data:`Box`: one half-open ``(start, stop)`` range per
+dimension. Every layout is a set of boxes in the *global* (unsharded) coordinates of a
+named tensor.
+
+*Trainer side.* A :class:`TrainerLayout` says which ranks hold which box of a trainer
+tensor; boxes may overlap (replicas). Two builders cover the usual trainers:
+
+- :func:`megatron_layout`: a PP stage's TP ranks split ``tp_dim`` evenly (Megatron
+  asserts divisibility), or all hold it (``tp_dim=None``); each TP shard may be held by
+  several ranks (data-parallel replicas);
+- :func:`dtensor_layout`: a device mesh (shape and rank ids, row-major) and one placement
+  per mesh dimension, :class:`Shard` ``(dim)`` or :class:`Replicate` ``()``, as torch's
+  ``DTensor`` places them: mesh dimensions are applied in order, and a ``Shard(d)`` cuts
+  the range the earlier ones left on ``d`` the way ``torch.chunk`` does (chunks of
+  ``ceil(n / k)``, the last ones shorter or empty).
+
+*Engine side.* An :class:`EngineShard` is one engine rank's parameter: its local shape
+and its :class:`ShardPiece` s, each a box of a trainer tensor and where it lands in the local
+shard (a box of the same extents), plus padding boxes that no trainer tensor fills
+(vLLM's vocabulary padding). :func:`vllm_shard` derives it from the facts vLLM's layers
+use (``vllm/model_executor/layers/linear.py`` and ``vocab_parallel_embedding.py``,
+0.32):
+
+- ``REPLICATED``: the whole tensor on every rank (``ReplicatedLinear``, norms, and a
+  row-parallel layer's bias);
+- ``COLUMN`` / ``ROW``: ``output_dim`` / ``input_dim`` split evenly by TP (``divide``);
+- ``VOCAB``: rows padded to a multiple of ``padding_size`` (64), then split evenly;
+  rows past the real vocabulary are padding;
+- ``MERGED`` (``gate_up_proj``): each source split evenly by TP on ``output_dim`` and the
+  local parts stacked in source order;
+- ``QKV`` (``qkv_proj``): q, k, v each split by TP on ``output_dim`` and stacked; with
+  fewer kv heads than TP ranks each rank keeps one kv head, ``tp // kv_heads`` ranks
+  sharing it (``shard_rank = tp_rank // num_kv_head_replicas``).
+
+*The plan.* :func:`plan_reshard` cuts each piece's trainer box along every boundary of
+the trainer boxes that meet it (elementary cells, each wholly inside or outside every
+trainer box), and reads each cell from exactly one holder: the least loaded so far (bytes
+sent), ties to the lower rank, so replicas share the reading. Its laws: every element of
+every engine shard is written exactly once (by a copy, or as padding); a trainer rank
+sends only elements it holds; an engine rank receives exactly its shard's bytes, less
+padding. Anything the plan cannot honour is a :class:`ReshardError` naming every
+offending parameter and the ranks involved, never a partial plan.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from genworker.core.errors import CoreError
+from genworker.core.refit_plan import DTYPE_ITEMSIZE
+
+__all__ = [
+    "Box",
+    "Copy",
+    "EngineShard",
+    "LayerKind",
+    "Problem",
+    "Replicate",
+    "ReshardError",
+    "ReshardPlan",
+    "Shard",
+    "ShardPiece",
+    "SourceShard",
+    "TrainerLayout",
+    "VllmParamFacts",
+    "box_numel",
+    "dtensor_layout",
+    "intersect",
+    "megatron_layout",
+    "plan_reshard",
+    "vllm_shard",
+]
+
+Box = tuple[tuple[int, int], ...]
+_MAX_NAMED: Final = 12
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(max(0, b - a) for a, b in box)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common box of ``a`` and ``b``, or ``None`` when they share no element."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def _full(shape: Sequence[int]) -> Box:
+    return tuple((0, d) for d in shape)
+
+
+def _shift(box: Box, origin: Box) -> Box:
+    """``box`` in the coordinates of a tensor whose global box is ``origin``."""
+    return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin, strict=True))
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+class Problem(enum.Enum):
+    MISSING = "missing"  # an engine shard needs elements no trainer rank holds
+    MISSHAPED = "misshaped"  # a shard's box or shape does not fit its tensor
+    UNKNOWN = "unknown"  # an engine piece names a trainer tensor nobody described
+    MISMATCHED = "mismatched"  # dtypes differ between a piece's source and its shard
+    INVALID = "invalid"  # facts that no vLLM layer could have
+
+
+@attrs.frozen
+class ParamProblem:
+    """One parameter's problem, with the ranks involved (trainer or engine, per kind)."""
+
+    param: str
+    kind: Problem
+    ranks: tuple[int, ...]
+    detail: str
+
+    def describe(self) -> str:
+        return f"{self.param!r} ({self.kind.value}; ranks {list(self.ranks)}): {self.detail}"
+
+
+@attrs.frozen
+class ReshardError(CoreError):
+    """The layouts cannot make a reshard plan; ``problems`` names every parameter."""
+
+    problems: tuple[ParamProblem, ...] = ()
+
+    def params(self, kind: Problem) -> tuple[str, ...]:
+        return tuple(p.param for p in self.problems if p.kind is kind)
+
+
+def _error(context: str, problems: Sequence[ParamProblem]) -> ReshardError:
+    shown = [p.describe() for p in problems[:_MAX_NAMED]]
+    if len(problems) > _MAX_NAMED:
+        shown.append(f"and {len(problems) - _MAX_NAMED} more")
+    return ReshardError(f"{context}: " + "; ".join(shown), problems=tuple(problems))
+
+
+# --- the trainer side --------------------------------------------------------------
+
+
+@attrs.frozen
+class SourceShard:
+    """Trainer rank ``rank`` holds ``box`` of the tensor (global coordinates)."""
+
+    rank: int
+    box: Box
+
+
+@attrs.frozen
+class TrainerLayout:
+    """Where a trainer tensor lives: its global shape, dtype and every rank's box."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    shards: tuple[SourceShard, ...]
+
+    def check(self) -> list[ParamProblem]:
+        """Every shard's box must lie inside the shape, one range per dimension."""
+        problems = []
+        if self.dtype not in DTYPE_ITEMSIZE:
+            problems.append(
+                ParamProblem(self.name, Problem.INVALID, (), f"has unknown dtype {self.dtype!r}")
+            )
+        for shard in self.shards:
+            box = shard.box
+            fits = len(box) == len(self.shape) and all(
+                0 <= a <= b <= d for (a, b), d in zip(box, self.shape, strict=True)
+            )
+            if not fits:
+                problems.append(
+                    ParamProblem(
+                        self.name,
+                        Problem.MISSHAPED,
+                        (shard.rank,),
+                        f"rank {shard.rank} holds {list(box)}, outside the shape {list(self.shape)}",
+                    )
+                )
+        return problems
+
+
+def megatron_layout(
+    name: str,
+    shape: Sequence[int],
+    dtype: str,
+    tp_dim: int | None,
+    tp_ranks: Sequence[Sequence[int]],
+) -> Result[TrainerLayout, ReshardError]:
+    """A Megatron-style tensor of one PP stage: ``tp_ranks[i]`` hold TP shard ``i``.
+
+    ``tp_dim=None``: every TP shard is the whole tensor (norms, replicated biases).
+    The split must be even, as Megatron's ``divide`` asserts.
+    """
+    shape = tuple(shape)
+    tp = len(tp_ranks)
+    everyone = tuple(r for group in tp_ranks for r in group)
+    if tp == 0 or any(not group for group in tp_ranks):
+        return Failure(
+            _error(
+                "invalid Megatron layout",
+                [ParamProblem(name, Problem.INVALID, everyone, "every TP shard needs a rank")],
+            )
+        )
+    if tp_dim is not None and (not 0 <= tp_dim < len(shape) or shape[tp_dim] % tp):
+        return Failure(
+            _error(
+                "invalid Megatron layout",
+                [
+                    ParamProblem(
+                        name,
+                        Problem.MISSHAPED,
+                        everyone,
+                        f"dim {tp_dim} of {list(shape)} does not split evenly {tp} ways",
+                    )
+                ],
+            )
+        )
+    shards: list[SourceShard] = []
+    for index, group in enumerate(tp_ranks):
+        box = list(_full(shape))
+        if tp_dim is not None:
+            size = shape[tp_dim] // tp
+            box[tp_dim] = (index * size, (index + 1) * size)
+        shards.extend(SourceShard(rank, tuple(box)) for rank in group)
+    return _checked_layout(TrainerLayout(name, shape, dtype, tuple(shards)))
+
+
+@attrs.frozen
+class Shard:
+    """DTensor's ``Shard(dim)``: the mesh dimension cuts tensor dimension ``dim``."""
+
+    dim: int
+
+
+@attrs.frozen
+class Replicate:
+    """DTensor's ``Replicate()``: every coordinate of the mesh dimension holds it all."""
+
+
+def _chunk(lo: int, hi: int, parts: int, index: int) -> tuple[int, int]:
+    """``torch.chunk``'s ``index``-th of ``parts`` chunks of ``[lo, hi)`` (maybe empty)."""
+    size = -(-(hi - lo) // parts)
+    return min(hi, lo + index * size), min(hi, lo + (index + 1) * size)
+
+
+def dtensor_layout(
+    name: str,
+    shape: Sequence[int],
+    dtype: str,
+    mesh_shape: Sequence[int],
+    mesh_ranks: Sequence[int],
+    placements: Sequence[Shard | Replicate],
+) -> Result[TrainerLayout, ReshardError]:
+    """A ``DTensor`` over a device mesh (``mesh_ranks`` row-major over ``mesh_shape``)."""
+    shape, mesh_shape = tuple(shape), tuple(mesh_shape)
+    ranks = tuple(mesh_ranks)
+    bad = []
+    if (
+        len(placements) != len(mesh_shape)
+        or math.prod(mesh_shape) != len(ranks)
+        or any(d < 1 for d in mesh_shape)
+    ):
+        bad.append(
+            f"a mesh of shape {list(mesh_shape)} with {len(ranks)} ranks and "
+            f"{len(placements)} placements"
+        )
+    bad.extend(
+        f"Shard({p.dim}) of a {len(shape)}-d tensor"
+        for p in placements
+        if isinstance(p, Shard) and not 0 <= p.dim < len(shape)
+    )
+    if bad:
+        return Failure(
+            _error(
+                "invalid DTensor layout",
+                [ParamProblem(name, Problem.INVALID, ranks, "; ".join(bad))],
+            )
+        )
+    shards = []
+    for flat, rank in enumerate(ranks):
+        coords = []
+        for size in reversed(mesh_shape):
+            coords.append(flat % size)
+            flat //= size
+        coords.reverse()
+        box = list(_full(shape))
+        for coord, size, placement in zip(coords, mesh_shape, placements, strict=True):
+            if isinstance(placement, Shard):
+                lo, hi = box[placement.dim]
+                box[placement.dim] = _chunk(lo, hi, size, coord)
+        shards.append(SourceShard(rank, tuple(box)))
+    return _checked_layout(TrainerLayout(name, shape, dtype, tuple(shards)))
+
+
+def _checked_layout(layout: TrainerLayout) -> Result[TrainerLayout, ReshardError]:
+    problems = layout.check()
+    if problems:
+        return Failure(_error("invalid trainer layout", problems))
+    return Success(layout)
+
+
+# --- the engine side ---------------------------------------------------------------
+
+
+@attrs.frozen
+class ShardPiece:
+    """``source``'s global ``source_box`` lands at ``dest_box`` of the engine shard."""
+
+    source: str
+    source_box: Box
+    dest_box: Box
+
+
+@attrs.frozen
+class EngineShard:
+    """Engine rank ``rank``'s part of parameter ``param``: its local shape and contents."""
+
+    param: str
+    rank: int
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[ShardPiece, ...]
+    padding: tuple[Box, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_ITEMSIZE[self.dtype]
+
+
+class LayerKind(enum.Enum):
+    """How vLLM splits a parameter across its TP ranks."""
+
+    REPLICATED = "replicated"
+    COLUMN = "column"
+    ROW = "row"
+    VOCAB = "vocab"
+    MERGED = "merged"
+    QKV = "qkv"
+
+
+@attrs.frozen
+class VllmParamFacts:
+    """What vLLM knows about one parameter on one TP rank, as plain values.
+
+    ``sources``: the trainer tensors it is made of, with their global shapes, in fused
+    order (one for every kind but ``MERGED`` (gate, up) and ``QKV`` (q, k, v)).
+    ``output_dim`` / ``input_dim``: the parameter's attributes of those names (``None``
+    when absent). ``QKV`` also needs ``head_size``, ``num_heads`` and ``num_kv_heads``
+    (the totals); ``VOCAB`` uses ``padding_size``.
+    """
+
+    param: str
+    kind: LayerKind
+    dtype: str
+    tp_rank: int
+    tp_size: int
+    sources: tuple[tuple[str, tuple[int, ...]], ...]
+    output_dim: int | None = 0
+    input_dim: int | None = 1
+    head_size: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    padding_size: int = 64
+
+
+def _invalid(facts: VllmParamFacts, detail: str) -> Failure[ReshardError]:
+    return Failure(
+        _error(
+            f"invalid vLLM facts for {facts.param!r}",
+            [ParamProblem(facts.param, Problem.INVALID, (facts.tp_rank,), detail)],
+        )
+    )
+
+
+def vllm_shard(facts: VllmParamFacts) -> Result[EngineShard, ReshardError]:
+    """The engine shard vLLM builds for ``facts`` (see the module docstring)."""
+    tp, rank = facts.tp_size, facts.tp_rank
+    if tp < 1 or not 0 <= rank < tp:
+        return _invalid(facts, f"tp rank {rank} of tp size {tp}")
+    expected = {LayerKind.MERGED: None, LayerKind.QKV: 3}.get(facts.kind, 1)
+    if not facts.sources or (expected is not None and len(facts.sources) != expected):
+        return _invalid(
+            facts, f"a {facts.kind.value} parameter made of {len(facts.sources)} sources"
+        )
+    first = facts.sources[0][1]
+    if any(len(s) != len(first) for _, s in facts.sources):
+        return _invalid(facts, "sources of different ranks")
+    if facts.kind is LayerKind.REPLICATED:
+        name, shape = facts.sources[0]
+        box = _full(shape)
+        return Success(
+            EngineShard(facts.param, rank, shape, facts.dtype, (ShardPiece(name, box, box),))
+        )
+    split = facts.input_dim if facts.kind is LayerKind.ROW else facts.output_dim
+    if split is None or not 0 <= split < len(first):
+        return _invalid(facts, f"split dim {split} of a {len(first)}-d parameter")
+    if facts.kind is LayerKind.VOCAB:
+        return _vocab(facts, split)
+    if facts.kind is LayerKind.QKV:
+        return _qkv(facts, split)
+    uneven = [name for name, shape in facts.sources if shape[split] % tp]
+    if uneven:
+        return _invalid(facts, f"dim {split} of {uneven} does not split {tp} ways")
+    return _even_split(facts, split, [(s, s[1][split] // tp, rank) for s in facts.sources])
+
+
+def _even_split(
+    facts: VllmParamFacts,
+    split: int,
+    parts: Sequence[tuple[tuple[str, tuple[int, ...]], int, int]],
+) -> Result[EngineShard, ReshardError]:
+    """Stack along ``split`` rows ``[r * size, (r + 1) * size)`` of each (source, size, r)."""
+    pieces = []
+    offset = 0
+    base = parts[0][0][1]
+    for (name, shape), size, shard_rank in parts:
+        if any(a != b for i, (a, b) in enumerate(zip(shape, base, strict=True)) if i != split):
+            return _invalid(facts, f"{name!r} of {list(shape)} does not stack with {list(base)}")
+        source = list(_full(shape))
+        source[split] = (shard_rank * size, (shard_rank + 1) * size)
+        dest = list(_full(shape))
+        dest[split] = (offset, offset + size)
+        pieces.append(ShardPiece(name, tuple(source), tuple(dest)))
+        offset += size
+    local = list(base)
+    local[split] = offset
+    return Success(
+        EngineShard(facts.param, facts.tp_rank, tuple(local), facts.dtype, tuple(pieces))
+    )
+
+
+def _vocab(facts: VllmParamFacts, split: int) -> Result[EngineShard, ReshardError]:
+    name, shape = facts.sources[0]
+    if facts.padding_size < 1:
+        return _invalid(facts, f"padding size {facts.padding_size}")
+    padded = -(-shape[split] // facts.padding_size) * facts.padding_size
+    if padded % facts.tp_size:
+        return _invalid(facts, f"padded vocabulary {padded} does not split {facts.tp_size} ways")
+    size = padded // facts.tp_size
+    lo, hi = facts.tp_rank * size, (facts.tp_rank + 1) * size
+    real = min(hi, shape[split])
+    local = list(shape)
+    local[split] = size
+    pieces, padding = [], []
+    if real > lo:
+        source, dest = list(_full(shape)), list(_full(local))
+        source[split], dest[split] = (lo, real), (0, real - lo)
+        pieces.append(ShardPiece(name, tuple(source), tuple(dest)))
+    if hi > max(lo, real):
+        pad = list(_full(local))
+        pad[split] = (max(lo, real) - lo, size)
+        padding.append(tuple(pad))
+    return Success(
+        EngineShard(
+            facts.param, facts.tp_rank, tuple(local), facts.dtype, tuple(pieces), tuple(padding)
+        )
+    )
+
+
+def _qkv(facts: VllmParamFacts, split: int) -> Result[EngineShard, ReshardError]:
+    tp, hs = facts.tp_size, facts.head_size
+    heads, kv = facts.num_heads, facts.num_kv_heads
+    if hs < 1 or heads < 1 or kv < 1 or heads % tp or (tp % kv if tp >= kv else kv % tp):
+        return _invalid(facts, f"{heads} heads, {kv} kv heads of size {hs} over tp {tp}")
+    q, k, v = facts.sources
+    if (q[1][split], k[1][split], v[1][split]) != (heads * hs, kv * hs, kv * hs):
+        return _invalid(
+            facts,
+            f"q, k, v of {q[1][split]}, {k[1][split]}, {v[1][split]} rows for {heads} heads "
+            f"and {kv} kv heads of size {hs}",
+        )
+    local_kv, replicas = (1, tp // kv) if tp >= kv else (kv // tp, 1)
+    kv_rank = facts.tp_rank // replicas
+    return _even_split(
+        facts,
+        split,
+        [
+            (q, heads // tp * hs, facts.tp_rank),
+            (k, local_kv * hs, kv_rank),
+            (v, local_kv * hs, kv_rank),
+        ],
+    )
+
+
+# --- the plan ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class Copy:
+    """Trainer rank ``src_rank`` copies ``src_box`` of its local shard of ``source`` into
+    ``dest_box`` of engine rank ``dst_rank``'s shard of ``param`` (same extents)."""
+
+    src_rank: int
+    dst_rank: int
+    source: str
+    param: str
+    src_box: Box  # in the trainer rank's local coordinates
+    dest_box: Box  # in the engine shard's local coordinates
+    global_box: Box  # the same elements in the source's global coordinates
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return box_numel(self.dest_box) * self.itemsize
+
+
+@attrs.frozen
+class ReshardPlan:
+    """Every copy of a reshard refit, in a deterministic order."""
+
+    copies: tuple[Copy, ...]
+
+    def pairs(self) -> dict[tuple[int, int], tuple[Copy, ...]]:
+        """The copies of each (trainer rank, engine rank) pair that has any."""
+        out: dict[tuple[int, int], list[Copy]] = {}
+        for c in self.copies:
+            out.setdefault((c.src_rank, c.dst_rank), []).append(c)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def bytes_to(self, engine_rank: int) -> int:
+        return sum(c.nbytes for c in self.copies if c.dst_rank == engine_rank)
+
+    def bytes_from(self, trainer_rank: int) -> int:
+        return sum(c.nbytes for c in self.copies if c.src_rank == trainer_rank)
+
+
+def _cells(box: Box, holders: Sequence[SourceShard]) -> list[Box]:
+    """``box`` cut at every boundary of ``holders`` inside it: each cell lies wholly
+    inside or outside each holder's box."""
+    cuts: list[list[int]] = []
+    for dim, (lo, hi) in enumerate(box):
+        points = {lo, hi}
+        for h in holders:
+            points.update(p for p in h.box[dim] if lo < p < hi)
+        cuts.append(sorted(points))
+    cells: list[Box] = [()]
+    for cut in cuts:
+        cells = [(*c, (a, b)) for c in cells for a, b in itertools.pairwise(cut)]
+    return [c for c in cells if box_numel(c) > 0]
+
+
+def plan_reshard(
+    trainer: Iterable[TrainerLayout], engine: Iterable[EngineShard]
+) -> Result[ReshardPlan, ReshardError]:
+    """The copies that fill every engine shard from the trainer shards, or every reason
+    it cannot (missing elements, misshaped shards, unknown tensors, dtype mismatches)."""
+    layouts = {layout.name: layout for layout in trainer}
+    problems: list[ParamProblem] = []
+    broken: set[str] = set()  # layouts already named as misshaped: nothing to plan from
+    for described in layouts.values():
+        found = described.check()
+        problems.extend(found)
+        if found:
+            broken.add(described.name)
+    loads: dict[int, int] = {}
+    copies: list[Copy] = []
+    for shard in engine:
+        shard_problems = _check_engine_shard(shard)
+        problems.extend(shard_problems)
+        for piece in () if shard_problems else shard.pieces:
+            layout = layouts.get(piece.source)
+            if piece.source in broken:
+                continue
+            if layout is None:
+                problems.append(
+                    ParamProblem(
+                        shard.param,
+                        Problem.UNKNOWN,
+                        (shard.rank,),
+                        f"engine rank {shard.rank} needs {piece.source!r}, which no trainer "
+                        "layout describes",
+                    )
+                )
+                continue
+            if layout.dtype != shard.dtype:
+                problems.append(
+                    ParamProblem(
+                        shard.param,
+                        Problem.MISMATCHED,
+                        (shard.rank,),
+                        f"{piece.source!r} is {layout.dtype}, the engine shard {shard.dtype}",
+                    )
+                )
+                continue
+            if (
+                len(piece.source_box) != len(layout.shape)
+                or intersect(piece.source_box, _full(layout.shape)) != piece.source_box
+            ):
+                problems.append(
+                    ParamProblem(
+                        shard.param,
+                        Problem.MISSHAPED,
+                        (shard.rank,),
+                        f"engine rank {shard.rank} needs {list(piece.source_box)} of "
+                        f"{piece.source!r}, whose shape is {list(layout.shape)}",
+                    )
+                )
+                continue
+            problems.extend(_plan_piece(shard, piece, layout, loads, copies))
+    if problems:
+        return Failure(_error("cannot plan the reshard refit", problems))
+    return Success(ReshardPlan(tuple(copies)))
+
+
+def _check_engine_shard(shard: EngineShard) -> list[ParamProblem]:
+    """The pieces and padding must tile the local shape exactly (no overlap, no hole)."""
+    boxes = [p.dest_box for p in shard.pieces] + list(shard.padding)
+    problems = []
+    full = _full(shard.shape)
+    covered = 0
+    for i, box in enumerate(boxes):
+        if len(box) != len(shard.shape) or intersect(box, full) != box:
+            problems.append(f"box {list(box)} lies outside the shard's shape {list(shard.shape)}")
+            continue
+        covered += box_numel(box)
+        problems.extend(
+            f"boxes {list(box)} and {list(other)} overlap"
+            for other in boxes[i + 1 :]
+            if len(other) == len(box) and intersect(box, other) is not None
+        )
+    if not problems and covered != shard.numel:
+        problems.append(f"its pieces cover {covered} of its {shard.numel} elements")
+    for piece in shard.pieces:
+        extents = [b - a for a, b in piece.dest_box]
+        if extents != [b - a for a, b in piece.source_box]:
+            problems.append(
+                f"piece of {piece.source!r} changes extents {list(piece.source_box)} -> {list(piece.dest_box)}"
+            )
+    return [
+        ParamProblem(
+            shard.param, Problem.MISSHAPED, (shard.rank,), f"engine rank {shard.rank}: {p}"
+        )
+        for p in problems
+    ]
+
+
+def _plan_piece(
+    shard: EngineShard,
+    piece: ShardPiece,
+    layout: TrainerLayout,
+    loads: dict[int, int],
+    copies: list[Copy],
+) -> list[ParamProblem]:
+    holders = [h for h in layout.shards if intersect(h.box, piece.source_box) is not None]
+    itemsize = DTYPE_ITEMSIZE[layout.dtype]
+    missing = 0
+    for cell in _cells(piece.source_box, holders):
+        able = [h for h in holders if intersect(h.box, cell) == cell]
+        if not able:
+            missing += box_numel(cell)
+            continue
+        chosen = min(able, key=lambda h: (loads.get(h.rank, 0), h.rank))
+        nbytes = box_numel(cell) * itemsize
+        loads[chosen.rank] = loads.get(chosen.rank, 0) + nbytes
+        origin = piece.source_box
+        dest = tuple(
+            (d0 + a - o0, d0 + b - o0)
+            for (a, b), (o0, _), (d0, _) in zip(cell, origin, piece.dest_box, strict=True)
+        )
+        copies.append(
+            Copy(
+                src_rank=chosen.rank,
+                dst_rank=shard.rank,
+                source=layout.name,
+                param=shard.param,
+                src_box=_shift(cell, chosen.box),
+                dest_box=dest,
+                global_box=cell,
+                itemsize=itemsize,
+            )
+        )
+    if missing:
+        return [
+            ParamProblem(
+                shard.param,
+                Problem.MISSING,
+                (shard.rank,),
+                f"engine rank {shard.rank} needs {missing} elements of {layout.name!r} in "
+                f"{list(piece.source_box)} that no trainer rank holds "
+                f"(held: {sorted({h.rank for h in layout.shards})})",
+            )
+        ]
+    return []

@@ -1,0 +1,274 @@
+"""NeMo-RL's vLLM generation worker contract, over genworker's worker: a Ray actor class.
+
+Theory of operation
+-------------------
+NeMo-RL's generation layer builds its workers by class path
+(``nemo_rl/distributed/worker_groups.py`` ``RayWorkerBuilder``, NeMo-RL commit 7ea279ab):
+it imports the class, calls its static ``configure_worker(num_gpus=, bundle_indices=,
+num_gpus_per_node=)`` for ``(resources, env_vars, init_kwargs, runtime_env)``, then
+``worker_class.options(**options).remote(config, **init_kwargs)``. Pointing it at
+``genworker.shell.nemo_rl.VllmGenerationWorker`` gives it this module's
+:class:`NemoRlGenerationWorker` as a Ray actor class, with NeMo-RL's method names,
+arguments and return values (``nemo_rl/models/generation/vllm/vllm_worker.py``):
+
+* A tied TP/PP group is ``tp * pp`` actors; only the first (``bundle_indices`` given, the
+  *model owner*) builds an engine. The others are inert: they validate the config, load
+  nothing and answer ``is_alive`` / ``shutdown``; engine calls on them are refused.
+* Before building a TP/PP engine the owner drops ``CUDA_VISIBLE_DEVICES`` and sets
+  ``VLLM_RAY_PER_WORKER_GPUS`` / ``VLLM_RAY_BUNDLE_INDICES`` for vLLM's Ray executor
+  (:func:`genworker.core.placement.plan_engine_env`), as NeMo-RL's ``_load_model`` does.
+* ``extra_env_vars`` names variables vLLM's Ray workers must inherit
+  (``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``, NeMo-RL's ``_patch_vllm_init_workers_ray``).
+* The refit methods return ``bool``: ``False`` on a failed refit, whose typed error is kept
+  in :attr:`NemoRlGenerationWorker.last_refit_error` (and logged with its traceback);
+  genworker's own worker raises instead. ``prepare_refit_info`` returns ``None``: the engine
+  never asks the trainer to pre-quantize tensors.
+* ``_get_raw_spec_counters`` is the engine's metric snapshot keyed by metric name, as
+  NeMo-RL's ``aggregate_spec_decode_counters`` reads it.
+* ``vllm_cfg.async_engine: true`` is refused: NeMo-RL starts its async worker for it.
+
+The refit wire is still genworker's own (``RefitSender.ipc`` / ``RefitSender.collective``
+on the trainer side); receivers for NeMo-RL's trainer wire (pickled CUDA IPC handles, packed
+broadcasts) are not part of this module yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from genworker.core import lifecycle
+from genworker.core.config import WorkerConfig
+from genworker.core.counters import CACHE_RESETS, decode_snapshot, values_by_name
+from genworker.core.placement import plan_engine_env
+from genworker.shell.errors import (
+    BadArgumentError,
+    BadConfigError,
+    EngineContractError,
+    EngineStateError,
+    GenworkerError,
+    unwrap,
+)
+from genworker.shell.ports import EngineFactory
+from genworker.shell.worker import VllmGenerationWorker as NativeWorker
+from genworker.shell.worker import checked_env_names
+
+__all__ = ["NemoRlGenerationWorker", "VllmGenerationWorker"]
+
+log = logging.getLogger(__name__)
+
+
+class NemoRlGenerationWorker:
+    """One member of a NeMo-RL generation worker group (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: Mapping[str, object],
+        bundle_indices: Sequence[int] | None = None,
+        fraction_of_gpus: float = 1.0,
+        seed: int | None = None,
+        extra_env_vars: Sequence[str] | None = None,
+        defer_model_load: bool = False,
+        *,
+        engine_factory: EngineFactory | None = None,
+    ) -> None:
+        self.cfg: WorkerConfig = unwrap(
+            WorkerConfig.from_mapping(config), BadConfigError, "worker config"
+        )
+        if self.cfg.vllm.async_engine:
+            raise BadConfigError(
+                "vllm_cfg.async_engine: true asks for NeMo-RL's async worker "
+                "(VllmAsyncGenerationWorker); this is the synchronous one: set it to false"
+            )
+        self.extra_env_vars = checked_env_names(extra_env_vars)
+        self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
+        self.fraction_of_gpus = fraction_of_gpus
+        self.is_model_owner = self.bundle_indices is not None
+        #: the device ids ``post_init`` found (one per engine worker)
+        self.vllm_device_ids: list[str] | None = None
+        #: the typed error of the last refit that returned False (None after a good one)
+        self.last_refit_error: GenworkerError | None = None
+        #: each engine worker's manifest summary from the last ``prepare_refit_info``
+        self.refit_info: list[object] = []
+        self._shut_down = False
+        self._worker: NativeWorker | None = None
+        if self.bundle_indices is None:
+            return
+        self._worker = NativeWorker(
+            config,
+            self.bundle_indices,
+            fraction_of_gpus,
+            seed,
+            extra_env_vars=self.extra_env_vars,
+            defer_model_load=True,
+            engine_factory=engine_factory,
+        )
+        if not defer_model_load:
+            self.load_model()
+
+    def __repr__(self) -> str:
+        # NeMo-RL: the class name alone is the actor's prefix in Ray's logs.
+        return type(self).__name__
+
+    @staticmethod
+    def configure_worker(
+        num_gpus: float,
+        bundle_indices: tuple[int, Sequence[int]] | None = None,
+        num_gpus_per_node: int | None = None,
+    ) -> tuple[dict[str, object], dict[str, str], dict[str, object], dict[str, object]]:
+        """NeMo-RL's placement hook: ``(resources, env_vars, init_kwargs, runtime_env)``."""
+        return NativeWorker.configure_worker(num_gpus, bundle_indices, num_gpus_per_node)
+
+    # -- engine ---------------------------------------------------------------------
+    def _owner(self, call: str) -> NativeWorker:
+        if self._shut_down:
+            raise EngineStateError(f"{call}: the worker was shut down")
+        if self._worker is None:
+            raise EngineStateError(
+                f"{call}: this worker is an inert member of a tied tensor/pipeline-parallel "
+                "group (bundle_indices=None) and holds no engine; call the group's first worker"
+            )
+        return self._worker
+
+    def load_model(self) -> None:
+        """Build the engine (the deferred half of ``__init__``): the owner only."""
+        worker = self._owner("load_model")
+        v = self.cfg.vllm
+        env = unwrap(
+            plan_engine_env(
+                self.bundle_indices,
+                self.fraction_of_gpus,
+                tensor_parallel_size=v.tensor_parallel_size,
+                pipeline_parallel_size=v.pipeline_parallel_size,
+            ),
+            BadConfigError,
+            "engine placement",
+        )
+        for name in env.unset:
+            os.environ.pop(name, None)
+        os.environ.update(env.set)
+        worker.load_model()
+
+    def post_init(self) -> None:
+        """NeMo-RL calls it once the group is up: records the engine workers' device ids."""
+        self.vllm_device_ids = self.report_device_id()
+
+    def llm(self) -> object | None:
+        """The ``vllm.LLM`` of the owner; ``None`` on an inert member or before loading."""
+        if self._worker is None or self._worker.state.phase is not lifecycle.Phase.RUNNING:
+            return None
+        return self._worker.llm
+
+    def is_alive(self) -> bool:
+        """False once shut down or when the engine died; an inert member is alive."""
+        if self._shut_down:
+            return False
+        worker = self._worker
+        return worker is None or worker.state == lifecycle.NOT_LOADED or worker.is_alive()
+
+    # -- generation -----------------------------------------------------------------
+    def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
+        return self._owner("generate").generate(data, greedy)
+
+    def generate_text(
+        self, data: Mapping[str, object], greedy: bool = False
+    ) -> dict[str, list[str]]:
+        return self._owner("generate_text").generate_text(data, greedy)
+
+    # -- memory ---------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Sleep at ``vllm_cfg.sleep_level`` (NeMo-RL's ``sleep()`` takes no level)."""
+        self._owner("sleep").sleep()
+
+    def wake_up(self, **kwargs: object) -> None:
+        """NeMo-RL's ``wake_up(tags=...)``; any other keyword is refused by name."""
+        worker = self._owner("wake_up")
+        unknown = sorted(set(kwargs) - {"tags"})
+        if unknown:
+            raise BadArgumentError(f"wake_up takes only tags=, got {unknown}")
+        tags = kwargs.get("tags")
+        if tags is not None and not isinstance(tags, Sequence):
+            raise BadArgumentError(f"wake_up tags must be a list of str or None, got {tags!r}")
+        worker.wake_up(tags)  # the worker checks the entries
+
+    def reset_prefix_cache(self) -> None:
+        self._owner("reset_prefix_cache").reset_prefix_cache()
+
+    # -- refit ----------------------------------------------------------------------
+    def prepare_refit_info(
+        self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
+    ) -> list[str] | None:
+        """Tell the engine workers every refit's tensors; returns the names the engine wants
+        the trainer to pre-quantize: none (``None``). The summaries are in ``refit_info``."""
+        worker = self._owner("prepare_refit_info")
+        self.refit_info = worker.prepare_refit_info(state_dict_info)
+        return None
+
+    def init_collective(
+        self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int
+    ) -> None:
+        self._owner("init_collective").init_collective(
+            rank_prefix, ip, port, world_size, train_world_size
+        )
+
+    def update_weights_via_ipc_zmq(self, refit_timeout_s: float | None = None) -> bool:
+        return self._refit("update_weights_via_ipc_zmq", refit_timeout_s)
+
+    def update_weights_from_collective(self, refit_timeout_s: float | None = None) -> bool:
+        return self._refit("update_weights_from_collective", refit_timeout_s)
+
+    def get_last_refit_error(self) -> GenworkerError | None:
+        """:attr:`last_refit_error`, for callers that hold only the actor handle."""
+        return self.last_refit_error
+
+    def _refit(self, method: str, refit_timeout_s: float | None) -> bool:
+        # None is the native worker's default bound (core.refit_protocol.DEFAULT_TIMEOUT_S),
+        # checked there with every other value, once, before the refit starts.
+        try:
+            ok = getattr(self._owner(method), method)(timeout_s=refit_timeout_s)
+        except GenworkerError as e:
+            self.last_refit_error = e
+            log.warning("%s failed (%s: %s)", method, type(e).__name__, e, exc_info=e)
+            return False
+        if ok is not True:
+            raise EngineContractError(f"{method} returned {ok!r} instead of True or an error")
+        self.last_refit_error = None
+        return True
+
+    # -- observability --------------------------------------------------------------
+    def report_device_id(self) -> list[str]:
+        return self._owner("report_device_id").report_device_id()
+
+    def _get_raw_spec_counters(self) -> dict[str, float | list[float]]:
+        """The engine's metrics keyed by name (NeMo-RL's form; ``{}`` on an inert member,
+        which has no engine). The worker's own ``genworker:cache_resets`` (one series per
+        cache) is left out: summed by name it would mean nothing."""
+        if self._worker is None:
+            return {}
+        encoded = self._owner("_get_raw_spec_counters").get_counters()
+        snapshot = unwrap(decode_snapshot(encoded), EngineContractError, "engine metrics")
+        return values_by_name(s for s in snapshot.samples if s.name != CACHE_RESETS)
+
+    def start_gpu_profiling(self) -> None:
+        self._owner("start_gpu_profiling").start_gpu_profiling()
+
+    def stop_gpu_profiling(self) -> None:
+        self._owner("stop_gpu_profiling").stop_gpu_profiling()
+
+    def shutdown(self) -> bool:
+        """Free the engine (none on an inert member); idempotent."""
+        self._shut_down = True
+        if self._worker is not None:
+            return self._worker.shutdown()
+        return True
+
+
+# Ray's ActorClass type hides the class's static methods, which its runtime subclass keeps
+# (NeMo-RL calls VllmGenerationWorker.configure_worker(...) on the actor class).
+VllmGenerationWorker: Any = ray.remote(NemoRlGenerationWorker)
+"""The Ray actor class NeMo-RL's ``RayWorkerBuilder`` instantiates by class path."""

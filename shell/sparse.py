@@ -1,0 +1,871 @@
+"""Sparse-delta refit over ZMQ with a relay tree: the trainer's sender, the receivers.
+
+Theory of operation (the pure rules are in ``core/delta.py``)
+-------------------------------------------------------------
+The sender keeps a *baseline*: the bits every receiver holds, in host memory or in a
+memory-mapped file. A step is a ``Begin``, ``Frame`` messages and an ``End``, sent once,
+to the relay's root. The first step, and every step after a failed one, is *full* (every
+element ``RAW``); the others are *deltas* against the baseline (``SPARSE``/``XOR`` chunks).
+Each frame's payload is the concatenated wire forms of its pieces, compressed with zstd
+(level 1: the sparse payloads compress about as well at level 3, ten times slower), and
+carries a CRC-32 of the compressed bytes. The baseline moves to the step's bits only
+after the root's report says every receiver applied them; any other outcome raises
+:class:`SparseRefitError` naming the receivers and makes the next step full.
+
+A receiver (:class:`SparseReceiver`, a ZMQ ROUTER on a background thread) takes the plan
+from ``Begin`` (receivers, fanout, hop bound), so re-planning is the sender's business.
+For each frame it checks the payload's CRC (a corrupted frame is refused and not
+forwarded), forwards the verified message to its children *before* applying it, then
+decompresses and applies it into its own baseline copy (frames on a small thread pool:
+pieces are disjoint element ranges) and checks each piece's result against the trainer's
+CRC-32 of the same elements; a tensor is verified when pieces covering all of it matched
+(per-piece checksums let both ends hash in parallel; together they are the tensor's
+checksum). At ``End`` it commits: only when every tensor is verified does it hand the
+tensors to its :class:`ApplyTarget`, so bits that failed the
+check never reach the engine, which keeps serving its previous, consistent weights. Then
+it waits for each child's report within the child's bound and answers its parent with
+the subtree's report. A receiver that refused or missed a step holds bits nobody can
+vouch for: it refuses every delta until a full step (``needs_full``).
+
+Security: messages are msgpack structs and raw bytes against a fixed schema (no pickle);
+a message larger than twice the frame budget is dropped by ZMQ (``MAXMSGSIZE``); the
+receiver binds loopback unless ``allow_remote=True`` (failure-modes 3.2: NeMo-RL's relay
+binds ``0.0.0.0`` with a warning). There is no authentication: keep remote relays on a
+trusted network.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ipaddress
+import logging
+import mmap
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Final, Protocol
+
+import attrs
+import msgspec
+import numpy as np
+import torch
+import zmq
+import zstandard
+from returns.result import Failure
+
+from genworker.core.delta import (
+    MAX_CHUNK_ELEMENTS,
+    Bits,
+    Frame,
+    FramePiece,
+    NodeResult,
+    Outcome,
+    RelayPlan,
+    RelayReport,
+    TensorDelta,
+    apply_delta_into,
+    bit_pattern,
+    bits_dtype,
+    conclude_relay,
+    decode_delta,
+    encode_delta,
+    encode_full,
+    plan_frames,
+    plan_relay,
+    report_subtree,
+    tensor_checksum,
+)
+from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
+from genworker.shell.errors import BadArgumentError, BadConfigError, RefitError, unwrap
+
+__all__ = [
+    "ApplyTarget",
+    "Baseline",
+    "DictTarget",
+    "LinkThrottle",
+    "SparseReceiver",
+    "SparseRefitError",
+    "SparseSender",
+    "StepReport",
+]
+
+log = logging.getLogger(__name__)
+
+FRAME_BYTES: Final = 8 << 20
+ZSTD_LEVEL: Final = 1
+_TAG_BEGIN: Final = b"begin"
+_TAG_FRAME: Final = b"frame"
+_TAG_END: Final = b"end"
+_TAG_REPORT: Final = b"report"
+_POLL_MS: Final = 50
+
+
+class SparseRefitError(RefitError):
+    """A sparse step that not every receiver applied; ``detail`` names each one."""
+
+
+# --- wire --------------------------------------------------------------------------
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class BeginMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+    base_step: int  # the step whose bits a delta applies to; -1 for a full step
+    receivers: list[str]
+    fanout: Annotated[int, msgspec.Meta(ge=1)]
+    hop_s: Annotated[float, msgspec.Meta(gt=0)]
+    frames: NonNegative
+    manifest: dict[str, tuple[list[NonNegative], str]]
+    chunk_elements: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_ELEMENTS)]
+
+
+class WirePiece(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    start: NonNegative
+    stop: NonNegative
+    nbytes: NonNegative  # of this piece's delta wire form in the decompressed payload
+    checksum: NonNegative  # CRC-32 of the piece's elements after the step
+
+
+class FrameMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+    index: NonNegative
+    crc: NonNegative  # of the compressed payload
+    raw_bytes: NonNegative
+    pieces: list[WirePiece]
+
+
+class EndMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+
+
+class WireResult(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    outcome: str
+    detail: str
+
+
+class ReportMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+    results: list[WireResult]
+
+
+_enc: Final = msgspec.msgpack.Encoder()
+_begin_dec: Final = msgspec.msgpack.Decoder(BeginMsg)
+_frame_dec: Final = msgspec.msgpack.Decoder(FrameMsg)
+_end_dec: Final = msgspec.msgpack.Decoder(EndMsg)
+_report_dec: Final = msgspec.msgpack.Decoder(ReportMsg)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# --- the link throttle ---------------------------------------------------------------
+
+
+class LinkThrottle:
+    """A token bucket on the sender's writes: ``bits_per_s`` with a burst of ``burst_bytes``.
+
+    ``wait(n)`` sleeps until ``n`` bytes may go; large messages are paid for in full
+    before they are handed to ZMQ, so the link's rate bounds the step's wire time.
+    """
+
+    def __init__(self, bits_per_s: float, burst_bytes: int = 64 << 10) -> None:
+        if not bits_per_s > 0 or burst_bytes < 1:
+            raise BadArgumentError(
+                f"a link throttle needs bits_per_s > 0 and burst_bytes >= 1, got "
+                f"{bits_per_s!r} and {burst_bytes!r}"
+            )
+        self.bytes_per_s = bits_per_s / 8
+        self.burst = float(burst_bytes)
+        self._tokens = self.burst
+        self._at = time.monotonic()
+
+    def wait(self, nbytes: int) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.bytes_per_s)
+        self._at = now
+        self._tokens -= nbytes
+        if self._tokens < 0:
+            time.sleep(-self._tokens / self.bytes_per_s)
+
+
+# --- the baseline --------------------------------------------------------------------
+
+
+_ALIGN: Final = 64
+
+
+class Baseline:
+    """The bits every receiver holds, one 1-D bit array per tensor of ``manifest``.
+
+    In host memory, or in a file mapped with ``mmap`` (``path``: created or truncated to
+    the manifest's size) so a trainer can keep a large baseline out of its heap.
+    """
+
+    def __init__(self, manifest: Manifest, path: Path | None = None) -> None:
+        self.manifest = manifest
+        offsets: dict[str, int] = {}
+        total = 0
+        for spec in manifest.specs:
+            offsets[spec.name] = total
+            total += -(-spec.nbytes // _ALIGN) * _ALIGN
+        self.path = path
+        self._map: mmap.mmap | None = None
+        if path is None:
+            storage = np.zeros(total, dtype=np.uint8)
+        else:
+            with open(path, "w+b") as f:
+                f.truncate(max(total, 1))
+                self._map = mmap.mmap(f.fileno(), max(total, 1))
+            storage = np.frombuffer(self._map, dtype=np.uint8, count=total)
+        self._bits: dict[str, Bits] = {}
+        for spec in manifest.specs:
+            at = offsets[spec.name]
+            raw = storage[at : at + spec.nbytes]
+            self._bits[spec.name] = raw.view(bits_dtype(DTYPE_ITEMSIZE[spec.dtype]))
+
+    def bits(self, name: str) -> Bits:
+        return self._bits[name]
+
+    def close(self) -> None:
+        self._bits.clear()
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+# --- the apply target ----------------------------------------------------------------
+
+
+class ApplyTarget(Protocol):
+    """Where a receiver puts a verified step: one call per tensor, after every check.
+
+    ``tensor`` has the manifest's shape and dtype and is borrowed: it is the receiver's
+    own baseline, changed by the next step, so copy it before returning.
+    """
+
+    def apply(self, name: str, tensor: torch.Tensor) -> None: ...
+
+
+class DictTarget:
+    """An :class:`ApplyTarget` over a dict of CPU tensors (copied into, or created)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        self.tensors: dict[str, torch.Tensor] = {} if tensors is None else tensors
+
+    def apply(self, name: str, tensor: torch.Tensor) -> None:
+        mine = self.tensors.get(name)
+        if mine is None or mine.shape != tensor.shape or mine.dtype != tensor.dtype:
+            self.tensors[name] = tensor.clone()
+        else:
+            mine.copy_(tensor)
+
+
+def _as_tensor(bits: Bits, spec: TensorSpec) -> torch.Tensor:
+    raw = torch.from_numpy(bits.view(np.uint8))
+    dtype = getattr(torch, spec.dtype)
+    return (raw.view(dtype) if spec.numel else torch.empty(0, dtype=dtype)).reshape(spec.shape)
+
+
+# --- the sender ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class StepReport:
+    """What one step moved: its kind, the model's bytes, the bytes on the wire, the time."""
+
+    step: int
+    full: bool
+    model_bytes: int
+    wire_bytes: int
+    frames: int
+    seconds: float
+    report: RelayReport
+
+    @property
+    def wire_fraction(self) -> float:
+        return self.wire_bytes / self.model_bytes if self.model_bytes else 0.0
+
+
+_local = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    """One compressor per thread (a ``ZstdCompressor`` is not safe to share)."""
+    c: zstandard.ZstdCompressor | None = getattr(_local, "zstd", None)
+    if c is None:
+        c = _local.zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return c
+
+
+@attrs.frozen
+class _Encoded:
+    header: FrameMsg
+    payload: bytes
+    deltas: tuple[tuple[FramePiece, TensorDelta], ...]
+
+
+class SparseSender:
+    """The trainer's end: baseline, encoding, one copy to the relay root, the verdict.
+
+    ``receivers`` are the receivers' addresses (:attr:`SparseReceiver.address`) in relay
+    order: the first is the root. ``hop_s`` bounds each relay level's answer after the
+    step's end (``RelayPlan.answer_bound_s``): the sender waits ``hop_s * depth`` for the
+    root, and as long for the root to take a message. ``baseline_path``: keep the baseline
+    in that memory-mapped file instead of the heap. ``throttle``: pace the writes to the
+    root (a slow link, or a benchmark's). ``workers``: threads that encode frames ahead of
+    the link (numpy, zlib and zstd release the GIL).
+    """
+
+    def __init__(
+        self,
+        receivers: Sequence[str],
+        manifest: Manifest,
+        *,
+        fanout: int = 2,
+        hop_s: float = 30.0,
+        baseline_path: Path | None = None,
+        throttle: LinkThrottle | None = None,
+        frame_bytes: int = FRAME_BYTES,
+        chunk_elements: int = MAX_CHUNK_ELEMENTS,
+        workers: int = 2,
+    ) -> None:
+        self.plan: RelayPlan = unwrap(
+            plan_relay(receivers, fanout), BadArgumentError, "sparse refit relay"
+        )
+        if not hop_s > 0 or frame_bytes < 1 or workers < 1:
+            raise BadArgumentError(
+                f"hop_s, frame_bytes and workers must be positive, got {hop_s!r}, "
+                f"{frame_bytes!r}, {workers!r}"
+            )
+        if not 1 <= chunk_elements <= MAX_CHUNK_ELEMENTS:
+            raise BadArgumentError(
+                f"chunk_elements must be in [1, {MAX_CHUNK_ELEMENTS}], got {chunk_elements!r}"
+            )
+        self.manifest = manifest
+        self.hop_s = hop_s
+        self.throttle = throttle
+        self.chunk_elements = chunk_elements
+        self.frames = plan_frames(manifest.specs, frame_bytes, chunk_elements)
+        self.baseline = Baseline(manifest, baseline_path)
+        self.synced_step: int | None = None  # the step the baseline holds; None: full next
+        self._step = 0
+        self._workers = workers
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "genworker-sparse")
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(self.plan.answer_bound_s(0, hop_s) * 1000))
+        self._sock.connect(self.plan.receivers[0])
+
+    def send(self, tensors: Mapping[str, torch.Tensor]) -> StepReport:
+        """Refit every receiver to ``tensors`` (the manifest's names, shapes and dtypes).
+
+        Full when no step has succeeded yet (or the last one failed), a delta otherwise.
+        Raises :class:`BadArgumentError` for tensors that do not match the manifest
+        (nothing sent) and :class:`SparseRefitError` naming the receivers that did not
+        apply the step (the next step is then full).
+        """
+        bits = self._bits_of(tensors)
+        started = time.monotonic()
+        self._step += 1
+        step = self._step
+        base = self.synced_step
+        self.synced_step = None  # until the verdict
+        begin = BeginMsg(
+            step=step,
+            base_step=-1 if base is None else base,
+            receivers=list(self.plan.receivers),
+            fanout=self.plan.fanout,
+            hop_s=self.hop_s,
+            frames=len(self.frames),
+            manifest={s.name: (list(s.shape), s.dtype) for s in self.manifest.specs},
+            chunk_elements=self.chunk_elements,
+        )
+        while self._sock.poll(0):
+            self._sock.recv_multipart()  # a late report of an earlier, failed step
+        kept: list[tuple[FramePiece, TensorDelta]] = []
+        wire = self._write([_TAG_BEGIN, _enc.encode(begin)], step)
+        for encoded in self._encode_ahead(bits, base is None, step):
+            wire += self._write([_TAG_FRAME, _enc.encode(encoded.header), encoded.payload], step)
+            kept.extend(encoded.deltas)
+        wire += self._write([_TAG_END, _enc.encode(EndMsg(step))], step)
+        verdict = conclude_relay(self.plan, self._await_root(step), self.hop_s)
+        if isinstance(verdict, Failure):
+            failure = verdict.failure()
+            raise SparseRefitError(
+                f"sparse refit step {step} ({'full' if base is None else 'delta'}) failed "
+                f"after {time.monotonic() - started:.2f} s: {failure}",
+                detail=failure,
+            )
+        for piece, delta in kept:
+            target = self.baseline.bits(piece.name)[piece.start : piece.stop]
+            unwrap(apply_delta_into(target, delta), RefitError, f"the baseline of {piece.name!r}")
+        self.synced_step = step
+        return StepReport(
+            step=step,
+            full=base is None,
+            model_bytes=self.manifest.total_bytes,
+            wire_bytes=wire,
+            frames=len(self.frames),
+            seconds=time.monotonic() - started,
+            report=verdict.unwrap(),
+        )
+
+    def _bits_of(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Bits]:
+        problems = []
+        for spec in self.manifest.specs:
+            t = tensors.get(spec.name)
+            if t is None:
+                problems.append(f"{spec.name!r} is missing")
+            elif (got := TensorSpec.of(spec.name, t)) != spec:
+                problems.append(f"{spec.name!r} is {got.describe()}, expected {spec.describe()}")
+        extra = sorted(set(tensors) - set(self.manifest.names))
+        problems.extend(f"{name!r} is not in the manifest" for name in extra)
+        if problems:
+            raise BadArgumentError(
+                "sparse refit tensors do not match the manifest: " + "; ".join(problems[:12])
+            )
+        return {
+            s.name: bit_pattern(tensors[s.name].detach().cpu().contiguous())
+            for s in self.manifest.specs
+        }
+
+    def _encode_ahead(self, bits: Mapping[str, Bits], full: bool, step: int) -> Iterator[_Encoded]:
+        """Encoded frames in order, ``2 * workers`` of them in flight ahead of the link."""
+        pending: list[concurrent.futures.Future[_Encoded]] = []
+        frames = iter(enumerate(self.frames))
+        try:
+            for index, frame in frames:
+                pending.append(self._pool.submit(self._encode, index, frame, bits, full, step))
+                if len(pending) >= 2 * self._workers:
+                    break
+            while pending:
+                encoded = pending.pop(0).result()
+                following = next(frames, None)
+                if following is not None:
+                    index, frame = following
+                    pending.append(self._pool.submit(self._encode, index, frame, bits, full, step))
+                yield encoded
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def _encode(
+        self, index: int, frame: Frame, bits: Mapping[str, Bits], full: bool, step: int
+    ) -> _Encoded:
+        parts: list[bytes] = []
+        pieces: list[WirePiece] = []
+        deltas: list[tuple[FramePiece, TensorDelta]] = []
+        for piece in frame:
+            new = bits[piece.name][piece.start : piece.stop]
+            if full:
+                delta = encode_full(new, self.chunk_elements)
+            else:
+                old = self.baseline.bits(piece.name)[piece.start : piece.stop]
+                delta = encode_delta(old, new, self.chunk_elements)
+            data = delta.to_bytes()
+            parts.append(data)
+            checksum = tensor_checksum(new)
+            pieces.append(WirePiece(piece.name, piece.start, piece.stop, len(data), checksum))
+            deltas.append((piece, delta))
+        raw = b"".join(parts)
+        payload = _compressor().compress(raw)
+        header = FrameMsg(step, index, zlib.crc32(payload), len(raw), pieces)
+        return _Encoded(header, payload, tuple(deltas))
+
+    def _write(self, parts: list[bytes], step: int) -> int:
+        nbytes = sum(len(p) for p in parts)
+        if self.throttle is not None:
+            self.throttle.wait(nbytes)
+        try:
+            self._sock.send_multipart(parts, copy=False)
+        except zmq.Again as e:
+            bound = self.plan.answer_bound_s(0, self.hop_s)
+            raise SparseRefitError(
+                f"sparse refit step {step}: the relay root {self.plan.receivers[0]!r} took "
+                f"no message within {bound:g} s"
+            ) from e
+        return nbytes
+
+    def _await_root(self, step: int) -> RelayReport | None:
+        """The root's report of ``step``, or ``None`` when none came within its bound."""
+        deadline = time.monotonic() + self.plan.answer_bound_s(0, self.hop_s)
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(max(1, int(left * 1000))):
+                continue
+            parts = self._sock.recv_multipart()
+            got = _read_report(parts)
+            if got is None:
+                root = self.plan.receivers[0]
+                return RelayReport((NodeResult(root, Outcome.REFUSED, "sent a malformed report"),))
+            if got[0] == step:
+                return got[1]
+        return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._sock.close(0)
+        self._ctx.term()
+        self.baseline.close()
+
+    def __enter__(self) -> SparseSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_report(parts: Sequence[bytes]) -> tuple[int, RelayReport] | None:
+    """A ``[report, body]`` message as (step, report); ``None`` when it is not one."""
+    if len(parts) != 2 or parts[0] != _TAG_REPORT:
+        return None
+    try:
+        msg = _report_dec.decode(parts[1])
+        results = tuple(NodeResult(r.name, Outcome(r.outcome), r.detail) for r in msg.results)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return None
+    return msg.step, RelayReport(results)
+
+
+def _report_message(step: int, report: RelayReport) -> list[bytes]:
+    results = [WireResult(r.name, r.outcome.value, r.detail) for r in report.results]
+    return [_TAG_REPORT, _enc.encode(ReportMsg(step, results))]
+
+
+# --- the receiver --------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Applied:
+    """One frame's outcome: a problem, or the verified element ranges."""
+
+    problem: str
+    pieces: tuple[tuple[str, int, int], ...]
+
+
+def _tiles(ranges: list[tuple[int, int]], numel: int) -> bool:
+    """True when ``ranges`` cover ``[0, numel)`` back to back, each element once."""
+    at = 0
+    for start, stop in sorted(ranges):
+        if start != at:
+            return False
+        at = stop
+    return at == numel and (numel > 0 or len(ranges) == 1)
+
+
+@attrs.define
+class _Step:
+    """A step in progress at one receiver."""
+
+    begin: BeginMsg
+    parent: bytes  # the ROUTER identity to answer
+    plan: RelayPlan | None  # None: this receiver is not in the step's plan
+    node: int
+    specs: dict[str, TensorSpec]
+    frames: set[int] = attrs.Factory(set)
+    applying: list[concurrent.futures.Future[_Applied]] = attrs.Factory(list)
+    problem: str = ""
+
+
+class SparseReceiver:
+    """A relay node: takes a step, forwards it, applies and verifies it, reports.
+
+    Its name in a relay is its bound :attr:`address` (what the sender lists). ``target``
+    gets each verified tensor at the end of a good step. ``start()`` serves on a daemon
+    thread; ``close()`` stops it.
+    """
+
+    def __init__(
+        self,
+        target: ApplyTarget,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        allow_remote: bool = False,
+        max_frame_bytes: int = FRAME_BYTES,
+        workers: int = 2,
+    ) -> None:
+        if not allow_remote and not _is_loopback(host):
+            raise BadConfigError(
+                f"refusing to bind the sparse refit relay on {host}: not a loopback address "
+                "(pass allow_remote=True to expose it; the relay is unauthenticated)"
+            )
+        self.target = target
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_frame_bytes + (1 << 20))
+        self._sock.bind(f"tcp://{host}:{port}")
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._children: dict[str, zmq.Socket[bytes]] = {}
+        self._bits: dict[str, Bits] = {}
+        self._manifest: dict[str, tuple[list[int], str]] = {}
+        self.synced_step: int | None = None  # None: needs a full step before any delta
+        self.frames_received: dict[int, int] = {}  # step -> frames taken
+        self.last_problem = ""
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "genworker-sparse-apply")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def needs_full(self) -> bool:
+        """True until a full step succeeds, and again after any refused or missed step."""
+        return self.synced_step is None
+
+    def start(self) -> SparseReceiver:
+        self._thread = threading.Thread(
+            target=self.serve, name="genworker-sparse-relay", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._pool.shutdown(wait=True)
+        for sock in self._children.values():
+            sock.close(0)
+        self._sock.close(0)
+        self._ctx.term()
+
+    def serve(self) -> None:
+        """Serve steps until :meth:`close` (on the calling thread)."""
+        step: _Step | None = None
+        quiet_since = time.monotonic()
+        while not self._stop.is_set():
+            if not self._sock.poll(_POLL_MS):
+                if step is not None:
+                    bound = step.begin.hop_s * (step.plan.depth if step.plan else 1)
+                    if time.monotonic() - quiet_since > bound:
+                        self._diverge(f"step {step.begin.step} stopped mid-way for {bound:g} s")
+                        step = None
+                continue
+            quiet_since = time.monotonic()
+            frames = self._sock.recv_multipart(copy=False)
+            parts = [f.bytes if i < 3 else f.buffer for i, f in enumerate(frames)]
+            step = self._on_message(step, parts)
+
+    # -- messages
+
+    def _on_message(self, step: _Step | None, parts: list[bytes | memoryview]) -> _Step | None:
+        identity, tag = bytes(parts[0]), bytes(parts[1]) if len(parts) > 1 else b""
+        if tag == _TAG_BEGIN and len(parts) == 3:
+            if step is not None:
+                self._diverge(f"step {step.begin.step} was replaced before its end")
+            return self._on_begin(identity, bytes(parts[2]))
+        if step is None or identity != step.parent:
+            return step
+        if tag == _TAG_FRAME and len(parts) == 4:
+            self._on_frame(step, bytes(parts[2]), parts[3])
+            return step
+        if tag == _TAG_END and len(parts) == 3:
+            self._on_end(step, bytes(parts[2]))
+            return None
+        return step
+
+    def _on_begin(self, identity: bytes, body: bytes) -> _Step | None:
+        try:
+            begin = _begin_dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("sparse relay %s: malformed begin: %s", self.address, e)
+            return None
+        plan_result = plan_relay(begin.receivers, begin.fanout)
+        plan = plan_result.value_or(None)
+        node = begin.receivers.index(self.address) if self.address in begin.receivers else -1
+        step = _Step(begin, identity, plan if node >= 0 else None, node, {})
+        if step.plan is None:
+            step.problem = f"is not in the step's relay ({plan_result})"
+            return step
+        self._forward(step, [_TAG_BEGIN, body])
+        specs = Manifest.from_info(dict(begin.manifest))
+        if isinstance(specs, Failure):
+            step.problem = f"the step's manifest is invalid: {specs.failure()}"
+            return step
+        step.specs = {s.name: s for s in specs.unwrap().specs}
+        if begin.base_step < 0:  # full: fresh bits for the whole manifest
+            self._bits = {
+                s.name: np.zeros(s.numel, dtype=bits_dtype(DTYPE_ITEMSIZE[s.dtype]))
+                for s in step.specs.values()
+            }
+            self._manifest = dict(begin.manifest)
+            self.synced_step = None
+        elif self.synced_step is None:
+            step.problem = f"needs a full refit before a delta ({self.last_problem})"
+        elif self.synced_step != begin.base_step:
+            step.problem = (
+                f"holds step {self.synced_step}, but the delta applies to step {begin.base_step}"
+            )
+        elif dict(begin.manifest) != self._manifest:
+            step.problem = "the delta's manifest differs from the one of the last full step"
+        return step
+
+    def _on_frame(self, step: _Step, body: bytes, payload: bytes | memoryview) -> None:
+        try:
+            header = _frame_dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            step.problem = step.problem or f"a malformed frame header: {e}"
+            return
+        if header.step != step.begin.step:
+            return
+        if zlib.crc32(payload) != header.crc:
+            step.problem = step.problem or (
+                f"frame {header.index} of step {header.step} failed its CRC: the payload was "
+                "corrupted on the way (not forwarded, nothing applied)"
+            )
+            return
+        self._forward(step, [_TAG_FRAME, body, payload])
+        step.frames.add(header.index)
+        self.frames_received[header.step] = self.frames_received.get(header.step, 0) + 1
+        if not step.problem:
+            step.applying.append(self._pool.submit(self._apply_frame, step, header, payload))
+
+    def _apply_frame(self, step: _Step, header: FrameMsg, payload: bytes | memoryview) -> _Applied:
+        """Decompress, decode, apply and check one frame (on a pool thread)."""
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_bytes)
+        except zstandard.ZstdError as e:
+            return _Applied(f"frame {header.index} does not decompress: {e}", ())
+        if len(raw) != header.raw_bytes:
+            return _Applied(
+                f"frame {header.index} decompressed to {len(raw)} bytes, not {header.raw_bytes}",
+                (),
+            )
+        at = 0
+        view = memoryview(raw)
+        done: list[tuple[str, int, int]] = []
+        for piece in header.pieces:
+            where = f"{piece.name!r}[{piece.start}:{piece.stop}]"
+            spec = step.specs.get(piece.name)
+            if spec is None or not 0 <= piece.start <= piece.stop <= spec.numel:
+                return _Applied(f"frame {header.index} names {where}, not in the manifest", ())
+            decoded = decode_delta(view[at : at + piece.nbytes])
+            at += piece.nbytes
+            if isinstance(decoded, Failure):
+                return _Applied(f"{where}: {decoded.failure()}", ())
+            target = self._bits[piece.name][piece.start : piece.stop]
+            applied = apply_delta_into(target, decoded.unwrap())
+            if isinstance(applied, Failure):
+                return _Applied(f"{where}: {applied.failure()}", ())
+            got = tensor_checksum(target)
+            if got != piece.checksum:
+                return _Applied(
+                    f"{where} failed its checksum: CRC-32 {got:#010x}, the trainer's "
+                    f"{piece.checksum:#010x} (this receiver's bits diverged)",
+                    (),
+                )
+            done.append((piece.name, piece.start, piece.stop))
+        if at != len(raw):
+            return _Applied(f"frame {header.index} has {len(raw) - at} bytes past its pieces", ())
+        return _Applied("", tuple(done))
+
+    def _on_end(self, step: _Step, body: bytes) -> None:
+        try:
+            end = _end_dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            step.problem = step.problem or f"a malformed end: {e}"
+            end = EndMsg(step.begin.step)
+        forwarded = time.monotonic()
+        self._forward(step, [_TAG_END, body])
+        own = self._commit(step) if end.step == step.begin.step else "its end named another step"
+        name = self.address
+        result = (
+            NodeResult(name, Outcome.APPLIED) if not own else NodeResult(name, Outcome.REFUSED, own)
+        )
+        if step.plan is None:
+            report = RelayReport((result,))
+        else:
+            children = self._collect(step, forwarded)
+            report = report_subtree(step.plan, step.node, result, children, step.begin.hop_s)
+        self._sock.send_multipart([step.parent, *_report_message(step.begin.step, report)])
+
+    def _commit(self, step: _Step) -> str:
+        """Hand every verified tensor to the target; the reason it did not, or ''."""
+        covered: dict[str, list[tuple[int, int]]] = {name: [] for name in step.specs}
+        problem = step.problem
+        for future in step.applying:
+            applied = future.result()
+            problem = problem or applied.problem
+            for name, start, stop in applied.pieces:
+                covered[name].append((start, stop))
+        if not problem and len(step.frames) != step.begin.frames:
+            problem = f"took {len(step.frames)} of the step's {step.begin.frames} frames"
+        unverified = [n for n, spec in step.specs.items() if not _tiles(covered[n], spec.numel)]
+        if not problem and unverified:
+            problem = f"has no verified bits for all of {unverified[:12]}"
+        if problem:
+            self._diverge(f"step {step.begin.step} refused: {problem}")
+            return problem
+        try:
+            for name, spec in step.specs.items():
+                self.target.apply(name, _as_tensor(self._bits[name], spec))
+        except Exception as e:  # noqa: BLE001 -- the target's failure is this node's answer
+            problem = f"the apply target failed: {type(e).__name__}: {e}"
+            self._diverge(f"step {step.begin.step} refused: {problem}")
+            return problem
+        self.synced_step = step.begin.step
+        return ""
+
+    def _diverge(self, why: str) -> None:
+        log.warning("sparse relay %s: %s; a full refit is needed", self.address, why)
+        self.synced_step = None
+        self.last_problem = why
+
+    def _child(self, address: str) -> zmq.Socket[bytes]:
+        sock = self._children.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._children[address] = sock
+        return sock
+
+    def _forward(self, step: _Step, parts: list[bytes | memoryview]) -> None:
+        """Send ``parts`` on to this node's children (never blocks: a full queue is a
+        child that stopped taking messages, which its parent reports as silent)."""
+        assert step.plan is not None
+        for child in step.plan.children(step.node):
+            with_child = self._child(step.plan.receivers[child])
+            try:
+                with_child.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                log.warning("sparse relay %s: child %s takes no messages", self.address, child)
+
+    def _collect(self, step: _Step, forwarded: float) -> dict[int, RelayReport | None]:
+        """Each child's report of this step, waited for within the child's own bound."""
+        assert step.plan is not None
+        plan, hop = step.plan, step.begin.hop_s
+        waiting = {
+            child: forwarded + plan.answer_bound_s(child, hop) for child in plan.children(step.node)
+        }
+        reports: dict[int, RelayReport | None] = {}
+        poller = zmq.Poller()
+        for child in waiting:
+            poller.register(self._child(plan.receivers[child]), zmq.POLLIN)
+        while waiting:
+            left = max(waiting.values()) - time.monotonic()
+            for child in [c for c, at in waiting.items() if at <= time.monotonic()]:
+                reports[child] = None
+                del waiting[child]
+            if not waiting or left <= 0:
+                break
+            ready = dict(poller.poll(max(1, int(min(left, _POLL_MS / 1000) * 1000))))
+            for child in list(waiting):
+                sock = self._child(plan.receivers[child])
+                if ready.get(sock):
+                    got = _read_report(sock.recv_multipart())
+                    if got is not None and got[0] == step.begin.step:
+                        reports[child] = got[1]
+                        del waiting[child]
+        return reports

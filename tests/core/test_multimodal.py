@@ -1,0 +1,170 @@
+"""Laws and documented cases of the multimodal batch checks (images vs placeholder ids)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given
+from returns.result import Failure, Success
+from strategies import MediaBatch, media_batches, st
+
+from genworker.core.multimodal import (
+    ContextError,
+    MediaError,
+    MediaErrorKind,
+    check_context,
+    check_media,
+)
+
+IMAGE = 4  # the tiny Idefics3's <image> id
+# What vLLM makes of "<s><image> Describe" there: <fake><global-img><image>x4<fake>.
+EXPANDED_ROW = [0, 3, 6, IMAGE, IMAGE, IMAGE, IMAGE, 3, 263, 394]
+
+Verdict = tuple[MediaErrorKind, tuple[int, ...]] | None
+
+
+def reference_verdict(batch: MediaBatch) -> Verdict:
+    """The module docstring's rules, one row at a time."""
+    rows = list(enumerate(zip(batch.prompts, batch.image_counts, strict=True)))
+    pid = batch.placeholder_id
+    if pid is None:
+        with_images = tuple(r for r, (_, n) in rows if n)
+        return (MediaErrorKind.TEXT_ONLY_MODEL, with_images) if with_images else None
+    if batch.max_images is not None:
+        over = tuple(r for r, (_, n) in rows if n > batch.max_images)
+        if over:
+            return MediaErrorKind.IMAGE_LIMIT, over
+
+    def adjacent(prompt: list[int]) -> bool:
+        return any(a == pid and b == pid for a, b in itertools.pairwise(prompt))
+
+    rules: tuple[tuple[MediaErrorKind, Callable[[list[int], int], bool]], ...] = (
+        (MediaErrorKind.EXPANDED, lambda p, n: p.count(pid) > n and adjacent(p)),
+        (MediaErrorKind.EXTRA_IMAGES, lambda p, n: n > p.count(pid)),
+        (MediaErrorKind.MISSING_IMAGES, lambda p, n: p.count(pid) > n),
+    )
+    for kind, broken in rules:
+        bad = tuple(r for r, (p, n) in rows if broken(p, n))
+        if bad:
+            return kind, bad
+    return None
+
+
+@given(media_batches())
+def test_check_media_follows_the_rules_and_names_every_offending_row(batch: MediaBatch) -> None:
+    result = check_media(
+        batch.prompts,
+        batch.image_counts,
+        placeholder_id=batch.placeholder_id,
+        max_images=batch.max_images,
+    )
+    verdict = reference_verdict(batch)
+    if verdict is None:
+        assert isinstance(result, Success)
+        assert result.unwrap() == tuple(r for r, n in enumerate(batch.image_counts) if n)
+        return
+    assert isinstance(result, Failure)
+    error = result.failure()
+    assert (error.kind, error.rows) == verdict
+    assert error.images == tuple(batch.image_counts[r] for r in error.rows)
+    expected_placeholders = tuple(
+        0 if batch.placeholder_id is None else batch.prompts[r].count(batch.placeholder_id)
+        for r in error.rows
+    )
+    assert error.placeholders == expected_placeholders
+    assert all(f"row {r} " in error.message for r in error.rows)
+
+
+@given(media_batches(), st.integers(0, 3))
+def test_one_placeholder_per_image_always_passes(batch: MediaBatch, placeholder: int) -> None:
+    counts = [p.count(placeholder) for p in batch.prompts]
+    result = check_media(batch.prompts, counts, placeholder_id=placeholder, max_images=None)
+    assert isinstance(result, Success)
+    assert result.unwrap() == tuple(r for r, n in enumerate(counts) if n)
+
+
+def _error(
+    prompts: list[list[int]],
+    counts: list[int],
+    placeholder_id: int | None = IMAGE,
+    max_images: int | None = None,
+) -> MediaError:
+    result = check_media(prompts, counts, placeholder_id=placeholder_id, max_images=max_images)
+    assert isinstance(result, Failure)
+    error = result.failure()
+    assert isinstance(error, MediaError)
+    return error
+
+
+def test_a_prompt_vllm_already_expanded_is_refused_naming_the_row() -> None:
+    error = _error([[0, IMAGE, 263], EXPANDED_ROW], [1, 1])
+    assert (error.kind, error.rows, error.placeholders) == (MediaErrorKind.EXPANDED, (1,), (4,))
+    assert "already expanded" in error.message
+    assert "row 1 (4 placeholders, 1 images)" in error.message
+
+
+def test_adjacent_placeholders_for_as_many_images_are_fine() -> None:
+    result = check_media([[0, IMAGE, IMAGE, 9]], [2], placeholder_id=IMAGE, max_images=2)
+    assert result == Success((0,))
+
+
+def test_more_images_than_placeholders_and_the_reverse_are_refused() -> None:
+    extra = _error([[0, IMAGE, 9], [0, 9]], [2, 0])
+    assert (extra.kind, extra.rows, extra.images) == (MediaErrorKind.EXTRA_IMAGES, (0,), (2,))
+    missing = _error([[0, IMAGE, 9], [0, IMAGE, 9, IMAGE]], [1, 1])
+    assert (missing.kind, missing.rows) == (MediaErrorKind.MISSING_IMAGES, (1,))
+    # a placeholder id in a row without images would stay text in vLLM
+    stray = _error([[0, 9], [IMAGE, 9]], [0, 0])
+    assert (stray.kind, stray.rows) == (MediaErrorKind.MISSING_IMAGES, (1,))
+
+
+def test_images_for_a_text_only_model_are_refused_and_text_rows_pass() -> None:
+    error = _error([[0, 4], [0, 5]], [0, 2], placeholder_id=None)
+    assert (error.kind, error.rows, error.images) == (MediaErrorKind.TEXT_ONLY_MODEL, (1,), (2,))
+    assert check_media([[0, 4]], [0], placeholder_id=None, max_images=None) == Success(())
+
+
+def test_the_engines_image_limit_is_checked_first() -> None:
+    error = _error([[IMAGE, IMAGE, IMAGE], [IMAGE]], [3, 2], max_images=2)
+    assert (error.kind, error.rows) == (MediaErrorKind.IMAGE_LIMIT, (0,))
+    assert "limit_mm_per_prompt image=2" in error.message
+
+
+def test_bad_counts_are_programming_errors() -> None:
+    with pytest.raises(ValueError, match="2 image counts for 1 prompts"):
+        check_media([[1]], [0, 0], placeholder_id=IMAGE, max_images=None)
+    with pytest.raises(ValueError, match="negative"):
+        check_media([[1]], [-1], placeholder_id=IMAGE, max_images=None)
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), max_size=8),
+    st.integers(1, 60),
+)
+def test_check_context_refuses_exactly_the_rows_whose_expansion_fills_the_context(
+    rows: list[tuple[int, int]], max_model_len: int
+) -> None:
+    lengths = [n for n, _ in rows]
+    expanded = [n + extra for n, extra in rows]
+    result = check_context(lengths, expanded, max_model_len)
+    full = tuple(r for r, e in enumerate(expanded) if e >= max_model_len)
+    if not full:
+        assert result == Success(None)
+        return
+    assert isinstance(result, Failure)
+    error = result.failure()
+    assert isinstance(error, ContextError)
+    assert error.rows == full
+    assert error.lengths == tuple(lengths[r] for r in full)
+    assert error.expanded == tuple(expanded[r] for r in full)
+    assert error.max_model_len == max_model_len
+    assert all(f"row {r} (length {lengths[r]}, expanded {expanded[r]})" in str(error) for r in full)
+
+
+def test_check_context_refuses_inconsistent_lengths() -> None:
+    with pytest.raises(ValueError, match="1 expanded lengths for 2 prompts"):
+        check_context([1, 2], [8], 10)
+    with pytest.raises(ValueError, match=r"rows \[1\] have expanded lengths below"):
+        check_context([1, 5], [8, 4], 10)

@@ -1,0 +1,490 @@
+"""Laws of the refit protocol: the sender's plan fed to the receiver machine, refusals,
+kept mappings and the bounds."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+from strategies import RefitSendCase, refit_events, refit_send_cases
+
+from genworker.core import refit_protocol as p
+from genworker.core.refit_plan import Deviation, Manifest, TensorSpec, align_up
+
+
+@attrs.frozen
+class Sent:
+    events: list[p.Event]
+    # per tensor placed into a chunk that already held one: (seconds since it opened)
+    waited: list[float]
+
+
+def simulate(case: RefitSendCase, specs: tuple[TensorSpec, ...] | None = None) -> Sent:
+    """A trainer's refit as ``RefitSender`` makes it: ``send_route`` and ``ChunkPlan``
+    decide, storages are laid out as the IPC port lays them out."""
+    specs = case.specs if specs is None else specs
+    manifest = Manifest.from_specs(case.specs).unwrap()
+    events: list[p.Event] = [p.Begin("r1", manifest.digest())]
+    plan = p.ChunkPlan(case.budget, case.flush_after_s, opened_at=0.0)
+    refs: list[p.TensorRef] = []
+    storages: list[int] = []
+    kinds: list[p.StorageKind] = []
+    staging: dict[int, int] = {}
+    waited: list[float] = []
+    now = 0.0
+
+    def flush() -> None:
+        index = sum(isinstance(e, p.Chunk) for e in events)
+        events.append(p.Chunk("r1", index, tuple(refs), tuple(storages), tuple(kinds)))
+        refs.clear()
+        storages.clear()
+        kinds.clear()
+        staging.clear()
+
+    def storage(size: int, kind: p.StorageKind) -> int:
+        storages.append(size)
+        kinds.append(kind)
+        return len(storages) - 1
+
+    for i, spec in enumerate(specs):
+        at = i % len(case.specs)
+        now += case.delays[at]
+        route = p.send_route(
+            storage_bytes=spec.nbytes + case.extra[at],
+            contiguous=case.contiguous[at],
+            local=case.local[at],
+            recognised=case.recognised[at],
+        )
+        placed = p.ChunkPlan.place(plan, route, spec.nbytes, now)
+        if placed.flush:
+            flush()
+        elif plan.tensors:
+            waited.append(now - plan.opened_at)
+        plan = placed.plan
+        if route is p.SendRoute.HANDLE:
+            index = storage(case.extra[at] + spec.nbytes, p.StorageKind.OWN)
+            offset = case.extra[at]
+        elif placed.alone:
+            index = storage(align_up(spec.nbytes), p.StorageKind.TEMPORARY)
+            offset = 0
+        else:
+            if plan.buffer not in staging:
+                staging[plan.buffer] = storage(case.budget, p.StorageKind.STAGING)
+            index, offset = staging[plan.buffer], placed.offset
+        refs.append(p.TensorRef(spec.name, spec.shape, spec.dtype, index, offset))
+        if placed.alone:
+            flush()
+            plan = plan.flushed(now)
+    if plan.tensors:
+        flush()
+        plan = plan.flushed(now)
+    events.append(p.End("r1", plan.index, len(specs)))
+    return Sent(events, waited)
+
+
+def feed(receiver: p.Receiver, events: list[p.Event]) -> list[p.Step | p.Refusal]:
+    out: list[p.Step | p.Refusal] = []
+    for event in events:
+        result = receiver.handle(event)
+        if isinstance(result, Failure):
+            out.append(result.failure())
+            if result.failure().fatal:
+                break
+        else:
+            out.append(result.unwrap())
+            receiver = result.unwrap().receiver
+    return out
+
+
+def routes_of(specs: tuple[TensorSpec, ...]) -> p.Routes:
+    """Every second tensor direct, so both routes appear."""
+    return p.Routes(frozenset(s.name for s in specs[::2]))
+
+
+# -- machine against machine --------------------------------------------------------------
+
+
+@given(refit_send_cases())
+def test_the_senders_plan_writes_every_tensor_exactly_once(case: RefitSendCase) -> None:
+    manifest = Manifest.from_specs(case.specs).unwrap()
+    routes = routes_of(case.specs)
+    sent = simulate(case)
+    steps = feed(p.Receiver(manifest, routes), sent.events)
+    assert all(isinstance(s, p.Step) for s in steps), steps
+    *_, last = steps
+    assert isinstance(last, p.Step)
+    assert last.decision == p.Finished(len(case.specs), len(sent.events) - 2)
+    assert last.receiver.phase is p.Phase.DONE
+    writes = [w for s in steps if isinstance(s, p.Step) and isinstance(s.decision, p.Writes)
+              for w in s.decision.writes]  # fmt: skip
+    assert [w.ref.name for w in writes] == [s.name for s in case.specs]
+    for step in steps:
+        assert isinstance(step, p.Step)
+        if isinstance(step.decision, p.Writes):
+            chunk = step.decision.chunk
+            for write in step.decision.writes:
+                assert write.route is routes.route(write.ref.name)
+                stable = chunk.kinds[write.ref.storage].stable
+                assert write.copy == (write.route is p.Route.LOADER and not stable)
+    # the messages, and so the waits, are bounded by the manifest's length
+    assert (
+        len(sent.events) <= len(case.specs) + 2 == p.refit_waits(len(case.specs), p.Transport.IPC)
+    )
+
+
+@given(refit_send_cases())
+def test_packed_tensors_lie_apart_inside_the_budget(case: RefitSendCase) -> None:
+    for chunk in simulate(case).events:
+        if not isinstance(chunk, p.Chunk):
+            continue
+        assert chunk.storages is not None
+        taken: dict[int, list[tuple[int, int]]] = {}
+        for ref in chunk.tensors:
+            size = TensorSpec(ref.name, ref.shape, ref.dtype).nbytes
+            assert ref.offset + size <= chunk.storages[ref.storage]
+            if chunk.kinds[ref.storage] is p.StorageKind.STAGING:
+                assert ref.offset % 512 == 0
+                for start, end in taken.get(ref.storage, []):
+                    assert ref.offset >= end or ref.offset + size <= start or size == 0
+                taken.setdefault(ref.storage, []).append((ref.offset, ref.offset + size))
+
+
+@given(refit_send_cases())
+def test_a_chunk_never_waits_past_half_the_bound_for_its_next_tensor(
+    case: RefitSendCase,
+) -> None:
+    """Once a chunk has a tensor, the sender sends it rather than add one produced later
+    than ``flush_after_s`` after the last message: the receiver's wait stays bounded by
+    that plus one tensor's production time."""
+    assert all(w < case.flush_after_s for w in simulate(case).waited)
+
+
+@given(refit_send_cases(), st.data())
+def test_a_missing_duplicate_or_foreign_tensor_is_refused_naming_it(
+    case: RefitSendCase, data: st.DataObject
+) -> None:
+    manifest = Manifest.from_specs(case.specs).unwrap()
+    victim = data.draw(st.sampled_from(case.specs))
+    fault = data.draw(st.sampled_from(["missing", "duplicated", "unexpected", "mismatched"]))
+    specs = list(case.specs)
+    if fault == "missing":
+        specs.remove(victim)
+    elif fault == "duplicated":
+        specs.append(victim)
+    elif fault == "unexpected":
+        victim = TensorSpec("not/in/the/manifest", (3,), "float32")
+        specs.append(victim)
+    else:
+        victim = attrs.evolve(victim, shape=(*victim.shape, 2))
+        specs = [victim if s.name == victim.name else s for s in specs]
+    steps = feed(p.Receiver(manifest, routes_of(case.specs)), simulate(case, tuple(specs)).events)
+    refusal = steps[-1]
+    assert isinstance(refusal, p.Refusal)
+    assert refusal.fatal
+    assert refusal.kind is p.RefusalKind.MANIFEST
+    assert refusal.detail is not None
+    assert victim.name in refusal.detail.names(Deviation(fault))
+    assert repr(victim.name) in str(refusal)
+
+
+@given(st.lists(refit_events, max_size=8))
+def test_any_event_sequence_gets_steps_or_refusals_naming_the_event(
+    events: list[p.Event],
+) -> None:
+    specs = (TensorSpec("a", (2,), "float32"), TensorSpec("b", (3,), "int8"))
+    receiver = p.Receiver(Manifest.from_specs(specs).unwrap(), p.Routes(frozenset({"a"})))
+    for event in events:
+        result = receiver.handle(event)
+        if isinstance(result, Success):
+            receiver = result.unwrap().receiver
+            continue
+        refusal = result.failure()
+        assert isinstance(refusal, p.Refusal)
+        assert refusal.event in str(refusal)
+        assert event.refit_id in refusal.event
+        if not refusal.fatal:  # a stray before any Begin: answered, nothing changes
+            assert receiver.phase is p.Phase.IDLE
+        else:
+            break
+
+
+# -- the receiver, case by case -----------------------------------------------------------
+
+SPECS = (TensorSpec("a", (4,), "float32"), TensorSpec("b", (2,), "int8"))
+MANIFEST = Manifest.from_specs(SPECS).unwrap()
+A = p.TensorRef("a", (4,), "float32", 0, 0)
+B = p.TensorRef("b", (2,), "int8", 0, 512)
+OWN = (p.StorageKind.STAGING,)
+
+
+def started() -> p.Receiver:
+    return (
+        p.Receiver(MANIFEST, p.Routes(frozenset({"a"}))).handle(p.Begin("r", "")).unwrap().receiver
+    )
+
+
+def refused(receiver: p.Receiver, event: p.Event) -> p.Refusal:
+    result = receiver.handle(event)
+    assert isinstance(result, Failure), result
+    refusal = result.failure()
+    assert isinstance(refusal, p.Refusal)
+    return refusal
+
+
+def test_begin_checks_the_protocol_and_the_manifest() -> None:
+    idle = p.Receiver(MANIFEST)
+    assert refused(idle, p.Begin("r", "", 1)).kind is p.RefusalKind.VERSION
+    assert "protocol 1" in str(refused(idle, p.Begin("r", "", 1)))
+    assert refused(idle, p.Begin("r", "other")).kind is p.RefusalKind.DIGEST
+    step = idle.handle(p.Begin("r", MANIFEST.digest())).unwrap()
+    assert step.decision == p.Accepted("r")
+    # a trainer whose Begin timed out starts over, until its first chunk
+    again = step.receiver.handle(p.Begin("r2", "")).unwrap()
+    assert again.receiver.refit_id == "r2"
+    chunked = again.receiver.handle(p.Chunk("r2", 0, (A,), (1024,), OWN)).unwrap().receiver
+    assert refused(chunked, p.Begin("r3", "")).kind is p.RefusalKind.ORDER
+
+
+def test_chunks_are_checked_against_their_storages() -> None:
+    receiver = started()
+    cases = {
+        "storage 1 is not in the chunk": p.Chunk(
+            "r", 0, (attrs.evolve(A, storage=1),), (1024,), OWN
+        ),
+        "overrun storage 0": p.Chunk("r", 0, (A,), (8,), OWN),
+        "not aligned for float32": p.Chunk("r", 0, (attrs.evolve(A, offset=2),), (1024,), OWN),
+        "places no tensor in a storage": p.Chunk("r", 0, (attrs.evolve(A, offset=4),)),
+    }
+    for why, chunk in cases.items():
+        refusal = refused(receiver, chunk)
+        assert refusal.detail is not None
+        assert refusal.detail.names(Deviation.MISPLACED) == ("a",)
+        assert why in str(refusal)
+    assert "lists no tensors" in str(refused(receiver, p.Chunk("r", 0, (), (1,), OWN)))
+    assert "kinds do not match" in str(refused(receiver, p.Chunk("r", 0, (A,), (1024,), ())))
+    assert "chunk 0 was expected" in str(refused(receiver, p.Chunk("r", 1, (A,), (1024,), OWN)))
+    assert refused(receiver, p.Chunk("x", 0, (A,), (1024,), OWN)).kind is p.RefusalKind.STRAY
+
+
+def test_writes_route_each_tensor_and_copy_what_the_sender_reuses() -> None:
+    receiver = started()
+    for kind, copy in [(p.StorageKind.STAGING, True), (p.StorageKind.OWN, False)]:
+        step = receiver.handle(p.Chunk("r", 0, (A, B), (1024,), (kind,))).unwrap()
+        assert isinstance(step.decision, p.Writes)
+        assert [(w.route, w.copy) for w in step.decision.writes] == [
+            (p.Route.DIRECT, False),
+            (p.Route.LOADER, copy),
+        ]
+    broadcast = receiver.handle(p.Chunk("r", 0, (A, attrs.evolve(B, offset=0)))).unwrap()
+    assert isinstance(broadcast.decision, p.Writes)
+    assert not any(w.copy for w in broadcast.decision.writes)
+
+
+def test_end_needs_every_tensor_and_the_senders_counts() -> None:
+    receiver = started().handle(p.Chunk("r", 0, (A,), (1024,), OWN)).unwrap().receiver
+    refusal = refused(receiver, p.End("r", 1, 1))
+    assert refusal.detail is not None
+    assert refusal.detail.missing == ("b",)
+    full = receiver.handle(p.Chunk("r", 1, (B,), (1024,), OWN)).unwrap().receiver
+    assert "it counts 1 chunks and 2 tensors" in str(refused(full, p.End("r", 1, 2)))
+    done = full.handle(p.End("r", 2, 2)).unwrap()
+    assert done.decision == p.Finished(2, 2)
+    assert "the refit is done" in str(refused(done.receiver, p.Abort("r", "late")))
+
+
+def test_abort_fails_the_refit_and_strays_before_begin_are_not_fatal() -> None:
+    step = started().handle(p.Abort("r", "the stream broke")).unwrap()
+    assert step.decision == p.Aborted("the stream broke")
+    assert step.receiver.phase is p.Phase.FAILED
+    stray = refused(p.Receiver(MANIFEST), p.End("old", 0, 0))
+    assert not stray.fatal
+    assert "no refit is in progress" in str(stray)
+
+
+# -- routing -------------------------------------------------------------------------------
+
+
+def test_a_module_goes_direct_only_with_all_its_writable_parameters() -> None:
+    def param(
+        name: str, shape: tuple[int, ...], *, writable: bool = True, sharded: bool = False
+    ) -> p.EngineParam:
+        return p.EngineParam(
+            name, name.rpartition(".")[0], TensorSpec(name, shape, "float32"), writable, sharded
+        )
+
+    params = [
+        param("norm.weight", (4,)),
+        param("proj.weight", (3, 4)),
+        param("proj.bias", (3,)),
+        param("packed.weight", (0,), writable=False),
+        param("tp.weight", (2,), sharded=True),
+    ]
+    manifest = Manifest.from_specs(
+        TensorSpec(n, s, "float32")
+        for n, s in [
+            ("norm.weight", (4,)),
+            ("proj.weight", (3, 4)),
+            ("packed.weight", (2, 2)),
+            ("tp.weight", (2,)),
+        ]
+    ).unwrap()
+    routes = p.plan_routes(manifest, params, sharded_ok=False)
+    assert routes == p.Routes(frozenset({"norm.weight"}), frozenset({"norm"}))
+    assert routes.route("proj.weight") is p.Route.LOADER  # proj.bias goes to the loader
+    assert p.plan_routes(manifest, params, sharded_ok=True).direct == {"norm.weight", "tp.weight"}
+
+
+# -- the sender ----------------------------------------------------------------------------
+
+
+def test_only_a_recognised_large_local_contiguous_storage_goes_by_handle() -> None:
+    good = {
+        "storage_bytes": p.PACK_BELOW_BYTES,
+        "contiguous": True,
+        "local": True,
+        "recognised": True,
+    }
+    assert p.send_route(**good) is p.SendRoute.HANDLE  # type: ignore[arg-type]
+    for key, bad in [
+        ("storage_bytes", p.PACK_BELOW_BYTES - 1),
+        ("contiguous", False),
+        ("local", False),
+        ("recognised", False),
+    ]:
+        assert p.send_route(**{**good, key: bad}) is p.SendRoute.PACK  # type: ignore[arg-type]
+
+
+def test_staging_buffers_alternate_over_the_chunks_that_pack() -> None:
+    plan = p.ChunkPlan(1024, 1e9, 0.0)
+    assert plan.buffer == 0
+    plan = plan.place(p.SendRoute.HANDLE, 10, 0.0).plan.flushed(0.0)
+    assert plan.buffer == 0  # a chunk of handles only used no buffer
+    plan = plan.place(p.SendRoute.PACK, 10, 0.0).plan.flushed(0.0)
+    assert plan.buffer == 1
+    big = plan.place(p.SendRoute.PACK, 2000, 0.0)
+    assert (big.alone, big.offset, big.plan.fill) == (True, 0, 0)
+
+
+# -- mappings and bounds -------------------------------------------------------------------
+
+
+@given(st.lists(st.frozensets(st.integers(0, 6)), max_size=8))
+def test_a_kept_mapping_is_released_by_the_first_refit_that_does_not_use_it(
+    refits: list[frozenset[int]],
+) -> None:
+    kept: p.Kept[int] = p.Kept()
+    before: frozenset[int] = frozenset()
+    for used in refits:
+        for key in used:
+            kept = kept.use([key])
+        settled = kept.settle()
+        assert settled.released == before - used
+        assert settled.kept.kept == used
+        kept, before = settled.kept, used
+    cleared = kept.clear()
+    assert cleared.released == before
+    assert cleared.kept == p.Kept()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0, "5", True, [1]])
+def test_a_wait_bound_is_a_finite_positive_number_or_none(bad: object) -> None:
+    result = p.wait_bound(bad)
+    assert isinstance(result, Failure)
+    assert repr(bad) in str(result.failure())
+    assert result.failure().timeout_s is bad
+    assert p.wait_bound(None) == Success(p.DEFAULT_TIMEOUT_S)
+    assert p.wait_bound(2) == Success(2.0)
+
+
+@given(
+    st.integers(0, 10_000),
+    st.sampled_from(list(p.Transport)),
+    st.floats(1e-3, 1e6, allow_nan=False),
+)
+def test_the_outer_bound_exceeds_every_inner_wait_on_time(
+    tensors: int, transport: p.Transport, per_wait: float
+) -> None:
+    waits = p.refit_waits(tensors, transport)
+    assert waits >= tensors + 2
+    assert p.rpc_bound(waits, per_wait) > waits * per_wait
+    rendezvous = p.rpc_bound(p.RENDEZVOUS_WAITS, per_wait)
+    assert rendezvous > p.RENDEZVOUS_WAITS * per_wait
+    assert math.isfinite(rendezvous)
+
+
+@given(refit_send_cases())
+def test_the_message_cap_grows_with_the_manifest(case: RefitSendCase) -> None:
+    manifest = Manifest.from_specs(case.specs).unwrap()
+    cap = p.max_message_bytes(manifest)
+    assert cap >= 64 * 1024 + 512 * (len(manifest) + 2)
+    smaller = Manifest.from_specs(case.specs[1:]) if len(case.specs) > 1 else None
+    if smaller is not None:
+        assert p.max_message_bytes(smaller.unwrap()) < cap
+
+
+def test_only_temporary_storages_are_unmapped_after_their_chunk() -> None:
+    assert [k.kept for k in p.StorageKind] == [True, True, False]
+    assert [k.stable for k in p.StorageKind] == [False, True, False]
+
+
+# -- trust ---------------------------------------------------------------------------------
+
+FILE = p.FileFacts(True, True, 7, 7, True, 0o40700, 42, 4096)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"absolute": False}, "not absolute"),
+        ({"regular": False}, "not a regular file"),
+        ({"owner": 8}, "another user"),
+        ({"parent_owner": 8}, "another user"),
+        ({"parent_is_dir": False}, "open to other users"),
+        ({"parent_mode": 0o40755}, "open to other users"),
+        ({"inode": 43}, "another file"),
+        ({"size": 100}, "fewer than the 4096 declared"),
+    ],
+)
+def test_a_shared_file_is_trusted_only_when_private_and_the_senders(
+    change: dict[str, object], why: str
+) -> None:
+    assert p.file_problem(FILE, uid=7, inode=42, size=4096) is None
+    problem = p.file_problem(attrs.evolve(FILE, **change), uid=7, inode=42, size=4096)  # type: ignore[arg-type]
+    assert problem is not None
+    assert why in problem
+
+
+def test_a_groups_topology_and_claims_are_checked_naming_the_ranks() -> None:
+    trainer = p.GroupClaim(0, 3, 1, "gloo", "trainer")
+    assert p.topology_problems("127.0.0.1", 29500, trainer) == ()
+    bad = p.topology_problems("", 0, p.GroupClaim(5, 1, 1, "gloo", "engine"))
+    assert bad == (
+        "ip is empty",
+        "port 0 is not in 1..65535",
+        "world_size 1 leaves no one to send to",
+        "train_world_size 1 must be in 1..0",
+        "rank 5 is outside 0..0",
+    )
+    wrong_role = p.topology_problems("h", 1, p.GroupClaim(1, 3, 1, "gloo", "trainer"))
+    assert wrong_role == ("rank 1 would be a engine rank, but this process is the trainer",)
+    engine = p.GroupClaim(1, 3, 1, "gloo", "engine")
+    assert p.claim_problems(trainer, [trainer, engine]) == ()
+    odd = p.GroupClaim(2, 4, 1, "nccl", "trainer", protocol=1)
+    assert p.claim_problems(trainer, [odd]) == (
+        "rank 2 has world_size=4, expected 3",
+        "rank 2 has backend='nccl', expected 'gloo'",
+        "rank 2 has protocol=1, expected 2",
+        "rank 2 has role='trainer', expected 'engine'",
+    )
+
+
+def test_a_report_is_a_plain_dict_for_rpc_results() -> None:
+    report = p.RefitReport(3, 96, 1, 0.5, direct=2, loaded=1, phases={"wait": 0.25})
+    assert report.as_dict() == {
+        "tensors": 3, "nbytes": 96, "chunks": 1, "seconds": 0.5, "direct": 2,
+        "loaded": 1, "mapped": 0, "phases": {"wait": 0.25},
+    }  # fmt: skip

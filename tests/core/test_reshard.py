@@ -1,0 +1,479 @@
+"""Laws of the reshard plan: engine shards covered exactly once, trainer ranks send only
+what they hold, engine ranks receive exactly their shard, replicas share the reading, and
+typed errors naming the parameter and ranks for anything the layouts cannot honour."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+from strategies import ReshardModel, dtensor_trainers, megatron_trainers, reshard_models
+
+from genworker.core.reshard import (
+    Box,
+    EngineShard,
+    LayerKind,
+    Problem,
+    Replicate,
+    ReshardError,
+    ReshardPlan,
+    Shard,
+    ShardPiece,
+    SourceShard,
+    TrainerLayout,
+    VllmParamFacts,
+    box_numel,
+    dtensor_layout,
+    intersect,
+    megatron_layout,
+    plan_reshard,
+    vllm_shard,
+)
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def _engine(model: ReshardModel) -> list[EngineShard]:
+    shards = []
+    for rank in range(model.engine_tp):
+        for facts in model.facts(rank):
+            result = vllm_shard(facts)
+            assert isinstance(result, Success), result
+            shards.append(result.unwrap())
+    return shards
+
+
+def _plan(trainer: list[TrainerLayout], engine: list[EngineShard]) -> ReshardPlan:
+    result = plan_reshard(trainer, engine)
+    assert isinstance(result, Success), result
+    plan: ReshardPlan = result.unwrap()
+    return plan
+
+
+def _error(result: object) -> ReshardError:
+    assert isinstance(result, Failure), result
+    error = result.failure()
+    assert isinstance(error, ReshardError)
+    return error
+
+
+def _sources(model: ReshardModel) -> dict[str, np.ndarray]:
+    """Every trainer tensor with distinct values (its flat index + a per-name offset)."""
+    out, offset = {}, 0
+    for name, shape in model.shapes().items():
+        n = int(np.prod(shape))
+        out[name] = (np.arange(n, dtype=np.int64) + offset).reshape(shape)
+        offset += n
+    return out
+
+
+def _execute(
+    plan: ReshardPlan,
+    trainer: list[TrainerLayout],
+    engine: list[EngineShard],
+    full: dict[str, np.ndarray],
+) -> tuple[dict[tuple[str, int], np.ndarray], dict[tuple[str, int], np.ndarray]]:
+    """Run the copies from each trainer rank's local shard; count writes per element."""
+    local = {
+        (layout.name, s.rank): full[layout.name][_slices(s.box)]
+        for layout in trainer
+        for s in layout.shards
+    }
+    out = {(e.param, e.rank): np.full(e.shape, -1, dtype=np.int64) for e in engine}
+    writes = {(e.param, e.rank): np.zeros(e.shape, dtype=np.int64) for e in engine}
+    for c in plan.copies:
+        src = local[(c.source, c.src_rank)]
+        assert all(0 <= a <= b <= d for (a, b), d in zip(c.src_box, src.shape, strict=True))
+        out[(c.param, c.dst_rank)][_slices(c.dest_box)] = src[_slices(c.src_box)]
+        writes[(c.param, c.dst_rank)][_slices(c.dest_box)] += 1
+    return out, writes
+
+
+def _vllm_reference(
+    model: ReshardModel, facts: VllmParamFacts, full: dict[str, np.ndarray]
+) -> np.ndarray:
+    """The shard vLLM's weight loaders build, written the way they do it (narrow, cat)."""
+    tp, r = facts.tp_size, facts.tp_rank
+    t = {n: torch.from_numpy(a) for n, a in full.items()}
+    if facts.kind is LayerKind.REPLICATED:
+        return t[facts.sources[0][0]].numpy()
+    if facts.kind is LayerKind.ROW:
+        w = t[facts.sources[0][0]]
+        size = w.shape[1] // tp
+        return w.narrow(1, r * size, size).numpy()
+    if facts.kind is LayerKind.MERGED:
+        parts = [
+            t[n].narrow(0, r * (t[n].shape[0] // tp), t[n].shape[0] // tp) for n, _ in facts.sources
+        ]
+        return torch.cat(parts).numpy()
+    if facts.kind is LayerKind.VOCAB:
+        w = t[facts.sources[0][0]]
+        padded = -(-w.shape[0] // facts.padding_size) * facts.padding_size
+        size = padded // tp
+        full_padded = torch.cat(
+            [w, torch.full((padded - w.shape[0], *w.shape[1:]), -1, dtype=w.dtype)]
+        )
+        return full_padded.narrow(0, r * size, size).numpy()
+    # QKV, as QKVParallelLinear.weight_loader
+    num_heads = facts.num_heads // tp
+    if tp >= facts.num_kv_heads:
+        num_kv, replicas = 1, tp // facts.num_kv_heads
+    else:
+        num_kv, replicas = facts.num_kv_heads // tp, 1
+    hs = facts.head_size
+    q = t["q"].narrow(0, r * num_heads * hs, num_heads * hs)
+    kv_rank = r // replicas
+    k = t["k"].narrow(0, kv_rank * num_kv * hs, num_kv * hs)
+    v = t["v"].narrow(0, kv_rank * num_kv * hs, num_kv * hs)
+    return torch.cat([q, k, v]).numpy()
+
+
+def _check_laws(model: ReshardModel, trainer: list[TrainerLayout]) -> ReshardPlan:
+    engine = _engine(model)
+    plan = _plan(trainer, engine)
+    full = _sources(model)
+    out, writes = _execute(plan, trainer, engine, full)
+    by_param = {(f.param, f.tp_rank): f for r in range(model.engine_tp) for f in model.facts(r)}
+    held = {(t.name, s.rank): s.box for t in trainer for s in t.shards}
+    for shard in engine:
+        key = (shard.param, shard.rank)
+        pad = np.zeros(shard.shape, dtype=bool)
+        for box in shard.padding:
+            pad[_slices(box)] = True
+        # every element written exactly once; padding never written
+        assert (writes[key][~pad] == 1).all(), key
+        assert (writes[key][pad] == 0).all(), key
+        # the values are vLLM's
+        expected = _vllm_reference(model, by_param[key], full)
+        assert np.array_equal(np.where(pad, -1, out[key]), expected), key
+        # an engine rank receives exactly its shard's bytes (less padding)
+    for rank in range(model.engine_tp):
+        need = sum(
+            s.nbytes - sum(box_numel(b) for b in s.padding) * 2 for s in engine if s.rank == rank
+        )
+        assert plan.bytes_to(rank) == need
+    for c in plan.copies:
+        # a trainer rank sends only elements it holds
+        box = held[(c.source, c.src_rank)]
+        assert intersect(c.global_box, box) == c.global_box
+        assert box_numel(c.global_box) == box_numel(c.dest_box) > 0
+    assert sum(len(v) for v in plan.pairs().values()) == len(plan.copies)
+    assert sum(plan.bytes_from(r) for r in {c.src_rank for c in plan.copies}) == sum(
+        plan.bytes_to(r) for r in range(model.engine_tp)
+    )
+    return plan
+
+
+@given(reshard_models(), st.data())
+def test_megatron_trainers_reshard_to_vllm_shards(model: ReshardModel, data: st.DataObject) -> None:
+    _check_laws(model, data.draw(megatron_trainers(model)))
+
+
+@given(reshard_models(), st.data())
+def test_dtensor_trainers_reshard_to_vllm_shards(model: ReshardModel, data: st.DataObject) -> None:
+    _check_laws(model, data.draw(dtensor_trainers(model)))
+
+
+@given(st.integers(1, 6), st.integers(1, 6), st.lists(st.integers(1, 9), min_size=1, max_size=3))
+def test_a_replicated_tensor_is_read_once_and_shared_across_its_replicas(
+    replicas: int, engine_tp: int, dims: list[int]
+) -> None:
+    shape = (engine_tp * dims[0], *dims[1:])
+    layout = megatron_layout("w", shape, "float32", None, [list(range(replicas))]).unwrap()
+    engine = [
+        vllm_shard(
+            VllmParamFacts("w", LayerKind.COLUMN, "float32", r, engine_tp, (("w", shape),))
+        ).unwrap()
+        for r in range(engine_tp)
+    ]
+    plan = _plan([layout], engine)
+    loads = [plan.bytes_from(r) for r in range(replicas)]
+    biggest = max(c.nbytes for c in plan.copies)
+    assert max(loads) - min(loads) <= biggest  # greedy: replicas share the reading
+    assert sum(loads) == 4 * int(np.prod(shape))  # and read it exactly once in all
+    assert len({c.src_rank for c in plan.copies}) == min(replicas, engine_tp)
+
+
+def test_tp2_reshard_moves_half_of_each_sharded_tensor() -> None:
+    model = ReshardModel(
+        vocab=32, hidden=8, heads=2, kv_heads=2, head_size=4, intermediate=8, engine_tp=2
+    )
+    groups = [[0], [1]]
+    split = {
+        "q": 0,
+        "k": 0,
+        "v": 0,
+        "gate": 0,
+        "up": 0,
+        "o": 1,
+        "down": 1,
+        "embed": 0,
+        "lm_head": 0,
+    }
+    trainer = [
+        megatron_layout(n, s, "bfloat16", split.get(n), groups).unwrap()
+        for n, s in model.shapes().items()
+    ]
+    plan = _check_laws(model, trainer)
+    total = sum(int(np.prod(s)) * 2 for s in model.shapes().values())
+    norm = 8 * 2
+    assert plan.bytes_to(0) == plan.bytes_to(1) == (total - norm) // 2 + norm
+    # trainer and engine split alike: each engine rank reads only from its own trainer rank,
+    # except the replicated norm, read once per engine rank
+    assert {(c.src_rank, c.dst_rank) for c in plan.copies if c.source != "norm"} == {(0, 0), (1, 1)}
+
+
+# -- errors ---------------------------------------------------------------------------
+
+
+@given(reshard_models(), st.data())
+def test_a_missing_shard_names_the_parameter_and_the_engine_ranks(
+    model: ReshardModel, data: st.DataObject
+) -> None:
+    trainer = data.draw(megatron_trainers(model))
+    victim = data.draw(st.sampled_from(trainer))
+    dropped = data.draw(st.sampled_from(victim.shards))
+    kept = tuple(s for s in victim.shards if s.rank != dropped.rank)
+    damaged = [TrainerLayout(t.name, t.shape, t.dtype, kept) if t is victim else t for t in trainer]
+    engine = _engine(model)
+    result = plan_reshard(damaged, engine)
+    # expected: the engine shards whose pieces need an element no remaining rank holds
+    held = np.zeros(victim.shape, dtype=bool)
+    for s in kept:
+        held[_slices(s.box)] = True
+    hurt = {
+        (e.param, e.rank)
+        for e in engine
+        for p in e.pieces
+        if p.source == victim.name and not held[_slices(p.source_box)].all()
+    }
+    if not hurt:
+        assert isinstance(result, Success)
+        return
+    error = _error(result)
+    assert {(p.param, p.ranks[0]) for p in error.problems} == hurt
+    assert all(p.kind is Problem.MISSING for p in error.problems)
+    assert f"{victim.name!r}" in str(error)
+
+
+def test_a_misshaped_shard_names_the_parameter_and_its_rank() -> None:
+    bad = TrainerLayout(
+        "w", (4, 4), "float32", (SourceShard(0, ((0, 2), (0, 4))), SourceShard(3, ((2, 5), (0, 4))))
+    )
+    engine = [
+        EngineShard(
+            "w", 0, (4, 4), "float32", (ShardPiece("w", ((0, 4), (0, 4)), ((0, 4), (0, 4))),)
+        )
+    ]
+    error = _error(plan_reshard([bad], engine))
+    assert error.params(Problem.MISSHAPED) == ("w",)
+    assert error.problems[0].ranks == (3,)
+    assert "rank 3 holds [(2, 5), (0, 4)], outside the shape [4, 4]" in str(error)
+    assert "'w' (misshaped; ranks [3])" in str(error)
+    wrong_rank = TrainerLayout("w", (4, 4), "float32", (SourceShard(1, ((0, 4),)),))
+    assert _error(plan_reshard([wrong_rank], engine)).problems[0].ranks == (1,)
+
+
+def test_unknown_sources_mismatched_dtypes_and_bad_engine_shards_are_named() -> None:
+    layout = megatron_layout("w", (4, 4), "float32", 0, [[0], [1]]).unwrap()
+    piece = ShardPiece("w", ((0, 4), (0, 4)), ((0, 4), (0, 4)))
+    cases = [
+        (
+            EngineShard(
+                "p", 5, (4, 4), "float32", (ShardPiece("x", piece.source_box, piece.dest_box),)
+            ),
+            Problem.UNKNOWN,
+            "needs 'x'",
+        ),
+        (
+            EngineShard("p", 5, (4, 4), "bfloat16", (piece,)),
+            Problem.MISMATCHED,
+            "is float32, the engine shard bfloat16",
+        ),
+        (
+            EngineShard(
+                "p", 5, (4, 4), "float32", (ShardPiece("w", ((1, 5), (0, 4)), ((0, 4), (0, 4))),)
+            ),
+            Problem.MISSHAPED,
+            "whose shape is [4, 4]",
+        ),
+        (EngineShard("p", 5, (4, 4), "float32", (piece, piece)), Problem.MISSHAPED, "overlap"),
+        (EngineShard("p", 5, (4, 5), "float32", (piece,)), Problem.MISSHAPED, "cover 16 of its 20"),
+        (
+            EngineShard(
+                "p", 5, (4, 4), "float32", (ShardPiece("w", piece.source_box, ((0, 4), (0, 5))),)
+            ),
+            Problem.MISSHAPED,
+            "outside the shard's shape",
+        ),
+        (
+            EngineShard(
+                "p",
+                5,
+                (2, 8),
+                "float32",
+                (
+                    ShardPiece("w", ((0, 2), (0, 4)), ((0, 2), (0, 4))),
+                    ShardPiece("w", ((2, 4), (0, 4)), ((0, 2), (4, 8))),
+                ),
+            ),
+            None,
+            "",
+        ),
+        (
+            EngineShard(
+                "p", 5, (4, 4), "float32", (ShardPiece("w", ((0, 2), (0, 4)), ((0, 4), (0, 2))),)
+            ),
+            Problem.MISSHAPED,
+            "changes extents",
+        ),
+    ]
+    for shard, kind, needle in cases:
+        result = plan_reshard([layout], [shard])
+        if kind is None:
+            assert isinstance(result, Success)
+            continue
+        error = _error(result)
+        assert kind in {p.kind for p in error.problems}, (needle, error)
+        assert needle in str(error)
+        assert all(p.param == "p" and p.ranks == (5,) for p in error.problems)
+
+
+def test_many_problems_are_all_named_and_the_message_cut() -> None:
+    engine = [
+        EngineShard(f"p{i}", 0, (1,), "float32", (ShardPiece("nowhere", ((0, 1),), ((0, 1),)),))
+        for i in range(15)
+    ]
+    error = _error(plan_reshard([], engine))
+    assert error.params(Problem.UNKNOWN) == tuple(f"p{i}" for i in range(15))
+    assert "and 3 more" in str(error)
+
+
+# -- trainer layout builders ----------------------------------------------------------
+
+
+def test_megatron_layout_refuses_uneven_splits_and_empty_groups() -> None:
+    error = _error(megatron_layout("w", (5, 4), "float32", 0, [[0], [1]]))
+    assert error.problems[0].kind is Problem.MISSHAPED
+    assert error.problems[0].ranks == (0, 1)
+    assert "dim 0 of [5, 4] does not split evenly 2 ways" in str(error)
+    assert (
+        _error(megatron_layout("w", (4,), "float32", 1, [[0]])).problems[0].kind
+        is Problem.MISSHAPED
+    )
+    assert "every TP shard needs a rank" in str(
+        _error(megatron_layout("w", (4,), "float32", 0, [[0], []]))
+    )
+    assert "needs a rank" in str(_error(megatron_layout("w", (4,), "float32", 0, [])))
+    assert (
+        _error(megatron_layout("w", (4,), "float33", None, [[0]])).problems[0].kind
+        is Problem.INVALID
+    )
+
+
+def test_dtensor_layout_follows_torch_chunk_and_nests_shards() -> None:
+    layout = dtensor_layout(
+        "w", (5, 6), "float32", (2, 2), [3, 1, 0, 2], [Shard(0), Shard(0)]
+    ).unwrap()
+    boxes = {s.rank: s.box for s in layout.shards}
+    # Shard(0) on mesh dim 0: rows [0, 3) and [3, 5); then Shard(0) again inside each
+    assert boxes == {
+        3: ((0, 2), (0, 6)),
+        1: ((2, 3), (0, 6)),
+        0: ((3, 4), (0, 6)),
+        2: ((4, 5), (0, 6)),
+    }
+    for rank, box in boxes.items():  # the same as torch.chunk applied twice
+        first = torch.arange(5).chunk(2)[[3, 1, 0, 2].index(rank) // 2]
+        second = first.chunk(2)[[3, 1, 0, 2].index(rank) % 2]
+        assert (box[0][0], box[0][1]) == (int(second[0]), int(second[-1]) + 1)
+    empty = dtensor_layout("w", (1,), "float32", (3,), [0, 1, 2], [Shard(0)]).unwrap()
+    assert [box_numel(s.box) for s in empty.shards] == [1, 0, 0]
+    mixed = dtensor_layout(
+        "w", (4, 6), "float32", (2, 3), list(range(6)), [Replicate(), Shard(1)]
+    ).unwrap()
+    assert {s.rank: s.box for s in mixed.shards}[4] == ((0, 4), (2, 4))
+
+
+def test_dtensor_layout_refuses_a_bad_mesh_or_placement() -> None:
+    for mesh, ranks, places, needle in [
+        ((2,), [0], [Shard(0)], "a mesh of shape [2] with 1 ranks"),
+        ((2,), [0, 1], [Shard(0), Shard(0)], "2 placements"),
+        ((0,), [], [Shard(0)], "a mesh of shape [0]"),
+        ((2,), [0, 1], [Shard(2)], "Shard(2) of a 2-d tensor"),
+    ]:
+        error = _error(dtensor_layout("w", (4, 4), "float32", mesh, ranks, places))
+        assert error.problems[0].kind is Problem.INVALID
+        assert needle in str(error)
+
+
+# -- vLLM's split, from plain facts ---------------------------------------------------
+
+
+def _facts(
+    kind: LayerKind,
+    sources: tuple[tuple[str, tuple[int, ...]], ...],
+    rank: int = 0,
+    tp: int = 2,
+    **kw: int,
+) -> VllmParamFacts:
+    return VllmParamFacts("p", kind, "float32", rank, tp, sources, **kw)
+
+
+def test_vllm_facts_that_no_layer_could_have_are_refused() -> None:
+    w = ("w", (4, 4))
+    for facts, needle in [
+        (_facts(LayerKind.COLUMN, (w,), rank=2), "tp rank 2 of tp size 2"),
+        (_facts(LayerKind.COLUMN, (w,), tp=0), "tp rank 0 of tp size 0"),
+        (_facts(LayerKind.COLUMN, ()), "made of 0 sources"),
+        (_facts(LayerKind.QKV, (w, w)), "made of 2 sources"),
+        (_facts(LayerKind.MERGED, (w, ("u", (4,)))), "sources of different ranks"),
+        (_facts(LayerKind.COLUMN, (("w", (3, 4)),)), "does not split 2 ways"),
+        (_facts(LayerKind.COLUMN, (w,), output_dim=2), "split dim 2"),
+        (_facts(LayerKind.ROW, (w,), input_dim=None), "split dim None"),  # type: ignore[arg-type]
+        (_facts(LayerKind.MERGED, (w, ("u", (4, 6)))), "does not stack"),
+        (_facts(LayerKind.VOCAB, (w,), padding_size=0), "padding size 0"),
+        (_facts(LayerKind.VOCAB, (("w", (3, 4)),), tp=2, padding_size=3), "padded vocabulary 3"),
+        (_facts(LayerKind.QKV, (w, w, w), head_size=0, num_heads=2, num_kv_heads=2), "heads"),
+        (
+            _facts(LayerKind.QKV, (w, w, w), tp=4, head_size=2, num_heads=4, num_kv_heads=3),
+            "3 kv heads",
+        ),
+        (
+            _facts(LayerKind.QKV, (w, w, w), tp=2, head_size=2, num_heads=2, num_kv_heads=1),
+            "q, k, v of 4, 4, 4 rows",
+        ),
+    ]:
+        error = _error(vllm_shard(facts))
+        assert error.problems[0].kind is Problem.INVALID
+        assert error.problems[0].param == "p"
+        assert needle in str(error), (needle, error)
+
+
+def test_gqa_with_fewer_kv_heads_than_tp_replicates_the_kv_head() -> None:
+    q, k, v = ("q", (8 * 2, 4)), ("k", (2 * 2, 4)), ("v", (2 * 2, 4))
+    shards = [
+        vllm_shard(
+            _facts(LayerKind.QKV, (q, k, v), rank=r, tp=4, head_size=2, num_heads=8, num_kv_heads=2)
+        ).unwrap()
+        for r in range(4)
+    ]
+    assert all(s.shape == (2 * 2 + 2 + 2, 4) for s in shards)
+    k_rows = [next(p.source_box[0] for p in s.pieces if p.source == "k") for s in shards]
+    assert k_rows == [(0, 2), (0, 2), (2, 4), (2, 4)]  # ranks 0,1 share kv head 0; 2,3 head 1
+
+
+def test_vocab_padding_past_the_real_rows_is_padding() -> None:
+    shards = [
+        vllm_shard(
+            _facts(LayerKind.VOCAB, (("e", (10, 3)),), rank=r, tp=4, padding_size=8)
+        ).unwrap()
+        for r in range(4)
+    ]
+    assert [s.shape for s in shards] == [(4, 3)] * 4  # 10 rows padded to 16
+    assert [s.padding for s in shards] == [(), (), (((2, 4), (0, 3)),), (((0, 4), (0, 3)),)]
+    assert [len(s.pieces) for s in shards] == [1, 1, 1, 0]

@@ -1,0 +1,3 @@
+class OutputProcessor:
+    # The unfinished requests by internal request id (values: vLLM's RequestState).
+    request_states: dict[str, object]
