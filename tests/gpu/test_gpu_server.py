@@ -191,7 +191,7 @@ def test_an_in_flight_refit_applies_to_an_http_request(
                 while sworker.num_unfinished() == 0:
                     await asyncio.sleep(0.001)
             await sworker.prepare_refit_info(manifest(checkpoints.b))
-            trainer.send("send", (str(checkpoints.b), False, False))
+            trainer.send("send", (str(checkpoints.b), False))
             ev = asyncio.get_running_loop()
             await ev.run_in_executor(None, trainer.expect, "sending")
             assert await sworker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT_S)
@@ -200,7 +200,8 @@ def test_an_in_flight_refit_applies_to_an_http_request(
             assert r.status_code == 200, r.text
             assert versions(r)[-1] == before + 1
             # back to checkpoint A for the other tests
-            trainer.send("send", (str(checkpoints.a), False, False))
+            await sworker.prepare_refit_info(manifest(checkpoints.a))
+            trainer.send("send", (str(checkpoints.a), False))
             await ev.run_in_executor(None, trainer.expect, "sending")
             assert await sworker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT_S)
             await ev.run_in_executor(None, trainer.expect, "sent")
