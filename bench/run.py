@@ -22,6 +22,7 @@ SUITES = (
     "bench_sparse",
     "bench_reshard",
     "bench_async",
+    "bench_server",
 )
 
 

@@ -76,6 +76,18 @@ from genworker.core.reshard import (
 )
 from genworker.core.rows import RowChecks, assemble_row, check_rows
 from genworker.core.sampling import SamplingSpec, group_specs, sampling_spec
+from genworker.core.serving import (
+    OffPolicy,
+    PrefixMismatch,
+    ServerOptions,
+    Turn,
+    check_on_policy,
+    check_turns,
+    http_max_tokens,
+    server_options,
+    splice_prefix,
+    training_policy,
+)
 from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards, split_batch
 from genworker.core.stops import StopError, StopMode, merge_stop_strings
 from genworker.core.versions import (
@@ -112,8 +124,10 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "MediaError",
+    "OffPolicy",
     "PlacementError",
     "PlacementPlan",
+    "PrefixMismatch",
     "RelayFailure",
     "RelayPlan",
     "ReshardError",
@@ -121,6 +135,7 @@ __all__ = [
     "RowCaps",
     "RowChecks",
     "SamplingSpec",
+    "ServerOptions",
     "ShardPlan",
     "State",
     "StopError",
@@ -128,6 +143,7 @@ __all__ = [
     "TensorDelta",
     "TensorSpec",
     "TrainerLayout",
+    "Turn",
     "VersionError",
     "VersionRuns",
     "VllmConfig",
@@ -144,7 +160,9 @@ __all__ = [
     "check_context",
     "check_keys",
     "check_media",
+    "check_on_policy",
     "check_rows",
+    "check_turns",
     "configure_worker",
     "context_cap",
     "decode_delta",
@@ -156,6 +174,7 @@ __all__ = [
     "extract_prompts",
     "flatten_generations",
     "group_specs",
+    "http_max_tokens",
     "merge_shard_outputs",
     "merge_snapshots",
     "merge_stop_strings",
@@ -172,11 +191,14 @@ __all__ = [
     "runs_from_spans",
     "runs_from_tokens",
     "sampling_spec",
+    "server_options",
     "spec_decode_cap",
     "spec_decode_metrics",
+    "splice_prefix",
     "split_batch",
     "staleness",
     "step_deltas",
+    "training_policy",
     "transition",
     "values_by_name",
     "vllm_shard",

@@ -268,6 +268,13 @@ KEYS: Final[tuple[KeyRule, ...]] = (
     KeyRule("vllm_cfg.http_server_serving_chat_kwargs.*", _S, "the OpenAI chat endpoint"),
     KeyRule("vllm_cfg.tool_parser_plugin", _S, "the OpenAI server's tool parser"),
     KeyRule("vllm_cfg.reasoning_parser_plugin", _S, "the OpenAI server's reasoning parser"),
+    KeyRule("vllm_cfg.http_server_host", _S, "genworker: the OpenAI server's listen address"),
+    KeyRule("vllm_cfg.http_server_port", _S, "genworker: the OpenAI server's port (0: any)"),
+    KeyRule(
+        "vllm_cfg.http_server_on_policy_guard",
+        _S,
+        "genworker: refuse off-policy sampling parameters over HTTP (default true)",
+    ),
     KeyRule("vllm_cfg.use_deep_gemm", _R, _FP8 + "; leave it false", inert=(False,)),
     KeyRule("vllm_cfg.num_first_layers_in_bf16", _R, _FP8 + "; leave it 0", inert=(0, None)),
     KeyRule("vllm_cfg.num_last_layers_in_bf16", _R, _FP8 + "; leave it 0", inert=(0, None)),

@@ -29,12 +29,14 @@ from genworker.shell.errors import (
 )
 from genworker.shell.fake_async_engine import FakeAsyncEngine, FakeAsyncEngineFactory
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
+from genworker.shell.server import VERSIONS_HEADER, OpenAIServer
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
 if TYPE_CHECKING:
     from genworker.shell.group import ClusterSpec, GenerationGroup, local_cluster
 
 __all__ = [
+    "VERSIONS_HEADER",
     "AsyncVllmGenerationWorker",
     "BadArgumentError",
     "BadBatchError",
@@ -53,6 +55,7 @@ __all__ = [
     "GenerationGroup",
     "GenworkerError",
     "GroupError",
+    "OpenAIServer",
     "RefitError",
     "RefitManifestError",
     "RefitTimeoutError",

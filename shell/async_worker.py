@@ -87,6 +87,7 @@ from genworker.core.refit_protocol import (
 )
 from genworker.core.rows import assemble_row, check_rows
 from genworker.core.sampling import SamplingSpec, sampling_spec
+from genworker.core.serving import server_options, training_policy
 from genworker.core.stops import StopMode, merge_stop_strings
 from genworker.core.versions import (
     VersionRuns,
@@ -116,6 +117,7 @@ from genworker.shell.ports import (
     StreamedGeneration,
 )
 from genworker.shell.refit.wire import raise_failures
+from genworker.shell.server import OpenAIServer
 from genworker.shell.worker import (
     EXTENSION_CLS,
     VllmGenerationWorker,
@@ -356,6 +358,9 @@ class AsyncVllmGenerationWorker:
         #: the last successful refit: each engine worker's report, its mode, and the
         #: seconds of its pause, transfer and resume
         self.last_refit: dict[str, object] = {}
+        #: vLLM's OpenAI server (vllm_cfg.expose_http_server); its socket is bound now,
+        #: before the engine loads
+        self._http: OpenAIServer | None = self._bind_http_server()
         if not defer_model_load:
             self.load_model()
 
@@ -1105,6 +1110,11 @@ class AsyncVllmGenerationWorker:
                 "weights are inconsistent until a refit succeeds"
             )
         )
+        if self._http is not None:
+            self._http.abort_all(
+                f"aborted: the in-flight refit ({method}) failed ({error}); the weights are "
+                "inconsistent until a refit succeeds"
+            )
         try:
             if ids:
                 await engine.abort(ids)
@@ -1163,6 +1173,8 @@ class AsyncVllmGenerationWorker:
     async def shutdown(self) -> bool:
         """Abort what runs (each row comes back as EngineStateError), stop the engine;
         idempotent. The worker is unusable afterwards."""
+        if self._http is not None:
+            await self._http.stop()
         logger, self._logger = self._logger, None
         if logger is not None:
             logger.stop()
@@ -1185,3 +1197,45 @@ class AsyncVllmGenerationWorker:
         finally:
             await engine.shutdown()
         return True
+
+    # -- the OpenAI server (vllm_cfg.expose_http_server; genworker.shell.server) -------
+    def _bind_http_server(self) -> OpenAIServer | None:
+        options = unwrap(server_options(self.cfg), BadConfigError, "HTTP server options")
+        return None if options is None else OpenAIServer(options)
+
+    @property
+    def base_url(self) -> str | None:
+        """Where vLLM's OpenAI server listens (``http://host:port/v1``); ``None`` when
+        ``expose_http_server`` is off. Known from construction on (the socket is bound)."""
+        return None if self._http is None else self._http.base_url
+
+    async def start_http_server(self) -> str:
+        """Serve vLLM's OpenAI app around this worker's engine on the running loop (the
+        worker's loop); idempotent. Returns ``base_url``."""
+        if self._http is None:
+            raise EngineStateError(
+                "start_http_server: vllm_cfg.expose_http_server is not true in the config"
+            )
+        if not self._http.serving:
+            self._move(lifecycle.Event.STREAM_OPEN)
+            await self._http.start(
+                self.llm,
+                self,
+                policy=training_policy(self.cfg) if self._http.options.on_policy_guard else None,
+                max_new_tokens=self.cfg.max_new_tokens,
+                cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
+                num_speculative_tokens=self.engine.capabilities.num_speculative_tokens,
+            )
+        return self._http.base_url
+
+    async def post_init_async(self) -> None:
+        """NeMo-RL's post-init hook for async workers: starts the HTTP server when the
+        config exposes one."""
+        if self._http is not None:
+            await self.start_http_server()
+
+    async def report_dp_openai_server_base_url(self) -> str | None:
+        """NeMo-RL's name for ``base_url``; starts the server first when it is not yet."""
+        if self._http is None:
+            return None
+        return await self.start_http_server()

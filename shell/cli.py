@@ -4,10 +4,12 @@ genworker demo                                    # a small RL loop: generate, s
 genworker demo --table [--shards N]               # one batch on a tiny model, as a table
 genworker demo --image                            # tiny local Idefics3: an image row
 genworker generate --model DIR --prompts FILE     # JSONL {"prompt": ...} in, JSONL out
+genworker serve --model DIR [--host H --port P]   # vLLM's OpenAI server, genworker's layer
 
 vLLM logs to stdout by default; here its log lines go to stderr (``--log-level``, ``-q``),
-and the stdout of ``generate`` carries the JSON records only: anything else that writes
-to file descriptor 1 while it runs (a library's print, a C++ warning) lands on stderr.
+and the stdout of ``generate`` and ``serve`` carries the JSON records only: anything else
+that writes to file descriptor 1 while it runs (a library's print, a C++ warning) lands on
+stderr.
 """
 
 from __future__ import annotations
@@ -396,6 +398,56 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """The async worker with its OpenAI server until SIGINT/SIGTERM: one JSON line
+    ``{"base_url": ...}`` on stdout once it serves, ``{"stopped": true}`` once stopped."""
+    import asyncio
+    import signal
+
+    from genworker.shell.async_worker import AsyncVllmGenerationWorker
+
+    config = worker_config(
+        args.model,
+        pad_token_id=_pad_id(_tokenizer(args.model)),
+        max_new_tokens=args.max_new_tokens or 24,
+        temperature=1.0 if args.temperature is None else args.temperature,
+        device=_device(),
+        load_progress=args.load_progress,
+    )
+    vllm_cfg = config["vllm_cfg"]
+    assert isinstance(vllm_cfg, dict)
+    vllm_cfg.update(
+        async_engine=True,
+        expose_http_server=True,
+        http_server_host=args.host,
+        http_server_port=args.port,
+        http_server_on_policy_guard=not args.no_on_policy_guard,
+    )
+    if args.chat_template is not None:
+        template = Path(args.chat_template).read_text(encoding="utf-8")
+        vllm_cfg["http_server_serving_chat_kwargs"] = {"chat_template": template}
+
+    async def serve(sink: TextIO) -> None:
+        worker = AsyncVllmGenerationWorker(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            url = await worker.start_http_server()
+            sink.write(json.dumps({"base_url": url}) + "\n")
+            sink.flush()
+            await stop.wait()
+        finally:
+            await worker.shutdown()
+        sink.write(json.dumps({"stopped": True}) + "\n")
+        sink.flush()
+
+    with _records_to(None) as sink:
+        asyncio.run(serve(sink))
+    return 0
+
+
 @contextlib.contextmanager
 def _records_to(path: str | None) -> Iterator[TextIO]:
     """The stream the JSON records go to: the file at ``path``, or the process's stdout.
@@ -472,11 +524,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--model", required=True, help="a local Hugging Face model directory")
     gen.add_argument("--prompts", required=True, help='JSONL file of {"prompt": ...}')
     gen.add_argument("--out", help="output JSONL (default: stdout)")
-    for p, level in ((demo, "error"), (gen, "warning")):
+    serve = sub.add_parser("serve", help="vLLM's OpenAI server around the async worker")
+    serve.add_argument("--model", required=True, help="a local Hugging Face model directory")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default loopback)")
+    serve.add_argument("--port", type=int, default=0, help="listen port (0: any free port)")
+    serve.add_argument("--chat-template", help="a Jinja chat template file")
+    serve.add_argument(
+        "--no-on-policy-guard", action="store_true", help="accept any sampling parameters"
+    )
+    for p, level in ((demo, "error"), (gen, "warning"), (serve, "warning")):
         p.add_argument("--max-new-tokens", type=int, help="default 16 (RL), 24 (table, generate)")
         p.add_argument("--temperature", type=float, help="default 1.0")
-        p.add_argument("--greedy", action="store_true")
-        p.add_argument("--chunk", type=int, help="rows per generate call (default 4)")
+        if p is not serve:
+            p.add_argument("--greedy", action="store_true")
+            p.add_argument("--chunk", type=int, help="rows per generate call (default 4)")
         p.add_argument(
             "--log-level",
             choices=LOG_LEVELS,
@@ -497,6 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.load_progress = level in ("debug", "info")
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
     if args.image:
         return _image_demo(args)
     return _table_demo(args) if args.table else _rl_demo(args)

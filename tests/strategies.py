@@ -1429,6 +1429,36 @@ def version_batches(
     return st.lists(st.tuples(st.integers(0, 8), version_sequences(max_size=12)), max_size=max_rows)
 
 
+# --- serving ---
+SERVING_VOCAB = ("a", "b", "ab", "ba", "aa", "bb", "<s>", "</s>", ":", " ")
+"""A toy tokenizer for the prefix laws: token id = index, decode = concatenation."""
+
+_SERVING_PIECES = {piece: i for i, piece in enumerate(SERVING_VOCAB)}
+
+
+def serving_decode(ids: object) -> str:
+    """The toy tokenizer's decode."""
+    assert isinstance(ids, list | tuple)
+    return "".join(SERVING_VOCAB[i] for i in ids)
+
+
+def serving_texts(min_size: int = 1) -> st.SearchStrategy[str]:
+    """Text over the toy tokenizer's letters."""
+    return st.text(alphabet="ab", min_size=min_size, max_size=12)
+
+
+@st.composite
+def serving_segmentations(draw: st.DrawFn, text: str) -> list[int]:
+    """One tokenization of ``text``: pieces of one or two letters."""
+    ids: list[int] = []
+    i = 0
+    while i < len(text):
+        n = 2 if i + 1 < len(text) and draw(st.booleans()) else 1
+        ids.append(_SERVING_PIECES[text[i : i + n]])
+        i += n
+    return ids
+
+
 # --- delta ---
 import numpy as _np
 

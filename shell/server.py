@@ -1,0 +1,712 @@
+"""vLLM's own OpenAI server around the async worker's ``AsyncLLM``, behind a thin ASGI layer
+for what RL rollouts need: exact token ids, logprobs, weight versions, the on-policy
+guard, the context budget and multi-turn prefix ids.
+
+Theory of operation
+-------------------
+- **vLLM serves every route.** The app is vLLM's ``build_app`` + ``init_app_state`` around
+  the worker's engine client (``vllm.entrypoints.launchers`` in 0.32, re-exported by
+  ``vllm.entrypoints.openai.api_server``, where 0.25 has them), run by a uvicorn server
+  that never installs signal handlers (vLLM's ``NoSignalServer`` where present) on the
+  worker's event loop. Capabilities are found by looking (module paths, signatures).
+- **The socket is bound first** (:class:`OpenAIServer`'s constructor, before the engine
+  loads), and uvicorn serves on that socket: nothing can take the port in between (the
+  port race of NeMo-RL #2380), and a connection made before the app is up waits in the
+  listen backlog. Port 0 binds a free port; ``base_url`` reports the real one.
+- **The layer** (:class:`RolloutLayer`, pure ASGI, no handler of its own) touches only
+  ``POST /v1/completions`` and ``POST /v1/chat/completions`` with a JSON object body;
+  anything else (malformed JSON included) goes to vLLM untouched and gets vLLM's answer.
+  For those two it: refuses off-policy sampling parameters (``core.serving``, when the
+  guard is on) and fills the training values in; asks vLLM for ``return_token_ids`` and
+  the sampled tokens' logprobs; tokenizes the prompt through vLLM's own ``/tokenize``
+  route (an in-process ASGI call, same renderer, same chat template) to apply the
+  context budget of ``core.serving.http_max_tokens`` (a completion prompt whose byte
+  length bounds its tokens well inside the budget, ``core.serving.prompt_tokens_at_most``,
+  is not tokenized: the common case costs nothing); for chat with earlier turns' ids,
+  checks and splices the prefix (``core.serving.check_turns`` / ``splice_prefix``) and
+  hands the final ids to vLLM as ``kv_transfer_params.prompt_token_ids``, which vLLM's
+  renderer feeds to the engine verbatim instead of re-rendering the messages
+  (``renderers/online_renderer.py`` ``_reused_prompt_token_ids``, 0.32; where it is
+  absent such a request gets 501). Refusals are OpenAI-style error bodies (400 naming
+  the parameter or the message).
+- **Weight versions**: each request runs inside ``AsyncVllmGenerationWorker.in_flight()``
+  (a stream for the lifecycle: sleep and prefix-cache resets wait, in-flight refits pause
+  and resume it like the worker's own rows; a refit that fails ends them: 500 naming the
+  failure, or the stream ends). Non-streaming responses carry the header
+  ``x-genworker-weight-versions`` (comma-separated: every version from the request's
+  arrival to its response, ``core.serving.versions_between``); every streamed event
+  carries the same as a ``weight_versions`` list field (up to that event), and the
+  header has the versions up to the stream's start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import json
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from typing import Any, Protocol
+
+from returns.result import Failure
+
+from genworker.core.caps import CapError
+from genworker.core.serving import (
+    OffPolicy,
+    SamplingPolicy,
+    ServerOptions,
+    Turn,
+    check_on_policy,
+    check_turns,
+    http_max_tokens,
+    prompt_tokens_at_most,
+    splice_prefix,
+    versions_between,
+)
+from genworker.shell.errors import BadConfigError, EngineStateError, GenworkerError
+
+__all__ = [
+    "VERSIONS_HEADER",
+    "OpenAIServer",
+    "RolloutHooks",
+    "RolloutLayer",
+    "bind_socket",
+    "build_vllm_app",
+    "chat_takes_prompt_ids",
+    "serve_on",
+    "stop_serving",
+]
+
+log = logging.getLogger(__name__)
+
+VERSIONS_HEADER = "x-genworker-weight-versions"
+_GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_TURN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+_TOKENIZE_CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "add_special_tokens",
+    "model",
+)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0: a free port), ready for uvicorn."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise BadConfigError(
+            f"the HTTP server cannot listen on {host}:{port} "
+            f"(vllm_cfg.http_server_host / http_server_port): {e}"
+        ) from e
+    return sock
+
+
+class RolloutHooks(Protocol):
+    """What the layer needs from the worker."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def in_flight(self) -> contextlib.AbstractAsyncContextManager[object]: ...
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def _error_body(status: int, message: str, param: str | None) -> bytes:
+    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    ).encode()
+
+
+def _ids(value: object, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise _Refused(400, f"{name} must be a list of non-negative token ids", name)
+    return value
+
+
+class RolloutLayer:
+    """The ASGI layer in front of vLLM's app (see the module docstring)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        hooks: RolloutHooks,
+        *,
+        policy: SamplingPolicy | None,
+        max_new_tokens: int,
+        max_model_len: int,
+        cap_to_context: bool,
+        num_speculative_tokens: int,
+        decode: Callable[[Sequence[int], bool], str],
+        reuses_prompt_ids: bool,
+    ) -> None:
+        self.app = app
+        self.hooks = hooks
+        self.policy = policy
+        self.max_new_tokens = max_new_tokens
+        self.max_model_len = max_model_len
+        self.cap_to_context = cap_to_context
+        self.num_speculative_tokens = num_speculative_tokens
+        self.decode = decode
+        self.reuses_prompt_ids = reuses_prompt_ids
+        self._running: set[asyncio.Task[Any]] = set()
+        self._aborted: dict[asyncio.Task[Any], str] = {}
+
+    def abort_all(self, reason: str) -> int:
+        """End every generation request in flight (vLLM aborts it: ``AsyncLLM.generate``
+        on cancellation); each answers 500 with ``reason``, or its stream ends there."""
+        for task in self._running:
+            self._aborted.setdefault(task, reason)
+            task.cancel()
+        return len(self._running)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or scope.get("path") not in _GENERATE_PATHS
+        ):
+            await self.app(scope, receive, send)
+            return
+        raw = await _read_body(receive)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):  # vLLM answers malformed requests itself
+            await self.app(scope, _replay(raw), send)
+            return
+        chat = scope["path"] == "/v1/chat/completions"
+        try:
+            await self._prepare(scope, body, chat)
+            async with self.hooks.in_flight():
+                await self._generate(scope, body, send)
+        except _Refused as e:
+            await _respond(send, e.status, _error_body(e.status, str(e), e.param))
+        except EngineStateError as e:
+            await _respond(send, 503, _error_body(503, str(e), None))
+
+    async def _generate(self, scope: Scope, body: dict[str, Any], send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            reason = self._aborted.get(task)
+            if reason is not None:  # vLLM answered the cancellation itself: ours instead
+                if not started:
+                    started = True
+                    await _respond(send, 500, _error_body(500, reason, None))
+                return
+            started = started or message["type"] == "http.response.start"
+            await forward(message)
+
+        forward = self._sender(send, self.hooks.weight_version)
+        self._running.add(task)
+        try:
+            await self.app(scope, _replay(json.dumps(body).encode()), tracked)
+            if task in self._aborted:  # vLLM took the cancellation as a disconnect
+                task.uncancel()
+        except asyncio.CancelledError:
+            reason = self._aborted.get(task)
+            if reason is None:
+                raise
+            task.uncancel()
+            if not started:
+                await _respond(send, 500, _error_body(500, reason, None))
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._running.discard(task)
+            self._aborted.pop(task, None)
+
+    # -- the request -------------------------------------------------------------------
+    async def _prepare(self, scope: Scope, body: dict[str, Any], chat: bool) -> None:
+        if self.policy is not None:
+            checked = check_on_policy(body, self.policy)
+            if isinstance(checked, Failure):
+                problem: OffPolicy = checked.failure()
+                raise _Refused(400, str(problem), problem.parameter)
+            body.update(checked.unwrap())
+        body["return_token_ids"] = True
+        if chat:
+            if not body.get("logprobs"):
+                body["logprobs"] = True
+            lengths = [await self._chat_prompt(scope, body)]
+        else:
+            if body.get("logprobs") is None:
+                body["logprobs"] = 0
+            lengths = await self._completion_lengths(scope, body)
+        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        requested = body.get(key)
+        budgets = []
+        for length in lengths:
+            budget = self._budget(requested, length)
+            if isinstance(budget, Failure):
+                problem_ = budget.failure()
+                param = "messages" if chat else "prompt"
+                if not isinstance(problem_, CapError):
+                    param = key
+                raise _Refused(400, f"{param}: {problem_}", param)
+            budgets.append(budget.unwrap())
+        body[key] = min(budgets)
+
+    def _budget(self, requested: object, prompt_length: int) -> Any:
+        return http_max_tokens(
+            requested,
+            prompt_length,
+            max_new_tokens=self.max_new_tokens,
+            max_model_len=self.max_model_len,
+            cap_to_context=self.cap_to_context,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )
+
+    def _fits_untokenized(self, requested: object, prompt: str) -> int | None:
+        """The prompt-length bound when ``requested`` fits with it unchanged
+        (``core.serving.prompt_tokens_at_most``), else None: tokenize."""
+        bound = prompt_tokens_at_most(len(prompt.encode()))
+        wanted = self.max_new_tokens if requested is None else requested
+        budget = self._budget(requested, bound)
+        if isinstance(budget, Failure) or budget.unwrap() != wanted:
+            return None
+        return bound
+
+    async def _tokenize(self, scope: Scope, payload: dict[str, Any]) -> list[int]:
+        status, answer = await _call_json(self.app, scope, "/tokenize", payload)
+        if status != 200 or not isinstance(answer, dict):
+            message = answer.get("error", answer) if isinstance(answer, dict) else answer
+            if isinstance(message, dict):
+                message = message.get("message", message)
+            raise _Refused(400 if 400 <= status < 500 else 500, str(message))
+        tokens = answer.get("tokens")
+        assert isinstance(tokens, list), answer
+        return tokens
+
+    async def _completion_lengths(self, scope: Scope, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        prompts: list[object]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            return [len(prompt)]
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        lengths = []
+        for p in prompts:
+            if isinstance(p, list):
+                lengths.append(len(p))
+            elif isinstance(p, str):
+                bound = self._fits_untokenized(body.get("max_tokens"), p)
+                if bound is not None:
+                    lengths.append(bound)
+                    continue
+                payload: dict[str, Any] = {"prompt": p}
+                for field in ("model", "add_special_tokens"):
+                    if field in body:
+                        payload[field] = body[field]
+                lengths.append(len(await self._tokenize(scope, payload)))
+            else:
+                raise _Refused(400, f"prompt must be a str or token ids, got {p!r}", "prompt")
+        return lengths
+
+    async def _chat_prompt(self, scope: Scope, body: dict[str, Any]) -> int:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise _Refused(400, "messages must be a list of objects", "messages")
+        turns: list[Turn] = []
+        last_assistant = -1
+        for i, m in enumerate(messages):
+            if m.get("role") == "assistant":
+                last_assistant = i
+            if "prompt_token_ids" in m or "generation_token_ids" in m:
+                content = m.get("content")
+                if not isinstance(content, str):
+                    raise _Refused(
+                        400, f"messages[{i}]: a turn with token ids needs str content", "messages"
+                    )
+                turns.append(
+                    Turn(
+                        i,
+                        content,
+                        _ids(m.get("prompt_token_ids"), f"messages[{i}].prompt_token_ids"),
+                        _ids(m.get("generation_token_ids"), f"messages[{i}].generation_token_ids"),
+                    )
+                )
+            for field in _TURN_FIELDS:
+                m.pop(field, None)
+        required = body.pop("required_prefix_token_ids", None)
+        reference: Sequence[int] = ()
+        if turns:
+            checked = check_turns(turns, lambda ids: self.decode(ids, True))
+            if isinstance(checked, Failure):
+                raise _Refused(400, str(checked.failure()), "messages")
+            reference = checked.unwrap()
+        if required is not None:
+            reference = _ids(required, "required_prefix_token_ids")
+        payload = {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}
+        payload["messages"] = messages
+        template = await self._tokenize(scope, payload)
+        if not reference:
+            return len(template)
+        if not self.reuses_prompt_ids:
+            raise _Refused(
+                501,
+                "this vLLM cannot take a chat prompt as token ids "
+                "(no kv_transfer_params.prompt_token_ids reuse); send the ids to /v1/completions",
+                "messages",
+            )
+        message = turns[-1].message if turns and required is None else last_assistant
+        spliced = splice_prefix(
+            reference, template, lambda ids: self.decode(ids, False), message=message
+        )
+        if isinstance(spliced, Failure):
+            raise _Refused(400, str(spliced.failure()), "messages")
+        ids = list(spliced.unwrap())
+        kv = body.get("kv_transfer_params")
+        body["kv_transfer_params"] = {
+            **(kv if isinstance(kv, dict) else {}),
+            "prompt_token_ids": ids,
+        }
+        return len(ids)
+
+    # -- the response ------------------------------------------------------------------
+    def _sender(self, send: Send, first: int) -> Send:
+        stream = False
+        pending = b""
+
+        def versions() -> list[int]:
+            return list(versions_between(first, self.hooks.weight_version))
+
+        async def wrapped(message: Message) -> None:
+            nonlocal stream, pending
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                stream = any(
+                    k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                    for k, v in headers
+                )
+                headers.append((VERSIONS_HEADER.encode(), ",".join(map(str, versions())).encode()))
+                message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body" and stream:
+                pending += message.get("body", b"")
+                done, _, pending = pending.rpartition(b"\n\n")
+                if done or not message.get("more_body", False):
+                    tag = b'data: {"weight_versions":' + json.dumps(versions()).encode() + b","
+                    events = (done + b"\n\n") if done else b""
+                    if not message.get("more_body", False):
+                        events, pending = events + pending, b""
+                    message = {**message, "body": events.replace(b"data: {", tag)}
+                else:
+                    return
+            await send(message)
+
+        return wrapped
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes) -> Receive:
+    sent = False
+    disconnected = asyncio.Event()
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+async def _respond(send: Send, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _call_json(
+    app: ASGIApp, scope: Scope, path: str, payload: Mapping[str, Any]
+) -> tuple[int, object]:
+    """One in-process request to ``app`` (vLLM's own route), JSON in and out."""
+    data = json.dumps(payload).encode()
+    sub = {
+        **scope,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+        ],
+    }
+    status = 500
+    chunks: list[bytes] = []
+
+    async def send(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = int(message["status"])
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(sub, _replay(data), send)
+    try:
+        return status, json.loads(b"".join(chunks))
+    except ValueError:
+        return status, b"".join(chunks).decode(errors="replace")
+
+
+# --- vLLM's app, found by looking ------------------------------------------------------
+
+
+def _first_attr(names: Sequence[tuple[str, str]]) -> Any:
+    for module, attr in names:
+        try:
+            found = getattr(importlib.import_module(module), attr, None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    raise BadConfigError(
+        f"the installed vLLM has none of {[f'{m}.{a}' for m, a in names]}: cannot build its "
+        "OpenAI app"
+    )
+
+
+def _call_by_signature(fn: Any, /, **available: Any) -> Any:
+    params = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in available.items() if k in params})
+
+
+def chat_takes_prompt_ids() -> bool:
+    """Whether the installed vLLM's chat route takes the prompt as token ids
+    (``kv_transfer_params.prompt_token_ids``, ``vllm/renderers/online_renderer.py``)."""
+    try:
+        renderer = importlib.import_module("vllm.renderers.online_renderer")
+    except ImportError:
+        return False
+    return callable(getattr(renderer, "_reused_prompt_token_ids", None))
+
+
+async def _tokenizer(llm: Any) -> Any:
+    tokenizer = getattr(llm, "tokenizer", None)
+    if tokenizer is None or (callable(tokenizer) and not hasattr(tokenizer, "decode")):
+        got = llm.get_tokenizer()
+        tokenizer = await got if inspect.isawaitable(got) else got
+    if tokenizer is None:
+        raise BadConfigError("the engine has no tokenizer (skip_tokenizer_init): no HTTP server")
+    return tokenizer
+
+
+async def build_vllm_app(llm: Any, chat_template: str | None = None) -> Any:
+    """vLLM's own OpenAI app around the engine client ``llm`` (stock, no layer)."""
+    build_app = _first_attr(
+        [
+            ("vllm.entrypoints.launchers.app", "build_app"),
+            ("vllm.entrypoints.openai.api_server", "build_app"),
+        ]
+    )
+    init_app_state = _first_attr(
+        [
+            ("vllm.entrypoints.launchers.api_server.app_state", "init_app_state"),
+            ("vllm.entrypoints.openai.api_server", "init_app_state"),
+        ]
+    )
+    make_arg_parser = _first_attr(
+        [
+            ("vllm.entrypoints.launchers.cli_args", "make_arg_parser"),
+            ("vllm.entrypoints.openai.cli_args", "make_arg_parser"),
+        ]
+    )
+    parser_cls = _first_attr(
+        [
+            ("vllm.utils.argparse_utils", "FlexibleArgumentParser"),
+            ("vllm.utils", "FlexibleArgumentParser"),
+        ]
+    )
+    model_config = llm.model_config
+    argv = [
+        "--model",
+        str(model_config.model),
+        "--max-model-len",
+        str(model_config.max_model_len),
+    ]
+    served = model_config.served_model_name
+    names = [served] if isinstance(served, str) else list(served or [])
+    if names:
+        argv += ["--served-model-name", *names]
+    if chat_template is not None:
+        argv += ["--chat-template", chat_template]
+    args = make_arg_parser(parser_cls()).parse_args(argv)
+    tasks = None
+    get_tasks = getattr(llm, "get_supported_tasks", None)
+    if callable(get_tasks):
+        tasks = await get_tasks()
+    app = _call_by_signature(build_app, args=args, supported_tasks=tasks, model_config=model_config)
+    await _call_by_signature(
+        init_app_state,
+        engine_client=llm,
+        vllm_config=getattr(llm, "vllm_config", None),
+        state=app.state,
+        args=args,
+        supported_tasks=tasks,
+    )
+    return app
+
+
+async def serve_on(app: Any, sock: socket.socket) -> tuple[Any, asyncio.Task[None]]:
+    """Serve the ASGI ``app`` on the bound ``sock`` from this loop with a uvicorn server
+    that leaves the process's signals alone; returns once it accepts connections."""
+    import uvicorn
+
+    server_cls = _first_attr(
+        [("vllm.entrypoints.launchers.launcher", "NoSignalServer"), ("uvicorn", "Server")]
+    )
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    server = server_cls(config)
+    if server_cls is uvicorn.Server:  # never take the process's signals
+        server.install_signal_handlers = lambda: None
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    async with asyncio.timeout(60):
+        while not server.started:
+            if task.done():
+                task.result()
+                raise GenworkerError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+    return server, task
+
+
+async def stop_serving(server: Any, task: asyncio.Task[None]) -> None:
+    """Stop a server of :func:`serve_on` (forced after 10 s)."""
+    server.should_exit = True
+    try:
+        async with asyncio.timeout(10):
+            await task
+    except TimeoutError:
+        server.force_exit = True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+class OpenAIServer:
+    """vLLM's OpenAI app on a socket bound at construction (see the module docstring)."""
+
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self._socket: socket.socket | None = bind_socket(options.host, options.port)
+        host, port = self._socket.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        self.base_url = f"http://{shown}:{port}/v1"
+        self.port = int(port)
+        if not options.loopback:
+            log.warning(
+                "the OpenAI server listens on %s (vllm_cfg.http_server_host), reachable "
+                "from other hosts",
+                self.base_url,
+            )
+        self._server: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._layer: RolloutLayer | None = None
+
+    def abort_all(self, reason: str) -> int:
+        """End every HTTP generation request in flight (see ``RolloutLayer.abort_all``)."""
+        return 0 if self._layer is None else self._layer.abort_all(reason)
+
+    @property
+    def serving(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(
+        self,
+        llm: Any,
+        hooks: RolloutHooks,
+        *,
+        policy: SamplingPolicy | None,
+        max_new_tokens: int,
+        cap_to_context: bool,
+        num_speculative_tokens: int,
+    ) -> None:
+        """Build vLLM's app around ``llm`` and serve it on this loop; idempotent."""
+        if self._task is not None:
+            return
+        if self._socket is None:
+            raise EngineStateError("the HTTP server was stopped; create a new worker")
+        model_config = llm.model_config
+        app = await build_vllm_app(llm, self.options.chat_template)
+        tokenizer = await _tokenizer(llm)
+
+        def decode(ids: Sequence[int], skip_special: bool) -> str:
+            return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special))
+
+        layer = RolloutLayer(
+            app,
+            hooks,
+            policy=policy,
+            max_new_tokens=max_new_tokens,
+            max_model_len=int(model_config.max_model_len),
+            cap_to_context=cap_to_context,
+            num_speculative_tokens=num_speculative_tokens,
+            decode=decode,
+            reuses_prompt_ids=chat_takes_prompt_ids(),
+        )
+        self._layer = layer
+        self._server, self._task = await serve_on(layer, self._socket)
+        log.info("vLLM's OpenAI server listens on %s", self.base_url)
+
+    async def stop(self) -> None:
+        """Stop serving and close the socket (the port is free afterwards); idempotent."""
+        task, self._task = self._task, None
+        server, self._server = self._server, None
+        try:
+            if task is not None and server is not None:
+                await stop_serving(server, task)
+        finally:
+            sock, self._socket = self._socket, None
+            if sock is not None:
+                sock.close()

@@ -1,0 +1,415 @@
+"""Laws of the OpenAI server's decisions: options, on-policy guard, token budget,
+multi-turn prefix, versions (``genworker.core.serving``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+from strategies import SERVING_VOCAB, serving_decode, serving_segmentations, serving_texts
+
+from genworker.core.caps import CapError
+from genworker.core.config import ConfigError, WorkerConfig
+from genworker.core.serving import (
+    BudgetError,
+    OffPolicy,
+    PrefixMismatch,
+    ServerOptions,
+    Turn,
+    check_on_policy,
+    check_turns,
+    http_max_tokens,
+    prompt_tokens_at_most,
+    server_options,
+    splice_prefix,
+    training_policy,
+    versions_between,
+)
+
+BOS, EOS, COLON = SERVING_VOCAB.index("<s>"), SERVING_VOCAB.index("</s>"), SERVING_VOCAB.index(":")
+
+
+def worker_config(**vllm_cfg: Any) -> WorkerConfig:
+    cfg = {
+        "model_name": "m",
+        "max_new_tokens": 8,
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "top_k": 20,
+        "bad_words": ["zz"],
+        "_pad_token_id": 0,
+        "vllm_cfg": {
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "gpu_memory_utilization": 0.5,
+            "max_model_len": 64,
+            **vllm_cfg,
+        },
+    }
+    parsed = WorkerConfig.from_mapping(cfg)
+    assert isinstance(parsed, Success)
+    config: WorkerConfig = parsed.unwrap()
+    return config
+
+
+# --- options ---------------------------------------------------------------------------
+
+
+def test_no_server_unless_exposed() -> None:
+    assert server_options(worker_config()) == Success(None)
+    assert server_options(worker_config(expose_http_server=False)) == Success(None)
+    assert server_options(worker_config(expose_http_server=None)) == Success(None)
+
+
+def test_exposed_defaults_to_loopback_any_port_guard_on() -> None:
+    got = server_options(worker_config(expose_http_server=True))
+    assert isinstance(got, Success)
+    options = got.unwrap()
+    assert options == ServerOptions("127.0.0.1", 0, True, None)
+    assert options is not None
+    assert options.loopback
+
+
+def test_options_given() -> None:
+    got = server_options(
+        worker_config(
+            expose_http_server=True,
+            http_server_host="0.0.0.0",
+            http_server_port=8011,
+            http_server_on_policy_guard=False,
+            http_server_serving_chat_kwargs={"chat_template": "{{ x }}"},
+        )
+    )
+    assert got == Success(ServerOptions("0.0.0.0", 8011, False, "{{ x }}"))
+    options = got.unwrap()
+    assert options is not None
+    assert not options.loopback
+
+
+def test_none_values_mean_defaults() -> None:
+    got = server_options(
+        worker_config(
+            expose_http_server=True,
+            http_server_host=None,
+            http_server_port=None,
+            http_server_on_policy_guard=None,
+            http_server_serving_chat_kwargs=None,
+        )
+    )
+    assert got == Success(ServerOptions())
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("expose_http_server", "maybe"),
+        ("http_server_host", ""),
+        ("http_server_host", 7),
+        ("http_server_port", 70000),
+        ("http_server_port", True),
+        ("http_server_port", "80"),
+        ("http_server_on_policy_guard", "sometimes"),
+        ("http_server_serving_chat_kwargs", ["chat_template"]),
+        ("http_server_serving_chat_kwargs", {"response_role": "bot"}),
+        ("http_server_serving_chat_kwargs", {"chat_template": 3}),
+        ("tool_parser_plugin", "hermes"),
+        ("reasoning_parser_plugin", "r1"),
+    ],
+)
+def test_bad_options_name_the_key(key: str, value: object) -> None:
+    extra = {} if key == "expose_http_server" else {"expose_http_server": True}
+    got = server_options(worker_config(**extra, **{key: value}))
+    assert isinstance(got, Failure)
+    error = got.failure()
+    assert isinstance(error, ConfigError)
+    assert error.keys == (f"vllm_cfg.{key}",)
+
+
+def test_server_keys_without_the_server_are_refused() -> None:
+    got = server_options(worker_config(http_server_port=8000))
+    assert isinstance(got, Failure)
+    assert got.failure().keys == ("vllm_cfg.http_server_port",)
+
+
+# --- on-policy guard -------------------------------------------------------------------
+
+POLICY = training_policy(worker_config())
+TRAINING = dict(POLICY.values)
+
+
+@given(st.sets(st.sampled_from([name for name, _ in POLICY.values])))
+def test_the_training_values_pass_and_left_out_ones_are_filled(given_names: set[str]) -> None:
+    body = {name: TRAINING[name] for name in given_names}
+    got = check_on_policy(body, POLICY)
+    assert isinstance(got, Success)
+    fills = got.unwrap()
+    assert fills == {
+        name: value
+        for name, value in POLICY.values
+        if name not in given_names and value is not None
+    }
+    again = check_on_policy({**body, **fills}, POLICY)
+    assert again == Success({})
+
+
+NUMERIC = [
+    name for name, v in POLICY.values if isinstance(v, int | float) and not isinstance(v, bool)
+]
+
+
+@given(
+    st.sampled_from(NUMERIC),
+    st.floats(-5, 5, allow_nan=False).filter(lambda x: x not in (0.0, 1.0, 0.8, 0.95, 20.0)),
+)
+def test_an_off_policy_number_is_refused_naming_it(name: str, value: float) -> None:
+    got = check_on_policy({name: value}, POLICY)
+    assert isinstance(got, Failure)
+    problem = got.failure()
+    assert isinstance(problem, OffPolicy)
+    assert problem.parameter == name
+    assert name in str(problem)
+    assert problem.requested == value
+    assert problem.training == TRAINING[name]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("logit_bias", {"5": 10}),
+        ("allowed_token_ids", [1, 2]),
+        ("use_beam_search", True),
+        ("bad_words", ["other"]),
+        ("temperature", "hot"),
+        ("structured_outputs", {"json": {}}),
+        ("response_format", {"type": "json_object"}),
+        ("response_format", "text"),
+    ],
+)
+def test_other_off_policy_fields_are_refused(name: str, value: object) -> None:
+    got = check_on_policy({name: value}, POLICY)
+    assert isinstance(got, Failure)
+    assert got.failure().parameter == name
+
+
+def test_neutral_values_pass() -> None:
+    open_k = training_policy(worker_config())  # top_k 20 here; -1 and 0 both mean off
+    assert isinstance(check_on_policy({"response_format": {"type": "text"}}, open_k), Success)
+    assert isinstance(
+        check_on_policy({"logit_bias": {}, "use_beam_search": False}, open_k), Success
+    )
+    cfg = WorkerConfig.from_mapping(
+        {**worker_config().to_mapping(), "top_k": None, "bad_words": None}
+    ).unwrap()
+    off = training_policy(cfg)
+    for k in (0, -1):
+        assert isinstance(check_on_policy({"top_k": k}, off), Success)
+    assert isinstance(check_on_policy({"bad_words": []}, off), Success)
+
+
+# --- token budget ----------------------------------------------------------------------
+
+
+@given(
+    requested=st.one_of(st.none(), st.integers(1, 300)),
+    prompt=st.integers(0, 300),
+    max_new=st.integers(1, 300),
+    max_len=st.integers(1, 300),
+    cap=st.booleans(),
+    spec=st.integers(0, 3),
+)
+def test_the_budget_never_passes_the_context(
+    requested: int | None, prompt: int, max_new: int, max_len: int, cap: bool, spec: int
+) -> None:
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": max_new,
+        "max_model_len": max_len,
+        "cap_to_context": cap,
+        "num_speculative_tokens": spec,
+    }
+    got = http_max_tokens(requested, prompt, **kwargs)
+    wanted = max_new if requested is None else requested
+    reserve = spec + 1 if spec else 0
+    if prompt >= max_len or (prompt >= max_len - reserve and (spec or cap)):
+        assert isinstance(got, Failure)
+        assert isinstance(got.failure(), CapError)
+        return
+    if requested is not None and not cap and not spec and prompt + requested > max_len:
+        assert isinstance(got, Failure)
+        problem = got.failure()
+        assert isinstance(problem, BudgetError)
+        assert "max_tokens" in str(problem)
+        assert problem.room == max_len - prompt
+        return
+    assert isinstance(got, Success)
+    tokens = got.unwrap()
+    assert 1 <= tokens <= min(wanted, max_len - prompt - reserve)
+    if cap or spec:
+        assert tokens == min(wanted, max_len - prompt - reserve)
+    assert http_max_tokens(tokens, prompt, **kwargs) == Success(tokens)  # idempotent
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "8", True])
+def test_a_bad_max_tokens_is_refused(bad: object) -> None:
+    got = http_max_tokens(
+        bad, 3, max_new_tokens=4, max_model_len=64, cap_to_context=True, num_speculative_tokens=0
+    )
+    assert isinstance(got, Failure)
+    assert isinstance(got.failure(), BudgetError)
+    assert "max_tokens" in str(got.failure())
+
+
+@given(
+    requested=st.one_of(st.none(), st.integers(1, 300)),
+    num_bytes=st.integers(0, 200),
+    exact=st.data(),
+    cap=st.booleans(),
+    spec=st.integers(0, 3),
+)
+def test_a_budget_that_fits_the_bound_fits_the_exact_prompt(
+    requested: int | None, num_bytes: int, exact: st.DataObject, cap: bool, spec: int
+) -> None:
+    bound = prompt_tokens_at_most(num_bytes)
+    assert bound > num_bytes  # every token covers a byte, plus the added special tokens
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": 16,
+        "max_model_len": 512,
+        "cap_to_context": cap,
+        "num_speculative_tokens": spec,
+    }
+    with_bound = http_max_tokens(requested, bound, **kwargs)
+    wanted = 16 if requested is None else requested
+    if with_bound != Success(wanted):
+        return
+    length = exact.draw(st.integers(0, bound))
+    assert http_max_tokens(requested, length, **kwargs) == Success(wanted)
+
+
+# --- multi-turn prefix -----------------------------------------------------------------
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> tuple[list[int], list[int], list[int]]:
+    """(reference, template, tail): the reference ids of a history, another tokenization
+    of the same text followed by the template's tail, and that tail."""
+    text = draw(serving_texts())
+    reference = [BOS, COLON, *draw(serving_segmentations(text))]
+    retokenized = [BOS, COLON, *draw(serving_segmentations(text))]
+    tail = [EOS, BOS, *draw(serving_segmentations(draw(serving_texts(min_size=0)))), COLON]
+    return reference, retokenized + tail, tail
+
+
+@given(conversations())
+def test_the_reference_is_kept_verbatim_and_the_text_unchanged(
+    case: tuple[list[int], list[int], list[int]],
+) -> None:
+    reference, template, tail = case
+    got = splice_prefix(reference, template, serving_decode, message=1)
+    assert isinstance(got, Success)
+    ids = got.unwrap()
+    assert list(ids[: len(reference)]) == reference
+    assert list(ids) == reference + tail
+    assert serving_decode(ids) == serving_decode(template)
+
+
+@given(conversations())
+def test_a_template_that_starts_with_the_reference_is_unchanged(
+    case: tuple[list[int], list[int], list[int]],
+) -> None:
+    reference, _, tail = case
+    template = reference + tail
+    assert splice_prefix(reference, template, serving_decode, message=1) == Success(tuple(template))
+
+
+@given(conversations(), st.sampled_from(["a", "b"]))
+def test_an_edited_history_is_refused_naming_the_message(
+    case: tuple[list[int], list[int], list[int]], letter: str
+) -> None:
+    reference, template, _ = case
+    edited = [BOS, COLON, SERVING_VOCAB.index(letter), *template[2:]]
+    if serving_decode(edited).startswith(serving_decode(reference)):
+        return  # the edit kept the reference's text
+    got = splice_prefix(reference, edited, serving_decode, message=3)
+    assert isinstance(got, Failure)
+    assert got.failure().message_index == 3
+    assert "messages[3]" in str(got.failure())
+
+
+def test_a_reference_ending_inside_a_template_token_is_refused() -> None:
+    a, ab = SERVING_VOCAB.index("a"), SERVING_VOCAB.index("ab")
+    got = splice_prefix([BOS, a], [BOS, ab, EOS], serving_decode, message=2)
+    assert isinstance(got, Failure)
+    assert "inside a token" in str(got.failure())
+
+
+def test_a_longer_first_guess_shrinks() -> None:
+    a, b, ab = (SERVING_VOCAB.index(x) for x in ("a", "b", "ab"))
+    # the reference [a, b, a] is "aba"; the template [ab, a, b, </s>] has "aba" in 2 tokens
+    got = splice_prefix([a, b, a], [ab, a, b, EOS], serving_decode, message=1)
+    assert got == Success((a, b, a, b, EOS))
+
+
+@st.composite
+def turn_chains(draw: st.DrawFn) -> list[Turn]:
+    turns: list[Turn] = []
+    prefix: list[int] = [BOS]
+    for k in range(draw(st.integers(1, 4))):
+        prompt = prefix + draw(serving_segmentations(draw(serving_texts()))) + [COLON]
+        generation = draw(serving_segmentations(draw(serving_texts())))
+        turns.append(Turn(2 * k + 1, serving_decode(generation), prompt, generation))
+        prefix = prompt + generation + [EOS]
+    return turns
+
+
+@given(turn_chains())
+def test_a_consistent_chain_gives_the_last_reference(turns: list[Turn]) -> None:
+    got = check_turns(turns, serving_decode)
+    assert got == Success(turns[-1].prompt_ids + turns[-1].generation_ids)
+
+
+@given(turn_chains(), st.data())
+def test_an_edited_turn_is_named(turns: list[Turn], data: st.DataObject) -> None:
+    k = data.draw(st.integers(0, len(turns) - 1))
+    edited = list(turns)
+    edited[k] = Turn(
+        turns[k].message, turns[k].content + "!", turns[k].prompt_ids, turns[k].generation_ids
+    )
+    got = check_turns(edited, serving_decode)
+    assert isinstance(got, Failure)
+    problem = got.failure()
+    assert isinstance(problem, PrefixMismatch)
+    assert problem.message_index == turns[k].message
+
+
+@given(turn_chains().filter(lambda t: len(t) > 1), st.data())
+def test_a_broken_chain_is_named(turns: list[Turn], data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, len(turns) - 1))
+    broken = list(turns)
+    broken[k] = Turn(
+        turns[k].message, turns[k].content, (COLON, *turns[k].prompt_ids), turns[k].generation_ids
+    )
+    got = check_turns(broken, serving_decode)
+    assert isinstance(got, Failure)
+    assert got.failure().message_index == turns[k].message
+
+
+def test_no_turns_no_reference() -> None:
+    assert check_turns([], serving_decode) == Success(())
+
+
+# --- versions --------------------------------------------------------------------------
+
+
+@given(st.integers(0, 50), st.integers(0, 5))
+def test_versions_between_are_every_version_in_between(first: int, more: int) -> None:
+    got = versions_between(first, first + more)
+    assert got == tuple(range(first, first + more + 1))
+    assert got[0] == first
+    assert got[-1] == first + more
+
+
+def test_versions_never_go_down() -> None:
+    with pytest.raises(ValueError, match="only go up"):
+        versions_between(3, 2)
