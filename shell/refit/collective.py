@@ -255,6 +255,7 @@ class CollectiveReceiver:
         self.group, self.peer, self._bound = group, f"trainer rank 0 of {group.peer}", 1.0
         self._begun = self._over = self._settled = False
         self._due: p.Chunk | None = None  # a chunk whose tensors are still on the wire
+        self.memo = p.Memo()
 
     def next(self, wait: Wait) -> tuple[p.Event, list[Handle] | None]:
         self._bound = wait.bound_s
