@@ -260,7 +260,7 @@ class CollectiveReceiver:
     def next(self, wait: Wait) -> tuple[p.Event, list[Handle] | None]:
         self._bound = wait.bound_s
         try:
-            event, _ = decode(self.group.message(None, wait.what, wait.bound_s))
+            event, _ = decode(self.group.message(None, wait.what, wait.bound_s), {})
         except RefitError:
             self.group.broken = True  # rank 0 sent what no one can size: out of step
             raise

@@ -263,42 +263,37 @@ class IpcSenderPort:
         self._chunks, self._what, self.refit_id = 0, "", ""
         self._used: set[StorageWeakRef] = set()
         self.replay = self._replay = cast(_Replay | None, None)
-        self._record = _Replay()
+        self._record, self.held = _Replay(), list[tuple[str, torch.Tensor]]()
 
     def begin(self, event: p.Begin) -> None:
         self.refit_id, self._chunks, self._used = event.refit_id, 0, set()
         self._record, self._replay, self.replay = _Replay(), self.replay, None  # back at end
+        self.held = []
         self._exchange(encode(event), "the start of the refit")
 
-    def replays(self, index: int, item: tuple[str, torch.Tensor]) -> bool:
-        """Whether tensor ``index`` of this refit is that of the last refit's replay."""
-        replay = self._replay
-        return (
-            replay is not None
-            and index < len(replay.places)
-            and (replay.places[index] == place_of(*item))
-        )
-
-    def resend(self, tensors: list[torch.Tensor]) -> int:
-        """Send the replayed chunk that holds exactly ``tensors`` (this refit's since its
-        last chunk; kept alive until answered), if one does; its bytes, or -1."""
-        replay, index, record = self._replay, self._chunks, self._record
-        assert replay is not None
+    def take(self, item: tuple[str, torch.Tensor]) -> tuple[int, int] | None:
+        """The last refit's replay goes on with ``item``: None when it is not the replay's
+        next tensor (:attr:`held` then holds those taken since the last chunk), else the
+        tensors and bytes of the replayed chunk it completes, sent (0, 0 while none)."""
+        replay, index, held = self._replay, self._chunks, self.held
+        if replay is None or index >= len(replay.ends):
+            return None
         start, _, before = replay.ends[index - 1] if index else (0, b"", 0)
-        end, listed, nbytes = replay.ends[index] if index < len(replay.ends) else (0, b"", 0)
-        if end - start != len(tensors):
-            return -1
-        chunk = _Chunk()
-        chunk.alive, chunk.devices = list(tensors), {t.device for t in tensors}
-        refs, places = replay.refs[start:end], replay.places[start:end]
-        self._used.update(refs)
-        self._exporter.saw(refs, places)
-        record.places += places
-        record.refs += refs
-        record.nbytes = nbytes
-        record.ends.append((end, listed, nbytes))
+        if replay.places[start + len(held)] != place_of(*item):
+            return None
+        held.append(item)
+        end, listed, nbytes = replay.ends[index]
+        if start + len(held) < end:
+            return 0, 0
+        chunk, self.held = _Chunk(), []
+        chunk.alive, chunk.devices = [t for _, t in held], {t.device for _, t in held}
+        self._used.update(replay.refs[start:end])
+        self._exporter.saw(replay.refs[start:end], replay.places[start:end])
+        self._record.complete = False  # a refit partly replayed is not recorded, and
+        if index == len(replay.ends) - 1:  # one replayed whole is the replay (and more)
+            self._record = replay
         self._out(chunk, listed)
-        return nbytes - before
+        return end - start, nbytes - before
 
     def route(self, tensor: torch.Tensor) -> tuple[p.SendRoute, object]:
         """HANDLE with ``(storage ref, handle)``, or PACK."""
@@ -372,8 +367,7 @@ class IpcSenderPort:
     def end(self, event: p.End) -> None:
         self._settle()
         self._exchange(encode(event), "the end of the refit")
-        record = self._record
-        self.replay = record if record.complete and record.ends else None
+        self.replay = self._record if self._record.complete and self._record.ends else None
         self._exporter.settle(self._used)
         if self._device is not None and self._device.type == "cuda":
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]

@@ -132,24 +132,20 @@ class RefitSender:
             plan = p.ChunkPlan(port.budget, self._timeout / 2, time.monotonic())
             tensors = nbytes = handles = 0
             stream: Iterator[tuple[str, torch.Tensor]] = iter(named_tensors)
-            held: list[tuple[str, torch.Tensor]] = []  # replayed, not yet sent
-            alive: list[torch.Tensor] = []
             ipc = port if isinstance(port, IpcSenderPort) else None
             while True:
                 try:
                     item = next(stream, None)
                     if ipc is not None:  # the last refit's tensors again: its chunks again
                         late = time.monotonic() - plan.opened_at >= plan.flush_after_s
-                        if item is not None and not late and ipc.replays(tensors + len(held), item):
-                            held.append(item)
-                            alive.append(item[1])
-                            sent = ipc.resend(alive)
-                            if sent >= 0:
-                                tensors, nbytes = tensors + len(held), nbytes + sent
-                                handles += len(held)
-                                plan, held, alive = plan.flushed(time.monotonic()), [], []
+                        sent = ipc.take(item) if item is not None and not late else None
+                        if sent is not None:
+                            n, size = sent
+                            tensors, handles, nbytes = tensors + n, handles + n, nbytes + size
+                            plan = plan.flushed(time.monotonic()) if n else plan
                             continue
-                        ipc, stream = None, itertools.chain(held, [item] if item else [], stream)
+                        stream = itertools.chain(ipc.held, [item] if item else [], stream)
+                        ipc = None
                         continue
                     if item is None:
                         break

@@ -88,8 +88,7 @@ def listing(chunk: p.Chunk, handles: Sequence[Handle] | None) -> bytes:
 
 def encode_chunk(refit_id: str, index: int, listed: bytes) -> bytes:
     """The frame of chunk ``index`` of a refit that lists ``listed`` (:func:`listing`)."""
-    head = p.Chunk(refit_id, index, ())
-    return _encoder.encode(("chunk", head, msgspec.Raw(listed)))
+    return _encoder.encode(("chunk", p.Chunk(refit_id, index, ()), msgspec.Raw(listed)))
 
 
 def encode(event: object, handles: Sequence[Handle] | None = None) -> bytes:
@@ -103,7 +102,7 @@ def encode(event: object, handles: Sequence[Handle] | None = None) -> bytes:
 
 
 def decode(
-    data: bytes | memoryview, memo: dict[int, Listing] | None = None
+    data: bytes | memoryview, memo: dict[int, Listing]
 ) -> tuple[p.Event, list[Handle] | None]:
     """The event and a chunk's handles; :class:`RefitError` off the schema. A chunk whose
     listing is byte for byte the one in ``memo`` at its index reuses that decoding (the
@@ -113,11 +112,9 @@ def decode(
         event = _BODY[kind].decode(body)
         if not isinstance(event, p.Chunk):
             return event, None
-        raw, known = bytes(listed), (memo or {}).get(event.index)
+        raw, known = bytes(listed), memo.get(event.index)
         if known is None or known[0] != raw:
-            known = (raw, *_LISTING.decode(raw))
-            if memo is not None:
-                memo[event.index] = known
+            known = memo[event.index] = (raw, *_LISTING.decode(raw))
     except (msgspec.DecodeError, KeyError) as error:
         raise RefitError(f"malformed refit message ({len(data)} bytes): {error!r}") from error
     _, tensors, kinds, handles = known
