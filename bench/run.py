@@ -19,6 +19,7 @@ SUITES = (
     "bench_worker",
     "bench_multimodal",
     "bench_refit",
+    "bench_refit_host",
     "bench_sparse",
     "bench_reshard",
     "bench_async",

@@ -77,6 +77,7 @@ __all__ = [
     "Finished",
     "GroupClaim",
     "Kept",
+    "Memo",
     "Phase",
     "Placement",
     "Receiver",
@@ -296,8 +297,12 @@ class Accepted:
 
 @attrs.frozen
 class Writes:
+    """A chunk's writes, the names among them that go direct, and their bytes."""
+
     chunk: Chunk
     writes: tuple[Write, ...]
+    direct: tuple[str, ...] = ()
+    nbytes: int = 0
 
 
 @attrs.frozen
@@ -327,8 +332,42 @@ def _name(event: Event) -> str:
 
 
 @attrs.frozen
+class Memo:
+    """The decisions of a finished refit's chunks, in order, for the next refit against
+    the same manifest and routes: each chunk listing (tensors, storage sizes, kinds) with
+    its writes and the names received once it was taken.
+
+    Why a remembered decision is the decision: ``Receiver._chunk`` is a function of the
+    chunk's index, tensors, storages and kinds and of the receiver's manifest, routes,
+    chunk count and received names (the refit id is checked before it and changes
+    nothing). A chunk is taken from the memo only when every chunk before it in this
+    refit was too (``hits``), so by induction the chunk count and the received names are
+    the remembered refit's at that chunk; with the same manifest and routes and an equal
+    listing, every input is the same, and so is the decision. Refusals are never
+    remembered: a chunk that fails a check always meets the check again."""
+
+    manifest: Manifest | None = None
+    routes: Routes = Routes()
+    chunks: tuple[tuple[Chunk, Writes, frozenset[str]], ...] = ()
+
+    def recall(self, chunk: Chunk) -> tuple[Writes, frozenset[str]] | None:
+        """The remembered writes and received names for ``chunk``, if its listing is the
+        remembered one at its index."""
+        if chunk.index >= len(self.chunks):
+            return None
+        known, writes, received = self.chunks[chunk.index]
+        same = (known.tensors, known.storages, known.kinds) == (
+            chunk.tensors,
+            chunk.storages,
+            chunk.kinds,
+        )
+        return (attrs.evolve(writes, chunk=chunk), received) if same else None
+
+
+@attrs.frozen
 class Receiver:
-    """The engine side of one refit (a fresh one per refit)."""
+    """The engine side of one refit (a fresh one per refit; ``memo``: the last finished
+    refit's, see :meth:`remembered`)."""
 
     manifest: Manifest
     routes: Routes = Routes()
@@ -336,6 +375,15 @@ class Receiver:
     refit_id: str = ""
     received: frozenset[str] = frozenset()
     chunks: int = 0
+    memo: Memo = Memo()
+    hits: int = 0  # chunks of this refit, from the first on, taken from the memo
+    taken: tuple[tuple[Chunk, Writes, frozenset[str]], ...] = ()
+
+    def remembered(self) -> Memo:
+        """The memo for the next refit: this one's decisions once it finished."""
+        if self.phase is not Phase.DONE:
+            return self.memo
+        return Memo(self.manifest, self.routes, self.taken)
 
     def handle(self, event: Event) -> Result[Step, Refusal]:
         if self.phase is Phase.IDLE or (
@@ -375,14 +423,27 @@ class Receiver:
                 "prepare_refit_info (names, shapes or dtypes differ)"
             )
             return self._refuse(RefusalKind.DIGEST, event, why)
+        memo = self.memo
+        if (memo.manifest, memo.routes) != (self.manifest, self.routes):
+            memo = Memo()
         started = attrs.evolve(
-            self, phase=Phase.RECEIVING, refit_id=event.refit_id, received=frozenset(), chunks=0
+            self,
+            phase=Phase.RECEIVING,
+            refit_id=event.refit_id,
+            received=frozenset(),
+            chunks=0,
+            memo=memo,
+            hits=0,
+            taken=(),
         )
         return Success(Step(started, Accepted(event.refit_id)))
 
     def _chunk(self, chunk: Chunk) -> Result[Step, Refusal]:
         if chunk.index != self.chunks:
             return self._refuse(RefusalKind.ORDER, chunk, f"chunk {self.chunks} was expected")
+        recalled = self.memo.recall(chunk) if self.hits == chunk.index else None
+        if recalled is not None:
+            return self._take(chunk, *recalled, hits=self.hits + 1)
         if not chunk.tensors:
             return self._refuse(RefusalKind.ORDER, chunk, "it lists no tensors")
         if chunk.storages is not None and len(chunk.kinds) != len(chunk.storages):
@@ -406,8 +467,19 @@ class Receiver:
         if problems:
             error = manifest_error(f"chunk {chunk.index} does not match the manifest", problems)
             return self._refuse(RefusalKind.MANIFEST, chunk, str(error), detail=error)
-        progressed = attrs.evolve(self, received=self.received | here, chunks=self.chunks + 1)
-        return Success(Step(progressed, Writes(chunk, tuple(writes))))
+        direct = tuple(w.ref.name for w in writes if w.route is Route.DIRECT)
+        nbytes = sum(math.prod(w.ref.shape) * DTYPE_ITEMSIZE[w.ref.dtype] for w in writes)
+        decided = Writes(chunk, tuple(writes), direct, nbytes)
+        return self._take(chunk, decided, self.received | here, hits=self.hits)
+
+    def _take(
+        self, chunk: Chunk, writes: Writes, received: frozenset[str], *, hits: int
+    ) -> Result[Step, Refusal]:
+        taken = (*self.taken, (chunk, writes, received))
+        progressed = attrs.evolve(
+            self, received=received, chunks=self.chunks + 1, hits=hits, taken=taken
+        )
+        return Success(Step(progressed, writes))
 
     def _check(
         self, ref: TensorRef, storages: tuple[int, ...] | None, here: set[str]

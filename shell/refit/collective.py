@@ -255,11 +255,12 @@ class CollectiveReceiver:
         self.group, self.peer, self._bound = group, f"trainer rank 0 of {group.peer}", 1.0
         self._begun = self._over = self._settled = False
         self._due: p.Chunk | None = None  # a chunk whose tensors are still on the wire
+        self.memo = p.Memo()
 
     def next(self, wait: Wait) -> tuple[p.Event, list[Handle] | None]:
         self._bound = wait.bound_s
         try:
-            event, _ = decode(self.group.message(None, wait.what, wait.bound_s))
+            event, _ = decode(self.group.message(None, wait.what, wait.bound_s), {})
         except RefitError:
             self.group.broken = True  # rank 0 sent what no one can size: out of step
             raise

@@ -40,12 +40,15 @@ from genworker.shell.refit.memory import (
 from genworker.shell.refit.receiver import Sink, Wait
 from genworker.shell.refit.wire import (
     Handle,
+    Listing,
     Reply,
     decode,
     decode_reply,
     encode,
+    encode_chunk,
     error_of,
     kind_of,
+    listing,
 )
 
 __all__ = ["IpcReceiver", "IpcSenderPort"]
@@ -85,7 +88,7 @@ class IpcReceiver:
         self._endpoint = f"tcp://{tcp_host}:0" if tcp_host else f"ipc://{self._dir}/refit.sock"
         self._finalizer = weakref.finalize(self, _close, self._ctx, self._dir)
         self._sock = self._bind()
-        self.mappings = Mappings(device)
+        self.mappings, self.memo, self._listings = Mappings(device), p.Memo(), dict[int, Listing]()
 
     def _bind(self) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.REP)
@@ -120,7 +123,7 @@ class IpcReceiver:
         problem = RefitError(f"a refit message is one frame, got {len(frames)}")
         try:
             if len(frames) == 1:
-                return decode(frames[0])
+                return decode(frames[0], self._listings)
         except RefitError as e:
             problem = e
         self._reply(problem)
@@ -212,8 +215,30 @@ class _Chunk:
         self.alive.clear()
 
 
+def place_of(name: str, tensor: torch.Tensor) -> tuple[object, ...]:
+    """A tensor's name, spec, storage (its ``_cdata``: unique while a ``StorageWeakRef``
+    of it is held, as the sender's replay does) and place in it."""
+    s = tensor.untyped_storage()
+    return (name, s._cdata, s.data_ptr(), s.nbytes(), tensor.storage_offset(), tensor.shape,
+            tensor.dtype, tensor.is_contiguous())  # fmt: skip
+
+
+class _Replay:
+    """A refit sent all by handle, to send again when the same tensors come back: each
+    tensor's :func:`place_of` (with its storage's reference) and where its chunk ends
+    with that chunk's listing (:func:`wire.listing`: the very bytes it sent)."""
+
+    def __init__(self) -> None:
+        self.places: list[tuple[object, ...]] = []
+        self.refs: list[StorageWeakRef] = []
+        self.ends: list[tuple[int, bytes, int]] = []  # (tensors, listing, bytes) so far
+        self.nbytes, self.complete = 0, True
+
+
 class IpcSenderPort:
-    """The trainer's end of an :class:`IpcReceiver`, driven by ``RefitSender``."""
+    """The trainer's end of an :class:`IpcReceiver`, driven by ``RefitSender``. A refit
+    whose tensors are, in order, the last one's (:meth:`replays`, one tuple compare per
+    tensor) sends that refit's chunk listings again instead of routing and encoding."""
 
     def __init__(
         self,
@@ -237,10 +262,38 @@ class IpcSenderPort:
         self._chunk, self._outstanding = _Chunk(), cast(_Chunk | None, None)
         self._chunks, self._what, self.refit_id = 0, "", ""
         self._used: set[StorageWeakRef] = set()
+        self.replay = self._replay = cast(_Replay | None, None)
+        self._record, self.held = _Replay(), list[tuple[str, torch.Tensor]]()
 
     def begin(self, event: p.Begin) -> None:
         self.refit_id, self._chunks, self._used = event.refit_id, 0, set()
+        self._record, self._replay, self.replay = _Replay(), self.replay, None  # back at end
+        self.held = []
         self._exchange(encode(event), "the start of the refit")
+
+    def take(self, item: tuple[str, torch.Tensor]) -> tuple[int, int] | None:
+        """The last refit's replay goes on with ``item``: None when it is not the replay's
+        next tensor (:attr:`held` then holds those taken since the last chunk), else the
+        tensors and bytes of the replayed chunk it completes, sent (0, 0 while none)."""
+        replay, index, held = self._replay, self._chunks, self.held
+        if replay is None or index >= len(replay.ends):
+            return None
+        start, _, before = replay.ends[index - 1] if index else (0, b"", 0)
+        if replay.places[start + len(held)] != place_of(*item):
+            return None
+        held.append(item)
+        end, listed, nbytes = replay.ends[index]
+        if start + len(held) < end:
+            return 0, 0
+        chunk, self.held = _Chunk(), []
+        chunk.alive, chunk.devices = [t for _, t in held], {t.device for _, t in held}
+        self._used.update(replay.refs[start:end])
+        self._exporter.saw(replay.refs[start:end], replay.places[start:end])
+        self._record.complete = False  # a refit partly replayed is not recorded, and
+        if index == len(replay.ends) - 1:  # one replayed whole is the replay (and more)
+            self._record = replay
+        self._out(chunk, listed)
+        return end - start, nbytes - before
 
     def route(self, tensor: torch.Tensor) -> tuple[p.SendRoute, object]:
         """HANDLE with ``(storage ref, handle)``, or PACK."""
@@ -274,7 +327,11 @@ class IpcSenderPort:
             offset = int(tensor.storage_offset()) * tensor.element_size()
             chunk.alive.append(tensor)  # the engine reads it: keep it until the answer
             chunk.devices.add(tensor.device)
+            self._record.places.append(place_of(spec.name, tensor))  # after a CPU move
+            self._record.refs.append(ref)
+            self._record.nbytes += spec.nbytes
         else:
+            self._record.complete = False
             if placed.alone:
                 buffer = self._new_buffer(max(spec.nbytes, 1))
                 chunk.alive.append(buffer)
@@ -294,17 +351,23 @@ class IpcSenderPort:
     def flush(self) -> None:
         """Send the open chunk (after the answer to the one before)."""
         chunk, self._chunk = self._chunk, _Chunk()
+        event = p.Chunk(self.refit_id, self._chunks, tuple(chunk.refs), None, tuple(chunk.kinds))
+        listed = listing(event, list(chunk.handles))
+        self._record.ends.append((len(self._record.places), listed, self._record.nbytes))
+        self._out(chunk, listed)
+
+    def _out(self, chunk: _Chunk, listed: bytes) -> None:
         index, self._chunks = self._chunks, self._chunks + 1
         for device in {self._device, *chunk.devices}:
             _sync(device)
         self._settle()
-        event = p.Chunk(self.refit_id, index, tuple(chunk.refs), None, tuple(chunk.kinds))
-        self._send(encode(event, list(chunk.handles)), f"chunk {index}")
+        self._send(encode_chunk(self.refit_id, index, listed), f"chunk {index}")
         self._outstanding, self._what = chunk, f"chunk {index}"
 
     def end(self, event: p.End) -> None:
         self._settle()
         self._exchange(encode(event), "the end of the refit")
+        self.replay = self._record if self._record.complete and self._record.ends else None
         self._exporter.settle(self._used)
         if self._device is not None and self._device.type == "cuda":
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]

@@ -28,7 +28,7 @@ import stat
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 import torch
@@ -148,6 +148,11 @@ class Exporter:
         place = self._seen[ref] = (storage.data_ptr(), storage.nbytes())  # a CPU one moved
         self._handles[ref] = (*place, handle)
         return handle
+
+    def saw(self, refs: list[StorageWeakRef], places: list[tuple[object, ...]]) -> None:
+        """This refit sent these storages again (:class:`~.ipc.IpcSenderPort`'s replay)."""
+        for ref, place in zip(refs, places, strict=True):
+            self._seen[ref] = cast(tuple[int, int], place[2:4])
 
     def forget(self, ref: StorageWeakRef) -> None:
         """``ref`` could not be shared: never recognise it (it travels packed)."""

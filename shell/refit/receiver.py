@@ -15,7 +15,6 @@ restores its layers before :func:`receive` raises.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
@@ -25,7 +24,7 @@ import torch
 from returns.result import Failure
 
 from genworker.core import refit_protocol as p
-from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
+from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.shell.errors import RefitError, RefitManifestError, RefitTimeoutError
 
 if TYPE_CHECKING:
@@ -115,7 +114,7 @@ class _Session:
         timeout_s: float,
     ) -> None:
         self.port, self.sink, self.timeout_s = port, sink, timeout_s
-        self.machine = p.Receiver(manifest, routes)
+        self.machine = p.Receiver(manifest, routes, memo=port.memo)
         self.laps, self.started = Laps(), time.monotonic()
         self.error: RefitError | None = None
         self.finished = False
@@ -161,17 +160,13 @@ class _Session:
                     f"the trainer at {self.port.peer} aborted the refit: {decision.reason}"
                 )
             if isinstance(decision, p.Finished):
-                self.finished = True
+                self.finished, self.port.memo = True, self.machine.remembered()
                 return
             loader: list[tuple[str, torch.Tensor]] = []
             if isinstance(decision, p.Writes):
                 loader = self.port.write(decision, handles, self.sink)
-                writes = decision.writes
-                self.direct += [w.ref.name for w in writes if w.route is p.Route.DIRECT]
-                self.loaded += len(loader)
-                self.nbytes += sum(
-                    math.prod(w.ref.shape) * DTYPE_ITEMSIZE[w.ref.dtype] for w in writes
-                )
+                self.direct += decision.direct
+                self.loaded, self.nbytes = self.loaded + len(loader), self.nbytes + decision.nbytes
                 self.laps.lap("write")
             self.port.answer(event, None)
             wait = self.wait()

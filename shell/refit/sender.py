@@ -8,9 +8,10 @@ is raised; a peer's or the transport's is raised typed, naming the wait.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -130,10 +131,22 @@ class RefitSender:
             laps.lap("begin")
             plan = p.ChunkPlan(port.budget, self._timeout / 2, time.monotonic())
             tensors = nbytes = handles = 0
-            stream = iter(named_tensors)
+            stream: Iterator[tuple[str, torch.Tensor]] = iter(named_tensors)
+            ipc = port if isinstance(port, IpcSenderPort) else None
             while True:
                 try:
                     item = next(stream, None)
+                    if ipc is not None:  # the last refit's tensors again: its chunks again
+                        late = time.monotonic() - plan.opened_at >= plan.flush_after_s
+                        sent = ipc.take(item) if item is not None and not late else None
+                        if sent is not None:
+                            n, size = sent
+                            tensors, handles, nbytes = tensors + n, handles + n, nbytes + size
+                            plan = plan.flushed(time.monotonic()) if n else plan
+                            continue
+                        stream = itertools.chain(ipc.held, [item] if item else [], stream)
+                        ipc = None
+                        continue
                     if item is None:
                         break
                     spec = _spec(self._specs, *item)

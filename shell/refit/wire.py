@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Final
 
-import attrs
 import msgspec
 
 from genworker.core import refit_protocol as p
@@ -72,31 +71,55 @@ _KIND: Final = {p.Begin: "begin", p.Chunk: "chunk", p.End: "end", p.Abort: "abor
 _BODY: Final[dict[str, msgspec.msgpack.Decoder[p.Event]]] = {
     kind: msgspec.msgpack.Decoder(cls) for cls, kind in _KIND.items()
 }
-_FRAME: Final = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw, list[Handle] | None])
+_FRAME: Final = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw, msgspec.Raw])
+_LISTING: Final = msgspec.msgpack.Decoder(
+    tuple[tuple[p.TensorRef, ...], tuple[p.StorageKind, ...], list[Handle] | None]
+)
 _encoder: Final = msgspec.msgpack.Encoder()
+#: A chunk's listing (tensors, kinds, handles), encoded, and decoded: a receiver's memo.
+Listing = tuple[bytes, tuple[p.TensorRef, ...], tuple[p.StorageKind, ...], list[Handle] | None]
+
+
+def listing(chunk: p.Chunk, handles: Sequence[Handle] | None) -> bytes:
+    """What a chunk lists, encoded apart from its refit id and index, so a later refit
+    sending the same storages and tensors sends these very bytes (:func:`encode_chunk`)."""
+    return _encoder.encode((chunk.tensors, chunk.kinds, handles))
+
+
+def encode_chunk(refit_id: str, index: int, listed: bytes) -> bytes:
+    """The frame of chunk ``index`` of a refit that lists ``listed`` (:func:`listing`)."""
+    return _encoder.encode(("chunk", p.Chunk(refit_id, index, ()), msgspec.Raw(listed)))
 
 
 def encode(event: object, handles: Sequence[Handle] | None = None) -> bytes:
-    """An event's frame (a chunk's storage sizes travel in its handles), or any other
-    value msgspec encodes (a reply, a group claim)."""
+    """An event's frame ``[kind, event, listing]`` (a chunk's storage sizes travel in its
+    handles), or any other value msgspec encodes (a reply, a group claim)."""
     if type(event) not in _KIND:
         return _encoder.encode(event)
     if isinstance(event, p.Chunk):
-        event = attrs.evolve(event, storages=None)
-    return _encoder.encode((_KIND[type(event)], event, handles))
+        return encode_chunk(event.refit_id, event.index, listing(event, handles))
+    return _encoder.encode((_KIND[type(event)], event, None))
 
 
-def decode(data: bytes | memoryview) -> tuple[p.Event, list[Handle] | None]:
-    """The event and a chunk's handles; :class:`RefitError` off the schema."""
+def decode(
+    data: bytes | memoryview, memo: dict[int, Listing]
+) -> tuple[p.Event, list[Handle] | None]:
+    """The event and a chunk's handles; :class:`RefitError` off the schema. A chunk whose
+    listing is byte for byte the one in ``memo`` at its index reuses that decoding (the
+    very objects, which later steps compare cheaply); ``memo`` takes every new one."""
     try:
-        kind, body, handles = _FRAME.decode(data)
+        kind, body, listed = _FRAME.decode(data)
         event = _BODY[kind].decode(body)
+        if not isinstance(event, p.Chunk):
+            return event, None
+        raw, known = bytes(listed), memo.get(event.index)
+        if known is None or known[0] != raw:
+            known = memo[event.index] = (raw, *_LISTING.decode(raw))
     except (msgspec.DecodeError, KeyError) as error:
         raise RefitError(f"malformed refit message ({len(data)} bytes): {error!r}") from error
-    if isinstance(event, p.Chunk):
-        sizes = None if handles is None else tuple(h.size for h in handles)
-        event = attrs.evolve(event, storages=sizes)
-    return event, handles
+    _, tensors, kinds, handles = known
+    sizes = None if handles is None else tuple(h.size for h in handles)
+    return p.Chunk(event.refit_id, event.index, tensors, sizes, kinds), handles
 
 
 def decode_reply(data: bytes, peer: str) -> Reply:

@@ -488,3 +488,99 @@ def test_a_report_is_a_plain_dict_for_rpc_results() -> None:
         "tensors": 3, "nbytes": 96, "chunks": 1, "seconds": 0.5, "direct": 2,
         "loaded": 1, "mapped": 0, "phases": {"wait": 0.25},
     }  # fmt: skip
+
+
+# -- the memo: a finished refit's decisions, reused by the next one ------------------------
+
+
+def _decisions(out: list[p.Step | p.Refusal]) -> list[object]:
+    return [o.decision if isinstance(o, p.Step) else o for o in out]
+
+
+def _again(events: list[p.Event], refit_id: str) -> list[p.Event]:
+    return [attrs.evolve(e, refit_id=refit_id) for e in events]
+
+
+def _remembered(case: RefitSendCase) -> tuple[Manifest, p.Routes, p.Memo, list[p.Event]]:
+    manifest = Manifest.from_specs(case.specs).unwrap()
+    routes = routes_of(case.specs)
+    events = simulate(case).events
+    out = feed(p.Receiver(manifest, routes), events)
+    last = out[-1]
+    assert isinstance(last, p.Step)
+    assert isinstance(last.decision, p.Finished)
+    return manifest, routes, last.receiver.remembered(), events
+
+
+@given(refit_send_cases())
+def test_a_remembered_refit_decides_as_a_fresh_receiver_and_hits_every_chunk(
+    case: RefitSendCase,
+) -> None:
+    manifest, routes, memo, events = _remembered(case)
+    again = _again(events, "r2")
+    fresh = feed(p.Receiver(manifest, routes), again)
+    cached = feed(p.Receiver(manifest, routes, memo=memo), again)
+    assert _decisions(cached) == _decisions(fresh)
+    last = cached[-1]
+    assert isinstance(last, p.Step)
+    assert last.receiver.hits == last.receiver.chunks == len(memo.chunks) > 0
+
+
+@given(refit_send_cases(), st.data())
+def test_any_change_to_a_chunk_misses_the_memo_and_decides_as_a_fresh_receiver(
+    case: RefitSendCase, data: st.DataObject
+) -> None:
+    manifest, routes, memo, events = _remembered(case)
+    chunks = [i for i, e in enumerate(events) if isinstance(e, p.Chunk)]
+    at = data.draw(st.sampled_from(chunks))
+    chunk = events[at]
+    assert isinstance(chunk, p.Chunk)
+    which = data.draw(st.integers(0, len(chunk.tensors) - 1))
+    ref = chunk.tensors[which]
+    change = data.draw(st.sampled_from(["name", "shape", "storage", "offset", "size"]))
+    changed: p.Chunk
+    if change == "size":
+        sizes = chunk.storages or ()
+        changed = attrs.evolve(chunk, storages=tuple(s + 8 for s in sizes))
+    else:
+        new = {
+            "name": attrs.evolve(ref, name=ref.name + ".x"),
+            "shape": attrs.evolve(ref, shape=(*ref.shape, 1)),
+            "storage": attrs.evolve(ref, storage=ref.storage + 1),
+            "offset": attrs.evolve(ref, offset=ref.offset + 8),
+        }[change]
+        tensors = (*chunk.tensors[:which], new, *chunk.tensors[which + 1 :])
+        changed = attrs.evolve(chunk, tensors=tensors)
+    again = _again([*events[:at], changed, *events[at + 1 :]], "r2")
+    fresh = feed(p.Receiver(manifest, routes), again)
+    cached = feed(p.Receiver(manifest, routes, memo=memo), again)
+    assert _decisions(cached) == _decisions(fresh)
+    index = chunks.index(at)
+    assert memo.recall(attrs.evolve(changed, refit_id="r2")) is None
+    steps = [o for o in cached if isinstance(o, p.Step)]
+    assert all(s.receiver.hits <= index for s in steps)
+
+
+def test_a_memo_of_another_manifest_or_routes_is_dropped_at_begin() -> None:
+    specs = (TensorSpec("a", (2,), "float32"), TensorSpec("b", (3,), "float32"))
+    manifest = Manifest.from_specs(specs).unwrap()
+    chunk = p.Chunk("r1", 0, (p.TensorRef("a", (2,), "float32"), p.TensorRef("b", (3,), "float32", 0, 8)), (32,), (p.StorageKind.OWN,))  # fmt: skip
+    events: list[p.Event] = [p.Begin("r1", ""), chunk, p.End("r1", 1, 2)]
+    out = feed(p.Receiver(manifest), events)
+    last = out[-1]
+    assert isinstance(last, p.Step)
+    memo = last.receiver.remembered()
+    assert len(memo.chunks) == 1
+    other = p.Routes(frozenset({"a"}))
+    again = feed(p.Receiver(manifest, other, memo=memo), _again(events, "r2"))
+    step = again[1]
+    assert isinstance(step, p.Step)
+    assert step.receiver.hits == 0
+    assert isinstance(step.decision, p.Writes)
+    assert step.decision.writes[0].route is p.Route.DIRECT
+    same = feed(p.Receiver(manifest, memo=memo), _again(events, "r2"))
+    hit = same[1]
+    assert isinstance(hit, p.Step)
+    assert hit.receiver.hits == 1
+    assert p.Receiver(manifest, memo=memo).remembered() is memo  # not finished: unchanged
+    assert memo.recall(attrs.evolve(chunk, index=1)) is None

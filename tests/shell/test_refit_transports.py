@@ -800,3 +800,73 @@ def test_a_killed_collective_receiver_is_a_transport_error_for_the_sender() -> N
     assert not isinstance(failed.value, RefitTimeoutError)
     process.join(30)
     assert process.exitcode == 17
+
+
+# -- the replay: the last refit's tensors again ----------------------------------------
+
+
+def test_ipc_a_refit_of_the_last_ones_tensors_resends_its_chunks_and_any_change_misses(
+    receiver: IpcReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a refit went all by handle, the next one with the same names, specs,
+    storages and offsets in the same order sends that refit's chunk listings again (no
+    chunk is built) and the engine decides from its memo; new bytes in the same memory
+    still arrive; another storage, offset, order or name builds chunks again."""
+    n = p.PACK_BELOW_BYTES // 4
+    big = torch.zeros(3 * n)
+    tensors = {f"w.{i}": torch.full((n,), float(i)) for i in range(3)}
+    tensors["w.3"] = big[n : 2 * n]
+    params = zeros_like_all(tensors)
+    manifest = manifest_of(tensors)
+    sink = ParameterSink(params)
+    built: list[int] = []
+    with ipc_sender(receiver, manifest=manifest) as sender:
+        port = sender._port
+        assert isinstance(port, IpcSenderPort)
+        flush = port.flush
+
+        def counted() -> None:
+            built.append(1)
+            flush()
+
+        monkeypatch.setattr(port, "flush", counted)
+
+        def refit(sent: dict[str, torch.Tensor]) -> tuple[RefitReport, int]:
+            built.clear()
+            peer = Peer(
+                lambda: receive(receiver, manifest, sink, routes=sink.routes, timeout_s=QUICK)
+            )
+            report = sender.send(sent.items())
+            got = peer.outcome()
+            assert (got.tensors, got.nbytes, got.direct) == (4, report.nbytes, 4)
+            for name, tensor in sent.items():
+                assert torch.equal(params[name], tensor), name
+                params[name].zero_()
+            return report, len(built)
+
+        assert refit(tensors)[1] > 0  # packed
+        assert refit(tensors)[1] == 1  # by handle: recorded
+        replay = port.replay
+        assert replay is not None
+        memo = receiver.memo
+        tensors["w.1"].fill_(7.0)  # new bytes, same memory
+        report, chunks = refit(tensors)
+        assert (chunks, report.direct, report.chunks) == (0, 4, 1)
+        assert port.replay is replay
+        assert receiver.memo.chunks[0][1].writes is memo.chunks[0][1].writes
+        changes: list[dict[str, torch.Tensor]] = [
+            {**tensors, "w.2": tensors["w.2"].clone()},  # another storage
+            {**tensors, "w.3": big[2 * n :]},  # another offset in the same storage
+            dict(reversed(tensors.items())),  # another order
+        ]
+        for changed in changes:
+            refit(tensors)
+            assert refit(changed)[1] > 0
+        refit(tensors)
+        assert refit(tensors)[1] == 0  # recorded again
+        peer = Peer(lambda: receive(receiver, manifest, sink, routes=sink.routes, timeout_s=QUICK))
+        with pytest.raises(RefitError, match=r"w\.x"):  # another name: checked, refused
+            sender.send([("w.x" if k == "w.0" else k, t) for k, t in tensors.items()])
+        with pytest.raises(RefitError, match=r"w\.x"):
+            peer.outcome()
+        assert port.replay is None
