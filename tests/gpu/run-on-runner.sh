@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite, then the GPU benchmark, in one device call on the H200 runner.
 #
-#   bash tests/gpu/run-on-runner.sh [--nccl] [--tests-only | --bench-only] [--dry-run]
+#   [BENCH_EXTRA="--sections ..."] bash tests/gpu/run-on-runner.sh [--nccl] [--tests-only | --bench-only] [--dry-run]
 #
 # Needs the vLLM bundle staged (tests/gpu/README.md): it runs .gpu-bundle/install.sh
 # (idempotent) and sources .gpu-bundle/env.sh. genworker comes from this repository copy
@@ -16,6 +16,9 @@ OUT=${OUT:-$REPO/gpu-out}
 BUNDLE=${BUNDLE:-.gpu-bundle}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-240} # one test (pytest-timeout, when installed)
 RUN_TESTS=1 RUN_BENCH=1 BENCH_ARGS=()
+# BENCH_EXTRA: more bench/gpu.py arguments, e.g. "--sections refit,async --gen-reps 3"
+read -r -a EXTRA <<< "${BENCH_EXTRA:-}"
+BENCH_ARGS+=("${EXTRA[@]}")
 for arg in "$@"; do
   case $arg in
     --nccl) BENCH_ARGS+=(--nccl) ;;
