@@ -50,6 +50,7 @@ from genworker.shell.refit.ipc import IpcReceiver
 from genworker.shell.refit.memory import device_id
 from genworker.shell.refit.receiver import Loader, receive
 from genworker.shell.refit.wire import failure
+from genworker.shell.reshard import ReshardEngine
 
 if TYPE_CHECKING:
     from torch import nn
@@ -83,7 +84,7 @@ def _state(worker: object) -> _RefitState:
     return state
 
 
-class WorkerExtension:
+class WorkerExtension(ReshardEngine):
     """Mixed into each vLLM worker; every method is a ``collective_rpc`` target."""
 
     def prepare_refit_info(self, info: Mapping[str, object]) -> dict[str, object]:
