@@ -366,7 +366,7 @@ class ReshardSender:
         sends = [
             (
                 self._train + prefix + c.dst_rank,
-                _region(_local(tensors[c.source]), c.src_box).contiguous(),
+                _region(_local(tensors[c.source]), c.src_box).to(group.device).contiguous(),
             )
             for prefix, plan in self._plans.items()
             for c in plan.copies
@@ -602,6 +602,14 @@ class ReshardEngine:
             "bytes": sum(pl.bytes_to(rank) for pl in prepared.plans),
             "direct": len(routed.routes.direct),
         }
+
+    def close_nccl_reshard_comm_group(self) -> int:
+        """Leave every reshard group (without waiting for the peers); how many."""
+        state = _state(self)
+        groups, state.groups = state.groups, []
+        for group in groups:
+            group.close()
+        return len(groups)
 
     def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> dict[str, object]:
         """Receive one reshard refit from every stage group into the engine."""

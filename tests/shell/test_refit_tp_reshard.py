@@ -127,6 +127,7 @@ class Session:
         return list(reports), [t.result() for t in self.trainers]
 
     def stop(self) -> None:
+        assert self.engine.rpc_all("close_nccl_reshard_comm_group") == [1] * TP
         for t in self.trainers:
             t.stop()
 
@@ -190,6 +191,8 @@ def test_a_reshard_refit_sends_each_engine_rank_its_shard(
                 assert report["received_bytes"] == bytes_of(session.shards, rank)
                 assert report["received_bytes"] == report["expected_bytes"]
                 assert report["received_bytes"] < full  # a broadcast would carry it all
+                assert report["direct"] > 0  # norms and embeddings straight into memory
+                assert report["loaded"] > 0  # CPU linear weights are repacked: the loader
             sent_bytes = sum(int(o.detail["nbytes"]) for o in sent)  # type: ignore[call-overload]
             assert sent_bytes == sum(int(r["received_bytes"]) for r in reports)  # type: ignore[index, misc]
             tokens = tp_engine.tokens()
@@ -214,7 +217,7 @@ def test_a_missing_or_misshaped_shard_is_named_on_every_rank(
         assert sent[1].error == "RefitManifestError", sent[1]
         assert name in sent[1].message
         assert "trainer rank 1" in sent[1].message
-        assert "engine ranks [2, 3]" in sent[1].message
+        assert "engine ranks [3]" in sent[1].message  # its half of q: engine rank 1 only
         assert not sent[0].ok
         assert sent[0].error == "RefitManifestError"
         for report in reports:
@@ -241,6 +244,9 @@ def test_a_layout_that_leaves_part_of_a_shard_unheld_is_refused(
         for layout in info["stages"][0]:  # type: ignore[index]
             if layout["name"] == name:
                 layout["shards"] = [s for s in layout["shards"] if s["rank"] == 0]
+        bad = {"version": 1, "stages": [[{**info["stages"][0][0], "shape": "big"}]]}  # type: ignore[index]
+        with pytest.raises(RefitManifestError, match=r"malformed .*\$\.stages\[0\]\[0\]\.shape"):
+            tp_engine.rpc_all("prepare_nccl_reshard_refit_info", bad)
         with pytest.raises(RefitManifestError) as caught:
             tp_engine.rpc_all("prepare_nccl_reshard_refit_info", info)
         message = str(caught.value)
