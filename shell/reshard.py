@@ -583,7 +583,9 @@ class ReshardEngine:
         self, refit_info: Mapping[str, object]
     ) -> dict[str, object]:
         """Plan every later reshard refit from the trainer's layouts: this worker's
-        shards (for :func:`shards_of`), its plan digests and byte count."""
+        shards (for :func:`shards_of`), its plan digests and byte count. Parameters made
+        of none of the described tensors keep their weights; a described tensor that no
+        parameter is made of is refused."""
         from genworker.shell import extension as ext
 
         state = _state(self)
