@@ -12,6 +12,7 @@ on every rank, naming the parameter and the ranks, and leaves the group usable.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -74,8 +75,13 @@ def tp_engine(tiny_model_dir: Path) -> Iterator[Engine]:
     try:
         yield Engine(llm, greedy(llm))
     finally:
+        import psutil  # type: ignore[import-untyped]
+
         llm.collective_rpc("cleanup")
-        stop_engine(llm)
+        # vLLM's kill_process_tree can race a worker that already exited (seen once in the
+        # full suite): that process is gone, which is what the shutdown wants.
+        with contextlib.suppress(psutil.NoSuchProcess):
+            stop_engine(llm)
 
 
 class Session:
