@@ -52,6 +52,7 @@ from genworker.shell.refit.memory import device_id
 from genworker.shell.refit.receiver import Loader, receive
 from genworker.shell.refit.wire import failure
 from genworker.shell.sparse_engine import SparseRefitMixin
+from genworker.shell.reshard import ReshardEngine
 
 if TYPE_CHECKING:
     from torch import nn
@@ -85,7 +86,7 @@ def _state(worker: object) -> _RefitState:
     return state
 
 
-class WorkerExtension(SparseRefitMixin, NemoRlRefit):
+class WorkerExtension(SparseRefitMixin, NemoRlRefit, ReshardEngine):
     """Mixed into each vLLM worker; every method is a ``collective_rpc`` target."""
 
     def prepare_refit_info(self, info: Mapping[str, object]) -> dict[str, object]:
