@@ -51,8 +51,8 @@ from genworker.shell.refit.ipc import IpcReceiver
 from genworker.shell.refit.memory import device_id
 from genworker.shell.refit.receiver import Loader, receive
 from genworker.shell.refit.wire import failure
-from genworker.shell.sparse_engine import SparseRefitMixin
 from genworker.shell.reshard import ReshardEngine
+from genworker.shell.sparse_engine import SparseRefitMixin
 
 if TYPE_CHECKING:
     from torch import nn
