@@ -91,11 +91,8 @@ class WorkerExtension(SparseRefitMixin, NemoRlRefit, ReshardEngine):
 
     def prepare_refit_info(self, info: Mapping[str, object]) -> dict[str, object]:
         """Record the manifest of every later refit: ``{name: (shape, dtype)}``."""
-        state, manifest = (
-            _state(self),
-            unwrap(Manifest.from_info(info), RefitManifestError, "refit"),
-        )
-        state.manifest = manifest
+        state = _state(self)
+        manifest = state.manifest = unwrap(Manifest.from_info(info), RefitManifestError, "refit")
         if state.ipc is not None:
             state.ipc.limit(p.max_message_bytes(manifest))
         direct = len(_routed(self, manifest, _tp_size(self) == 1).routes.direct)
@@ -349,11 +346,6 @@ def _refit(
     except GenworkerError as e:
         return failure(e)
     state.version += 1
-    log.info(
-        "refit %d: %d tensors, %.3f GB in %.3fs",
-        state.version,
-        report.tensors,
-        report.nbytes / 1e9,
-        report.seconds,
-    )
+    figures = (report.tensors, report.nbytes / 1e9, report.seconds)
+    log.info("refit %d: %d tensors, %.3f GB in %.3fs", state.version, *figures)
     return {**report.as_dict(), "version": state.version}
