@@ -51,6 +51,7 @@ from genworker.shell.refit.ipc import IpcReceiver
 from genworker.shell.refit.memory import device_id
 from genworker.shell.refit.receiver import Loader, receive
 from genworker.shell.refit.wire import failure
+from genworker.shell.reshard import ReshardEngine
 from genworker.shell.sparse_engine import SparseRefitMixin
 
 if TYPE_CHECKING:
@@ -85,16 +86,13 @@ def _state(worker: object) -> _RefitState:
     return state
 
 
-class WorkerExtension(SparseRefitMixin, NemoRlRefit):
+class WorkerExtension(SparseRefitMixin, NemoRlRefit, ReshardEngine):
     """Mixed into each vLLM worker; every method is a ``collective_rpc`` target."""
 
     def prepare_refit_info(self, info: Mapping[str, object]) -> dict[str, object]:
         """Record the manifest of every later refit: ``{name: (shape, dtype)}``."""
-        state, manifest = (
-            _state(self),
-            unwrap(Manifest.from_info(info), RefitManifestError, "refit"),
-        )
-        state.manifest = manifest
+        state = _state(self)
+        manifest = state.manifest = unwrap(Manifest.from_info(info), RefitManifestError, "refit")
         if state.ipc is not None:
             state.ipc.limit(p.max_message_bytes(manifest))
         direct = len(_routed(self, manifest, _tp_size(self) == 1).routes.direct)
@@ -348,11 +346,6 @@ def _refit(
     except GenworkerError as e:
         return failure(e)
     state.version += 1
-    log.info(
-        "refit %d: %d tensors, %.3f GB in %.3fs",
-        state.version,
-        report.tensors,
-        report.nbytes / 1e9,
-        report.seconds,
-    )
+    figures = (report.tensors, report.nbytes / 1e9, report.seconds)
+    log.info("refit %d: %d tensors, %.3f GB in %.3fs", state.version, *figures)
     return {**report.as_dict(), "version": state.version}

@@ -832,6 +832,54 @@ class GenerationGroup:
             )
         return [getattr(a, call).remote(timeout_s, **inflight) for a in self._actors]
 
+    def init_nccl_reshard_comm_group(
+        self,
+        pp_ips: Sequence[str],
+        pp_ports: Sequence[int],
+        *,
+        train_ranks_per_stage: int,
+        sub_world_size: int,
+        timeout_s: float | None = None,
+    ) -> list[object]:
+        """Join every engine worker to each trainer PP stage's reshard group; returns
+        futures (pass them to :meth:`collect` once the trainer ranks joined).
+
+        Shard ``s`` gets rank prefix ``s x tensor x pipeline``, as in
+        :meth:`init_collective`; ``sub_world_size`` must be the stage's trainer ranks and
+        this group's engine workers."""
+        self._require_usable("init_nccl_reshard_comm_group")
+        expected = train_ranks_per_stage + self.num_engine_workers
+        if sub_world_size != expected:
+            raise BadArgumentError(
+                f"init_nccl_reshard_comm_group: sub_world_size={sub_world_size} but "
+                f"{train_ranks_per_stage} trainer rank(s) per stage and this group's "
+                f"{self.num_engine_workers} engine worker(s) make {expected}"
+            )
+        size, ips, ports = self.plan.model_parallel_size, list(pp_ips), list(pp_ports)
+        return [
+            actor.init_nccl_reshard_comm_group.remote(
+                rank * size, ips, ports, len(ips), train_ranks_per_stage, sub_world_size, timeout_s
+            )
+            for rank, actor in enumerate(self._actors)
+        ]
+
+    def prepare_nccl_reshard_refit_info(
+        self, refit_info: Mapping[str, object], *, timeout_s: float | None = None
+    ) -> list[list[object]]:
+        """Every shard's engine workers' answers (shard order): for the trainer's
+        ``ReshardSender.plan(shards_of(answers[s]), rank_prefix=s x tensor x pipeline)``."""
+        return [
+            list(_as_list(r, "prepare_nccl_reshard_refit_info"))
+            for r in self._call_all(
+                "prepare_nccl_reshard_refit_info", dict(refit_info), timeout_s=timeout_s
+            )
+        ]
+
+    def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> list[object]:
+        """Start the reshard refit on every shard; returns one future per shard."""
+        self._require_usable("nccl_reshard_refit")
+        return [a.nccl_reshard_refit.remote(refit_timeout_s) for a in self._actors]
+
     def collect(
         self, futures: Sequence[object], *, call: str = "refit", timeout_s: float | None = None
     ) -> list[object]:

@@ -181,6 +181,7 @@ class NemoRlIpcPort:
         self._sock: zmq.Socket[bytes] | None = None
         self._cap, self._refits = -1, 0
         self._manifest: Manifest | None = None
+        self.memo = p.Memo()  # the receiver's remembered decisions (refit_protocol.Memo)
         self._start()
 
     def _start(self) -> None:
@@ -492,6 +493,7 @@ class NemoRlCollectivePort:
         self.refit_id, self._manifest = f"nemo-rl-collective-{refit}", manifest
         self._begun, self._next, self._received = False, 0, 0
         self._bound = p.DEFAULT_TIMEOUT_S
+        self.memo = p.Memo()  # one refit per port: nothing to remember across refits
 
     def next(self, wait: Wait) -> tuple[p.Event, list[object] | None]:
         self._bound = wait.bound_s

@@ -899,6 +899,83 @@ class VllmGenerationWorker:
         ``transport``, with the built-in refits' checks, bounds, lifecycle and resets."""
         return self._refit(method, timeout_s, transport)
 
+    # -- shard-to-shard refit (issue 17; genworker.shell.reshard) -------------------
+    _reshard_stages = 0  # init_nccl_reshard_comm_group succeeded: its stage groups
+    _reshard_params: int | None = None  # prepare_nccl_reshard_refit_info: parameters
+
+    @_serialized
+    def init_nccl_reshard_comm_group(
+        self,
+        rank_prefix: int,
+        pp_ips: Sequence[str],
+        pp_ports: Sequence[int],
+        pp_size: int,
+        train_ranks_per_stage: int,
+        sub_world_size: int,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Join each trainer PP stage's reshard group (``pp_ips[s]:pp_ports[s]``) as rank
+        ``train_ranks_per_stage + rank_prefix + engine worker rank`` of ``sub_world_size``;
+        every rendezvous wait bounded by ``timeout_s``."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, "init_nccl_reshard_comm_group")
+        self._reshard_stages = 0
+        args = (rank_prefix, list(pp_ips), list(pp_ports), pp_size, train_ranks_per_stage)
+        self._rpc(
+            "init_nccl_reshard_comm_group",
+            *args,
+            sub_world_size,
+            bound,
+            timeout=rpc_bound(RENDEZVOUS_WAITS * max(1, len(pp_ips)), bound),
+        )
+        self._reshard_stages = len(pp_ips)
+
+    @_serialized
+    def prepare_nccl_reshard_refit_info(self, refit_info: Mapping[str, object]) -> list[object]:
+        """Plan every later reshard refit from the trainer's layouts
+        (``genworker.shell.reshard.refit_info``); each engine worker's shards, digests
+        and bytes, for the trainer's ``ReshardSender.plan(shards_of(...))``."""
+        self._reshard_params = None
+        summaries = self._rpc("prepare_nccl_reshard_refit_info", dict(refit_info))
+        self._reshard_params = max(
+            (int(s.get("params", 0)) for s in summaries if isinstance(s, dict)), default=0
+        )
+        return summaries
+
+    @_serialized
+    def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> bool:
+        """Receive one reshard refit (every wait bounded by ``refit_timeout_s``); as the
+        other refits: refused before it starts, or the weights count as valid only once
+        it and the cache resets succeeded."""
+        method = "nccl_reshard_refit"
+        bound = unwrap(wait_bound(refit_timeout_s), BadArgumentError, method)
+        if not self._reshard_stages:
+            raise EngineStateError(f"{method} needs init_nccl_reshard_comm_group first")
+        if self._reshard_params is None:
+            raise EngineStateError(f"{method} needs prepare_nccl_reshard_refit_info first")
+        self._state = self._move(lifecycle.Event.REFIT_BEGIN)
+        outer = rpc_bound(self._reshard_stages * refit_waits(1, Transport.COLLECTIVE), bound)
+        kwargs: dict[str, object] = {"refit_timeout_s": bound}
+        try:
+            started = time.monotonic()
+            reports = self._call(lambda e: e.collective_rpc(method, kwargs=kwargs, timeout=outer))
+            raise_failures(reports, method)
+            rpc_s = time.monotonic() - started
+            resets = self._reset_caches(method)
+        except BaseException as e:
+            event = lifecycle.Event.REFIT_FAILED
+            self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, method)
+            if isinstance(e, GenworkerError) or not isinstance(e, Exception):
+                raise
+            raise RefitError(f"{method} failed: {e}; weights are inconsistent") from e
+        event = lifecycle.Event.REFIT_OK
+        self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, method)
+        self.last_refit = {
+            "engine_workers": reports,
+            "rpc_seconds": rpc_s,
+            **{f"reset_{name}_cache_seconds": s for name, s in resets.items()},
+        }
+        return True
+
 
 def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
     if not isinstance(data, Mapping):

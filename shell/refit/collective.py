@@ -190,7 +190,7 @@ class CollectiveGroup:
         if data is None:
             body = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
             self.transfer([body], what, bound_s)
-            return body.cpu().numpy().tobytes()
+            return _bytes(body)
         self.transfer(
             [torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)], what, bound_s
         )
@@ -215,16 +215,10 @@ class CollectiveGroup:
         if problem is not None:
             raise problem
         if failed:
-            said = (
-                outs[r].cpu().numpy().tobytes().rstrip(b"\0").decode(errors="replace")
-                for r in failed
-            )
-            text = "; ".join(
-                f"rank {r}: {message}" for r, message in zip(failed, said, strict=True)
-            )
-            raise error_of(
-                next(iter(failed.values())), f"the weight-update group failed {what}: {text}"
-            )
+            said = (_bytes(outs[r]).rstrip(b"\0").decode(errors="replace") for r in failed)
+            text = "; ".join(f"rank {r}: {m}" for r, m in zip(failed, said, strict=True))
+            kind = next(iter(failed.values()))
+            raise error_of(kind, f"the weight-update group failed {what}: {text}")
 
     def _break(self) -> None:
         self.broken = True
@@ -239,6 +233,10 @@ class CollectiveGroup:
             getattr(self._pg, "shutdown" if self.backend == "gloo" else "abort")()
 
 
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.cpu().numpy().tobytes()
+
+
 def _scratch(refs: Iterable[p.TensorRef], device: torch.device) -> list[torch.Tensor]:
     sizes = (math.prod(r.shape) * DTYPE_ITEMSIZE.get(r.dtype, 1) for r in refs)
     return [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes if n]
@@ -246,6 +244,10 @@ def _scratch(refs: Iterable[p.TensorRef], device: torch.device) -> list[torch.Te
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1).view(torch.uint8)
+
+
+def _empty(spec: p.TensorRef | TensorSpec, device: torch.device) -> torch.Tensor:
+    return torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
 
 
 class CollectiveReceiver:
@@ -293,9 +295,7 @@ class CollectiveReceiver:
                 if route is p.Route.DIRECT:
                     dest = sink.target(ref.name)
                 else:
-                    dest = torch.empty(
-                        ref.shape, dtype=getattr(torch, ref.dtype), device=self.group.device
-                    )
+                    dest = _empty(ref, self.group.device)
                     loader.append((ref.name, dest))
                 buffers += [_flat(dest)] if dest.numel() else []
             except Exception as e:  # noqa: BLE001 - received into scratch, reported at the end
@@ -339,7 +339,7 @@ class _Scratch:
     def target(self, name: str) -> torch.Tensor:
         spec = self.manifest.get(name)
         assert spec is not None
-        return torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=self.device)
+        return _empty(spec, self.device)
 
     def finish(self, names: Iterable[str]) -> None:
         return None
@@ -350,12 +350,8 @@ class CollectiveSenderPort:
     trainer ranks follow it (:meth:`follow`)."""
 
     def __init__(self, group: CollectiveGroup, *, timeout_s: float, chunk_bytes: int) -> None:
-        self.group, self.budget, self.peer, self._timeout = (
-            group,
-            chunk_bytes,
-            group.peer,
-            timeout_s,
-        )
+        self.group, self.budget, self.peer = group, chunk_bytes, group.peer
+        self._timeout = timeout_s
         self._chunk: list[tuple[TensorSpec, torch.Tensor]] = []
         self._chunks, self.refit_id = 0, ""
 
@@ -379,12 +375,8 @@ class CollectiveSenderPort:
         chunk, self._chunk = self._chunk, []
         index, self._chunks = self._chunks, self._chunks + 1
         sources = [_flat(t.to(self.group.device).contiguous()) for s, t in chunk if s.nbytes]
-        self._emit(
-            p.Chunk(
-                self.refit_id, index, tuple(p.TensorRef(s.name, s.shape, s.dtype) for s, _ in chunk)
-            ),
-            f"chunk {index}",
-        )
+        refs = tuple(p.TensorRef(s.name, s.shape, s.dtype) for s, _ in chunk)
+        self._emit(p.Chunk(self.refit_id, index, refs), f"chunk {index}")
         self.group.transfer(sources, f"chunk {index}'s tensors", self._timeout)
 
     def end(self, event: p.End) -> None:

@@ -122,12 +122,10 @@ class _Session:
         self.loaded = self.nbytes = 0
 
     def wait(self) -> Wait:
-        machine = self.machine
-        if machine.phase is p.Phase.IDLE:
-            return Wait.of("the start of a refit", self.timeout_s)
-        return Wait.of(
-            f"chunk {machine.chunks} or the end of refit {machine.refit_id}", self.timeout_s
-        )
+        machine, what = self.machine, "the start of a refit"
+        if machine.phase is not p.Phase.IDLE:
+            what = f"chunk {machine.chunks} or the end of refit {machine.refit_id}"
+        return Wait.of(what, self.timeout_s)
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         try:
@@ -145,11 +143,9 @@ class _Session:
             result = self.machine.handle(event)
             if isinstance(result, Failure):
                 refusal = result.failure()
-                error = (
-                    RefitManifestError(str(refusal), detail=refusal.detail)
-                    if refusal.detail
-                    else RefitError(str(refusal))
-                )
+                error = RefitError(str(refusal))
+                if refusal.detail:
+                    error = RefitManifestError(str(refusal), detail=refusal.detail)
                 if refusal.fatal:
                     raise error
                 self.port.answer(event, error)  # a stray before Begin: answered, ignored
@@ -195,16 +191,9 @@ class _Session:
             failed = False
         finally:
             mapped = self.port.release(failed=failed)
-        return p.RefitReport(
-            len(self.machine.received),
-            self.nbytes,
-            self.machine.chunks,
-            time.monotonic() - self.started,
-            len(self.direct),
-            self.loaded,
-            mapped,
-            dict(self.laps.seconds),
-        )
+        counts = (len(self.machine.received), self.nbytes, self.machine.chunks)
+        elapsed, loaded = time.monotonic() - self.started, (len(self.direct), self.loaded)
+        return p.RefitReport(*counts, elapsed, *loaded, mapped, dict(self.laps.seconds))
 
 
 def _no_loader(weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -107,13 +107,10 @@ class RefitSender:
         chunk's broadcasts (up to ``chunk_bytes``) are one NCCL group call."""
         bound = unwrap(p.wait_bound(timeout_s), BadConfigError, "RefitSender")
         budget = unwrap(bucket_budget(chunk_bytes), BadConfigError, "chunk_bytes")
-        where, device = (ip, port), torch.device(device)
-        group = CollectiveGroup(
-            *where, rank, world_size, train_world_size, "trainer", device, bound
-        )
-        return cls(
-            CollectiveSenderPort(group, timeout_s=bound, chunk_bytes=budget), manifest, bound
-        )
+        where = (ip, port, rank, world_size, train_world_size)
+        group = CollectiveGroup(*where, "trainer", torch.device(device), bound)
+        sender = CollectiveSenderPort(group, timeout_s=bound, chunk_bytes=budget)
+        return cls(sender, manifest, bound)
 
     @property
     def group(self) -> CollectiveGroup | None:
@@ -179,16 +176,9 @@ class RefitSender:
         except BaseException:
             port.drop()  # an interrupt
             raise
-        phases = laps.seconds
+        elapsed = time.monotonic() - started
         return p.RefitReport(
-            tensors,
-            nbytes,
-            plan.index,
-            time.monotonic() - started,
-            handles,
-            tensors - handles,
-            0,
-            phases,
+            tensors, nbytes, plan.index, elapsed, handles, tensors - handles, 0, laps.seconds
         )
 
     def close(self) -> None:

@@ -482,6 +482,66 @@ def test_a_collective_refit_reaches_every_shard(
     assert_same_outputs(after, reference.generate(data, greedy=True))
 
 
+@pytest.mark.engine
+def test_a_reshard_refit_reaches_every_shard(
+    group: GenerationGroup, reference: VllmGenerationWorker, tiny_model_dir: Path
+) -> None:
+    """One reshard group: this process is the only trainer rank (TP=1), the two shards'
+    engine workers ranks 1 and 2 (rank prefixes 0 and 1), each planned for apart; both
+    shards then generate as the reference refit with the same weights over IPC."""
+    import socket
+
+    from safetensors.torch import load_file
+
+    from genworker.core.reshard import megatron_layout
+    from genworker.shell.refit import RefitSender
+    from genworker.shell.reshard import ReshardSender, refit_info, shards_of
+
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(12)
+    new = {n: t + 0.05 * torch.randn(t.shape, generator=generator) for n, t in weights.items()}
+    layouts = [
+        megatron_layout(n, tuple(t.shape), "float32", None, [[0]]).unwrap() for n, t in new.items()
+    ]
+    data = batch([4, 12, 30, 2, 7, 19], seed=7)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    with pytest.raises(BadArgumentError, match="make 3"):
+        group.init_nccl_reshard_comm_group(
+            ["127.0.0.1"], [port], train_ranks_per_stage=1, sub_world_size=4
+        )
+    joins = group.init_nccl_reshard_comm_group(
+        ["127.0.0.1"], [port], train_ranks_per_stage=1, sub_world_size=3, timeout_s=120.0
+    )
+    with ReshardSender(
+        "127.0.0.1", port, 3, rank=0, train_world_size=1, layouts=layouts, timeout_s=120.0
+    ) as sender:
+        group.collect(joins, call="init_nccl_reshard_comm_group")
+        answers = group.prepare_nccl_reshard_refit_info(refit_info(layouts))
+        for prefix, shard_answers in enumerate(answers):
+            sender.plan(shards_of(shard_answers), rank_prefix=prefix)
+        futures = group.nccl_reshard_refit(refit_timeout_s=120.0)
+        report = sender.send(new)
+        assert group.collect(futures) == [True, True]
+    whole = sum(t.nbytes for t in new.values())
+    assert report.nbytes == 2 * whole  # each shard's single engine rank: every byte once
+
+    info = {n: (t.shape, t.dtype) for n, t in new.items()}
+    reference.prepare_refit_info(info)
+    (address,) = reference.refit_address()
+
+    def send() -> None:
+        with RefitSender.ipc(str(address), manifest=info, timeout_s=120.0) as ipc:
+            ipc.send(new.items())
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    assert reference.update_weights_via_ipc_zmq(timeout_s=120.0) is True
+    thread.join(120)
+    assert_same_outputs(group.generate(data, greedy=True), reference.generate(data, greedy=True))
+
+
 # -- these break the group: keep them last --------------------------------------------------
 
 

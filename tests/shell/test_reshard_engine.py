@@ -10,6 +10,7 @@ dims default to vLLM's unquantized layout (output 0, input 1)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -104,3 +105,35 @@ def test_the_facts_of_the_real_engine_give_its_parameter_shapes(cpu_llm: LLM) ->
         assert shard.shape == shape, f.param
         if parts is not None and len(parts) > 1:  # fused: vLLM's own per-source sizes
             assert tuple(p.dest_box[0][1] - p.dest_box[0][0] for p in shard.pieces) == parts
+
+
+def _shell_facts(model: torch.nn.Module) -> list[tuple[VllmParamFacts, tuple[int, ...]]]:
+    from genworker.shell.reshard import engine_facts
+
+    shapes = {n: tuple(int(d) for d in p.shape) for n, p in model.named_parameters()}
+    return [(f, shapes[f.param]) for f in engine_facts(model)]
+
+
+def test_the_shell_reads_the_same_facts_with_the_checkpoint_s_names(
+    cpu_llm: LLM, tiny_model_dir: Path
+) -> None:
+    """``shell.reshard.engine_facts`` names every source as the checkpoint does (fused
+    layers through ``packed_modules_mapping``) and its shards have the shapes vLLM gave
+    the parameters (a CPU-repacked linear weight is empty: its layer's shape, as above)."""
+    from safetensors.torch import load_file
+
+    (pairs,) = cpu_llm.apply_model(_shell_facts)
+    (expected,) = cpu_llm.apply_model(engine_facts)
+    local = {f.param: shape for f, shape, _ in expected}
+    checkpoint = {
+        n: tuple(t.shape) for n, t in load_file(tiny_model_dir / "model.safetensors").items()
+    }
+    sources = {name: shape for f, _ in pairs for name, shape in f.sources}
+    assert sources == checkpoint  # every checkpoint tensor, by its name and full shape
+    kinds = {f.param: f.kind for f, _ in pairs}
+    assert kinds["model.layers.0.self_attn.qkv_proj.weight"] is LayerKind.QKV
+    assert kinds["model.layers.0.mlp.gate_up_proj.weight"] is LayerKind.MERGED
+    for f, _ in pairs:
+        result = vllm_shard(f)
+        assert isinstance(result, Success), (f.param, result)
+        assert result.unwrap().shape == local[f.param], f.param

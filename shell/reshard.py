@@ -1,0 +1,740 @@
+"""Shard-to-shard refit (issue 17): each trainer rank sends the slices it holds, each
+engine rank receives only its own shard, over point-to-point sends on a standalone group.
+
+The plan is :mod:`genworker.core.reshard`'s; this module moves its bytes.
+
+Setup (NeMo-RL's names and order): the engine workers join one group per trainer PP stage
+(``init_nccl_reshard_comm_group``: stage ``s`` at ``pp_ips[s]:pp_ports[s]``, its
+``train_ranks_per_stage`` trainer ranks first, engine worker ``w`` of the engine with
+``rank_prefix`` at ``train_ranks_per_stage + rank_prefix + w``, ``sub_world_size`` in
+all) while the trainer ranks of the stage open a :class:`ReshardSender` on it. The
+trainer describes where its tensors live (:func:`refit_info` over
+:class:`~genworker.core.reshard.TrainerLayout` values: Megatron TP shards, or
+:func:`layout_of_dtensor` for a ``DTensor``); ``prepare_nccl_reshard_refit_info`` gives
+that to the engine workers, which read vLLM's split of every parameter from their layers
+(:func:`engine_facts`: fused ``qkv_proj`` / ``gate_up_proj`` named by the model's
+``packed_modules_mapping``) and answer their shards (:func:`shards_of`), from which every
+trainer rank makes the same plan (:meth:`ReshardSender.plan`).
+
+A refit (``nccl_reshard_refit`` on the engine, :meth:`ReshardSender.send` on every
+trainer rank), per stage group: trainer rank 0 broadcasts the plan digests and every
+rank checks them (the engine: its own plan; a trainer rank: its plan, and that it holds
+each shard the layout says, in its shape and dtype); a status round (``CollectiveGroup
+.settle``) makes any rank's problem every rank's typed error, naming the parameter and
+the ranks, before a byte moves. Then one batched exchange: every copy of the plan is one
+point-to-point message (one NCCL group call; on gloo all posted, then waited), received
+straight into the parameter's memory where the engine's routes write it directly
+(``core.refit_protocol.plan_routes``) and the destination is one contiguous region, else
+into scratch, copied into the parameter, or placed into a tensor of the trainer tensor's
+full shape for vLLM's weight loader (which reads only this rank's part of it: only those
+bytes travel). A last status round reports post-load failures. Every wait is bounded
+(``core.refit_protocol.wait_bound``; the worker derives the call's bound with
+``rpc_bound`` and ``refit_waits``); a failed exchange breaks the group until
+``init_nccl_reshard_comm_group`` runs again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Final
+
+import attrs
+import msgspec
+import torch
+from returns.result import Success
+
+from genworker.core import refit_protocol as p
+from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec, dtype_name
+from genworker.core.reshard import (
+    Copy,
+    EngineShard,
+    LayerKind,
+    Replicate,
+    ReshardPlan,
+    Shard,
+    TrainerLayout,
+    VllmParamFacts,
+    box_numel,
+    dtensor_layout,
+    plan_reshard,
+    vllm_shard,
+)
+from genworker.shell.errors import (
+    BadArgumentError,
+    BadConfigError,
+    EngineStateError,
+    GenworkerError,
+    RefitError,
+    RefitManifestError,
+    UnsupportedError,
+    unwrap,
+)
+from genworker.shell.refit.collective import CollectiveGroup
+from genworker.shell.refit.wire import failure
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "ReshardEngine",
+    "ReshardGroup",
+    "ReshardSender",
+    "bytes_of",
+    "engine_facts",
+    "layout_of_dtensor",
+    "plan_digest",
+    "refit_info",
+    "shards_of",
+]
+
+_STATE: Final = "_genworker_reshard_state"
+_VERSION: Final = 1
+
+
+class ReshardGroup(CollectiveGroup):
+    """A weight-update group that also moves point-to-point messages."""
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        what: str,
+        bound_s: float,
+    ) -> None:
+        """Send and receive ``(peer rank, tensor)`` messages, matched per peer in order;
+        one NCCL group call, or every gloo message posted and then waited."""
+        if not sends and not recvs:
+            return
+        pg = self._group()
+        with self._foreign(f"exchanging {what}", bound_s):
+            if self.backend == "nccl":
+                pg._start_coalescing()
+                for peer, tensor in sends:
+                    pg.send([tensor], peer, 0)
+                for peer, tensor in recvs:
+                    pg.recv([tensor], peer, 0)
+                works = [pg._end_coalescing()]
+            else:
+                tags: dict[tuple[str, int], int] = {}
+
+                def tag(kind: str, peer: int) -> int:
+                    tags[kind, peer] = tags.get((kind, peer), -1) + 1
+                    return tags[kind, peer]
+
+                works = [pg.send([t], peer, tag("s", peer)) for peer, t in sends]
+                works += [pg.recv([t], peer, tag("r", peer)) for peer, t in recvs]
+            deadline = time.monotonic() + bound_s
+            for work in works:
+                self._wait(work, deadline)
+
+
+# -- descriptions ----------------------------------------------------------------------
+
+
+class _Info(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    stages: list[list[TrainerLayout]]
+
+
+def refit_info(
+    layouts: Sequence[TrainerLayout] | Mapping[int, Sequence[TrainerLayout]],
+) -> dict[str, object]:
+    """The plain ``refit_info`` of ``prepare_nccl_reshard_refit_info``: every trainer
+    tensor's layout, per PP stage (a sequence: one stage)."""
+    stages = layouts if isinstance(layouts, Mapping) else {0: layouts}
+    count = max(stages, default=-1) + 1
+    return {
+        "version": _VERSION,
+        "stages": [msgspec.to_builtins(list(stages.get(s, ()))) for s in range(count)],
+    }
+
+
+def _parse_info(info: object) -> list[list[TrainerLayout]]:
+    try:
+        parsed = msgspec.convert(info, _Info)
+    except msgspec.ValidationError as e:
+        raise RefitManifestError(f"malformed reshard refit_info: {e}") from e
+    if parsed.version != _VERSION:
+        raise RefitManifestError(f"reshard refit_info version {parsed.version}, not {_VERSION}")
+    seen: dict[str, int] = {}
+    problems = []
+    for stage, layouts in enumerate(parsed.stages):
+        for layout in layouts:
+            problems += [pp.describe() for pp in layout.check()]
+            if layout.name in seen:
+                problems.append(
+                    f"{layout.name!r} is described twice (stages {seen[layout.name]} and {stage})"
+                )
+            seen[layout.name] = stage
+    if problems:
+        raise RefitManifestError("invalid reshard refit_info: " + "; ".join(problems))
+    return parsed.stages
+
+
+def shards_of(summaries: Iterable[object]) -> list[EngineShard]:
+    """Every engine shard, in engine-rank order, from the workers' answers to
+    ``prepare_nccl_reshard_refit_info`` (one engine's: one answer per worker)."""
+    out: list[EngineShard] = []
+    for summary in summaries:
+        shards = summary.get("shards") if isinstance(summary, Mapping) else None
+        try:
+            out += msgspec.convert(shards, list[EngineShard])
+        except msgspec.ValidationError as e:
+            raise BadArgumentError(f"not an answer of prepare_nccl_reshard_refit_info: {e}") from e
+    return out
+
+
+def plan_digest(plan: ReshardPlan) -> str:
+    return hashlib.sha256(msgspec.msgpack.encode(plan.copies)).hexdigest()[:32]
+
+
+def _stage_plan(layouts: Sequence[TrainerLayout], shards: Sequence[EngineShard]) -> ReshardPlan:
+    """The plan of one stage: the engine shards made of its tensors (a shard belongs to
+    the stage of its first piece's source; a piece of another stage is named)."""
+    names = {layout.name for layout in layouts}
+    mine = [s for s in shards if s.pieces and s.pieces[0].source in names]
+    return unwrap(plan_reshard(layouts, mine), RefitManifestError, "reshard refit")
+
+
+def layout_of_dtensor(name: str, tensor: torch.Tensor) -> TrainerLayout:
+    """The layout of a ``DTensor`` (``Shard`` / ``Replicate`` placements): its mesh's
+    ranks are the trainer ranks of the reshard group."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    if not isinstance(tensor, DTensor):
+        raise BadArgumentError(f"{name!r} is a {type(tensor).__name__}, not a DTensor")
+    placements: list[Shard | Replicate] = []
+    for placement in tensor.placements:
+        if isinstance(placement, TorchShard):
+            placements.append(Shard(int(placement.dim)))
+        elif isinstance(placement, TorchReplicate):
+            placements.append(Replicate())
+        else:
+            raise BadArgumentError(
+                f"{name!r} has placement {placement!r}: only Shard and Replicate"
+            )
+    mesh = tensor.device_mesh.mesh
+    result = dtensor_layout(
+        name,
+        tuple(int(d) for d in tensor.shape),
+        dtype_name(tensor.dtype),
+        tuple(int(d) for d in mesh.shape),
+        [int(r) for r in mesh.flatten().tolist()],
+        placements,
+    )
+    return unwrap(result, BadArgumentError, "layout_of_dtensor")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _region(tensor: torch.Tensor, box: Sequence[tuple[int, int]]) -> torch.Tensor:
+    return tensor[tuple(slice(a, b) for a, b in box)]
+
+
+def _header(refit_id: str, digests: Mapping[int, str]) -> bytes:
+    return msgspec.msgpack.encode({"refit": refit_id, "digests": dict(digests)})
+
+
+def _read_header(data: bytes) -> dict[int, str]:
+    try:
+        header = msgspec.msgpack.decode(data, type=dict[str, object])
+        return msgspec.convert(header["digests"], dict[int, str], strict=False)
+    except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as e:
+        raise RefitError(f"malformed reshard refit header: {e!r}") from e
+
+
+# -- the trainer side ------------------------------------------------------------------
+
+
+class ReshardSender:
+    """Trainer rank ``rank`` of one PP stage's reshard group at ``ip:port`` (rank 0
+    hosts its store; this blocks until every rank joined: start the engines'
+    ``init_nccl_reshard_comm_group`` alongside).
+
+    ``layouts``: where every tensor of the stage lives, the same on every trainer rank
+    (what :func:`refit_info` gave the engines). :meth:`plan` adds an engine (its shards
+    from :func:`shards_of`, its ``rank_prefix``); :meth:`send` sends one refit of this
+    rank's local tensors (a ``DTensor`` sends its local shard).
+    """
+
+    def __init__(
+        self,
+        ip: str,
+        port: int,
+        world_size: int,
+        *,
+        rank: int,
+        train_world_size: int,
+        layouts: Sequence[TrainerLayout],
+        device: torch.device | str = "cpu",
+        timeout_s: float | None = None,
+    ) -> None:
+        self._timeout = unwrap(p.wait_bound(timeout_s), BadConfigError, "ReshardSender")
+        self.layouts = {layout.name: layout for layout in layouts}
+        self.group = ReshardGroup(
+            ip,
+            port,
+            rank,
+            world_size,
+            train_world_size,
+            "trainer",
+            torch.device(device),
+            self._timeout,
+        )
+        self.rank, self._train = rank, train_world_size
+        self._plans: dict[int, ReshardPlan] = {}
+
+    def __enter__(self) -> ReshardSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def plan(self, shards: Sequence[EngineShard], *, rank_prefix: int = 0) -> ReshardPlan:
+        """The plan for the engine whose workers start at ``rank_prefix`` (kept)."""
+        plan = _stage_plan(list(self.layouts.values()), shards)
+        ranks = {c.dst_rank for c in plan.copies}
+        top = self._train + rank_prefix + max(ranks, default=-1)
+        if top >= self.group.world_size:
+            raise BadArgumentError(
+                f"engine ranks up to {top} with rank_prefix {rank_prefix} do not fit a group "
+                f"of {self.group.world_size}"
+            )
+        self._plans[rank_prefix] = plan
+        return plan
+
+    def _problems(self, tensors: Mapping[str, torch.Tensor]) -> RefitManifestError | None:
+        """This rank's shards against the layouts: present, in their shape and dtype."""
+        problems = []
+        needs: dict[str, set[int]] = {}
+        for prefix, plan in self._plans.items():
+            for c in plan.copies:
+                if c.src_rank == self.rank:
+                    needs.setdefault(c.source, set()).add(self._train + prefix + c.dst_rank)
+        for layout in self.layouts.values():
+            boxes = [s.box for s in layout.shards if s.rank == self.rank]
+            if not boxes:
+                continue
+            engines = sorted(needs.get(layout.name, ()))
+            tensor = tensors.get(layout.name)
+            want = tuple(b - a for a, b in boxes[0])
+            where = (
+                f"trainer rank {self.rank}'s shard of {layout.name!r} (for engine ranks {engines})"
+            )
+            if tensor is None:
+                problems.append(f"{where} is missing")
+                continue
+            local = _local(tensor)
+            got = (tuple(int(d) for d in local.shape), dtype_name(local.dtype))
+            if got != (want, layout.dtype):
+                problems.append(
+                    f"{where} is {list(got[0])} {got[1]}, the layout gives {list(want)} {layout.dtype}"
+                )
+        extra = sorted(set(tensors) - set(self.layouts))
+        if extra:
+            problems.append(
+                f"trainer rank {self.rank} sent tensors no layout describes: {extra[:8]}"
+            )
+        return RefitManifestError("reshard refit: " + "; ".join(problems)) if problems else None
+
+    def send(self, tensors: Mapping[str, torch.Tensor]) -> p.RefitReport:
+        """Send this rank's slices of one refit; a typed :class:`RefitError` on any
+        failure (this rank's, another rank's, or the transport's)."""
+        if not self._plans:
+            raise EngineStateError("ReshardSender.send before plan() (the engines' shards)")
+        started, group, bound = time.monotonic(), self.group, self._timeout
+        digests = {prefix: plan_digest(plan) for prefix, plan in self._plans.items()}
+        problem = self._problems(tensors)
+        what = "the start of the reshard refit"
+        data = group.message(
+            _header(secrets.token_hex(8), digests) if self.rank == 0 else None, what, bound
+        )
+        if problem is None and self.rank and _read_header(data) != digests:
+            problem = RefitManifestError(
+                f"trainer rank {self.rank} planned another reshard refit than trainer rank 0 "
+                "(its layouts or the engines' shards differ)"
+            )
+        group.settle(problem, what, bound)
+        sends = [
+            (
+                self._train + prefix + c.dst_rank,
+                _region(_local(tensors[c.source]), c.src_box).to(group.device).contiguous(),
+            )
+            for prefix, plan in self._plans.items()
+            for c in plan.copies
+            if c.src_rank == self.rank
+        ]
+        group.exchange(sends, [], "the shards", bound)
+        group.settle(None, "the end of the reshard refit", bound)
+        nbytes = sum(t.nbytes for _, t in sends)
+        return p.RefitReport(len(sends), nbytes, 1, time.monotonic() - started)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+# -- the engine side -------------------------------------------------------------------
+
+
+def _int(module: object, attr: str, default: int | None = None) -> int:
+    value = getattr(module, attr, default)
+    if value is None:
+        raise UnsupportedError(f"{type(module).__name__} has no {attr!r}: no reshard layout")
+    return int(value)
+
+
+def _facts(
+    module: nn.Module, name: str, local: str, param: torch.Tensor, subs: Sequence[str]
+) -> VllmParamFacts:
+    classes = {c.__name__ for c in type(module).__mro__}
+    out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+    common = {
+        "output_dim": 0 if out_dim is None else int(out_dim),
+        "input_dim": 1 if in_dim is None else int(in_dim),
+    }
+    bias = local == "bias"
+
+    def shape(rows: int) -> tuple[int, ...]:
+        return (rows,) if bias else (rows, _int(module, "input_size"))
+
+    def facts(
+        kind: LayerKind, sources: Iterable[tuple[str, tuple[int, ...]]], **kw: int
+    ) -> VllmParamFacts:
+        return VllmParamFacts(
+            name,
+            kind,
+            dtype_name(param.dtype),
+            _int(module, "tp_rank", 0),
+            _int(module, "tp_size", 1),
+            tuple(sources),
+            **common,
+            **kw,
+        )
+
+    if "VocabParallelEmbedding" in classes:
+        full = (_int(module, "org_vocab_size"), _int(module, "embedding_dim"))
+        return facts(LayerKind.VOCAB, [(name, full)], padding_size=_int(module, "padding_size", 64))
+    if "QKVParallelLinear" in classes:
+        hs, heads = _int(module, "head_size"), _int(module, "total_num_heads")
+        kv = _int(module, "total_num_kv_heads")
+        rows = (heads * hs, kv * hs, kv * hs)
+        return facts(
+            LayerKind.QKV,
+            zip(subs, map(shape, rows), strict=False),
+            head_size=hs,
+            num_heads=heads,
+            num_kv_heads=kv,
+        )
+    if "MergedColumnParallelLinear" in classes:
+        sizes = [int(n) for n in getattr(module, "output_sizes", ())]
+        return facts(LayerKind.MERGED, zip(subs, map(shape, sizes), strict=False))
+    if "LinearBase" in classes:
+        kind = LayerKind.REPLICATED
+        if "ColumnParallelLinear" in classes:
+            kind = LayerKind.COLUMN
+        elif "RowParallelLinear" in classes and not bias:
+            kind = LayerKind.ROW
+        return facts(kind, [(subs[0], shape(_int(module, "output_size")))])
+    return facts(LayerKind.REPLICATED, [(name, tuple(int(d) for d in param.shape))])
+
+
+def engine_facts(model: nn.Module) -> list[VllmParamFacts]:
+    """Every parameter's split as vLLM's layers make it (class names along the MRO, the
+    parameter's ``output_dim`` / ``input_dim``, the layer's sizes: vLLM's CPU backend
+    leaves a repacked linear weight empty), its sources named as the checkpoint names
+    them (a fused layer's through the model's ``packed_modules_mapping``)."""
+    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    out = []
+    for module_name, module in model.named_modules():
+        prefix, _, leaf = module_name.rpartition(".")
+        for local, param in module._parameters.items():
+            if param is None:
+                continue
+            name = f"{module_name}.{local}" if module_name else local
+            subs = [
+                f"{prefix}.{s}.{local}" if prefix else f"{s}.{local}"
+                for s in packed.get(leaf, [leaf])
+            ]
+            out.append(_facts(module, name, local, param, subs))
+    return out
+
+
+@attrs.define
+class _Prepared:
+    stages: list[list[TrainerLayout]]
+    shards: list[EngineShard]  # this worker's own
+    plans: list[ReshardPlan]  # per stage, every rank of this engine
+    digests: list[str]
+    manifest: Manifest  # this worker's shards as local tensors, for the routes
+
+
+@attrs.define
+class _ReshardState:
+    groups: list[ReshardGroup] = attrs.field(factory=list)
+    rank_prefix: int = 0
+    train: int = 0
+    prepared: _Prepared | None = None
+    version: int = 0
+
+
+def _state(worker: object) -> _ReshardState:
+    state = worker.__dict__.get(_STATE)
+    if state is None:
+        state = worker.__dict__[_STATE] = _ReshardState()
+    assert isinstance(state, _ReshardState)
+    return state
+
+
+def _engine_plans(worker: object, stages: list[list[TrainerLayout]]) -> _Prepared:
+    from genworker.shell import extension as ext
+
+    parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+        raise UnsupportedError("the reshard refit takes engines without pipeline parallelism")
+    tp, rank = ext._tp_size(worker), int(getattr(worker, "rank", 0))
+    names = {layout.name for layouts in stages for layout in layouts}
+    facts = [f for f in engine_facts(ext._model(worker)) if any(n in names for n, _ in f.sources)]
+    shards, problems = [], []
+    for r in range(tp):
+        for f in facts:
+            result = vllm_shard(attrs.evolve(f, tp_rank=r, tp_size=tp))
+            if isinstance(result, Success):
+                shards.append(result.unwrap())
+            elif r == rank:
+                problems.append(str(result.failure()))
+    used = {piece.source for s in shards for piece in s.pieces}
+    if unused := sorted(names - used):
+        problems.append(f"no engine parameter is made of {unused[:12]} (engine rank {rank})")
+    if problems:
+        raise RefitManifestError("reshard refit_info: " + "; ".join(problems))
+    plans = [_stage_plan(layouts, shards) for layouts in stages]
+    own = [s for s in shards if s.rank == rank]
+    manifest = unwrap(
+        Manifest.from_specs(TensorSpec(s.param, s.shape, s.dtype) for s in own),
+        RefitManifestError,
+        "reshard refit",
+    )
+    return _Prepared(stages, own, plans, [plan_digest(pl) for pl in plans], manifest)
+
+
+class ReshardEngine:
+    """Mixed into ``WorkerExtension``: the engine's end of the reshard refit; every
+    method a ``collective_rpc`` target with plain arguments and results (a failure as
+    ``refit.wire.failure``)."""
+
+    def init_nccl_reshard_comm_group(
+        self,
+        rank_prefix: int,
+        pp_ips: Sequence[str],
+        pp_ports: Sequence[int],
+        pp_size: int,
+        train_ranks_per_stage: int,
+        sub_world_size: int,
+        timeout_s: float | None = None,
+    ) -> dict[str, object]:
+        """Join every trainer PP stage's reshard group as rank ``train_ranks_per_stage +
+        rank_prefix + worker rank``."""
+        from genworker.shell import extension as ext
+
+        state = _state(self)
+        try:
+            bound = unwrap(
+                p.wait_bound(timeout_s), BadArgumentError, "init_nccl_reshard_comm_group"
+            )
+            if not (pp_size >= 1 and len(pp_ips) == pp_size == len(pp_ports)):
+                raise BadArgumentError(
+                    f"init_nccl_reshard_comm_group: pp_size={pp_size} with {len(pp_ips)} "
+                    f"ip(s) and {len(pp_ports)} port(s)"
+                )
+            for group in state.groups:
+                group.close()
+            state.groups = []
+            rank = int(train_ranks_per_stage) + int(rank_prefix) + int(getattr(self, "rank", 0))
+            for ip, port in zip(pp_ips, pp_ports, strict=True):
+                state.groups.append(
+                    ReshardGroup(
+                        str(ip),
+                        int(port),
+                        rank,
+                        int(sub_world_size),
+                        int(train_ranks_per_stage),
+                        "engine",
+                        ext._device(self),
+                        bound,
+                    )
+                )
+        except GenworkerError as e:
+            for group in state.groups:
+                group.close()
+            state.groups = []
+            return failure(e)
+        state.rank_prefix, state.train = int(rank_prefix), int(train_ranks_per_stage)
+        return {"rank": rank, "stages": len(state.groups)}
+
+    def prepare_nccl_reshard_refit_info(
+        self, refit_info: Mapping[str, object]
+    ) -> dict[str, object]:
+        """Plan every later reshard refit from the trainer's layouts: this worker's
+        shards (for :func:`shards_of`), its plan digests and byte count. Parameters made
+        of none of the described tensors keep their weights; a described tensor that no
+        parameter is made of is refused."""
+        from genworker.shell import extension as ext
+
+        state = _state(self)
+        try:
+            prepared = _engine_plans(self, _parse_info(refit_info))
+            routed = ext._routed(self, prepared.manifest, True)
+        except GenworkerError as e:
+            return failure(e)
+        state.prepared = prepared
+        rank = int(getattr(self, "rank", 0))
+        return {
+            "tp_rank": rank,
+            "digests": prepared.digests,
+            "shards": msgspec.to_builtins(prepared.shards),
+            "params": len(prepared.shards),
+            "bytes": sum(pl.bytes_to(rank) for pl in prepared.plans),
+            "direct": len(routed.routes.direct),
+        }
+
+    def close_nccl_reshard_comm_group(self) -> int:
+        """Leave every reshard group (without waiting for the peers); how many."""
+        state = _state(self)
+        groups, state.groups = state.groups, []
+        for group in groups:
+            group.close()
+        return len(groups)
+
+    def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> dict[str, object]:
+        """Receive one reshard refit from every stage group into the engine."""
+        state = _state(self)
+        try:
+            bound = unwrap(p.wait_bound(refit_timeout_s), BadArgumentError, "refit_timeout_s")
+            if not state.groups:
+                raise EngineStateError("nccl_reshard_refit before init_nccl_reshard_comm_group")
+            if state.prepared is None:
+                raise EngineStateError("nccl_reshard_refit before prepare_nccl_reshard_refit_info")
+            if len(state.groups) != len(state.prepared.plans):
+                raise EngineStateError(
+                    f"{len(state.groups)} reshard group(s) for a refit_info of "
+                    f"{len(state.prepared.plans)} stage(s)"
+                )
+            report = _receive(self, state, state.prepared, bound)
+        except GenworkerError as e:
+            return failure(e)
+        state.version += 1
+        return {**report, "version": state.version}
+
+
+def _receive(
+    worker: object, state: _ReshardState, prepared: _Prepared, bound: float
+) -> dict[str, object]:
+    from genworker.shell import extension as ext
+
+    started, rank = time.monotonic(), int(getattr(worker, "rank", 0))
+    routed = ext._routed(worker, prepared.manifest, True)
+    sink, direct = ext.EngineSink(routed, ext._device(worker)), routed.routes.direct
+    device = sink.device
+    later: list[tuple[Copy, torch.Tensor]] = []  # received into scratch
+    received = 0
+    what = "the start of the reshard refit"
+    for stage, (group, plan) in enumerate(zip(state.groups, prepared.plans, strict=True)):
+        digests = _read_header(group.message(None, what, bound))
+        problem: RefitError | None = None
+        if digests.get(state.rank_prefix) != prepared.digests[stage]:
+            problem = RefitManifestError(
+                f"engine rank {group.rank} (stage {stage}) planned another reshard refit than "
+                f"the trainer: digest {prepared.digests[stage]} vs "
+                f"{digests.get(state.rank_prefix)} (refit_info or shards differ)"
+            )
+        group.settle(problem, what, bound)
+        recvs = []
+        for c in (c for c in plan.copies if c.dst_rank == rank):
+            dest = None
+            if c.param in direct:
+                view = _region(sink.target(c.param), c.dest_box)
+                dest = view if view.is_contiguous() else None
+            if dest is None:
+                dest = torch.empty(
+                    [b - a for a, b in c.dest_box],
+                    dtype=getattr(torch, _dtype(prepared, c)),
+                    device=device,
+                )
+                later.append((c, dest))
+            recvs.append((c.src_rank, dest))
+            received += dest.nbytes
+        group.exchange([], recvs, f"stage {stage}'s shards", bound)
+    loader_copies: dict[str, list[tuple[Copy, torch.Tensor]]] = {}
+    for c, scratch in later:
+        if c.param in direct:
+            _region(sink.target(c.param), c.dest_box).copy_(scratch)
+        else:
+            loader_copies.setdefault(c.source, []).append((c, scratch))
+    failed: RefitError | None = None
+    try:
+        if loader_copies:
+            loader = ext._loader(worker)
+            if loader is None:
+                raise RefitError("this engine worker has no weight loader for the reshard refit")  # noqa: TRY301
+            loader(_full_tensors(prepared, loader_copies, device))
+        sink.finish(sorted(direct))
+    except Exception as e:  # noqa: BLE001 - told to every rank by the last status round
+        problem = (
+            e
+            if isinstance(e, RefitError)
+            else RefitError(f"loading the reshard refit failed: {type(e).__name__}: {e}")
+        )
+    errors = []
+    for group in state.groups:  # every stage's trainer ranks learn the outcome
+        try:
+            group.settle(failed, "the end of the reshard refit", bound)
+        except RefitError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+    return {
+        "tensors": len(prepared.shards),
+        "nbytes": received,
+        "received_bytes": received,
+        "expected_bytes": sum(pl.bytes_to(rank) for pl in prepared.plans),
+        "direct": len(direct),
+        "loaded": len(loader_copies),
+        "seconds": time.monotonic() - started,
+    }
+
+
+def _dtype(prepared: _Prepared, c: Copy) -> str:
+    return next(s.dtype for s in prepared.shards if s.param == c.param)
+
+
+def _full_tensors(
+    prepared: _Prepared,
+    copies: Mapping[str, Sequence[tuple[Copy, torch.Tensor]]],
+    device: torch.device,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each loaded trainer tensor in its full shape, this rank's elements placed where
+    they belong (vLLM's loader narrows to exactly those), one at a time."""
+    layouts = {layout.name: layout for layouts in prepared.stages for layout in layouts}
+    for source, received in copies.items():
+        layout = layouts[source]
+        full = torch.empty(layout.shape, dtype=getattr(torch, layout.dtype), device=device)
+        for c, scratch in received:
+            _region(full, c.global_box).copy_(scratch)
+        yield source, full
+
+
+def bytes_of(shards: Iterable[EngineShard], rank: int) -> int:
+    """The bytes engine rank ``rank``'s shards hold, less padding (what it receives)."""
+    return sum(
+        (s.numel - sum(box_numel(b) for b in s.padding)) * DTYPE_ITEMSIZE[s.dtype]
+        for s in shards
+        if s.rank == rank
+    )

@@ -1,0 +1,85 @@
+"""Trainer TP=2 to engine TP=1 through the worker's three reshard methods, on the
+session's CPU engine: two trainer processes each send half of every sharded tensor; the
+single engine rank receives every byte of the checkpoint once. Greedy tokens follow the
+weights sent (another checkpoint changes them; the engine's own restores exactly those of
+the fresh engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import base_config
+from refit_helpers import PROMPTS, REFIT_TIMEOUT, free_port
+from reshard_helpers import ReshardTrainer
+from safetensors.torch import load_file
+from vllm import LLM
+
+from genworker.shell.reshard import bytes_of, shards_of
+from genworker.shell.tiny_model import build_tiny_model
+from genworker.shell.vllm_engine import VllmEngine
+from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+
+@pytest.fixture
+def worker(cpu_engine: VllmEngine) -> Iterator[VllmGenerationWorker]:
+    cfg = base_config(
+        model_name="tiny", vllm_cfg={"gpu_memory_utilization": 0.05, "max_model_len": 64}
+    )
+    yield VllmGenerationWorker(cfg, engine_factory=ExistingEngine(cpu_engine))
+    cpu_engine.reset_prefix_cache()
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    from refit_helpers import greedy
+
+    llm.reset_prefix_cache()
+    return greedy(llm)
+
+
+def test_two_trainer_ranks_refit_a_single_rank_engine_through_the_worker(
+    worker: VllmGenerationWorker, cpu_llm: LLM, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    baseline = tokens(cpu_llm)
+    other = build_tiny_model(tmp_path / "tiny-llama-b", seed=1)
+    trainers = [ReshardTrainer(r, 2) for r in range(2)]
+    try:
+        for t in trainers:
+            t.ready()
+        port = free_port()
+        for t in trainers:
+            t.submit(
+                "join", path=str(tiny_model_dir / "model.safetensors"), port=port, world_size=3
+            )
+        worker.init_nccl_reshard_comm_group(
+            0, ["127.0.0.1"], [port], 1, 2, 3, timeout_s=REFIT_TIMEOUT
+        )
+        joined = [t.result() for t in trainers]
+        assert all(o.ok for o in joined), joined
+        summaries = worker.prepare_nccl_reshard_refit_info(joined[0].detail["info"])  # type: ignore[arg-type]
+        shards = shards_of(summaries)
+        for t in trainers:
+            t.submit("plan", summaries=summaries)
+        assert all(t.result().ok for t in trainers)
+        whole = sum(t.nbytes for t in load_file(tiny_model_dir / "model.safetensors").values())
+        assert bytes_of(shards, 0) == whole  # TP=1: every byte, once
+        for path, expect_baseline in ((other, False), (tiny_model_dir, True)):
+            for t in trainers:
+                t.submit("send", path=str(path / "model.safetensors"))
+            assert worker.nccl_reshard_refit(REFIT_TIMEOUT) is True  # the trainers run apart
+            sent = [t.result() for t in trainers]
+            assert all(o.ok for o in sent), sent
+            reports = worker.last_refit["engine_workers"]
+            assert isinstance(reports, list)
+            assert [r["received_bytes"] for r in reports] == [whole]
+            assert sum(int(o.detail["nbytes"]) for o in sent) == whole  # type: ignore[call-overload]
+            assert all(0 < int(o.detail["nbytes"]) < whole for o in sent)  # type: ignore[call-overload]
+            assert (tokens(cpu_llm) == baseline) == expect_baseline
+            assert len(baseline) == len(PROMPTS)
+    finally:
+        cpu_llm.collective_rpc("close_nccl_reshard_comm_group")  # the session engine lives on
+        for t in trainers:
+            t.stop()
