@@ -170,6 +170,12 @@ def _view(buffer: torch.Tensor, ref: p.TensorRef, offset: int) -> torch.Tensor:
 # -- IPC ---------------------------------------------------------------------------------
 
 
+def _end_context(ctx: zmq.Context[zmq.Socket[bytes]], sockets: list[zmq.Socket[bytes]]) -> None:
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
+
+
 class NemoRlIpcPort:
     """An engine worker's REP socket connected to NeMo-RL's trainer (a ``receive`` port)."""
 
@@ -177,7 +183,11 @@ class NemoRlIpcPort:
         self.address, self.device, self._codec = address, device, codec
         self.peer = f"NeMo-RL's trainer bound at {address}"
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._finalizer = weakref.finalize(self, self._ctx.destroy, 0)
+        # The finalizer holds the open socket itself: garbage-collected together with the
+        # port, a socket the context no longer tracks would make its term() wait forever
+        # (seen inside vLLM's gc.collect() in the full suite).
+        self._open: list[zmq.Socket[bytes]] = []
+        self._finalizer = weakref.finalize(self, _end_context, self._ctx, self._open)
         self._sock: zmq.Socket[bytes] | None = None
         self._cap, self._refits = -1, 0
         self._manifest: Manifest | None = None
@@ -202,6 +212,7 @@ class NemoRlIpcPort:
             if self._sock is not None:
                 self._sock.close(linger=0)
             self._cap, self._sock = cap, self._ctx.socket(zmq.REP)
+            self._open[:] = [self._sock]
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.MAXMSGSIZE, cap)
             self._sock.connect(self.address)
