@@ -638,6 +638,7 @@ class AsyncVllmGenerationWorker:
         rows: Sequence[int],
         lengths: Sequence[int],
         greedy: bool,
+        text: bool = False,
     ) -> tuple[dict[int, SamplingSpec], tuple[int, ...]]:
         """One spec per row of ``rows`` (of a batch of ``batch_size``; ``lengths`` theirs),
         and the rows without room for one token (speculative decoding holds k + 1 slots
@@ -687,6 +688,7 @@ class AsyncVllmGenerationWorker:
                     stop=stops[row],
                     seed=seeds[row],
                     flat_logprobs=caps.flat_logprobs,
+                    text=text,
                 )
             specs[row] = spec
         return specs, tuple(no_room)
@@ -796,7 +798,9 @@ class AsyncVllmGenerationWorker:
         }
         rows = [row for row in range(len(prompts)) if row not in refused]
         # Text prompts have no known token length here: cap against the shortest prompt.
-        specs, no_room = self._row_specs(len(prompts), data, rows, [1] * len(rows), greedy)
+        specs, no_room = self._row_specs(
+            len(prompts), data, rows, [1] * len(rows), greedy, text=True
+        )
         return _Plan(
             rows=tuple((row, prompts[row], spec) for row, spec in specs.items()),
             errors=tuple(sorted(refused.items())),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -151,6 +152,8 @@ def test_a_row_without_room_is_refused_alone_and_comes_back_unchanged(
     cfg = base_config(
         max_new_tokens=30, vllm_cfg={"speculative_config": {"num_speculative_tokens": 3}}
     )
+    # The worker's own logger at WARNING: an earlier test may leave the root logger higher.
+    caplog.set_level(logging.WARNING, logger="genworker.shell.worker")
     worker, engine = make_worker(config=cfg)
     alone = worker.generate(batch([[5, 6]]), greedy=True)
     assert not worker.last_refused_rows
