@@ -37,7 +37,6 @@ trusted network.
 from __future__ import annotations
 
 import concurrent.futures
-import ipaddress
 import logging
 import mmap
 import threading
@@ -79,6 +78,7 @@ from genworker.core.delta import (
 )
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.shell.errors import BadArgumentError, BadConfigError, RefitError, unwrap
+from genworker.shell.refit.ipc import _is_loopback
 
 __all__ = [
     "ApplyTarget",
@@ -158,15 +158,6 @@ _begin_dec: Final = msgspec.msgpack.Decoder(BeginMsg)
 _frame_dec: Final = msgspec.msgpack.Decoder(FrameMsg)
 _end_dec: Final = msgspec.msgpack.Decoder(EndMsg)
 _report_dec: Final = msgspec.msgpack.Decoder(ReportMsg)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # --- the link throttle ---------------------------------------------------------------
