@@ -39,6 +39,12 @@ measured in the same run as its baseline:
   requests (median of pairs, bar <= 1.03); an engine-layout refit over CUDA IPC while the
   engine streams (mode ``keep``) against the same refit on the idle engine, pause to resume
   (bar: <= 10 ms more).
+- ``server`` (``--sections server``, opt-in): the async worker's OpenAI server (vLLM's
+  app with genworker's layer in front) against vLLM's stock app around the same
+  ``AsyncLLM`` (tokenizer on), the same completion requests from 16 and 64 concurrent
+  clients, rounds alternating: ``server_rps_vs_stock_<n>`` (best round's requests/s,
+  genworker over stock, bar >= 0.95) and ``server_p99_vs_stock_<n>`` (that round's p99
+  latency, bar <= 1.05).
 
 Every engine runs in its own spawned child process: vLLM's sleep-mode allocator serves one
 engine per process (``CuMemAllocator``, vllm/v1/worker/gpu_worker.py, 0.25), and a section
@@ -73,7 +79,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("gen", "gen-tokenizer", "sleep", "refit", "ipc-nosleep", "nccl", "async")
+SECTIONS = ("gen", "gen-tokenizer", "sleep", "refit", "ipc-nosleep", "nccl", "async", "server")
 GIB = 1 << 30
 ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in-process (the runner needs it)
@@ -245,7 +251,10 @@ TITLES = {
     "ipc-nosleep": "Refit over CUDA IPC into an engine without sleep mode (8B shape)",
     "nccl": "Refit over NCCL, GPU 0 -> GPU 1",
     "async": "Async worker over `AsyncLLM`: streamed rows, in-flight refit, overhead",
+    "server": "OpenAI server: the async worker's against vLLM's stock app on one `AsyncLLM`",
 }
+SERVER_TOKENS = 32  # tokens per completion request
+SERVER_RPS_BAR, SERVER_P99_BAR = 0.95, 1.05
 ASYNC_TAIL_BAR = 0.5
 ASYNC_REFIT_EXTRA_BAR_MS = 10.0
 ASYNC_REFIT_TIMEOUT_S = 300.0  # each wait of an in-flight refit (the protocol's per-wait bound)
@@ -1880,6 +1889,137 @@ async def _drain(stream: Any) -> None:
         pass
 
 
+def server_child(*, report: Callable[[Section], None], scale: Scale) -> None:
+    """The ``server`` section: one async worker (tokenizer on) serving vLLM's OpenAI app
+    with genworker's layer in front, and vLLM's stock app around the same ``AsyncLLM`` on
+    a socket of its own; the same completion requests to both, rounds alternating."""
+    import asyncio
+
+    sec = Section("server", TITLES["server"])
+    loop = asyncio.new_event_loop()
+    worker: Any = None
+    with guarded(sec):
+        from genworker.shell.async_worker import AsyncVllmGenerationWorker
+
+        pinned_cpus = pin_to_gpu_cpus()
+        shape = scale.gen_shape
+        model_dir = write_model(shape, scale.dtype)
+        write_tokenizer(model_dir, shape.vocab)
+        config = worker_config(
+            model_dir,
+            scale,
+            util=scale.gen_util,
+            max_new_tokens=SERVER_TOKENS,
+            max_model_len=256,
+            prefix_caching=False,
+            tokenizer=True,
+        )
+        vllm_cfg = dict(config["vllm_cfg"])  # type: ignore[call-overload]
+        vllm_cfg.update(async_engine=True, cap_max_tokens_to_context=True, expose_http_server=True)
+        config["vllm_cfg"] = vllm_cfg
+        t0 = time.perf_counter()
+        worker = AsyncVllmGenerationWorker(config)
+        sec.row("model", f"{shape.name}: {fmt_params(shape.num_params())} parameters")
+        sec.row("engine start (AsyncLLM, enforce_eager)", fmt_s(time.perf_counter() - t0))
+        sec.row("CPUs of this process", pinned_cpus)
+        loop.run_until_complete(_server_rounds(sec, worker, scale, str(model_dir)))
+    if worker is not None:
+        loop.run_until_complete(worker.shutdown())
+    loop.close()
+    report(sec)
+
+
+async def _server_round(
+    url: str, model: str, clients: int, requests: int
+) -> tuple[float, list[float]]:
+    """``requests`` completions from ``clients`` concurrent clients (one connection each):
+    requests per second and each request's latency."""
+    import asyncio
+
+    import httpx
+
+    todo, latencies = iter(range(requests)), list[float]()
+
+    async def client() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+            for i in todo:
+                body = {
+                    "model": model,
+                    "prompt": f"request {i} of the benchmark says",
+                    "max_tokens": SERVER_TOKENS,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                    "logprobs": 0,
+                    "temperature": 1.0,
+                    "seed": i,
+                }
+                t = time.perf_counter()
+                r = await c.post("/v1/completions", json=body)
+                latencies.append(time.perf_counter() - t)
+                if r.status_code != 200:
+                    raise RuntimeError(f"{url}: {r.status_code} {r.text[:200]}")
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return requests / (time.perf_counter() - started), latencies
+
+
+async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) -> None:
+    from genworker.shell.server import bind_socket, build_vllm_app, serve_on, stop_serving
+
+    ours = (await worker.start_http_server()).removesuffix("/v1")
+    sock = bind_socket("127.0.0.1", 0)
+    stock = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server, task = await serve_on(await build_vllm_app(worker.llm), sock)
+    clients = (4, 16) if scale.device == "cpu" else (16, 64)
+    rounds = max(scale.refit_reps, 3)
+    try:
+        for url in (stock, ours):  # warm-up, both
+            await _server_round(url, model, clients[0], 2 * clients[0])
+        for n in clients:
+            requests = 4 * n
+            best: dict[str, tuple[float, float, float]] = {}
+            runs: dict[str, list[float]] = {"stock": [], "genworker": []}
+            for k in range(rounds):
+                order = [("stock", stock), ("genworker", ours)]
+                for name, url in order if k % 2 == 0 else order[::-1]:
+                    rps, lat = await _server_round(url, model, n, requests)
+                    runs[name].append(rps)
+                    ordered = sorted(lat)
+                    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+                    if name not in best or rps > best[name][0]:
+                        best[name] = (rps, statistics.median(lat), p99)
+            g, s = best["genworker"], best["stock"]
+            what = f"{n} clients, {requests} completions of {SERVER_TOKENS} tokens"
+            for name, (rps, p50, p99) in (("genworker", g), ("stock", s)):
+                sec.row(
+                    f"{what}: {name}, best of {rounds} rounds",
+                    f"{rps:.1f} requests/s, p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms",
+                    "rounds (requests/s): " + ", ".join(f"{x:.1f}" for x in runs[name]),
+                )
+            rps_ratio, p99_ratio = g[0] / s[0], g[2] / s[2]
+            sec.row(f"server_rps_vs_stock_{n}", f"{rps_ratio:.3f}", f"bar >= {SERVER_RPS_BAR}")
+            sec.row(f"server_p99_vs_stock_{n}", f"{p99_ratio:.3f}", f"bar <= {SERVER_P99_BAR}")
+            sec.verdict(
+                f"server_rps_vs_stock_{n} {rps_ratio:.3f} >= {SERVER_RPS_BAR}",
+                rps_ratio >= SERVER_RPS_BAR,
+            )
+            sec.verdict(
+                f"server_p99_vs_stock_{n} {p99_ratio:.3f} <= {SERVER_P99_BAR}",
+                p99_ratio <= SERVER_P99_BAR,
+            )
+        sec.notes.append(
+            "both servers are vLLM's own OpenAI app (`build_app` + `init_app_state`) around "
+            "the same `AsyncLLM`, on sockets of their own; genworker's adds its layer in front "
+            "(the on-policy guard, prompt tokenization for the context budget, weight "
+            "versions, in-flight accounting). Requests ask for token ids and logprobs, "
+            "`ignore_eos`; each client holds one connection"
+        )
+    finally:
+        await stop_serving(server, task)
+        sock.close()
+
+
 # -- main -------------------------------------------------------------------------------
 def machine_lines(scale: Scale, started: float, argv: Sequence[str]) -> list[str]:
     import torch
@@ -1903,9 +2043,10 @@ def machine_lines(scale: Scale, started: float, argv: Sequence[str]) -> list[str
         f"- {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; command `{' '.join(argv)}`; "
         f"total wall time {time.perf_counter() - started:.0f} s",
         "- every engine but gen-tokenizer's: `enforce_eager=True` (no CUDA graphs, no "
-        'torch.compile), `skip_tokenizer_init=True`; every engine: `load_format="dummy"`, '
-        "token-id prompts, the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), "
-        "one spawned process per engine",
+        "torch.compile); every engine but gen-tokenizer's and server's: "
+        '`skip_tokenizer_init=True`, token-id prompts; every engine: `load_format="dummy"`, '
+        "the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`; AsyncLLM's in a "
+        "process of its own), one spawned process per engine",
     ]
     if scale.gen_shape is TINY:
         lines.append("- **dry run**: tiny shapes; the figures check the script, not the product")
@@ -2001,6 +2142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         write()
     if "async" in wanted:
         sections += run_child(async_child, {"scale": scale}, ["async"], scale.child_timeout_s)
+        write()
+    if "server" in wanted:
+        sections += run_child(server_child, {"scale": scale}, ["server"], scale.child_timeout_s)
         write()
     if "nccl" in wanted:
         if has_cuda and gpus < 2:

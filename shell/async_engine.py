@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import attrs
+import torch
+import vllm.envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -66,6 +69,7 @@ from genworker.shell.vllm_engine import (
 __all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory", "async_engine_arg_names"]
 
 _PARAMS_CACHE_SIZE = 1024
+_MP_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 def async_engine_arg_names() -> frozenset[str]:
@@ -105,6 +109,25 @@ def _translated_async(call: str, *, request: bool = False) -> Iterator[None]:
         if not request:
             raise
         raise BadBatchError(f"{call}: vLLM rejected the request: {e}") from e
+
+
+def _spawn_when_cuda_is_up() -> None:
+    """Make vLLM spawn the engine core when CUDA is up in this process.
+
+    vLLM forks its engine core unless it sees CUDA initialized; then it asks for spawn by
+    setting ``VLLM_WORKER_MULTIPROC_METHOD`` in ``os.environ``. Once an in-process engine has
+    started here (a sync worker, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) vLLM reads its
+    environment through a cache and never sees that, so it forks, and the child dies with
+    "Cannot re-initialize CUDA in forked subprocess" (vLLM 0.25 on the H200). Set the
+    variable first and clear the cache.
+    """
+    up = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    if not up or os.environ.get(_MP_METHOD) == "spawn":
+        return
+    os.environ[_MP_METHOD] = "spawn"
+    clear = getattr(vllm.envs.__getattr__, "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 def _labels_tokens(llm: AsyncLLM) -> bool:
@@ -149,6 +172,7 @@ class AsyncVllmEngine:
             raise BadConfigError(
                 f"engine kwargs need 'model' as a str, got {kwargs.get('model')!r}"
             )
+        _spawn_when_cuda_is_up()
         try:
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         except Exception as e:
@@ -287,7 +311,8 @@ class AsyncVllmEngine:
             return [_sample(m) for m in get_metrics_snapshot()]
 
     def num_unfinished(self) -> int:
-        return self.llm.get_num_unfinished_requests()
+        # The output processor's count: AsyncLLM itself has no such method before vLLM 0.32.
+        return self.llm.output_processor.get_num_unfinished_requests()
 
     # -- workers --------------------------------------------------------------------
     async def collective_rpc(

@@ -21,6 +21,7 @@ TEXT = "<image> Describe the image."
 def vlm_main(model_dir: str) -> dict[str, Any]:
     import torch
     from PIL import Image
+    from transformers import AutoProcessor
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -99,7 +100,16 @@ def vlm_main(model_dir: str) -> dict[str, Any]:
         worker.wake_up()
         after_sleep = worker_tokens()
         counters = worker.get_counters()
+        # What one image adds to its prompt, from the model's own HF processor: with split
+        # images that depends on the image's size (its tile grid), so it is not a constant.
+        processor = AutoProcessor.from_pretrained(str(model))  # type: ignore[no-untyped-call]
+        placeholder = len(processor.tokenizer("<image>")["input_ids"])
+        extra = [
+            len(processor(text="<image>", images=[image])["input_ids"][0]) - placeholder
+            for image in (red, blue)
+        ]
         return {
+            "image_extra": extra,
             "raw": [list(o.outputs[0].token_ids) for o in raw],
             "raw_prompt_ids": [list(o.prompt_token_ids or []) for o in raw],
             "ours": ours,

@@ -22,11 +22,13 @@ def test_images_through_the_worker_equal_raw_vllm_and_sleep_resets_the_caches(
     assert result["caps"] == [IMAGE, 2]
     assert result["ours"] == result["raw"]
     rows, expanded = result["rows"], result["raw_prompt_ids"]
-    extra = VLM_IMAGE_PROMPT_IDS - 1
+    red, blue = result["image_extra"]  # the ids each image adds, by the HF processor
+    assert red > VLM_IMAGE_PROMPT_IDS - 1  # split into tiles: more than one tile's ids
+    assert blue > VLM_IMAGE_PROMPT_IDS - 1
     assert [len(e) for e in expanded] == [
         len(rows[0]),
-        len(rows[1]) + extra,
-        len(rows[2]) + 2 * extra,
+        len(rows[1]) + red,
+        len(rows[2]) + red + blue,
     ]
     assert all(e[0] == BOS and e[1] != BOS for e in expanded)
     first, second = result["bos"]

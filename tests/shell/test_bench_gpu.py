@@ -102,6 +102,7 @@ def test_command_line_sections() -> None:
         "nccl",
     ]
     assert bench.parse_args(["--sections", "refit,gen"]).sections == ["gen", "refit"]
+    assert bench.parse_args(["--sections", "server,async"]).sections == ["async", "server"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--sections", "gen,warp"])
 

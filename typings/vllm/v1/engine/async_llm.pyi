@@ -8,11 +8,13 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.output_processor import OutputProcessor
 
 class AsyncLLM(metaclass=ABCMeta):
     vllm_config: VllmConfig
     model_config: ModelConfig
     log_stats: bool
+    output_processor: OutputProcessor
     @classmethod
     def from_engine_args(
         cls,
