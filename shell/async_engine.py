@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import attrs
-import torch
 import vllm.envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
@@ -111,18 +110,18 @@ def _translated_async(call: str, *, request: bool = False) -> Iterator[None]:
         raise BadBatchError(f"{call}: vLLM rejected the request: {e}") from e
 
 
-def _spawn_when_cuda_is_up() -> None:
-    """Make vLLM spawn the engine core when CUDA is up in this process.
+def _spawn_on_cuda() -> None:
+    """Make vLLM spawn the engine core on a CUDA platform.
 
-    vLLM forks its engine core unless it sees CUDA initialized; then it asks for spawn by
-    setting ``VLLM_WORKER_MULTIPROC_METHOD`` in ``os.environ``. Once an in-process engine has
-    started here (a sync worker, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) vLLM reads its
-    environment through a cache and never sees that, so it forks, and the child dies with
-    "Cannot re-initialize CUDA in forked subprocess" (vLLM 0.25 on the H200). Set the
-    variable first and clear the cache.
+    vLLM forks its engine core unless ``torch.cuda.is_initialized()``, and then asks for
+    spawn through ``os.environ``. Both miss cases that kill the forked child with "Cannot
+    re-initialize CUDA in forked subprocess" (vLLM 0.25 on the H200): a process that only
+    counted its GPUs (``torch.cuda.device_count()`` starts CUDA's runtime, not torch's lazy
+    init), and one where an in-process engine (a sync worker,
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) has turned on vLLM's environment cache, which
+    never sees the override. On CUDA: spawn, always, and clear that cache.
     """
-    up = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    if not up or os.environ.get(_MP_METHOD) == "spawn":
+    if current_platform.device_type != "cuda" or os.environ.get(_MP_METHOD) == "spawn":
         return
     os.environ[_MP_METHOD] = "spawn"
     clear = getattr(vllm.envs.__getattr__, "cache_clear", None)
@@ -172,7 +171,7 @@ class AsyncVllmEngine:
             raise BadConfigError(
                 f"engine kwargs need 'model' as a str, got {kwargs.get('model')!r}"
             )
-        _spawn_when_cuda_is_up()
+        _spawn_on_cuda()
         try:
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         except Exception as e:

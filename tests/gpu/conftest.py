@@ -5,6 +5,11 @@
 CUDA engine adapter and the ``vllm.LLM`` it wraps. They are module-scoped because
 Hypothesis refuses function-scoped fixtures in ``@given`` tests. ``gpu_session`` comes from
 the ``gpu.gpu_fixtures`` plugin, which every GPU test module loads.
+
+The ``AsyncLLM`` modules (``test_gpu_async.py``, ``test_gpu_server.py``) run last: vLLM's
+Prometheus logger of a new engine unregisters every ``vllm:`` metric of the process, so
+after one has started the session engine's counters stay frozen (the H200 run of 7deb406:
+two counter tests read the same totals before and after a batch).
 """
 
 from __future__ import annotations
@@ -18,6 +23,14 @@ if TYPE_CHECKING:
     from vllm import LLM
 
     from genworker.shell.vllm_engine import VllmEngine
+
+
+LAST = ("test_gpu_async.py", "test_gpu_server.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The AsyncLLM modules after the others, in their own order (a stable sort)."""
+    items.sort(key=lambda item: item.path.name in LAST)
 
 
 @pytest.fixture(scope="module")

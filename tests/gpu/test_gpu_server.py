@@ -55,7 +55,7 @@ def sworker(
     checkpoints: Checkpoints, loop: asyncio.AbstractEventLoop
 ) -> Iterator[AsyncVllmGenerationWorker]:
     config = gpu_config(checkpoints.a, checkpoints.pad)
-    config["max_new_tokens"] = 32
+    config["max_new_tokens"] = 224  # room for the in-flight refit's long request
     config["vllm_cfg"] = {
         **config["vllm_cfg"],  # type: ignore[dict-item]
         "async_engine": True,
@@ -184,7 +184,9 @@ def test_an_in_flight_refit_applies_to_an_http_request(
             request = asyncio.ensure_future(
                 c.post(
                     "/v1/completions",
-                    json={"model": model, "prompt": "long", "max_tokens": 32, "ignore_eos": True},
+                    # long enough to be in flight when the refit lands (32 tokens took
+                    # less time than the refit's start on the H200)
+                    json={"model": model, "prompt": "long", "max_tokens": 224, "ignore_eos": True},
                 )
             )
             async with asyncio.timeout(60):

@@ -1,17 +1,18 @@
-"""The async engine asks vLLM for a spawned engine core when CUDA is up in this process.
+"""On CUDA the async engine asks vLLM for a spawned engine core.
 
-vLLM forks its engine core unless it sees CUDA initialized, and asks for spawn through
-``os.environ``, which its environment cache (on once an in-process engine has started)
-hides: the H200 run of vLLM 0.25 forked and the child died re-initializing CUDA.
+vLLM forks its engine core unless torch reports CUDA initialized, and asks for spawn
+through ``os.environ``, which its environment cache (on once an in-process engine has
+started) hides: on the H200 (vLLM 0.25) the forked child died re-initializing CUDA, in a
+process that had only counted its GPUs and in one with an in-process engine.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import types
 
 import pytest
-import torch
 import vllm.envs
 
 from genworker.shell import async_engine
@@ -34,32 +35,35 @@ def cached_envs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return read
 
 
-@pytest.mark.parametrize("method", [None, "fork"])
-def test_with_cuda_up_the_engine_core_is_spawned_and_the_cache_sees_it(
-    monkeypatch: pytest.MonkeyPatch, cached_envs: list[str], method: str | None
-) -> None:
+def on(monkeypatch: pytest.MonkeyPatch, device: str, method: str | None) -> None:
+    monkeypatch.setattr(async_engine, "current_platform", types.SimpleNamespace(device_type=device))
     if method is None:
         monkeypatch.delenv(VAR, raising=False)
     else:
         monkeypatch.setenv(VAR, method)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+
+
+@pytest.mark.parametrize("method", [None, "fork"])
+def test_on_cuda_the_engine_core_is_spawned_and_the_cache_sees_it(
+    monkeypatch: pytest.MonkeyPatch, cached_envs: list[str], method: str | None
+) -> None:
+    on(monkeypatch, "cuda", method)
     assert vllm.envs.__getattr__(VAR) == (method or "fork")  # cached before the start
-    async_engine._spawn_when_cuda_is_up()
+    async_engine._spawn_on_cuda()
+    assert os.environ[VAR] == "spawn"
     assert vllm.envs.__getattr__(VAR) == "spawn"
     assert cached_envs == [VAR, VAR]  # read again after the cache was cleared
 
 
-@pytest.mark.parametrize(("cuda", "method"), [(False, "fork"), (False, None), (True, "spawn")])
+@pytest.mark.parametrize(
+    ("device", "method"), [("cpu", "fork"), ("cpu", None), ("cuda", "spawn"), ("cpu", "spawn")]
+)
 def test_otherwise_the_environment_and_the_cache_are_left_alone(
-    monkeypatch: pytest.MonkeyPatch, cached_envs: list[str], cuda: bool, method: str | None
+    monkeypatch: pytest.MonkeyPatch, cached_envs: list[str], device: str, method: str | None
 ) -> None:
-    if method is None:
-        monkeypatch.delenv(VAR, raising=False)
-    else:
-        monkeypatch.setenv(VAR, method)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda)
+    on(monkeypatch, device, method)
     before = vllm.envs.__getattr__(VAR)
-    async_engine._spawn_when_cuda_is_up()
+    async_engine._spawn_on_cuda()
     assert vllm.envs.__getattr__(VAR) == before
     assert cached_envs == [VAR]  # still cached
-    assert (VAR in os.environ) == (method is not None)
+    assert os.environ.get(VAR) == method
