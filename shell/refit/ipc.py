@@ -56,8 +56,14 @@ __all__ = ["IpcReceiver", "IpcSenderPort"]
 log = logging.getLogger(__name__)
 
 
-def _close(ctx: zmq.Context[zmq.Socket[bytes]], directory: Path | None) -> None:
-    ctx.destroy(linger=0)
+def _close(
+    ctx: zmq.Context[zmq.Socket[bytes]], sockets: list[zmq.Socket[bytes]], directory: Path | None
+) -> None:
+    # The finalizer holds the sockets themselves: one collected in the same cycle as its
+    # port, which the context no longer tracks, would leave ctx.term() waiting forever.
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
     if directory is not None:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -86,12 +92,14 @@ class IpcReceiver:
         self._ctx, self._cap, self._pending = zmq.Context(), -1, False
         self._dir = None if tcp_host else Path(tempfile.mkdtemp("", "genworker-refit-", directory))
         self._endpoint = f"tcp://{tcp_host}:0" if tcp_host else f"ipc://{self._dir}/refit.sock"
-        self._finalizer = weakref.finalize(self, _close, self._ctx, self._dir)
+        self._open: list[zmq.Socket[bytes]] = []
+        self._finalizer = weakref.finalize(self, _close, self._ctx, self._open, self._dir)
         self._sock = self._bind()
         self.mappings, self.memo, self._listings = Mappings(device), p.Memo(), dict[int, Listing]()
 
     def _bind(self) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.REP)
+        self._open[:] = [sock]
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._cap)
         if self._dir is not None:
@@ -256,7 +264,8 @@ class IpcSenderPort:
         self._device, self._staging_parent = device, staging_dir
         self._ctx, self._sock = zmq.Context(), cast(zmq.Socket[bytes] | None, None)
         self._dir: Path | None = None
-        self._finalizer = weakref.finalize(self, _close, self._ctx, None)
+        self._open: list[zmq.Socket[bytes]] = []
+        self._finalizer = weakref.finalize(self, _close, self._ctx, self._open, None)
         self._buffers: dict[int, StagingBuffer] = {}
         self._exporter = Exporter()
         self._chunk, self._outstanding = _Chunk(), cast(_Chunk | None, None)
@@ -396,12 +405,13 @@ class IpcSenderPort:
         if self._dir is None:
             self._dir = private_directory("genworker-refit-send-", self._staging_parent)
             self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _close, self._ctx, self._dir)
+            self._finalizer = weakref.finalize(self, _close, self._ctx, self._open, self._dir)
         return StagingBuffer(capacity, self._device, self._dir)
 
     def _poll(self, flag: int, what: str) -> zmq.Socket[bytes]:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.REQ)
+            self._open[:] = [self._sock]
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.connect(self.address)
         if not self._sock.poll(int(self._timeout * 1000), flag):
