@@ -38,6 +38,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.platforms import current_platform
+from vllm.renderers import BaseRenderer
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineGenerateError
@@ -57,12 +58,14 @@ from genworker.shell.errors import (
 )
 from genworker.shell.ports import EngineCapabilities, StreamedGeneration
 from genworker.shell.vllm_engine import (
+    _NO_TOKENIZER,
     _REQUEST_ERRORS,
     _generation,
     _sample,
     _sampling_arg_names,
     _translated,
     engine_arg_names,
+    tokenize_with,
 )
 
 __all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory", "async_engine_arg_names"]
@@ -244,12 +247,24 @@ class AsyncVllmEngine:
         )
         return StreamedGeneration(_generation(0, completion), _spans(completion))
 
-    async def generate_text(self, request_id: str, prompt: str, spec: SamplingSpec) -> str:
+    async def generate_text(
+        self, request_id: str, prompt: Sequence[int], spec: SamplingSpec
+    ) -> str:
         params = self._sampling(spec, RequestOutputKind.FINAL_ONLY)
-        completion = await self._final("generate_text", prompt, params, request_id)
+        request = TokensPrompt(prompt_token_ids=list(prompt))
+        completion = await self._final("generate_text", request, params, request_id)
         if completion.finish_reason == "abort":
             raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
         return completion.text
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        llm = self.llm
+        if llm.vllm_config.model_config.skip_tokenizer_init:
+            raise UnsupportedError(_NO_TOKENIZER)
+        renderer = getattr(llm, "renderer", None)  # AsyncLLM.renderer: 0.25 and 0.32
+        if not isinstance(renderer, BaseRenderer):
+            raise UnsupportedError("tokenize: this vLLM's AsyncLLM has no renderer")
+        return tokenize_with(renderer, prompts)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         llm = self.llm

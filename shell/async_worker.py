@@ -195,7 +195,7 @@ class _Plan:
     """A stream's rows: ``(row, prompt, spec)`` to run, ``(row, error)`` refused, and the
     rows without room for a token (they come back unchanged, as the sync worker's do)."""
 
-    rows: tuple[tuple[int, Sequence[int] | str, SamplingSpec], ...]
+    rows: tuple[tuple[int, Sequence[int], SamplingSpec], ...]
     errors: tuple[tuple[int, GenworkerError], ...]
     no_room: tuple[int, ...] = ()
 
@@ -604,7 +604,6 @@ class AsyncVllmGenerationWorker:
             for row, prompt, spec in plan.rows:
                 request = self._new_request(row)
                 requests.append(request)
-                assert not isinstance(prompt, str)
                 tasks.append(
                     asyncio.ensure_future(self._row_task(engine, request, prompt, spec, results))
                 )
@@ -796,13 +795,21 @@ class AsyncVllmGenerationWorker:
             for row, p in enumerate(prompts)
             if not p
         }
-        rows = [row for row in range(len(prompts)) if row not in refused]
-        # Text prompts have no known token length here: cap against the shortest prompt.
+        texts = [row for row in range(len(prompts)) if row not in refused]
+        # Tokenized once, here (the sync worker's way), so each row's cap sees its real ids.
+        ids = dict(zip(texts, self.engine.tokenize([prompts[r] for r in texts]), strict=True))
+        limit = self.engine.capabilities.max_model_len
+        for row in [r for r in texts if len(ids[r]) > limit]:
+            refused[row] = BadBatchError(
+                f"generate_text: prompt {row} is longer than max_model_len={limit} tokens "
+                f"({len(ids[row])})"
+            )
+        rows = [row for row in texts if row not in refused]
         specs, no_room = self._row_specs(
-            len(prompts), data, rows, [1] * len(rows), greedy, text=True
+            len(prompts), data, rows, [len(ids[r]) for r in rows], greedy, text=True
         )
         return _Plan(
-            rows=tuple((row, prompts[row], spec) for row, spec in specs.items()),
+            rows=tuple((row, ids[row], spec) for row, spec in specs.items()),
             errors=tuple(sorted(refused.items())),
             no_room=no_room,
         )
@@ -822,7 +829,6 @@ class AsyncVllmGenerationWorker:
             engine = self.engine
             for row, prompt, spec in plan.rows:
                 request = self._new_request(row)
-                assert isinstance(prompt, str)
                 task = asyncio.ensure_future(engine.generate_text(request.request_id, prompt, spec))
                 tasks[task] = request
             pending = set(tasks)

@@ -256,9 +256,15 @@ class FakeAsyncEngine:
             self._finish(request, "abort")
             raise
 
-    async def generate_text(self, request_id: str, prompt: str, spec: SamplingSpec) -> str:
-        encoded = [_LETTERS.index(c) if c in _LETTERS else 0 for c in prompt] or [0]
-        streamed = await self.generate(request_id, encoded, spec)
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """One id per letter (0 for anything else), as the sync fake tokenizes."""
+        self._enter("tokenize")
+        return [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] for p in prompts]
+
+    async def generate_text(
+        self, request_id: str, prompt: Sequence[int], spec: SamplingSpec
+    ) -> str:
+        streamed = await self.generate(request_id, prompt, spec)
         if streamed.generation.finish_reason == "abort":
             raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
         return detokenize(streamed.generation.token_ids)

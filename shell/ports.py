@@ -173,7 +173,16 @@ class AsyncEnginePort(Protocol):
         versions itself). Cancelling the coroutine aborts the request."""
         ...
 
-    async def generate_text(self, request_id: str, prompt: str, spec: SamplingSpec) -> str: ...
+    async def generate_text(
+        self, request_id: str, prompt: Sequence[int], spec: SamplingSpec
+    ) -> str:
+        """One request from prompt ids (:meth:`tokenize`'s) to its text; cancelling aborts."""
+        ...
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """The ids the engine makes of text prompts (``BadBatchError`` for one it refuses,
+        ``UnsupportedError`` without a tokenizer)."""
+        ...
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """End these requests now (their ``generate`` returns with finish reason abort)."""

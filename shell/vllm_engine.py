@@ -123,7 +123,13 @@ if TYPE_CHECKING:
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput
 
-__all__ = ["VllmEngine", "VllmEngineFactory", "engine_arg_names", "sampling_params"]
+__all__ = [
+    "VllmEngine",
+    "VllmEngineFactory",
+    "engine_arg_names",
+    "sampling_params",
+    "tokenize_with",
+]
 
 _T = TypeVar("_T")
 
@@ -344,29 +350,8 @@ class VllmEngine:
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         if self._skip_tokenizer:
-            raise UnsupportedError(
-                "tokenize: text prompts need a tokenizer: the engine was started with "
-                "skip_tokenizer_init=True"
-            )
-        renderer = self._renderer("tokenize")
-        try:
-            with _translated("tokenize"):
-                bos = getattr(renderer.get_tokenizer(), "bos_token", None)
-                params = renderer.default_cmpl_tok_params
-                plain = params.with_kwargs(add_special_tokens=False)
-                starts = [isinstance(bos, str) and bool(bos) and p.startswith(bos) for p in prompts]
-                ids: list[list[int]] = [[] for _ in prompts]
-                for bare in (False, True):
-                    rows = [row for row, s in enumerate(starts) if s is bare]
-                    if not rows:
-                        continue
-                    texts = [TextPrompt(prompt=prompts[row]) for row in rows]
-                    tokenized = renderer.tokenize_prompts(texts, plain if bare else params)
-                    for row, prompt in zip(rows, tokenized, strict=True):
-                        ids[row] = list(prompt["prompt_token_ids"])
-        except _REQUEST_ERRORS as e:
-            raise BadBatchError(f"tokenize: vLLM refused a prompt: {e}") from e
-        return ids
+            raise UnsupportedError(_NO_TOKENIZER)
+        return tokenize_with(self._renderer("tokenize"), prompts)
 
     def expanded_lengths(
         self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
@@ -497,6 +482,34 @@ class VllmEngine:
             finally:
                 del llm
                 gc.collect()
+
+
+_NO_TOKENIZER = (
+    "tokenize: text prompts need a tokenizer: the engine was started with skip_tokenizer_init=True"
+)
+
+
+def tokenize_with(renderer: BaseRenderer, prompts: Sequence[str]) -> list[list[int]]:
+    """The ids vLLM makes of text prompts (one BOS: a prompt that starts with the
+    tokenizer's BOS text is tokenized without adding another)."""
+    try:
+        with _translated("tokenize"):
+            bos = getattr(renderer.get_tokenizer(), "bos_token", None)
+            params = renderer.default_cmpl_tok_params
+            plain = params.with_kwargs(add_special_tokens=False)
+            starts = [isinstance(bos, str) and bool(bos) and p.startswith(bos) for p in prompts]
+            ids: list[list[int]] = [[] for _ in prompts]
+            for bare in (False, True):
+                rows = [row for row, s in enumerate(starts) if s is bare]
+                if not rows:
+                    continue
+                texts = [TextPrompt(prompt=prompts[row]) for row in rows]
+                tokenized = renderer.tokenize_prompts(texts, plain if bare else params)
+                for row, prompt in zip(rows, tokenized, strict=True):
+                    ids[row] = list(prompt["prompt_token_ids"])
+    except _REQUEST_ERRORS as e:
+        raise BadBatchError(f"tokenize: vLLM refused a prompt: {e}") from e
+    return ids
 
 
 def _image_token_id(model: ModelConfig) -> int | None:
