@@ -698,30 +698,27 @@ class VllmGenerationWorker:
             raise EngineStateError(f"{method} needs init_collective first")
         if self._manifest is None:
             raise EngineStateError(f"{method} needs prepare_refit_info first")
-        self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         outer = rpc_bound(refit_waits(len(self._manifest), transport), bound)
+        return self._run_refit(method, {"timeout_s": bound}, outer)
+
+    def _run_refit(self, method: str, kwargs: dict[str, object], outer: float) -> bool:
+        """The refit RPC ``method(**kwargs)`` on every engine worker (bounded by ``outer``),
+        then the cache resets, through the lifecycle's refit states; the checks are done."""
+        self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         try:
             started = time.monotonic()
-            reports = self._call(
-                lambda e: e.collective_rpc(method, kwargs={"timeout_s": bound}, timeout=outer)
-            )
+            reports = self._call(lambda e: e.collective_rpc(method, kwargs=kwargs, timeout=outer))
             raise_failures(reports, method)
             rpc_s = time.monotonic() - started
             resets = self._reset_caches(method)
         except BaseException as e:
-            self._state = unwrap(
-                lifecycle.transition(self._state, lifecycle.Event.REFIT_FAILED),
-                EngineStateError,
-                "refit",
-            )
+            event = lifecycle.Event.REFIT_FAILED
+            self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, method)
             if isinstance(e, GenworkerError) or not isinstance(e, Exception):
                 raise  # typed, or an interrupt (KeyboardInterrupt, SystemExit) as itself
             raise RefitError(f"{method} failed: {e}; weights are inconsistent") from e
-        self._state = unwrap(
-            lifecycle.transition(self._state, lifecycle.Event.REFIT_OK),
-            EngineStateError,
-            "refit",
-        )
+        event = lifecycle.Event.REFIT_OK
+        self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, method)
         self.last_refit = {
             "engine_workers": reports,
             "rpc_seconds": rpc_s,
@@ -952,29 +949,8 @@ class VllmGenerationWorker:
             raise EngineStateError(f"{method} needs init_nccl_reshard_comm_group first")
         if self._reshard_params is None:
             raise EngineStateError(f"{method} needs prepare_nccl_reshard_refit_info first")
-        self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         outer = rpc_bound(self._reshard_stages * refit_waits(1, Transport.COLLECTIVE), bound)
-        kwargs: dict[str, object] = {"refit_timeout_s": bound}
-        try:
-            started = time.monotonic()
-            reports = self._call(lambda e: e.collective_rpc(method, kwargs=kwargs, timeout=outer))
-            raise_failures(reports, method)
-            rpc_s = time.monotonic() - started
-            resets = self._reset_caches(method)
-        except BaseException as e:
-            event = lifecycle.Event.REFIT_FAILED
-            self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, method)
-            if isinstance(e, GenworkerError) or not isinstance(e, Exception):
-                raise
-            raise RefitError(f"{method} failed: {e}; weights are inconsistent") from e
-        event = lifecycle.Event.REFIT_OK
-        self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, method)
-        self.last_refit = {
-            "engine_workers": reports,
-            "rpc_seconds": rpc_s,
-            **{f"reset_{name}_cache_seconds": s for name, s in resets.items()},
-        }
-        return True
+        return self._run_refit(method, {"refit_timeout_s": bound}, outer)
 
 
 def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
