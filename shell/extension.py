@@ -57,6 +57,8 @@ from genworker.shell.sparse_engine import SparseRefitMixin
 if TYPE_CHECKING:
     from torch import nn
 
+    from genworker.shell.ports import RefitPort
+
     #: One parameter as the routes saw it: its module, its local name, the parameter,
     #: and what the routes depend on (data pointer, element count, dtype, contiguity).
     _Entry = tuple[nn.Module, str, torch.Tensor, int, int, torch.dtype, bool]
@@ -328,7 +330,7 @@ class EngineSink:
 
 
 def _refit(
-    worker: object, port: IpcReceiver | CollectiveReceiver, timeout_s: object, *, sharded_ok: bool
+    worker: object, port: RefitPort, timeout_s: object, *, sharded_ok: bool
 ) -> dict[str, object]:
     state = _state(worker)
     try:

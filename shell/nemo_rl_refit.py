@@ -47,7 +47,7 @@ import os
 import time
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Final, NoReturn, Protocol, TypeVar, cast
+from typing import Any, Final, NoReturn, Protocol, TypeVar
 
 import torch
 import zmq
@@ -79,9 +79,6 @@ from genworker.shell.nemo_rl_wire import (
 from genworker.shell.refit.memory import copy_into, device_id
 from genworker.shell.refit.receiver import Sink, Wait
 from genworker.shell.refit.wire import failure
-
-if TYPE_CHECKING:
-    from genworker.shell.refit.ipc import IpcReceiver
 
 __all__ = [
     "CODECS",
@@ -595,12 +592,6 @@ def _manifest(worker: object, call: str) -> Manifest:
     return manifest
 
 
-def _as_port(port: NemoRlIpcPort | NemoRlCollectivePort) -> IpcReceiver:
-    # receive() drives any port with next/answer/write/fail/finish/release/peer; its
-    # annotation names genworker's own two.
-    return cast("IpcReceiver", port)
-
-
 class NemoRlRefit:
     """NeMo-RL's trainer wire on the engine side; every method a ``collective_rpc`` target
     (plain arguments, a failure returned as ``refit.wire.failure``)."""
@@ -642,9 +633,7 @@ class NemoRlRefit:
             state.ipc.begin(manifest)
         except GenworkerError as e:
             return failure(e)
-        result: dict[str, object] = ext._refit(
-            self, _as_port(state.ipc), timeout_s, sharded_ok=False
-        )
+        result: dict[str, object] = ext._refit(self, state.ipc, timeout_s, sharded_ok=False)
         return result
 
     def nemo_rl_init_collective(
@@ -694,9 +683,7 @@ class NemoRlRefit:
             port = NemoRlCollectivePort(state.group, manifest, state.target_bytes, state.refits)
         except GenworkerError as e:
             return failure(e)
-        result: dict[str, object] = _extension()._refit(
-            self, _as_port(port), timeout_s, sharded_ok=False
-        )
+        result: dict[str, object] = _extension()._refit(self, port, timeout_s, sharded_ok=False)
         return result
 
     def nemo_rl_cleanup(self) -> None:

@@ -7,7 +7,7 @@ beside it (``fake_engine.FakeEngine``) that tests and users' own tests use.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import attrs
 
@@ -17,12 +17,21 @@ from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.media import RowMedia
 
+if TYPE_CHECKING:
+    import torch
+
+    from genworker.core import refit_protocol as p
+    from genworker.shell.errors import RefitError
+    from genworker.shell.refit.receiver import Sink, Wait
+    from genworker.shell.refit.wire import Handle
+
 __all__ = [
     "AsyncEngineFactory",
     "AsyncEnginePort",
     "EngineCapabilities",
     "EngineFactory",
     "EnginePort",
+    "RefitPort",
     "StreamedGeneration",
 ]
 
@@ -231,3 +240,33 @@ class AsyncEngineFactory(Protocol):
     def gpu_capability(self) -> tuple[int, int] | None: ...
 
     def start(self, kwargs: Mapping[str, object]) -> AsyncEnginePort: ...
+
+
+class RefitPort(Protocol):
+    """One transport's engine-side end of a refit, as
+    :func:`genworker.shell.refit.receiver.receive` drives it: genworker's IPC and
+    collective receivers (``shell.refit``) and NeMo-RL's wire ports (``shell.nemo_rl_refit``).
+    ``memo`` is what the last refit left for the next one (``receive`` sets it)."""
+
+    peer: str
+    memo: p.Memo
+
+    def next(self, wait: Wait) -> tuple[p.Event, list[Handle] | None]:
+        """The next event (and a chunk's storages), within ``wait``'s bound."""
+        ...
+
+    def answer(self, event: p.Event, problem: RefitError | None) -> None: ...
+
+    def write(
+        self, writes: p.Writes, handles: list[Handle] | None, sink: Sink
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Do a chunk's direct writes into ``sink``; the tensors for the loader."""
+        ...
+
+    def fail(self, problem: RefitError, *, late: Wait | None) -> NoReturn: ...
+
+    def finish(self, problem: RefitError | None) -> None: ...
+
+    def release(self, *, failed: bool) -> int:
+        """Settle the mappings after the refit; how many it opened."""
+        ...

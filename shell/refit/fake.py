@@ -4,13 +4,16 @@ weight-update group, and a receiver that writes every tensor into a dict of tens
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from genworker.core.refit_protocol import RefitReport
-from genworker.shell.refit.collective import CollectiveGroup, CollectiveReceiver
-from genworker.shell.refit.ipc import IpcReceiver
+from genworker.shell.refit.collective import CollectiveGroup
 from genworker.shell.refit.receiver import Loader, ParameterSink, manifest_of, receive
+
+if TYPE_CHECKING:
+    from genworker.shell.ports import RefitPort
 
 __all__ = ["engine_group", "receive_into"]
 
@@ -33,7 +36,7 @@ def engine_group(
 
 
 def receive_into(
-    port: IpcReceiver | CollectiveReceiver,
+    port: RefitPort,
     params: Mapping[str, torch.Tensor],
     *,
     timeout_s: float,

@@ -28,8 +28,7 @@ from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.shell.errors import RefitError, RefitManifestError, RefitTimeoutError
 
 if TYPE_CHECKING:
-    from genworker.shell.refit.collective import CollectiveReceiver
-    from genworker.shell.refit.ipc import IpcReceiver
+    from genworker.shell.ports import RefitPort
 
 __all__ = ["Laps", "ParameterSink", "Sink", "Wait", "manifest_of", "receive"]
 
@@ -107,7 +106,7 @@ def _typed(error: BaseException, context: str) -> RefitError:
 class _Session:
     def __init__(
         self,
-        port: IpcReceiver | CollectiveReceiver,
+        port: RefitPort,
         manifest: Manifest,
         routes: p.Routes,
         sink: Sink,
@@ -202,7 +201,7 @@ def _no_loader(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
 
 
 def receive(
-    port: IpcReceiver | CollectiveReceiver,
+    port: RefitPort,
     manifest: Manifest,
     sink: Sink,
     *,
