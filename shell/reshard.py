@@ -687,7 +687,7 @@ def _receive(
             loader(_full_tensors(prepared, loader_copies, device))
         sink.finish(sorted(direct))
     except Exception as e:  # noqa: BLE001 - told to every rank by the last status round
-        problem = (
+        failed = (
             e
             if isinstance(e, RefitError)
             else RefitError(f"loading the reshard refit failed: {type(e).__name__}: {e}")

@@ -160,6 +160,32 @@ def test_ranks_that_planned_differently_are_refused_before_anything_moves(setup:
     assert "error" not in report, report
 
 
+def test_a_failure_after_the_shards_landed_fails_the_refit_on_every_rank(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Post-load processing that raises is the refit's failure: the engine reports it and
+    every trainer rank is told (it was once swallowed, and every rank saw success)."""
+    from genworker.shell import extension
+
+    shards = shards_of(setup.answers)  # type: ignore[arg-type]
+    for sender in setup.senders:
+        sender.plan(shards)
+    weights = new_weights(5)
+
+    def broken(self: object, names: object) -> None:
+        raise RuntimeError("post-load processing broke")
+
+    with monkeypatch.context() as m:
+        m.setattr(extension.EngineSink, "finish", broken)
+        report, sent = setup.refit(lambda rank, s: s.send(local(weights, rank)))
+    assert "error" in report, report
+    assert "post-load processing broke" in str(report["message"])
+    assert all(isinstance(o, RefitError) for o in sent), sent
+    assert all("post-load processing broke" in str(o) for o in sent), sent
+    report, sent = setup.refit(lambda rank, s: s.send(local(weights, rank)))  # usable again
+    assert "error" not in report, report
+
+
 def test_an_engine_whose_plan_differs_names_itself(setup: Setup) -> None:
     shards = [s for s in shards_of(setup.answers) if s.param != "cols.weight"]  # type: ignore[arg-type]
     for sender in setup.senders:
