@@ -539,9 +539,13 @@ class ReshardEngine:
         train_ranks_per_stage: int,
         sub_world_size: int,
         timeout_s: float | None = None,
+        device: str | None = None,
     ) -> dict[str, object]:
         """Join every trainer PP stage's reshard group as rank ``train_ranks_per_stage +
-        rank_prefix + worker rank``."""
+        rank_prefix + worker rank``; ``device`` ``"cpu"``: the group is gloo over host
+        memory even on a CUDA engine (the shards arrive in host scratch and are copied
+        into the parameters), for trainer ranks on this engine's GPU, which NCCL refuses
+        to place in one communicator ("Duplicate GPU detected")."""
         from genworker.shell import extension as ext
 
         state = _state(self)
@@ -549,6 +553,12 @@ class ReshardEngine:
             bound = unwrap(
                 p.wait_bound(timeout_s), BadArgumentError, "init_nccl_reshard_comm_group"
             )
+            if device not in (None, "cpu"):
+                raise BadArgumentError(
+                    f"init_nccl_reshard_comm_group: device must be None (the engine's) or "
+                    f"'cpu', got {device!r}"
+                )
+            where = ext._device(self) if device is None else torch.device(device)
             if not (pp_size >= 1 and len(pp_ips) == pp_size == len(pp_ports)):
                 raise BadArgumentError(
                     f"init_nccl_reshard_comm_group: pp_size={pp_size} with {len(pp_ips)} "
@@ -567,7 +577,7 @@ class ReshardEngine:
                         int(sub_world_size),
                         int(train_ranks_per_stage),
                         "engine",
-                        ext._device(self),
+                        where,
                         bound,
                     )
                 )
@@ -661,12 +671,12 @@ def _receive(
             dest = None
             if c.param in direct:
                 view = _region(sink.target(c.param), c.dest_box)
-                dest = view if view.is_contiguous() else None
-            if dest is None:
+                dest = view if view.is_contiguous() and view.device == group.device else None
+            if dest is None:  # scratch where the group moves bytes (host memory on gloo)
                 dest = torch.empty(
                     [b - a for a, b in c.dest_box],
                     dtype=getattr(torch, _dtype(prepared, c)),
-                    device=device,
+                    device=group.device,
                 )
                 later.append((c, dest))
             recvs.append((c.src_rank, dest))

@@ -910,11 +910,20 @@ class VllmGenerationWorker:
         train_ranks_per_stage: int,
         sub_world_size: int,
         timeout_s: float | None = None,
+        *,
+        device: str | None = None,
     ) -> None:
         """Join each trainer PP stage's reshard group (``pp_ips[s]:pp_ports[s]``) as rank
         ``train_ranks_per_stage + rank_prefix + engine worker rank`` of ``sub_world_size``;
-        every rendezvous wait bounded by ``timeout_s``."""
+        every rendezvous wait bounded by ``timeout_s``. ``device="cpu"``: gloo over host
+        memory even on a CUDA engine (trainer ranks on the engine's own GPU, where NCCL
+        refuses a second rank; they send with ``ReshardSender(device="cpu")``)."""
         bound = unwrap(wait_bound(timeout_s), BadArgumentError, "init_nccl_reshard_comm_group")
+        if device not in (None, "cpu"):
+            raise BadArgumentError(
+                f"init_nccl_reshard_comm_group: device must be None (the engine's) or 'cpu', "
+                f"got {device!r}"
+            )
         self._reshard_stages = 0
         args = (rank_prefix, list(pp_ips), list(pp_ports), pp_size, train_ranks_per_stage)
         self._rpc(
@@ -922,6 +931,7 @@ class VllmGenerationWorker:
             *args,
             sub_world_size,
             bound,
+            device,
             timeout=rpc_bound(RENDEZVOUS_WAITS * max(1, len(pp_ips)), bound),
         )
         self._reshard_stages = len(pp_ips)

@@ -61,6 +61,7 @@ class _Rank:
         self.rank, self.world = rank, world
         self.sender: ReshardSender | None = None
         self.dtensor = False
+        self.device = "cpu"  # where this rank holds its shards (the sender moves them)
         self.layouts: list[TrainerLayout] = []
 
     def tensors(self, path: str, **fault: str) -> dict[str, torch.Tensor]:
@@ -75,7 +76,9 @@ class _Rank:
                 for n, t in full.items()
             }
         else:
-            out = local_shards(full, self.layouts, self.rank)
+            out = {
+                n: t.to(self.device) for n, t in local_shards(full, self.layouts, self.rank).items()
+            }
         if "drop" in fault:
             out.pop(fault["drop"])
         if "reshape" in fault:
@@ -87,6 +90,7 @@ class _Rank:
         op = command.pop("op")
         if op == "join":
             path = str(command["path"])
+            self.device = str(command.get("device", "cpu"))
             if command.get("style") == "dtensor":
                 import torch.distributed as dist
 

@@ -18,7 +18,9 @@ Theory of operation
   (for A: the session worker right after its start, before anything touched it). Every test
   leaves the session worker awake and holding A, so a refit that changed nothing fails.
 - A trainer is a child process that loads a checkpoint onto its GPU and sends it through
-  genworker's senders (CUDA IPC to the engine on the same GPU, NCCL to an engine on another).
+  genworker's senders (CUDA IPC to the engine on the same GPU, NCCL to an engine on another;
+  the sparse relay over ZMQ, ``gpu.gpu_sparse``; the one-GPU reshard over gloo, since NCCL
+  refuses two ranks on one GPU, ``test_gpu_reshard.py``).
 - A child meant for one GPU is pinned at its start (``CUDA_VISIBLE_DEVICES`` in the
   environment it inherits), because importing this module in the child already asks CUDA
   for its devices; inside, that GPU is ``cuda:0``.

@@ -53,7 +53,7 @@ def test_the_three_methods_reach_the_engine_workers_with_derived_bounds() -> Non
     )
     assert calls.pop() == (
         "init_nccl_reshard_comm_group",
-        (0, ["10.0.0.1", "10.0.0.2"], [1234, 1235], 2, 4, 6, 7.0),
+        (0, ["10.0.0.1", "10.0.0.2"], [1234, 1235], 2, 4, 6, 7.0, None),
         {},
     )
     assert timeouts[-1] == rpc_bound(2 * RENDEZVOUS_WAITS, 7.0)
@@ -65,6 +65,12 @@ def test_the_three_methods_reach_the_engine_workers_with_derived_bounds() -> Non
     assert worker.last_refit["engine_workers"] == [{"params": 3}]
     assert worker.nccl_reshard_refit() is True  # None: the protocol's default bound
     assert calls.pop() == ("nccl_reshard_refit", (), {"refit_timeout_s": 300.0})
+    # gloo over host memory on any engine (trainer ranks on the engine's own GPU)
+    worker.init_nccl_reshard_comm_group(0, ["h"], [1], 1, 2, 3, timeout_s=7, device="cpu")
+    assert calls.pop() == ("init_nccl_reshard_comm_group", (0, ["h"], [1], 1, 2, 3, 7.0, "cpu"), {})
+    with pytest.raises(BadArgumentError, match=r"device must be None .* got 'cuda'"):
+        worker.init_nccl_reshard_comm_group(0, ["h"], [1], 1, 2, 3, device="cuda")
+    assert not calls  # refused before the engine workers
 
 
 def test_a_reshard_refit_is_refused_before_its_setup_and_a_failure_leaves_the_weights_inconsistent() -> (
