@@ -28,7 +28,10 @@ Theory of operation
   renderer feeds to the engine verbatim instead of re-rendering the messages
   (``renderers/online_renderer.py`` ``_reused_prompt_token_ids``, 0.32; where it is
   absent such a request gets 501). Refusals are OpenAI-style error bodies (400 naming
-  the parameter or the message).
+  the parameter or the message). A request the layer finds complete (every training
+  value, ids, logprobs and a ``max_tokens`` within budget already there) goes to vLLM as
+  its own bytes; one it completes is re-serialised. The budget of a (``max_tokens``,
+  prompt length) pair is memoized (``http_max_tokens`` is pure).
 - **Weight versions**: each request runs inside ``AsyncVllmGenerationWorker.in_flight()``
   (a stream for the lifecycle: sleep and prefix-cache resets wait, in-flight refits pause
   and resume it like the worker's own rows; a refit that fails ends them: 500 naming the
