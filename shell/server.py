@@ -207,20 +207,20 @@ class RolloutLayer:
         except ValueError:
             body = None
         if not isinstance(body, dict):  # vLLM answers malformed requests itself
-            await self.app(scope, _replay(raw), send)
+            await self.app(scope, _replay(raw, receive), send)
             return
         chat = scope["path"] == "/v1/chat/completions"
         try:
             if await self._prepare(scope, body, chat):
                 raw = json.dumps(body).encode()
             async with self.hooks.in_flight():
-                await self._generate(scope, raw, send)
+                await self._generate(scope, raw, receive, send)
         except _Refused as e:
             await _respond(send, e.status, _error_body(e.status, str(e), e.param))
         except EngineStateError as e:
             await _respond(send, 503, _error_body(503, str(e), None))
 
-    async def _generate(self, scope: Scope, raw: bytes, send: Send) -> None:
+    async def _generate(self, scope: Scope, raw: bytes, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
         started = False
@@ -239,7 +239,7 @@ class RolloutLayer:
         forward = self._sender(send, self.hooks.weight_version)
         self._running.add(task)
         try:
-            await self.app(scope, _replay(raw), tracked)
+            await self.app(scope, _replay(raw, receive), tracked)
             if task in self._aborted:  # vLLM took the cancellation as a disconnect
                 task.uncancel()
         except asyncio.CancelledError:
@@ -480,17 +480,22 @@ async def _read_body(receive: Receive) -> bytes:
     return b"".join(chunks)
 
 
-def _replay(body: bytes) -> Receive:
+def _replay(body: bytes, then: Receive | None = None) -> Receive:
+    """``body`` as the request's one message; afterwards what ``then`` (the connection's
+    own ``receive``, its body already read) answers: the client's disconnect, which vLLM
+    listens for to abort the request (``with_cancellation``), as on the stock server.
+    Without ``then`` (an in-process call) no disconnect ever comes."""
     sent = False
-    disconnected = asyncio.Event()
 
     async def receive() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await disconnected.wait()
-        return {"type": "http.disconnect"}
+        if then is not None:
+            return await then()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     return receive
 

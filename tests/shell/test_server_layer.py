@@ -219,6 +219,39 @@ def test_the_memoized_budget_is_the_core_budget(cases: list[tuple[object, int]])
         assert asgi._budget(requested, length) == expected
 
 
+class Listener(StandIn):
+    """Reads the body, then listens for the client's disconnect as vLLM's routes do
+    (``with_cancellation``), then answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after_body: list[Any] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.bodies.append((await receive())["body"])
+        self.after_body.append(await receive())
+        await self._json(send, 200, {"ok": True})
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "hi"}', b"{oops"])
+def test_the_clients_disconnect_reaches_the_app(body: bytes) -> None:
+    app, hooks = Listener(), Hooks()
+    messages = iter(
+        [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+    )
+
+    async def receive() -> Any:
+        return next(messages)
+
+    async def send(message: Any) -> None:
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(asyncio.wait_for(layer(app, hooks)(scope, receive, send), 10))
+    assert app.after_body == [{"type": "http.disconnect"}]
+    assert len(app.bodies) == 1
+
+
 def test_malformed_json_goes_to_the_app_untouched() -> None:
     app, hooks = StandIn(), Hooks()
     asyncio.run(call(layer(app, hooks), "/v1/completions", b"{oops"))
