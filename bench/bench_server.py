@@ -5,26 +5,53 @@ of one async worker, each on its own socket: the worker's (genworker's layer in 
 guard, prompt tokenization for the context budget, weight versions, in-flight accounting)
 and a stock one (``genworker.shell.server.build_vllm_app``, nothing in front). The same
 completion requests go to both (16 tokens, ``ignore_eos``, token ids and logprobs asked
-for), with 1, 16 and 64 concurrent clients (httpx, one connection each), alternating
-stock / genworker rounds; per client count the best round of each is compared:
+for), with 1, 16 and 64 concurrent clients (httpx, one connection each); per client count
+the best round of each is compared:
 
 - ``server_rps_vs_stock_<n>``: requests per second, genworker over stock (bar >= 0.95);
 - ``server_p50_vs_stock_<n>`` / ``server_p99_vs_stock_<n>``: latency, genworker over
-  stock (bar <= 1.05); plus the absolute figures for context.
+  stock (bar <= 1.05); plus the absolute figures for context;
+- ``server_cpu_per_request_vs_stock_<n>``: this process's CPU time per request (median over
+  the rounds; the clients' share is the same for both), genworker over stock: what the
+  layer costs, less sensitive to the other load on a shared host than requests/s;
+- ``server_layer_cpu_us_per_request``: the layer's own CPU per request (microseconds),
+  in front of an app that answers at once, with the worker's own hooks (no HTTP, no
+  engine): the part of the figures above that genworker's code can change.
+
+Fairness (both servers share one process and event loop, so whatever the process does
+between and during rounds falls on whichever round is running):
+
+- **Rounds alternate their order** (stock first in even rounds, genworker first in odd
+  ones): neither server always runs right after the other's round.
+- **The garbage collector**: the process tracks ~700k objects after startup (vLLM, torch,
+  transformers), so one full collection takes ~0.7 s on this host, a quarter of a
+  64-client round; where one lands decided the round. As vLLM's own ``vllm serve`` does
+  after startup (``freeze_gc_heap``, in its lifespan, which ``serve_on`` leaves off), the
+  startup heap is frozen after the warm-up, and every round starts from a collection, so
+  no round pays for the garbage of the round before.
+- **HTTP metrics**: vLLM's ``build_app`` registers its HTTP Prometheus metrics in vLLM's
+  process-wide registry; the second app built in one process hits "Duplicated timeseries"
+  and silently records none. The stock app gets a registry of its own, so both record the
+  same metrics per request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 CLIENTS = (1, 16, 64)
 REQUESTS = {1: 4, 16: 32, 64: 128}
-ROUNDS = 3
+ROUNDS = 4
 TOKENS = 16
 
 
@@ -85,6 +112,100 @@ async def _round(url: str, model: str, clients: int) -> tuple[float, list[float]
     return total / (time.perf_counter() - started), latencies
 
 
+@contextlib.contextmanager
+def _own_http_metrics() -> Iterator[None]:
+    """vLLM's HTTP metrics of the app built inside go to a registry of its own."""
+    import importlib
+
+    from prometheus_client import CollectorRegistry
+
+    module: Any = None
+    with contextlib.suppress(ImportError):
+        module = importlib.import_module("vllm.entrypoints.serve.instrumentator.metrics")
+    if module is None or not hasattr(module, "get_prometheus_registry"):
+        yield
+        return
+    shared = module.get_prometheus_registry
+    module.get_prometheus_registry = CollectorRegistry
+    try:
+        yield
+    finally:
+        module.get_prometheus_registry = shared
+
+
+async def _measured(url: str, model: str, clients: int) -> tuple[float, list[float], float]:
+    """One round from a clean heap (see the module docstring): requests/s, latencies and
+    this process's CPU seconds per request (clients, server and engine client together)."""
+    await asyncio.sleep(0.05)  # the previous round's connections close
+    gc.collect()
+    cpu = time.process_time()
+    rps, latencies = await _round(url, model, clients)
+    return rps, latencies, (time.process_time() - cpu) / REQUESTS[clients]
+
+
+async def _layer_cost(worker: Any) -> tuple[float, float]:
+    """CPU microseconds per request of the bench's request through genworker's layer (as
+    the worker configured it, the worker's own hooks) in front of an app that answers at
+    once, and of that app alone: the layer's own cost, without HTTP or the engine."""
+    from genworker.shell.server import RolloutLayer
+
+    live = worker._http._layer
+    assert live is not None
+
+    async def answer(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    layer = RolloutLayer(
+        answer,
+        worker,
+        policy=live.policy,
+        max_new_tokens=live.max_new_tokens,
+        max_model_len=live.max_model_len,
+        cap_to_context=live.cap_to_context,
+        num_speculative_tokens=live.num_speculative_tokens,
+        decode=live.decode,
+        reuses_prompt_ids=live.reuses_prompt_ids,
+    )
+    bodies = [
+        json.dumps(
+            {
+                "model": "m",
+                "prompt": f"request {i} of the benchmark says",
+                "max_tokens": TOKENS,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "logprobs": 0,
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "seed": i,
+            }
+        ).encode()
+        for i in range(64)
+    ]
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+
+    async def one(app: Any, body: bytes) -> None:
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: Any) -> None:
+            pass
+
+        await app(dict(scope), receive, send)
+
+    best: dict[str, float] = {}
+    for _ in range(5):
+        for name, app in (("alone", answer), ("layer", layer)):
+            cpu = time.process_time()
+            for _ in range(20):
+                await asyncio.gather(*(one(app, b) for b in bodies))
+            per = (time.process_time() - cpu) / (20 * len(bodies)) * 1e6
+            best[name] = min(best.get(name, per), per)
+    return best["layer"] - best["alone"], best["alone"]
+
+
 def _p(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -99,16 +220,24 @@ async def _run(model: Path) -> list[tuple[str, float]]:
         ours = (await worker.start_http_server()).removesuffix("/v1")
         sock = bind_socket("127.0.0.1", 0)
         stock = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        server, task = await serve_on(await build_vllm_app(worker.llm), sock)
+        with _own_http_metrics():
+            app = await build_vllm_app(worker.llm)
+        server, task = await serve_on(app, sock)
         try:
-            await _round(ours, str(model), 16)  # warm-up, both
-            await _round(stock, str(model), 16)
+            for n in CLIENTS:  # warm-up, both, every client count
+                await _round(ours, str(model), n)
+                await _round(stock, str(model), n)
+            gc.collect()
+            gc.freeze()
             figures: list[tuple[str, float]] = []
+            pair = (("stock", stock), ("genworker", ours))
             for n in CLIENTS:
                 best: dict[str, tuple[float, float, float]] = {}
-                for _ in range(ROUNDS):
-                    for name, url in (("stock", stock), ("genworker", ours)):
-                        rps, lat = await _round(url, str(model), n)
+                cpu: dict[str, list[float]] = {"stock": [], "genworker": []}
+                for r in range(ROUNDS):
+                    for name, url in pair if r % 2 == 0 else pair[::-1]:
+                        rps, lat, per_request = await _measured(url, str(model), n)
+                        cpu[name].append(per_request)
                         p50, p99 = statistics.median(lat), _p(lat, 0.99)
                         if name not in best or rps > best[name][0]:
                             best[name] = (rps, p50, p99)
@@ -121,9 +250,16 @@ async def _run(model: Path) -> list[tuple[str, float]]:
                     (f"server_rps_stock_{n}", s[0]),
                     (f"server_p99_ms_genworker_{n}", 1e3 * g[2]),
                     (f"server_p99_ms_stock_{n}", 1e3 * s[2]),
+                    (
+                        f"server_cpu_per_request_vs_stock_{n}",
+                        statistics.median(cpu["genworker"]) / statistics.median(cpu["stock"]),
+                    ),
                 ]
+            layer_us, _ = await _layer_cost(worker)
+            figures.append(("server_layer_cpu_us_per_request", layer_us))
             return figures
         finally:
+            gc.unfreeze()
             await stop_serving(server, task)
             sock.close()
     finally:

@@ -1965,17 +1965,25 @@ async def _server_round(
 
 
 async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) -> None:
+    import gc
+
     from genworker.shell.server import bind_socket, build_vllm_app, serve_on, stop_serving
 
     ours = (await worker.start_http_server()).removesuffix("/v1")
     sock = bind_socket("127.0.0.1", 0)
     stock = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server, task = await serve_on(await build_vllm_app(worker.llm), sock)
+    with _own_http_metrics():  # else the second app of the process records none
+        app = await build_vllm_app(worker.llm)
+    server, task = await serve_on(app, sock)
     clients = (4, 16) if scale.device == "cpu" else (16, 64)
     rounds = max(scale.refit_reps, 3)
     try:
         for url in (stock, ours):  # warm-up, both
             await _server_round(url, model, clients[0], 2 * clients[0])
+        # as `vllm serve` does after startup (freeze_gc_heap): no full collection of the
+        # startup heap lands in one server's round; each round starts from a collection
+        gc.collect()
+        gc.freeze()
         for n in clients:
             requests = 4 * n
             best: dict[str, tuple[float, float, float]] = {}
@@ -1983,6 +1991,7 @@ async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) ->
             for k in range(rounds):
                 order = [("stock", stock), ("genworker", ours)]
                 for name, url in order if k % 2 == 0 else order[::-1]:
+                    gc.collect()
                     rps, lat = await _server_round(url, model, n, requests)
                     runs[name].append(rps)
                     ordered = sorted(lat)
@@ -2016,8 +2025,32 @@ async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) ->
             "`ignore_eos`; each client holds one connection"
         )
     finally:
+        gc.unfreeze()
         await stop_serving(server, task)
         sock.close()
+
+
+@contextlib.contextmanager
+def _own_http_metrics() -> Iterator[None]:
+    """vLLM's ``build_app`` registers its HTTP metrics in vLLM's process-wide registry; a
+    second app in the process hits "Duplicated timeseries" and silently records none.
+    Inside, the app built gets a registry of its own (where vLLM has that hook)."""
+    import importlib
+
+    from prometheus_client import CollectorRegistry
+
+    module: Any = None
+    with contextlib.suppress(ImportError):
+        module = importlib.import_module("vllm.entrypoints.serve.instrumentator.metrics")
+    if module is None or not hasattr(module, "get_prometheus_registry"):
+        yield
+        return
+    shared = module.get_prometheus_registry
+    module.get_prometheus_registry = CollectorRegistry
+    try:
+        yield
+    finally:
+        module.get_prometheus_registry = shared
 
 
 # -- main -------------------------------------------------------------------------------

@@ -28,7 +28,10 @@ Theory of operation
   renderer feeds to the engine verbatim instead of re-rendering the messages
   (``renderers/online_renderer.py`` ``_reused_prompt_token_ids``, 0.32; where it is
   absent such a request gets 501). Refusals are OpenAI-style error bodies (400 naming
-  the parameter or the message).
+  the parameter or the message). A request the layer finds complete (every training
+  value, ids, logprobs and a ``max_tokens`` within budget already there) goes to vLLM as
+  its own bytes; one it completes is re-serialised. The budget of a (``max_tokens``,
+  prompt length) pair is memoized (``http_max_tokens`` is pure).
 - **Weight versions**: each request runs inside ``AsyncVllmGenerationWorker.in_flight()``
   (a stream for the lifecycle: sleep and prefix-cache resets wait, in-flight refits pause
   and resume it like the worker's own rows; a refit that fails ends them: 500 naming the
@@ -83,6 +86,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 VERSIONS_HEADER = "x-genworker-weight-versions"
+_VERSIONS_KEY = VERSIONS_HEADER.encode()
+_BUDGET_MEMO = 4096  # (max_tokens, prompt length) pairs kept; cleared when full
 _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _TURN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _TOKENIZE_CHAT_FIELDS = (
@@ -178,6 +183,7 @@ class RolloutLayer:
         self.reuses_prompt_ids = reuses_prompt_ids
         self._running: set[asyncio.Task[Any]] = set()
         self._aborted: dict[asyncio.Task[Any], str] = {}
+        self._budgets: dict[tuple[int | None, int, int, int, bool, int], Any] = {}
 
     def abort_all(self, reason: str) -> int:
         """End every generation request in flight (vLLM aborts it: ``AsyncLLM.generate``
@@ -201,19 +207,20 @@ class RolloutLayer:
         except ValueError:
             body = None
         if not isinstance(body, dict):  # vLLM answers malformed requests itself
-            await self.app(scope, _replay(raw), send)
+            await self.app(scope, _replay(raw, receive), send)
             return
         chat = scope["path"] == "/v1/chat/completions"
         try:
-            await self._prepare(scope, body, chat)
+            if await self._prepare(scope, body, chat):
+                raw = json.dumps(body).encode()
             async with self.hooks.in_flight():
-                await self._generate(scope, body, send)
+                await self._generate(scope, raw, receive, send)
         except _Refused as e:
             await _respond(send, e.status, _error_body(e.status, str(e), e.param))
         except EngineStateError as e:
             await _respond(send, 503, _error_body(503, str(e), None))
 
-    async def _generate(self, scope: Scope, body: dict[str, Any], send: Send) -> None:
+    async def _generate(self, scope: Scope, raw: bytes, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
         started = False
@@ -232,7 +239,7 @@ class RolloutLayer:
         forward = self._sender(send, self.hooks.weight_version)
         self._running.add(task)
         try:
-            await self.app(scope, _replay(json.dumps(body).encode()), tracked)
+            await self.app(scope, _replay(raw, receive), tracked)
             if task in self._aborted:  # vLLM took the cancellation as a disconnect
                 task.uncancel()
         except asyncio.CancelledError:
@@ -249,14 +256,22 @@ class RolloutLayer:
             self._aborted.pop(task, None)
 
     # -- the request -------------------------------------------------------------------
-    async def _prepare(self, scope: Scope, body: dict[str, Any], chat: bool) -> None:
+    async def _prepare(self, scope: Scope, body: dict[str, Any], chat: bool) -> bool:
+        """Checks and completes ``body`` in place; whether it changed (else the request's
+        own bytes go to vLLM as they came)."""
+        changed = chat  # chat requests lose their turns' ids, may gain prompt ids
         if self.policy is not None:
             checked = check_on_policy(body, self.policy)
             if isinstance(checked, Failure):
                 problem: OffPolicy = checked.failure()
                 raise _Refused(400, str(problem), problem.parameter)
-            body.update(checked.unwrap())
-        body["return_token_ids"] = True
+            fills = checked.unwrap()
+            if fills:
+                body.update(fills)
+                changed = True
+        if body.get("return_token_ids") is not True:
+            body["return_token_ids"] = True
+            changed = True
         if chat:
             if not body.get("logprobs"):
                 body["logprobs"] = True
@@ -264,6 +279,7 @@ class RolloutLayer:
         else:
             if body.get("logprobs") is None:
                 body["logprobs"] = 0
+                changed = True
             lengths = await self._completion_lengths(scope, body)
         key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
         requested = body.get(key)
@@ -277,9 +293,33 @@ class RolloutLayer:
                     param = key
                 raise _Refused(400, f"{param}: {problem_}", param)
             budgets.append(budget.unwrap())
-        body[key] = min(budgets)
+        budget_ = min(budgets)
+        if type(requested) is not int or requested != budget_:
+            body[key] = budget_
+            changed = True
+        return changed
 
     def _budget(self, requested: object, prompt_length: int) -> Any:
+        """``core.serving.http_max_tokens`` for this server, memoized for the usual
+        ``max_tokens`` (an int or left out): it is pure, and the fast path asks it twice."""
+        if requested is not None and type(requested) is not int:
+            return self._http_max_tokens(requested, prompt_length)
+        memo = (
+            requested,
+            prompt_length,
+            self.max_new_tokens,
+            self.max_model_len,
+            self.cap_to_context,
+            self.num_speculative_tokens,
+        )
+        found = self._budgets.get(memo)
+        if found is None:
+            if len(self._budgets) >= _BUDGET_MEMO:
+                self._budgets.clear()
+            found = self._budgets[memo] = self._http_max_tokens(requested, prompt_length)
+        return found
+
+    def _http_max_tokens(self, requested: object, prompt_length: int) -> Any:
         return http_max_tokens(
             requested,
             prompt_length,
@@ -407,10 +447,10 @@ class RolloutLayer:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 stream = any(
-                    k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                    v.startswith(b"text/event-stream") and k.lower() == b"content-type"
                     for k, v in headers
                 )
-                headers.append((VERSIONS_HEADER.encode(), ",".join(map(str, versions())).encode()))
+                headers.append((_VERSIONS_KEY, ",".join(map(str, versions())).encode()))
                 message = {**message, "headers": headers}
             elif message["type"] == "http.response.body" and stream:
                 pending += message.get("body", b"")
@@ -440,17 +480,22 @@ async def _read_body(receive: Receive) -> bytes:
     return b"".join(chunks)
 
 
-def _replay(body: bytes) -> Receive:
+def _replay(body: bytes, then: Receive | None = None) -> Receive:
+    """``body`` as the request's one message; afterwards what ``then`` (the connection's
+    own ``receive``, its body already read) answers: the client's disconnect, which vLLM
+    listens for to abort the request (``with_cancellation``), as on the stock server.
+    Without ``then`` (an in-process call) no disconnect ever comes."""
     sent = False
-    disconnected = asyncio.Event()
 
     async def receive() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await disconnected.wait()
-        return {"type": "http.disconnect"}
+        if then is not None:
+            return await then()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     return receive
 

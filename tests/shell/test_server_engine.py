@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -374,6 +375,33 @@ def test_64_concurrent_clients(
     assert [r.status_code for r in responses] == [200] * 64
     assert all(len(r.json()["choices"][0]["token_ids"]) == 8 for r in responses)
     assert worker.num_unfinished() == 0
+
+
+def test_a_client_that_gives_up_gets_its_request_aborted(
+    worker: AsyncVllmGenerationWorker, loop: asyncio.AbstractEventLoop, model: str
+) -> None:
+    """vLLM aborts a request whose client disconnects (``with_cancellation``); through the
+    layer too: the engine is idle long before the whole completion would have been done."""
+    request = {"model": model, "prompt": "a", "max_tokens": 200, "ignore_eos": True}
+
+    async def body() -> tuple[float, float]:
+        async with client(worker, timeout_s=120.0) as c:
+            started = time.perf_counter()
+            full = await c.post("/v1/completions", json=request)
+            whole = time.perf_counter() - started
+        assert full.status_code == 200, full.text
+        assert len(full.json()["choices"][0]["token_ids"]) == 200
+        started = time.perf_counter()
+        with pytest.raises(httpx.TimeoutException):
+            async with client(worker, timeout_s=0.2) as c:
+                await c.post("/v1/completions", json=request)
+        async with asyncio.timeout(60):
+            while worker.num_unfinished() > 0:
+                await asyncio.sleep(0.01)
+        return whole, time.perf_counter() - started
+
+    whole, gave_up = run_soon(loop, body())
+    assert gave_up < 0.2 + whole / 2, (gave_up, whole)
 
 
 def test_an_in_flight_refit_applies_to_http_requests(

@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from genworker.core.config import WorkerConfig
-from genworker.core.serving import training_policy
+from genworker.core.serving import http_max_tokens, training_policy
 from genworker.shell.errors import EngineStateError
 from genworker.shell.server import VERSIONS_HEADER, RolloutLayer
 
@@ -153,6 +155,101 @@ def test_a_request_gets_ids_logprobs_budget_and_versions() -> None:
     assert sent["temperature"] == 1.0
     assert sent["top_p"] == 1.0
     assert hooks.opened == 1
+
+
+def test_a_request_that_needs_nothing_goes_as_its_own_bytes() -> None:
+    app, hooks = StandIn(), Hooks()
+    policy = dict(training_policy(config()).values)
+    fields = {k: v for k, v in policy.items() if v is not None}
+    raw = json.dumps(
+        {"prompt": "hi", **fields, "return_token_ids": True, "logprobs": 0, "max_tokens": 8},
+        indent=1,
+    ).encode()
+    status, headers, _ = asyncio.run(call(layer(app, hooks), "/v1/completions", raw))
+    assert status == 200
+    assert headers[VERSIONS_HEADER] == "0"
+    assert app.bodies == [raw]
+    assert hooks.opened == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "changed"),
+    [
+        ({"return_token_ids": False}, {"return_token_ids": True}),
+        ({"logprobs": None}, {"logprobs": 0}),
+        ({"max_tokens": 31}, {"max_tokens": 30}),  # clamped to the context
+        ({"max_tokens": None}, {"max_tokens": 8}),
+        ({"min_p": None}, {"min_p": 0.0}),
+    ],
+)
+def test_a_request_the_layer_completes_is_sent_as_completed(
+    extra: dict[str, Any], changed: dict[str, Any]
+) -> None:
+    app, hooks = StandIn(), Hooks()
+    policy = dict(training_policy(config()).values)
+    fields = {k: v for k, v in policy.items() if v is not None}
+    body = {"prompt": "hi", **fields, "return_token_ids": True, "logprobs": 0, "max_tokens": 8}
+    status, _, _ = asyncio.run(
+        call(layer(app, hooks), "/v1/completions", json.dumps({**body, **extra}).encode())
+    )
+    assert status == 200
+    assert json.loads(app.bodies[0]) == {**body, **changed}
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.none(), st.integers(-2, 40), st.booleans(), st.just(4.0)),
+            st.integers(0, 40),
+        ),
+        max_size=12,
+    )
+)
+def test_the_memoized_budget_is_the_core_budget(cases: list[tuple[object, int]]) -> None:
+    asgi = layer(StandIn(), Hooks())
+    for requested, length in cases + cases:
+        expected = http_max_tokens(
+            requested,
+            length,
+            max_new_tokens=8,
+            max_model_len=32,
+            cap_to_context=True,
+            num_speculative_tokens=0,
+        )
+        assert asgi._budget(requested, length) == expected
+
+
+class Listener(StandIn):
+    """Reads the body, then listens for the client's disconnect as vLLM's routes do
+    (``with_cancellation``), then answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after_body: list[Any] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.bodies.append((await receive())["body"])
+        self.after_body.append(await receive())
+        await self._json(send, 200, {"ok": True})
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "hi"}', b"{oops"])
+def test_the_clients_disconnect_reaches_the_app(body: bytes) -> None:
+    app, hooks = Listener(), Hooks()
+    messages = iter(
+        [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+    )
+
+    async def receive() -> Any:
+        return next(messages)
+
+    async def send(message: Any) -> None:
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(asyncio.wait_for(layer(app, hooks)(scope, receive, send), 10))
+    assert app.after_body == [{"type": "http.disconnect"}]
+    assert len(app.bodies) == 1
 
 
 def test_malformed_json_goes_to_the_app_untouched() -> None:
