@@ -269,6 +269,24 @@ _Apply = Callable[..., None]
 _Hash = Callable[..., np.uint64]
 
 
+def _shield_llvmlite_lib() -> None:
+    """Give ``llvmlite.binding.ffi.lib`` an empty ``__dict__``.
+
+    vLLM's CPU platform scans every module's globals when an engine starts
+    (``vllm/triton_utils/dispatcher.py``, ``_rebind_kernels``: ``vars(value).get(...)``
+    for any value with a ``__dict__``). llvmlite's ``lib`` has slots and a
+    ``__getattr__`` that wraps whatever its ``CDLL`` answers, so ``lib.__dict__`` is a
+    function wrapper and the scan dies (``'_lib_fn_wrapper' object has no attribute
+    'get'``): no engine could start in a process that imported numba. Its ``__getattr__``
+    serves names from a cache first; an empty dict there is what ``vars`` then sees.
+    """
+    from llvmlite.binding import ffi  # type: ignore[import-untyped]
+
+    table = getattr(ffi.lib, "_fntab", None)
+    if isinstance(table, dict):
+        table["__dict__"] = {}
+
+
 def _compile() -> tuple[_Encoders, _Tables, _Check, _Apply, _Hash] | None:
     if sys.byteorder != "little":  # the wire form is little-endian; the loops write native
         return None
@@ -276,6 +294,7 @@ def _compile() -> tuple[_Encoders, _Tables, _Check, _Apply, _Hash] | None:
         import numba  # type: ignore[import-untyped]
     except ImportError:  # pragma: no cover - numba comes with vLLM
         return None
+    _shield_llvmlite_lib()
     jit = numba.njit(cache=True, nogil=True, boundscheck=False)
     global _mix  # what the hash loop calls
     _mix = jit(_mix)
@@ -346,11 +365,12 @@ _GAP_PROBLEMS: Final = {
 }
 
 
-def _fixed(array: _A) -> _A:
-    """``array`` read-only and aligned (copied when it is not), so the loops see one kind
-    of column per width: numba compiles a loop per array kind (layout, alignment,
-    writability) it meets, and a column at an odd offset of the buffer is unaligned."""
-    if not array.flags.aligned:
+def _fixed(array: _A, *, copy: bool = True) -> _A:
+    """``array`` read-only and (when ``copy``) aligned, copied when it is not: numba
+    compiles a loop per kind of array (layout, alignment, writability) it meets, and a
+    column at an odd offset of the buffer is unaligned. The dense blocks (a full step's
+    bits) are left where they are: their loop is compiled for both alignments."""
+    if copy and not array.flags.aligned:
         array = array.copy()
     array.flags.writeable = False
     return array
@@ -402,7 +422,7 @@ def _columns(data: bytes | bytearray | memoryview) -> Result[_Columns, DeltaErro
                     _fixed(counts),
                     _fixed(gaps),
                     _fixed(values),
-                    _fixed(blocks),
+                    _fixed(blocks, copy=False),
                 )
                 return Success(columns)
     decoded = decode_tables(data)
@@ -419,7 +439,7 @@ def _columns(data: bytes | bytearray | memoryview) -> Result[_Columns, DeltaErro
             _fixed(counts),
             _fixed(t.gaps),
             _fixed(t.values),
-            _fixed(t.blocks),
+            _fixed(t.blocks, copy=False),
         )
     )
 
@@ -475,7 +495,7 @@ def piece_hash(bits: Bits) -> int:
 
 def warm_up(itemsizes: Iterable[int] = (1, 2, 4)) -> None:
     """Load (or compile) the loops for these element widths now, on tiny inputs, so that
-    a step's first frame does not wait for numba (half a second a process from numba's
+    a step's first frame does not wait for numba (under a second a process from numba's
     disk cache, seconds the first time ever). A no-op without numba."""
     if _KERNELS is None:
         return
@@ -486,6 +506,22 @@ def warm_up(itemsizes: Iterable[int] = (1, 2, 4)) -> None:
         new[::7] = 1
         new[200:] = 2  # one chunk dense
         for data in (encode_wire(old, new, 64), encode_full(new, 64).to_bytes()):
-            target = old.copy()
-            apply_wire_into(target, data).unwrap()
-            piece_hash(target)
+            for shift in (0, 1):  # the blocks aligned and not
+                buf = memoryview(bytes(shift) + data)[shift:]
+                target = old.copy()
+                apply_wire_into(target, buf).unwrap()
+                piece_hash(target)
+        blocks = np.frombuffer(bytes(itemsize + 1), dtype=dtype, count=1, offset=1)
+        no = np.zeros(0, dtype=np.uint16)
+        kinds, counts = np.full(1, 2, dtype=np.uint8), np.zeros(1, dtype=np.uint32)
+        for column in (blocks, blocks.copy()):
+            target = old[:1].copy()
+            _KERNELS[3](
+                target,
+                1,
+                _fixed(kinds),
+                _fixed(counts),
+                _fixed(no),
+                _fixed(new[:0]),
+                _fixed(column, copy=False),
+            )

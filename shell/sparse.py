@@ -18,11 +18,13 @@ For each frame it checks the payload's CRC (a corrupted frame is refused and not
 forwarded), forwards the verified message to its children *before* applying it, then
 decompresses and applies it into its own baseline copy (frames on a small thread pool:
 pieces are disjoint element ranges) and checks each piece's result against the trainer's
-hash of the same elements (``core.delta.bits_hash``, 64 bits, computed by a compiled
-loop at memory speed: CRC-32 took as long as the rest of a delta step; ``Begin`` names
-the hash, :data:`CHECKSUM`, and a receiver refuses a step that names another); a tensor is verified when pieces covering all of it matched
-(per-piece checksums let both ends hash in parallel; together they are the tensor's
-checksum). At ``End`` it commits: only when every tensor is verified does it hand the
+hash of the same elements (``core.delta.bits_hash``: 64 bits, by a compiled loop at
+memory speed, where CRC-32 cost as much as the rest of a delta step; ``Begin`` names it,
+:data:`CHECKSUM`, and a receiver refuses a step that names another); a tensor is
+verified when pieces covering all of it matched (per-piece hashes let both ends hash in
+parallel). The codec's hot loops (diff and wire form, checked apply) are
+``shell/delta_kernels.py``'s, which agree with the core's numpy codec byte for byte.
+At ``End`` it commits: only when every tensor is verified does it hand the
 tensors to its :class:`ApplyTarget`, so bits that failed the
 check never reach the engine, which keeps serving its previous, consistent weights. Then
 it waits for each child's report within the child's bound and answers its parent with

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -19,7 +22,14 @@ from genworker.core.delta import (
     encode_delta,
     encode_full,
 )
-from genworker.shell.delta_kernels import COMPILED, apply_wire_into, encode_wire, piece_hash
+from genworker.shell import delta_kernels
+from genworker.shell.delta_kernels import (
+    COMPILED,
+    apply_wire_into,
+    encode_wire,
+    piece_hash,
+    warm_up,
+)
 
 
 def test_the_loops_are_compiled_here() -> None:
@@ -115,3 +125,32 @@ def test_piece_hash_is_bits_hash(nbytes: int, by: int, itemsize: int, seed: int)
     raw = np.random.default_rng(abs(seed)).integers(0, 256, nbytes + by, dtype=np.uint8)[by:]
     bits = raw.view(f"u{itemsize}") if by % itemsize == 0 else raw.copy().view(f"u{itemsize}")
     assert piece_hash(bits) == bits_hash(bits)
+
+
+@given(delta_pairs(max_numel=300), delta_chunk_elements)
+def test_without_numba_the_core_codec_gives_the_same(pair: BitsPair, chunk: int) -> None:
+    """The fallback (no numba, or a big-endian host) is the core's numpy codec."""
+    compiled = (encode_wire(pair.old, pair.new, chunk), piece_hash(pair.new))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(delta_kernels, "_KERNELS", None)
+        data = encode_wire(pair.old, pair.new, chunk)
+        assert (data, piece_hash(pair.new)) == compiled
+        target = pair.old.copy()
+        assert isinstance(apply_wire_into(target, data), Success)
+        assert np.array_equal(target, pair.new)
+        assert isinstance(apply_wire_into(target, data[:-1]), Failure)
+        warm_up()  # nothing to load
+
+
+def test_vllms_module_scan_survives_numba() -> None:
+    """vLLM's CPU platform reads ``vars(v).get('kernel')`` of every module global with a
+    ``__dict__`` when an engine starts; llvmlite's ``lib`` broke that (see
+    ``_shield_llvmlite_lib``)."""
+    assert COMPILED
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated module attributes, read as vLLM does
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            for value in list((namespace or {}).values()):
+                if hasattr(value, "__dict__"):
+                    vars(value).get("kernel")
