@@ -4,9 +4,10 @@ The codec's rules and its reference implementation are pure numpy in ``core/delt
 (:func:`~genworker.core.delta.encode_delta`, :meth:`~genworker.core.delta.TensorDelta.to_bytes`,
 :func:`~genworker.core.delta.decode_delta`, :func:`~genworker.core.delta.apply_delta_into`).
 Those make several passes over a piece (compare, ``flatnonzero``, ``bincount``, gathers,
-gap arithmetic, one copy per column) and cost about as much as the CRC-32 of the piece
-each. Here the same work is one loop, compiled with numba (a dependency of vLLM) when it
-imports, that writes the wire form's columns directly:
+gap arithmetic, one copy per column): for a delta step of a 100M-parameter model, twice
+the time of the step's CRC-32s, which themselves cost as much as the rest. Here the same
+work is one loop, compiled with numba (a dependency of vLLM) when it imports, that writes
+the wire form's columns directly:
 
 - :func:`encode_wire`: ``encode_delta(old, new, chunk_elements).to_bytes()``, byte for
   byte: the loop compares 8 bytes at a time, looks at the elements of a word only when it
@@ -14,14 +15,18 @@ imports, that writes the wire form's columns directly:
   rewound and written as its ``XOR`` block);
 - :func:`apply_wire_into`: ``decode_delta`` then ``apply_delta_into``, with the same
   checks and the same :class:`~genworker.core.delta.DeltaError`\\ s: the header and chunk
-  tables through :func:`~genworker.core.delta.decode_tables`, then one loop that checks
-  every gap (no repeat, nothing past its chunk's end) before a second one writes anything,
-  so a refused delta leaves ``target`` as it was.
+  tables by a loop (any doubt: :func:`~genworker.core.delta.decode_tables` decides and
+  words the refusal), then one loop that checks every gap (no repeat, nothing past its
+  chunk's end) before a second one writes anything, so a refused delta leaves
+  ``target`` as it was;
+- :func:`piece_hash`: :func:`~genworker.core.delta.bits_hash`, the 64-bit hash each
+  piece's result is checked with (about 20 GB/s here, CRC-32 about 4).
 
-Without numba (or on a big-endian host) both fall back to the core's numpy functions,
-with the same results. The loops release the GIL, so the sender's and the receiver's
-thread pools run them in parallel. They compile on first use per width (about a second,
-then cached on disk by numba).
+Without numba (or on a big-endian host) all three fall back to the core's numpy
+functions, with the same results. The loops release the GIL, so the sender's and the
+receiver's thread pools run them in parallel. :func:`warm_up` loads them (from numba's
+disk cache, under a second; compiling them the first time takes seconds), which the
+sender and the receivers do when they start.
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ to the relay's root. The first step, and every step after a failed one, is *full
 element ``RAW``); the others are *deltas* against the baseline (``SPARSE``/``XOR`` chunks).
 Each frame's payload is the concatenated wire forms of its pieces, compressed with zstd
 (level 1: the sparse payloads compress about as well at level 3, ten times slower), and
-carries a CRC-32 of the compressed bytes. The baseline moves to the step's bits only
+carries a CRC-32 of the compressed bytes. The baseline takes the step's bits while the
+sender waits for the receivers, but holds the receivers' bits (``synced_step``) only
 after the root's report says every receiver applied them; any other outcome raises
-:class:`SparseRefitError` naming the receivers and makes the next step full.
+:class:`SparseRefitError` naming the receivers and makes the next step full (which does
+not read the baseline).
 
 A receiver (:class:`SparseReceiver`, a ZMQ ROUTER on a background thread) takes the plan
 from ``Begin`` (receivers, fanout, hop bound), so re-planning is the sender's business.
@@ -411,7 +413,17 @@ class SparseSender:
             wire += self._write([_TAG_FRAME, _enc.encode(encoded.header), encoded.payload], step)
             kept.extend(encoded.deltas)
         wire += self._write([_TAG_END, _enc.encode(EndMsg(step))], step)
-        verdict = conclude_relay(self.plan, self._await_root(step), self.hop_s)
+        # The baseline takes the step's bits while the receivers apply and commit it (the
+        # pool's threads, pieces being disjoint element ranges); it counts as the
+        # receivers' bits only after the verdict (``synced_step``): a failed step makes
+        # the next one full, which does not read it.
+        advancing = [self._pool.submit(self._advance, piece) for piece in kept]
+        try:
+            verdict = conclude_relay(self.plan, self._await_root(step), self.hop_s)
+        finally:
+            concurrent.futures.wait(advancing)  # nothing writes the baseline after send
+        for future in advancing:
+            future.result()  # a baseline that could not take its bits: a RefitError
         if isinstance(verdict, Failure):
             failure = verdict.failure()
             raise SparseRefitError(
@@ -419,9 +431,6 @@ class SparseSender:
                 f"after {time.monotonic() - started:.2f} s: {failure}",
                 detail=failure,
             )
-        # pieces are disjoint element ranges: the pool moves the baseline in parallel
-        for _ in self._pool.map(self._advance, kept):
-            pass
         self.synced_step = step
         return StepReport(
             step=step,
