@@ -31,6 +31,7 @@ sender and the receivers do when they start.
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 from collections.abc import Callable, Iterable
@@ -58,7 +59,7 @@ from genworker.core.delta import (
     encode_full,
 )
 
-__all__ = ["COMPILED", "apply_wire_into", "encode_wire", "piece_hash", "warm_up"]
+__all__ = ["apply_wire_into", "compiled", "encode_wire", "piece_hash", "warm_up"]
 
 _A = TypeVar("_A", bound=npt.NDArray[np.generic])
 _HEADER: Final = struct.Struct("<4sBIQI")
@@ -312,9 +313,15 @@ def _compile() -> tuple[_Encoders, _Tables, _Check, _Apply, _Hash] | None:
     )
 
 
-_KERNELS: Final = _compile()
-#: True when the loops are compiled (numba imported); False: the core's numpy path.
-COMPILED: Final = _KERNELS is not None
+#: The loops, compiled on first use: numba (and llvmlite) are imported only by a process
+#: that runs a sparse refit, not by every engine worker that imports the extension.
+_kernels: Final = functools.cache(_compile)
+
+
+def compiled() -> bool:
+    """True when the loops are compiled (numba imports); False: the core's numpy path."""
+    return _kernels() is not None
+
 
 _NO_WORDS: Final = np.empty(0, dtype=np.uint64)
 
@@ -333,7 +340,8 @@ def encode_wire(old: Bits, new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS) 
     Arrays of different dtypes or lengths, or ``chunk_elements`` outside
     ``[1, MAX_CHUNK_ELEMENTS]``, are programming errors (``ValueError``).
     """
-    if _KERNELS is None or old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
+    kernels = _kernels()
+    if kernels is None or old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
         return encode_delta(old, new, chunk_elements).to_bytes()  # or its ValueError
     if not 1 <= chunk_elements <= MAX_CHUNK_ELEMENTS:
         return encode_delta(old, new, chunk_elements).to_bytes()  # raises
@@ -348,7 +356,7 @@ def encode_wire(old: Bits, new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS) 
     old_words, new_words = _words(old), _words(new)
     if len(old_words) != len(new_words):
         old_words = new_words = _NO_WORDS
-    entries, dense = _KERNELS[0][itemsize](
+    entries, dense = kernels[0][itemsize](
         old, new, old_words, new_words, chunk_elements, kinds, counts, gaps, values, blocks
     )
     head = _HEADER.pack(_MAGIC, itemsize, chunk_elements, numel, n_chunks)
@@ -396,7 +404,8 @@ _Columns = tuple[
 def _columns(data: bytes | bytearray | memoryview) -> Result[_Columns, DeltaError]:
     """The wire form's columns: checked by a compiled loop, or (when that loop finds it
     anything but valid) by ``decode_tables``, whose refusal is the answer."""
-    assert _KERNELS is not None
+    kernels = _kernels()
+    assert kernels is not None
     buf = memoryview(data).cast("B")
     if len(buf) >= HEADER_BYTES:
         magic, itemsize, chunk_elements, numel, n_chunks = _HEADER.unpack_from(buf)
@@ -411,7 +420,7 @@ def _columns(data: bytes | bytearray | memoryview) -> Result[_Columns, DeltaErro
             kinds = np.frombuffer(buf, dtype=np.uint8, count=n_chunks, offset=HEADER_BYTES)
             at = HEADER_BYTES + n_chunks
             counts = np.frombuffer(buf, dtype=np.uint32, count=n_chunks, offset=at)
-            entries, dense, valid = _KERNELS[1](kinds, counts, numel, chunk_elements)
+            entries, dense, valid = kernels[1](kinds, counts, numel, chunk_elements)
             if valid and len(buf) == tables + entries * (2 + itemsize) + dense * itemsize:
                 width = np.dtype(f"u{itemsize}")
                 gaps = np.frombuffer(buf, dtype=np.uint16, count=entries, offset=tables)
@@ -455,13 +464,14 @@ def apply_wire_into(target: Bits, data: bytes | bytearray | memoryview) -> Resul
     The same refusals, with the same :class:`DeltaError`: an invalid buffer, or a target
     whose width or length differs from the delta's; ``target`` is untouched by either.
     """
-    if _KERNELS is None:
+    kernels = _kernels()
+    if kernels is None:
         return decode_delta(data).bind(lambda delta: apply_delta_into(target, delta))
     decoded = _columns(data)
     if isinstance(decoded, Failure):
         return Failure(decoded.failure())
     itemsize, numel, chunk_elements, kinds, counts, gaps, values, blocks = decoded.unwrap()
-    _, _, check, apply, _ = _KERNELS
+    _, _, check, apply, _ = kernels
     problem = check(kinds, counts, gaps, numel, chunk_elements)  # decode_delta's last check
     if problem:
         return Failure(_GAP_PROBLEMS[problem])
@@ -481,7 +491,8 @@ def apply_wire_into(target: Bits, data: bytes | bytearray | memoryview) -> Resul
 
 def piece_hash(bits: Bits) -> int:
     """:func:`~genworker.core.delta.bits_hash` of ``bits``, in one compiled pass."""
-    if _KERNELS is None:
+    kernels = _kernels()
+    if kernels is None:
         return bits_hash(bits)
     raw = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
     nbytes = len(raw)
@@ -492,7 +503,7 @@ def piece_hash(bits: Bits) -> int:
     tail = np.zeros(8, dtype=np.uint8)
     tail[: nbytes - whole] = raw[whole:]
     words = body.view(np.uint64)
-    value = _KERNELS[4](
+    value = kernels[4](
         words, tail.view(np.uint64)[0], int(nbytes > whole), nbytes, HASH_KEYS, HASH_MULTIPLIERS
     )
     return int(value)
@@ -502,7 +513,8 @@ def warm_up(itemsizes: Iterable[int] = (1, 2, 4)) -> None:
     """Load (or compile) the loops for these element widths now, on tiny inputs, so that
     a step's first frame does not wait for numba (under a second a process from numba's
     disk cache, seconds the first time ever). A no-op without numba."""
-    if _KERNELS is None:
+    kernels = _kernels()
+    if kernels is None:
         return
     for itemsize in sorted(set(itemsizes)):
         dtype = np.dtype(f"u{itemsize}")
@@ -521,7 +533,7 @@ def warm_up(itemsizes: Iterable[int] = (1, 2, 4)) -> None:
         kinds, counts = np.full(1, 2, dtype=np.uint8), np.zeros(1, dtype=np.uint32)
         for column in (blocks, blocks.copy()):
             target = old[:1].copy()
-            _KERNELS[3](
+            kernels[3](
                 target,
                 1,
                 _fixed(kinds),

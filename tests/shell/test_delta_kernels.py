@@ -24,8 +24,8 @@ from genworker.core.delta import (
 )
 from genworker.shell import delta_kernels
 from genworker.shell.delta_kernels import (
-    COMPILED,
     apply_wire_into,
+    compiled,
     encode_wire,
     piece_hash,
     warm_up,
@@ -34,7 +34,7 @@ from genworker.shell.delta_kernels import (
 
 def test_the_loops_are_compiled_here() -> None:
     """numba comes with vLLM: the laws below are about the compiled loops, not the fallback."""
-    assert COMPILED
+    assert compiled()
 
 
 def _offset(bits: Bits, by: int) -> Bits:
@@ -132,7 +132,7 @@ def test_without_numba_the_core_codec_gives_the_same(pair: BitsPair, chunk: int)
     """The fallback (no numba, or a big-endian host) is the core's numpy codec."""
     compiled = (encode_wire(pair.old, pair.new, chunk), piece_hash(pair.new))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(delta_kernels, "_KERNELS", None)
+        patch.setattr(delta_kernels, "_kernels", lambda: None)
         data = encode_wire(pair.old, pair.new, chunk)
         assert (data, piece_hash(pair.new)) == compiled
         target = pair.old.copy()
@@ -146,7 +146,7 @@ def test_vllms_module_scan_survives_numba() -> None:
     """vLLM's CPU platform reads ``vars(v).get('kernel')`` of every module global with a
     ``__dict__`` when an engine starts; llvmlite's ``lib`` broke that (see
     ``_shield_llvmlite_lib``)."""
-    assert COMPILED
+    assert compiled()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecated module attributes, read as vLLM does
         for module in list(sys.modules.values()):
