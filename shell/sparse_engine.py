@@ -5,8 +5,8 @@ its methods are ``collective_rpc`` targets with plain arguments and results. Eac
 worker runs a :class:`~genworker.shell.sparse.SparseReceiver` on a daemon thread: it takes
 a step from its parent, forwards every verified message to its children *before*
 applying it, rebuilds the step's bits in its own copy and checks them piece by piece
-against the trainer's CRC-32s; only a step verified in full reaches the engine, through
-:class:`EngineTarget`:
+against the trainer's hashes (``core.delta.bits_hash``); only a step verified in full
+reaches the engine, through :class:`EngineTarget`:
 
 - tensors whose layout equals a parameter's (the refit protocol's routes,
   ``core.refit_protocol.plan_routes`` over ``extension.engine_params``, kept as the IPC

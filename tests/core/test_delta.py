@@ -23,6 +23,9 @@ from strategies import (
 
 from genworker.core.delta import (
     CHUNK_HEADER_BYTES,
+    HASH_BLOCK_WORDS,
+    HASH_KEYS,
+    HASH_MULTIPLIERS,
     HEADER_BYTES,
     MAX_CHUNK_ELEMENTS,
     Bits,
@@ -38,11 +41,14 @@ from genworker.core.delta import (
     apply_delta_into,
     bit_pattern,
     bits_dtype,
+    bits_hash,
     chunk_count,
     conclude_relay,
     decode_delta,
+    decode_tables,
     encode_delta,
     encode_full,
+    hash_mix,
     header_bytes,
     plan_frames,
     plan_relay,
@@ -521,3 +527,78 @@ def test_relay_plans_refuse_bad_input() -> None:
     assert relay_depth(0, 3) == 0
     assert _plan(["a", "b"], 1).index("b") == 1
     assert NodeResult("a", Outcome.APPLIED).describe() == "'a' applied"
+
+
+# -- the pieces' hash -----------------------------------------------------------------
+
+
+def test_the_hash_is_pinned() -> None:
+    """Known answers: the sender's and the receivers' hash must never drift apart."""
+    assert bits_hash(np.arange(3000, dtype=np.uint16)) == 0x2624416FAEED8953
+    assert bits_hash(np.frombuffer(b"genworker", dtype=np.uint8)) == 0x2944C6731ED9AD40
+    assert bits_hash(np.zeros(0, dtype=np.uint8)) == 0
+
+
+def test_the_hash_covers_the_bytes_not_the_dtype() -> None:
+    raw = np.random.default_rng(3).integers(0, 256, 4 * 2500, dtype=np.uint8)
+    assert bits_hash(raw) == bits_hash(raw.view(np.uint16)) == bits_hash(raw.view(np.uint32))
+
+
+def test_zero_padding_does_not_alias() -> None:
+    """The length is hashed: trailing zero bytes, padded or not, give other hashes."""
+    hashes = {bits_hash(np.zeros(n, dtype=np.uint8)) for n in range(0, 20)}
+    assert len(hashes) == 20
+
+
+@given(
+    st.integers(1, 3 * HASH_BLOCK_WORDS * 8 + 17),
+    st.integers(0, 2**32 - 1),
+    st.data(),
+)
+def test_any_one_changed_element_changes_the_hash(
+    nbytes: int, seed: int, data: st.DataObject
+) -> None:
+    """A changed word changes its block's sum (odd multipliers) and mixing is a bijection."""
+    raw = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    at = data.draw(st.integers(0, nbytes - 1))
+    flip = data.draw(st.integers(1, 255))
+    changed = raw.copy()
+    changed[at] ^= flip
+    assert bits_hash(changed) != bits_hash(raw)
+
+
+@given(st.integers(2, 3 * HASH_BLOCK_WORDS), st.integers(0, 2**32 - 1), st.data())
+def test_moving_words_changes_the_hash(words: int, seed: int, data: st.DataObject) -> None:
+    """Two different words swapped (within a block or across, a block apart included)."""
+    raw = np.random.default_rng(seed).integers(0, 2**63, words, dtype=np.uint64)
+    i = data.draw(st.integers(0, words - 1))
+    j = data.draw(st.integers(0, words - 1).filter(lambda j: raw[j] != raw[i]))
+    swapped = raw.copy()
+    swapped[[i, j]] = raw[[j, i]]
+    assert bits_hash(swapped) != bits_hash(raw)
+
+
+def test_the_hash_keys_are_fixed_and_the_multipliers_odd() -> None:
+    assert len(HASH_KEYS) == len(HASH_MULTIPLIERS) == HASH_BLOCK_WORDS
+    assert bool(np.all(HASH_MULTIPLIERS & np.uint64(1)))
+    assert len(set(HASH_KEYS.tolist())) == HASH_BLOCK_WORDS
+    z = np.arange(1000, dtype=np.uint64)
+    assert len(set(hash_mix(z).tolist())) == 1000  # a bijection: no collisions
+
+
+@given(delta_pairs(), delta_chunk_elements)
+def test_the_tables_are_the_deltas_columns(pair: BitsPair, chunk: int) -> None:
+    delta = encode_delta(pair.old, pair.new, chunk)
+    decoded = decode_tables(delta.to_bytes())
+    assert isinstance(decoded, Success), decoded
+    tables = decoded.unwrap()
+    assert (tables.itemsize, tables.numel, tables.chunk_elements) == (
+        delta.itemsize,
+        delta.numel,
+        chunk,
+    )
+    assert np.array_equal(tables.kinds, delta.kinds)
+    assert np.array_equal(tables.counts, delta.counts())
+    assert np.array_equal(tables.values, delta.values)
+    assert np.array_equal(tables.blocks, delta.blocks)
+    assert len(tables.gaps) == len(delta.positions)

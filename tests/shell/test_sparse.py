@@ -23,6 +23,7 @@ from genworker.core.delta import Outcome, RelayFailure, bit_pattern
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.shell.errors import BadArgumentError, BadConfigError
 from genworker.shell.sparse import (
+    CHECKSUM,
     DictTarget,
     LinkThrottle,
     SparseReceiver,
@@ -396,3 +397,19 @@ def test_the_mapped_baseline_lives_in_its_file(tmp_path: Path) -> None:
     assert (data.view(np.uint16) == 7).sum() == 64
     base.close()
     assert bit_pattern(torch.zeros(2)).dtype == np.uint32
+
+
+def test_a_step_naming_another_checksum_is_refused(threads: Nodes) -> None:
+    """A sender of another version (its pieces carry CRC-32s) is refused by name."""
+    trainer = Trainer.make()
+    addresses = [r.address for r, _ in threads]
+    with SparseSender(addresses, manifest(), fanout=2, hop_s=5.0) as sender:
+        sender.checksum = "crc32"
+        with pytest.raises(SparseRefitError, match="carry 'crc32' checksums") as caught:
+            sender.send(trainer.weights())
+        failure = caught.value.detail
+        assert isinstance(failure, RelayFailure)
+        assert set(failure.named(Outcome.REFUSED)) == set(addresses)
+        assert all(receiver.needs_full for receiver, _ in threads)
+        sender.checksum = CHECKSUM
+        assert sender.send(trainer.weights()).full
