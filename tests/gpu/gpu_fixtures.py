@@ -30,6 +30,7 @@ Theory of operation
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -86,6 +87,7 @@ __all__ = [
     "ipc_fake_sender_main",
     "ipc_trainer_main",
     "load_checkpoint",
+    "loop",
     "manifest",
     "pad_token_id",
     "reference_b",
@@ -93,6 +95,7 @@ __all__ = [
     "refit_over_ipc",
     "requires_cuda",
     "requires_two_gpus",
+    "run",
     "run_in_child",
     "session_engine",
     "write_checkpoint",
@@ -389,6 +392,20 @@ class Child:
 def run_in_child(target: Callable[..., object], **kwargs: object) -> object:
     """``target(**kwargs)`` in a spawned process; its result, or its traceback raised here."""
     return Child(target, gpu=None, **kwargs).result()
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """One event loop per AsyncLLM module: the engine's output handler lives on the loop
+    of its first request."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def run(loop: asyncio.AbstractEventLoop, coro: Any, timeout_s: float = 600.0) -> Any:
+    """``coro`` to completion on ``loop``, bounded."""
+    return loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
 
 
 def free_port() -> int:

@@ -27,6 +27,7 @@ from gpu.gpu_fixtures import (
     gpu_config,
     ipc_trainer_main,
     manifest,
+    run,
 )
 
 from genworker.core import lifecycle
@@ -35,17 +36,6 @@ from genworker.shell.errors import EngineStateError, GenworkerError
 
 pytest_plugins = ["gpu.gpu_fixtures"]
 pytestmark = GPU_MARKS
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-def run(loop: asyncio.AbstractEventLoop, coro: Any, timeout_s: float = 600.0) -> Any:
-    return loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from gpu.gpu_fixtures import (
     gpu_config,
     ipc_trainer_main,
     manifest,
+    run,
 )
 
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
@@ -37,17 +38,6 @@ TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant:{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-def run(loop: asyncio.AbstractEventLoop, coro: Any, timeout_s: float = 600.0) -> Any:
-    return loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
 
 
 @pytest.fixture(scope="module")
