@@ -80,10 +80,14 @@ def _config(model: Path) -> dict[str, object]:
     }
 
 
-async def _round(url: str, model: str, clients: int) -> tuple[float, list[float]]:
+async def _round(
+    url: str, model: str, clients: int, total: int | None = None, tokens: int = TOKENS
+) -> tuple[float, list[float]]:
+    """``total`` completions of ``tokens`` tokens (default: ``REQUESTS[clients]``) from
+    ``clients`` concurrent clients, one connection each: requests/s and each latency."""
     import httpx
 
-    total = REQUESTS[clients]
+    total = REQUESTS[clients] if total is None else total
     todo = iter(range(total))
     latencies: list[float] = []
 
@@ -93,7 +97,7 @@ async def _round(url: str, model: str, clients: int) -> tuple[float, list[float]
                 body = {
                     "model": model,
                     "prompt": f"request {i} of the benchmark says",
-                    "max_tokens": TOKENS,
+                    "max_tokens": tokens,
                     "ignore_eos": True,
                     "return_token_ids": True,
                     "logprobs": 0,

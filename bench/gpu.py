@@ -1929,39 +1929,15 @@ def server_child(*, report: Callable[[Section], None], scale: Scale) -> None:
     report(sec)
 
 
-async def _server_round(
-    url: str, model: str, clients: int, requests: int
-) -> tuple[float, list[float]]:
-    """``requests`` completions from ``clients`` concurrent clients (one connection each):
-    requests per second and each request's latency."""
-    import asyncio
+def _bench_server() -> Any:
+    """``bench/bench_server.py``, beside this script: the CPU server bench's round, its
+    metrics registry fix and its percentile, shared by the ``server`` section."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import bench_server
 
-    import httpx
-
-    todo, latencies = iter(range(requests)), list[float]()
-
-    async def client() -> None:
-        async with httpx.AsyncClient(base_url=url, timeout=300) as c:
-            for i in todo:
-                body = {
-                    "model": model,
-                    "prompt": f"request {i} of the benchmark says",
-                    "max_tokens": SERVER_TOKENS,
-                    "ignore_eos": True,
-                    "return_token_ids": True,
-                    "logprobs": 0,
-                    "temperature": 1.0,
-                    "seed": i,
-                }
-                t = time.perf_counter()
-                r = await c.post("/v1/completions", json=body)
-                latencies.append(time.perf_counter() - t)
-                if r.status_code != 200:
-                    raise RuntimeError(f"{url}: {r.status_code} {r.text[:200]}")
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return requests / (time.perf_counter() - started), latencies
+    return bench_server
 
 
 async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) -> None:
@@ -1969,17 +1945,18 @@ async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) ->
 
     from genworker.shell.server import bind_socket, build_vllm_app, serve_on, stop_serving
 
+    cpu_bench = _bench_server()
     ours = (await worker.start_http_server()).removesuffix("/v1")
     sock = bind_socket("127.0.0.1", 0)
     stock = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    with _own_http_metrics():  # else the second app of the process records none
+    with cpu_bench._own_http_metrics():  # else the second app of the process records none
         app = await build_vllm_app(worker.llm)
     server, task = await serve_on(app, sock)
     clients = (4, 16) if scale.device == "cpu" else (16, 64)
     rounds = max(scale.refit_reps, 3)
     try:
         for url in (stock, ours):  # warm-up, both
-            await _server_round(url, model, clients[0], 2 * clients[0])
+            await cpu_bench._round(url, model, clients[0], 2 * clients[0], SERVER_TOKENS)
         # as `vllm serve` does after startup (freeze_gc_heap): no full collection of the
         # startup heap lands in one server's round; each round starts from a collection
         gc.collect()
@@ -1992,10 +1969,9 @@ async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) ->
                 order = [("stock", stock), ("genworker", ours)]
                 for name, url in order if k % 2 == 0 else order[::-1]:
                     gc.collect()
-                    rps, lat = await _server_round(url, model, n, requests)
+                    rps, lat = await cpu_bench._round(url, model, n, requests, SERVER_TOKENS)
                     runs[name].append(rps)
-                    ordered = sorted(lat)
-                    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+                    p99 = cpu_bench._p(lat, 0.99)
                     if name not in best or rps > best[name][0]:
                         best[name] = (rps, statistics.median(lat), p99)
             g, s = best["genworker"], best["stock"]
@@ -2028,29 +2004,6 @@ async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) ->
         gc.unfreeze()
         await stop_serving(server, task)
         sock.close()
-
-
-@contextlib.contextmanager
-def _own_http_metrics() -> Iterator[None]:
-    """vLLM's ``build_app`` registers its HTTP metrics in vLLM's process-wide registry; a
-    second app in the process hits "Duplicated timeseries" and silently records none.
-    Inside, the app built gets a registry of its own (where vLLM has that hook)."""
-    import importlib
-
-    from prometheus_client import CollectorRegistry
-
-    module: Any = None
-    with contextlib.suppress(ImportError):
-        module = importlib.import_module("vllm.entrypoints.serve.instrumentator.metrics")
-    if module is None or not hasattr(module, "get_prometheus_registry"):
-        yield
-        return
-    shared = module.get_prometheus_registry
-    module.get_prometheus_registry = CollectorRegistry
-    try:
-        yield
-    finally:
-        module.get_prometheus_registry = shared
 
 
 # -- main -------------------------------------------------------------------------------
