@@ -64,14 +64,24 @@ def trainer(
     t.stop()
 
 
-async def refit(worker: AsyncVllmGenerationWorker, trainer: Trainer, checkpoint: Any) -> None:
-    """Push ``checkpoint`` from the trainer process while whatever runs keeps running."""
+async def ready_refit(worker: AsyncVllmGenerationWorker, trainer: Trainer, checkpoint: Any) -> None:
+    """The refit's slow start: the manifest, and the trainer process loading ``checkpoint``
+    and sending (it waits for the engine to receive)."""
     await worker.prepare_refit_info(manifest(checkpoint))
     trainer.send("send", (str(checkpoint), False))
-    loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, trainer.expect, "sending")
+    await asyncio.get_running_loop().run_in_executor(None, trainer.expect, "sending")
+
+
+async def finish_refit(worker: AsyncVllmGenerationWorker, trainer: Trainer) -> None:
+    """Receive the weights the trainer is sending, while whatever runs keeps running."""
     assert await worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT_S)
-    await loop.run_in_executor(None, trainer.expect, "sent")
+    await asyncio.get_running_loop().run_in_executor(None, trainer.expect, "sent")
+
+
+async def refit(worker: AsyncVllmGenerationWorker, trainer: Trainer, checkpoint: Any) -> None:
+    """Push ``checkpoint`` from the trainer process while whatever runs keeps running."""
+    await ready_refit(worker, trainer, checkpoint)
+    await finish_refit(worker, trainer)
 
 
 async def collect(stream: Any) -> list[Any]:
@@ -133,12 +143,16 @@ def test_an_in_flight_refit_with_keep_marks_each_token_s_version(
     version = aworker.weight_version
 
     async def with_refit() -> list[Any]:
+        # The trainer is sending before the batch starts: on the H200 (206e9b2) a refit
+        # begun after the first row came back (the trainer then loading B) landed after
+        # the long rows had finished.
+        await ready_refit(aworker, trainer, checkpoints.b)
         items = []
         async with contextlib.aclosing(aworker.generate_async(data, greedy=True)) as stream:
             async for item in stream:
                 items.append(item)
                 if len(items) == 1:  # a short row is back: the long ones are mid-stream
-                    await refit(aworker, trainer, checkpoints.b)
+                    await finish_refit(aworker, trainer)
         return items
 
     got = rows_of(run(loop, with_refit()))

@@ -171,21 +171,22 @@ def test_an_in_flight_refit_applies_to_an_http_request(
     async def body() -> None:
         before = sworker.weight_version
         async with client(sworker) as c:
+            # The trainer is already sending when the request starts: on the H200 (206e9b2)
+            # a refit begun once the request was in flight (the trainer then loading B)
+            # landed after its 224 tokens.
+            await sworker.prepare_refit_info(manifest(checkpoints.b))
+            trainer.send("send", (str(checkpoints.b), False))
+            ev = asyncio.get_running_loop()
+            await ev.run_in_executor(None, trainer.expect, "sending")
             request = asyncio.ensure_future(
                 c.post(
                     "/v1/completions",
-                    # long enough to be in flight when the refit lands (32 tokens took
-                    # less time than the refit's start on the H200)
                     json={"model": model, "prompt": "long", "max_tokens": 224, "ignore_eos": True},
                 )
             )
             async with asyncio.timeout(60):
                 while sworker.num_unfinished() == 0:
                     await asyncio.sleep(0.001)
-            await sworker.prepare_refit_info(manifest(checkpoints.b))
-            trainer.send("send", (str(checkpoints.b), False))
-            ev = asyncio.get_running_loop()
-            await ev.run_in_executor(None, trainer.expect, "sending")
             assert await sworker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT_S)
             await ev.run_in_executor(None, trainer.expect, "sent")
             r = await request
