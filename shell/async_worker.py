@@ -58,7 +58,6 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import secrets
 import threading
 import time
@@ -75,7 +74,6 @@ from genworker.core.caps import cap_rows
 from genworker.core.config import WorkerConfig
 from genworker.core.config_keys import parse_bool
 from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
-from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.lifecycle import InflightMode
 from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import (
@@ -119,10 +117,10 @@ from genworker.shell.ports import (
 from genworker.shell.refit.wire import raise_failures
 from genworker.shell.server import OpenAIServer
 from genworker.shell.worker import (
-    EXTENSION_CLS,
-    VllmGenerationWorker,
     _tensor_field,
     checked_env_names,
+    start_engine,
+    wake_event,
 )
 
 __all__ = [
@@ -135,11 +133,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_WAKE_EVENTS = {
-    frozenset({"weights"}): lifecycle.Event.WAKE_WEIGHTS,
-    frozenset({"kv_cache"}): lifecycle.Event.WAKE_KV_CACHE,
-    frozenset({"weights", "kv_cache"}): lifecycle.Event.WAKE_ALL,
-}
 _SETTLE_ROUNDS = 3
 _SETTLE_BOUND_S = 5.0
 
@@ -369,25 +362,7 @@ class AsyncVllmGenerationWorker:
         """Start the engine (the deferred half of ``__init__``); needs no event loop."""
         self._move(lifecycle.Event.LOAD)
         factory = self._factory or _default_factory()
-        capability = factory.gpu_capability()
-        plan = unwrap(
-            plan_engine_kwargs(
-                self.cfg,
-                seed=self.seed,
-                gpu_capability=capability,
-                known_args=factory.arg_names(),
-                extension_cls=EXTENSION_CLS,
-                enable_sleep_mode=capability is not None,
-                telemetry={k: v for k, v in os.environ.items() if k.startswith("OTEL_")},
-            ),
-            BadConfigError,
-            "engine arguments",
-        )
-        if plan.dropped:
-            log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
-        os.environ.update(plan.env)
-        VllmGenerationWorker.forward_env([*self.cfg.vllm.env_vars, *self.extra_env_vars])
-        self._engine = factory.start(plan.llm_kwargs())
+        self._engine = start_engine(factory, self.cfg, self.seed, self.extra_env_vars)
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
             EngineStateError,
@@ -907,16 +882,7 @@ class AsyncVllmGenerationWorker:
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``weights``, ``kv_cache`` or both (``None``); waking an awake tag is a no-op."""
-        if tags is not None and (
-            isinstance(tags, str) or not all(isinstance(t, str) for t in tags)
-        ):
-            raise BadArgumentError(f"wake_up tags must be a list of str or None, got {tags!r}")
-        wanted = frozenset(tags) if tags is not None else frozenset({"weights", "kv_cache"})
-        event = _WAKE_EVENTS.get(wanted)
-        if event is None:
-            raise BadArgumentError(
-                f"wake_up tags must be a non-empty subset of ['kv_cache', 'weights'], got {tags!r}"
-            )
+        event = wake_event(tags)
         self._move(event)
         self._require_sleep_mode("wake_up")
         asleep = lifecycle.wake_tags(self._state, event)

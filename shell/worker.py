@@ -27,7 +27,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -89,6 +89,61 @@ _WAKE_EVENTS = {
     frozenset({"kv_cache"}): lifecycle.Event.WAKE_KV_CACHE,
     frozenset({"weights", "kv_cache"}): lifecycle.Event.WAKE_ALL,
 }
+_Started_co = TypeVar("_Started_co", covariant=True)
+
+
+class _StartsEngines(Protocol[_Started_co]):
+    """What both workers' engine factories offer (:class:`EngineFactory`,
+    ``AsyncEngineFactory``)."""
+
+    def arg_names(self) -> frozenset[str] | None: ...
+
+    def gpu_capability(self) -> tuple[int, int] | None: ...
+
+    def start(self, kwargs: Mapping[str, object]) -> _Started_co: ...
+
+
+def start_engine(
+    factory: _StartsEngines[_Started_co],
+    cfg: WorkerConfig,
+    seed: int,
+    extra_env_vars: Sequence[str],
+) -> _Started_co:
+    """Plan the engine's arguments for this GPU and the installed vLLM (a dropped one is
+    logged), export the environment they need, and start the engine (both workers)."""
+    capability = factory.gpu_capability()
+    plan = unwrap(
+        plan_engine_kwargs(
+            cfg,
+            seed=seed,
+            gpu_capability=capability,
+            known_args=factory.arg_names(),
+            extension_cls=EXTENSION_CLS,
+            enable_sleep_mode=capability is not None,
+            telemetry={k: v for k, v in os.environ.items() if k.startswith("OTEL_")},
+        ),
+        BadConfigError,
+        "engine arguments",
+    )
+    if plan.dropped:
+        log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
+    os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
+    VllmGenerationWorker.forward_env([*cfg.vllm.env_vars, *extra_env_vars])
+    return factory.start(plan.llm_kwargs())
+
+
+def wake_event(tags: Sequence[str] | None) -> lifecycle.Event:
+    """The lifecycle event of ``wake_up(tags)`` (both workers); a typed error naming the
+    tags when they are not a non-empty subset of ``weights`` and ``kv_cache``."""
+    if tags is not None and (isinstance(tags, str) or not all(isinstance(t, str) for t in tags)):
+        raise BadArgumentError(f"wake_up tags must be a list of str or None, got {tags!r}")
+    wanted = frozenset(tags) if tags is not None else frozenset({"weights", "kv_cache"})
+    event = _WAKE_EVENTS.get(wanted)
+    if event is None:
+        raise BadArgumentError(
+            f"wake_up tags must be a non-empty subset of ['kv_cache', 'weights'], got {tags!r}"
+        )
+    return event
 
 
 class ExistingEngine:
@@ -245,25 +300,7 @@ class VllmGenerationWorker:
         """Start the engine (the deferred half of ``__init__``)."""
         self._move(lifecycle.Event.LOAD)
         factory = self._factory or _default_factory()
-        capability = factory.gpu_capability()
-        plan = unwrap(
-            plan_engine_kwargs(
-                self.cfg,
-                seed=self.seed,
-                gpu_capability=capability,
-                known_args=factory.arg_names(),
-                extension_cls=EXTENSION_CLS,
-                enable_sleep_mode=capability is not None,
-                telemetry={k: v for k, v in os.environ.items() if k.startswith("OTEL_")},
-            ),
-            BadConfigError,
-            "engine arguments",
-        )
-        if plan.dropped:
-            log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
-        os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
-        self.forward_env([*self.cfg.vllm.env_vars, *self.extra_env_vars])
-        self._engine = factory.start(plan.llm_kwargs())
+        self._engine = start_engine(factory, self.cfg, self.seed, self.extra_env_vars)
         problem = self.cfg.vllm.encoder_reset_problem(
             multimodal=self._engine.capabilities.multimodal
         )
@@ -547,16 +584,7 @@ class VllmGenerationWorker:
     @_serialized
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``weights``, ``kv_cache`` or both (``None``); waking an awake tag is a no-op."""
-        if tags is not None and (
-            isinstance(tags, str) or not all(isinstance(t, str) for t in tags)
-        ):
-            raise BadArgumentError(f"wake_up tags must be a list of str or None, got {tags!r}")
-        wanted = frozenset(tags) if tags is not None else frozenset({"weights", "kv_cache"})
-        event = _WAKE_EVENTS.get(wanted)
-        if event is None:
-            raise BadArgumentError(
-                f"wake_up tags must be a non-empty subset of ['kv_cache', 'weights'], got {tags!r}"
-            )
+        event = wake_event(tags)
         next_state = self._move(event)
         self._require_sleep_mode("wake_up")
         # vLLM drops a whole wake_up(tags) when one tag is already awake: pass only the

@@ -414,6 +414,10 @@ def test_sleeping_and_resetting_the_prefix_cache_are_refused_while_streams_run()
         assert worker.state == lifecycle.ASLEEP_L2
         with pytest.raises(EngineStateError, match="call wake_up"):
             await collect(worker.generate_async(rows(1)))
+        for tags in ("weights", ["weights", "gpu"], [], [1]):
+            with pytest.raises(BadArgumentError, match="tags"):
+                await worker.wake_up(tags)  # type: ignore[arg-type]
+        assert worker.state == lifecycle.ASLEEP_L2, "a refused wake_up changes nothing"
         await worker.wake_up()
         with pytest.raises(EngineStateError, match="refit"):
             await collect(worker.generate_async(rows(1)))

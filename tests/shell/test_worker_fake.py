@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 from helpers import PAD, base_config
 from helpers import right_padded as batch
+from hypothesis import given
+from hypothesis import strategies as st
 from returns.result import Failure, Success
 
 from genworker.core import lifecycle
@@ -27,7 +30,7 @@ from genworker.shell.errors import (
     UnsupportedError,
 )
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
-from genworker.shell.worker import VllmGenerationWorker
+from genworker.shell.worker import VllmGenerationWorker, wake_event
 
 
 def make_worker(**kw: Any) -> tuple[VllmGenerationWorker, FakeEngine]:
@@ -280,6 +283,37 @@ def test_wake_up_rejects_bad_tags(worker_engine: tuple[VllmGenerationWorker, Fak
             worker.wake_up(tags)  # type: ignore[arg-type]
     with pytest.raises(BadArgumentError, match="level"):
         worker.sleep(level=3)
+
+
+_TAG_EVENTS = {
+    frozenset({"weights"}): lifecycle.Event.WAKE_WEIGHTS,
+    frozenset({"kv_cache"}): lifecycle.Event.WAKE_KV_CACHE,
+    frozenset({"weights", "kv_cache"}): lifecycle.Event.WAKE_ALL,
+}
+
+
+@given(
+    tags=st.none()
+    | st.text(max_size=8)
+    | st.lists(st.sampled_from(["weights", "kv_cache", "gpu", ""]) | st.integers(), max_size=4)
+)
+def test_wake_event_is_the_tags_event_for_every_non_empty_subset_and_refuses_the_rest(
+    tags: object,
+) -> None:
+    """Both workers' ``wake_up`` (``shell.worker.wake_event``): None wakes all; a list of
+    the two tag names (repeats allowed) wakes those; anything else is refused naming it."""
+    wanted = (
+        frozenset({"weights", "kv_cache"})
+        if tags is None
+        else frozenset(tags)
+        if isinstance(tags, list) and all(isinstance(t, str) for t in tags)
+        else None
+    )
+    if wanted in _TAG_EVENTS:
+        assert wake_event(tags) == _TAG_EVENTS[wanted]  # type: ignore[arg-type]
+    else:
+        with pytest.raises(BadArgumentError, match=re.escape(repr(tags))):
+            wake_event(tags)  # type: ignore[arg-type]
 
 
 def test_sleep_on_a_platform_without_sleep_mode_is_unsupported() -> None:
