@@ -23,20 +23,17 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-import functools
-import multiprocessing
 import os
 import pickle
 import sys
 import types
 from collections.abc import Mapping
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import attrs
 import pytest
 import torch
-from refit_helpers import REFIT_TIMEOUT, Outcome, edited, outcome_of
+from refit_helpers import REFIT_TIMEOUT, CommandedProcess, edited, serve_commands
 from safetensors.torch import load_file
 
 from genworker.shell.errors import RefitWireError
@@ -297,41 +294,14 @@ def evil_pickle(call: str) -> bytes:
 
 def run_trainer(commands: Any, results: Any) -> None:
     trainer = _Trainer()
-    results.put(("ready", None))
-    while True:
-        command = commands.get()
-        if command is None:
-            break
-        results.put(("outcome", outcome_of(functools.partial(trainer.step, dict(command)))))
+    serve_commands(commands, results, trainer.step)
     trainer.close()
 
 
-class NemoRlTrainer:
+class NemoRlTrainer(CommandedProcess):
     """The trainer process, driven by commands: ``ipc`` (``address``, ``path``,
     ``buffer_bytes``, ``evil``, ``edits``), ``join`` (``port``, ``world_size``),
     ``collective`` (``path``, ``edits``)."""
 
     def __init__(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._commands = ctx.Queue()
-        self._results = ctx.Queue()
-        self.process: BaseProcess = ctx.Process(
-            target=run_trainer, args=(self._commands, self._results), daemon=True
-        )
-        self.process.start()
-        assert self._results.get(timeout=120) == ("ready", None)
-
-    def submit(self, op: str, **command: object) -> None:
-        self._commands.put({"op": op, "timeout_s": REFIT_TIMEOUT, **command})
-
-    def result(self, timeout: float = 120) -> Outcome:
-        kind, outcome = self._results.get(timeout=timeout)
-        assert kind == "outcome"
-        assert isinstance(outcome, Outcome)
-        return outcome
-
-    def stop(self) -> None:
-        self._commands.put(None)
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
+        super().__init__(run_trainer, defaults={"timeout_s": REFIT_TIMEOUT})

@@ -391,34 +391,56 @@ def run_trainer(commands: _Inbox, results: _Queue) -> None:
     ...}`` send the safetensors file ``f``, edited by the remaining keys (see
     :func:`edited`; ``delay_s`` paces every tensor, ``die_after`` kills the process)."""
     trainer = _Trainer()
+    serve_commands(commands, results, trainer.step)
+    trainer.close()
+
+
+def serve_commands(
+    commands: _Inbox, results: _Queue, step: Callable[[dict[str, object]], Mapping[str, object]]
+) -> None:
+    """The command loop of a :class:`CommandedProcess`: answer ``("ready", None)``, then
+    one ``("outcome", Outcome)`` per command (a dict) until ``None``."""
     results.put(("ready", None))
     while True:
         command = commands.get()
         if command is None:
-            break
+            return
         assert isinstance(command, dict)
-        results.put(("outcome", outcome_of(functools.partial(trainer.step, dict(command)))))
-    trainer.close()
+        results.put(("outcome", outcome_of(functools.partial(step, dict(command)))))
 
 
-class Trainer:
-    """A trainer process (:func:`run_trainer`) sending saved weights on command."""
+class CommandedProcess:
+    """A spawned process running ``target(commands, results, *args)`` (a
+    :func:`serve_commands` loop): ``submit`` commands, read each one's ``result``, ``stop``.
+    ``defaults`` are keys every command carries unless it names them itself."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        target: Callable[..., None],
+        *args: object,
+        defaults: Mapping[str, object] | None = None,
+        wait_ready: bool = True,
+        result_timeout: float = 120,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self._commands = ctx.Queue()
-        self._results = ctx.Queue()
+        self._commands, self._results = ctx.Queue(), ctx.Queue()
+        self._defaults = dict(defaults or {})
+        self._result_timeout = result_timeout
         self.process: BaseProcess = ctx.Process(
-            target=run_trainer, args=(self._commands, self._results), daemon=True
+            target=target, args=(self._commands, self._results, *args), daemon=True
         )
         self.process.start()
+        if wait_ready:
+            self.ready()
+
+    def ready(self) -> None:
         assert self._results.get(timeout=120) == ("ready", None)
 
     def submit(self, op: str, **command: object) -> None:
-        self._commands.put({"op": op, "timeout_s": REFIT_TIMEOUT, **command})
+        self._commands.put({"op": op, **self._defaults, **command})
 
-    def result(self, timeout: float = 120) -> Outcome:
-        kind, outcome = self._results.get(timeout=timeout)
+    def result(self, timeout: float | None = None) -> Outcome:
+        kind, outcome = self._results.get(timeout=timeout or self._result_timeout)
         assert kind == "outcome"
         assert isinstance(outcome, Outcome)
         return outcome
@@ -428,6 +450,13 @@ class Trainer:
         self.process.join(30)
         if self.process.is_alive():
             self.process.kill()
+
+
+class Trainer(CommandedProcess):
+    """A trainer process (:func:`run_trainer`) sending saved weights on command."""
+
+    def __init__(self) -> None:
+        super().__init__(run_trainer, defaults={"timeout_s": REFIT_TIMEOUT})
 
 
 def info(path: Path, keep: set[str] | None = None) -> dict[str, list[object]]:

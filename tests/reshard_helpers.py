@@ -4,14 +4,11 @@ in spawned children): Megatron-style TP layouts of a saved checkpoint, or ``DTen
 
 from __future__ import annotations
 
-import functools
-import multiprocessing
 from collections.abc import Mapping
-from multiprocessing.process import BaseProcess
 from typing import Protocol
 
 import torch
-from refit_helpers import REFIT_TIMEOUT, Outcome, outcome_of
+from refit_helpers import REFIT_TIMEOUT, CommandedProcess, serve_commands
 from safetensors.torch import load_file
 
 from genworker.core.refit_plan import dtype_name
@@ -125,42 +122,14 @@ class _Rank:
 
 def run_rank(commands: _Queue, results: _Queue, rank: int, world: int) -> None:
     state = _Rank(rank, world)
-    results.put(("ready", None))
-    while True:
-        command = commands.get()
-        if command is None:
-            break
-        assert isinstance(command, dict)
-        results.put(("outcome", outcome_of(functools.partial(state.step, dict(command)))))
+    serve_commands(commands, results, state.step)
     if state.sender is not None:
         state.sender.close()
 
 
-class ReshardTrainer:
-    """Trainer rank ``rank`` of ``world`` in its own process (:func:`run_rank`)."""
+class ReshardTrainer(CommandedProcess):
+    """Trainer rank ``rank`` of ``world`` in its own process (:func:`run_rank`); the
+    caller waits for it with ``ready()``, after starting every rank."""
 
     def __init__(self, rank: int, world: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._commands, self._results = ctx.Queue(), ctx.Queue()
-        self.process: BaseProcess = ctx.Process(
-            target=run_rank, args=(self._commands, self._results, rank, world), daemon=True
-        )
-        self.process.start()
-
-    def ready(self) -> None:
-        assert self._results.get(timeout=120) == ("ready", None)
-
-    def submit(self, op: str, **command: object) -> None:
-        self._commands.put({"op": op, **command})
-
-    def result(self, timeout: float = 180) -> Outcome:
-        kind, outcome = self._results.get(timeout=timeout)
-        assert kind == "outcome"
-        assert isinstance(outcome, Outcome)
-        return outcome
-
-    def stop(self) -> None:
-        self._commands.put(None)
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
+        super().__init__(run_rank, rank, world, wait_ready=False, result_timeout=180)

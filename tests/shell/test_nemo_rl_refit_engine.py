@@ -30,9 +30,6 @@ from refit_helpers import (
     Engine,
     Weights,
     free_port,
-    greedy,
-    start_engine,
-    stop_engine,
 )
 from safetensors.torch import load_file
 
@@ -45,8 +42,9 @@ from genworker.shell.errors import (
 )
 from genworker.shell.nemo_rl import NemoRlGenerationWorker
 from genworker.shell.nemo_rl_refit import CODECS
-from genworker.shell.tiny_model import build_tiny_model
 from genworker.shell.worker import ExistingEngine
+
+pytest_plugins = ["refit_engine_fixtures"]
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
@@ -70,31 +68,6 @@ def test_configuration() -> Iterator[None]:
         install_cpu_codec(mp)
         mp.setenv("NRL_REFIT_BUFFER_MEMORY_RATIO", repr(PACKED_BYTES / total))
         yield
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Weights:
-    b_dir = build_tiny_model(tmp_path_factory.mktemp("nemo-rl") / "tiny-llama-b", seed=1)
-    return Weights(tiny_model_dir / "model.safetensors", b_dir / "model.safetensors", b_dir)
-
-
-@pytest.fixture(scope="module")
-def reference_b(weights: Weights) -> list[list[int]]:
-    llm = start_engine(weights.b_dir, extension=False)
-    try:
-        return greedy(llm)
-    finally:
-        stop_engine(llm)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, reference_b: list[list[int]]) -> Iterator[Engine]:
-    llm = start_engine(tiny_model_dir, extension=True)
-    try:
-        yield Engine(llm, greedy(llm))
-    finally:
-        llm.collective_rpc("cleanup")
-        stop_engine(llm)
 
 
 @pytest.fixture(scope="module")

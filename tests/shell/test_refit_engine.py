@@ -31,10 +31,7 @@ from refit_helpers import (
     Trainer,
     Weights,
     free_port,
-    greedy,
     info,
-    start_engine,
-    stop_engine,
 )
 from safetensors.torch import load_file
 from torch import nn
@@ -51,8 +48,9 @@ from genworker.shell.errors import (
 )
 from genworker.shell.extension import EngineSink, WorkerExtension, _routed
 from genworker.shell.refit.wire import Reply, encode
-from genworker.shell.tiny_model import build_tiny_model
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
+
+pytest_plugins = ["refit_engine_fixtures"]
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -226,32 +224,6 @@ def test_extension_refusals_are_values_a_caller_raises_typed() -> None:
 
 
 # -- the real CPU engine --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Weights:
-    b_dir = build_tiny_model(tmp_path_factory.mktemp("refit") / "tiny-llama-b", seed=1)
-    return Weights(tiny_model_dir / "model.safetensors", b_dir / "model.safetensors", b_dir)
-
-
-@pytest.fixture(scope="module")
-def reference_b(weights: Weights) -> list[list[int]]:
-    """Greedy tokens of a fresh engine started on the saved weights B."""
-    llm = start_engine(weights.b_dir, extension=False)
-    try:
-        return greedy(llm)
-    finally:
-        stop_engine(llm)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, reference_b: list[list[int]]) -> Iterator[Engine]:
-    llm = start_engine(tiny_model_dir, extension=True)
-    try:
-        yield Engine(llm, greedy(llm))
-    finally:
-        llm.collective_rpc("cleanup")
-        stop_engine(llm)
 
 
 @pytest.fixture(scope="module")
