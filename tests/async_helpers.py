@@ -92,3 +92,27 @@ def send_weights(address: str, tensors: Mapping[str, torch.Tensor]) -> object:
 def run_soon(loop: asyncio.AbstractEventLoop, coro: Awaitable[_T], timeout_s: float = 300.0) -> _T:
     """Run ``coro`` to completion on ``loop`` (this thread), bounded."""
     return loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
+
+
+@contextmanager
+def own_prometheus_metrics() -> Iterator[None]:
+    """vLLM's stat logger unregisters every ``vllm:`` collector of the process registry
+    when an engine starts (``PrometheusStatLogger.__init__``): give the session engine's
+    collectors back when the block's engine is gone (the AsyncLLM modules)."""
+    from prometheus_client import REGISTRY
+
+    def ours() -> list[Any]:
+        return [
+            c
+            for c in list(REGISTRY._collector_to_names)
+            if str(getattr(c, "_name", "")).startswith("vllm:")
+        ]
+
+    before = ours()
+    try:
+        yield
+    finally:
+        for collector in ours():
+            REGISTRY.unregister(collector)
+        for collector in before:
+            REGISTRY.register(collector)

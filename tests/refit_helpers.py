@@ -5,6 +5,7 @@ weights on command."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
@@ -312,6 +313,42 @@ def stop_engine(llm: LLM) -> None:
     from genworker.shell.vllm_engine import VllmEngine
 
     VllmEngine(llm).shutdown()
+
+
+def start_tp_engine(model: Path, tp: int) -> LLM:
+    """An engine with the worker extension over ``tp`` CPU workers. Without core binding:
+    vLLM's automatic binding refuses two workers on one NUMA node. The engine core in its
+    own process: shutting down a multiprocess executor in this one would tear down the
+    parallel state the session's in-process engine runs on."""
+    import vllm.envs
+
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    vllm.envs.disable_envs_cache()  # an earlier in-process engine cached the environment
+    try:
+        return start_engine(
+            model, extension=True, tensor_parallel_size=tp, distributed_executor_backend="mp"
+        )
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        vllm.envs.disable_envs_cache()
+
+
+def stop_tp_engine(llm: LLM) -> None:
+    """Close the extension's sockets and groups, then stop the engine (of
+    :func:`start_tp_engine`)."""
+    import psutil  # type: ignore[import-untyped]
+
+    llm.collective_rpc("cleanup")
+    # vLLM's kill_process_tree can race a worker that already exited (seen once in the
+    # full suite): that process is gone, which is what the shutdown wants.
+    with contextlib.suppress(psutil.NoSuchProcess):
+        stop_engine(llm)
 
 
 def edited(

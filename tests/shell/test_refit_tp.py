@@ -10,7 +10,6 @@ nothing, would not).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +23,8 @@ from refit_helpers import (
     free_port,
     greedy,
     info,
-    start_engine,
-    stop_engine,
+    start_tp_engine,
+    stop_tp_engine,
 )
 from safetensors.torch import load_file
 
@@ -42,34 +41,11 @@ def checkpoint_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tp_engine(tiny_model_dir: Path) -> Iterator[Engine]:
-    import vllm.envs
-
-    # Two CPU workers on one NUMA node: vLLM's automatic core binding refuses them. The
-    # engine core runs in its own process: shutting down a multiprocess executor in this
-    # one would tear down the parallel state the session's in-process engine runs on.
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    vllm.envs.disable_envs_cache()  # an earlier in-process engine cached the environment
-    try:
-        llm = start_engine(
-            tiny_model_dir,
-            extension=True,
-            tensor_parallel_size=2,
-            distributed_executor_backend="mp",
-        )
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        vllm.envs.disable_envs_cache()
+    llm = start_tp_engine(tiny_model_dir, 2)
     try:
         yield Engine(llm, greedy(llm))
     finally:
-        llm.collective_rpc("cleanup")
-        stop_engine(llm)
+        stop_tp_engine(llm)
 
 
 def send_to_every_rank(addresses: list[object], path: Path) -> list[int]:

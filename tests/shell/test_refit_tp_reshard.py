@@ -12,9 +12,7 @@ on every rank, naming the parameter and the ranks, and leaves the group usable.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,8 +24,8 @@ from refit_helpers import (
     Outcome,
     free_port,
     greedy,
-    start_engine,
-    stop_engine,
+    start_tp_engine,
+    stop_tp_engine,
 )
 from reshard_helpers import ReshardTrainer
 from safetensors.torch import load_file
@@ -50,38 +48,11 @@ def checkpoint_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tp_engine(tiny_model_dir: Path) -> Iterator[Engine]:
-    import vllm.envs
-
-    # As in test_refit_tp: two CPU workers without core binding, the engine core in its
-    # own process (a multiprocess executor shut down here would break the session engine).
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    vllm.envs.disable_envs_cache()
-    try:
-        llm = start_engine(
-            tiny_model_dir,
-            extension=True,
-            tensor_parallel_size=TP,
-            distributed_executor_backend="mp",
-        )
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        vllm.envs.disable_envs_cache()
+    llm = start_tp_engine(tiny_model_dir, TP)
     try:
         yield Engine(llm, greedy(llm))
     finally:
-        import psutil  # type: ignore[import-untyped]
-
-        llm.collective_rpc("cleanup")
-        # vLLM's kill_process_tree can race a worker that already exited (seen once in the
-        # full suite): that process is gone, which is what the shutdown wants.
-        with contextlib.suppress(psutil.NoSuchProcess):
-            stop_engine(llm)
+        stop_tp_engine(llm)
 
 
 class Session:

@@ -12,7 +12,6 @@ engines; see ``test_worker_async_engine``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import socket
@@ -25,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from async_helpers import run_soon, sending
+from async_helpers import own_prometheus_metrics, run_soon, sending
 from safetensors.torch import load_file
 
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
@@ -69,29 +68,6 @@ def config(model: str, **vllm_cfg: Any) -> dict[str, Any]:
         },
         "vllm_kwargs": {"kv_cache_memory_bytes": 32 << 20, "max_num_batched_tokens": 8192},
     }
-
-
-@contextlib.contextmanager
-def own_prometheus_metrics() -> Iterator[None]:
-    """Give the session engine's ``vllm:`` collectors back once this module's engine is
-    gone (vLLM's stat logger unregisters them when an engine starts)."""
-    from prometheus_client import REGISTRY
-
-    def ours() -> list[Any]:
-        return [
-            c
-            for c in list(REGISTRY._collector_to_names)
-            if str(getattr(c, "_name", "")).startswith("vllm:")
-        ]
-
-    before = ours()
-    try:
-        yield
-    finally:
-        for collector in ours():
-            REGISTRY.unregister(collector)
-        for collector in before:
-            REGISTRY.register(collector)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,15 @@ from typing import Any, ClassVar
 import attrs
 import pytest
 import torch
-from async_helpers import collect, generated, outputs, run_soon, sending, until
+from async_helpers import (
+    collect,
+    generated,
+    outputs,
+    own_prometheus_metrics,
+    run_soon,
+    sending,
+    until,
+)
 from helpers import right_padded
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -99,30 +107,6 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
-
-
-@contextlib.contextmanager
-def own_prometheus_metrics() -> Iterator[None]:
-    """vLLM's stat logger unregisters every ``vllm:`` collector of the process registry
-    when an engine starts (``PrometheusStatLogger.__init__``): give the session engine's
-    collectors back when this module's engine is gone."""
-    from prometheus_client import REGISTRY
-
-    def ours() -> list[Any]:
-        return [
-            c
-            for c in list(REGISTRY._collector_to_names)
-            if str(getattr(c, "_name", "")).startswith("vllm:")
-        ]
-
-    before = ours()
-    try:
-        yield
-    finally:
-        for collector in ours():
-            REGISTRY.unregister(collector)
-        for collector in before:
-            REGISTRY.register(collector)
 
 
 @pytest.fixture(scope="module")
