@@ -324,6 +324,35 @@ def test_refit_failure_makes_weights_inconsistent_until_a_good_refit(
     assert not torch.equal(before["output_ids"], after["output_ids"])
 
 
+def test_caches_known_empty_are_not_reset_again(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    """A refit or a sleep resets the caches only when a request may have filled them
+    since the last reset: through the worker, or past it (the engine's request count)."""
+    worker, engine = worker_engine
+    engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+    worker.prepare_refit_info({"w": ((2,), "float32")})
+    engine.request_counter = type("Counter", (), {"counter": 0})()  # as vllm.LLM's
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert engine.prefix_cache_resets == 1  # a fresh worker resets once
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    worker.sleep(level=2)
+    worker.wake_up(["weights"])
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert engine.prefix_cache_resets == 1
+    assert "reset_prefix_cache_seconds" not in worker.last_refit
+    worker.wake_up(["kv_cache"])
+    worker.generate(batch([[4, 5]]))
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert engine.prefix_cache_resets == 2
+    engine.request_counter.counter += 1  # a request run on worker.llm itself
+    worker.sleep(level=1)
+    assert engine.prefix_cache_resets == 3
+    worker.wake_up()
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert engine.prefix_cache_resets == 3
+
+
 @pytest.mark.parametrize("timeout", [0, -5.0, float("nan"), float("inf"), "60", True])
 def test_a_bad_refit_timeout_is_refused_before_the_refit_starts(
     worker_engine: tuple[VllmGenerationWorker, FakeEngine], timeout: object
