@@ -149,9 +149,10 @@ class Exporter:
         self._handles[ref] = (*place, handle)
         return handle
 
-    def saw(self, refs: list[StorageWeakRef], places: list[tuple[object, ...]]) -> None:
-        """This refit sent these storages again (:class:`~.ipc.IpcSenderPort`'s replay)."""
-        for ref, place in zip(refs, places, strict=True):
+    def saw(self, sent: Sequence[tuple[tuple[object, ...], StorageWeakRef, object]]) -> None:
+        """This refit sent these storages again (:class:`~.ipc.IpcSenderPort`'s replay:
+        each tensor's place, its storage's reference, and how it travelled)."""
+        for place, ref, _ in sent:
             self._seen[ref] = cast(tuple[int, int], place[2:4])
 
     def forget(self, ref: StorageWeakRef) -> None:
