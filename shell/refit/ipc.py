@@ -4,9 +4,13 @@
 in a private 0700 directory (or loopback TCP; another host only with ``allow_remote``)
 and answers EVERY request, multipart and malformed ones included, strays of a finished
 refit with an error (so a late trainer never blocks a new refit); inbound messages are
-capped (``ZMQ_MAXMSGSIZE``: a larger one drops its connection unread). A chunk is
-answered once its tensors are out of the mapped storages and the device synced, so the
-sender may reuse a staging buffer or free a temporary copy (R5). :class:`IpcSenderPort`
+capped (``ZMQ_MAXMSGSIZE``: a larger one drops its connection unread). A chunk with a
+staging buffer or a temporary copy is answered once its tensors are out of the mapped
+storages and the device synced, so the sender may reuse or free them (R5); a chunk of the
+trainer's own storages only (``Chunk.stable``) is answered once its copies are queued, so
+the End travels while they run (its answer follows post-load processing and a sync, and
+a mapping is released only after a sync: the trainer's memory stays readable, CUDA IPC
+keeping a storage the engine maps from reuse). :class:`IpcSenderPort`
 (the trainer's) packs into two alternating staging buffers and packs one again only
 after the answer to its last chunk. Every wait is a ``poll`` with the per-wait bound and
 ``LINGER=0``; a sender whose wait expired makes a fresh REQ socket (R2).
@@ -154,7 +158,8 @@ class IpcReceiver:
                     loader.append((write.ref.name, view.clone() if write.copy else view))
                 elif view.numel():
                     copy_into(sink.target(write.ref.name), view)
-        _sync(sink.device)
+        if not writes.chunk.stable:  # the sender may reuse a storage once answered
+            _sync(sink.device)
         self.mappings.drop_temporary(writes.chunk, handles)
         return loader
 
@@ -201,10 +206,8 @@ def _is_loopback(host: str) -> bool:
 
 def _pack(buffer: StagingBuffer, offset: int, tensor: torch.Tensor) -> None:
     """Copy ``tensor`` into ``buffer`` at ``offset``."""
-    if nbytes := tensor.numel() * tensor.element_size():
-        copy_into(
-            buffer.tensor[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape), tensor
-        )
+    view = buffer.tensor[offset : offset + tensor.numel() * tensor.element_size()]
+    copy_into(view.view(tensor.dtype).view(tensor.shape), tensor)
 
 
 class _Chunk:
@@ -319,21 +322,23 @@ class IpcSenderPort:
         return end - start, nbytes - before, sum(pk is None for *_, pk in replay.tensors[start:end])
 
     def route(self, tensor: torch.Tensor) -> tuple[p.SendRoute, object]:
-        """HANDLE with ``(storage ref, handle)``, or PACK with ``(storage ref, None)``."""
+        """HANDLE with ``(storage ref, handle)``; PACK with ``(storage ref, None)`` when
+        it packs for good, else (packed until its storage is recognised) with None.
+        ``send_route`` is HANDLE exactly when recognised and HANDLE if recognised."""
         device = self._device = self._device or tensor.device
         ref, recognised = self._exporter.recognised(tensor)
-        route = p.send_route(
+        best = p.send_route(
             storage_bytes=tensor.untyped_storage().nbytes(),
             contiguous=tensor.is_contiguous(),
             local=tensor.device == device,
-            recognised=recognised,
+            recognised=True,
         )
-        if route is p.SendRoute.HANDLE:
+        if best is p.SendRoute.HANDLE and recognised:
             try:
-                return route, (ref, self._exporter.handle(ref, tensor))
+                return best, (ref, self._exporter.handle(ref, tensor))
             except RuntimeError:  # memory that cannot be shared (e.g. a CUDA VMM pool)
                 self._exporter.forget(ref)
-        return p.SendRoute.PACK, (ref, None)
+        return p.SendRoute.PACK, ((ref, None) if recognised or best is p.SendRoute.PACK else None)
 
     def put(
         self,
@@ -343,7 +348,8 @@ class IpcSenderPort:
         placed: p.Placement,
     ) -> None:
         chunk, record = self._chunk, self._record
-        ref, handle = cast(tuple[StorageWeakRef, Handle | None], route[1])
+        ref, handle = cast(tuple[StorageWeakRef, Handle | None], route[1] or (None, None))
+        record.complete &= route[1] is not None and not placed.alone  # else never replayed
         pack: tuple[int, int] | None = None
         if handle is not None:
             self._used.add(ref)
@@ -352,7 +358,7 @@ class IpcSenderPort:
             chunk.alive.append(tensor)  # the engine reads it: keep it until the answer
             chunk.devices.add(tensor.device)
         elif placed.alone:
-            record.complete, offset = False, 0
+            offset = 0
             buffer = self._new_buffer(max(spec.nbytes, 1))
             chunk.alive.append(buffer)
             index = chunk.storage(buffer.handle, p.StorageKind.TEMPORARY)

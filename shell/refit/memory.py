@@ -271,6 +271,8 @@ class Mappings:
         """A refit ended: release what it did not use (all when it failed); how many."""
         settled = self._ledger.clear() if failed else self._ledger.settle()
         self._ledger, self.opened = settled.kept, 0
+        if settled.released and self._device.type == "cuda":  # no copy out of one in flight
+            torch.cuda.synchronize(self._device)
         for handle in settled.released:
             self._maps.pop(handle, None)
         if settled.released or failed:
