@@ -6,6 +6,7 @@ import copy
 import logging
 import os
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -332,7 +333,8 @@ def test_caches_known_empty_are_not_reset_again(
     worker, engine = worker_engine
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
     worker.prepare_refit_info({"w": ((2,), "float32")})
-    engine.request_counter = type("Counter", (), {"counter": 0})()  # as vllm.LLM's
+    counter = SimpleNamespace(counter=0)  # as vllm.LLM's request_counter
+    engine.request_counter = counter  # type: ignore[attr-defined]
     worker.update_weights_via_ipc_zmq(timeout_s=1.0)
     assert engine.prefix_cache_resets == 1  # a fresh worker resets once
     worker.update_weights_via_ipc_zmq(timeout_s=1.0)
@@ -345,7 +347,7 @@ def test_caches_known_empty_are_not_reset_again(
     worker.generate(batch([[4, 5]]))
     worker.update_weights_via_ipc_zmq(timeout_s=1.0)
     assert engine.prefix_cache_resets == 2
-    engine.request_counter.counter += 1  # a request run on worker.llm itself
+    counter.counter += 1  # a request run on worker.llm itself
     worker.sleep(level=1)
     assert engine.prefix_cache_resets == 3
     worker.wake_up()
