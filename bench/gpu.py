@@ -199,6 +199,7 @@ class Scale:
     refit_shape: LlamaShape = LLAMA3_8B
     refit_util: float = 0.4
     refit_reps: int = 3
+    refit_section_reps: int = 5  # the refit section's refits per row and switches, after warm-up
     copy_bytes: int = 8 * GIB
     nccl_chunk_bytes: int = GIB
     dtype: str = "bfloat16"
@@ -217,6 +218,7 @@ DRY = Scale(
     gen_tokenizer_reps=2,
     refit_shape=TINY,
     refit_reps=2,
+    refit_section_reps=2,
     copy_bytes=16 << 20,
     nccl_chunk_bytes=1 << 20,
     child_timeout_s=300.0,
@@ -1291,12 +1293,162 @@ def probe_row(sec: Section, worker: Any, what: str) -> None:
     )
 
 
+class AllocatorProbe:
+    """Where vLLM's sleep and wake spend their time in this process (the engine core runs
+    in-process here): the GPU worker's ``sleep`` / ``wake_up``, the CuMem allocator's
+    ``sleep`` / ``wake_up`` and their per-allocation ``unmap_and_release`` /
+    ``create_and_map`` (vllm/device_allocator/cumem.py), ``torch.cuda.empty_cache``, and the
+    cyclic GC's pauses (``gc.callbacks``). Inside ``with``, those functions are wrapped
+    (module and class attributes, restored on exit); :meth:`take` returns the seconds and
+    calls per name since the last take. What this vLLM lacks is not timed."""
+
+    TARGETS = (
+        ("vllm.v1.worker.gpu_worker", "Worker", "sleep", "vLLM GPU worker sleep"),
+        ("vllm.v1.worker.gpu_worker", "Worker", "wake_up", "vLLM GPU worker wake_up"),
+        ("vllm.device_allocator.cumem", "CuMemAllocator", "sleep", "allocator sleep"),
+        ("vllm.device_allocator.cumem", "CuMemAllocator", "wake_up", "allocator wake_up"),
+        ("vllm.device_allocator.cumem", "", "unmap_and_release", "unmap_and_release"),
+        ("vllm.device_allocator.cumem", "", "create_and_map", "create_and_map"),
+        ("torch.cuda", "", "empty_cache", "empty_cache"),
+    )
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list[Callable[[], None]] = []
+        self._gc_started = 0.0
+
+    def _add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def _wrap(self, owner: Any, attr: str, name: str) -> None:
+        original = getattr(owner, attr)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._add(name, time.perf_counter() - t0)
+
+        setattr(owner, attr, wrapped)
+        self._undo.append(lambda: setattr(owner, attr, original))
+
+    def _on_gc(self, phase: str, info: Mapping[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self._add("gc", time.perf_counter() - self._gc_started)
+
+    def __enter__(self) -> AllocatorProbe:
+        import gc
+        import importlib
+
+        for module, cls, attr, name in self.TARGETS:
+            try:
+                owner = importlib.import_module(module)
+                owner = getattr(owner, cls) if cls else owner
+                if callable(getattr(owner, attr, None)):
+                    self._wrap(owner, attr, name)
+            except Exception:  # noqa: BLE001 - not in this vLLM / platform: not timed
+                continue
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._on_gc)
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+    def take(self) -> dict[str, tuple[float, int]]:
+        out = {k: (v, self.calls[k]) for k, v in self.seconds.items()}
+        self.seconds, self.calls = {}, {}
+        return out
+
+
+def probe_text(runs: Sequence[Mapping[str, tuple[float, int]]]) -> str:
+    """Median milliseconds (and calls) per probed name over ``runs``."""
+    names = list(dict.fromkeys(k for run in runs for k in run))
+    parts = []
+    for k in names:
+        ms = statistics.median(run.get(k, (0.0, 0))[0] for run in runs) * 1e3
+        calls = statistics.median(run.get(k, (0.0, 0))[1] for run in runs)
+        parts.append(f"{k} {ms:.1f} ({calls:g} calls)")
+    return ", ".join(parts) or "nothing probed"
+
+
+def pool_text() -> str:
+    """The CuMem allocator's allocations per tag (count, bytes), or why there are none."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        tags: dict[str, tuple[int, int]] = {}
+        for data in CuMemAllocator.get_instance().pointer_to_data.values():
+            n, b = tags.get(str(data.tag), (0, 0))
+            tags[str(data.tag)] = (n + 1, b + int(data.handle[1]))
+    except Exception as e:  # noqa: BLE001 - the CPU platform has no CuMem allocator
+        return f"no CuMem allocator ({type(e).__name__})"
+    return "; ".join(f"{t}: {n} allocations, {fmt_gib(b)}" for t, (n, b) in tags.items())
+
+
+def measure_layout_copies(
+    layout: Mapping[str, tuple[Sequence[int], str]], device: str, reps: int
+) -> dict[str, float]:
+    """The engine layout's tensors copied device to device in this process, no transport
+    (the floor of the refit's direct route): one ``copy_`` per tensor, as the refit does,
+    and one ``torch._foreach_copy_`` of them all; median seconds each."""
+    import torch
+
+    src = make_tensors(layout, device, seed=3)
+    dst = {n: torch.empty_like(t) for n, t in src.items()}
+    pairs = list(zip(dst.values(), src.values(), strict=True))
+
+    def per_tensor() -> None:
+        for d, s in pairs:
+            d.copy_(s, non_blocking=True)
+
+    def foreach() -> None:
+        torch._foreach_copy_(list(dst.values()), list(src.values()))
+
+    out = {}
+    for name, fn in (("copy_ per tensor", per_tensor), ("torch._foreach_copy_", foreach)):
+        fn()
+        out[name] = statistics.median(timed(fn)[0] for _ in range(reps))
+    src.clear()
+    dst.clear()
+    pairs.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+PROBE_BATCH = (4, 8)  # prompts x tokens of the generate after each switch
+
+
+def probe_generate(worker: Any) -> tuple[float, int]:
+    """Generate PROBE_BATCH; seconds and tokens generated."""
+    import torch
+
+    rows, tokens = PROBE_BATCH
+    probe = {
+        "input_ids": torch.ones((rows, tokens), dtype=torch.long),
+        "input_lengths": torch.full((rows,), tokens),
+    }
+    g_s, out = timed(lambda: worker.generate(probe))
+    return g_s, int(out["generation_lengths"].sum())
+
+
 def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
     sec = Section("refit", TITLES["refit"])
     trainer: Trainer | None = None
     worker: Any = None
     with guarded(sec):
         shape = scale.refit_shape
+        reps = max(scale.refit_reps, scale.refit_section_reps)
         config = refit_config(scale)
         worker, start_s, engine_bytes = start_worker(config)
         llm = worker.llm
@@ -1317,16 +1469,26 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
         )
         copy = copy_row(sec, scale, device)
         with part(sec, "load_weights"):
-            lw_s = measure_load_weights(llm, hf, device, scale.refit_reps)
+            lw_s = measure_load_weights(llm, hf, device, reps)
             sec.row(
                 "`model.load_weights`, HF names, tensors already on the device",
                 f"{fmt_s(lw_s)}, {fmt_rate(layout_bytes(hf), lw_s)}",
                 f"25-27 ms, {REF_LOAD_WEIGHTS_GBPS[0]:.0f}-{REF_LOAD_WEIGHTS_GBPS[1]:.0f} GB/s",
             )
+        with part(sec, "local copies of the engine layout"):
+            floors = measure_layout_copies(own, device, reps)
+            sec.row(
+                f"engine layout copied on the device, no transport ({len(own)} tensors)",
+                ", ".join(
+                    f"{k} {fmt_s(v)} = {gbps(nbytes, v) / copy:.1%} of copy"
+                    for k, v in floors.items()
+                ),
+                "the floor of the refit's direct route (it copies tensor by tensor)",
+            )
 
         trainer = start_ipc_trainer(worker)
         with part(sec, "IPC refit in HF names"):
-            hf_run = refit_over_ipc(worker, trainer, hf, scale.refit_reps)
+            hf_run = refit_over_ipc(worker, trainer, hf, reps)
             hf_s = statistics.median(hf_run.times)
             sec.row(
                 f"IPC refit, HF names ({hf_run.routes})",
@@ -1343,7 +1505,7 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                     f"IPC refit, engine layout, default, {LAYOUTS[how]}",
                     nbytes,
                     copy,
-                    refit_over_ipc(worker, trainer, own, scale.refit_reps, how),
+                    refit_over_ipc(worker, trainer, own, reps, how),
                 )
                 if how != "fresh":
                     sec.verdict(
@@ -1361,36 +1523,89 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
 
         with part(sec, "train-to-generate switch"):
             # The trainer holds the engine layout in separate allocations, sent (and kept
-            # mapped) by the rows above.
-            phases: dict[str, float] = {}
-            phases["sleep level 2"], _ = timed(lambda: worker.sleep(2))
-            phases["wake weights"], _ = timed(lambda: worker.wake_up(["weights"]))
-            trainer.send("send")
-            phases[SWITCH_REFIT], _ = timed(worker.update_weights_via_ipc_zmq)
-            trainer.expect("sent")
-            switch_refit = engine_phases(worker)
-            phases["wake KV cache"], _ = timed(lambda: worker.wake_up(["kv_cache"]))
+            # mapped) by the rows above. Each switch follows a generate (as in an RL loop:
+            # the caches hold something), and is followed by one (timed apart).
+            names = ("sleep level 2", "wake weights", SWITCH_REFIT, "wake KV cache")
+            runs: list[dict[str, float]] = []
+            within: dict[str, list[dict[str, tuple[float, int]]]] = {n: [] for n in names}
+            refit_runs, generates = [], []
+            probe_generate(worker)
+            with AllocatorProbe() as probe:
+                for _ in range(reps):
+                    phases: dict[str, float] = {}
+                    probe.take()
+                    phases[names[0]], _ = timed(lambda: worker.sleep(2))
+                    within[names[0]].append(probe.take())
+                    phases[names[1]], _ = timed(lambda: worker.wake_up(["weights"]))
+                    within[names[1]].append(probe.take())
+                    trainer.send("send")
+                    phases[SWITCH_REFIT], _ = timed(worker.update_weights_via_ipc_zmq)
+                    trainer.expect("sent")
+                    within[SWITCH_REFIT].append(probe.take())
+                    refit_runs.append(engine_phases(worker))
+                    phases[names[3]], _ = timed(lambda: worker.wake_up(["kv_cache"]))
+                    within[names[3]].append(probe.take())
+                    runs.append(phases)
+                    generates.append(probe_generate(worker))
             refs = {
-                "sleep level 2": f"{REF_8B_SLEEP_L2_S} s",
-                "wake weights": f"wake, both tags: {REF_8B_WAKE_L2_S} s",
+                names[0]: f"{REF_8B_SLEEP_L2_S} s",
+                names[1]: f"wake, both tags: {REF_8B_WAKE_L2_S} s",
                 SWITCH_REFIT: f"`load_weights`: {REF_8B_LOAD_WEIGHTS_S:.3f} s",
-                "wake KV cache": "",
+                names[3]: "",
             }
-            refs[SWITCH_REFIT] += f"; engine phases: {phase_text([switch_refit])} (ms)"
-            for name, seconds in phases.items():
-                sec.row(f"switch: {name}", fmt_s(seconds), refs[name])
+            refs[SWITCH_REFIT] += f"; engine phases: {phase_text(refit_runs)} (ms)"
+            for name in names:
+                times = [run[name] for run in runs]
+                sec.row(
+                    f"switch: {name}",
+                    fmt_s(statistics.median(times)),
+                    "; ".join(
+                        x
+                        for x in (
+                            refs[name],
+                            "runs: " + ", ".join(fmt_s(t) for t in times),
+                            f"within (ms, median): {probe_text(within[name])}",
+                        )
+                        if x
+                    ),
+                )
             ref_total = REF_8B_SLEEP_L2_S + REF_8B_WAKE_L2_S + REF_8B_LOAD_WEIGHTS_S
-            total = sum(phases.values())
+            totals = [sum(run.values()) for run in runs]
+            total = statistics.median(totals)
             sec.row(
                 "**switch: total, train to generate**",
                 fmt_s(total),
-                f"~{ref_total:.2f} s (the reference's sleep L2 + wake + `load_weights`)",
+                f"~{ref_total:.2f} s (the reference's sleep L2 + wake + `load_weights`); "
+                f"median of {len(totals)} switches: " + ", ".join(fmt_s(t) for t in totals),
             )
             sec.verdict(
                 f"train-to-generate switch in {fmt_s(total)} (bar <= {fmt_s(SWITCH_BAR_S)})",
                 total <= SWITCH_BAR_S,
             )
-            probe_row(sec, worker, "first generate after the switch")
+            sec.row("CuMem allocations (after the switches)", pool_text())
+            sec.row(
+                f"first generate after each switch ({PROBE_BATCH[0]} prompts x "
+                f"{PROBE_BATCH[1]} tokens)",
+                fmt_s(statistics.median(g for g, _ in generates)),
+                f"{generates[-1][1]} tokens generated; runs: "
+                + ", ".join(fmt_s(g) for g, _ in generates),
+            )
+        with part(sec, "sleep and wake with no trainer memory mapped"):
+            # Last: it leaves the weights discarded. Tells whether the trainer's storages
+            # the engine keeps mapped (16 GB of CUDA IPC mappings) slow vLLM's sleep/wake.
+            (released,) = worker.release_refit_buffers()
+            apart: dict[str, float] = {}
+            with AllocatorProbe() as probe:
+                apart["sleep level 2"], _ = timed(lambda: worker.sleep(2))
+                apart["wake weights"], _ = timed(lambda: worker.wake_up(["weights"]))
+                apart["wake KV cache"], _ = timed(lambda: worker.wake_up(["kv_cache"]))
+                inside = probe.take()
+            sec.row(
+                f"diagnostic: sleep level 2 / wake weights / wake KV cache after "
+                f"`release_refit_buffers` ({released} mappings let go), no refit",
+                " / ".join(fmt_s(v) for v in apart.values()),
+                f"within, all three (ms): {probe_text([inside])}",
+            )
         sec.notes.append(
             "refit times are measured on the engine side, from the call to "
             "`update_weights_via_ipc_zmq` (the trainer already sending) to its return; the "
@@ -1409,6 +1624,15 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             "refit travel packed through two 512 MiB staging buffers, whose mappings are "
             "kept too (the old default, 512 MiB buckets mapped anew each refit, was "
             "40.1 ms = 18.8% of copy on the H200, bench/RESULTS-gpu.md of 88224f9)"
+        )
+        sec.notes.append(
+            "engine phases: a chunk of the trainer's own storages only is answered once its "
+            "copies are queued, so `write` is the time to launch them and `finalize` the wait "
+            "for the device to finish them (plus post-load processing); `reset prefix cache` "
+            "is 0 when no request ran since the last reset (the caches are known empty). The "
+            "switch's `within` names vLLM's own calls, timed in this process: the GPU "
+            "worker's sleep/wake_up, the CuMem allocator's, its per-allocation "
+            "unmap_and_release / create_and_map, torch.cuda.empty_cache and cyclic GC"
         )
     if trainer is not None:
         trainer.stop()

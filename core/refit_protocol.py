@@ -171,6 +171,13 @@ class Chunk:
     storages: tuple[int, ...] | None = None
     kinds: tuple[StorageKind, ...] = ()
 
+    @property
+    def stable(self) -> bool:
+        """Every storage is the trainer's own (:attr:`StorageKind.stable`), so answering
+        the chunk frees none for reuse: the answer need not wait for the engine's copies
+        out of them (the End's answer, after post-load processing, still does)."""
+        return self.storages is not None and all(k.stable for k in self.kinds)
+
 
 @attrs.frozen
 class End:

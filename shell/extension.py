@@ -151,9 +151,8 @@ class WorkerExtension(SparseRefitMixin, NemoRlRefit, ReshardEngine):
         state = _state(self)
         if state.ipc is None:
             state.ipc = IpcReceiver(_device(self), tcp_host=tcp_host)
-            state.ipc.limit(_MIN_CAP)
-            if state.manifest is not None:
-                state.ipc.limit(p.max_message_bytes(state.manifest))
+            manifest = state.manifest
+            state.ipc.limit(max(_MIN_CAP, p.max_message_bytes(manifest) if manifest else 0))
         return state.ipc.address
 
     def update_weights_via_ipc_zmq(self, timeout_s: float | None = None) -> dict[str, object]:

@@ -248,6 +248,7 @@ class VllmGenerationWorker:
         self._dead: str | None = None
         self._manifest: Manifest | None = None  # from prepare_refit_info
         self._collective = False  # init_collective succeeded
+        self._caches = lifecycle.CacheLedger()  # known empty: resets skipped
         #: the last successful refit: each engine worker's report (tensors, bytes, mode,
         #: seconds and ``phases``), the RPC's seconds, and each cache reset's
         #: (``reset_{prefix,mm,encoder}_cache_seconds``; mm and encoder on multimodal engines)
@@ -359,6 +360,7 @@ class VllmGenerationWorker:
         """The state ``event`` leads to, or EngineStateError; does not commit it."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine died earlier ({self._dead}); re-create the worker")
+        self._caches = self._caches.after(event)
         return unwrap(
             lifecycle.transition(self._state, event), EngineStateError, event.name.lower()
         )
@@ -604,7 +606,12 @@ class VllmGenerationWorker:
         """Reset the prefix cache and, on a multimodal engine, the processed-media and
         encoder caches (stale after a refit); seconds per reset. After the refit ``refit``,
         a reset the engine refuses (``EngineStateError``) is a ``RefitError``: that cache
-        may still serve what the old weights computed."""
+        may still serve what the old weights computed. Caches known empty (core.lifecycle's
+        ``CacheLedger``: no request ran since the last reset) are not reset again."""
+        counter = getattr(getattr(self.llm, "request_counter", None), "counter", None)
+        requests = counter if isinstance(counter, int) else None
+        if not self._caches.needs_reset(requests):
+            return {}
         resets: list[tuple[str, Callable[[EnginePort], None]]] = [
             ("prefix", lambda e: e.reset_prefix_cache())
         ]
@@ -628,6 +635,7 @@ class VllmGenerationWorker:
                 ) from e
             seconds[name] = time.monotonic() - started
             self.cache_resets[name] += 1
+        self._caches = self._caches.reset(requests)
         return seconds
 
     # -- refit ----------------------------------------------------------------------

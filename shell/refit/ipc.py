@@ -4,9 +4,13 @@
 in a private 0700 directory (or loopback TCP; another host only with ``allow_remote``)
 and answers EVERY request, multipart and malformed ones included, strays of a finished
 refit with an error (so a late trainer never blocks a new refit); inbound messages are
-capped (``ZMQ_MAXMSGSIZE``: a larger one drops its connection unread). A chunk is
-answered once its tensors are out of the mapped storages and the device synced, so the
-sender may reuse a staging buffer or free a temporary copy (R5). :class:`IpcSenderPort`
+capped (``ZMQ_MAXMSGSIZE``: a larger one drops its connection unread). A chunk with a
+staging buffer or a temporary copy is answered once its tensors are out of the mapped
+storages and the device synced, so the sender may reuse or free them (R5); a chunk of the
+trainer's own storages only (``Chunk.stable``) is answered once its copies are queued, so
+the End travels while they run (its answer follows post-load processing and a sync, and
+a mapping is released only after a sync: the trainer's memory stays readable, CUDA IPC
+keeping a storage the engine maps from reuse). :class:`IpcSenderPort`
 (the trainer's) packs into two alternating staging buffers and packs one again only
 after the answer to its last chunk. Every wait is a ``poll`` with the per-wait bound and
 ``LINGER=0``; a sender whose wait expired makes a fresh REQ socket (R2).
@@ -154,7 +158,8 @@ class IpcReceiver:
                     loader.append((write.ref.name, view.clone() if write.copy else view))
                 elif view.numel():
                     copy_into(sink.target(write.ref.name), view)
-        _sync(sink.device)
+        if not writes.chunk.stable:  # the sender may reuse a storage once answered
+            _sync(sink.device)
         self.mappings.drop_temporary(writes.chunk, handles)
         return loader
 
@@ -199,6 +204,12 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _pack(buffer: StagingBuffer, offset: int, tensor: torch.Tensor) -> None:
+    """Copy ``tensor`` into ``buffer`` at ``offset``."""
+    view = buffer.tensor[offset : offset + tensor.numel() * tensor.element_size()]
+    copy_into(view.view(tensor.dtype).view(tensor.shape), tensor)
+
+
 class _Chunk:
     """A chunk being filled: its storages (each handle once), its tensors, and what must
     live until its answer."""
@@ -232,13 +243,14 @@ def place_of(name: str, tensor: torch.Tensor) -> tuple[object, ...]:
 
 
 class _Replay:
-    """A refit sent all by handle, to send again when the same tensors come back: each
-    tensor's :func:`place_of` (with its storage's reference) and where its chunk ends
-    with that chunk's listing (:func:`wire.listing`: the very bytes it sent)."""
+    """A refit sent by handle and through the staging buffers, to send again when the same
+    tensors come back: each tensor's :func:`place_of` (with its storage's reference) and,
+    packed, its staging buffer and offset (packed there again, as the listing says), and
+    where its chunk ends with that chunk's listing (:func:`wire.listing`: the very bytes
+    it sent). A tensor packed alone, in a temporary buffer, is never recorded."""
 
     def __init__(self) -> None:
-        self.places: list[tuple[object, ...]] = []
-        self.refs: list[StorageWeakRef] = []
+        self.tensors: list[tuple[tuple[object, ...], StorageWeakRef, tuple[int, int] | None]] = []
         self.ends: list[tuple[int, bytes, int]] = []  # (tensors, listing, bytes) so far
         self.nbytes, self.complete = 0, True
 
@@ -280,46 +292,53 @@ class IpcSenderPort:
         self.held = []
         self._exchange(encode(event), "the start of the refit")
 
-    def take(self, item: tuple[str, torch.Tensor]) -> tuple[int, int] | None:
-        """The last refit's replay goes on with ``item``: None when it is not the replay's
-        next tensor (:attr:`held` then holds those taken since the last chunk), else the
-        tensors and bytes of the replayed chunk it completes, sent (0, 0 while none)."""
+    def take(self, item: tuple[str, torch.Tensor] | None) -> tuple[int, int, int] | None:
+        """The last refit's replay goes on with ``item``: None when it is None or not the
+        replay's next tensor (:attr:`held` then holds those taken since the last chunk, and
+        the chunk in flight is answered, so its staging buffer may be packed again), else the
+        tensors, bytes and tensors by handle of the replayed chunk it completes, sent
+        (zeros while none)."""
         replay, index, held = self._replay, self._chunks, self.held
-        if replay is None or index >= len(replay.ends):
+        start, _, before = replay.ends[index - 1] if replay and index else (0, b"", 0)
+        here = replay.tensors[start + len(held)] if replay and index < len(replay.ends) else None
+        if item is None or here is None or here[0] != place_of(*item):
+            self._settle()
             return None
-        start, _, before = replay.ends[index - 1] if index else (0, b"", 0)
-        if replay.places[start + len(held)] != place_of(*item):
-            return None
+        assert replay is not None
+        if here[2] is not None:  # packed: into the same staging buffer, at the same offset
+            _pack(self._buffers[here[2][0]], here[2][1], item[1])
         held.append(item)
         end, listed, nbytes = replay.ends[index]
         if start + len(held) < end:
-            return 0, 0
+            return 0, 0, 0
         chunk, self.held = _Chunk(), []
         chunk.alive, chunk.devices = [t for _, t in held], {t.device for _, t in held}
-        self._used.update(replay.refs[start:end])
-        self._exporter.saw(replay.refs[start:end], replay.places[start:end])
+        self._used.update(ref for _, ref, _ in replay.tensors[start:end])
+        self._exporter.saw(replay.tensors[start:end])
         self._record.complete = False  # a refit partly replayed is not recorded, and
         if index == len(replay.ends) - 1:  # one replayed whole is the replay (and more)
             self._record = replay
         self._out(chunk, listed)
-        return end - start, nbytes - before
+        return end - start, nbytes - before, sum(pk is None for *_, pk in replay.tensors[start:end])
 
     def route(self, tensor: torch.Tensor) -> tuple[p.SendRoute, object]:
-        """HANDLE with ``(storage ref, handle)``, or PACK."""
+        """HANDLE with ``(storage ref, handle)``; PACK with ``(storage ref, None)`` when
+        it packs for good, else (packed until its storage is recognised) with None.
+        ``send_route`` is HANDLE exactly when recognised and HANDLE if recognised."""
         device = self._device = self._device or tensor.device
         ref, recognised = self._exporter.recognised(tensor)
-        route = p.send_route(
+        best = p.send_route(
             storage_bytes=tensor.untyped_storage().nbytes(),
             contiguous=tensor.is_contiguous(),
             local=tensor.device == device,
-            recognised=recognised,
+            recognised=True,
         )
-        if route is p.SendRoute.HANDLE:
+        if best is p.SendRoute.HANDLE and recognised:
             try:
-                return route, (ref, self._exporter.handle(ref, tensor))
+                return best, (ref, self._exporter.handle(ref, tensor))
             except RuntimeError:  # memory that cannot be shared (e.g. a CUDA VMM pool)
                 self._exporter.forget(ref)
-        return p.SendRoute.PACK, None
+        return p.SendRoute.PACK, ((ref, None) if recognised or best is p.SendRoute.PACK else None)
 
     def put(
         self,
@@ -328,33 +347,31 @@ class IpcSenderPort:
         route: tuple[p.SendRoute, object],
         placed: p.Placement,
     ) -> None:
-        chunk, (kind, detail) = self._chunk, route
-        if kind is p.SendRoute.HANDLE:
-            ref, handle = cast(tuple[StorageWeakRef, Handle], detail)
+        chunk, record = self._chunk, self._record
+        ref, handle = cast(tuple[StorageWeakRef, Handle | None], route[1] or (None, None))
+        record.complete &= route[1] is not None and not placed.alone  # else never replayed
+        pack: tuple[int, int] | None = None
+        if handle is not None:
             self._used.add(ref)
             index = chunk.storage(handle, p.StorageKind.OWN)
             offset = int(tensor.storage_offset()) * tensor.element_size()
             chunk.alive.append(tensor)  # the engine reads it: keep it until the answer
             chunk.devices.add(tensor.device)
-            self._record.places.append(place_of(spec.name, tensor))  # after a CPU move
-            self._record.refs.append(ref)
-            self._record.nbytes += spec.nbytes
+        elif placed.alone:
+            offset = 0
+            buffer = self._new_buffer(max(spec.nbytes, 1))
+            chunk.alive.append(buffer)
+            index = chunk.storage(buffer.handle, p.StorageKind.TEMPORARY)
+            _pack(buffer, offset, tensor)
         else:
-            self._record.complete = False
-            if placed.alone:
-                buffer = self._new_buffer(max(spec.nbytes, 1))
-                chunk.alive.append(buffer)
-                index = chunk.storage(buffer.handle, p.StorageKind.TEMPORARY)
-            else:
-                kept = self._buffers.get(placed.plan.buffer)
-                if kept is None or kept.device != self._device:
-                    kept = self._buffers[placed.plan.buffer] = self._new_buffer(self.budget)
-                buffer = kept
-                index = chunk.storage(buffer.handle, p.StorageKind.STAGING)
-            offset = placed.offset
-            if spec.nbytes:
-                view = buffer.tensor[offset : offset + spec.nbytes].view(tensor.dtype)
-                copy_into(view.view(tensor.shape), tensor)
+            kept = self._buffers.get(placed.plan.buffer)
+            if kept is None or kept.device != self._device:
+                kept = self._buffers[placed.plan.buffer] = self._new_buffer(self.budget)
+            index = chunk.storage(kept.handle, p.StorageKind.STAGING)
+            offset, pack = placed.offset, (placed.plan.buffer, placed.offset)
+            _pack(kept, offset, tensor)
+        record.tensors.append((place_of(spec.name, tensor), ref, pack))  # after a CPU move
+        record.nbytes += spec.nbytes
         chunk.refs.append(p.TensorRef(spec.name, spec.shape, spec.dtype, index, offset))
 
     def flush(self) -> None:
@@ -362,7 +379,7 @@ class IpcSenderPort:
         chunk, self._chunk = self._chunk, _Chunk()
         event = p.Chunk(self.refit_id, self._chunks, tuple(chunk.refs), None, tuple(chunk.kinds))
         listed = listing(event, list(chunk.handles))
-        self._record.ends.append((len(self._record.places), listed, self._record.nbytes))
+        self._record.ends.append((len(self._record.tensors), listed, self._record.nbytes))
         self._out(chunk, listed)
 
     def _out(self, chunk: _Chunk, listed: bytes) -> None:

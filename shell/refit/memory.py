@@ -149,9 +149,10 @@ class Exporter:
         self._handles[ref] = (*place, handle)
         return handle
 
-    def saw(self, refs: list[StorageWeakRef], places: list[tuple[object, ...]]) -> None:
-        """This refit sent these storages again (:class:`~.ipc.IpcSenderPort`'s replay)."""
-        for ref, place in zip(refs, places, strict=True):
+    def saw(self, sent: Sequence[tuple[tuple[object, ...], StorageWeakRef, object]]) -> None:
+        """This refit sent these storages again (:class:`~.ipc.IpcSenderPort`'s replay:
+        each tensor's place, its storage's reference, and how it travelled)."""
+        for place, ref, _ in sent:
             self._seen[ref] = cast(tuple[int, int], place[2:4])
 
     def forget(self, ref: StorageWeakRef) -> None:
@@ -270,6 +271,8 @@ class Mappings:
         """A refit ended: release what it did not use (all when it failed); how many."""
         settled = self._ledger.clear() if failed else self._ledger.settle()
         self._ledger, self.opened = settled.kept, 0
+        if settled.released and self._device.type == "cuda":  # no copy out of one in flight
+            torch.cuda.synchronize(self._device)
         for handle in settled.released:
             self._maps.pop(handle, None)
         if settled.released or failed:

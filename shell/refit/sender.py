@@ -15,7 +15,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
-from returns.result import Failure
 
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import Manifest, TensorSpec, bucket_budget
@@ -56,13 +55,12 @@ class RefitSender:
         self, port: IpcSenderPort | CollectiveSenderPort, manifest: Info, timeout_s: float
     ):
         self._port, self._timeout, self._specs = port, timeout_s, dict[object, TensorSpec]()
-        if manifest is not None and not isinstance(manifest, Manifest):
-            parsed = Manifest.from_info(manifest) if isinstance(manifest, Mapping) else None
-            if parsed is None or isinstance(parsed, Failure):
-                raise BadConfigError(
-                    f"invalid refit manifest: {parsed.failure() if parsed else manifest!r}"
-                )
-            manifest = parsed.unwrap()
+        if isinstance(manifest, Mapping):
+            manifest = unwrap(
+                Manifest.from_info(manifest), BadConfigError, "invalid refit manifest"
+            )
+        elif manifest is not None and not isinstance(manifest, Manifest):
+            raise BadConfigError(f"invalid refit manifest: {manifest!r}")
         self._digest = manifest.digest() if manifest is not None else ""
 
     @classmethod
@@ -135,10 +133,11 @@ class RefitSender:
                     item = next(stream, None)
                     if ipc is not None:  # the last refit's tensors again: its chunks again
                         late = time.monotonic() - plan.opened_at >= plan.flush_after_s
-                        sent = ipc.take(item) if item is not None and not late else None
+                        sent = ipc.take(None if late else item)
                         if sent is not None:
-                            n, size = sent
-                            tensors, handles, nbytes = tensors + n, handles + n, nbytes + size
+                            n, size, by_handle = sent
+                            tensors, nbytes = tensors + n, nbytes + size
+                            handles += by_handle
                             plan = plan.flushed(time.monotonic()) if n else plan
                             continue
                         stream = itertools.chain(ipc.held, [item] if item else [], stream)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import attrs
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 from returns.result import Failure, Success
 from strategies import lifecycle_event_sequences, lifecycle_states
 
@@ -17,6 +18,7 @@ from genworker.core.lifecycle import (
     ASLEEP_L2,
     AWAKE,
     AWAKE_INCONSISTENT,
+    FILLS_CACHES,
     KV_CACHE_TAG,
     NOT_LOADED,
     REFITTING_STREAMING,
@@ -27,6 +29,7 @@ from genworker.core.lifecycle import (
     TABLE,
     TRANSITIONS,
     WEIGHTS_TAG,
+    CacheLedger,
     Event,
     LifecycleError,
     Phase,
@@ -682,3 +685,40 @@ def test_every_walk_follows_the_written_table(start: State, events: list[Event])
             assert result == Success(expected), (state, event)
             state = expected
         assert {e for e in Event if LITERAL[(state, e)] is not None} == allowed_events(state)
+
+
+# --- the cache ledger ---------------------------------------------------------------------
+COUNTS = st.none() | st.integers(0, 3)
+
+
+@given(lifecycle_event_sequences(max_size=20), COUNTS, COUNTS)
+def test_caches_count_as_empty_only_while_no_request_ran_since_the_last_reset(
+    events: list[Event], then: int | None, now: int | None
+) -> None:
+    """After a reset, a reset is needed again exactly when an event that runs requests
+    came, or the engine's own request count moved (a request run past the worker)."""
+    ledger = CacheLedger().reset(then)
+    for event in events:
+        ledger = ledger.after(event)
+    ran = any(e in FILLS_CACHES for e in events)
+    assert ledger.needs_reset(now) == (ran or now != then)
+
+
+@given(lifecycle_event_sequences(max_size=20), COUNTS)
+def test_a_ledger_never_reset_always_needs_a_reset(events: list[Event], now: int | None) -> None:
+    ledger = CacheLedger()
+    for event in events:
+        ledger = ledger.after(event)
+    assert ledger.needs_reset(now)
+
+
+@pytest.mark.parametrize(("state", "event"), list(TRANSITIONS))
+def test_every_transition_that_can_run_requests_dirties_the_caches(
+    state: State, event: Event
+) -> None:
+    """Generating, or entering a state with streams open, is an event of FILLS_CACHES."""
+    runs = event is Event.GENERATE or (
+        TRANSITIONS[(state, event)].streaming and not state.streaming
+    )
+    if runs or event is Event.STREAM_OPEN:
+        assert CacheLedger().reset(0).after(event).needs_reset(0)

@@ -358,6 +358,18 @@ def test_only_a_recognised_large_local_contiguous_storage_goes_by_handle() -> No
         assert p.send_route(**{**good, key: bad}) is p.SendRoute.PACK  # type: ignore[arg-type]
 
 
+@given(st.integers(0, 2 * p.PACK_BELOW_BYTES), st.booleans(), st.booleans(), st.booleans())
+def test_a_tensor_goes_by_handle_exactly_when_recognised_and_it_would_if_recognised(
+    storage_bytes: int, contiguous: bool, local: bool, recognised: bool
+) -> None:
+    """What the IPC sender relies on to tell a tensor packed for good (replayed packed)
+    from one packed only until its storage is recognised (sent by handle next time)."""
+    facts = {"storage_bytes": storage_bytes, "contiguous": contiguous, "local": local}
+    best = p.send_route(**facts, recognised=True)  # type: ignore[arg-type]
+    route = p.send_route(**facts, recognised=recognised)  # type: ignore[arg-type]
+    assert (route is p.SendRoute.HANDLE) == (recognised and best is p.SendRoute.HANDLE)
+
+
 def test_staging_buffers_alternate_over_the_chunks_that_pack() -> None:
     plan = p.ChunkPlan(1024, 1e9, 0.0)
     assert plan.buffer == 0
@@ -429,6 +441,19 @@ def test_the_message_cap_grows_with_the_manifest(case: RefitSendCase) -> None:
 def test_only_temporary_storages_are_unmapped_after_their_chunk() -> None:
     assert [k.kept for k in p.StorageKind] == [True, True, False]
     assert [k.stable for k in p.StorageKind] == [False, True, False]
+
+
+@given(st.lists(st.sampled_from(list(p.StorageKind)), min_size=1, max_size=6))
+def test_a_chunk_is_answered_before_its_copies_only_when_no_storage_is_reused(
+    kinds: list[p.StorageKind],
+) -> None:
+    """A chunk's answer may precede the engine's copies out of it only when the sender
+    reuses or frees none of its storages once answered (its own tensors only); a broadcast
+    chunk's bytes are copied before it is answered, always."""
+    ref = p.TensorRef("w", (1,), "float32")
+    chunk = p.Chunk("r", 0, (ref,), tuple(4 for _ in kinds), tuple(kinds))
+    assert chunk.stable == all(k is p.StorageKind.OWN for k in kinds)
+    assert not p.Chunk("r", 0, (ref,)).stable
 
 
 # -- trust ---------------------------------------------------------------------------------

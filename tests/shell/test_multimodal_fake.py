@@ -148,6 +148,7 @@ def test_a_text_only_engine_resets_only_its_prefix_cache() -> None:
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
     worker.prepare_refit_info({"w": ((2,), "float32")})  # what a refit needs first
     worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    worker.generate(batch([[4, 5]]))  # fills the caches again: the sleep resets them
     worker.sleep(level=1)
     assert (engine.prefix_cache_resets, engine.mm_cache_resets, engine.encoder_cache_resets) == (
         2,

@@ -870,3 +870,57 @@ def test_ipc_a_refit_of_the_last_ones_tensors_resends_its_chunks_and_any_change_
         with pytest.raises(RefitError, match=r"w\.x"):
             peer.outcome()
         assert port.replay is None
+
+
+def test_ipc_the_replay_packs_small_tensors_of_known_storages_again(
+    receiver: IpcReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trainer tensors in separate allocations, some below PACK_BELOW_BYTES (packed every
+    refit): once recorded, a refit of the same tensors builds no chunk, packs the small
+    ones into the same staging buffers at the same offsets (their new bytes arrive) and
+    sends the large ones by handle; over several staged chunks (a small staging budget),
+    a change midway builds the rest anew, and every byte still arrives."""
+    n = p.PACK_BELOW_BYTES // 4
+    tensors = {f"big.{i}": torch.full((n,), float(i)) for i in range(3)}
+    tensors.update({f"small.{i}": torch.full((300,), float(i)) for i in range(8)})  # 1200 B
+    params = zeros_like_all(tensors)
+    manifest = manifest_of(tensors)
+    sink = ParameterSink(params)
+    built: list[int] = []
+    with ipc_sender(receiver, manifest=manifest, staging_bytes=SMALL) as sender:
+        port = sender._port
+        assert isinstance(port, IpcSenderPort)
+        flush = port.flush
+
+        def counted() -> None:
+            built.append(1)
+            flush()
+
+        monkeypatch.setattr(port, "flush", counted)
+
+        def refit(sent: dict[str, torch.Tensor]) -> tuple[RefitReport, int]:
+            built.clear()
+            peer = Peer(
+                lambda: receive(receiver, manifest, sink, routes=sink.routes, timeout_s=QUICK)
+            )
+            report = sender.send(sent.items())
+            got = peer.outcome()
+            assert (got.tensors, got.nbytes) == (len(sent), report.nbytes)
+            for name, tensor in sent.items():
+                assert torch.equal(params[name], tensor), name
+                params[name].zero_()
+            return report, len(built)
+
+        refit(tensors)  # packed: the sender has not seen the storages
+        report, chunks = refit(tensors)  # recorded
+        assert (chunks > 1, report.direct) == (True, 3)
+        assert port.replay is not None
+        for i, t in enumerate(tensors.values()):
+            t.fill_(10.0 + i)  # new bytes, same memory
+        report, chunks = refit(tensors)
+        assert (chunks, report.direct, report.loaded) == (0, 3, 8)
+        assert port.replay is not None
+        changed = {**tensors, "small.6": tensors["small.6"].clone()}  # a late chunk differs
+        assert refit(changed)[1] > 0  # partly replayed: not recorded
+        assert refit(changed)[1] > 0  # built whole: recorded
+        assert refit(changed)[1] == 0

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -356,6 +357,36 @@ def test_refit_failure_makes_weights_inconsistent_until_a_good_refit(
     assert engine.prefix_cache_resets == resets + 1
     after = worker.generate(batch([[4, 5]]), greedy=True)
     assert not torch.equal(before["output_ids"], after["output_ids"])
+
+
+def test_caches_known_empty_are_not_reset_again(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    """A refit or a sleep resets the caches only when a request may have filled them
+    since the last reset: through the worker, or past it (the engine's request count)."""
+    worker, engine = worker_engine
+    engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+    worker.prepare_refit_info({"w": ((2,), "float32")})
+    counter = SimpleNamespace(counter=0)  # as vllm.LLM's request_counter
+    engine.request_counter = counter  # type: ignore[attr-defined]
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert engine.prefix_cache_resets == 1  # a fresh worker resets once
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    worker.sleep(level=2)
+    worker.wake_up(["weights"])
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert engine.prefix_cache_resets == 1
+    assert "reset_prefix_cache_seconds" not in worker.last_refit
+    worker.wake_up(["kv_cache"])
+    worker.generate(batch([[4, 5]]))
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert engine.prefix_cache_resets == 2
+    counter.counter += 1  # a request run on worker.llm itself
+    worker.sleep(level=1)
+    assert engine.prefix_cache_resets == 3
+    worker.wake_up()
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert engine.prefix_cache_resets == 3
 
 
 @pytest.mark.parametrize("timeout", [0, -5.0, float("nan"), float("inf"), "60", True])
