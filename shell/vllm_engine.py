@@ -28,13 +28,14 @@ Theory of operation
   vLLM's outputs are freed row by row during the conversion: once a row is packed, its
   completion (the only reference left: the ``RequestOutput`` list is dropped first) goes,
   and with it its ~800 objects (token ids, logprob floats, the lists around them) while
-  they are still in the cache. Reading a 512 x 256 batch's outputs costs ~9 ms of CPU here
-  and freeing them cold, later, 10-13 ms more; freed hot they cost ~8 ms. (Handing them
-  to a releaser thread instead, as before, either left them alive for the end-of-call
-  young collection, which then walks every token object again, 14-24 ms, or let the
-  releaser take the interpreter lock whenever the caller released it, for up to the 5 ms
-  switch interval each time: 38-86 ms of wall time outside ``LLM.generate`` against
-  23-32 ms, measured on the same engine in turn, issue 20.)
+  they are still in the cache. On this 2-core host, a 512 x 256 batch, the same engine
+  in turn (issue 20): the worker's time outside ``LLM.generate`` is ~20 ms of CPU and
+  ~20 ms of wall time this way, against ~14 ms of CPU but ~29 ms of wall time when a
+  releaser thread freed them after the conversion: that thread took the interpreter lock
+  whenever the caller released it (numpy, torch) and kept it for up to the 5 ms switch
+  interval each time; handing them over only at the end of the call instead left them
+  alive for the end-of-call young collection, which then walked every token object again
+  (14-24 ms).
 - Errors are translated in one place (:func:`_translated`): vLLM's ``EngineDeadError``
   becomes ours. A generate call runs under :func:`_batch_call` as well: ``LLM.generate``
   aborts the requests it already added when one is rejected (``_render_and_add_requests``
