@@ -16,11 +16,12 @@ NeMo-RL does this with a Python loop per token (a dict lookup and a scalar tenso
 each). Here :class:`Generation` holds each row's tokens and logprobs as 1-D numpy arrays,
 :func:`flatten_generations` concatenates them once into :class:`FlatGenerations`, and
 :func:`assemble_flat_outputs` scatters the flat arrays into the padded buffers with one
-fancy-index assignment per buffer, at flat indices computed with ``np.repeat`` and
-``np.arange``; ``torch.from_numpy`` then wraps the buffers without a copy. (numpy rather than
-torch for the fill and the scatter: on a 512 x 1280 batch it measured about twice as fast on
-an idle 2-core host and over ten times as fast on a busy one, where torch's intra-op threads
-stall.)
+boolean-mask assignment per buffer (the mask of every row's generated span, whose True
+cells in row-major order are the flat arrays' order: about 4x faster than fancy indices
+at flat positions built with ``np.repeat`` on a 512 x 256 batch); ``torch.from_numpy``
+then wraps the buffers without a copy. (numpy rather than torch for the fill and the
+scatter: on a 512 x 1280 batch it measured about twice as fast on an idle 2-core host and
+over ten times as fast on a busy one, where torch's intra-op threads stall.)
 An engine adapter that already has flat arrays builds :class:`FlatGenerations` itself (the
 vLLM adapter does, in one pass over vLLM's outputs) and calls :func:`assemble_flat_outputs`.
 
@@ -313,17 +314,19 @@ def assemble_flat_outputs(
     total_width = width + int(gen_lengths.max())
 
     output_ids = np.full((batch, total_width), pad_token_id, dtype=ids.dtype)
-    tail = np.arange(width)[None, :] >= lengths[:, None]
-    output_ids[:, :width] = np.where(tail, ids.dtype.type(pad_token_id), ids)
+    columns = np.arange(total_width)[None, :]
+    starts = lengths[:, None]
+    output_ids[:, :width] = np.where(
+        columns[:, :width] >= starts, ids.dtype.type(pad_token_id), ids
+    )
     logprobs = np.zeros((batch, total_width), dtype=np.float32)
 
-    # Flat index of generated token k of row i: i * W + l_i + k. With offset_i the start of
-    # row i in the flat arrays, that is j + (i * W + l_i - offset_i) for flat position j.
-    offsets = np.cumsum(gen_lengths) - gen_lengths
-    row_base = np.arange(batch, dtype=np.int64) * total_width + lengths - offsets
-    index = np.arange(flat.token_ids.shape[0], dtype=np.int64) + np.repeat(row_base, gen_lengths)
-    output_ids.reshape(-1)[index] = flat.token_ids
-    logprobs.reshape(-1)[index] = flat.logprobs
+    # Row i's generated span is [l_i, l_i + g_i); a boolean mask assignment fills the
+    # True cells in row-major order, which is the flat arrays' order (row by row, each
+    # row's tokens in turn).
+    generated = (columns >= starts) & (columns < starts + gen_lengths[:, None])
+    output_ids[generated] = flat.token_ids
+    logprobs[generated] = flat.logprobs
 
     generation_lengths = torch.from_numpy(gen_lengths.copy())
     return GenerationOutputs(

@@ -19,14 +19,23 @@ Theory of operation
   the common case (``logprobs=0``, flat logprobs holding exactly the sampled token at each
   position, checked per row with two list comparisons) every row's token ids and
   logprobs are packed straight into two flat numpy arrays (``struct``, one C loop per
-  row and array); no per-row ``Generation`` is built. Anything else goes row by row
-  (:func:`_generation`), which names what is wrong.
+  row and array); no per-row ``Generation`` is built. From the first row that does not fit
+  that layout on, rows go one by one (:func:`_generation`), which names what is wrong.
 - vLLM detokenizes only the rows whose spec asks for it (``SamplingSpec.detokenize``:
   stop strings, text requests); ``generate_text`` refuses a spec that does not.
 - Cyclic GC stays out of a generate call (:func:`~genworker.shell.collector.defer_cyclic_gc`):
-  vLLM allocates per request and per step on the host thread all through the call. Once
-  converted, vLLM's outputs are freed on a background thread
-  (:func:`~genworker.shell.collector.release_later`), not on the caller's path.
+  vLLM allocates per request and per step on the host thread all through the call.
+  vLLM's outputs are freed row by row during the conversion: once a row is packed, its
+  completion (the only reference left: the ``RequestOutput`` list is dropped first) goes,
+  and with it its ~800 objects (token ids, logprob floats, the lists around them) while
+  they are still in the cache. On this 2-core host, a 512 x 256 batch, the same engine
+  in turn (issue 20): the worker's time outside ``LLM.generate`` is ~20 ms of CPU and
+  ~20 ms of wall time this way, against ~14 ms of CPU but ~29 ms of wall time when a
+  releaser thread freed them after the conversion: that thread took the interpreter lock
+  whenever the caller released it (numpy, torch) and kept it for up to the 5 ms switch
+  interval each time; handing them over only at the end of the call instead left them
+  alive for the end-of-call young collection, which then walked every token object again
+  (14-24 ms).
 - Errors are translated in one place (:func:`_translated`): vLLM's ``EngineDeadError``
   becomes ours. A generate call runs under :func:`_batch_call` as well: ``LLM.generate``
   aborts the requests it already added when one is rejected (``_render_and_add_requests``
@@ -104,7 +113,7 @@ from genworker.core.counters import (
     VectorSample,
 )
 from genworker.core.sampling import SamplingSpec, group_specs
-from genworker.shell.collector import defer_cyclic_gc, release_later
+from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.errors import (
     BadBatchError,
     BadConfigError,
@@ -317,9 +326,9 @@ class VllmEngine:
         with _batch_call(llm, "generate"):
             params = self._params(specs)
             outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
-        flat = _generations([out.outputs[0] for out in outputs])
-        release_later(outputs)  # freed off the caller's path
-        return flat
+        completions: list[CompletionOutput | None] = [out.outputs[0] for out in outputs]
+        del outputs  # the completions are now the only references to vLLM's outputs
+        return _generations(completions, consume=True)  # each row freed once read
 
     def generate_text(
         self,
@@ -577,13 +586,16 @@ def _bounded(
     return result[0]
 
 
-def _generations(outs: Sequence[CompletionOutput]) -> FlatGenerations:
+def _generations(outs: list[CompletionOutput | None], *, consume: bool = False) -> FlatGenerations:
     """Every row's generation as flat arrays, in one pass where the layout allows it (see
-    the module docstring); otherwise row by row."""
-    total = sum(len(out.token_ids) for out in outs)
+    the module docstring), the rest row by row from the first row it does not. ``consume``:
+    each row's entry of ``outs`` is dropped once read (set to None), so a list that held
+    the only references frees the row's objects while they are still in the cache."""
+    rows = len(outs)
+    lengths = np.array([len(_present(out).token_ids) for out in outs], dtype=np.int64)
+    total = int(lengths.sum())
     token_ids = bytearray(8 * total)  # int64, then wrapped by numpy without a copy
     logprobs = bytearray(4 * total)  # float32
-    lengths: list[int] = []
     reasons: list[str | None] = []
     # Per row length n: [0, n) (the start indices of one entry per position) and the
     # packers of n native int64 / float32 values. struct packs a list's values straight
@@ -591,7 +603,8 @@ def _generations(outs: Sequence[CompletionOutput]) -> FlatGenerations:
     # list conversion; float32 is rounded from vLLM's doubles as numpy's cast rounds it.
     layouts: dict[int, tuple[list[int], struct.Struct, struct.Struct]] = {}
     offset = 0
-    for out in outs:
+    for row in range(rows):
+        out = _present(outs[row])
         ids = out.token_ids  # a list in 0.32; any other sequence is compared as one
         if not isinstance(ids, list):
             ids = list(ids)
@@ -607,32 +620,70 @@ def _generations(outs: Sequence[CompletionOutput]) -> FlatGenerations:
             and flat.token_ids == ids
             and flat.start_indices == one_per_position
         ):
-            return flatten_generations([_generation(row, o) for row, o in enumerate(outs)])
+            return _with_rest(outs, row, token_ids, logprobs, offset, lengths, reasons)
         pack_ids.pack_into(token_ids, 8 * offset, *ids)
         pack_logprobs.pack_into(logprobs, 4 * offset, *flat.logprobs)
         offset += n
-        lengths.append(n)
         reasons.append(out.finish_reason)
+        if consume:
+            del out, ids, flat
+            outs[row] = None
     if not _FINISH_REASONS.keys() >= set(reasons):
-        for row, out in enumerate(outs):
-            _finish_reason(row, out)  # raises, naming the first row that did not finish
+        for row, reason in enumerate(reasons):
+            _finish_reason(row, reason)  # raises, naming the first row that did not finish
     return FlatGenerations(
         token_ids=np.frombuffer(token_ids, dtype=np.int64),
         logprobs=np.frombuffer(logprobs, dtype=np.float32),
-        lengths=np.array(lengths, dtype=np.int64),
+        lengths=lengths,
         truncated=np.array([r == "length" for r in reasons], dtype=np.bool_),
     )
 
 
-def _finish_reason(row: int, out: CompletionOutput) -> str:
-    reason = _FINISH_REASONS.get(out.finish_reason or "")
+def _present(out: CompletionOutput | None) -> CompletionOutput:
+    if out is None:
+        raise GenworkerError("genworker bug: a vLLM output read after it was dropped")
+    return out
+
+
+def _with_rest(
+    outs: Sequence[CompletionOutput | None],
+    first: int,
+    token_ids: bytearray,
+    logprobs: bytearray,
+    offset: int,
+    lengths: npt.NDArray[np.int64],
+    reasons: list[str | None],
+) -> FlatGenerations:
+    """The rows before ``first`` as packed, the others converted row by row."""
+    if not _FINISH_REASONS.keys() >= set(reasons):
+        for row, reason in enumerate(reasons):
+            _finish_reason(row, reason)
+    rest = flatten_generations(
+        [_generation(row, _present(outs[row])) for row in range(first, len(outs))]
+    )
+    return FlatGenerations(
+        token_ids=np.concatenate(
+            [np.frombuffer(token_ids, dtype=np.int64, count=offset), rest.token_ids]
+        ),
+        logprobs=np.concatenate(
+            [np.frombuffer(logprobs, dtype=np.float32, count=offset), rest.logprobs]
+        ),
+        lengths=lengths,
+        truncated=np.concatenate(
+            [np.array([r == "length" for r in reasons], dtype=np.bool_), rest.truncated]
+        ),
+    )
+
+
+def _finish_reason(row: int, finish_reason: str | None) -> str:
+    reason = _FINISH_REASONS.get(finish_reason or "")
     if reason is None:
-        raise GenworkerError(f"generate: row {row} did not finish (reason {out.finish_reason!r})")
+        raise GenworkerError(f"generate: row {row} did not finish (reason {finish_reason!r})")
     return reason
 
 
 def _generation(row: int, out: CompletionOutput) -> Generation:
-    reason = _finish_reason(row, out)
+    reason = _finish_reason(row, out.finish_reason)
     token_ids = np.asarray(out.token_ids, dtype=np.int64)
     return Generation(token_ids, _sampled_logprobs(row, token_ids, out), reason)
 

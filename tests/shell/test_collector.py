@@ -1,11 +1,10 @@
 """``defer_cyclic_gc``: no cyclic collection inside a generate call, one young collection
 at its end, the collector's state restored whatever happens; the worker's generate
-running under it (fake engine); ``release_later``: objects freed on another thread."""
+running under it (fake engine)."""
 
 from __future__ import annotations
 
 import gc
-import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 from helpers import base_config, right_padded
 
-from genworker.shell.collector import defer_cyclic_gc, release_later, wait_released
+from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.errors import BadBatchError, EngineDeadError
 from genworker.shell.fake_engine import FakeEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
@@ -139,39 +138,3 @@ def test_the_worker_restores_the_collector_when_generate_raises(
         assert seen == ([] if failure == "bad-batch" else [False])
     finally:
         gc.enable()
-
-
-# --- release_later ---
-
-
-class _Witness:
-    """Records the thread that frees it; optionally waits for ``gate`` while being freed."""
-
-    def __init__(self, freed_on: list[int], gate: threading.Event | None = None) -> None:
-        self.freed_on = freed_on
-        self.gate = gate
-
-    def __del__(self) -> None:
-        if self.gate is not None:
-            self.gate.wait(10.0)
-        self.freed_on.append(threading.get_ident())
-
-
-def test_released_objects_are_freed_on_another_thread() -> None:
-    freed_on: list[int] = []
-    items: list[object] = [_Witness(freed_on) for _ in range(100)]
-    release_later(items)
-    wait_released()
-    assert len(freed_on) == 100
-    assert threading.get_ident() not in freed_on
-    assert items == []  # the list handed over is emptied
-
-
-def test_release_later_returns_before_the_objects_are_freed() -> None:
-    freed_on: list[int] = []
-    gate = threading.Event()
-    release_later([_Witness(freed_on, gate)])
-    assert freed_on == []  # the caller goes on while the object is still being freed
-    gate.set()
-    wait_released()
-    assert len(freed_on) == 1

@@ -5,6 +5,8 @@ the installed vLLM, reached untyped."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import numpy as np
@@ -64,12 +66,18 @@ _rows = st.lists(
 )
 
 
-@given(_rows, st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(_REASONS))))
+@given(
+    _rows,
+    st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(_REASONS))),
+    st.booleans(),
+)
 def test_bulk_conversion_equals_the_row_by_row_one(
-    rows: list[list[tuple[int, float]]], kinds: list[tuple[bool, bool, str]]
+    rows: list[list[tuple[int, float]]], kinds: list[tuple[bool, bool, str]], consume: bool
 ) -> None:
     """Whatever mix of layouts (flat or dicts, with or without a top-1 alternative) and
-    finish reasons, the one-pass conversion gives what the row-by-row one does."""
+    finish reasons, the one-pass conversion gives what the row-by-row one does; with
+    ``consume``, every row before the first that goes row by row is dropped from the list
+    and the others are left as they were."""
     outs = []
     for i, row in enumerate(rows):
         extra, flat, reason = kinds[i] if i < len(kinds) else (False, True, "length")
@@ -83,7 +91,53 @@ def test_bulk_conversion_equals_the_row_by_row_one(
             )
         )
     expected = flatten_generations([_generation(i, o) for i, o in enumerate(outs)])
-    assert _generations(outs) == expected
+    given_outs = list(outs)
+    slow = [
+        i
+        for i, o in enumerate(outs)
+        if not isinstance(o.logprobs, _vllm_logprobs.FlatLogprobs)
+        or len(o.logprobs.token_ids) != len(o.token_ids)
+    ]
+    first_slow = min(slow, default=len(outs))
+    assert _generations(outs, consume=consume) == expected
+    kept = given_outs[first_slow:]
+    assert outs == ([None] * first_slow + kept if consume else given_outs)
+
+
+def test_consumed_rows_are_freed_once_read() -> None:
+    outs = [_completion([5, 6], [-1.0, -2.0]), _completion([7], [-0.5])]
+    refs = [weakref.ref(o) for o in outs]
+    gc.disable()  # freed by reference counting, as each row is read
+    try:
+        flat = _generations(outs, consume=True)
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()
+    assert outs == [None, None]
+    assert flat.token_ids.tolist() == [5, 6, 7]
+    assert flat.logprobs.tolist() == [-1.0, -2.0, -0.5]
+
+
+def test_rows_after_a_row_by_row_one_keep_their_place() -> None:
+    outs = [
+        _completion([5, 6], [-1.0, -2.0]),
+        _completion([7], [-0.5], flat=False),
+        _completion([8, 9, 10], [-0.25, -0.75, -1.25], finish_reason="stop"),
+    ]
+    flat = _generations(outs, consume=True)
+    assert outs[0] is None
+    assert outs[1] is not None
+    assert outs[2] is not None
+    assert flat.token_ids.tolist() == [5, 6, 7, 8, 9, 10]
+    assert flat.logprobs.tolist() == [-1.0, -2.0, -0.5, -0.25, -0.75, -1.25]
+    assert flat.lengths.tolist() == [2, 1, 3]
+    assert flat.truncated.tolist() == [True, True, False]
+
+
+def test_a_packed_row_that_did_not_finish_is_named_before_the_row_by_row_rest() -> None:
+    outs = [_completion([6], [-1.0], finish_reason=None), _completion([5], [-1.0], flat=False)]
+    with pytest.raises(GenworkerError, match="row 0 did not finish"):
+        _generations(outs)
 
 
 _any_logprob = st.floats(max_value=0.0, allow_nan=False) | st.sampled_from(
