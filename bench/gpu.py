@@ -2171,6 +2171,9 @@ async def _async_inflight_refit(sec: Section, worker: Any, trainer: Trainer, sca
     idle: list[float] = []
     busy: list[float] = []
     modes: set[str] = set()
+    # where pause-to-resume goes: the worker's pause / refit RPC / resume, and the engine
+    # side of the RPC (its phases, with the RPC's own transport as "rpc other")
+    split: dict[str, list[dict[str, float]]] = {"busy": [], "idle": []}
     for k in range(2 * scale.refit_reps + 1):
         streaming = k % 2 == 1
         stream = None
@@ -2185,6 +2188,14 @@ async def _async_inflight_refit(sec: Section, worker: Any, trainer: Trainer, sca
         modes.add(f"{handles} by handle, {packed} packed")
         if k > 0:  # the first refit builds the routes
             (busy if streaming else idle).append(float(worker.last_refit["paused_seconds"]))
+            last = worker.last_refit
+            split["busy" if streaming else "idle"].append(
+                {
+                    "pause": float(last["pause_seconds"]),
+                    "resume": float(last["resume_seconds"]),
+                    **engine_phases(worker),
+                }
+            )
         if stream is not None:
             stream.cancel()
             await asyncio.gather(stream, return_exceptions=True)
@@ -2196,7 +2207,11 @@ async def _async_inflight_refit(sec: Section, worker: Any, trainer: Trainer, sca
         "runs: busy "
         + ", ".join(fmt_s(x) for x in busy)
         + "; idle "
-        + ", ".join(fmt_s(x) for x in idle),
+        + ", ".join(fmt_s(x) for x in idle)
+        + "; within (ms, median): busy "
+        + phase_text(split["busy"])
+        + "; idle "
+        + phase_text(split["idle"]),
     )
     sec.row("inflight_refit_extra_ms", f"{extra_ms:.1f}", f"bar <= {ASYNC_REFIT_EXTRA_BAR_MS:g}")
     sec.verdict(
