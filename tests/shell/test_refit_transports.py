@@ -805,6 +805,23 @@ def test_a_killed_collective_receiver_is_a_transport_error_for_the_sender() -> N
 # -- the replay: the last refit's tensors again ----------------------------------------
 
 
+def count_flushes(
+    sender: RefitSender, monkeypatch: pytest.MonkeyPatch
+) -> tuple[IpcSenderPort, list[int]]:
+    """The IPC ``sender``'s port, and a list that grows by one for each chunk it flushes."""
+    port = sender._port
+    assert isinstance(port, IpcSenderPort)
+    flush = port.flush
+    built: list[int] = []
+
+    def counted() -> None:
+        built.append(1)
+        flush()
+
+    monkeypatch.setattr(port, "flush", counted)
+    return port, built
+
+
 def test_ipc_a_refit_of_the_last_ones_tensors_resends_its_chunks_and_any_change_misses(
     receiver: IpcReceiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -819,17 +836,8 @@ def test_ipc_a_refit_of_the_last_ones_tensors_resends_its_chunks_and_any_change_
     params = zeros_like_all(tensors)
     manifest = manifest_of(tensors)
     sink = ParameterSink(params)
-    built: list[int] = []
     with ipc_sender(receiver, manifest=manifest) as sender:
-        port = sender._port
-        assert isinstance(port, IpcSenderPort)
-        flush = port.flush
-
-        def counted() -> None:
-            built.append(1)
-            flush()
-
-        monkeypatch.setattr(port, "flush", counted)
+        port, built = count_flushes(sender, monkeypatch)
 
         def refit(sent: dict[str, torch.Tensor]) -> tuple[RefitReport, int]:
             built.clear()
@@ -886,17 +894,8 @@ def test_ipc_the_replay_packs_small_tensors_of_known_storages_again(
     params = zeros_like_all(tensors)
     manifest = manifest_of(tensors)
     sink = ParameterSink(params)
-    built: list[int] = []
     with ipc_sender(receiver, manifest=manifest, staging_bytes=SMALL) as sender:
-        port = sender._port
-        assert isinstance(port, IpcSenderPort)
-        flush = port.flush
-
-        def counted() -> None:
-            built.append(1)
-            flush()
-
-        monkeypatch.setattr(port, "flush", counted)
+        port, built = count_flushes(sender, monkeypatch)
 
         def refit(sent: dict[str, torch.Tensor]) -> tuple[RefitReport, int]:
             built.clear()
