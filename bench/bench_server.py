@@ -86,6 +86,22 @@ def _config(model: Path) -> dict[str, object]:
     }
 
 
+def request_body(model: str, i: int, tokens: int) -> dict[str, object]:
+    """Completion request ``i`` of the benchmark: ``tokens`` sampled tokens with their ids
+    and logprobs, on policy (temperature 1, top_p 1), seeded by ``i``."""
+    return {
+        "model": model,
+        "prompt": f"request {i} of the benchmark says",
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "logprobs": 0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "seed": i,
+    }
+
+
 async def _round(
     url: str, model: str, clients: int, total: int | None = None, tokens: int = TOKENS
 ) -> tuple[float, list[float]]:
@@ -100,17 +116,7 @@ async def _round(
     async def client() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=300) as c:
             for i in todo:
-                body = {
-                    "model": model,
-                    "prompt": f"request {i} of the benchmark says",
-                    "max_tokens": tokens,
-                    "ignore_eos": True,
-                    "return_token_ids": True,
-                    "logprobs": 0,
-                    "temperature": 1.0,
-                    "top_p": 1.0,
-                    "seed": i,
-                }
+                body = request_body(model, i, tokens)
                 t = time.perf_counter()
                 r = await c.post("/v1/completions", json=body)
                 latencies.append(time.perf_counter() - t)
@@ -178,22 +184,7 @@ async def _layer_cost(worker: Any) -> tuple[float, float]:
         decode=live.decode,
         reuses_prompt_ids=live.reuses_prompt_ids,
     )
-    bodies = [
-        json.dumps(
-            {
-                "model": "m",
-                "prompt": f"request {i} of the benchmark says",
-                "max_tokens": TOKENS,
-                "ignore_eos": True,
-                "return_token_ids": True,
-                "logprobs": 0,
-                "temperature": 1.0,
-                "top_p": 1.0,
-                "seed": i,
-            }
-        ).encode()
-        for i in range(64)
-    ]
+    bodies = [json.dumps(request_body("m", i, TOKENS)).encode() for i in range(64)]
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
 
     async def one(app: Any, body: bytes) -> None:
