@@ -1,7 +1,7 @@
 """Refit host overhead on CPU: what a refit costs when its bytes cost nothing.
 
-A spawned trainer holds 195 float32 tensors of 64 KiB (the 8B model's tensor count; the
-smallest size that travels by handle, so the copies are ~12 MiB in all) and refits them
+A spawned trainer holds 195 float32 tensors of 64 KiB (the 8B model's tensor count; small,
+so the copies are ~12 MiB in all; any size travels by handle once recognised) and refits them
 into this process by ``RefitSender.ipc`` and :func:`fake.receive_into` (direct writes),
 the same tensors every refit: after two warm-ups every refit is the RL steady state (kept
 handles, one chunk). ``refit_host_overhead_ms``: the best steady refit's trainer wall

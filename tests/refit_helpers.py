@@ -55,8 +55,8 @@ def outcome_of(fn: Callable[[], Mapping[str, object]]) -> Outcome:
 
 
 def random_state_dict(seed: int, *, scale: int = 1) -> dict[str, torch.Tensor]:
-    """Deterministic tensors of several dtypes and shapes, some large enough to travel by
-    handle, one non-contiguous, one empty."""
+    """Deterministic tensors of several dtypes and shapes: six travel by handle once
+    recognised, two always packed (one non-contiguous, one empty)."""
     g = torch.Generator().manual_seed(seed)
     return {
         "embed.weight": torch.randn(256 * scale, 128, generator=g),  # 128 KiB

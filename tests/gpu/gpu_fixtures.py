@@ -578,8 +578,8 @@ FAKE_SEED = 7
 
 
 def fake_state_dict(device: str) -> dict[str, torch.Tensor]:
-    """Several dtypes and shapes, one non-contiguous, one empty, two large enough to go
-    by handle (``refit_helpers.random_state_dict``), on ``device`` with their strides."""
+    """Several dtypes and shapes, one non-contiguous, one empty, six to go by handle
+    (``refit_helpers.random_state_dict``), on ``device`` with their strides."""
     from refit_helpers import random_state_dict
 
     return {n: t.to(device) for n, t in random_state_dict(FAKE_SEED).items()}
