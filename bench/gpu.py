@@ -225,7 +225,7 @@ class Scale:
     refit_shape: LlamaShape = LLAMA3_8B
     refit_util: float = 0.4
     refit_reps: int = 3
-    refit_section_reps: int = 5  # the refit section's refits per row and switches, after warm-up
+    refit_section_reps: int = 5  # refits per row (refit, ipc-nosleep) and switches, after warm-up
     copy_bytes: int = 8 * GIB
     nccl_chunk_bytes: int = GIB
     dtype: str = "bfloat16"
@@ -1712,7 +1712,7 @@ def refit_nosleep_child(*, report: Callable[[Section], None], scale: Scale) -> N
                 f"IPC refit, engine layout, default, {LAYOUTS['separate']}",
                 nbytes,
                 copy,
-                refit_over_ipc(worker, trainer, own, scale.refit_reps),
+                refit_over_ipc(worker, trainer, own, scale.refit_section_reps),
             )
             sec.verdict(
                 f"default IPC refit into an engine without sleep mode at {rate / copy:.1%} "
