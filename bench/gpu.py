@@ -1941,6 +1941,45 @@ def nccl_child(*, report: Callable[[Section], None], scale: Scale) -> None:
 
 
 # -- async -------------------------------------------------------------------------------
+def _start_async_worker(
+    sec: Section, scale: Scale, shape: LlamaShape, util: float, room: int, model: str, ref: str
+) -> tuple[Any, int]:
+    """An async worker over an ``AsyncLLM`` of ``shape`` with ``room`` new tokens, pinned to
+    the GPU's CPUs, and the section's start-up rows (``ref``: the start's reference); with
+    its ``max_model_len``."""
+    from genworker.shell.async_worker import AsyncVllmGenerationWorker
+
+    pinned_cpus = pin_to_gpu_cpus()
+    max_model_len = scale.prompt_len + room + 16
+    config = worker_config(
+        write_model(shape, scale.dtype),
+        scale,
+        util=util,
+        max_new_tokens=room,
+        max_model_len=max_model_len,
+        prefix_caching=False,
+    )
+    vllm_cfg = dict(config["vllm_cfg"])  # type: ignore[call-overload]
+    vllm_cfg.update(async_engine=True, cap_max_tokens_to_context=True)
+    config["vllm_cfg"] = vllm_cfg
+    before = free_bytes()
+    t0 = time.perf_counter()
+    worker = AsyncVllmGenerationWorker(config)
+    sec.row("model", model)
+    sec.row("engine start (AsyncLLM, enforce_eager)", fmt_s(time.perf_counter() - t0), ref)
+    sec.row("engine device memory", fmt_gib(before - free_bytes()))
+    sec.row("CPUs of this process", pinned_cpus)
+    return worker, max_model_len
+
+
+def _stop_async(loop: Any, trainer: Trainer | None, worker: Any) -> None:
+    if trainer is not None:
+        trainer.stop()
+    if worker is not None:
+        loop.run_until_complete(worker.shutdown())
+    loop.close()
+
+
 def async_child(*, report: Callable[[Section], None], scale: Scale) -> None:
     """The ``async`` section (one ``AsyncLLM``; its engine core is its own process)."""
     import asyncio
@@ -1950,31 +1989,13 @@ def async_child(*, report: Callable[[Section], None], scale: Scale) -> None:
     trainer: Trainer | None = None
     worker: Any = None
     with guarded(sec):
-        from genworker.shell.async_worker import AsyncVllmGenerationWorker
-
-        pinned_cpus = pin_to_gpu_cpus()
         shape = scale.gen_shape
         long_room = scale.new_tokens
         short_room = max(long_room // 8, 1)
-        max_model_len = scale.prompt_len + long_room + 16
-        config = worker_config(
-            write_model(shape, scale.dtype),
-            scale,
-            util=scale.gen_util,
-            max_new_tokens=long_room,
-            max_model_len=max_model_len,
-            prefix_caching=False,
+        model = f"{shape.name}: {fmt_params(shape.num_params())} parameters"
+        worker, max_model_len = _start_async_worker(
+            sec, scale, shape, scale.gen_util, long_room, model, "52 s"
         )
-        vllm_cfg = dict(config["vllm_cfg"])  # type: ignore[call-overload]
-        vllm_cfg.update(async_engine=True, cap_max_tokens_to_context=True)
-        config["vllm_cfg"] = vllm_cfg
-        before = free_bytes()
-        t0 = time.perf_counter()
-        worker = AsyncVllmGenerationWorker(config)
-        sec.row("model", f"{shape.name}: {fmt_params(shape.num_params())} parameters")
-        sec.row("engine start (AsyncLLM, enforce_eager)", fmt_s(time.perf_counter() - t0), "52 s")
-        sec.row("engine device memory", fmt_gib(before - free_bytes()))
-        sec.row("CPUs of this process", pinned_cpus)
         with part(sec, "long tail"):
             loop.run_until_complete(
                 _async_long_tail(sec, worker, scale, max_model_len, short_room, long_room)
@@ -1986,11 +2007,7 @@ def async_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             trainer = Trainer(ipc_trainer_main, {"address": str(address)})
             _inflight_trainer(loop, worker, trainer)
             loop.run_until_complete(_async_inflight_refit(sec, worker, trainer, scale))
-    if trainer is not None:
-        trainer.stop()
-    if worker is not None:
-        loop.run_until_complete(worker.shutdown())
-    loop.close()
+    _stop_async(loop, trainer, worker)
     report(sec)
 
 
@@ -2017,30 +2034,11 @@ def async_8b_child(*, report: Callable[[Section], None], scale: Scale) -> None:
     trainer: Trainer | None = None
     worker: Any = None
     with guarded(sec):
-        from genworker.shell.async_worker import AsyncVllmGenerationWorker
-
-        pinned_cpus = pin_to_gpu_cpus()
         shape = scale.refit_shape
-        config = worker_config(
-            write_model(shape, scale.dtype),
-            scale,
-            util=scale.refit_util,
-            max_new_tokens=scale.new_tokens,
-            max_model_len=scale.prompt_len + scale.new_tokens + 16,
-            prefix_caching=False,
+        model = f"{shape.name}: {fmt_params(shape.num_params())} parameters, {scale.dtype}"
+        worker, _ = _start_async_worker(
+            sec, scale, shape, scale.refit_util, scale.new_tokens, model, ""
         )
-        vllm_cfg = dict(config["vllm_cfg"])  # type: ignore[call-overload]
-        vllm_cfg.update(async_engine=True, cap_max_tokens_to_context=True)
-        config["vllm_cfg"] = vllm_cfg
-        before = free_bytes()
-        t0 = time.perf_counter()
-        worker = AsyncVllmGenerationWorker(config)
-        sec.row(
-            "model", f"{shape.name}: {fmt_params(shape.num_params())} parameters, {scale.dtype}"
-        )
-        sec.row("engine start (AsyncLLM, enforce_eager)", fmt_s(time.perf_counter() - t0))
-        sec.row("engine device memory", fmt_gib(before - free_bytes()))
-        sec.row("CPUs of this process", pinned_cpus)
         (address,) = loop.run_until_complete(worker.refit_address())
         t0 = time.perf_counter()
         trainer = Trainer(ipc_trainer_main, {"address": str(address)})
@@ -2051,11 +2049,7 @@ def async_8b_child(*, report: Callable[[Section], None], scale: Scale) -> None:
         loop.run_until_complete(
             _async_inflight_refit(sec, worker, trainer, replace(scale, gen_shape=shape))
         )
-    if trainer is not None:
-        trainer.stop()
-    if worker is not None:
-        loop.run_until_complete(worker.shutdown())
-    loop.close()
+    _stop_async(loop, trainer, worker)
     report(sec)
 
 
