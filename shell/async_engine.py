@@ -176,7 +176,8 @@ class AsyncVllmEngine:
             num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
         )
         self._params: dict[tuple[SamplingSpec, RequestOutputKind], SamplingParams] = {}
-        # pause_generation's own calls (0.25 and 0.32); a vLLM without them: pause_generation
+        # AsyncLLM.pause_generation's own calls (vllm/v1/engine/async_llm.py: 0.25 and 0.32
+        # have both); a vLLM without them pauses through pause_generation, sleep and all.
         self._direct_pause = callable(
             getattr(llm.engine_core, "pause_scheduler_async", None)
         ) and callable(getattr(llm.renderer, "clear_mm_cache_async", None))
