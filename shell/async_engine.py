@@ -20,6 +20,16 @@ Theory of operation
   ``EngineDeadError`` becomes ours, request validation errors become ``BadBatchError``;
   ``EngineGenerateError`` (an unexpected failure inside one request) becomes a
   ``GenworkerError`` naming it, the engine keeps serving.
+- ``pause`` is ``AsyncLLM.pause_generation`` without its closing ``asyncio.sleep(0.02)``
+  (``vllm/v1/engine/async_llm.py``, 0.25 and 0.32): the same calls (the renderer's
+  multimodal cache cleared when ``clear_cache``, then ``pause_scheduler_async`` on the
+  engine core client). The sleep only gives the output handler time to push the outputs
+  that came in before the pause's answer into their streams, "not required for
+  correctness" (vLLM's comment); nothing here needs that order: vLLM 0.32 labels each
+  step's outputs in the engine core, and the worker that counts tokens (0.25) waits for
+  them itself (``AsyncVllmGenerationWorker._settle``). Each step's outputs, the aborted
+  requests' final ones included, reach the client before the pause's answer
+  (``EngineCoreProc.pause_scheduler``, ``vllm/v1/engine/core.py``).
 - ``collective_rpc`` is bounded by ``timeout`` here (the in-process executor inside the
   engine core ignores vLLM's own): past it the engine core is stuck in the RPC, so dead.
 """
@@ -166,6 +176,11 @@ class AsyncVllmEngine:
             num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
         )
         self._params: dict[tuple[SamplingSpec, RequestOutputKind], SamplingParams] = {}
+        # AsyncLLM.pause_generation's own calls (vllm/v1/engine/async_llm.py: 0.25 and 0.32
+        # have both); a vLLM without them pauses through pause_generation, sleep and all.
+        self._direct_pause = callable(
+            getattr(llm.engine_core, "pause_scheduler_async", None)
+        ) and callable(getattr(llm.renderer, "clear_mm_cache_async", None))
 
     @classmethod
     def start(cls, kwargs: Mapping[str, object]) -> AsyncVllmEngine:
@@ -275,7 +290,12 @@ class AsyncVllmEngine:
     async def pause(self, mode: InflightMode, clear_cache: bool) -> None:
         llm = self.llm
         with _translated_async("pause_generation"):
-            await llm.pause_generation(mode=mode.value, clear_cache=clear_cache)
+            if not self._direct_pause:
+                await llm.pause_generation(mode=mode.value, clear_cache=clear_cache)
+                return
+            if clear_cache:
+                await llm.renderer.clear_mm_cache_async()
+            await llm.engine_core.pause_scheduler_async(mode=mode.value, clear_cache=clear_cache)
 
     async def resume(self) -> None:
         llm = self.llm

@@ -27,7 +27,8 @@ every row is its own engine request, so rows finish, fail and change weights apa
   refused while streams run.
 - In-flight refit (``update_weights_via_ipc_zmq`` / ``update_weights_from_collective``):
   the lifecycle enters refitting at once (a second refit is refused), the engine is paused
-  with ``AsyncLLM.pause_generation(mode, clear_cache)``, the engine workers receive the
+  as by ``AsyncLLM.pause_generation(mode, clear_cache)`` (without its 20 ms sleep,
+  ``AsyncVllmEngine.pause``), the engine workers receive the
   weights over the refit transports (the same extension RPCs as the sync worker), the
   weight version goes up by one, and the engine resumes. ``mode`` (``InflightMode``):
   ``keep`` (default) freezes running requests, which continue on the new weights (with

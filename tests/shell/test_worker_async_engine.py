@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,6 +47,8 @@ from safetensors.torch import load_file
 
 from genworker.core import lifecycle
 from genworker.core.lifecycle import TABLE, Event, InflightMode, State
+from genworker.core.sampling import SamplingSpec
+from genworker.shell.async_engine import AsyncVllmEngine
 from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
 from genworker.shell.errors import (
     BadBatchError,
@@ -56,7 +59,7 @@ from genworker.shell.errors import (
     RequestAbortedError,
     UnsupportedError,
 )
-from genworker.shell.ports import AsyncEnginePort
+from genworker.shell.ports import AsyncEnginePort, StreamedGeneration
 from genworker.shell.tiny_model import build_tiny_model
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
@@ -461,6 +464,53 @@ def test_a_failed_refit_fails_the_rows_in_flight_and_a_good_one_brings_the_worke
         assert len(outputs(await collect(worker.generate_async(batch([5]))))) == 1
 
     run_soon(loop, main())
+
+
+def test_a_pause_sleeps_no_fixed_time_and_keep_holds_the_requests_until_resume(
+    first: AsyncVllmGenerationWorker,
+    loop: asyncio.AbstractEventLoop,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's pause_generation ends with ``asyncio.sleep(0.02)`` (vllm/v1/engine/async_llm.py,
+    0.25 and 0.32); the engine's pause makes its calls without it. Mode keep: the requests
+    stream no token while paused, and finish whole after the resume."""
+    engine = first.engine
+    assert isinstance(engine, AsyncVllmEngine)
+    spec = SamplingSpec(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64, ignore_eos=True)
+    counts = [0, 0, 0]
+    delays: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def spy(delay: float, result: Any = None) -> Any:
+        delays.append(delay)
+        return await real_sleep(delay, result)
+
+    async def main() -> list[StreamedGeneration]:
+        tasks = [
+            asyncio.ensure_future(
+                engine.generate(f"pause-{i}", [5 + i] * 6, spec, partial(counts.__setitem__, i))
+            )
+            for i in range(3)
+        ]
+        try:
+            await until(lambda: min(counts) > 0)
+            with monkeypatch.context() as m:
+                m.setattr(asyncio, "sleep", spy)
+                await engine.pause(InflightMode.KEEP, clear_cache=True)
+            assert [d for d in delays if d > 0] == []
+            assert await engine.llm.is_paused()
+            await real_sleep(0.05)  # the outputs sent before the pause's answer come through
+            frozen = list(counts)
+            await real_sleep(0.2)
+            assert counts == frozen, "tokens while paused"
+            assert max(frozen) < 64, frozen
+        finally:
+            await engine.resume()
+        return await asyncio.gather(*tasks)
+
+    done = run_soon(loop, main())
+    assert [len(d.generation.token_ids) for d in done] == [64] * 3
+    assert counts == [64] * 3
 
 
 # -- the lifecycle as a state machine on the real engine --------------------------------------

@@ -7,7 +7,9 @@ from vllm.config.model import ModelConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
+from vllm.renderers import BaseRenderer
 from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.core_client import AsyncMPClient
 from vllm.v1.engine.output_processor import OutputProcessor
 
 class AsyncLLM(metaclass=ABCMeta):
@@ -15,6 +17,8 @@ class AsyncLLM(metaclass=ABCMeta):
     model_config: ModelConfig
     log_stats: bool
     output_processor: OutputProcessor
+    engine_core: AsyncMPClient
+    renderer: BaseRenderer
     @classmethod
     def from_engine_args(
         cls,
