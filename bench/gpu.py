@@ -226,6 +226,7 @@ class Scale:
     refit_util: float = 0.4
     refit_reps: int = 3
     refit_section_reps: int = 5  # refits per row (refit, ipc-nosleep) and switches, after warm-up
+    inflight_reps: int = 7  # busy and idle in-flight refits each (async, async-8b): they spread
     copy_bytes: int = 8 * GIB
     nccl_chunk_bytes: int = GIB
     dtype: str = "bfloat16"
@@ -245,6 +246,7 @@ DRY = Scale(
     refit_shape=TINY,
     refit_reps=2,
     refit_section_reps=2,
+    inflight_reps=2,
     copy_bytes=16 << 20,
     nccl_chunk_bytes=1 << 20,
     child_timeout_s=300.0,
@@ -2168,7 +2170,7 @@ async def _async_inflight_refit(sec: Section, worker: Any, trainer: Trainer, sca
     # where pause-to-resume goes: the worker's pause / refit RPC / resume, and the engine
     # side of the RPC (its phases, with the RPC's own transport as "rpc other")
     split: dict[str, list[dict[str, float]]] = {"busy": [], "idle": []}
-    for k in range(2 * scale.refit_reps + 1):
+    for k in range(2 * scale.inflight_reps + 1):
         streaming = k % 2 == 1
         stream = None
         if streaming:
