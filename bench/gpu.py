@@ -227,6 +227,7 @@ class Scale:
     refit_reps: int = 3
     refit_section_reps: int = 5  # refits per row (refit, ipc-nosleep) and switches, after warm-up
     inflight_reps: int = 7  # busy and idle in-flight refits each (async, async-8b): they spread
+    big_staging_bytes: int = 2 * GIB  # the packed row with larger staging buffers (default 512 MiB)
     copy_bytes: int = 8 * GIB
     nccl_chunk_bytes: int = GIB
     dtype: str = "bfloat16"
@@ -247,6 +248,7 @@ DRY = Scale(
     refit_reps=2,
     refit_section_reps=2,
     inflight_reps=2,
+    big_staging_bytes=1 << 20,
     copy_bytes=16 << 20,
     nccl_chunk_bytes=1 << 20,
     child_timeout_s=300.0,
@@ -1071,7 +1073,8 @@ def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
     ``("layout", (layout, how))`` (re)allocates the state dict (``how``: a key of
     :data:`LAYOUTS`); ``("send", None)`` sends it once and answers ``(seconds, handles,
     packed, phases)`` (``fresh``: then copies it into new allocations for the next send,
-    outside the timed refit); ``("stop", None)`` ends.
+    outside the timed refit); ``("staging", nbytes)`` makes the sender anew with
+    ``staging_bytes=nbytes`` (None: the default); ``("stop", None)`` ends.
     """
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
@@ -1098,6 +1101,11 @@ def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
                 if how == "one":
                     tensors = one_allocation(tensors)
                 sync()
+                replies.put(("ok", None))
+            elif cmd == "staging":
+                sender.close()
+                options = {} if arg is None else {"staging_bytes": arg}
+                sender = RefitSender.ipc(address, **options)
                 replies.put(("ok", None))
             elif cmd == "send":
                 sent = sender.send(tensors.items())
@@ -1554,6 +1562,21 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                         f"device copy bandwidth (bar >= {DEFAULT_BAR:.0%})",
                         rates[how] >= DEFAULT_BAR * copy,
                     )
+        with part(sec, "IPC refit of fresh allocations, larger staging buffers"):
+            # the one option of the packed path: fewer, larger chunks (each chunk costs a
+            # turn of the GPU between the trainer's process packing and the engine's copying)
+            trainer.send("staging", scale.big_staging_bytes)
+            trainer.expect("ok")
+            ipc_refit_row(
+                sec,
+                f"IPC refit, engine layout, staging_bytes={fmt_gib(scale.big_staging_bytes)}, "
+                f"{LAYOUTS['fresh']}",
+                nbytes,
+                copy,
+                refit_over_ipc(worker, trainer, own, reps, "fresh"),
+            )
+            trainer.send("staging", None)
+            trainer.expect("ok")
         kept = [rates[h] for h in ("separate", "one") if h in rates]
         if kept:
             sec.verdict(
