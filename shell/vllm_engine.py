@@ -45,6 +45,12 @@ Theory of operation
   So after ANY error the requests still unfinished are aborted
   (``LLMEngine.abort_request(ids, internal=True)`` on the output processor's request ids,
   the same call vLLM makes); if that fails, or leaves requests behind, the engine is dead.
+  The abort reaches the scheduler, not the model runner: vLLM's V2 GPU runner (0.25's
+  default on CUDA) keeps the writes it staged for the requests of a step that raised
+  while adding them, and applies them over the next request that takes the slot (issue
+  18, :mod:`genworker.shell.staged_writes`). So the abort is followed by
+  ``LLM.collective_rpc(drop_staged_writes)``; if that fails the engine is dead too.
+  :func:`abort_unfinished` is that recovery, for a caller taking over an engine as well.
   Only an error of request validation (``ValueError`` / ``VLLMValidationError``, not a
   ``ValueError`` in 0.32) that left nothing admitted is a ``BadBatchError``; any other is
   ``GenerationAbortedError`` (the engine serves the next call).
@@ -84,6 +90,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
+import logging
 import struct
 import threading
 import time
@@ -126,6 +133,7 @@ from genworker.shell.errors import (
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities
+from genworker.shell.staged_writes import drop_staged_writes
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -135,12 +143,14 @@ if TYPE_CHECKING:
 __all__ = [
     "VllmEngine",
     "VllmEngineFactory",
+    "abort_unfinished",
     "engine_arg_names",
     "sampling_params",
     "tokenize_with",
 ]
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 # vLLM's finish reasons (vllm/v1/engine/__init__.py FINISH_REASON_STRINGS, 0.32) as ours;
 # "repetition" is a stop condition. Anything else ("error", None) is not a finished row.
@@ -209,7 +219,7 @@ def _batch_call(llm: LLM, call: str) -> Iterator[None]:
     except EngineDeadError:
         raise
     except BaseException as e:
-        aborted = _abort_unfinished(llm, call, e)
+        aborted = abort_unfinished(llm, call, e)
         if not isinstance(e, Exception) or isinstance(e, GenworkerError):
             raise
         if not aborted and isinstance(e, _REQUEST_ERRORS):
@@ -221,9 +231,10 @@ def _batch_call(llm: LLM, call: str) -> Iterator[None]:
         ) from e
 
 
-def _abort_unfinished(llm: LLM, call: str, cause: BaseException) -> list[str]:
-    """Abort every request the engine holds unfinished; the ids aborted. EngineDeadError
-    when that is impossible (no such API on this vLLM, or requests survive the abort)."""
+def abort_unfinished(llm: LLM, call: str, cause: BaseException) -> list[str]:
+    """Abort every request the engine holds unfinished, and drop the writes the model
+    runner staged for them; the ids aborted. EngineDeadError when that is impossible (no
+    such API on this vLLM, or requests survive the abort)."""
     engine = llm.llm_engine
     try:
         if not engine.has_unfinished_requests():
@@ -231,6 +242,7 @@ def _abort_unfinished(llm: LLM, call: str, cause: BaseException) -> list[str]:
         ids = list(engine.output_processor.request_states)
         engine.abort_request(ids, internal=True)
         left = engine.has_unfinished_requests()
+        dropped = sum(llm.collective_rpc(drop_staged_writes))
     except Exception as e:
         raise EngineDeadError(
             f"{call}: the engine raised {type(cause).__name__} ({cause}) and its unfinished "
@@ -241,6 +253,13 @@ def _abort_unfinished(llm: LLM, call: str, cause: BaseException) -> list[str]:
             f"{call}: the engine raised {type(cause).__name__} ({cause}) and still holds "
             f"unfinished requests after aborting {ids}"
         ) from cause
+    if dropped:
+        log.warning(
+            "%s: dropped %d writes the model runner had staged for the %d aborted requests",
+            call,
+            dropped,
+            len(ids),
+        )
     return ids
 
 

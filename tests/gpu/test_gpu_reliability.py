@@ -4,9 +4,11 @@ Its device-independent tests run against the session worker's CUDA engine (vLLM 
 the runner), through ``conftest.py``'s binding of ``cpu_engine`` and ``cpu_llm``: seeds
 bounded up front; the seed vLLM raises on inside its step, let through, aborts the batch
 (``LLMEngine.abort_request(ids, internal=True)`` on this vLLM too) and the worker serves
-on; an engine that cannot abort is declared dead; concurrent generates get their serial
-results; dtypes that cannot hold the vocabulary, exotic tensors and non-mapping data are
-typed errors. The refit tests there send the CPU suite's tiny model and stay on CPU.
+on; a step that raised while adding its requests leaves no write staged in the model
+runner after the recovery (issue 18: vLLM's V2 runner, the default here, keeps them); an
+engine that cannot abort is declared dead; concurrent generates get their serial results;
+dtypes that cannot hold the vocabulary, exotic tensors and non-mapping data are typed
+errors. The refit tests there send the CPU suite's tiny model and stay on CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from shell.test_worker_reliability import (
     test_a_dtype_that_holds_the_vocabulary_gives_the_same_tokens_in_that_dtype,
     test_a_request_vllm_rejects_at_admission_stays_a_bad_batch,
     test_a_seed_out_of_the_generator_range_is_refused_naming_the_row,
+    test_a_step_that_raised_while_adding_its_requests_leaves_no_staged_writes,
     test_an_engine_that_cannot_abort_is_declared_dead,
     test_concurrent_generates_get_their_serial_results,
     test_exotic_tensors_are_typed_errors_naming_the_input,
@@ -36,6 +39,7 @@ __all__ = [
     "test_a_dtype_that_holds_the_vocabulary_gives_the_same_tokens_in_that_dtype",
     "test_a_request_vllm_rejects_at_admission_stays_a_bad_batch",
     "test_a_seed_out_of_the_generator_range_is_refused_naming_the_row",
+    "test_a_step_that_raised_while_adding_its_requests_leaves_no_staged_writes",
     "test_an_engine_that_cannot_abort_is_declared_dead",
     "test_concurrent_generates_get_their_serial_results",
     "test_exotic_tensors_are_typed_errors_naming_the_input",

@@ -42,7 +42,8 @@ from genworker.shell.errors import (
     GenerationAbortedError,
 )
 from genworker.shell.media import RowMedia
-from genworker.shell.vllm_engine import VllmEngine
+from genworker.shell.staged_writes import pending_staged_writes
+from genworker.shell.vllm_engine import VllmEngine, abort_unfinished
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
@@ -146,6 +147,7 @@ def watched(cpu_llm: LLM) -> Iterator[WatchedEngine]:
     yield engine
     engine.gate.set()
     assert not cpu_llm.llm_engine.has_unfinished_requests()
+    assert cpu_llm.collective_rpc(pending_staged_writes) == [0]
     cpu_llm.reset_prefix_cache()
 
 
@@ -265,7 +267,35 @@ def test_the_seed_that_hung_the_engine_now_aborts_its_batch_and_the_worker_serve
     assert "unfinished requests were aborted" in str(info.value)
     assert "Overflow" in str(info.value)
     assert not cpu_llm.llm_engine.has_unfinished_requests()
+    assert cpu_llm.collective_rpc(pending_staged_writes) == [0]  # issue 18
     assert_serves_baseline(worker, baseline)
+
+
+def _runner_module(worker: object) -> str:
+    return type(getattr(worker, "model_runner", None)).__module__
+
+
+def test_a_step_that_raised_while_adding_its_requests_leaves_no_staged_writes(
+    cpu_engine: VllmEngine, cpu_llm: LLM, baseline: list[list[int]]
+) -> None:
+    """Issue 18: vLLM's V2 GPU model runner (0.25's default on CUDA) keeps the writes it
+    staged for the requests of a step that raised while adding them, and lays them over
+    the next request to take the slot (row 0 of the next batch, a race). The recovery
+    drops them. The CPU engine's V1 runner stages none: there this checks raw vLLM's
+    error, the recovery and the next batch."""
+    (module,) = cpu_llm.collective_rpc(_runner_module)
+    staging = module.startswith("vllm.v1.worker.gpu.")
+    request = [TokensPrompt(prompt_token_ids=[5, 6])]
+    params = SamplingParams(temperature=1.0, seed=2**64, max_tokens=4)
+    with pytest.raises((OverflowError, RuntimeError, ValueError), match=r"[Oo]verflow|too large"):
+        within(DEADLINE_S, lambda: cpu_llm.generate(request, params, use_tqdm=False))
+    assert cpu_llm.llm_engine.has_unfinished_requests()
+    (staged,) = cpu_llm.collective_rpc(pending_staged_writes)
+    assert (staged > 0) == staging, (module, staged)
+    assert len(abort_unfinished(cpu_llm, "generate", OverflowError("seed 2**64"))) == 1
+    assert not cpu_llm.llm_engine.has_unfinished_requests()
+    assert cpu_llm.collective_rpc(pending_staged_writes) == [0]
+    assert_serves_baseline(make_worker(cpu_engine), baseline)
 
 
 def test_an_engine_that_cannot_abort_is_declared_dead(
@@ -276,7 +306,6 @@ def test_an_engine_that_cannot_abort_is_declared_dead(
 ) -> None:
     worker = make_worker(cpu_engine)
     engine = cpu_llm.llm_engine
-    real_abort = engine.abort_request
 
     def broken(request_ids: list[str], internal: bool = False) -> None:
         raise RuntimeError("abort is broken here")
@@ -293,8 +322,11 @@ def test_an_engine_that_cannot_abort_is_declared_dead(
             worker.generate(right_padded(PROMPTS, pad=PAD), greedy=True)
     finally:
         monkeypatch.undo()
-        real_abort(list(engine.output_processor.request_states), internal=True)
+        # The recovery a working abort gets (abort, then drop the runner's staged writes:
+        # issue 18), for the new worker below.
+        abort_unfinished(cpu_llm, "generate", RuntimeError("abort is broken here"))
     assert not engine.has_unfinished_requests()
+    assert cpu_llm.collective_rpc(pending_staged_writes) == [0]
     assert_serves_baseline(make_worker(cpu_engine), baseline)  # a new worker, same engine
 
 

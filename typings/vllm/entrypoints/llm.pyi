@@ -1,5 +1,5 @@
 from collections.abc import Callable, Sequence
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, overload
 
 import torch
 
@@ -28,6 +28,7 @@ class LLM:
         tokenization_kwargs: None = None,
         mm_processor_kwargs: None = None,
     ) -> list[RequestOutput]: ...
+    @overload
     def collective_rpc(
         self,
         method: str,
@@ -35,6 +36,14 @@ class LLM:
         args: tuple[object, ...] = (),
         kwargs: dict[str, object] | None = None,
     ) -> list[object]: ...
+    @overload
+    def collective_rpc(
+        self,
+        method: Callable[..., _R],
+        timeout: float | None = None,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> list[_R]: ...
     def apply_model(self, func: Callable[[torch.nn.Module], _R]) -> list[_R]: ...
     def sleep(self, level: int = 1, mode: Literal["abort", "wait", "keep"] = "abort") -> None: ...
     def wake_up(self, tags: list[str] | None = None) -> bool | None: ...
