@@ -18,7 +18,10 @@ each). Here :class:`Generation` holds each row's tokens and logprobs as 1-D nump
 :func:`assemble_flat_outputs` scatters the flat arrays into the padded buffers with one
 boolean-mask assignment per buffer (the mask of every row's generated span, whose True
 cells in row-major order are the flat arrays' order: about 4x faster than fancy indices
-at flat positions built with ``np.repeat`` on a 512 x 256 batch); ``torch.from_numpy``
+at flat positions built with ``np.repeat`` on a 512 x 256 batch). Each mask is one
+run-length expansion (``np.repeat`` of each row's runs of input, generated and padding
+cells): 0.015 ms against 0.39 ms for broadcast column comparisons on a 512 x 288 batch
+of mixed lengths. ``torch.from_numpy``
 then wraps the buffers without a copy. (numpy rather than torch for the fill and the
 scatter: on a 512 x 1280 batch it measured about twice as fast on an idle 2-core host and
 over ten times as fast on a busy one, where torch's intra-op threads stall.)
@@ -284,6 +287,19 @@ def _empty_outputs(dtype: torch.dtype) -> GenerationOutputs:
     )
 
 
+_PROMPT_RUNS = np.array([True, False])
+_GENERATED_RUNS = np.array([False, True, False])
+
+
+def _runs_mask(
+    batch: int, width: int, values: npt.NDArray[np.bool_], *counts: IntArray
+) -> npt.NDArray[np.bool_]:
+    """A (batch, width) mask whose row i is ``values[k]`` repeated ``counts[k][i]`` times
+    for each k in turn (a row's counts sum to ``width``)."""
+    runs = np.stack(counts, axis=1).ravel()
+    return np.repeat(np.tile(values, batch), runs).reshape(batch, width)
+
+
 def assemble_flat_outputs(
     input_ids: torch.Tensor,
     input_lengths: torch.Tensor,
@@ -314,17 +330,16 @@ def assemble_flat_outputs(
     total_width = width + int(gen_lengths.max())
 
     output_ids = np.full((batch, total_width), pad_token_id, dtype=ids.dtype)
-    columns = np.arange(total_width)[None, :]
-    starts = lengths[:, None]
-    output_ids[:, :width] = np.where(
-        columns[:, :width] >= starts, ids.dtype.type(pad_token_id), ids
-    )
+    # Row i holds its input in [0, l_i) and its generated span in [l_i, l_i + g_i); each
+    # mask is one run-length expansion (np.repeat of the rows' runs, row-major).
+    prompt = _runs_mask(batch, width, _PROMPT_RUNS, lengths, width - lengths)
+    output_ids[:, :width] = np.where(prompt, ids, ids.dtype.type(pad_token_id))
     logprobs = np.zeros((batch, total_width), dtype=np.float32)
 
-    # Row i's generated span is [l_i, l_i + g_i); a boolean mask assignment fills the
-    # True cells in row-major order, which is the flat arrays' order (row by row, each
-    # row's tokens in turn).
-    generated = (columns >= starts) & (columns < starts + gen_lengths[:, None])
+    # A boolean mask assignment fills the True cells in row-major order, which is the
+    # flat arrays' order (row by row, each row's tokens in turn).
+    rest = total_width - lengths - gen_lengths
+    generated = _runs_mask(batch, total_width, _GENERATED_RUNS, lengths, gen_lengths, rest)
     output_ids[generated] = flat.token_ids
     logprobs[generated] = flat.logprobs
 

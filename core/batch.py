@@ -103,13 +103,14 @@ def _check_prompts(instance: CheckedBatch, _attribute: object, prompts: object) 
         raise ValueError(
             f"CheckedBatch has {len(instance.prompts)} prompts but {len(instance.lengths)} lengths"
         )
+    if list(map(len, instance.prompts)) == list(instance.lengths):  # one C loop per side
+        return
     bad = [
         i
         for i, (prompt, n) in enumerate(zip(instance.prompts, instance.lengths, strict=True))
         if len(prompt) != n
     ]
-    if bad:
-        raise ValueError(f"CheckedBatch prompts disagree with their lengths in rows {bad}")
+    raise ValueError(f"CheckedBatch prompts disagree with their lengths in rows {bad}")
 
 
 @attrs.frozen
@@ -128,7 +129,8 @@ def extract_prompts(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> lis
     """The unpadded token ids of each row: ``input_ids[i, :input_lengths[i]]`` as lists.
 
     Trusts its inputs (run :func:`check_batch` first); one ``.tolist()`` of the columns any
-    prompt reaches, then one slice per row.
+    prompt reaches, then each row's list cut to its length in place (the lists are
+    ``tolist``'s own: no copy).
     """
     lengths: list[int] = input_lengths.reshape(-1).tolist()
     if len(lengths) != input_ids.shape[0]:
@@ -137,7 +139,10 @@ def extract_prompts(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> lis
         )
     reach = max(lengths, default=0)
     rows: list[list[int]] = input_ids[:, :reach].tolist()
-    return [row[:n] for row, n in zip(rows, lengths, strict=True)]
+    for row, n in zip(rows, lengths, strict=True):
+        if n < reach:
+            del row[n:]
+    return rows
 
 
 def _describe(value: object) -> str:
@@ -364,7 +369,7 @@ def check_batch(
             )
 
     prompts = extract_prompts(ids_in, lengths)
-    return Success(CheckedBatch(prompts=tuple(prompts), lengths=tuple(len(p) for p in prompts)))
+    return Success(CheckedBatch(prompts=tuple(prompts), lengths=tuple(map(len, prompts))))
 
 
 def check_seeds(value: object, batch_size: int) -> Result[tuple[int | None, ...], BatchError]:
