@@ -1544,6 +1544,21 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 f"{fmt_s(hf_s)}, {fmt_rate(layout_bytes(hf), hf_s)}",
                 "runs: " + ", ".join(fmt_s(x) for x in hf_run.times) + f"; phases {hf_run.phases}",
             )
+        with part(sec, "IPC refit of fresh allocations, larger staging buffers"):
+            # the one option of the packed path: fewer, larger chunks (each chunk costs a
+            # turn of the GPU between the trainer's process packing and the engine's copying)
+            trainer.send("staging", scale.big_staging_bytes)
+            trainer.expect("ok")
+            ipc_refit_row(
+                sec,
+                f"IPC refit, engine layout, staging_bytes={fmt_gib(scale.big_staging_bytes)}, "
+                f"{LAYOUTS['fresh']}",
+                nbytes,
+                copy,
+                refit_over_ipc(worker, trainer, own, reps, "fresh"),
+            )
+            trainer.send("staging", None)  # the default sender for every row below
+            trainer.expect("ok")
         rates: dict[str, float] = {}
         # fresh allocations first (the comparison row), the default layouts after; the
         # switch below sends the last (separate allocations, as the default row)
@@ -1562,21 +1577,6 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                         f"device copy bandwidth (bar >= {DEFAULT_BAR:.0%})",
                         rates[how] >= DEFAULT_BAR * copy,
                     )
-        with part(sec, "IPC refit of fresh allocations, larger staging buffers"):
-            # the one option of the packed path: fewer, larger chunks (each chunk costs a
-            # turn of the GPU between the trainer's process packing and the engine's copying)
-            trainer.send("staging", scale.big_staging_bytes)
-            trainer.expect("ok")
-            ipc_refit_row(
-                sec,
-                f"IPC refit, engine layout, staging_bytes={fmt_gib(scale.big_staging_bytes)}, "
-                f"{LAYOUTS['fresh']}",
-                nbytes,
-                copy,
-                refit_over_ipc(worker, trainer, own, reps, "fresh"),
-            )
-            trainer.send("staging", None)
-            trainer.expect("ok")
         kept = [rates[h] for h in ("separate", "one") if h in rates]
         if kept:
             sec.verdict(
@@ -1593,6 +1593,7 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             runs: list[dict[str, float]] = []
             within: dict[str, list[dict[str, tuple[float, int]]]] = {n: [] for n in names}
             refit_runs, generates = [], []
+            travel: set[str] = set()  # how the switches' refits went (all by handle)
             probe_generate(worker)
             with AllocatorProbe() as probe:
                 for _ in range(reps):
@@ -1604,7 +1605,8 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                     within[names[1]].append(probe.take())
                     trainer.send("send")
                     phases[SWITCH_REFIT], _ = timed(worker.update_weights_via_ipc_zmq)
-                    trainer.expect("sent")
+                    _, handles, packed, _ = trainer.expect("sent")
+                    travel.add(f"{handles} by handle, {packed} packed")
                     within[SWITCH_REFIT].append(probe.take())
                     refit_runs.append(engine_phases(worker))
                     phases[names[3]], _ = timed(lambda: worker.wake_up(["kv_cache"]))
@@ -1617,7 +1619,9 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 SWITCH_REFIT: f"`load_weights`: {REF_8B_LOAD_WEIGHTS_S:.3f} s",
                 names[3]: "",
             }
-            refs[SWITCH_REFIT] += f"; engine phases: {phase_text(refit_runs)} (ms)"
+            refs[SWITCH_REFIT] += (
+                f"; {' / '.join(sorted(travel))}; engine phases: {phase_text(refit_runs)} (ms)"
+            )
             for name in names:
                 times = [run[name] for run in runs]
                 sec.row(
