@@ -105,12 +105,7 @@ def _typed(error: BaseException, context: str) -> RefitError:
 
 class _Session:
     def __init__(
-        self,
-        port: RefitPort,
-        manifest: Manifest,
-        routes: p.Routes,
-        sink: Sink,
-        timeout_s: float,
+        self, port: RefitPort, manifest: Manifest, routes: p.Routes, sink: Sink, timeout_s: float
     ) -> None:
         self.port, self.sink, self.timeout_s = port, sink, timeout_s
         self.machine = p.Receiver(manifest, routes, memo=port.memo)

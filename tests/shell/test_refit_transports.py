@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -53,7 +54,13 @@ from genworker.shell.refit import (
     receive,
 )
 from genworker.shell.refit.ipc import IpcSenderPort
-from genworker.shell.refit.memory import Exporter, StagingBuffer, open_handle, private_directory
+from genworker.shell.refit.memory import (
+    Exporter,
+    StagingBuffer,
+    copy_into,
+    open_handle,
+    private_directory,
+)
 from genworker.shell.refit.receiver import ParameterSink
 from genworker.shell.refit.wire import CpuHandle, Reply, encode
 
@@ -142,6 +149,41 @@ def receiver() -> Iterator[IpcReceiver]:
 
 
 # -- IPC, in threads ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, (4 << 20) - 1, 4 << 20, (4 << 20) + 3, 9 << 20])
+def test_copy_into_copies_every_byte_on_either_side_of_the_split(nbytes: int) -> None:
+    """A CPU copy from 4 MiB goes half on the copier thread: every byte arrives, odd sizes
+    and the boundary included, and the source is untouched."""
+    g = torch.Generator().manual_seed(nbytes)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    before = src.clone()
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    copy_into(dst, src)
+    assert torch.equal(dst, src)
+    assert torch.equal(src, before)
+
+
+def test_copy_into_in_a_forked_child_after_the_parent_used_its_copier() -> None:
+    """A fork keeps no thread but the caller's: the child gets a copier of its own (the
+    parent's would never run its half, and the copy would wait forever)."""
+    src = torch.arange(5 << 20, dtype=torch.uint8)  # wraps: every value occurs
+    copy_into(torch.empty_like(src), src)  # the parent's copier thread now exists
+    pid = os.fork()
+    if pid == 0:  # the child (numpy only: torch's OpenMP pool does not survive a fork)
+        dst = torch.from_numpy(np.zeros(src.numel(), dtype=np.uint8))
+        copy_into(dst, src)
+        os._exit(0 if np.array_equal(dst.numpy(), src.numpy()) else 1)
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's copy_into hung")
 
 
 def test_ipc_packs_first_then_sends_and_keeps_the_same_storages(receiver: IpcReceiver) -> None:
