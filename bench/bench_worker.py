@@ -26,9 +26,10 @@ With the locally trained tokenizer (``skip_tokenizer_init`` off, as users run it
 - ``worker_outside_free_ms``: the floor under ``worker_outside_ms``: the CPU time of
   dropping, unread, what ``LLM.generate`` returned to a ``raw_same`` run (the worker's own
   ``SamplingParams``), timed inside that run (median over its runs). The worker frees the
-  same objects (about 800,000 Python objects for 512 x 256 with ``logprobs=0``: per
-  position the token id, and in ``FlatLogprobs`` its token id, logprob, rank and start and
-  end index), as it reads them; the replay keeps them alive, so it leaves this out.
+  same objects as it reads them: per position the token id, the sampled logprobs being
+  two arrays per row (``genworker.shell.sampled_logprobs``; with vLLM's ``FlatLogprobs``
+  a logprob float and a token id per position as well); the replay keeps them alive, so
+  it leaves this out.
 
 Without a tokenizer (``skip_tokenizer_init=True``, a second engine started after the first
 stops): ``worker_vs_raw_default_no_tokenizer``, ``worker_overhead_no_tokenizer`` and
@@ -156,7 +157,7 @@ def measure_engine(
     from vllm.inputs import TokensPrompt
 
     from genworker.core.sampling import sampling_spec
-    from genworker.shell.vllm_engine import VllmEngine, sampling_params
+    from genworker.shell.vllm_engine import VllmEngine
     from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
     engine = VllmEngine.start(_engine_kwargs(model, tokenizer=tokenizer))
@@ -176,7 +177,7 @@ def measure_engine(
             stop=(),
             flat_logprobs=caps.flat_logprobs,
         )
-        same = sampling_params(spec, caps.sampling_args)
+        same = engine.request_params([spec])  # marked: the sampled logprobs as arrays
         default = SamplingParams(max_tokens=new_tokens, logprobs=0, ignore_eos=True)
         llm = engine.llm
         clock = InnerClock(llm)

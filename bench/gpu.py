@@ -701,9 +701,10 @@ def gen_sleep_child(
     *, report: Callable[[Section], None], scale: Scale, sections: list[str]
 ) -> None:
     import torch
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import TokensPrompt
 
     from genworker.core.sampling import sampling_spec
+    from genworker.shell.vllm_engine import VllmEngine
 
     pinned_cpus = pin_to_gpu_cpus()
     shape = scale.gen_shape
@@ -749,7 +750,10 @@ def gen_sleep_child(
                 stop=(),
                 flat_logprobs=caps.flat_logprobs,
             )
-            params = SamplingParams(**spec.as_kwargs(caps.sampling_args))
+            engine = worker.engine
+            if not isinstance(engine, VllmEngine):
+                raise TypeError(f"gen: the worker's engine is a {type(engine).__name__}")
+            params = engine.request_params([spec])  # the worker's own, marked as it marks them
             llm = worker.llm
             expected = scale.prompts * scale.new_tokens
             probe = GenProbe(llm)
@@ -896,6 +900,7 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
     from vllm import SamplingParams, TokensPrompt
 
     from genworker.core.sampling import sampling_spec
+    from genworker.shell.vllm_engine import VllmEngine
 
     sec = Section("gen-tokenizer", TITLES["gen-tokenizer"])
     with guarded(sec):
@@ -941,7 +946,10 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
             stop=(),
             flat_logprobs=caps.flat_logprobs,
         )
-        same = SamplingParams(**spec.as_kwargs(caps.sampling_args))
+        engine = worker.engine
+        if not isinstance(engine, VllmEngine):
+            raise TypeError(f"gen: the worker's engine is a {type(engine).__name__}")
+        same = engine.request_params([spec])  # the worker's own, marked as it marks them
         default = SamplingParams(max_tokens=scale.new_tokens, logprobs=0, ignore_eos=True)
         llm = worker.llm
         expected = scale.prompts * scale.new_tokens

@@ -15,20 +15,28 @@ Theory of operation
   must equal the output ids (a mismatch is an engine contract error). Without flat
   logprobs each position is a dict looked up by the sampled token id; a missing entry is
   an error, never 0.0.
+- The sampled logprobs as arrays (:mod:`genworker.shell.sampled_logprobs`): the engine
+  installs that hook on its ``LLMEngine`` at start, and marks the ``SamplingParams`` of
+  every spec with ``logprobs=0`` and no text; vLLM then keeps those rows' sampled ids and
+  logprobs in two typed arrays per row in place of flat logprobs, and builds no Python
+  object per token for them. Rows that need text (stop strings) or more logprobs, and
+  every engine on which the hook cannot be installed, get vLLM's flat logprobs.
 - One pass from vLLM's outputs to :class:`~genworker.core.assembly.FlatGenerations`: in
-  the common case (``logprobs=0``, flat logprobs holding exactly the sampled token at each
-  position, checked per row with two list comparisons) every row's token ids and
-  logprobs are packed straight into two flat numpy arrays (``struct``, one C loop per
-  row and array); no per-row ``Generation`` is built. From the first row that does not fit
-  that layout on, rows go one by one (:func:`_generation`), which names what is wrong.
+  the common case every row's token ids are packed straight into one flat numpy array
+  (``struct``, one C loop per row) and its logprobs copied in: from the sampled arrays
+  (their ids compared with the row's as bytes), or from flat logprobs holding exactly the
+  sampled token at each position (checked with two list comparisons, packed by
+  ``struct``); no per-row ``Generation`` is built. From the first row that does not fit
+  either layout on, rows go one by one (:func:`_generation`), which names what is wrong.
 - vLLM detokenizes only the rows whose spec asks for it (``SamplingSpec.detokenize``:
   stop strings, text requests); ``generate_text`` refuses a spec that does not.
 - Cyclic GC stays out of a generate call (:func:`~genworker.shell.collector.defer_cyclic_gc`):
   vLLM allocates per request and per step on the host thread all through the call.
   vLLM's outputs are freed row by row during the conversion: once a row is packed, its
   completion (the only reference left: the ``RequestOutput`` list is dropped first) goes,
-  and with it its ~800 objects (token ids, logprob floats, the lists around them) while
-  they are still in the cache. On this 2-core host, a 512 x 256 batch, the same engine
+  and with it its objects (with flat logprobs ~800 for 256 tokens: token ids, logprob
+  floats, the lists around them; with the sampled arrays a third of that) while they are
+  still in the cache. On this 2-core host, a 512 x 256 batch, the same engine
   in turn (issue 20): the worker's time outside ``LLM.generate`` is ~20 ms of CPU and
   ~20 ms of wall time this way, against ~14 ms of CPU but ~29 ms of wall time when a
   releaser thread freed them after the conversion: that thread took the interpreter lock
@@ -133,6 +141,7 @@ from genworker.shell.errors import (
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities
+from genworker.shell.sampled_logprobs import MARKER, SampledLogprobs, install
 from genworker.shell.staged_writes import drop_staged_writes
 
 if TYPE_CHECKING:
@@ -181,10 +190,17 @@ class VllmEngineFactory:
         return VllmEngine.start(kwargs)
 
 
-def sampling_params(spec: SamplingSpec, known: frozenset[str] | None = None) -> SamplingParams:
-    """vLLM's ``SamplingParams`` for a spec; ``known`` (field names) drops what vLLM lacks."""
+def sampling_params(
+    spec: SamplingSpec, known: frozenset[str] | None = None, *, sampled_arrays: bool = False
+) -> SamplingParams:
+    """vLLM's ``SamplingParams`` for a spec; ``known`` (field names) drops what vLLM lacks;
+    ``sampled_arrays``: marked for :class:`SampledLogprobs` when the spec asks for the
+    sampled logprob only and no text (an engine :func:`install` ran on keeps them so)."""
     # as_kwargs yields SamplingParams fields only, each typed as vLLM expects.
-    return SamplingParams(**spec.as_kwargs(known))  # type: ignore[arg-type]
+    kwargs = spec.as_kwargs(known)
+    if sampled_arrays and spec.logprobs == 0 and not spec.detokenize:
+        kwargs["extra_args"] = {MARKER: True}
+    return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
 def _sampling_arg_names() -> frozenset[str]:
@@ -289,6 +305,7 @@ class VllmEngine:
             num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
         )
         self._skip_tokenizer = model.skip_tokenizer_init
+        self._sampled_arrays = "extra_args" in sampling_args and install(llm.llm_engine)
 
     @classmethod
     def start(cls, kwargs: Mapping[str, object]) -> VllmEngine:
@@ -313,17 +330,28 @@ class VllmEngine:
     def capabilities(self) -> EngineCapabilities:
         return self._caps
 
+    @property
+    def sampled_logprob_arrays(self) -> bool:
+        """Whether this engine keeps the sampled logprobs of the worker's requests as arrays
+        (:mod:`genworker.shell.sampled_logprobs`); False: as vLLM's flat logprobs."""
+        return self._sampled_arrays
+
     # -- generation -----------------------------------------------------------------
-    def _params(self, specs: Sequence[SamplingSpec]) -> SamplingParams | list[SamplingParams]:
-        """One SamplingParams per distinct spec; a lone one is passed as is (vLLM applies
-        it to every prompt without a per-request list)."""
+    def request_params(
+        self, specs: Sequence[SamplingSpec]
+    ) -> SamplingParams | list[SamplingParams]:
+        """What ``generate`` hands ``LLM.generate`` for these specs: one SamplingParams per
+        distinct spec, a lone one passed as is (vLLM applies it to every prompt without a
+        per-request list)."""
         groups = group_specs(specs)
         per_row: list[SamplingParams | None] = [None] * len(specs)
         for group in groups:
             spec = group.spec
             if self._caps.flat_logprobs and not spec.flat_logprobs:
                 spec = attrs.evolve(spec, flat_logprobs=True)
-            params = sampling_params(spec, self._caps.sampling_args)
+            params = sampling_params(
+                spec, self._caps.sampling_args, sampled_arrays=self._sampled_arrays
+            )
             if len(groups) == 1:
                 return params
             for row in group.rows:
@@ -343,7 +371,7 @@ class VllmEngine:
             raise BadBatchError(f"generate: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
         with _batch_call(llm, "generate"):
-            params = self._params(specs)
+            params = self.request_params(specs)
             outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
         completions: list[CompletionOutput | None] = [out.outputs[0] for out in outputs]
         del outputs  # the completions are now the only references to vLLM's outputs
@@ -366,7 +394,7 @@ class VllmEngine:
             )
         llm = self.llm
         with _batch_call(llm, "generate_text"):
-            params = self._params(specs)
+            params = self.request_params(specs)
             outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
         return [out.outputs[0].text for out in outputs]
 
@@ -627,21 +655,29 @@ def _generations(outs: list[CompletionOutput | None], *, consume: bool = False) 
         ids = out.token_ids  # a list in 0.32; any other sequence is compared as one
         if not isinstance(ids, list):
             ids = list(ids)
-        flat = out.logprobs
+        flat: object = out.logprobs
         n = len(ids)
         layout = layouts.get(n)
         if layout is None:
             layout = layouts[n] = (list(range(n)), struct.Struct(f"{n}q"), struct.Struct(f"{n}f"))
         one_per_position, pack_ids, pack_logprobs = layout
-        if not (
+        if isinstance(flat, SampledLogprobs) and len(flat) == n:
+            pack_ids.pack_into(token_ids, 8 * offset, *ids)
+            if token_ids[8 * offset : 8 * (offset + n)] != flat.token_ids:
+                return _with_rest(outs, row, token_ids, logprobs, offset, lengths, reasons)
+            memoryview(logprobs)[4 * offset : 4 * (offset + n)] = memoryview(flat.logprobs).cast(
+                "B"
+            )
+        elif (
             isinstance(flat, FlatLogprobs)
             and len(flat.logprobs) == n
             and flat.token_ids == ids
             and flat.start_indices == one_per_position
         ):
+            pack_ids.pack_into(token_ids, 8 * offset, *ids)
+            pack_logprobs.pack_into(logprobs, 4 * offset, *flat.logprobs)
+        else:
             return _with_rest(outs, row, token_ids, logprobs, offset, lengths, reasons)
-        pack_ids.pack_into(token_ids, 8 * offset, *ids)
-        pack_logprobs.pack_into(logprobs, 4 * offset, *flat.logprobs)
         offset += n
         reasons.append(out.finish_reason)
         if consume:
@@ -710,6 +746,16 @@ def _generation(row: int, out: CompletionOutput) -> Generation:
 def _sampled_logprobs(
     row: int, token_ids: npt.NDArray[np.int64], out: CompletionOutput
 ) -> npt.NDArray[np.float32]:
+    arrays: object = out.logprobs
+    if isinstance(arrays, SampledLogprobs):
+        sampled = np.frombuffer(arrays.token_ids, dtype=np.int64, count=len(arrays.token_ids))
+        if len(arrays) != len(sampled) or not np.array_equal(sampled, token_ids):
+            raise GenworkerError(
+                f"generate: row {row}'s sampled logprobs ({len(arrays)}) are for tokens "
+                f"{sampled.tolist()}, "
+                f"not the generated {token_ids.tolist()}"
+            )
+        return np.frombuffer(arrays.logprobs, dtype=np.float32, count=len(arrays)).copy()
     logprobs = out.logprobs
     if logprobs is None:
         raise GenworkerError(f"generate: row {row} came back without logprobs")

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from genworker.core.assembly import flatten_generations
 from genworker.shell import vllm_engine
 from genworker.shell.errors import GenworkerError
+from genworker.shell.sampled_logprobs import SampledLogprobs
 from genworker.shell.vllm_engine import _generation, _generations
 
 _vllm_logprobs: Any = vllm.logprobs
@@ -31,10 +32,24 @@ def _completion(
     *,
     extra: bool = False,
     flat: bool = True,
+    sampled: bool = False,
     finish_reason: str | None = "length",
 ) -> Any:
     """A completion as vLLM builds it: flat logprobs, or (``flat=False``) per-position
-    dicts; ``extra`` adds a top-1 alternative at position 0."""
+    dicts; ``extra`` adds a top-1 alternative at position 0; ``sampled``: the arrays the
+    worker's own requests keep (``genworker.shell.sampled_logprobs``)."""
+    if sampled:
+        arrays = SampledLogprobs()
+        arrays.token_ids.extend(tokens)
+        arrays.logprobs.extend(logprobs)
+        return _vllm_outputs.CompletionOutput(
+            index=0,
+            text="",
+            token_ids=tokens,
+            cumulative_logprob=None,
+            logprobs=arrays,
+            finish_reason=finish_reason,
+        )
     positions = []
     logprob = _vllm_logprobs.Logprob
     for i, (token, value) in enumerate(zip(tokens, logprobs, strict=True)):
@@ -66,27 +81,31 @@ _rows = st.lists(
 )
 
 
+_LAYOUTS = ("flat", "dicts", "sampled")
+
+
 @given(
     _rows,
-    st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(_REASONS))),
+    st.lists(st.tuples(st.booleans(), st.sampled_from(_LAYOUTS), st.sampled_from(_REASONS))),
     st.booleans(),
 )
 def test_bulk_conversion_equals_the_row_by_row_one(
-    rows: list[list[tuple[int, float]]], kinds: list[tuple[bool, bool, str]], consume: bool
+    rows: list[list[tuple[int, float]]], kinds: list[tuple[bool, str, str]], consume: bool
 ) -> None:
-    """Whatever mix of layouts (flat or dicts, with or without a top-1 alternative) and
-    finish reasons, the one-pass conversion gives what the row-by-row one does; with
-    ``consume``, every row before the first that goes row by row is dropped from the list
-    and the others are left as they were."""
+    """Whatever mix of layouts (flat or dicts, with or without a top-1 alternative, or the
+    sampled arrays) and finish reasons, the one-pass conversion gives what the row-by-row
+    one does; with ``consume``, every row before the first that goes row by row is
+    dropped from the list and the others are left as they were."""
     outs = []
     for i, row in enumerate(rows):
-        extra, flat, reason = kinds[i] if i < len(kinds) else (False, True, "length")
+        extra, layout, reason = kinds[i] if i < len(kinds) else (False, "flat", "length")
         outs.append(
             _completion(
                 [t for t, _ in row],
                 [v for _, v in row],
                 extra=extra and bool(row),
-                flat=flat,
+                flat=layout == "flat",
+                sampled=layout == "sampled",
                 finish_reason=reason,
             )
         )
@@ -95,8 +114,11 @@ def test_bulk_conversion_equals_the_row_by_row_one(
     slow = [
         i
         for i, o in enumerate(outs)
-        if not isinstance(o.logprobs, _vllm_logprobs.FlatLogprobs)
-        or len(o.logprobs.token_ids) != len(o.token_ids)
+        if not isinstance(o.logprobs, SampledLogprobs)
+        and (
+            not isinstance(o.logprobs, _vllm_logprobs.FlatLogprobs)
+            or len(o.logprobs.token_ids) != len(o.token_ids)
+        )
     ]
     first_slow = min(slow, default=len(outs))
     assert _generations(outs, consume=consume) == expected
@@ -207,6 +229,44 @@ def test_conversion_names_a_row_whose_logprobs_are_for_other_tokens() -> None:
     bad.logprobs.token_ids[1] = 9
     with pytest.raises(GenworkerError, match="row 1"):
         _generations([good, bad])
+
+
+@pytest.mark.parametrize(
+    ("ids", "logprobs", "error"),
+    [
+        ([7, 9], [-1.0, -2.0], r"row 1's sampled logprobs \(2\) are for tokens \[7, 9\], not"),
+        ([7], [-1.0], r"row 1's sampled logprobs \(1\) are for tokens \[7\], not"),
+        (
+            [7, 8, 9],
+            [-1.0, -2.0, -3.0],
+            r"row 1's sampled logprobs \(3\) are for tokens \[7, 8, 9\]",
+        ),
+        ([7, 8], [-1.0], r"row 1's sampled logprobs \(1\) are for tokens \[7, 8\]"),
+    ],
+    ids=["other-token", "fewer", "more", "fewer-logprobs"],
+)
+def test_conversion_names_a_row_whose_sampled_arrays_do_not_fit(
+    ids: list[int], logprobs: list[float], error: str
+) -> None:
+    good = _completion([5, 6], [-1.0, -2.0], sampled=True)
+    bad = _completion([7, 8], [-1.0, -2.0], sampled=True)
+    bad.logprobs.token_ids = SampledLogprobs().token_ids
+    bad.logprobs.token_ids.extend(ids)
+    bad.logprobs.logprobs = SampledLogprobs().logprobs
+    bad.logprobs.logprobs.extend(logprobs)
+    with pytest.raises(GenworkerError, match=error):
+        _generations([good, bad])
+
+
+def test_sampled_arrays_are_copied_out_of_the_completion() -> None:
+    out = _completion([5, 6], [-1.0, -2.5], sampled=True)
+    flat = _generations([out], consume=True)
+    assert flat.token_ids.tolist() == [5, 6]
+    assert flat.logprobs.tolist() == [-1.0, -2.5]
+    row = _generation(0, _completion([5, 6], [-1.0, -2.5], sampled=True))
+    assert row.logprobs is not None
+    assert row.logprobs.flags.owndata  # not a view of the container's array
+    assert repr(SampledLogprobs()) == "SampledLogprobs(0 positions)"
 
 
 def test_a_shifted_flat_layout_is_not_taken_for_one_entry_per_position() -> None:

@@ -1,4 +1,5 @@
 from enum import Enum
+from typing import Any
 
 class RequestOutputKind(Enum):
     CUMULATIVE = 0
@@ -22,4 +23,6 @@ class SamplingParams:
         include_stop_str_in_output: bool = ...,
         bad_words: list[str] | None = ...,
         output_kind: RequestOutputKind = ...,
+        extra_args: dict[str, Any] | None = ...,
     ) -> None: ...
+    extra_args: dict[str, Any] | None

@@ -1,0 +1,142 @@
+"""The sampled tokens' logprobs kept as two arrays, for the worker's own requests.
+
+Theory of operation
+-------------------
+With ``logprobs=0`` and flat logprobs, vLLM's output processor turns every step's numpy
+arrays (``LogprobsLists``: per new token the sampled token's id, logprob and rank) into
+Python objects: three ``tolist`` calls and six list appends per token
+(``LogprobsProcessor._update_sample_logprobs`` in vllm/v1/engine/logprobs.py and
+``FlatLogprobs.append_fast`` in vllm/logprobs.py, 0.25 and 0.32 alike). A 512 x 256 batch
+ends with two live objects per position in its outputs (the logprob float and the
+logprob's token id; ranks and indices are cached small ints), about 262,000, and freeing
+them was most of the worker's time outside ``LLM.generate`` (8-13 ms of 15-20 ms on the
+2-core host, issue 20).
+
+A request whose ``SamplingParams.extra_args`` holds :data:`MARKER` and that asks for
+nothing else (the sampled logprob only, no detokenization, final-only output, ``n=1``)
+keeps instead its sampled ids and logprobs in a :class:`SampledLogprobs` (an int64 and a
+float32 ``array.array``, no object per token), and its ``CompletionOutput.logprobs`` is
+that container. The cumulative logprob is summed as vLLM sums it.
+
+The hook belongs to one engine: :func:`install` wraps the ``add_request`` of one
+``LLMEngine``'s output processor (an instance attribute: the class and every other engine
+are untouched); for a qualifying marked request it turns the request's
+``LogprobsProcessor`` into the subclass :data:`_SampledProcessor`, whose only change is
+``_update_sample_logprobs``. Every other request is vLLM's own. ``install`` returns False
+(and changes nothing) when vLLM does not have the shape read above; the engine then
+leaves its requests unmarked and gets flat logprobs as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["MARKER", "SampledLogprobs", "install"]
+
+#: the ``SamplingParams.extra_args`` key that asks for :class:`SampledLogprobs`
+MARKER = "genworker_sampled_logprobs"
+
+# What _update_sample_logprobs reads and writes on vLLM's LogprobsProcessor (a dataclass).
+_FIELDS = frozenset({"tokenizer", "logprobs", "cumulative_logprob", "num_logprobs"})
+
+
+class SampledLogprobs:
+    """The sampled token's id (int64) and logprob (float32) at each generated position."""
+
+    __slots__ = ("logprobs", "token_ids")
+
+    def __init__(self) -> None:
+        self.token_ids = array("q")
+        self.logprobs = array("f")
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def __repr__(self) -> str:
+        return f"SampledLogprobs({len(self)} positions)"
+
+
+def _update_sample_logprobs(self: Any, logprobs_lists: Any) -> None:
+    """``LogprobsProcessor._update_sample_logprobs`` for a :class:`SampledLogprobs`: the
+    sampler puts the sampled token first in each row of the step's arrays."""
+    token_ids, logprobs = logprobs_lists[0], logprobs_lists[1]
+    kept: SampledLogprobs = self.logprobs
+    for position in range(len(logprobs)):
+        value = logprobs.item(position, 0)
+        kept.token_ids.append(token_ids.item(position, 0))
+        kept.logprobs.append(value)
+        self.cumulative_logprob += value
+
+
+def _processor_class() -> Any:
+    """vLLM's ``LogprobsProcessor`` class when it has the fields and method read here."""
+    try:
+        from vllm.v1.engine import logprobs as module
+    except ImportError:
+        return None
+    cls = getattr(module, "LogprobsProcessor", None)
+    if not (
+        isinstance(cls, type)
+        and dataclasses.is_dataclass(cls)
+        and {f.name for f in dataclasses.fields(cls)} >= _FIELDS
+        and callable(getattr(cls, "_update_sample_logprobs", None))
+    ):
+        return None
+    return cls
+
+
+_BASE = _processor_class()
+_SampledProcessor: Any = (
+    None
+    if _BASE is None
+    else type(
+        "SampledLogprobsProcessor",
+        (_BASE,),
+        {"_update_sample_logprobs": _update_sample_logprobs, "__slots__": ()},
+    )
+)
+
+
+def _qualifies(request: Any, state: Any) -> bool:
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None)
+    if not (isinstance(extra, dict) and extra.get(MARKER) is True):
+        return False
+    processor: Any = getattr(state, "logprobs_processor", None)
+    kind = getattr(state, "output_kind", None)
+    return (
+        type(processor) is _BASE
+        and processor.num_logprobs == 0
+        and processor.tokenizer is None
+        and getattr(kind, "name", None) == "FINAL_ONLY"
+        and getattr(params, "n", None) == 1
+    )
+
+
+def install(llm_engine: object) -> bool:
+    """Keep the marked requests' sampled logprobs as arrays in this engine; False (nothing
+    changed) when its output processor or vLLM's ``LogprobsProcessor`` is not as read."""
+    processor: Any = getattr(llm_engine, "output_processor", None)
+    states: Any = getattr(processor, "request_states", None)
+    add = getattr(processor, "add_request", None)
+    if _SampledProcessor is None or not isinstance(states, dict) or not callable(add):
+        return False
+    if getattr(add, "_genworker_sampled", False):
+        return True  # installed before (an engine handed over twice)
+
+    @functools.wraps(add)
+    def add_request(request: Any, *args: Any, **kwargs: Any) -> None:
+        add(request, *args, **kwargs)
+        state: Any = states.get(getattr(request, "request_id", None))
+        if _qualifies(request, state):
+            state.logprobs_processor.__class__ = _SampledProcessor
+            state.logprobs_processor.logprobs = SampledLogprobs()
+
+    marked: Callable[..., None] = add_request
+    marked._genworker_sampled = True  # type: ignore[attr-defined]
+    processor.add_request = marked
+    return True
