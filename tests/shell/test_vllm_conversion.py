@@ -38,18 +38,6 @@ def _completion(
     """A completion as vLLM builds it: flat logprobs, or (``flat=False``) per-position
     dicts; ``extra`` adds a top-1 alternative at position 0; ``sampled``: the arrays the
     worker's own requests keep (``genworker.shell.sampled_logprobs``)."""
-    if sampled:
-        arrays = SampledLogprobs()
-        arrays.token_ids.extend(tokens)
-        arrays.logprobs.extend(logprobs)
-        return _vllm_outputs.CompletionOutput(
-            index=0,
-            text="",
-            token_ids=tokens,
-            cumulative_logprob=None,
-            logprobs=arrays,
-            finish_reason=finish_reason,
-        )
     positions = []
     logprob = _vllm_logprobs.Logprob
     for i, (token, value) in enumerate(zip(tokens, logprobs, strict=True)):
@@ -58,7 +46,11 @@ def _completion(
             entry[token + 1] = logprob(logprob=value - 1.0, rank=2, decoded_token=None)
         positions.append(entry)
     container: Any = positions
-    if flat:
+    if sampled:
+        container = SampledLogprobs()
+        container.token_ids.extend(tokens)
+        container.logprobs.extend(logprobs)
+    elif flat:
         container = _vllm_logprobs.FlatLogprobs()
         container.extend(positions)
     return _vllm_outputs.CompletionOutput(
