@@ -697,6 +697,17 @@ class GenProbe:
 
 
 # -- gen + sleep (one engine, one child) ------------------------------------------------
+def worker_request_params(worker: Any, spec: Any) -> Any:
+    """The ``SamplingParams`` the worker's engine hands ``LLM.generate`` for ``spec``
+    (marked for the sampled-logprob arrays as it marks them), for the raw runs."""
+    from genworker.shell.vllm_engine import VllmEngine
+
+    engine = worker.engine
+    if not isinstance(engine, VllmEngine):
+        raise TypeError(f"gen: the worker's engine is a {type(engine).__name__}")
+    return engine.request_params([spec])
+
+
 def gen_sleep_child(
     *, report: Callable[[Section], None], scale: Scale, sections: list[str]
 ) -> None:
@@ -704,7 +715,6 @@ def gen_sleep_child(
     from vllm import TokensPrompt
 
     from genworker.core.sampling import sampling_spec
-    from genworker.shell.vllm_engine import VllmEngine
 
     pinned_cpus = pin_to_gpu_cpus()
     shape = scale.gen_shape
@@ -750,10 +760,7 @@ def gen_sleep_child(
                 stop=(),
                 flat_logprobs=caps.flat_logprobs,
             )
-            engine = worker.engine
-            if not isinstance(engine, VllmEngine):
-                raise TypeError(f"gen: the worker's engine is a {type(engine).__name__}")
-            params = engine.request_params([spec])  # the worker's own, marked as it marks them
+            params = worker_request_params(worker, spec)
             llm = worker.llm
             expected = scale.prompts * scale.new_tokens
             probe = GenProbe(llm)
@@ -900,7 +907,6 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
     from vllm import SamplingParams, TokensPrompt
 
     from genworker.core.sampling import sampling_spec
-    from genworker.shell.vllm_engine import VllmEngine
 
     sec = Section("gen-tokenizer", TITLES["gen-tokenizer"])
     with guarded(sec):
@@ -946,10 +952,7 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
             stop=(),
             flat_logprobs=caps.flat_logprobs,
         )
-        engine = worker.engine
-        if not isinstance(engine, VllmEngine):
-            raise TypeError(f"gen: the worker's engine is a {type(engine).__name__}")
-        same = engine.request_params([spec])  # the worker's own, marked as it marks them
+        same = worker_request_params(worker, spec)
         default = SamplingParams(max_tokens=scale.new_tokens, logprobs=0, ignore_eos=True)
         llm = worker.llm
         expected = scale.prompts * scale.new_tokens

@@ -21,12 +21,13 @@ The collector is process-wide: other threads run without it during the block too
 
 Freeing what ``LLM.generate`` returned is the other cost at the end of a call (a
 512 x 256 batch holds about 400,000 Python objects with vLLM's flat logprobs, about
-130,000 with the worker's sampled arrays, :mod:`genworker.shell.sampled_logprobs`). The vLLM adapter frees each row as
-it converts it, while the row's objects are in the cache (``genworker.shell.vllm_engine``),
-so nothing of them is left for the young collection here to walk. (A releaser thread that
-freed them later, as this module had, either left them alive for that collection, which
-then read every token object again, or took the interpreter lock whenever the caller
-released it, for up to the 5 ms switch interval each time, issue 20.)
+130,000 with the worker's sampled arrays, :mod:`genworker.shell.sampled_logprobs`). The
+vLLM adapter frees each row as it converts it, while the row's objects are in the cache
+(``genworker.shell.vllm_engine``), so nothing of them is left for the young collection
+here to walk. (A releaser thread that freed them later, as this module had, either left
+them alive for that collection, which then read every token object again, or took the
+interpreter lock whenever the caller released it, for up to the 5 ms switch interval each
+time, issue 20.)
 """
 
 from __future__ import annotations

@@ -752,8 +752,7 @@ def _sampled_logprobs(
         if len(arrays) != len(sampled) or not np.array_equal(sampled, token_ids):
             raise GenworkerError(
                 f"generate: row {row}'s sampled logprobs ({len(arrays)}) are for tokens "
-                f"{sampled.tolist()}, "
-                f"not the generated {token_ids.tolist()}"
+                f"{sampled.tolist()}, not the generated {token_ids.tolist()}"
             )
         return np.frombuffer(arrays.logprobs, dtype=np.float32, count=len(arrays)).copy()
     logprobs = out.logprobs
