@@ -21,6 +21,11 @@ from gpu.gpu_fixtures import (
     generated,
     greedy,
 )
+from shell.test_sampled_logprobs import (
+    test_marked_requests_hold_what_vllms_flat_logprobs_hold,
+    test_the_engine_keeps_the_hook,
+    test_the_workers_params_are_marked_unless_the_row_needs_text,
+)
 from shell.test_vllm_engine import (
     test_bad_request_is_bad_batch_and_engine_keeps_serving,
     test_collective_rpc_answers_from_every_worker,
@@ -52,12 +57,15 @@ __all__ = [
     "test_generate_text_matches_raw_vllm",
     "test_generate_text_refuses_specs_that_do_not_detokenize",
     "test_greedy_matches_raw_vllm",
+    "test_marked_requests_hold_what_vllms_flat_logprobs_hold",
     "test_metrics_count_a_batch_tokens",
     "test_mismatched_specs_are_bad_batch",
     "test_only_rows_with_stop_strings_are_detokenized",
     "test_seeded_sampling_matches_raw_vllm",
     "test_the_collector_is_off_inside_llm_generate_and_on_after",
     "test_the_collector_state_is_restored_when_generate_raises",
+    "test_the_engine_keeps_the_hook",
+    "test_the_workers_params_are_marked_unless_the_row_needs_text",
 ]
 
 
