@@ -2448,7 +2448,7 @@ def sparse_trainer_main(
         ).unwrap()
         last: dict[str, Any] | None = None
         with SparseSender(addresses, manifest, hop_s=SPARSE_HOP_S) as sender:
-            replies.put(("ready", manifest.total_bytes))
+            replies.put(("ready", (manifest.total_bytes, sender.workers)))
             while True:
                 cmd, arg = commands.get()
                 if cmd == "stop":
@@ -2525,7 +2525,7 @@ def sparse_child(*, report: Callable[[Section], None], scale: Scale) -> None:
         worker.configure_zmq_sparse_refit_relay(addresses)
         t0 = time.perf_counter()
         trainer = Trainer(sparse_trainer_main, {"addresses": list(addresses), "layout": own})
-        model_bytes = int(trainer.expect("ready"))
+        model_bytes, workers = trainer.expect("ready")
         sec.row(
             "trainer start (spawn, fp32 master weights and two AdamW steps on this GPU)",
             fmt_s(time.perf_counter() - t0),
@@ -2546,7 +2546,11 @@ def sparse_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 trainer.send("step")
                 steps_s.append(float(trainer.expect("stepped")))
                 into.append(_sparse_send(trainer, full=False, throttled=into is linked))
-        _sparse_rows(sec, model_bytes, first, fulls, deltas, linked, steps_s)
+        _sparse_rows(sec, int(model_bytes), first, fulls, deltas, linked, steps_s)
+        sec.notes.append(
+            f"the sender encodes on {workers} threads and the receiver applies on as many "
+            "(`default_workers`: half of the host's cores, 2 to 8)"
+        )
         probe_row(sec, worker, "generate after the last step (takes it in; refused if diverged)")
     if trainer is not None:
         trainer.stop()
@@ -2645,7 +2649,7 @@ def _sparse_rows(
     sec.notes.append(
         "the trainer is a separate spawned process on the engine's GPU; the sender is "
         "genworker's `SparseSender` (host-side encoding: the weights are copied to the host, "
-        "diffed against its baseline, zstd level 1, two encode threads), the receiver the "
+        "diffed against its baseline, zstd level 1), the receiver the "
         "engine worker's relay receiver (`start_zmq_sparse_refit_relay`), which checks every "
         "piece's hash and writes the verified tensors into the engine's parameters; a "
         "step's time is the sender's, until the receiver's report that the engine holds it"

@@ -45,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import mmap
+import os
 import threading
 import time
 import zlib
@@ -92,6 +93,7 @@ __all__ = [
     "SparseRefitError",
     "SparseSender",
     "StepReport",
+    "default_workers",
 ]
 
 log = logging.getLogger(__name__)
@@ -325,6 +327,16 @@ class _Encoded:
     deltas: tuple[tuple[FramePiece, bytes], ...]  # each piece's wire form
 
 
+def default_workers() -> int:
+    """The encode (sender) or apply (receiver) threads of a sparse refit when not given:
+    half the cores this process may run on (the other half left to the other end, the
+    trainer and the engine often sharing a host), at least 2 and at most 8. A delta step's
+    time is these threads' (the link carries a few percent of the model's bytes)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    return max(2, min(8, cores // 2))
+
+
 class SparseSender:
     """The trainer's end: baseline, encoding, one copy to the relay root, the verdict.
 
@@ -334,7 +346,8 @@ class SparseSender:
     root, and as long for the root to take a message. ``baseline_path``: keep the baseline
     in that memory-mapped file instead of the heap. ``throttle``: pace the writes to the
     root (a slow link, or a benchmark's). ``workers``: threads that encode frames ahead of
-    the link (numpy, zlib and zstd release the GIL).
+    the link (the compiled loops, zlib and zstd release the GIL); ``None``:
+    :func:`default_workers`.
     """
 
     def __init__(
@@ -348,11 +361,12 @@ class SparseSender:
         throttle: LinkThrottle | None = None,
         frame_bytes: int = FRAME_BYTES,
         chunk_elements: int = MAX_CHUNK_ELEMENTS,
-        workers: int = 2,
+        workers: int | None = None,
     ) -> None:
         self.plan: RelayPlan = unwrap(
             plan_relay(receivers, fanout), BadArgumentError, "sparse refit relay"
         )
+        workers = default_workers() if workers is None else workers
         if not hop_s > 0 or frame_bytes < 1 or workers < 1:
             raise BadArgumentError(
                 f"hop_s, frame_bytes and workers must be positive, got {hop_s!r}, "
@@ -372,7 +386,7 @@ class SparseSender:
         self.synced_step: int | None = None  # the step the baseline holds; None: full next
         self.checksum = CHECKSUM  # what ``Begin`` says the pieces carry
         self._step = 0
-        self._workers = workers
+        self.workers = workers
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "genworker-sparse")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
@@ -473,7 +487,7 @@ class SparseSender:
         try:
             for index, frame in frames:
                 pending.append(self._pool.submit(self._encode, index, frame, bits, full, step))
-                if len(pending) >= 2 * self._workers:
+                if len(pending) >= 2 * self.workers:
                     break
             while pending:
                 encoded = pending.pop(0).result()
@@ -606,8 +620,9 @@ class SparseReceiver:
     """A relay node: takes a step, forwards it, applies and verifies it, reports.
 
     Its name in a relay is its bound :attr:`address` (what the sender lists). ``target``
-    gets each verified tensor at the end of a good step. ``start()`` serves on a daemon
-    thread; ``close()`` stops it.
+    gets each verified tensor at the end of a good step. ``workers``: threads that
+    decompress, check and apply frames (``None``: :func:`default_workers`). ``start()``
+    serves on a daemon thread; ``close()`` stops it.
     """
 
     def __init__(
@@ -618,7 +633,7 @@ class SparseReceiver:
         port: int = 0,
         allow_remote: bool = False,
         max_frame_bytes: int = FRAME_BYTES,
-        workers: int = 2,
+        workers: int | None = None,
         on_diverge: Callable[[str], None] | None = None,
     ) -> None:
         if not allow_remote and not _is_loopback(host):
@@ -626,6 +641,10 @@ class SparseReceiver:
                 f"refusing to bind the sparse refit relay on {host}: not a loopback address "
                 "(pass allow_remote=True to expose it; the relay is unauthenticated)"
             )
+        workers = default_workers() if workers is None else workers
+        if workers < 1:
+            raise BadArgumentError(f"workers must be positive, got {workers!r}")
+        self.workers = workers
         self.target = target
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)

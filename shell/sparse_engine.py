@@ -124,8 +124,10 @@ class EngineTarget:
             self._loaded.append((name, tensor))  # borrowed until finish(), which loads it
             return
         target = self._sink.target(name)
-        target.copy_(tensor.to(target.device).reshape(target.shape))
-        if not torch.equal(_bytes(target).cpu(), _bytes(tensor)):
+        staged = tensor.to(target.device)  # the verified bits on the parameter's device
+        target.copy_(staged.reshape(target.shape))
+        # Compared where the parameter lives: a GPU engine reads nothing back to the host.
+        if not torch.equal(_bytes(target), _bytes(staged)):
             raise RefitError(
                 f"{name!r} in parameter memory differs from the verified bits after the write "
                 f"(CRC-32 {_checksum(target):#010x}, verified {_checksum(tensor):#010x})"

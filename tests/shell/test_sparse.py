@@ -5,6 +5,7 @@ corrupted payload and a diverged receiver caught and refused (the target untouch
 from __future__ import annotations
 
 import multiprocessing
+import os
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +30,7 @@ from genworker.shell.sparse import (
     SparseReceiver,
     SparseRefitError,
     SparseSender,
+    default_workers,
 )
 
 SHAPES = {
@@ -361,6 +363,27 @@ def test_bad_relay_settings_are_refused() -> None:
         SparseReceiver(DictTarget(), host="10.1.2.3")
     with pytest.raises(BadArgumentError, match="link throttle"):
         LinkThrottle(0)
+    with pytest.raises(BadArgumentError, match="workers"):
+        SparseSender(["tcp://127.0.0.1:1"], manifest(), workers=0)
+    with pytest.raises(BadArgumentError, match="workers must be positive, got 0"):
+        SparseReceiver(DictTarget(), workers=0)
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(1, 2), (2, 2), (5, 2), (6, 3), (16, 8), (64, 8)])
+def test_the_default_workers_are_half_the_cores_from_2_to_8(
+    monkeypatch: pytest.MonkeyPatch, cores: int, expected: int
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert default_workers() == expected
+    receiver = SparseReceiver(DictTarget())
+    try:
+        assert receiver.workers == expected
+    finally:
+        receiver.close()
+    with SparseSender(["tcp://127.0.0.1:1"], manifest()) as sender:
+        assert sender.workers == expected
+    with SparseSender(["tcp://127.0.0.1:1"], manifest(), workers=5) as sender:
+        assert sender.workers == 5
 
 
 def test_a_silent_root_fails_the_step_within_its_bound() -> None:
