@@ -12,19 +12,30 @@ logprob's token id; ranks and indices are cached small ints), about 262,000, and
 them was most of the worker's time outside ``LLM.generate`` (8-13 ms of 15-20 ms on the
 2-core host, issue 20).
 
+The generated token ids are the same story one level up: without detokenization vLLM's
+``IncrementalDetokenizer`` (the base class, vllm/v1/engine/detokenizer.py) only extends a
+list with each step's new ids, and that list, one int object per token, is the
+``CompletionOutput.token_ids`` the worker reads and then frees.
+
 A request whose ``SamplingParams.extra_args`` holds :data:`MARKER` and that asks for
 nothing else (the sampled logprob only, no detokenization, final-only output, ``n=1``)
 keeps instead its sampled ids and logprobs in a :class:`SampledLogprobs` (an int64 and a
 float32 ``array.array``, no object per token), and its ``CompletionOutput.logprobs`` is
-that container. The cumulative logprob is summed as vLLM sums it.
+that container. The cumulative logprob is summed as vLLM sums it. When its detokenizer is
+that base class with nothing in it yet, its token ids are kept in an int64
+``array.array`` as well (``extend`` and ``len`` are all vLLM calls on it for such a
+request: the stop-string trimming that edits the list runs only for detokenized rows),
+and its ``CompletionOutput.token_ids`` is that array.
 
 The hook belongs to one engine: :func:`install` wraps the ``add_request`` of one
 ``LLMEngine``'s output processor (an instance attribute: the class and every other engine
 are untouched); for a qualifying marked request it turns the request's
 ``LogprobsProcessor`` into the subclass :data:`_SampledProcessor`, whose only change is
-``_update_sample_logprobs``. Every other request is vLLM's own. ``install`` returns False
-(and changes nothing) when vLLM does not have the shape read above; the engine then
-leaves its requests unmarked and gets flat logprobs as before.
+``_update_sample_logprobs``, and replaces the detokenizer's empty list. Every other
+request is vLLM's own. ``install`` returns False (and changes nothing) when vLLM does not
+have the shape read above; the engine then leaves its requests unmarked and gets flat
+logprobs as before. A vLLM whose no-tokenizer detokenizer is not that class keeps its
+list of token ids.
 """
 
 from __future__ import annotations
@@ -101,6 +112,32 @@ _SampledProcessor: Any = (
 )
 
 
+def _detokenizer_class() -> Any:
+    """vLLM's ``IncrementalDetokenizer`` class (the one without a tokenizer), if any."""
+    try:
+        from vllm.v1.engine import detokenizer as module
+    except ImportError:
+        return None
+    cls = getattr(module, "IncrementalDetokenizer", None)
+    return cls if isinstance(cls, type) else None
+
+
+_DETOKENIZER = _detokenizer_class()
+
+
+def _keep_ids_as_array(state: Any) -> None:
+    """The request's generated ids in an int64 array, when its detokenizer is vLLM's
+    no-tokenizer one and has taken no id yet; left alone otherwise."""
+    detokenizer: Any = getattr(state, "detokenizer", None)
+    if (
+        _DETOKENIZER is not None
+        and type(detokenizer) is _DETOKENIZER
+        and type(getattr(detokenizer, "token_ids", None)) is list
+        and not detokenizer.token_ids
+    ):
+        detokenizer.token_ids = array("q")
+
+
 def _qualifies(request: Any, state: Any) -> bool:
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None)
@@ -135,6 +172,7 @@ def install(llm_engine: object) -> bool:
         if _qualifies(request, state):
             state.logprobs_processor.__class__ = _SampledProcessor
             state.logprobs_processor.logprobs = SampledLogprobs()
+            _keep_ids_as_array(state)
 
     marked: Callable[..., None] = add_request
     marked._genworker_sampled = True  # type: ignore[attr-defined]

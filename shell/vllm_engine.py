@@ -18,11 +18,14 @@ Theory of operation
 - The sampled logprobs as arrays (:mod:`genworker.shell.sampled_logprobs`): the engine
   installs that hook on its ``LLMEngine`` at start, and marks the ``SamplingParams`` of
   every spec with ``logprobs=0`` and no text; vLLM then keeps those rows' sampled ids and
-  logprobs in two typed arrays per row in place of flat logprobs, and builds no Python
-  object per token for them. Rows that need text (stop strings) or more logprobs, and
+  logprobs in two typed arrays per row in place of flat logprobs, and their generated
+  token ids in a third in place of a list: no Python object per token stays alive. Rows that need text (stop strings) or more logprobs, and
   every engine on which the hook cannot be installed, get vLLM's flat logprobs.
-- One pass from vLLM's outputs to :class:`~genworker.core.assembly.FlatGenerations`: in
-  the common case every row's token ids are packed straight into one flat numpy array
+- One pass from vLLM's outputs to :class:`~genworker.core.assembly.FlatGenerations`. With
+  the hook, every row's token ids and sampled logprobs are arrays: the batch's ids and
+  logprobs are each joined into one buffer by one C copy (:func:`_joined`), and the
+  ids are checked against the sampled ids as one byte string, no Python per token.
+  Otherwise every row's token ids are packed straight into one flat numpy array
   (``struct``, one C loop per row) and its logprobs copied in: from the sampled arrays
   (their ids compared with the row's as bytes), or from flat logprobs holding exactly the
   sampled token at each position (checked with two list comparisons, packed by
@@ -102,9 +105,10 @@ import logging
 import struct
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -638,6 +642,11 @@ def _generations(outs: list[CompletionOutput | None], *, consume: bool = False) 
     the module docstring), the rest row by row from the first row it does not. ``consume``:
     each row's entry of ``outs`` is dropped once read (set to None), so a list that held
     the only references frees the row's objects while they are still in the cache."""
+    joined = _joined(outs)
+    if joined is not None:
+        if consume:
+            outs[:] = [None] * len(outs)
+        return joined
     rows = len(outs)
     lengths = np.array([len(_present(out).token_ids) for out in outs], dtype=np.int64)
     total = int(lengths.sum())
@@ -689,6 +698,43 @@ def _generations(outs: list[CompletionOutput | None], *, consume: bool = False) 
     return FlatGenerations(
         token_ids=np.frombuffer(token_ids, dtype=np.int64),
         logprobs=np.frombuffer(logprobs, dtype=np.float32),
+        lengths=lengths,
+        truncated=np.array([r == "length" for r in reasons], dtype=np.bool_),
+    )
+
+
+def _joined(outs: Sequence[CompletionOutput | None]) -> FlatGenerations | None:
+    """The batch when every row holds the hook's arrays, token ids and sampled logprobs
+    alike (:mod:`genworker.shell.sampled_logprobs`): each joined by one C copy, the ids
+    compared with the sampled ids as one byte string, and each row's three lengths
+    compared; None when any of that does not hold (the row-by-row pass then names the
+    row)."""
+    present = [_present(out) for out in outs]
+    ids: list[object] = [out.token_ids for out in present]
+    sampled: list[object] = [out.logprobs for out in present]
+    if not (
+        all(type(row) is array and row.typecode == "q" for row in ids)
+        and all(type(row) is SampledLogprobs for row in sampled)
+    ):
+        return None
+    arrays = cast(list["array[int]"], ids)
+    kept = cast(list[SampledLogprobs], sampled)
+    lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    if not (
+        np.array_equal(lengths, np.fromiter((len(k.token_ids) for k in kept), np.int64))
+        and np.array_equal(lengths, np.fromiter((len(k.logprobs) for k in kept), np.int64))
+    ):
+        return None
+    token_ids = bytearray().join(arrays)
+    if token_ids != b"".join([k.token_ids for k in kept]):
+        return None
+    reasons = [out.finish_reason for out in present]
+    if not _FINISH_REASONS.keys() >= set(reasons):
+        for row, reason in enumerate(reasons):
+            _finish_reason(row, reason)  # raises, naming the first row that did not finish
+    return FlatGenerations(
+        token_ids=np.frombuffer(token_ids, dtype=np.int64),
+        logprobs=np.frombuffer(bytearray().join([k.logprobs for k in kept]), dtype=np.float32),
         lengths=lengths,
         truncated=np.array([r == "length" for r in reasons], dtype=np.bool_),
     )

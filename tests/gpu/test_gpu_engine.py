@@ -22,7 +22,9 @@ from gpu.gpu_fixtures import (
     greedy,
 )
 from shell.test_sampled_logprobs import (
+    test_a_marked_batch_keeps_no_object_per_token,
     test_marked_requests_hold_what_vllms_flat_logprobs_hold,
+    test_only_an_empty_no_tokenizer_detokenizer_gets_an_id_array,
     test_the_engine_keeps_the_hook,
     test_the_workers_params_are_marked_unless_the_row_needs_text,
 )
@@ -49,6 +51,7 @@ pytest_plugins = ["gpu.gpu_fixtures"]
 pytestmark = GPU_MARKS
 
 __all__ = [
+    "test_a_marked_batch_keeps_no_object_per_token",
     "test_bad_request_is_bad_batch_and_engine_keeps_serving",
     "test_collective_rpc_answers_from_every_worker",
     "test_collective_rpc_expiry_is_engine_dead",
@@ -60,6 +63,7 @@ __all__ = [
     "test_marked_requests_hold_what_vllms_flat_logprobs_hold",
     "test_metrics_count_a_batch_tokens",
     "test_mismatched_specs_are_bad_batch",
+    "test_only_an_empty_no_tokenizer_detokenizer_gets_an_id_array",
     "test_only_rows_with_stop_strings_are_detokenized",
     "test_seeded_sampling_matches_raw_vllm",
     "test_the_collector_is_off_inside_llm_generate_and_on_after",

@@ -5,8 +5,8 @@ on the same engine is vLLM's own."""
 from __future__ import annotations
 
 import gc
-import sys
-from types import SimpleNamespace
+from array import array
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -16,7 +16,7 @@ from vllm.inputs import TokensPrompt
 from vllm.logprobs import FlatLogprobs
 
 from genworker.core.sampling import SamplingSpec
-from genworker.shell.sampled_logprobs import MARKER, SampledLogprobs, install
+from genworker.shell.sampled_logprobs import MARKER, SampledLogprobs, _keep_ids_as_array, install
 from genworker.shell.vllm_engine import VllmEngine, sampling_params
 
 pytestmark = pytest.mark.engine
@@ -50,7 +50,10 @@ def test_marked_requests_hold_what_vllms_flat_logprobs_hold(
     for mine, vllms in zip(ours, theirs, strict=True):
         assert isinstance(vllms.logprobs, FlatLogprobs)
         assert isinstance(mine.logprobs, SampledLogprobs)
-        assert list(mine.token_ids) == list(vllms.token_ids)
+        assert type(vllms.token_ids) is list
+        assert type(mine.token_ids) is array
+        assert mine.token_ids.typecode == "q"
+        assert mine.token_ids.tolist() == vllms.token_ids
         assert mine.logprobs.token_ids.tolist() == list(vllms.token_ids)
         expected = np.asarray(vllms.logprobs.logprobs, dtype=np.float32)
         got = np.frombuffer(mine.logprobs.logprobs, dtype=np.float32)
@@ -84,25 +87,30 @@ def test_the_workers_params_are_marked_unless_the_row_needs_text(cpu_engine: Vll
     assert sampling_params(specs[0], None).extra_args is None  # not asked for
 
 
-def _blocks_kept(llm: LLM, params: SamplingParams) -> int:
-    """The interpreter's allocated blocks that a batch's outputs keep alive."""
-    gc.collect()
-    before = sys.getallocatedblocks()
-    outs = _outputs(llm, params)
-    gc.collect()
-    kept = sys.getallocatedblocks() - before
-    assert [len(out.token_ids) for out in outs] == [64] * len(PROMPTS)
-    return kept
+def _objects_kept(llm: LLM, tokens: int, **kw: Any) -> int:
+    """The objects a batch of ``tokens`` new tokens a row's completions reach (types and
+    modules left out)."""
+    outs = _outputs(llm, _seeded(max_tokens=tokens, ignore_eos=True, **kw))
+    assert [len(out.token_ids) for out in outs] == [tokens] * len(PROMPTS)
+    seen: set[int] = set()
+    stack: list[object] = list(outs)
+    while stack:
+        obj = stack.pop()
+        if id(obj) not in seen and not isinstance(obj, (type, ModuleType)):
+            seen.add(id(obj))
+            stack.extend(gc.get_referents(obj))
+    return len(seen)
 
 
-def test_a_marked_batch_keeps_no_logprob_object_per_token(cpu_llm: LLM) -> None:
+def test_a_marked_batch_keeps_no_object_per_token(cpu_llm: LLM) -> None:
     """Flat logprobs keep a float per position (and an int for each token id past the
-    cached small ones); the arrays keep none: the marked batch's outputs hold at least one
-    object per position fewer."""
-    params = {"max_tokens": 64, "ignore_eos": True}
-    unmarked = _blocks_kept(cpu_llm, _seeded(**params))
-    marked = _blocks_kept(cpu_llm, _seeded(**params, extra_args={MARKER: True}))
-    assert unmarked - marked >= 64 * len(PROMPTS)
+    cached small ones, in the logprobs and in the token ids); the arrays keep none: a
+    marked batch's completions reach as many objects with 64 tokens a row as with 16,
+    an unmarked one's at least one more per added position."""
+    marked = [_objects_kept(cpu_llm, n, extra_args={MARKER: True}) for n in (16, 64)]
+    unmarked = [_objects_kept(cpu_llm, n) for n in (16, 64)]
+    assert marked[1] == marked[0], marked
+    assert unmarked[1] - unmarked[0] >= 48 * len(PROMPTS), unmarked
 
 
 def test_install_changes_nothing_on_an_engine_of_another_shape() -> None:
@@ -122,3 +130,19 @@ def test_install_wraps_an_output_processor_once() -> None:
     request = SimpleNamespace(request_id="r", sampling_params=None)
     processor.add_request(request)  # no state: passed on, nothing else
     assert calls == [request]
+
+
+def test_only_an_empty_no_tokenizer_detokenizer_gets_an_id_array() -> None:
+    from vllm.v1.engine import detokenizer as module
+
+    base: Any = module.IncrementalDetokenizer
+    detokenizing: Any = type("Detokenizing", (base,), {})
+    empty, started, other = base(), base(), detokenizing()
+    started.token_ids.append(5)
+    for detokenizer in (empty, started, other):
+        _keep_ids_as_array(SimpleNamespace(detokenizer=detokenizer))
+    _keep_ids_as_array(SimpleNamespace(detokenizer=None))  # a pooling request's state
+    assert type(empty.token_ids) is array
+    assert empty.token_ids.typecode == "q"
+    assert started.token_ids == [5]
+    assert type(other.token_ids) is list

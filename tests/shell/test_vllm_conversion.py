@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from array import array
 from typing import Any
 
 import numpy as np
@@ -33,11 +34,13 @@ def _completion(
     extra: bool = False,
     flat: bool = True,
     sampled: bool = False,
+    id_array: bool = False,
     finish_reason: str | None = "length",
 ) -> Any:
     """A completion as vLLM builds it: flat logprobs, or (``flat=False``) per-position
     dicts; ``extra`` adds a top-1 alternative at position 0; ``sampled``: the arrays the
-    worker's own requests keep (``genworker.shell.sampled_logprobs``)."""
+    worker's own requests keep (``genworker.shell.sampled_logprobs``), ``id_array``: their
+    token ids in an int64 array too."""
     positions = []
     logprob = _vllm_logprobs.Logprob
     for i, (token, value) in enumerate(zip(tokens, logprobs, strict=True)):
@@ -56,7 +59,7 @@ def _completion(
     return _vllm_outputs.CompletionOutput(
         index=0,
         text="",
-        token_ids=tokens,
+        token_ids=array("q", tokens) if id_array else tokens,
         cumulative_logprob=None,
         logprobs=container,
         finish_reason=finish_reason,
@@ -73,7 +76,7 @@ _rows = st.lists(
 )
 
 
-_LAYOUTS = ("flat", "dicts", "sampled")
+_LAYOUTS = ("flat", "dicts", "sampled", "arrays")
 
 
 @given(
@@ -85,7 +88,7 @@ def test_bulk_conversion_equals_the_row_by_row_one(
     rows: list[list[tuple[int, float]]], kinds: list[tuple[bool, str, str]], consume: bool
 ) -> None:
     """Whatever mix of layouts (flat or dicts, with or without a top-1 alternative, or the
-    sampled arrays) and finish reasons, the one-pass conversion gives what the row-by-row
+    sampled arrays, with the token ids in an array or a list) and finish reasons, the one-pass conversion gives what the row-by-row
     one does; with ``consume``, every row before the first that goes row by row is
     dropped from the list and the others are left as they were."""
     outs = []
@@ -97,7 +100,8 @@ def test_bulk_conversion_equals_the_row_by_row_one(
                 [v for _, v in row],
                 extra=extra and bool(row),
                 flat=layout == "flat",
-                sampled=layout == "sampled",
+                sampled=layout in ("sampled", "arrays"),
+                id_array=layout == "arrays",
                 finish_reason=reason,
             )
         )
@@ -237,17 +241,46 @@ def test_conversion_names_a_row_whose_logprobs_are_for_other_tokens() -> None:
     ],
     ids=["other-token", "fewer", "more", "fewer-logprobs"],
 )
+@pytest.mark.parametrize("id_array", [False, True], ids=["id-list", "id-array"])
 def test_conversion_names_a_row_whose_sampled_arrays_do_not_fit(
-    ids: list[int], logprobs: list[float], error: str
+    ids: list[int], logprobs: list[float], error: str, id_array: bool
 ) -> None:
-    good = _completion([5, 6], [-1.0, -2.0], sampled=True)
-    bad = _completion([7, 8], [-1.0, -2.0], sampled=True)
+    good = _completion([5, 6], [-1.0, -2.0], sampled=True, id_array=id_array)
+    bad = _completion([7, 8], [-1.0, -2.0], sampled=True, id_array=id_array)
     bad.logprobs.token_ids = SampledLogprobs().token_ids
     bad.logprobs.token_ids.extend(ids)
     bad.logprobs.logprobs = SampledLogprobs().logprobs
     bad.logprobs.logprobs.extend(logprobs)
     with pytest.raises(GenworkerError, match=error):
         _generations([good, bad])
+
+
+@given(_rows, st.booleans())
+def test_a_batch_of_arrays_is_joined_in_one_pass(
+    rows: list[list[tuple[int, float]]], consume: bool
+) -> None:
+    """Every row's token ids and sampled logprobs in arrays: the joined pass gives what
+    the row-by-row one does, and with ``consume`` drops every row."""
+    outs = [
+        _completion([t for t, _ in row], [v for _, v in row], sampled=True, id_array=True)
+        for row in rows
+    ]
+    expected = flatten_generations([_generation(i, o) for i, o in enumerate(outs)])
+    assert vllm_engine._joined(outs) == expected
+    given_outs = list(outs)
+    assert _generations(outs, consume=consume) == expected
+    assert outs == ([None] * len(given_outs) if consume else given_outs)
+
+
+def test_the_joined_pass_names_a_row_whose_ids_differ_inside_or_that_did_not_finish() -> None:
+    good = _completion([5, 6, 7], [-1.0, -2.0, -3.0], sampled=True, id_array=True)
+    bad = _completion([5, 9, 7], [-1.0, -2.0, -3.0], sampled=True, id_array=True)
+    bad.logprobs.token_ids[1] = 6  # the same length, first and last id, one id apart
+    with pytest.raises(GenworkerError, match=r"row 1's sampled logprobs \(3\) are for tokens"):
+        _generations([good, bad])
+    running = _completion([5], [-1.0], sampled=True, id_array=True, finish_reason=None)
+    with pytest.raises(GenworkerError, match="row 1 did not finish"):
+        _generations([good, running])
 
 
 def test_sampled_arrays_are_copied_out_of_the_completion() -> None:
