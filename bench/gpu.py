@@ -1055,8 +1055,10 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
         sec.notes.append(
             "one engine, three paths, the order rotating every repetition; each ratio is the "
             "median over repetitions of the ratio of the two runs of one repetition. The "
-            "worker detokenizes nothing (no stop strings) and reads flat logprobs; cyclic GC "
-            "is off inside its call, one young collection at its end"
+            "worker detokenizes nothing (no stop strings); its requests are marked, so vLLM "
+            "keeps their token ids and sampled logprobs as arrays "
+            "(`genworker.shell.sampled_logprobs`; raw_same runs the same marked params); "
+            "cyclic GC is off inside its call, one young collection at its end"
         )
         sec.notes.append(
             f"pinned to CPUs {pinned_cpus}; prefix caching off (every run prefills its prompts)"
