@@ -19,8 +19,9 @@ Theory of operation
   installs that hook on its ``LLMEngine`` at start, and marks the ``SamplingParams`` of
   every spec with ``logprobs=0`` and no text; vLLM then keeps those rows' sampled ids and
   logprobs in two typed arrays per row in place of flat logprobs, and their generated
-  token ids in a third in place of a list: no Python object per token stays alive. Rows that need text (stop strings) or more logprobs, and
-  every engine on which the hook cannot be installed, get vLLM's flat logprobs.
+  token ids in a third in place of a list: no Python object per token stays alive. Rows
+  that need text (stop strings) or more logprobs, and every engine on which the hook
+  cannot be installed, get vLLM's flat logprobs.
 - One pass from vLLM's outputs to :class:`~genworker.core.assembly.FlatGenerations`. With
   the hook, every row's token ids and sampled logprobs are arrays: the batch's ids and
   logprobs are each joined into one buffer by one C copy (:func:`_joined`), and the
@@ -35,6 +36,9 @@ Theory of operation
   stop strings, text requests); ``generate_text`` refuses a spec that does not.
 - Cyclic GC stays out of a generate call (:func:`~genworker.shell.collector.defer_cyclic_gc`):
   vLLM allocates per request and per step on the host thread all through the call.
+  With the hook's arrays a row is a handful of objects, all dropped once the batch is
+  joined (``worker_outside_free_ms`` 1.5 ms for 512 x 256 on this host, against 4.6 with
+  a list of token ids and 11.7 with flat logprobs). Otherwise
   vLLM's outputs are freed row by row during the conversion: once a row is packed, its
   completion (the only reference left: the ``RequestOutput`` list is dropped first) goes,
   and with it its objects (with flat logprobs ~800 for 256 tokens: token ids, logprob
