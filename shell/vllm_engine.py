@@ -696,14 +696,12 @@ def _generations(outs: list[CompletionOutput | None], *, consume: bool = False) 
         if consume:
             del out, ids, flat
             outs[row] = None
-    if not _FINISH_REASONS.keys() >= set(reasons):
-        for row, reason in enumerate(reasons):
-            _finish_reason(row, reason)  # raises, naming the first row that did not finish
+    truncated = _truncated(reasons)
     return FlatGenerations(
         token_ids=np.frombuffer(token_ids, dtype=np.int64),
         logprobs=np.frombuffer(logprobs, dtype=np.float32),
         lengths=lengths,
-        truncated=np.array([r == "length" for r in reasons], dtype=np.bool_),
+        truncated=truncated,
     )
 
 
@@ -733,14 +731,12 @@ def _joined(outs: Sequence[CompletionOutput | None]) -> FlatGenerations | None:
     if token_ids != b"".join([k.token_ids for k in kept]):
         return None
     reasons = [out.finish_reason for out in present]
-    if not _FINISH_REASONS.keys() >= set(reasons):
-        for row, reason in enumerate(reasons):
-            _finish_reason(row, reason)  # raises, naming the first row that did not finish
+    truncated = _truncated(reasons)
     return FlatGenerations(
         token_ids=np.frombuffer(token_ids, dtype=np.int64),
         logprobs=np.frombuffer(bytearray().join([k.logprobs for k in kept]), dtype=np.float32),
         lengths=lengths,
-        truncated=np.array([r == "length" for r in reasons], dtype=np.bool_),
+        truncated=truncated,
     )
 
 
@@ -760,9 +756,7 @@ def _with_rest(
     reasons: list[str | None],
 ) -> FlatGenerations:
     """The rows before ``first`` as packed, the others converted row by row."""
-    if not _FINISH_REASONS.keys() >= set(reasons):
-        for row, reason in enumerate(reasons):
-            _finish_reason(row, reason)
+    truncated = _truncated(reasons)
     rest = flatten_generations(
         [_generation(row, _present(outs[row])) for row in range(first, len(outs))]
     )
@@ -774,10 +768,17 @@ def _with_rest(
             [np.frombuffer(logprobs, dtype=np.float32, count=offset), rest.logprobs]
         ),
         lengths=lengths,
-        truncated=np.concatenate(
-            [np.array([r == "length" for r in reasons], dtype=np.bool_), rest.truncated]
-        ),
+        truncated=np.concatenate([truncated, rest.truncated]),
     )
+
+
+def _truncated(reasons: Sequence[str | None]) -> npt.NDArray[np.bool_]:
+    """Which of these finished rows ran out of tokens; raises naming the first row that
+    did not finish (one set comparison when every row did)."""
+    if not _FINISH_REASONS.keys() >= set(reasons):
+        for row, reason in enumerate(reasons):
+            _finish_reason(row, reason)  # raises
+    return np.array([r == "length" for r in reasons], dtype=np.bool_)
 
 
 def _finish_reason(row: int, finish_reason: str | None) -> str:

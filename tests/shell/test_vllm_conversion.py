@@ -88,9 +88,10 @@ def test_bulk_conversion_equals_the_row_by_row_one(
     rows: list[list[tuple[int, float]]], kinds: list[tuple[bool, str, str]], consume: bool
 ) -> None:
     """Whatever mix of layouts (flat or dicts, with or without a top-1 alternative, or the
-    sampled arrays, with the token ids in an array or a list) and finish reasons, the one-pass conversion gives what the row-by-row
-    one does; with ``consume``, every row before the first that goes row by row is
-    dropped from the list and the others are left as they were."""
+    sampled arrays, with the token ids in an array or a list) and finish reasons, the
+    one-pass conversion gives what the row-by-row one does; with ``consume``, every row
+    before the first that goes row by row is dropped from the list and the others are left
+    as they were."""
     outs = []
     for i, row in enumerate(rows):
         extra, layout, reason = kinds[i] if i < len(kinds) else (False, "flat", "length")
