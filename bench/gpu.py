@@ -77,6 +77,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import importlib.util
 import json
 import math
 import multiprocessing as mp
@@ -651,6 +652,48 @@ def pin_to_gpu_cpus() -> str:
     return text
 
 
+def outside_profile(run: Callable[[], object], llm: Any, top: int = 12) -> tuple[float, list[str]]:
+    """One ``run()`` under cProfile with the profiler off inside every ``LLM.generate``
+    call: the seconds it profiled, and the ``top`` functions by own time as
+    ``"name (file:line) own ms / cumulative ms, calls"``."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    original = llm.generate
+    wrapped = "generate" in vars(llm)  # an instance wrapper already (GenProbe's)
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        profiler.disable()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            profiler.enable()
+
+    llm.generate = generate
+    try:
+        profiler.enable()
+        try:
+            run()
+        finally:
+            profiler.disable()
+    finally:
+        if wrapped:
+            llm.generate = original
+        else:
+            del llm.generate
+    stats = pstats.Stats(profiler)
+    entries = stats.stats  # type: ignore[attr-defined]
+    total = sum(tt for (_, _, tt, _, _) in entries.values())
+    ranked = sorted(entries.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    hot = [
+        f"{func} ({file.rsplit('/', 2)[-1] if file != '~' else 'builtin'}:{line}) "
+        f"{tt * 1e3:.1f} / {ct * 1e3:.1f} ms, {nc} calls"
+        for (file, line, func), (_, nc, tt, ct, _) in ranked
+    ]
+    return total, hot
+
+
 class GenProbe:
     """Times every ``LLM.generate`` call on one engine and the cyclic GC's pauses.
 
@@ -662,10 +705,12 @@ class GenProbe:
         self.llm = llm
         self.inner_s = 0.0
         self.gc_s = 0.0
+        self.first_start = self.last_end = 0.0  # perf_counter stamps of this run's calls
         self._gc_started = 0.0
 
     def reset(self) -> None:
         self.inner_s = self.gc_s = 0.0
+        self.first_start = self.last_end = 0.0
 
     def _on_gc(self, phase: str, info: Mapping[str, int]) -> None:
         if phase == "start":
@@ -680,10 +725,12 @@ class GenProbe:
 
         def generate(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
+            self.first_start = self.first_start or t0
             try:
                 return original(*args, **kwargs)
             finally:
-                self.inner_s += time.perf_counter() - t0
+                self.last_end = time.perf_counter()
+                self.inner_s += self.last_end - t0
 
         self.llm.generate = generate
         gc.callbacks.append(self._on_gc)
@@ -958,8 +1005,13 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
         expected = scale.prompts * scale.new_tokens
         probe = GenProbe(llm)
 
+        stamps = {"enter": 0.0, "returned": 0.0}
+
         def via_worker() -> int:
-            return int(worker.generate(data)["generation_lengths"].sum())
+            stamps["enter"] = time.perf_counter()
+            out = worker.generate(data)
+            stamps["returned"] = time.perf_counter()
+            return int(out["generation_lengths"].sum())
 
         def via_raw(params: Any) -> Callable[[], int]:
             def run() -> int:
@@ -973,6 +1025,7 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
         runs: dict[str, list[float]] = {name: [] for name in paths}
         inner: dict[str, list[float]] = {name: [] for name in paths}
         pauses: dict[str, list[float]] = {name: [] for name in paths}
+        split: dict[str, list[float]] = {"before": [], "after": []}  # the worker's runs
         counts: set[int] = set()
         names = list(paths)
         with probe:
@@ -985,6 +1038,10 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
                     inner[name].append(probe.inner_s)
                     pauses[name].append(probe.gc_s)
                     counts.add(int(n))
+                    if name == "worker":
+                        split["before"].append(probe.first_start - stamps["enter"])
+                        split["after"].append(stamps["returned"] - probe.last_end)
+            profiled_s, hot = outside_profile(via_worker, llm)
 
         def paired(a: str, b: str) -> float:
             return statistics.median(x / y for x, y in zip(runs[a], runs[b], strict=True))
@@ -993,9 +1050,8 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
             return statistics.median(runs[name])
 
         vs_default, overhead = paired("worker", "raw_default"), paired("worker", "raw_same")
-        outside = statistics.median(
-            t - i for t, i in zip(runs["worker"], inner["worker"], strict=True)
-        )
+        outsides = [t - i for t, i in zip(runs["worker"], inner["worker"], strict=True)]
+        outside = statistics.median(outsides)
         share = outside / median("raw_same")
         sec.row(
             "batch",
@@ -1023,7 +1079,35 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
         sec.row(
             "worker: inside `LLM.generate` / outside it (ours), medians",
             f"{fmt_s(statistics.median(inner['worker']))} / {fmt_s(outside)}",
-            f"outside = {share:.3%} of the raw median (worker's params)",
+            f"outside = {share:.3%} of the raw median (worker's params); outside per run: "
+            + ", ".join(fmt_s(x) for x in outsides),
+        )
+        sec.row(
+            "worker outside `LLM.generate`: before the call / after it / the rest, medians",
+            " / ".join(
+                fmt_s(statistics.median(x))
+                for x in (
+                    split["before"],
+                    split["after"],
+                    [
+                        t - i - b - a
+                        for t, i, b, a in zip(
+                            runs["worker"],
+                            inner["worker"],
+                            split["before"],
+                            split["after"],
+                            strict=True,
+                        )
+                    ],
+                )
+            ),
+            "the rest: `timed`'s device syncs and the caller reading the result",
+        )
+        sec.row(
+            "one more worker run under cProfile, outside `LLM.generate` only: "
+            "the top functions by own time",
+            f"{fmt_s(profiled_s)} profiled",
+            "; ".join(hot),
         )
         sec.row(
             "cyclic GC pauses per run, median: " + " / ".join(names),
@@ -1087,7 +1171,8 @@ def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
     :data:`LAYOUTS`); ``("send", None)`` sends it once and answers ``(seconds, handles,
     packed, phases)`` (``fresh``: then copies it into new allocations for the next send,
     outside the timed refit); ``("staging", nbytes)`` makes the sender anew with
-    ``staging_bytes=nbytes`` (None: the default); ``("stop", None)`` ends.
+    ``staging_bytes=nbytes`` (None: the default); ``("mode", mode)`` sets
+    :func:`sender_mode`; ``("stop", None)`` ends.
     """
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
@@ -1115,6 +1200,9 @@ def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
                     tensors = one_allocation(tensors)
                 sync()
                 replies.put(("ok", None))
+            elif cmd == "mode":
+                sender_mode(arg)
+                replies.put(("ok", None))
             elif cmd == "staging":
                 sender.close()
                 options = {} if arg is None else {"staging_bytes": arg}
@@ -1130,6 +1218,48 @@ def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
         replies.put(("stopped", None))
     except BaseException:  # noqa: BLE001 - reported to the engine side
         replies.put(("error", traceback.format_exc()))
+
+
+_SENDER_ORIGINALS: dict[str, Any] = {}
+
+
+def sender_mode(mode: str | None) -> None:
+    """Diagnostics of the fresh-allocation rows, in the trainer's process: ``"handles"``
+    treats every storage as recognised (fresh storages go by handle, the engine maps them
+    anew each refit); ``"buckets"`` gives every packed chunk a new staging buffer (the old
+    buckets, mapped anew each chunk; kept alive until the refit after); None restores the
+    sender as it ships."""
+    from genworker.shell.refit import ipc, memory
+
+    originals = _SENDER_ORIGINALS
+    originals.setdefault("recognised", memory.Exporter.recognised)
+    originals.setdefault("out", ipc.IpcSenderPort._out)
+    originals.setdefault("begin", ipc.IpcSenderPort.begin)
+    memory.Exporter.recognised = originals["recognised"]
+    ipc.IpcSenderPort._out = originals["out"]
+    ipc.IpcSenderPort.begin = originals["begin"]
+    if mode == "handles":
+
+        def recognised(self: Any, tensor: Any) -> tuple[Any, bool]:
+            ref, _ = originals["recognised"](self, tensor)
+            return ref, True
+
+        memory.Exporter.recognised = recognised
+    elif mode == "buckets":
+
+        def out(self: Any, chunk: Any, listed: bytes) -> None:
+            originals["out"](self, chunk, listed)
+            self.__dict__.setdefault("old_buckets", []).extend(self._buffers.values())
+            self._buffers.clear()
+
+        def begin(self: Any, event: Any) -> None:
+            self.__dict__.get("old_buckets", []).clear()
+            originals["begin"](self, event)
+
+        ipc.IpcSenderPort._out = out
+        ipc.IpcSenderPort.begin = begin
+    elif mode is not None:
+        raise ValueError(f"sender mode {mode!r}")
 
 
 def one_allocation(tensors: Mapping[str, Any]) -> dict[str, Any]:
@@ -1313,6 +1443,43 @@ def copy_row(sec: Section, scale: Scale, device: str) -> float:
         f"{REF_COPY_GBPS:,.0f} GB/s",
     )
     return copy
+
+
+def driver_kv_cycles() -> list[str]:
+    """bench/cumem_probe.py's ``kv_cycles`` in this process and in a bare one (CUDA
+    only): ``"create ms, release ms"`` medians for each, or nothing off CUDA."""
+    import subprocess
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    probe_path = Path(__file__).resolve().parent / "cumem_probe.py"
+    spec = importlib.util.spec_from_file_location("genworker_cumem_probe", probe_path)
+    assert spec is not None
+    assert spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    here = probe.kv_cycles(probe.Driver(torch.cuda.current_device()))
+    torch.cuda.synchronize()
+    done = subprocess.run(
+        [sys.executable, str(probe_path), "--kv-cycles", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    bare = json.loads(done.stdout.strip().splitlines()[-1])
+
+    def text(r: Mapping[str, list[float]]) -> str:
+        return (
+            f"{statistics.median(r['create_s']) * 1e3:.1f} ms, "
+            f"{statistics.median(r['release_s']) * 1e3:.1f} ms (creates: "
+            + ", ".join(f"{x * 1e3:.1f}" for x in r["create_s"])
+            + ")"
+        )
+
+    return [text(here), text(bare)]
 
 
 def start_ipc_trainer(worker: Any) -> Trainer:
@@ -1572,6 +1739,27 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             )
             trainer.send("staging", None)  # the default sender for every row below
             trainer.expect("ok")
+        with part(sec, "diagnostics: fresh allocations as buckets, and by handle"):
+            # the same fresh allocations, sent as the old default sent them (a new buffer
+            # per chunk, mapped anew) and by handle (every storage mapped anew each refit):
+            # what the packed path is compared with, in this run
+            try:
+                for mode, label in (
+                    ("buckets", "a new staging buffer per chunk (the old buckets), default size"),
+                    ("handles", "every storage by handle, mapped anew each refit"),
+                ):
+                    trainer.send("mode", mode)
+                    trainer.expect("ok")
+                    ipc_refit_row(
+                        sec,
+                        f"diagnostic: IPC refit, engine layout, fresh trainer allocations, {label}",
+                        nbytes,
+                        copy,
+                        refit_over_ipc(worker, trainer, own, reps, "fresh"),
+                    )
+            finally:
+                trainer.send("mode", None)
+                trainer.expect("ok")
         rates: dict[str, float] = {}
         # fresh allocations first (the comparison row), the default layouts after; the
         # switch below sends the last (separate allocations, as the default row)
@@ -1687,6 +1875,19 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                 " / ".join(fmt_s(v) for v in apart.values()),
                 f"within, all three (ms): {probe_text([inside])}",
             )
+        with part(sec, "diagnostic: the driver's calls, in this process and in a bare one"):
+            # Is the KV wake's cost vLLM's, this process's, or the driver's? The same
+            # create/release cycles (bench/cumem_probe.py) from the engine's process, the
+            # engine awake, and from a process that holds nothing else, one after the other.
+            cycles = driver_kv_cycles()
+            if cycles:
+                sec.row(
+                    "diagnostic: the KV cache's 33 creates / releases by ctypes, 5 cycles, "
+                    "medians: in the engine's process / in a bare process",
+                    " / ".join(cycles),
+                    "cuMemCreate + cuMemMap + cuMemSetAccess per allocation, as vLLM's "
+                    "create_and_map; the first cycle uses memory new to the process",
+                )
         sec.notes.append(
             "refit times are measured on the engine side, from the call to "
             "`update_weights_via_ipc_zmq` (the trainer already sending) to its return; the "
@@ -2704,6 +2905,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes; CPU without a GPU")
     parser.add_argument("--gen-reps", type=int, default=None)
     parser.add_argument("--refit-reps", type=int, default=None)
+    parser.add_argument("--gen-tokenizer-reps", type=int, default=None)
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(SECTIONS))
@@ -2723,6 +2925,8 @@ def choose_scale(args: argparse.Namespace, has_cuda: bool) -> Scale:
         scale = replace(scale, gen_reps=args.gen_reps)
     if args.refit_reps is not None:
         scale = replace(scale, refit_reps=args.refit_reps)
+    if args.gen_tokenizer_reps is not None:
+        scale = replace(scale, gen_tokenizer_reps=args.gen_tokenizer_reps)
     return scale
 
 

@@ -132,3 +132,110 @@ def test_the_generation_tokenizer_has_the_dummy_models_vocabulary(tmp_path: Path
     assert tokenizer.decode(ids) == text
     assert max(ids) < shape.vocab
     assert isinstance(tokenizer.decode([shape.vocab - 1, 3, 300]), str)
+
+
+def test_gen_tokenizer_reps_come_from_the_command_line() -> None:
+    scale = bench.choose_scale(bench.parse_args(["--gen-tokenizer-reps", "9"]), has_cuda=True)
+    assert scale.gen_tokenizer_reps == 9
+    assert scale.gen_reps == bench.FULL.gen_reps
+
+
+class _Engine:
+    def generate(self, n: int) -> int:
+        return _inside(n)
+
+
+def _inside(n: int) -> int:
+    return sum(range(n))
+
+
+def _outside(n: int) -> int:
+    return sum(range(n))
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_the_outside_profile_leaves_out_the_generate_calls_and_restores_them(
+    wrapped: bool,
+) -> None:
+    llm = _Engine()
+    instance_generate = None
+    if wrapped:  # GenProbe's instance wrapper is in place
+
+        def instance_generate(n: int) -> int:
+            return _Engine.generate(llm, n)
+
+        llm.generate = instance_generate  # type: ignore[method-assign]
+
+    def run() -> int:
+        return llm.generate(200_000) + _outside(200_000)
+
+    seconds, hot = bench.outside_profile(run, llm, top=50)
+    names = " ".join(hot)
+    assert "_outside" in names
+    assert "_inside" not in names
+    assert seconds > 0
+    if wrapped:
+        assert vars(llm)["generate"] is instance_generate
+    else:
+        assert "generate" not in vars(llm)
+
+
+def test_the_gen_probe_stamps_the_first_and_last_generate_call() -> None:
+    llm = _Engine()
+    with bench.GenProbe(llm) as probe:
+        probe.reset()
+        llm.generate(10)
+        first, last_one = probe.first_start, probe.last_end
+        llm.generate(10)
+        assert probe.first_start == first
+        assert probe.last_end > last_one >= first
+        assert probe.inner_s <= probe.last_end - probe.first_start
+        probe.reset()
+        assert (probe.first_start, probe.last_end, probe.inner_s) == (0.0, 0.0, 0.0)
+    assert "generate" not in vars(llm)
+
+
+def test_the_trainer_sender_modes_patch_and_restore_the_sender() -> None:
+    from genworker.shell.refit import ipc, memory
+
+    shipped = (memory.Exporter.recognised, ipc.IpcSenderPort._out, ipc.IpcSenderPort.begin)
+    try:
+        bench.sender_mode("handles")
+        fresh = torch.zeros(4)
+        _, recognised = memory.Exporter().recognised(fresh)
+        assert recognised  # never seen, treated as recognised
+        bench.sender_mode("buckets")
+        assert memory.Exporter.recognised is shipped[0]
+        assert ipc.IpcSenderPort._out is not shipped[1]
+        assert ipc.IpcSenderPort.begin is not shipped[2]
+        with pytest.raises(ValueError, match="warp"):
+            bench.sender_mode("warp")
+        assert (memory.Exporter.recognised, ipc.IpcSenderPort._out) == shipped[:2]
+    finally:
+        bench.sender_mode(None)
+    assert (memory.Exporter.recognised, ipc.IpcSenderPort._out, ipc.IpcSenderPort.begin) == shipped
+    assert not memory.Exporter().recognised(torch.zeros(4))[1]
+
+
+def test_without_cuda_the_driver_diagnostic_reports_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.driver_kv_cycles() == []
+
+
+def test_the_cumem_probe_structs_have_the_cuda_driver_layouts() -> None:
+    import ctypes
+
+    path = BENCH.parent / "cumem_probe.py"
+    spec = importlib.util.spec_from_file_location("genworker_cumem_probe", path)
+    assert spec is not None
+    assert spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    # CUmemAllocationProp: type, requestedHandleTypes, location {type, id}, a pointer,
+    # allocFlags {compressionType, gpuDirectRDMACapable, usage, reserved[4]}
+    assert ctypes.sizeof(probe.AllocationProp) == 32
+    assert probe.AllocationProp.win32HandleMetaData.offset == 16
+    assert probe.AllocationProp.allocFlags.offset == 24
+    assert ctypes.sizeof(probe.AccessDesc) == 12  # location {type, id}, flags
