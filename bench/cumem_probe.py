@@ -251,8 +251,12 @@ class Set:
                 ),
                 "cuMemCreate",
             )
+            try:
+                self.drv.check(cu.cuMemMap(addr, self.size, 0, h.value, 0), "cuMemMap")
+            except RuntimeError:
+                cu.cuMemRelease(h.value)
+                raise
             self.handles[i] = h.value
-            self.drv.check(cu.cuMemMap(addr, self.size, 0, h.value, 0), "cuMemMap")
             self.drv.check(
                 cu.cuMemSetAccess(addr, self.size, ctypes.byref(self.desc), 1), "cuMemSetAccess"
             )
@@ -266,10 +270,15 @@ class Set:
         return took
 
     def release(self) -> float:
+        """Unmap and release every allocation created (all of them, or those a failed
+        ``create`` made before it failed)."""
         cu, t0 = self.drv.cu, time.perf_counter()
         for i in range(self.count):
+            if self.handles[i] == 0:
+                continue
             self.drv.check(cu.cuMemUnmap(self.base + i * self.size, self.size), "cuMemUnmap")
             self.drv.check(cu.cuMemRelease(self.handles[i]), "cuMemRelease")
+            self.handles[i] = 0
         return time.perf_counter() - t0
 
 
@@ -325,13 +334,15 @@ def kv_cycles(drv: Driver, cycles: int = 5) -> dict[str, list[float]]:
     ``cycles`` times, written between cycles (as generation writes it): the seconds of
     each release and each create. The first cycle's memory is new to the process."""
     kv = Set(drv, 33, int(39.06 * GIB / 33))
-    kv.create(True)
     out: dict[str, list[float]] = {"release_s": [], "create_s": []}
-    for _ in range(cycles):
-        out["release_s"].append(kv.release())
-        out["create_s"].append(kv.create(True))
-    kv.release()
-    drv.check(drv.cu.cuMemAddressFree(kv.base, kv.count * kv.size), "cuMemAddressFree")
+    try:
+        kv.create(True)
+        for _ in range(cycles):
+            out["release_s"].append(kv.release())
+            out["create_s"].append(kv.create(True))
+    finally:
+        kv.release()
+        drv.check(drv.cu.cuMemAddressFree(kv.base, kv.count * kv.size), "cuMemAddressFree")
     return out
 
 

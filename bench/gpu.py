@@ -1447,7 +1447,8 @@ def copy_row(sec: Section, scale: Scale, device: str) -> float:
 
 def driver_kv_cycles() -> list[str]:
     """bench/cumem_probe.py's ``kv_cycles`` in this process and in a bare one (CUDA
-    only): ``"create ms, release ms"`` medians for each, or nothing off CUDA."""
+    only): ``"create ms, release ms"`` medians for each, or nothing off CUDA. A process
+    whose cycles fail (the driver's error, e.g. out of memory) reports that error."""
     import subprocess
 
     import torch
@@ -1460,18 +1461,29 @@ def driver_kv_cycles() -> list[str]:
     assert spec.loader is not None
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    here = probe.kv_cycles(probe.Driver(torch.cuda.current_device()))
+    try:
+        here: Mapping[str, list[float]] | str = probe.kv_cycles(
+            probe.Driver(torch.cuda.current_device())
+        )
+    except RuntimeError as e:
+        here = f"failed: {e}"
     torch.cuda.synchronize()
     done = subprocess.run(
         [sys.executable, str(probe_path), "--kv-cycles", "5"],
         capture_output=True,
         text=True,
         timeout=120,
-        check=True,
+        check=False,
     )
-    bare = json.loads(done.stdout.strip().splitlines()[-1])
+    bare: Mapping[str, list[float]] | str = (
+        json.loads(done.stdout.strip().splitlines()[-1])
+        if done.returncode == 0
+        else f"failed (exit {done.returncode}): " + (done.stderr.strip().splitlines() or [""])[-1]
+    )
 
-    def text(r: Mapping[str, list[float]]) -> str:
+    def text(r: Mapping[str, list[float]] | str) -> str:
+        if isinstance(r, str):
+            return r
         return (
             f"{statistics.median(r['create_s']) * 1e3:.1f} ms, "
             f"{statistics.median(r['release_s']) * 1e3:.1f} ms (creates: "
@@ -1878,12 +1890,15 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
         with part(sec, "diagnostic: the driver's calls, in this process and in a bare one"):
             # Is the KV wake's cost vLLM's, this process's, or the driver's? The same
             # create/release cycles (bench/cumem_probe.py) from the engine's process, the
-            # engine awake, and from a process that holds nothing else, one after the other.
+            # engine asleep as the switch's KV wake finds it (with the engine awake the
+            # cycles ran out of device memory on the H200), and from a process that holds
+            # nothing else, one after the other.
+            worker.sleep(2)
             cycles = driver_kv_cycles()
             if cycles:
                 sec.row(
                     "diagnostic: the KV cache's 33 creates / releases by ctypes, 5 cycles, "
-                    "medians: in the engine's process / in a bare process",
+                    "medians: in the engine's process (engine asleep) / in a bare process",
                     " / ".join(cycles),
                     "cuMemCreate + cuMemMap + cuMemSetAccess per allocation, as vLLM's "
                     "create_and_map; the first cycle uses memory new to the process",
@@ -1904,8 +1919,9 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             "the engine keeps the trainer's storages mapped by handle while later refits "
             "send them (they are recognised, never declared); fresh allocations every "
             "refit travel packed through two 512 MiB staging buffers, whose mappings are "
-            "kept too (the old default, 512 MiB buckets mapped anew each refit, was "
-            "40.1 ms = 18.8% of copy on the H200, bench/RESULTS-gpu.md of 88224f9)"
+            "kept too; the diagnostic rows send the same fresh allocations as the old "
+            "default did (a new 512 MiB bucket per chunk, mapped anew) and by handle, in "
+            "this run, for the comparison"
         )
         sec.notes.append(
             "engine phases: a chunk of the trainer's own storages only is answered once its "
