@@ -60,7 +60,10 @@ class AccessDesc(ctypes.Structure):
 
 
 PINNED, LOCATION_DEVICE, READWRITE = 1, 1, 3
-RDMA_WITH_VMM = 116  # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+RDMA_WITH_VMM = 110  # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+FABRIC_SUPPORTED = 128  # CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED
+POSIX_FD, FABRIC = 0x1, 0x8  # CU_MEM_HANDLE_TYPE_*
+NOT_PERMITTED, NOT_SUPPORTED = 800, 801
 
 
 class Driver:
@@ -76,12 +79,8 @@ class Driver:
         )
         self.ctx = ctx
         self.bind()
-        flag = ctypes.c_int()
-        self.check(
-            self.cu.cuDeviceGetAttribute(ctypes.byref(flag), RDMA_WITH_VMM, dev),
-            "cuDeviceGetAttribute",
-        )
-        self.rdma_supported = bool(flag.value)
+        self.rdma_supported = self.attribute(RDMA_WITH_VMM)
+        self.fabric_supported = self.attribute(FABRIC_SUPPORTED)
         self.cu.cuMemMap.argtypes = [
             ctypes.c_uint64,
             ctypes.c_size_t,
@@ -110,9 +109,18 @@ class Driver:
     def bind(self) -> None:
         self.check(self.cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
 
-    def prop(self, rdma: bool) -> AllocationProp:
+    def attribute(self, which: int) -> bool:
+        flag = ctypes.c_int()
+        self.check(
+            self.cu.cuDeviceGetAttribute(ctypes.byref(flag), which, self.device),
+            "cuDeviceGetAttribute",
+        )
+        return bool(flag.value)
+
+    def prop(self, rdma: bool, handle: int = 0) -> AllocationProp:
         p = AllocationProp()
         p.type = PINNED
+        p.requestedHandleTypes = handle
         p.location.type = LOCATION_DEVICE
         p.location.id = self.device
         p.allocFlags.gpuDirectRDMACapable = 1 if rdma else 0
@@ -227,8 +235,14 @@ class Set:
     """``count`` allocations of ``size`` bytes at reserved addresses, created and
     released as vLLM's allocator does (one call sequence per allocation)."""
 
-    def __init__(self, drv: Driver, count: int, size: int) -> None:
-        self.drv, self.prop = drv, drv.prop(False)
+    def __init__(
+        self, drv: Driver, count: int, size: int, rdma: bool = False, as_vllm: bool = False
+    ) -> None:
+        """``as_vllm``: each create made as vLLM's ``create_and_map`` makes it: both
+        device attributes queried, RDMA-capable where supported, a fabric handle tried
+        first where supported and a POSIX one when the driver refuses it."""
+        self.as_vllm = as_vllm
+        self.drv, self.prop = drv, drv.prop(rdma or (as_vllm and drv.rdma_supported))
         gran = drv.granularity(self.prop)
         self.count, self.size = count, -(-size // gran) * gran
         self.base = drv.reserve(count * self.size, gran)
@@ -242,15 +256,35 @@ class Set:
         cu, t0 = self.drv.cu, time.perf_counter()
         for i in range(self.count):
             h, addr = ctypes.c_uint64(), self.base + i * self.size
-            self.drv.check(
-                cu.cuMemCreate(
+            if self.as_vllm:
+                self.drv.attribute(RDMA_WITH_VMM)
+                fabric = self.drv.attribute(FABRIC_SUPPORTED)
+                self.prop.requestedHandleTypes = FABRIC if fabric else 0
+                rc = cu.cuMemCreate(
                     ctypes.byref(h),
                     ctypes.c_size_t(self.size),
                     ctypes.byref(self.prop),
                     ctypes.c_uint64(0),
-                ),
-                "cuMemCreate",
-            )
+                )
+                if fabric and rc in (NOT_PERMITTED, NOT_SUPPORTED):
+                    self.prop.requestedHandleTypes = POSIX_FD
+                    rc = cu.cuMemCreate(
+                        ctypes.byref(h),
+                        ctypes.c_size_t(self.size),
+                        ctypes.byref(self.prop),
+                        ctypes.c_uint64(0),
+                    )
+                self.drv.check(rc, "cuMemCreate")
+            else:
+                self.drv.check(
+                    cu.cuMemCreate(
+                        ctypes.byref(h),
+                        ctypes.c_size_t(self.size),
+                        ctypes.byref(self.prop),
+                        ctypes.c_uint64(0),
+                    ),
+                    "cuMemCreate",
+                )
             try:
                 self.drv.check(cu.cuMemMap(addr, self.size, 0, h.value, 0), "cuMemMap")
             except RuntimeError:
@@ -329,11 +363,15 @@ def switch_cycles(drv: Driver, leave_gib: float | None, reps: int = 4) -> None:
         drv.check(drv.cu.cuMemFree_v2(filler.value), "cuMemFree")
 
 
-def kv_cycles(drv: Driver, cycles: int = 5) -> dict[str, list[float]]:
+def kv_cycles(
+    drv: Driver, cycles: int = 5, rdma: bool = False, as_vllm: bool = False
+) -> dict[str, list[float]]:
     """The 8B switch's KV cache (33 allocations, 39.06 GiB) released and created again
     ``cycles`` times, written between cycles (as generation writes it): the seconds of
-    each release and each create. The first cycle's memory is new to the process."""
-    kv = Set(drv, 33, int(39.06 * GIB / 33))
+    each release and each create. The first cycle's memory is new to the process.
+    ``rdma``: the allocations GPUDirect-RDMA capable, as vLLM's allocator makes them
+    where the device supports it; ``as_vllm``: made as vLLM makes them (``Set``)."""
+    kv = Set(drv, 33, int(39.06 * GIB / 33), rdma, as_vllm)
     out: dict[str, list[float]] = {"release_s": [], "create_s": []}
     try:
         kv.create(True)
@@ -364,10 +402,16 @@ def main() -> int:
     ap.add_argument("--threads", action="store_true", help="also from thread pools")
     ap.add_argument("--switch", action="store_true", help="only the switch sequences")
     ap.add_argument("--kv-cycles", type=int, default=0, help="only kv_cycles, as JSON")
+    ap.add_argument("--rdma", action="store_true", help="kv_cycles' allocations RDMA-capable")
+    ap.add_argument("--as-vllm", action="store_true", help="kv_cycles' creates as vLLM's")
     args = ap.parse_args()
     drv = Driver(args.device)
     if args.kv_cycles:
-        print(json.dumps(kv_cycles(drv, args.kv_cycles)))
+        print(
+            json.dumps(
+                kv_cycles(drv, args.kv_cycles, args.rdma and drv.rdma_supported, args.as_vllm)
+            )
+        )
         return 0
     if args.switch:
         for leave in (None, 60.0, 20.0, 8.0, 2.0, None):
@@ -375,7 +419,10 @@ def main() -> int:
         return 0
     kv = int(1.2 * GIB * args.scale)
     weights = int(118 * (1 << 20) * args.scale)
-    print(f"device {drv.device}, RDMA-with-VMM supported: {drv.rdma_supported}")
+    print(
+        f"device {drv.device}, RDMA-with-VMM supported: {drv.rdma_supported}, "
+        f"fabric handles supported: {drv.fabric_supported}"
+    )
     run_case(drv, 4, kv, 1, False)  # first-touch costs, not reported
     print(
         "case | threads | rdma | touched, gap | wake ms | sleep ms | "
