@@ -1101,7 +1101,12 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
                     ],
                 )
             ),
-            "the rest: `timed`'s device syncs and the caller reading the result",
+            "the rest: `timed`'s device syncs and the caller reading the result; per run, "
+            "before / after: "
+            + ", ".join(
+                f"{fmt_s(b)} / {fmt_s(a)}"
+                for b, a in zip(split["before"], split["after"], strict=True)
+            ),
         )
         sec.row(
             "one more worker run under cProfile, outside `LLM.generate` only: "
