@@ -1117,7 +1117,8 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
         sec.row(
             "cyclic GC pauses per run, median: " + " / ".join(names),
             " / ".join(fmt_s(statistics.median(pauses[n])) for n in names),
-            "gc.callbacks, whole process",
+            "gc.callbacks, whole process; the worker's per run: "
+            + ", ".join(fmt_s(x) for x in pauses["worker"]),
         )
         sec.row(
             "worker_vs_raw_default = worker / raw (default params), median over repetitions",
