@@ -236,13 +236,20 @@ class Set:
     released as vLLM's allocator does (one call sequence per allocation)."""
 
     def __init__(
-        self, drv: Driver, count: int, size: int, rdma: bool = False, as_vllm: bool = False
+        self,
+        drv: Driver,
+        count: int,
+        size: int,
+        rdma: bool = False,
+        as_vllm: bool = False,
+        handle: int = 0,
     ) -> None:
         """``as_vllm``: each create made as vLLM's ``create_and_map`` makes it: both
         device attributes queried, RDMA-capable where supported, a fabric handle tried
-        first where supported and a POSIX one when the driver refuses it."""
+        first where supported and a POSIX one when the driver refuses it. ``handle``:
+        the requested shareable handle types otherwise (0: none)."""
         self.as_vllm = as_vllm
-        self.drv, self.prop = drv, drv.prop(rdma or (as_vllm and drv.rdma_supported))
+        self.drv, self.prop = drv, drv.prop(rdma or (as_vllm and drv.rdma_supported), handle)
         gran = drv.granularity(self.prop)
         self.count, self.size = count, -(-size // gran) * gran
         self.base = drv.reserve(count * self.size, gran)
@@ -364,14 +371,14 @@ def switch_cycles(drv: Driver, leave_gib: float | None, reps: int = 4) -> None:
 
 
 def kv_cycles(
-    drv: Driver, cycles: int = 5, rdma: bool = False, as_vllm: bool = False
+    drv: Driver, cycles: int = 5, rdma: bool = False, as_vllm: bool = False, handle: int = 0
 ) -> dict[str, list[float]]:
     """The 8B switch's KV cache (33 allocations, 39.06 GiB) released and created again
     ``cycles`` times, written between cycles (as generation writes it): the seconds of
     each release and each create. The first cycle's memory is new to the process.
     ``rdma``: the allocations GPUDirect-RDMA capable, as vLLM's allocator makes them
     where the device supports it; ``as_vllm``: made as vLLM makes them (``Set``)."""
-    kv = Set(drv, 33, int(39.06 * GIB / 33), rdma, as_vllm)
+    kv = Set(drv, 33, int(39.06 * GIB / 33), rdma, as_vllm, handle)
     out: dict[str, list[float]] = {"release_s": [], "create_s": []}
     try:
         kv.create(True)
@@ -404,12 +411,19 @@ def main() -> int:
     ap.add_argument("--kv-cycles", type=int, default=0, help="only kv_cycles, as JSON")
     ap.add_argument("--rdma", action="store_true", help="kv_cycles' allocations RDMA-capable")
     ap.add_argument("--as-vllm", action="store_true", help="kv_cycles' creates as vLLM's")
+    ap.add_argument("--posix", action="store_true", help="kv_cycles' handles POSIX-FD shareable")
     args = ap.parse_args()
     drv = Driver(args.device)
     if args.kv_cycles:
         print(
             json.dumps(
-                kv_cycles(drv, args.kv_cycles, args.rdma and drv.rdma_supported, args.as_vllm)
+                kv_cycles(
+                    drv,
+                    args.kv_cycles,
+                    args.rdma and drv.rdma_supported,
+                    args.as_vllm,
+                    POSIX_FD if args.posix else 0,
+                )
             )
         )
         return 0
