@@ -137,6 +137,7 @@ from genworker.core.counters import (
 )
 from genworker.core.sampling import SamplingSpec, group_specs
 from genworker.shell.collector import defer_cyclic_gc
+from genworker.shell.cumem_wake import install as install_wake
 from genworker.shell.errors import (
     BadBatchError,
     BadConfigError,
@@ -314,6 +315,8 @@ class VllmEngine:
         )
         self._skip_tokenizer = model.skip_tokenizer_init
         self._sampled_arrays = "extra_args" in sampling_args and install(llm.llm_engine)
+        if self._caps.sleep_mode:
+            install_wake()  # wakes without a refused fabric create per allocation (CUDA)
 
     @classmethod
     def start(cls, kwargs: Mapping[str, object]) -> VllmEngine:
