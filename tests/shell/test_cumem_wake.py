@@ -5,7 +5,8 @@ its absence where there is no CUDA. The H200 measures it (bench/gpu.py, refit se
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+import threading
+from typing import Any, cast
 
 import pytest
 from hypothesis import given
@@ -78,8 +79,8 @@ class _Cu:
 
 def _scripted(monkeypatch: pytest.MonkeyPatch, cu: _Cu, fabric: bool = True) -> cw._Driver:
     drv = cw._Driver.__new__(cw._Driver)
-    drv.cu = cu
-    drv.lock = __import__("threading").Lock()
+    drv.cu = cast(ctypes.CDLL, cu)
+    drv.lock = threading.Lock()
     drv.attributes = {0: (True, fabric)}
     drv.fabric_refused = set()
     monkeypatch.setattr(cw, "_driver", drv)
