@@ -163,6 +163,7 @@ class AsyncVllmEngine:
         model = config.model_config
         spec = config.speculative_config
         self._extension = bool(config.parallel_config.worker_extension_cls)
+        self._wake_installed = False
         self._log_stats = llm.log_stats
         sampling_args = _sampling_arg_names()
         self._caps = EngineCapabilities(
@@ -320,6 +321,9 @@ class AsyncVllmEngine:
     async def sleep(self, level: int) -> None:
         self._require_sleep_mode("sleep")
         llm = self.llm
+        if self._extension and not self._wake_installed:  # in the engine core's process
+            await self.collective_rpc("install_wake", timeout=60.0)  # genworker.shell.cumem_wake
+            self._wake_installed = True
         with _translated_async("sleep"):
             await llm.sleep(level=level)
 

@@ -1,4 +1,4 @@
-"""The class vLLM mixes into its workers: weight refit, device id, cleanup.
+"""The class vLLM mixes into its workers: weight refit, device id, the wake, cleanup.
 
 vLLM appends ``worker_extension_cls`` to its worker's bases and refuses attributes that
 clash (``vllm/v1/worker/worker_base.py``, 0.32); every method is a ``collective_rpc``
@@ -37,6 +37,7 @@ import torch
 
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.shell.cumem_wake import WakeInstaller
 from genworker.shell.errors import (
     BadArgumentError,
     EngineStateError,
@@ -81,14 +82,12 @@ class _RefitState:
 
 
 def _state(worker: object) -> _RefitState:
-    state = worker.__dict__.get(_STATE)
-    if state is None:
-        state = worker.__dict__[_STATE] = _RefitState()
+    state = worker.__dict__.setdefault(_STATE, _RefitState())
     assert isinstance(state, _RefitState)
     return state
 
 
-class WorkerExtension(SparseRefitMixin, NemoRlRefit, ReshardEngine):
+class WorkerExtension(SparseRefitMixin, NemoRlRefit, ReshardEngine, WakeInstaller):
     """Mixed into each vLLM worker; every method is a ``collective_rpc`` target."""
 
     def prepare_refit_info(self, info: Mapping[str, object]) -> dict[str, object]:

@@ -315,8 +315,11 @@ class VllmEngine:
         )
         self._skip_tokenizer = model.skip_tokenizer_init
         self._sampled_arrays = "extra_args" in sampling_args and install(llm.llm_engine)
-        if self._caps.sleep_mode:
-            install_wake()  # wakes without a refused fabric create per allocation (CUDA)
+        # the wake without a refused fabric create per allocation (CUDA), where it sleeps
+        if self._caps.sleep_mode and self._extension:
+            self.collective_rpc("install_wake")  # in each engine worker's process
+        elif self._caps.sleep_mode:
+            install_wake()
 
     @classmethod
     def start(cls, kwargs: Mapping[str, object]) -> VllmEngine:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import vllm.device_allocator.cumem as cumem
 from gpu.gpu_fixtures import (
     GPU_MARKS,
     PROMPTS,
@@ -13,6 +14,7 @@ from gpu.gpu_fixtures import (
     refit_over_ipc,
 )
 
+from genworker.shell import cumem_wake
 from genworker.shell.errors import EngineStateError
 
 pytest_plugins = ["gpu.gpu_fixtures"]
@@ -31,6 +33,8 @@ def test_level1_frees_the_engine_memory_and_wake_regains_it_keeping_the_weights(
     gpu_session: GpuSession,
 ) -> None:
     worker, pad = gpu_session.worker, gpu_session.checkpoints.pad
+    # the engine's workers (in this process) wake through genworker's create_and_map
+    assert cumem.create_and_map is cumem_wake.create_and_map
     before_tokens = greedy(worker, pad)
     awake = free_bytes()
     worker.sleep(1)

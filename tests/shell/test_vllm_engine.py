@@ -324,6 +324,13 @@ def test_profiling_without_a_profiler_is_unsupported(cpu_engine: VllmEngine) -> 
         cpu_engine.stop_profile()
 
 
+def test_the_workers_answer_the_wake_installer_which_installs_nothing_without_cuda(
+    cpu_engine: VllmEngine,
+) -> None:
+    # genworker.shell.cumem_wake: the extension's target; CUDA's allocator only
+    assert cpu_engine.collective_rpc("install_wake", timeout=60) == [False]
+
+
 def test_collective_rpc_expiry_is_engine_dead(
     cpu_engine: VllmEngine, cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -341,6 +341,16 @@ def test_sleep_and_prefix_cache_resets_wait_for_the_streams(
     run_soon(loop, main())
 
 
+def test_the_engine_core_answers_the_wake_installer_which_installs_nothing_without_cuda(
+    first: AsyncVllmGenerationWorker, loop: asyncio.AbstractEventLoop
+) -> None:
+    # the async engine's first sleep installs genworker.shell.cumem_wake in the engine core,
+    # a process of its own: the extension's target resolves there (CUDA's allocator only)
+    engine = first.engine
+    assert isinstance(engine, AsyncVllmEngine)
+    assert run_soon(loop, engine.collective_rpc("install_wake", timeout=60.0)) == [False]
+
+
 # -- in-flight refits -----------------------------------------------------------------------
 
 
