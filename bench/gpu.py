@@ -88,6 +88,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -707,6 +708,9 @@ class GenProbe:
         self.gc_s = 0.0
         self.first_start = self.last_end = 0.0  # perf_counter stamps of this run's calls
         self._gc_started = 0.0
+        self.clock = ThreadClock()  # snaps "enter" (by the caller) and "first" (here)
+        self.snaps: dict[str, dict[str, Any]] = {}
+        self.steps: StepClock | None = None  # its time so far, snapped with "first"
 
     def reset(self) -> None:
         self.inner_s = self.gc_s = 0.0
@@ -724,6 +728,9 @@ class GenProbe:
         original = self.llm.generate
 
         def generate(*args: Any, **kwargs: Any) -> Any:
+            if not self.first_start:
+                self.snaps["first"] = self.clock.snap(start=False)
+                self.snaps["first"]["steps"] = {} if self.steps is None else dict(self.steps.spent)
             t0 = time.perf_counter()
             self.first_start = self.first_start or t0
             try:
@@ -741,6 +748,107 @@ class GenProbe:
 
         del self.llm.generate
         gc.callbacks.remove(self._on_gc)
+
+
+class ThreadClock:
+    """Where a thread's wall time went (Linux): its CPU time (``time.thread_time``), its
+    wait for a CPU (``/proc/thread-self/schedstat``'s run-queue nanoseconds; tick-coarse on
+    some kernels) and its voluntary and involuntary context switches
+    (``getrusage(RUSAGE_THREAD)``); the rest of the wall time it was blocked (a lock, the
+    interpreter's, or I/O). With ``others``, also every other thread's CPU time
+    (``/proc/self/task``, Python threads by their names), to name who ran meanwhile: that
+    scan costs about a millisecond, so only the diagnostic runs take it, outside the
+    window (before the own readings at its start, after them at its end)."""
+
+    def __init__(self, others: bool = False) -> None:
+        self.others = others
+
+    def snap(self, start: bool = True) -> dict[str, Any]:
+        """The readings; ``start``: of a window's start (the other threads read first)."""
+        snap: dict[str, Any] = {}
+        if self.others and start:
+            snap["tasks"] = self._tasks()
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        queued_ns = Path("/proc/thread-self/schedstat").read_text().split()[1]
+        snap |= {
+            "cpu": time.thread_time(),
+            "queued": int(queued_ns) / 1e9,
+            "voluntary": usage.ru_nvcsw,
+            "involuntary": usage.ru_nivcsw,
+            "wall": time.perf_counter(),
+        }
+        if self.others and not start:
+            snap["tasks"] = self._tasks()
+        return snap
+
+    @staticmethod
+    def _tasks() -> dict[str, tuple[str, float]]:
+        named = {str(t.native_id): t.name for t in threading.enumerate()}
+        tasks: dict[str, tuple[str, float]] = {}
+        for task in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                on_cpu = int((task / "schedstat").read_text().split()[0]) / 1e9
+                name = named.get(task.name) or (task / "comm").read_text().strip()
+                tasks[task.name] = (name, on_cpu)
+        return tasks
+
+    @staticmethod
+    def window(a: Mapping[str, Any], b: Mapping[str, Any], top: int = 3) -> str:
+        """What happened between two snaps, as a row's text."""
+        wall, cpu, queued = b["wall"] - a["wall"], b["cpu"] - a["cpu"], b["queued"] - a["queued"]
+        text = (
+            f"{fmt_s(wall)}: CPU {fmt_s(cpu)}, waiting for a CPU {fmt_s(queued)}, blocked "
+            f"{fmt_s(max(wall - cpu - queued, 0.0))}, switches {b['voluntary'] - a['voluntary']} "
+            f"voluntary / {b['involuntary'] - a['involuntary']} involuntary"
+        )
+        if "tasks" in a and "tasks" in b:
+            me = str(threading.get_native_id())
+            ran = sorted(
+                (
+                    (on_cpu - a["tasks"][tid][1], name, tid)
+                    for tid, (name, on_cpu) in b["tasks"].items()
+                    if tid in a["tasks"] and tid != me
+                ),
+                reverse=True,
+            )
+            busy = [f"{name} ({tid}) {fmt_s(s)}" for s, name, tid in ran[:top] if s > 0]
+            text += f"; other threads ({len(b['tasks'])}): " + (", ".join(busy) or "none ran")
+        return text
+
+
+class StepClock:
+    """Wall time per named function while inside ``with`` (the functions are replaced by
+    timing wrappers on their owner, a module or a class, and put back on exit)."""
+
+    def __init__(self, targets: Sequence[tuple[Any, str]]) -> None:
+        self.targets = targets
+        self.spent: dict[str, float] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def reset(self) -> None:
+        self.spent = {}
+
+    def __enter__(self) -> StepClock:
+        for owner, name in self.targets:
+            original = vars(owner)[name]
+
+            def timed_step(*args: Any, _f: Any = original, _n: str = name, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _f(*args, **kwargs)
+                finally:
+                    self.spent[_n] = self.spent.get(_n, 0.0) + time.perf_counter() - t0
+
+            self._saved.append((owner, name, original))
+            setattr(owner, name, timed_step)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
 
 
 # -- gen + sleep (one engine, one child) ------------------------------------------------
@@ -947,6 +1055,53 @@ def gen_sleep_child(
 
 
 # -- generation with a tokenizer and CUDA graphs (one engine, one child) ----------------
+def diagnose_before(
+    via_worker: Callable[[], object], raw: Callable[[], object], probe: GenProbe, scale: Scale
+) -> list[tuple[float, str]]:
+    """Worker runs, each after a raw run as in the measured repetitions, with every step
+    before ``LLM.generate`` timed and every thread's CPU time read around that window:
+    ``(seconds before the call, what took them)`` per run (issue 20's stall)."""
+    from genworker.shell import vllm_engine, worker
+
+    steps = StepClock(
+        [
+            (worker, "_tensor_field"),
+            (worker, "check_batch"),
+            (worker, "row_media"),
+            (worker.VllmGenerationWorker, "_check_sparse"),
+            (worker.VllmGenerationWorker, "_move"),
+            (worker.VllmGenerationWorker, "_context_lengths"),
+            (worker.VllmGenerationWorker, "_specs"),
+            (vllm_engine.VllmEngine, "request_params"),
+            (vllm_engine, "_token_prompts"),
+        ]
+    )
+    measured = probe.clock
+    probe.clock, probe.steps = ThreadClock(others=True), steps
+    found: list[tuple[float, str]] = []
+    try:
+        for _ in range(scale.gen_tokenizer_reps + 1):
+            raw()
+            probe.reset()
+            steps.reset()
+            with steps:
+                via_worker()
+            enter, first = probe.snaps["enter"], probe.snaps["first"]
+            before = first["wall"] - enter["wall"]
+            named = ", ".join(f"{k} {fmt_s(v)}" for k, v in first["steps"].items())
+            rest = before - sum(first["steps"].values())
+            found.append(
+                (
+                    before,
+                    f"{ThreadClock.window(enter, first)}; steps: {named}; "
+                    f"outside the steps {fmt_s(rest)}",
+                )
+            )
+    finally:
+        probe.clock, probe.steps = measured, None
+    return found
+
+
 def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> None:
     """``gen-tokenizer``: the worker against raw ``LLM.generate`` with default
     ``SamplingParams`` and with the worker's own, tokenizer on, CUDA graphs."""
@@ -1008,6 +1163,7 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
         stamps = {"enter": 0.0, "returned": 0.0}
 
         def via_worker() -> int:
+            probe.snaps["enter"] = probe.clock.snap()
             stamps["enter"] = time.perf_counter()
             out = worker.generate(data)
             stamps["returned"] = time.perf_counter()
@@ -1026,6 +1182,7 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
         inner: dict[str, list[float]] = {name: [] for name in paths}
         pauses: dict[str, list[float]] = {name: [] for name in paths}
         split: dict[str, list[float]] = {"before": [], "after": []}  # the worker's runs
+        windows: list[str] = []  # the worker's runs: where the time before the call went
         counts: set[int] = set()
         names = list(paths)
         with probe:
@@ -1041,7 +1198,11 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
                     if name == "worker":
                         split["before"].append(probe.first_start - stamps["enter"])
                         split["after"].append(stamps["returned"] - probe.last_end)
+                        windows.append(
+                            ThreadClock.window(probe.snaps["enter"], probe.snaps["first"])
+                        )
             profiled_s, hot = outside_profile(via_worker, llm)
+            diagnosed = diagnose_before(via_worker, paths["raw_same"], probe, scale)
 
         def paired(a: str, b: str) -> float:
             return statistics.median(x / y for x, y in zip(runs[a], runs[b], strict=True))
@@ -1107,6 +1268,17 @@ def gen_tokenizer_child(*, report: Callable[[Section], None], scale: Scale) -> N
                 f"{fmt_s(b)} / {fmt_s(a)}"
                 for b, a in zip(split["before"], split["after"], strict=True)
             ),
+        )
+        sec.row(
+            "the worker's runs, before `LLM.generate`: where the time went",
+            "this thread's CPU / wait for a CPU / blocked",
+            "; ".join(windows),
+        )
+        sec.row(
+            f"{len(diagnosed)} more worker runs, each after a raw_same run: before "
+            "`LLM.generate`, the steps' time and the other threads that ran",
+            ", ".join(fmt_s(b) for b, _ in diagnosed),
+            " | ".join(text for _, text in diagnosed),
         )
         sec.row(
             "one more worker run under cProfile, outside `LLM.generate` only: "
