@@ -35,7 +35,15 @@ Without a tokenizer (``skip_tokenizer_init=True``, a second engine started after
 stops): ``worker_vs_raw_default_no_tokenizer``, ``worker_overhead_no_tokenizer`` and
 ``worker_outside_ms_no_tokenizer``, the same figures.
 
-The engines run one intra-op thread (``torch.set_num_threads(1)`` before they start, the
+With every core for torch's intra-op threads, as a user's process runs (a third engine,
+one new token per row, ``ROWS`` x ``BUSY_PROMPT_LEN`` prompts):
+``worker_before_call_ms`` and ``worker_before_call_busy_core_ms``, the worker's time from
+entering ``generate`` to vLLM's call, median over ``BUSY_REPEATS`` runs, without and with
+one of this process's CPUs taken by a spinning process (a torch CPU op over the batch
+waits for the OpenMP thread on that CPU: 65 ms here for the checks' torch masks, issue 20),
+and ``worker_before_call_busy_vs_idle``, their ratio.
+
+The first two engines run one intra-op thread (``torch.set_num_threads(1)`` before they start, the
 suite's previous count restored after): the in-process CPU engine otherwise uses one
 OpenMP thread per core, and on a host shared with other busy processes its barriers stall
 whenever one thread is descheduled (a 256 x 32 batch measured 5-15 s with two threads and
@@ -67,6 +75,8 @@ MAX_MODEL_LEN = 512
 # batch (512 x 288 tokens, 288 MiB) stays resident, no request waits for blocks.
 KV_CACHE_BYTES = 320 << 20
 ENGINE_THREADS = 1
+BUSY_PROMPT_LEN = 128
+BUSY_REPEATS = 9
 
 
 class InnerClock:
@@ -267,6 +277,58 @@ def measure_engine(
         engine.shutdown()
 
 
+def measure_busy_core(model: Path) -> dict[str, float]:
+    """The worker's time before vLLM's call, idle and with one CPU busy (module docstring)."""
+    import subprocess
+
+    from genworker.shell.vllm_engine import VllmEngine
+    from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
+
+    cpus = sorted(os.sched_getaffinity(0))  # torch's intra-op threads: as measure() found them
+    engine = VllmEngine.start(_engine_kwargs(model, tokenizer=True))
+    try:
+        config = {**_worker_config(model), "max_new_tokens": 1}
+        worker = VllmGenerationWorker(config, engine_factory=ExistingEngine(engine))
+        ids = torch.randint(3, 500, (ROWS, BUSY_PROMPT_LEN), generator=torch.Generator())
+        data = {"input_ids": ids, "input_lengths": torch.full((ROWS,), BUSY_PROMPT_LEN)}
+        llm, called = engine.llm, [0.0]
+        inner = llm.generate
+
+        def stamped(*args: Any, **kwargs: Any) -> Any:
+            called[0] = time.perf_counter()
+            return inner(*args, **kwargs)
+
+        def before_call() -> float:
+            started = time.perf_counter()
+            worker.generate(data)
+            return called[0] - started
+
+        llm.generate = stamped
+        medians = {}
+        try:
+            for busy in (False, True):
+                spinner = None
+                if busy:
+                    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                    os.sched_setaffinity(spinner.pid, {cpus[-1]})
+                try:
+                    before_call()  # warm-up
+                    runs = []
+                    for _ in range(BUSY_REPEATS):
+                        time.sleep(0.2)  # the OpenMP threads go back to sleep
+                        runs.append(before_call())
+                finally:
+                    if spinner is not None:
+                        spinner.kill()
+                        spinner.wait()
+                medians[busy] = statistics.median(runs)
+        finally:
+            del llm.generate
+        return {"idle_ms": medians[False] * 1e3, "busy_ms": medians[True] * 1e3}
+    finally:
+        engine.shutdown()
+
+
 def measure() -> list[tuple[str, float]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from genworker.shell.tiny_model import build_tiny_model
@@ -277,9 +339,17 @@ def measure() -> list[tuple[str, float]]:
     set_threads = torch.set_num_threads  # vLLM's CPU worker turns it into a no-op at start
     set_threads(ENGINE_THREADS)
     try:
-        return _measure_both(model)
+        figures = _measure_both(model)
     finally:
         set_threads(threads)
+    busy = measure_busy_core(model)
+    print(f"# bench_worker: before the call {busy}", file=sys.stderr, flush=True)
+    return [
+        *figures,
+        ("worker_before_call_ms", busy["idle_ms"]),
+        ("worker_before_call_busy_core_ms", busy["busy_ms"]),
+        ("worker_before_call_busy_vs_idle", busy["busy_ms"] / busy["idle_ms"]),
+    ]
 
 
 def _measure_both(model: Path) -> list[tuple[str, float]]:
