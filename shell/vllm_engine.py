@@ -316,8 +316,9 @@ class VllmEngine:
         self._skip_tokenizer = model.skip_tokenizer_init
         self._sampled_arrays = "extra_args" in sampling_args and install(llm.llm_engine)
         # the wake without a refused fabric create per allocation (CUDA), where it sleeps
-        if self._caps.sleep_mode and self._extension:
-            self.collective_rpc("install_wake")  # in each engine worker's process
+        if self._caps.sleep_mode and self._extension:  # in each engine worker's process
+            with _translated("collective_rpc('install_wake')"):  # not an overridable method
+                llm.collective_rpc("install_wake")
         elif self._caps.sleep_mode:
             install_wake()
 

@@ -331,6 +331,37 @@ def test_the_workers_answer_the_wake_installer_which_installs_nothing_without_cu
     assert cpu_engine.collective_rpc("install_wake", timeout=60) == [False]
 
 
+def test_a_subclass_whose_overrides_need_its_own_state_starts_on_a_sleep_mode_engine(
+    cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A sleep-mode engine installs the wake in its workers at start: not through a method
+    # a subclass may override before its own __init__ has run (the GPU suite's adapters).
+    from genworker.shell import vllm_engine
+
+    monkeypatch.setattr(vllm_engine.current_platform, "is_sleep_mode_available", lambda: True)
+    monkeypatch.setattr(cpu_llm.llm_engine.vllm_config.model_config, "enable_sleep_mode", True)
+
+    class Recording(VllmEngine):
+        def __init__(self, llm: LLM) -> None:
+            super().__init__(llm)
+            self.calls: list[str] = []
+
+        def collective_rpc(
+            self,
+            method: str,
+            args: tuple[object, ...] = (),
+            kwargs: dict[str, object] | None = None,
+            timeout: float | None = None,
+        ) -> list[object]:
+            self.calls.append(method)
+            return super().collective_rpc(method, args, kwargs, timeout)
+
+    engine = Recording(cpu_llm)
+    assert engine.capabilities.sleep_mode
+    assert engine.collective_rpc("install_wake", timeout=60) == [False]
+    assert engine.calls == ["install_wake"]
+
+
 def test_collective_rpc_expiry_is_engine_dead(
     cpu_engine: VllmEngine, cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:

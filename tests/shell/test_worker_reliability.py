@@ -72,7 +72,6 @@ class WatchedEngine(VllmEngine):
     calls, and whose ``generate`` can be held open (before it reaches vLLM)."""
 
     def __init__(self, llm: LLM) -> None:
-        super().__init__(llm)
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
@@ -80,6 +79,7 @@ class WatchedEngine(VllmEngine):
         self._inside = 0
         self.most_inside = 0
         self._count = threading.Lock()
+        super().__init__(llm)
 
     def _around(self, what: str, fn: Callable[[], Any]) -> Any:
         with self._count:
