@@ -336,9 +336,9 @@ def test_a_subclass_whose_overrides_need_its_own_state_starts_on_a_sleep_mode_en
 ) -> None:
     # A sleep-mode engine installs the wake in its workers at start: not through a method
     # a subclass may override before its own __init__ has run (the GPU suite's adapters).
-    from genworker.shell import vllm_engine
+    from vllm.platforms import current_platform  # the object vllm_engine reads
 
-    monkeypatch.setattr(vllm_engine.current_platform, "is_sleep_mode_available", lambda: True)
+    monkeypatch.setattr(current_platform, "is_sleep_mode_available", lambda: True)
     monkeypatch.setattr(cpu_llm.llm_engine.vllm_config.model_config, "enable_sleep_mode", True)
 
     class Recording(VllmEngine):
