@@ -81,19 +81,22 @@ BUSY_REPEATS = 9
 
 class InnerClock:
     """Sums the wall and thread CPU time spent inside one ``LLM``'s ``generate`` inside
-    ``with``, and keeps a copy of its outputs while ``keep`` (the instance attribute wraps
-    the bound method; the class is untouched)."""
+    ``with``, stamps the start of its latest call (``started``, ``time.perf_counter``), and
+    keeps a copy of its outputs while ``keep`` (the instance attribute wraps the bound
+    method; the class is untouched)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self.seconds = 0.0
         self.cpu_seconds = 0.0
+        self.started = 0.0
         self.last: Any = None
         self.keep = False
         original = llm.generate
 
         def generate(*args: Any, **kwargs: Any) -> Any:
             started, cpu = time.perf_counter(), time.thread_time()
+            self.started = started
             try:
                 outputs = original(*args, **kwargs)
                 if self.keep:  # a copy: the worker hands the list on to be emptied
@@ -291,21 +294,15 @@ def measure_busy_core(model: Path) -> dict[str, float]:
         worker = VllmGenerationWorker(config, engine_factory=ExistingEngine(engine))
         ids = torch.randint(3, 500, (ROWS, BUSY_PROMPT_LEN), generator=torch.Generator())
         data = {"input_ids": ids, "input_lengths": torch.full((ROWS,), BUSY_PROMPT_LEN)}
-        llm, called = engine.llm, [0.0]
-        inner = llm.generate
-
-        def stamped(*args: Any, **kwargs: Any) -> Any:
-            called[0] = time.perf_counter()
-            return inner(*args, **kwargs)
+        clock = InnerClock(engine.llm)
 
         def before_call() -> float:
             started = time.perf_counter()
             worker.generate(data)
-            return called[0] - started
+            return clock.started - started
 
-        llm.generate = stamped
         medians = {}
-        try:
+        with clock:
             for busy in (False, True):
                 spinner = None
                 if busy:
@@ -322,8 +319,6 @@ def measure_busy_core(model: Path) -> dict[str, float]:
                         spinner.kill()
                         spinner.wait()
                 medians[busy] = statistics.median(runs)
-        finally:
-            del llm.generate
         return {"idle_ms": medians[False] * 1e3, "busy_ms": medians[True] * 1e3}
     finally:
         engine.shutdown()
