@@ -12,8 +12,10 @@ the End travels while they run (its answer follows post-load processing and a sy
 a mapping is released only after a sync: the trainer's memory stays readable, CUDA IPC
 keeping a storage the engine maps from reuse). :class:`IpcSenderPort`
 (the trainer's) packs into two alternating staging buffers and packs one again only
-after the answer to its last chunk. Every wait is a ``poll`` with the per-wait bound and
-``LINGER=0``; a sender whose wait expired makes a fresh REQ socket (R2).
+after the answer to its last chunk; the Begin's answer is awaited before the first
+chunk goes out, so the first chunk is routed and packed while the engine answers. Every
+wait is a ``poll`` with the per-wait bound and ``LINGER=0``; a sender whose wait expired
+makes a fresh REQ socket (R2).
 """
 
 from __future__ import annotations
@@ -290,7 +292,8 @@ class IpcSenderPort:
         self.refit_id, self._chunks, self._used = event.refit_id, 0, set()
         self._record, self._replay, self.replay = _Replay(), self.replay, None  # back at end
         self.held = []
-        self._exchange(encode(event), "the start of the refit")
+        self._send(encode(event), "the start of the refit")  # answered before chunk 0 goes
+        self._outstanding, self._what = _Chunk(), "the start of the refit"
 
     def take(self, item: tuple[str, torch.Tensor] | None) -> tuple[int, int, int] | None:
         """The last refit's replay goes on with ``item``: None when it is None or not the
