@@ -570,7 +570,13 @@ class ChunkPlan:
     """The chunk being filled. ``budget``: bytes packed per chunk (one staging buffer, or
     one group of broadcasts); ``flush_after_s``: a chunk goes out once this long passed
     since the last message, so a slow trainer never lets the receiver's wait expire.
-    ``staged``: chunks sent that packed into a staging buffer (they alternate)."""
+    ``staged``: chunks sent that packed into a staging buffer (they alternate).
+
+    Chunk ``i`` holds at most ``budget * 2**i`` bytes, by handle or packed (``held``),
+    unless one tensor exceeds it: the receiver starts copying once the first ``budget``
+    of a refit by handle arrived, not once the trainer walked all of it, and a refit of
+    ``n`` bytes still takes about ``log2(n / budget)`` chunks (on the H200 an 8B refit
+    by handle in one chunk waited about 2 ms for its first copy)."""
 
     budget: int
     flush_after_s: float
@@ -579,6 +585,7 @@ class ChunkPlan:
     fill: int = 0
     tensors: int = 0
     staged: int = 0
+    held: int = 0
 
     @property
     def buffer(self) -> int:
@@ -591,7 +598,8 @@ class ChunkPlan:
         late = self.tensors > 0 and now - self.opened_at >= self.flush_after_s
         size = 0 if route is SendRoute.HANDLE else align_up(nbytes)
         alone = size > self.budget
-        flush = late or (self.tensors > 0 and (alone or self.fill + size > self.budget))
+        full = self.fill + size > self.budget or self.held + nbytes > self.budget << self.index
+        flush = late or (self.tensors > 0 and (alone or full))
         plan = self.flushed(now) if flush else self
         fill = plan.fill if alone else plan.fill + size
         placed = ChunkPlan(
@@ -602,6 +610,7 @@ class ChunkPlan:
             fill,
             plan.tensors + 1,
             plan.staged,
+            plan.held + nbytes,
         )
         return Placement(placed, flush, 0 if alone else plan.fill, alone)
 

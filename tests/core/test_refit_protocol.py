@@ -3,6 +3,7 @@ kept mappings and the bounds."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import attrs
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
-from strategies import RefitSendCase, refit_events, refit_send_cases
+from strategies import RefitSendCase, refit_budgets, refit_events, refit_send_cases
 
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import Deviation, Manifest, TensorSpec, align_up
@@ -161,6 +162,43 @@ def test_a_chunk_never_waits_past_half_the_bound_for_its_next_tensor(
     than ``flush_after_s`` after the last message: the receiver's wait stays bounded by
     that plus one tensor's production time."""
     assert all(w < case.flush_after_s for w in simulate(case).waited)
+
+
+def _chunk_bytes(chunk: p.Chunk) -> int:
+    return sum(TensorSpec(r.name, r.shape, r.dtype).nbytes for r in chunk.tensors)
+
+
+@given(refit_send_cases())
+def test_chunk_i_holds_at_most_the_budget_times_two_to_the_i_unless_one_tensor_exceeds_it(
+    case: RefitSendCase,
+) -> None:
+    """Handles included: the receiver gets its first copies after one budget of bytes,
+    however much of the refit goes by handle."""
+    for chunk in simulate(case).events:
+        if isinstance(chunk, p.Chunk) and len(chunk.tensors) > 1:
+            assert _chunk_bytes(chunk) <= case.budget << chunk.index
+
+
+@given(refit_budgets, st.data())
+def test_a_refit_by_handle_takes_about_log2_of_its_bytes_over_the_budget_chunks(
+    budget: int, data: st.DataObject
+) -> None:
+    """Every chunk but the last closes only when its next tensor would overflow it, so
+    ``n`` bytes by handle (no tensor over the budget) take at most
+    ``log2(n / budget + 1) + 2`` chunks, never a chunk per tensor."""
+    sizes = data.draw(st.lists(st.integers(1, budget), min_size=1, max_size=60))
+    plan, chunks = p.ChunkPlan(budget, 1e9, 0.0), [list[int]()]
+    for size in sizes:
+        placed = plan.place(p.SendRoute.HANDLE, size, 0.0)
+        if placed.flush:
+            chunks.append([])
+        chunks[-1].append(size)
+        plan = placed.plan
+    for index, (chunk, after) in enumerate(itertools.pairwise(chunks)):
+        assert sum(chunk) <= budget << index or len(chunk) == 1
+        assert sum(chunk) + after[0] > budget << index
+    assert plan.index == len(chunks) - 1
+    assert len(chunks) <= math.log2(sum(sizes) / budget + 1) + 2
 
 
 @given(refit_send_cases(), st.data())

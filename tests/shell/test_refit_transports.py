@@ -883,7 +883,7 @@ def test_ipc_a_refit_of_the_last_ones_tensors_resends_its_chunks_and_any_change_
     params = zeros_like_all(tensors)
     manifest = manifest_of(tensors)
     sink = ParameterSink(params)
-    with ipc_sender(receiver, manifest=manifest) as sender:
+    with ipc_sender(receiver, manifest=manifest, staging_bytes=1 << 20) as sender:  # 1 chunk
         port, built = count_flushes(sender, monkeypatch)
 
         def refit(sent: dict[str, torch.Tensor]) -> tuple[RefitReport, int]:
@@ -925,6 +925,29 @@ def test_ipc_a_refit_of_the_last_ones_tensors_resends_its_chunks_and_any_change_
         with pytest.raises(RefitError, match=r"w\.x"):
             peer.outcome()
         assert port.replay is None
+
+
+def test_ipc_a_refit_by_handle_goes_in_chunks_that_double_and_its_replay_sends_them_all(
+    receiver: IpcReceiver,
+) -> None:
+    """Eight tensors of one budget each, by handle: chunks of 1, 2, 4 and 1 tensors (chunk
+    ``i`` holds up to ``budget * 2**i``), the same four replayed, the bytes all arriving."""
+    tensors = {f"w.{i}": torch.full((SMALL // 4,), float(i)) for i in range(8)}
+    params = zeros_like_all(tensors)
+    manifest = manifest_of(tensors)
+    sink = ParameterSink(params)
+    with ipc_sender(receiver, manifest=manifest) as sender:
+        for step in range(4):  # packed, by handle (recorded), replayed twice
+            for tensor in tensors.values():
+                tensor.add_(1.0)
+            peer = Peer(
+                lambda: receive(receiver, manifest, sink, routes=sink.routes, timeout_s=QUICK)
+            )
+            report = sender.send(tensors.items())
+            got = peer.outcome()
+            assert all(torch.equal(params[n], t) for n, t in tensors.items())
+            if step:
+                assert (report.direct, report.chunks, got.chunks) == (8, 4, 4)
 
 
 def test_ipc_the_replay_packs_tensors_of_known_storages_that_pack_for_good_again(
