@@ -180,8 +180,10 @@ class _Request:
     request_id: str
     #: why the worker ended it early (the row's error instead of "aborted by the engine")
     abort_reason: GenworkerError | None = None
-    #: the versions of the tokens seen so far (engines that do not label tokens)
+    #: the versions of the tokens seen up to the last refit (engines without labels)
     runs: VersionRuns = attrs.Factory(lambda: VersionRuns((), (), 0))
+    #: how many tokens the engine reported so far (engines without labels)
+    seen: int = 0
 
 
 @attrs.frozen
@@ -472,21 +474,28 @@ class AsyncVllmGenerationWorker:
     def _progress(
         self, caps: EngineCapabilities, request: _Request
     ) -> Callable[[int], None] | None:
-        """Counts a row's tokens under the running version (engines without labels)."""
+        """Counts a row's tokens (engines without labels): once per engine step and
+        row, so it only stores the count; a refit gives the tokens seen before it the
+        old version (:meth:`_close_runs`), the row's end the rest the running one."""
         if caps.weight_versions:
             return None
 
         def seen(count: int) -> None:
-            new = count - request.runs.length
-            if new > 0:
-                request.runs = unwrap(
-                    extend_runs(request.runs, self._label, new),
-                    EngineContractError,
-                    f"row {request.row} versions",
-                )
+            if count > request.seen:
+                request.seen = count
                 self._activity += 1
 
         return seen
+
+    def _close_runs(self) -> None:
+        """Before the running version changes (the engine paused, its tokens counted):
+        every row's tokens seen so far were sampled under the old version."""
+        for request in self._requests.values():
+            request.runs = unwrap(
+                extend_runs(request.runs, self._label, request.seen - request.runs.length),
+                EngineContractError,
+                f"row {request.row} versions",
+            )
 
     async def _ensure_labelled(self, engine: AsyncEnginePort) -> None:
         """Label the engine's weights with our version before the first request."""
@@ -547,14 +556,13 @@ class AsyncVllmGenerationWorker:
                 f"row {row} weight versions",
             )
         else:
-            missing = generation.num_tokens - request.runs.length
-            if missing < 0:
+            if request.seen > generation.num_tokens:
                 return EngineContractError(
-                    f"row {row}: {request.runs.length} tokens streamed but "
+                    f"row {row}: {request.seen} tokens streamed but "
                     f"{generation.num_tokens} in the final output"
                 )
             runs = unwrap(
-                extend_runs(request.runs, self._label, missing),
+                extend_runs(request.runs, self._label, generation.num_tokens - request.runs.length),
                 EngineContractError,
                 f"row {row} weight versions",
             )
@@ -1047,6 +1055,7 @@ class AsyncVllmGenerationWorker:
             if engine.capabilities.weight_versions:
                 await engine.label_weights(str(self._version))
                 self._labelled = True
+            self._close_runs()
             self._label = self._version
             self._state = unwrap(
                 lifecycle.transition(self._state, lifecycle.Event.REFIT_OK),
