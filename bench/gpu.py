@@ -1402,21 +1402,33 @@ _SENDER_ORIGINALS: dict[str, Any] = {}
 
 
 def sender_mode(mode: str | None) -> None:
-    """Diagnostics of the fresh-allocation rows, in the trainer's process: ``"handles"``
-    treats every storage as recognised (fresh storages go by handle, the engine maps them
-    anew each refit); ``"buckets"`` gives every packed chunk a new staging buffer (the old
-    buckets, mapped anew each chunk; kept alive until the refit after); None restores the
-    sender as it ships."""
+    """Diagnostics, in the trainer's process: ``"handles"`` treats every storage as
+    recognised (fresh storages go by handle, the engine maps them anew each refit);
+    ``"buckets"`` gives every packed chunk a new staging buffer (the old buckets, mapped
+    anew each chunk; kept alive until the refit after); ``"one-chunk"`` puts every tensor
+    by handle in one chunk (as before chunk ``i`` was bounded by ``budget * 2**i``); None
+    restores the sender as it ships."""
+    import attrs
+
+    from genworker.core import refit_protocol
     from genworker.shell.refit import ipc, memory
 
     originals = _SENDER_ORIGINALS
     originals.setdefault("recognised", memory.Exporter.recognised)
     originals.setdefault("out", ipc.IpcSenderPort._out)
     originals.setdefault("begin", ipc.IpcSenderPort.begin)
+    originals.setdefault("place", refit_protocol.ChunkPlan.place)
     memory.Exporter.recognised = originals["recognised"]
     ipc.IpcSenderPort._out = originals["out"]
     ipc.IpcSenderPort.begin = originals["begin"]
-    if mode == "handles":
+    refit_protocol.ChunkPlan.place = originals["place"]  # type: ignore[method-assign]
+    if mode == "one-chunk":
+
+        def place(self: Any, route: Any, nbytes: int, now: float) -> Any:
+            return originals["place"](attrs.evolve(self, held=-(1 << 62)), route, nbytes, now)
+
+        refit_protocol.ChunkPlan.place = place  # type: ignore[method-assign]
+    elif mode == "handles":
 
         def recognised(self: Any, tensor: Any) -> tuple[Any, bool]:
             ref, _ = originals["recognised"](self, tensor)
@@ -1947,6 +1959,23 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
                         copy,
                         refit_over_ipc(worker, trainer, own, reps, "fresh"),
                     )
+            finally:
+                trainer.send("mode", None)
+                trainer.expect("ok")
+        with part(sec, "diagnostic: one allocation, every handle in one chunk"):
+            # the best path as it went before chunk i was bounded by budget * 2**i: the
+            # engine waited for the trainer's whole walk before its first copy
+            try:
+                trainer.send("mode", "one-chunk")
+                trainer.expect("ok")
+                ipc_refit_row(
+                    sec,
+                    f"diagnostic: IPC refit, engine layout, {LAYOUTS['one']}, every tensor "
+                    "by handle in one chunk (the chunking before 598714c)",
+                    nbytes,
+                    copy,
+                    refit_over_ipc(worker, trainer, own, reps, "one"),
+                )
             finally:
                 trainer.send("mode", None)
                 trainer.expect("ok")

@@ -196,6 +196,7 @@ def test_the_gen_probe_stamps_the_first_and_last_generate_call() -> None:
 
 
 def test_the_trainer_sender_modes_patch_and_restore_the_sender() -> None:
+    from genworker.core import refit_protocol
     from genworker.shell.refit import ipc, memory
 
     shipped = (memory.Exporter.recognised, ipc.IpcSenderPort._out, ipc.IpcSenderPort.begin)
@@ -211,10 +212,23 @@ def test_the_trainer_sender_modes_patch_and_restore_the_sender() -> None:
         with pytest.raises(ValueError, match="warp"):
             bench.sender_mode("warp")
         assert (memory.Exporter.recognised, ipc.IpcSenderPort._out) == shipped[:2]
+        bench.sender_mode("one-chunk")  # handles never close a chunk, packing still does
+        plan = refit_protocol.ChunkPlan(512, 1e9, 0.0)
+        for _ in range(8):
+            placed = plan.place(refit_protocol.SendRoute.HANDLE, 4096, 0.0)
+            assert not placed.flush
+            plan = placed.plan
+        assert plan.place(refit_protocol.SendRoute.PACK, 4096, 0.0).alone
     finally:
         bench.sender_mode(None)
     assert (memory.Exporter.recognised, ipc.IpcSenderPort._out, ipc.IpcSenderPort.begin) == shipped
     assert not memory.Exporter().recognised(torch.zeros(4))[1]
+    assert (
+        refit_protocol.ChunkPlan(512, 1e9, 0.0)
+        .place(refit_protocol.SendRoute.HANDLE, 4096, 0.0)
+        .plan.place(refit_protocol.SendRoute.HANDLE, 4096, 0.0)
+        .flush
+    )  # as it ships again
 
 
 def test_without_cuda_the_driver_diagnostic_reports_nothing(
