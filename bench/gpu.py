@@ -46,8 +46,10 @@ measured in the same run as its baseline:
 - ``server`` (``--sections server``, opt-in): the async worker's OpenAI server (vLLM's
   app with genworker's layer in front) against vLLM's stock app around the same
   ``AsyncLLM`` (tokenizer on), the same completion requests from 16 and 64 concurrent
-  clients, rounds alternating: ``server_rps_vs_stock_<n>`` (best round's requests/s,
-  genworker over stock, bar >= 0.95) and ``server_p99_vs_stock_<n>`` (p99 latency over
+  clients, rounds alternating: ``server_rps_vs_stock_<n>`` (the median over rounds of
+  genworker's requests/s over stock's in the same round, bar >= 0.95: one outlier round
+  decides a best-of ratio, as 64.6 against 52.9 and 54.2 requests/s in run S) and
+  ``server_p99_vs_stock_<n>`` (p99 latency over
   the latencies of all rounds pooled, at least ``SERVER_MIN_LATENCIES`` of them per
   server, bar <= 1.05).
 - ``sparse`` (``--sections sparse``, opt-in): sparse-delta refit on one GPU, the
@@ -2786,8 +2788,17 @@ async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) ->
                     f"{rps:.1f} requests/s, p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms",
                     "rounds (requests/s): " + ", ".join(f"{x:.1f}" for x in runs[name]),
                 )
-            rps_ratio, p99_ratio = g[0] / s[0], g[2] / s[2]
-            sec.row(f"server_rps_vs_stock_{n}", f"{rps_ratio:.3f}", f"bar >= {SERVER_RPS_BAR}")
+            # each round runs both servers back to back: the pair's ratio cancels what moves
+            # the whole host (as worker_overhead's pairs); its median drops an outlier round
+            paired = [a / b for a, b in zip(runs["genworker"], runs["stock"], strict=True)]
+            rps_ratio, p99_ratio = statistics.median(paired), g[2] / s[2]
+            sec.row(
+                f"server_rps_vs_stock_{n}",
+                f"{rps_ratio:.3f}",
+                f"bar >= {SERVER_RPS_BAR}; median over the rounds of genworker / stock in the "
+                "same round: " + ", ".join(f"{x:.3f}" for x in paired) + f" (best round "
+                f"over best round {g[0] / s[0]:.3f})",
+            )
             sec.row(
                 f"server_p99_vs_stock_{n}",
                 f"{p99_ratio:.3f}",
