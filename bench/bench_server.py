@@ -11,7 +11,7 @@ rounds of ``REQUESTS[n]`` requests per server and client count:
 - ``server_rps_vs_stock_<n>``: genworker's requests per second over stock's in the same
   round (the two back to back), the median over the rounds (bar >= 0.95): a pair's ratio
   cancels what moves the whole host, the median drops an outlier round, where a best
-  round of each decided the ratio by one outlier (as on the H200, run S);
+  round of each decided the ratio by one outlier (as on the H200, run U);
 - ``server_p50_vs_stock_<n>`` / ``server_p99_vs_stock_<n>``: latency, genworker over
   stock (bar <= 1.05), each server's percentile over the latencies of all its rounds
   pooled: ``server_latencies_<n>`` of them per server (at least ``MIN_LATENCIES``, so a

@@ -48,7 +48,7 @@ measured in the same run as its baseline:
   ``AsyncLLM`` (tokenizer on), the same completion requests from 16 and 64 concurrent
   clients, rounds alternating: ``server_rps_vs_stock_<n>`` (the median over rounds of
   genworker's requests/s over stock's in the same round, bar >= 0.95: one outlier round
-  decides a best-of ratio, as 64.6 against 52.9 and 54.2 requests/s in run S) and
+  decides a best-of ratio, as 64.6 against 52.9 and 54.2 requests/s in run U) and
   ``server_p99_vs_stock_<n>`` (p99 latency over
   the latencies of all rounds pooled, at least ``SERVER_MIN_LATENCIES`` of them per
   server, bar <= 1.05).
