@@ -1943,44 +1943,37 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             )
             trainer.send("staging", None)  # the default sender for every row below
             trainer.expect("ok")
-        with part(sec, "diagnostics: fresh allocations as buckets, and by handle"):
-            # the same fresh allocations, sent as the old default sent them (a new buffer
-            # per chunk, mapped anew) and by handle (every storage mapped anew each refit):
-            # what the packed path is compared with, in this run
+
+        def diagnostic_row(mode: str, how: str, label: str) -> None:
+            """One row sent in sender mode ``mode`` (the trainer's tensors as ``how``)."""
             try:
-                for mode, label in (
-                    ("buckets", "a new staging buffer per chunk (the old buckets), default size"),
-                    ("handles", "every storage by handle, mapped anew each refit"),
-                ):
-                    trainer.send("mode", mode)
-                    trainer.expect("ok")
-                    ipc_refit_row(
-                        sec,
-                        f"diagnostic: IPC refit, engine layout, fresh trainer allocations, {label}",
-                        nbytes,
-                        copy,
-                        refit_over_ipc(worker, trainer, own, reps, "fresh"),
-                    )
-            finally:
-                trainer.send("mode", None)
-                trainer.expect("ok")
-        with part(sec, "diagnostic: one allocation, every handle in one chunk"):
-            # the best path as it went before chunk i was bounded by budget * 2**i: the
-            # engine waited for the trainer's whole walk before its first copy
-            try:
-                trainer.send("mode", "one-chunk")
+                trainer.send("mode", mode)
                 trainer.expect("ok")
                 ipc_refit_row(
                     sec,
-                    f"diagnostic: IPC refit, engine layout, {LAYOUTS['one']}, every tensor "
-                    "by handle in one chunk (the chunking before 598714c)",
+                    f"diagnostic: IPC refit, engine layout, {label}",
                     nbytes,
                     copy,
-                    refit_over_ipc(worker, trainer, own, reps, "one"),
+                    refit_over_ipc(worker, trainer, own, reps, how),
                 )
             finally:
                 trainer.send("mode", None)
                 trainer.expect("ok")
+
+        with part(sec, "diagnostics: fresh allocations as buckets, and by handle"):
+            # the same fresh allocations, sent as the old default sent them (a new buffer
+            # per chunk, mapped anew) and by handle (every storage mapped anew each refit):
+            # what the packed path is compared with, in this run
+            for mode, label in (
+                ("buckets", "a new staging buffer per chunk (the old buckets), default size"),
+                ("handles", "every storage by handle, mapped anew each refit"),
+            ):
+                diagnostic_row(mode, "fresh", f"fresh trainer allocations, {label}")
+        with part(sec, "diagnostic: one allocation, every handle in one chunk"):
+            # the best path as it went before chunk i was bounded by budget * 2**i: the
+            # engine waited for the trainer's whole walk before its first copy
+            label = "every tensor by handle in one chunk (the chunking before 598714c)"
+            diagnostic_row("one-chunk", "one", f"{LAYOUTS['one']}, {label}")
         rates: dict[str, float] = {}
         # fresh allocations first (the comparison row), the default layouts after; the
         # switch below sends the last (separate allocations, as the default row)
