@@ -46,12 +46,15 @@ measured in the same run as its baseline:
 - ``server`` (``--sections server``, opt-in): the async worker's OpenAI server (vLLM's
   app with genworker's layer in front) against vLLM's stock app around the same
   ``AsyncLLM`` (tokenizer on), the same completion requests from 16 and 64 concurrent
-  clients, rounds alternating: ``server_rps_vs_stock_<n>`` (the median over rounds of
-  genworker's requests/s over stock's in the same round, bar >= 0.95: one outlier round
-  decides a best-of ratio, as 64.6 against 52.9 and 54.2 requests/s in run U) and
-  ``server_p99_vs_stock_<n>`` (p99 latency over
-  the latencies of all rounds pooled, at least ``SERVER_MIN_LATENCIES`` of them per
-  server, bar <= 1.05).
+  clients, ``SERVER_ROUNDS`` rounds, each running every server once in an order rotated
+  round by round: ``server_rps_vs_stock_<n>`` (the median over rounds of genworker's
+  requests/s over stock's in the same round, bar >= 0.95: one outlier round decides a
+  best-of ratio, as 64.6 against 52.9 and 54.2 requests/s in run U) and
+  ``server_p99_vs_stock_<n>`` (p99 latency over the latencies of all rounds pooled, at
+  least ``SERVER_MIN_LATENCIES`` of them per server, bar <= 1.05). Beside them, a second
+  stock app (stock-b) measured the same way, the A/A control: what two identical servers
+  differ by in this method; this process's CPU per request of genworker's and stock's;
+  the layer's own CPU per request.
 - ``sparse`` (``--sections sparse``, opt-in): sparse-delta refit on one GPU, the
   "cluster" being two processes: a trainer process keeps fp32 master weights of the
   generation model (~1B, the engine's own layout) under AdamW on the GPU and sends their
@@ -293,6 +296,7 @@ TITLES = {
 }
 SERVER_TOKENS = 32  # tokens per completion request
 SERVER_RPS_BAR, SERVER_P99_BAR = 0.95, 1.05
+SERVER_ROUNDS = 5  # rounds per client count, each running every server once
 ASYNC_TAIL_BAR = 0.5
 ASYNC_REFIT_EXTRA_BAR_MS = 10.0
 ASYNC_REFIT_TIMEOUT_S = 300.0  # each wait of an in-flight refit (the protocol's per-wait bound)
@@ -2732,90 +2736,131 @@ def _bench_server() -> Any:
 
 
 async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) -> None:
+    import asyncio
     import gc
 
     from genworker.shell.server import bind_socket, build_vllm_app, serve_on, stop_serving
 
     cpu_bench = _bench_server()
     ours = (await worker.start_http_server()).removesuffix("/v1")
-    sock = bind_socket("127.0.0.1", 0)
-    stock = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    with cpu_bench._own_http_metrics():  # else the second app of the process records none
-        app = await build_vllm_app(worker.llm)
-    server, task = await serve_on(app, sock)
-    clients = (4, 16) if scale.device == "cpu" else (16, 64)
-    rounds = max(scale.refit_reps, 3)
+    # two stock apps: "stock" the reference, "stock-b" the same app again on a socket of
+    # its own, an A/A control of the method (what two identical servers differ by here)
+    served: list[tuple[Any, asyncio.Task[None], socket.socket]] = []
+    urls = {"genworker": ours}
     try:
-        for url in (stock, ours):  # warm-up, both
-            await cpu_bench._round(url, model, clients[0], 2 * clients[0], SERVER_TOKENS)
-        # as `vllm serve` does after startup (freeze_gc_heap): no full collection of the
-        # startup heap lands in one server's round; each round starts from a collection
-        gc.collect()
-        gc.freeze()
-        for n in clients:
-            # enough requests that the pooled p99 is a percentile, not a round's maximum
-            requests = max(4 * n, -(-SERVER_MIN_LATENCIES // rounds))
-            runs: dict[str, list[float]] = {"stock": [], "genworker": []}
-            pooled: dict[str, list[float]] = {"stock": [], "genworker": []}
-            for k in range(rounds):
-                order = [("stock", stock), ("genworker", ours)]
-                for name, url in order if k % 2 == 0 else order[::-1]:
-                    gc.collect()
-                    rps, lat = await cpu_bench._round(url, model, n, requests, SERVER_TOKENS)
-                    runs[name].append(rps)
-                    pooled[name].extend(lat)
-            best: dict[str, tuple[float, float, float]] = {
-                name: (
-                    max(runs[name]),
-                    statistics.median(pooled[name]),
-                    cpu_bench._p(pooled[name], 0.99),
-                )
-                for name in runs
-            }
-            g, s = best["genworker"], best["stock"]
-            what = f"{n} clients, {requests} completions of {SERVER_TOKENS} tokens per round"
-            for name, (rps, p50, p99) in (("genworker", g), ("stock", s)):
-                sec.row(
-                    f"{what}: {name}, requests/s best of {rounds} rounds; p50/p99 over all "
-                    f"{len(pooled[name])} latencies of the {rounds} rounds",
-                    f"{rps:.1f} requests/s, p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms",
-                    "rounds (requests/s): " + ", ".join(f"{x:.1f}" for x in runs[name]),
-                )
-            # each round runs both servers back to back: the pair's ratio cancels what moves
-            # the whole host (as worker_overhead's pairs); its median drops an outlier round
-            paired = [a / b for a, b in zip(runs["genworker"], runs["stock"], strict=True)]
-            rps_ratio, p99_ratio = statistics.median(paired), g[2] / s[2]
-            sec.row(
-                f"server_rps_vs_stock_{n}",
-                f"{rps_ratio:.3f}",
-                f"bar >= {SERVER_RPS_BAR}; median over the rounds of genworker / stock in the "
-                "same round: " + ", ".join(f"{x:.3f}" for x in paired) + f" (best round "
-                f"over best round {g[0] / s[0]:.3f})",
-            )
-            sec.row(
-                f"server_p99_vs_stock_{n}",
-                f"{p99_ratio:.3f}",
-                f"bar <= {SERVER_P99_BAR}; each p99 over {len(pooled['genworker'])} latencies",
-            )
-            sec.verdict(
-                f"server_rps_vs_stock_{n} {rps_ratio:.3f} >= {SERVER_RPS_BAR}",
-                rps_ratio >= SERVER_RPS_BAR,
-            )
-            sec.verdict(
-                f"server_p99_vs_stock_{n} {p99_ratio:.3f} <= {SERVER_P99_BAR}",
-                p99_ratio <= SERVER_P99_BAR,
-            )
-        sec.notes.append(
-            "both servers are vLLM's own OpenAI app (`build_app` + `init_app_state`) around "
-            "the same `AsyncLLM`, on sockets of their own; genworker's adds its layer in front "
-            "(the on-policy guard, prompt tokenization for the context budget, weight "
-            "versions, in-flight accounting). Requests ask for token ids and logprobs, "
-            "`ignore_eos`; each client holds one connection"
+        for name in ("stock", "stock-b"):
+            sock = bind_socket("127.0.0.1", 0)
+            with cpu_bench._own_http_metrics():  # else the later apps record no metrics
+                app = await build_vllm_app(worker.llm)
+            served.append((*await serve_on(app, sock), sock))
+            urls[name] = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        await _server_points(sec, cpu_bench, urls, scale, model)
+        layer_us, alone_us = await cpu_bench._layer_cost(worker)
+        sec.row(
+            "the layer's own CPU per request (the bench's request through it in front of an "
+            "app that answers at once, less that app alone)",
+            f"{layer_us:.1f} us",
+            f"the app alone {alone_us:.1f} us",
         )
     finally:
         gc.unfreeze()
-        await stop_serving(server, task)
-        sock.close()
+        for server, task, sock in served:
+            await stop_serving(server, task)
+            sock.close()
+
+
+async def _server_points(
+    sec: Section, cpu_bench: Any, urls: dict[str, str], scale: Scale, model: str
+) -> None:
+    import asyncio
+    import gc
+
+    clients = (4, 16) if scale.device == "cpu" else (16, 64)
+    names = ["stock", "genworker", "stock-b"]
+    for name in names:  # warm-up, each
+        await cpu_bench._round(urls[name], model, clients[0], 2 * clients[0], SERVER_TOKENS)
+    # as `vllm serve` does after startup (freeze_gc_heap): no full collection of the
+    # startup heap lands in one server's round; each round starts from a collection
+    gc.collect()
+    gc.freeze()
+    for n in clients:
+        # enough requests that the pooled p99 is a percentile, not a round's maximum
+        requests = max(4 * n, -(-SERVER_MIN_LATENCIES // SERVER_ROUNDS))
+        runs: dict[str, list[float]] = {name: [] for name in names}
+        cpu: dict[str, list[float]] = {name: [] for name in names}
+        pooled: dict[str, list[float]] = {name: [] for name in names}
+        for k in range(SERVER_ROUNDS):
+            # each round runs the three back to back, the order rotated round by round
+            for name in names[k % 3 :] + names[: k % 3]:
+                await asyncio.sleep(0.05)  # the previous round's connections close
+                gc.collect()
+                started = time.process_time()
+                rps, lat = await cpu_bench._round(urls[name], model, n, requests, SERVER_TOKENS)
+                cpu[name].append((time.process_time() - started) / requests)
+                runs[name].append(rps)
+                pooled[name].extend(lat)
+        what = f"{n} clients, {requests} completions of {SERVER_TOKENS} tokens per round"
+        for name in names:
+            sec.row(
+                f"{what}: {name}, requests/s best of {SERVER_ROUNDS} rounds; p50/p99 over all "
+                f"{len(pooled[name])} latencies; this process's CPU per request (median)",
+                f"{max(runs[name]):.1f} requests/s, p50 "
+                f"{statistics.median(pooled[name]) * 1e3:.1f} ms, p99 "
+                f"{cpu_bench._p(pooled[name], 0.99) * 1e3:.1f} ms, "
+                f"CPU {statistics.median(cpu[name]) * 1e3:.2f} ms",
+                "rounds (requests/s): " + ", ".join(f"{x:.1f}" for x in runs[name]),
+            )
+
+        def paired(values: dict[str, list[float]], a: str, b: str) -> tuple[float, str]:
+            # the same round's ratio cancels what moves the whole host (as worker_overhead's
+            # pairs); the median over rounds drops an outlier round
+            ratios = [x / y for x, y in zip(values[a], values[b], strict=True)]
+            return statistics.median(ratios), ", ".join(f"{x:.3f}" for x in ratios)
+
+        rps_ratio, rps_pairs = paired(runs, "genworker", "stock")
+        p99_ratio = cpu_bench._p(pooled["genworker"], 0.99) / cpu_bench._p(pooled["stock"], 0.99)
+        sec.row(
+            f"server_rps_vs_stock_{n}",
+            f"{rps_ratio:.3f}",
+            f"bar >= {SERVER_RPS_BAR}; median over the rounds of genworker / stock in the "
+            f"same round: {rps_pairs}",
+        )
+        sec.row(
+            f"server_p99_vs_stock_{n}",
+            f"{p99_ratio:.3f}",
+            f"bar <= {SERVER_P99_BAR}; each p99 over {len(pooled['genworker'])} latencies",
+        )
+        control, control_pairs = paired(runs, "stock-b", "stock")
+        sec.row(
+            f"A/A control, {n} clients: stock-b / stock requests/s (median of same-round "
+            "pairs), p99 ratio",
+            f"{control:.3f}, p99 "
+            f"{cpu_bench._p(pooled['stock-b'], 0.99) / cpu_bench._p(pooled['stock'], 0.99):.3f}",
+            f"pairs {control_pairs}: two identical stock apps, the method's own spread",
+        )
+        cpu_ratio, cpu_pairs = paired(cpu, "genworker", "stock")
+        sec.row(
+            f"this process's CPU per request, {n} clients: genworker / stock (median of "
+            "same-round pairs)",
+            f"{cpu_ratio:.3f}",
+            f"pairs {cpu_pairs}; clients, servers and engine client together (the engine "
+            "core runs in a process of its own)",
+        )
+        sec.verdict(
+            f"server_rps_vs_stock_{n} {rps_ratio:.3f} >= {SERVER_RPS_BAR}",
+            rps_ratio >= SERVER_RPS_BAR,
+        )
+        sec.verdict(
+            f"server_p99_vs_stock_{n} {p99_ratio:.3f} <= {SERVER_P99_BAR}",
+            p99_ratio <= SERVER_P99_BAR,
+        )
+    sec.notes.append(
+        "the three servers are vLLM's own OpenAI app (`build_app` + `init_app_state`) around "
+        "the same `AsyncLLM`, on sockets of their own; genworker's adds its layer in front "
+        "(the on-policy guard, prompt tokenization for the context budget, weight "
+        "versions, in-flight accounting); stock-b is stock again, the A/A control. Requests "
+        "ask for token ids and logprobs, `ignore_eos`; each client holds one connection"
+    )
 
 
 # -- sparse-delta refit (engine child + trainer grandchild on the same GPU) --------------
