@@ -53,8 +53,12 @@ measured in the same run as its baseline:
   ``server_p99_vs_stock_<n>`` (p99 latency over the latencies of all rounds pooled, at
   least ``SERVER_MIN_LATENCIES`` of them per server, bar <= 1.05). Beside them, a second
   stock app (stock-b) measured the same way, the A/A control: what two identical servers
-  differ by in this method; this process's CPU per request of genworker's and stock's;
-  the layer's own CPU per request.
+  differ by in this method; the servers' process's CPU per request of genworker's and
+  stock's; the layer's own CPU per request. The clients (httpx, one connection each) run
+  in a process of their own, as ``vllm bench serve`` runs them: up to run X they ran in
+  the servers' process, which then spent 11-14 ms of CPU per request at 64 and 16 clients
+  on the H200 (near one core's worth at 72 requests/s), one event loop for clients and
+  servers (the dry run on the dev host: 3.1 ms per request at 16 clients without them).
 - ``sparse`` (``--sections sparse``, opt-in): sparse-delta refit on one GPU, the
   "cluster" being two processes: a trainer process keeps fp32 master weights of the
   generation model (~1B, the engine's own layout) under AdamW on the GPU and sends their
@@ -296,7 +300,7 @@ TITLES = {
 }
 SERVER_TOKENS = 32  # tokens per completion request
 SERVER_RPS_BAR, SERVER_P99_BAR = 0.95, 1.05
-SERVER_ROUNDS = 5  # rounds per client count, each running every server once
+SERVER_ROUNDS = 9  # rounds per client count, each running every server once
 ASYNC_TAIL_BAR = 0.5
 ASYNC_REFIT_EXTRA_BAR_MS = 10.0
 ASYNC_REFIT_TIMEOUT_S = 300.0  # each wait of an in-flight refit (the protocol's per-wait bound)
@@ -1475,7 +1479,8 @@ def one_allocation(tensors: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Trainer:
-    """The engine side's handle on a trainer process (commands, replies, failures)."""
+    """The engine side's handle on a trainer process, or another helper process (the
+    server section's load generator): commands, replies, failures."""
 
     def __init__(
         self, target: Callable[..., None], kwargs: Mapping[str, Any], gpu: int | None = None
@@ -2743,18 +2748,20 @@ async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) ->
 
     cpu_bench = _bench_server()
     ours = (await worker.start_http_server()).removesuffix("/v1")
+    load = Trainer(server_load_main, {})
     # two stock apps: "stock" the reference, "stock-b" the same app again on a socket of
     # its own, an A/A control of the method (what two identical servers differ by here)
     served: list[tuple[Any, asyncio.Task[None], socket.socket]] = []
     urls = {"genworker": ours}
     try:
+        await asyncio.to_thread(load.expect, "ready", 120.0)
         for name in ("stock", "stock-b"):
             sock = bind_socket("127.0.0.1", 0)
             with cpu_bench._own_http_metrics():  # else the later apps record no metrics
                 app = await build_vllm_app(worker.llm)
             served.append((*await serve_on(app, sock), sock))
             urls[name] = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        await _server_points(sec, cpu_bench, urls, scale, model)
+        await _server_points(sec, cpu_bench, load, urls, scale, model)
         layer_us, alone_us = await cpu_bench._layer_cost(worker)
         sec.row(
             "the layer's own CPU per request (the bench's request through it in front of an "
@@ -2764,21 +2771,51 @@ async def _server_rounds(sec: Section, worker: Any, scale: Scale, model: str) ->
         )
     finally:
         gc.unfreeze()
+        load.stop()
         for server, task, sock in served:
             await stop_serving(server, task)
             sock.close()
 
 
+def server_load_main(*, commands: Any, replies: Any) -> None:
+    """The ``server`` section's clients, in a process of their own (as ``vllm bench serve``
+    runs them): the servers' process spends its CPU on serving, not on the load, and its
+    CPU per request is the servers' and the engine client's alone. ``("round", (url, model,
+    clients, requests, tokens))`` runs bench_server's round (httpx, one connection per
+    client) and answers its requests/s and latencies; ``("stop", None)`` ends."""
+    import asyncio
+
+    try:
+        cpu_bench = _bench_server()
+        loop = asyncio.new_event_loop()
+        replies.put(("ready", None))
+        while True:
+            cmd, arg = commands.get()
+            if cmd == "stop":
+                break
+            url, model, clients, requests, tokens = arg
+            done = loop.run_until_complete(cpu_bench._round(url, model, clients, requests, tokens))
+            replies.put(("round", done))
+        loop.close()
+    except BaseException:  # noqa: BLE001 - reported to the section, which records it
+        replies.put(("error", traceback.format_exc()))
+
+
 async def _server_points(
-    sec: Section, cpu_bench: Any, urls: dict[str, str], scale: Scale, model: str
+    sec: Section, cpu_bench: Any, load: Trainer, urls: dict[str, str], scale: Scale, model: str
 ) -> None:
     import asyncio
     import gc
 
+    async def load_round(url: str, clients: int, requests: int) -> tuple[float, list[float]]:
+        load.send("round", (url, model, clients, requests, SERVER_TOKENS))
+        done: tuple[float, list[float]] = await asyncio.to_thread(load.expect, "round", 300.0)
+        return done
+
     clients = (4, 16) if scale.device == "cpu" else (16, 64)
     names = ["stock", "genworker", "stock-b"]
     for name in names:  # warm-up, each
-        await cpu_bench._round(urls[name], model, clients[0], 2 * clients[0], SERVER_TOKENS)
+        await load_round(urls[name], clients[0], 2 * clients[0])
     # as `vllm serve` does after startup (freeze_gc_heap): no full collection of the
     # startup heap lands in one server's round; each round starts from a collection
     gc.collect()
@@ -2795,7 +2832,7 @@ async def _server_points(
                 await asyncio.sleep(0.05)  # the previous round's connections close
                 gc.collect()
                 started = time.process_time()
-                rps, lat = await cpu_bench._round(urls[name], model, n, requests, SERVER_TOKENS)
+                rps, lat = await load_round(urls[name], n, requests)
                 cpu[name].append((time.process_time() - started) / requests)
                 runs[name].append(rps)
                 pooled[name].extend(lat)
@@ -2803,7 +2840,8 @@ async def _server_points(
         for name in names:
             sec.row(
                 f"{what}: {name}, requests/s best of {SERVER_ROUNDS} rounds; p50/p99 over all "
-                f"{len(pooled[name])} latencies; this process's CPU per request (median)",
+                f"{len(pooled[name])} latencies; the servers' process's CPU per request "
+                "(median)",
                 f"{max(runs[name]):.1f} requests/s, p50 "
                 f"{statistics.median(pooled[name]) * 1e3:.1f} ms, p99 "
                 f"{cpu_bench._p(pooled[name], 0.99) * 1e3:.1f} ms, "
@@ -2840,11 +2878,11 @@ async def _server_points(
         )
         cpu_ratio, cpu_pairs = paired(cpu, "genworker", "stock")
         sec.row(
-            f"this process's CPU per request, {n} clients: genworker / stock (median of "
-            "same-round pairs)",
+            f"the servers' process's CPU per request, {n} clients: genworker / stock (median "
+            "of same-round pairs)",
             f"{cpu_ratio:.3f}",
-            f"pairs {cpu_pairs}; clients, servers and engine client together (the engine "
-            "core runs in a process of its own)",
+            f"pairs {cpu_pairs}; servers and engine client (the clients and the engine core "
+            "run in processes of their own)",
         )
         sec.verdict(
             f"server_rps_vs_stock_{n} {rps_ratio:.3f} >= {SERVER_RPS_BAR}",
@@ -2859,7 +2897,8 @@ async def _server_points(
         "the same `AsyncLLM`, on sockets of their own; genworker's adds its layer in front "
         "(the on-policy guard, prompt tokenization for the context budget, weight "
         "versions, in-flight accounting); stock-b is stock again, the A/A control. Requests "
-        "ask for token ids and logprobs, `ignore_eos`; each client holds one connection"
+        "ask for token ids and logprobs, `ignore_eos`; each client holds one connection; the "
+        "clients run in a process of their own (`server_load_main`)"
     )
 
 
@@ -3261,7 +3300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sections += run_child(async_8b_child, {"scale": scale}, ["async-8b"], scale.child_timeout_s)
         write()
     if "server" in wanted:
-        sections += run_child(server_child, {"scale": scale}, ["server"], scale.child_timeout_s)
+        sections += run_child(
+            server_child,
+            {"scale": scale},
+            ["server"],
+            scale.child_timeout_s + 120.0,  # AsyncLLM's engine start: 89 s in run X
+        )
         write()
     if "sparse" in wanted:
         sections += run_child(sparse_child, {"scale": scale}, ["sparse"], scale.child_timeout_s)
