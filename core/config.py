@@ -102,6 +102,7 @@ __all__ = [
     "TelemetryConfig",
     "VllmConfig",
     "WorkerConfig",
+    "executor_backend",
     "freeze",
     "thaw",
 ]
@@ -130,6 +131,14 @@ LOGPROBS_MODES: Final = frozenset(
 
 OTLP_PROTOCOLS: Final = frozenset({"grpc", "http/protobuf"})
 """The OTLP protocols vLLM's span exporter supports (``vllm/tracing/otel.py``)."""
+
+
+def executor_backend(tensor_parallel_size: int, pipeline_parallel_size: int) -> str:
+    """vLLM's ``distributed_executor_backend`` genworker starts an engine with: ``ray``
+    when the engine spans GPUs (NeMo-RL's ``resolve_distributed_executor_backend``), else
+    ``uni`` (the engine in the worker's process)."""
+    return "ray" if tensor_parallel_size * pipeline_parallel_size > 1 else "uni"
+
 
 DETAILED_TRACE_MODULES: Final = frozenset({"model", "worker", "all"})
 """vLLM's ``DetailedTraceModules`` (``vllm/config/observability.py``)."""
@@ -946,7 +955,31 @@ def _parse_vllm(
                 "start, genworker does not; use load_format 'auto'",
             )
 
+    # NeMo-RL derives both from the sizes and ignores the keys; a value that agrees is
+    # accepted (it stays in extras), one that asks for something else is refused
+    wants_ep = r.take(
+        v, "enable_expert_parallel", _optional(_as_bool), None, prefix=p, default=None
+    )
+    backend = r.take(
+        v, "distributed_executor_backend", _optional(_as_str), None, prefix=p, default=None
+    )
     sizes_ok = not r.failed(p + "tensor_parallel_size") and not r.failed(p + "expert_parallel_size")
+    if sizes_ok and wants_ep is not None and wants_ep != (ep > 1):
+        r.add(
+            p + "enable_expert_parallel",
+            f"{wants_ep} contradicts expert_parallel_size {ep}: genworker enables expert "
+            "parallelism exactly when expert_parallel_size > 1 (as NeMo-RL does); set "
+            "expert_parallel_size or remove the key",
+        )
+    if backend is not None and not r.failed(p + "pipeline_parallel_size") and sizes_ok:
+        planned = executor_backend(tp, pp)
+        if backend != planned:
+            r.add(
+                p + "distributed_executor_backend",
+                f"{backend!r} is not the executor genworker starts for tensor_parallel_size "
+                f"{tp} x pipeline_parallel_size {pp} ({planned!r}: 'ray' when their product "
+                "is > 1, else 'uni'); leave it null",
+            )
     if sizes_ok and ep > tp:
         r.add(
             p + "expert_parallel_size",

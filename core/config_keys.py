@@ -154,6 +154,12 @@ KEYS: Final[tuple[KeyRule, ...]] = (
     KeyRule("mcore_generation_config.*", _N, "the megatron backend's block"),
     KeyRule("_debug_payload_metrics", _N, "VllmGeneration's payload logging"),
     KeyRule(
+        "num_prompts_per_step",
+        _N,
+        "NeMo-RL's evaluation batch size (nemo_rl/evals/eval.py writes and reads it in the "
+        "generation config)",
+    ),
+    KeyRule(
         "_mtp_weights_from_refit",
         _R,
         "genworker's refit never writes MTP drafter weights; leave it unset or false",
@@ -205,6 +211,18 @@ KEYS: Final[tuple[KeyRule, ...]] = (
         _H,
         "enable_expert_parallel when > 1; at most tensor_parallel_size (EP > TP needs vLLM's "
         "internal data parallel, which genworker does not set up)",
+    ),
+    KeyRule(
+        "vllm_cfg.enable_expert_parallel",
+        _H,
+        "derived from expert_parallel_size > 1, as NeMo-RL does; a value that contradicts "
+        "it is refused",
+    ),
+    KeyRule(
+        "vllm_cfg.distributed_executor_backend",
+        _H,
+        "the executor genworker starts ('ray' when tensor x pipeline parallel > 1, else "
+        "'uni'); null or that value, anything else is refused",
     ),
     KeyRule("vllm_cfg.gpu_memory_utilization", _H, "vLLM gpu_memory_utilization"),
     KeyRule("vllm_cfg.max_model_len", _H, "vLLM max_model_len and the per-row caps"),

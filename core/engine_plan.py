@@ -73,6 +73,7 @@ from genworker.core.config import (
     ConfigProblem,
     FrozenMap,
     WorkerConfig,
+    executor_backend,
     freeze,
     thaw,
 )
@@ -217,8 +218,8 @@ def plan_engine_kwargs(
         "worker_extension_cls": extension_cls,
         "disable_log_stats": False,
         "trust_remote_code": False,
-        "distributed_executor_backend": (
-            "ray" if v.tensor_parallel_size * v.pipeline_parallel_size > 1 else "uni"
+        "distributed_executor_backend": executor_backend(
+            v.tensor_parallel_size, v.pipeline_parallel_size
         ),
     }
     if config.logprobs_mode is not None:

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
-from genworker.core.config import WorkerConfig
+from genworker.core.config import WorkerConfig, executor_backend
 from genworker.core.config_keys import (
     FALSE_STRINGS,
     KEYS,
@@ -35,6 +35,7 @@ NEMO_RL_TOP_KEYS = (
     "mcore_generation_config", "vllm_cfg", "vllm_kwargs", "refit_transport", "refit_cfg",
     "quant_cfg", "real_quant", "real_quant_export_cpu_offload", "real_quant_ignore",
     "checkpoint_engine", "nvfp4_pertoken_rollout",
+    "num_prompts_per_step",  # nemo_rl/evals/eval.py: its generation config, to VllmGeneration
 )  # fmt: skip
 NEMO_RL_VLLM_CFG_KEYS = (
     "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size",
@@ -48,6 +49,8 @@ NEMO_RL_VLLM_CFG_KEYS = (
     "pow2_weight_scaling_factors", "pow2_activation_scaling_factors",
     "quantization_ignored_layer_kws", "enable_vllm_metrics_logger",
     "vllm_metrics_logger_interval", "refit_prequantize",
+    # in NeMo-RL's example configs (distillation_math*.yaml; two MoE recipes), never read
+    "distributed_executor_backend", "enable_expert_parallel",
 )  # fmt: skip
 
 # A value that asks for what genworker cannot do, for every refused key.
@@ -218,6 +221,82 @@ def test_nemo_rl_s_stock_config_with_reset_encoder_cache_false_parses_unchanged(
     assert _keys(WorkerConfig.from_mapping(bad)) == (
         "vllm_cfg.reset_encoder_cache_after_weight_update",
     )
+
+
+# NeMo-RL's examples/configs/evals/eval.yaml generation block, interpolated as its
+# eval.py hands it to VllmGeneration (model_name and _pad_token_id written by then).
+EVAL: dict[str, object] = {
+    "backend": "vllm",
+    "max_new_tokens": 2048,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "val_temperature": 0.0,
+    "val_top_p": 1.0,
+    "val_top_k": -1,
+    "num_prompts_per_step": -1,
+    "model_name": "Qwen/Qwen2.5-Math-1.5B-Instruct",
+    "stop_token_ids": None,
+    "stop_strings": None,
+    "vllm_cfg": {
+        "async_engine": False,
+        "precision": "bfloat16",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "expert_parallel_size": 1,
+        "gpu_memory_utilization": 0.9,
+        "max_model_len": 2048,
+        "enforce_eager": False,
+    },
+    "colocated": {"enabled": True, "resources": {"gpus_per_node": None, "num_nodes": None}},
+    "_pad_token_id": 151643,
+}
+
+
+def test_nemo_rl_s_eval_config_parses_with_its_batch_size() -> None:
+    result = WorkerConfig.from_mapping(EVAL)
+    assert isinstance(result, Success), result
+    assert result.unwrap().extras["num_prompts_per_step"] == -1
+
+
+def _sized(tp: int, pp: int, ep: int, key: str, value: object) -> dict[str, object]:
+    d = GRPO_MATH_1B
+    for name, size in (("tensor", tp), ("pipeline", pp), ("expert", ep)):
+        d = _at(d, f"vllm_cfg.{name}_parallel_size", size)
+    return _at(d, f"vllm_cfg.{key}", value)
+
+
+@given(
+    st.integers(1, 8),
+    st.integers(1, 8),
+    st.sampled_from([None, True, False, "true", "False", 1, 0]),
+)
+def test_enable_expert_parallel_is_taken_when_it_agrees_with_the_size(
+    tp: int, ep_wanted: int, value: object
+) -> None:
+    ep = min(ep_wanted, tp)
+    result = WorkerConfig.from_mapping(_sized(tp, 1, ep, "enable_expert_parallel", value))
+    if value is None or parse_bool(value) == (ep > 1):
+        assert isinstance(result, Success), result
+    else:
+        assert _keys(result) == ("vllm_cfg.enable_expert_parallel",)
+        assert f"expert_parallel_size {ep}" in result.failure().message
+
+
+@given(
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.sampled_from([None, "ray", "uni", "mp", "external_launcher"]),
+)
+def test_distributed_executor_backend_is_taken_when_it_is_the_one_started(
+    tp: int, pp: int, value: str | None
+) -> None:
+    result = WorkerConfig.from_mapping(_sized(tp, pp, 1, "distributed_executor_backend", value))
+    if value is None or value == executor_backend(tp, pp):
+        assert isinstance(result, Success), result
+    else:
+        assert _keys(result) == ("vllm_cfg.distributed_executor_backend",)
+        assert repr(executor_backend(tp, pp)) in result.failure().message
 
 
 @pytest.mark.parametrize("path", sorted(IMAGE_KEYS))

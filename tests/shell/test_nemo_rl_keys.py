@@ -150,6 +150,10 @@ ONE_VALUE = {
     "backend": ("vllm", "megatron"),
     # The sync worker's one value; true is AsyncVllmGenerationWorker's (the test below).
     "vllm_cfg.async_engine": (False, True),
+    # Derived from the sizes (tensor, pipeline, expert parallel 1 here): the value that
+    # agrees is taken, the other refused.
+    "vllm_cfg.enable_expert_parallel": (False, True),
+    "vllm_cfg.distributed_executor_backend": ("uni", "ray"),
 }
 # Keys whose effect depends on the engine: tested on their own below.
 ENGINE_DEPENDENT = {"vllm_cfg.reset_encoder_cache_after_weight_update"}
