@@ -783,10 +783,10 @@ class AsyncVllmGenerationWorker:
         # Tokenized once, here (the sync worker's way), so each row's cap sees its real ids.
         ids = dict(zip(texts, self.engine.tokenize([prompts[r] for r in texts]), strict=True))
         limit = self.engine.capabilities.max_model_len
-        for row in [r for r in texts if len(ids[r]) > limit]:
+        for row in [r for r in texts if len(ids[r]) >= limit]:
             refused[row] = BadBatchError(
-                f"generate_text: prompt {row} is longer than max_model_len={limit} tokens "
-                f"({len(ids[row])})"
+                f"generate_text: prompt {row} leaves no room to generate: {len(ids[row])} "
+                f"tokens, max_model_len={limit} (a prompt must be shorter)"
             )
         rows = [row for row in texts if row not in refused]
         specs, no_room = self._row_specs(

@@ -9,7 +9,8 @@ depend on the other rows. It follows vLLM's contract where the worker relies on 
   reason ``"length"``, at a stop token id or the EOS id (unless ``ignore_eos``) with
   ``"stop"``, or when the detokenised output ends with a stop string (kept in the output,
   as with ``include_stop_str_in_output=True``);
-- a prompt longer than ``max_model_len``, or an empty one, is a ``BadBatchError``;
+- a prompt of ``max_model_len`` tokens or more (no room for one token: vLLM 0.32's
+  ``InputProcessor._validate_prompt_len``), or an empty one, is a ``BadBatchError``;
 - sleep level 2 discards weights: generating after it without new weights gives garbage
   in vLLM; here it raises ``FakeEngineMisuse`` so a test sees the worker let it through;
 - ``generate`` returns the batch as ``FlatGenerations``; ``generate_text`` refuses a spec
@@ -222,8 +223,8 @@ class FakeEngine:
         for prompt, spec, row_media in zip(prompts, specs, rows_media, strict=True):
             if not prompt:
                 raise BadBatchError("prompt cannot be empty")
-            if self._expanded(prompt, row_media) > self._caps.max_model_len:
-                raise BadBatchError("prompt is longer than max_model_len")
+            if self._expanded(prompt, row_media) >= self._caps.max_model_len:
+                raise BadBatchError("prompt is at least max_model_len long")
             self.requests.append((list(prompt), spec))
             generation = self._sample(prompt, spec, row_media)
             self.prompt_tokens += self._expanded(prompt, row_media)

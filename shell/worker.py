@@ -538,10 +538,11 @@ class VllmGenerationWorker:
         # Tokenised once, here (no second BOS), so caps and media checks see the real ids.
         ids = self._call(lambda e: e.tokenize(prompts))
         caps = self.engine.capabilities
-        if too_long := [i for i, p in enumerate(ids) if len(p) > caps.max_model_len]:
+        if too_long := [i for i, p in enumerate(ids) if len(p) >= caps.max_model_len]:
             raise BadBatchError(
-                f"generate_text: prompts {too_long} are longer than max_model_len="
-                f"{caps.max_model_len} tokens ({[len(ids[i]) for i in too_long]})"
+                f"generate_text: prompts {too_long} leave no room to generate: "
+                f"{[len(ids[i]) for i in too_long]} tokens, max_model_len="
+                f"{caps.max_model_len} (a prompt must be shorter)"
             )
         context = self._context_lengths(ids, [len(p) for p in ids], media)
         specs = self._specs(context, data, greedy, text=True)

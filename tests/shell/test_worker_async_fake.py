@@ -292,25 +292,31 @@ def test_seeds_make_rows_reproducible_and_different() -> None:
 
 def test_text_rows_are_capped_by_their_own_token_counts() -> None:
     """Text prompts are tokenized once, by the engine, before their caps (the sync
-    worker's way): a row's room is max_model_len less its ids, a prompt that fills the
-    context comes back empty, and one longer than the context fails alone, by name."""
+    worker's way): a row's room is max_model_len less its ids, so a prompt one token short
+    of the context generates one token, and one that fills the context or passes it fails
+    alone, by name (vLLM refuses a prompt of max_model_len tokens: no room for one)."""
 
     async def main() -> None:
         worker, engine = make_worker(max_new_tokens=60, cap=True)
-        prompts = ["abcdefghij", "a" * MAX_MODEL_LEN, "a" * (MAX_MODEL_LEN + 1), "abc"]
+        L = MAX_MODEL_LEN
+        prompts = ["abcdefghij", "a" * (L - 1), "a" * L, "a" * (L + 1), "abc"]
         items = dict(await collect(worker.generate_text_async({"prompts": prompts})))
-        error = items.pop(2)
-        assert isinstance(error, BadBatchError)
-        assert f"prompt 2 is longer than max_model_len={MAX_MODEL_LEN} tokens (65)" in str(error)
+        for row, length in ((2, L), (3, L + 1)):
+            error = items.pop(row)
+            assert isinstance(error, BadBatchError)
+            assert (
+                f"prompt {row} leaves no room to generate: {length} tokens, max_model_len={L}"
+                in str(error)
+            )
         texts = {row: item["texts"][0] for row, item in items.items() if isinstance(item, dict)}
         # the fake makes one letter per token and one token per prompt letter
-        assert texts == {0: texts[0], 1: "", 3: texts[3]}
-        assert [len(texts[0]), len(texts[3])] == [MAX_MODEL_LEN - 10, 60]
-        assert sorted(len(p) for p in engine.finished) == [3, 10]
-        with pytest.raises(BadBatchError, match="prompt 2 is longer than max_model_len"):
+        assert sorted(texts) == [0, 1, 4]
+        assert [len(texts[0]), len(texts[1]), len(texts[4])] == [L - 10, 1, 60]
+        assert sorted(len(p) for p in engine.finished) == [3, 10, L - 1]
+        with pytest.raises(BadBatchError, match="prompt 2 leaves no room to generate"):
             await worker.generate_text({"prompts": prompts})
-        whole = await worker.generate_text({"prompts": [prompts[0], prompts[3]]})
-        assert [len(t) for t in whole["texts"]] == [MAX_MODEL_LEN - 10, 60]
+        whole = await worker.generate_text({"prompts": [prompts[0], prompts[4]]})
+        assert [len(t) for t in whole["texts"]] == [L - 10, 60]
 
     asyncio.run(main())
 

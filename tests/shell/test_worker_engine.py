@@ -387,10 +387,13 @@ def test_generate_text_caps_each_row_by_its_own_token_count(
     with pytest.raises(BadBatchError, match="maximum context length"):
         w.generate_text({"prompts": [full]})
     exact = _text_of_length(cpu_engine, MAX_MODEL_LEN)
-    out = w.generate_text({"prompts": ["Once upon a time", exact]}, greedy=True)
-    assert out["texts"][1] == ""
+    with pytest.raises(BadBatchError, match=rf"prompts \[1\] leave no room.*\[{MAX_MODEL_LEN}\]"):
+        w.generate_text({"prompts": ["Once upon a time", exact]}, greedy=True)
+    short = _text_of_length(cpu_engine, MAX_MODEL_LEN - 1)
+    out = w.generate_text({"prompts": ["Once upon a time", short]}, greedy=True)
     assert out["texts"][0]
-    assert w.last_refused_rows == (1,)
+    assert _count(cpu_engine, [out["texts"][1]]) == [1]
+    assert w.last_refused_rows == ()
 
 
 def _text_of_length(engine: VllmEngine, n: int) -> str:

@@ -214,9 +214,24 @@ def test_generate_text_caps_each_row_by_its_token_count() -> None:
     assert _refused(worker) == (1,)
     assert out["texts"][1] == ""
     assert len(out["texts"]) == 3
-    with pytest.raises(BadBatchError, match="longer than max_model_len"):
-        worker.generate_text({"prompts": ["a" * 33]})
     assert "generate_text" in engine.calls
+
+
+@pytest.mark.parametrize("cap", [False, True])
+def test_generate_text_refuses_a_prompt_that_leaves_no_room_before_the_engine(cap: bool) -> None:
+    """A prompt of max_model_len tokens or more is refused naming the row and its length
+    before anything is submitted (vLLM would refuse it inside the batch), with or without
+    the context cap, as ``generate`` refuses such a row; one token shorter generates."""
+    worker, engine = make_worker(
+        config=base_config(max_new_tokens=8, vllm_cfg={"cap_max_tokens_to_context": cap})
+    )
+    for length in (32, 33):
+        with pytest.raises(BadBatchError, match=rf"prompts \[1\] leave no room.*\[{length}\]"):
+            worker.generate_text({"prompts": ["abc", "a" * length]})
+        assert "generate_text" not in engine.calls
+    out = worker.generate_text({"prompts": ["a" * 31]})
+    assert [len(prompt) for prompt, _ in engine.requests] == [31]
+    assert len(out["texts"][0]) == 1
 
 
 def test_nemo_rl_media_side_channels_are_refused_and_text_rows_pass(
