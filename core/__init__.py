@@ -54,6 +54,7 @@ from genworker.core.lifecycle import (
     transition,
 )
 from genworker.core.multimodal import ContextError, MediaError, check_context, check_media
+from genworker.core.outputs import AbortedRows, NonFiniteLogprobs, check_finished, check_logprobs
 from genworker.core.placement import (
     ClusterPlan,
     EngineEnv,
@@ -75,7 +76,7 @@ from genworker.core.reshard import (
     vllm_shard,
 )
 from genworker.core.rows import RowChecks, assemble_row, check_rows
-from genworker.core.sampling import SamplingSpec, group_specs, sampling_spec
+from genworker.core.sampling import SamplingSpec, check_stop_token_ids, group_specs, sampling_spec
 from genworker.core.serving import (
     OffPolicy,
     PrefixMismatch,
@@ -102,6 +103,7 @@ from genworker.core.versions import (
 
 __all__ = [
     "KEYS",
+    "AbortedRows",
     "BatchError",
     "CapArgumentError",
     "CapError",
@@ -124,6 +126,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "MediaError",
+    "NonFiniteLogprobs",
     "OffPolicy",
     "PlacementError",
     "PlacementPlan",
@@ -158,10 +161,13 @@ __all__ = [
     "check_batch",
     "check_can_generate",
     "check_context",
+    "check_finished",
     "check_keys",
+    "check_logprobs",
     "check_media",
     "check_on_policy",
     "check_rows",
+    "check_stop_token_ids",
     "check_turns",
     "configure_worker",
     "context_cap",

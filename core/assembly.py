@@ -11,6 +11,8 @@ Theory of operation. NeMo-RL's ``VllmGenerationWorker.generate``
   span, 0 everywhere else (and 0 for a generation that carries no logprobs);
 - ``generation_lengths`` = g_i and ``unpadded_sequence_lengths`` = l_i + g_i, both long;
 - ``truncated`` (bool) = the generation stopped because it hit ``max_tokens`` ("length").
+  A row the engine aborted ("abort") is not truncated: ``FlatGenerations.aborted`` flags
+  it, and the workers refuse it (:func:`genworker.core.outputs.check_finished`).
 
 NeMo-RL does this with a Python loop per token (a dict lookup and a scalar tensor write
 each). Here :class:`Generation` holds each row's tokens and logprobs as 1-D numpy arrays,
@@ -94,9 +96,10 @@ def _logprob_array(value: LogprobInput | None) -> FloatArray | None:
 
 
 def _arrays_equal(a: FloatArray | IntArray | None, b: FloatArray | IntArray | None) -> bool:
+    """Value equality; NaN equals NaN (a batch holding one equals its copy)."""
     if a is None or b is None:
         return a is b
-    return bool(np.array_equal(a, b))
+    return bool(np.array_equal(a, b, equal_nan=True))
 
 
 def _check_finish_reason(_instance: object, _attribute: object, value: str) -> None:
@@ -133,18 +136,28 @@ class Generation:
         return int(self.token_ids.shape[0])
 
 
+def _none_aborted(flat: FlatGenerations) -> npt.NDArray[np.bool_]:
+    return np.zeros(flat.lengths.shape[:1], dtype=np.bool_)
+
+
 @attrs.frozen
 class FlatGenerations:
     """A batch of generations as flat arrays: row i owns ``[offset_i, offset_i + lengths[i])``.
 
     ``token_ids`` (N,) int64, ``logprobs`` (N,) float32 (zero for rows without logprobs),
-    ``lengths`` (B,) int64 summing to N, ``truncated`` (B,) bool.
+    ``lengths`` (B,) int64 summing to N, ``truncated`` (B,) bool (finish reason
+    ``"length"``), ``aborted`` (B,) bool (finish reason ``"abort"``: the engine ended the
+    row early; all false unless given).
     """
 
     token_ids: npt.NDArray[np.int64] = attrs.field(eq=attrs.cmp_using(eq=_arrays_equal))
     logprobs: npt.NDArray[np.float32] = attrs.field(eq=attrs.cmp_using(eq=_arrays_equal))
     lengths: npt.NDArray[np.int64] = attrs.field(eq=attrs.cmp_using(eq=_arrays_equal))
     truncated: npt.NDArray[np.bool_] = attrs.field(eq=attrs.cmp_using(eq=_arrays_equal))
+    aborted: npt.NDArray[np.bool_] = attrs.field(
+        default=attrs.Factory(_none_aborted, takes_self=True),
+        eq=attrs.cmp_using(eq=_arrays_equal),
+    )
 
     def __attrs_post_init__(self) -> None:
         expected = (
@@ -152,6 +165,7 @@ class FlatGenerations:
             ("logprobs", self.logprobs, np.float32),
             ("lengths", self.lengths, np.int64),
             ("truncated", self.truncated, np.bool_),
+            ("aborted", self.aborted, np.bool_),
         )
         for name, array, dtype in expected:
             if array.ndim != 1 or array.dtype != dtype:
@@ -164,12 +178,14 @@ class FlatGenerations:
             self.token_ids.shape[0] != total
             or self.logprobs.shape[0] != total
             or self.truncated.shape != self.lengths.shape
+            or self.aborted.shape != self.lengths.shape
             or bool((self.lengths < 0).any())
         ):
             raise ValueError(
                 f"FlatGenerations is inconsistent: {self.token_ids.shape[0]} token ids and "
                 f"{self.logprobs.shape[0]} logprobs for lengths summing to {total}, "
-                f"{self.truncated.shape[0]} truncated flags for {self.lengths.shape[0]} rows"
+                f"{self.truncated.shape[0]} truncated and {self.aborted.shape[0]} aborted "
+                f"flags for {self.lengths.shape[0]} rows"
             )
 
     @property
@@ -184,12 +200,16 @@ def flatten_generations(generations: Sequence[Generation]) -> FlatGenerations:
     truncated = np.fromiter(
         (g.finish_reason == "length" for g in generations), dtype=np.bool_, count=batch
     )
+    aborted = np.fromiter(
+        (g.finish_reason == "abort" for g in generations), dtype=np.bool_, count=batch
+    )
     if batch == 0:
         return FlatGenerations(
             token_ids=np.empty(0, dtype=np.int64),
             logprobs=np.empty(0, dtype=np.float32),
             lengths=lengths,
             truncated=truncated,
+            aborted=aborted,
         )
     token_ids = np.concatenate([g.token_ids for g in generations]).astype(np.int64, copy=False)
     if all(g.logprobs is None for g in generations):
@@ -202,14 +222,18 @@ def flatten_generations(generations: Sequence[Generation]) -> FlatGenerations:
             ]
         ).astype(np.float32, copy=False)
     return FlatGenerations(
-        token_ids=token_ids, logprobs=logprobs, lengths=lengths, truncated=truncated
+        token_ids=token_ids,
+        logprobs=logprobs,
+        lengths=lengths,
+        truncated=truncated,
+        aborted=aborted,
     )
 
 
 def place_rows(flat: FlatGenerations, rows: Sequence[int], batch_size: int) -> FlatGenerations:
     """``flat``'s rows at positions ``rows`` (strictly increasing, one per row of ``flat``)
-    of a batch of ``batch_size``; every other row is empty (no tokens, not truncated), as a
-    row the engine never saw. The flat token and logprob arrays are shared, not copied:
+    of a batch of ``batch_size``; every other row is empty (no tokens, neither truncated
+    nor aborted), as a row the engine never saw. The flat token and logprob arrays are shared, not copied:
     empty rows add nothing to them and the order of the others is kept."""
     positions = np.asarray(rows, dtype=np.int64).reshape(-1)
     if (
@@ -224,10 +248,16 @@ def place_rows(flat: FlatGenerations, rows: Sequence[int], batch_size: int) -> F
         )
     lengths = np.zeros(batch_size, dtype=np.int64)
     truncated = np.zeros(batch_size, dtype=np.bool_)
+    aborted = np.zeros(batch_size, dtype=np.bool_)
     lengths[positions] = flat.lengths
     truncated[positions] = flat.truncated
+    aborted[positions] = flat.aborted
     return FlatGenerations(
-        token_ids=flat.token_ids, logprobs=flat.logprobs, lengths=lengths, truncated=truncated
+        token_ids=flat.token_ids,
+        logprobs=flat.logprobs,
+        lengths=lengths,
+        truncated=truncated,
+        aborted=aborted,
     )
 
 

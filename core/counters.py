@@ -60,6 +60,7 @@ from genworker.core.errors import CoreError
 __all__ = [
     "CACHE_RESETS",
     "GENERATION_TOKENS",
+    "NONFINITE_LOGPROBS",
     "PROMPT_TOKENS",
     "SPEC_DECODE_NUM_ACCEPTED_TOKENS",
     "SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS",
@@ -90,6 +91,9 @@ PROMPT_TOKENS = "vllm:prompt_tokens"
 GENERATION_TOKENS = "vllm:generation_tokens"
 CACHE_RESETS = "genworker:cache_resets"
 """The worker's own counter: engine cache resets, labelled ``cache`` = prefix | mm | encoder."""
+NONFINITE_LOGPROBS = "genworker:nonfinite_logprobs"
+"""The worker's own counter: non-finite logprobs of generated tokens it saw, refused or let
+through (-inf under a processed ``logprobs_mode``), labelled ``kind`` = nan | +inf | -inf."""
 SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
 SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"

@@ -23,6 +23,11 @@ text, and ``SamplingParams._verify_args`` refuses stop strings without detokeniz
 the engine core (``check_stop`` in vllm/v1/core/sched/utils.py), so a row without stop
 strings generates the same tokens and logprobs either way.
 
+Stop token ids index vLLM's logits (failure-modes.md G6: vllm#54195, an id past the vocab
+crashes the engine or writes out of bounds on some backends), and the vocabulary is known
+only once the engine runs: :func:`check_stop_token_ids` refuses the config's ids at or past
+the engine's ``vocab_size`` when the worker loads, before any request.
+
 The invariants vLLM checks in ``SamplingParams._verify_args`` are checked here at construction
 (older pinned versions lack some of them), so a bad spec is a programming error raised where
 it is built, not a request error deep in the engine.
@@ -40,11 +45,15 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import attrs
+from returns.result import Failure, Result, Success
+
+from genworker.core.config import ConfigError, ConfigProblem
 
 __all__ = [
     "SamplingDefaults",
     "SamplingSpec",
     "SpecGroup",
+    "check_stop_token_ids",
     "group_specs",
     "sampling_spec",
 ]
@@ -233,3 +242,28 @@ def group_specs(specs: Iterable[SamplingSpec]) -> tuple[SpecGroup, ...]:
     for row, spec in enumerate(specs):
         groups.setdefault(spec, []).append(row)
     return tuple(SpecGroup(spec, tuple(rows)) for spec, rows in groups.items())
+
+
+def check_stop_token_ids(
+    stop_token_ids: Sequence[int], vocab_size: int | None
+) -> Result[tuple[int, ...], ConfigError]:
+    """The config's ``stop_token_ids`` when every one is below the engine's ``vocab_size``
+    (``None``: the engine does not say, nothing to check), else a ``ConfigError`` naming
+    the key and the ids outside the vocabulary."""
+    ids = tuple(stop_token_ids)
+    if vocab_size is None:
+        return Success(ids)
+    outside = sorted({t for t in ids if t >= vocab_size})
+    if not outside:
+        return Success(ids)
+    return Failure(
+        ConfigError.from_problems(
+            [
+                ConfigProblem(
+                    "stop_token_ids",
+                    f"ids {outside} are outside the model's vocabulary (vocab_size "
+                    f"{vocab_size}: ids must be below it)",
+                )
+            ]
+        )
+    )

@@ -31,7 +31,14 @@ Theory of operation
   requests' final ones included, reach the client before the pause's answer
   (``EngineCoreProc.pause_scheduler``, ``vllm/v1/engine/core.py``).
 - ``collective_rpc`` is bounded by ``timeout`` here (the in-process executor inside the
-  engine core ignores vLLM's own): past it the engine core is stuck in the RPC, so dead.
+  engine core ignores vLLM's own): past it the engine core is stuck in the RPC, so dead,
+  and every later call is refused with ``EngineDeadError``. The adapter's own RPCs are
+  bounded as the sync engine's (``vllm_engine._CALL_BOUND_S``).
+- A sleep or wake that raises is fatal for the engine, as in the sync engine
+  (``vllm_engine``'s module docstring: vLLM leaves it part-mapped with its scheduler
+  paused); ``wake_up`` returns whether the engine is fully awake. ``shutdown`` skips the
+  extension's ``cleanup`` on a dead engine (it would queue behind the stuck call) and
+  always reaches ``AsyncLLM.shutdown``.
 """
 
 from __future__ import annotations
@@ -66,8 +73,13 @@ from genworker.shell.errors import (
     RequestAbortedError,
     UnsupportedError,
 )
-from genworker.shell.ports import EngineCapabilities, StreamedGeneration
+from genworker.shell.ports import (
+    EngineCapabilities,
+    StreamedGeneration,
+    check_request_logprobs,
+)
 from genworker.shell.vllm_engine import (
+    _CALL_BOUND_S,
     _NO_TOKENIZER,
     _REQUEST_ERRORS,
     _generation,
@@ -164,6 +176,7 @@ class AsyncVllmEngine:
         spec = config.speculative_config
         self._extension = bool(config.parallel_config.worker_extension_cls)
         self._wake_installed = False
+        self._dead: str | None = None  # why the engine is dead (every later call refused)
         self._log_stats = llm.log_stats
         sampling_args = _sampling_arg_names()
         self._caps = EngineCapabilities(
@@ -175,6 +188,7 @@ class AsyncVllmEngine:
             sampling_args=sampling_args,
             weight_versions=_labels_tokens(llm),
             num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
+            logprobs_mode=model.logprobs_mode,
         )
         self._params: dict[tuple[SamplingSpec, RequestOutputKind], SamplingParams] = {}
         # AsyncLLM.pause_generation's own calls (vllm/v1/engine/async_llm.py: 0.25 and 0.32
@@ -204,7 +218,33 @@ class AsyncVllmEngine:
         """The ``AsyncLLM`` (vLLM's engine client, e.g. for its OpenAI server)."""
         if self._llm is None:
             raise EngineDeadError("the vLLM engine was shut down")
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine died earlier ({self._dead}); start a new one")
         return self._llm
+
+    def _died(self, error: EngineDeadError) -> None:
+        if self._dead is None:
+            self._dead = str(error)
+
+    @contextmanager
+    def _fatal(self, call: str) -> Iterator[None]:
+        """A sleep or a wake: any failure leaves the engine dead (the module docstring);
+        an interrupt or a cancellation propagates as itself."""
+        try:
+            with _translated_async(call):
+                yield
+        except BaseException as e:
+            if isinstance(e, EngineDeadError):
+                self._died(e)
+                raise
+            error = EngineDeadError(
+                f"{call} failed: {type(e).__name__}: {e}; a failed sleep or wake leaves "
+                "vLLM's memory part-mapped and its scheduler paused, so the engine is dead"
+            )
+            self._died(error)
+            if not isinstance(e, Exception):
+                raise
+            raise error from e
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -271,6 +311,8 @@ class AsyncVllmEngine:
         completion = await self._final("generate_text", request, params, request_id)
         if completion.finish_reason == "abort":
             raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
+        generation = _generation(0, completion)
+        check_request_logprobs(generation, self._caps.logprobs_mode, request_id)
         return completion.text
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -322,16 +364,17 @@ class AsyncVllmEngine:
         self._require_sleep_mode("sleep")
         llm = self.llm
         if self._extension and not self._wake_installed:  # in the engine core's process
-            await self.collective_rpc("install_wake", timeout=60.0)  # genworker.shell.cumem_wake
+            await self.collective_rpc("install_wake", timeout=_CALL_BOUND_S)  # cumem_wake
             self._wake_installed = True
-        with _translated_async("sleep"):
+        with self._fatal(f"sleep(level={level})"):
             await llm.sleep(level=level)
 
-    async def wake_up(self, tags: Sequence[str] | None) -> None:
+    async def wake_up(self, tags: Sequence[str] | None) -> bool | None:
         self._require_sleep_mode("wake_up")
         llm = self.llm
-        with _translated_async("wake_up"):
-            await llm.wake_up(tags=None if tags is None else list(tags))
+        names = None if tags is None else list(tags)
+        with self._fatal(f"wake_up(tags={names})"):
+            return await llm.wake_up(tags=names)
 
     async def reset_prefix_cache(self) -> None:
         llm = self.llm
@@ -362,18 +405,23 @@ class AsyncVllmEngine:
     ) -> list[object]:
         llm = self.llm
         call = llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
-        with _translated_async(f"collective_rpc({method!r})"):
-            try:
-                return await asyncio.wait_for(call, timeout)
-            except TimeoutError as e:
-                raise EngineDeadError(
-                    f"collective_rpc({method!r}) did not answer within {timeout:g} s"
-                ) from e
+        try:
+            with _translated_async(f"collective_rpc({method!r})"):
+                try:
+                    return await asyncio.wait_for(call, timeout)
+                except TimeoutError as e:
+                    raise EngineDeadError(
+                        f"collective_rpc({method!r}) did not answer within {timeout:g} s"
+                    ) from e
+        except EngineDeadError as e:
+            self._died(e)
+            raise
 
     async def device_ids(self) -> list[str]:
         if not self._extension:
             return [self._caps.device]
-        return [str(d) for d in await self.collective_rpc("report_device_id", timeout=60.0)]
+        ids = await self.collective_rpc("report_device_id", timeout=_CALL_BOUND_S)
+        return [str(d) for d in ids]
 
     async def shutdown(self) -> None:
         """Stop the engine and drop it; safe to call twice."""
@@ -381,8 +429,9 @@ class AsyncVllmEngine:
         if llm is None:
             return
         try:
-            if self._extension and not llm.errored:  # close the refit sockets and groups
-                await self.collective_rpc("cleanup", timeout=60.0)
+            # close the refit sockets and groups; a dead engine's go with its stop
+            if self._extension and not llm.errored and self._dead is None:
+                await self.collective_rpc("cleanup", timeout=_CALL_BOUND_S)
         finally:
             self._llm = None
             llm.shutdown()

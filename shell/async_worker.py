@@ -24,7 +24,8 @@ every row is its own engine request, so rows finish, fail and change weights apa
   ends it at once.
 - The lifecycle (``core.lifecycle.TABLE``): a stream opens with ``STREAM_OPEN`` and the
   last one to end fires ``STREAMS_DONE``; sleeping and resetting the prefix cache are
-  refused while streams run.
+  refused while streams run. A sleep or wake that fails on the engine kills it, as in the
+  sync worker (``shell.worker``'s module docstring).
 - In-flight refit (``update_weights_via_ipc_zmq`` / ``update_weights_from_collective``):
   the lifecycle enters refitting at once (a second refit is refused), the engine is paused
   as by ``AsyncLLM.pause_generation(mode, clear_cache)`` (without its 20 ms sleep,
@@ -66,7 +67,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from typing import Any, TypeVar
 
 import attrs
+import numpy as np
 import torch
+from returns.result import Failure
 
 from genworker.core import lifecycle
 from genworker.core.assembly import Generation, assemble_outputs
@@ -76,6 +79,7 @@ from genworker.core.config import WorkerConfig
 from genworker.core.config_keys import parse_bool
 from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
 from genworker.core.lifecycle import InflightMode
+from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, check_logprobs
 from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import (
     RENDEZVOUS_WAITS,
@@ -85,7 +89,7 @@ from genworker.core.refit_protocol import (
     wait_bound,
 )
 from genworker.core.rows import assemble_row, check_rows
-from genworker.core.sampling import SamplingSpec, sampling_spec
+from genworker.core.sampling import SamplingSpec, check_stop_token_ids, sampling_spec
 from genworker.core.serving import server_options, training_policy
 from genworker.core.stops import StopMode, merge_stop_strings
 from genworker.core.versions import (
@@ -120,7 +124,11 @@ from genworker.shell.server import OpenAIServer
 from genworker.shell.worker import (
     _tensor_field,
     checked_env_names,
+    failed_sleep_or_wake,
+    nonfinite_samples,
+    not_fully_awake,
     start_engine,
+    tally_nonfinite,
     wake_event,
 )
 
@@ -354,6 +362,8 @@ class AsyncVllmGenerationWorker:
         #: the last successful refit: each engine worker's report, its mode, and the
         #: seconds of its pause, transfer and resume
         self.last_refit: dict[str, object] = {}
+        #: non-finite logprobs seen in generated tokens, by kind (``get_counters``)
+        self.nonfinite_logprobs: dict[str, int] = dict(NonFiniteCounts().by_kind())
         #: vLLM's OpenAI server (vllm_cfg.expose_http_server); its socket is bound now,
         #: before the engine loads
         self._http: OpenAIServer | None = self._bind_http_server()
@@ -365,7 +375,13 @@ class AsyncVllmGenerationWorker:
         """Start the engine (the deferred half of ``__init__``); needs no event loop."""
         self._move(lifecycle.Event.LOAD)
         factory = self._factory or _default_factory()
-        self._engine = start_engine(factory, self.cfg, self.seed, self.extra_env_vars)
+        engine = start_engine(factory, self.cfg, self.seed, self.extra_env_vars)
+        # Stop ids index the logits: refused against the vocabulary known now (G6).
+        stops = check_stop_token_ids(self.cfg.stop_token_ids, engine.capabilities.vocab_size)
+        if isinstance(stops, Failure):
+            del engine  # AsyncLLM.__del__ shuts it down (nothing here may await)
+            unwrap(stops, BadConfigError, "worker config")
+        self._engine = engine
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
             EngineStateError,
@@ -542,6 +558,16 @@ class AsyncVllmGenerationWorker:
             if request.abort_reason is not None:
                 return request.abort_reason
             return RequestAbortedError(f"row {row}: the engine aborted the request")
+        if generation.logprobs is not None:  # non-finite logprobs (G11), as the sync worker
+            checked = check_logprobs(
+                generation.logprobs,
+                np.array([generation.num_tokens], dtype=np.int64),
+                caps.logprobs_mode,
+                rows=(row,),
+            )
+            tally_nonfinite(self.nonfinite_logprobs, checked)
+            if isinstance(checked, Failure):
+                return EngineContractError.from_core(checked.failure(), "generate")
         if prompt_length + generation.num_tokens > caps.max_model_len:
             return EngineContractError(
                 f"row {row} came back longer than max_model_len={caps.max_model_len}: "
@@ -826,6 +852,10 @@ class AsyncVllmGenerationWorker:
                         continue
                     if isinstance(raised, EngineDeadError):
                         self._died(raised)
+                    if isinstance(raised, EngineContractError) and isinstance(
+                        raised.detail, NonFiniteLogprobs
+                    ):  # the engine checked the row's logprobs (AsyncEnginePort)
+                        tally_nonfinite(self.nonfinite_logprobs, Failure(raised.detail))
                     if isinstance(raised, GenworkerError):
                         typed = raised
                     else:  # a foreign error the adapter let through: the row's
@@ -882,22 +912,39 @@ class AsyncVllmGenerationWorker:
         before, self._state = self._state, next_state  # new streams are refused from now
         try:
             await self._call(lambda e: e.reset_prefix_cache())
-            await self._call(lambda e: e.sleep(level))
-        except EngineDeadError:
-            raise
+            await self._memory_call(f"sleep(level={level})", lambda e: e.sleep(level))
         except BaseException:
-            self._state = before
+            self._state = before  # as the sync worker's, which commits only on success
             raise
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``weights``, ``kv_cache`` or both (``None``); waking an awake tag is a no-op."""
         event = wake_event(tags)
-        self._move(event)
+        after = self._move(event)
         self._require_sleep_mode("wake_up")
         asleep = lifecycle.wake_tags(self._state, event)
         if asleep:
-            await self._call(lambda e: e.wake_up(list(asleep)))
+            call = f"wake_up(tags={list(asleep)})"
+            fully = await self._memory_call(call, lambda e: e.wake_up(list(asleep)))
+            dead = not_fully_awake(call, after, fully)
+            if dead is not None:
+                self._died(dead)
+                raise dead
         self._state = self._move(event)
+
+    async def _memory_call(self, call: str, fn: Callable[[AsyncEnginePort], Awaitable[_T]]) -> _T:
+        """The engine's sleep or wake: a failure other than a typed refusal kills the
+        engine, as in the sync worker (``shell.worker``'s module docstring)."""
+        try:
+            return await self._call(fn)
+        except BaseException as e:
+            dead = failed_sleep_or_wake(call, e)
+            if dead is None:
+                raise
+            self._died(dead)
+            if dead is e or not isinstance(e, Exception):
+                raise
+            raise dead from e
 
     async def reset_prefix_cache(self) -> None:
         """Drop the prefix cache (refused while streams run)."""
@@ -1132,9 +1179,11 @@ class AsyncVllmGenerationWorker:
         return {"image_token_id": caps.image_token_id, "max_images": caps.max_images}
 
     async def get_counters(self) -> dict[str, float | list[float]]:
-        """The engine's Prometheus snapshot, encoded as flat keys (see core.counters)."""
+        """The engine's Prometheus snapshot and the non-finite logprobs the worker saw
+        (``genworker:nonfinite_logprobs{kind=...}``), encoded as flat keys (see
+        core.counters)."""
         engine = self.engine
-        return encode_snapshot(engine.metrics())
+        return encode_snapshot([*engine.metrics(), *nonfinite_samples(self.nonfinite_logprobs)])
 
     def get_vllm_logger_metrics(self) -> dict[str, list[float]]:
         """What the metrics logger (``vllm_cfg.enable_vllm_metrics_logger: true``) sampled

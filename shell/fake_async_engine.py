@@ -18,8 +18,18 @@ scheduler task admits waiting requests and gives every running request one token
   ``label_weights`` when it was sampled, reported as spans when the request finishes;
   with ``weight_versions=False`` the engine labels nothing and calls ``progress`` after
   every step instead;
+- ``next_logprobs`` (prompt -> value) makes the next request with that prompt come back
+  with every sampled logprob that value (vLLM's garbage logits: NaN, +inf; or -inf);
+  ``generate_text`` checks it as the vLLM adapter does, under the engine's
+  ``logprobs_mode`` (the factory's ``logprobs_mode`` kwarg);
 - ``kill()`` is an engine core that died: every pending request and every later call
-  raises ``EngineDeadError``.
+  raises ``EngineDeadError``;
+- ``fail_next`` (with ``fail_call``: only a call of that name takes it) is raised by the
+  next call, as the sync fake's; a sleep or wake that fails so (anything but a typed
+  refusal) fails part-way and leaves the KV cache asleep, as the sync fake's (vLLM 0.32's
+  ``CuMemAllocator`` and ``EngineCore.sleep``); ``wake_up`` drops a call naming an awake
+  tag whole (vllm#31618, the same ``Executor`` as the sync engine's) and returns whether
+  the engine is fully awake (``AsyncLLM.wake_up``'s answer).
 
 ``accept_refits=True`` makes every refit RPC succeed at once (for tests whose fake lives
 in another process, a Ray actor). It raises ``FakeEngineMisuse`` where a real engine would silently go wrong: weights changed
@@ -43,13 +53,15 @@ from genworker.core.counters import CounterSample, GaugeSample, MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.errors import (
+    BadArgumentError,
     BadBatchError,
     EngineDeadError,
     EngineStateError,
     RequestAbortedError,
+    UnsupportedError,
 )
 from genworker.shell.fake_engine import FakeEngineMisuse, _draw, detokenize
-from genworker.shell.ports import EngineCapabilities, StreamedGeneration
+from genworker.shell.ports import EngineCapabilities, StreamedGeneration, check_request_logprobs
 
 __all__ = ["FakeAsyncEngine", "FakeAsyncEngineFactory"]
 
@@ -86,6 +98,7 @@ class FakeAsyncEngine:
         step_s: float = 0.0005,
         accept_refits: bool = False,
         num_speculative_tokens: int = 0,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -95,7 +108,12 @@ class FakeAsyncEngine:
             device=device,
             weight_versions=weight_versions,
             num_speculative_tokens=num_speculative_tokens,
+            logprobs_mode=logprobs_mode,
         )
+        #: requests with these prompts come back with every sampled logprob this value,
+        #: as vLLM's do when the logits are garbage (NaN, +inf) or the token was masked
+        #: (-inf); each entry serves one request
+        self.next_logprobs: dict[tuple[int, ...], float] = {}
         self.eos_token_id = eos_token_id
         self.seed = seed
         self.step_s = step_s
@@ -119,6 +137,9 @@ class FakeAsyncEngine:
         self.prefix_cache_resets = 0
         self.dead = False
         self.shut_down = False
+        self.fail_next: BaseException | None = None
+        #: the name of the call ``fail_next`` waits for (None: the next call of any name)
+        self.fail_call: str | None = None
         #: each finished request's prompt and the weights version of each of its tokens
         self.finished: dict[tuple[int, ...], tuple[int, ...]] = {}
         #: the first misuse a step ran into (the requests then in flight raised it)
@@ -137,6 +158,23 @@ class FakeAsyncEngine:
         self.calls.append(call)
         if self.dead or self.shut_down:
             raise EngineDeadError(f"{call}: the fake engine is {'dead' if self.dead else 'down'}")
+        if self.fail_next is not None and (
+            self.fail_call is None or call.split("(")[0] == self.fail_call
+        ):
+            error, self.fail_next, self.fail_call = self.fail_next, None, None
+            raise error
+
+    def _enter_memory_call(self, call: str) -> None:
+        """``_enter`` for a sleep or wake: a failure other than a typed refusal strikes
+        part-way (see the module docstring), leaving the KV cache asleep."""
+        try:
+            self._enter(call)
+        except (BadArgumentError, EngineStateError, UnsupportedError):
+            raise
+        except BaseException:
+            if not (self.dead or self.shut_down):
+                self.awake_tags.discard("kv_cache")
+            raise
 
     def _ensure_scheduler(self) -> None:
         if self._scheduler is None or self._scheduler.done():
@@ -223,8 +261,11 @@ class FakeAsyncEngine:
                 (label, start, end)
                 for (label, start), end in zip(request.labels, ends, strict=True)
             )
+        logprobs: list[float] = request.logprobs
+        if request.prompt in self.next_logprobs:
+            logprobs = [self.next_logprobs.pop(request.prompt)] * len(request.tokens)
         request.done.set_result(
-            StreamedGeneration(Generation(request.tokens, request.logprobs, reason), spans)
+            StreamedGeneration(Generation(request.tokens, logprobs, reason), spans)
         )
 
     # -- generation -------------------------------------------------------------------
@@ -265,9 +306,11 @@ class FakeAsyncEngine:
         self, request_id: str, prompt: Sequence[int], spec: SamplingSpec
     ) -> str:
         streamed = await self.generate(request_id, prompt, spec)
-        if streamed.generation.finish_reason == "abort":
+        generation = streamed.generation
+        if generation.finish_reason == "abort":
             raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
-        return detokenize(streamed.generation.token_ids)
+        check_request_logprobs(generation, self._caps.logprobs_mode, request_id)
+        return detokenize(generation.token_ids)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         self._enter("abort")
@@ -330,16 +373,21 @@ class FakeAsyncEngine:
 
     # -- memory -----------------------------------------------------------------------
     async def sleep(self, level: int) -> None:
-        self._enter(f"sleep({level})")
+        self._enter_memory_call(f"sleep({level})")
         if self.num_unfinished():
             raise FakeEngineMisuse("sleep with requests in flight")
         self.awake_tags.clear()
         if level == 2:
             self.weights_discarded = True
 
-    async def wake_up(self, tags: Sequence[str] | None) -> None:
-        self._enter(f"wake_up({None if tags is None else sorted(tags)})")
-        self.awake_tags |= {"weights", "kv_cache"} if tags is None else set(tags)
+    async def wake_up(self, tags: Sequence[str] | None) -> bool:
+        """Whether the engine is fully awake afterwards."""
+        self._enter_memory_call(f"wake_up({None if tags is None else sorted(tags)})")
+        everything = {"weights", "kv_cache"}
+        if tags and self.awake_tags != everything and any(t in self.awake_tags for t in tags):
+            return False  # vLLM: "Tag ... is not in sleeping tags": the whole call is dropped
+        self.awake_tags |= everything if tags is None else set(tags)
+        return self.awake_tags == everything
 
     async def reset_prefix_cache(self) -> None:
         self._enter("reset_prefix_cache")
@@ -402,6 +450,10 @@ class FakeAsyncEngineFactory:
 
     def start(self, kwargs: Mapping[str, object]) -> FakeAsyncEngine:
         seed = kwargs.get("seed", 0)
-        engine = FakeAsyncEngine(seed=seed if isinstance(seed, int) else 0, **self.engine_options)  # type: ignore[arg-type]
+        options = dict(self.engine_options)
+        mode = kwargs.get("logprobs_mode")
+        if isinstance(mode, str):  # as vLLM takes it from the engine kwargs
+            options.setdefault("logprobs_mode", mode)
+        engine = FakeAsyncEngine(seed=seed if isinstance(seed, int) else 0, **options)  # type: ignore[arg-type]
         self.started.append((dict(kwargs), engine))
         return engine

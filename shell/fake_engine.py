@@ -14,7 +14,13 @@ depend on the other rows. It follows vLLM's contract where the worker relies on 
 - sleep level 2 discards weights: generating after it without new weights gives garbage
   in vLLM; here it raises ``FakeEngineMisuse`` so a test sees the worker let it through;
 - ``generate`` returns the batch as ``FlatGenerations``; ``generate_text`` refuses a spec
-  without ``detokenize`` (vLLM would return empty texts) with ``FakeEngineMisuse``;
+  without ``detokenize`` (vLLM would return empty texts) with ``FakeEngineMisuse``, and
+  checks its rows as the vLLM adapter does (aborted rows, non-finite logprobs under the
+  engine's ``logprobs_mode``, from the factory's ``logprobs_mode`` kwarg);
+- ``next_logprobs`` / ``next_finish`` (row -> value, for the next generate or
+  generate_text call only) make a row come back as vLLM's do when its logits are garbage
+  (every sampled logprob that value: NaN, +inf, or a masked token's -inf) or when the
+  engine aborted it (``"abort"``: finish reason abort with the first half of its tokens);
 - sleep and wake follow vLLM's ``Executor`` (``vllm/v1/executor/abstract.py``, 0.32):
   ``sleep`` does nothing while the weights are asleep (whatever the level), ``wake_up``
   does nothing when nothing sleeps, and a ``wake_up(tags)`` naming a tag that is awake
@@ -23,7 +29,15 @@ depend on the other rows. It follows vLLM's contract where the worker relies on 
   the config's count, or the drafter's (``FakeEngineFactory(draft_tokens=k)``) when the
   config leaves it out, as vLLM infers it; neither is vLLM's start error;
 - ``fail_next`` injects the failures an engine adapter raises (``BadBatchError`` for a
-  request vLLM rejects, ``EngineDeadError`` for a dead engine), as the port promises;
+  request vLLM rejects, ``EngineDeadError`` for a dead engine), as the port promises, into
+  the next call, or with ``fail_call`` set into the next call of that name (``"sleep"``,
+  ``"wake_up"``, ``"generate"``...);
+- a sleep or wake that fails (anything but a typed refusal) fails part-way, as vLLM 0.32's
+  do: ``CuMemAllocator.sleep`` / ``wake_up`` (vllm/device_allocator/cumem.py) unmap or map
+  allocation after allocation, and ``EngineCore.sleep`` pauses the scheduler first and
+  does not resume it when the executor raises; here the KV cache is left asleep, so a
+  generate let through afterwards is a ``FakeEngineMisuse``. ``wake_up`` returns whether
+  the engine is fully awake afterwards (``LLM.wake_up``'s answer);
 - with ``image_token_id`` set it takes images: each placeholder id of a media row stands
   for ``image_prompt_ids`` ids of the context (vLLM's expansion; the room to generate
   shrinks accordingly) and the tokens depend on the images' sizes and pixels too. A row
@@ -50,8 +64,19 @@ import numpy.typing as npt
 
 from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
 from genworker.core.counters import CounterSample, MetricSample
+from genworker.core.outputs import check_finished, check_logprobs
 from genworker.core.sampling import SamplingSpec
-from genworker.shell.errors import BadBatchError, BadConfigError, EngineDeadError
+from genworker.shell.errors import (
+    BadArgumentError,
+    BadBatchError,
+    BadConfigError,
+    EngineContractError,
+    EngineDeadError,
+    EngineStateError,
+    RequestAbortedError,
+    UnsupportedError,
+    unwrap,
+)
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities
 
@@ -78,6 +103,21 @@ def _draw(*parts: object) -> float:
     return int(value) / 2**64
 
 
+def _faulted(generation: Generation, logprob: float | None, finish: str | None) -> Generation:
+    """``generation`` as vLLM returns it with garbage logits (every sampled logprob
+    ``logprob``) or aborted (``finish`` "abort": the first half of its tokens)."""
+    if logprob is None and finish is None:
+        return generation
+    tokens, logprobs = generation.token_ids, generation.logprobs
+    if finish == "abort":
+        tokens = tokens[: len(tokens) // 2]
+    if logprob is not None:
+        logprobs = np.full(len(tokens), logprob, dtype=np.float32)
+    elif logprobs is not None:
+        logprobs = logprobs[: len(tokens)]
+    return Generation(tokens, logprobs, finish or generation.finish_reason)
+
+
 def _image_digest(image: Image) -> str:
     return f"{hashlib.blake2b(image.tobytes(), digest_size=8).hexdigest()}{image.size}"
 
@@ -98,6 +138,7 @@ class FakeEngine:
         image_prompt_ids: int = 7,
         max_images: int | None = None,
         num_speculative_tokens: int = 0,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -109,7 +150,12 @@ class FakeEngine:
             image_token_id=image_token_id,
             max_images=max_images,
             num_speculative_tokens=num_speculative_tokens,
+            logprobs_mode=logprobs_mode,
         )
+        #: the next generate call's rows: every sampled logprob of the row becomes this
+        self.next_logprobs: dict[int, float] = {}
+        #: the next generate call's rows: this finish reason ("abort": half the tokens)
+        self.next_finish: dict[int, str] = {}
         self.image_prompt_ids = image_prompt_ids
         self.eos_token_id = eos_token_id
         self.seed = seed
@@ -126,7 +172,9 @@ class FakeEngine:
         self.prefix_cache_resets = 0
         self.mm_cache_resets = 0
         self.encoder_cache_resets = 0
-        self.fail_next: Exception | None = None
+        self.fail_next: BaseException | None = None
+        #: the name of the call ``fail_next`` waits for (None: the next call of any name)
+        self.fail_call: str | None = None
         self.rpc_handlers: dict[str, Callable[..., object]] = {
             "report_device_id": lambda: f"fake-{device}",
             "prepare_refit_info": lambda info: {"tensors": len(info)},
@@ -142,9 +190,23 @@ class FakeEngine:
         self.calls.append(call)
         if self.shut_down:
             raise EngineDeadError("the fake engine was shut down")
-        if self.fail_next is not None:
-            error, self.fail_next = self.fail_next, None
+        if self.fail_next is not None and (
+            self.fail_call is None or call.split("(")[0] == self.fail_call
+        ):
+            error, self.fail_next, self.fail_call = self.fail_next, None, None
             raise error
+
+    def _enter_memory_call(self, call: str) -> None:
+        """``_enter`` for a sleep or wake: a failure other than a typed refusal strikes
+        part-way (see the module docstring), leaving the KV cache asleep."""
+        try:
+            self._enter(call)
+        except (BadArgumentError, EngineStateError, UnsupportedError):
+            raise
+        except BaseException:
+            if not self.shut_down:
+                self.awake_tags.discard("kv_cache")
+            raise
 
     def _check_servable(self) -> None:
         if self.awake_tags != {"weights", "kv_cache"}:
@@ -219,14 +281,22 @@ class FakeEngine:
         if len(prompts) != len(specs) or (media is not None and len(media) != len(prompts)):
             raise FakeEngineMisuse("one sampling spec (and media entry) per prompt")
         rows_media = list(media) if media is not None else [None] * len(prompts)
+        logprob_faults, self.next_logprobs = self.next_logprobs, {}
+        finish_faults, self.next_finish = self.next_finish, {}
         out = []
-        for prompt, spec, row_media in zip(prompts, specs, rows_media, strict=True):
+        for row, (prompt, spec, row_media) in enumerate(
+            zip(prompts, specs, rows_media, strict=True)
+        ):
             if not prompt:
                 raise BadBatchError("prompt cannot be empty")
             if self._expanded(prompt, row_media) >= self._caps.max_model_len:
                 raise BadBatchError("prompt is at least max_model_len long")
             self.requests.append((list(prompt), spec))
-            generation = self._sample(prompt, spec, row_media)
+            generation = _faulted(
+                self._sample(prompt, spec, row_media),
+                logprob_faults.get(row),
+                finish_faults.get(row),
+            )
             self.prompt_tokens += self._expanded(prompt, row_media)
             self.generation_tokens += len(generation.token_ids)
             out.append(generation)
@@ -245,6 +315,12 @@ class FakeEngine:
             raise FakeEngineMisuse("generate_text with a spec that does not detokenize")
         self._check_servable()
         generations = self._generations(prompts, specs, media, use_tqdm)
+        flat = flatten_generations(generations)  # checked as the vLLM adapter checks it
+        mode = self._caps.logprobs_mode
+        unwrap(
+            check_logprobs(flat.logprobs, flat.lengths, mode), EngineContractError, "generate_text"
+        )
+        unwrap(check_finished(flat), RequestAbortedError, "generate_text")
         return [detokenize(g.token_ids) for g in generations]
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -259,7 +335,7 @@ class FakeEngine:
 
     # -- memory ----------------------------------------------------------------------
     def sleep(self, level: int) -> None:
-        self._enter(f"sleep({level})")
+        self._enter_memory_call(f"sleep({level})")
         if "weights" not in self.awake_tags:
             return  # vLLM: "Executor is already sleeping."
         self.sleep_level = level
@@ -267,15 +343,18 @@ class FakeEngine:
         if level == 2:
             self.weights_discarded = True
 
-    def wake_up(self, tags: Sequence[str] | None) -> None:
-        self._enter(f"wake_up({None if tags is None else sorted(tags)})")
-        if self.awake_tags == {"weights", "kv_cache"}:
-            return  # vLLM: "Executor is not sleeping."
+    def wake_up(self, tags: Sequence[str] | None) -> bool:
+        """Whether the engine is fully awake afterwards."""
+        self._enter_memory_call(f"wake_up({None if tags is None else sorted(tags)})")
+        everything = {"weights", "kv_cache"}
+        if self.awake_tags == everything:
+            return True  # vLLM: "Executor is not sleeping."
         if tags and any(t in self.awake_tags for t in tags):
-            return  # vLLM: "Tag ... is not in sleeping tags": the whole call is dropped
-        self.awake_tags |= {"weights", "kv_cache"} if not tags else set(tags)
-        if self.awake_tags == {"weights", "kv_cache"}:
+            return False  # vLLM: "Tag ... is not in sleeping tags": the whole call is dropped
+        self.awake_tags |= everything if not tags else set(tags)
+        if self.awake_tags == everything:
             self.sleep_level = 0
+        return self.awake_tags == everything
 
     def reset_prefix_cache(self) -> None:
         self._enter("reset_prefix_cache")
@@ -354,6 +433,9 @@ class FakeEngineFactory:
     def start(self, kwargs: Mapping[str, object]) -> FakeEngine:
         seed = kwargs.get("seed", 0)
         options = dict(self.engine_options)
+        mode = kwargs.get("logprobs_mode")
+        if isinstance(mode, str):  # as vLLM takes it from the engine kwargs
+            options.setdefault("logprobs_mode", mode)
         spec = kwargs.get("speculative_config")
         if isinstance(spec, Mapping):
             k = spec.get("num_speculative_tokens", self.draft_tokens)

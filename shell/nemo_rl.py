@@ -47,7 +47,12 @@ import torch
 
 from genworker.core import lifecycle
 from genworker.core.config import WorkerConfig
-from genworker.core.counters import CACHE_RESETS, decode_snapshot, values_by_name
+from genworker.core.counters import (
+    CACHE_RESETS,
+    NONFINITE_LOGPROBS,
+    decode_snapshot,
+    values_by_name,
+)
 from genworker.core.placement import plan_engine_env
 from genworker.core.refit_protocol import Transport, wait_bound
 from genworker.shell.errors import (
@@ -267,13 +272,15 @@ class NemoRlGenerationWorker:
 
     def _get_raw_spec_counters(self) -> dict[str, float | list[float]]:
         """The engine's metrics keyed by name (NeMo-RL's form; ``{}`` on an inert member,
-        which has no engine). The worker's own ``genworker:cache_resets`` (one series per
-        cache) is left out: summed by name it would mean nothing."""
+        which has no engine). The worker's own counters (``genworker:cache_resets``, one
+        series per cache; ``genworker:nonfinite_logprobs``, one per kind) are left out:
+        summed by name they would mean nothing."""
         if self._worker is None:
             return {}
         encoded = self._owner("_get_raw_spec_counters").get_counters()
         snapshot = unwrap(decode_snapshot(encoded), EngineContractError, "engine metrics")
-        return values_by_name(s for s in snapshot.samples if s.name != CACHE_RESETS)
+        own = {CACHE_RESETS, NONFINITE_LOGPROBS}
+        return values_by_name(s for s in snapshot.samples if s.name not in own)
 
     def start_gpu_profiling(self) -> None:
         self._owner("start_gpu_profiling").start_gpu_profiling()

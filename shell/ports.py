@@ -10,11 +10,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import attrs
+import numpy as np
+from returns.result import Failure
 
 from genworker.core.assembly import FlatGenerations, Generation
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
+from genworker.core.outputs import check_logprobs
 from genworker.core.sampling import SamplingSpec
+from genworker.shell.errors import EngineContractError
 from genworker.shell.media import RowMedia
 
 if TYPE_CHECKING:
@@ -33,6 +37,7 @@ __all__ = [
     "EnginePort",
     "RefitPort",
     "StreamedGeneration",
+    "check_request_logprobs",
 ]
 
 
@@ -58,6 +63,9 @@ class EngineCapabilities:
     #: draft tokens per step of the engine's speculative decoding (0: none); the per-row
     #: caps reserve k + 1 slots for it
     num_speculative_tokens: int = 0
+    #: what the engine's logprobs hold (vLLM's ``logprobs_mode``): a -inf sampled logprob
+    #: is legal only in a processed mode (``genworker.core.outputs.check_logprobs``)
+    logprobs_mode: str = "raw_logprobs"
 
 
 class EnginePort(Protocol):
@@ -76,7 +84,9 @@ class EnginePort(Protocol):
     ) -> FlatGenerations:
         """The batch's generations as flat arrays, rows in prompt order; ``specs[i]``
         applies to prompt i and ``media[i]`` (when given) holds its images, one
-        placeholder id each. ``use_tqdm`` shows the engine's progress bar."""
+        placeholder id each. ``use_tqdm`` shows the engine's progress bar. Rows come back
+        as the engine made them (aborted rows flagged, logprobs as sampled, non-finite
+        ones included): the worker checks them."""
         ...
 
     def generate_text(
@@ -88,7 +98,9 @@ class EnginePort(Protocol):
         use_tqdm: bool = False,
     ) -> list[str]:
         """One completion text per token prompt (from :meth:`tokenize`), in prompt order;
-        every spec has ``detokenize=True`` (``sampling_spec(text=True)``)."""
+        every spec has ``detokenize=True`` (``sampling_spec(text=True)``). The caller sees
+        no tokens, so the engine checks them: ``RequestAbortedError`` for rows it aborted,
+        ``EngineContractError`` for sampled logprobs that ``check_logprobs`` refuses."""
         ...
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -104,9 +116,17 @@ class EnginePort(Protocol):
         images' placeholders (a row without media: its own length)."""
         ...
 
-    def sleep(self, level: int) -> None: ...
+    def sleep(self, level: int) -> None:
+        """Put both memory tags to sleep (level 2 discards the weights). It raises
+        ``BadArgumentError``, ``EngineStateError`` or ``UnsupportedError`` only before it
+        touched the engine; any other failure may have left the memory part-way (the
+        workers declare the engine dead)."""
+        ...
 
-    def wake_up(self, tags: Sequence[str] | None) -> None: ...
+    def wake_up(self, tags: Sequence[str] | None) -> bool | None:
+        """Wake these tags (None: all), with :meth:`sleep`'s rule for failures; whether
+        the engine is fully awake afterwards (None: the engine does not say)."""
+        ...
 
     def reset_prefix_cache(self) -> None: ...
 
@@ -163,6 +183,24 @@ class StreamedGeneration:
     version_spans: tuple[tuple[str, int, int], ...] | None = None
 
 
+def check_request_logprobs(generation: Generation, logprobs_mode: str, request_id: str) -> None:
+    """What an async engine's ``generate_text`` owes its caller, who sees no tokens: an
+    ``EngineContractError`` naming the request when ``check_logprobs`` refuses the
+    request's sampled logprobs (the async worker names the row)."""
+    if generation.logprobs is None:
+        return
+    lengths = np.array([generation.num_tokens], dtype=np.int64)
+    checked = check_logprobs(generation.logprobs, lengths, logprobs_mode)
+    if isinstance(checked, Failure):
+        problem = checked.failure()
+        raise EngineContractError(
+            f"generate_text: request {request_id}: {problem.counts[0]} non-finite logprobs "
+            f"({problem.seen}) under logprobs_mode {logprobs_mode!r}: NaN and +inf are never "
+            "valid, -inf only in a processed mode",
+            detail=problem,
+        )
+
+
 class AsyncEnginePort(Protocol):
     """An engine that runs many requests at once (vLLM's ``AsyncLLM``): one coroutine per
     request, pause/resume around weight changes, and the rest of :class:`EnginePort`."""
@@ -185,7 +223,8 @@ class AsyncEnginePort(Protocol):
     async def generate_text(
         self, request_id: str, prompt: Sequence[int], spec: SamplingSpec
     ) -> str:
-        """One request from prompt ids (:meth:`tokenize`'s) to its text; cancelling aborts."""
+        """One request from prompt ids (:meth:`tokenize`'s) to its text; cancelling aborts.
+        Checked as :meth:`EnginePort.generate_text` checks its rows."""
         ...
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -207,9 +246,13 @@ class AsyncEnginePort(Protocol):
         """Label the tokens sampled from now on (``capabilities.weight_versions`` only)."""
         ...
 
-    async def sleep(self, level: int) -> None: ...
+    async def sleep(self, level: int) -> None:
+        """:meth:`EnginePort.sleep`, with its rule for failures."""
+        ...
 
-    async def wake_up(self, tags: Sequence[str] | None) -> None: ...
+    async def wake_up(self, tags: Sequence[str] | None) -> bool | None:
+        """:meth:`EnginePort.wake_up`: whether the engine is fully awake afterwards."""
+        ...
 
     async def reset_prefix_cache(self) -> None: ...
 

@@ -34,6 +34,12 @@ Theory of operation
   either layout on, rows go one by one (:func:`_generation`), which names what is wrong.
 - vLLM detokenizes only the rows whose spec asks for it (``SamplingSpec.detokenize``:
   stop strings, text requests); ``generate_text`` refuses a spec that does not.
+- Finish reasons: ``length`` is truncated, ``stop`` and ``repetition`` are stops,
+  ``abort`` is flagged in ``FlatGenerations.aborted`` (a partial rollout, never a stop);
+  anything else (``error``, None) is an ``EngineContractError`` naming every such row.
+  ``generate`` hands back the rows as vLLM made them (non-finite logprobs included) and
+  the worker checks them (``genworker.core.outputs``); ``generate_text``, whose caller
+  sees no tokens, converts its rows the same way and checks them itself.
 - Cyclic GC stays out of a generate call (:func:`~genworker.shell.collector.defer_cyclic_gc`):
   vLLM allocates per request and per step on the host thread all through the call.
   With the hook's arrays a row is a handful of objects, all dropped once the batch is
@@ -95,14 +101,32 @@ Theory of operation
 - ``collective_rpc`` with a timeout waits on a daemon thread for at most that long: the
   in-process executor ignores vLLM's own ``timeout`` (vllm/v1/executor/uniproc_executor.py,
   0.32). Expiry (or vLLM's own RPC ``TimeoutError``) means the engine is wedged:
-  ``EngineDeadError``; a typed error the call raised (a refit's own timeout) stays itself.
-  A call the caller stopped waiting for (an interrupt) is waited for, up to its bound,
-  before the next one starts, so two never run at once.
+  ``EngineDeadError``, and the engine is dead from then on (every later call refused
+  with it); the call stays recorded as running. A typed error the call raised (a refit's
+  own timeout) stays itself. A call the caller stopped waiting for (an interrupt) is
+  waited for, up to its bound, before the next one starts, so two never run at once. The
+  adapter's own RPCs (``install_wake``, ``report_device_id``, the recovery's
+  ``drop_staged_writes``, ``cleanup``) wait on nothing outside the engine: their bound is
+  :data:`_CALL_BOUND_S` (``core.refit_protocol.rpc_bound`` of no waits, the engine's own
+  work).
+- A sleep or wake that raises is fatal for the engine. vLLM 0.32's ``CuMemAllocator``
+  (vllm/device_allocator/cumem.py) unmaps or maps allocation after allocation and stops at
+  the first that fails, and ``EngineCore.sleep`` (vllm/v1/engine/core.py) pauses the
+  scheduler before the executor sleeps and does not resume it when that raises: the
+  engine is left part-mapped and paused, while nothing says so. Any error out of
+  ``LLM.sleep`` / ``LLM.wake_up`` (CUDA out of memory among them) is ``EngineDeadError``
+  with it as the cause, and the engine is dead from then on. ``wake_up`` returns vLLM's
+  answer, whether the engine is fully awake (``EngineCore.wake_up`` resumes scheduling
+  only then; None from a vLLM that does not say).
+- ``shutdown`` closes the extension's sockets and groups (``cleanup``, bounded) only when
+  the engine is alive and no call still runs in it (``cleanup`` would queue behind that
+  call, vllm#29390-style); it always reaches the engine's stop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import inspect
 import logging
@@ -112,7 +136,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Final, NoReturn, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -135,6 +159,8 @@ from genworker.core.counters import (
     MetricSample,
     VectorSample,
 )
+from genworker.core.outputs import check_finished, check_logprobs
+from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
 from genworker.core.sampling import SamplingSpec, group_specs
 from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.cumem_wake import install as install_wake
@@ -146,7 +172,9 @@ from genworker.shell.errors import (
     EngineStateError,
     GenerationAbortedError,
     GenworkerError,
+    RequestAbortedError,
     UnsupportedError,
+    unwrap,
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities
@@ -170,8 +198,16 @@ __all__ = [
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
+#: The bound of an RPC that waits on nothing outside the engine (``install_wake``,
+#: ``report_device_id``, ``drop_staged_writes``, ``cleanup``): the engine's own work.
+_CALL_BOUND_S: Final = rpc_bound(0, DEFAULT_TIMEOUT_S)
+_Inflight = list[tuple[threading.Event, float]]
+
 # vLLM's finish reasons (vllm/v1/engine/__init__.py FINISH_REASON_STRINGS, 0.32) as ours;
-# "repetition" is a stop condition. Anything else ("error", None) is not a finished row.
+# "repetition" is a stop condition; "abort" (the engine ended the request, its tokens so
+# far kept) is flagged in FlatGenerations.aborted, never passed as a stop, and the workers
+# refuse it (G14). Anything else ("error", a request-level failure; None, a row that did
+# not finish) is an engine contract error naming the rows.
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
 
@@ -235,7 +271,7 @@ def _translated(call: str, *, profiling: bool = False) -> Iterator[None]:
 
 
 @contextmanager
-def _batch_call(llm: LLM, call: str) -> Iterator[None]:
+def _batch_call(llm: LLM, call: str, inflight: _Inflight) -> Iterator[None]:
     """A generate call: errors translated, and the engine left with no unfinished request
     after any error (see the module docstring)."""
     try:
@@ -244,7 +280,7 @@ def _batch_call(llm: LLM, call: str) -> Iterator[None]:
     except EngineDeadError:
         raise
     except BaseException as e:
-        aborted = abort_unfinished(llm, call, e)
+        aborted = abort_unfinished(llm, call, e, inflight=inflight)
         if not isinstance(e, Exception) or isinstance(e, GenworkerError):
             raise
         if not aborted and isinstance(e, _REQUEST_ERRORS):
@@ -256,18 +292,29 @@ def _batch_call(llm: LLM, call: str) -> Iterator[None]:
         ) from e
 
 
-def abort_unfinished(llm: LLM, call: str, cause: BaseException) -> list[str]:
+def abort_unfinished(
+    llm: LLM, call: str, cause: BaseException, *, inflight: _Inflight | None = None
+) -> list[str]:
     """Abort every request the engine holds unfinished, and drop the writes the model
     runner staged for them; the ids aborted. EngineDeadError when that is impossible (no
-    such API on this vLLM, or requests survive the abort)."""
+    such API on this vLLM, requests survive the abort, or the drop does not answer within
+    :data:`_CALL_BOUND_S`: it then stays in ``inflight``, the engine's calls left running)."""
     engine = llm.llm_engine
+    running = [] if inflight is None else inflight
     try:
         if not engine.has_unfinished_requests():
             return []
         ids = list(engine.output_processor.request_states)
         engine.abort_request(ids, internal=True)
         left = engine.has_unfinished_requests()
-        dropped = sum(llm.collective_rpc(drop_staged_writes))
+        what = "collective_rpc(drop_staged_writes)"
+        drops = _bounded(
+            lambda: llm.collective_rpc(drop_staged_writes),
+            _CALL_BOUND_S,
+            what=what,
+            inflight=running,
+        )
+        dropped = sum(drops)
     except Exception as e:
         raise EngineDeadError(
             f"{call}: the engine raised {type(cause).__name__} ({cause}) and its unfinished "
@@ -297,7 +344,8 @@ class VllmEngine:
         model = config.model_config
         spec = config.speculative_config
         self._extension = bool(config.parallel_config.worker_extension_cls)
-        self._inflight: list[tuple[threading.Event, float]] = []  # a call left running
+        self._inflight: _Inflight = []  # a call left running
+        self._dead: str | None = None  # why the engine is dead (every later call refused)
         self._log_stats = llm.llm_engine.log_stats
         sampling_args = _sampling_arg_names()
         media = model.multimodal_config
@@ -312,13 +360,16 @@ class VllmEngine:
             image_token_id=None if media is None else _image_token_id(model),
             max_images=None if media is None else media.get_limit_per_prompt("image"),
             num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
+            logprobs_mode=model.logprobs_mode,
         )
         self._skip_tokenizer = model.skip_tokenizer_init
         self._sampled_arrays = "extra_args" in sampling_args and install(llm.llm_engine)
         # the wake without a refused fabric create per allocation (CUDA), where it sleeps
         if self._caps.sleep_mode and self._extension:  # in each engine worker's process
-            with _translated("collective_rpc('install_wake')"):  # not an overridable method
-                llm.collective_rpc("install_wake")
+            what = "collective_rpc('install_wake')"  # not an overridable method
+            with _translated(what):
+                wake = functools.partial(llm.collective_rpc, "install_wake")
+                _bounded(wake, _CALL_BOUND_S, what=what, inflight=self._inflight)
         elif self._caps.sleep_mode:
             install_wake()
 
@@ -339,7 +390,14 @@ class VllmEngine:
     def llm(self) -> LLM:
         if self._llm is None:
             raise EngineDeadError("the vLLM engine was shut down")
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine died earlier ({self._dead}); start a new one")
         return self._llm
+
+    def _died(self, error: EngineDeadError) -> None:
+        if self._dead is None:
+            self._dead = str(error)
+            log.error("the engine died: %s", error)
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -385,7 +443,7 @@ class VllmEngine:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
-        with _batch_call(llm, "generate"):
+        with _batch_call(llm, "generate", self._inflight):
             params = self.request_params(specs)
             outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
         completions: list[CompletionOutput | None] = [out.outputs[0] for out in outputs]
@@ -408,10 +466,19 @@ class VllmEngine:
                 "(vLLM would return empty texts); build them with sampling_spec(text=True)"
             )
         llm = self.llm
-        with _batch_call(llm, "generate_text"):
+        with _batch_call(llm, "generate_text", self._inflight):
             params = self.request_params(specs)
             outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
-        return [out.outputs[0].text for out in outputs]
+        completions: list[CompletionOutput | None] = [out.outputs[0] for out in outputs]
+        texts = [_present(c).text for c in completions]
+        # The caller sees no tokens: the rows are checked here (EnginePort.generate_text).
+        flat = _generations(completions, call="generate_text")
+        mode = self._caps.logprobs_mode
+        unwrap(
+            check_logprobs(flat.logprobs, flat.lengths, mode), EngineContractError, "generate_text"
+        )
+        unwrap(check_finished(flat), RequestAbortedError, "generate_text")
+        return texts
 
     def _renderer(self, call: str) -> BaseRenderer:
         renderer = getattr(self.llm, "renderer", None)  # LLM.renderer: 0.25 and 0.32 have it
@@ -461,17 +528,38 @@ class VllmEngine:
                 "engine was started without enable_sleep_mode)"
             )
 
+    @contextmanager
+    def _fatal(self, call: str) -> Iterator[None]:
+        """A sleep or a wake: any failure leaves the engine dead (see the module
+        docstring); an interrupt propagates as itself."""
+        try:
+            with _translated(call):
+                yield
+        except BaseException as e:
+            if isinstance(e, EngineDeadError):
+                self._died(e)
+                raise
+            error = EngineDeadError(
+                f"{call} failed: {type(e).__name__}: {e}; a failed sleep or wake leaves "
+                "vLLM's memory part-mapped and its scheduler paused, so the engine is dead"
+            )
+            self._died(error)
+            if not isinstance(e, Exception):
+                raise
+            raise error from e
+
     def sleep(self, level: int) -> None:
         self._require_sleep_mode("sleep")
         llm = self.llm
-        with _translated("sleep"):
+        with self._fatal(f"sleep(level={level})"):
             llm.sleep(level=level)
 
-    def wake_up(self, tags: Sequence[str] | None) -> None:
+    def wake_up(self, tags: Sequence[str] | None) -> bool | None:
         self._require_sleep_mode("wake_up")
         llm = self.llm
-        with _translated("wake_up"):
-            llm.wake_up(tags=None if tags is None else list(tags))
+        names = None if tags is None else list(tags)
+        with self._fatal(f"wake_up(tags={names})"):
+            return llm.wake_up(tags=names)
 
     def reset_prefix_cache(self) -> None:
         llm = self.llm
@@ -522,19 +610,25 @@ class VllmEngine:
             return llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
         what = f"collective_rpc({method!r})"
-        _settle(self._inflight, what)
-        with _translated(what):
-            if timeout is None:
-                return call()
-            return _bounded(call, timeout, what=what, inflight=self._inflight)
+        try:
+            _settle(self._inflight, what)
+            with _translated(what):
+                if timeout is None:
+                    return call()
+                return _bounded(call, timeout, what=what, inflight=self._inflight)
+        except EngineDeadError as e:
+            self._died(e)
+            raise
 
     def device_ids(self) -> list[str]:
         if not self._extension:
             return [self._caps.device]
-        return [str(d) for d in self.collective_rpc("report_device_id")]
+        return [str(d) for d in self.collective_rpc("report_device_id", timeout=_CALL_BOUND_S)]
 
     def shutdown(self) -> None:
-        """Stop the engine and drop it; safe to call twice."""
+        """Stop the engine and drop it; safe to call twice. The stop is always reached;
+        ``cleanup`` first only on a live engine with no call running in it (see the
+        module docstring), and an error of it is raised after the stop."""
         llm, self._llm = self._llm, None
         if llm is None:
             return
@@ -544,8 +638,7 @@ class VllmEngine:
         )
         try:
             if self._extension:  # close the refit sockets and groups (their private dirs)
-                with _translated("cleanup"):
-                    llm.collective_rpc("cleanup")
+                self._cleanup(llm)
         finally:
             try:
                 if callable(stop):
@@ -553,6 +646,21 @@ class VllmEngine:
             finally:
                 del llm
                 gc.collect()
+
+    def _cleanup(self, llm: LLM) -> None:
+        """The extension's ``cleanup`` in every engine worker, bounded; skipped (and
+        logged) on a dead engine and behind a call still running."""
+        running = sum(not done.is_set() for done, _ in self._inflight)
+        if self._dead is not None or running:
+            why = f"the engine died ({self._dead})" if self._dead else "a call still runs in it"
+            log.warning(
+                "shutdown: the refit sockets and groups are left to the engine's stop: %s", why
+            )
+            return
+        what = "collective_rpc('cleanup')"
+        with _translated(what):
+            cleanup = functools.partial(llm.collective_rpc, "cleanup")
+            _bounded(cleanup, _CALL_BOUND_S, what=what, inflight=self._inflight)
 
 
 _NO_TOKENIZER = (
@@ -604,7 +712,7 @@ def _token_prompts(
     return token_prompts
 
 
-def _settle(inflight: list[tuple[threading.Event, float]], what: str) -> None:
+def _settle(inflight: _Inflight, what: str) -> None:
     """Wait for a call left running (up to its bound) before ``what`` starts. (An event,
     not ``Thread.join``: a join interrupted by a signal can mark a running thread as
     stopped, cpython#90882.)"""
@@ -619,9 +727,10 @@ def _bounded(
     timeout: float,
     *,
     what: str,
-    inflight: list[tuple[threading.Event, float]],
+    inflight: _Inflight,
 ) -> _T:
-    """``fn()`` on a daemon thread, waited for at most ``timeout`` seconds."""
+    """``fn()`` on a daemon thread, waited for at most ``timeout`` seconds; past it the
+    call stays in ``inflight`` (it still occupies the engine)."""
     result: list[_T] = []
     error: list[BaseException] = []
     done = threading.Event()
@@ -637,10 +746,9 @@ def _bounded(
     thread = threading.Thread(target=run, name=f"genworker {what}", daemon=True)
     inflight.append((done, time.monotonic() + timeout))
     thread.start()
-    expired = not done.wait(timeout)  # an interrupt here leaves the call in ``inflight``
-    inflight.clear()  # answered, or declared dead: nothing to wait for
-    if expired:
+    if not done.wait(timeout):  # an interrupt here leaves the call in ``inflight`` too
         raise EngineDeadError(f"{what} did not answer within {timeout:g} s")
+    inflight.clear()  # answered: nothing to wait for
     if error:
         if isinstance(error[0], TimeoutError) and not isinstance(error[0], GenworkerError):
             raise EngineDeadError(f"{what} did not answer within {timeout:g} s") from error[0]
@@ -648,12 +756,15 @@ def _bounded(
     return result[0]
 
 
-def _generations(outs: list[CompletionOutput | None], *, consume: bool = False) -> FlatGenerations:
+def _generations(
+    outs: list[CompletionOutput | None], *, consume: bool = False, call: str = "generate"
+) -> FlatGenerations:
     """Every row's generation as flat arrays, in one pass where the layout allows it (see
     the module docstring), the rest row by row from the first row it does not. ``consume``:
     each row's entry of ``outs`` is dropped once read (set to None), so a list that held
-    the only references frees the row's objects while they are still in the cache."""
-    joined = _joined(outs)
+    the only references frees the row's objects while they are still in the cache.
+    ``call`` names the call in the errors."""
+    joined = _joined(outs, call)
     if joined is not None:
         if consume:
             outs[:] = [None] * len(outs)
@@ -684,7 +795,7 @@ def _generations(outs: list[CompletionOutput | None], *, consume: bool = False) 
         if isinstance(flat, SampledLogprobs) and len(flat) == n:
             pack_ids.pack_into(token_ids, 8 * offset, *ids)
             if token_ids[8 * offset : 8 * (offset + n)] != flat.token_ids:
-                return _with_rest(outs, row, token_ids, logprobs, offset, lengths, reasons)
+                return _with_rest(outs, row, token_ids, logprobs, offset, lengths, reasons, call)
             memoryview(logprobs)[4 * offset : 4 * (offset + n)] = memoryview(flat.logprobs).cast(
                 "B"
             )
@@ -697,22 +808,25 @@ def _generations(outs: list[CompletionOutput | None], *, consume: bool = False) 
             pack_ids.pack_into(token_ids, 8 * offset, *ids)
             pack_logprobs.pack_into(logprobs, 4 * offset, *flat.logprobs)
         else:
-            return _with_rest(outs, row, token_ids, logprobs, offset, lengths, reasons)
+            return _with_rest(outs, row, token_ids, logprobs, offset, lengths, reasons, call)
         offset += n
         reasons.append(out.finish_reason)
         if consume:
             del out, ids, flat
             outs[row] = None
-    truncated = _truncated(reasons)
+    truncated, aborted = _finish_flags(reasons, call)
     return FlatGenerations(
         token_ids=np.frombuffer(token_ids, dtype=np.int64),
         logprobs=np.frombuffer(logprobs, dtype=np.float32),
         lengths=lengths,
         truncated=truncated,
+        aborted=aborted,
     )
 
 
-def _joined(outs: Sequence[CompletionOutput | None]) -> FlatGenerations | None:
+def _joined(
+    outs: Sequence[CompletionOutput | None], call: str = "generate"
+) -> FlatGenerations | None:
     """The batch when every row holds the hook's arrays, token ids and sampled logprobs
     alike (:mod:`genworker.shell.sampled_logprobs`): each joined by one C copy, the ids
     compared with the sampled ids as one byte string, and each row's three lengths
@@ -738,12 +852,13 @@ def _joined(outs: Sequence[CompletionOutput | None]) -> FlatGenerations | None:
     if token_ids != b"".join([k.token_ids for k in kept]):
         return None
     reasons = [out.finish_reason for out in present]
-    truncated = _truncated(reasons)
+    truncated, aborted = _finish_flags(reasons, call)
     return FlatGenerations(
         token_ids=np.frombuffer(token_ids, dtype=np.int64),
         logprobs=np.frombuffer(bytearray().join([k.logprobs for k in kept]), dtype=np.float32),
         lengths=lengths,
         truncated=truncated,
+        aborted=aborted,
     )
 
 
@@ -761,12 +876,13 @@ def _with_rest(
     offset: int,
     lengths: npt.NDArray[np.int64],
     reasons: list[str | None],
+    call: str,
 ) -> FlatGenerations:
     """The rows before ``first`` as packed, the others converted row by row."""
-    truncated = _truncated(reasons)
-    rest = flatten_generations(
-        [_generation(row, _present(outs[row])) for row in range(first, len(outs))]
-    )
+    rest_outs = [_present(outs[row]) for row in range(first, len(outs))]
+    every = [*reasons, *(out.finish_reason for out in rest_outs)]
+    truncated, aborted = _finish_flags(every, call)
+    rest = flatten_generations([_generation(first + i, out) for i, out in enumerate(rest_outs)])
     return FlatGenerations(
         token_ids=np.concatenate(
             [np.frombuffer(token_ids, dtype=np.int64, count=offset), rest.token_ids]
@@ -775,23 +891,40 @@ def _with_rest(
             [np.frombuffer(logprobs, dtype=np.float32, count=offset), rest.logprobs]
         ),
         lengths=lengths,
-        truncated=np.concatenate([truncated, rest.truncated]),
+        truncated=truncated,
+        aborted=aborted,
     )
 
 
-def _truncated(reasons: Sequence[str | None]) -> npt.NDArray[np.bool_]:
-    """Which of these finished rows ran out of tokens; raises naming the first row that
-    did not finish (one set comparison when every row did)."""
-    if not _FINISH_REASONS.keys() >= set(reasons):
-        for row, reason in enumerate(reasons):
-            _finish_reason(row, reason)  # raises
-    return np.array([r == "length" for r in reasons], dtype=np.bool_)
+def _finish_flags(
+    reasons: Sequence[str | None], call: str
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+    """Which of these rows ran out of tokens and which the engine aborted; an engine
+    contract error naming every row that did not finish (one set operation when every row
+    did, a second list pass only when one was aborted)."""
+    seen = set(reasons)
+    if not _FINISH_REASONS.keys() >= seen:
+        _unfinished(reasons, call)
+    truncated = np.array([r == "length" for r in reasons], dtype=np.bool_)
+    if "abort" not in seen:
+        return truncated, np.zeros(len(reasons), dtype=np.bool_)
+    return truncated, np.array([r == "abort" for r in reasons], dtype=np.bool_)
+
+
+def _unfinished(reasons: Sequence[str | None], call: str) -> NoReturn:
+    rows = [row for row, r in enumerate(reasons) if r not in _FINISH_REASONS]
+    raise EngineContractError(
+        f"{call}: rows {rows} did not finish (finish reasons "
+        f"{[reasons[row] for row in rows]}; vLLM's finished ones are {sorted(_FINISH_REASONS)})"
+    )
 
 
 def _finish_reason(row: int, finish_reason: str | None) -> str:
     reason = _FINISH_REASONS.get(finish_reason or "")
     if reason is None:
-        raise GenworkerError(f"generate: row {row} did not finish (reason {finish_reason!r})")
+        raise EngineContractError(
+            f"generate: row {row} did not finish (finish reason {finish_reason!r})"
+        )
     return reason
 
 
@@ -808,31 +941,31 @@ def _sampled_logprobs(
     if isinstance(arrays, SampledLogprobs):
         sampled = np.frombuffer(arrays.token_ids, dtype=np.int64, count=len(arrays.token_ids))
         if len(arrays) != len(sampled) or not np.array_equal(sampled, token_ids):
-            raise GenworkerError(
+            raise EngineContractError(
                 f"generate: row {row}'s sampled logprobs ({len(arrays)}) are for tokens "
                 f"{sampled.tolist()}, not the generated {token_ids.tolist()}"
             )
         return np.frombuffer(arrays.logprobs, dtype=np.float32, count=len(arrays)).copy()
     logprobs = out.logprobs
     if logprobs is None:
-        raise GenworkerError(f"generate: row {row} came back without logprobs")
+        raise EngineContractError(f"generate: row {row} came back without logprobs")
     if isinstance(logprobs, FlatLogprobs):
         starts = np.asarray(logprobs.start_indices, dtype=np.int64)
         ends = np.asarray(logprobs.end_indices, dtype=np.int64)
         if starts.shape != token_ids.shape or bool((ends <= starts).any()):
-            raise GenworkerError(
+            raise EngineContractError(
                 f"generate: row {row} has {len(token_ids)} tokens but flat logprobs for "
                 f"{int((ends > starts).sum())} positions"
             )
         sampled = np.asarray(logprobs.token_ids, dtype=np.int64)[starts]
         if not np.array_equal(sampled, token_ids):
-            raise GenworkerError(
+            raise EngineContractError(
                 f"generate: row {row}'s flat logprobs are for tokens {sampled.tolist()}, "
                 f"not the generated {token_ids.tolist()}"
             )
         return np.asarray(logprobs.logprobs, dtype=np.float32)[starts]
     if not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
-        raise GenworkerError(
+        raise EngineContractError(
             f"generate: row {row} has {len(token_ids)} tokens but logprobs "
             f"{type(logprobs).__name__} of length {len(logprobs)}"
         )
@@ -840,7 +973,7 @@ def _sampled_logprobs(
     for i, (token, position) in enumerate(zip(token_ids.tolist(), logprobs, strict=True)):
         entry: Logprob | None = position.get(token)
         if entry is None:
-            raise GenworkerError(
+            raise EngineContractError(
                 f"generate: row {row} position {i}: no logprob for the sampled token {token}"
             )
         values[i] = entry.logprob

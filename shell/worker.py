@@ -3,7 +3,13 @@
 The worker is a thin shell: every decision is a core function (config, batch checks, caps,
 stop strings, sampling specs, output assembly, lifecycle), the only effects are calls on
 the engine port. Each call first asks core's lifecycle table whether it is allowed, so a
-refused call touches nothing; an engine that dies marks the worker unusable.
+refused call touches nothing; an engine that dies marks the worker unusable. So does a
+sleep or wake that fails on the engine (anything but a typed refusal, ``EnginePort.sleep``;
+S1/S2 in failure-modes.md): vLLM 0.32 leaves it part-mapped with its scheduler paused
+(``vllm_engine``'s module docstring), so the call raises ``EngineDeadError`` (the engine's
+error as its cause; an interrupt as itself) and every later call is refused with it; and
+so does a wake after which every tag should be resident but the engine says it is not
+fully awake (vLLM resumes scheduling only then: every later request would wait).
 
 Calls are serialised: every public method that touches the engine or the lifecycle state
 holds the worker's :class:`~genworker.shell.engine_lock.EngineLock` from its lifecycle
@@ -30,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
+from returns.result import Failure, Result, Success
 
 from genworker.core import lifecycle
 from genworker.core.assembly import (
@@ -41,9 +48,20 @@ from genworker.core.assembly import (
 from genworker.core.batch import check_batch, check_seeds
 from genworker.core.caps import cap_rows
 from genworker.core.config import WorkerConfig
-from genworker.core.counters import CACHE_RESETS, CounterSample, encode_snapshot
+from genworker.core.counters import (
+    CACHE_RESETS,
+    NONFINITE_LOGPROBS,
+    CounterSample,
+    encode_snapshot,
+)
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.multimodal import check_context, check_media
+from genworker.core.outputs import (
+    NonFiniteCounts,
+    NonFiniteLogprobs,
+    check_finished,
+    check_logprobs,
+)
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.refit_plan import Manifest
@@ -54,7 +72,7 @@ from genworker.core.refit_protocol import (
     rpc_bound,
     wait_bound,
 )
-from genworker.core.sampling import SamplingSpec, sampling_spec
+from genworker.core.sampling import SamplingSpec, check_stop_token_ids, sampling_spec
 from genworker.core.stops import StopMode, merge_stop_strings
 from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.engine_lock import EngineLock
@@ -68,6 +86,7 @@ from genworker.shell.errors import (
     GenworkerError,
     RefitError,
     RefitManifestError,
+    RequestAbortedError,
     UnsupportedError,
     unwrap,
 )
@@ -130,6 +149,60 @@ def start_engine(
     os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
     VllmGenerationWorker.forward_env([*cfg.vllm.env_vars, *extra_env_vars])
     return factory.start(plan.llm_kwargs())
+
+
+#: What an engine's sleep or wake raises only before it touched its memory (EnginePort.sleep).
+_REFUSALS = (BadArgumentError, EngineStateError, UnsupportedError)
+
+
+def failed_sleep_or_wake(call: str, error: BaseException) -> EngineDeadError | None:
+    """What the engine's sleep or wake ``call`` raising ``error`` means (both workers):
+    None for a typed refusal (nothing changed: raise ``error``); otherwise the engine is
+    dead: ``error`` itself when it says so, else an EngineDeadError naming it."""
+    if isinstance(error, _REFUSALS):
+        return None
+    if isinstance(error, EngineDeadError):
+        return error
+    return EngineDeadError(
+        f"{call} failed: {type(error).__name__}: {error}; the engine's memory is left in an "
+        "unknown state (part-mapped, its scheduler paused), so the engine is dead"
+    )
+
+
+def not_fully_awake(
+    call: str, after: lifecycle.State, fully_awake: bool | None
+) -> EngineDeadError | None:
+    """EngineDeadError when the wake ``call`` leaves every tag resident by the lifecycle
+    table but the engine says it is not fully awake (both workers; None: they agree)."""
+    if fully_awake is not False or not (after.weights_awake and after.kv_cache_awake):
+        return None
+    return EngineDeadError(
+        f"{call}: the engine is not fully awake after it, though every tag should be "
+        "resident; vLLM resumes scheduling only once it is (EngineCore.wake_up, "
+        "vllm/v1/engine/core.py, 0.32), so every request would wait: the engine is dead"
+    )
+
+
+def tally_nonfinite(
+    tally: dict[str, int], checked: Result[NonFiniteCounts, NonFiniteLogprobs]
+) -> None:
+    """Add the non-finite logprobs ``check_logprobs`` saw, refused or not (both workers)."""
+    match checked:
+        case Success(NonFiniteCounts() as seen):
+            pass
+        case Failure(NonFiniteLogprobs() as problem):
+            seen = problem.seen
+    if seen.total:
+        for kind, count in seen.by_kind().items():
+            tally[kind] += count
+
+
+def nonfinite_samples(tally: Mapping[str, int]) -> list[CounterSample]:
+    """``genworker:nonfinite_logprobs{kind=...}``, one series per kind (both workers)."""
+    return [
+        CounterSample.from_counter(NONFINITE_LOGPROBS, {"kind": kind}, count)
+        for kind, count in tally.items()
+    ]
 
 
 def wake_event(tags: Sequence[str] | None) -> lifecycle.Event:
@@ -255,6 +328,8 @@ class VllmGenerationWorker:
         self.last_refit: dict[str, object] = {}
         #: how many times each engine cache was reset (``get_counters`` reports them)
         self.cache_resets: dict[str, int] = {"prefix": 0, "mm": 0, "encoder": 0}
+        #: non-finite logprobs seen in generated tokens, by kind (``get_counters``)
+        self.nonfinite_logprobs: dict[str, int] = dict(NonFiniteCounts().by_kind())
         #: rows of the last generate / generate_text refused for want of room (see above)
         self.last_refused_rows: tuple[int, ...] = ()
         self._sparse_urls: list[str] | None = None  # the engine workers' relay receivers
@@ -302,13 +377,16 @@ class VllmGenerationWorker:
         self._move(lifecycle.Event.LOAD)
         factory = self._factory or _default_factory()
         self._engine = start_engine(factory, self.cfg, self.seed, self.extra_env_vars)
-        problem = self.cfg.vllm.encoder_reset_problem(
-            multimodal=self._engine.capabilities.multimodal
-        )
-        if problem is not None:
+        caps = self._engine.capabilities
+        problem = self.cfg.vllm.encoder_reset_problem(multimodal=caps.multimodal)
+        # Stop ids index the logits: refused against the vocabulary known now (G6).
+        stops = check_stop_token_ids(self.cfg.stop_token_ids, caps.vocab_size)
+        if problem is not None or isinstance(stops, Failure):
             engine, self._engine = self._engine, None
             engine.shutdown()
-            raise BadConfigError(problem)
+            if problem is not None:
+                raise BadConfigError(problem)
+            unwrap(stops, BadConfigError, "worker config")
         self._state = unwrap(
             lifecycle.transition(self._state, lifecycle.Event.LOAD),
             EngineStateError,
@@ -372,6 +450,10 @@ class VllmGenerationWorker:
             return fn(self.engine)
         except EngineDeadError as e:
             self._dead = str(e)
+            raise
+        except EngineContractError as e:  # generate_text: the engine checked its rows
+            if isinstance(e.detail, NonFiniteLogprobs):
+                tally_nonfinite(self.nonfinite_logprobs, Failure(e.detail))
             raise
 
     # -- generation -----------------------------------------------------------------
@@ -474,6 +556,12 @@ class VllmGenerationWorker:
         # Rows without room come back empty, as if never sent.
         generations = made if len(kept) == len(specs) else place_rows(made, kept, len(specs))
         self._state = next_state
+        # The engine's rows, before any reaches the trainer: non-finite logprobs (G11; one
+        # vectorised pass when all are finite) and aborted rows (G14), named by batch row.
+        checked = check_logprobs(generations.logprobs, generations.lengths, caps.logprobs_mode)
+        tally_nonfinite(self.nonfinite_logprobs, checked)
+        unwrap(checked, EngineContractError, "generate")
+        unwrap(check_finished(generations), RequestAbortedError, "generate")
         out = assemble_flat_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
         # What the context held: the prompt (expanded, for media rows) plus the generation.
         held = out.unpadded_sequence_lengths
@@ -581,7 +669,7 @@ class VllmGenerationWorker:
         if next_state == self._state:
             return
         self._reset_caches()
-        self._call(lambda e: e.sleep(level))
+        self._memory_call(f"sleep(level={level})", lambda e: e.sleep(level))
         self._state = next_state
 
     @_serialized
@@ -594,8 +682,28 @@ class VllmGenerationWorker:
         # asleep ones (core.lifecycle.wake_tags), and nothing when all are awake.
         asleep = lifecycle.wake_tags(self._state, event)
         if asleep:
-            self._call(lambda e: e.wake_up(list(asleep)))
+            call = f"wake_up(tags={list(asleep)})"
+            fully = self._memory_call(call, lambda e: e.wake_up(list(asleep)))
+            dead = not_fully_awake(call, next_state, fully)
+            if dead is not None:
+                self._dead = str(dead)
+                raise dead
         self._state = next_state
+
+    def _memory_call(self, call: str, fn: Callable[[EnginePort], _T]) -> _T:
+        """The engine's sleep or wake: a failure other than a typed refusal kills the
+        engine (see the module docstring)."""
+        try:
+            return self._call(fn)
+        except BaseException as e:
+            dead = failed_sleep_or_wake(call, e)
+            if dead is None:
+                raise
+            if self._dead is None:
+                self._dead = str(dead)
+            if dead is e or not isinstance(e, Exception):
+                raise
+            raise dead from e
 
     @_serialized
     def reset_prefix_cache(self) -> None:
@@ -770,13 +878,16 @@ class VllmGenerationWorker:
 
     @_serialized
     def get_counters(self) -> dict[str, float | list[float]]:
-        """The engine's Prometheus snapshot and the worker's cache resets
-        (``genworker:cache_resets{cache=...}``), encoded as flat keys (see core.counters)."""
+        """The engine's Prometheus snapshot, the worker's cache resets
+        (``genworker:cache_resets{cache=...}``) and the non-finite logprobs it saw
+        (``genworker:nonfinite_logprobs{kind=...}``), encoded as flat keys (see
+        core.counters)."""
         resets = [
             CounterSample.from_counter(CACHE_RESETS, {"cache": name}, count)
             for name, count in self.cache_resets.items()
         ]
-        return encode_snapshot([*self._call(lambda e: e.metrics()), *resets])
+        own = [*resets, *nonfinite_samples(self.nonfinite_logprobs)]
+        return encode_snapshot([*self._call(lambda e: e.metrics()), *own])
 
     def multimodal_info(self) -> dict[str, int | None]:
         """The engine's image placeholder id and per-prompt image limit (the group checks

@@ -437,10 +437,16 @@ def generations(
     vocab_size: int = 64,
     as_numpy: bool | None = None,
     with_logprobs: bool | None = None,
+    non_finite: bool = False,
 ) -> _AsmGeneration:
-    """One row's generation; tokens and logprobs as lists or numpy arrays of several dtypes."""
+    """One row's generation; tokens and logprobs as lists or numpy arrays of several dtypes;
+    ``non_finite``: logprobs may be NaN, +inf or -inf too (what vLLM returns for garbage
+    logits or a masked token)."""
     tokens = draw(st.lists(st.integers(0, vocab_size - 1), max_size=max_tokens))
-    logprobs = [draw(st.floats(-30.0, 0.0, allow_nan=False, allow_infinity=False)) for _ in tokens]
+    value = st.floats(-30.0, 0.0, allow_nan=False, allow_infinity=False)
+    if non_finite:
+        value = value | st.sampled_from([float("nan"), float("inf"), float("-inf")])
+    logprobs = [draw(value) for _ in tokens]
     numpy = draw(st.booleans()) if as_numpy is None else as_numpy
     keep = draw(st.booleans()) if with_logprobs is None else with_logprobs
     reason = draw(st.sampled_from(sorted(_ASM_FINISH_REASONS)))
@@ -464,14 +470,56 @@ class AssemblyCase(_BatchNamedTuple):
 
 @st.composite
 def assembly_cases(
-    draw: st.DrawFn, *, max_batch: int = 8, max_width: int = 16, max_tokens: int = 12
+    draw: st.DrawFn,
+    *,
+    max_batch: int = 8,
+    max_width: int = 16,
+    max_tokens: int = 12,
+    non_finite: bool = False,
 ) -> AssemblyCase:
     batch = draw(right_padded_batches(max_batch=max_batch, max_width=max_width))
     rows = batch.input_ids.shape[0]
     gens = [
-        draw(generations(max_tokens=max_tokens, vocab_size=batch.vocab_size)) for _ in range(rows)
+        draw(generations(max_tokens=max_tokens, vocab_size=batch.vocab_size, non_finite=non_finite))
+        for _ in range(rows)
     ]
     return AssemblyCase(batch=batch, generations=gens)
+
+
+# --- outputs ---
+from genworker.core.config import LOGPROBS_MODES as _OUT_LOGPROBS_MODES
+
+
+class LogprobBatch(_BatchNamedTuple):
+    """A batch's flat logprobs (float32, NaN/+inf/-inf among them or not), its row
+    lengths, the engine's logprobs mode and names for its rows."""
+
+    logprobs: _asm_np.ndarray
+    lengths: _asm_np.ndarray
+    mode: str
+    rows: list[int]
+
+
+_OUT_SPECIALS = (float("nan"), float("inf"), float("-inf"))
+
+
+@st.composite
+def logprob_batches(draw: st.DrawFn, *, max_rows: int = 8, max_tokens: int = 10) -> LogprobBatch:
+    """Mostly finite batches (every value finite in about a third), with the non-finite
+    values vLLM can return anywhere, empty rows and an empty batch included."""
+    lengths = draw(st.lists(st.integers(0, max_tokens), max_size=max_rows))
+    finite_only = draw(st.integers(0, 2)) == 0
+    value = st.floats(-1e4, 1e4, width=32)
+    if not finite_only:
+        value = value | st.sampled_from(_OUT_SPECIALS)
+    values = draw(st.lists(value, min_size=sum(lengths), max_size=sum(lengths)))
+    start = draw(st.integers(0, 1000))
+    return LogprobBatch(
+        logprobs=_asm_np.asarray(values, dtype=_asm_np.float32),
+        lengths=_asm_np.asarray(lengths, dtype=_asm_np.int64),
+        mode=draw(st.sampled_from(sorted(_OUT_LOGPROBS_MODES))),
+        rows=list(range(start, start + 3 * len(lengths), 3)),
+    )
 
 
 # --- counters ---

@@ -312,7 +312,9 @@ def _flat(**changes: object) -> FlatGenerations:
         ({"token_ids": np.array([1, 2, 3], dtype=np.int32)}, "token_ids must be 1-D int64"),
         ({"logprobs": np.zeros((3, 1), dtype=np.float32)}, "logprobs must be 1-D float32"),
         ({"lengths": np.array([3, 1], dtype=np.int64)}, "lengths summing to 4"),
-        ({"truncated": np.array([True])}, "1 truncated flags for 2 rows"),
+        ({"truncated": np.array([True])}, "1 truncated and 2 aborted flags for 2 rows"),
+        ({"aborted": np.array([True])}, "2 truncated and 1 aborted flags for 2 rows"),
+        ({"aborted": np.array([0, 1], dtype=np.int64)}, "aborted must be 1-D bool"),
         ({"lengths": np.array([4, -1], dtype=np.int64)}, "inconsistent"),
     ],
 )
@@ -324,7 +326,7 @@ def test_flat_generations_refuse_inconsistent_arrays(
         _flat(**changes)
 
 
-_EMPTY_ROW = Generation((), (), "abort")
+_EMPTY_ROW = Generation((), (), "stop")  # a row never sent: neither truncated nor aborted
 
 
 @given(st.lists(st.tuples(st.booleans(), generations(with_logprobs=True)), max_size=8))
@@ -338,6 +340,27 @@ def test_placed_rows_equal_the_batch_with_empty_rows_flattened(
     placed = place_rows(made, kept, len(rows))
     assert placed == flatten_generations([g if keep else _EMPTY_ROW for keep, g in rows])
     assert placed.token_ids is made.token_ids  # shared, not copied
+
+
+@given(assembly_cases(non_finite=True))
+def test_non_finite_logprobs_pass_through_flattening_and_assembly_bit_for_bit(
+    case: AssemblyCase,
+) -> None:
+    # Law: assembly neither hides nor invents a non-finite value: the checks in
+    # genworker.core.outputs see exactly what the trainer would.
+    flat = flatten_generations(case.generations)
+    assert flat == flatten_generations(case.generations)  # NaN equals NaN in a value
+    out = _assemble(case)
+    generated = out.logprobs.numpy()
+    spans = [
+        generated[i, len(p) : len(p) + g.num_tokens]
+        for i, (p, g) in enumerate(zip(case.batch.prompts, case.generations, strict=True))
+    ]
+    joined = np.concatenate(spans) if spans else np.empty(0, dtype=np.float32)
+    assert joined.view(np.uint32).tolist() == flat.logprobs.view(np.uint32).tolist()
+    assert np.isfinite(out.logprobs.numpy()).sum() == out.logprobs.numel() - int(
+        (~np.isfinite(flat.logprobs)).sum()
+    )
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from returns.result import Failure, Success
 from strategies import (
     SamplingDefaultsValue,
     nemo_config_dicts,
@@ -23,6 +24,7 @@ from genworker.core.sampling import (
     SamplingDefaults,
     SamplingSpec,
     SpecGroup,
+    check_stop_token_ids,
     group_specs,
     sampling_spec,
 )
@@ -308,3 +310,24 @@ def test_grouping_example_and_iterables() -> None:
         SpecGroup(a, (1, 4)),
     )
     assert group_specs([]) == ()
+
+
+# --- stop token ids against the vocabulary (G6) ---
+
+
+@given(st.lists(st.integers(0, 300), max_size=8), st.none() | st.integers(1, 260))
+def test_stop_token_ids_pass_exactly_when_every_id_is_in_the_vocabulary(
+    ids: list[int], vocab_size: int | None
+) -> None:
+    # Law: an id at or past vocab_size is refused, by key and id, every such id named
+    # once; an engine that does not say its vocab_size refuses nothing.
+    result = check_stop_token_ids(ids, vocab_size)
+    outside = sorted({t for t in ids if vocab_size is not None and t >= vocab_size})
+    if not outside:
+        assert result == Success(tuple(ids))
+        return
+    assert isinstance(result, Failure)
+    error = result.failure()
+    assert error.keys == ("stop_token_ids",)
+    assert f"ids {outside} are outside" in error.message
+    assert f"vocab_size {vocab_size}" in error.message

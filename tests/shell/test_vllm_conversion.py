@@ -6,6 +6,7 @@ the installed vLLM, reached untyped."""
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from array import array
 from typing import Any
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from genworker.core.assembly import flatten_generations
 from genworker.shell import vllm_engine
-from genworker.shell.errors import GenworkerError
+from genworker.shell.errors import EngineContractError
 from genworker.shell.sampled_logprobs import SampledLogprobs
 from genworker.shell.vllm_engine import _generation, _generations
 
@@ -67,10 +68,10 @@ def _completion(
 
 
 _REASONS = ("stop", "length", "abort", "repetition")
+# vLLM's sampled logprobs: finite, or NaN / +inf (garbage logits) / -inf (a masked token).
+_logprob = st.floats(-20.0, 0.0, width=32) | st.sampled_from([math.nan, math.inf, -math.inf])
 _rows = st.lists(
-    st.lists(
-        st.tuples(st.integers(0, 1000), st.floats(-20.0, 0.0, width=32)), min_size=0, max_size=6
-    ),
+    st.lists(st.tuples(st.integers(0, 1000), _logprob), min_size=0, max_size=6),
     min_size=1,
     max_size=5,
 )
@@ -118,9 +119,19 @@ def test_bulk_conversion_equals_the_row_by_row_one(
         )
     ]
     first_slow = min(slow, default=len(outs))
-    assert _generations(outs, consume=consume) == expected
+    bulk = _generations(outs, consume=consume)
+    assert bulk == expected  # NaN equal to NaN, -inf and +inf kept
     kept = given_outs[first_slow:]
     assert outs == ([None] * first_slow + kept if consume else given_outs)
+    # What vLLM said of each row survives: aborted rows flagged (never truncated), every
+    # non-finite logprob where it was, for the worker's checks to see.
+    reasons = [o.finish_reason for o in given_outs]
+    assert bulk.aborted.tolist() == [r == "abort" for r in reasons]
+    assert bulk.truncated.tolist() == [r == "length" for r in reasons]
+    values = [v for row in rows for _, v in row]
+    assert np.isnan(bulk.logprobs).tolist() == [math.isnan(v) for v in values]
+    assert np.isposinf(bulk.logprobs).tolist() == [v == math.inf for v in values]
+    assert np.isneginf(bulk.logprobs).tolist() == [v == -math.inf for v in values]
 
 
 def test_consumed_rows_are_freed_once_read() -> None:
@@ -155,8 +166,43 @@ def test_rows_after_a_row_by_row_one_keep_their_place() -> None:
 
 def test_a_packed_row_that_did_not_finish_is_named_before_the_row_by_row_rest() -> None:
     outs = [_completion([6], [-1.0], finish_reason=None), _completion([5], [-1.0], flat=False)]
-    with pytest.raises(GenworkerError, match="row 0 did not finish"):
+    with pytest.raises(EngineContractError, match=r"rows \[0\] did not finish"):
         _generations(outs)
+
+
+@pytest.mark.parametrize("layouts", [("flat", "flat", "flat"), ("flat", "dicts", "sampled")])
+@pytest.mark.parametrize("reason", ["error", None, "preempted"])
+def test_every_row_with_a_finish_reason_vllm_does_not_finish_with_is_a_contract_error(
+    layouts: tuple[str, str, str], reason: str | None
+) -> None:
+    """vLLM 0.32's reasons are stop, length, abort, error and repetition; "error" (a
+    request-level failure) and anything else is not a finished row: an engine contract
+    error naming every such row, in the one-pass and the row-by-row conversion alike."""
+    outs = [
+        _completion(
+            [5 + i],
+            [-1.0],
+            flat=layout == "flat",
+            sampled=layout == "sampled",
+            finish_reason=reason if i != 1 else "stop",
+        )
+        for i, layout in enumerate(layouts)
+    ]
+    with pytest.raises(EngineContractError, match=r"rows \[0, 2\] did not finish") as info:
+        _generations(outs)
+    assert repr(reason) in str(info.value)
+
+
+def test_an_aborted_row_is_flagged_not_truncated_in_every_layout() -> None:
+    outs = [
+        _completion([5, 6], [-1.0, -2.0], finish_reason="abort"),
+        _completion([7], [-0.5], flat=False, finish_reason="length"),
+        _completion([8, 9], [-0.25, -0.75], sampled=True, finish_reason="abort"),
+    ]
+    flat = _generations(outs)
+    assert flat.aborted.tolist() == [True, False, True]
+    assert flat.truncated.tolist() == [False, True, False]
+    assert flat.lengths.tolist() == [2, 1, 2]  # the tokens vLLM kept: the worker refuses them
 
 
 _any_logprob = st.floats(max_value=0.0, allow_nan=False) | st.sampled_from(
@@ -216,7 +262,7 @@ def test_conversion_gives_truncation_and_flat_arrays() -> None:
 @pytest.mark.parametrize("flat", [True, False])
 def test_conversion_names_a_row_that_did_not_finish(flat: bool) -> None:
     outs = [_completion([5], [-1.0], flat=flat), _completion([6], [-1.0], finish_reason=None)]
-    with pytest.raises(GenworkerError, match="row 1 did not finish"):
+    with pytest.raises(EngineContractError, match=r"rows \[1\] did not finish"):
         _generations(outs)
 
 
@@ -224,7 +270,7 @@ def test_conversion_names_a_row_whose_logprobs_are_for_other_tokens() -> None:
     good = _completion([5, 6], [-1.0, -2.0])
     bad = _completion([7, 8], [-1.0, -2.0])
     bad.logprobs.token_ids[1] = 9
-    with pytest.raises(GenworkerError, match="row 1"):
+    with pytest.raises(EngineContractError, match="row 1"):
         _generations([good, bad])
 
 
@@ -252,7 +298,7 @@ def test_conversion_names_a_row_whose_sampled_arrays_do_not_fit(
     bad.logprobs.token_ids.extend(ids)
     bad.logprobs.logprobs = SampledLogprobs().logprobs
     bad.logprobs.logprobs.extend(logprobs)
-    with pytest.raises(GenworkerError, match=error):
+    with pytest.raises(EngineContractError, match=error):
         _generations([good, bad])
 
 
@@ -277,10 +323,10 @@ def test_the_joined_pass_names_a_row_whose_ids_differ_inside_or_that_did_not_fin
     good = _completion([5, 6, 7], [-1.0, -2.0, -3.0], sampled=True, id_array=True)
     bad = _completion([5, 9, 7], [-1.0, -2.0, -3.0], sampled=True, id_array=True)
     bad.logprobs.token_ids[1] = 6  # the same length, first and last id, one id apart
-    with pytest.raises(GenworkerError, match=r"row 1's sampled logprobs \(3\) are for tokens"):
+    with pytest.raises(EngineContractError, match=r"row 1's sampled logprobs \(3\) are for tokens"):
         _generations([good, bad])
     running = _completion([5], [-1.0], sampled=True, id_array=True, finish_reason=None)
-    with pytest.raises(GenworkerError, match="row 1 did not finish"):
+    with pytest.raises(EngineContractError, match=r"rows \[1\] did not finish"):
         _generations([good, running])
 
 
@@ -315,5 +361,5 @@ def test_a_shifted_flat_layout_is_not_taken_for_one_entry_per_position() -> None
         logprobs=flat,
         finish_reason="length",
     )
-    with pytest.raises(GenworkerError, match="row 0"):
+    with pytest.raises(EngineContractError, match="row 0"):
         _generations([out])

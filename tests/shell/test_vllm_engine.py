@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-import time
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,6 +18,7 @@ from vllm.inputs import TokensPrompt
 
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS, CounterSample
 from genworker.core.sampling import SamplingSpec
+from genworker.shell import vllm_engine
 from genworker.shell.errors import (
     BadBatchError,
     BadConfigError,
@@ -362,16 +363,193 @@ def test_a_subclass_whose_overrides_need_its_own_state_starts_on_a_sleep_mode_en
     assert engine.calls == ["install_wake"]
 
 
-def test_collective_rpc_expiry_is_engine_dead(
-    cpu_engine: VllmEngine, cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def wedged(*_args: object, **_kwargs: object) -> list[object]:
-        time.sleep(2)
-        return []
+# -- engines this module may kill: adapters of their own over the session's engine ------
 
+CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+def within(seconds: float, fn: Callable[[], object]) -> BaseException | None:
+    """What ``fn()`` raised (None: it returned), run on a daemon thread; fails the test
+    when it does not return within ``seconds``."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            raised.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"HUNG: no answer within {seconds} s"
+    return raised[0] if raised else None
+
+
+@pytest.fixture
+def stops(cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The engine's stop, recorded and not done: the session's engine stays up."""
+    assert cpu_llm.llm_engine.vllm_config.parallel_config.worker_extension_cls, "cleanup runs"
+    assert getattr(cpu_llm, "shutdown", None) is None  # LLM has none in 0.32: its core's
+    done: list[str] = []
+    core = cpu_llm.llm_engine.engine_core  # type: ignore[attr-defined]
+    monkeypatch.setattr(core, "shutdown", lambda: done.append("stop"))
+    return done
+
+
+def sleep_mode_on(cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine as a CUDA engine with sleep mode looks to the adapter."""
+    from vllm.platforms import current_platform  # the object vllm_engine reads
+
+    monkeypatch.setattr(current_platform, "is_sleep_mode_available", lambda: True)
+    monkeypatch.setattr(cpu_llm.llm_engine.vllm_config.model_config, "enable_sleep_mode", True)
+
+
+class Wedged:
+    """``LLM.collective_rpc`` that never answers the named methods (until released)."""
+
+    def __init__(self, llm: LLM, methods: set[str] | None = None) -> None:
+        self.real = llm.collective_rpc
+        self.methods = methods
+        self.called: list[str] = []
+        self.release = threading.Event()
+
+    def __call__(
+        self,
+        method: str | Callable[..., object],
+        timeout: float | None = None,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> list[object]:
+        name = method if isinstance(method, str) else method.__name__
+        self.called.append(name)
+        if self.methods is None or name in self.methods:
+            self.release.wait(60)
+            return []
+        if isinstance(method, str):
+            return self.real(method, timeout, args, kwargs)
+        return list(self.real(method, timeout, args, kwargs))
+
+
+def test_collective_rpc_expiry_is_engine_dead(
+    cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch, stops: list[str]
+) -> None:
+    engine = VllmEngine(cpu_llm)
+    wedged = Wedged(cpu_llm)
     monkeypatch.setattr(cpu_llm, "collective_rpc", wedged)
-    with pytest.raises(EngineDeadError, match="update_weights"):
-        cpu_engine.collective_rpc("update_weights", timeout=0.2)
+    try:
+        with pytest.raises(EngineDeadError, match="update_weights"):
+            engine.collective_rpc("update_weights", timeout=0.2)
+        with pytest.raises(EngineDeadError, match="died earlier"):
+            engine.collective_rpc("check_health", timeout=60)
+        with pytest.raises(EngineDeadError, match="died earlier"):
+            engine.generate([[5, 6]], [greedy(2)])
+    finally:
+        wedged.release.set()
+    assert wedged.called == ["update_weights"]
+
+
+def test_shutdown_after_an_expired_call_skips_cleanup_and_stops_the_engine(
+    cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch, stops: list[str]
+) -> None:
+    """The expired call still occupies the engine and ``cleanup`` would queue behind it
+    (E4/E5 in failure-modes.md): shutdown skips it and reaches the engine's stop."""
+    engine = VllmEngine(cpu_llm)
+    wedged = Wedged(cpu_llm)
+    monkeypatch.setattr(cpu_llm, "collective_rpc", wedged)
+    try:
+        with pytest.raises(EngineDeadError, match=r"did not answer within 0\.2 s"):
+            engine.collective_rpc("update_weights", timeout=0.2)
+        assert within(5, engine.shutdown) is None
+        assert within(5, engine.shutdown) is None, "idempotent"
+    finally:
+        wedged.release.set()
+    assert stops == ["stop"]
+    assert wedged.called == ["update_weights"], "no cleanup behind the wedged call"
+
+
+def test_a_cleanup_that_does_not_answer_is_bounded_and_the_engine_still_stops(
+    cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch, stops: list[str]
+) -> None:
+    engine = VllmEngine(cpu_llm)
+    wedged = Wedged(cpu_llm, {"cleanup"})
+    monkeypatch.setattr(cpu_llm, "collective_rpc", wedged)
+    monkeypatch.setattr(vllm_engine, "_CALL_BOUND_S", 0.2)
+    try:
+        error = within(5, engine.shutdown)
+    finally:
+        wedged.release.set()
+    assert isinstance(error, EngineDeadError)
+    assert "collective_rpc('cleanup') did not answer within 0.2 s" in str(error)
+    assert stops == ["stop"]
+    assert wedged.called == ["cleanup"]
+
+
+def test_the_engines_own_rpcs_are_bounded(
+    cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch, stops: list[str]
+) -> None:
+    """report_device_id, and install_wake at the start of a sleep-mode engine."""
+    monkeypatch.setattr(vllm_engine, "_CALL_BOUND_S", 0.2)
+    engine = VllmEngine(cpu_llm)
+    wedged = Wedged(cpu_llm, {"report_device_id", "install_wake"})
+    monkeypatch.setattr(cpu_llm, "collective_rpc", wedged)
+    try:
+        error = within(5, engine.device_ids)
+        assert isinstance(error, EngineDeadError)
+        assert "'report_device_id') did not answer within 0.2 s" in str(error)
+        sleep_mode_on(cpu_llm, monkeypatch)
+        error = within(5, lambda: VllmEngine(cpu_llm))
+        assert isinstance(error, EngineDeadError)
+        assert "'install_wake') did not answer within 0.2 s" in str(error)
+    finally:
+        wedged.release.set()
+    assert wedged.called == ["report_device_id", "install_wake"]
+
+
+@pytest.mark.parametrize("call", ["sleep", "wake_up"])
+def test_a_failed_sleep_or_wake_kills_the_engine_and_shutdown_still_stops_it(
+    cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch, stops: list[str], call: str
+) -> None:
+    """A sleep or wake that raised left vLLM part-way (S1/S2): EngineDeadError with the
+    cause, every later call refused before vLLM, no cleanup, the engine stopped."""
+    sleep_mode_on(cpu_llm, monkeypatch)
+    engine = VllmEngine(cpu_llm)
+
+    def oom(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError(CUDA_OOM)
+
+    monkeypatch.setattr(cpu_llm, call, oom)
+    with pytest.raises(EngineDeadError, match="out of memory") as info:
+        engine.sleep(1) if call == "sleep" else engine.wake_up(["weights"])
+    assert isinstance(info.value.__cause__, RuntimeError)
+    wedged = Wedged(cpu_llm, set())
+    monkeypatch.setattr(cpu_llm, "collective_rpc", wedged)
+    reached: list[str] = []
+    for name in ("generate", "reset_prefix_cache"):
+        monkeypatch.setattr(cpu_llm, name, lambda *_a, name=name, **_k: reached.append(name))
+    later: list[Callable[[], object]] = [
+        lambda: engine.generate([[5, 6]], [greedy(2)]),
+        lambda: engine.collective_rpc("check_health", timeout=60),
+        lambda: engine.wake_up(None),
+        lambda: engine.reset_prefix_cache(),
+    ]
+    for refused in later:
+        with pytest.raises(EngineDeadError, match="died earlier"):
+            refused()
+    assert reached == [], "nothing reached vLLM"
+    assert within(5, engine.shutdown) is None
+    assert stops == ["stop"]
+    assert wedged.called == [], "no cleanup on a dead engine"
+
+
+def test_wake_up_says_whether_vllm_is_fully_awake(
+    cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sleep_mode_on(cpu_llm, monkeypatch)
+    engine = VllmEngine(cpu_llm)
+    for fully in (False, True):
+        monkeypatch.setattr(cpu_llm, "wake_up", lambda tags=None, fully=fully: fully)
+        assert engine.wake_up(["weights"]) is fully
 
 
 def test_device_ids_name_the_device(cpu_engine: VllmEngine) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -821,3 +821,106 @@ test_the_lifecycle_with_concurrent_streams_and_refits = AsyncWorkerMachine.TestC
 def _no_leaked_loops() -> Iterator[None]:
     yield
     asyncio.set_event_loop(None)
+
+
+# -- a failed sleep or wake is fatal for the engine (S1/S2), as in the sync worker --------
+
+CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+@pytest.mark.parametrize("call", ["sleep", "wake_up"])
+def test_a_failed_sleep_or_wake_is_fatal_and_every_later_call_is_refused(call: str) -> None:
+    """As ``VllmGenerationWorker``: EngineDeadError with the engine's error as its cause,
+    every later call refused without touching the engine (the fake's KV cache is left
+    asleep), and shutdown still stops it."""
+
+    async def main() -> None:
+        worker, engine = make_worker()
+        if call == "wake_up":
+            await worker.sleep(1)
+        engine.fail_call, engine.fail_next = call, RuntimeError(CUDA_OOM)
+        with pytest.raises(EngineDeadError, match="out of memory") as info:
+            await (worker.sleep(1) if call == "sleep" else worker.wake_up())
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert engine.calls[-1].startswith(call), "the engine's own call failed"
+        assert not worker.is_alive()
+        seen = list(engine.calls)
+        with pytest.raises(EngineDeadError, match="re-create the worker"):
+            await collect(worker.generate_async(rows(1)))
+        later: list[Callable[[], Awaitable[object]]] = [
+            lambda: worker.generate(rows(1)),
+            lambda: worker.generate_text({"prompts": ["ab"]}),
+            lambda: worker.sleep(2),
+            lambda: worker.wake_up(),
+            lambda: worker.reset_prefix_cache(),
+            lambda: worker.report_device_id(),
+            lambda: worker.get_counters(),
+        ]
+        for refused in later:
+            with pytest.raises(EngineDeadError, match="re-create the worker"):
+                await refused()
+        assert engine.calls == seen, "no later call reached the engine"
+        assert "generate" not in engine.calls
+        assert await worker.shutdown()
+        assert engine.shut_down
+        assert worker.state == lifecycle.SHUT_DOWN
+
+    asyncio.run(main())
+
+
+def test_a_failed_prefix_cache_reset_before_a_sleep_is_not_fatal() -> None:
+    """Only the sleep itself touches the engine's memory: a refused reset before it leaves
+    the worker where it was."""
+
+    async def main() -> None:
+        worker, engine = make_worker()
+        engine.fail_call = "reset_prefix_cache"
+        engine.fail_next = EngineStateError("reset_prefix_cache: vLLM kept the cache")
+        with pytest.raises(EngineStateError, match="kept the cache"):
+            await worker.sleep(1)
+        assert worker.is_alive()
+        assert worker.state == lifecycle.AWAKE
+        assert "sleep(1)" not in engine.calls
+        await worker.generate(rows(1))
+        await worker.sleep(1)
+        assert worker.state == lifecycle.ASLEEP_L1
+
+    asyncio.run(main())
+
+
+def test_a_wake_after_which_the_engine_is_not_fully_awake_is_fatal() -> None:
+    """As the sync worker's: the KV cache woken behind the worker's back, its wake_up()
+    names it, the engine drops the call (vllm#31618) and says it is not fully awake."""
+
+    async def main() -> None:
+        worker, engine = make_worker()
+        await worker.sleep(1)
+        await engine.wake_up(["kv_cache"])  # behind the worker's back
+        with pytest.raises(EngineDeadError, match="not fully awake"):
+            await worker.wake_up()
+        assert engine.awake_tags == {"kv_cache"}
+        assert not worker.is_alive()
+        with pytest.raises(EngineDeadError, match="re-create the worker"):
+            await collect(worker.generate_async(rows(1)))
+        assert "generate" not in engine.calls
+        assert await worker.shutdown()
+
+    asyncio.run(main())
+
+
+def test_refusals_of_a_sleep_or_wake_are_not_fatal() -> None:
+    async def main() -> None:
+        worker, engine = make_worker()
+        with pytest.raises(BadArgumentError, match="sleep level"):
+            await worker.sleep(3)
+        with pytest.raises(BadArgumentError, match="tags"):
+            await worker.wake_up(["gpu"])
+        engine.fail_call, engine.fail_next = "sleep", UnsupportedError("sleep: not here")
+        with pytest.raises(UnsupportedError, match="not here"):
+            await worker.sleep(1)
+        assert worker.is_alive()
+        assert worker.state == lifecycle.AWAKE
+        await worker.generate(rows(1))
+        assert engine.misuse is None
+
+    asyncio.run(main())

@@ -16,10 +16,17 @@ import torch
 from helpers import base_config, right_padded
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm.logprobs import FlatLogprobs
 
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS
 from genworker.core.stops import StopMode
-from genworker.shell.errors import BadBatchError, UnsupportedError
+from genworker.shell.errors import (
+    BadBatchError,
+    EngineContractError,
+    RequestAbortedError,
+    UnsupportedError,
+)
+from genworker.shell.sampled_logprobs import SampledLogprobs
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
@@ -381,8 +388,10 @@ def test_generate_text_caps_each_row_by_its_own_token_count(
     for o in raw_out:
         assert len(o.prompt_token_ids or []) + len(o.outputs[0].token_ids) <= MAX_MODEL_LEN
     # A text longer than the context is a bad batch (vLLM's renderer refuses it in
-    # tokenize, which the worker calls first); a text that fills the context is refused
-    # alone: an empty text, its index named.
+    # tokenize, which the worker calls first); so is one that fills the context, named
+    # with its length before anything is submitted (vLLM would refuse it inside the
+    # batch: no room for one token), as generate refuses such a row; one token less
+    # generates that one token.
     full = " ".join(["The quick brown fox jumps over the lazy dog."] * 200)
     with pytest.raises(BadBatchError, match="maximum context length"):
         w.generate_text({"prompts": [full]})
@@ -440,3 +449,61 @@ def test_the_nemo_rl_worker_over_the_real_engine(
         out["output_ids"],
         worker.generate(right_padded(PROMPTS, pad=PAD), greedy=True)["output_ids"],
     )
+
+
+def _poison(llm: LLM, monkeypatch: pytest.MonkeyPatch, row: int, bad: float | str) -> None:
+    """``llm.generate`` returns what it does, except that row ``row``'s first sampled
+    logprob becomes ``bad`` (a float: garbage logits) or its finish reason ``bad`` (a str),
+    written into vLLM's own output objects whatever their layout."""
+    real = llm.generate
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        outs = real(*args, **kwargs)
+        completion = outs[row].outputs[0]
+        if isinstance(bad, str):
+            completion.finish_reason = bad
+        else:  # the hook's float32 array, or flat logprobs (one entry per position)
+            container = completion.logprobs
+            assert isinstance(container, SampledLogprobs | FlatLogprobs)
+            container.logprobs[0] = bad
+        return outs
+
+    monkeypatch.setattr(llm, "generate", generate)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        (float("nan"), EngineContractError, r"rows \[1\] came back with non-finite logprobs"),
+        (float("inf"), EngineContractError, r"rows \[1\] came back with non-finite logprobs"),
+        (float("-inf"), EngineContractError, r"rows \[1\] came back with non-finite logprobs"),
+        ("abort", RequestAbortedError, r"rows \[1\] were aborted by the engine"),
+        ("error", EngineContractError, r"rows \[1\] did not finish \(finish reasons \['error'\]"),
+    ],
+    ids=["nan", "+inf", "-inf", "abort", "error"],
+)
+def test_a_bad_row_from_vllm_is_refused_by_name_and_the_worker_serves_on(
+    worker: VllmGenerationWorker,
+    cpu_llm: LLM,
+    bad: float | str,
+    error: type[Exception],
+    match: str,
+) -> None:
+    """vLLM's output for one row carries a non-finite sampled logprob, finish reason
+    "abort" (a partial rollout) or one that is not a finished row: generate and
+    generate_text raise naming the row, and the next call is exactly a healthy one."""
+    data = right_padded(PROMPTS, pad=PAD)
+    texts = {"prompts": ["Once upon a time", "The quick brown fox"]}
+    expected = worker.generate(data, greedy=True)
+    expected_texts = worker.generate_text(texts, greedy=True)
+    with pytest.MonkeyPatch.context() as m:
+        _poison(cpu_llm, m, 1, bad)
+        with pytest.raises(error, match=f"generate: {match}"):
+            worker.generate(data, greedy=True)
+        with pytest.raises(error, match=f"generate_text: {match}"):
+            worker.generate_text(texts, greedy=True)
+    out = worker.generate(data, greedy=True)
+    for key, tensor in expected.items():
+        assert torch.equal(out[key], tensor), key
+    assert worker.generate_text(texts, greedy=True) == expected_texts
+    assert not cpu_llm.llm_engine.has_unfinished_requests()

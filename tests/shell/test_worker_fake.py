@@ -590,3 +590,102 @@ def test_tracing_plan_reaches_the_engine_and_its_environment(
     assert kwargs["otlp_traces_endpoint"] == "http://127.0.0.1:4318"
     assert type(kwargs) is dict
     assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" in os.environ
+
+
+# -- a failed sleep or wake is fatal for the engine (S1/S2 in failure-modes.md) ------------
+
+CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+@pytest.mark.parametrize("call", ["sleep", "wake_up"])
+def test_a_failed_sleep_or_wake_is_fatal_and_every_later_call_is_refused(call: str) -> None:
+    """vLLM 0.32 leaves a sleep or wake that raised part-way (some allocations mapped,
+    the scheduler paused; the fake leaves its KV cache asleep): the worker raises
+    EngineDeadError with the engine's error as its cause, refuses every later call
+    without touching the engine, and still shuts down."""
+    worker, engine = make_worker()
+    if call == "wake_up":
+        worker.sleep(level=1)
+    engine.fail_call, engine.fail_next = call, RuntimeError(CUDA_OOM)
+    with pytest.raises(EngineDeadError, match="out of memory") as info:
+        worker.sleep(level=1) if call == "sleep" else worker.wake_up()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert engine.calls[-1].startswith(call), "the engine's own call failed"
+    assert not worker.is_alive()
+    seen = list(engine.calls)
+    later: list[Any] = [
+        lambda: worker.generate(batch([[1, 2]])),
+        lambda: worker.generate_text({"prompts": ["ab"]}),
+        lambda: worker.sleep(level=2),
+        lambda: worker.wake_up(),
+        lambda: worker.reset_prefix_cache(),
+        lambda: worker.get_counters(),
+        lambda: worker.report_device_id(),
+    ]
+    for refused in later:
+        with pytest.raises(EngineDeadError, match="re-create the worker"):
+            refused()
+    assert engine.calls == seen, "no later call reached the engine"
+    assert "generate" not in engine.calls
+    assert worker.shutdown() is True
+    assert engine.shut_down
+    assert worker.state == lifecycle.SHUT_DOWN
+
+
+def test_an_interrupted_sleep_propagates_as_itself_and_the_engine_is_dead() -> None:
+    worker, engine = make_worker()
+    engine.fail_call, engine.fail_next = "sleep", KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        worker.sleep(level=1)
+    assert not worker.is_alive()
+    with pytest.raises(EngineDeadError, match="re-create the worker"):
+        worker.generate(batch([[1, 2]]))
+    assert "generate" not in engine.calls
+
+
+def test_a_wake_after_which_the_engine_is_not_fully_awake_is_fatal() -> None:
+    """vLLM resumes its scheduler only once every tag is resident (``EngineCore.wake_up``,
+    0.32, returns whether it is): a wake the worker counts as complete and the engine does
+    not would leave every later generate waiting. Here the KV cache was woken behind the
+    worker's back, so its wake_up() names it and the engine drops the call (vllm#31618)."""
+    worker, engine = make_worker()
+    worker.sleep(level=1)
+    engine.wake_up(["kv_cache"])  # behind the worker's back (on worker.llm)
+    with pytest.raises(EngineDeadError, match="not fully awake"):
+        worker.wake_up()
+    assert engine.awake_tags == {"kv_cache"}
+    assert not worker.is_alive()
+    with pytest.raises(EngineDeadError, match="re-create the worker"):
+        worker.generate(batch([[1, 2]]))
+    assert "generate" not in engine.calls
+    assert worker.shutdown() is True
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        UnsupportedError("sleep: sleep mode is unavailable"),
+        EngineStateError("sleep: not now"),
+        BadArgumentError("sleep: level"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_refusals_before_the_engine_slept_are_not_fatal(refusal: GenworkerError) -> None:
+    """The worker's own refusals (bad level or tags, a state that cannot sleep) and the
+    engine's typed refusals (raised before it touched its memory) change nothing."""
+    worker, engine = make_worker()
+    with pytest.raises(BadArgumentError, match="level"):
+        worker.sleep(level=3)
+    with pytest.raises(BadArgumentError, match="tags"):
+        worker.wake_up(["gpu"])
+    worker.sleep(level=1)
+    worker.wake_up(["kv_cache"])
+    with pytest.raises(EngineStateError, match="call wake_up"):
+        worker.sleep(level=1)  # only the KV cache is resident
+    worker.wake_up(["weights"])
+    engine.fail_call, engine.fail_next = "sleep", refusal
+    with pytest.raises(type(refusal)):
+        worker.sleep(level=1)
+    assert worker.is_alive()
+    assert worker.state == lifecycle.AWAKE
+    assert worker.generate(batch([[1, 2]]))["output_ids"].shape[0] == 1

@@ -35,6 +35,7 @@ from genworker.core import lifecycle
 from genworker.core.assembly import FlatGenerations
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS
 from genworker.core.sampling import SamplingSpec
+from genworker.shell import vllm_engine
 from genworker.shell.errors import (
     BadBatchError,
     EngineDeadError,
@@ -328,6 +329,47 @@ def test_an_engine_that_cannot_abort_is_declared_dead(
     assert not engine.has_unfinished_requests()
     assert cpu_llm.collective_rpc(pending_staged_writes) == [0]
     assert_serves_baseline(make_worker(cpu_engine), baseline)  # a new worker, same engine
+
+
+def test_a_drop_of_staged_writes_that_does_not_answer_is_bounded_and_dead(
+    cpu_engine: VllmEngine,
+    cpu_llm: LLM,
+    baseline: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The recovery's RPC has a bound too (E5): past it the engine is dead, and the call
+    stays recorded as running (a later call, and shutdown's cleanup, would queue behind
+    it)."""
+    request = [TokensPrompt(prompt_token_ids=[5, 6])]
+    params = SamplingParams(temperature=1.0, seed=2**64, max_tokens=4)
+    with pytest.raises((OverflowError, RuntimeError, ValueError), match=r"[Oo]verflow|too large"):
+        within(DEADLINE_S, lambda: cpu_llm.generate(request, params, use_tqdm=False))
+    assert cpu_llm.llm_engine.has_unfinished_requests()
+    release = threading.Event()
+    real = cpu_llm.collective_rpc
+
+    def wedged(method: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        release.wait(DEADLINE_S)
+        return real(method, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_llm, "collective_rpc", wedged)
+    monkeypatch.setattr(vllm_engine, "_CALL_BOUND_S", 0.2)
+    inflight: list[tuple[threading.Event, float]] = []
+    cause = OverflowError("seed 2**64")
+    try:
+        with pytest.raises(EngineDeadError, match=r"drop_staged_writes.*did not answer within"):
+            within(
+                DEADLINE_S, lambda: abort_unfinished(cpu_llm, "generate", cause, inflight=inflight)
+            )
+        ((done, _),) = inflight
+        assert not done.is_set(), "the call is still recorded as running"
+    finally:
+        release.set()
+    assert done.wait(DEADLINE_S)
+    monkeypatch.undo()
+    assert not cpu_llm.llm_engine.has_unfinished_requests()
+    assert cpu_llm.collective_rpc(pending_staged_writes) == [0]
+    assert_serves_baseline(make_worker(cpu_engine), baseline)
 
 
 def test_a_request_vllm_rejects_at_admission_stays_a_bad_batch(

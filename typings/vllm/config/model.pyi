@@ -7,4 +7,6 @@ class ModelConfig:
     hf_config: object
     multimodal_config: MultiModalConfig | None
     skip_tokenizer_init: bool
+    # LogprobsMode, a Literal of four strings
+    logprobs_mode: str
     def get_vocab_size(self) -> int: ...
