@@ -80,6 +80,7 @@ from genworker.core.config import (
 
 __all__ = [
     "FP8_BASE_QUANTIZATION_CONFIG",
+    "FP8_CHECKPOINT_FORMATS",
     "FP8_IGNORE_LIST_KEYS",
     "FP8_REQUIRED_IGNORES",
     "NVFP4_PER_TOKEN_QUANTIZATION",
@@ -171,6 +172,27 @@ def resolve_prefix_caching(explicit: bool | None, gpu_capability: tuple[int, int
     return gpu_capability is not None and gpu_capability >= (8, 0)
 
 
+FP8_CHECKPOINT_FORMATS: Final = frozenset({"auto", "safetensors", "pt"})
+"""The checkpoint formats an fp8 engine reads again, quantized, once vLLM has started
+(``genworker.shell.fp8``; vLLM's own load casts a bf16 checkpoint without scales)."""
+
+
+def _fp8_load_problems(config: WorkerConfig) -> list[ConfigProblem]:
+    """An fp8 engine quantizes its checkpoint by reading it again after vLLM's load (the
+    synchronous worker, a format vLLM's loader iterates); ``dummy`` reads nothing (the
+    weights come by refit, quantized on their way in)."""
+    fmt = config.vllm.load_format
+    if fmt == "dummy":
+        return []
+    if config.vllm.async_engine:
+        why = "the async worker's fp8 engine starts without a checkpoint: use 'dummy' and refit"
+    elif fmt not in FP8_CHECKPOINT_FORMATS:
+        why = f"an fp8 engine reads its checkpoint as one of {sorted(FP8_CHECKPOINT_FORMATS)}"
+    else:
+        return []
+    return [ConfigProblem("vllm_cfg.load_format", f"{fmt!r} with precision fp8: {why}")]
+
+
 def plan_engine_kwargs(
     config: WorkerConfig,
     *,
@@ -241,6 +263,7 @@ def plan_engine_kwargs(
     merged_keys: set[str] = set()
     if v.precision == "fp8":
         quantization = "fp8"
+        problems.extend(_fp8_load_problems(config))
         hf_overrides = _fp8_hf_overrides(user.get("hf_overrides"), problems)
         if hf_overrides is not None:
             kwargs["hf_overrides"] = hf_overrides

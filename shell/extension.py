@@ -46,6 +46,7 @@ from genworker.shell.errors import (
     RefitManifestError,
     unwrap,
 )
+from genworker.shell.fp8 import Fp8Preparer, fp8_loading
 from genworker.shell.nemo_rl_refit import NemoRlRefit
 from genworker.shell.refit.collective import CollectiveGroup, CollectiveReceiver
 from genworker.shell.refit.ipc import IpcReceiver
@@ -87,7 +88,7 @@ def _state(worker: object) -> _RefitState:
     return state
 
 
-class WorkerExtension(SparseRefitMixin, NemoRlRefit, ReshardEngine, WakeInstaller):
+class WorkerExtension(SparseRefitMixin, NemoRlRefit, ReshardEngine, WakeInstaller, Fp8Preparer):
     """Mixed into each vLLM worker; every method is a ``collective_rpc`` target."""
 
     def prepare_refit_info(self, info: Mapping[str, object]) -> dict[str, object]:
@@ -201,7 +202,13 @@ def _tp_size(worker: object) -> int:
     return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
 
 
-def _loader(worker: object) -> Loader | None:
+def _loader(worker: object) -> Loader:
+    """vLLM's weight loader, quantizing on the way in on an fp8 engine (shell.fp8); a
+    ``RefitError`` when the engine worker has none."""
+    return fp8_loading(_model(worker), _vllm_loader(worker))
+
+
+def _vllm_loader(worker: object) -> Loader:
     runner = getattr(worker, "model_runner", None)
     reload_runner = getattr(runner, "reload_weights", None)
     reload_worker = getattr(worker, "reload_weights", None)
@@ -214,7 +221,7 @@ def _loader(worker: object) -> Loader | None:
     model = _model(worker)
     load_weights = getattr(model, "load_weights", None)
     if not callable(load_weights):
-        return None
+        raise RefitError("this engine worker has no weight loader for checkpoint-layout tensors")
 
     def load(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights(weights)
@@ -337,10 +344,6 @@ def _refit(
             raise EngineStateError("a weight update needs prepare_refit_info first")
         routed = _routed(worker, manifest, sharded_ok or _tp_size(worker) == 1)
         loader = _loader(worker) if len(routed.routes.direct) < len(manifest) else None
-        if loader is None and len(routed.routes.direct) < len(manifest):
-            raise RefitError(
-                "this engine worker has no weight loader for checkpoint-layout tensors"
-            )
         sink = EngineSink(routed, _device(worker))
         report = receive(port, manifest, sink, routes=routed.routes, timeout_s=bound, loader=loader)
     except GenworkerError as e:

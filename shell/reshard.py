@@ -691,10 +691,7 @@ def _receive(
     failed: RefitError | None = None
     try:
         if loader_copies:
-            loader = ext._loader(worker)
-            if loader is None:
-                raise RefitError("this engine worker has no weight loader for the reshard refit")  # noqa: TRY301
-            loader(_full_tensors(prepared, loader_copies, device))
+            ext._loader(worker)(_full_tensors(prepared, loader_copies, device))
         sink.finish(sorted(direct))
     except Exception as e:  # noqa: BLE001 - told to every rank by the last status round
         failed = (

@@ -201,6 +201,9 @@ log = logging.getLogger(__name__)
 #: The bound of an RPC that waits on nothing outside the engine (``install_wake``,
 #: ``report_device_id``, ``drop_staged_writes``, ``cleanup``): the engine's own work.
 _CALL_BOUND_S: Final = rpc_bound(0, DEFAULT_TIMEOUT_S)
+#: The bound of an fp8 engine's second read of its checkpoint (``prepare_fp8``): a model
+#: load, which vLLM's own start does not bound either.
+_LOAD_BOUND_S: Final = 1800.0
 _Inflight = list[tuple[threading.Event, float]]
 
 # vLLM's finish reasons (vllm/v1/engine/__init__.py FINISH_REASON_STRINGS, 0.32) as ours;
@@ -384,7 +387,29 @@ class VllmEngine:
             llm = LLM(model, **rest)
         except Exception as e:
             raise BadConfigError(f"vLLM failed to start on {model!r}: {e}") from e
-        return cls(llm)
+        engine = cls(llm)
+        try:
+            if llm.llm_engine.vllm_config.model_config.quantization == "fp8":
+                engine._prepare_fp8()
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    def _prepare_fp8(self) -> None:
+        """An fp8 engine's weights as vLLM's fp8 layers take them (``shell.fp8.prepare`` in
+        each engine worker): its checkpoint read again, quantized; a BadConfigError when
+        it has fp8 layers genworker cannot feed."""
+        if not self._extension:
+            raise BadConfigError(
+                "precision fp8 needs genworker's worker extension, which quantizes the weights"
+            )
+        what = "collective_rpc('prepare_fp8')"
+        with _translated(what):
+            prepare = functools.partial(self.llm.collective_rpc, "prepare_fp8")
+            problems = _bounded(prepare, _LOAD_BOUND_S, what=what, inflight=self._inflight)
+        if problem := next((p for p in problems if p), None):
+            raise BadConfigError(str(problem))
 
     @property
     def llm(self) -> LLM:

@@ -760,7 +760,8 @@ def nemo_config_dicts(
     Every dict parses (``WorkerConfig.from_mapping`` succeeds) and plans
     (``plan_engine_kwargs`` succeeds given a Blackwell capability when
     ``vllm_cfg.nvfp4_per_token`` is set): no reserved ``vllm_kwargs`` keys, no quantization
-    override, telemetry enabled only with an endpoint.
+    override, telemetry enabled only with an endpoint, an async fp8 engine on ``dummy``
+    weights.
     """
     mml = draw(max_model_len if max_model_len is not None else st.integers(1, 8192))
     tp = draw(st.sampled_from([1, 1, 2, 4]))
@@ -790,6 +791,8 @@ def nemo_config_dicts(
         _cfg_maybe(draw, vllm_cfg, key, st.booleans())
     _cfg_maybe(draw, vllm_cfg, "enable_prefix_caching", st.none() | st.booleans())
     _cfg_maybe(draw, vllm_cfg, "load_format", st.sampled_from(["auto", "dummy", "safetensors"]))
+    if vllm_cfg.get("precision") == "fp8" and vllm_cfg.get("async_engine") is True:
+        vllm_cfg["load_format"] = "dummy"  # the async fp8 engine's weights come by refit
     _cfg_maybe(draw, vllm_cfg, "kv_cache_dtype", st.sampled_from(["auto", "fp8", "fp8_e4m3"]))
     _cfg_maybe(draw, vllm_cfg, "sleep_level", st.sampled_from([1, 2]))
     if vllm_cfg.get("precision", "bfloat16") in ("bfloat16", "float16"):

@@ -27,6 +27,7 @@ from genworker.core.config import (
 )
 from genworker.core.engine_plan import (
     FP8_BASE_QUANTIZATION_CONFIG,
+    FP8_CHECKPOINT_FORMATS,
     FP8_IGNORE_LIST_KEYS,
     FP8_REQUIRED_IGNORES,
     OTEL_ENDPOINT,
@@ -603,3 +604,23 @@ def test_multimodal_keys_in_both_places_or_unsupported_are_problems_naming_them(
     assert error.keys == ("vllm_kwargs.media_io_kwargs", "vllm_kwargs.limit_mm_per_prompt")
     assert UNSUPPORTED_KEYS["media_io_kwargs"] in error.problems[0].message
     assert "keep one" in error.problems[1].message
+
+
+@pytest.mark.parametrize("async_engine", [False, True])
+@pytest.mark.parametrize("load_format", ["auto", "safetensors", "pt", "dummy", "npcache", "gguf"])
+def test_an_fp8_engine_reads_its_checkpoint_in_a_format_it_can_quantize(
+    async_engine: bool, load_format: str
+) -> None:
+    """The synchronous fp8 engine reads its checkpoint again, quantized (a format vLLM's
+    loader iterates); the async one starts on dummy weights and takes them by refit."""
+    c = _config(precision="fp8", load_format=load_format, async_engine=async_engine)
+    readable = load_format in FP8_CHECKPOINT_FORMATS
+    if load_format == "dummy" or (readable and not async_engine):
+        assert _plan(c).kwargs["load_format"] == load_format
+        return
+    error = _failure(c)
+    assert error.keys == ("vllm_cfg.load_format",)
+    assert repr(load_format) in error.message
+    assert ("dummy" in error.message) is async_engine
+    bf16 = attrs.evolve(c, vllm=attrs.evolve(c.vllm, precision="bfloat16"))
+    assert _plan(bf16).kwargs["load_format"] == load_format  # the rule is fp8's alone

@@ -12,5 +12,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int] | None
+    # per prompt position (None at the first), with SamplingParams.prompt_logprobs set
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool

@@ -19,6 +19,7 @@ class SamplingParams:
         ignore_eos: bool = ...,
         max_tokens: int | None = ...,
         logprobs: int | None = ...,
+        prompt_logprobs: int | None = ...,
         flat_logprobs: bool = ...,
         include_stop_str_in_output: bool = ...,
         bad_words: list[str] | None = ...,

@@ -9,4 +9,6 @@ class ModelConfig:
     skip_tokenizer_init: bool
     # LogprobsMode, a Literal of four strings
     logprobs_mode: str
+    # QuantizationMethods (a Literal of method names) | str | None
+    quantization: str | None
     def get_vocab_size(self) -> int: ...

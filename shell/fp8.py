@@ -1,0 +1,164 @@
+"""The fp8 engine's side of :mod:`genworker.core.fp8`, in each engine worker's process.
+
+:func:`engine_fp8_layers` reads the fp8 layers off the model (vLLM's ``quant_method`` of
+each module, ``packed_modules_mapping``); :func:`quantizing` turns a stream of weights into
+what those layers take (each block-fp8 weight quantized block by block on its own device,
+then its scales); the extension's loader runs every refit (IPC, collective, sparse,
+reshard, NeMo-RL's wires) through it. :func:`prepare` is what an fp8 engine does once it
+has started: refuse layers it cannot feed, and read a bf16 checkpoint again through
+:func:`quantizing` (vLLM's own load cast it without scales).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from returns.result import Failure
+from torch import nn
+
+from genworker.core.fp8 import (
+    FP8_E4M3_MAX,
+    Fp8Layers,
+    block_scale_shape,
+    fp8_route,
+    unsupported_problem,
+)
+from genworker.shell.errors import RefitManifestError, UnsupportedError
+
+__all__ = [
+    "Fp8Preparer",
+    "engine_fp8_layers",
+    "fp8_loading",
+    "prepare",
+    "quantize_blockwise",
+    "quantizing",
+]
+
+log = logging.getLogger(__name__)
+
+Weights = Iterable[tuple[str, torch.Tensor]]
+Loader = Callable[[Weights], object]  # vLLM's loaders return what they loaded, or None
+FP8 = torch.float8_e4m3fn
+_FEEDS = "Fp8LinearMethod"
+_IGNORED = frozenset({"Fp8KVCacheMethod"})  # fp8 KV cache scales: not weights
+
+
+_SEEN: weakref.WeakKeyDictionary[nn.Module, Fp8Layers] = weakref.WeakKeyDictionary()
+
+
+def engine_fp8_layers(model: nn.Module) -> Fp8Layers:
+    """The model's fp8 layers: block-quantized linear modules, and any other fp8 method
+    (per-tensor or static scales, fused MoE experts) as unsupported. Read once per model
+    (a module's quantization method is fixed when vLLM builds it): every refit through the
+    loader asks."""
+    layers = _SEEN.get(model)
+    if layers is None:
+        layers = _SEEN[model] = _read_layers(model)
+    return layers
+
+
+def _read_layers(model: nn.Module) -> Fp8Layers:
+    blocks: dict[str, tuple[int, int]] = {}
+    unsupported: dict[str, str] = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kind = type(method).__name__
+        if not kind.startswith("Fp8") or kind in _IGNORED:
+            continue
+        block = getattr(method, "weight_block_size", None)
+        scheme = getattr(getattr(method, "quant_config", None), "activation_scheme", "dynamic")
+        if kind != _FEEDS:
+            unsupported[name] = f"vLLM's {kind}"
+        elif block is None:
+            unsupported[name] = "per-tensor fp8 scales (weight_block_size null)"
+        elif scheme != "dynamic":
+            unsupported[name] = f"activation_scheme {scheme!r} needs calibrated input scales"
+        else:
+            blocks[name] = (int(block[0]), int(block[1]))
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    return Fp8Layers.of(blocks, packed, unsupported)
+
+
+def quantize_blockwise(
+    weight: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` (2-D) as ``float8_e4m3fn`` values and float32 scales, one per ``block``
+    (partial blocks at the edges too): weight ~= value x scale, the block's largest
+    magnitude mapped onto the largest e4m3 value."""
+    rows, cols = weight.shape
+    block_rows, block_cols = block_scale_shape(weight.shape, block)
+    padded = weight.new_zeros((block_rows * block[0], block_cols * block[1]), dtype=torch.float32)
+    padded[:rows, :cols] = weight
+    blocks = padded.view(block_rows, block[0], block_cols, block[1])
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_E4M3_MAX
+    scale = scale.clamp(min=torch.finfo(torch.float32).tiny)  # an all-zero block stays zero
+    values = (blocks / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
+    return values.view(padded.shape)[:rows, :cols].contiguous(), scale
+
+
+def quantizing(weights: Weights, layers: Fp8Layers) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` as an fp8 engine's loader takes them (see the module docstring); a
+    tensor bound for an fp8 layer this path cannot feed is a ``RefitManifestError``."""
+    for name, tensor in weights:
+        route = fp8_route(name, layers)
+        if isinstance(route, Failure):
+            raise RefitManifestError(str(route.failure()))
+        target = route.unwrap()
+        if target is None or tensor.dtype == FP8:  # a serialized checkpoint: scales follow
+            yield name, tensor
+            continue
+        if tensor.dim() != 2:
+            raise RefitManifestError(
+                f"tensor {name}: an fp8 layer's weight is 2-D, got shape {tuple(tensor.shape)}"
+            )
+        values, scale = quantize_blockwise(tensor, target.block)
+        yield name, values
+        yield target.scale_name, scale
+
+
+def fp8_loading(model: nn.Module, load: Loader) -> Loader:
+    """``load`` (vLLM's weight loader), through :func:`quantizing` when ``model`` has
+    block-fp8 layers."""
+    layers = engine_fp8_layers(model)
+    if not layers.quantizes:
+        return load
+    return lambda weights: load(quantizing(weights, layers))
+
+
+def prepare(model: nn.Module, loader: Callable[[], Loader], worker: Any) -> str | None:
+    """Once an fp8 engine has started: why it cannot take genworker's weights, or ``None``
+    after reading its checkpoint again through :func:`quantizing` (unless vLLM loaded
+    nothing: ``load_format`` dummy)."""
+    layers = engine_fp8_layers(model)
+    problem = unsupported_problem(layers)
+    config = worker.vllm_config
+    if problem is not None or config.load_config.load_format == "dummy":
+        return problem
+    from vllm.model_executor.model_loader import get_model_loader
+
+    checkpoint = get_model_loader(config.load_config)
+    read = getattr(checkpoint, "get_all_weights", None)
+    if not callable(read):
+        raise UnsupportedError(
+            f"precision fp8: vLLM's {type(checkpoint).__name__} cannot read the checkpoint "
+            "again to quantize it"
+        )
+    loader()(read(config.model_config, model))
+    log.info(
+        "fp8: %s read again, %d layers quantized", config.model_config.model, len(layers.blocks)
+    )
+    return None
+
+
+class Fp8Preparer:
+    """Mixed into the worker extension: its ``prepare_fp8`` ``collective_rpc`` target."""
+
+    def prepare_fp8(self) -> str | None:
+        """:func:`prepare` in this engine worker (its model and the extension's loader)."""
+        from genworker.shell import extension as ext
+
+        return prepare(ext._model(self), lambda: ext._loader(self), self)

@@ -1,0 +1,82 @@
+"""fp8 rollouts on one GPU (importable as ``gpu.gpu_fp8``, also in spawned children): the
+fp8 engine of ``test_gpu_fp8.py``, in a child process (one sleep-mode engine per process).
+
+The child starts the worker with ``vllm_cfg.precision: fp8`` (NeMo-RL's block-fp8 config)
+on checkpoint A: genworker quantizes the bf16 checkpoint into vLLM's fp8 layers once vLLM
+has started. It then takes checkpoint B and A again by CUDA IPC from a trainer process it
+spawns (``gpu.gpu_fixtures.ipc_trainer_main``), each quantized on its way in, and reports
+its greedy tokens and the teacher-forced logprobs of the sequences it is given after each
+step, for the parent to hold against the bf16 session worker's.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from gpu.gpu_fixtures import (
+    REFIT_TIMEOUT_S,
+    Trainer,
+    gpu_config,
+    greedy,
+    ipc_trainer_main,
+    manifest,
+)
+
+from genworker.shell.worker import VllmGenerationWorker
+
+__all__ = ["forced_logprobs", "fp8_engine_main"]
+
+
+def forced_logprobs(worker: VllmGenerationWorker, sequences: list[list[int]]) -> list[list[float]]:
+    """The engine's logprob of every token of ``sequences`` after the first (teacher
+    forcing: the same tokens on two engines, where greedy paths may part on a near tie)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = worker.llm
+    assert isinstance(llm, LLM)
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=s) for s in sequences],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    forced = []
+    for s, out in zip(sequences, outs, strict=True):
+        assert out.prompt_logprobs is not None
+        positions = out.prompt_logprobs[1:]
+        forced.append([float(p[t].logprob) for t, p in zip(s[1:], positions, strict=True) if p])
+        assert len(forced[-1]) == len(s) - 1
+    return forced
+
+
+def fp8_engine_main(
+    *, a: str, b: str, pad: int, on_a: list[list[int]], on_b: list[list[int]]
+) -> dict[str, object]:
+    """The fp8 worker on checkpoint A, then refit to B and back to A (see the module
+    docstring): each step's greedy tokens and the forced logprobs of ``on_a`` / ``on_b``."""
+    config = gpu_config(Path(a), pad)
+    config["vllm_cfg"] = {**config["vllm_cfg"], "precision": "fp8"}  # type: ignore[dict-item]
+    worker = VllmGenerationWorker(config)
+    trainer = None
+    try:
+        start, forced_a = greedy(worker, pad), forced_logprobs(worker, on_a)
+        out: dict[str, object] = {"start": start, "forced_a": forced_a}
+        (address,) = worker.refit_address()
+        trainer = Trainer(ipc_trainer_main, {"address": str(address)})
+        forced_b: list[list[float]] = []
+        for step, checkpoint in (("b", b), ("a_again", a)):
+            worker.prepare_refit_info(manifest(Path(checkpoint)))
+            trainer.send("send", (checkpoint, False))
+            trainer.expect("sending")
+            assert worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT_S)
+            trainer.expect("sent")
+            out[step] = greedy(worker, pad)
+            if step == "b":
+                forced_b = out["forced_b"] = forced_logprobs(worker, on_b)
+        out["finite"] = all(math.isfinite(x) for row in forced_a + forced_b for x in row)
+        return out
+    finally:
+        if trainer is not None:
+            trainer.stop()
+        worker.shutdown()
