@@ -91,13 +91,21 @@ def quantize_blockwise(
     magnitude mapped onto the largest e4m3 value."""
     rows, cols = weight.shape
     block_rows, block_cols = block_scale_shape(weight.shape, block)
-    padded = weight.new_zeros((block_rows * block[0], block_cols * block[1]), dtype=torch.float32)
-    padded[:rows, :cols] = weight
-    blocks = padded.view(block_rows, block[0], block_cols, block[1])
-    scale = blocks.abs().amax(dim=(1, 3)) / FP8_E4M3_MAX
-    scale = scale.clamp(min=torch.finfo(torch.float32).tiny)  # an all-zero block stays zero
-    values = (blocks / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
-    return values.view(padded.shape)[:rows, :cols].contiguous(), scale
+    shape = (block_rows * block[0], block_cols * block[1])
+    if shape == (rows, cols):
+        whole = weight.contiguous()  # read as it is: no copy before the one division below
+    else:  # partial blocks at the edges: zeros do not change a block's largest magnitude
+        whole = weight.new_zeros(shape)
+        whole[:rows, :cols] = weight
+    blocks = whole.view(block_rows, block[0], block_cols, block[1])
+    # the largest magnitude as max(max, -min): two reads, no |x| copy of the weight
+    largest = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())
+    scale = (largest.float() / FP8_E4M3_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    values = torch.div(blocks, scale[:, None, :, None])  # float32, a new tensor
+    values = values.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8).view(shape)  # an all-zero block: 0
+    if shape != (rows, cols):
+        values = values[:rows, :cols].contiguous()
+    return values, scale
 
 
 def quantizing(weights: Weights, layers: Fp8Layers) -> Iterator[tuple[str, torch.Tensor]]:
