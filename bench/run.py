@@ -20,6 +20,7 @@ SUITES = (
     "bench_multimodal",
     "bench_refit",
     "bench_refit_host",
+    "bench_fp8",
     "bench_sparse",
     "bench_reshard",
     "bench_async",
