@@ -82,6 +82,7 @@ from genworker.shell.vllm_engine import (
     _CALL_BOUND_S,
     _NO_TOKENIZER,
     _REQUEST_ERRORS,
+    _fatal,
     _generation,
     _sample,
     _sampling_arg_names,
@@ -226,26 +227,6 @@ class AsyncVllmEngine:
         if self._dead is None:
             self._dead = str(error)
 
-    @contextmanager
-    def _fatal(self, call: str) -> Iterator[None]:
-        """A sleep or a wake: any failure leaves the engine dead (the module docstring);
-        an interrupt or a cancellation propagates as itself."""
-        try:
-            with _translated_async(call):
-                yield
-        except BaseException as e:
-            if isinstance(e, EngineDeadError):
-                self._died(e)
-                raise
-            error = EngineDeadError(
-                f"{call} failed: {type(e).__name__}: {e}; a failed sleep or wake leaves "
-                "vLLM's memory part-mapped and its scheduler paused, so the engine is dead"
-            )
-            self._died(error)
-            if not isinstance(e, Exception):
-                raise
-            raise error from e
-
     @property
     def capabilities(self) -> EngineCapabilities:
         return self._caps
@@ -366,14 +347,14 @@ class AsyncVllmEngine:
         if self._extension and not self._wake_installed:  # in the engine core's process
             await self.collective_rpc("install_wake", timeout=_CALL_BOUND_S)  # cumem_wake
             self._wake_installed = True
-        with self._fatal(f"sleep(level={level})"):
+        with _fatal(f"sleep(level={level})", _translated_async, self._died):
             await llm.sleep(level=level)
 
     async def wake_up(self, tags: Sequence[str] | None) -> bool | None:
         self._require_sleep_mode("wake_up")
         llm = self.llm
         names = None if tags is None else list(tags)
-        with self._fatal(f"wake_up(tags={names})"):
+        with _fatal(f"wake_up(tags={names})", _translated_async, self._died):
             return await llm.wake_up(tags=names)
 
     async def reset_prefix_cache(self) -> None:

@@ -135,7 +135,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Final, NoReturn, TypeVar, cast
 
 import attrs
@@ -271,6 +271,33 @@ def _translated(call: str, *, profiling: bool = False) -> Iterator[None]:
         if not profiling:
             raise
         raise UnsupportedError(f"{call}: profiling is not enabled in this engine: {e}") from e
+
+
+@contextmanager
+def _fatal(
+    call: str,
+    translated: Callable[[str], AbstractContextManager[None]],
+    died: Callable[[EngineDeadError], None],
+) -> Iterator[None]:
+    """A sleep or a wake (both adapters): any failure leaves the engine dead (see the
+    module docstring): ``died`` records it, and it is raised as ``EngineDeadError`` with
+    the failure as its cause; an interrupt or a cancellation propagates as itself."""
+    try:
+        with translated(call):
+            yield
+    except BaseException as e:
+        error = (
+            e
+            if isinstance(e, EngineDeadError)
+            else EngineDeadError(
+                f"{call} failed: {type(e).__name__}: {e}; a failed sleep or wake leaves "
+                "vLLM's memory part-mapped and its scheduler paused, so the engine is dead"
+            )
+        )
+        died(error)
+        if error is e or not isinstance(e, Exception):
+            raise
+        raise error from e
 
 
 @contextmanager
@@ -553,37 +580,17 @@ class VllmEngine:
                 "engine was started without enable_sleep_mode)"
             )
 
-    @contextmanager
-    def _fatal(self, call: str) -> Iterator[None]:
-        """A sleep or a wake: any failure leaves the engine dead (see the module
-        docstring); an interrupt propagates as itself."""
-        try:
-            with _translated(call):
-                yield
-        except BaseException as e:
-            if isinstance(e, EngineDeadError):
-                self._died(e)
-                raise
-            error = EngineDeadError(
-                f"{call} failed: {type(e).__name__}: {e}; a failed sleep or wake leaves "
-                "vLLM's memory part-mapped and its scheduler paused, so the engine is dead"
-            )
-            self._died(error)
-            if not isinstance(e, Exception):
-                raise
-            raise error from e
-
     def sleep(self, level: int) -> None:
         self._require_sleep_mode("sleep")
         llm = self.llm
-        with self._fatal(f"sleep(level={level})"):
+        with _fatal(f"sleep(level={level})", _translated, self._died):
             llm.sleep(level=level)
 
     def wake_up(self, tags: Sequence[str] | None) -> bool | None:
         self._require_sleep_mode("wake_up")
         llm = self.llm
         names = None if tags is None else list(tags)
-        with self._fatal(f"wake_up(tags={names})"):
+        with _fatal(f"wake_up(tags={names})", _translated, self._died):
             return llm.wake_up(tags=names)
 
     def reset_prefix_cache(self) -> None:
