@@ -63,3 +63,24 @@ def flat_rows(flat: FlatGenerations) -> list[tuple[list[int], list[float], bool]
         )
         start += n
     return rows
+
+
+def forced_logprobs(llm: object, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+    """A ``vllm.LLM``'s logprob of every token of ``sequences`` after the first (teacher
+    forcing: the same tokens on two engines, where greedy paths may part on a near tie)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    assert isinstance(llm, LLM)
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(s)) for s in sequences],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    forced = []
+    for s, out in zip(sequences, outs, strict=True):
+        assert out.prompt_logprobs is not None
+        positions = out.prompt_logprobs[1:]
+        forced.append([float(p[t].logprob) for t, p in zip(s[1:], positions, strict=True) if p])
+        assert len(forced[-1]) == len(s) - 1
+    return forced

@@ -22,32 +22,11 @@ from gpu.gpu_fixtures import (
     ipc_trainer_main,
     manifest,
 )
+from helpers import forced_logprobs
 
 from genworker.shell.worker import VllmGenerationWorker
 
-__all__ = ["forced_logprobs", "fp8_engine_main"]
-
-
-def forced_logprobs(worker: VllmGenerationWorker, sequences: list[list[int]]) -> list[list[float]]:
-    """The engine's logprob of every token of ``sequences`` after the first (teacher
-    forcing: the same tokens on two engines, where greedy paths may part on a near tie)."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = worker.llm
-    assert isinstance(llm, LLM)
-    outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=s) for s in sequences],
-        SamplingParams(max_tokens=1, prompt_logprobs=0),
-        use_tqdm=False,
-    )
-    forced = []
-    for s, out in zip(sequences, outs, strict=True):
-        assert out.prompt_logprobs is not None
-        positions = out.prompt_logprobs[1:]
-        forced.append([float(p[t].logprob) for t, p in zip(s[1:], positions, strict=True) if p])
-        assert len(forced[-1]) == len(s) - 1
-    return forced
+__all__ = ["fp8_engine_main"]
 
 
 def fp8_engine_main(
@@ -60,7 +39,7 @@ def fp8_engine_main(
     worker = VllmGenerationWorker(config)
     trainer = None
     try:
-        start, forced_a = greedy(worker, pad), forced_logprobs(worker, on_a)
+        start, forced_a = greedy(worker, pad), forced_logprobs(worker.llm, on_a)
         out: dict[str, object] = {"start": start, "forced_a": forced_a}
         (address,) = worker.refit_address()
         trainer = Trainer(ipc_trainer_main, {"address": str(address)})
@@ -73,7 +52,7 @@ def fp8_engine_main(
             trainer.expect("sent")
             out[step] = greedy(worker, pad)
             if step == "b":
-                forced_b = out["forced_b"] = forced_logprobs(worker, on_b)
+                forced_b = out["forced_b"] = forced_logprobs(worker.llm, on_b)
         out["finite"] = all(math.isfinite(x) for row in forced_a + forced_b for x in row)
         return out
     finally:

@@ -11,7 +11,8 @@ from gpu.gpu_fixtures import (
     refit_over_ipc,
     run_in_child,
 )
-from gpu.gpu_fp8 import forced_logprobs, fp8_engine_main
+from gpu.gpu_fp8 import fp8_engine_main
+from helpers import forced_logprobs
 
 pytest_plugins = ["gpu.gpu_fixtures"]
 pytestmark = GPU_MARKS
@@ -41,10 +42,10 @@ def test_an_fp8_engine_follows_the_bf16_one_from_its_checkpoint_and_through_refi
     assert isinstance(result, dict)
     assert result["finite"] is True  # vLLM alone casts bf16 into fp8 with no scales: NaN
     worker = gpu_session.worker
-    assert _gap(result["forced_a"], forced_logprobs(worker, on_a)) < FORCED_TOLERANCE
+    assert _gap(result["forced_a"], forced_logprobs(worker.llm, on_a)) < FORCED_TOLERANCE
     refit_over_ipc(gpu_session, checkpoints.b)
     try:
-        assert _gap(result["forced_b"], forced_logprobs(worker, on_b)) < FORCED_TOLERANCE
+        assert _gap(result["forced_b"], forced_logprobs(worker.llm, on_b)) < FORCED_TOLERANCE
     finally:
         refit_over_ipc(gpu_session, checkpoints.a)  # the session worker holds A again
     assert result["b"] != result["start"]

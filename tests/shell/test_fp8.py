@@ -17,13 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import base_config, right_padded
+from helpers import base_config, forced_logprobs, right_padded
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 from torch import nn
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
 
 from genworker.core.config import WorkerConfig
 from genworker.core.engine_plan import plan_engine_kwargs
@@ -186,25 +184,6 @@ def _greedy(worker: VllmGenerationWorker) -> tuple[list[list[int]], list[list[fl
     return tokens, logprobs
 
 
-def _forced(worker: VllmGenerationWorker, sequences: list[list[int]]) -> list[list[float]]:
-    """The engine's logprob of every token of ``sequences`` after the first (teacher
-    forcing: the same tokens on both engines, where greedy paths may part on a near tie)."""
-    llm = worker.llm
-    assert isinstance(llm, LLM)
-    outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=s) for s in sequences],
-        SamplingParams(max_tokens=1, prompt_logprobs=0),
-        use_tqdm=False,
-    )
-    forced = []
-    for s, out in zip(sequences, outs, strict=True):
-        assert out.prompt_logprobs is not None
-        positions = out.prompt_logprobs[1:]
-        forced.append([float(p[t].logprob) for t, p in zip(s[1:], positions, strict=True) if p])
-        assert len(forced[-1]) == len(s) - 1
-    return forced
-
-
 def _bf16(path: Path) -> dict[str, torch.Tensor]:
     return {name: t.to(torch.bfloat16) for name, t in load_file(path).items()}
 
@@ -238,7 +217,7 @@ def test_an_fp8_engine_generates_as_a_bf16_one_from_the_checkpoint_and_after_ref
     start = _greedy(fp8)
     assert all(math.isfinite(x) for row in start[1] for x in row)
     sequences = [p + t for p, t in zip(PROMPTS, _greedy(bf16)[0], strict=True)]
-    assert _close(_forced(fp8, sequences), _forced(bf16, sequences)) < 0.05
+    assert _close(forced_logprobs(fp8.llm, sequences), forced_logprobs(bf16.llm, sequences)) < 0.05
     a, b = _bf16(tiny_model_dir / "model.safetensors"), _bf16(model_b / "model.safetensors")
     for worker in (fp8, bf16):  # the trainer's names and dtype, as a NeMo-RL trainer sends
         with refit_channel(worker, b) as push:
@@ -247,7 +226,7 @@ def test_an_fp8_engine_generates_as_a_bf16_one_from_the_checkpoint_and_after_ref
     assert after[0] != start[0]
     assert all(math.isfinite(x) for row in after[1] for x in row)
     sequences = [p + t for p, t in zip(PROMPTS, _greedy(bf16)[0], strict=True)]
-    assert _close(_forced(fp8, sequences), _forced(bf16, sequences)) < 0.05
+    assert _close(forced_logprobs(fp8.llm, sequences), forced_logprobs(bf16.llm, sequences)) < 0.05
     # the checkpoint's own float32 for the fp8 layers (the start quantized those), the
     # engine's bfloat16 for the rest: the refit quantizes as the start did, bit for bit
     saved = load_file(tiny_model_dir / "model.safetensors")
