@@ -40,7 +40,9 @@ every row is its own engine request, so rows finish, fail and change weights apa
   engine and run on the new weights. ``timeout_s`` bounds each wait (the pause, and each
   of the refit protocol's waits, ``core.refit_protocol``), as in the sync worker. A refit that fails leaves the version where it was, aborts every request in
   flight (each row comes back as ``RefitError``), resumes the engine, and leaves the
-  weights inconsistent: new work is refused until a refit succeeds.
+  weights inconsistent: new work is refused until a refit succeeds. ``refit_via`` (and
+  ``init_collective_via``) run the same in-flight refit through another extension
+  receiver: NeMo-RL's trainer wire, ``nemo_rl_*`` (``shell.nemo_rl_async``).
 - Weight versions (``core.versions``): version 0 is the weights loaded, each good refit
   adds one. Where vLLM labels tokens (``EngineCapabilities.weight_versions``, 0.32) the
   worker labels the engine's weights ``str(version)`` while paused and reads each row's
@@ -978,19 +980,31 @@ class AsyncVllmGenerationWorker:
     ) -> None:
         """Join the trainer's weight-update group (returns once every rank joined); every
         rendezvous wait is bounded by ``timeout_s``."""
-        bound = unwrap(wait_bound(timeout_s), BadArgumentError, "init_collective")
-        self._collective = False
-        await self._rpc(
+        await self.init_collective_via(
             "init_collective",
             rank_prefix,
             ip,
             port,
             world_size,
             train_world_size,
-            bound,
-            timeout=rpc_bound(RENDEZVOUS_WAITS, bound),
+            timeout_s=timeout_s,
         )
+
+    async def init_collective_via(
+        self, method: str, *args: object, timeout_s: float | None = None
+    ) -> None:
+        """:meth:`init_collective` through another extension method (``method(*args,
+        bound)``, e.g. the receiver of NeMo-RL's weight-update group,
+        ``nemo_rl_init_collective``)."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
+        self._collective = False
+        await self._rpc(method, *args, bound, timeout=rpc_bound(RENDEZVOUS_WAITS, bound))
         self._collective = True
+
+    async def call_engine_workers(self, method: str, *args: object) -> list[object]:
+        """Every engine worker's answer to its ``WorkerExtension.method(*args)`` (plain
+        values); a failure raised typed, naming the worker."""
+        return await self._rpc(method, *args)
 
     async def refit_address(self) -> list[object]:
         """Where each engine worker listens for IPC refits (one entry per worker), for
@@ -1042,6 +1056,20 @@ class AsyncVllmGenerationWorker:
         return await self._refit(
             "update_weights_from_collective", timeout_s, mode, clear_cache, Transport.COLLECTIVE
         )
+
+    async def refit_via(
+        self,
+        method: str,
+        timeout_s: float | None,
+        transport: Transport,
+        *,
+        mode: InflightMode | str = InflightMode.KEEP,
+        clear_cache: bool = True,
+    ) -> bool:
+        """An in-flight refit through another extension receiver ``method(timeout_s=)`` of
+        ``transport`` (e.g. NeMo-RL's wire, ``nemo_rl_update_weights_via_ipc_zmq``): the
+        built-in refits' checks, bounds, pause, version bump and resume around it."""
+        return await self._refit(method, timeout_s, mode, clear_cache, transport)
 
     def _mark_in_flight(self, why: Callable[[int], GenworkerError]) -> list[str]:
         for request in self._requests.values():

@@ -31,7 +31,8 @@ scheduler task admits waiting requests and gives every running request one token
   tag whole (vllm#31618, the same ``Executor`` as the sync engine's) and returns whether
   the engine is fully awake (``AsyncLLM.wake_up``'s answer).
 
-``accept_refits=True`` makes every refit RPC succeed at once (for tests whose fake lives
+``accept_refits=True`` makes every refit RPC succeed at once, genworker's wire and the
+extension's NeMo-RL one (``nemo_rl_*``), group joins included (for tests whose fake lives
 in another process, a Ray actor). It raises ``FakeEngineMisuse`` where a real engine would silently go wrong: weights changed
 (``load_new_weights``) while requests run unpaused, generating with memory asleep, sleeping
 with requests in flight.
@@ -130,8 +131,16 @@ class FakeAsyncEngine:
             "prepare_refit_info": lambda info: {"tensors": len(info)},
         }
         if accept_refits:  # every refit succeeds at once (tests that cannot reach the fake)
-            for method in ("update_weights_via_ipc_zmq", "update_weights_from_collective"):
+            for method in (
+                "update_weights_via_ipc_zmq",
+                "update_weights_from_collective",
+                "nemo_rl_update_weights_via_ipc_zmq",  # the extension's NeMo-RL wire
+                "nemo_rl_update_weights_from_collective",
+            ):
                 self.rpc_handlers[method] = self._accept_refit
+            for method in ("init_collective", "nemo_rl_init_collective"):
+                self.rpc_handlers[method] = self._accept_group
+            self.rpc_handlers["nemo_rl_ipc_socket_dir"] = lambda d: f"ipc://{d}/fake-{device}.sock"
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefix_cache_resets = 0
@@ -351,6 +360,17 @@ class FakeAsyncEngine:
     def _accept_refit(self, timeout_s: float = 600.0) -> dict[str, object]:
         self.load_new_weights()
         return {"tensors": 0, "version": self.weight_version}
+
+    def _accept_group(
+        self,
+        rank_prefix: int,
+        ip: str,
+        port: int,
+        world_size: int,
+        train_world_size: int,
+        timeout_s: float = 600.0,
+    ) -> dict[str, object]:
+        return {"rank": train_world_size + rank_prefix}
 
     def load_new_weights(self) -> None:
         """What a successful refit does to the fake: new tokens, weights valid again."""

@@ -25,7 +25,12 @@ arguments and return values (``nemo_rl/models/generation/vllm/vllm_worker.py``):
   never asks the trainer to pre-quantize tensors.
 * ``_get_raw_spec_counters`` is the engine's metric snapshot keyed by metric name, as
   NeMo-RL's ``aggregate_spec_decode_counters`` reads it.
-* ``vllm_cfg.async_engine: true`` is refused: NeMo-RL starts its async worker for it.
+* ``vllm_cfg.async_engine: true`` is refused: NeMo-RL starts its async worker for it,
+  ``genworker.shell.nemo_rl.VllmAsyncGenerationWorker``
+  (:class:`genworker.shell.nemo_rl_async.NemoRlAsyncGenerationWorker`, the same rules over
+  genworker's async worker). :class:`NemoRlMember` is what the two share: the config
+  check, ``configure_worker``, inert members, the engine's environment, the refits'
+  ``bool`` answers with ``last_refit_error``, the spec-decode counters.
 
 * The refit methods speak NeMo-RL's own trainer wire (:mod:`genworker.shell.nemo_rl_refit`,
   the extension's ``nemo_rl_*`` methods): ``update_weights_via_ipc_zmq`` connects to the
@@ -41,7 +46,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -68,41 +73,90 @@ from genworker.shell.ports import EngineFactory
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 from genworker.shell.worker import checked_env_names
 
-__all__ = ["NemoRlGenerationWorker", "VllmGenerationWorker"]
+__all__ = [
+    "NemoRlGenerationWorker",
+    "NemoRlMember",
+    "VllmAsyncGenerationWorker",
+    "VllmGenerationWorker",
+    "raw_spec_counters",
+    "wake_up_tags",
+]
 
-VllmGenerationWorker: Any  # made on first use by the module __getattr__ below (Ray imported then)
+# Made on first use by the module __getattr__ below (Ray imported then).
+VllmGenerationWorker: Any
+VllmAsyncGenerationWorker: Any
 
 log = logging.getLogger(__name__)
 
 
-class NemoRlGenerationWorker:
-    """One member of a NeMo-RL generation worker group (see the module docstring)."""
+class _Native(Protocol):
+    """What :class:`NemoRlMember` needs of the genworker worker it wraps (both have it)."""
+
+    @property
+    def state(self) -> lifecycle.State: ...
+
+    @property
+    def llm(self) -> object: ...
+
+    def is_alive(self) -> bool: ...
+
+    def load_model(self) -> None: ...
+
+
+_W = TypeVar("_W", bound=_Native)
+
+
+def raw_spec_counters(encoded: Mapping[str, float | list[float]]) -> dict[str, float | list[float]]:
+    """A worker's ``get_counters()`` as NeMo-RL's ``_get_raw_spec_counters`` returns them:
+    keyed by metric name. The worker's own counters (``genworker:cache_resets``, one series
+    per cache; ``genworker:nonfinite_logprobs``, one per kind) are left out: summed by name
+    they would mean nothing."""
+    snapshot = unwrap(decode_snapshot(encoded), EngineContractError, "engine metrics")
+    own = {CACHE_RESETS, NONFINITE_LOGPROBS}
+    return values_by_name(s for s in snapshot.samples if s.name not in own)
+
+
+def wake_up_tags(call: str, kwargs: Mapping[str, object]) -> Sequence[str] | None:
+    """NeMo-RL's ``wake_up(**kwargs)`` takes ``tags=`` only; any other keyword is refused
+    by name (the worker checks the entries)."""
+    unknown = sorted(set(kwargs) - {"tags"})
+    if unknown:
+        raise BadArgumentError(f"{call} takes only tags=, got {unknown}")
+    tags = kwargs.get("tags")
+    if tags is not None and not isinstance(tags, Sequence):
+        raise BadArgumentError(f"{call} tags must be a list of str or None, got {tags!r}")
+    return tags
+
+
+class NemoRlMember(Generic[_W]):
+    """What NeMo-RL's synchronous and async worker classes share, over the genworker
+    worker ``_W`` they wrap (built by the subclass, for the model owner only): the config
+    check, NeMo-RL's placement hook, inert tied-group members, the engine's environment,
+    and the refits' ``bool`` answers with the typed error kept."""
+
+    #: the ``vllm_cfg.async_engine`` this class serves, and what to say to any other
+    ASYNC_ENGINE: ClassVar[bool]
+    OTHER_ENGINE: ClassVar[str]
 
     def __init__(
         self,
         config: Mapping[str, object],
-        bundle_indices: Sequence[int] | None = None,
-        fraction_of_gpus: float = 1.0,
-        seed: int | None = None,
-        extra_env_vars: Sequence[str] | None = None,
-        defer_model_load: bool = False,
+        bundle_indices: Sequence[int] | None,
+        fraction_of_gpus: float,
+        extra_env_vars: Sequence[str] | None,
         *,
-        engine_factory: EngineFactory | None = None,
-        ipc_socket_dir: str = DEFAULT_SOCKET_DIR,
+        ipc_socket_dir: str,
     ) -> None:
         self.cfg: WorkerConfig = unwrap(
             WorkerConfig.from_mapping(config), BadConfigError, "worker config"
         )
-        if self.cfg.vllm.async_engine:
-            raise BadConfigError(
-                "vllm_cfg.async_engine: true asks for NeMo-RL's async worker "
-                "(VllmAsyncGenerationWorker); this is the synchronous one: set it to false"
-            )
+        if self.cfg.vllm.async_engine != self.ASYNC_ENGINE:
+            raise BadConfigError(self.OTHER_ENGINE)
         self.extra_env_vars = checked_env_names(extra_env_vars)
         self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
         self.fraction_of_gpus = fraction_of_gpus
         self.is_model_owner = self.bundle_indices is not None
-        #: the device ids ``post_init`` found (one per engine worker)
+        #: the device ids the post-init hook found (one per engine worker)
         self.vllm_device_ids: list[str] | None = None
         #: the typed error of the last refit that returned False (None after a good one)
         self.last_refit_error: GenworkerError | None = None
@@ -112,20 +166,7 @@ class NemoRlGenerationWorker:
         self.ipc_socket_dir = ipc_socket_dir
         self._socket_dir_sent = False
         self._shut_down = False
-        self._worker: NativeWorker | None = None
-        if self.bundle_indices is None:
-            return
-        self._worker = NativeWorker(
-            config,
-            self.bundle_indices,
-            fraction_of_gpus,
-            seed,
-            extra_env_vars=self.extra_env_vars,
-            defer_model_load=True,
-            engine_factory=engine_factory,
-        )
-        if not defer_model_load:
-            self.load_model()
+        self._worker: _W | None = None
 
     def __repr__(self) -> str:
         # NeMo-RL: the class name alone is the actor's prefix in Ray's logs.
@@ -141,7 +182,7 @@ class NemoRlGenerationWorker:
         return NativeWorker.configure_worker(num_gpus, bundle_indices, num_gpus_per_node)
 
     # -- engine ---------------------------------------------------------------------
-    def _owner(self, call: str) -> NativeWorker:
+    def _owner(self, call: str) -> _W:
         if self._shut_down:
             raise EngineStateError(f"{call}: the worker was shut down")
         if self._worker is None:
@@ -152,7 +193,8 @@ class NemoRlGenerationWorker:
         return self._worker
 
     def load_model(self) -> None:
-        """Build the engine (the deferred half of ``__init__``): the owner only."""
+        """Build the engine (the deferred half of ``__init__``): the owner only. A TP/PP
+        owner first sets up vLLM's Ray executor (``core.placement.plan_engine_env``)."""
         worker = self._owner("load_model")
         v = self.cfg.vllm
         env = unwrap(
@@ -170,12 +212,9 @@ class NemoRlGenerationWorker:
         os.environ.update(env.set)
         worker.load_model()
 
-    def post_init(self) -> None:
-        """NeMo-RL calls it once the group is up: records the engine workers' device ids."""
-        self.vllm_device_ids = self.report_device_id()
-
     def llm(self) -> object | None:
-        """The ``vllm.LLM`` of the owner; ``None`` on an inert member or before loading."""
+        """The owner's vLLM engine (``vllm.LLM`` or ``AsyncLLM``); ``None`` on an inert
+        member or before loading."""
         if self._worker is None or self._worker.state.phase is not lifecycle.Phase.RUNNING:
             return None
         return self._worker.llm
@@ -186,6 +225,75 @@ class NemoRlGenerationWorker:
             return False
         worker = self._worker
         return worker is None or worker.state == lifecycle.NOT_LOADED or worker.is_alive()
+
+    # -- refit ----------------------------------------------------------------------
+    def get_last_refit_error(self) -> GenworkerError | None:
+        """:attr:`last_refit_error`, for callers that hold only the actor handle."""
+        return self.last_refit_error
+
+    def _refit_owner(self, method: str, refit_timeout_s: float | None) -> _W:
+        """The owner for a refit through ``method``; a bad bound is refused before any
+        engine call (None: the refit default, core.refit_protocol.DEFAULT_TIMEOUT_S)."""
+        unwrap(wait_bound(refit_timeout_s), BadArgumentError, method.removeprefix("nemo_rl_"))
+        return self._owner(method)
+
+    def _socket_dir_due(self, transport: Transport) -> bool:
+        """Whether an IPC refit must first tell the engine workers ``ipc_socket_dir``."""
+        return transport is Transport.IPC and not self._socket_dir_sent
+
+    def _refit_failed(self, method: str, error: GenworkerError) -> bool:
+        self.last_refit_error = error
+        log.warning("%s failed (%s: %s)", method, type(error).__name__, error, exc_info=error)
+        return False
+
+    def _refit_succeeded(self, method: str, ok: object) -> bool:
+        if ok is not True:
+            raise EngineContractError(f"{method} returned {ok!r} instead of True or an error")
+        self.last_refit_error = None
+        return True
+
+
+class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
+    """One member of a NeMo-RL generation worker group (see the module docstring)."""
+
+    ASYNC_ENGINE = False
+    OTHER_ENGINE = (
+        "vllm_cfg.async_engine: true asks for NeMo-RL's async worker "
+        "(VllmAsyncGenerationWorker); this is the synchronous one: set it to false"
+    )
+
+    def __init__(
+        self,
+        config: Mapping[str, object],
+        bundle_indices: Sequence[int] | None = None,
+        fraction_of_gpus: float = 1.0,
+        seed: int | None = None,
+        extra_env_vars: Sequence[str] | None = None,
+        defer_model_load: bool = False,
+        *,
+        engine_factory: EngineFactory | None = None,
+        ipc_socket_dir: str = DEFAULT_SOCKET_DIR,
+    ) -> None:
+        super().__init__(
+            config, bundle_indices, fraction_of_gpus, extra_env_vars, ipc_socket_dir=ipc_socket_dir
+        )
+        if self.bundle_indices is None:
+            return
+        self._worker = NativeWorker(
+            config,
+            self.bundle_indices,
+            fraction_of_gpus,
+            seed,
+            extra_env_vars=self.extra_env_vars,
+            defer_model_load=True,
+            engine_factory=engine_factory,
+        )
+        if not defer_model_load:
+            self.load_model()
+
+    def post_init(self) -> None:
+        """NeMo-RL calls it once the group is up: records the engine workers' device ids."""
+        self.vllm_device_ids = self.report_device_id()
 
     # -- generation -----------------------------------------------------------------
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
@@ -204,13 +312,7 @@ class NemoRlGenerationWorker:
     def wake_up(self, **kwargs: object) -> None:
         """NeMo-RL's ``wake_up(tags=...)``; any other keyword is refused by name."""
         worker = self._owner("wake_up")
-        unknown = sorted(set(kwargs) - {"tags"})
-        if unknown:
-            raise BadArgumentError(f"wake_up takes only tags=, got {unknown}")
-        tags = kwargs.get("tags")
-        if tags is not None and not isinstance(tags, Sequence):
-            raise BadArgumentError(f"wake_up tags must be a list of str or None, got {tags!r}")
-        worker.wake_up(tags)  # the worker checks the entries
+        worker.wake_up(wake_up_tags("wake_up", kwargs))
 
     def reset_prefix_cache(self) -> None:
         self._owner("reset_prefix_cache").reset_prefix_cache()
@@ -243,44 +345,27 @@ class NemoRlGenerationWorker:
             "nemo_rl_update_weights_from_collective", refit_timeout_s, Transport.COLLECTIVE
         )
 
-    def get_last_refit_error(self) -> GenworkerError | None:
-        """:attr:`last_refit_error`, for callers that hold only the actor handle."""
-        return self.last_refit_error
-
     def _refit(self, method: str, refit_timeout_s: float | None, transport: Transport) -> bool:
-        # None is the native worker's default bound (core.refit_protocol.DEFAULT_TIMEOUT_S);
-        # a bad value is refused before any engine call.
         try:
-            unwrap(wait_bound(refit_timeout_s), BadArgumentError, method.removeprefix("nemo_rl_"))
-            worker = self._owner(method)
-            if transport is Transport.IPC and not self._socket_dir_sent:
+            worker = self._refit_owner(method, refit_timeout_s)
+            if self._socket_dir_due(transport):
                 worker.call_engine_workers("nemo_rl_ipc_socket_dir", self.ipc_socket_dir)
                 self._socket_dir_sent = True
             ok = worker.refit_via(method, refit_timeout_s, transport)
         except GenworkerError as e:
-            self.last_refit_error = e
-            log.warning("%s failed (%s: %s)", method, type(e).__name__, e, exc_info=e)
-            return False
-        if ok is not True:
-            raise EngineContractError(f"{method} returned {ok!r} instead of True or an error")
-        self.last_refit_error = None
-        return True
+            return self._refit_failed(method, e)
+        return self._refit_succeeded(method, ok)
 
     # -- observability --------------------------------------------------------------
     def report_device_id(self) -> list[str]:
         return self._owner("report_device_id").report_device_id()
 
     def _get_raw_spec_counters(self) -> dict[str, float | list[float]]:
-        """The engine's metrics keyed by name (NeMo-RL's form; ``{}`` on an inert member,
-        which has no engine). The worker's own counters (``genworker:cache_resets``, one
-        series per cache; ``genworker:nonfinite_logprobs``, one per kind) are left out:
-        summed by name they would mean nothing."""
+        """The engine's metrics keyed by name (NeMo-RL's form, :func:`raw_spec_counters`);
+        ``{}`` on an inert member, which has no engine."""
         if self._worker is None:
             return {}
-        encoded = self._owner("_get_raw_spec_counters").get_counters()
-        snapshot = unwrap(decode_snapshot(encoded), EngineContractError, "engine metrics")
-        own = {CACHE_RESETS, NONFINITE_LOGPROBS}
-        return values_by_name(s for s in snapshot.samples if s.name not in own)
+        return raw_spec_counters(self._owner("_get_raw_spec_counters").get_counters())
 
     def start_gpu_profiling(self) -> None:
         self._owner("start_gpu_profiling").start_gpu_profiling()
@@ -297,15 +382,24 @@ class NemoRlGenerationWorker:
 
 
 def __getattr__(name: str) -> Any:
-    """``VllmGenerationWorker``: the Ray actor class NeMo-RL's ``RayWorkerBuilder``
-    instantiates by class path, made on first use, so Ray is imported only then (a host
-    without Ray, such as the GPU runner, drives :class:`NemoRlGenerationWorker` directly).
-    Typed ``Any``: Ray's ActorClass type hides the class's static methods, which its runtime
-    subclass keeps (NeMo-RL calls ``VllmGenerationWorker.configure_worker(...)`` on it)."""
-    if name != "VllmGenerationWorker":
+    """``VllmGenerationWorker`` and ``VllmAsyncGenerationWorker``: the Ray actor classes
+    NeMo-RL's ``RayWorkerBuilder`` instantiates by class path (the second when
+    ``vllm_cfg.async_engine`` is true), made on first use, so Ray is imported only then
+    (a host without Ray, such as the GPU runner, drives :class:`NemoRlGenerationWorker`
+    or ``NemoRlAsyncGenerationWorker`` directly). Typed ``Any``: Ray's ActorClass type
+    hides the class's static methods, which its runtime subclass keeps (NeMo-RL calls
+    ``<class>.configure_worker(...)`` on it)."""
+    cls: type[object]
+    if name == "VllmGenerationWorker":
+        cls = NemoRlGenerationWorker
+    elif name == "VllmAsyncGenerationWorker":
+        from genworker.shell.nemo_rl_async import NemoRlAsyncGenerationWorker
+
+        cls = NemoRlAsyncGenerationWorker
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import ray
 
-    actor: Any = ray.remote(NemoRlGenerationWorker)
+    actor: Any = ray.remote(cls)
     globals()[name] = actor
     return actor
