@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
@@ -69,7 +69,6 @@ from genworker.shell.errors import (
     unwrap,
 )
 from genworker.shell.nemo_rl_refit import DEFAULT_SOCKET_DIR
-from genworker.shell.ports import EngineFactory
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 from genworker.shell.worker import checked_env_names
 
@@ -141,12 +140,17 @@ class NemoRlMember(Generic[_W]):
     def __init__(
         self,
         config: Mapping[str, object],
-        bundle_indices: Sequence[int] | None,
-        fraction_of_gpus: float,
-        extra_env_vars: Sequence[str] | None,
+        bundle_indices: Sequence[int] | None = None,
+        fraction_of_gpus: float = 1.0,
+        seed: int | None = None,
+        extra_env_vars: Sequence[str] | None = None,
+        defer_model_load: bool = False,
         *,
-        ipc_socket_dir: str,
+        engine_factory: object | None = None,
+        ipc_socket_dir: str = DEFAULT_SOCKET_DIR,
     ) -> None:
+        """NeMo-RL's constructor (``RayWorkerBuilder`` passes these); ``engine_factory``
+        (the wrapped worker's kind: tests) and ``ipc_socket_dir`` are genworker's."""
         self.cfg: WorkerConfig = unwrap(
             WorkerConfig.from_mapping(config), BadConfigError, "worker config"
         )
@@ -167,6 +171,24 @@ class NemoRlMember(Generic[_W]):
         self._socket_dir_sent = False
         self._shut_down = False
         self._worker: _W | None = None
+        if self.bundle_indices is None:
+            return
+        self._worker = self._native()(
+            config,
+            self.bundle_indices,
+            fraction_of_gpus,
+            seed,
+            extra_env_vars=self.extra_env_vars,
+            defer_model_load=True,
+            engine_factory=engine_factory,
+        )
+        if not defer_model_load:
+            self.load_model()
+
+    @staticmethod
+    def _native() -> Callable[..., _W]:
+        """The genworker worker this drop-in wraps (its constructor)."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         # NeMo-RL: the class name alone is the actor's prefix in Ray's logs.
@@ -262,34 +284,9 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
         "(VllmAsyncGenerationWorker); this is the synchronous one: set it to false"
     )
 
-    def __init__(
-        self,
-        config: Mapping[str, object],
-        bundle_indices: Sequence[int] | None = None,
-        fraction_of_gpus: float = 1.0,
-        seed: int | None = None,
-        extra_env_vars: Sequence[str] | None = None,
-        defer_model_load: bool = False,
-        *,
-        engine_factory: EngineFactory | None = None,
-        ipc_socket_dir: str = DEFAULT_SOCKET_DIR,
-    ) -> None:
-        super().__init__(
-            config, bundle_indices, fraction_of_gpus, extra_env_vars, ipc_socket_dir=ipc_socket_dir
-        )
-        if self.bundle_indices is None:
-            return
-        self._worker = NativeWorker(
-            config,
-            self.bundle_indices,
-            fraction_of_gpus,
-            seed,
-            extra_env_vars=self.extra_env_vars,
-            defer_model_load=True,
-            engine_factory=engine_factory,
-        )
-        if not defer_model_load:
-            self.load_model()
+    @staticmethod
+    def _native() -> Callable[..., NativeWorker]:
+        return NativeWorker
 
     def post_init(self) -> None:
         """NeMo-RL calls it once the group is up: records the engine workers' device ids."""

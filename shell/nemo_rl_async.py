@@ -69,8 +69,6 @@ from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import GenworkerError, UnsupportedError
 from genworker.shell.host import node_ip
 from genworker.shell.nemo_rl import NemoRlMember, raw_spec_counters, wake_up_tags
-from genworker.shell.nemo_rl_refit import DEFAULT_SOCKET_DIR
-from genworker.shell.ports import AsyncEngineFactory
 
 __all__ = ["NEMO_RL_OUTPUT_KEYS", "NemoRlAsyncGenerationWorker", "reported_url"]
 
@@ -116,34 +114,9 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         "(genworker.shell.nemo_rl.VllmGenerationWorker) for that config, or set it to true"
     )
 
-    def __init__(
-        self,
-        config: Mapping[str, object],
-        bundle_indices: Sequence[int] | None = None,
-        fraction_of_gpus: float = 1.0,
-        seed: int | None = None,
-        extra_env_vars: Sequence[str] | None = None,
-        defer_model_load: bool = False,
-        *,
-        engine_factory: AsyncEngineFactory | None = None,
-        ipc_socket_dir: str = DEFAULT_SOCKET_DIR,
-    ) -> None:
-        super().__init__(
-            config, bundle_indices, fraction_of_gpus, extra_env_vars, ipc_socket_dir=ipc_socket_dir
-        )
-        if self.bundle_indices is None:
-            return
-        self._worker = AsyncVllmGenerationWorker(
-            config,
-            self.bundle_indices,
-            fraction_of_gpus,
-            seed,
-            extra_env_vars=self.extra_env_vars,
-            defer_model_load=True,
-            engine_factory=engine_factory,
-        )
-        if not defer_model_load:
-            self.load_model()
+    @staticmethod
+    def _native() -> Callable[..., AsyncVllmGenerationWorker]:
+        return AsyncVllmGenerationWorker
 
     async def post_init_async(self) -> None:
         """NeMo-RL calls it once the group is up: starts the OpenAI server when the config
