@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 from returns.result import Failure, Result, Success
 
-from genworker.core.assembly import FlatGenerations
+from genworker.core.assembly import FlatGenerations, Generation
 from genworker.core.errors import CoreError
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "NonFiniteCounts",
     "NonFiniteLogprobs",
     "check_finished",
+    "check_generation_logprobs",
     "check_logprobs",
 ]
 
@@ -163,6 +164,17 @@ def check_logprobs(
             logprobs_mode=logprobs_mode,
         )
     )
+
+
+def check_generation_logprobs(
+    generation: Generation, logprobs_mode: str, *, row: int = 0
+) -> Result[NonFiniteCounts, NonFiniteLogprobs]:
+    """:func:`check_logprobs` of one generation (named ``row``); one without logprobs has
+    nothing to refuse."""
+    if generation.logprobs is None:
+        return Success(_NONE_SEEN)
+    lengths = np.array([generation.num_tokens], dtype=np.int64)
+    return check_logprobs(generation.logprobs, lengths, logprobs_mode, rows=(row,))
 
 
 def check_finished(

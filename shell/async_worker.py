@@ -69,7 +69,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from typing import Any, TypeVar
 
 import attrs
-import numpy as np
 import torch
 from returns.result import Failure
 
@@ -81,7 +80,7 @@ from genworker.core.config import WorkerConfig
 from genworker.core.config_keys import parse_bool
 from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
 from genworker.core.lifecycle import InflightMode
-from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, check_logprobs
+from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, check_generation_logprobs
 from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import (
     RENDEZVOUS_WAITS,
@@ -560,16 +559,11 @@ class AsyncVllmGenerationWorker:
             if request.abort_reason is not None:
                 return request.abort_reason
             return RequestAbortedError(f"row {row}: the engine aborted the request")
-        if generation.logprobs is not None:  # non-finite logprobs (G11), as the sync worker
-            checked = check_logprobs(
-                generation.logprobs,
-                np.array([generation.num_tokens], dtype=np.int64),
-                caps.logprobs_mode,
-                rows=(row,),
-            )
-            tally_nonfinite(self.nonfinite_logprobs, checked)
-            if isinstance(checked, Failure):
-                return EngineContractError.from_core(checked.failure(), "generate")
+        # non-finite logprobs (G11), as the sync worker
+        checked = check_generation_logprobs(generation, caps.logprobs_mode, row=row)
+        tally_nonfinite(self.nonfinite_logprobs, checked)
+        if isinstance(checked, Failure):
+            return EngineContractError.from_core(checked.failure(), "generate")
         if prompt_length + generation.num_tokens > caps.max_model_len:
             return EngineContractError(
                 f"row {row} came back longer than max_model_len={caps.max_model_len}: "

@@ -10,13 +10,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import attrs
-import numpy as np
 from returns.result import Failure
 
 from genworker.core.assembly import FlatGenerations, Generation
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
-from genworker.core.outputs import check_logprobs
+from genworker.core.outputs import check_generation_logprobs
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.errors import EngineContractError
 from genworker.shell.media import RowMedia
@@ -187,10 +186,7 @@ def check_request_logprobs(generation: Generation, logprobs_mode: str, request_i
     """What an async engine's ``generate_text`` owes its caller, who sees no tokens: an
     ``EngineContractError`` naming the request when ``check_logprobs`` refuses the
     request's sampled logprobs (the async worker names the row)."""
-    if generation.logprobs is None:
-        return
-    lengths = np.array([generation.num_tokens], dtype=np.int64)
-    checked = check_logprobs(generation.logprobs, lengths, logprobs_mode)
+    checked = check_generation_logprobs(generation, logprobs_mode)
     if isinstance(checked, Failure):
         problem = checked.failure()
         raise EngineContractError(

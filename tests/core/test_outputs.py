@@ -18,6 +18,7 @@ from genworker.core.outputs import (
     NonFiniteCounts,
     NonFiniteLogprobs,
     check_finished,
+    check_generation_logprobs,
     check_logprobs,
 )
 
@@ -197,3 +198,19 @@ def test_aborted_rows_keep_their_batch_rows_when_placed(
     else:
         assert isinstance(result, Success)
         assert isinstance(named, Success)
+
+
+@given(
+    generations(non_finite=True),
+    st.sampled_from(sorted(PROCESSED_LOGPROBS_MODES | {"raw_logprobs", "raw_logits"})),
+    st.integers(0, 99),
+)
+def test_one_generation_is_checked_as_a_batch_of_that_one_row(
+    g: Generation, mode: str, row: int
+) -> None:
+    got = check_generation_logprobs(g, mode, row=row)
+    if g.logprobs is None:
+        assert got == Success(NonFiniteCounts())
+        return
+    lengths = np.array([g.num_tokens], dtype=np.int64)
+    assert got == check_logprobs(g.logprobs, lengths, mode, rows=(row,))
