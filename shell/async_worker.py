@@ -16,7 +16,8 @@ every row is its own engine request, so rows finish, fail and change weights apa
   slots back (``core.caps.cap_rows``) comes back unchanged with no tokens, as the sync
   worker's does. A row that fails later (the engine died, a refit failed, the worker shut
   down) comes back as ``(row, error)`` with a typed error; the others go on. Images are
-  not taken here (``multi_modal_data`` is refused, typed).
+  not taken here: ``multi_modal_data`` and NeMo-RL's ``vllm_images`` side channel are
+  refused, typed.
 - A consumer that stops iterating (``break``, ``aclose()``, a cancelled task) ends the
   stream: its unfinished requests are cancelled, which aborts them in vLLM
   (``AsyncLLM.generate`` aborts on ``CancelledError``), and aborted again by id. A stream
@@ -114,6 +115,7 @@ from genworker.shell.errors import (
     UnsupportedError,
     unwrap,
 )
+from genworker.shell.media import media_keys
 from genworker.shell.ports import (
     AsyncEngineFactory,
     AsyncEnginePort,
@@ -207,6 +209,15 @@ class _Plan:
 
 # What a row without room gets: its prompt back, no tokens (the sync worker's _NO_ROOM).
 _NO_ROOM = RowResult(Generation((), (), "abort"), VersionRuns((), (), 0))
+
+
+def _refuse_media(data: object) -> None:
+    """Images are not taken here (the sync worker takes them): refused, not dropped."""
+    if isinstance(data, Mapping) and (carried := media_keys(data)):
+        raise UnsupportedError(
+            f"data keys {carried} carry media: the async worker takes token-id and text "
+            "prompts only (images go through VllmGenerationWorker)"
+        )
 
 
 def _for_row(error: GenworkerError, row: int) -> GenworkerError:
@@ -703,11 +714,7 @@ class AsyncVllmGenerationWorker:
         self._move(lifecycle.Event.STREAM_OPEN)
         if not isinstance(greedy, bool):
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
-        if isinstance(data, Mapping) and data.get("multi_modal_data") is not None:
-            raise UnsupportedError(
-                "data['multi_modal_data']: the async worker takes token-id and text prompts "
-                "only (images go through VllmGenerationWorker)"
-            )
+        _refuse_media(data)
         input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
         caps = self.engine.capabilities
         limits = {
@@ -796,6 +803,7 @@ class AsyncVllmGenerationWorker:
         prompts = data.get("prompts") if isinstance(data, Mapping) else None
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise BadBatchError("generate_text: data['prompts'] must be a list of str")
+        _refuse_media(data)
         refused: dict[int, GenworkerError] = {
             row: BadBatchError(f"generate_text: prompt {row} is an empty string")
             for row, p in enumerate(prompts)

@@ -21,8 +21,9 @@ Theory of operation
 * ``generate``: the batch is checked in the driver first (core ``check_batch``; with media
   also ``row_media`` and core ``check_media`` against the placeholder id and image limit
   the first shard reports once, ``multimodal_info``), so a bad row submits nothing
-  anywhere and errors name the batch's own rows. Media (``multi_modal_data``, one entry per
-  row) travel with their rows: ``split_batch`` splits per-row lists like tensors. A media
+  anywhere and errors name the batch's own rows (a row with NeMo-RL's ``vllm_content``
+  text is checked by its shard, on the text's ids). Media (``multi_modal_data`` or
+  NeMo-RL's side channels, one entry per row) travel with their rows: ``split_batch`` splits per-row lists like tensors. A media
   row's cost counts its placeholders as one token each (the driver cannot expand them). Core splits it by token cost (``plan_shards``), the shards
   with rows run concurrently, a shard without rows never calls its actor, and core merges
   the outputs back into input order, padding each shard to the widest with the pad id.
@@ -525,10 +526,14 @@ class GenerationGroup:
         info = self._multimodal_info(timeout_s)
         placeholder, limit = info.get("image_token_id"), info.get("max_images")
         if media is not None or placeholder is not None:
+            # A row with prompt text (NeMo-RL's vllm_content) is checked by its shard, on
+            # the text's ids: its input_ids hold the caller's processor's expansion.
+            texts = {r for r, m in enumerate(media or ()) if m is not None and m.text is not None}
+            counts = image_counts(media, batch.batch_size)
             unwrap(
                 check_media(
-                    batch.prompts,
-                    image_counts(media, batch.batch_size),
+                    [() if r in texts else p for r, p in enumerate(batch.prompts)],
+                    [0 if r in texts else n for r, n in enumerate(counts)],
                     placeholder_id=placeholder if isinstance(placeholder, int) else None,
                     max_images=limit if isinstance(limit, int) else None,
                 ),
@@ -677,7 +682,9 @@ class GenerationGroup:
         prompts = data.get("prompts") if isinstance(data, Mapping) else None
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise BadBatchError("generate_text: data['prompts'] must be a list of str")
-        row_media(data, len(prompts), "generate_text")  # the shape here; the counts per shard
+        row_media(
+            data, len(prompts), "generate_text", texts=False
+        )  # the shape here; the counts per shard
         if not prompts:
             return {"texts": []}
         # Text has no token count before the engine tokenises it; characters stand in.

@@ -11,11 +11,17 @@ image in the row's prompt (:mod:`genworker.core.multimodal` checks those counts)
   fails only when vLLM's processor decodes it, with an ``OSError`` from deep inside. Each
   image is decoded here (``Image.load``; PIL keeps the pixels, so vLLM does not decode it
   again) and must have a size;
-- NeMo-RL's own multimodal batch keys (``vllm_content``, ``vllm_images``, ``vllm_audios``,
-  ``vllm_videos``) are refused by name when any row carries something in them (NeMo-RL
-  itself ignores rows whose entries are empty): NeMo-RL reads them only together with
-  ``vllm_content`` (a text prompt used instead of the token ids), which breaks the output
-  contract's "the caller's own ids"; ``multi_modal_data`` is the way in.
+- NeMo-RL's side channels, the way its processors and collate functions send images
+  (``nemo_rl/models/generation/vllm/utils.py``, ``format_prompt_for_vllm_generation``):
+  ``vllm_images`` (per row a list of PIL images, empty for a text row) and ``vllm_content``
+  (per row the conversation as text, or ``None``). A row with images takes its prompt from
+  its ``vllm_content`` when that is a string (:attr:`RowMedia.text`; NeMo-RL's ``input_ids``
+  hold its processor's *expanded* image ids, which vLLM cannot take back as a token prompt,
+  and NeMo-RL sends vLLM the text for that reason), else from its ids (NeMo-RL's later
+  turns: ``vllm_content`` ``None``); a row without images uses its ids whatever its
+  ``vllm_content`` says, as NeMo-RL does. ``vllm_audios`` and ``vllm_videos`` carrying
+  anything are refused by name (images only), as are ``vllm_images`` together with
+  ``multi_modal_data`` (one way in).
 
 Every problem is a :class:`~genworker.shell.errors.BadBatchError` naming the row (and the
 image), raised before anything reaches the engine.
@@ -33,7 +39,14 @@ from genworker.shell.errors import BadBatchError
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-__all__ = ["MEDIA_KEY", "NEMO_RL_MEDIA_KEYS", "RowMedia", "image_counts", "row_media"]
+__all__ = [
+    "MEDIA_KEY",
+    "NEMO_RL_MEDIA_KEYS",
+    "RowMedia",
+    "image_counts",
+    "media_keys",
+    "row_media",
+]
 
 MEDIA_KEY = "multi_modal_data"
 NEMO_RL_MEDIA_KEYS = ("vllm_content", "vllm_images", "vllm_audios", "vllm_videos")
@@ -41,9 +54,12 @@ NEMO_RL_MEDIA_KEYS = ("vllm_content", "vllm_images", "vllm_audios", "vllm_videos
 
 @attrs.frozen
 class RowMedia:
-    """One row's images, in placeholder order (decoded, so vLLM can read them)."""
+    """One row's images, in placeholder order (decoded, so vLLM can read them), and the
+    row's prompt as text where NeMo-RL's ``vllm_content`` gave one: the engine then starts
+    from that text's ids instead of the row's ``input_ids``, which stay the output's."""
 
     images: tuple[Image, ...]
+    text: str | None = None
 
     def vllm_data(self) -> dict[str, object]:
         """The row's ``multi_modal_data`` for vLLM."""
@@ -90,32 +106,77 @@ def _carries(value: object) -> bool:
     return any(v is not None and not (isinstance(v, Sequence) and len(v) == 0) for v in value)
 
 
+def _rows(data: Mapping[str, object], key: str, batch_size: int, call: str) -> Sequence[object]:
+    """``data[key]``, a list with one entry per row."""
+    value = data[key]
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        raise BadBatchError(
+            f"{call}: data[{key!r}] must be a list with one entry per row, got "
+            f"{type(value).__name__}"
+        )
+    if len(value) != batch_size:
+        raise BadBatchError(f"{call}: data[{key!r}] has {len(value)} entries for {batch_size} rows")
+    return value
+
+
+def _nemo_rl_row(images: object, text: object, row: int, call: str) -> RowMedia | None:
+    """Row ``row`` of NeMo-RL's ``vllm_images`` and ``vllm_content``."""
+    where = f"{call}: vllm_images[{row}]"
+    if images is not None and not isinstance(images, list | tuple):
+        raise BadBatchError(f"{where} must be a list of PIL images, got {type(images).__name__}")
+    decoded = tuple(_image(v, f"{where}[{i}]") for i, v in enumerate(images or ()))
+    if text is not None and (not isinstance(text, str) or not text):
+        raise BadBatchError(
+            f"{call}: vllm_content[{row}] must be None or a non-empty str, got {text!r:.80}"
+        )
+    return RowMedia(decoded, text) if decoded else None  # NeMo-RL: no images, the ids
+
+
 def row_media(
-    data: Mapping[str, object], batch_size: int, call: str
+    data: Mapping[str, object], batch_size: int, call: str, *, texts: bool = True
 ) -> list[RowMedia | None] | None:
     """Each row's media from ``data`` (see the module docstring), or ``None`` when no row
-    has any."""
-    nemo = [key for key in NEMO_RL_MEDIA_KEYS if _carries(data.get(key))]
-    if nemo:
+    has any. ``texts=False``: the call's prompts are text already, and a ``vllm_content``
+    that carries anything is refused."""
+    if other := [k for k in ("vllm_audios", "vllm_videos") if _carries(data.get(k))]:
         raise BadBatchError(
-            f"{call}: data keys {nemo} are NeMo-RL's multimodal side channels, which this "
-            f"worker does not read; pass data[{MEDIA_KEY!r}] (per row: None or "
-            "{'image': PIL image or list}) with one placeholder id per image in the prompt"
+            f"{call}: data keys {other} carry audio or video, which this worker does not "
+            "take (images only)"
         )
-    raw = data.get(MEDIA_KEY)
-    if raw is None:
+    if not texts and _carries(data.get("vllm_content")):
+        raise BadBatchError(
+            f"{call}: data['vllm_content'] (NeMo-RL's prompt text) is for generate: "
+            "this call's prompts are data['prompts']"
+        )
+    if _carries(data.get("vllm_images")):
+        if _carries(data.get(MEDIA_KEY)):
+            raise BadBatchError(
+                f"{call}: images in both data[{MEDIA_KEY!r}] and data['vllm_images'] "
+                "(NeMo-RL's side channel): keep one"
+            )
+        images = _rows(data, "vllm_images", batch_size, call)
+        content = data.get("vllm_content")
+        prompts = (
+            [None] * batch_size
+            if content is None
+            else _rows(data, "vllm_content", batch_size, call)
+        )
+        media = [
+            _nemo_rl_row(*row, i, call) for i, row in enumerate(zip(images, prompts, strict=True))
+        ]
+    elif data.get(MEDIA_KEY) is None:
         return None
-    if not isinstance(raw, Sequence) or isinstance(raw, str | bytes):
-        raise BadBatchError(
-            f"{call}: data[{MEDIA_KEY!r}] must be a list with one entry per row, got "
-            f"{type(raw).__name__}"
-        )
-    if len(raw) != batch_size:
-        raise BadBatchError(
-            f"{call}: data[{MEDIA_KEY!r}] has {len(raw)} entries for {batch_size} rows"
-        )
-    media = [_entry(entry, row, call) for row, entry in enumerate(raw)]
+    else:
+        raw = _rows(data, MEDIA_KEY, batch_size, call)
+        media = [_entry(entry, row, call) for row, entry in enumerate(raw)]
     return media if any(m is not None for m in media) else None
+
+
+def media_keys(data: Mapping[str, object]) -> list[str]:
+    """The keys of ``data`` that carry media: ``multi_modal_data`` when set, NeMo-RL's
+    ``vllm_images`` / ``vllm_audios`` / ``vllm_videos`` when a row holds something."""
+    keys = [MEDIA_KEY] if data.get(MEDIA_KEY) is not None else []
+    return keys + [k for k in NEMO_RL_MEDIA_KEYS[1:] if _carries(data.get(k))]
 
 
 def image_counts(media: Sequence[RowMedia | None] | None, batch_size: int) -> list[int]:

@@ -22,7 +22,9 @@ A row without room left in the context (``core.caps.cap_rows``: with speculative
 the drafter's k + 1 slots count too; a media row counts with its expanded prompt) is
 refused alone: it comes back unchanged with generation length 0 (``generate_text``: an
 empty text), it is named in a warning and in ``last_refused_rows``, and the other rows
-generate. Images come in ``data["multi_modal_data"]`` (:mod:`genworker.shell.media`).
+generate. Images come in ``data["multi_modal_data"]`` or NeMo-RL's ``vllm_images`` /
+``vllm_content`` side channels (:mod:`genworker.shell.media`); a row whose prompt text
+came with its images starts from that text's ids, and its output keeps the caller's ids.
 """
 
 from __future__ import annotations
@@ -541,13 +543,17 @@ class VllmGenerationWorker:
         if not batch.prompts:
             self.last_refused_rows = ()
             return assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id).as_dict()
-        context = self._context_lengths(batch.prompts, batch.lengths, media)
+        engine_prompts = self._engine_prompts(batch.prompts, media)
+        lengths = (
+            batch.lengths if engine_prompts is batch.prompts else list(map(len, engine_prompts))
+        )
+        context = self._context_lengths(engine_prompts, lengths, media)
         specs = self._specs(context, data, greedy)
         kept = [i for i, spec in enumerate(specs) if spec is not None]
         progress = self.cfg.vllm.use_tqdm
         made = _NO_ROWS
         if kept:
-            prompts = [batch.prompts[i] for i in kept]
+            prompts = [engine_prompts[i] for i in kept]
             kept_specs = [spec for spec in specs if spec is not None]
             kept_media = None if media is None else [media[i] for i in kept]
             made = self._call(
@@ -574,6 +580,24 @@ class VllmGenerationWorker:
                 f"{caps.max_model_len}: context lengths {held[over].tolist()}"
             )
         return out.as_dict()
+
+    def _engine_prompts(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None] | None
+    ) -> Sequence[Sequence[int]]:
+        """What the engine starts each row from: its ids, or the ids of its prompt text
+        (NeMo-RL's ``vllm_content``, :class:`~genworker.shell.media.RowMedia`), tokenized
+        here as ``generate_text`` tokenizes (one BOS)."""
+        texts = {row: m.text for row, m in enumerate(media or ()) if m and m.text is not None}
+        if not texts:
+            return prompts
+        ids = dict(zip(texts, self._call(lambda e: e.tokenize(list(texts.values()))), strict=True))
+        limit = self.engine.capabilities.max_model_len
+        if too_long := [row for row, p in ids.items() if len(p) >= limit]:
+            raise BadBatchError(
+                f"generate: vllm_content of rows {too_long} leaves no room to generate: "
+                f"{[len(ids[r]) for r in too_long]} tokens, max_model_len={limit}"
+            )
+        return [ids.get(row, prompt) for row, prompt in enumerate(prompts)]
 
     def _context_lengths(
         self,
@@ -622,7 +646,7 @@ class VllmGenerationWorker:
             return {"texts": []}
         if empty := [i for i, p in enumerate(prompts) if not p]:
             raise BadBatchError(f"generate_text: prompts {empty} are empty strings")
-        media = row_media(data, len(prompts), "generate_text")
+        media = row_media(data, len(prompts), "generate_text", texts=False)
         # Tokenised once, here (no second BOS), so caps and media checks see the real ids.
         ids = self._call(lambda e: e.tokenize(prompts))
         caps = self.engine.capabilities

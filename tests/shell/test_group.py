@@ -229,6 +229,21 @@ def test_rows_travel_with_their_media_and_bad_media_is_refused_in_the_driver(
         with pytest.raises(BadBatchError, match=r"multi_modal_data\[3\]\['image'\]\[0\] must be"):
             g.generate(data([*media[:3], {"image": "red.png"}]))
         assert shard_prompt_tokens(g) == before
+        # NeMo-RL's side channels: a first turn's ids hold its processor's expansion, which
+        # the driver does not check; the row's shard starts it from its text ("abfc").
+        nemo = {
+            **data([None] * 4),
+            "vllm_images": [[red], [], [red, blue], [blue]],
+            "vllm_content": ["abfc", None, None, None],
+        }
+        ids = nemo["input_ids"]
+        assert isinstance(ids, torch.Tensor)
+        ids[0, :10] = torch.tensor([0, 1, *[placeholder] * expansion, 2])
+        nemo["input_lengths"] = torch.tensor([10, 2, 6, 12])
+        out = g.generate(nemo, greedy=True)
+        assert out["output_ids"][0, :10].tolist() == ids[0, :10].tolist()
+        counted = [a - b for a, b in zip(shard_prompt_tokens(g), before, strict=True)]
+        assert sum(counted) == 4 + sum(len(r) for r in rows[1:]) + 4 * (expansion - 1)
         texts = g.generate_text(
             {"prompts": ["afc", "ab"], "multi_modal_data": [{"image": red}, None]}, greedy=True
         )

@@ -32,7 +32,7 @@ from PIL import Image
 from refit_helpers import REFIT_TIMEOUT, Trainer
 from safetensors.torch import load_file
 from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
+from vllm.inputs import TextPrompt, TokensPrompt
 
 from genworker.core.counters import CACHE_RESETS
 from genworker.shell.errors import BadBatchError
@@ -229,6 +229,73 @@ def test_the_context_cap_counts_the_expanded_prompt(vlm: VllmEngine) -> None:
     assert int(out["unpadded_sequence_lengths"][0]) == 240 + room
 
 
+# -- NeMo-RL's side channels -------------------------------------------------------------
+
+
+def test_nemo_rl_side_channels_equal_vllm_on_the_prompts_nemo_rl_sends(
+    worker: VllmGenerationWorker, vlm: VllmEngine
+) -> None:
+    """NeMo-RL's VLM batch (``vllm_content``, ``vllm_images``, its processor's expanded
+    ``input_ids``) equals raw vLLM on what NeMo-RL sends it (``{"prompt": text,
+    "multi_modal_data": ...}`` for a first turn, the ids of a text row), row by row, and
+    the output keeps the caller's ids."""
+    llm = vlm.llm
+    two = "<image><image> Describe the image."
+    rows: list[tuple[str, list[Image.Image]]] = [
+        ("Describe the image.", []),  # a text row: its ids, as NeMo-RL
+        (TEXT, [RED]),
+        (two, [RED, BLUE]),
+    ]
+    # What NeMo-RL's processor hands over as input_ids: the expanded prompt.
+    rendered = llm.generate(
+        [
+            TokensPrompt(prompt_token_ids=[BOS, *ids(llm, text)], multi_modal_data={"image": im})
+            if im
+            else TokensPrompt(prompt_token_ids=[BOS, *ids(llm, text)])
+            for text, im in rows
+        ],
+        SamplingParams(max_tokens=1),
+        use_tqdm=False,
+    )
+    expanded = [list(out.prompt_token_ids or []) for out in rendered]
+    assert [e.count(IMAGE) for e in expanded] == [
+        0,
+        VLM_IMAGE_PROMPT_IDS - 3,
+        2 * (VLM_IMAGE_PROMPT_IDS - 3),
+    ]
+    seeds = [21, 22, 23]
+    llm.reset_prefix_cache()
+    reference = llm.generate(
+        [
+            TextPrompt(prompt=text, multi_modal_data={"image": im})
+            if im
+            else TokensPrompt(prompt_token_ids=expanded[0])
+            for text, im in rows
+        ],
+        [SamplingParams(max_tokens=MAX_NEW, logprobs=0, temperature=1.0, seed=s) for s in seeds],
+        use_tqdm=False,
+    )
+    expected = []
+    for answer in reference:
+        c = answer.outputs[0]
+        assert isinstance(c.logprobs, list)
+        lps = [float(pos[t].logprob) for t, pos in zip(c.token_ids, c.logprobs, strict=True)]
+        expected.append((list(c.token_ids), torch.tensor(lps, dtype=torch.float32).tolist()))
+    vlm.reset_prefix_cache()
+    data: dict[str, object] = dict(right_padded(expanded, pad=PAD))
+    data["vllm_content"] = [text for text, _ in rows]
+    data["vllm_images"] = [im for _, im in rows]
+    out = worker.generate({**data, "seeds": seeds})
+    assert rows_of(out, [len(e) for e in expanded]) == expected
+    for i, prompt in enumerate(expanded):
+        assert out["output_ids"][i, : len(prompt)].tolist() == prompt
+        assert int(out["unpadded_sequence_lengths"][i]) == len(prompt) + len(expected[i][0])
+    # A later turn's shape (expanded ids, images, no text) vLLM would expand again: refused.
+    with pytest.raises(BadBatchError, match=r"already expanded.*row 1"):
+        worker.generate({**data, "vllm_content": [None] * 3})
+    assert worker.generate({**data, "seeds": seeds})["output_ids"].shape[0] == 3
+
+
 # -- BOS ---------------------------------------------------------------------------------
 
 
@@ -260,7 +327,7 @@ def test_one_bos_in_what_vllm_sees_from_text_and_from_token_ids(
     # What the worker guards against: vLLM's own text path doubles an explicit BOS.
     monkeypatch.undo()
     (doubled,) = llm.generate(
-        [{"prompt": "<s>" + TEXT, "multi_modal_data": {"image": RED}}],  # type: ignore[list-item]
+        [TextPrompt(prompt="<s>" + TEXT, multi_modal_data={"image": RED})],
         SamplingParams(max_tokens=1),
         use_tqdm=False,
     )

@@ -212,7 +212,9 @@ BAD = [
         id="context",
     ),
     pytest.param(
-        {**batch([[1]]), "vllm_images": [[image()]]}, r"\['vllm_images'\].*NeMo-RL", id="nemo-rl"
+        {**batch([[1]]), "vllm_images": [[image()]]},
+        r"more images than placeholder.*row 0 \(1 images, 0 placeholders\)",
+        id="nemo-rl-no-placeholder",
     ),
 ]
 
@@ -229,11 +231,122 @@ def test_bad_media_is_refused_before_the_engine_and_the_next_batch_is_served(
 
 
 def test_empty_nemo_rl_side_channels_are_ignored_as_nemo_rl_does() -> None:
-    worker, _ = vlm_worker()
+    worker, engine = vlm_worker()
     data = {**batch([[1, 2], [3]]), "vllm_images": [[], []], "vllm_content": [None, None]}
     assert worker.generate(data)["output_ids"].shape[0] == 2
-    with pytest.raises(BadBatchError, match=r"\['vllm_content'\]"):
-        worker.generate({**data, "vllm_content": [None, "<image> hi"]})
+    # A row's text without images: NeMo-RL generates from the row's ids, and so does this.
+    worker.generate({**data, "vllm_content": [None, "a hi"]})
+    assert [p for p, _ in engine.requests[-2:]] == [[1, 2], [3]]
+
+
+# -- NeMo-RL's side channels: vllm_images and vllm_content ---------------------------------
+
+PLACEHOLDER = "abcdefghijklmnopqrstuvwxyz"[IMAGE]  # the fake tokenises one letter per id
+
+
+def nemo_rl_batch() -> dict[str, object]:
+    """NeMo-RL's shape: its processor's expanded ids, the conversation as text, the images.
+    Row 0 text only; row 1 a first turn (text and image); row 2 a later turn (ids and
+    image, vllm_content None)."""
+    expanded = [0, 1, *[IMAGE] * EXPANSION, 2]  # "ab<image>c" as a processor expands it
+    data: dict[str, object] = dict(batch([[1, 2, 3], expanded, [1, IMAGE, 8, 9]]))
+    data["vllm_content"] = [None, f"ab{PLACEHOLDER}c", None]
+    data["vllm_images"] = [[], [image()], [image((0, 0, 9))]]
+    return data
+
+
+def test_nemo_rl_side_channels_start_a_row_from_its_text_and_keep_the_callers_ids() -> None:
+    worker, engine = vlm_worker(vllm_cfg={"cap_max_tokens_to_context": True}, max_new_tokens=40)
+    data = nemo_rl_batch()
+    out = worker.generate(data, greedy=True)
+    sent = engine.requests[-3:]
+    # What the engine started from: the ids, the text's ids (one placeholder), the ids.
+    assert [p for p, _ in sent] == [[1, 2, 3], [0, 1, IMAGE, 2], [1, IMAGE, 8, 9]]
+    # The caps count what the context holds: the text's ids expanded, not the caller's ids.
+    expanded = [3, 4 + EXPANSION - 1, 4 + EXPANSION - 1]
+    assert [spec.max_tokens for _, spec in sent] == [min(40, MAX_MODEL_LEN - n) for n in expanded]
+    # The same rows through multi_modal_data with the engine's prompts: the same tokens.
+    same = worker.generate(
+        {
+            **batch([p for p, _ in sent]),
+            "multi_modal_data": [None, {"image": image()}, {"image": image((0, 0, 9))}],
+        },
+        greedy=True,
+    )
+    lengths = data["input_lengths"]
+    assert isinstance(lengths, torch.Tensor)
+    for row, (prompt, _) in enumerate(sent):
+        n, g = int(lengths[row]), int(out["generation_lengths"][row])
+        assert g == int(same["generation_lengths"][row])
+        generated = same["output_ids"][row, len(prompt) : len(prompt) + g]
+        assert torch.equal(out["output_ids"][row, n : n + g], generated)
+        assert out["output_ids"][row, :n].tolist() == data["input_ids"][row, :n].tolist()  # type: ignore[index]
+        assert int(out["unpadded_sequence_lengths"][row]) == n + g
+
+
+NEMO_RL_BAD = [
+    pytest.param({"vllm_audios": [[], [b"wav"], []]}, r"\['vllm_audios'\] carry audio", id="audio"),
+    pytest.param({"vllm_videos": [[], [], [[image()]]]}, r"\['vllm_videos'\]", id="video"),
+    pytest.param(
+        {"multi_modal_data": [None, {"image": image()}, None]},
+        r"both data\['multi_modal_data'\] and data\['vllm_images'\].*keep one",
+        id="two-ways-in",
+    ),
+    pytest.param({"vllm_images": [[image()]]}, r"\['vllm_images'\] has 1 entries for 3", id="rows"),
+    pytest.param(
+        {"vllm_content": ["ab", "abfc"]}, r"\['vllm_content'\] has 2 entries for 3", id="text-rows"
+    ),
+    pytest.param(
+        {"vllm_images": [[], image(), []]}, r"vllm_images\[1\] must be a list", id="entry"
+    ),
+    pytest.param(
+        {"vllm_images": [[], ["red.png"], []]}, r"vllm_images\[1\]\[0\] must be a PIL", id="path"
+    ),
+    pytest.param(
+        {"vllm_images": [[], [truncated_png()], []]},
+        r"vllm_images\[1\]\[0\] cannot be read",
+        id="unreadable",
+    ),
+    pytest.param(
+        {"vllm_content": [None, b"abfc", None]}, r"vllm_content\[1\] must be None or a", id="bytes"
+    ),
+    pytest.param({"vllm_content": [None, "", None]}, r"vllm_content\[1\] must be", id="empty"),
+    pytest.param(
+        {"vllm_content": [None, "abffc", None]},
+        r"already expanded.*row 1 \(2 placeholders, 1 images\)",
+        id="text-placeholders",
+    ),
+    pytest.param(
+        {"vllm_content": [None, "ab" + PLACEHOLDER + "c" * 50, None]},
+        r"vllm_content of rows \[1\] leaves no room.*\[53\] tokens, max_model_len=48",
+        id="text-too-long",
+    ),
+    pytest.param(
+        {"vllm_content": [None, None, None]},
+        r"already expanded.*row 1 \(7 placeholders, 1 images\)",
+        id="expanded-ids-without-text",
+    ),
+]
+
+
+@pytest.mark.parametrize(("change", "match"), NEMO_RL_BAD)
+def test_bad_nemo_rl_side_channels_are_refused_by_name_and_the_next_batch_is_served(
+    change: dict[str, object], match: str
+) -> None:
+    worker, engine = vlm_worker()
+    with pytest.raises(BadBatchError, match=match):
+        worker.generate({**nemo_rl_batch(), **change})
+    assert "generate" not in engine.calls
+    assert worker.generate(nemo_rl_batch())["output_ids"].shape[0] == 3
+
+
+def test_generate_text_takes_nemo_rl_images_but_not_its_prompt_text() -> None:
+    worker, engine = vlm_worker()
+    data = {"prompts": ["ab", f"a{PLACEHOLDER}c"], "vllm_images": [[], [image()]]}
+    assert len(worker.generate_text(data, greedy=True)["texts"]) == 2
+    assert engine.calls[-4:] == ["tokenize", "expanded_lengths", "generate_text", "generate"]
+    with pytest.raises(BadBatchError, match=r"vllm_content.*data\['prompts'\]"):
+        worker.generate_text({**data, "vllm_content": [None, "abfc"]})
 
 
 def test_a_placeholder_id_in_a_batch_without_media_is_refused() -> None:

@@ -234,12 +234,12 @@ def test_generate_text_refuses_a_prompt_that_leaves_no_room_before_the_engine(ca
     assert len(out["texts"][0]) == 1
 
 
-def test_nemo_rl_media_side_channels_are_refused_and_text_rows_pass(
+def test_nemo_rl_media_side_channels_are_checked_and_text_rows_pass(
     worker_engine: tuple[VllmGenerationWorker, FakeEngine],
 ) -> None:
     worker, engine = worker_engine
     data = batch([[1, 2], [3]])
-    with pytest.raises(BadBatchError, match=r"\['vllm_images'\].*NeMo-RL.*multi_modal_data"):
+    with pytest.raises(BadBatchError, match=r"vllm_images\[1\]\[0\] must be a PIL image"):
         worker.generate({**data, "vllm_images": [[], ["<image>"]]})
     with pytest.raises(BadBatchError, match="vllm_videos"):
         worker.generate({**data, "vllm_videos": torch.zeros(2)})

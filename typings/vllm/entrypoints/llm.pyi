@@ -3,7 +3,7 @@ from typing import Literal, TypeVar, overload
 
 import torch
 
-from vllm.inputs import TokensPrompt
+from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.outputs import RequestOutput
 from vllm.renderers import BaseRenderer
 from vllm.sampling_params import SamplingParams
@@ -19,7 +19,7 @@ class LLM:
     def __init__(self, model: str, **kwargs: object) -> None: ...
     def generate(
         self,
-        prompts: Sequence[TokensPrompt | str],
+        prompts: Sequence[TokensPrompt | TextPrompt | str],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,

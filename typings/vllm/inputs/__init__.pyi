@@ -3,6 +3,7 @@ from typing import NotRequired, TypedDict
 
 class TextPrompt(TypedDict):
     prompt: str
+    multi_modal_data: NotRequired[Mapping[str, object] | None]
 
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
