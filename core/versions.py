@@ -29,6 +29,8 @@ Two sources feed it:
 :func:`place_versions` lays the per-token versions of a batch out like the output
 contract's ``logprobs`` (``genworker.core.assembly``): row ``i``'s generated token ``k``
 sits at column ``l_i + k``; every other cell (prompt, padding) holds :data:`NO_VERSION`.
+:func:`uniform_versions` is the same layout for a batch sampled under one version (the sync
+worker's: no refit runs inside its ``generate``), in one vectorised pass.
 :func:`staleness` says how many good refits behind the current weights each token is.
 """
 
@@ -54,6 +56,7 @@ __all__ = [
     "runs_from_spans",
     "runs_from_tokens",
     "staleness",
+    "uniform_versions",
 ]
 
 NO_VERSION = -1
@@ -254,3 +257,23 @@ def place_versions(
             )
         out[i, start : start + runs.length] = runs.per_token()
     return torch.from_numpy(out)
+
+
+def uniform_versions(
+    input_lengths: torch.Tensor, generation_lengths: torch.Tensor, width: int, version: int
+) -> torch.Tensor:
+    """:func:`place_versions` of rows whose every token ``version`` sampled: ``version`` at
+    columns ``[l_i, l_i + g_i)`` of row ``i``, :data:`NO_VERSION` elsewhere; (B, ``width``)
+    int64. A row that does not fit in ``width`` is a programming error (``ValueError``)."""
+    if generation_lengths.numel() != input_lengths.numel():
+        raise ValueError(
+            f"{generation_lengths.numel()} generation lengths for {input_lengths.numel()} "
+            "input lengths"
+        )
+    starts = input_lengths.to(torch.int64).reshape(-1, 1)
+    ends = starts + generation_lengths.to(torch.int64).reshape(-1, 1)
+    if bool((starts < 0).any()) or bool((ends > width).any()) or bool((ends < starts).any()):
+        raise ValueError(f"rows that do not fit in width {width}: {torch.cat([starts, ends], 1)}")
+    columns = torch.arange(width, dtype=torch.int64)
+    inside = (columns >= starts) & (columns < ends)
+    return torch.where(inside, version, NO_VERSION).to(torch.int64)

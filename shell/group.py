@@ -522,7 +522,9 @@ class GenerationGroup:
         )
         media = row_media(data, batch.batch_size, "generate")
         if not batch.lengths:
-            return assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id).as_dict()
+            empty = assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id)
+            versions = torch.full(empty.output_ids.shape, NO_VERSION, dtype=torch.int64)
+            return {**empty.as_dict(), "weight_versions": versions}  # the shards' keys
         info = self._multimodal_info(timeout_s)
         placeholder, limit = info.get("image_token_id"), info.get("max_images")
         if media is not None or placeholder is not None:

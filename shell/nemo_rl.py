@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Final, Generic, Protocol, TypeVar
 
 import torch
 
@@ -73,6 +73,7 @@ from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 from genworker.shell.worker import checked_env_names
 
 __all__ = [
+    "NEMO_RL_OUTPUT_KEYS",
     "NemoRlGenerationWorker",
     "NemoRlMember",
     "VllmAsyncGenerationWorker",
@@ -80,6 +81,17 @@ __all__ = [
     "raw_spec_counters",
     "wake_up_tags",
 ]
+
+#: NeMo-RL's ``GenerationOutputSpec``: the keys of every ``generate`` result (genworker's
+#: ``weight_versions`` is left out: NeMo-RL merges the workers' outputs with
+#: ``BatchedDataDict.from_batches``, which would pad it with 0, a version)
+NEMO_RL_OUTPUT_KEYS: Final = (
+    "output_ids",
+    "logprobs",
+    "generation_lengths",
+    "unpadded_sequence_lengths",
+    "truncated",
+)
 
 # Made on first use by the module __getattr__ below (Ray imported then).
 VllmGenerationWorker: Any
@@ -294,7 +306,8 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
 
     # -- generation -----------------------------------------------------------------
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
-        return self._owner("generate").generate(data, greedy)
+        out = self._owner("generate").generate(data, greedy)
+        return {key: out[key] for key in NEMO_RL_OUTPUT_KEYS}
 
     def generate_text(
         self, data: Mapping[str, object], greedy: bool = False

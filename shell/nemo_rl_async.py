@@ -59,7 +59,6 @@ from __future__ import annotations
 import contextlib
 import urllib.parse
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from typing import Final
 
 import torch
 
@@ -68,18 +67,14 @@ from genworker.core.refit_protocol import Transport
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import GenworkerError, UnsupportedError
 from genworker.shell.host import node_ip
-from genworker.shell.nemo_rl import NemoRlMember, raw_spec_counters, wake_up_tags
-
-__all__ = ["NEMO_RL_OUTPUT_KEYS", "NemoRlAsyncGenerationWorker", "reported_url"]
-
-#: NeMo-RL's ``GenerationOutputSpec``: the keys of every ``generate_async`` result
-NEMO_RL_OUTPUT_KEYS: Final = (
-    "output_ids",
-    "logprobs",
-    "generation_lengths",
-    "unpadded_sequence_lengths",
-    "truncated",
+from genworker.shell.nemo_rl import (
+    NEMO_RL_OUTPUT_KEYS,
+    NemoRlMember,
+    raw_spec_counters,
+    wake_up_tags,
 )
+
+__all__ = ["NemoRlAsyncGenerationWorker", "reported_url"]
 
 _REFITS = "refit with update_weights_via_ipc_zmq_async or update_weights_from_collective_async"
 

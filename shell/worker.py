@@ -42,6 +42,7 @@ from returns.result import Failure, Result, Success
 
 from genworker.core import lifecycle
 from genworker.core.assembly import (
+    GenerationOutputs,
     assemble_flat_outputs,
     assemble_outputs,
     flatten_generations,
@@ -76,6 +77,7 @@ from genworker.core.refit_protocol import (
 )
 from genworker.core.sampling import SamplingSpec, check_stop_token_ids, sampling_spec
 from genworker.core.stops import StopMode, merge_stop_strings
+from genworker.core.versions import uniform_versions
 from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.engine_lock import EngineLock
 from genworker.shell.errors import (
@@ -336,6 +338,7 @@ class VllmGenerationWorker:
         self.last_refused_rows: tuple[int, ...] = ()
         self._sparse_urls: list[str] | None = None  # the engine workers' relay receivers
         self._sparse_applied: list[object] = []  # their applied counts as last seen
+        self._version = 0  # good refits so far (weight_version)
         if not defer_model_load:
             self.load_model()
 
@@ -408,6 +411,13 @@ class VllmGenerationWorker:
     @property
     def state(self) -> lifecycle.State:
         return self._state
+
+    @property
+    def weight_version(self) -> int:
+        """Good refits so far (0: the weights loaded), the async worker's count: every
+        ``generate`` output carries it as ``weight_versions``, and a refit that fails
+        leaves it alone (generation is refused until a good one)."""
+        return self._version
 
     @property
     def engine(self) -> EnginePort:
@@ -542,7 +552,8 @@ class VllmGenerationWorker:
         media = row_media(data, batch.batch_size, "generate")
         if not batch.prompts:
             self.last_refused_rows = ()
-            return assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id).as_dict()
+            empty = assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id)
+            return self._versioned(empty)
         engine_prompts = self._engine_prompts(batch.prompts, media)
         lengths = (
             batch.lengths if engine_prompts is batch.prompts else list(map(len, engine_prompts))
@@ -579,7 +590,19 @@ class VllmGenerationWorker:
                 f"rows {over.tolist()} came back longer than max_model_len="
                 f"{caps.max_model_len}: context lengths {held[over].tolist()}"
             )
-        return out.as_dict()
+        return self._versioned(out)
+
+    def _versioned(self, out: GenerationOutputs) -> dict[str, torch.Tensor]:
+        """The output contract plus ``weight_versions`` (B, W) int64: this worker's
+        version at every generated token's position, -1 elsewhere (the async worker's
+        layout; no refit runs inside a generate)."""
+        versions = uniform_versions(
+            out.unpadded_sequence_lengths - out.generation_lengths,
+            out.generation_lengths,
+            int(out.output_ids.shape[1]),
+            self._version,
+        )
+        return {**out.as_dict(), "weight_versions": versions}
 
     def _engine_prompts(
         self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None] | None
@@ -888,6 +911,7 @@ class VllmGenerationWorker:
             raise RefitError(f"{method} failed: {e}; weights are inconsistent") from e
         event = lifecycle.Event.REFIT_OK
         self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, method)
+        self._version += 1
         self.last_refit = {
             "engine_workers": reports,
             "rpc_seconds": rpc_s,
@@ -1038,6 +1062,7 @@ class VllmGenerationWorker:
             self._state = self._move(lifecycle.Event.REFIT_FAILED)
             raise
         self._state = self._move(lifecycle.Event.REFIT_OK)
+        self._version += _steps_between(self._sparse_applied, applied)
         self._sparse_applied = applied
         self.last_refit = {
             "engine_workers": statuses,
@@ -1133,6 +1158,15 @@ class VllmGenerationWorker:
             raise EngineStateError(f"{method} needs prepare_nccl_reshard_refit_info first")
         outer = rpc_bound(self._reshard_stages * refit_waits(1, Transport.COLLECTIVE), bound)
         return self._run_refit(method, {"refit_timeout_s": bound}, outer)
+
+
+def _steps_between(before: Sequence[object], after: Sequence[object]) -> int:
+    """Sparse steps the engine workers applied between two statuses (their ``applied``
+    counts; every worker holds the same step): at least one, as the counts changed."""
+    old, new = (before[0] if before else 0), (after[0] if after else 0)
+    if isinstance(old, int) and isinstance(new, int) and new > old:
+        return new - old
+    return 1
 
 
 def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:

@@ -88,7 +88,8 @@ def run_engine_worker(
 ) -> None:
     """A ``VllmGenerationWorker`` over a CPU engine on ``model_dir``; answers commands
     ``(name, *args)``: ``tokens`` (greedy, through ``generate``; an error as its class
-    name and message), ``configure``, ``status``, ``checksums``, ``direct``, ``stop``."""
+    name and message), ``version``, ``configure``, ``status``, ``checksums``, ``direct``,
+    ``stop``."""
     from engine_fixtures import cpu_engine_kwargs
     from helpers import right_padded
 
@@ -113,6 +114,8 @@ def run_engine_worker(
                         out["output_ids"][i, starts[i] : ends[i]].tolist()
                         for i in range(len(PROMPTS))
                     ]
+                elif name == "version":
+                    got = worker.weight_version
                 elif name == "configure":
                     worker.configure_zmq_sparse_refit_relay(*args)
                     got = None

@@ -20,6 +20,7 @@ from genworker.core.versions import (
     runs_from_spans,
     runs_from_tokens,
     staleness,
+    uniform_versions,
 )
 
 
@@ -128,6 +129,23 @@ def test_placed_versions_sit_exactly_on_the_generated_span(
         assert set(row[:n] + row[n + len(per_token) :]) <= {NO_VERSION}
 
 
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=6),
+    st.integers(0, 3),
+    st.integers(0, 9),
+)
+def test_uniform_versions_are_placed_versions_of_one_run(
+    rows: list[tuple[int, int]], extra: int, version: int
+) -> None:
+    lengths = torch.tensor([n for n, _ in rows], dtype=torch.int64)
+    generated = torch.tensor([g for _, g in rows], dtype=torch.int64)
+    width = max((n + g for n, g in rows), default=0) + extra
+    expected = place_versions(
+        [n for n, _ in rows], [VersionRuns.uniform(version, g) for _, g in rows], width
+    )
+    assert torch.equal(uniform_versions(lengths, generated, width, version), expected)
+
+
 # --- what is refused -------------------------------------------------------------------------
 
 
@@ -209,3 +227,14 @@ def test_placing_rows_that_do_not_fit_is_a_programming_error() -> None:
     with pytest.raises(ValueError, match="row 0"):
         place_versions([-1], [VersionRuns.uniform(0, 1)], 4)
     assert tuple(place_versions([], [], 0).shape) == (0, 0)
+    one = torch.tensor([2])
+    with pytest.raises(ValueError, match="2 generation lengths for 1 input lengths"):
+        uniform_versions(one, torch.tensor([1, 1]), 4, 0)
+    with pytest.raises(ValueError, match="3 generation lengths for 2 input lengths"):
+        uniform_versions(torch.tensor([1, 1]), torch.tensor([1, 1, 1]), 4, 0)
+    with pytest.raises(ValueError, match="do not fit in width 4"):
+        uniform_versions(one, torch.tensor([3]), 4, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        uniform_versions(torch.tensor([-1]), torch.tensor([1]), 4, 0)
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert tuple(uniform_versions(empty, empty, 0, 3).shape) == (0, 0)

@@ -38,7 +38,14 @@ ray = pytest.importorskip("ray")
 
 PAD = 2  # the tiny model's <pad>
 FIRST_ORDINARY_TOKEN = 3
-KEYS = {"output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths", "truncated"}
+KEYS = {
+    "output_ids",
+    "logprobs",
+    "generation_lengths",
+    "unpadded_sequence_lengths",
+    "truncated",
+    "weight_versions",
+}
 
 
 def tiny_config(model: Path | str) -> dict[str, Any]:

@@ -45,12 +45,8 @@ from genworker.shell.errors import (
 )
 from genworker.shell.fake_async_engine import FakeAsyncEngine, FakeAsyncEngineFactory
 from genworker.shell.host import node_ip
-from genworker.shell.nemo_rl import NemoRlGenerationWorker, NemoRlMember
-from genworker.shell.nemo_rl_async import (
-    NEMO_RL_OUTPUT_KEYS,
-    NemoRlAsyncGenerationWorker,
-    reported_url,
-)
+from genworker.shell.nemo_rl import NEMO_RL_OUTPUT_KEYS, NemoRlGenerationWorker, NemoRlMember
+from genworker.shell.nemo_rl_async import NemoRlAsyncGenerationWorker, reported_url
 
 CLASS_PATH = "genworker.shell.nemo_rl.VllmAsyncGenerationWorker"
 MAX_MODEL_LEN = 64

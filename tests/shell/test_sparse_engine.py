@@ -235,6 +235,8 @@ def test_adamw_steps_leave_the_engines_bit_equal_and_greedy_equal_to_a_fresh_eng
             assert torch.equal(bits[name].reshape(-1), weight.reshape(-1).view(torch.uint8)), name
         tokens = [proc.ask("tokens") for proc in engines.procs]
         assert tokens[0] != before  # the steps changed what the engines generate
+        # Each applied step is a good refit: the worker's weight version counts them.
+        assert [proc.ask("version") for proc in engines.procs] == [status["applied"]] * 2
         assert tokens == [tokens[0]] * 2
         assert tokens[0] == fresh_tokens(engines.model_dir, weights, tmp_path / "fresh")
     finally:

@@ -374,6 +374,53 @@ def test_refit_failure_makes_weights_inconsistent_until_a_good_refit(
     assert not torch.equal(before["output_ids"], after["output_ids"])
 
 
+def test_weight_versions_count_good_refits_and_sit_on_the_generated_tokens(
+    worker_engine: tuple[VllmGenerationWorker, FakeEngine],
+) -> None:
+    """Failure mode R11: the sync worker's outputs carry its weight version, the async
+    worker's layout: the version at each generated token, -1 on prompt and padding."""
+    worker, engine = worker_engine
+    rows = [[4, 5], [6], [7, 8, 9]]
+
+    def versions(expected: int) -> None:
+        data = batch(rows)
+        out = worker.generate(data)
+        lengths, generated = data["input_lengths"], out["generation_lengths"]
+        assert isinstance(lengths, torch.Tensor)
+        assert out["weight_versions"].dtype == torch.int64
+        assert out["weight_versions"].shape == out["output_ids"].shape
+        for i, row in enumerate(out["weight_versions"].tolist()):
+            n, g = int(lengths[i]), int(generated[i])
+            assert row[n : n + g] == [expected] * g
+            assert set(row[:n] + row[n + g :]) <= {-1}
+        assert worker.weight_version == expected
+
+    versions(0)
+    worker.prepare_refit_info({"w": ((2,), "float32")})
+    engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    versions(2)
+
+    def failing(timeout_s: float) -> None:
+        raise TimeoutError("no chunk")
+
+    engine.rpc_handlers["update_weights_via_ipc_zmq"] = failing
+    with pytest.raises(RefitError):
+        worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    assert worker.weight_version == 2  # a failed refit leaves the count alone
+    engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
+    worker.update_weights_via_ipc_zmq(timeout_s=1.0)
+    versions(3)
+    empty = worker.generate(
+        {
+            "input_ids": torch.zeros((0, 0), dtype=torch.long),
+            "input_lengths": torch.zeros(0, dtype=torch.long),
+        }
+    )
+    assert tuple(empty["weight_versions"].shape) == (0, 0)
+
+
 def test_caches_known_empty_are_not_reset_again(
     worker_engine: tuple[VllmGenerationWorker, FakeEngine],
 ) -> None:

@@ -44,6 +44,7 @@ OUTPUT_KEYS = {
     "generation_lengths",
     "unpadded_sequence_lengths",
     "truncated",
+    "weight_versions",
 }
 
 
@@ -62,6 +63,8 @@ def check_contract(data: dict[str, Any], out: dict[str, torch.Tensor], vocab_siz
     assert out["truncated"].shape == (batch,)
     assert out["output_ids"].dtype == ids.dtype
     assert out["logprobs"].dtype == torch.float32
+    assert out["weight_versions"].dtype == torch.int64
+    assert out["weight_versions"].shape == out["output_ids"].shape
     if batch == 0:
         assert out["output_ids"].shape == (0, 0)
         assert out["logprobs"].shape == (0, 0)
@@ -83,6 +86,10 @@ def check_contract(data: dict[str, Any], out: dict[str, torch.Tensor], vocab_siz
         assert bool((lp[n + g :] == 0).all())
         assert bool(torch.isfinite(lp[n : n + g]).all())
         assert bool((lp[n : n + g] <= 0).all())
+        versions = out["weight_versions"][i]
+        assert versions[n : n + g].tolist() == [0] * g  # no refit in the fuzz
+        assert bool((versions[:n] == -1).all())
+        assert bool((versions[n + g :] == -1).all())
         if bool(out["truncated"][i]):
             assert g == budget, (i, n, g)
 
