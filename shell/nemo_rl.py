@@ -378,10 +378,24 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
         return raw_spec_counters(self._owner("_get_raw_spec_counters").get_counters())
 
     def start_gpu_profiling(self) -> None:
+        """The engine's profiler on the owner; a no-op on an inert member (NeMo-RL's
+        ``VllmGeneration`` calls every worker, and an inert one runs nothing to profile)."""
+        if self._inert("start_gpu_profiling"):
+            return
         self._owner("start_gpu_profiling").start_gpu_profiling()
 
     def stop_gpu_profiling(self) -> None:
+        """See :meth:`start_gpu_profiling`."""
+        if self._inert("stop_gpu_profiling"):
+            return
         self._owner("stop_gpu_profiling").stop_gpu_profiling()
+
+    def _inert(self, call: str) -> bool:
+        """Whether this is a live inert member (logged as a no-op for ``call``)."""
+        if self._worker is None and not self._shut_down:
+            log.info("%s: no-op on an inert member of a tied group (no engine here)", call)
+            return True
+        return False
 
     def shutdown(self) -> bool:
         """Free the engine (none on an inert member); idempotent."""

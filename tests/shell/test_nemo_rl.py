@@ -198,7 +198,12 @@ def test_inert_members_load_nothing_and_refuse_engine_calls() -> None:
     assert worker.update_weights_via_ipc_zmq() is False  # a refit says False, keeps the error
     assert isinstance(worker.last_refit_error, EngineStateError)
     assert "inert member" in str(worker.last_refit_error)
+    # NeMo-RL's VllmGeneration profiles every worker: nothing to profile here, no error.
+    worker.start_gpu_profiling()
+    worker.stop_gpu_profiling()
     assert worker.shutdown() is True
+    with pytest.raises(EngineStateError, match="shut down"):
+        worker.start_gpu_profiling()
     assert not worker.is_alive()
     assert repr(worker) == "NemoRlGenerationWorker"
 
