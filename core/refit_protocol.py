@@ -32,6 +32,11 @@ Bounds: every wait gets the same bound (:func:`wait_bound`; ``None`` means
 has at most ``n + 2`` messages; :func:`refit_waits` counts the waits they cost on each
 transport and :func:`rpc_bound` derives the engine call's bound from them, so an outer
 bound never expires while every inner wait is on time.
+
+A runtime without CUDA IPC (a container without ``--ipc=host``, a seccomp profile that
+blocks the pidfd calls of PyTorch's expandable segments, WSL2) fails deep inside torch
+when the engine opens a trainer's handle; :func:`explain_cuda_ipc_failure` tells such a
+failure's text from others and says what to change.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ __all__ = [
     "Write",
     "Writes",
     "claim_problems",
+    "explain_cuda_ipc_failure",
     "file_problem",
     "max_message_bytes",
     "plan_routes",
@@ -730,6 +736,68 @@ def claim_problems(judge: GroupClaim, claims: Iterable[GroupClaim]) -> tuple[str
             if got != want:
                 problems.append(f"rank {claim.rank} has {field}={got!r}, expected {want!r}")
     return tuple(problems)
+
+
+# -- CUDA IPC in the runtime (failure-modes R8) ---------------------------------------------
+
+#: What opening a trainer's CUDA IPC handle fails with when the runtime has no CUDA IPC
+#: (torch's ``_new_shared_cuda`` / ``rebuild_cuda_tensor``: ``CUDA error: <the CUDA
+#: runtime's text>`` or ``CUDA driver error: ...``; the pidfd calls of PyTorch's
+#: expandable segments, ``c10/cuda/CUDACachingAllocator.cpp``, 2.5 and later), casefolded,
+#: and why. The first row that matches decides: ``pidfd_open: Operation not permitted`` is
+#: the pidfd row's.
+_IPC_UNAVAILABLE: Final = (
+    (
+        ("pidfd",),
+        "the trainer's memory comes from PyTorch's expandable segments, which the engine "
+        "opens through pidfd_open and pidfd_getfd, and this runtime refused them",
+    ),
+    (
+        ("operation not supported", "cudaerrornotsupported", "cuda_error_not_supported"),
+        "this platform does not support CUDA IPC",
+    ),
+    (
+        (
+            "invalid resource handle",
+            "cudaerrorinvalidresourcehandle",
+            "cuda_error_invalid_handle",
+            "invalid device context",
+            "cudaerrorinvalidcontext",
+            "cudaerrordeviceuninitialized",
+            "cuda_error_invalid_context",
+            "mapping of buffer object failed",
+            "cudaerrormapbufferobjectfailed",
+            "operation not permitted",
+            "cudaerrornotpermitted",
+            "cuda_error_not_permitted",
+            "cudaipcopenmemhandle",
+            "cumemimportfromshareablehandle",
+            "failed to open cuda ipc handle",
+        ),
+        "the CUDA driver refused the trainer's handle in this process (the trainer and "
+        "the engine do not share an IPC and PID namespace, or may not inspect each other)",
+    ),
+)
+
+
+def explain_cuda_ipc_failure(text: str) -> str | None:
+    """What to do when opening a trainer's CUDA IPC handle failed with ``text`` (the
+    exception's text), or None when ``text`` is no sign that this runtime lacks CUDA IPC
+    (nemo-rl#2293: containers need ``--ipc=host``; openrlhf#957: expandable segments need
+    ``pidfd_open``, which seccomp may block; WSL2 answers "invalid resource handle")."""
+    folded = text.casefold()
+    cause = next((why for signs, why in _IPC_UNAVAILABLE if any(s in folded for s in signs)), None)
+    if cause is None:
+        return None
+    return (
+        f"CUDA IPC is unavailable in this runtime: {cause}. To refit over CUDA IPC, run the "
+        "trainer and the engine with --ipc=host in one PID namespace (--pid=host, or one "
+        "container) with CAP_SYS_PTRACE; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:"
+        "True the runtime must also allow pidfd_open and pidfd_getfd (its seccomp profile), "
+        "or drop expandable_segments on the trainer; WSL2 has no CUDA IPC at all. Or refit "
+        "over a collective, which needs none: RefitSender.collective on the trainer, "
+        "init_collective and update_weights_from_collective on the engine."
+    )
 
 
 # -- reports ------------------------------------------------------------------------------

@@ -325,9 +325,8 @@ class EngineSink:
 
     def finish(self, names: Iterable[str]) -> None:
         for module in map(self._routed.modules.get, sorted({n.rpartition(".")[0] for n in names})):
-            process = getattr(
-                getattr(module, "quant_method", None), "process_weights_after_loading", None
-            )
+            method = getattr(module, "quant_method", None)
+            process = getattr(method, "process_weights_after_loading", None)
             if callable(process):
                 process(module)
         if self.device.type == "cuda":

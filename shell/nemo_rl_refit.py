@@ -139,10 +139,10 @@ class CudaIpcCodec:
         index = device.index if device.index is not None else torch.cuda.current_device()
         try:
             tensor = rebuild_cuda_tensor(*handle.rebuild_args(index))  # type: ignore[no-untyped-call]
-        except RuntimeError as e:
-            raise RefitError(
-                f"could not open NeMo-RL's CUDA IPC buffer on cuda:{index}: {e}"
-            ) from e
+        except RuntimeError as e:  # a runtime without CUDA IPC says so (failure-modes R8)
+            message = f"could not open NeMo-RL's CUDA IPC buffer on cuda:{index}: {e}"
+            advice = p.explain_cuda_ipc_failure(str(e))
+            raise RefitError(f"{message}\n{advice}" if advice else message) from e
         assert isinstance(tensor, torch.Tensor)
         return tensor
 

@@ -69,9 +69,8 @@ class CollectiveGroup:
         self._pg: Any = None
         self.peer = f"the weight-update group at {ip}:{port} (rank {rank} of {world_size})"
         self._timeout = dt.timedelta(seconds=timeout_s)
-        with self._foreign(
-            f"{'reaching' if rank else 'hosting'} the weight-update store", timeout_s
-        ):
+        what = f"{'reaching' if rank else 'hosting'} the weight-update store"
+        with self._foreign(what, timeout_s):
             self._store = TCPStore(
                 ip, port, None, rank == 0, timeout=self._timeout, wait_for_workers=False
             )
@@ -138,12 +137,10 @@ class CollectiveGroup:
     def _publish(self, verdict: Reply, readers: int, timeout_s: float) -> None:
         """Set the verdict; a refusal keeps the store up until the others read it."""
         self._store.set("verdict", encode(verdict))  # type: ignore[arg-type]
+        if verdict.ok:
+            return
         deadline = time.monotonic() + min(timeout_s, 5.0)
-        while (
-            not verdict.ok
-            and self._store.add("verdict/read", 0) < readers
-            and time.monotonic() < deadline
-        ):
+        while self._store.add("verdict/read", 0) < readers and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def _group(self) -> Any:
@@ -189,12 +186,10 @@ class CollectiveGroup:
         self.transfer([length], what, bound_s)
         if data is None:
             body = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-            self.transfer([body], what, bound_s)
-            return _bytes(body)
-        self.transfer(
-            [torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)], what, bound_s
-        )
-        return data
+        else:
+            body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        self.transfer([body], what, bound_s)
+        return _bytes(body) if data is None else data
 
     def settle(self, problem: RefitError | None, what: str, bound_s: float) -> None:
         """A status round: every rank reports ok or its error; raises ``problem`` (ours)
@@ -266,10 +261,8 @@ class CollectiveReceiver:
         except RefitError:
             self.group.broken = True  # rank 0 sent what no one can size: out of step
             raise
-        self._over, self._due = (
-            isinstance(event, p.End | p.Abort),
-            event if isinstance(event, p.Chunk) else None,
-        )
+        self._over = isinstance(event, p.End | p.Abort)
+        self._due = event if isinstance(event, p.Chunk) else None
         return event, None
 
     def answer(self, event: p.Event, problem: RefitError | None) -> None:

@@ -153,9 +153,8 @@ class IpcReceiver:
             raise RefitError(f"chunk {writes.chunk.index} carries no storages")
         loader = []
         with torch.no_grad():
-            for write, view in zip(
-                writes.writes, self.mappings.views(writes.chunk, handles), strict=True
-            ):
+            views = self.mappings.views(writes.chunk, handles)
+            for write, view in zip(writes.writes, views, strict=True):
                 if write.route is p.Route.LOADER:
                     loader.append((write.ref.name, view.clone() if write.copy else view))
                 elif view.numel():
@@ -195,8 +194,7 @@ class IpcReceiver:
 
     def close(self) -> None:
         self.mappings.settle(failed=True)
-        self._sock.close(linger=0)
-        self._finalizer()
+        self._finalizer()  # closes the socket (it is the one in self._open)
 
 
 def _is_loopback(host: str) -> bool:
@@ -466,10 +464,9 @@ class IpcSenderPort:
         """Free the staging buffers, the handles and the socket."""
         self.drop()
         self._exporter.clear()
-        cuda = any(b.device.type == "cuda" for b in self._buffers.values())
         for buffer in self._buffers.values():
             buffer.close()
         self._buffers.clear()
-        if cuda:
+        if self._device is not None and self._device.type == "cuda":  # buffers, handles
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
         self._finalizer()

@@ -8,7 +8,9 @@ trainer's). The receiver opens a path with ``O_NOFOLLOW`` (a ``/proc`` link exce
 checks it is a regular file of its own user, of the handle's inode, in a directory no one
 else can enter, and maps the very file it opened. CUDA: ``_share_cuda_()``'s fields,
 rebuilt with ``UntypedStorage._new_shared_cuda`` on the receiver's own device after a
-check that the handle names the same physical GPU (UUID, as NeMo-RL keys its handles).
+check that the handle names the same physical GPU (UUID, as NeMo-RL keys its handles); a
+runtime without CUDA IPC fails there, and the error says so and what to change
+(``core.refit_protocol.explain_cuda_ipc_failure``, failure-modes R8).
 
 A storage is exported once and recognised by a weak reference (``StorageWeakRef``: it
 never keeps the trainer's memory alive, but no other storage can take its place while it
@@ -31,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final, cast
 
+import msgspec
 import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -186,19 +189,13 @@ def open_handle(handle: Handle, device: torch.device) -> torch.Tensor:
     if isinstance(handle, CpuHandle):
         return _open_cpu(handle)
     index = device.index if device.index is not None else torch.cuda.current_device()
+    _, *shared, event, sync = msgspec.structs.astuple(handle)  # _share_cuda_()'s, in order
     try:
-        storage = torch.UntypedStorage._new_shared_cuda(
-            index,
-            handle.handle,
-            handle.size,
-            handle.offset,
-            handle.ref_counter_handle,
-            handle.ref_counter_offset,
-            handle.event_handle or None,
-            handle.event_sync_required,
-        )
-    except RuntimeError as e:
-        raise RefitError(f"could not open a CUDA IPC refit storage on {own}: {e}") from e
+        storage = torch.UntypedStorage._new_shared_cuda(index, *shared, event or None, sync)
+    except RuntimeError as e:  # a runtime without CUDA IPC says so here, in torch's words
+        advice = p.explain_cuda_ipc_failure(str(e))
+        message = f"could not open a CUDA IPC refit storage on {own}: {str(e).strip()}"
+        raise RefitError(f"{message}\n{advice}" if advice else message) from e
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (handle.size,), (1,))
 
 
@@ -255,9 +252,8 @@ class Mappings:
         buffers = [self._map(h) for h in handles]
         out = []
         for ref in chunk.tensors:
-            raw = buffers[ref.storage][
-                ref.offset : ref.offset + math.prod(ref.shape) * DTYPE_ITEMSIZE[ref.dtype]
-            ]
+            end = ref.offset + math.prod(ref.shape) * DTYPE_ITEMSIZE[ref.dtype]
+            raw = buffers[ref.storage][ref.offset : end]
             out.append(raw.view(getattr(torch, ref.dtype)).view(ref.shape))
         if len(kept) == len(handles):
             self._views[chunk.index] = (key, out)

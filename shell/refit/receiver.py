@@ -137,9 +137,8 @@ class _Session:
             result = self.machine.handle(event)
             if isinstance(result, Failure):
                 refusal = result.failure()
-                error = RefitError(str(refusal))
-                if refusal.detail:
-                    error = RefitManifestError(str(refusal), detail=refusal.detail)
+                typed = RefitManifestError if refusal.detail else RefitError
+                error = typed(str(refusal), detail=refusal.detail)
                 if refusal.fatal:
                     raise error
                 self.port.answer(event, error)  # a stray before Begin: answered, ignored

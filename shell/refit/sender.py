@@ -8,8 +8,10 @@ is raised; a peer's or the transport's is raised typed, naming the wait.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -55,6 +57,7 @@ class RefitSender:
         self, port: IpcSenderPort | CollectiveSenderPort, manifest: Info, timeout_s: float
     ):
         self._port, self._timeout, self._specs = port, timeout_s, dict[object, TensorSpec]()
+        self._busy = threading.Lock()
         if isinstance(manifest, Mapping):
             manifest = unwrap(
                 Manifest.from_info(manifest), BadConfigError, "invalid refit manifest"
@@ -115,8 +118,28 @@ class RefitSender:
         """The weight-update group of a collective sender."""
         return self._port.group if isinstance(self._port, CollectiveSenderPort) else None
 
+    @contextlib.contextmanager
+    def _alone(self, verb: str) -> Iterator[None]:
+        """One refit at a time: a call while one is being sent (from another thread, or
+        from its own tensor stream) fails at once and leaves that refit be; it never waits,
+        since two threads sharing a sender is the trainer's bug (failure-modes R10)."""
+        if not self._busy.acquire(blocking=False):
+            raise RefitError(
+                f"cannot {verb}: another thread is sending a refit on this sender (to "
+                f"{self._port.peer}); a RefitSender sends one refit at a time"
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
+
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> p.RefitReport:
-        """Send one refit; a typed :class:`RefitError` on any failure."""
+        """Send one refit; a typed :class:`RefitError` on any failure, and at once while
+        another thread sends one on this sender."""
+        with self._alone("send a refit"):
+            return self._send(named_tensors)
+
+    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> p.RefitReport:
         started, laps, port = time.monotonic(), Laps(), self._port
         if isinstance(port, CollectiveSenderPort) and port.group.rank:
             return p.RefitReport(port.follow(named_tensors), 0, 0, time.monotonic() - started)
@@ -181,8 +204,10 @@ class RefitSender:
         )
 
     def close(self) -> None:
-        """Free the staging buffers, the handles and the socket or group."""
-        self._port.close()
+        """Free the staging buffers, the handles and the socket or group (a
+        :class:`RefitError` at once while another thread sends a refit on this sender)."""
+        with self._alone("close the sender"):
+            self._port.close()
 
     def __enter__(self) -> RefitSender:
         return self

@@ -44,7 +44,9 @@ class CpuHandle(msgspec.Struct, tag="cpu", frozen=True, array_like=True):
 
 
 class CudaHandle(msgspec.Struct, tag="cuda", frozen=True, array_like=True):
-    """The fields of ``UntypedStorage._share_cuda_()``; the device index is the receiver's."""
+    """The fields of ``UntypedStorage._share_cuda_()`` in its order, which is
+    ``_new_shared_cuda``'s (``memory.open_handle`` passes them on as they are); the device
+    index is the receiver's."""
 
     device_id: str
     handle: bytes

@@ -647,3 +647,135 @@ def test_a_memo_of_another_manifest_or_routes_is_dropped_at_begin() -> None:
     assert hit.receiver.hits == 1
     assert p.Receiver(manifest, memo=memo).remembered() is memo  # not finished: unchanged
     assert memo.recall(attrs.evolve(chunk, index=1)) is None
+
+
+# -- CUDA IPC in the runtime (failure-modes R8) ---------------------------------------------
+
+#: What torch raised when a trainer's CUDA IPC handle could not be opened, as reported
+#: (pytorch#165685, alibaba/ROLL#417, Open-Reasoner-Zero#51, triton-server#5798, WSL2), and
+#: the words of the cause each one names.
+_TORCH_TAIL = (
+    "\nCUDA kernel errors might be asynchronously reported at some other API call, so the "
+    "stacktrace below might be incorrect.\nFor debugging consider passing "
+    "CUDA_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side "
+    "assertions.\n"
+)
+IPC_FAILURES = {
+    "pidfd_getfd: Operation not permitted": "expandable segments",
+    "pidfd_open:Operation not permitted": "expandable segments",
+    "The kernel on this machine does not support the pidfd_open syscall needed to use IPC "
+    "for CUDA tensors when expandable_segments:True is set.": "expandable segments",
+    "CUDA error: invalid resource handle" + _TORCH_TAIL: "refused the trainer's handle",
+    "CUDA error: invalid device context" + _TORCH_TAIL: "refused the trainer's handle",
+    "CUDA error: mapping of buffer object failed": "refused the trainer's handle",
+    "CUDA error: operation not permitted": "refused the trainer's handle",
+    "CUDA driver error: operation not permitted": "refused the trainer's handle",
+    "cudaIpcOpenMemHandle failed: cudaErrorInvalidResourceHandle": "refused the trainer's handle",
+    "failed to open CUDA IPC handle: invalid resource handle": "refused the trainer's handle",
+    "CUDA error: operation not supported" + _TORCH_TAIL: "does not support CUDA IPC",
+    "cuda runtime error (801) : operation not supported at StorageSharing.cpp:245": (
+        "does not support CUDA IPC"
+    ),
+    # the CUDA runtime's and driver's names of the same errors
+    "cudaErrorNotSupported": "does not support CUDA IPC",
+    "CUDA_ERROR_NOT_SUPPORTED": "does not support CUDA IPC",
+    "CUDA_ERROR_INVALID_HANDLE": "refused the trainer's handle",
+    "cudaErrorInvalidContext": "refused the trainer's handle",
+    "cudaErrorDeviceUninitialized": "refused the trainer's handle",
+    "CUDA_ERROR_INVALID_CONTEXT": "refused the trainer's handle",
+    "cudaErrorMapBufferObjectFailed": "refused the trainer's handle",
+    "cudaErrorNotPermitted": "refused the trainer's handle",
+    "CUDA_ERROR_NOT_PERMITTED": "refused the trainer's handle",
+    "cuMemImportFromShareableHandle returned 1": "refused the trainer's handle",
+}
+#: Every fix the explanation must name, whatever the cause.
+FIXES = (
+    "CUDA IPC is unavailable in this runtime",
+    "--ipc=host",
+    "--pid=host",
+    "CAP_SYS_PTRACE",
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    "pidfd_open and pidfd_getfd",
+    "drop expandable_segments on the trainer",
+    "WSL2",
+    "RefitSender.collective",
+)
+#: The documented signs of a runtime without CUDA IPC (casefolded): the spec the
+#: word-soup law checks the function against.
+SIGNS = (
+    "pidfd",
+    "operation not supported",
+    "cudaerrornotsupported",
+    "cuda_error_not_supported",
+    "invalid resource handle",
+    "cudaerrorinvalidresourcehandle",
+    "cuda_error_invalid_handle",
+    "invalid device context",
+    "cudaerrorinvalidcontext",
+    "cudaerrordeviceuninitialized",
+    "cuda_error_invalid_context",
+    "mapping of buffer object failed",
+    "cudaerrormapbufferobjectfailed",
+    "operation not permitted",
+    "cudaerrornotpermitted",
+    "cuda_error_not_permitted",
+    "cudaipcopenmemhandle",
+    "cumemimportfromshareablehandle",
+    "failed to open cuda ipc handle",
+)
+#: Words of CUDA and refit errors, so random sentences come near the signs and cross them.
+WORDS = (
+    "CUDA", "error:", "invalid", "resource", "handle", "device", "context", "argument",
+    "operation", "not", "permitted", "supported", "mapping", "of", "buffer", "object",
+    "failed", "out", "memory", "pid", "fd", "pidfd_open:", "cudaIpcOpenMemHandle", "open",
+    "to", "IPC", "illegal", "access", "RuntimeError:", "cudaErrorInvalidValue", "\n",
+)  # fmt: skip
+UNRELATED = (
+    "",
+    "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity)",
+    "CUDA error: an illegal memory access was encountered" + _TORCH_TAIL,
+    "CUDA error: device-side assert triggered",
+    "CUDA error: invalid argument",
+    "Expected all tensors to be on the same device, but found cuda:0 and cuda:1!",
+    "No CUDA GPUs are available",
+    "NCCL error: unhandled system error, NCCL version 2.21.5",
+    "Connection reset by peer",
+)
+
+
+@pytest.mark.parametrize(("text", "cause"), list(IPC_FAILURES.items()))
+def test_known_cuda_ipc_failures_are_explained_with_their_cause_and_every_fix(
+    text: str, cause: str
+) -> None:
+    explained = p.explain_cuda_ipc_failure(text)
+    assert explained is not None
+    assert cause in explained
+    for fix in FIXES:
+        assert fix in explained, fix
+
+
+@pytest.mark.parametrize("text", UNRELATED)
+def test_other_torch_and_transport_errors_are_not_explained(text: str) -> None:
+    assert p.explain_cuda_ipc_failure(text) is None
+
+
+@given(st.sampled_from(sorted(IPC_FAILURES)), st.text(), st.text(), st.booleans())
+def test_a_known_failure_is_recognised_anywhere_in_any_case_and_noise_changes_nothing(
+    known: str, before: str, after: str, upper: bool
+) -> None:
+    """Torch wraps the same text in tracebacks, prefixes and changing case: recognised the
+    same, with the same advice, whatever surrounds it (unless that names a sign too)."""
+    text = f"{before}\n{known.upper() if upper else known}\n{after}"
+    explained = p.explain_cuda_ipc_failure(text)
+    assert explained is not None
+    if p.explain_cuda_ipc_failure(f"{before}\n{after}") is None:
+        assert explained == p.explain_cuda_ipc_failure(known)
+
+
+@given(st.lists(st.sampled_from(WORDS), max_size=12).map(" ".join) | st.text())
+def test_text_is_explained_exactly_when_it_names_a_sign(text: str) -> None:
+    explained = p.explain_cuda_ipc_failure(text)
+    named = any(sign in text.casefold() for sign in SIGNS)
+    assert (explained is not None) == named
+    if explained is not None:
+        assert all(fix in explained for fix in FIXES)

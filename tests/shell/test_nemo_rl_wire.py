@@ -404,3 +404,35 @@ def test_a_loaded_untyped_storage_handle_is_accepted() -> None:
     bucket = read_message(((tuple(args),), ["w"], 4))
     assert isinstance(bucket, IpcBucket)
     assert bucket.names == ("w",)
+
+
+@pytest.mark.parametrize(
+    ("raised", "advice"),
+    [
+        ("CUDA error: invalid resource handle", True),
+        ("pidfd_open syscall failed: Operation not permitted", True),
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    ],
+)
+def test_a_runtime_without_cuda_ipc_says_so_on_nemo_rls_wire(
+    raised: str, advice: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failure mode R8 on NeMo-RL's wire: torch's error as it came, and what to change
+    when it is a sign that this runtime has no CUDA IPC (not for any other error)."""
+    import torch.multiprocessing.reductions as reductions
+
+    from genworker.shell.errors import RefitError
+    from genworker.shell.nemo_rl_refit import CudaIpcCodec
+
+    def failing(*args: object) -> torch.Tensor:
+        raise RuntimeError(raised)
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", failing)
+    h = CudaIpcHandle((4,), (1,), 0, torch.uint8, 0, b"h", 4, 0, False, b"r", 0, b"e", True)
+    with pytest.raises(RefitError) as info:
+        CudaIpcCodec().open(h, torch.device("cuda", 0))
+    text = str(info.value)
+    assert f"could not open NeMo-RL's CUDA IPC buffer on cuda:0: {raised}" in text
+    assert ("CUDA IPC is unavailable in this runtime" in text) is advice
+    assert ("--ipc=host" in text) is advice
+    assert isinstance(info.value.__cause__, RuntimeError)

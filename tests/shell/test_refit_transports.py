@@ -8,14 +8,16 @@ refit timeout, and every test has a pytest-timeout deadline besides.
 
 from __future__ import annotations
 
+import functools
 import os
+import random
 import socket
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, NoReturn, TypeVar
 
 import msgspec
 import numpy as np
@@ -62,7 +64,7 @@ from genworker.shell.refit.memory import (
     private_directory,
 )
 from genworker.shell.refit.receiver import ParameterSink
-from genworker.shell.refit.wire import CpuHandle, Reply, encode
+from genworker.shell.refit.wire import CpuHandle, CudaHandle, Reply, encode
 
 T = TypeVar("T")
 SEED = 7
@@ -996,3 +998,228 @@ def test_ipc_the_replay_packs_tensors_of_known_storages_that_pack_for_good_again
         assert refit(changed)[1] > 0  # partly replayed: not recorded
         assert refit(changed)[1] > 0  # built whole: recorded
         assert refit(changed)[1] == 0
+
+
+# -- a runtime without CUDA IPC (R8), and threads sharing a sender (R10) -------------------
+
+_CUDA_TAIL = "\nCUDA kernel errors might be asynchronously reported at some other API call.\n"
+
+
+@pytest.mark.parametrize(
+    ("raised", "advice"),
+    [
+        ("CUDA error: invalid resource handle" + _CUDA_TAIL, "refused the trainer's handle"),
+        ("pidfd_getfd: Operation not permitted", "expandable segments"),
+        ("CUDA error: out of memory" + _CUDA_TAIL, None),
+    ],
+)
+def test_opening_a_cuda_handle_says_when_the_runtime_has_no_cuda_ipc(
+    monkeypatch: pytest.MonkeyPatch, raised: str, advice: str | None
+) -> None:
+    """The one place the engine maps a trainer's CUDA storage: torch's own error, chained
+    and quoted, then (only for a runtime without CUDA IPC) the cause and what to change.
+    This CPU build has no CUDA: torch's rebuild is faked, the rest is the real code."""
+    calls: list[tuple[object, ...]] = []
+
+    def rebuild(*args: object) -> NoReturn:
+        calls.append(args)
+        raise RuntimeError(raised)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", rebuild)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    host = f"cpu@{socket.gethostname()}"  # the engine's own device: the check passes
+    handle = CudaHandle(host, b"ipc-handle", 4096, 512, b"ref-counter", 64, b"", True)
+    with pytest.raises(RefitError) as failed:
+        open_handle(handle, torch.device("cpu"))
+    # _share_cuda_()'s fields in _new_shared_cuda's order, on the engine's device index
+    assert calls == [(0, b"ipc-handle", 4096, 512, b"ref-counter", 64, None, True)]
+    message = str(failed.value)
+    quoted = raised.strip()  # torch's text ends in a newline
+    assert message.startswith(f"could not open a CUDA IPC refit storage on {host}: {quoted}")
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    assert str(failed.value.__cause__) == raised
+    if advice is None:
+        assert "CUDA IPC is unavailable" not in message
+        return
+    assert advice in message
+    for fix in ("CUDA IPC is unavailable in this runtime", "--ipc=host", "CAP_SYS_PTRACE",
+                "pidfd_open and pidfd_getfd", "drop expandable_segments", "WSL2",
+                "RefitSender.collective"):  # fmt: skip
+        assert fix in message, fix
+
+
+def test_ipc_a_runtime_without_cuda_ipc_fails_both_sides_naming_the_fix_then_refits_again(
+    receiver: IpcReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R8 end to end: the trainer's second refit sends its own storages by handle, here as
+    CUDA IPC handles that the engine's torch cannot open (a container without --ipc=host:
+    "invalid resource handle"). The trainer gets a typed RefitError with torch's text, the
+    cause and the fix; the engine raises the same, chained to torch's error, and keeps
+    nothing mapped; the next refit lands.
+
+    No CUDA here: the trainer's export (``Exporter.handle``) makes the CUDA handles and
+    torch's ``_new_shared_cuda`` raises as it would; the wire, the receiver, the engine's
+    ``open_handle``, the answer and the sender's error are the real ones."""
+    tensors = expected()
+    params = zeros_like_all(tensors)
+    host = f"cpu@{socket.gethostname()}"
+    opened: list[bytes] = []
+
+    def export(self: Exporter, ref: object, tensor: torch.Tensor) -> CudaHandle:
+        storage = tensor.untyped_storage()
+        name = b"ipc-%d" % storage.data_ptr()
+        return CudaHandle(host, name, storage.nbytes(), 0, b"ref-counter", 0, b"", False)
+
+    def rebuild(index: int, handle: bytes, *rest: object) -> NoReturn:
+        opened.append(handle)
+        raise RuntimeError("CUDA error: invalid resource handle" + _CUDA_TAIL)
+
+    with ipc_sender(receiver, manifest=manifest_of(tensors)) as sender:
+        peer = receiving(receiver, params)
+        assert sender.send(tensors.items()).direct == 0  # the first refit packs
+        peer.outcome()
+        with monkeypatch.context() as patched:
+            patched.setattr(Exporter, "handle", export)
+            patched.setattr(torch.UntypedStorage, "_new_shared_cuda", rebuild)
+            patched.setattr(torch.cuda, "current_device", lambda: 0)
+            for t in params.values():
+                t.zero_()
+            peer = receiving(receiver, params)
+            started = time.monotonic()
+            with pytest.raises(RefitError) as sent:
+                sender.send(tensors.items())
+            assert time.monotonic() - started < PROMPT
+            with pytest.raises(RefitError) as received:
+                peer.outcome()
+        assert len(opened) == 1  # the first storage by handle: the refit ends there
+        assert isinstance(received.value.__cause__, RuntimeError)
+        for error in (sent.value, received.value):
+            message = str(error)
+            assert "could not open a CUDA IPC refit storage" in message
+            assert "CUDA error: invalid resource handle" in message  # torch's words
+            assert "CUDA IPC is unavailable in this runtime" in message
+            assert "refused the trainer's handle" in message
+            assert "--ipc=host" in message
+            assert "RefitSender.collective" in message
+        assert receiver.address in str(sent.value)
+        assert not any(isinstance(h, CudaHandle) for h in receiver.mappings._maps)
+        peer = receiving(receiver, params)  # real handles again: the worker refits
+        report = sender.send(tensors.items())
+        peer.outcome()
+    assert report.direct > 0
+    assert_received(params)
+
+
+def held_stream(
+    tensors: Mapping[str, torch.Tensor], inside: threading.Event, gate: threading.Event
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors``, pausing after the third until ``gate`` opens (``inside`` says so)."""
+    for i, item in enumerate(tensors.items()):
+        if i == 3:
+            inside.set()
+            assert gate.wait(30), "the gate never opened"
+        yield item
+
+
+@pytest.mark.parametrize("transport", ["ipc", "collective"])
+def test_a_send_or_close_while_another_thread_sends_fails_at_once_and_that_send_lands(
+    receiver: IpcReceiver, transport: str
+) -> None:
+    """R10: a second caller never waits and never touches the socket or group in use;
+    the refit in flight lands whole, and the sender serves the next one."""
+    params = zeros_like_all(expected())
+    engine: Callable[[], list[RefitReport] | list[RefitReport | BaseException]]
+    if transport == "ipc":
+        engine = Peer(
+            lambda: [fake.receive_into(receiver, params, timeout_s=30.0) for _ in range(2)]
+        ).outcome
+        sender = ipc_sender(receiver, timeout_s=30.0)
+    else:
+        port = free_port()
+        engine = engine_side(port, params=params, refits=2, timeout_s=30.0).outcome
+        sender = collective_sender(port, timeout_s=30.0)
+    inside, gate = threading.Event(), threading.Event()
+    refusals: list[tuple[Callable[[], object], str]] = [
+        (lambda: sender.send(expected().items()), "cannot send a refit"),
+        (sender.close, "cannot close the sender"),
+    ]
+    try:
+        first = Peer(lambda: sender.send(held_stream(expected(), inside, gate)))
+        assert inside.wait(30)
+        for attempt, says in refusals:
+            started = time.monotonic()
+            with pytest.raises(RefitError, match=says) as refused:
+                attempt()
+            assert time.monotonic() - started < 0.5  # at once: nothing waited
+            assert "another thread is sending a refit on this sender" in str(refused.value)
+        gate.set()
+        assert first.outcome().tensors == len(expected())
+        assert sender.send(expected().items()).tensors == len(expected())  # still serves
+        reports = engine()
+    finally:
+        gate.set()
+        sender.close()
+    assert len(reports) == 2  # the refit in flight and the next: whole, nothing else
+    assert all(isinstance(r, RefitReport) and r.tensors == len(expected()) for r in reports)
+    assert_received(params)
+
+
+def test_many_threads_sending_on_one_sender_exactly_the_accepted_refits_land(
+    receiver: IpcReceiver,
+) -> None:
+    """A stress of R10: threads released together, each sending several refits on one
+    sender against a real engine end. Every send either lands whole or is refused at once,
+    typed; the engine received exactly the accepted ones, every one complete, and ends
+    consistent: a last refit of other values lands."""
+    threads, attempts = 8, 6
+    tensors = expected()
+    params = zeros_like_all(tensors)
+    manifest = manifest_of(tensors)
+    sink = ParameterSink(params)
+    other = random_state_dict(SEED + 1)  # the last refit's values: the engine stops there
+
+    def engine() -> list[RefitReport]:
+        reports = []
+        while not all(torch.equal(params[n], t) for n, t in other.items()):
+            try:
+                reports.append(
+                    receive(receiver, manifest, sink, routes=sink.routes, timeout_s=QUICK)
+                )
+            except RefitTimeoutError as e:  # idle between sends: any other failure counts
+                if "waited for the start of a refit" not in str(e):
+                    raise
+        return reports
+
+    landed: list[RefitReport] = []
+    refused: list[tuple[RefitError, float]] = []
+    barrier = threading.Barrier(threads)
+
+    def trainer_thread(sender: RefitSender, seed: int) -> int:
+        pause = random.Random(seed)
+        barrier.wait(30)
+        for _ in range(attempts):
+            time.sleep(pause.uniform(0.0, 0.03))  # some sends overlap, some do not
+            started = time.monotonic()
+            try:
+                landed.append(sender.send(scripted_stream(tensors, delay_s=0.002)))
+            except RefitError as e:
+                refused.append((e, time.monotonic() - started))
+        return attempts
+
+    engine_peer = Peer(engine)
+    with ipc_sender(receiver, manifest=manifest) as sender:
+        workers = [Peer(functools.partial(trainer_thread, sender, i)) for i in range(threads)]
+        assert sum(w.outcome(60.0) for w in workers) == threads * attempts
+        assert len(landed) + len(refused) == threads * attempts
+        assert landed, "no send landed"
+        assert refused, "no two sends overlapped: the stress did not stress"
+        for error, seconds in refused:
+            assert "another thread is sending a refit on this sender" in str(error)
+            assert seconds < 0.5
+        assert all(r.tensors == len(tensors) for r in landed)
+        sender.send(other.items())
+    got = engine_peer.outcome(60.0)
+    assert len(got) == len(landed) + 1  # exactly the accepted sends, and the last one
+    assert all(r.tensors == len(tensors) for r in got)
+    for name, tensor in other.items():
+        assert torch.equal(params[name], tensor), name
