@@ -73,6 +73,7 @@ from genworker.shell.errors import (
     RequestAbortedError,
     UnsupportedError,
 )
+from genworker.shell.media import RowMedia
 from genworker.shell.ports import (
     EngineCapabilities,
     StreamedGeneration,
@@ -84,10 +85,13 @@ from genworker.shell.vllm_engine import (
     _REQUEST_ERRORS,
     _fatal,
     _generation,
+    _image_token_id,
     _sample,
     _sampling_arg_names,
     _translated,
     engine_arg_names,
+    expanded_with,
+    token_prompt,
     tokenize_with,
 )
 
@@ -180,6 +184,7 @@ class AsyncVllmEngine:
         self._dead: str | None = None  # why the engine is dead (every later call refused)
         self._log_stats = llm.log_stats
         sampling_args = _sampling_arg_names()
+        media = model.multimodal_config
         self._caps = EngineCapabilities(
             sleep_mode=current_platform.is_sleep_mode_available() and model.enable_sleep_mode,
             flat_logprobs="flat_logprobs" in sampling_args,
@@ -187,6 +192,9 @@ class AsyncVllmEngine:
             max_model_len=model.max_model_len,
             device=current_platform.device_type,
             sampling_args=sampling_args,
+            multimodal=media is not None,
+            image_token_id=None if media is None else _image_token_id(model),
+            max_images=None if media is None else media.get_limit_per_prompt("image"),
             weight_versions=_labels_tokens(llm),
             num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
             logprobs_mode=model.logprobs_mode,
@@ -273,11 +281,12 @@ class AsyncVllmEngine:
         prompt: Sequence[int],
         spec: SamplingSpec,
         progress: Callable[[int], None] | None = None,
+        media: RowMedia | None = None,
     ) -> StreamedGeneration:
         kind = RequestOutputKind.FINAL_ONLY if progress is None else RequestOutputKind.CUMULATIVE
         completion = await self._final(
             "generate",
-            TokensPrompt(prompt_token_ids=list(prompt)),
+            token_prompt(prompt, media),
             self._sampling(spec, kind),
             request_id,
             progress,
@@ -285,10 +294,14 @@ class AsyncVllmEngine:
         return StreamedGeneration(_generation(0, completion), _spans(completion))
 
     async def generate_text(
-        self, request_id: str, prompt: Sequence[int], spec: SamplingSpec
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        spec: SamplingSpec,
+        media: RowMedia | None = None,
     ) -> str:
         params = self._sampling(spec, RequestOutputKind.FINAL_ONLY)
-        request = TokensPrompt(prompt_token_ids=list(prompt))
+        request = token_prompt(prompt, media)
         completion = await self._final("generate_text", request, params, request_id)
         if completion.finish_reason == "abort":
             raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
@@ -296,14 +309,21 @@ class AsyncVllmEngine:
         check_request_logprobs(generation, self._caps.logprobs_mode, request_id)
         return completion.text
 
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        llm = self.llm
-        if llm.vllm_config.model_config.skip_tokenizer_init:
-            raise UnsupportedError(_NO_TOKENIZER)
-        renderer = getattr(llm, "renderer", None)  # AsyncLLM.renderer: 0.25 and 0.32
+    def _renderer(self, call: str) -> BaseRenderer:
+        renderer = getattr(self.llm, "renderer", None)  # AsyncLLM.renderer: 0.25 and 0.32
         if not isinstance(renderer, BaseRenderer):
-            raise UnsupportedError("tokenize: this vLLM's AsyncLLM has no renderer")
-        return tokenize_with(renderer, prompts)
+            raise UnsupportedError(f"{call}: this vLLM's AsyncLLM has no renderer")
+        return renderer
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        if self.llm.vllm_config.model_config.skip_tokenizer_init:
+            raise UnsupportedError(_NO_TOKENIZER)
+        return tokenize_with(self._renderer("tokenize"), prompts)
+
+    def expanded_lengths(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        return expanded_with(self._renderer("expanded_lengths"), prompts, media)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         llm = self.llm

@@ -15,9 +15,13 @@ every row is its own engine request, so rows finish, fail and change weights apa
   ``weight_versions``. A row without room for a token once speculative decoding holds its
   slots back (``core.caps.cap_rows``) comes back unchanged with no tokens, as the sync
   worker's does. A row that fails later (the engine died, a refit failed, the worker shut
-  down) comes back as ``(row, error)`` with a typed error; the others go on. Images are
-  not taken here: ``multi_modal_data`` and NeMo-RL's ``vllm_images`` side channel are
-  refused, typed.
+  down) comes back as ``(row, error)`` with a typed error; the others go on.
+- Images come as the sync worker takes them (``multi_modal_data``, or NeMo-RL's
+  ``vllm_images`` / ``vllm_content``; ``genworker.shell.media``): checked against the
+  placeholders, the caps on the expanded prompt, a row with prompt text started from its
+  ids; a bad image refuses the whole batch before anything runs. An in-flight refit on a
+  multimodal engine must clear the caches (``clear_cache=False`` is refused: vLLM 0.32's
+  engine core dies at the next image, "Encoder cache miss").
 - A consumer that stops iterating (``break``, ``aclose()``, a cancelled task) ends the
   stream: its unfinished requests are cancelled, which aborts them in vLLM
   (``AsyncLLM.generate`` aborts on ``CancelledError``), and aborted again by id. A stream
@@ -115,7 +119,7 @@ from genworker.shell.errors import (
     UnsupportedError,
     unwrap,
 )
-from genworker.shell.media import media_keys
+from genworker.shell.media import RowMedia, context_lengths, engine_prompts, row_media
 from genworker.shell.ports import (
     AsyncEngineFactory,
     AsyncEnginePort,
@@ -199,25 +203,19 @@ class _Request:
 
 @attrs.frozen
 class _Plan:
-    """A stream's rows: ``(row, prompt, spec)`` to run, ``(row, error)`` refused, and the
-    rows without room for a token (they come back unchanged, as the sync worker's do)."""
+    """A stream's rows: ``(row, prompt, spec)`` to run, ``(row, error)`` refused, the rows
+    without room for a token (they come back unchanged, as the sync worker's do), and the
+    images of the rows that have some, with what their prompts hold in the context."""
 
     rows: tuple[tuple[int, Sequence[int], SamplingSpec], ...]
     errors: tuple[tuple[int, GenworkerError], ...]
     no_room: tuple[int, ...] = ()
+    media: Mapping[int, RowMedia] = attrs.field(factory=dict)
+    context: Mapping[int, int] = attrs.field(factory=dict)
 
 
 # What a row without room gets: its prompt back, no tokens (the sync worker's _NO_ROOM).
 _NO_ROOM = RowResult(Generation((), (), "abort"), VersionRuns((), (), 0))
-
-
-def _refuse_media(data: object) -> None:
-    """Images are not taken here (the sync worker takes them): refused, not dropped."""
-    if isinstance(data, Mapping) and (carried := media_keys(data)):
-        raise UnsupportedError(
-            f"data keys {carried} carry media: the async worker takes token-id and text "
-            "prompts only (images go through VllmGenerationWorker)"
-        )
 
 
 def _for_row(error: GenworkerError, row: int) -> GenworkerError:
@@ -538,13 +536,14 @@ class AsyncVllmGenerationWorker:
         prompt: Sequence[int],
         spec: SamplingSpec,
         results: asyncio.Queue[tuple[int, RowResult | GenworkerError]],
+        media: RowMedia | None,
+        context: int,
     ) -> None:
         item: RowResult | GenworkerError
         try:
-            streamed = await engine.generate(
-                request.request_id, prompt, spec, self._progress(engine.capabilities, request)
-            )
-            item = self._finished(engine.capabilities, request, len(prompt), streamed)
+            progress = self._progress(engine.capabilities, request)
+            streamed = await engine.generate(request.request_id, prompt, spec, progress, media)
+            item = self._finished(engine.capabilities, request, context, streamed)
         except EngineDeadError as e:
             self._died(e)
             item = _for_row(e, request.row)
@@ -621,9 +620,9 @@ class AsyncVllmGenerationWorker:
             for row, prompt, spec in plan.rows:
                 request = self._new_request(row)
                 requests.append(request)
-                tasks.append(
-                    asyncio.ensure_future(self._row_task(engine, request, prompt, spec, results))
-                )
+                media, context = plan.media.get(row), plan.context.get(row, len(prompt))
+                task = self._row_task(engine, request, prompt, spec, results, media, context)
+                tasks.append(asyncio.ensure_future(task))
             for _ in tasks:
                 yield await results.get()
         finally:
@@ -714,8 +713,8 @@ class AsyncVllmGenerationWorker:
         self._move(lifecycle.Event.STREAM_OPEN)
         if not isinstance(greedy, bool):
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
-        _refuse_media(data)
         input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
+        media = row_media(data, int(input_ids.shape[0]), "generate")
         caps = self.engine.capabilities
         limits = {
             "pad_token_id": self.cfg.pad_token_id,
@@ -741,13 +740,44 @@ class AsyncVllmGenerationWorker:
                 for row, error in checks.errors
             }
             prompts = dict(checks.prompts)
+        batch_size = int(input_ids.shape[0])
+        starts, context, images = self._media_rows(batch_size, prompts, media, "generate")
         specs, no_room = self._row_specs(
-            int(input_ids.shape[0]), data, list(prompts), [len(p) for p in prompts.values()], greedy
+            batch_size, data, list(starts), [context[r] for r in starts], greedy
         )
         return _Plan(
-            rows=tuple((row, prompts[row], spec) for row, spec in specs.items()),
+            rows=tuple((row, starts[row], spec) for row, spec in specs.items()),
             errors=tuple(sorted(refused.items())),
             no_room=no_room,
+            media=images,
+            context=context,
+        )
+
+    def _media_rows(
+        self,
+        batch_size: int,
+        prompts: Mapping[int, Sequence[int]],
+        media: Sequence[RowMedia | None] | None,
+        call: str,
+    ) -> tuple[dict[int, Sequence[int]], dict[int, int], dict[int, RowMedia]]:
+        """The rows' engine prompts (a prompt text's ids where NeMo-RL's ``vllm_content``
+        gave one), what each holds in the context, and the rows' images: the sync worker's
+        checks (``genworker.shell.media``), refusing the batch, rows named as in it."""
+        caps = self.engine.capabilities
+        if media is None and caps.image_token_id is None:
+            return dict(prompts), {row: len(p) for row, p in prompts.items()}, {}
+        rows = [prompts.get(row, ()) for row in range(batch_size)]  # a refused row: empty
+        kept = None if media is None else [m if r in prompts else None for r, m in enumerate(media)]
+        engine = self.engine
+        starts = engine_prompts(rows, kept, engine.tokenize, caps.max_model_len, call)
+        lengths = context_lengths(
+            caps, starts, [len(p) for p in starts], kept, engine.expanded_lengths
+        )
+        images = {row: m for row, m in enumerate(kept or ()) if m is not None}
+        return (
+            {row: starts[row] for row in prompts},
+            {row: lengths[row] for row in prompts},
+            images,
         )
 
     async def generate_async(
@@ -803,7 +833,7 @@ class AsyncVllmGenerationWorker:
         prompts = data.get("prompts") if isinstance(data, Mapping) else None
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise BadBatchError("generate_text: data['prompts'] must be a list of str")
-        _refuse_media(data)
+        media = row_media(data, len(prompts), "generate_text", texts=False)
         refused: dict[int, GenworkerError] = {
             row: BadBatchError(f"generate_text: prompt {row} is an empty string")
             for row, p in enumerate(prompts)
@@ -818,14 +848,17 @@ class AsyncVllmGenerationWorker:
                 f"generate_text: prompt {row} leaves no room to generate: {len(ids[row])} "
                 f"tokens, max_model_len={limit} (a prompt must be shorter)"
             )
-        rows = [row for row in texts if row not in refused]
+        kept = {row: ids[row] for row in texts if row not in refused}
+        starts, context, images = self._media_rows(len(prompts), kept, media, "generate_text")
         specs, no_room = self._row_specs(
-            len(prompts), data, rows, [len(ids[r]) for r in rows], greedy, text=True
+            len(prompts), data, list(starts), [context[r] for r in starts], greedy, text=True
         )
         return _Plan(
-            rows=tuple((row, ids[row], spec) for row, spec in specs.items()),
+            rows=tuple((row, starts[row], spec) for row, spec in specs.items()),
             errors=tuple(sorted(refused.items())),
             no_room=no_room,
+            media=images,
+            context=context,
         )
 
     async def _text_stream(
@@ -843,7 +876,8 @@ class AsyncVllmGenerationWorker:
             engine = self.engine
             for row, prompt, spec in plan.rows:
                 request = self._new_request(row)
-                task = asyncio.ensure_future(engine.generate_text(request.request_id, prompt, spec))
+                call = engine.generate_text(request.request_id, prompt, spec, plan.media.get(row))
+                task = asyncio.ensure_future(call)
                 tasks[task] = request
             pending = set(tasks)
             while pending:
@@ -1091,6 +1125,13 @@ class AsyncVllmGenerationWorker:
         inflight = _inflight_mode(mode)
         if not isinstance(clear_cache, bool):
             raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
+        if not clear_cache and self.engine.capabilities.multimodal:
+            raise BadArgumentError(
+                f"{method}: clear_cache=False on a multimodal engine: the processed-media "
+                "cache would outlive the encoder outputs it stands for, and vLLM's engine "
+                "core dies on the next image ('Encoder cache miss', vLLM 0.32); keep "
+                "clear_cache=True"
+            )
         if transport is Transport.COLLECTIVE and not self._collective:
             raise EngineStateError(f"{method} needs init_collective first")
         if self._manifest is None:

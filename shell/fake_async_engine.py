@@ -18,6 +18,9 @@ scheduler task admits waiting requests and gives every running request one token
   ``label_weights`` when it was sampled, reported as spans when the request finishes;
   with ``weight_versions=False`` the engine labels nothing and calls ``progress`` after
   every step instead;
+- with ``image_token_id`` set it takes images as the sync fake does: each placeholder of a
+  request stands for ``image_prompt_ids`` ids in the context, the tokens depend on the
+  images' pixels, and images that do not match the placeholders are refused;
 - ``next_logprobs`` (prompt -> value) makes the next request with that prompt come back
   with every sampled logprob that value (vLLM's garbage logits: NaN, +inf; or -inf);
   ``generate_text`` checks it as the vLLM adapter does, under the engine's
@@ -61,7 +64,14 @@ from genworker.shell.errors import (
     RequestAbortedError,
     UnsupportedError,
 )
-from genworker.shell.fake_engine import FakeEngineMisuse, _draw, detokenize
+from genworker.shell.fake_engine import (
+    FakeEngineMisuse,
+    _draw,
+    detokenize,
+    expanded_length,
+    pixels,
+)
+from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities, StreamedGeneration, check_request_logprobs
 
 __all__ = ["FakeAsyncEngine", "FakeAsyncEngineFactory"]
@@ -76,6 +86,8 @@ class _Request:
     spec: SamplingSpec
     progress: Callable[[int], None] | None
     done: asyncio.Future[StreamedGeneration]
+    context: int = 0  # what the prompt holds in the context (images expanded)
+    pixels: tuple[str, ...] = ()  # what the tokens see of the images
     tokens: list[int] = attrs.Factory(list)
     logprobs: list[float] = attrs.Factory(list)
     labels: list[tuple[str, int]] = attrs.Factory(list)
@@ -100,6 +112,9 @@ class FakeAsyncEngine:
         accept_refits: bool = False,
         num_speculative_tokens: int = 0,
         logprobs_mode: str = "raw_logprobs",
+        image_token_id: int | None = None,
+        image_prompt_ids: int = 7,
+        max_images: int | None = None,
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -107,6 +122,9 @@ class FakeAsyncEngine:
             vocab_size=vocab_size,
             max_model_len=max_model_len,
             device=device,
+            multimodal=image_token_id is not None,
+            image_token_id=image_token_id,
+            max_images=max_images,
             weight_versions=weight_versions,
             num_speculative_tokens=num_speculative_tokens,
             logprobs_mode=logprobs_mode,
@@ -116,6 +134,7 @@ class FakeAsyncEngine:
         #: (-inf); each entry serves one request
         self.next_logprobs: dict[tuple[int, ...], float] = {}
         self.eos_token_id = eos_token_id
+        self.image_prompt_ids = image_prompt_ids
         self.seed = seed
         self.step_s = step_s
         #: steps left before the scheduler stops (None: no limit); see allow_steps
@@ -238,7 +257,7 @@ class FakeAsyncEngine:
         greedy = spec.temperature == 0.0
         position = len(request.tokens)
         context = (*request.prompt, *request.tokens)
-        key = (self.seed, self.weight_version, context, greedy)
+        key = (self.seed, self.weight_version, context, greedy, *request.pixels)
         u = _draw(*key) if greedy else _draw(*key, spec.seed, position)
         token = int(u * (self._caps.vocab_size or 64))
         if not request.labels or request.labels[-1][0] != self.label:
@@ -249,7 +268,7 @@ class FakeAsyncEngine:
         request.text += _LETTERS[token % 26]
         self.generation_tokens += 1
         stop_ids = set(spec.stop_token_ids) | (set() if spec.ignore_eos else {self.eos_token_id})
-        room = self._caps.max_model_len - len(request.prompt)
+        room = self._caps.max_model_len - request.context
         if token in stop_ids or any(request.text.endswith(s) for s in spec.stop):
             self._finish(request, "stop")
         elif len(request.tokens) >= min(spec.max_tokens, room):
@@ -284,20 +303,21 @@ class FakeAsyncEngine:
         prompt: Sequence[int],
         spec: SamplingSpec,
         progress: Callable[[int], None] | None = None,
+        media: RowMedia | None = None,
     ) -> StreamedGeneration:
         self._enter("generate")
         if not prompt:
             raise BadBatchError("prompt cannot be empty")
-        if len(prompt) >= self._caps.max_model_len:
+        context = self._expanded(prompt, media)
+        if context >= self._caps.max_model_len:
             raise BadBatchError("prompt is at least max_model_len long")
         if any(r.request_id == request_id for r in (*self._waiting, *self._running)):
             raise BadBatchError(f"request id {request_id!r} is in use")
         self._ensure_scheduler()
         done: asyncio.Future[StreamedGeneration] = asyncio.get_running_loop().create_future()
-        request = _Request(
-            request_id, tuple(prompt), spec, None if self._caps.weight_versions else progress, done
-        )
-        self.prompt_tokens += len(prompt)
+        progress = None if self._caps.weight_versions else progress
+        request = _Request(request_id, tuple(prompt), spec, progress, done, context, pixels(media))
+        self.prompt_tokens += context
         self._waiting.append(request)
         self._wake.set()
         try:
@@ -311,10 +331,23 @@ class FakeAsyncEngine:
         self._enter("tokenize")
         return [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] for p in prompts]
 
+    def _expanded(self, prompt: Sequence[int], media: RowMedia | None) -> int:
+        return expanded_length(prompt, media, self._caps.image_token_id, self.image_prompt_ids)
+
+    def expanded_lengths(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        self._enter("expanded_lengths")
+        return [self._expanded(p, m) for p, m in zip(prompts, media, strict=True)]
+
     async def generate_text(
-        self, request_id: str, prompt: Sequence[int], spec: SamplingSpec
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        spec: SamplingSpec,
+        media: RowMedia | None = None,
     ) -> str:
-        streamed = await self.generate(request_id, prompt, spec)
+        streamed = await self.generate(request_id, prompt, spec, media=media)
         generation = streamed.generation
         if generation.finish_reason == "abort":
             raise RequestAbortedError(f"generate_text: request {request_id} was aborted")

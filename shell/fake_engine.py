@@ -122,6 +122,29 @@ def _image_digest(image: Image) -> str:
     return f"{hashlib.blake2b(image.tobytes(), digest_size=8).hexdigest()}{image.size}"
 
 
+def pixels(media: RowMedia | None) -> tuple[str, ...]:
+    """What a fake's tokens see of a row's images: a digest of each."""
+    return () if media is None else tuple(_image_digest(i) for i in media.images)
+
+
+def expanded_length(
+    prompt: Sequence[int], media: RowMedia | None, placeholder: int | None, per_image: int
+) -> int:
+    """A fake's context length of ``prompt``: each image's placeholder stands for
+    ``per_image`` ids; images that do not match the placeholders are refused, as vLLM's
+    processor refuses (or mangles) them."""
+    if media is None:
+        return len(prompt)
+    if placeholder is None:
+        raise FakeEngineMisuse("media for a fake engine without image_token_id")
+    placeholders = list(prompt).count(placeholder)
+    if placeholders != len(media.images):
+        raise BadBatchError(
+            f"the fake engine got {len(media.images)} images for {placeholders} placeholders"
+        )
+    return len(prompt) + placeholders * (per_image - 1)
+
+
 class FakeEngine:
     """Deterministic engine; see the module docstring for its rules."""
 
@@ -215,17 +238,7 @@ class FakeEngine:
             raise FakeEngineMisuse("generate after a level-2 sleep without new weights")
 
     def _expanded(self, prompt: Sequence[int], media: RowMedia | None) -> int:
-        if media is None:
-            return len(prompt)
-        placeholder = self._caps.image_token_id
-        if placeholder is None:
-            raise FakeEngineMisuse("media for a fake engine without image_token_id")
-        placeholders = list(prompt).count(placeholder)
-        if placeholders != len(media.images):
-            raise BadBatchError(
-                f"the fake engine got {len(media.images)} images for {placeholders} placeholders"
-            )
-        return len(prompt) + placeholders * (self.image_prompt_ids - 1)
+        return expanded_length(prompt, media, self._caps.image_token_id, self.image_prompt_ids)
 
     def _sample(
         self, prompt: Sequence[int], spec: SamplingSpec, media: RowMedia | None = None
@@ -236,8 +249,7 @@ class FakeEngine:
         logprobs: list[float] = []
         finish = "length"
         greedy = spec.temperature == 0.0
-        pixels = () if media is None else tuple(_image_digest(i) for i in media.images)
-        key = (self.seed, self.weight_version, tuple(prompt), greedy, spec.seed, pixels)
+        key = (self.seed, self.weight_version, tuple(prompt), greedy, spec.seed, pixels(media))
         stops = tuple(spec.stop)
         stop_ids = set(spec.stop_token_ids)
         if not spec.ignore_eos:

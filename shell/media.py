@@ -29,20 +29,25 @@ image), raised before anything reaches the engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 
-from genworker.shell.errors import BadBatchError
+from genworker.core.multimodal import check_context, check_media
+from genworker.shell.errors import BadBatchError, unwrap
 
 if TYPE_CHECKING:
     from PIL.Image import Image
+
+    from genworker.shell.ports import EngineCapabilities
 
 __all__ = [
     "MEDIA_KEY",
     "NEMO_RL_MEDIA_KEYS",
     "RowMedia",
+    "context_lengths",
+    "engine_prompts",
     "image_counts",
     "media_keys",
     "row_media",
@@ -184,3 +189,55 @@ def image_counts(media: Sequence[RowMedia | None] | None, batch_size: int) -> li
     if media is None:
         return [0] * batch_size
     return [0 if m is None else len(m.images) for m in media]
+
+
+def engine_prompts(
+    prompts: Sequence[Sequence[int]],
+    media: Sequence[RowMedia | None] | None,
+    tokenize: Callable[[list[str]], list[list[int]]],
+    max_model_len: int,
+    call: str,
+) -> Sequence[Sequence[int]]:
+    """What the engine starts each row from: its ids, or the ids ``tokenize`` makes of its
+    prompt text (NeMo-RL's ``vllm_content``, :attr:`RowMedia.text`), as ``generate_text``
+    tokenizes (one BOS); a text that leaves no room to generate is refused by row."""
+    texts = {row: m.text for row, m in enumerate(media or ()) if m and m.text is not None}
+    if not texts:
+        return prompts
+    ids = dict(zip(texts, tokenize(list(texts.values())), strict=True))
+    if too_long := [row for row, p in ids.items() if len(p) >= max_model_len]:
+        raise BadBatchError(
+            f"{call}: vllm_content of rows {too_long} leaves no room to generate: "
+            f"{[len(ids[r]) for r in too_long]} tokens, max_model_len={max_model_len}"
+        )
+    return [ids.get(row, prompt) for row, prompt in enumerate(prompts)]
+
+
+def context_lengths(
+    caps: EngineCapabilities,
+    prompts: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    media: Sequence[RowMedia | None] | None,
+    expanded_lengths: Callable[[Sequence[Sequence[int]], Sequence[RowMedia | None]], list[int]],
+) -> list[int]:
+    """What each prompt holds in the context: its length, or for a media row the length
+    the engine expands it to (``expanded_lengths``), once core checked the images against
+    the placeholders (every row's, a placeholder id without images included) and the
+    expanded prompts against ``max_model_len``."""
+    if media is None and caps.image_token_id is None:
+        return list(lengths)
+    unwrap(
+        check_media(
+            prompts,
+            image_counts(media, len(prompts)),
+            placeholder_id=caps.image_token_id,
+            max_images=caps.max_images,
+        ),
+        BadBatchError,
+        "multi_modal_data",
+    )
+    if media is None:
+        return list(lengths)
+    expanded = expanded_lengths(prompts, media)
+    unwrap(check_context(lengths, expanded, caps.max_model_len), BadBatchError, "multi_modal_data")
+    return expanded

@@ -210,14 +210,20 @@ class AsyncEnginePort(Protocol):
         prompt: Sequence[int],
         spec: SamplingSpec,
         progress: Callable[[int], None] | None = None,
+        media: RowMedia | None = None,
     ) -> StreamedGeneration:
-        """Run one request to its end. ``progress(n)`` is called with the request's token
-        count each time the engine hands over new tokens (the worker then counts weight
-        versions itself). Cancelling the coroutine aborts the request."""
+        """Run one request to its end (``media``: its images, one placeholder id each in
+        ``prompt``). ``progress(n)`` is called with the request's token count each time the
+        engine hands over new tokens (the worker then counts weight versions itself).
+        Cancelling the coroutine aborts the request."""
         ...
 
     async def generate_text(
-        self, request_id: str, prompt: Sequence[int], spec: SamplingSpec
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        spec: SamplingSpec,
+        media: RowMedia | None = None,
     ) -> str:
         """One request from prompt ids (:meth:`tokenize`'s) to its text; cancelling aborts.
         Checked as :meth:`EnginePort.generate_text` checks its rows."""
@@ -226,6 +232,12 @@ class AsyncEnginePort(Protocol):
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """The ids the engine makes of text prompts (``BadBatchError`` for one it refuses,
         ``UnsupportedError`` without a tokenizer)."""
+        ...
+
+    def expanded_lengths(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        """As :meth:`EnginePort.expanded_lengths` (the engine's processor, no request)."""
         ...
 
     async def abort(self, request_ids: Sequence[str]) -> None:

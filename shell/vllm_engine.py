@@ -191,7 +191,9 @@ __all__ = [
     "VllmEngineFactory",
     "abort_unfinished",
     "engine_arg_names",
+    "expanded_with",
     "sampling_params",
+    "token_prompt",
     "tokenize_with",
 ]
 
@@ -546,31 +548,7 @@ class VllmEngine:
     def expanded_lengths(
         self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
     ) -> list[int]:
-        renderer = self._renderer("expanded_lengths")
-        params = renderer.default_cmpl_tok_params
-        lengths = []
-        for row, (prompt, row_media) in enumerate(zip(prompts, media, strict=True)):
-            if row_media is None:
-                lengths.append(len(prompt))
-                continue
-            request = TokensPrompt(
-                prompt_token_ids=list(prompt), multi_modal_data=row_media.vllm_data()
-            )
-            try:
-                (rendered,) = renderer.render_cmpl([request], params, skip_mm_cache=True)
-            except (AssertionError, OSError, *_REQUEST_ERRORS) as e:
-                raise BadBatchError(
-                    f"multi_modal_data[{row}]: vLLM's processor refused the row: "
-                    f"{type(e).__name__}: {e}"
-                ) from e
-            expanded = rendered.get("prompt_token_ids")
-            if not isinstance(expanded, list) or len(expanded) < len(prompt):
-                raise EngineContractError(
-                    f"multi_modal_data[{row}]: vLLM rendered {len(prompt)} prompt ids as "
-                    f"{expanded!r:.200}"
-                )
-            lengths.append(len(expanded))
-        return lengths
+        return expanded_with(self._renderer("expanded_lengths"), prompts, media)
 
     # -- memory ---------------------------------------------------------------------
     def _require_sleep_mode(self, call: str) -> None:
@@ -700,6 +678,38 @@ _NO_TOKENIZER = (
 )
 
 
+def expanded_with(
+    renderer: BaseRenderer, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+) -> list[int]:
+    """How many ids each prompt holds once vLLM's processor expanded its images'
+    placeholders (``render_cmpl``, as ``LLM.generate`` renders a request; a row without
+    media: its own length); a row the processor refuses is a ``BadBatchError``."""
+    params = renderer.default_cmpl_tok_params
+    lengths = []
+    for row, (prompt, row_media) in enumerate(zip(prompts, media, strict=True)):
+        if row_media is None:
+            lengths.append(len(prompt))
+            continue
+        request = TokensPrompt(
+            prompt_token_ids=list(prompt), multi_modal_data=row_media.vllm_data()
+        )
+        try:
+            (rendered,) = renderer.render_cmpl([request], params, skip_mm_cache=True)
+        except (AssertionError, OSError, *_REQUEST_ERRORS) as e:
+            raise BadBatchError(
+                f"multi_modal_data[{row}]: vLLM's processor refused the row: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        expanded = rendered.get("prompt_token_ids")
+        if not isinstance(expanded, list) or len(expanded) < len(prompt):
+            raise EngineContractError(
+                f"multi_modal_data[{row}]: vLLM rendered {len(prompt)} prompt ids as "
+                f"{expanded!r:.200}"
+            )
+        lengths.append(len(expanded))
+    return lengths
+
+
 def tokenize_with(renderer: BaseRenderer, prompts: Sequence[str]) -> list[list[int]]:
     """The ids vLLM makes of text prompts (one BOS: a prompt that starts with the
     tokenizer's BOS text is tokenized without adding another)."""
@@ -733,15 +743,20 @@ def _image_token_id(model: ModelConfig) -> int | None:
     return None
 
 
+def token_prompt(prompt: Sequence[int], media: RowMedia | None) -> TokensPrompt:
+    """vLLM's request for ``prompt`` (with ``media``'s images when given)."""
+    request = TokensPrompt(prompt_token_ids=list(prompt))
+    if media is not None:
+        request["multi_modal_data"] = media.vllm_data()
+    return request
+
+
 def _token_prompts(
     prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None] | None
 ) -> list[TokensPrompt]:
-    token_prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-    if media is not None:
-        for prompt, row_media in zip(token_prompts, media, strict=True):
-            if row_media is not None:
-                prompt["multi_modal_data"] = row_media.vllm_data()
-    return token_prompts
+    if media is None:
+        return [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    return [token_prompt(p, m) for p, m in zip(prompts, media, strict=True)]
 
 
 def _settle(inflight: _Inflight, what: str) -> None:

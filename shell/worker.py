@@ -58,7 +58,6 @@ from genworker.core.counters import (
     encode_snapshot,
 )
 from genworker.core.engine_plan import plan_engine_kwargs
-from genworker.core.multimodal import check_context, check_media
 from genworker.core.outputs import (
     NonFiniteCounts,
     NonFiniteLogprobs,
@@ -95,7 +94,7 @@ from genworker.shell.errors import (
     unwrap,
 )
 from genworker.shell.host import ephemeral_ports, vllm_cache_root
-from genworker.shell.media import RowMedia, image_counts, row_media
+from genworker.shell.media import RowMedia, context_lengths, engine_prompts, row_media
 from genworker.shell.ports import EngineFactory, EnginePort
 from genworker.shell.refit.wire import raise_failures
 from genworker.shell.sparse import SparseRefitError
@@ -607,20 +606,13 @@ class VllmGenerationWorker:
     def _engine_prompts(
         self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None] | None
     ) -> Sequence[Sequence[int]]:
-        """What the engine starts each row from: its ids, or the ids of its prompt text
-        (NeMo-RL's ``vllm_content``, :class:`~genworker.shell.media.RowMedia`), tokenized
-        here as ``generate_text`` tokenizes (one BOS)."""
-        texts = {row: m.text for row, m in enumerate(media or ()) if m and m.text is not None}
-        if not texts:
-            return prompts
-        ids = dict(zip(texts, self._call(lambda e: e.tokenize(list(texts.values()))), strict=True))
+        """What the engine starts each row from (:func:`~genworker.shell.media.engine_prompts`)."""
         limit = self.engine.capabilities.max_model_len
-        if too_long := [row for row, p in ids.items() if len(p) >= limit]:
-            raise BadBatchError(
-                f"generate: vllm_content of rows {too_long} leaves no room to generate: "
-                f"{[len(ids[r]) for r in too_long]} tokens, max_model_len={limit}"
-            )
-        return [ids.get(row, prompt) for row, prompt in enumerate(prompts)]
+
+        def tokenize(texts: list[str]) -> list[list[int]]:
+            return self._call(lambda e: e.tokenize(texts))
+
+        return engine_prompts(prompts, media, tokenize, limit, "generate")
 
     def _context_lengths(
         self,
@@ -628,28 +620,15 @@ class VllmGenerationWorker:
         lengths: Sequence[int],
         media: Sequence[RowMedia | None] | None,
     ) -> list[int]:
-        """What each prompt holds in the context: its length, or for a media row the length
-        vLLM expands it to, after core checked the images against the placeholders."""
-        caps = self.engine.capabilities
-        if media is None and caps.image_token_id is None:
-            return list(lengths)
-        unwrap(
-            check_media(
-                prompts,
-                image_counts(media, len(prompts)),
-                placeholder_id=caps.image_token_id,
-                max_images=caps.max_images,
-            ),
-            BadBatchError,
-            "multi_modal_data",
+        """What each prompt holds in the context
+        (:func:`~genworker.shell.media.context_lengths`)."""
+        return context_lengths(
+            self.engine.capabilities,
+            prompts,
+            lengths,
+            media,
+            lambda p, m: self._call(lambda e: e.expanded_lengths(p, m)),
         )
-        if media is None:
-            return list(lengths)
-        expanded = self._call(lambda e: e.expanded_lengths(prompts, media))
-        unwrap(
-            check_context(lengths, expanded, caps.max_model_len), BadBatchError, "multi_modal_data"
-        )
-        return expanded
 
     @_serialized
     def generate_text(

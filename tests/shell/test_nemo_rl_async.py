@@ -411,6 +411,28 @@ def test_generate_async_yields_nemo_rls_per_sample_shape_in_completion_order() -
     asyncio.run(main())
 
 
+def test_generate_async_takes_nemo_rls_vlm_sample() -> None:
+    """One VLM sample as NeMo-RL's async rollout sends it: its processor's expanded ids,
+    the conversation's text, its images; the engine starts from the text's ids."""
+    from PIL import Image
+
+    async def main() -> None:
+        image, per_image = 5, 7  # the fake's placeholder id ("f") and its expansion
+        engine_options = {"image_token_id": image, "image_prompt_ids": per_image}
+        worker, engine = _owner(_config(max_new_tokens=8), engine=engine_options)
+        expanded = [0, 1, *[image] * per_image, 2]
+        data: dict[str, object] = dict(right_padded([expanded]))
+        data["vllm_content"] = ["abfc"]
+        data["vllm_images"] = [[Image.new("RGB", (8, 6), (255, 0, 0))]]
+        ((row, out),) = await drain(worker.generate_async(data, greedy=True))
+        assert row == 0
+        assert tuple(out) == NEMO_RL_OUTPUT_KEYS
+        assert out["output_ids"][0, : len(expanded)].tolist() == expanded
+        assert set(engine.finished) == {(0, 1, image, 2)}
+
+    asyncio.run(main())
+
+
 def _stream_of(
     make: Callable[[FakeAsyncEngineFactory], Any], data: dict[str, torch.Tensor]
 ) -> tuple[list[tuple[int, Any]], BaseException | None]:

@@ -231,25 +231,6 @@ def test_rows_without_room_for_the_drafter_come_back_unchanged_as_in_the_sync_wo
     asyncio.run(main())
 
 
-def test_images_are_refused_by_name() -> None:
-    async def main() -> None:
-        worker, engine = make_worker()
-        with pytest.raises(UnsupportedError, match="multi_modal_data"):
-            await collect(worker.generate_async({**rows(1), "multi_modal_data": [None]}))
-        # NeMo-RL's side channel too: its images are refused, never dropped.
-        with pytest.raises(UnsupportedError, match=r"\['vllm_images'\] carry media"):
-            await worker.generate({**rows(1), "vllm_images": [["an image"]]})
-        with pytest.raises(UnsupportedError, match=r"\['multi_modal_data'\] carry media"):
-            await worker.generate_text({"prompts": ["ab"], "multi_modal_data": [None]})
-        with pytest.raises(UnsupportedError, match=r"\['vllm_videos'\] carry media"):
-            await worker.generate_text({"prompts": ["ab"], "vllm_videos": [["a video"]]})
-        assert engine.calls == []
-        # Empty side channels carry nothing (NeMo-RL's text rows): served.
-        await worker.generate({**rows(1), "vllm_images": [[]], "vllm_content": [None]})
-
-    asyncio.run(main())
-
-
 def test_a_batch_wrong_as_a_whole_raises_before_anything_runs() -> None:
     async def main() -> None:
         worker, engine = make_worker()
