@@ -714,7 +714,6 @@ class AsyncVllmGenerationWorker:
         if not isinstance(greedy, bool):
             raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
         input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
-        media = row_media(data, int(input_ids.shape[0]), "generate")
         caps = self.engine.capabilities
         limits = {
             "pad_token_id": self.cfg.pad_token_id,
@@ -741,6 +740,7 @@ class AsyncVllmGenerationWorker:
             }
             prompts = dict(checks.prompts)
         batch_size = int(input_ids.shape[0])
+        media = row_media(data, batch_size, "generate")
         starts, context, images = self._media_rows(batch_size, prompts, media, "generate")
         specs, no_room = self._row_specs(
             batch_size, data, list(starts), [context[r] for r in starts], greedy
@@ -1127,10 +1127,9 @@ class AsyncVllmGenerationWorker:
             raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
         if not clear_cache and self.engine.capabilities.multimodal:
             raise BadArgumentError(
-                f"{method}: clear_cache=False on a multimodal engine: the processed-media "
-                "cache would outlive the encoder outputs it stands for, and vLLM's engine "
-                "core dies on the next image ('Encoder cache miss', vLLM 0.32); keep "
-                "clear_cache=True"
+                f"{method}: clear_cache=False on a multimodal engine: after such a refit "
+                "vLLM 0.32's engine core died at the next image request ('Encoder cache "
+                "miss'); keep clear_cache=True"
             )
         if transport is Transport.COLLECTIVE and not self._collective:
             raise EngineStateError(f"{method} needs init_collective first")

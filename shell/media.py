@@ -44,17 +44,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MEDIA_KEY",
-    "NEMO_RL_MEDIA_KEYS",
     "RowMedia",
     "context_lengths",
     "engine_prompts",
     "image_counts",
-    "media_keys",
     "row_media",
 ]
 
 MEDIA_KEY = "multi_modal_data"
-NEMO_RL_MEDIA_KEYS = ("vllm_content", "vllm_images", "vllm_audios", "vllm_videos")
 
 
 @attrs.frozen
@@ -175,13 +172,6 @@ def row_media(
         raw = _rows(data, MEDIA_KEY, batch_size, call)
         media = [_entry(entry, row, call) for row, entry in enumerate(raw)]
     return media if any(m is not None for m in media) else None
-
-
-def media_keys(data: Mapping[str, object]) -> list[str]:
-    """The keys of ``data`` that carry media: ``multi_modal_data`` when set, NeMo-RL's
-    ``vllm_images`` / ``vllm_audios`` / ``vllm_videos`` when a row holds something."""
-    keys = [MEDIA_KEY] if data.get(MEDIA_KEY) is not None else []
-    return keys + [k for k in NEMO_RL_MEDIA_KEYS[1:] if _carries(data.get(k))]
 
 
 def image_counts(media: Sequence[RowMedia | None] | None, batch_size: int) -> list[int]:

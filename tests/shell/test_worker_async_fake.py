@@ -240,6 +240,9 @@ def test_a_batch_wrong_as_a_whole_raises_before_anything_runs() -> None:
             )
         with pytest.raises(BadBatchError, match=r"input_ids.*missing"):
             await collect(worker.generate_async({"input_lengths": torch.ones(3)}))
+        scalar = {"input_ids": torch.tensor(3), "input_lengths": torch.tensor(1)}
+        with pytest.raises(BadBatchError, match="input_ids must be a 2-D"):
+            await collect(worker.generate_async({**scalar, "multi_modal_data": [None]}))
         with pytest.raises(BadArgumentError, match="greedy"):
             await collect(worker.generate_async(rows(2), greedy=1))  # type: ignore[arg-type]
         with pytest.raises(BadBatchError, match="seeds"):
