@@ -20,6 +20,7 @@ Set ``GENWORKER_MODEL_CACHE`` to a directory to keep the tiny model between sess
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ __all__ = [
     "cpu_engine",
     "cpu_engine_kwargs",
     "cpu_llm",
+    "loop",
     "tiny_model_dir",
     "tiny_vlm_dir",
 ]
@@ -47,6 +49,16 @@ __all__ = [
 EXTENSION_CLS = "genworker.shell.extension.WorkerExtension"
 _KV_CACHE_BYTES = 32 << 20
 _MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """The module's event loop, for the modules that drive an ``AsyncLLM``: the engine's
+    output handler lives on the loop of its first request, so every coroutine of the
+    module runs on this one (``async_helpers.run_soon``)."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
 
 
 def _extension_available() -> bool:

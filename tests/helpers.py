@@ -65,6 +65,18 @@ def flat_rows(flat: FlatGenerations) -> list[tuple[list[int], list[float], bool]
     return rows
 
 
+def sampled(completion: object) -> tuple[list[int], list[float]]:
+    """A vLLM ``CompletionOutput``'s tokens and each sampled token's logprob, as float32
+    (the worker's output dtype); the dict form of logprobs (``flat_logprobs`` off)."""
+    from vllm.outputs import CompletionOutput
+
+    assert isinstance(completion, CompletionOutput)
+    assert isinstance(completion.logprobs, list)
+    tokens = list(completion.token_ids)
+    lps = [float(pos[t].logprob) for t, pos in zip(tokens, completion.logprobs, strict=True)]
+    return tokens, torch.tensor(lps, dtype=torch.float32).tolist()
+
+
 def forced_logprobs(llm: object, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
     """A ``vllm.LLM``'s logprob of every token of ``sequences`` after the first (teacher
     forcing: the same tokens on two engines, where greedy paths may part on a near tie)."""

@@ -30,6 +30,7 @@ from genworker.shell.errors import (
 )
 from genworker.shell.fake_engine import FakeEngineFactory
 from genworker.shell.group import ClusterSpec, GenerationGroup, ShardFailure
+from genworker.shell.nemo_rl import NEMO_RL_OUTPUT_KEYS
 from genworker.shell.worker import VllmGenerationWorker
 
 pytestmark = pytest.mark.ray
@@ -38,14 +39,7 @@ ray = pytest.importorskip("ray")
 
 PAD = 2  # the tiny model's <pad>
 FIRST_ORDINARY_TOKEN = 3
-KEYS = {
-    "output_ids",
-    "logprobs",
-    "generation_lengths",
-    "unpadded_sequence_lengths",
-    "truncated",
-    "weight_versions",
-}
+KEYS = {*NEMO_RL_OUTPUT_KEYS, "weight_versions"}  # NeMo-RL's outputs and genworker's versions
 
 
 def tiny_config(model: Path | str) -> dict[str, Any]:

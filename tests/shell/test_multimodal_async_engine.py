@@ -26,11 +26,12 @@ from typing import Any
 import pytest
 import torch
 from async_helpers import async_config, collect, outputs, own_prometheus_metrics, run_soon, sending
-from helpers import right_padded
+from helpers import right_padded, sampled
 from PIL import Image
 from safetensors.torch import load_file
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vlm_helpers import BLUE, IMAGE, MAX_MODEL_LEN, MAX_NEW, PAD, RED, TEXT
 
 from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
 from genworker.shell.errors import BadArgumentError, BadBatchError
@@ -38,12 +39,6 @@ from genworker.shell.tiny_model import VLM_IMAGE_PROMPT_IDS, build_tiny_vlm
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
-BOS, PAD, IMAGE = 0, 2, 4  # the tiny VLM's <s>, <pad>, <image>
-MAX_MODEL_LEN = 256
-MAX_NEW = 8
-TEXT = "<image> Describe the image."
-RED = Image.new("RGB", (40, 30), (255, 0, 0))
-BLUE = Image.new("RGB", (20, 50), (0, 0, 255))
 
 Row = tuple[list[int], list[Image.Image]]
 
@@ -60,13 +55,6 @@ def config(model: Path) -> dict[str, Any]:
         },
         vllm_kwargs={"kv_cache_memory_bytes": 32 << 20, "max_num_batched_tokens": 8192},
     )
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +115,7 @@ async def raw(
     done = await asyncio.gather(
         *(one(i, q, p) for i, (q, p) in enumerate(zip(prompts, params, strict=True)))
     )
-    result = []
-    for c in done:
-        lps = [float(pos[t].logprob) for t, pos in zip(c.token_ids, c.logprobs, strict=True)]
-        result.append((list(c.token_ids), torch.tensor(lps, dtype=torch.float32).tolist()))
-    return result
+    return [sampled(c) for c in done]
 
 
 def params(seeds: Sequence[int | None]) -> list[SamplingParams]:

@@ -27,12 +27,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import base_config, right_padded
+from helpers import base_config, right_padded, sampled
 from PIL import Image
 from refit_helpers import REFIT_TIMEOUT, Trainer
 from safetensors.torch import load_file
 from vllm import LLM, SamplingParams
 from vllm.inputs import TextPrompt, TokensPrompt
+from vlm_helpers import BLUE, BOS, IMAGE, MAX_MODEL_LEN, MAX_NEW, PAD, RED, TEXT
 
 from genworker.core.counters import CACHE_RESETS
 from genworker.shell.errors import BadBatchError
@@ -41,13 +42,6 @@ from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
-
-BOS, PAD, IMAGE = 0, 2, 4  # the tiny VLM's <s>, <pad>, <image>
-MAX_MODEL_LEN = 256
-MAX_NEW = 8
-TEXT = "<image> Describe the image."
-RED = Image.new("RGB", (40, 30), (255, 0, 0))
-BLUE = Image.new("RGB", (20, 50), (0, 0, 255))
 
 
 def engine_kwargs(model: Path, *, extension: bool) -> dict[str, object]:
@@ -100,13 +94,7 @@ def raw(
     outs = llm.generate(
         prompts, params.pop("per_row", None) or SamplingParams(**params), use_tqdm=False
     )
-    result = []
-    for out in outs:
-        c = out.outputs[0]
-        assert isinstance(c.logprobs, list)
-        lps = [float(pos[t].logprob) for t, pos in zip(c.token_ids, c.logprobs, strict=True)]
-        result.append((list(c.token_ids), torch.tensor(lps, dtype=torch.float32).tolist()))
-    return result
+    return [sampled(out.outputs[0]) for out in outs]
 
 
 def rows_of(
@@ -275,12 +263,7 @@ def test_nemo_rl_side_channels_equal_vllm_on_the_prompts_nemo_rl_sends(
         [SamplingParams(max_tokens=MAX_NEW, logprobs=0, temperature=1.0, seed=s) for s in seeds],
         use_tqdm=False,
     )
-    expected = []
-    for answer in reference:
-        c = answer.outputs[0]
-        assert isinstance(c.logprobs, list)
-        lps = [float(pos[t].logprob) for t, pos in zip(c.token_ids, c.logprobs, strict=True)]
-        expected.append((list(c.token_ids), torch.tensor(lps, dtype=torch.float32).tolist()))
+    expected = [sampled(answer.outputs[0]) for answer in reference]
     vlm.reset_prefix_cache()
     data: dict[str, object] = dict(right_padded(expanded, pad=PAD))
     data["vllm_content"] = [text for text, _ in rows]

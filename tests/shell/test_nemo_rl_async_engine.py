@@ -76,13 +76,6 @@ def trainer() -> Iterator[NemoRlTrainer]:
     t.stop()
 
 
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
 def config(model: Path) -> dict[str, Any]:
     return {
         "backend": "vllm",

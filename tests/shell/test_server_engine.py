@@ -71,13 +71,6 @@ def config(model: str, **vllm_cfg: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def worker(
     tiny_model_dir: Path, loop: asyncio.AbstractEventLoop, cpu_engine: VllmEngine
 ) -> Iterator[AsyncVllmGenerationWorker]:

@@ -106,13 +106,6 @@ def config(*, async_engine: bool = True, **top: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def first(
     tiny_model_dir: Path, loop: asyncio.AbstractEventLoop, cpu_engine: VllmEngine
 ) -> Iterator[AsyncVllmGenerationWorker]:

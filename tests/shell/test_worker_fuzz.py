@@ -25,6 +25,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from genworker.shell.errors import BadArgumentError, GenworkerError
+from genworker.shell.nemo_rl import NEMO_RL_OUTPUT_KEYS
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
@@ -38,14 +39,7 @@ MAX_NEW = 4
 EXAMPLES = {"valid": 100, "valid text": 8}
 BROKEN_EXAMPLES = 6
 PROMPTS = [[5, 17, 99, 240, 7], [300, 12], [45, 46, 47, 48, 49, 50, 51, 52, 53], [88]]
-OUTPUT_KEYS = {
-    "output_ids",
-    "logprobs",
-    "generation_lengths",
-    "unpadded_sequence_lengths",
-    "truncated",
-    "weight_versions",
-}
+OUTPUT_KEYS = {*NEMO_RL_OUTPUT_KEYS, "weight_versions"}
 
 
 def check_contract(data: dict[str, Any], out: dict[str, torch.Tensor], vocab_size: int) -> None:
