@@ -23,10 +23,12 @@ Theory of operation
   the first shard reports once, ``multimodal_info``), so a bad row submits nothing
   anywhere and errors name the batch's own rows (a row with NeMo-RL's ``vllm_content``
   text is checked by its shard, on the text's ids). Media (``multi_modal_data`` or
-  NeMo-RL's side channels, one entry per row) travel with their rows: ``split_batch`` splits per-row lists like tensors. A media
-  row's cost counts its placeholders as one token each (the driver cannot expand them). Core splits it by token cost (``plan_shards``), the shards
-  with rows run concurrently, a shard without rows never calls its actor, and core merges
-  the outputs back into input order, padding each shard to the widest with the pad id.
+  NeMo-RL's side channels, one entry per row) travel with their rows: ``split_batch``
+  splits per-row lists like tensors. A media row's cost counts its placeholders as one
+  token each (the driver cannot expand them). Core splits it by token cost
+  (``plan_shards``), the shards with rows run concurrently, a shard without rows never
+  calls its actor, and core merges the outputs back into input order, padding each shard
+  to the widest with the pad id.
 * A failed fan-out call waits for every shard (within the bound) before it raises, so no
   result is lost and none lands in another row. A worker's own error comes back as its own
   type (``BadBatchError``, ``UnsupportedError``, ...) with the shard in the message; an
@@ -684,9 +686,8 @@ class GenerationGroup:
         prompts = data.get("prompts") if isinstance(data, Mapping) else None
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise BadBatchError("generate_text: data['prompts'] must be a list of str")
-        row_media(
-            data, len(prompts), "generate_text", texts=False
-        )  # the shape here; the counts per shard
+        # The media's shape here; their counts against the placeholders per shard.
+        row_media(data, len(prompts), "generate_text", texts=False)
         if not prompts:
             return {"texts": []}
         # Text has no token count before the engine tokenises it; characters stand in.

@@ -553,17 +553,15 @@ class VllmGenerationWorker:
             self.last_refused_rows = ()
             empty = assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id)
             return self._versioned(empty)
-        engine_prompts = self._engine_prompts(batch.prompts, media)
-        lengths = (
-            batch.lengths if engine_prompts is batch.prompts else list(map(len, engine_prompts))
-        )
-        context = self._context_lengths(engine_prompts, lengths, media)
+        starts = self._engine_prompts(batch.prompts, media)  # a prompt text's ids, or the row's
+        lengths = batch.lengths if starts is batch.prompts else list(map(len, starts))
+        context = self._context_lengths(starts, lengths, media)
         specs = self._specs(context, data, greedy)
         kept = [i for i, spec in enumerate(specs) if spec is not None]
         progress = self.cfg.vllm.use_tqdm
         made = _NO_ROWS
         if kept:
-            prompts = [engine_prompts[i] for i in kept]
+            prompts = [starts[i] for i in kept]
             kept_specs = [spec for spec in specs if spec is not None]
             kept_media = None if media is None else [media[i] for i in kept]
             made = self._call(
