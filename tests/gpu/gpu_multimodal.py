@@ -3,8 +3,9 @@
 The session worker's sleep-mode engine owns this pytest process's CuMem pool (see
 ``gpu_fixtures``), so the tiny Idefics3 engine runs in a spawned child: a
 ``VllmGenerationWorker`` (sleep mode on, as on every GPU) checked against raw
-``LLM.generate`` on its own engine, and its cache resets around sleep. The child returns
-plain values; the test asserts on them.
+``LLM.generate`` on its own engine (NeMo-RL's ``vllm_content`` / ``vllm_images`` batch
+too, against raw vLLM on the text NeMo-RL sends), and its cache resets around sleep. The
+child returns plain values; the test asserts on them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def vlm_main(model_dir: str) -> dict[str, Any]:
     from PIL import Image
     from transformers import AutoProcessor
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TextPrompt, TokensPrompt
 
     from genworker.core.counters import CACHE_RESETS
     from genworker.shell.errors import BadBatchError
@@ -90,6 +91,32 @@ def vlm_main(model_dir: str) -> dict[str, Any]:
         ]
         raw = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
         ours = worker_tokens()
+        # NeMo-RL's side channels: its processor's expanded ids (vLLM's, here), the text,
+        # the images; against raw vLLM on the text NeMo-RL sends it.
+        expanded = [list(o.prompt_token_ids or []) for o in raw[1:]]
+        nemo_ids = torch.full((2, max(map(len, expanded))), PAD, dtype=torch.long)
+        for i, e in enumerate(expanded):
+            nemo_ids[i, : len(e)] = torch.tensor(e)
+        nemo = worker.generate(
+            {
+                "input_ids": nemo_ids,
+                "input_lengths": torch.tensor([len(e) for e in expanded]),
+                "vllm_content": [TEXT, "<image>" + TEXT],
+                "vllm_images": [[red], [red, blue]],
+            },
+            greedy=True,
+        )
+        nemo_rl = [
+            nemo["output_ids"][i, len(e) : len(e) + int(nemo["generation_lengths"][i])].tolist()
+            for i, e in enumerate(expanded)
+        ]
+        texts = [
+            TextPrompt(prompt=TEXT, multi_modal_data={"image": red}),
+            TextPrompt(prompt="<image>" + TEXT, multi_modal_data={"image": [red, blue]}),
+        ]
+        nemo_raw = llm.generate(
+            texts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False
+        )
         try:
             bad = [None, {"image": [red, blue]}, {"image": [red, blue]}]
             worker.generate({**data, "multi_modal_data": bad})
@@ -113,6 +140,8 @@ def vlm_main(model_dir: str) -> dict[str, Any]:
             "raw": [list(o.outputs[0].token_ids) for o in raw],
             "raw_prompt_ids": [list(o.prompt_token_ids or []) for o in raw],
             "ours": ours,
+            "nemo_rl": nemo_rl,
+            "nemo_rl_raw": [list(o.outputs[0].token_ids) for o in nemo_raw],
             "after_sleep": after_sleep,
             "rows": [p for p, _ in rows],
             "bos": engine.tokenize(["<s>" + TEXT, TEXT]),

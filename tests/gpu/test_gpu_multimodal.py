@@ -1,5 +1,6 @@
 """The tiny Idefics3 through the worker on CUDA (the runner's vLLM): a batch mixing text
-and image rows equals raw ``LLM.generate`` on the same engine, one BOS, a bad row refused,
+and image rows equals raw ``LLM.generate`` on the same engine (and NeMo-RL's side channels
+equal raw vLLM on NeMo-RL's text prompts), one BOS, a bad row refused,
 and the multimodal caches reset around a level-1 sleep (the images then give the same
 greedy tokens). The engine runs in a child process (``gpu.gpu_multimodal``)."""
 
@@ -21,6 +22,7 @@ def test_images_through_the_worker_equal_raw_vllm_and_sleep_resets_the_caches(
     assert isinstance(result, dict)
     assert result["caps"] == [IMAGE, 2]
     assert result["ours"] == result["raw"]
+    assert result["nemo_rl"] == result["nemo_rl_raw"]  # NeMo-RL's side channels
     rows, expanded = result["rows"], result["raw_prompt_ids"]
     red, blue = result["image_extra"]  # the ids each image adds, by the HF processor
     assert red > VLM_IMAGE_PROMPT_IDS - 1  # split into tiles: more than one tile's ids
