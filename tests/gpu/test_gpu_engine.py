@@ -28,7 +28,8 @@ from shell.test_sampled_logprobs import (
     test_the_engine_keeps_the_hook,
     test_the_workers_params_are_marked_unless_the_row_needs_text,
 )
-from shell.test_vllm_engine import (
+from shell.test_vllm_engine import (  # noqa: F401 - stops: a fixture the tests take
+    stops,
     test_bad_request_is_bad_batch_and_engine_keeps_serving,
     test_collective_rpc_answers_from_every_worker,
     test_collective_rpc_expiry_is_engine_dead,
