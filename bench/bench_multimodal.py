@@ -33,7 +33,6 @@ BOS, PAD, IMAGE = 0, 2, 4
 
 def measure() -> list[tuple[str, float]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import SamplingParams
 
     from genworker.shell.media import row_media
     from genworker.shell.tiny_model import build_tiny_vlm
@@ -75,14 +74,7 @@ def measure() -> list[tuple[str, float]]:
         }
         worker = VllmGenerationWorker(config, engine_factory=ExistingEngine(engine))
         rows, data, prompts = _batch()
-        params = SamplingParams(
-            max_tokens=NEW_TOKENS,
-            temperature=0.0,
-            top_k=1,
-            logprobs=0,
-            ignore_eos=True,
-            **({"flat_logprobs": True} if engine.capabilities.flat_logprobs else {}),
-        )
+        params = _greedy(engine.capabilities.flat_logprobs)
         checked = row_media(data, ROWS, "bench")
         assert checked is not None
 
@@ -118,6 +110,21 @@ def measure() -> list[tuple[str, float]]:
     finally:
         engine.shutdown()
     return figures + _async_overhead(kwargs, config)
+
+
+def _greedy(flat_logprobs: bool, **extra: Any) -> Any:
+    """The raw side's greedy parameters (the worker's for ``greedy=True``), both engines."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,
+        top_k=1,
+        logprobs=0,
+        ignore_eos=True,
+        **({"flat_logprobs": True} if flat_logprobs else {}),
+        **extra,
+    )
 
 
 def _batch() -> tuple[list[list[int]], dict[str, object], list[Any]]:
@@ -158,7 +165,6 @@ def _batch() -> tuple[list[list[int]], dict[str, object], list[Any]]:
 
 def _async_overhead(kwargs: dict[str, object], config: dict[str, Any]) -> list[tuple[str, float]]:
     """The batch through the async worker against raw ``AsyncLLM.generate``, one engine."""
-    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from genworker.shell.async_engine import AsyncVllmEngine
@@ -170,14 +176,8 @@ def _async_overhead(kwargs: dict[str, object], config: dict[str, Any]) -> list[t
         cfg = {**config, "vllm_cfg": {**config["vllm_cfg"], "async_engine": True}}
         worker = AsyncVllmGenerationWorker(cfg, engine_factory=ExistingAsyncEngine(engine))
         _, data, prompts = _batch()
-        params = SamplingParams(
-            max_tokens=NEW_TOKENS,
-            temperature=0.0,
-            top_k=1,
-            logprobs=0,
-            ignore_eos=True,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-            **({"flat_logprobs": True} if engine.capabilities.flat_logprobs else {}),
+        params = _greedy(
+            engine.capabilities.flat_logprobs, output_kind=RequestOutputKind.FINAL_ONLY
         )
         llm = engine.llm
         counter = iter(range(1 << 30))
