@@ -134,7 +134,7 @@ def _table_demo(args: argparse.Namespace) -> int:
     """One batch of prompts through the worker (or a Ray group of shards), as a table."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    from genworker.shell.tiny_model import build_tiny_model
+    from genworker.demo.tiny_model import build_tiny_model
 
     t0 = time.perf_counter()
     model = build_tiny_model(Path(args.model))
@@ -211,10 +211,10 @@ _RL_ONLY = tuple(_RL_DEFAULTS)
 
 
 def _rl_demo(args: argparse.Namespace) -> int:
-    """The RL loop (``genworker.shell.demo.rl``): per-step lines, then the summary."""
-    from genworker.shell.demo.report import gap_ok, summary_lines, write_outputs
-    from genworker.shell.demo.rl import RlConfig, run_rl
-    from genworker.shell.tiny_model import build_tiny_model
+    """The RL loop (``genworker.demo.rl``): per-step lines, then the summary."""
+    from genworker.demo.report import gap_ok, summary_lines, write_outputs
+    from genworker.demo.rl import RlConfig, run_rl
+    from genworker.demo.tiny_model import build_tiny_model
 
     config = RlConfig(
         model=build_tiny_model(Path(args.model)),
@@ -286,8 +286,8 @@ def _image_demo(args: argparse.Namespace) -> int:
     per row (image size, prompt ids, expanded prompt ids, completion), then a summary."""
     from PIL import Image
 
+    from genworker.demo.tiny_model import build_tiny_vlm
     from genworker.shell.media import row_media
-    from genworker.shell.tiny_model import build_tiny_vlm
     from genworker.shell.worker import VllmGenerationWorker
 
     t0 = time.perf_counter()
