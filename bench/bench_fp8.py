@@ -78,8 +78,8 @@ def measure() -> list[tuple[str, float]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from safetensors.torch import load_file
 
-    from genworker.shell.demo.rl import refit_channel
-    from genworker.shell.tiny_model import build_tiny_model
+    from genworker.demo.rl import refit_channel
+    from genworker.demo.tiny_model import build_tiny_model
     from genworker.shell.worker import VllmGenerationWorker
 
     gbps = _quantize_gbps()

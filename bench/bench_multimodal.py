@@ -34,8 +34,8 @@ BOS, PAD, IMAGE = 0, 2, 4
 def measure() -> list[tuple[str, float]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+    from genworker.demo.tiny_model import build_tiny_vlm
     from genworker.shell.media import row_media
-    from genworker.shell.tiny_model import build_tiny_vlm
     from genworker.shell.vllm_engine import VllmEngine, engine_arg_names
     from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 

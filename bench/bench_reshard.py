@@ -61,7 +61,7 @@ TIMEOUT_S = 120.0
 
 
 def tiny_model() -> Path:
-    from genworker.shell.tiny_model import build_tiny_model
+    from genworker.demo.tiny_model import build_tiny_model
 
     cache = Path(os.environ.get("GENWORKER_MODEL_CACHE", tempfile.gettempdir()))
     return build_tiny_model(cache / "genworker-bench-tiny-llama")

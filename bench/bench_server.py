@@ -277,7 +277,7 @@ async def _run(model: Path) -> list[tuple[str, float]]:
 
 def measure() -> list[tuple[str, float]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from genworker.shell.tiny_model import build_tiny_model
+    from genworker.demo.tiny_model import build_tiny_model
 
     cache = Path(os.environ.get("GENWORKER_MODEL_CACHE", tempfile.gettempdir()))
     model = build_tiny_model(cache / "genworker-bench-tiny-llama")

@@ -326,7 +326,7 @@ def measure_busy_core(model: Path) -> dict[str, float]:
 
 def measure() -> list[tuple[str, float]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from genworker.shell.tiny_model import build_tiny_model
+    from genworker.demo.tiny_model import build_tiny_model
 
     cache = Path(os.environ.get("GENWORKER_MODEL_CACHE", tempfile.gettempdir()))
     model = build_tiny_model(cache / "genworker-bench-tiny-llama")

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from genworker.shell.tiny_model import build_tiny_model, build_tiny_vlm
+from genworker.demo.tiny_model import build_tiny_model, build_tiny_vlm
 
 if TYPE_CHECKING:
     from vllm import LLM

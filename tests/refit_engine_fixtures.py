@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from refit_helpers import Engine, Weights, greedy, start_engine, stop_engine
 
-from genworker.shell.tiny_model import build_tiny_model
+from genworker.demo.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def test_only_genworker_at_the_wheel_top_level(wheel: Path) -> None:
     assert "genworker/shell/py.typed" in names
 
 
-def test_bare_core_and_shell_are_not_importable_from_an_install(
+def test_bare_core_shell_and_demo_are_not_importable_from_an_install(
     wheel: Path, tmp_path: Path
 ) -> None:
     target = tmp_path / "site"
@@ -72,7 +72,7 @@ def test_bare_core_and_shell_are_not_importable_from_an_install(
         "import importlib.util, sys\n"
         "import genworker.core, genworker.shell.errors\n"
         f"assert genworker.core.__file__.startswith({str(target)!r}), genworker.core.__file__\n"
-        "print(importlib.util.find_spec('core'), importlib.util.find_spec('shell'))\n"
+        "print(*(importlib.util.find_spec(n) for n in ('core', 'shell', 'demo')))\n"
     )
     done = subprocess.run(
         [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r})\n{probe}"],
@@ -82,7 +82,7 @@ def test_bare_core_and_shell_are_not_importable_from_an_install(
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "None None"
+    assert done.stdout.strip() == "None None None"
 
 
 def _imports(path: Path) -> set[str]:

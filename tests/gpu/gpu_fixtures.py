@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from genworker.shell.tiny_model import build_tiny_model
+from genworker.demo.tiny_model import build_tiny_model
 
 if TYPE_CHECKING:
     from genworker.shell.vllm_engine import VllmEngine

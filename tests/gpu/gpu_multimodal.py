@@ -27,8 +27,8 @@ def vlm_main(model_dir: str) -> dict[str, Any]:
     from vllm.inputs import TextPrompt, TokensPrompt
 
     from genworker.core.counters import CACHE_RESETS
+    from genworker.demo.tiny_model import build_tiny_vlm
     from genworker.shell.errors import BadBatchError
-    from genworker.shell.tiny_model import build_tiny_vlm
     from genworker.shell.vllm_engine import VllmEngine
     from genworker.shell.worker import VllmGenerationWorker
 

@@ -52,6 +52,7 @@ export PYTHONSAFEPATH=1 TOKENIZERS_PARALLELISM=false
 rm -rf /tmp/gwdev && mkdir -p /tmp/gwdev/genworker
 ln -s "$REPO/core" /tmp/gwdev/genworker/core
 ln -s "$REPO/shell" /tmp/gwdev/genworker/shell
+ln -s "$REPO/demo" /tmp/gwdev/genworker/demo
 export PYTHONPATH=/tmp/gwdev${PYTHONPATH:+:$PYTHONPATH}
 
 python3 - <<'EOF' | tee "$OUT/environment.txt"

@@ -10,7 +10,7 @@ import pytest
 from gpu.gpu_fixtures import GPU_MARKS, Child
 from gpu.gpu_multimodal import BOS, IMAGE, vlm_main
 
-from genworker.shell.tiny_model import VLM_IMAGE_PROMPT_IDS
+from genworker.demo.tiny_model import VLM_IMAGE_PROMPT_IDS
 
 pytestmark = GPU_MARKS
 

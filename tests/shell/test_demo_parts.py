@@ -1,32 +1,34 @@
-"""The RL demo's pure parts: the reward, GRPO's group baseline, sparklines, the PNG, the
+"""The RL demo's pure parts: the reward, GRPO's group baseline, sparklines, the chart, the
 summary. No engine here (``test_demo_rl.py`` runs the loop)."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import struct
-import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from matplotlib.colors import to_rgb
+from PIL import Image
 
-from genworker.shell.demo.chart import (
-    _FONT,
+from genworker.demo.chart import (
     BLUE,
     GRAY,
     ORANGE,
     Panel,
     Series,
+    chart_figure,
     render_chart,
     sparkline,
 )
-from genworker.shell.demo.report import gap_ok, reward_rise, summary_lines, write_outputs
-from genworker.shell.demo.rl import GAP_BOUND, RlConfig, RlRun, Sample, StepRecord
-from genworker.shell.demo.task import (
+from genworker.demo.report import gap_ok, reward_rise, summary_lines, write_outputs
+from genworker.demo.rl import GAP_BOUND, RlConfig, RlRun, Sample, StepRecord
+from genworker.demo.task import (
     generated_span,
     group_advantages,
     is_number_token,
@@ -181,63 +183,85 @@ def test_a_sparkline_clamps_to_its_range_and_draws_a_flat_series_low() -> None:
     assert sparkline([]) == ""
 
 
-# -- the PNG ------------------------------------------------------------------------------
+# -- the chart ----------------------------------------------------------------------------
 
 
-def decode_png(data: bytes) -> tuple[int, int, list[bytes]]:
-    """Width, height and RGB scanlines of an 8-bit RGB PNG; checks every chunk's CRC."""
+def decode_png(data: bytes) -> Image.Image:
+    """The PNG, decoded (Pillow checks the chunks' CRCs and the image data as it loads)."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, []
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert crc == zlib.crc32(kind + body), kind
-        chunks.append((kind, body))
-        pos += 12 + length
-    assert [k for k, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
-    width, height, depth, color, *_ = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, color) == (8, 2)
-    raw = zlib.decompress(chunks[1][1])
-    stride = 1 + 3 * width
-    assert len(raw) == height * stride
-    lines = [raw[y * stride : (y + 1) * stride] for y in range(height)]
-    assert all(line[0] == 0 for line in lines)  # filter type 0
-    return width, height, [line[1:] for line in lines]
+    image = Image.open(io.BytesIO(data), formats=["PNG"])
+    image.load()
+    return image.convert("RGB")
 
 
-def count_color(lines: list[bytes], color: tuple[int, int, int]) -> int:
-    target = bytes(color)
-    return sum(1 for line in lines for x in range(0, len(line), 3) if line[x : x + 3] == target)
+def count_near(image: Image.Image, color: str, box: tuple[int, int, int, int]) -> int:
+    """Pixels inside ``box`` (left, top, right, bottom) within 12 of ``color`` per channel."""
+    target = np.array([round(255 * c) for c in to_rgb(color)])
+    region = np.asarray(image.crop(box), dtype=np.int64)
+    return int((np.abs(region - target) <= 12).all(axis=-1).sum())
 
 
-def test_a_chart_is_a_valid_png_with_every_series_drawn() -> None:
-    data = render_chart(
-        [
-            Panel("reward", [Series("reward", [0.1, 0.5, 0.9], BLUE)], y_range=(0.0, 1.0)),
-            Panel("gap", [Series("a", [1e-7] * 3, ORANGE), Series("b", [0, 2, 4], GRAY)]),
-        ],
-        width=300,
-        panel_height=150,
-    )
-    width, height, lines = decode_png(data)
-    assert (width, height) == (300, 300)
-    for color in (BLUE, ORANGE, GRAY):
-        assert count_color(lines, color) > 50
-    assert count_color(lines[:150], ORANGE) == 0  # the top panel has only the reward
-    assert count_color(lines[150:], BLUE) == 0
+def floats(values: object) -> list[float]:
+    """A line's x or y data as plain floats."""
+    return [float(v) for v in np.asarray(values, dtype=np.float64)]
 
 
-def test_a_chart_draws_only_finite_values_and_survives_a_flat_or_single_point_series() -> None:
-    data = render_chart(
+TWO_PANELS = [
+    Panel("reward", [Series("reward", [0.1, 0.5, 0.9], BLUE)], y_range=(0.0, 1.0)),
+    Panel("gap", [Series("a", [1e-7] * 3, ORANGE), Series("b", [0, 2, 4], GRAY)]),
+]
+
+
+def test_a_chart_plots_every_series_as_given() -> None:
+    figure = chart_figure(TWO_PANELS, width=300, panel_height=150)
+    assert tuple(figure.get_size_inches() * figure.dpi) == (300, 300)
+    top, bottom = figure.axes
+    assert top.get_ylim() == (0.0, 1.0)
+    assert top.get_title(loc="left") == "reward"
+    plotted = [
+        (ax.get_title(loc="left"), str(line.get_label()), to_rgb(str(line.get_color())),
+         floats(line.get_xdata()), floats(line.get_ydata()))
+        for ax in figure.axes
+        for line in ax.get_lines()
+    ]  # fmt: skip
+    assert plotted == [
+        ("reward", "reward", to_rgb(BLUE), [0, 1, 2], [0.1, 0.5, 0.9]),
+        ("gap", "a", to_rgb(ORANGE), [0, 1, 2], [1e-7] * 3),
+        ("gap", "b", to_rgb(GRAY), [0, 1, 2], [0.0, 2.0, 4.0]),
+    ]
+    legend = bottom.get_legend()
+    assert legend is not None
+    assert [t.get_text() for t in legend.get_texts()] == ["a", "b"]
+
+
+def test_a_chart_is_a_png_of_the_asked_size_with_each_series_in_its_panel() -> None:
+    image = decode_png(render_chart(TWO_PANELS, width=300, panel_height=150))
+    assert image.size == (300, 300)
+    top, bottom = (0, 0, 300, 150), (0, 150, 300, 300)
+    assert count_near(image, BLUE, top) > 50
+    assert count_near(image, BLUE, bottom) == 0  # the reward is in the top panel only
+    assert count_near(image, ORANGE, bottom) > 50
+    assert count_near(image, ORANGE, top) == 0
+    assert count_near(image, GRAY, bottom) > 50  # (anti-aliased black text is gray too)
+
+
+def test_a_chart_leaves_gaps_for_values_it_cannot_draw() -> None:
+    figure = chart_figure(
         [Panel("p", [Series("nan", [math.nan, 1.0, math.inf, 1.0], BLUE)]),
+         Panel("log", [Series("x", [0.0, 1e-7, -1.0, 2.0], ORANGE)], log=True),
          Panel("one", [Series("x", [2.0], ORANGE)])],
         width=200,
         panel_height=120,
     )  # fmt: skip
-    _, _, lines = decode_png(data)
-    assert count_color(lines, BLUE) > 0
-    assert count_color(lines, ORANGE) > 0
+    linear, log, one = (floats(ax.get_lines()[0].get_ydata()) for ax in figure.axes)
+    assert [math.isnan(v) for v in linear] == [True, False, True, False]
+    assert [math.isnan(v) for v in log] == [True, False, True, False]
+    assert figure.axes[1].get_yscale() == "log"
+    assert one == [2.0]
+    assert decode_png(render_chart([Panel("p", [Series("s", [math.nan], BLUE)])])).size == (
+        760,
+        250,
+    )
 
 
 def test_a_chart_refuses_no_panels_or_a_size_too_small_to_read() -> None:
@@ -245,11 +269,8 @@ def test_a_chart_refuses_no_panels_or_a_size_too_small_to_read() -> None:
         render_chart([])
     with pytest.raises(ValueError, match="too small"):
         render_chart([Panel("p", [])], width=100)
-
-
-def test_every_glyph_is_5_by_7() -> None:
-    assert all(len(rows) == 7 and all(len(r) == 5 for r in rows) for rows in _FONT.values())
-    assert set("0123456789.-+E") <= set(_FONT)
+    with pytest.raises(ValueError, match="too small"):
+        chart_figure([Panel("p", [])], panel_height=119)
 
 
 # -- the summary and the files ------------------------------------------------------------
@@ -294,7 +315,7 @@ def test_the_outputs_hold_every_figure_and_the_summary_names_them(tmp_path: Path
     run = a_run([0.05, 0.1, 0.4, 0.9], [1e-7, 2e-7, 1e-7, 3e-7])
     versions = {"vllm": "0.0", "torch": "1.0"}
     png, record = write_outputs(run, tmp_path / "out", versions)
-    assert decode_png(png.read_bytes())[:2] == (760, 500)
+    assert decode_png(png.read_bytes()).size == (760, 500)
     saved = json.loads(record.read_text())
     assert [s["mean_reward"] for s in saved["steps"]] == [0.05, 0.1, 0.4, 0.9]
     assert saved["where"]["vllm"] == "0.0"

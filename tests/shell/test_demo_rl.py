@@ -16,8 +16,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from genworker.shell.demo.report import reward_rise
-from genworker.shell.demo.rl import GAP_BOUND, RL_PROMPTS, RlConfig, RlRun, StepRecord, run_rl
+from genworker.demo.report import reward_rise
+from genworker.demo.rl import GAP_BOUND, RL_PROMPTS, RlConfig, RlRun, StepRecord, run_rl
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

@@ -26,10 +26,10 @@ from torch import nn
 from genworker.core.config import WorkerConfig
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.fp8 import FP8_E4M3_MAX, Fp8Layers, block_scale_shape
-from genworker.shell.demo.rl import refit_channel
+from genworker.demo.rl import refit_channel
+from genworker.demo.tiny_model import build_tiny_model
 from genworker.shell.errors import BadConfigError, RefitManifestError
 from genworker.shell.fp8 import engine_fp8_layers, quantize_blockwise, quantizing
-from genworker.shell.tiny_model import build_tiny_model
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import VllmGenerationWorker
 

@@ -33,9 +33,9 @@ from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vlm_helpers import BLUE, IMAGE, MAX_MODEL_LEN, MAX_NEW, PAD, RED, TEXT
 
+from genworker.demo.tiny_model import VLM_IMAGE_PROMPT_IDS, build_tiny_vlm
 from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
 from genworker.shell.errors import BadArgumentError, BadBatchError
-from genworker.shell.tiny_model import VLM_IMAGE_PROMPT_IDS, build_tiny_vlm
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

@@ -36,8 +36,8 @@ from vllm.inputs import TextPrompt, TokensPrompt
 from vlm_helpers import BLUE, BOS, IMAGE, MAX_MODEL_LEN, MAX_NEW, PAD, RED, TEXT
 
 from genworker.core.counters import CACHE_RESETS
+from genworker.demo.tiny_model import VLM_IMAGE_PROMPT_IDS, build_tiny_vlm
 from genworker.shell.errors import BadBatchError
-from genworker.shell.tiny_model import VLM_IMAGE_PROMPT_IDS, build_tiny_vlm
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 

@@ -28,8 +28,8 @@ from refit_helpers import (
 )
 from safetensors.torch import load_file
 
+from genworker.demo.tiny_model import build_tiny_model
 from genworker.shell.refit import RefitSender
-from genworker.shell.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

@@ -16,8 +16,8 @@ from reshard_helpers import ReshardTrainer
 from safetensors.torch import load_file
 from vllm import LLM
 
+from genworker.demo.tiny_model import build_tiny_model
 from genworker.shell.reshard import bytes_of, shards_of
-from genworker.shell.tiny_model import build_tiny_model
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 

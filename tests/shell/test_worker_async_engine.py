@@ -48,6 +48,7 @@ from safetensors.torch import load_file
 from genworker.core import lifecycle
 from genworker.core.lifecycle import TABLE, Event, InflightMode, State
 from genworker.core.sampling import SamplingSpec
+from genworker.demo.tiny_model import build_tiny_model
 from genworker.shell.async_engine import AsyncVllmEngine
 from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
 from genworker.shell.errors import (
@@ -60,7 +61,6 @@ from genworker.shell.errors import (
     UnsupportedError,
 )
 from genworker.shell.ports import AsyncEnginePort, StreamedGeneration
-from genworker.shell.tiny_model import build_tiny_model
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 

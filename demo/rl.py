@@ -5,7 +5,7 @@ Every step:
 1. **generate**: the prompts, each ``samples_per_prompt`` times, through
    :class:`~genworker.shell.worker.VllmGenerationWorker` on the real vLLM engine (sampled at
    temperature 1, the sampled tokens' logprobs returned);
-2. **score**: :func:`~genworker.shell.demo.task.number_rewards` (the share of the completion
+2. **score**: :func:`~genworker.demo.task.number_rewards` (the share of the completion
    that is numbers);
 3. **train**: the policy, a plain ``transformers`` Llama in float32 on the trainer's side,
    recomputes the sampled tokens' logprobs and takes one GRPO step (group-baseline
@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 import torch
 
-from genworker.shell.demo.task import (
+from genworker.demo.task import (
     generated_span,
     group_advantages,
     number_rewards,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import attrs
 
-from genworker.shell.demo.chart import BLUE, GRAY, ORANGE, Panel, Series, render_chart, sparkline
-from genworker.shell.demo.rl import GAP_BOUND, RlRun, StepRecord
+from genworker.demo.chart import BLUE, GRAY, ORANGE, Panel, Series, render_chart, sparkline
+from genworker.demo.rl import GAP_BOUND, RlRun, StepRecord
 
 __all__ = ["EDGE_STEPS", "gap_ok", "reward_rise", "summary_lines", "write_outputs"]
 
@@ -52,6 +52,7 @@ def write_outputs(run: RlRun, out_dir: Path, versions: Mapping[str, str]) -> tup
                     ),
                     Series("trainer vs its start (no refits)", [s.stale_gap for s in steps], GRAY),
                 ],
+                log=True,
             ),
         ]
     )
