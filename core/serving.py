@@ -39,6 +39,30 @@ is a pure function here, so it can be stated as a law and tested without a serve
   text. The template's token at which that text ends is found by decoding (NeMo-RL's
   ``_maybe_correct_merged_tokens``); a reference whose text ends inside one of the
   template's tokens is refused rather than guessed.
+- **Request bodies** (:func:`parse_body`, :class:`HttpLimits`): a body is refused
+  before it is parsed when it passes :attr:`HttpLimits.max_body_bytes`, and when
+  parsed JSON nests deeper than :data:`MAX_JSON_DEPTH` (Python's ``json`` recurses: 100k
+  levels are a ``RecursionError``, not a ``ValueError``). Both bounds are generous
+  constants, not config keys: the depth of a real request (a tool's JSON schema
+  included) is a few tens, and the byte bound is derived from ``max_model_len``
+  (:func:`http_limits`: :data:`BODY_BYTES_FLOOR` for images and small contexts plus
+  :data:`BODY_BYTES_PER_TOKEN` per context token, room for a whole text prompt at the
+  character bound below even if every character is ``\\u``-escaped, or for tens of
+  multi-turn id lists of the whole context). Malformed JSON is not refused here: vLLM
+  answers it itself.
+- **Prompts** (:func:`check_completion_prompt`, :func:`check_token_ids`,
+  :func:`check_chat_text`): token ids are ints (a JSON ``true`` is not a token id),
+  inside the vocabulary ``[0, vocab_size)`` (vLLM's ``BaseRenderer.validate_token_ids``,
+  0.32, takes the larger of the tokenizer's and the model's vocabulary; so does the
+  shell) and checked before anything decodes them (the tokenizer's ``decode`` overflows
+  past ``2**63``); a prompt is never empty; a text prompt (or a chat request's text, all
+  messages together) longer than :data:`CHARS_PER_TOKEN_AT_MOST` characters per context
+  token is refused before it is tokenized: no tokenizer makes a real text average more
+  than a few characters per token (English about 4, code about 3, CJK under 2; only long
+  runs of one character come near 32), so such a prompt cannot fit ``max_model_len``,
+  and tokenizing megabytes to find that out costs seconds of CPU and a lasting gigabyte
+  of the server's memory. Each refusal names the request's field and, for an id, its
+  index.
 - **Versions** (:func:`versions_between`): the server reads the worker's weight version
   when a request arrives and when its response starts (non-streaming: the generation is
   complete) or when each streamed event passes; a version increases by one per refit, so
@@ -49,6 +73,7 @@ is a pure function here, so it can be stated as a law and tested without a serve
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
@@ -61,16 +86,30 @@ from genworker.core.config_keys import parse_bool
 from genworker.core.errors import CoreError
 
 __all__ = [
+    "BODY_BYTES_FLOOR",
+    "BODY_BYTES_PER_TOKEN",
+    "CHARS_PER_TOKEN_AT_MOST",
     "DEFAULT_HOST",
+    "MAX_JSON_DEPTH",
+    "BadRequest",
     "BudgetError",
+    "HttpLimits",
+    "MalformedBody",
     "OffPolicy",
     "PrefixMismatch",
     "SamplingPolicy",
     "ServerOptions",
     "Turn",
+    "check_body_length",
+    "check_chat_text",
+    "check_completion_prompt",
     "check_on_policy",
+    "check_token_ids",
     "check_turns",
+    "http_limits",
     "http_max_tokens",
+    "json_depth",
+    "parse_body",
     "prompt_tokens_at_most",
     "server_options",
     "splice_prefix",
@@ -439,6 +478,223 @@ def splice_prefix(
             )
         )
     return Success(ref + actual[n:])
+
+
+# --- request bodies and prompts ----------------------------------------------------------
+
+MAX_JSON_DEPTH: Final = 128
+"""Nesting levels a request body may have (an object or array is one level)."""
+CHARS_PER_TOKEN_AT_MOST: Final = 32
+"""Characters per context token a text prompt may have before it is refused untokenized."""
+BODY_BYTES_FLOOR: Final = 32 << 20
+"""Bytes every body may have, whatever the context (images as data URLs, short contexts)."""
+BODY_BYTES_PER_TOKEN: Final = 512
+"""Further bytes per context token: a text at the character bound, every character escaped
+as a UTF-16 surrogate pair (12 bytes), is 384 per token; an id list is at most 9."""
+
+
+@attrs.frozen
+class HttpLimits:
+    """What one request to the server may be (see the module docstring)."""
+
+    max_body_bytes: int = attrs.field(validator=attrs.validators.ge(1))
+    max_depth: int = attrs.field(validator=attrs.validators.ge(1))
+    max_prompt_chars: int = attrs.field(validator=attrs.validators.ge(1))
+    vocab_size: int = attrs.field(validator=attrs.validators.ge(1))
+
+
+def http_limits(max_model_len: int, vocab_size: int) -> HttpLimits:
+    """The limits of a server whose engine has ``max_model_len`` and ``vocab_size``."""
+    return HttpLimits(
+        max_body_bytes=BODY_BYTES_FLOOR + BODY_BYTES_PER_TOKEN * max_model_len,
+        max_depth=MAX_JSON_DEPTH,
+        max_prompt_chars=CHARS_PER_TOKEN_AT_MOST * max_model_len,
+        vocab_size=vocab_size,
+    )
+
+
+@attrs.frozen
+class BadRequest(CoreError):
+    """A request the server refuses: the HTTP ``status`` (4xx) and the request's field
+    (``None``: the body as a whole)."""
+
+    status: int
+    param: str | None
+
+
+@attrs.frozen
+class MalformedBody(CoreError):
+    """The body is not JSON; vLLM's own answer says so."""
+
+
+def check_body_length(num_bytes: int, limits: HttpLimits) -> Result[int, BadRequest]:
+    """``num_bytes`` when a body that long may be read (a declared ``content-length`` or
+    the bytes read so far), else 413."""
+    if num_bytes > limits.max_body_bytes:
+        return Failure(
+            BadRequest(
+                f"the request body has more than {limits.max_body_bytes} bytes, the server's limit",
+                status=413,
+                param=None,
+            )
+        )
+    return Success(num_bytes)
+
+
+def json_depth(value: object, limit: int) -> int:
+    """The nesting depth of a parsed JSON ``value`` (a scalar: 0), counted up to
+    ``limit + 1``: any deeper value gives ``limit + 1``. Iterative, so no depth recurses."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Iterable[object] = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return limit + 1
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
+
+
+def _too_deep(limits: HttpLimits) -> Failure[BadRequest]:
+    return Failure(
+        BadRequest(
+            f"the request body nests deeper than {limits.max_depth} levels, the server's limit",
+            status=400,
+            param=None,
+        )
+    )
+
+
+def parse_body(raw: bytes, limits: HttpLimits) -> Result[object, BadRequest | MalformedBody]:
+    """The JSON value of a request body, within the size and depth limits."""
+    too_long = check_body_length(len(raw), limits)
+    if isinstance(too_long, Failure):
+        return too_long
+    try:
+        value: object = json.loads(raw)
+    except RecursionError:
+        return _too_deep(limits)
+    except ValueError as e:  # UnicodeDecodeError included
+        return Failure(MalformedBody(f"the request body is not JSON: {e}"))
+    # Depth is at most the number of brackets: a body with few skips the walk.
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets > limits.max_depth and json_depth(value, limits.max_depth) > limits.max_depth:
+        return _too_deep(limits)
+    return Success(value)
+
+
+def _shown(value: object) -> str:
+    return json.dumps(value, default=repr)[:80]
+
+
+def _bad(message: str, param: str) -> Failure[BadRequest]:
+    return Failure(BadRequest(message, status=400, param=param))
+
+
+def check_token_ids(
+    value: object, name: str, *, param: str, vocab_size: int, allow_empty: bool = True
+) -> Result[tuple[int, ...], BadRequest]:
+    """``value`` as token ids: a list of ints (no bools) in ``[0, vocab_size)``; ``name``
+    is the field's path in the request (named with the index of a bad id), ``param`` the
+    top-level field the refusal names."""
+    if not isinstance(value, list):
+        return _bad(f"{name} must be a list of token ids, got {_shown(value)}", param)
+    if not value and not allow_empty:
+        return _bad(f"{name} must not be empty", param)
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int):
+            return _bad(f"{name}[{i}]: {_shown(t)} is not a token id (an int)", param)
+        if not 0 <= t < vocab_size:
+            return _bad(
+                f"{name}[{i}]: token id {t} is outside the vocabulary [0, {vocab_size})", param
+            )
+    return Success(tuple(value))
+
+
+def _check_text(text: str, name: str, limits: HttpLimits) -> Result[str, BadRequest]:
+    if not text:
+        return _bad(f"{name} must not be empty", "prompt")
+    if len(text) > limits.max_prompt_chars:
+        return _bad(_too_long(name, len(text), limits), "prompt")
+    return Success(text)
+
+
+def _too_long(name: str, chars: int, limits: HttpLimits) -> str:
+    return (
+        f"{name} has {chars} characters, more than the {limits.max_prompt_chars} "
+        f"({CHARS_PER_TOKEN_AT_MOST} per token of max_model_len) any prompt that fits the "
+        "context can have; refused before tokenizing"
+    )
+
+
+def check_completion_prompt(
+    prompt: object, limits: HttpLimits
+) -> Result[tuple[str | tuple[int, ...], ...], BadRequest]:
+    """A completion request's ``prompt`` as its prompts: a text, token ids, a list of
+    texts or a list of token id lists (vLLM's ``CompletionRequest.prompt``), each one
+    non-empty, texts within the character bound, ids within the vocabulary."""
+    if isinstance(prompt, str):
+        return _check_text(prompt, "prompt", limits).map(lambda text: (text,))
+    if prompt == []:
+        return _bad("prompt must not be empty", "prompt")
+    if not isinstance(prompt, list):
+        return _bad(
+            "prompt must be a str, a list of str, token ids or a list of token id lists, "
+            f"got {_shown(prompt)}",
+            "prompt",
+        )
+    first = prompt[0]
+    if not isinstance(first, str | list):
+        return check_token_ids(prompt, "prompt", param="prompt", vocab_size=limits.vocab_size).map(
+            lambda ids: (ids,)
+        )
+    prompts: list[str | tuple[int, ...]] = []
+    for i, p in enumerate(prompt):
+        name = f"prompt[{i}]"
+        checked: Result[str, BadRequest] | Result[tuple[int, ...], BadRequest]
+        if isinstance(first, str):
+            if not isinstance(p, str):
+                return _bad(f"{name} must be a str like prompt[0], got {_shown(p)}", "prompt")
+            checked = _check_text(p, name, limits)
+        else:
+            checked = check_token_ids(
+                p, name, param="prompt", vocab_size=limits.vocab_size, allow_empty=False
+            )
+        if isinstance(checked, Failure):
+            return checked
+        prompts.append(checked.unwrap())
+    return Success(tuple(prompts))
+
+
+def check_chat_text(messages: Sequence[object], limits: HttpLimits) -> Result[int, BadRequest]:
+    """The characters of a chat request's text (every message's ``content``, a str or
+    its ``text`` parts), refused past the character bound before the conversation is
+    rendered and tokenized."""
+    total = 0
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, Mapping) else None
+                if isinstance(text, str):
+                    total += len(text)
+        if total > limits.max_prompt_chars:
+            return Failure(
+                BadRequest(
+                    _too_long(f"the text of messages[0..{i}]", total, limits),
+                    status=400,
+                    param="messages",
+                )
+            )
+    return Success(total)
 
 
 # --- versions --------------------------------------------------------------------------

@@ -1510,6 +1510,61 @@ def serving_segmentations(draw: st.DrawFn, text: str) -> list[int]:
     return ids
 
 
+
+# --- serving: request bodies ---
+#: JSON values (what ``json.loads`` gives): scalars, lists and objects, nested a few levels.
+json_values: st.SearchStrategy[object] = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet='ab[]{}"\\', max_size=6),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(st.text(alphabet="ab[{", max_size=3), children, max_size=3)
+    ),
+    max_leaves=24,
+)
+
+
+def json_nesting(value: object) -> int:
+    """The nesting depth of a JSON value by its definition (a scalar: 0), recursively:
+    the reference the core's iterative count is checked against."""
+    if isinstance(value, dict):
+        return 1 + max((json_nesting(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((json_nesting(v) for v in value), default=0)
+    return 0
+
+
+@st.composite
+def nested_json_texts(draw: st.DrawFn, depth: int) -> str:
+    """A JSON text nested exactly ``depth`` levels, arrays and objects in any order, with
+    siblings at any level and brackets inside strings (which nest nothing)."""
+    text = draw(st.sampled_from(["1", '"[{x"', "null"]))
+    for _ in range(depth):
+        if draw(st.booleans()):
+            text = "[" + text + draw(st.sampled_from(["", ", 2", ', "]]"'])) + "]"
+        else:
+            text = '{"k": ' + text + draw(st.sampled_from(["", ', "s": 0', ', "}{": "{"'])) + "}"
+    return text
+
+
+#: Token ids and values that are not: bools, floats, negatives, ids past any vocabulary.
+maybe_token_ids: st.SearchStrategy[list[object]] = st.lists(
+    st.one_of(
+        st.integers(0, 40),
+        st.integers(0, 40),
+        st.integers(-5, -1),
+        st.integers(2**63 - 2, 2**70),
+        st.booleans(),
+        st.just(1.0),
+        st.none(),
+    ),
+    max_size=8,
+)
+
+
 # --- delta ---
 import numpy as _np
 

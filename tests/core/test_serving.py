@@ -3,25 +3,47 @@ multi-turn prefix, versions (``genworker.core.serving``)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
-from strategies import SERVING_VOCAB, serving_decode, serving_segmentations, serving_texts
+from strategies import (
+    SERVING_VOCAB,
+    json_nesting,
+    json_values,
+    maybe_token_ids,
+    nested_json_texts,
+    serving_decode,
+    serving_segmentations,
+    serving_texts,
+)
 
 from genworker.core.caps import CapError
 from genworker.core.config import ConfigError, WorkerConfig
 from genworker.core.serving import (
+    CHARS_PER_TOKEN_AT_MOST,
+    MAX_JSON_DEPTH,
+    BadRequest,
     BudgetError,
+    HttpLimits,
+    MalformedBody,
     OffPolicy,
     PrefixMismatch,
     ServerOptions,
     Turn,
+    check_body_length,
+    check_chat_text,
+    check_completion_prompt,
     check_on_policy,
+    check_token_ids,
     check_turns,
+    http_limits,
     http_max_tokens,
+    json_depth,
+    parse_body,
     prompt_tokens_at_most,
     server_options,
     splice_prefix,
@@ -413,3 +435,231 @@ def test_versions_between_are_every_version_in_between(first: int, more: int) ->
 def test_versions_never_go_down() -> None:
     with pytest.raises(ValueError, match="only go up"):
         versions_between(3, 2)
+
+
+# --- request bodies and prompts ------------------------------------------------------
+
+VOCAB = 41
+
+
+def limits(*, depth: int = MAX_JSON_DEPTH, body: int = 1 << 20, chars: int = 64) -> HttpLimits:
+    return HttpLimits(
+        max_body_bytes=body, max_depth=depth, max_prompt_chars=chars, vocab_size=VOCAB
+    )
+
+
+def refusal(result: object) -> BadRequest:
+    assert isinstance(result, Failure), result
+    problem = result.failure()
+    assert isinstance(problem, BadRequest), problem
+    assert 400 <= problem.status < 500
+    return problem
+
+
+@given(json_values, st.integers(1, 5))
+def test_a_body_parses_iff_it_nests_within_the_limit(value: object, depth: int) -> None:
+    raw = json.dumps(value).encode()
+    got = parse_body(raw, limits(depth=depth))
+    if json_nesting(value) <= depth:
+        assert got == Success(json.loads(raw))
+    else:
+        problem = refusal(got)
+        assert problem.param is None
+        assert f"deeper than {depth} levels" in problem.message
+
+
+@given(st.data(), st.integers(1, 6))
+def test_nesting_is_counted_by_brackets_outside_strings(data: st.DataObject, depth: int) -> None:
+    for levels in (depth, depth + 1):
+        raw = data.draw(nested_json_texts(levels)).encode()
+        got = parse_body(raw, limits(depth=depth))
+        assert isinstance(got, Success) == (levels <= depth), (raw, got)
+
+
+@given(json_values, st.integers(0, 6))
+def test_json_depth_is_the_nesting_counted_up_to_one_past_the_limit(
+    value: object, limit: int
+) -> None:
+    assert json_depth(value, limit) == min(json_nesting(value), limit + 1)
+
+
+@pytest.mark.parametrize("levels", [MAX_JSON_DEPTH + 1, 1_000, 100_000])
+@pytest.mark.parametrize(("opening", "closing"), [("[", "]"), ('{"a":', "}")])
+def test_any_nesting_past_the_limit_is_refused_not_a_recursion_error(
+    levels: int, opening: str, closing: str
+) -> None:
+    raw = (opening * levels + "1" + closing * levels).encode()
+    problem = refusal(parse_body(raw, http_limits(256, VOCAB)))
+    assert problem.status == 400
+    within = (opening * MAX_JSON_DEPTH + "1" + closing * MAX_JSON_DEPTH).encode()
+    assert isinstance(parse_body(within, http_limits(256, VOCAB)), Success)
+
+
+@given(st.integers(0, 64), st.integers(1, 64))
+def test_a_body_past_the_byte_limit_is_413(size: int, limit: int) -> None:
+    raw = b" " * (size - 1) + b"1" if size else b"1"
+    got = parse_body(raw, limits(body=limit))
+    if len(raw) > limit:
+        problem = refusal(got)
+        assert problem.status == 413
+        assert str(limit) in problem.message
+        assert check_body_length(len(raw), limits(body=limit)) == got
+    else:
+        assert got == Success(1)
+        assert check_body_length(len(raw), limits(body=limit)) == Success(len(raw))
+
+
+@pytest.mark.parametrize("raw", [b"{oops", b"", b"\xff\xfe{", b'{"a": 1'])
+def test_malformed_json_is_left_to_vllm(raw: bytes) -> None:
+    got = parse_body(raw, limits())
+    assert isinstance(got, Failure)
+    assert isinstance(got.failure(), MalformedBody)
+
+
+@given(st.integers(1, 1 << 22))
+def test_a_text_at_the_character_bound_fits_the_body_bound(max_model_len: int) -> None:
+    bounds = http_limits(max_model_len, VOCAB)
+    assert bounds.max_prompt_chars == CHARS_PER_TOKEN_AT_MOST * max_model_len
+    escaped = len(json.dumps("\U0001f600")) - 2  # an astral character, \\u-escaped
+    assert escaped == 12
+    assert len(b'{"prompt": ""}') + escaped * bounds.max_prompt_chars <= bounds.max_body_bytes
+    assert bounds.max_depth == MAX_JSON_DEPTH
+
+
+@given(maybe_token_ids, st.integers(1, 2**64))
+def test_ids_are_ints_inside_the_vocabulary_and_a_bad_one_is_named_by_index(
+    ids: list[object], vocab: int
+) -> None:
+    got = check_token_ids(
+        ids, "messages[3].generation_token_ids", param="messages", vocab_size=vocab
+    )
+    bad = [
+        i
+        for i, t in enumerate(ids)
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+    ]
+    if not bad:
+        assert got == Success(tuple(ids))
+        return
+    problem = refusal(got)
+    assert problem.param == "messages"
+    assert problem.message.startswith(f"messages[3].generation_token_ids[{bad[0]}]: ")
+    if isinstance(ids[bad[0]], bool):
+        assert "is not a token id" in problem.message
+
+
+def test_ids_must_be_a_list_and_may_have_to_be_non_empty() -> None:
+    assert check_token_ids([], "x", param="x", vocab_size=2) == Success(())
+    assert (
+        "must not be empty"
+        in refusal(check_token_ids([], "x", param="x", vocab_size=2, allow_empty=False)).message
+    )
+    problem = refusal(check_token_ids("12", "required_prefix_token_ids", param="r", vocab_size=2))
+    assert problem.message == 'required_prefix_token_ids must be a list of token ids, got "12"'
+    assert problem.param == "r"
+
+
+@given(
+    st.one_of(
+        st.text(max_size=80),
+        st.lists(st.text(max_size=80), max_size=3),
+        maybe_token_ids,
+        st.lists(maybe_token_ids, max_size=3),
+        st.none(),
+        st.integers(),
+        st.lists(st.one_of(st.text(max_size=2), maybe_token_ids), max_size=3),
+    )
+)
+def test_a_completion_prompt_is_non_empty_texts_or_ids(prompt: object) -> None:
+    bounds = limits()
+    got = check_completion_prompt(prompt, bounds)
+
+    def text_ok(t: object) -> bool:
+        return isinstance(t, str) and 0 < len(t) <= bounds.max_prompt_chars
+
+    def ids_ok(ids: object) -> bool:
+        return (
+            isinstance(ids, list)
+            and len(ids) > 0
+            and all(type(t) is int and 0 <= t < VOCAB for t in ids)
+        )
+
+    if isinstance(prompt, str):
+        expected: object = (prompt,) if text_ok(prompt) else None
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        expected = tuple(prompt) if all(text_ok(p) for p in prompt) else None
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        expected = tuple(map(tuple, prompt)) if all(ids_ok(p) for p in prompt) else None
+    else:
+        expected = (tuple(prompt),) if ids_ok(prompt) else None  # type: ignore[arg-type]
+    if expected is None:
+        assert refusal(got).param == "prompt"
+    else:
+        assert got == Success(expected)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "says"),
+    [
+        ([], "prompt must not be empty"),
+        ("", "prompt must not be empty"),
+        ([[]], "prompt[0] must not be empty"),
+        (["a", ""], "prompt[1] must not be empty"),
+        ([True, False], "prompt[0]: true is not a token id"),
+        ([[1], [2, True]], "prompt[1][1]: true is not a token id"),
+        ([1, 2**63], f"prompt[1]: token id {2**63} is outside the vocabulary [0, {VOCAB})"),
+        ([-1], f"prompt[0]: token id -1 is outside the vocabulary [0, {VOCAB})"),
+        (["a", [1]], "prompt[1] must be a str like prompt[0]"),
+        ([[1], "a"], 'prompt[1] must be a list of token ids, got "a"'),
+        (None, "prompt must be a str, a list of str, token ids or a list of token id lists"),
+        ("x" * 65, "prompt has 65 characters, more than the 64"),
+        (["x", "x" * 65], "prompt[1] has 65 characters, more than the 64"),
+    ],
+)
+def test_a_refused_prompt_says_which(prompt: object, says: str) -> None:
+    problem = refusal(check_completion_prompt(prompt, limits()))
+    assert problem.param == "prompt"
+    assert problem.status == 400
+    assert problem.message.startswith(says), problem.message
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.builds(dict, role=st.just("user"), content=st.text(max_size=30)),
+            st.builds(
+                dict,
+                role=st.just("user"),
+                content=st.lists(
+                    st.one_of(
+                        st.builds(dict, type=st.just("text"), text=st.text(max_size=30)),
+                        st.builds(dict, type=st.just("image_url"), image_url=st.just({})),
+                        st.just("loose"),
+                    ),
+                    max_size=3,
+                ),
+            ),
+            st.builds(dict, role=st.just("assistant"), content=st.none()),
+            st.just("not a message"),
+        ),
+        max_size=5,
+    )
+)
+def test_chat_text_is_counted_and_refused_past_the_bound(messages: list[object]) -> None:
+    def chars(m: object) -> int:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            return len(content)
+        if isinstance(content, list):
+            return sum(len(p["text"]) for p in content if isinstance(p, dict) and "text" in p)
+        return 0
+
+    total = sum(map(chars, messages))
+    got = check_chat_text(messages, limits(chars=20))
+    if total <= 20:
+        assert got == Success(total)
+    else:
+        problem = refusal(got)
+        assert problem.param == "messages"
+        assert "more than the 20" in problem.message
+        assert "refused before tokenizing" in problem.message
