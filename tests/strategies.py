@@ -1510,7 +1510,6 @@ def serving_segmentations(draw: st.DrawFn, text: str) -> list[int]:
     return ids
 
 
-
 # --- serving: request bodies ---
 #: JSON values (what ``json.loads`` gives): scalars, lists and objects, nested a few levels.
 json_values: st.SearchStrategy[object] = st.recursive(
