@@ -43,7 +43,7 @@ def write_outputs(run: RlRun, out_dir: Path, versions: Mapping[str, str]) -> tup
                 y_range=(0.0, 1.0),
             ),
             Panel(
-                "logprob gap per sampled token (nats)",
+                "logprob gap per sampled token (nats, log scale)",
                 [
                     Series(
                         f"engine vs trainer after each refit (max {_worst_gap(run):.1e})",
