@@ -185,6 +185,7 @@ async def _layer_cost(worker: Any) -> tuple[float, float]:
         num_speculative_tokens=live.num_speculative_tokens,
         decode=live.decode,
         reuses_prompt_ids=live.reuses_prompt_ids,
+        vocab_size=live.vocab_size,
     )
     bodies = [json.dumps(request_body("m", i, TOKENS)).encode() for i in range(64)]
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}

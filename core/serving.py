@@ -39,7 +39,7 @@ is a pure function here, so it can be stated as a law and tested without a serve
   text. The template's token at which that text ends is found by decoding (NeMo-RL's
   ``_maybe_correct_merged_tokens``); a reference whose text ends inside one of the
   template's tokens is refused rather than guessed.
-- **Request bodies** (:func:`parse_body`, :class:`HttpLimits`): a body is refused
+- **Request bodies** (:func:`parse_body`, :func:`check_nesting`, :class:`HttpLimits`): a body is refused
   before it is parsed when it passes :attr:`HttpLimits.max_body_bytes`, and when
   parsed JSON nests deeper than :data:`MAX_JSON_DEPTH` (Python's ``json`` recurses: 100k
   levels are a ``RecursionError``, not a ``ValueError``). Both bounds are generous
@@ -103,6 +103,7 @@ __all__ = [
     "check_body_length",
     "check_chat_text",
     "check_completion_prompt",
+    "check_nesting",
     "check_on_policy",
     "check_token_ids",
     "check_turns",
@@ -582,11 +583,27 @@ def parse_body(raw: bytes, limits: HttpLimits) -> Result[object, BadRequest | Ma
         return _too_deep(limits)
     except ValueError as e:  # UnicodeDecodeError included
         return Failure(MalformedBody(f"the request body is not JSON: {e}"))
-    # Depth is at most the number of brackets: a body with few skips the walk.
-    brackets = raw.count(b"[") + raw.count(b"{")
-    if brackets > limits.max_depth and json_depth(value, limits.max_depth) > limits.max_depth:
+    if _brackets(raw) > limits.max_depth and json_depth(value, limits.max_depth) > limits.max_depth:
         return _too_deep(limits)
     return Success(value)
+
+
+def _brackets(raw: bytes) -> int:
+    """An upper bound on the nesting of ``raw``: a body with few brackets is not walked."""
+    return raw.count(b"[") + raw.count(b"{")
+
+
+def check_nesting(raw: bytes, limits: HttpLimits) -> Result[bytes, BadRequest]:
+    """``raw`` unless it is JSON nested past the depth limit: for a body another route
+    parses (one with at most ``max_depth`` brackets is not even parsed here)."""
+    if _brackets(raw) <= limits.max_depth:
+        return Success(raw)
+    parsed = parse_body(raw, limits)
+    if isinstance(parsed, Failure):
+        problem = parsed.failure()
+        if isinstance(problem, BadRequest):
+            return Failure(problem)
+    return Success(raw)
 
 
 def _shown(value: object) -> str:

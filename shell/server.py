@@ -13,11 +13,20 @@ Theory of operation
   loads), and uvicorn serves on that socket: nothing can take the port in between (the
   port race of NeMo-RL #2380), and a connection made before the app is up waits in the
   listen backlog. Port 0 binds a free port; ``base_url`` reports the real one.
-- **The layer** (:class:`RolloutLayer`, pure ASGI, no handler of its own) touches only
-  ``POST /v1/completions`` and ``POST /v1/chat/completions`` with a JSON object body;
-  anything else (malformed JSON included) goes to vLLM untouched and gets vLLM's answer.
-  For those two it: refuses off-policy sampling parameters (``core.serving``, when the
-  guard is on) and fills the training values in; asks vLLM for ``return_token_ids`` and
+- **Every body is read by the layer first**, within :data:`BODY_READ_TIMEOUT_S` (a
+  client that stalls gets 408 and the connection closed) and the byte limit of
+  ``core.serving.http_limits`` (413, from a ``content-length`` past it before reading
+  anything); a JSON body nested past ``core.serving.MAX_JSON_DEPTH`` gets 400 on every
+  route (Python's ``json`` recurses: the stock server answers 500). Refusals are
+  OpenAI-style error bodies naming the field (``core.serving.BadRequest``).
+- **The layer** (:class:`RolloutLayer`, pure ASGI, no handler of its own) otherwise
+  touches only ``POST /v1/completions`` and ``POST /v1/chat/completions`` with a JSON
+  object body; anything else (malformed JSON included) goes to vLLM as it came and gets
+  vLLM's answer. For those two it: checks the prompt (``core.serving``: never empty; ids
+  are ints, never bools, inside the vocabulary, checked before anything decodes them;
+  a text longer than the character bound is refused before it is tokenized); refuses
+  off-policy sampling parameters (``core.serving``, when the guard is on) and fills the
+  training values in; asks vLLM for ``return_token_ids`` and
   the sampled tokens' logprobs; tokenizes the prompt through vLLM's own ``/tokenize``
   route (an in-process ASGI call, same renderer, same chat template) to apply the
   context budget of ``core.serving.http_max_tokens`` (a completion prompt whose byte
@@ -58,13 +67,22 @@ from returns.result import Failure
 
 from genworker.core.caps import CapError
 from genworker.core.serving import (
+    BadRequest,
+    HttpLimits,
     OffPolicy,
     SamplingPolicy,
     ServerOptions,
     Turn,
+    check_body_length,
+    check_chat_text,
+    check_completion_prompt,
+    check_nesting,
     check_on_policy,
+    check_token_ids,
     check_turns,
+    http_limits,
     http_max_tokens,
+    parse_body,
     prompt_tokens_at_most,
     splice_prefix,
     versions_between,
@@ -72,6 +90,7 @@ from genworker.core.serving import (
 from genworker.shell.errors import BadConfigError, EngineStateError, GenworkerError
 
 __all__ = [
+    "BODY_READ_TIMEOUT_S",
     "VERSIONS_HEADER",
     "OpenAIServer",
     "RolloutHooks",
@@ -86,6 +105,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 VERSIONS_HEADER = "x-genworker-weight-versions"
+#: Seconds a request's whole body may take to arrive (then 408, connection closed). A
+#: constant, not a config key: rollout clients are on the cluster's network, where the
+#: largest body the limits allow (``core.serving.http_limits``) takes well under a second.
+BODY_READ_TIMEOUT_S = 60.0
 _VERSIONS_KEY = VERSIONS_HEADER.encode()
 _BUDGET_MEMO = 4096  # (max_tokens, prompt length) pairs kept; cleared when full
 _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -148,12 +171,8 @@ def _error_body(status: int, message: str, param: str | None) -> bytes:
     ).encode()
 
 
-def _ids(value: object, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    ):
-        raise _Refused(400, f"{name} must be a list of non-negative token ids", name)
-    return value
+def _refused(problem: BadRequest) -> _Refused:
+    return _Refused(problem.status, problem.message, problem.param)
 
 
 class RolloutLayer:
@@ -171,6 +190,8 @@ class RolloutLayer:
         num_speculative_tokens: int,
         decode: Callable[[Sequence[int], bool], str],
         reuses_prompt_ids: bool,
+        vocab_size: int,
+        body_timeout_s: float = BODY_READ_TIMEOUT_S,
     ) -> None:
         self.app = app
         self.hooks = hooks
@@ -181,6 +202,9 @@ class RolloutLayer:
         self.num_speculative_tokens = num_speculative_tokens
         self.decode = decode
         self.reuses_prompt_ids = reuses_prompt_ids
+        self.vocab_size = vocab_size
+        self.limits: HttpLimits = http_limits(max_model_len, vocab_size)
+        self.body_timeout_s = body_timeout_s
         self._running: set[asyncio.Task[Any]] = set()
         self._aborted: dict[asyncio.Task[Any], str] = {}
         self._budgets: dict[tuple[int | None, int, int, int, bool, int], Any] = {}
@@ -194,18 +218,26 @@ class RolloutLayer:
         return len(self._running)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope.get("method") != "POST"
-            or scope.get("path") not in _GENERATE_PATHS
-        ):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        raw = await _read_body(receive)
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
+        raw = await self._read_body(scope, receive, send)
+        if raw is None:  # answered, or the client is gone
+            return
+        if scope.get("method") != "POST" or scope.get("path") not in _GENERATE_PATHS:
+            nested = check_nesting(raw, self.limits)  # vLLM's json.loads recurses
+            if isinstance(nested, Failure):
+                await _refuse(send, nested.failure())
+                return
+            await self.app(scope, _replay(raw, receive), send)
+            return
+        parsed = parse_body(raw, self.limits)
+        if isinstance(parsed, Failure):
+            problem = parsed.failure()
+            if isinstance(problem, BadRequest):
+                await _refuse(send, problem)
+                return
+        body = parsed.value_or(None)
         if not isinstance(body, dict):  # vLLM answers malformed requests itself
             await self.app(scope, _replay(raw, receive), send)
             return
@@ -219,6 +251,45 @@ class RolloutLayer:
             await _respond(send, e.status, _error_body(e.status, str(e), e.param))
         except EngineStateError as e:
             await _respond(send, 503, _error_body(503, str(e), None))
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The request's body, read within the byte limit and :attr:`body_timeout_s`;
+        ``None`` once the client got its 413 or 408 (the connection closed after it) or
+        went away."""
+        declared = _content_length(scope)
+        if declared is not None:
+            checked = check_body_length(declared, self.limits)
+            if isinstance(checked, Failure):
+                await _refuse(send, checked.failure())
+                return None
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    checked = check_body_length(size, self.limits)
+                    if isinstance(checked, Failure):
+                        await _refuse(send, checked.failure())
+                        return None
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            await _refuse(
+                send,
+                BadRequest(
+                    f"the request body did not arrive within {self.body_timeout_s:g} s "
+                    f"({size} bytes came)",
+                    status=408,
+                    param=None,
+                ),
+            )
+            return None
 
     async def _generate(self, scope: Scope, raw: bytes, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -351,16 +422,14 @@ class RolloutLayer:
         return tokens
 
     async def _completion_lengths(self, scope: Scope, body: dict[str, Any]) -> list[int]:
-        prompt = body.get("prompt")
-        prompts: list[object]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-            return [len(prompt)]
-        prompts = prompt if isinstance(prompt, list) else [prompt]
+        checked = check_completion_prompt(body.get("prompt"), self.limits)
+        if isinstance(checked, Failure):
+            raise _refused(checked.failure())
         lengths = []
-        for p in prompts:
-            if isinstance(p, list):
+        for p in checked.unwrap():
+            if isinstance(p, tuple):
                 lengths.append(len(p))
-            elif isinstance(p, str):
+            else:
                 bound = self._fits_untokenized(body.get("max_tokens"), p)
                 if bound is not None:
                     lengths.append(bound)
@@ -370,14 +439,15 @@ class RolloutLayer:
                     if field in body:
                         payload[field] = body[field]
                 lengths.append(len(await self._tokenize(scope, payload)))
-            else:
-                raise _Refused(400, f"prompt must be a str or token ids, got {p!r}", "prompt")
         return lengths
 
     async def _chat_prompt(self, scope: Scope, body: dict[str, Any]) -> int:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise _Refused(400, "messages must be a list of objects", "messages")
+        text = check_chat_text(messages, self.limits)
+        if isinstance(text, Failure):
+            raise _refused(text.failure())
         turns: list[Turn] = []
         last_assistant = -1
         for i, m in enumerate(messages):
@@ -389,14 +459,11 @@ class RolloutLayer:
                     raise _Refused(
                         400, f"messages[{i}]: a turn with token ids needs str content", "messages"
                     )
-                turns.append(
-                    Turn(
-                        i,
-                        content,
-                        _ids(m.get("prompt_token_ids"), f"messages[{i}].prompt_token_ids"),
-                        _ids(m.get("generation_token_ids"), f"messages[{i}].generation_token_ids"),
-                    )
+                prompt_ids, generation_ids = (
+                    self._ids(m.get(field), f"messages[{i}].{field}", "messages")
+                    for field in ("prompt_token_ids", "generation_token_ids")
                 )
+                turns.append(Turn(i, content, prompt_ids, generation_ids))
             for field in _TURN_FIELDS:
                 m.pop(field, None)
         required = body.pop("required_prefix_token_ids", None)
@@ -407,7 +474,9 @@ class RolloutLayer:
                 raise _Refused(400, str(checked.failure()), "messages")
             reference = checked.unwrap()
         if required is not None:
-            reference = _ids(required, "required_prefix_token_ids")
+            reference = self._ids(
+                required, "required_prefix_token_ids", "required_prefix_token_ids"
+            )
         payload = {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}
         payload["messages"] = messages
         template = await self._tokenize(scope, payload)
@@ -433,6 +502,12 @@ class RolloutLayer:
             "prompt_token_ids": ids,
         }
         return len(ids)
+
+    def _ids(self, value: object, name: str, param: str) -> tuple[int, ...]:
+        checked = check_token_ids(value, name, param=param, vocab_size=self.vocab_size)
+        if isinstance(checked, Failure):
+            raise _refused(checked.failure())
+        return checked.unwrap()
 
     # -- the response ------------------------------------------------------------------
     def _sender(self, send: Send, first: int) -> Send:
@@ -468,16 +543,14 @@ class RolloutLayer:
         return wrapped
 
 
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
+def _content_length(scope: Scope) -> int | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:  # the HTTP server refuses it before the app runs
+                return None
+    return None
 
 
 def _replay(body: bytes, then: Receive | None = None) -> Receive:
@@ -500,18 +573,20 @@ def _replay(body: bytes, then: Receive | None = None) -> Receive:
     return receive
 
 
-async def _respond(send: Send, status: int, body: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
+async def _respond(send: Send, status: int, body: bytes, *, close: bool = False) -> None:
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if close:  # the body was not read to its end: this connection cannot carry another
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _refuse(send: Send, problem: BadRequest) -> None:
+    body = _error_body(problem.status, problem.message, problem.param)
+    await _respond(send, problem.status, body, close=problem.status in (408, 413))
 
 
 async def _call_json(
@@ -586,6 +661,14 @@ async def _tokenizer(llm: Any) -> Any:
     if tokenizer is None:
         raise BadConfigError("the engine has no tokenizer (skip_tokenizer_init): no HTTP server")
     return tokenizer
+
+
+def _vocab_size(model_config: Any, tokenizer: Any) -> int:
+    """The ids vLLM takes: the larger of the model's and the tokenizer's vocabulary
+    (``BaseRenderer.validate_token_ids``, vLLM 0.32)."""
+    top = getattr(tokenizer, "max_token_id", None)
+    tokenizer_size = len(tokenizer) if top is None else int(top) + 1
+    return max(int(model_config.get_vocab_size()), tokenizer_size)
 
 
 async def build_vllm_app(llm: Any, chat_template: str | None = None) -> Any:
@@ -739,6 +822,7 @@ class OpenAIServer:
             num_speculative_tokens=num_speculative_tokens,
             decode=decode,
             reuses_prompt_ids=chat_takes_prompt_ids(),
+            vocab_size=_vocab_size(model_config, tokenizer),
         )
         self._layer = layer
         self._server, self._task = await serve_on(layer, self._socket)

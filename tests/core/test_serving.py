@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 from strategies import (
@@ -37,6 +37,7 @@ from genworker.core.serving import (
     check_body_length,
     check_chat_text,
     check_completion_prompt,
+    check_nesting,
     check_on_policy,
     check_token_ids,
     check_turns,
@@ -645,6 +646,7 @@ def test_a_refused_prompt_says_which(prompt: object, says: str) -> None:
         max_size=5,
     )
 )
+@example([{"role": "user", "content": "x" * 20}, {"content": [{"type": "text", "text": "y"}]}])
 def test_chat_text_is_counted_and_refused_past_the_bound(messages: list[object]) -> None:
     def chars(m: object) -> int:
         content = m.get("content") if isinstance(m, dict) else None
@@ -663,3 +665,27 @@ def test_chat_text_is_counted_and_refused_past_the_bound(messages: list[object])
         assert problem.param == "messages"
         assert "more than the 20" in problem.message
         assert "refused before tokenizing" in problem.message
+
+
+@given(st.data(), st.integers(1, 6))
+def test_a_body_for_another_route_is_kept_unless_nested_past_the_limit(
+    data: st.DataObject, depth: int
+) -> None:
+    for levels in (depth, depth + 1):
+        raw = data.draw(nested_json_texts(levels)).encode()
+        got = check_nesting(raw, limits(depth=depth))
+        if levels <= depth:
+            assert got == Success(raw)
+        else:
+            assert refusal(got).message.startswith(f"the request body nests deeper than {depth}")
+
+
+@pytest.mark.parametrize("raw", [b"[[[[[[[[", b'{"a": [[[[[[[[', b"[" * 100_000])
+def test_nesting_of_a_malformed_body_is_left_to_its_route_unless_past_the_parser(
+    raw: bytes,
+) -> None:
+    got = check_nesting(raw, limits(depth=4))
+    if len(raw) > 1000:  # Python's parser gives up (RecursionError): refused as too deep
+        assert refusal(got).status == 400
+    else:
+        assert got == Success(raw)

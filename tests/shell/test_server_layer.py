@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from genworker.core.config import WorkerConfig
 from genworker.core.serving import http_max_tokens, training_policy
 from genworker.shell.errors import EngineStateError
-from genworker.shell.server import VERSIONS_HEADER, RolloutLayer
+from genworker.shell.server import VERSIONS_HEADER, RolloutLayer, bind_socket
 
 
 class Hooks:
@@ -41,6 +42,7 @@ class StandIn:
 
     def __init__(self) -> None:
         self.bodies: list[Any] = []
+        self.tokenized: list[Any] = []
         self.events: list[bytes] | None = None
         self.hold: asyncio.Event | None = None
 
@@ -48,6 +50,7 @@ class StandIn:
         raw = (await receive())["body"]
         if scope["path"] == "/tokenize":
             payload = json.loads(raw)
+            self.tokenized.append(payload)
             text = payload.get("prompt") or "".join(m["content"] for m in payload["messages"])
             await self._json(send, 200, {"tokens": list(range(len(text)))})
             return
@@ -101,10 +104,20 @@ def config() -> WorkerConfig:
     return cfg
 
 
-def layer(app: StandIn, hooks: Hooks) -> RolloutLayer:
-    def decode(ids: Sequence[int], skip_special: bool) -> str:
-        return "".join(chr(97 + i % 26) for i in ids)
+VOCAB = 50
 
+
+def decode(ids: Sequence[int], skip_special: bool) -> str:
+    """Id i is chr(97 + i % 26); as a real tokenizer's ``decode``, an id past 64 bits
+    overflows (an OverflowError was the 500 of issue 44), and an id past the vocabulary
+    is a bug of the layer here."""
+    if any(not 0 <= i < 2**63 for i in ids):
+        raise OverflowError("out of range integral type conversion attempted")
+    assert all(i < VOCAB for i in ids), ids
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+def layer(app: StandIn, hooks: Hooks, *, body_timeout_s: float = 10.0) -> RolloutLayer:
     return RolloutLayer(
         app,
         hooks,
@@ -115,6 +128,8 @@ def layer(app: StandIn, hooks: Hooks) -> RolloutLayer:
         num_speculative_tokens=0,
         decode=decode,
         reuses_prompt_ids=True,
+        vocab_size=VOCAB,
+        body_timeout_s=body_timeout_s,
     )
 
 
@@ -344,3 +359,415 @@ def test_abort_all_answers_500_with_the_reason() -> None:
     status, _, out = asyncio.run(body())
     assert status == 500
     assert json.loads(out)["error"]["message"] == "the refit failed"
+
+
+# --- hostile requests (issue 44): a 4xx naming the field, and the server still serves ------
+
+GOOD_COMPLETION = b'{"prompt": "still here", "max_tokens": 2}'
+GOOD_CHAT = json.dumps(
+    {
+        "messages": [
+            {"role": "user", "content": "ab"},
+            {
+                "role": "assistant",
+                "content": "c",
+                "prompt_token_ids": [0, 1],
+                "generation_token_ids": [2],
+            },
+            {"role": "user", "content": "d"},
+        ],
+        "required_prefix_token_ids": [0, 1, 2],
+    }
+).encode()
+MAX_CHARS = 32 * 32  # CHARS_PER_TOKEN_AT_MOST per token of max_model_len 32
+
+
+def chat(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"messages": list(messages), **fields}
+
+
+def turn(**ids: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": "c", **ids}
+
+
+HOSTILE: list[tuple[str, str, bytes, int, str | None, str]] = [
+    # (name, path, body, status, param, message starts with)
+    (
+        "nested 100k deep",
+        "/v1/completions",
+        b"[" * 100_000 + b"]" * 100_000,
+        400,
+        None,
+        "the request body nests deeper than 128",
+    ),
+    (
+        "nested objects 100k deep",
+        "/v1/chat/completions",
+        b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+        400,
+        None,
+        "the request body nests deeper",
+    ),
+    (
+        "nested past the limit inside a field",
+        "/v1/completions",
+        b'{"prompt": "x", "logit_bias": ' + b"[" * 129 + b"]" * 129 + b"}",
+        400,
+        None,
+        "the request body nests deeper",
+    ),
+    (
+        "empty prompt ids",
+        "/v1/completions",
+        b'{"prompt": []}',
+        400,
+        "prompt",
+        "prompt must not be empty",
+    ),
+    (
+        "empty prompt text",
+        "/v1/completions",
+        b'{"prompt": ""}',
+        400,
+        "prompt",
+        "prompt must not be empty",
+    ),
+    (
+        "an empty prompt in a batch",
+        "/v1/completions",
+        b'{"prompt": [[1], []]}',
+        400,
+        "prompt",
+        "prompt[1] must not be empty",
+    ),
+    (
+        "bools as ids",
+        "/v1/completions",
+        b'{"prompt": [true, false]}',
+        400,
+        "prompt",
+        "prompt[0]: true is not a token id",
+    ),
+    (
+        "a bool in a batch of ids",
+        "/v1/completions",
+        b'{"prompt": [[1, 2], [3, false]]}',
+        400,
+        "prompt",
+        "prompt[1][1]: false is not a token id",
+    ),
+    (
+        "an id past 64 bits",
+        "/v1/completions",
+        b'{"prompt": [1, 9223372036854775808]}',
+        400,
+        "prompt",
+        "prompt[1]: token id 9223372036854775808 is outside the vocabulary [0, 50)",
+    ),
+    (
+        "an id at the vocabulary size",
+        "/v1/completions",
+        b'{"prompt": [50]}',
+        400,
+        "prompt",
+        "prompt[0]: token id 50 is outside the vocabulary",
+    ),
+    (
+        "a negative id",
+        "/v1/completions",
+        b'{"prompt": [[-1]]}',
+        400,
+        "prompt",
+        "prompt[0][0]: token id -1 is outside",
+    ),
+    (
+        "a prefix id past 64 bits",
+        "/v1/chat/completions",
+        json.dumps(
+            chat({"role": "user", "content": "ab"}, required_prefix_token_ids=[0, 2**63])
+        ).encode(),
+        400,
+        "required_prefix_token_ids",
+        f"required_prefix_token_ids[1]: token id {2**63} is outside",
+    ),
+    (
+        "a prefix of bools",
+        "/v1/chat/completions",
+        json.dumps(
+            chat({"role": "user", "content": "ab"}, required_prefix_token_ids=[True])
+        ).encode(),
+        400,
+        "required_prefix_token_ids",
+        "required_prefix_token_ids[0]: true is not a token id",
+    ),
+    (
+        "a generation id past 64 bits",
+        "/v1/chat/completions",
+        json.dumps(
+            chat(
+                {"role": "user", "content": "ab"},
+                turn(prompt_token_ids=[0, 1], generation_token_ids=[2**63]),
+            )
+        ).encode(),
+        400,
+        "messages",
+        f"messages[1].generation_token_ids[0]: token id {2**63} is outside",
+    ),
+    (
+        "a generation id of a bool",
+        "/v1/chat/completions",
+        json.dumps(
+            chat(
+                {"role": "user", "content": "ab"},
+                turn(prompt_token_ids=[0, 1], generation_token_ids=[True]),
+            )
+        ).encode(),
+        400,
+        "messages",
+        "messages[1].generation_token_ids[0]: true is not a token id",
+    ),
+    (
+        "a prompt id past the vocabulary",
+        "/v1/chat/completions",
+        json.dumps(
+            chat(
+                {"role": "user", "content": "ab"},
+                turn(prompt_token_ids=[0, 50], generation_token_ids=[2]),
+            )
+        ).encode(),
+        400,
+        "messages",
+        "messages[1].prompt_token_ids[1]: token id 50 is outside",
+    ),
+    (
+        "a text prompt past the character bound",
+        "/v1/completions",
+        json.dumps({"prompt": "x" * (MAX_CHARS + 1)}).encode(),
+        400,
+        "prompt",
+        f"prompt has {MAX_CHARS + 1} characters, more than the {MAX_CHARS}",
+    ),
+    (
+        "a 10 MB text prompt",
+        "/v1/completions",
+        json.dumps({"prompt": "x" * 10_000_000}).encode(),
+        400,
+        "prompt",
+        "prompt has 10000000 characters",
+    ),
+    (
+        "chat text past the character bound",
+        "/v1/chat/completions",
+        json.dumps(
+            chat(
+                {"role": "user", "content": "x" * MAX_CHARS},
+                {"role": "user", "content": [{"type": "text", "text": "y"}]},
+            )
+        ).encode(),
+        400,
+        "messages",
+        f"the text of messages[0..1] has {MAX_CHARS + 1} characters",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "says"),
+    [case[1:] for case in HOSTILE],
+    ids=[case[0] for case in HOSTILE],
+)
+def test_a_hostile_request_gets_a_4xx_naming_the_field_and_then_a_good_one_succeeds(
+    path: str, body: bytes, status: int, param: str | None, says: str
+) -> None:
+    app, hooks = StandIn(), Hooks()
+    asgi = layer(app, hooks)
+    got, _, out = asyncio.run(call(asgi, path, body))
+    assert got == status, out[:300]
+    error = json.loads(out)["error"]
+    assert error["param"] == param
+    assert error["code"] == status
+    assert error["message"].startswith(says), error["message"]
+    assert app.bodies == []
+    assert app.tokenized == []  # refused before anything was tokenized
+    assert hooks.opened == 0
+    for good_path, good in (
+        ("/v1/completions", GOOD_COMPLETION),
+        ("/v1/chat/completions", GOOD_CHAT),
+    ):
+        got, _, out = asyncio.run(call(asgi, good_path, good))
+        assert got == 200, out
+    assert json.loads(app.bodies[-1])["kv_transfer_params"]["prompt_token_ids"] == [0, 1, 2, 3]
+
+
+def test_ids_at_the_edges_of_the_vocabulary_are_taken() -> None:
+    app, hooks = StandIn(), Hooks()
+    status, _, out = asyncio.run(
+        call(layer(app, hooks), "/v1/completions", b'{"prompt": [0, 49], "max_tokens": 2}')
+    )
+    assert status == 200, out
+    assert json.loads(app.bodies[0])["prompt"] == [0, 49]
+
+
+def test_a_text_prompt_at_the_character_bound_is_tokenized_and_judged_by_its_tokens() -> None:
+    app, hooks = StandIn(), Hooks()
+    status, _, out = asyncio.run(
+        call(layer(app, hooks), "/v1/completions", json.dumps({"prompt": "x" * MAX_CHARS}).encode())
+    )
+    assert status == 400  # tokenized (one token per character here): no room in the context
+    assert json.loads(out)["error"]["param"] == "prompt"
+    assert [len(p["prompt"]) for p in app.tokenized] == [MAX_CHARS]
+
+
+def test_a_deep_body_to_another_route_is_refused_before_vllm_parses_it() -> None:
+    app, hooks = StandIn(), Hooks()
+    deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    status, _, out = asyncio.run(call(layer(app, hooks), "/tokenize", deep))
+    assert status == 400
+    assert json.loads(out)["error"]["message"].startswith("the request body nests deeper")
+    assert app.tokenized == []
+    status, _, _ = asyncio.run(call(layer(app, hooks), "/tokenize", b'{"prompt": "[[["}'))
+    assert status == 200
+    assert app.tokenized == [{"prompt": "[[["}]
+
+
+async def exchange(
+    asgi: RolloutLayer,
+    path: str,
+    messages: list[dict[str, Any]],
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> list[Any]:
+    """``messages`` as the request's receive, then a client that sends nothing more."""
+    pending = list(messages)
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop(0)
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers or []}
+    await asyncio.wait_for(asgi(scope, receive, send), 10)
+    return sent
+
+
+def answer(sent: list[Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
+    start, body = sent
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    return start["status"], headers, json.loads(body["body"])["error"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_stalled_body_gets_408_and_the_connection_closed_within_the_bound(path: str) -> None:
+    app, hooks = StandIn(), Hooks()
+    asgi = layer(app, hooks, body_timeout_s=0.3)
+    started = time.perf_counter()
+    sent = asyncio.run(
+        exchange(asgi, path, [{"type": "http.request", "body": b'{"pro', "more_body": True}])
+    )
+    status, headers, error = answer(sent)
+    assert status == 408
+    assert headers["connection"] == "close"
+    assert "0.3 s" in error["message"]
+    assert time.perf_counter() - started < 3.0
+    assert app.bodies == app.tokenized == []
+    assert asyncio.run(call(asgi, "/v1/completions", GOOD_COMPLETION))[0] == 200
+
+
+def test_a_body_declared_past_the_limit_is_413_unread() -> None:
+    app, hooks = StandIn(), Hooks()
+    asgi = layer(app, hooks)
+    limit = asgi.limits.max_body_bytes
+    sent = asyncio.run(
+        exchange(asgi, "/v1/completions", [], [(b"content-length", str(limit + 1).encode())])
+    )
+    status, headers, error = answer(sent)
+    assert status == 413
+    assert headers["connection"] == "close"
+    assert str(limit) in error["message"]
+    assert asyncio.run(call(asgi, "/v1/completions", GOOD_COMPLETION))[0] == 200
+
+
+def test_a_chunked_body_past_the_limit_is_413_once_it_passes() -> None:
+    app, hooks = StandIn(), Hooks()
+    asgi = layer(app, hooks)
+    chunk = b" " * (1 << 20)
+    chunks = asgi.limits.max_body_bytes // len(chunk) + 1
+    messages = [{"type": "http.request", "body": chunk, "more_body": True}] * (chunks + 5)
+    sent = asyncio.run(exchange(asgi, "/v1/completions", messages))
+    assert answer(sent)[0] == 413
+    assert app.bodies == []
+
+
+def test_a_client_gone_before_its_body_ends_gets_nothing() -> None:
+    app, hooks = StandIn(), Hooks()
+    sent = asyncio.run(
+        exchange(
+            layer(app, hooks),
+            "/v1/completions",
+            [
+                {"type": "http.request", "body": b'{"prompt": "x"', "more_body": True},
+                {"type": "http.disconnect"},
+            ],
+        )
+    )
+    assert sent == []
+    assert app.bodies == []
+    assert hooks.opened == 0
+
+
+def test_a_stalled_client_on_a_real_socket_gets_408_or_a_closed_connection() -> None:
+    """uvicorn in front of the layer (as vLLM's ``NoSignalServer``, which ``serve_on``
+    runs, without importing vLLM: most of a minute here; the real server's case is
+    ``test_server_engine``'s); a raw socket sends the headers and part of the body, then
+    nothing."""
+    import uvicorn
+
+    class NoSignalServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    async def body() -> tuple[bytes, float, int]:
+        app, hooks = StandIn(), Hooks()
+        asgi = layer(app, hooks, body_timeout_s=0.5)
+        sock = bind_socket("127.0.0.1", 0)
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(asgi, log_level="warning", access_log=False, lifespan="off")
+        server = NoSignalServer(config)
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: 100\r\n\r\n" + b'{"prompt": '
+            )
+            await writer.drain()
+            started = asyncio.get_running_loop().time()
+            got = await asyncio.wait_for(reader.read(), 10)  # until the server closes
+            waited = asyncio.get_running_loop().time() - started
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n"
+                % len(GOOD_COMPLETION)
+                + GOOD_COMPLETION
+            )
+            good = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            return got, waited, int(good.split(b" ", 2)[1])
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, 10)
+            sock.close()
+
+    got, waited, good = asyncio.run(body())
+    assert got.startswith(b"HTTP/1.1 408 "), got[:200]
+    assert 0.4 < waited < 3.0, waited
+    assert good == 200
