@@ -87,7 +87,12 @@ def chart_figure(
         raise ValueError("a chart needs at least one panel")
     if width < 200 or panel_height < 120:
         raise ValueError(f"a chart of {width}x{panel_height} pixels per panel is too small to read")
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            "the demo's chart needs matplotlib: pip install 'genworker[demo]'", name=e.name
+        ) from e
 
     figure = Figure(figsize=(width / DPI, panel_height * len(panels) / DPI), dpi=DPI)
     axes = figure.subplots(len(panels), 1, squeeze=False)[:, 0]

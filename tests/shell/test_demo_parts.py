@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -262,6 +263,14 @@ def test_a_chart_leaves_gaps_for_values_it_cannot_draw() -> None:
         760,
         250,
     )
+
+
+def test_without_matplotlib_the_chart_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails, as if absent
+    with pytest.raises(ModuleNotFoundError, match=r"genworker\[demo\]"):
+        chart_figure(TWO_PANELS)
 
 
 def test_a_chart_refuses_no_panels_or_a_size_too_small_to_read() -> None:
