@@ -57,7 +57,7 @@ import os
 import re
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -111,10 +111,13 @@ log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
-# Ray handles and object refs are untyped at this edge; they never leave this module
-# except as the opaque futures of the refit calls.
-_Actor = Any
-_Ref = Any
+if TYPE_CHECKING:  # typings/ray: the Ray names used here, stubtest-checked
+    from ray import ObjectRef, ObjectRefGenerator
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
+
+# Actor handles and object refs never leave this module except as the opaque futures of
+# the refit calls; what a ref resolves to is checked where it is read.
 
 
 def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -279,15 +282,15 @@ class GenerationGroup:
         self._config = dict(config)
         self._worker_options = dict(worker_options or {})
         self._placements = [self._placement(shard) for shard in self.plan.shards]
-        self._actors: list[_Actor] = []
-        self._pg: Any = None
+        self._actors: list[ActorHandle] = []
+        self._pg: PlacementGroup | None = None
         self._dead: dict[int, str] = {}
         self._closed = False
         self._multimodal: Mapping[str, object] | None = None
         self._owns_ray = _ensure_ray(cluster)
         try:
-            self._pg = self._create_placement_group()
-            self._actors = [self._start_actor(shard) for shard in self.plan.shards]
+            self._pg = pg = self._create_placement_group()
+            self._actors = [self._start_actor(pg, shard) for shard in self.plan.shards]
             self._wait_alive()
         except BaseException:
             self._teardown(graceful=False)
@@ -304,16 +307,16 @@ class GenerationGroup:
         return self.plan.data_parallel_size * self.plan.model_parallel_size
 
     @property
-    def actors(self) -> tuple[_Actor, ...]:
+    def actors(self) -> tuple[ActorHandle, ...]:
         """The shards' Ray actor handles, by rank (empty once shut down)."""
         return tuple(self._actors)
 
     @property
-    def placement_group(self) -> Any:
+    def placement_group(self) -> PlacementGroup | None:
         """The group's Ray placement group (``None`` once shut down)."""
         return self._pg
 
-    def _placement(self, shard: ShardPlacement) -> tuple[dict[str, Any], dict[str, object]]:
+    def _placement(self, shard: ShardPlacement) -> tuple[dict[str, object], dict[str, object]]:
         """``(ray actor options without the scheduling strategy, worker init kwargs)``."""
         base = self.cluster.cache_base_dir
         worker = unwrap(
@@ -336,7 +339,7 @@ class GenerationGroup:
         init_kwargs = worker.init_kwargs
         if not self.plan.uses_gpus:
             init_kwargs.pop("fraction_of_gpus", None)
-        options: dict[str, Any] = {
+        options: dict[str, object] = {
             "num_cpus": self.cluster.actor_num_cpus,
             "num_gpus": worker.num_gpus if self.plan.uses_gpus else 0,
             "runtime_env": {"env_vars": env},
@@ -344,7 +347,7 @@ class GenerationGroup:
         }
         return options, init_kwargs
 
-    def _create_placement_group(self) -> Any:
+    def _create_placement_group(self) -> PlacementGroup:
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
 
@@ -357,7 +360,7 @@ class GenerationGroup:
             raise GroupError(
                 f"the placement group of {len(bundles)} bundle(s) {bundles[0]} "
                 f"({self.plan.strategy}) was not ready after {timeout:g} s; the cluster has "
-                f"{ray.available_resources()} available of {ray.cluster_resources()}"  # type: ignore[no-untyped-call]
+                f"{ray.available_resources()} available of {ray.cluster_resources()}"
             )
         table = placement_group_table(pg).get("bundles_to_node_id", {})
         problem = _check_bundle_nodes(self.plan, {int(k): str(v) for k, v in table.items()})
@@ -365,7 +368,7 @@ class GenerationGroup:
             raise GroupError(f"placement group does not match the plan: {problem}")
         return pg
 
-    def _start_actor(self, shard: ShardPlacement) -> _Actor:
+    def _start_actor(self, pg: PlacementGroup, shard: ShardPlacement) -> ActorHandle:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -374,7 +377,7 @@ class GenerationGroup:
 
         options, init_kwargs = self._placements[shard.rank]
         strategy = PlacementGroupSchedulingStrategy(
-            placement_group=self._pg,
+            placement_group=pg,
             placement_group_bundle_index=shard.global_bundle_ids[0],
             placement_group_capture_child_tasks=True,
         )
@@ -433,7 +436,7 @@ class GenerationGroup:
     def _gather(
         self,
         call: str,
-        refs: Mapping[int, _Ref],
+        refs: Mapping[int, ObjectRef[object]],
         timeout_s: float | None,
         rows: Mapping[int, tuple[int, ...]] | None = None,
     ) -> dict[int, object]:
@@ -596,7 +599,7 @@ class GenerationGroup:
         bound = self.cluster.call_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + bound
         queue: asyncio.Queue[tuple[int, dict[str, torch.Tensor] | GenworkerError]] = asyncio.Queue()
-        streams: dict[int, Any] = {}
+        streams: dict[int, ObjectRefGenerator] = {}
         tasks: list[asyncio.Task[None]] = []
         for rank, part in enumerate(parts):
             if not plan.sizes[rank]:
@@ -627,7 +630,7 @@ class GenerationGroup:
     async def _drain_shard(
         self,
         rank: int,
-        stream: Any,
+        stream: ObjectRefGenerator,
         rows: tuple[int, ...],
         deadline: float,
         bound: float,
@@ -641,7 +644,13 @@ class GenerationGroup:
                 ref = await asyncio.wait_for(
                     stream.__anext__(), max(deadline - time.monotonic(), 1e-3)
                 )
-                local, item = await asyncio.wait_for(ref, max(deadline - time.monotonic(), 1e-3))
+                pair = await asyncio.wait_for(ref, max(deadline - time.monotonic(), 1e-3))
+                if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)):
+                    raise EngineContractError(  # noqa: TRY301 - translated below with the rest
+                        f"shard {rank}: generate_async yielded {pair!r:.200}, not (row, output)"
+                    )
+                local: int = pair[0]
+                item: object = pair[1]
                 row = rows[local]
                 pending.discard(local)
                 if isinstance(item, GenworkerError):
@@ -649,7 +658,7 @@ class GenerationGroup:
                     named.args = (f"shard {rank}, batch row {row}: {item}",)
                     named.__cause__ = item
                     item = named
-                elif not isinstance(item, Mapping):
+                elif not isinstance(item, dict):
                     item = EngineContractError(
                         f"shard {rank}: generate_async yielded {item!r:.200}"
                     )
@@ -783,7 +792,7 @@ class GenerationGroup:
         *,
         train_world_size: int,
         timeout_s: float | None = None,
-    ) -> list[object]:
+    ) -> list[ObjectRef[object]]:
         """Join every engine worker to the trainer's weight-update group; returns futures.
 
         The trainer holds ranks ``0..train_world_size-1``; shard ``s`` gets rank prefix
@@ -812,7 +821,7 @@ class GenerationGroup:
         *,
         mode: str | None = None,
         clear_cache: bool | None = None,
-    ) -> list[object]:
+    ) -> list[ObjectRef[object]]:
         """Start the collective refit on every shard; returns one future per shard
         (``mode`` / ``clear_cache``: what async shards do with requests in flight)."""
         return self._refit("update_weights_from_collective", timeout_s, mode, clear_cache)
@@ -823,14 +832,14 @@ class GenerationGroup:
         *,
         mode: str | None = None,
         clear_cache: bool | None = None,
-    ) -> list[object]:
+    ) -> list[ObjectRef[object]]:
         """Start the IPC refit on every shard; returns one future per shard (``mode`` /
         ``clear_cache``: what async shards do with requests in flight)."""
         return self._refit("update_weights_via_ipc_zmq", timeout_s, mode, clear_cache)
 
     def _refit(
         self, call: str, timeout_s: float | None, mode: str | None, clear_cache: bool | None
-    ) -> list[object]:
+    ) -> list[ObjectRef[object]]:
         self._require_usable(call)
         inflight = {
             k: v for k, v in (("mode", mode), ("clear_cache", clear_cache)) if v is not None
@@ -850,7 +859,7 @@ class GenerationGroup:
         train_ranks_per_stage: int,
         sub_world_size: int,
         timeout_s: float | None = None,
-    ) -> list[object]:
+    ) -> list[ObjectRef[object]]:
         """Join every engine worker to each trainer PP stage's reshard group; returns
         futures (pass them to :meth:`collect` once the trainer ranks joined).
 
@@ -885,13 +894,17 @@ class GenerationGroup:
             )
         ]
 
-    def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> list[object]:
+    def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> list[ObjectRef[object]]:
         """Start the reshard refit on every shard; returns one future per shard."""
         self._require_usable("nccl_reshard_refit")
         return [a.nccl_reshard_refit.remote(refit_timeout_s) for a in self._actors]
 
     def collect(
-        self, futures: Sequence[object], *, call: str = "refit", timeout_s: float | None = None
+        self,
+        futures: Sequence[ObjectRef[object]],
+        *,
+        call: str = "refit",
+        timeout_s: float | None = None,
     ) -> list[object]:
         """Wait for per-shard futures (from ``init_collective`` / ``update_weights_*``).
 
@@ -1039,7 +1052,7 @@ def _ensure_ray(cluster: ClusterSpec) -> bool:
     return True
 
 
-def _wait(refs: list[_Ref], timeout_s: float) -> set[_Ref]:
+def _wait(refs: list[ObjectRef[object]], timeout_s: float) -> set[ObjectRef[object]]:
     """The refs among ``refs`` that finished within ``timeout_s`` seconds."""
     import ray
 
@@ -1049,7 +1062,7 @@ def _wait(refs: list[_Ref], timeout_s: float) -> set[_Ref]:
     return set(ready)
 
 
-def _get(ref: _Ref) -> object:
+def _get(ref: ObjectRef[object]) -> object:
     import ray
 
     result: object = ray.get(ref)

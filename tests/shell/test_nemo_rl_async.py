@@ -897,7 +897,9 @@ async def _generate_on_shard(
             ref = await anext(gen)
         except StopAsyncIteration:
             raise RuntimeError(f"Worker produced no output for the given sample {data}") from None
-        original_idx, result = await asyncio.wait_for(ref, timeout=60)
+        pair = await asyncio.wait_for(ref, timeout=60)
+        assert isinstance(pair, tuple), pair
+        original_idx, result = pair
         result["gen_leader_worker_idx"] = [0]
         return original_idx, result
     except (asyncio.CancelledError, GeneratorExit):

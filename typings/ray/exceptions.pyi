@@ -1,0 +1,13 @@
+class RayError(Exception): ...
+
+class RayTaskError(RayError):
+    # the exception the remote task raised
+    cause: BaseException
+
+class RayActorError(RayError):
+    error_msg: str
+    @property
+    def actor_init_failed(self) -> bool: ...
+
+class ActorDiedError(RayActorError): ...
+class ActorUnavailableError(RayActorError): ...
