@@ -91,6 +91,8 @@ __all__ = [
     "RESERVED_KEYS",
     "UNSUPPORTED_KEYS",
     "EngineKwargsPlan",
+    "Fp8Start",
+    "fp8_start",
     "plan_engine_kwargs",
     "resolve_prefix_caching",
 ]
@@ -173,8 +175,35 @@ def resolve_prefix_caching(explicit: bool | None, gpu_capability: tuple[int, int
 
 
 FP8_CHECKPOINT_FORMATS: Final = frozenset({"auto", "safetensors", "pt"})
-"""The checkpoint formats an fp8 engine reads again, quantized, once vLLM has started
+"""The checkpoint formats an fp8 engine reads, quantized, once vLLM has started on dummy
+weights
 (``genworker.shell.fp8``; vLLM's own load casts a bf16 checkpoint without scales)."""
+
+
+@attrs.frozen
+class Fp8Start:
+    """How an fp8 engine starts: the ``vllm.LLM`` kwargs, and the checkpoint format to read
+    again, quantized, once it has started (``None``: nothing to read)."""
+
+    kwargs: Mapping[str, object]
+    checkpoint_format: str | None
+
+
+def fp8_start(kwargs: Mapping[str, object]) -> Fp8Start:
+    """An fp8 engine with a checkpoint starts on ``load_format="dummy"`` and reads the
+    checkpoint afterwards through genworker's quantizing loader.
+
+    vLLM's own load of a bf16 checkpoint into block-fp8 layers (the NeMo-RL
+    ``quantization_config`` marks the checkpoint as fp8-serialized) casts the weights and
+    never writes ``weight_scale_inv``: those stay as ``torch.empty`` left them, and vLLM's
+    warmup then samples from garbage (NaN logprobs on the CPU engine; on CUDA, vLLM 0.25's
+    ``warmup_kernels`` died on a device-side assert). The dummy loader fills every
+    parameter, scales included, with small finite values. Any other engine starts as
+    planned."""
+    fmt = kwargs.get("load_format")
+    if kwargs.get("quantization") != "fp8" or fmt not in FP8_CHECKPOINT_FORMATS:
+        return Fp8Start(kwargs=kwargs, checkpoint_format=None)
+    return Fp8Start(kwargs={**kwargs, "load_format": "dummy"}, checkpoint_format=str(fmt))
 
 
 def _fp8_load_problems(config: WorkerConfig) -> list[ConfigProblem]:
