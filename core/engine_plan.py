@@ -176,8 +176,8 @@ def resolve_prefix_caching(explicit: bool | None, gpu_capability: tuple[int, int
 
 FP8_CHECKPOINT_FORMATS: Final = frozenset({"auto", "safetensors", "pt"})
 """The checkpoint formats an fp8 engine reads, quantized, once vLLM has started on dummy
-weights
-(``genworker.shell.fp8``; vLLM's own load casts a bf16 checkpoint without scales)."""
+weights (``fp8_start``, ``genworker.shell.fp8``; vLLM's own load casts a bf16 checkpoint
+without scales)."""
 
 
 @attrs.frozen
