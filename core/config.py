@@ -71,6 +71,26 @@ Rules, with the vLLM behaviour they mirror (vLLM 0.32, ``vllm/sampling_params.py
   Missing values may come from the process environment, resolved by
   :func:`genworker.core.engine_plan.plan_engine_kwargs`.
 * ``backend``, when present, must be ``"vllm"``.
+* ``stop_strings_mode`` (genworker's own key): ``per_sample`` (the default) or
+  ``batch_union`` (NeMo-RL's sync ``generate``), :class:`~genworker.core.stops.StopMode`.
+* ``unknown_keys`` (genworker's own key): ``refuse`` (the default) or ``warn``; under
+  ``warn`` a key in no table of :mod:`genworker.core.config_keys` is kept in ``extras`` and
+  listed in :attr:`WorkerConfig.warnings` instead of being a problem.
+* Keys NeMo-RL's unit-test config carries (``basic_vllm_test_config``): ``dtype`` must name
+  the same precision as ``vllm_cfg.precision`` (an alias of it, or ``bfloat16`` under
+  ``fp8``, which computes in bfloat16); ``tokenizer`` is a mapping whose ``name``, when
+  given, is ``model_name`` (the engine loads that model's tokenizer). Both are otherwise
+  inert and kept in ``extras``.
+* Stop strings and bad words need the engine's tokenizer: vLLM matches stop strings on
+  detokenized text and turns bad words into token ids with its tokenizer, and with
+  ``vllm_cfg.skip_tokenizer_init: true`` it skips both without a word
+  (``vllm/v1/engine/input_processor.py``: ``update_from_tokenizer`` runs only with a
+  tokenizer; no detokenizer, no stop-string match). A config that has both is refused;
+  per-batch ``stop_strings`` on such an engine are refused at generate
+  (:meth:`WorkerConfig.detokenizer_problem`). NeMo-RL's ``configure_generation_config``
+  sets ``skip_tokenizer_init: true`` exactly when the config's ``stop_strings`` is null.
+* ``vllm_cfg.reset_mm_cache_after_refit`` (NeMo-RL #3648) is read as
+  ``reset_encoder_cache_after_weight_update`` is: false is refused on a multimodal engine.
 
 Every mapping is stored as a :class:`FrozenMap` (an immutable, hashable mapping, values
 frozen deeply: lists become tuples); :meth:`WorkerConfig.to_mapping` thaws them back, and
@@ -87,8 +107,9 @@ from typing import Final, TypeGuard, TypeVar
 import attrs
 from returns.result import Failure, Result, Success
 
-from genworker.core.config_keys import check_keys, parse_bool
+from genworker.core.config_keys import UNKNOWN_KEY_POLICIES, check_keys, parse_bool
 from genworker.core.errors import CoreError
+from genworker.core.stops import StopMode
 
 __all__ = [
     "DETAILED_TRACE_MODULES",
@@ -324,6 +345,8 @@ class VllmConfig:
     env_vars: FrozenMap[str, str] = attrs.field(factory=FrozenMap)
     extras: FrozenMap[str, object] = attrs.field(factory=_empty)
     reset_encoder_cache_after_weight_update: bool = True
+    #: NeMo-RL's name for the same switch (#3648); false is refused on a multimodal engine
+    reset_mm_cache_after_refit: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.nvfp4_per_token and self.precision not in _NVFP4_PRECISIONS:
@@ -356,14 +379,22 @@ class VllmConfig:
         """Why this config cannot drive an engine (``multimodal`` or not), or None:
         ``reset_encoder_cache_after_weight_update: false`` asks a multimodal engine to keep
         encoder outputs of the old weights after a refit, which the worker never does."""
-        if self.reset_encoder_cache_after_weight_update or not multimodal:
+        if not multimodal:
             return None
-        return (
-            "vllm_cfg.reset_encoder_cache_after_weight_update: false is refused on a "
-            "multimodal model: the worker resets the encoder and multimodal caches after every "
-            "refit (encoder outputs of the old weights would be stale); set it to true or "
-            "remove it"
-        )
+        for key, resets in (
+            (
+                "reset_encoder_cache_after_weight_update",
+                self.reset_encoder_cache_after_weight_update,
+            ),
+            ("reset_mm_cache_after_refit", self.reset_mm_cache_after_refit),
+        ):
+            if not resets:
+                return (
+                    f"vllm_cfg.{key}: false is refused on a multimodal model: the worker "
+                    "resets the encoder and multimodal caches after every refit (encoder "
+                    "outputs of the old weights would be stale); set it to true or remove it"
+                )
+        return None
 
     def to_mapping(self) -> dict[str, object]:
         out = _thaw_str_map(self.extras)
@@ -395,6 +426,7 @@ class VllmConfig:
             use_tqdm=self.use_tqdm,
             env_vars=dict(self.env_vars),
             reset_encoder_cache_after_weight_update=self.reset_encoder_cache_after_weight_update,
+            reset_mm_cache_after_refit=self.reset_mm_cache_after_refit,
         )
         return out
 
@@ -421,6 +453,37 @@ class WorkerConfig:
     vllm_kwargs: FrozenMap[str, object] = attrs.field(factory=_empty)
     telemetry: TelemetryConfig = attrs.field(factory=TelemetryConfig)
     extras: FrozenMap[str, object] = attrs.field(factory=_empty)
+    #: ``stop_strings_mode``: how per-row stop strings spread over a batch
+    stop_mode: StopMode = StopMode.PER_SAMPLE
+    #: ``unknown_keys``: ``refuse`` or ``warn`` (see :mod:`genworker.core.config_keys`)
+    unknown_keys: str = attrs.field(
+        default=UNKNOWN_KEY_POLICIES[0], validator=attrs.validators.in_(UNKNOWN_KEY_POLICIES)
+    )
+    #: keys in no table accepted under ``unknown_keys: warn``, each with its message; the
+    #: worker logs them when it starts
+    warnings: tuple[ConfigProblem, ...] = ()
+
+    def detokenizer_problem(self, per_sample_stop_strings: object) -> str | None:
+        """Why a batch's own ``stop_strings`` cannot be honoured, or None: an engine
+        started with ``vllm_cfg.skip_tokenizer_init: true`` has no detokenizer, and vLLM
+        skips stop strings there without a word. Only a batch that carries at least one
+        string is refused (``None`` rows and empty lists ask for nothing)."""
+        if not self.vllm.skip_tokenizer_init or not _is_list(per_sample_stop_strings):
+            return None
+        assert isinstance(per_sample_stop_strings, Sequence)
+        rows = [
+            i
+            for i, row in enumerate(per_sample_stop_strings)
+            if row is not None and (not _is_list(row) or len(row) > 0)
+        ]
+        if not rows:
+            return None
+        return (
+            f"stop_strings of rows {rows} cannot be honoured: the engine was started with "
+            "vllm_cfg.skip_tokenizer_init: true and has no detokenizer, where vLLM skips stop "
+            "strings silently; set vllm_cfg.skip_tokenizer_init: false (NeMo-RL sets it true "
+            "when the config's stop_strings is null), or send no per-row stop_strings"
+        )
 
     @property
     def num_speculative_tokens(self) -> int | None:
@@ -467,6 +530,8 @@ class WorkerConfig:
             vllm_cfg=vllm_cfg,
             vllm_kwargs=_thaw_str_map(self.vllm_kwargs),
             telemetry=self.telemetry.to_mapping(),
+            stop_strings_mode=self.stop_mode.value,
+            unknown_keys=self.unknown_keys,
         )
         return out
 
@@ -751,6 +816,8 @@ _TOP_KEYS: Final = frozenset(
         "telemetry",
         "vllm_cfg",
         "vllm_kwargs",
+        "stop_strings_mode",
+        "unknown_keys",
     }
 )
 
@@ -776,6 +843,7 @@ _VLLM_KEYS: Final = frozenset(
         "limit_mm_per_prompt",
         "mm_processor_kwargs",
         "reset_encoder_cache_after_weight_update",
+        "reset_mm_cache_after_refit",
         "use_tqdm",
         "env_vars",
     }
@@ -790,6 +858,10 @@ _TELEMETRY_KEYS: Final = (
 )
 
 _DEFAULT_VLLM: Final = VllmConfig(1, 1, 1, 1.0, 1)
+_UNKNOWN_ACCEPTED: Final = (
+    "unknown key (a typo, or a NeMo-RL key newer than genworker's table): accepted under "
+    "unknown_keys: warn and has no effect in genworker"
+)
 _MTP_METHODS: Final = frozenset({"mtp", "deepseek_mtp"})
 
 
@@ -799,8 +871,22 @@ def _parse(m: Mapping[object, object]) -> Result[WorkerConfig, ConfigError]:
     if bad_keys:
         r.add("(config)", f"keys must be strings, got {', '.join(_show(k) for k in bad_keys)}")
     top: dict[str, object] = {k: v for k, v in m.items() if isinstance(k, str)}
+    unknown_keys = r.take(
+        top,
+        "unknown_keys",
+        _choice(frozenset(UNKNOWN_KEY_POLICIES)),
+        UNKNOWN_KEY_POLICIES[0],
+        default=UNKNOWN_KEY_POLICIES[0],
+    )
+    warnings: list[ConfigProblem] = []
     for verdict in check_keys(top):
-        r.add(verdict.key, verdict.message)
+        if verdict.unknown and unknown_keys == "warn":
+            warnings.append(ConfigProblem(verdict.key, _UNKNOWN_ACCEPTED))
+        else:
+            r.add(verdict.key, verdict.message)
+    stop_mode = r.take(
+        top, "stop_strings_mode", _stop_mode, StopMode.PER_SAMPLE, default=StopMode.PER_SAMPLE
+    )
 
     r.take(top, "backend", _backend, "vllm", default="vllm")
     model_name = r.take(top, "model_name", _as_str, "")
@@ -856,6 +942,18 @@ def _parse(m: Mapping[object, object]) -> Result[WorkerConfig, ConfigError]:
             "vllm_cfg.logprobs_mode; keep one",
         )
 
+    parsed_precision = None if vllm is _DEFAULT_VLLM else vllm.precision
+    _check_test_config_keys(r, top, model_name, parsed_precision)
+    if vllm.skip_tokenizer_init:
+        for key, given in (("stop_strings", stop_strings), ("bad_words", bad_words)):
+            if given:
+                r.add(
+                    key,
+                    f"{list(given)} cannot be honoured with vllm_cfg.skip_tokenizer_init: true "
+                    "(no tokenizer in the engine: vLLM skips stop strings and bad words "
+                    "silently); set vllm_cfg.skip_tokenizer_init: false",
+                )
+
     colocated = top.get("colocated")
     if colocated is not None:
         colocated_map = r.take(top, "colocated", _str_mapping, None)
@@ -883,8 +981,46 @@ def _parse(m: Mapping[object, object]) -> Result[WorkerConfig, ConfigError]:
             vllm_kwargs=vllm_kwargs,
             telemetry=telemetry,
             extras=extras,
+            stop_mode=stop_mode,
+            unknown_keys=unknown_keys,
+            warnings=tuple(warnings),
         )
     )
+
+
+def _stop_mode(value: object) -> StopMode:
+    modes = {mode.value: mode for mode in StopMode}
+    if not isinstance(value, str) or value not in modes:
+        raise _Bad(f"must be one of {sorted(modes)}, got {_show(value)}")
+    return modes[value]
+
+
+def _check_test_config_keys(
+    r: _Reader, top: Mapping[str, object], model_name: str, precision: str | None
+) -> None:
+    """``dtype`` and ``tokenizer`` (NeMo-RL's unit-test config): inert when they agree with
+    ``vllm_cfg.precision`` and ``model_name``, refused naming the conflict otherwise."""
+    if "dtype" in top:
+        dtype = r.take(top, "dtype", _precision, "", default="")
+        agrees = dtype in (precision, "bfloat16" if precision == "fp8" else precision)
+        if dtype and precision is not None and not agrees:
+            r.add(
+                "dtype",
+                f"{top['dtype']!r} disagrees with vllm_cfg.precision {precision!r}, the "
+                "engine's dtype (NeMo-RL's worker reads vllm_cfg.precision, not dtype); make "
+                "them agree or remove dtype",
+            )
+    tokenizer = r.take(top, "tokenizer", _optional(_str_mapping), None, default=None)
+    if tokenizer is not None and "name" in tokenizer:
+        name = tokenizer["name"]
+        if name != model_name and not r.failed("model_name"):
+            r.add(
+                "tokenizer.name",
+                f"{name!r} is not model_name {model_name!r}: the engine loads and detokenizes "
+                "with model_name's tokenizer (as NeMo-RL's worker does); make them the same, "
+                "or pass another tokenizer to vLLM as vllm_kwargs.tokenizer and remove "
+                "tokenizer.name",
+            )
 
 
 def _parse_vllm(
@@ -924,6 +1060,7 @@ def _parse_vllm(
     encoder_reset = r.take(
         v, "reset_encoder_cache_after_weight_update", _as_bool, True, prefix=p, default=True
     )
+    mm_reset = r.take(v, "reset_mm_cache_after_refit", _as_bool, True, prefix=p, default=True)
 
     spec_raw = r.take(
         v, "speculative_config", _optional(_str_mapping), None, prefix=p, default=None
@@ -1020,6 +1157,7 @@ def _parse_vllm(
         env_vars=env_vars,
         extras=extras,
         reset_encoder_cache_after_weight_update=encoder_reset,
+        reset_mm_cache_after_refit=mm_reset,
     )
     return config, logprobs_mode
 

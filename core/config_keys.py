@@ -8,6 +8,10 @@ NeMo-RL hands its vLLM worker the ``policy.generation`` dict (``GenerationConfig
 parses and then does nothing is a bug, so :data:`KEYS` gives each key one :class:`Fate`:
 
 * ``HONOURED``: the worker does what the key says (``config.py`` parses it).
+* ``INERT``: a key NeMo-RL's own configs carry that asks the worker for nothing it does not
+  already do, accepted with the reason in its note; the parser still checks that its value
+  agrees with the keys that do act (``dtype`` must name ``vllm_cfg.precision``;
+  ``tokenizer.name``, when given, must be ``model_name``) and refuses a contradiction by name.
 * ``NEMO_RL_SIDE``: not the worker's key. NeMo-RL's own layers read it (``VllmGeneration``,
   GRPO setup, another backend's block), or NeMo-RL reads it only beside a key this table
   refuses; NeMo-RL's own vLLM worker does not read it either. Accepted as it is.
@@ -26,8 +30,20 @@ always resets the encoder and multimodal caches after a refit).
 
 A rule whose key ends in ``.*`` covers a whole block (its sub-keys are not looked at);
 ``vllm_kwargs`` is passed to vLLM, so only the ``vllm_kwargs.<name>`` rules below are
-checked there. Any other key is refused as unknown: a typo or a key of a NeMo-RL version
-this table does not know.
+checked there.
+
+Keys in no table (the unknown-key policy)
+-----------------------------------------
+A key with no rule here, at the top level or in ``vllm_cfg``, is a typo or a key of a
+NeMo-RL release newer than this table. By default it is refused by name
+(``unknown_keys: refuse``): a key that changes behaviour must never be dropped silently.
+The one switch ``unknown_keys: warn`` (a top-level key of genworker's own) turns each such
+refusal into a named warning instead: the config parses, the key is kept in the config's
+``extras`` and has no effect, and the worker logs ``genworker ignores generation-config key
+<path>: ...`` once per key when it starts (:attr:`~genworker.core.config.WorkerConfig.warnings`).
+Keys this table refuses stay refused under either setting: the switch covers only keys
+genworker has never seen. The drift rules at the end of :data:`KEYS` give a fate to every key
+NeMo-RL added after 7ea279ab that genworker knows of (read from its pull requests).
 
 Boolean values are read as vLLM reads them (its configs are pydantic dataclasses, so
 pydantic's lax rules apply): ``true``/``false``, ``0``/``1`` and the strings of
@@ -48,6 +64,7 @@ __all__ = [
     "FALSE_STRINGS",
     "KEYS",
     "TRUE_STRINGS",
+    "UNKNOWN_KEY_POLICIES",
     "Fate",
     "KeyRule",
     "KeyVerdict",
@@ -55,6 +72,9 @@ __all__ = [
     "parse_bool",
     "rule_for",
 ]
+
+UNKNOWN_KEY_POLICIES: Final = ("refuse", "warn")
+"""Values of ``unknown_keys`` (see the module docstring); the first is the default."""
 
 TRUE_STRINGS: Final = frozenset({"1", "on", "t", "true", "y", "yes"})
 FALSE_STRINGS: Final = frozenset({"0", "off", "f", "false", "n", "no"})
@@ -79,6 +99,7 @@ class Fate(enum.Enum):
     """What genworker does with a key (see the module docstring)."""
 
     HONOURED = "honoured"
+    INERT = "accepted as inert"
     NEMO_RL_SIDE = "read by NeMo-RL, not by the worker"
     ASYNC_WORKER = "the async worker's key"
     HTTP_SERVER = "the HTTP server's key"
@@ -113,8 +134,9 @@ def _same(value: object, allowed: object) -> bool:
     return type(value) is type(allowed) and value == allowed
 
 
-_H, _N, _A, _S, _R = (
+_H, _I, _N, _A, _S, _R = (
     Fate.HONOURED,
+    Fate.INERT,
     Fate.NEMO_RL_SIDE,
     Fate.ASYNC_WORKER,
     Fate.HTTP_SERVER,
@@ -203,6 +225,35 @@ KEYS: Final[tuple[KeyRule, ...]] = (
     KeyRule("seed", _H, "the engine seed when configure_worker gives none"),
     KeyRule("logprobs_mode", _H, "vLLM logprobs_mode (also accepted in vllm_cfg)"),
     KeyRule("telemetry.*", _H, "vLLM's OpenTelemetry tracing (genworker's block)"),
+    KeyRule(
+        "stop_strings_mode",
+        _H,
+        "how per-row stop strings spread over a batch: 'per_sample' (the default: each row "
+        "stops on the config's strings and its own) or 'batch_union' (NeMo-RL's sync "
+        "generate: every row stops on every row's strings); the drop-ins pass it to the "
+        "worker they build",
+    ),
+    KeyRule(
+        "unknown_keys",
+        _H,
+        "what happens to a key in no table: 'refuse' (the default) or 'warn' (accepted, "
+        "without effect, and logged by name when the worker starts)",
+    ),
+    # NeMo-RL's unit-test config (tests/unit/models/generation/test_vllm_generation.py
+    # basic_vllm_test_config) carries these beside the generation keys
+    KeyRule(
+        "dtype",
+        _I,
+        "the engine's dtype is vllm_cfg.precision (NeMo-RL's worker reads that, not dtype); "
+        "a dtype naming another precision is refused naming both",
+    ),
+    KeyRule(
+        "tokenizer.*",
+        _I,
+        "NeMo-RL's tokenizer config (policy.tokenizer): the engine loads model_name's "
+        "tokenizer, as NeMo-RL's worker does; a tokenizer.name other than model_name is "
+        "refused (stop strings and texts would use another tokenizer)",
+    ),
     # VllmSpecificArgs and the other vllm_cfg keys NeMo-RL reads
     KeyRule("vllm_cfg.tensor_parallel_size", _H, "vLLM tensor parallel size"),
     KeyRule("vllm_cfg.pipeline_parallel_size", _H, "vLLM pipeline parallel size"),
@@ -355,6 +406,106 @@ KEYS: Final[tuple[KeyRule, ...]] = (
         "vLLM's processed-media cache size (the worker resets it after refits and before sleep)",
     ),
     KeyRule("vllm_kwargs.skip_mm_profiling", _H, "vLLM skips the multimodal memory profiling"),
+    # Drift: keys NeMo-RL added after 7ea279ab (merged or open pull requests, 2026-08/09)
+    KeyRule(
+        "vllm_cfg.refit_with_reload_api",
+        _R,
+        "NeMo-RL #3651 installs refits through vLLM's reload_weights in its own worker "
+        "extension; genworker's refit has its own receiver and choice of loader (shell/"
+        "extension.py), which this key does not reach; leave it false",
+        inert=(False, None),
+    ),
+    KeyRule(
+        "vllm_cfg.quantization_ignore_patterns",
+        _R,
+        "NeMo-RL #3652's MXFP8/fp8 ignore patterns; "
+        + _FP8
+        + "; list modules in vllm_kwargs.hf_overrides.quantization_config.ignored_layers",
+        inert=(None, []),
+    ),
+    KeyRule(
+        "truncate_prompt_tokens",
+        _R,
+        "genworker never truncates prompts: a row that leaves no room under max_model_len is "
+        "refused by name (vllm_cfg.cap_max_tokens_to_context caps the generated tokens "
+        "instead); leave it null",
+        inert=(None,),
+    ),
+    KeyRule(
+        "_validation_generation",
+        _R,
+        "genworker does not switch a worker to validation sampling; build the validation "
+        "worker from a config whose temperature/top_p/top_k are the val_* values",
+        inert=(False, None),
+    ),
+    KeyRule(
+        "vllm_cfg.reset_mm_cache_after_refit",
+        _H,
+        "NeMo-RL #3648's switch (written as 'is the model a VLM' when unset); read as "
+        "reset_encoder_cache_after_weight_update is: true is what the worker does (it resets "
+        "the multimodal and encoder caches after every refit), false is vacuous on a "
+        "text-only engine and refused on a multimodal one",
+    ),
+    KeyRule(
+        "deduplicate_multimodal_data",
+        _R,
+        "NeMo-RL #3534/#3818's packed media payloads (one image set for a prompt's "
+        "generations) are not read; the worker takes one image list per row; leave it false",
+        inert=(False, None),
+    ),
+    KeyRule(
+        "vllm_cfg.use_torch_logprobs",
+        _R,
+        "genworker returns vLLM's own logprobs (logprobs_mode); it does not recompute them "
+        "in torch; use vllm_cfg.logprobs_mode and leave it false",
+        inert=(False, None),
+    ),
+    KeyRule(
+        "router_url",
+        _R,
+        "NeMo-RL #3458/#3518 route rollouts through an external vLLM Router; genworker's "
+        "drop-in serves NeMo-RL's rollouts through Ray calls (and NeMo-Gym through each "
+        "worker's own OpenAI server); leave it null",
+        inert=(None,),
+    ),
+    KeyRule(
+        "router_request_id_header",
+        _R,
+        "read only with router_url (a vLLM Router), which is refused; leave it null",
+        inert=(None,),
+    ),
+    KeyRule(
+        "server_groups",
+        _R,
+        "vLLM Router server groups are not supported (no router_url); leave it null",
+        inert=(None, [], {}),
+    ),
+    KeyRule(
+        "real_quant_calibration_path",
+        _R,
+        "ModelOpt real-quant rollouts (NeMo-RL #3945) are not supported; use "
+        "vllm_cfg.precision: fp8 and leave it null",
+        inert=(None,),
+    ),
+    KeyRule(
+        "_modelopt_quantization_config",
+        _R,
+        "ModelOpt real-quant rollouts (NeMo-RL #3945) are not supported; use "
+        "vllm_cfg.precision: fp8 and leave it null",
+        inert=(None,),
+    ),
+    KeyRule(
+        "refit_prequantize",
+        _R,
+        "trainer-side pre-quantization is not supported; prepare_refit_info returns None",
+        inert=(False, None),
+    ),
+    KeyRule(
+        "refit_cache_loader_routes",
+        _R,
+        "genworker's refit has no per-route loader cache; leave it null",
+        inert=(None, [], {}),
+    ),
 )
 """The table: one rule per key NeMo-RL's generation config carries (and genworker's own)."""
 
@@ -380,6 +531,8 @@ class KeyVerdict:
 
     key: str
     message: str
+    #: the key has no rule (``unknown_keys: warn`` makes it a warning)
+    unknown: bool = False
 
 
 def _verdict(path: str, value: object) -> KeyVerdict | None:
@@ -388,7 +541,9 @@ def _verdict(path: str, value: object) -> KeyVerdict | None:
         return KeyVerdict(
             path,
             "unknown key: not a NeMo-RL generation-config key genworker knows (a typo, or a "
-            "newer NeMo-RL key); remove it",
+            "newer NeMo-RL key); remove it, or set unknown_keys: warn to accept keys "
+            "genworker has not seen (without effect, logged by name)",
+            unknown=True,
         )
     if rule.accepts(value):
         return None

@@ -32,6 +32,10 @@ and counts upward past ports in use; ``get_open_ports_list`` takes several in a 
   alike, before any actor starts. With ``num_gpus_per_node=None`` (NeMo-RL's default when
   the topology is unknown) the slot is the group's first id over its size, as NeMo-RL
   computes it, and only this engine's own window can be checked.
+* ``num_gpus=0`` comes from a GPU-less NeMo-RL cluster (``RayVirtualCluster(use_gpus=False)``):
+  the plan is NeMo-RL's answer, ``{"num_gpus": 0}`` with the usual seed, port and cache. A
+  TP/PP engine cannot start there (its Ray executor wants GPUs): :func:`plan_engine_env`
+  refuses it naming the sizes.
 * Workers of a TP/PP group (and the inert members of a tied group, ``bundle_indices=None``)
   ask Ray for 0 GPUs, stop Ray from setting ``CUDA_VISIBLE_DEVICES``
   (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``) and hand their GPU fraction to the
@@ -233,8 +237,8 @@ def configure_worker(
     ``num_gpus_per_node=None`` means the topology is unknown (NeMo-RL's default).
     """
     gpus = _number(num_gpus)
-    if gpus is None or gpus <= 0:
-        return _error("num_gpus", num_gpus, "must be a finite number greater than 0")
+    if gpus is None or gpus < 0:
+        return _error("num_gpus", num_gpus, "must be a finite number >= 0")
     per_node = None if num_gpus_per_node is None else _count(num_gpus_per_node)
     if num_gpus_per_node is not None and (per_node is None or per_node <= 0):
         return _error("num_gpus_per_node", num_gpus_per_node, "must be None or an integer >= 1")
@@ -408,6 +412,14 @@ def plan_engine_env(
     if size == 1:
         return Success(EngineEnv(FrozenMap()))
     fraction = _number(fraction_of_gpus)
+    if fraction == 0:
+        return _error(
+            "fraction_of_gpus",
+            fraction_of_gpus,
+            f"a GPU-less cluster (num_gpus=0) cannot hold an engine of tensor_parallel_size x "
+            f"pipeline_parallel_size = {size}: vLLM's Ray executor places one worker per GPU; "
+            "use tensor_parallel_size: 1 and pipeline_parallel_size: 1 there",
+        )
     if fraction is None or not 0 < fraction <= 1:
         return _error("fraction_of_gpus", fraction_of_gpus, "must be a number in (0, 1]")
     if bundle_ids is None or len(bundle_ids) != size:

@@ -36,6 +36,16 @@ NEMO_RL_TOP_KEYS = (
     "quant_cfg", "real_quant", "real_quant_export_cpu_offload", "real_quant_ignore",
     "checkpoint_engine", "nvfp4_pertoken_rollout",
     "num_prompts_per_step",  # nemo_rl/evals/eval.py: its generation config, to VllmGeneration
+    "tokenizer", "dtype",  # tests/unit/models/generation/test_vllm_generation.py's config
+)  # fmt: skip
+
+# Keys NeMo-RL added after 7ea279ab (issue 43, item 8), where they sit in the config.
+NEMO_RL_DRIFT_KEYS = (
+    "vllm_cfg.refit_with_reload_api", "vllm_cfg.quantization_ignore_patterns",
+    "truncate_prompt_tokens", "_validation_generation", "vllm_cfg.reset_mm_cache_after_refit",
+    "deduplicate_multimodal_data", "vllm_cfg.use_torch_logprobs", "router_url",
+    "router_request_id_header", "server_groups", "real_quant_calibration_path",
+    "_modelopt_quantization_config", "refit_prequantize", "refit_cache_loader_routes",
 )  # fmt: skip
 NEMO_RL_VLLM_CFG_KEYS = (
     "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size",
@@ -76,6 +86,19 @@ ASKING: dict[str, object] = {
     "vllm_cfg.video": {"sampling_style": "nemotron_vl", "num_frames": 8, "temporal_patch_size": 2},
     "vllm_kwargs.enable_return_routed_experts": True,
     "vllm_kwargs.media_io_kwargs": {"video": {"num_frames": 8}},
+    "vllm_cfg.refit_with_reload_api": True,
+    "vllm_cfg.quantization_ignore_patterns": ["re:.*mixer.gate.*"],
+    "truncate_prompt_tokens": 1024,
+    "_validation_generation": True,
+    "deduplicate_multimodal_data": True,
+    "vllm_cfg.use_torch_logprobs": True,
+    "router_url": "http://router:8000",
+    "router_request_id_header": "x-session-id",
+    "server_groups": [{"name": "a", "workers": 2}],
+    "real_quant_calibration_path": "/ckpt/calib",
+    "_modelopt_quantization_config": {"quant_algo": "NVFP4"},
+    "refit_prequantize": True,
+    "refit_cache_loader_routes": {"qkv": "fused"},
 }
 
 # The image keys multimodal generation honours, each with a value it takes.
@@ -175,7 +198,8 @@ def _keys(result: object) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize(
-    "path", [*NEMO_RL_TOP_KEYS, *(f"vllm_cfg.{k}" for k in NEMO_RL_VLLM_CFG_KEYS)]
+    "path",
+    [*NEMO_RL_TOP_KEYS, *(f"vllm_cfg.{k}" for k in NEMO_RL_VLLM_CFG_KEYS), *NEMO_RL_DRIFT_KEYS],
 )
 def test_every_nemo_rl_key_has_a_fate(path: str) -> None:
     rule = rule_for(path)
@@ -412,7 +436,7 @@ def test_check_keys_skips_blocks_that_are_not_mappings_and_non_string_keys() -> 
 
 
 def test_accepted_fates_accept_any_value() -> None:
-    for fate in (Fate.HONOURED, Fate.NEMO_RL_SIDE, Fate.ASYNC_WORKER, Fate.HTTP_SERVER):
+    for fate in (Fate.HONOURED, Fate.INERT, Fate.NEMO_RL_SIDE, Fate.ASYNC_WORKER, Fate.HTTP_SERVER):
         assert KeyRule("k", fate, "n").accepts(object())
     assert not KeyRule("k", Fate.REFUSED, "n").accepts(None)
     assert KeyRule("k", Fate.REFUSED, "n", inert=("off",)).accepts("off")

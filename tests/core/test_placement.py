@@ -112,6 +112,32 @@ def test_inert_group_member_gets_only_the_fraction_and_fixed_env() -> None:
     assert (plan.seed, plan.slot, plan.port_window) == (None, None, None)
 
 
+@pytest.mark.parametrize("zero", [0, 0.0])
+def test_a_gpu_less_cluster_gets_nemo_rls_answer_for_zero_gpus(zero: float) -> None:
+    """``RayVirtualCluster(use_gpus=False)`` passes ``num_gpus=0``; NeMo-RL's own hook
+    answers ``{"num_gpus": 0}`` with the usual seed, port and cache (and hands a tied
+    group's members their fraction, 0)."""
+    plan = _plan(configure_worker(zero, (0, [1]), 8, cache_root=CACHE))
+    assert plan.resources == {"num_gpus": 0.0}
+    assert plan.init_kwargs == {"bundle_indices": [1], "seed": 1}
+    assert plan.env_vars == {
+        "VLLM_CACHE_ROOT": f"{CACHE}_1",
+        "VLLM_PORT": "7100",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_SKIP_P2P_CHECK": "1",
+    }
+    inert = _plan(configure_worker(zero, None, 8, cache_root=CACHE, tensor_parallel_size=2))
+    assert inert.resources == {"num_gpus": 0.0}
+    assert inert.init_kwargs == {"fraction_of_gpus": 0.0}
+
+
+def test_a_tp_engine_without_gpus_is_refused_naming_the_sizes() -> None:
+    error = _error(plan_engine_env([0, 1], 0.0, tensor_parallel_size=2, pipeline_parallel_size=1))
+    assert error.name == "fraction_of_gpus"
+    assert "GPU-less" in str(error)
+    assert "tensor_parallel_size" in str(error)
+
+
 def test_cross_node_engine_uses_global_ids_and_port_slot_zero() -> None:
     plan = _plan(
         configure_worker(1.0, (0, range(8, 16)), 4, cache_root=CACHE, tensor_parallel_size=8)
@@ -173,8 +199,8 @@ def test_port_window_membership() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "name", "why"),
     [
-        ({"num_gpus": 0}, "num_gpus", "greater than 0"),
-        ({"num_gpus": -1.0}, "num_gpus", "greater than 0"),
+        ({"num_gpus": -1.0}, "num_gpus", ">= 0"),
+        ({"num_gpus": -0.5}, "num_gpus", ">= 0"),
         ({"num_gpus": math.nan}, "num_gpus", "finite"),
         ({"num_gpus": math.inf}, "num_gpus", "finite"),
         ({"num_gpus": "1"}, "num_gpus", "finite"),
@@ -542,8 +568,8 @@ def test_malformed_inherited_env_is_refused_by_name(env: dict[str, str], name: s
 
 
 def test_placement_error_is_a_frozen_value() -> None:
-    error = _error(configure_worker(0, None, 8, cache_root=CACHE))
-    assert error.value == "0"
+    error = _error(configure_worker(-1, None, 8, cache_root=CACHE))
+    assert error.value == "-1"
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         error.name = "x"  # type: ignore[misc]
 
@@ -575,7 +601,13 @@ def test_a_one_gpu_engine_changes_no_environment() -> None:
 
 @pytest.mark.parametrize(
     ("ids", "fraction", "name"),
-    [(None, 1.0, "bundle_indices"), ([0], 1.0, "bundle_indices"), ([0, 1], 0.0, "fraction")],
+    [
+        (None, 1.0, "bundle_indices"),
+        ([0], 1.0, "bundle_indices"),
+        ([0, 1], 0.0, "fraction"),
+        ([0, 1], 1.5, "fraction"),
+        ([0, 1], -0.5, "fraction"),
+    ],
 )
 def test_engine_env_refusals_name_the_input(
     ids: list[int] | None, fraction: float, name: str

@@ -156,7 +156,13 @@ ONE_VALUE = {
     "vllm_cfg.distributed_executor_backend": ("uni", "ray"),
 }
 # Keys whose effect depends on the engine: tested on their own below.
-ENGINE_DEPENDENT = {"vllm_cfg.reset_encoder_cache_after_weight_update"}
+ENGINE_DEPENDENT = {
+    "vllm_cfg.reset_encoder_cache_after_weight_update",
+    "vllm_cfg.reset_mm_cache_after_refit",
+}
+# Keys whose effect is checked on the NeMo-RL drop-ins (tests/shell/test_nemo_rl_drift.py:
+# the issue's batch under both stop modes; a key in no table refused, or logged under warn).
+DROP_IN = {"stop_strings_mode", "unknown_keys"}
 # Blocks whose keys are the table's other rows.
 BLOCKS = {"vllm_cfg"}
 
@@ -171,7 +177,7 @@ def _restore_env() -> Iterator[None]:
 
 def test_every_honoured_key_has_an_effect_row() -> None:
     honoured = {r.key for r in KEYS if r.fate is Fate.HONOURED}
-    assert honoured == set(EFFECTS) | set(ONE_VALUE) | BLOCKS | ENGINE_DEPENDENT
+    assert honoured == set(EFFECTS) | set(ONE_VALUE) | BLOCKS | ENGINE_DEPENDENT | DROP_IN
 
 
 def _with(path: str, value: object, extra: dict[str, Any]) -> dict[str, Any]:
@@ -238,14 +244,17 @@ def test_async_engine_true_is_the_async_worker_s_and_the_sync_worker_names_it() 
 
 
 @pytest.mark.parametrize("value", [False, "false", 0])
+@pytest.mark.parametrize(
+    "path",
+    ["vllm_cfg.reset_encoder_cache_after_weight_update", "vllm_cfg.reset_mm_cache_after_refit"],
+)
 def test_keeping_the_encoder_cache_is_vacuous_on_text_and_refused_on_a_multimodal_engine(
-    value: object,
+    value: object, path: str
 ) -> None:
     """NeMo-RL's stock ``reset_encoder_cache_after_weight_update: false``: a text-only
     engine has no encoder cache (the worker runs); a multimodal one would keep encoder
     outputs of the old weights, so the worker refuses it naming the key, and the engine it
-    started for the check is shut down."""
-    path = "vllm_cfg.reset_encoder_cache_after_weight_update"
+    started for the check is shut down (NeMo-RL #3648's reset_mm_cache_after_refit alike)."""
     text = _run(_with(path, value, {}), 0)
     assert isinstance(text, Run)
     factory = FakeEngineFactory(image_token_id=5, max_images=1)
