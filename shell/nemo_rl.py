@@ -32,6 +32,34 @@ arguments and return values (``nemo_rl/models/generation/vllm/vllm_worker.py``):
   check, ``configure_worker``, inert members, the engine's environment, the refits'
   ``bool`` answers with ``last_refit_error``, the spec-decode counters.
 
+* ``stop_strings_mode`` (genworker's config key, :mod:`genworker.core.config_keys`) picks
+  the stop-string semantics: ``per_sample`` (the default: a row stops on the config's
+  strings and its own) or ``batch_union`` (NeMo-RL's sync ``generate``: every row stops on
+  every row's strings); the drop-in passes it to the worker it builds.
+* Stop strings need the engine's tokenizer: with ``vllm_cfg.skip_tokenizer_init: true``
+  (NeMo-RL's choice when the config's ``stop_strings`` is null) vLLM would skip them
+  silently, so a batch that carries ``stop_strings`` is refused by name with
+  ``BadBatchError`` before any engine call (``WorkerConfig.detokenizer_problem``).
+* Keys in no table of :mod:`genworker.core.config_keys` are refused; with
+  ``unknown_keys: warn`` each is accepted without effect and logged here by name, once,
+  when the worker is built.
+* Sleep and wake on a platform without vLLM's sleep mode (no CUDA: the CPU engine) are a
+  documented **no-op**: the first ``sleep`` / ``wake_up`` logs one warning saying so and
+  every later call does nothing; the engine keeps its memory (there is no GPU memory to
+  share with a colocated trainer there) and the worker stays usable, so NeMo-RL's
+  colocated loop runs unchanged. On a GPU, sleep and wake are the worker's own.
+* NeMo-RL sends its batches as ``BatchedDataDict[GenerationDatumSpec](...)``: the pickled
+  generic alias makes Ray's argument unpickling on this actor import
+  ``nemo_rl.distributed.batched_data_dict`` and ``nemo_rl.models.generation.interfaces``
+  before any method runs, so a venv where that import fails would lose the call (NeMo-RL
+  keeps such a sample with 0 turns). The drop-in cannot read the argument itself (Ray
+  unpickles it first); it imports those modules when it is built and fails there, loudly,
+  naming the module and its error (:mod:`genworker.shell.nemo_rl_batches`).
+* ``update_sampling_params(**params) -> bool`` (NeMo-RL #2538) replaces the config's
+  sampling keys (``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``,
+  ``stop_token_ids``, ``stop_strings``, ``bad_words``, ``ignore_eos``) for every later
+  call, validated as the config is; any other name is refused.
+
 * The refit methods speak NeMo-RL's own trainer wire (:mod:`genworker.shell.nemo_rl_refit`,
   the extension's ``nemo_rl_*`` methods): ``update_weights_via_ipc_zmq`` connects to the
   socket NeMo-RL's policy worker binds at ``ipc://<ipc_socket_dir>/<GPU UUID>.sock``
@@ -62,18 +90,21 @@ from genworker.core.placement import plan_engine_env
 from genworker.core.refit_protocol import Transport, wait_bound
 from genworker.shell.errors import (
     BadArgumentError,
+    BadBatchError,
     BadConfigError,
     EngineContractError,
     EngineStateError,
     GenworkerError,
     unwrap,
 )
+from genworker.shell.nemo_rl_batches import require_batch_modules
 from genworker.shell.nemo_rl_refit import DEFAULT_SOCKET_DIR
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 from genworker.shell.worker import checked_env_names
 
 __all__ = [
     "NEMO_RL_OUTPUT_KEYS",
+    "SAMPLING_KEYS",
     "NemoRlGenerationWorker",
     "NemoRlMember",
     "VllmAsyncGenerationWorker",
@@ -93,6 +124,18 @@ NEMO_RL_OUTPUT_KEYS: Final = (
     "truncated",
 )
 
+#: the config keys ``update_sampling_params`` may replace
+SAMPLING_KEYS: Final = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "stop_token_ids",
+    "stop_strings",
+    "bad_words",
+    "ignore_eos",
+)
+
 # Made on first use by the module __getattr__ below (Ray imported then).
 VllmGenerationWorker: Any
 VllmAsyncGenerationWorker: Any
@@ -100,11 +143,29 @@ VllmAsyncGenerationWorker: Any
 log = logging.getLogger(__name__)
 
 
+class _Capabilities(Protocol):
+    @property
+    def sleep_mode(self) -> bool: ...
+
+    @property
+    def device(self) -> str: ...
+
+
+class _Engine(Protocol):
+    @property
+    def capabilities(self) -> _Capabilities: ...
+
+
 class _Native(Protocol):
     """What :class:`NemoRlMember` needs of the genworker worker it wraps (both have it)."""
 
+    cfg: WorkerConfig
+
     @property
     def state(self) -> lifecycle.State: ...
+
+    @property
+    def engine(self) -> _Engine: ...
 
     @property
     def llm(self) -> object: ...
@@ -168,6 +229,9 @@ class NemoRlMember(Generic[_W]):
         )
         if self.cfg.vllm.async_engine != self.ASYNC_ENGINE:
             raise BadConfigError(self.OTHER_ENGINE)
+        require_batch_modules()
+        for warning in self.cfg.warnings:
+            log.warning("genworker ignores generation-config key %s", warning)
         self.extra_env_vars = checked_env_names(extra_env_vars)
         self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
         self.fraction_of_gpus = fraction_of_gpus
@@ -182,6 +246,7 @@ class NemoRlMember(Generic[_W]):
         self.ipc_socket_dir = ipc_socket_dir
         self._socket_dir_sent = False
         self._shut_down = False
+        self._no_sleep_mode_said = False
         self._worker: _W | None = None
         if self.bundle_indices is None:
             return
@@ -193,6 +258,7 @@ class NemoRlMember(Generic[_W]):
             extra_env_vars=self.extra_env_vars,
             defer_model_load=True,
             engine_factory=engine_factory,
+            stop_mode=self.cfg.stop_mode,
         )
         if not defer_model_load:
             self.load_model()
@@ -253,6 +319,29 @@ class NemoRlMember(Generic[_W]):
             return None
         return self._worker.llm
 
+    def _check_stop_strings(self, data: Mapping[str, object]) -> None:
+        """Refuse a batch's ``stop_strings`` on an engine without a detokenizer (vLLM
+        would skip them silently; ``WorkerConfig.detokenizer_problem``)."""
+        problem = self.cfg.detokenizer_problem(data.get("stop_strings"))
+        if problem is not None:
+            raise BadBatchError(problem)
+
+    def _sleep_is_a_no_op(self, worker: _W, call: str) -> bool:
+        """Whether ``call`` (sleep or wake) is the documented no-op of a platform without
+        vLLM's sleep mode; the first such call logs one warning (module docstring)."""
+        caps = worker.engine.capabilities
+        if caps.sleep_mode:
+            return False
+        if not self._no_sleep_mode_said:
+            self._no_sleep_mode_said = True
+            log.warning(
+                "%s: vLLM has no sleep mode on this platform (%s): sleep and wake_up are "
+                "no-ops here and the engine keeps its memory (said once)",
+                call,
+                caps.device,
+            )
+        return True
+
     def is_alive(self) -> bool:
         """False once shut down or when the engine died; an inert member is alive."""
         if self._shut_down:
@@ -306,23 +395,54 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
 
     # -- generation -----------------------------------------------------------------
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
-        out = self._owner("generate").generate(data, greedy)
+        worker = self._owner("generate")
+        self._check_stop_strings(data)
+        out = worker.generate(data, greedy)
         return {key: out[key] for key in NEMO_RL_OUTPUT_KEYS}
 
     def generate_text(
         self, data: Mapping[str, object], greedy: bool = False
     ) -> dict[str, list[str]]:
-        return self._owner("generate_text").generate_text(data, greedy)
+        worker = self._owner("generate_text")
+        self._check_stop_strings(data)
+        return worker.generate_text(data, greedy)
+
+    def update_sampling_params(self, **params: object) -> bool:
+        """NeMo-RL's ``update_sampling_params`` (#2538): the config's sampling keys
+        (:data:`SAMPLING_KEYS`) take these values for every later call; True once done.
+        Other names and bad values are refused naming them, and change nothing."""
+        unknown = sorted(set(params) - set(SAMPLING_KEYS))
+        if unknown:
+            raise BadArgumentError(
+                f"update_sampling_params takes only {list(SAMPLING_KEYS)}, got {unknown}"
+            )
+        if self._shut_down:
+            raise EngineStateError("update_sampling_params: the worker was shut down")
+        merged = self.cfg.to_mapping()
+        merged.update(params)
+        cfg = unwrap(WorkerConfig.from_mapping(merged), BadArgumentError, "update_sampling_params")
+        self.cfg = cfg
+        if self._worker is not None:
+            self._worker.cfg = cfg
+        return True
 
     # -- memory ---------------------------------------------------------------------
     def sleep(self) -> None:
-        """Sleep at ``vllm_cfg.sleep_level`` (NeMo-RL's ``sleep()`` takes no level)."""
-        self._owner("sleep").sleep()
+        """Sleep at ``vllm_cfg.sleep_level`` (NeMo-RL's ``sleep()`` takes no level); a
+        no-op with one warning on a platform without sleep mode (module docstring)."""
+        worker = self._owner("sleep")
+        if self._sleep_is_a_no_op(worker, "sleep"):
+            return
+        worker.sleep()
 
     def wake_up(self, **kwargs: object) -> None:
-        """NeMo-RL's ``wake_up(tags=...)``; any other keyword is refused by name."""
+        """NeMo-RL's ``wake_up(tags=...)``; any other keyword is refused by name. A no-op
+        on a platform without sleep mode, as :meth:`sleep`."""
         worker = self._owner("wake_up")
-        worker.wake_up(wake_up_tags("wake_up", kwargs))
+        tags = wake_up_tags("wake_up", kwargs)
+        if self._sleep_is_a_no_op(worker, "wake_up"):
+            return
+        worker.wake_up(tags)
 
     def reset_prefix_cache(self) -> None:
         self._owner("reset_prefix_cache").reset_prefix_cache()

@@ -48,6 +48,15 @@ method names, arguments and return values:
   set); one listening on every interface (``0.0.0.0``, ``::``, as NeMo-RL's does) is
   reported at this node's IP (:func:`genworker.shell.host.node_ip`), the address NeMo-Gym
   on another node can reach.
+* ``stop_strings_mode``, the refusal of per-batch ``stop_strings`` on an engine without a
+  detokenizer, the logged ``unknown_keys: warn`` keys, the up-front import of NeMo-RL's
+  batch modules and the sleep/wake no-op on a platform without sleep mode (one warning,
+  then silence; the engine keeps its memory) are the synchronous drop-in's
+  (:mod:`genworker.shell.nemo_rl`'s module docstring).
+* NeMo-RL's token capture (#3837: ``setup_token_capture``, ``install_token_capture``,
+  ``set_rollout_weight_version``, for ``token_capture.enabled``) is refused by name:
+  genworker's rows carry their token ids and ``weight_versions`` themselves; leave
+  ``token_capture.enabled`` false (NeMo-Gym's token-echo path).
 * What NeMo-RL's async worker has and genworker cannot do is refused with
   ``UnsupportedError`` naming the method and what to use instead (never a silent no-op):
   the ``nccl_reshard`` refit, the checkpoint engine, the sparse refit relay, and
@@ -78,6 +87,11 @@ __all__ = ["NemoRlAsyncGenerationWorker", "reported_url"]
 
 _REFITS = "refit with update_weights_via_ipc_zmq_async or update_weights_from_collective_async"
 
+
+_NO_CAPTURE = (
+    "leave token_capture.enabled false (NeMo-Gym's token-echo path): every row genworker "
+    "returns carries its token ids, logprobs and weight_versions"
+)
 
 _EVERY_INTERFACE = frozenset({"0.0.0.0", "::"})
 
@@ -140,6 +154,7 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         """``(row, NeMo-RL's per-sample output)`` as each row finishes (NeMo-RL sends one
         row; any batch is taken); a row's typed error is raised."""
         worker = self._owner("generate_async")
+        self._check_stop_strings(data)
         async with contextlib.aclosing(worker.generate_async(data, greedy)) as rows:
             async for row, item in rows:
                 if isinstance(item, GenworkerError):
@@ -152,6 +167,7 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         """``(row, {"texts": [text]})`` as each prompt finishes; a row's typed error is
         raised."""
         worker = self._owner("generate_text_async")
+        self._check_stop_strings(data)
         async with contextlib.aclosing(worker.generate_text_async(data, greedy)) as rows:
             async for row, item in rows:
                 if isinstance(item, GenworkerError):
@@ -161,13 +177,20 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
     # -- memory ---------------------------------------------------------------------
     async def sleep_async(self) -> None:
         """Sleep at ``vllm_cfg.sleep_level`` (NeMo-RL's ``sleep_async()`` takes no level);
-        refused while rows stream."""
-        await self._owner("sleep_async").sleep()
+        refused while rows stream; a no-op with one warning without sleep mode."""
+        worker = self._owner("sleep_async")
+        if self._sleep_is_a_no_op(worker, "sleep_async"):
+            return
+        await worker.sleep()
 
     async def wake_up_async(self, **kwargs: object) -> None:
-        """NeMo-RL's ``wake_up_async(tags=...)``; any other keyword is refused by name."""
+        """NeMo-RL's ``wake_up_async(tags=...)``; any other keyword is refused by name; a
+        no-op without sleep mode, as :meth:`sleep_async`."""
         worker = self._owner("wake_up_async")
-        await worker.wake_up(wake_up_tags("wake_up_async", kwargs))
+        tags = wake_up_tags("wake_up_async", kwargs)
+        if self._sleep_is_a_no_op(worker, "wake_up_async"):
+            return
+        await worker.wake_up(tags)
 
     async def reset_prefix_cache_async(self) -> None:
         """Drop the prefix cache; refused while rows stream (vLLM would keep it)."""
@@ -319,6 +342,19 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
             "stop_zmq_sparse_refit_relay",
             "NeMo-RL's sparse refit relay",
             f"set refit_transport: null and {_REFITS}",
+        )
+
+    def setup_token_capture(self, *args: object, **kwargs: object) -> bool:
+        raise _refused("setup_token_capture", "NeMo-RL's token capture (#3837)", _NO_CAPTURE)
+
+    def install_token_capture(self, *args: object, **kwargs: object) -> bool:
+        raise _refused("install_token_capture", "NeMo-RL's token capture (#3837)", _NO_CAPTURE)
+
+    def set_rollout_weight_version(self, *args: object, **kwargs: object) -> None:
+        raise _refused(
+            "set_rollout_weight_version",
+            "NeMo-RL's token capture (#3837)",
+            _NO_CAPTURE + "; genworker counts weight versions itself (one per good refit)",
         )
 
     def start_gpu_profiling(self) -> None:

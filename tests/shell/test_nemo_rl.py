@@ -139,6 +139,21 @@ def test_configure_worker_returns_nemo_rls_four_values_for_every_member(
         assert inert == _nemo_rl_configure_worker(1, None, per_node, "/scratch/vllm")
 
 
+@pytest.mark.parametrize(("size", "first"), [(1, 0), (1, 3), (2, 2), (4, 4)])
+def test_configure_worker_on_a_gpu_less_cluster_is_nemo_rls_answer(
+    size: int, first: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``RayVirtualCluster(use_gpus=False)`` asks with ``num_gpus=0`` (issue 43, item 2)."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/scratch/vllm")
+    ids = list(range(first, first + size))
+    for bundle_indices in ((0, ids), None):
+        ours = VllmGenerationWorker.configure_worker(
+            num_gpus=0, bundle_indices=bundle_indices, num_gpus_per_node=8
+        )
+        assert ours == _nemo_rl_configure_worker(0, bundle_indices, 8, "/scratch/vllm")
+        assert ours[0] == {"num_gpus": 0}
+
+
 @given(
     st.sampled_from([1, 2, 4, 8]),
     st.sampled_from([None, 8]),
@@ -433,14 +448,14 @@ def ray_session() -> Iterator[None]:
 
 
 def _build(
-    bundle_indices: tuple[int, list[int]] | None, config: dict[str, Any]
+    bundle_indices: tuple[int, list[int]] | None, config: dict[str, Any], num_gpus: float = 1
 ) -> tuple[Any, dict[str, Any]]:
     """RayWorkerBuilder.create_worker's steps: import by class path, configure, .options().remote()."""
     module_name, class_name = CLASS_PATH.rsplit(".", 1)
     worker_class = getattr(importlib.import_module(module_name), class_name)
     assert hasattr(worker_class, "configure_worker")
     resources, env_vars, init_kwargs, runtime_env = worker_class.configure_worker(
-        num_gpus=1, bundle_indices=bundle_indices, num_gpus_per_node=None
+        num_gpus=num_gpus, bundle_indices=bundle_indices, num_gpus_per_node=None
     )
     options: dict[str, Any] = {"runtime_env": {"env_vars": env_vars, **runtime_env}}
     options["num_gpus"] = 0  # no GPU on this host; resources["num_gpus"] is what NeMo-RL asks
@@ -477,6 +492,21 @@ def test_nemo_rls_ray_layer_can_build_and_drive_the_worker(ray_session: None) ->
     assert ray.get([owner.shutdown.remote(), inert.shutdown.remote()], timeout=60) == [True, True]
     for actor in (owner, inert):
         ray.kill(actor)
+
+
+@pytest.mark.ray
+def test_a_gpu_less_nemo_rl_cluster_builds_and_drives_the_worker(ray_session: None) -> None:
+    """What ``RayVirtualCluster(use_gpus=False)`` does: configure with ``num_gpus=0`` and
+    start the actor with the resources the hook answered."""
+    import ray
+
+    owner, placed = _build((0, [0]), _config(), num_gpus=0)
+    assert placed["resources"] == {"num_gpus": 0}
+    assert placed["init_kwargs"] == {"bundle_indices": [0], "seed": 0}
+    out = ray.get(owner.generate.remote(batch([[3, 4]]), greedy=True), timeout=120)
+    assert out["output_ids"].shape[0] == 1
+    assert ray.get(owner.shutdown.remote(), timeout=60) is True
+    ray.kill(owner)
 
 
 def test_the_class_path_names_a_ray_actor_class() -> None:
