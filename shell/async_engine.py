@@ -79,6 +79,7 @@ from genworker.shell.ports import (
     StreamedGeneration,
     check_request_logprobs,
 )
+from genworker.shell.startup import check_main_guard, checked_model_source
 from genworker.shell.vllm_engine import (
     _CALL_BOUND_S,
     _NO_TOKENIZER,
@@ -213,6 +214,8 @@ class AsyncVllmEngine:
             raise BadConfigError(
                 f"engine kwargs need 'model' as a str, got {kwargs.get('model')!r}"
             )
+        checked_model_source(kwargs["model"])  # a mistyped path is no Hub id
+        check_main_guard("AsyncVllmGenerationWorker's engine (vLLM's AsyncLLM)")
         _spawn_on_cuda()
         try:
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))

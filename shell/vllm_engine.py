@@ -180,6 +180,7 @@ from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities
 from genworker.shell.sampled_logprobs import MARKER, SampledLogprobs, install
 from genworker.shell.staged_writes import drop_staged_writes
+from genworker.shell.startup import checked_model_source
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -412,6 +413,7 @@ class VllmEngine:
         model = rest.pop("model", None)
         if not isinstance(model, str):
             raise BadConfigError(f"engine kwargs need 'model' as a str, got {model!r}")
+        checked_model_source(model)  # a mistyped local path is refused, not sent to the Hub
         try:
             llm = LLM(model, **rest)
         except Exception as e:
