@@ -9,18 +9,26 @@ fp8 engine stays to a bf16 one on the same weights.
   go through vLLM's loader too): the median of adjacent pairs, the two alternating.
 - ``fp8_forced_logprob_gap``: after the refits, the largest gap between the two workers'
   teacher-forced logprobs (the same tokens on both: the bf16 worker's greedy sequences).
+
+The engine figures need AMX tiles (vLLM's CPU block-fp8 kernel): on a CPU without them only
+``fp8_quantize_gbps`` is measured and the reason is printed (``tests/cpu_features.py``
+decides, as the tests do).
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from cpu_features import block_fp8_skip_reason
 
 REPEATS = 7
 PAD = 2
@@ -83,6 +91,10 @@ def measure() -> list[tuple[str, float]]:
     from genworker.shell.worker import VllmGenerationWorker
 
     gbps = _quantize_gbps()
+    skipped = block_fp8_skip_reason()
+    if skipped is not None:
+        print(f"bench_fp8: the engine figures skipped: {skipped}", flush=True)
+        return [("fp8_quantize_gbps", gbps)]
     cache = Path(os.environ.get("GENWORKER_MODEL_CACHE", tempfile.gettempdir()))
     model = build_tiny_model(cache / "genworker-bench-tiny-llama")
     tensors = {n: t.to(torch.bfloat16) for n, t in load_file(model / "model.safetensors").items()}

@@ -6,6 +6,11 @@ block-fp8 config) on the tiny Llama, whose linear layers are 128-aligned. vLLM a
 a bf16 checkpoint into those layers without scales (NaN logprobs); the worker's engine
 generates what a bf16 engine generates, before and after a refit, and a refit of the
 checkpoint's own weights gives back the very engine the start gave.
+
+The engine tests need AMX tiles (vLLM's CPU block-fp8 kernel): on a CPU without them they
+skip with that reason (``cpu_features.needs_amx_tiles``); the quantization itself is
+checked here on any CPU, against a reference written independently of it, and the engine
+path again in the GPU suite (``tests/gpu/test_gpu_fp8.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from cpu_features import needs_amx_tiles
 from helpers import base_config, forced_logprobs, right_padded
 from hypothesis import given
 from hypothesis import strategies as st
@@ -74,6 +81,61 @@ def test_a_blockwise_fp8_weight_is_the_weight_to_e4m3_precision(
     amax = (values.float().abs() * s).amax()
     assert math.isclose(float(amax), float(w.abs().amax()), rel_tol=1e-6)
     assert float(values.float().abs().amax()) <= FP8_E4M3_MAX
+
+
+def _e4m3(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32, within +-448) rounded to the nearest ``float8_e4m3fn`` value, ties
+    to even, by the format's definition: 3 mantissa bits, exponents from -6, below that
+    subnormal steps of 2**-9."""
+    a = np.abs(x.astype(np.float64))
+    step = 2.0 ** (np.floor(np.log2(np.maximum(a, 2.0**-6))) - 3)
+    rounded: np.ndarray = np.sign(x) * np.round(a / step) * step  # np.round: half to even
+    return rounded
+
+
+def _reference(weight: torch.Tensor, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Block by block in numpy: scale = the block's largest |w| / 448 in float32 (the
+    smallest normal float32 for an all-zero block), value = w / scale rounded to e4m3."""
+    w = weight.float().numpy()
+    rows, cols = w.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    scales = np.zeros(grid, dtype=np.float32)
+    values = np.zeros(w.shape, dtype=np.float64)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            part = w[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]]
+            largest = np.float32(np.abs(part).max()) / np.float32(FP8_E4M3_MAX)
+            scale = max(largest, np.finfo(np.float32).tiny)
+            scales[i, j] = scale
+            ratio = np.clip(part / np.float32(scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+            values[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]] = _e4m3(
+                ratio.astype(np.float32)
+            )
+    return values, scales
+
+
+@given(
+    st.integers(1, 200),
+    st.integers(1, 200),
+    st.tuples(st.integers(1, 64), st.integers(1, 64)),
+    st.integers(-20, 8),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.integers(0, 2**16),
+)
+def test_blockwise_fp8_equals_a_numpy_reference_bit_for_bit(
+    rows: int, cols: int, block: tuple[int, int], exponent: int, dtype: torch.dtype, seed: int
+) -> None:
+    """Values and scales equal a per-block numpy reference that rounds to e4m3 by the
+    format's definition (no torch fp8 cast in it), exactly: on any CPU, with or without
+    the AMX tiles the engine tests need."""
+    torch.manual_seed(seed)
+    weight = (torch.randn(rows, cols) * 2.0**exponent).to(dtype)
+    weight[0, : block[1]] = 0.0  # a row of zeros in the first block; whole blocks below
+    weight[block[0] :, : block[1]] = 0.0
+    values, scale = quantize_blockwise(weight, block)
+    ref_values, ref_scale = _reference(weight, block)
+    assert np.array_equal(scale.numpy(), ref_scale)
+    assert np.array_equal(values.float().numpy().astype(np.float64), ref_values)
 
 
 LAYERS = Fp8Layers.of(
@@ -210,6 +272,7 @@ def workers(tiny_model_dir: Path) -> Iterator[Mapping[str, VllmGenerationWorker]
 
 
 @pytest.mark.engine
+@needs_amx_tiles
 def test_an_fp8_engine_generates_as_a_bf16_one_from_the_checkpoint_and_after_refits(
     workers: Mapping[str, VllmGenerationWorker], tiny_model_dir: Path, model_b: Path
 ) -> None:
@@ -237,6 +300,7 @@ def test_an_fp8_engine_generates_as_a_bf16_one_from_the_checkpoint_and_after_ref
 
 
 @pytest.mark.engine
+@needs_amx_tiles
 def test_an_fp8_engine_without_genworker_s_extension_is_refused_and_stopped(
     tiny_model_dir: Path,
 ) -> None:
