@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pickle
+import subprocess
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -262,6 +264,37 @@ def test_a_venv_that_cannot_import_nemo_rls_batch_modules_fails_at_construction(
     assert require_batch_modules() is True
     worker, _ = _sync(_config())
     assert worker.is_alive()
+
+
+NEMO_RL_SRC = os.environ.get("GENWORKER_NEMO_RL_SRC")
+
+
+@pytest.mark.skipif(
+    not NEMO_RL_SRC,
+    reason="GENWORKER_NEMO_RL_SRC is not set (a NeMo-RL source tree, e.g. 7ea279ab's nemo_rl/ "
+    "parent): NeMo-RL's own modules are not checked against this venv",
+)
+def test_nemo_rls_own_source_is_checked_against_this_venv_at_construction() -> None:
+    """With NeMo-RL's real source importable: its batch modules either import (the drop-in
+    builds) or the drop-in refuses to build, naming the module and NeMo-RL's own error (at
+    7ea279ab with transformers >= 5.12: its tokenizer patch's assertion)."""
+    code = (
+        "from genworker.shell.nemo_rl_batches import NemoRlEnvironmentError, require_batch_modules\n"
+        "try:\n"
+        "    print('imported', require_batch_modules())\n"
+        "except NemoRlEnvironmentError as e:\n"
+        "    print('refused', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(NEMO_RL_SRC)}
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert out.startswith(("imported True", "refused")), out
+    if out.startswith("refused"):
+        assert "nemo_rl.distributed.batched_data_dict" in out or "interfaces" in out
+        assert "BatchedDataDict[GenerationDatumSpec]" in out
 
 
 def test_without_nemo_rl_the_drop_in_warns_once_and_reads_plain_mappings(
