@@ -243,6 +243,8 @@ def test_neutral_values_pass() -> None:
     cap=st.booleans(),
     spec=st.integers(0, 3),
 )
+@example(requested=None, prompt=9, max_new=4, max_len=10, cap=True, spec=1)  # room, no slots
+@example(requested=20, prompt=5, max_new=4, max_len=10, cap=False, spec=0)  # past the context
 def test_the_budget_never_passes_the_context(
     requested: int | None, prompt: int, max_new: int, max_len: int, cap: bool, spec: int
 ) -> None:
