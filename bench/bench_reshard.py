@@ -158,7 +158,7 @@ def _trainer(commands: Any, results: Any, rank: int, port: int, path: str) -> No
     once per command."""
     from safetensors.torch import load_file
 
-    from genworker.shell.reshard import ReshardSender, shards_of
+    from genworker.shell.refit.reshard import ReshardSender, shards_of
 
     trainer, _, _ = layouts(tiny_config())
     tensors = load_file(path)
@@ -235,7 +235,7 @@ def transport_figures() -> list[tuple[str, float]]:
     from safetensors.torch import load_file
 
     from genworker.shell.refit import RefitSender
-    from genworker.shell.reshard import refit_info
+    from genworker.shell.refit.reshard import refit_info
 
     model = tiny_model()
     path = str(model / "model.safetensors")

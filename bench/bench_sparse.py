@@ -38,7 +38,7 @@ import zstandard
 from genworker.core.delta import bit_pattern, plan_frames
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.shell.delta_kernels import apply_wire_into, encode_wire, piece_hash, warm_up
-from genworker.shell.sparse import DictTarget, LinkThrottle, SparseReceiver, SparseSender
+from genworker.shell.refit.sparse import DictTarget, LinkThrottle, SparseReceiver, SparseSender
 
 __all__ = ["measure"]
 

@@ -2908,7 +2908,7 @@ def sparse_trainer_main(
 ) -> None:
     """The trainer of the ``sparse`` section: fp32 master weights in the engine's layout
     under AdamW on this GPU (bench_sparse's update), sent as their cast to the engine's
-    dtypes through one :class:`~genworker.shell.sparse.SparseSender` to the engine's relay
+    dtypes through one :class:`~genworker.shell.refit.sparse.SparseSender` to the engine's relay
     receiver, as a user's trainer sends them.
 
     Two warm-up AdamW steps at the start (Adam's moments past their first-step values).
@@ -2923,7 +2923,7 @@ def sparse_trainer_main(
         import torch
 
         from genworker.core.refit_plan import Manifest, TensorSpec
-        from genworker.shell.sparse import LinkThrottle, SparseSender
+        from genworker.shell.refit.sparse import LinkThrottle, SparseSender
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtypes = {name: getattr(torch, dtype) for name, (_, dtype) in layout.items()}

@@ -52,7 +52,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 
 import attrs
@@ -76,10 +76,14 @@ __all__ = [
     "TrainerLayout",
     "VllmParamFacts",
     "box_numel",
+    "bytes_of",
     "dtensor_layout",
+    "engine_shards",
+    "header_problem",
     "intersect",
     "megatron_layout",
     "plan_reshard",
+    "sender_problems",
     "vllm_shard",
 ]
 
@@ -697,3 +701,80 @@ def _plan_piece(
             )
         ]
     return []
+
+
+# --- the rounds of a refit ----------------------------------------------------------
+
+
+def bytes_of(shards: Iterable[EngineShard], rank: int) -> int:
+    """The bytes engine rank ``rank``'s shards hold, less padding (what it receives)."""
+    return sum(
+        (s.numel - sum(box_numel(b) for b in s.padding)) * DTYPE_ITEMSIZE[s.dtype]
+        for s in shards
+        if s.rank == rank
+    )
+
+
+def engine_shards(
+    facts: Sequence[VllmParamFacts], names: set[str], tp: int, rank: int
+) -> tuple[list[EngineShard], list[str]]:
+    """Every tensor-parallel rank's shards of the parameters made of ``names``, and
+    what engine rank ``rank`` cannot take (its own shards' problems, and any described
+    tensor no parameter is made of)."""
+    shards, problems = [], []
+    for r in range(tp):
+        for f in facts:
+            result = vllm_shard(attrs.evolve(f, tp_rank=r, tp_size=tp))
+            if isinstance(result, Success):
+                shards.append(result.unwrap())
+            elif r == rank:
+                problems.append(str(result.failure()))
+    used = {piece.source for s in shards for piece in s.pieces}
+    if unused := sorted(names - used):
+        problems.append(f"no engine parameter is made of {unused[:12]} (engine rank {rank})")
+    return shards, problems
+
+
+def header_problem(rank: int, stage: int, own: str, digests: Mapping[int, str], prefix: int) -> str:
+    """The header round, at engine rank ``rank``: the trainer's plan digest for this
+    engine (``rank_prefix`` ``prefix``) must be this rank's own; '' when it is."""
+    if digests.get(prefix) == own:
+        return ""
+    return (
+        f"engine rank {rank} (stage {stage}) planned another reshard refit than the trainer: "
+        f"digest {own} vs {digests.get(prefix)} (refit_info or shards differ)"
+    )
+
+
+def sender_problems(
+    rank: int,
+    train: int,
+    plans: Mapping[int, ReshardPlan],
+    layouts: Sequence[TrainerLayout],
+    local: Mapping[str, tuple[tuple[int, ...], str]],
+) -> list[str]:
+    """Trainer rank ``rank``'s tensors (``local``: shape and dtype of its shard of each)
+    against the layouts: each shard it holds present in its shape and dtype, nothing
+    else (``plans``: per engine ``rank_prefix``, to name the engine ranks waiting)."""
+    problems = []
+    needs: dict[str, set[int]] = {}
+    for prefix, plan in plans.items():
+        for c in plan.copies:
+            if c.src_rank == rank:
+                needs.setdefault(c.source, set()).add(train + prefix + c.dst_rank)
+    for layout in layouts:
+        boxes = [s.box for s in layout.shards if s.rank == rank]
+        if not boxes:
+            continue
+        engines = sorted(needs.get(layout.name, ()))
+        where = f"trainer rank {rank}'s shard of {layout.name!r} (for engine ranks {engines})"
+        want, got = (tuple(b - a for a, b in boxes[0]), layout.dtype), local.get(layout.name)
+        if got is None:
+            problems.append(f"{where} is missing")
+        elif got != want:
+            problems.append(
+                f"{where} is {list(got[0])} {got[1]}, the layout gives {list(want[0])} {want[1]}"
+            )
+    if extra := sorted(set(local) - {layout.name for layout in layouts}):
+        problems.append(f"trainer rank {rank} sent tensors no layout describes: {extra[:8]}")
+    return problems

@@ -19,7 +19,7 @@ release stay vLLM's own; the handle is written where vLLM's C code reads it back
 The replacement must happen in the process whose allocator sleeps: the worker's own for
 an in-process engine, the engine core's for ``AsyncLLM`` (a process of its own), each
 worker's for a multiprocess executor. So it is a ``collective_rpc`` target,
-:meth:`WakeInstaller.install_wake`, mixed into vLLM's workers with genworker's extension;
+``WorkerExtension.install_wake`` (``genworker.shell.extension``), in vLLM's workers;
 the engines call it once before their first sleep (``VllmEngine`` at start, the async
 engine at its first ``sleep``).
 """
@@ -31,7 +31,7 @@ import importlib
 import threading
 from collections.abc import Sequence
 
-__all__ = ["WakeInstaller", "create_and_map", "handle_types", "install"]
+__all__ = ["create_and_map", "handle_types", "install"]
 
 _PINNED, _LOCATION_DEVICE, _READWRITE = 1, 1, 3
 _POSIX_FD, _FABRIC = 0x1, 0x8  # CU_MEM_HANDLE_TYPE_*
@@ -195,11 +195,3 @@ def install() -> bool:
         return False
     setattr(cumem, "create_and_map", create_and_map)  # noqa: B010 - the module has no stub
     return True
-
-
-class WakeInstaller:
-    """Mixed into vLLM's workers (``genworker.shell.extension.WorkerExtension``)."""
-
-    def install_wake(self) -> bool:
-        """:func:`install` in this worker's process: True when the wake is genworker's."""
-        return install()

@@ -3,8 +3,9 @@
 :func:`engine_fp8_layers` reads the fp8 layers off the model (vLLM's ``quant_method`` of
 each module, ``packed_modules_mapping``); :func:`quantizing` turns a stream of weights into
 what those layers take (each block-fp8 weight quantized block by block on its own device,
-then its scales); the extension's loader runs every refit (IPC, collective, sparse,
-reshard, NeMo-RL's wires) through it. :func:`prepare` is what an fp8 engine does once it
+then its scales); the refit backends' loader (``shell.refit.engine.EngineContext.loader``)
+runs every refit (IPC, collective, sparse, reshard, NeMo-RL's wires) through it: a hook
+on the loader, not a transport of its own. :func:`prepare` is what an fp8 engine does once it
 has started: refuse layers it cannot feed, and read a bf16 checkpoint again through
 :func:`quantizing` (vLLM's own load cast it without scales).
 """
@@ -30,7 +31,6 @@ from genworker.core.fp8 import (
 from genworker.shell.errors import RefitManifestError, UnsupportedError
 
 __all__ = [
-    "Fp8Preparer",
     "engine_fp8_layers",
     "fp8_loading",
     "prepare",
@@ -160,13 +160,3 @@ def prepare(model: nn.Module, loader: Callable[[], Loader], worker: Any) -> str 
         "fp8: %s read again, %d layers quantized", config.model_config.model, len(layers.blocks)
     )
     return None
-
-
-class Fp8Preparer:
-    """Mixed into the worker extension: its ``prepare_fp8`` ``collective_rpc`` target."""
-
-    def prepare_fp8(self) -> str | None:
-        """:func:`prepare` in this engine worker (its model and the extension's loader)."""
-        from genworker.shell import extension as ext
-
-        return prepare(ext._model(self), lambda: ext._loader(self), self)

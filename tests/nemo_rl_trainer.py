@@ -12,11 +12,11 @@ without NeMo-RL installed:
   (``_share_filename_cpu_``), which only :data:`CPU_ALLOWLIST` admits.
 * Collective: ``StatelessProcessGroup`` (a ``TCPStore`` master on ``world_size``) and
   ``packed_broadcast_producer`` (``nemo_rl/utils/packed_tensor.py``) over the gloo stand-in
-  of :mod:`genworker.shell.nemo_rl_refit` (``nemo-rl-gloo/`` on the same store), warm-up
+  of :mod:`genworker.shell.refit.nemo_rl` (``nemo-rl-gloo/`` on the same store), warm-up
   ``ones(1)`` first, groups closing once over the target NeMo-RL computes.
 
 :class:`CpuShmCodec` is the engine side's CPU stand-in for the CUDA handle codec: tests put
-it into ``genworker.shell.nemo_rl_refit.CODECS`` (``install_cpu_codec``).
+it into ``genworker.shell.refit.nemo_rl.CODECS`` (``install_cpu_codec``).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class CpuShmCodec:
 
 
 def install_cpu_codec(monkeypatch: pytest.MonkeyPatch) -> None:
-    from genworker.shell.nemo_rl_refit import CODECS
+    from genworker.shell.refit.nemo_rl import CODECS
 
     monkeypatch.setitem(CODECS, "cpu", CpuShmCodec())
 

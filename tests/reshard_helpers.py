@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from genworker.core.refit_plan import dtype_name
 from genworker.core.reshard import TrainerLayout, megatron_layout
-from genworker.shell.reshard import ReshardSender, layout_of_dtensor, refit_info, shards_of
+from genworker.shell.refit.reshard import ReshardSender, layout_of_dtensor, refit_info, shards_of
 
 #: Megatron's TP split of each Llama tensor (by its name's ending): rows or columns.
 _ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from genworker.shell.sparse import DictTarget, SparseReceiver
+from genworker.shell.refit.sparse import DictTarget, SparseReceiver
 
 
 class CountingTarget(DictTarget):
@@ -76,10 +76,10 @@ PROMPTS = [[1, 5, 9, 33, 70], [1, 100, 200], [2, 17, 300, 41]]
 
 def _direct_params(worker: object) -> dict[str, torch.Tensor]:
     """On the engine worker: the parameters a refit writes straight into, as they are."""
-    from genworker.shell.extension import _entries, _model
+    from genworker.shell.extension import door_of
 
     layout = worker.engine_param_layout()  # type: ignore[attr-defined]
-    params = _entries(_model(worker))[0]
+    params = door_of(worker).engine.params()
     return {n: params[n].detach().clone() for n in layout}
 
 

@@ -35,15 +35,19 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.shell.errors import (
+    BadArgumentError,
     BadConfigError,
+    EngineStateError,
     RefitError,
     RefitTimeoutError,
     RefitTransportError,
+    unwrap,
 )
+from genworker.shell.refit.engine import EngineContext
 from genworker.shell.refit.receiver import Sink, Wait, receive
 from genworker.shell.refit.wire import KINDS, Handle, Reply, decode, encode, error_of, kind_of
 
-__all__ = ["CollectiveGroup", "CollectiveReceiver", "CollectiveSenderPort"]
+__all__ = ["CollectiveBackend", "CollectiveGroup", "CollectiveReceiver", "CollectiveSenderPort"]
 
 
 class CollectiveGroup:
@@ -403,3 +407,49 @@ class CollectiveSenderPort:
             )
         sink, routes = _Scratch(manifest, self.group.device), p.Routes(frozenset(manifest.names))
         return receive(port, manifest, sink, routes=routes, timeout_s=self._timeout).tensors
+
+
+class CollectiveBackend:
+    """The ``collective`` refit backend: this engine worker's place in the trainer's
+    weight-update group (rank ``train_world_size + rank_prefix + worker rank``)."""
+
+    def __init__(self, engine: EngineContext) -> None:
+        self.engine = engine
+        self.receiver: CollectiveReceiver | None = None
+
+    def init(
+        self,
+        rank_prefix: int,
+        ip: str,
+        port: int,
+        world_size: int,
+        train_world_size: int,
+        timeout_s: float | None = None,
+    ) -> dict[str, object]:
+        """Join the group (leaving any earlier one), every rendezvous wait bounded."""
+        bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, "init_collective")
+        self.close()
+        rank = int(train_world_size) + int(rank_prefix) + self.engine.rank
+        where = (str(ip), int(port))
+        size, train = int(world_size), int(train_world_size)
+        group = CollectiveGroup(*where, rank, size, train, "engine", self.engine.device, bound)
+        self.receiver = CollectiveReceiver(group)
+        return {"rank": rank}
+
+    def receive(self, timeout_s: float | None = None) -> dict[str, object]:
+        """Receive one refit over the group into the engine."""
+        if self.receiver is None:
+            raise EngineStateError("update_weights_from_collective before init_collective")
+        return self.engine.receive(self.receiver, timeout_s, sharded_ok=False)
+
+    def status(self) -> dict[str, object]:
+        return {"joined": self.receiver is not None}
+
+    def release(self) -> int:
+        return 0  # nothing of the trainer's is mapped here
+
+    def close(self) -> int:
+        receiver, self.receiver = self.receiver, None
+        if receiver is not None:
+            receiver.group.close()
+        return int(receiver is not None)

@@ -34,8 +34,9 @@ import zmq
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from genworker.core import refit_protocol as p
-from genworker.core.refit_plan import TensorSpec
+from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.shell.errors import BadConfigError, RefitError, RefitTimeoutError
+from genworker.shell.refit.engine import MIN_CAP, EngineContext
 from genworker.shell.refit.memory import (
     Exporter,
     Mappings,
@@ -57,7 +58,7 @@ from genworker.shell.refit.wire import (
     listing,
 )
 
-__all__ = ["IpcReceiver", "IpcSenderPort"]
+__all__ = ["IpcBackend", "IpcReceiver", "IpcSenderPort", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class IpcReceiver:
         allow_remote: bool = False,
         directory: str | Path | None = None,
     ) -> None:
-        if tcp_host is not None and not allow_remote and not _is_loopback(tcp_host):
+        if tcp_host is not None and not allow_remote and not is_loopback(tcp_host):
             raise BadConfigError(
                 f"refusing to bind the refit socket on {tcp_host}: not a loopback address "
                 "(pass allow_remote=True to expose it)"
@@ -197,7 +198,52 @@ class IpcReceiver:
         self._finalizer()  # closes the socket (it is the one in self._open)
 
 
-def _is_loopback(host: str) -> bool:
+class IpcBackend:
+    """The ``ipc`` refit backend: an :class:`IpcReceiver` bound on first ``init`` (kept
+    until ``close``), its inbound cap raised with every manifest ``prepare_refit_info``
+    records (before the trainer's first message can arrive)."""
+
+    def __init__(self, engine: EngineContext) -> None:
+        self.engine = engine
+        self.receiver: IpcReceiver | None = None
+        engine.watch("ipc", self._limit)
+
+    def _limit(self, manifest: Manifest | None) -> None:
+        if self.receiver is not None:
+            cap = p.max_message_bytes(manifest) if manifest else 0
+            self.receiver.limit(max(MIN_CAP, cap))
+
+    def init(self, tcp_host: str | None = None) -> str:
+        """The address a ``RefitSender.ipc`` connects to (bound once)."""
+        if self.receiver is None:
+            self.receiver = IpcReceiver(self.engine.device, tcp_host=tcp_host)
+            self._limit(self.engine.manifest)
+        return self.receiver.address
+
+    def receive(self, timeout_s: float | None = None) -> dict[str, object]:
+        """Receive one refit through shared memory at the ``init`` address."""
+        self.init()
+        assert self.receiver is not None
+        return self.engine.receive(self.receiver, timeout_s, sharded_ok=True)
+
+    def status(self) -> dict[str, object]:
+        if self.receiver is None:
+            return {"address": None, "mapped": 0}
+        return {"address": self.receiver.address, "mapped": len(self.receiver.mappings)}
+
+    def release(self) -> int:
+        """Let go of the trainer's memory mapped here between refits (its storages and
+        staging buffers), so the trainer gets it back once it frees it; how many."""
+        return 0 if self.receiver is None else self.receiver.mappings.settle(failed=True)
+
+    def close(self) -> int:
+        receiver, self.receiver = self.receiver, None
+        if receiver is not None:
+            receiver.close()
+        return int(receiver is not None)
+
+
+def is_loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:

@@ -25,10 +25,14 @@ from genworker.core.reshard import (
     TrainerLayout,
     VllmParamFacts,
     box_numel,
+    bytes_of,
     dtensor_layout,
+    engine_shards,
+    header_problem,
     intersect,
     megatron_layout,
     plan_reshard,
+    sender_problems,
     vllm_shard,
 )
 
@@ -477,3 +481,43 @@ def test_vocab_padding_past_the_real_rows_is_padding() -> None:
     assert [s.shape for s in shards] == [(4, 3)] * 4  # 10 rows padded to 16
     assert [s.padding for s in shards] == [(), (), (((2, 4), (0, 3)),), (((0, 4), (0, 3)),)]
     assert [len(s.pieces) for s in shards] == [1, 1, 1, 0]
+
+
+# --- the rounds of a refit ----------------------------------------------------------
+
+
+def test_engine_shards_name_what_this_rank_cannot_take_and_unused_sources() -> None:
+    column = VllmParamFacts("w", LayerKind.COLUMN, "float32", 0, 1, (("w", (4, 2)),))
+    uneven = VllmParamFacts("v", LayerKind.COLUMN, "float32", 0, 1, (("v", (3, 2)),))
+    shards, problems = engine_shards([column, uneven], {"w", "v", "x"}, 2, 1)
+    assert {(s.param, s.rank) for s in shards} == {("w", 0), ("w", 1)}
+    assert len(problems) == 2
+    assert "'v'" in problems[0]
+    assert problems[1] == "no engine parameter is made of ['v', 'x'] (engine rank 1)"
+    assert bytes_of(shards, 1) == 2 * 2 * 4
+    assert engine_shards([column], {"w"}, 2, 0)[1] == []
+
+
+def test_the_header_round_holds_when_the_trainer_planned_this_engines_digest() -> None:
+    assert header_problem(3, 0, "abc", {0: "abc"}, 0) == ""
+    problem = header_problem(3, 1, "abc", {0: "abd"}, 0)
+    assert problem.startswith("engine rank 3 (stage 1) planned another reshard refit")
+    assert "digest abc vs None" in header_problem(3, 1, "abc", {}, 2)
+
+
+def test_a_trainer_rank_checks_its_shards_against_the_layouts() -> None:
+    layouts = [
+        megatron_layout(n, (4, 4), "float32", 0, [[0], [1]]).unwrap() for n in ("w", "v", "u")
+    ]
+    shard = VllmParamFacts("w", LayerKind.COLUMN, "float32", 0, 1, (("w", (4, 4)),))
+    plan = plan_reshard(layouts[:1], [vllm_shard(shard).unwrap()]).unwrap()
+    local = {"w": ((2, 4), "float32"), "v": ((4, 4), "float32"), "z": ((1,), "float32")}
+    problems = sender_problems(1, 2, {0: plan}, layouts, local)
+    assert problems == [
+        "trainer rank 1's shard of 'v' (for engine ranks []) is [4, 4] float32, the layout "
+        "gives [2, 4] float32",
+        "trainer rank 1's shard of 'u' (for engine ranks []) is missing",
+        "trainer rank 1 sent tensors no layout describes: ['z']",
+    ]
+    assert "for engine ranks [2]" in sender_problems(1, 2, {0: plan}, layouts, {})[0]
+    assert sender_problems(5, 2, {0: plan}, layouts, {}) == []  # holds no shard

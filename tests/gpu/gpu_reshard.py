@@ -35,7 +35,7 @@ def reshard_engine_main(
 ) -> dict[str, object]:
     """The engine (GPU 1, on checkpoint A): greedy tokens, then B by the reshard refit,
     greedy tokens again, and its report."""
-    from genworker.shell.reshard import refit_info
+    from genworker.shell.refit.reshard import refit_info
     from genworker.shell.worker import VllmGenerationWorker
 
     worker = VllmGenerationWorker(config)
@@ -61,7 +61,7 @@ def reshard_engine_main(
 def reshard_trainer_main(*, checkpoint: str, port: int, answers: str) -> int:
     """The trainer (GPU 0): rank 0 of the reshard group; sends ``checkpoint`` once, point
     to point; the bytes it sent."""
-    from genworker.shell.reshard import ReshardSender, shards_of
+    from genworker.shell.refit.reshard import ReshardSender, shards_of
 
     tensors = load_checkpoint(Path(checkpoint), "cuda:0")
     layouts = tp1_layouts(tensors)

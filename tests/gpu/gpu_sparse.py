@@ -3,7 +3,7 @@ children): the trainer process of ``test_gpu_sparse.py``.
 
 It keeps fp32 master weights of a bf16 checkpoint under AdamW on its GPU and sends their
 bf16 cast (the engine's dtype, so the bits travel as they are) through a
-:class:`~genworker.shell.sparse.SparseSender` to the relay receivers of the session
+:class:`~genworker.shell.refit.sparse.SparseSender` to the relay receivers of the session
 worker's engine, the way ``tests/shell/test_sparse_engine.py``'s trainer does on the CPU
 (there in float32, the CPU engine's dtype).
 """
@@ -23,7 +23,7 @@ import zstandard
 from gpu.gpu_fixtures import load_checkpoint
 
 from genworker.core.refit_plan import Manifest, TensorSpec, dtype_name
-from genworker.shell.sparse import SparseRefitError, SparseSender
+from genworker.shell.refit.sparse import SparseRefitError, SparseSender
 
 __all__ = ["LR", "CorruptingSender", "save_checkpoint", "sparse_trainer_main"]
 

@@ -32,7 +32,7 @@ from gpu.gpu_fixtures import (
 from gpu.gpu_reshard import reshard_engine_main, reshard_trainer_main
 from reshard_helpers import ReshardTrainer
 
-from genworker.shell.reshard import bytes_of, shards_of
+from genworker.shell.refit.reshard import bytes_of, shards_of
 
 pytest_plugins = ["gpu.gpu_fixtures"]
 pytestmark = GPU_MARKS

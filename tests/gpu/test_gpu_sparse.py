@@ -30,7 +30,7 @@ from gpu.gpu_fixtures import (
 )
 from gpu.gpu_sparse import sparse_trainer_main
 
-from genworker.shell.sparse import SparseRefitError
+from genworker.shell.refit.sparse import SparseRefitError
 
 pytest_plugins = ["gpu.gpu_fixtures"]
 pytestmark = GPU_MARKS

@@ -511,7 +511,7 @@ def test_a_reshard_refit_reaches_every_shard(
 
     from genworker.core.reshard import megatron_layout
     from genworker.shell.refit import RefitSender
-    from genworker.shell.reshard import ReshardSender, refit_info, shards_of
+    from genworker.shell.refit.reshard import ReshardSender, refit_info, shards_of
 
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
     generator = torch.Generator().manual_seed(12)

@@ -36,7 +36,7 @@ from genworker.core import lifecycle
 from genworker.shell.async_engine import AsyncVllmEngine, AsyncVllmEngineFactory
 from genworker.shell.nemo_rl import NEMO_RL_OUTPUT_KEYS
 from genworker.shell.nemo_rl_async import NemoRlAsyncGenerationWorker
-from genworker.shell.nemo_rl_refit import CODECS
+from genworker.shell.refit.nemo_rl import CODECS
 from genworker.shell.worker import EXTENSION_CLS
 
 pytest_plugins = ["refit_engine_fixtures"]

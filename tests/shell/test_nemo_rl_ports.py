@@ -19,7 +19,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from genworker.core.nemo_rl_refit import packed_groups
 from genworker.shell.errors import BadConfigError, RefitError
-from genworker.shell.nemo_rl_refit import NemoRlCollectivePort, NemoRlGroup, packed_target_bytes
+from genworker.shell.refit.nemo_rl import NemoRlCollectivePort, NemoRlGroup, packed_target_bytes
 from genworker.shell.refit import IpcReceiver, ParameterSink, manifest_of, receive
 
 TIMEOUT_S = 30.0

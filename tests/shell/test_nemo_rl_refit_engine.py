@@ -41,7 +41,7 @@ from genworker.shell.errors import (
     RefitTimeoutError,
 )
 from genworker.shell.nemo_rl import NemoRlGenerationWorker
-from genworker.shell.nemo_rl_refit import CODECS
+from genworker.shell.refit.nemo_rl import CODECS
 from genworker.shell.worker import ExistingEngine
 
 pytest_plugins = ["refit_engine_fixtures"]

@@ -422,7 +422,7 @@ def test_a_runtime_without_cuda_ipc_says_so_on_nemo_rls_wire(
     import torch.multiprocessing.reductions as reductions
 
     from genworker.shell.errors import RefitError
-    from genworker.shell.nemo_rl_refit import CudaIpcCodec
+    from genworker.shell.refit.nemo_rl import CudaIpcCodec
 
     def failing(*args: object) -> torch.Tensor:
         raise RuntimeError(raised)

@@ -46,7 +46,8 @@ from genworker.shell.errors import (
     RefitTimeoutError,
     RefitTransportError,
 )
-from genworker.shell.extension import EngineSink, WorkerExtension, _routed
+from genworker.shell.extension import WorkerExtension, door_of
+from genworker.shell.refit.engine import EngineSink, Routed
 from genworker.shell.refit.wire import Reply, encode
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
@@ -114,6 +115,11 @@ def specs(**shapes: tuple[int, ...]) -> Manifest:
     ).unwrap()
 
 
+def routed(worker: object, manifest: Manifest, sharded_ok: bool) -> Routed:
+    """The routes the worker's refit door plans for ``manifest``."""
+    return door_of(worker).engine.routed(manifest, sharded_ok)
+
+
 @attrs.define(slots=False)
 class FakeWorker(WorkerExtension):
     """What the extension reads from a vLLM worker: a model, a device, a rank."""
@@ -134,11 +140,11 @@ def test_routes_need_every_writable_parameter_of_an_unquantized_module() -> None
         quantized__weight=(2, 2),
         proj__weight=(3, 4),  # proj.bias goes to the loader, so proj.weight must too
     )
-    assert _routed(worker, manifest, True).routes.direct == {"norm.weight"}
+    assert routed(worker, manifest, True).routes.direct == {"norm.weight"}
     both = specs(proj__weight=(3, 4), proj__bias=(3,))
-    assert _routed(worker, both, True).routes.direct == {"proj.weight", "proj.bias"}
+    assert routed(worker, both, True).routes.direct == {"proj.weight", "proj.bias"}
     vars(worker.model.norm.weight)["output_dim"] = 0  # sharded, as vLLM marks it
-    assert _routed(worker, specs(norm__weight=(4,)), False).routes.direct == frozenset()
+    assert routed(worker, specs(norm__weight=(4,)), False).routes.direct == frozenset()
     assert worker.engine_param_layout() == {
         "norm.weight": [[4], "float32"],
         "proj.weight": [[3, 4], "float32"],
@@ -149,16 +155,16 @@ def test_routes_need_every_writable_parameter_of_an_unquantized_module() -> None
 def test_routes_are_kept_until_a_parameter_moves_is_replaced_or_changes_shape() -> None:
     worker = FakeWorker()
     manifest = specs(proj__weight=(3, 4), proj__bias=(3,))
-    first = _routed(worker, manifest, True)
-    assert _routed(worker, manifest, True) is first
+    first = routed(worker, manifest, True)
+    assert routed(worker, manifest, True) is first
     worker.model.proj.weight.data = torch.ones(3, 4)  # new memory: computed again
-    again = _routed(worker, manifest, True)
+    again = routed(worker, manifest, True)
     assert again is not first
     assert again.routes == first.routes
     worker.model.proj.weight = nn.Parameter(worker.model.proj.weight.data)  # same memory
-    assert _routed(worker, manifest, True) is not again
+    assert routed(worker, manifest, True) is not again
     worker.model.proj.bias.data = torch.zeros(5)  # the bias no longer matches
-    assert _routed(worker, manifest, True).routes.direct == frozenset()
+    assert routed(worker, manifest, True).routes.direct == frozenset()
 
 
 class CountingParameter(nn.Parameter):
@@ -183,10 +189,10 @@ def test_checking_cached_routes_does_not_go_through_torch_function() -> None:
     worker.model.proj.weight = CountingParameter(torch.ones(3, 4))
     worker.model.proj.bias = CountingParameter(torch.zeros(3))
     manifest = specs(proj__weight=(3, 4), proj__bias=(3,))
-    first = _routed(worker, manifest, True)
+    first = routed(worker, manifest, True)
     CountingParameter.calls = 0
     for _ in range(3):
-        assert _routed(worker, manifest, True) is first
+        assert routed(worker, manifest, True) is first
     assert CountingParameter.calls == 0
 
 
@@ -204,8 +210,8 @@ def test_the_sink_runs_the_post_load_processing_of_the_modules_written() -> None
     worker = FakeWorker()
     vars(worker.model.norm)["quant_method"] = Method("norm")
     vars(worker.model.proj)["quant_method"] = Method("proj")
-    routed = _routed(worker, specs(norm__weight=(4,), proj__weight=(3, 4), proj__bias=(3,)), True)
-    sink = EngineSink(routed, torch.device("cpu"))
+    planned = routed(worker, specs(norm__weight=(4,), proj__weight=(3, 4), proj__bias=(3,)), True)
+    sink = EngineSink(planned, torch.device("cpu"))
     assert sink.target("proj.bias").data_ptr() == worker.model.proj.bias.data_ptr()
     sink.finish(["proj.bias", "norm.weight", "proj.weight"])
     assert processed == ["norm", "proj"]
@@ -217,7 +223,7 @@ def test_extension_refusals_are_values_a_caller_raises_typed() -> None:
     assert worker.update_weights_from_collective(timeout_s=0.1)["error"] == "state"
     for bad in (float("nan"), float("inf"), "5"):
         worker.prepare_refit_info({"norm.weight": ([4], "float32")})
-        assert worker.update_weights_via_ipc_zmq(timeout_s=bad)["error"] == "argument"  # type: ignore[arg-type]
+        assert worker.update_weights_via_ipc_zmq(timeout_s=bad)["error"] == "argument"
     with pytest.raises(RefitManifestError, match="'w' has shape"):
         worker.prepare_refit_info({"w": ([-1], "float32")})
     worker.cleanup()

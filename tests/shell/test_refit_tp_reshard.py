@@ -34,7 +34,7 @@ from genworker.core.reshard import box_numel
 from genworker.demo.tiny_model import build_tiny_model
 from genworker.shell.errors import RefitManifestError
 from genworker.shell.refit import RefitSender
-from genworker.shell.reshard import bytes_of, shards_of
+from genworker.shell.refit.reshard import bytes_of, shards_of
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 

@@ -108,7 +108,7 @@ def test_the_facts_of_the_real_engine_give_its_parameter_shapes(cpu_llm: LLM) ->
 
 
 def _shell_facts(model: torch.nn.Module) -> list[tuple[VllmParamFacts, tuple[int, ...]]]:
-    from genworker.shell.reshard import engine_facts
+    from genworker.shell.refit.reshard import engine_facts
 
     shapes = {n: tuple(int(d) for d in p.shape) for n, p in model.named_parameters()}
     return [(f, shapes[f.param]) for f in engine_facts(model)]

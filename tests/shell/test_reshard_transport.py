@@ -14,7 +14,8 @@ from refit_helpers import free_port
 
 from genworker.core.reshard import TrainerLayout, megatron_layout
 from genworker.shell.errors import RefitError
-from genworker.shell.reshard import ReshardEngine, ReshardSender, refit_info, shards_of
+from genworker.shell.extension import WorkerExtension
+from genworker.shell.refit.reshard import ReshardSender, refit_info, shards_of
 
 TIMEOUT = 20.0
 
@@ -27,8 +28,8 @@ class Model(torch.nn.Module):
         self.norm = torch.nn.Parameter(torch.zeros(5))  # replicated
 
 
-class StandIn(ReshardEngine):
-    """What ``ReshardEngine`` needs of a vLLM worker: a rank and ``get_model``."""
+class StandIn(WorkerExtension):
+    """What the ``reshard`` backend needs of a vLLM worker: a rank and ``get_model``."""
 
     def __init__(self) -> None:
         self.rank, self.model = 0, Model()
@@ -165,7 +166,7 @@ def test_a_failure_after_the_shards_landed_fails_the_refit_on_every_rank(
 ) -> None:
     """Post-load processing that raises is the refit's failure: the engine reports it and
     every trainer rank is told (it was once swallowed, and every rank saw success)."""
-    from genworker.shell import extension
+    from genworker.shell.refit import engine
 
     shards = shards_of(setup.answers)  # type: ignore[arg-type]
     for sender in setup.senders:
@@ -176,7 +177,7 @@ def test_a_failure_after_the_shards_landed_fails_the_refit_on_every_rank(
         raise RuntimeError("post-load processing broke")
 
     with monkeypatch.context() as m:
-        m.setattr(extension.EngineSink, "finish", broken)
+        m.setattr(engine.EngineSink, "finish", broken)
         report, sent = setup.refit(lambda rank, s: s.send(local(weights, rank)))
     assert "error" in report, report
     assert "post-load processing broke" in str(report["message"])

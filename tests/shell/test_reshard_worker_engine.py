@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from vllm import LLM
 
 from genworker.demo.tiny_model import build_tiny_model
-from genworker.shell.reshard import bytes_of, shards_of
+from genworker.shell.refit.reshard import bytes_of, shards_of
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 

@@ -23,7 +23,7 @@ from sparse_helpers import run_receiver
 from genworker.core.delta import Outcome, RelayFailure, bit_pattern
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.shell.errors import BadArgumentError, BadConfigError
-from genworker.shell.sparse import (
+from genworker.shell.refit.sparse import (
     CHECKSUM,
     DictTarget,
     LinkThrottle,
@@ -410,7 +410,7 @@ def test_the_throttle_paces_writes_to_its_rate() -> None:
 
 
 def test_the_mapped_baseline_lives_in_its_file(tmp_path: Path) -> None:
-    from genworker.shell.sparse import Baseline
+    from genworker.shell.refit.sparse import Baseline
 
     path = tmp_path / "b.bin"
     base = Baseline(manifest(), path)

@@ -31,7 +31,7 @@ from sparse_helpers import run_engine_worker, run_receiver
 
 from genworker.core.delta import Outcome, RelayFailure, bit_pattern, tensor_checksum
 from genworker.core.refit_plan import Manifest, TensorSpec
-from genworker.shell.sparse import SparseRefitError, SparseSender
+from genworker.shell.refit.sparse import SparseRefitError, SparseSender
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

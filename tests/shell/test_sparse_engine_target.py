@@ -11,7 +11,8 @@ import torch
 
 from genworker.core import refit_protocol as p
 from genworker.shell.errors import RefitError
-from genworker.shell.sparse_engine import EngineTarget
+from genworker.shell.refit.engine import EngineContext
+from genworker.shell.refit.sparse import EngineTarget
 
 
 @attrs.define
@@ -23,7 +24,7 @@ class Sink:
 
 
 def target_over(params: dict[str, torch.Tensor]) -> EngineTarget:
-    target = EngineTarget(object())
+    target = EngineTarget(EngineContext(object()), lambda step: None)
     target._sink = Sink(params)  # type: ignore[assignment]
     target._routes = p.Routes(direct=frozenset(params))
     return target

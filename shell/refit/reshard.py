@@ -39,15 +39,14 @@ import hashlib
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import msgspec
 import torch
-from returns.result import Success
 
 from genworker.core import refit_protocol as p
-from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec, dtype_name
+from genworker.core.refit_plan import Manifest, TensorSpec, dtype_name
 from genworker.core.reshard import (
     Copy,
     EngineShard,
@@ -57,10 +56,12 @@ from genworker.core.reshard import (
     Shard,
     TrainerLayout,
     VllmParamFacts,
-    box_numel,
+    bytes_of,
     dtensor_layout,
+    engine_shards,
+    header_problem,
     plan_reshard,
-    vllm_shard,
+    sender_problems,
 )
 from genworker.shell.errors import (
     BadArgumentError,
@@ -73,13 +74,13 @@ from genworker.shell.errors import (
     unwrap,
 )
 from genworker.shell.refit.collective import CollectiveGroup
-from genworker.shell.refit.wire import failure
+from genworker.shell.refit.engine import EngineContext
 
 if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
-    "ReshardEngine",
+    "ReshardBackend",
     "ReshardGroup",
     "ReshardSender",
     "bytes_of",
@@ -90,7 +91,6 @@ __all__ = [
     "shards_of",
 ]
 
-_STATE: Final = "_genworker_reshard_state"
 _VERSION: Final = 1
 
 
@@ -313,36 +313,10 @@ class ReshardSender:
 
     def _problems(self, tensors: Mapping[str, torch.Tensor]) -> RefitManifestError | None:
         """This rank's shards against the layouts: present, in their shape and dtype."""
-        problems = []
-        needs: dict[str, set[int]] = {}
-        for prefix, plan in self._plans.items():
-            for c in plan.copies:
-                if c.src_rank == self.rank:
-                    needs.setdefault(c.source, set()).add(self._train + prefix + c.dst_rank)
-        for layout in self.layouts.values():
-            boxes = [s.box for s in layout.shards if s.rank == self.rank]
-            if not boxes:
-                continue
-            engines = sorted(needs.get(layout.name, ()))
-            tensor = tensors.get(layout.name)
-            want = tuple(b - a for a, b in boxes[0])
-            where = (
-                f"trainer rank {self.rank}'s shard of {layout.name!r} (for engine ranks {engines})"
-            )
-            if tensor is None:
-                problems.append(f"{where} is missing")
-                continue
-            local = _local(tensor)
-            got = (tuple(int(d) for d in local.shape), dtype_name(local.dtype))
-            if got != (want, layout.dtype):
-                problems.append(
-                    f"{where} is {list(got[0])} {got[1]}, the layout gives {list(want)} {layout.dtype}"
-                )
-        extra = sorted(set(tensors) - set(self.layouts))
-        if extra:
-            problems.append(
-                f"trainer rank {self.rank} sent tensors no layout describes: {extra[:8]}"
-            )
+        local = {n: (tuple(int(d) for d in _local(t).shape), dtype_name(_local(t).dtype))
+                 for n, t in tensors.items()}  # fmt: skip
+        layouts = list(self.layouts.values())
+        problems = sender_problems(self.rank, self._train, self._plans, layouts, local)
         return RefitManifestError("reshard refit: " + "; ".join(problems)) if problems else None
 
     def send(self, tensors: Mapping[str, torch.Tensor]) -> p.RefitReport:
@@ -476,43 +450,14 @@ class _Prepared:
     manifest: Manifest  # this worker's shards as local tensors, for the routes
 
 
-@attrs.define
-class _ReshardState:
-    groups: list[ReshardGroup] = attrs.field(factory=list)
-    rank_prefix: int = 0
-    train: int = 0
-    prepared: _Prepared | None = None
-    version: int = 0
-
-
-def _state(worker: object) -> _ReshardState:
-    state = worker.__dict__.get(_STATE)
-    if state is None:
-        state = worker.__dict__[_STATE] = _ReshardState()
-    assert isinstance(state, _ReshardState)
-    return state
-
-
-def _engine_plans(worker: object, stages: list[list[TrainerLayout]]) -> _Prepared:
-    from genworker.shell import extension as ext
-
-    parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+def _engine_plans(engine: EngineContext, stages: list[list[TrainerLayout]]) -> _Prepared:
+    parallel = getattr(engine.config, "parallel_config", None)
     if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
         raise UnsupportedError("the reshard refit takes engines without pipeline parallelism")
-    tp, rank = ext._tp_size(worker), int(getattr(worker, "rank", 0))
+    tp, rank = engine.tp_size, engine.rank
     names = {layout.name for layouts in stages for layout in layouts}
-    facts = [f for f in engine_facts(ext._model(worker)) if any(n in names for n, _ in f.sources)]
-    shards, problems = [], []
-    for r in range(tp):
-        for f in facts:
-            result = vllm_shard(attrs.evolve(f, tp_rank=r, tp_size=tp))
-            if isinstance(result, Success):
-                shards.append(result.unwrap())
-            elif r == rank:
-                problems.append(str(result.failure()))
-    used = {piece.source for s in shards for piece in s.pieces}
-    if unused := sorted(names - used):
-        problems.append(f"no engine parameter is made of {unused[:12]} (engine rank {rank})")
+    facts = [f for f in engine_facts(engine.model()) if any(n in names for n, _ in f.sources)]
+    shards, problems = engine_shards(facts, names, tp, rank)
     if problems:
         raise RefitManifestError("reshard refit_info: " + "; ".join(problems))
     plans = [_stage_plan(layouts, shards) for layouts in stages]
@@ -525,12 +470,28 @@ def _engine_plans(worker: object, stages: list[list[TrainerLayout]]) -> _Prepare
     return _Prepared(stages, own, plans, [plan_digest(pl) for pl in plans], manifest)
 
 
-class ReshardEngine:
-    """Mixed into ``WorkerExtension``: the engine's end of the reshard refit; every
-    method a ``collective_rpc`` target with plain arguments and results (a failure as
-    ``refit.wire.failure``)."""
+class ReshardBackend:
+    """``reshard``: the engine's end of the reshard refit (one group per trainer PP
+    stage, the plan of the trainer's layouts)."""
 
-    def init_nccl_reshard_comm_group(
+    def __init__(self, engine: EngineContext) -> None:
+        self.engine = engine
+        self.groups: list[ReshardGroup] = []
+        self.rank_prefix = self.train = self.version = 0
+        self.prepared: _Prepared | None = None
+
+    def init(
+        self, *group: Any, refit_info: Mapping[str, object] | None = None, **options: Any
+    ) -> dict[str, object]:
+        """Join every stage's group (:meth:`join`'s arguments), or, given
+        ``refit_info``, plan every later refit from the trainer's layouts (:meth:`plan`)."""
+        if refit_info is not None:
+            if group or options:
+                raise BadArgumentError("the reshard refit_info comes alone")
+            return self.plan(refit_info)
+        return self.join(*group, **options)
+
+    def join(
         self,
         rank_prefix: int,
         pp_ips: Sequence[str],
@@ -546,66 +507,38 @@ class ReshardEngine:
         memory even on a CUDA engine (the shards arrive in host scratch and are copied
         into the parameters), for trainer ranks on this engine's GPU, which NCCL refuses
         to place in one communicator ("Duplicate GPU detected")."""
-        from genworker.shell import extension as ext
-
-        state = _state(self)
-        try:
-            bound = unwrap(
-                p.wait_bound(timeout_s), BadArgumentError, "init_nccl_reshard_comm_group"
+        call = "init_nccl_reshard_comm_group"
+        bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, call)
+        if device not in (None, "cpu"):
+            raise BadArgumentError(
+                f"{call}: device must be None (the engine's) or 'cpu', got {device!r}"
             )
-            if device not in (None, "cpu"):
-                raise BadArgumentError(
-                    f"init_nccl_reshard_comm_group: device must be None (the engine's) or "
-                    f"'cpu', got {device!r}"
-                )
-            where = ext._device(self) if device is None else torch.device(device)
-            if not (pp_size >= 1 and len(pp_ips) == pp_size == len(pp_ports)):
-                raise BadArgumentError(
-                    f"init_nccl_reshard_comm_group: pp_size={pp_size} with {len(pp_ips)} "
-                    f"ip(s) and {len(pp_ports)} port(s)"
-                )
-            for group in state.groups:
-                group.close()
-            state.groups = []
-            rank = int(train_ranks_per_stage) + int(rank_prefix) + int(getattr(self, "rank", 0))
-            for ip, port in zip(pp_ips, pp_ports, strict=True):
-                state.groups.append(
-                    ReshardGroup(
-                        str(ip),
-                        int(port),
-                        rank,
-                        int(sub_world_size),
-                        int(train_ranks_per_stage),
-                        "engine",
-                        where,
-                        bound,
-                    )
-                )
-        except GenworkerError as e:
-            for group in state.groups:
-                group.close()
-            state.groups = []
-            return failure(e)
-        state.rank_prefix, state.train = int(rank_prefix), int(train_ranks_per_stage)
-        return {"rank": rank, "stages": len(state.groups)}
-
-    def prepare_nccl_reshard_refit_info(
-        self, refit_info: Mapping[str, object]
-    ) -> dict[str, object]:
-        """Plan every later reshard refit from the trainer's layouts: this worker's
-        shards (for :func:`shards_of`), its plan digests and byte count. Parameters made
-        of none of the described tensors keep their weights; a described tensor that no
-        parameter is made of is refused."""
-        from genworker.shell import extension as ext
-
-        state = _state(self)
+        where = self.engine.device if device is None else torch.device(device)
+        if not (pp_size >= 1 and len(pp_ips) == pp_size == len(pp_ports)):
+            raise BadArgumentError(
+                f"{call}: pp_size={pp_size} with {len(pp_ips)} ip(s) and {len(pp_ports)} port(s)"
+            )
+        self.close()
+        rank = int(train_ranks_per_stage) + int(rank_prefix) + self.engine.rank
+        sizes = (int(sub_world_size), int(train_ranks_per_stage))
         try:
-            prepared = _engine_plans(self, _parse_info(refit_info))
-            routed = ext._routed(self, prepared.manifest, True)
-        except GenworkerError as e:
-            return failure(e)
-        state.prepared = prepared
-        rank = int(getattr(self, "rank", 0))
+            for ip, port in zip(pp_ips, pp_ports, strict=True):
+                group = ReshardGroup(str(ip), int(port), rank, *sizes, "engine", where, bound)
+                self.groups.append(group)
+        except GenworkerError:
+            self.close()
+            raise
+        self.rank_prefix, self.train = int(rank_prefix), int(train_ranks_per_stage)
+        return {"rank": rank, "stages": len(self.groups)}
+
+    def plan(self, refit_info: Mapping[str, object]) -> dict[str, object]:
+        """This worker's shards (for :func:`shards_of`), its plan digests and byte count.
+        Parameters made of none of the described tensors keep their weights; a described
+        tensor that no parameter is made of is refused."""
+        prepared = _engine_plans(self.engine, _parse_info(refit_info))
+        routed = self.engine.routed(prepared.manifest, True)
+        self.prepared = prepared
+        rank = self.engine.rank
         return {
             "tp_rank": rank,
             "digests": prepared.digests,
@@ -615,57 +548,51 @@ class ReshardEngine:
             "direct": len(routed.routes.direct),
         }
 
-    def close_nccl_reshard_comm_group(self) -> int:
+    def receive(self, refit_timeout_s: float | None = None) -> dict[str, object]:
+        """Receive one reshard refit from every stage group into the engine."""
+        bound = unwrap(p.wait_bound(refit_timeout_s), BadArgumentError, "refit_timeout_s")
+        if not self.groups:
+            raise EngineStateError("nccl_reshard_refit before init_nccl_reshard_comm_group")
+        if self.prepared is None:
+            raise EngineStateError("nccl_reshard_refit before prepare_nccl_reshard_refit_info")
+        if len(self.groups) != len(self.prepared.plans):
+            raise EngineStateError(
+                f"{len(self.groups)} reshard group(s) for a refit_info of "
+                f"{len(self.prepared.plans)} stage(s)"
+            )
+        report = _receive(self.engine, self, self.prepared, bound)
+        self.version += 1
+        return {**report, "version": self.version}
+
+    def status(self) -> dict[str, object]:
+        return {"stages": len(self.groups), "version": self.version}
+
+    def release(self) -> int:
+        return 0  # every shard is received into the engine's own memory
+
+    def close(self) -> int:
         """Leave every reshard group (without waiting for the peers); how many."""
-        state = _state(self)
-        groups, state.groups = state.groups, []
+        groups, self.groups = self.groups, []
         for group in groups:
             group.close()
         return len(groups)
 
-    def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> dict[str, object]:
-        """Receive one reshard refit from every stage group into the engine."""
-        state = _state(self)
-        try:
-            bound = unwrap(p.wait_bound(refit_timeout_s), BadArgumentError, "refit_timeout_s")
-            if not state.groups:
-                raise EngineStateError("nccl_reshard_refit before init_nccl_reshard_comm_group")
-            if state.prepared is None:
-                raise EngineStateError("nccl_reshard_refit before prepare_nccl_reshard_refit_info")
-            if len(state.groups) != len(state.prepared.plans):
-                raise EngineStateError(
-                    f"{len(state.groups)} reshard group(s) for a refit_info of "
-                    f"{len(state.prepared.plans)} stage(s)"
-                )
-            report = _receive(self, state, state.prepared, bound)
-        except GenworkerError as e:
-            return failure(e)
-        state.version += 1
-        return {**report, "version": state.version}
-
 
 def _receive(
-    worker: object, state: _ReshardState, prepared: _Prepared, bound: float
+    engine: EngineContext, state: ReshardBackend, prepared: _Prepared, bound: float
 ) -> dict[str, object]:
-    from genworker.shell import extension as ext
-
-    started, rank = time.monotonic(), int(getattr(worker, "rank", 0))
-    routed = ext._routed(worker, prepared.manifest, True)
-    sink, direct = ext.EngineSink(routed, ext._device(worker)), routed.routes.direct
+    started, rank = time.monotonic(), engine.rank
+    routed = engine.routed(prepared.manifest, True)
+    sink, direct = engine.sink(routed), routed.routes.direct
     device = sink.device
     later: list[tuple[Copy, torch.Tensor]] = []  # received into scratch
     received = 0
     what = "the start of the reshard refit"
     for stage, (group, plan) in enumerate(zip(state.groups, prepared.plans, strict=True)):
         digests = _read_header(group.message(None, what, bound))
-        problem: RefitError | None = None
-        if digests.get(state.rank_prefix) != prepared.digests[stage]:
-            problem = RefitManifestError(
-                f"engine rank {group.rank} (stage {stage}) planned another reshard refit than "
-                f"the trainer: digest {prepared.digests[stage]} vs "
-                f"{digests.get(state.rank_prefix)} (refit_info or shards differ)"
-            )
-        group.settle(problem, what, bound)
+        own, prefix = prepared.digests[stage], state.rank_prefix
+        problem = header_problem(group.rank, stage, own, digests, prefix)
+        group.settle(RefitManifestError(problem) if problem else None, what, bound)
         recvs = []
         for c in (c for c in plan.copies if c.dst_rank == rank):
             dest = None
@@ -691,7 +618,7 @@ def _receive(
     failed: RefitError | None = None
     try:
         if loader_copies:
-            ext._loader(worker)(_full_tensors(prepared, loader_copies, device))
+            engine.loader()(_full_tensors(prepared, loader_copies, device))
         sink.finish(sorted(direct))
     except Exception as e:  # noqa: BLE001 - told to every rank by the last status round
         failed = (
@@ -736,12 +663,3 @@ def _full_tensors(
         for c, scratch in received:
             _region(full, c.global_box).copy_(scratch)
         yield source, full
-
-
-def bytes_of(shards: Iterable[EngineShard], rank: int) -> int:
-    """The bytes engine rank ``rank``'s shards hold, less padding (what it receives)."""
-    return sum(
-        (s.numel - sum(box_numel(b) for b in s.padding)) * DTYPE_ITEMSIZE[s.dtype]
-        for s in shards
-        if s.rank == rank
-    )

@@ -1,0 +1,270 @@
+"""The sparse relay's step rules as two pure machines (``shell/refit/sparse.py`` moves the
+bytes and feeds them).
+
+A step is ``Begin``, ``Frame``s and ``End``. :class:`StepSender` decides full or delta:
+the first step, and every step after one not every receiver applied, is *full*; the
+others are deltas against the last step every receiver applied (``synced_step``), which
+the sender holds only after the verdict. :class:`StepReceiver` is one relay node:
+
+- ``begin``: the step is taken (its frames forwarded to the children) when the node is in
+  the step's relay; it is *refused* (kept, so its frames are still forwarded, but nothing
+  applied) when the relay is not the one configured, the manifest is invalid, a delta
+  finds no full step before it or another base or manifest, or the pieces carry another
+  checksum. A full step resets the node's bits. A step still open when the next begins
+  was replaced: the node diverges.
+- ``frame``: a frame of another step is ignored; a corrupted one refuses the step and is
+  not forwarded; the others are forwarded, and applied unless the step was refused.
+- ``end``: the step commits (the verified bits go to the engine) only when nothing
+  refused it, every frame arrived, every frame applied and checked, every tensor is
+  covered piece by piece exactly once, and the end names this step; else the node
+  diverges. ``committed`` takes the engine's answer; a failure there diverges too.
+- ``idle``: a step open and quiet longer than its relay's bound (``hop_s`` x depth)
+  diverges.
+
+A node that diverged holds bits nobody can vouch for: it refuses every delta until a
+full step (``needs_full``). Every divergence is returned as its reason, for the shell to
+log and tell the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+from returns.result import Failure
+
+from genworker.core.delta import RelayPlan, plan_relay
+from genworker.core.refit_plan import Manifest, TensorSpec
+
+__all__ = [
+    "FrameAction",
+    "FrameResult",
+    "Started",
+    "StepBegin",
+    "StepReceiver",
+    "StepSender",
+    "tiles",
+]
+
+#: A manifest as a step's ``Begin`` carries it: (name, shape, dtype) in order.
+StepManifest = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+@attrs.frozen
+class StepBegin:
+    """A step's start as the receiver read it."""
+
+    step: int
+    base_step: int  # the step a delta applies to; -1 for a full step
+    receivers: tuple[str, ...]
+    fanout: int
+    hop_s: float
+    frames: int
+    manifest: StepManifest
+    checksum: str
+
+
+@attrs.frozen
+class Started:
+    """What the shell does with a ``Begin``: forward it (and the step's frames) to the
+    node's children in ``plan``, start fresh bits for ``specs`` when ``full``;
+    ``problem``: the step is refused."""
+
+    plan: RelayPlan | None  # None: this node is not in the step's relay (no children)
+    node: int
+    full: bool
+    specs: tuple[TensorSpec, ...]
+    problem: str
+
+
+class FrameAction(enum.Enum):
+    IGNORE = "ignore"  # not this step's
+    DROP = "drop"  # corrupted: not forwarded, the step refused
+    FORWARD = "forward"  # forwarded only: the step was refused
+    APPLY = "apply"  # forwarded and applied
+
+
+@attrs.frozen
+class FrameResult:
+    """One applied frame: a problem, or the element ranges verified."""
+
+    problem: str
+    pieces: tuple[tuple[str, int, int], ...]
+
+
+def tiles(ranges: Sequence[tuple[int, int]], numel: int) -> bool:
+    """True when ``ranges`` cover ``[0, numel)`` back to back, each element once."""
+    at = 0
+    for start, stop in sorted(ranges):
+        if start != at:
+            return False
+        at = stop
+    return at == numel and (numel > 0 or len(ranges) == 1)
+
+
+@attrs.define
+class _Step:
+    begin: StepBegin
+    plan: RelayPlan | None
+    specs: dict[str, TensorSpec]
+    frames: set[int] = attrs.Factory(set)
+    problem: str = ""
+
+
+@attrs.define
+class StepSender:
+    """The trainer's end: which step comes next and what it applies to."""
+
+    synced_step: int | None = None  # the step every receiver holds; None: full next
+    step: int = 0
+
+    def start(self) -> tuple[int, int]:
+        """The next step's number and base (-1: full); nothing is synced until
+        :meth:`conclude`."""
+        self.step += 1
+        base = -1 if self.synced_step is None else self.synced_step
+        self.synced_step = None
+        return self.step, base
+
+    def conclude(self, applied: bool) -> None:
+        """Every receiver applied the step (``applied``), or not: the next is full."""
+        self.synced_step = self.step if applied else None
+
+
+@attrs.define
+class StepReceiver:
+    """One relay node's rules (see the module docstring)."""
+
+    address: str
+    checksum: str  # the pieces' checksum this node checks
+    synced_step: int | None = None  # None: needs a full step before any delta
+    relay: tuple[str, ...] | None = None  # the configured relay; None: any naming it
+    last_problem: str = ""
+    _manifest: StepManifest = ()
+    _step: _Step | None = None
+
+    @property
+    def needs_full(self) -> bool:
+        return self.synced_step is None
+
+    @property
+    def open_step(self) -> int | None:
+        return None if self._step is None else self._step.begin.step
+
+    def _diverge(self, why: str) -> str:
+        self.synced_step, self.last_problem = None, why
+        return why
+
+    def replace(self) -> str:
+        """A ``Begin`` came (readable or not): why the open step it replaced diverged."""
+        current, self._step = self._step, None
+        if current is None:
+            return ""
+        return self._diverge(f"step {current.begin.step} was replaced before its end")
+
+    def begin(self, begin: StepBegin) -> tuple[Started, str]:
+        """Take a ``Begin``: what to do, and why a step it replaced diverged ('')."""
+        replaced = self.replace()
+        planned = plan_relay(begin.receivers, begin.fanout)
+        plan = planned.value_or(None)
+        node = begin.receivers.index(self.address) if self.address in begin.receivers else -1
+        step = self._step = _Step(begin, plan if node >= 0 else None, {})
+        if step.plan is None:
+            step.problem = f"is not in the step's relay ({planned})"
+            return Started(None, node, False, (), step.problem), replaced
+        if self.relay is not None and begin.receivers != self.relay:
+            step.problem = (
+                f"was configured into the relay {list(self.relay)!r}, but the step is planned "
+                f"over {list(begin.receivers)!r}"
+            )
+        info = {name: (list(shape), dtype) for name, shape, dtype in begin.manifest}
+        manifest = Manifest.from_info(info)
+        if isinstance(manifest, Failure):
+            step.problem = f"the step's manifest is invalid: {manifest.failure()}"
+            return Started(step.plan, node, False, (), step.problem), replaced
+        step.specs = {s.name: s for s in manifest.unwrap().specs}
+        full = begin.base_step < 0
+        step.problem = step.problem or self._delta_problem(begin, full)
+        if full:
+            self._manifest, self.synced_step = begin.manifest, None
+        if begin.checksum != self.checksum:
+            step.problem = step.problem or (
+                f"the step's pieces carry {begin.checksum!r} checksums, this receiver checks "
+                f"{self.checksum!r} (the sender and the receivers run different versions)"
+            )
+        specs = tuple(step.specs.values())
+        return Started(step.plan, node, full, specs, step.problem), replaced
+
+    def _delta_problem(self, begin: StepBegin, full: bool) -> str:
+        if full:
+            return ""
+        if self.synced_step is None:
+            return f"needs a full refit before a delta ({self.last_problem})"
+        if self.synced_step != begin.base_step:
+            return f"holds step {self.synced_step}, but the delta applies to step {begin.base_step}"
+        if begin.manifest != self._manifest:
+            return "the delta's manifest differs from the one of the last full step"
+        return ""
+
+    def refuse(self, problem: str) -> None:
+        """Refuse the open step (a malformed message, say); its first problem stays."""
+        if self._step is not None:
+            self._step.problem = self._step.problem or problem
+
+    def frame(self, step: int, index: int, intact: bool) -> FrameAction:
+        """A frame of ``step`` (``intact``: its payload passed its CRC)."""
+        current = self._step
+        if current is None or step != current.begin.step:
+            return FrameAction.IGNORE
+        if not intact:
+            self.refuse(
+                f"frame {index} of step {step} failed its CRC: the payload was corrupted on "
+                "the way (not forwarded, nothing applied)"
+            )
+            return FrameAction.DROP
+        current.frames.add(index)
+        return FrameAction.FORWARD if current.problem else FrameAction.APPLY
+
+    def end(self, step: int, results: Sequence[FrameResult]) -> tuple[str, str]:
+        """The open step's end (naming ``step``) with its frames' results: its problem
+        ('' to commit: hand the verified bits to the engine, then :meth:`committed`) and
+        the reason the node diverged ('')."""
+        current, self._step = self._step, None
+        assert current is not None, "end without an open step"
+        problem = current.problem
+        for result in results:
+            problem = problem or result.problem
+        if not problem and step != current.begin.step:
+            problem = "its end named another step"
+        if not problem and len(current.frames) != current.begin.frames:
+            problem = f"took {len(current.frames)} of the step's {current.begin.frames} frames"
+        covered: dict[str, list[tuple[int, int]]] = {name: [] for name in current.specs}
+        for result in results:
+            for name, start, stop in result.pieces:
+                covered[name].append((start, stop))
+        unverified = [n for n, s in current.specs.items() if not tiles(covered[n], s.numel)]
+        if not problem and unverified:
+            problem = f"has no verified bits for all of {unverified[:12]}"
+        if problem:
+            return problem, self._diverge(f"step {current.begin.step} refused: {problem}")
+        return "", ""
+
+    def committed(self, step: int, problem: str = "") -> str:
+        """The engine took step ``step`` ('') or failed (``problem``): why the node
+        diverged, or ''."""
+        if problem:
+            return self._diverge(f"step {step} refused: {problem}")
+        self.synced_step = step
+        return ""
+
+    def idle(self, seconds: float) -> str:
+        """``seconds`` without a message: why the open step diverged, or ''."""
+        current = self._step
+        if current is None:
+            return ""
+        bound = current.begin.hop_s * (current.plan.depth if current.plan else 1)
+        if seconds <= bound:
+            return ""
+        self._step = None
+        return self._diverge(f"step {current.begin.step} stopped mid-way for {bound:g} s")

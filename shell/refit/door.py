@@ -1,0 +1,114 @@
+"""The one door every refit family goes through on the engine side: the
+:class:`RefitBackend` interface, the registry of backends, and :class:`Door`, the one
+state an engine worker keeps for all of them.
+
+Modelled on vLLM's weight transfer (``vllm/distributed/weight_transfer/``:
+``WeightTransferEngine`` with ``init_transfer_engine`` / ``receive_weights`` /
+``shutdown``, and ``WeightTransferEngineFactory.register_engine(name, module, class)``,
+which imports a backend's module only when a worker first asks for it). A backend is
+built from the :class:`~genworker.shell.refit.engine.EngineContext` the extension hands
+it (never the extension itself), and answers five verbs, each a plain-valued call:
+
+- ``init(...)``: set up or re-set up the transport (join a group, bind or connect a
+  socket, take a plan); idempotent where its transport is;
+- ``receive(...)``: take one refit into the engine, every wait bounded;
+- ``status(...)``: what a caller checks (addresses, counts, why weights diverged);
+- ``release()``: give the trainer's memory back; how many mappings it let go;
+- ``close()``: let go of everything; how many transports it closed; idempotent.
+
+A backend raises the library's typed errors; the door returns them as values
+(``refit.wire.failure``) so they cross vLLM's ``collective_rpc`` intact. Adding a
+backend: its rules in a core module, its bytes (both ends) in one ``shell/refit/``
+module, and one :func:`register_backend` line below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Protocol
+
+from genworker.shell.errors import BadArgumentError, GenworkerError
+from genworker.shell.refit.engine import EngineContext
+from genworker.shell.refit.wire import failure
+
+__all__ = ["BACKENDS", "Door", "RefitBackend", "register_backend"]
+
+
+class RefitBackend(Protocol):
+    """One refit family's engine end (see the module docstring for the verbs): each
+    backend takes its own arguments for ``init``, ``receive`` and ``status``."""
+
+    @property
+    def init(self) -> Callable[..., object]: ...
+
+    @property
+    def receive(self) -> Callable[..., object]: ...
+
+    @property
+    def status(self) -> Callable[..., object]: ...
+
+    def release(self) -> int: ...
+
+    def close(self) -> int: ...
+
+
+Factory = Callable[[EngineContext], RefitBackend]
+
+#: Every backend's name and how to build it (imported on first use).
+BACKENDS: dict[str, Callable[[], Factory]] = {}
+
+
+def register_backend(name: str, module_or_factory: str | Factory, cls: str = "") -> None:
+    """Register backend ``name``: ``(module path, class name)``, imported on first use,
+    or a factory itself; a name registered twice is a ``BadArgumentError``."""
+    if name in BACKENDS:
+        raise BadArgumentError(f"refit backend {name!r} is already registered")
+    if isinstance(module_or_factory, str):
+        path = module_or_factory
+        BACKENDS[name] = lambda: getattr(importlib.import_module(path), cls)
+    else:
+        factory = module_or_factory
+        BACKENDS[name] = lambda: factory
+
+
+register_backend("ipc", "genworker.shell.refit.ipc", "IpcBackend")
+register_backend("collective", "genworker.shell.refit.collective", "CollectiveBackend")
+register_backend("nemo_rl_ipc", "genworker.shell.refit.nemo_rl", "NemoRlIpcBackend")
+register_backend("nemo_rl_collective", "genworker.shell.refit.nemo_rl", "NemoRlCollectiveBackend")
+register_backend("sparse", "genworker.shell.refit.sparse", "SparseBackend")
+register_backend("reshard", "genworker.shell.refit.reshard", "ReshardBackend")
+
+
+class Door:
+    """An engine worker's one refit state: its context and the backends it opened."""
+
+    def __init__(self, worker: object) -> None:
+        self.engine = EngineContext(worker)
+        self.backends: dict[str, RefitBackend] = {}
+
+    def backend(self, name: str) -> RefitBackend:
+        """Backend ``name``, built on first use."""
+        backend = self.backends.get(name)
+        if backend is None:
+            make = BACKENDS.get(name)
+            if make is None:
+                raise BadArgumentError(f"no refit backend {name!r}; registered: {sorted(BACKENDS)}")
+            backend = self.backends[name] = make()(self.engine)
+        return backend
+
+    def call(self, verb: str, name: str, *args: object, **kwargs: object) -> object:
+        """``verb`` of backend ``name``, a typed error returned as a failure value."""
+        try:
+            method: Callable[..., object] = getattr(self.backend(name), verb)
+            return method(*args, **kwargs)
+        except GenworkerError as e:
+            return failure(e)
+
+    def close(self, names: tuple[str, ...]) -> int:
+        """Close backends ``names`` (every open one when empty); how many transports
+        they closed. Each one closes what it can before raising."""
+        if unknown := sorted(set(names) - set(BACKENDS)):
+            raise BadArgumentError(f"no refit backends {unknown} to close")
+        opened = [self.backends.pop(n) for n in names or tuple(self.backends) if n in self.backends]
+        return sum(backend.close() for backend in opened)

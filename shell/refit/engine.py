@@ -1,0 +1,295 @@
+"""The engine worker as every refit backend sees it: :class:`EngineContext`, the port the
+extension hands each backend instead of its own private helpers.
+
+It answers what the worker knows (model, device, rank, tensor-parallel size, vLLM's
+config), holds what every backend shares (the manifest of ``prepare_refit_info``, the
+count of refits received through :meth:`EngineContext.receive`, the routes), and does the
+one thing they all end in: a refit through :func:`~genworker.shell.refit.receiver.receive`
+into the engine's memory.
+
+Where each tensor goes is ``core.refit_protocol.plan_routes`` over a plain description
+of the parameters (:func:`engine_params`): straight into a contiguous parameter of an
+unquantized module when every writable parameter of that module arrives so, followed by
+the module's ``process_weights_after_loading`` (on CPU it re-packs the oneDNN handle of an
+embedding or LM head, ``dispatch_cpu_unquantized_gemm``, vllm/model_executor/layers/
+utils.py, 0.32); else through ``reload_weights(weights_iterator=...)`` where the model
+runner has it (vLLM's layerwise reload), or ``model.load_weights`` and
+``process_weights_after_loading``, one loader call per refit, through :mod:`genworker.shell.fp8`'s
+hook on an fp8 engine. Over a collective with tensor parallelism every rank receives the
+same bytes, so sharded parameters never go direct. The routes are kept while every
+parameter stays registered where it was, in the same memory, size and dtype (checked
+without walking the modules or vLLM's parameter ``__torch_function__``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Final, cast
+
+import attrs
+import torch
+
+from genworker.core import refit_protocol as p
+from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.shell.errors import (
+    BadArgumentError,
+    EngineStateError,
+    RefitError,
+    RefitManifestError,
+    unwrap,
+)
+from genworker.shell.fp8 import fp8_loading
+from genworker.shell.refit.receiver import Loader, receive
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from genworker.shell.ports import RefitPort
+
+    #: One parameter as the routes saw it: its module, its local name, the parameter,
+    #: and what the routes depend on (data pointer, element count, dtype, contiguity).
+    Entry = tuple[nn.Module, str, torch.Tensor, int, int, torch.dtype, bool]
+
+__all__ = [
+    "EngineContext",
+    "EngineSink",
+    "Routed",
+    "engine_params",
+    "parameters",
+    "takes_weights_iterator",
+]
+
+log = logging.getLogger(__name__)
+
+MIN_CAP: Final = 1 << 20  # an inbound message cap at least (and before prepare_refit_info)
+
+
+def parameters(model: nn.Module) -> tuple[dict[str, torch.Tensor], tuple[Entry, ...]]:
+    """Every parameter by name, as ``model.named_parameters()`` lists them (a shared one
+    once), and each one's entry: one walk of the module tree."""
+    params: dict[str, torch.Tensor] = {}
+    entries: list[Entry] = []
+    seen: set[torch.Tensor] = set()
+    with torch._C.DisableTorchFunctionSubclass():  # see _unchanged
+        for mod_name, module in model.named_modules():
+            for local, param in module._parameters.items():
+                if param is None or param in seen:
+                    continue
+                seen.add(param)
+                params[f"{mod_name}.{local}" if mod_name else local] = param
+                facts = (param.data_ptr(), param.numel(), param.dtype, param.is_contiguous())
+                entries.append((module, local, param, *facts))
+    return params, tuple(entries)
+
+
+def _unchanged(entries: Sequence[Entry]) -> bool:
+    """Every parameter is still registered where it was, in the same memory, size and
+    dtype. vLLM's parameter classes define a Python ``__torch_function__`` through which
+    every ``data_ptr()`` would pass (milliseconds per refit on an 8B model): skipped."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return all(
+            module._parameters.get(local) is param
+            and param.data_ptr() == ptr
+            and param.numel() == numel
+            and param.dtype == dtype
+            and param.is_contiguous() == contiguous
+            for module, local, param, ptr, numel, dtype, contiguous in entries
+        )
+
+
+def engine_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> list[p.EngineParam]:
+    """The plain description of ``model``'s parameters that routing decides on."""
+    modules = dict(model.named_modules())
+    out = []
+    for name, param in params.items():
+        module_name = name.rpartition(".")[0]
+        module = modules[module_name]
+        method = getattr(module, "quant_method", None)
+        own = [q for q in module._parameters.values() if q is not None]
+        writable = (
+            (method is None or type(method).__name__.startswith("Unquantized"))
+            and all(q.numel() for q in own)
+            and param.is_contiguous()
+        )
+        sharded = any(getattr(param, a, None) is not None for a in ("output_dim", "input_dim"))
+        out.append(p.EngineParam(name, module_name, TensorSpec.of(name, param), writable, sharded))
+    return out
+
+
+@attrs.frozen(eq=False)
+class Routed:
+    """The routes of a manifest on one parameter layout, and what a refit needs of it."""
+
+    model: nn.Module
+    key: tuple[object, ...]  # the manifest digest and whether sharded parameters may go direct
+    entries: tuple[Entry, ...]
+    routes: p.Routes
+    targets: Mapping[str, torch.Tensor]  # the direct parameters' memory (``param.data``)
+    modules: Mapping[str, nn.Module]
+
+
+class EngineSink:
+    """The engine's side of the direct route: parameter memory and post-load processing."""
+
+    def __init__(self, routed: Routed, device: torch.device) -> None:
+        self._routed, self.device = routed, device
+
+    def target(self, name: str) -> torch.Tensor:
+        return self._routed.targets[name]
+
+    def finish(self, names: Iterable[str]) -> None:
+        for module in map(self._routed.modules.get, sorted({n.rpartition(".")[0] for n in names})):
+            method = getattr(module, "quant_method", None)
+            process = getattr(method, "process_weights_after_loading", None)
+            if callable(process):
+                process(module)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def takes_weights_iterator(reload_weights: Callable[..., object]) -> bool:
+    """Whether a model runner's ``reload_weights`` takes ``weights_iterator`` (vLLM's
+    layerwise reload): by name (0.32's runners, 0.25's V1 GPU runner) or through
+    ``**kwargs`` (0.25's V2 GPU runner, ``vllm/v1/worker/gpu/model_runner.py``, forwards
+    every argument to the V1 runner's, which names it). Without it an fp8 engine cannot
+    take weights at all: vLLM replaced its fp8 parameters after the first load, so
+    ``model.load_weights`` finds no loader on them."""
+    parameters = inspect.signature(reload_weights).parameters.values()
+    return any(p.name == "weights_iterator" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+class EngineContext:
+    """One vLLM engine worker, for the refit backends (capability checks, never versions)."""
+
+    def __init__(self, worker: object) -> None:
+        self.worker = worker
+        self.manifest: Manifest | None = None
+        self.version = 0  # refits received through :meth:`receive`
+        self.routed_last: Routed | None = None
+        self._watchers: dict[str, Callable[[Manifest], None]] = {}
+
+    @property
+    def rank(self) -> int:
+        return int(getattr(self.worker, "rank", 0))
+
+    @property
+    def device(self) -> torch.device:
+        device = getattr(self.worker, "device", None)
+        return device if isinstance(device, torch.device) else torch.device("cpu")
+
+    @property
+    def config(self) -> object:
+        """vLLM's config of this worker (``None`` on a stand-in)."""
+        return getattr(self.worker, "vllm_config", None)
+
+    @property
+    def tp_size(self) -> int:
+        parallel = getattr(self.config, "parallel_config", None)
+        return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+
+    def model(self) -> nn.Module:
+        get_model = getattr(self.worker, "get_model", None)
+        if callable(get_model):
+            return get_model()  # type: ignore[no-any-return]
+        return self.worker.model_runner.model  # type: ignore[attr-defined,no-any-return]
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return parameters(self.model())[0]
+
+    def loader(self) -> Loader:
+        """vLLM's weight loader, quantizing on the way in on an fp8 engine (shell.fp8); a
+        ``RefitError`` when the engine worker has none."""
+        return fp8_loading(self.model(), self._vllm_loader())
+
+    def _vllm_loader(self) -> Loader:
+        worker = self.worker
+        runner = getattr(worker, "model_runner", None)
+        reload_runner = getattr(runner, "reload_weights", None)
+        reload_worker = getattr(worker, "reload_weights", None)
+        if (
+            callable(reload_runner)
+            and callable(reload_worker)
+            and takes_weights_iterator(reload_runner)
+        ):
+            return lambda weights: reload_worker(weights_iterator=weights)
+        model = self.model()
+        load_weights = getattr(model, "load_weights", None)
+        if not callable(load_weights):
+            raise RefitError(
+                "this engine worker has no weight loader for checkpoint-layout tensors"
+            )
+
+        def load(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            load_weights(weights)
+            try:
+                from vllm.model_executor.model_loader.utils import process_weights_after_loading
+            except ImportError:
+                return
+            process_weights_after_loading(model, self.config.model_config, self.device)  # type: ignore[attr-defined]
+
+        return load
+
+    def routed(self, manifest: Manifest, sharded_ok: bool) -> Routed:
+        """The routes of ``manifest`` here (kept while the parameters stay put)."""
+        model, key = self.model(), (manifest.digest(), sharded_ok)
+        cached = self.routed_last
+        if cached and (cached.model, cached.key) == (model, key) and _unchanged(cached.entries):
+            return cached
+        params, entries = parameters(model)
+        routes = p.plan_routes(manifest, engine_params(model, params), sharded_ok=sharded_ok)
+        targets = {n: params[n].data for n in routes.direct}
+        modules = dict(model.named_modules())
+        self.routed_last = Routed(model, key, entries, routes, targets, modules)
+        return self.routed_last
+
+    def sink(self, routed: Routed) -> EngineSink:
+        return EngineSink(routed, self.device)
+
+    def watch(self, name: str, callback: Callable[[Manifest], None]) -> None:
+        """Call ``callback`` with every manifest :meth:`prepare` records from now on
+        (backend ``name``'s: a backend built again replaces its own)."""
+        self._watchers[name] = callback
+
+    def prepare(self, info: Mapping[str, object]) -> dict[str, object]:
+        """Record the manifest of every later refit: ``{name: (shape, dtype)}``."""
+        manifest = unwrap(Manifest.from_info(info), RefitManifestError, "refit")
+        self.manifest = manifest
+        for callback in self._watchers.values():
+            callback(manifest)
+        direct = len(self.routed(manifest, self.tp_size == 1).routes.direct)
+        return {
+            "manifest_digest": manifest.digest(),
+            "tensors": len(manifest),
+            "direct": direct,
+            "loaded": len(manifest) - direct,
+        }
+
+    def prepared(self, call: str) -> Manifest:
+        """The manifest of ``prepare_refit_info``; an ``EngineStateError`` before it."""
+        if self.manifest is None:
+            raise EngineStateError(f"{call} needs prepare_refit_info first")
+        return self.manifest
+
+    def receive(self, port: object, timeout_s: object, *, sharded_ok: bool) -> dict[str, object]:
+        """One refit from ``port`` (a ``RefitPort``; NeMo-RL's carry their own handle
+        types) into the engine, each wait bounded by ``timeout_s``; its report and the
+        engine's refit count, or a typed error."""
+        bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, "timeout_s")
+        manifest = self.prepared("a weight update")
+        routed = self.routed(manifest, sharded_ok or self.tp_size == 1)
+        loader = self.loader() if len(routed.routes.direct) < len(manifest) else None
+        sink = self.sink(routed)
+        report = receive(
+            cast("RefitPort", port),
+            manifest,
+            sink,
+            routes=routed.routes,
+            timeout_s=bound,
+            loader=loader,
+        )
+        self.version += 1
+        figures = (report.tensors, report.nbytes / 1e9, report.seconds)
+        log.info("refit %d: %d tensors, %.3f GB in %.3fs", self.version, *figures)
+        return {**report.as_dict(), "version": self.version}

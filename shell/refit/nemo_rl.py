@@ -1,0 +1,669 @@
+"""Receivers for NeMo-RL's own trainer-side refit wire: the ``nemo_rl_ipc`` and
+``nemo_rl_collective`` refit backends (``shell.refit.door``).
+
+Theory of operation
+-------------------
+NeMo-RL's trainer (commit 7ea279ab) refits its vLLM workers over two wires, neither of
+which carries a start, a count or tensor specs (see :mod:`genworker.core.nemo_rl_refit`):
+
+* IPC (``stream_weights_via_ipc_zmq_impl``, ``nemo_rl/models/policy/utils.py``): each
+  trainer rank *binds* a ZMQ REQ socket at ``ipc:///tmp/<GPU UUID>.sock`` (its
+  ``get_zmq_address``); each engine worker *connects* a REP socket to the socket of its own
+  GPU and answers every message with ``b"ack"``. A message is a pickle (``send_pyobj``) of
+  ``(cuda_ipc_handle, param_names, used_bytes)`` for one packed staging buffer, then
+  ``IPCProtocol.COMPLETE``, answered after post-load processing. The sender never reads
+  the answer's text, so a failure is the engine's to report: this receiver keeps
+  answering until ``COMPLETE`` (as NeMo-RL's ``update_weights_via_ipc_zmq`` does), so the
+  trainer finishes its stream instead of waiting out its 120 s socket timeout, and the
+  worker returns ``False``.
+* Collective (``packed_broadcast_producer``, ``nemo_rl/utils/packed_tensor.py``;
+  ``StatelessProcessGroup``, ``nemo_rl/distributed/stateless_process_group.py``): trainer
+  rank 0 hosts a ``TCPStore`` at ``ip:port`` and publishes NCCL's 128-byte unique id under
+  ``nccl_unique_id`` (its default ``peer="nemo"`` protocol); each rank joins the NCCL
+  communicator, and rank 0 broadcasts ``ones(1)`` as a warm-up. A refit is one broadcast
+  per group of the manifest's tensors (:func:`~genworker.core.nemo_rl_refit.packed_groups`,
+  target ``min(total GPU memory * NRL_REFIT_BUFFER_MEMORY_RATIO (0.02), 5 GiB)`` as both
+  ends compute it), nothing else. Here NCCL is driven through vLLM's ``NCCLLibrary``
+  (``vllm/distributed/device_communicators/pynccl_wrapper.py``), each broadcast bounded by
+  polling a CUDA event (on expiry the communicator is aborted). NeMo-RL has no CPU
+  collective; on CPU a gloo group on the same store under ``nemo-rl-gloo/`` stands in,
+  with the same warm-up and broadcasts.
+
+Both are ports of :func:`genworker.shell.refit.receiver.receive`, so messages become the
+protocol's events and pass the same manifest checks and routes
+(``EngineContext.receive``).
+NeMo-RL's trainer sends checkpoint-layout tensors, whole on every tensor-parallel rank,
+so sharded parameters always go through the weight loader. Pickles are read only through
+:func:`genworker.shell.nemo_rl_wire.loads` with the allowlist of the engine's device's
+:class:`HandleCodec` (:data:`CODECS`): CUDA only in production; a test configuration adds
+a CPU stand-in with its own allowlist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime as dt
+import math
+import os
+import time
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any, Final, NoReturn, Protocol, TypeVar
+
+import torch
+import zmq
+
+from genworker.core import nemo_rl_refit as n
+from genworker.core import refit_protocol as p
+from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest
+from genworker.shell.errors import (
+    BadArgumentError,
+    BadConfigError,
+    EngineStateError,
+    GenworkerError,
+    RefitError,
+    RefitManifestError,
+    RefitTimeoutError,
+    RefitTransportError,
+    RefitWireError,
+    unwrap,
+)
+from genworker.shell.nemo_rl_wire import (
+    NEMO_RL_IPC_GLOBALS,
+    CudaIpcHandle,
+    IpcBucket,
+    IpcComplete,
+    cuda_ipc_handle,
+    loads,
+    read_message,
+)
+from genworker.shell.refit.engine import EngineContext
+from genworker.shell.refit.memory import copy_into, device_id
+from genworker.shell.refit.receiver import Sink, Wait
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_SOCKET_DIR",
+    "CudaIpcCodec",
+    "HandleCodec",
+    "NemoRlCollectiveBackend",
+    "NemoRlGroup",
+    "NemoRlIpcBackend",
+    "packed_target_bytes",
+]
+
+H = TypeVar("H")
+
+#: Where NeMo-RL's trainer binds its IPC sockets (``get_zmq_address``).
+DEFAULT_SOCKET_DIR: Final = "/tmp"
+_UNIQUE_ID_KEY: Final = "nccl_unique_id"
+_UNIQUE_ID_BYTES: Final = 128
+_ACK: Final = b"ack"
+_MAX_PACKED: Final = 5 << 30
+
+
+class HandleCodec(Protocol[H]):
+    """How a bucket's handle is read and mapped on one device type: the pickle globals it
+    needs (the whole allowlist), its reader, its storage's bytes, and the mapping."""
+
+    @property
+    def allowlist(self) -> Mapping[tuple[str, str], object]: ...
+
+    def read(self, value: object) -> H: ...
+
+    def storage_bytes(self, handle: H) -> int: ...
+
+    def open(self, handle: H, device: torch.device) -> torch.Tensor: ...
+
+
+class CudaIpcCodec:
+    """NeMo-RL's handle: ``reduce_tensor(buffer)[1:]`` of a 1-D uint8 CUDA buffer, mapped
+    with torch's ``rebuild_cuda_tensor`` on this worker's device (as NeMo-RL's
+    ``rebuild_cuda_tensor_from_ipc`` does)."""
+
+    allowlist: Mapping[tuple[str, str], object] = NEMO_RL_IPC_GLOBALS
+
+    def read(self, value: object) -> CudaIpcHandle:
+        return cuda_ipc_handle(value)
+
+    def storage_bytes(self, handle: CudaIpcHandle) -> int:
+        if handle.dtype is not torch.uint8 or len(handle.size) != 1 or handle.stride != (1,):
+            raise RefitWireError(
+                "a NeMo-RL IPC bucket is a 1-D uint8 buffer, got "
+                f"{handle.dtype} of size {handle.size} and stride {handle.stride}"
+            )
+        return handle.size[0]
+
+    def open(self, handle: CudaIpcHandle, device: torch.device) -> torch.Tensor:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            tensor = rebuild_cuda_tensor(*handle.rebuild_args(index))  # type: ignore[no-untyped-call]
+        except RuntimeError as e:  # a runtime without CUDA IPC says so (failure-modes R8)
+            message = f"could not open NeMo-RL's CUDA IPC buffer on cuda:{index}: {e}"
+            advice = p.explain_cuda_ipc_failure(str(e))
+            raise RefitError(f"{message}\n{advice}" if advice else message) from e
+        assert isinstance(tensor, torch.Tensor)
+        return tensor
+
+
+CODECS: dict[str, HandleCodec[Any]] = {"cuda": CudaIpcCodec()}
+"""The handle codec of each engine device type. NeMo-RL's trainer sends CUDA IPC handles
+only; tests add a CPU stand-in here (with its own allowlist), never production code."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _view(buffer: torch.Tensor, ref: p.TensorRef, offset: int) -> torch.Tensor:
+    raw = buffer[offset : offset + math.prod(ref.shape) * DTYPE_ITEMSIZE[ref.dtype]]
+    if raw.storage_offset() % DTYPE_ITEMSIZE[ref.dtype]:
+        raw = raw.clone()  # packed broadcasts are unpadded: a misaligned slice moves
+    return raw.view(getattr(torch, ref.dtype)).view(ref.shape)
+
+
+# -- IPC ---------------------------------------------------------------------------------
+
+
+def _end_context(ctx: zmq.Context[zmq.Socket[bytes]], sockets: list[zmq.Socket[bytes]]) -> None:
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
+
+
+class NemoRlIpcPort:
+    """An engine worker's REP socket connected to NeMo-RL's trainer (a ``receive`` port)."""
+
+    def __init__(self, address: str, device: torch.device, codec: HandleCodec[Any]) -> None:
+        self.address, self.device, self._codec = address, device, codec
+        self.peer = f"NeMo-RL's trainer bound at {address}"
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # The finalizer holds the open socket itself: garbage-collected together with the
+        # port, a socket the context no longer tracks would make its term() wait forever
+        # (seen inside vLLM's gc.collect() in the full suite).
+        self._open: list[zmq.Socket[bytes]] = []
+        self._finalizer = weakref.finalize(self, _end_context, self._ctx, self._open)
+        self._sock: zmq.Socket[bytes] | None = None
+        self._cap, self._refits = -1, 0
+        self._manifest: Manifest | None = None
+        self.memo = p.Memo()  # the receiver's remembered decisions (refit_protocol.Memo)
+        self._start()
+
+    def _start(self) -> None:
+        self.refit_id = f"nemo-rl-ipc-{self._refits}"
+        self._begun = self._pending = self._over = False
+        self._chunks = self._tensors = self.opened = 0
+        self._bound = p.DEFAULT_TIMEOUT_S
+
+    def begin(self, manifest: Manifest) -> None:
+        """Ready for one refit of ``manifest`` (inbound messages capped by its size); a
+        socket left owing an answer (a refit cut short) is replaced."""
+        stale = self._pending
+        self._refits += 1
+        self._start()
+        self._manifest = manifest
+        cap = p.max_message_bytes(manifest)
+        if self._sock is None or cap > self._cap or stale:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+            self._cap, self._sock = cap, self._ctx.socket(zmq.REP)
+            self._open[:] = [self._sock]
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, cap)
+            self._sock.connect(self.address)
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        if self._sock is None:
+            raise EngineStateError("the NeMo-RL IPC port was closed")
+        return self._sock
+
+    def _recv(self, wait: Wait) -> IpcBucket[Any] | IpcComplete:
+        remaining = wait.deadline - time.monotonic()
+        sock = self._socket()
+        if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+            raise wait.expired(self.peer)
+        frames = sock.recv_multipart(zmq.NOBLOCK)
+        self._pending = True
+        if len(frames) != 1:
+            raise RefitWireError(f"a NeMo-RL refit message is one frame, got {len(frames)}")
+        return read_message(loads(frames[0], self._codec.allowlist), self._codec.read)
+
+    def next(self, wait: Wait) -> tuple[p.Event, list[object] | None]:
+        self._bound = wait.bound_s
+        if not self._begun:  # NeMo-RL's trainer sends no start: the first wait is for data
+            self._begun = True
+            return p.Begin(self.refit_id, ""), None
+        message = self._recv(wait)
+        if isinstance(message, IpcComplete):
+            self._over = True
+            return p.End(self.refit_id, self._chunks, self._tensors), None
+        assert self._manifest is not None
+        storage = self._codec.storage_bytes(message.handle)
+        chunk = unwrap(
+            n.ipc_chunk(
+                self._manifest,
+                self.refit_id,
+                self._chunks,
+                message.names,
+                message.used_bytes,
+                storage,
+            ),
+            RefitManifestError,
+            f"the refit from {self.peer}",
+        )
+        self._chunks += 1
+        self._tensors += len(message.names)
+        return chunk, [message.handle]
+
+    def answer(self, event: p.Event, problem: RefitError | None) -> None:
+        if isinstance(event, p.Chunk):
+            self._ack()
+
+    def write(
+        self, writes: p.Writes, handles: list[object] | None, sink: Sink
+    ) -> list[tuple[str, torch.Tensor]]:
+        if not handles:
+            raise RefitError(f"chunk {writes.chunk.index} carries no buffer")
+        buffer = self._codec.open(handles[0], self.device)
+        self.opened += 1
+        loader = []
+        with torch.no_grad():
+            for write in writes.writes:
+                view = _view(buffer, write.ref, write.ref.offset)
+                if write.route is p.Route.LOADER:
+                    loader.append((write.ref.name, view.clone() if write.copy else view))
+                elif view.numel():
+                    copy_into(sink.target(write.ref.name), view)
+        _sync(sink.device)
+        del buffer  # the trainer reuses it once answered: no view of it outlives the chunk
+        return loader
+
+    def fail(self, problem: RefitError, *, late: Wait | None) -> NoReturn:
+        """Answer what is pending, then (unless the trainer went quiet) take and answer the
+        rest of its stream up to ``COMPLETE``, unread, so it ends without a timeout."""
+        if self._pending:
+            self._ack()
+        drain = not isinstance(problem, RefitTimeoutError)
+        while drain and not self._over:
+            wait = Wait.of("the rest of a failed refit, up to COMPLETE", self._bound)
+            try:
+                self._over = isinstance(self._recv(wait), IpcComplete)
+            except RefitTimeoutError:
+                break
+            except RefitError:
+                pass  # an unreadable message still gets its answer
+            if self._pending:
+                self._ack()
+        raise problem
+
+    def finish(self, problem: RefitError | None) -> None:
+        if self._pending:
+            self._ack()
+        if problem is not None:
+            raise problem
+
+    def release(self, *, failed: bool) -> int:
+        opened, self.opened = self.opened, 0
+        return opened
+
+    def _ack(self) -> None:
+        self._pending = False
+        try:
+            self._socket().send(_ACK, zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise RefitTransportError(f"could not answer {self.peer}: {e}") from e
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._finalizer()
+
+
+# -- collective ----------------------------------------------------------------------------
+
+
+def packed_target_bytes(device: torch.device, environ: Mapping[str, str]) -> int:
+    """NeMo-RL's ``get_target_packed_tensor_size`` on this device: the device's total
+    memory (the host's on CPU) times ``NRL_REFIT_BUFFER_MEMORY_RATIO`` (0.02), at most 5 GiB."""
+    raw = environ.get("NRL_REFIT_BUFFER_MEMORY_RATIO", "0.02")
+    try:
+        ratio = float(raw)
+    except ValueError:
+        raise BadConfigError(
+            f"NRL_REFIT_BUFFER_MEMORY_RATIO must be a number, got {raw!r}"
+        ) from None
+    if not 0 < ratio <= 1:
+        raise BadConfigError(f"NRL_REFIT_BUFFER_MEMORY_RATIO must be in (0, 1], got {raw!r}")
+    if device.type == "cuda":
+        total = int(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(int(total * ratio), _MAX_PACKED)
+
+
+class _Nccl:
+    """One NCCL communicator through vLLM's ``NCCLLibrary`` (broadcasts from rank 0)."""
+
+    def __init__(self, unique_id: bytes, rank: int, world_size: int, device: torch.device):
+        from vllm.distributed.device_communicators.pynccl_wrapper import (
+            NCCLLibrary,
+            ncclUniqueId,
+        )
+
+        self.lib, self.device = NCCLLibrary(), device
+        uid = ncclUniqueId()
+        ctypes.memmove(ctypes.addressof(uid), unique_id, _UNIQUE_ID_BYTES)
+        with torch.cuda.device(device):
+            self.comm = self.lib.ncclCommInitRank(world_size, uid, rank)
+
+    def broadcast(self, tensor: torch.Tensor, deadline: float) -> None:
+        from vllm.distributed.device_communicators.pynccl_wrapper import (
+            buffer_type,
+            cudaStream_t,
+            ncclDataTypeEnum,
+        )
+
+        stream = torch.cuda.current_stream(self.device)
+        ptr = buffer_type(tensor.data_ptr())
+        kind = ncclDataTypeEnum.from_torch(tensor.dtype)
+        self.lib.ncclBroadcast(
+            ptr, ptr, tensor.numel(), kind, 0, self.comm, cudaStream_t(stream.cuda_stream)
+        )
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(stream)
+        spins = 0
+        while not done.query():  # type: ignore[no-untyped-call]
+            if time.monotonic() > deadline:
+                raise TimeoutError("the broadcast did not complete in time")
+            spins += 1
+            time.sleep(0 if spins < 2000 else 1e-4)
+
+    def close(self) -> None:
+        abort = getattr(self.lib, "ncclCommAbort", None)
+        (abort if callable(abort) else self.lib.ncclCommDestroy)(self.comm)
+
+
+class _Gloo:
+    """The CPU stand-in: a gloo group on the same store."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+        from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+
+        timeout = dt.timedelta(seconds=timeout_s)
+        self.pg: Any = ProcessGroupGloo(
+            PrefixStore("nemo-rl-gloo/", store), rank, world_size, timeout
+        )
+
+    def broadcast(self, tensor: torch.Tensor, deadline: float) -> None:
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        work = self.pg.broadcast([tensor], options)
+        work.wait(dt.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError, AttributeError):
+            self.pg.shutdown()
+
+
+class NemoRlGroup:
+    """An engine worker's place in NeMo-RL's weight-update group (see the module docstring);
+    every rendezvous wait and broadcast bounded, foreign errors typed in one place."""
+
+    def __init__(
+        self,
+        ip: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        train_world_size: int,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        claim = p.GroupClaim(rank, world_size, train_world_size, backend, "engine")
+        if problems := p.topology_problems(ip, port, claim):
+            raise BadConfigError("invalid NeMo-RL weight-update group: " + "; ".join(problems))
+        self.device, self.broken = device, False
+        self.peer = f"NeMo-RL's weight-update group at {ip}:{port} (rank {rank} of {world_size})"
+        self._comm: _Nccl | _Gloo | None = None
+        timeout = dt.timedelta(seconds=timeout_s)
+        with self._foreign("joining the group", timeout_s):
+            from torch._C._distributed_c10d import TCPStore
+
+            self._store = TCPStore(ip, port, world_size, False, timeout=timeout)
+            if backend == "nccl":
+                self._store.wait([_UNIQUE_ID_KEY], timeout)
+                unique_id = bytes(self._store.get(_UNIQUE_ID_KEY))
+                if len(unique_id) != _UNIQUE_ID_BYTES:
+                    raise RefitWireError(
+                        f"{self.peer}: {_UNIQUE_ID_KEY} holds {len(unique_id)} bytes, NCCL's "
+                        f"unique id {_UNIQUE_ID_BYTES}"
+                    )
+                self._comm = _Nccl(unique_id, rank, world_size, device)
+            else:
+                self._comm = _Gloo(self._store, rank, world_size, timeout_s)
+        warmup = torch.zeros(1, dtype=torch.float32, device=device)
+        self.broadcast(warmup, "the warm-up broadcast", timeout_s)
+        if warmup.item() != 1.0:
+            self.close()
+            raise RefitTransportError(
+                f"{self.peer}: the warm-up broadcast gave {warmup.item()}, NeMo-RL sends 1.0"
+            )
+
+    @contextlib.contextmanager
+    def _foreign(self, what: str, bound_s: float) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        except GenworkerError:
+            self.close()
+            raise
+        except Exception as e:
+            self.close()
+            elapsed = time.monotonic() - started
+            if isinstance(e, TimeoutError) or elapsed >= 0.95 * bound_s:
+                raise RefitTimeoutError(
+                    f"{what} on {self.peer}: not done within {bound_s:g}s ({e})"
+                ) from e
+            message = f"{what} on {self.peer} failed after {elapsed:.1f}s: {type(e).__name__}: {e}"
+            raise RefitTransportError(message) from e
+
+    def broadcast(self, tensor: torch.Tensor, what: str, bound_s: float) -> None:
+        """Receive rank 0's broadcast into ``tensor``, bounded by ``bound_s``."""
+        if self.broken or self._comm is None:
+            raise RefitError(
+                f"{self.peer} is unusable after a failed collective; call init_collective again"
+            )
+        comm = self._comm
+        with self._foreign(f"receiving {what}", bound_s):
+            comm.broadcast(tensor, time.monotonic() + bound_s)
+
+    def close(self) -> None:
+        self.broken = True
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            with contextlib.suppress(Exception):
+                comm.close()
+
+
+class NemoRlCollectivePort:
+    """One refit over a :class:`NemoRlGroup` (a ``receive`` port): the manifest's packed
+    groups, one broadcast each."""
+
+    def __init__(self, group: NemoRlGroup, manifest: Manifest, target_bytes: int, refit: int):
+        self.group, self.peer = group, f"trainer rank 0 of {group.peer}"
+        self.groups = n.packed_groups(manifest, target_bytes)
+        self.refit_id, self._manifest = f"nemo-rl-collective-{refit}", manifest
+        self._begun, self._next, self._received = False, 0, 0
+        self._bound = p.DEFAULT_TIMEOUT_S
+        self.memo = p.Memo()  # one refit per port: nothing to remember across refits
+
+    def next(self, wait: Wait) -> tuple[p.Event, list[object] | None]:
+        self._bound = wait.bound_s
+        if not self._begun:
+            self._begun = True
+            return p.Begin(self.refit_id, ""), None
+        if self._next < len(self.groups):
+            index, self._next = self._next, self._next + 1
+            return n.packed_chunk(self.refit_id, index, self.groups[index]), None
+        return p.End(self.refit_id, len(self.groups), len(self._manifest)), None
+
+    def answer(self, event: p.Event, problem: RefitError | None) -> None:
+        return None  # NeMo-RL's collective carries no answers
+
+    def _take(self, index: int) -> torch.Tensor:
+        group = self.groups[index]
+        buffer = torch.empty(
+            sum(s.nbytes for s in group), dtype=torch.uint8, device=self.group.device
+        )
+        self.group.broadcast(buffer, f"packed group {index}", self._bound)
+        self._received = index + 1
+        return buffer
+
+    def write(
+        self, writes: p.Writes, handles: list[object] | None, sink: Sink
+    ) -> list[tuple[str, torch.Tensor]]:
+        buffer = self._take(writes.chunk.index)
+        loader, offset = [], 0
+        with torch.no_grad():
+            for write in writes.writes:
+                view = _view(buffer, write.ref, offset)
+                offset += math.prod(write.ref.shape) * DTYPE_ITEMSIZE[write.ref.dtype]
+                if write.route is p.Route.LOADER:
+                    loader.append((write.ref.name, view))
+                elif view.numel():
+                    copy_into(sink.target(write.ref.name), view)
+        _sync(sink.device)
+        return loader
+
+    def fail(self, problem: RefitError, *, late: Wait | None) -> NoReturn:
+        """Stay in step: the trainer broadcasts every group whatever happened here."""
+        while not self.group.broken and self._received < len(self.groups):
+            try:
+                self._take(self._received)
+            except RefitError:
+                break
+        raise problem
+
+    def finish(self, problem: RefitError | None) -> None:
+        if problem is not None:
+            raise problem
+
+    def release(self, *, failed: bool) -> int:
+        return 0
+
+
+# -- the backends --------------------------------------------------------------------------
+
+
+class NemoRlIpcBackend:
+    """``nemo_rl_ipc``: a REP socket connected to NeMo-RL's trainer's socket for this
+    worker's GPU, ``ipc://<socket dir>/<GPU UUID>.sock``."""
+
+    def __init__(self, engine: EngineContext) -> None:
+        self.engine, self.socket_dir = engine, DEFAULT_SOCKET_DIR
+        self.port: NemoRlIpcPort | None = None
+
+    @property
+    def address(self) -> str:
+        return f"ipc://{self.socket_dir}/{device_id(self.engine.device)}.sock"
+
+    def init(self, socket_dir: str = DEFAULT_SOCKET_DIR) -> str:
+        """Where NeMo-RL's trainer binds its sockets (``/tmp`` unless set); the address
+        this worker connects to."""
+        if not isinstance(socket_dir, str) or not os.path.isabs(socket_dir):
+            raise BadArgumentError(f"socket_dir must be an absolute path, got {socket_dir!r}")
+        if socket_dir != self.socket_dir:
+            self.close()
+        self.socket_dir = socket_dir
+        return self.address
+
+    def receive(self, timeout_s: float | None = None) -> dict[str, object]:
+        """Receive one refit from NeMo-RL's trainer over its IPC wire."""
+        manifest = self.engine.prepared("update_weights_via_ipc_zmq")
+        device = self.engine.device
+        codec = CODECS.get(device.type)
+        if codec is None:
+            raise RefitError(
+                f"NeMo-RL's IPC wire carries CUDA IPC handles; this engine worker runs "
+                f"on {device.type}, which has no handle codec"
+            )
+        if self.port is None:
+            self.port = NemoRlIpcPort(self.address, device, codec)
+        self.port.begin(manifest)
+        return self.engine.receive(self.port, timeout_s, sharded_ok=False)
+
+    def status(self) -> dict[str, object]:
+        return {"address": self.address, "connected": self.port is not None}
+
+    def release(self) -> int:
+        return 0  # every buffer is let go of once its message is answered
+
+    def close(self) -> int:
+        port, self.port = self.port, None
+        if port is not None:
+            port.close()
+        return int(port is not None)
+
+
+class NemoRlCollectiveBackend:
+    """``nemo_rl_collective``: this worker's place in NeMo-RL's weight-update group."""
+
+    def __init__(self, engine: EngineContext) -> None:
+        self.engine, self.target_bytes, self.refits = engine, 0, 0
+        self.group: NemoRlGroup | None = None
+
+    def init(
+        self,
+        rank_prefix: int,
+        ip: str,
+        port: int,
+        world_size: int,
+        train_world_size: int,
+        timeout_s: float | None = None,
+        packed_bytes: int | None = None,
+    ) -> dict[str, object]:
+        """Join NeMo-RL's group as rank ``train_world_size + rank_prefix + worker
+        rank``; ``packed_bytes``: the packing target (None: NeMo-RL's own rule)."""
+        bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, "init_collective")
+        device = self.engine.device
+        if packed_bytes is None:
+            target = packed_target_bytes(device, os.environ)
+        elif isinstance(packed_bytes, int) and not isinstance(packed_bytes, bool):
+            target = packed_bytes
+        else:
+            raise BadArgumentError(f"packed_bytes must be an int, got {packed_bytes!r}")
+        self.close()
+        rank = int(train_world_size) + int(rank_prefix) + self.engine.rank
+        where, sizes = (str(ip), int(port)), (int(world_size), int(train_world_size))
+        self.group = NemoRlGroup(*where, rank, *sizes, device, bound)
+        self.target_bytes = target
+        return {"rank": rank, "packed_bytes": target}
+
+    def receive(self, timeout_s: float | None = None) -> dict[str, object]:
+        """Receive one refit from NeMo-RL's trainer over its packed broadcasts."""
+        manifest = self.engine.prepared("update_weights_from_collective")
+        if self.group is None:
+            raise EngineStateError("update_weights_from_collective before init_collective")
+        self.refits += 1
+        port = NemoRlCollectivePort(self.group, manifest, self.target_bytes, self.refits)
+        return self.engine.receive(port, timeout_s, sharded_ok=False)
+
+    def status(self) -> dict[str, object]:
+        return {"joined": self.group is not None, "packed_bytes": self.target_bytes}
+
+    def release(self) -> int:
+        return 0  # each packed group's buffer is the receiver's own
+
+    def close(self) -> int:
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+        return int(group is not None)

@@ -1,0 +1,1098 @@
+"""Sparse-delta refit over ZMQ with a relay tree: the trainer's sender, the receivers,
+and the engine's end (the ``sparse`` refit backend).
+
+Theory of operation (the pure rules are in ``core/delta.py``)
+-------------------------------------------------------------
+The sender keeps a *baseline*: the bits every receiver holds, in host memory or in a
+memory-mapped file. A step is a ``Begin``, ``Frame`` messages and an ``End``, sent once,
+to the relay's root. The first step, and every step after a failed one, is *full* (every
+element ``RAW``); the others are *deltas* against the baseline (``SPARSE``/``XOR`` chunks).
+Each frame's payload is the concatenated wire forms of its pieces, compressed with zstd
+(level 1: the sparse payloads compress about as well at level 3, ten times slower), and
+carries a CRC-32 of the compressed bytes. The baseline takes the step's bits while the
+sender waits for the receivers, but holds the receivers' bits (``synced_step``) only
+after the root's report says every receiver applied them; any other outcome raises
+:class:`SparseRefitError` naming the receivers and makes the next step full (which does
+not read the baseline).
+
+A receiver (:class:`SparseReceiver`, a ZMQ ROUTER on a background thread) takes the plan
+from ``Begin`` (receivers, fanout, hop bound), so re-planning is the sender's business.
+For each frame it checks the payload's CRC (a corrupted frame is refused and not
+forwarded), forwards the verified message to its children *before* applying it, then
+decompresses and applies it into its own baseline copy (frames on a small thread pool:
+pieces are disjoint element ranges) and checks each piece's result against the trainer's
+hash of the same elements (``core.delta.bits_hash``: 64 bits, by a compiled loop at
+memory speed, where CRC-32 cost as much as the rest of a delta step; ``Begin`` names it,
+:data:`CHECKSUM`, and a receiver refuses a step that names another); a tensor is
+verified when pieces covering all of it matched (per-piece hashes let both ends hash in
+parallel). The codec's hot loops (diff and wire form, checked apply) are
+``shell/delta_kernels.py``'s, which agree with the core's numpy codec byte for byte.
+At ``End`` it commits: only when every tensor is verified does it hand the
+tensors to its :class:`ApplyTarget`, so bits that failed the
+check never reach the engine, which keeps serving its previous, consistent weights. Then
+it waits for each child's report within the child's bound and answers its parent with
+the subtree's report. A receiver that refused or missed a step holds bits nobody can
+vouch for: it refuses every delta until a full step (``needs_full``).
+
+Security: messages are msgpack structs and raw bytes against a fixed schema (no pickle);
+a message larger than twice the frame budget is dropped by ZMQ (``MAXMSGSIZE``); the
+receiver binds loopback unless ``allow_remote=True`` (failure-modes 3.2: NeMo-RL's relay
+binds ``0.0.0.0`` with a warning). There is no authentication: keep remote relays on a
+trusted network.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import mmap
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Final, Protocol
+
+import attrs
+import msgspec
+import numpy as np
+import torch
+import zmq
+import zstandard
+from returns.result import Failure
+
+from genworker.core import refit_protocol as p
+from genworker.core.delta import (
+    MAX_CHUNK_ELEMENTS,
+    Bits,
+    Frame,
+    FramePiece,
+    NodeResult,
+    Outcome,
+    RelayPlan,
+    RelayReport,
+    bit_pattern,
+    bits_dtype,
+    conclude_relay,
+    encode_full,
+    plan_frames,
+    plan_relay,
+    report_subtree,
+    tensor_checksum,
+)
+from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
+from genworker.core.sparse_protocol import (
+    FrameAction,
+    FrameResult,
+    Started,
+    StepBegin,
+    StepReceiver,
+    StepSender,
+)
+from genworker.shell.delta_kernels import apply_wire_into, encode_wire, piece_hash, warm_up
+from genworker.shell.errors import (
+    BadArgumentError,
+    BadConfigError,
+    EngineStateError,
+    RefitError,
+    unwrap,
+)
+from genworker.shell.refit.engine import EngineContext, EngineSink
+from genworker.shell.refit.ipc import is_loopback
+from genworker.shell.refit.receiver import Loader
+
+__all__ = [
+    "CHECKSUM",
+    "ApplyTarget",
+    "Baseline",
+    "DictTarget",
+    "EngineTarget",
+    "LinkThrottle",
+    "SparseBackend",
+    "SparseReceiver",
+    "SparseRefitError",
+    "SparseSender",
+    "StepReport",
+    "default_workers",
+]
+
+log = logging.getLogger(__name__)
+
+FRAME_BYTES: Final = 8 << 20
+#: The pieces' checksum this code computes and checks (``BeginMsg.checksum``).
+CHECKSUM: Final = "gwh64"
+ZSTD_LEVEL: Final = 1
+_TAG_BEGIN: Final = b"begin"
+_TAG_FRAME: Final = b"frame"
+_TAG_END: Final = b"end"
+_TAG_REPORT: Final = b"report"
+_POLL_MS: Final = 50
+
+
+class SparseRefitError(RefitError):
+    """A sparse step that not every receiver applied; ``detail`` names each one."""
+
+
+# --- wire --------------------------------------------------------------------------
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class BeginMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+    base_step: int  # the step whose bits a delta applies to; -1 for a full step
+    receivers: list[str]
+    fanout: Annotated[int, msgspec.Meta(ge=1)]
+    hop_s: Annotated[float, msgspec.Meta(gt=0)]
+    frames: NonNegative
+    manifest: dict[str, tuple[list[NonNegative], str]]
+    chunk_elements: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_ELEMENTS)]
+    # the pieces' checksum; a sender from before it was named sent CRC-32s
+    checksum: str = "crc32"
+
+
+class WirePiece(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    start: NonNegative
+    stop: NonNegative
+    nbytes: NonNegative  # of this piece's delta wire form in the decompressed payload
+    checksum: NonNegative  # bits_hash of the piece's elements after the step
+
+
+class FrameMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+    index: NonNegative
+    crc: NonNegative  # of the compressed payload
+    raw_bytes: NonNegative
+    pieces: list[WirePiece]
+
+
+class EndMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+
+
+class WireResult(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    outcome: str
+    detail: str
+
+
+class ReportMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+    results: list[WireResult]
+
+
+_enc: Final = msgspec.msgpack.Encoder()
+_begin_dec: Final = msgspec.msgpack.Decoder(BeginMsg)
+_frame_dec: Final = msgspec.msgpack.Decoder(FrameMsg)
+_end_dec: Final = msgspec.msgpack.Decoder(EndMsg)
+_report_dec: Final = msgspec.msgpack.Decoder(ReportMsg)
+
+
+# --- the link throttle ---------------------------------------------------------------
+
+
+class LinkThrottle:
+    """A token bucket on the sender's writes: ``bits_per_s`` with a burst of ``burst_bytes``.
+
+    ``wait(n)`` sleeps until ``n`` bytes may go; large messages are paid for in full
+    before they are handed to ZMQ, so the link's rate bounds the step's wire time.
+    """
+
+    def __init__(self, bits_per_s: float, burst_bytes: int = 64 << 10) -> None:
+        if not bits_per_s > 0 or burst_bytes < 1:
+            raise BadArgumentError(
+                f"a link throttle needs bits_per_s > 0 and burst_bytes >= 1, got "
+                f"{bits_per_s!r} and {burst_bytes!r}"
+            )
+        self.bytes_per_s = bits_per_s / 8
+        self.burst = float(burst_bytes)
+        self._tokens = self.burst
+        self._at = time.monotonic()
+
+    def wait(self, nbytes: int) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.bytes_per_s)
+        self._at = now
+        self._tokens -= nbytes
+        if self._tokens < 0:
+            time.sleep(-self._tokens / self.bytes_per_s)
+
+
+# --- the baseline --------------------------------------------------------------------
+
+
+_ALIGN: Final = 64
+
+
+class Baseline:
+    """The bits every receiver holds, one 1-D bit array per tensor of ``manifest``.
+
+    In host memory, or in a file mapped with ``mmap`` (``path``: created or truncated to
+    the manifest's size) so a trainer can keep a large baseline out of its heap.
+    """
+
+    def __init__(self, manifest: Manifest, path: Path | None = None) -> None:
+        self.manifest = manifest
+        offsets: dict[str, int] = {}
+        total = 0
+        for spec in manifest.specs:
+            offsets[spec.name] = total
+            total += -(-spec.nbytes // _ALIGN) * _ALIGN
+        self.path = path
+        self._map: mmap.mmap | None = None
+        if path is None:
+            storage = np.zeros(total, dtype=np.uint8)
+        else:
+            with open(path, "w+b") as f:
+                f.truncate(max(total, 1))
+                self._map = mmap.mmap(f.fileno(), max(total, 1))
+            storage = np.frombuffer(self._map, dtype=np.uint8, count=total)
+        self._bits: dict[str, Bits] = {}
+        for spec in manifest.specs:
+            at = offsets[spec.name]
+            raw = storage[at : at + spec.nbytes]
+            self._bits[spec.name] = raw.view(bits_dtype(DTYPE_ITEMSIZE[spec.dtype]))
+
+    def bits(self, name: str) -> Bits:
+        return self._bits[name]
+
+    def close(self) -> None:
+        self._bits.clear()
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+# --- the apply target ----------------------------------------------------------------
+
+
+class ApplyTarget(Protocol):
+    """Where a receiver puts a verified step: one call per tensor, after every check.
+
+    ``tensor`` has the manifest's shape and dtype and is borrowed: it is the receiver's
+    own baseline, changed by the next step, so copy it before returning.
+    """
+
+    def begin(self, step: int, specs: Sequence[TensorSpec]) -> None:
+        """Verified step ``step``'s tensors are about to be applied (``specs``: all)."""
+
+    def apply(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    def finish(self) -> None:
+        """Every tensor of the step was applied (the step counts as applied on return)."""
+
+
+class DictTarget:
+    """An :class:`ApplyTarget` over a dict of CPU tensors (copied into, or created)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        self.tensors: dict[str, torch.Tensor] = {} if tensors is None else tensors
+
+    def begin(self, step: int, specs: Sequence[TensorSpec]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def apply(self, name: str, tensor: torch.Tensor) -> None:
+        mine = self.tensors.get(name)
+        if mine is None or mine.shape != tensor.shape or mine.dtype != tensor.dtype:
+            self.tensors[name] = tensor.clone()
+        else:
+            mine.copy_(tensor)
+
+
+def _as_tensor(bits: Bits, spec: TensorSpec) -> torch.Tensor:
+    raw = torch.from_numpy(bits.view(np.uint8))
+    dtype = getattr(torch, spec.dtype)
+    return (raw.view(dtype) if spec.numel else torch.empty(0, dtype=dtype)).reshape(spec.shape)
+
+
+# --- the sender ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class StepReport:
+    """What one step moved: its kind, the model's bytes, the bytes on the wire, the time."""
+
+    step: int
+    full: bool
+    model_bytes: int
+    wire_bytes: int
+    frames: int
+    seconds: float
+    report: RelayReport
+
+    @property
+    def wire_fraction(self) -> float:
+        return self.wire_bytes / self.model_bytes if self.model_bytes else 0.0
+
+
+_local = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    """One compressor per thread (a ``ZstdCompressor`` is not safe to share)."""
+    c: zstandard.ZstdCompressor | None = getattr(_local, "zstd", None)
+    if c is None:
+        c = _local.zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return c
+
+
+@attrs.frozen
+class _Encoded:
+    header: FrameMsg
+    payload: bytes
+    deltas: tuple[tuple[FramePiece, bytes], ...]  # each piece's wire form
+
+
+def default_workers() -> int:
+    """The encode (sender) or apply (receiver) threads of a sparse refit when not given:
+    half the cores this process may run on (the other half left to the other end, the
+    trainer and the engine often sharing a host), at least 2 and at most 8. A delta step's
+    time is these threads' (the link carries a few percent of the model's bytes)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    return max(2, min(8, cores // 2))
+
+
+class SparseSender:
+    """The trainer's end: baseline, encoding, one copy to the relay root, the verdict.
+
+    ``receivers`` are the receivers' addresses (:attr:`SparseReceiver.address`) in relay
+    order: the first is the root. ``hop_s`` bounds each relay level's answer after the
+    step's end (``RelayPlan.answer_bound_s``): the sender waits ``hop_s * depth`` for the
+    root, and as long for the root to take a message. ``baseline_path``: keep the baseline
+    in that memory-mapped file instead of the heap. ``throttle``: pace the writes to the
+    root (a slow link, or a benchmark's). ``workers``: threads that encode frames ahead of
+    the link (the compiled loops, zlib and zstd release the GIL); ``None``:
+    :func:`default_workers`.
+    """
+
+    def __init__(
+        self,
+        receivers: Sequence[str],
+        manifest: Manifest,
+        *,
+        fanout: int = 2,
+        hop_s: float = 30.0,
+        baseline_path: Path | None = None,
+        throttle: LinkThrottle | None = None,
+        frame_bytes: int = FRAME_BYTES,
+        chunk_elements: int = MAX_CHUNK_ELEMENTS,
+        workers: int | None = None,
+    ) -> None:
+        self.plan: RelayPlan = unwrap(
+            plan_relay(receivers, fanout), BadArgumentError, "sparse refit relay"
+        )
+        workers = default_workers() if workers is None else workers
+        if not hop_s > 0 or frame_bytes < 1 or workers < 1:
+            raise BadArgumentError(
+                f"hop_s, frame_bytes and workers must be positive, got {hop_s!r}, "
+                f"{frame_bytes!r}, {workers!r}"
+            )
+        if not 1 <= chunk_elements <= MAX_CHUNK_ELEMENTS:
+            raise BadArgumentError(
+                f"chunk_elements must be in [1, {MAX_CHUNK_ELEMENTS}], got {chunk_elements!r}"
+            )
+        self.manifest = manifest
+        self.hop_s = hop_s
+        self.throttle = throttle
+        self.chunk_elements = chunk_elements
+        self.frames = plan_frames(manifest.specs, frame_bytes, chunk_elements)
+        warm_up({DTYPE_ITEMSIZE[s.dtype] for s in manifest.specs})
+        self.baseline = Baseline(manifest, baseline_path)
+        self.steps = StepSender()  # full or delta, and the step the baseline holds
+        self.checksum = CHECKSUM  # what ``Begin`` says the pieces carry
+        self.workers = workers
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "genworker-sparse")
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(self.plan.answer_bound_s(0, hop_s) * 1000))
+        self._sock.connect(self.plan.receivers[0])
+
+    def send(self, tensors: Mapping[str, torch.Tensor]) -> StepReport:
+        """Refit every receiver to ``tensors`` (the manifest's names, shapes and dtypes).
+
+        Full when no step has succeeded yet (or the last one failed), a delta otherwise.
+        Raises :class:`BadArgumentError` for tensors that do not match the manifest
+        (nothing sent) and :class:`SparseRefitError` naming the receivers that did not
+        apply the step (the next step is then full).
+        """
+        bits = self._bits_of(tensors)
+        started = time.monotonic()
+        step, base = self.steps.start()
+        full = base < 0
+        begin = BeginMsg(
+            step=step,
+            base_step=base,
+            receivers=list(self.plan.receivers),
+            fanout=self.plan.fanout,
+            hop_s=self.hop_s,
+            frames=len(self.frames),
+            manifest={s.name: (list(s.shape), s.dtype) for s in self.manifest.specs},
+            chunk_elements=self.chunk_elements,
+            checksum=self.checksum,
+        )
+        while self._sock.poll(0):
+            self._sock.recv_multipart()  # a late report of an earlier, failed step
+        kept: list[tuple[FramePiece, bytes]] = []
+        wire = self._write([_TAG_BEGIN, _enc.encode(begin)], step)
+        for encoded in self._encode_ahead(bits, full, step):
+            wire += self._write([_TAG_FRAME, _enc.encode(encoded.header), encoded.payload], step)
+            kept.extend(encoded.deltas)
+        wire += self._write([_TAG_END, _enc.encode(EndMsg(step))], step)
+        # The baseline takes the step's bits while the receivers apply and commit it (the
+        # pool's threads, pieces being disjoint element ranges); it counts as the
+        # receivers' bits only after the verdict (``synced_step``): a failed step makes
+        # the next one full, which does not read it.
+        advancing = [self._pool.submit(self._advance, piece) for piece in kept]
+        try:
+            verdict = conclude_relay(self.plan, self._await_root(step), self.hop_s)
+        finally:
+            concurrent.futures.wait(advancing)  # nothing writes the baseline after send
+        for future in advancing:
+            future.result()  # a baseline that could not take its bits: a RefitError
+        self.steps.conclude(not isinstance(verdict, Failure))
+        if isinstance(verdict, Failure):
+            failure = verdict.failure()
+            raise SparseRefitError(
+                f"sparse refit step {step} ({'full' if full else 'delta'}) failed "
+                f"after {time.monotonic() - started:.2f} s: {failure}",
+                detail=failure,
+            )
+        return StepReport(
+            step=step,
+            full=full,
+            model_bytes=self.manifest.total_bytes,
+            wire_bytes=wire,
+            frames=len(self.frames),
+            seconds=time.monotonic() - started,
+            report=verdict.unwrap(),
+        )
+
+    @property
+    def synced_step(self) -> int | None:
+        """The step every receiver holds (the baseline's); ``None``: the next is full."""
+        return self.steps.synced_step
+
+    @synced_step.setter
+    def synced_step(self, step: int | None) -> None:
+        self.steps.synced_step = step
+
+    def _advance(self, kept: tuple[FramePiece, bytes]) -> None:
+        piece, data = kept
+        target = self.baseline.bits(piece.name)[piece.start : piece.stop]
+        unwrap(apply_wire_into(target, data), RefitError, f"the baseline of {piece.name!r}")
+
+    def _bits_of(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Bits]:
+        problems = []
+        for spec in self.manifest.specs:
+            t = tensors.get(spec.name)
+            if t is None:
+                problems.append(f"{spec.name!r} is missing")
+            elif (got := TensorSpec.of(spec.name, t)) != spec:
+                problems.append(f"{spec.name!r} is {got.describe()}, expected {spec.describe()}")
+        extra = sorted(set(tensors) - set(self.manifest.names))
+        problems.extend(f"{name!r} is not in the manifest" for name in extra)
+        if problems:
+            raise BadArgumentError(
+                "sparse refit tensors do not match the manifest: " + "; ".join(problems[:12])
+            )
+        return {
+            s.name: bit_pattern(tensors[s.name].detach().cpu().contiguous())
+            for s in self.manifest.specs
+        }
+
+    def _encode_ahead(self, bits: Mapping[str, Bits], full: bool, step: int) -> Iterator[_Encoded]:
+        """Encoded frames in order, ``2 * workers`` of them in flight ahead of the link."""
+        pending: list[concurrent.futures.Future[_Encoded]] = []
+        frames = iter(enumerate(self.frames))
+        try:
+            for index, frame in frames:
+                pending.append(self._pool.submit(self._encode, index, frame, bits, full, step))
+                if len(pending) >= 2 * self.workers:
+                    break
+            while pending:
+                encoded = pending.pop(0).result()
+                following = next(frames, None)
+                if following is not None:
+                    index, frame = following
+                    pending.append(self._pool.submit(self._encode, index, frame, bits, full, step))
+                yield encoded
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def _encode(
+        self, index: int, frame: Frame, bits: Mapping[str, Bits], full: bool, step: int
+    ) -> _Encoded:
+        parts: list[bytes] = []
+        pieces: list[WirePiece] = []
+        deltas: list[tuple[FramePiece, bytes]] = []
+        for piece in frame:
+            new = bits[piece.name][piece.start : piece.stop]
+            if full:
+                data = encode_full(new, self.chunk_elements).to_bytes()
+            else:
+                old = self.baseline.bits(piece.name)[piece.start : piece.stop]
+                data = encode_wire(old, new, self.chunk_elements)
+            parts.append(data)
+            checksum = piece_hash(new)
+            pieces.append(WirePiece(piece.name, piece.start, piece.stop, len(data), checksum))
+            deltas.append((piece, data))
+        raw = b"".join(parts)
+        payload = _compressor().compress(raw)
+        header = FrameMsg(step, index, zlib.crc32(payload), len(raw), pieces)
+        return _Encoded(header, payload, tuple(deltas))
+
+    def _write(self, parts: list[bytes], step: int) -> int:
+        nbytes = sum(len(p) for p in parts)
+        if self.throttle is not None:
+            self.throttle.wait(nbytes)
+        try:
+            self._sock.send_multipart(parts, copy=False)
+        except zmq.Again as e:
+            bound = self.plan.answer_bound_s(0, self.hop_s)
+            raise SparseRefitError(
+                f"sparse refit step {step}: the relay root {self.plan.receivers[0]!r} took "
+                f"no message within {bound:g} s"
+            ) from e
+        return nbytes
+
+    def _await_root(self, step: int) -> RelayReport | None:
+        """The root's report of ``step``, or ``None`` when none came within its bound."""
+        deadline = time.monotonic() + self.plan.answer_bound_s(0, self.hop_s)
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(max(1, int(left * 1000))):
+                continue
+            parts = self._sock.recv_multipart()
+            got = _read_report(parts)
+            if got is None:
+                root = self.plan.receivers[0]
+                return RelayReport((NodeResult(root, Outcome.REFUSED, "sent a malformed report"),))
+            if got[0] == step:
+                return got[1]
+        return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._sock.close(0)
+        self._ctx.term()
+        self.baseline.close()
+
+    def __enter__(self) -> SparseSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_report(parts: Sequence[bytes]) -> tuple[int, RelayReport] | None:
+    """A ``[report, body]`` message as (step, report); ``None`` when it is not one."""
+    if len(parts) != 2 or parts[0] != _TAG_REPORT:
+        return None
+    try:
+        msg = _report_dec.decode(parts[1])
+        results = tuple(NodeResult(r.name, Outcome(r.outcome), r.detail) for r in msg.results)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return None
+    return msg.step, RelayReport(results)
+
+
+def _report_message(step: int, report: RelayReport) -> list[bytes]:
+    results = [WireResult(r.name, r.outcome.value, r.detail) for r in report.results]
+    return [_TAG_REPORT, _enc.encode(ReportMsg(step, results))]
+
+
+# --- the receiver --------------------------------------------------------------------
+
+
+@attrs.define
+class _Step:
+    """A step in progress at one receiver: the machine's decision and the shell's own."""
+
+    number: int
+    parent: bytes  # the ROUTER identity to answer
+    hop_s: float
+    started: Started
+    specs: dict[str, TensorSpec]
+    applying: list[concurrent.futures.Future[FrameResult]] = attrs.Factory(list)
+
+
+class SparseReceiver:
+    """A relay node: takes a step, forwards it, applies and verifies it, reports.
+
+    Its name in a relay is its bound :attr:`address` (what the sender lists). ``target``
+    gets each verified tensor at the end of a good step. ``workers``: threads that
+    decompress, check and apply frames (``None``: :func:`default_workers`). ``start()``
+    serves on a daemon thread; ``close()`` stops it.
+    """
+
+    def __init__(
+        self,
+        target: ApplyTarget,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        allow_remote: bool = False,
+        max_frame_bytes: int = FRAME_BYTES,
+        workers: int | None = None,
+        on_diverge: Callable[[str], None] | None = None,
+    ) -> None:
+        if not allow_remote and not is_loopback(host):
+            raise BadConfigError(
+                f"refusing to bind the sparse refit relay on {host}: not a loopback address "
+                "(pass allow_remote=True to expose it; the relay is unauthenticated)"
+            )
+        workers = default_workers() if workers is None else workers
+        if workers < 1:
+            raise BadArgumentError(f"workers must be positive, got {workers!r}")
+        self.workers = workers
+        self.target = target
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_frame_bytes + (1 << 20))
+        self._sock.bind(f"tcp://{host}:{port}")
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._children: dict[str, zmq.Socket[bytes]] = {}
+        self._bits: dict[str, Bits] = {}
+        self.machine = StepReceiver(self.address, CHECKSUM)  # the step rules
+        self.frames_received: dict[int, int] = {}  # step -> frames taken
+        self._on_diverge = on_diverge
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "genworker-sparse-apply")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def verified_bits(self) -> dict[str, Bits]:
+        """The bits of the last committed step, by tensor name (this receiver's own)."""
+        return dict(self._bits)
+
+    @property
+    def needs_full(self) -> bool:
+        """True until a full step succeeds, and again after any refused or missed step."""
+        return self.machine.needs_full
+
+    @property
+    def synced_step(self) -> int | None:
+        return self.machine.synced_step
+
+    @synced_step.setter
+    def synced_step(self, step: int | None) -> None:
+        self.machine.synced_step = step
+
+    @property
+    def last_problem(self) -> str:
+        return self.machine.last_problem
+
+    @property
+    def relay(self) -> tuple[str, ...] | None:
+        """The relay this receiver was configured into (:meth:`expect_relay`); ``None``:
+        any plan naming it."""
+        return self.machine.relay
+
+    def expect_relay(self, receivers: Sequence[str] | None) -> None:
+        """Take only steps planned over exactly ``receivers`` (in that order), or any
+        plan naming this receiver (``None``). Refused (``BadArgumentError``) when they are
+        not distinct non-empty names or do not include :attr:`address`."""
+        if receivers is not None:
+            names = unwrap(plan_relay(receivers, 1), BadArgumentError, "relay_addresses")
+            if self.address not in names.receivers:
+                raise BadArgumentError(
+                    f"relay_addresses {list(receivers)!r} do not include this receiver's "
+                    f"address {self.address!r}"
+                )
+            receivers = names.receivers
+        self.machine.relay = None if receivers is None else tuple(receivers)
+
+    def start(self) -> SparseReceiver:
+        warm_up()  # the codec's loops, before any step waits on them
+        self._thread = threading.Thread(
+            target=self.serve, name="genworker-sparse-relay", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._pool.shutdown(wait=True)
+        for sock in self._children.values():
+            sock.close(0)
+        self._sock.close(0)
+        self._ctx.term()
+
+    def serve(self) -> None:
+        """Serve steps until :meth:`close` (on the calling thread)."""
+        step: _Step | None = None
+        quiet_since = time.monotonic()
+        while not self._stop.is_set():
+            if not self._sock.poll(_POLL_MS):
+                if step is not None and self._diverged(
+                    self.machine.idle(time.monotonic() - quiet_since)
+                ):
+                    step = None
+                continue
+            quiet_since = time.monotonic()
+            frames = self._sock.recv_multipart(copy=False)
+            parts = [f.bytes if i < 3 else f.buffer for i, f in enumerate(frames)]
+            step = self._on_message(step, parts)
+
+    # -- messages (the machine decides, these move the bytes)
+
+    def _on_message(self, step: _Step | None, parts: list[bytes | memoryview]) -> _Step | None:
+        identity, tag = bytes(parts[0]), bytes(parts[1]) if len(parts) > 1 else b""
+        if tag == _TAG_BEGIN and len(parts) == 3:
+            return self._on_begin(identity, bytes(parts[2]))
+        if step is None or identity != step.parent:
+            return step
+        if tag == _TAG_FRAME and len(parts) == 4:
+            self._on_frame(step, bytes(parts[2]), parts[3])
+            return step
+        if tag == _TAG_END and len(parts) == 3:
+            self._on_end(step, bytes(parts[2]))
+            return None
+        return step
+
+    def _on_begin(self, identity: bytes, body: bytes) -> _Step | None:
+        try:
+            msg = _begin_dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("sparse relay %s: malformed begin: %s", self.address, e)
+            self._diverged(self.machine.replace())
+            return None
+        manifest = tuple((n, tuple(shape), dtype) for n, (shape, dtype) in msg.manifest.items())
+        fields = (msg.step, msg.base_step, tuple(msg.receivers), msg.fanout, msg.hop_s)
+        begin = StepBegin(*fields, msg.frames, manifest, msg.checksum)
+        started, replaced = self.machine.begin(begin)
+        self._diverged(replaced)
+        self._forward(started, [_TAG_BEGIN, body])
+        if started.full:  # fresh bits for the whole manifest
+            self._bits = {
+                s.name: np.zeros(s.numel, dtype=bits_dtype(DTYPE_ITEMSIZE[s.dtype]))
+                for s in started.specs
+            }
+        specs = {spec.name: spec for spec in started.specs}
+        return _Step(msg.step, identity, msg.hop_s, started, specs)
+
+    def _on_frame(self, step: _Step, body: bytes, payload: bytes | memoryview) -> None:
+        try:
+            header = _frame_dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.machine.refuse(f"a malformed frame header: {e}")
+            return
+        action = self.machine.frame(header.step, header.index, zlib.crc32(payload) == header.crc)
+        if action in (FrameAction.FORWARD, FrameAction.APPLY):
+            self._forward(step.started, [_TAG_FRAME, body, payload])
+            self.frames_received[header.step] = self.frames_received.get(header.step, 0) + 1
+        if action is FrameAction.APPLY:
+            step.applying.append(self._pool.submit(self._apply_frame, step, header, payload))
+
+    def _apply_frame(
+        self, step: _Step, header: FrameMsg, payload: bytes | memoryview
+    ) -> FrameResult:
+        """Decompress, decode, apply and check one frame (on a pool thread)."""
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_bytes)
+        except zstandard.ZstdError as e:
+            return FrameResult(f"frame {header.index} does not decompress: {e}", ())
+        if len(raw) != header.raw_bytes:
+            return FrameResult(
+                f"frame {header.index} decompressed to {len(raw)} bytes, not {header.raw_bytes}",
+                (),
+            )
+        at = 0
+        view = memoryview(raw)
+        done: list[tuple[str, int, int]] = []
+        for piece in header.pieces:
+            where = f"{piece.name!r}[{piece.start}:{piece.stop}]"
+            spec = step.specs.get(piece.name)
+            if spec is None or not 0 <= piece.start <= piece.stop <= spec.numel:
+                return FrameResult(f"frame {header.index} names {where}, not in the manifest", ())
+            target = self._bits[piece.name][piece.start : piece.stop]
+            applied = apply_wire_into(target, view[at : at + piece.nbytes])
+            at += piece.nbytes
+            if isinstance(applied, Failure):
+                return FrameResult(f"{where}: {applied.failure()}", ())
+            got = piece_hash(target)
+            if got != piece.checksum:
+                return FrameResult(
+                    f"{where} failed its checksum: {CHECKSUM} {got:#018x}, the trainer's "
+                    f"{piece.checksum:#018x} (this receiver's bits diverged)",
+                    (),
+                )
+            done.append((piece.name, piece.start, piece.stop))
+        if at != len(raw):
+            return FrameResult(
+                f"frame {header.index} has {len(raw) - at} bytes past its pieces", ()
+            )
+        return FrameResult("", tuple(done))
+
+    def _on_end(self, step: _Step, body: bytes) -> None:
+        try:
+            named = _end_dec.decode(body).step
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.machine.refuse(f"a malformed end: {e}")
+            named = step.number
+        forwarded = time.monotonic()
+        self._forward(step.started, [_TAG_END, body])
+        own, why = self.machine.end(named, [future.result() for future in step.applying])
+        if not self._diverged(why):
+            own = self._commit(step)
+        result = NodeResult(self.address, Outcome.REFUSED, own) if own else None
+        result = result or NodeResult(self.address, Outcome.APPLIED)
+        plan = step.started.plan
+        if plan is None:
+            report = RelayReport((result,))
+        else:
+            children = self._collect(step, forwarded)
+            report = report_subtree(plan, step.started.node, result, children, step.hop_s)
+        self._sock.send_multipart([step.parent, *_report_message(step.number, report)])
+
+    def _commit(self, step: _Step) -> str:
+        """Hand every verified tensor to the target; the reason it did not, or ''."""
+        problem = ""
+        try:
+            self.target.begin(step.number, list(step.started.specs))
+            for spec in step.started.specs:
+                self.target.apply(spec.name, _as_tensor(self._bits[spec.name], spec))
+            self.target.finish()
+        except Exception as e:  # noqa: BLE001 -- the target's failure is this node's answer
+            problem = f"the apply target failed: {type(e).__name__}: {e}"
+        self._diverged(self.machine.committed(step.number, problem))
+        return problem
+
+    def _diverged(self, why: str) -> str:
+        """Log and tell a divergence the machine reported (none when ``why`` is '')."""
+        if why:
+            log.warning("sparse relay %s: %s; a full refit is needed", self.address, why)
+            if self._on_diverge is not None:
+                self._on_diverge(why)
+        return why
+
+    def _child(self, address: str) -> zmq.Socket[bytes]:
+        sock = self._children.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._children[address] = sock
+        return sock
+
+    def _forward(self, step: Started, parts: list[bytes | memoryview]) -> None:
+        """Send ``parts`` on to this node's children (never blocks: a full queue is a
+        child that stopped taking messages, which its parent reports as silent)."""
+        if step.plan is None:
+            return  # not in the step's relay: no children
+        for child in step.plan.children(step.node):
+            with_child = self._child(step.plan.receivers[child])
+            try:
+                with_child.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                log.warning("sparse relay %s: child %s takes no messages", self.address, child)
+
+    def _collect(self, step: _Step, forwarded: float) -> dict[int, RelayReport | None]:
+        """Each child's report of this step, waited for within the child's own bound."""
+        plan, hop = step.started.plan, step.hop_s
+        assert plan is not None
+        waiting = {
+            child: forwarded + plan.answer_bound_s(child, hop)
+            for child in plan.children(step.started.node)
+        }
+        reports: dict[int, RelayReport | None] = {}
+        poller = zmq.Poller()
+        for child in waiting:
+            poller.register(self._child(plan.receivers[child]), zmq.POLLIN)
+        while waiting:
+            left = max(waiting.values()) - time.monotonic()
+            for child in [c for c, at in waiting.items() if at <= time.monotonic()]:
+                reports[child] = None
+                del waiting[child]
+            if not waiting or left <= 0:
+                break
+            ready = dict(poller.poll(max(1, int(min(left, _POLL_MS / 1000) * 1000))))
+            for child in list(waiting):
+                sock = self._child(plan.receivers[child])
+                if ready.get(sock):
+                    got = _read_report(sock.recv_multipart())
+                    if got is not None and got[0] == step.number:
+                        reports[child] = got[1]
+                        del waiting[child]
+        return reports
+
+
+# --- the engine's end: the ``sparse`` refit backend ----------------------------------
+#
+# Each engine worker runs a SparseReceiver on a daemon thread. Only a step verified in
+# full reaches the engine, through EngineTarget: tensors whose layout equals a
+# parameter's (the refit protocol's routes, as the IPC path keeps them) are copied
+# straight into parameter memory, followed by their modules' post-load processing, and
+# the parameter's bytes are compared with the verified bits, so a write that did not
+# land is caught; the others go through the engine's weight loader, one call per step (a
+# loader may fuse, cast or re-pack: their checksum is that of the bits handed to it). Any
+# step refused or failed here marks the engine *diverged*: ``status`` says so and the
+# generation worker refuses to serve (``SparseRefitError``) until a full refit succeeds
+# (a full sparse step, or an IPC/collective refit: ``EngineContext.version`` moved).
+# Steps arrive when the trainer sends them, between generations (the worker resets its
+# caches and counts the refit at its next call, from ``applied``).
+
+
+def _checksum(tensor: torch.Tensor) -> int:
+    return tensor_checksum(bit_pattern(tensor.detach().cpu().contiguous()))
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+class EngineTarget:
+    """A verified sparse step into the engine's parameters (see above); ``applied(step)``
+    is called once a step is in."""
+
+    def __init__(self, engine: EngineContext, applied: Callable[[int], None]) -> None:
+        self._engine, self._applied = engine, applied
+        self._sink: EngineSink | None = None
+        self._direct: list[str] = []
+        self._loaded: list[tuple[str, torch.Tensor]] = []
+        self._loader: Loader | None = None
+        self._step = -1
+        self._routes = p.Routes()
+
+    def begin(self, step: int, specs: Sequence[TensorSpec]) -> None:
+        engine = self._engine
+        self._step = step
+        manifest = Manifest.from_specs(specs).unwrap()  # the receiver checked it
+        routed = engine.routed(manifest, engine.tp_size == 1)
+        self._loader = engine.loader() if len(routed.routes.direct) < len(manifest) else None
+        self._sink, self._routes = engine.sink(routed), routed.routes
+        self._direct, self._loaded = [], []
+
+    def apply(self, name: str, tensor: torch.Tensor) -> None:
+        assert self._sink is not None
+        if name not in self._routes.direct:
+            self._loaded.append((name, tensor))  # borrowed until finish(), which loads it
+            return
+        target = self._sink.target(name)
+        staged = tensor.to(target.device)  # the verified bits on the parameter's device
+        target.copy_(staged.reshape(target.shape))
+        # Compared where the parameter lives: a GPU engine reads nothing back to the host.
+        if not torch.equal(_bytes(target), _bytes(staged)):
+            raise RefitError(
+                f"{name!r} in parameter memory differs from the verified bits after the write "
+                f"(CRC-32 {_checksum(target):#010x}, verified {_checksum(tensor):#010x})"
+            )
+        self._direct.append(name)
+
+    def finish(self) -> None:
+        assert self._sink is not None
+        if self._loaded:
+            assert self._loader is not None
+            self._loader(iter(self._loaded))
+        self._sink.finish(self._direct)
+        self._loaded = []
+        self._applied(self._step)
+
+
+class SparseBackend:
+    """``sparse``: this engine worker's relay receiver (one, started by ``init``)."""
+
+    def __init__(self, engine: EngineContext) -> None:
+        self.engine = engine
+        self.receiver: SparseReceiver | None = None
+        self.applied = 0  # sparse steps applied into the engine
+        self.step: int | None = None  # the sender's number of the last one
+        self.diverged = ""  # why the engine's weights cannot be vouched for; '' if they can
+        self.diverged_at = -1  # the engine's IPC/collective refit count when it diverged
+        self.lock = threading.Lock()
+
+    def init(
+        self,
+        host: str = "127.0.0.1",
+        allow_remote: bool = False,
+        relay_addresses: Sequence[str] | bool | None = False,
+    ) -> str:
+        """Start the receiver (once; later calls return the same address): the address a
+        sender or a parent relay node sends to. ``relay_addresses=[...]`` instead: take
+        only steps planned over exactly those receivers (``None``: any plan naming it)."""
+        if relay_addresses is not False:
+            return self._configure(relay_addresses)
+        with self.lock:
+            if self.receiver is None:
+                target = EngineTarget(self.engine, self._applied)
+                try:
+                    receiver = SparseReceiver(
+                        target, host=str(host), allow_remote=bool(allow_remote),
+                        on_diverge=self._diverged,
+                    )  # fmt: skip
+                except zmq.ZMQError as e:  # e.g. a port in use, told as a typed error
+                    raise RefitError(f"the sparse relay could not bind {host}: {e}") from e
+                self.receiver = receiver.start()
+            return self.receiver.address
+
+    def _configure(self, addresses: Sequence[str] | bool | None) -> str:
+        if self.receiver is None:
+            raise EngineStateError("configure the sparse relay after starting it")
+        if isinstance(addresses, bool):
+            raise BadArgumentError(f"relay_addresses must be a list or None, got {addresses!r}")
+        self.receiver.expect_relay(None if addresses is None else list(addresses))
+        return self.receiver.address
+
+    def receive(self, timeout_s: float | None = None) -> dict[str, object]:
+        raise EngineStateError("sparse steps arrive on the relay's thread: read status")
+
+    def status(self, detail: str = "") -> Mapping[str, object]:
+        """What the worker checks before serving: the receiver's address, the sparse
+        steps applied, the last one's number, frames taken per step, and why the weights
+        diverged ('' when they did not, or a full refit came after). ``"checksums"``:
+        CRC-32 of each tensor of the last applied step as this engine holds it instead."""
+        if detail == "checksums":
+            return self._checksums()
+        if detail:
+            raise BadArgumentError(f"sparse status takes '' or 'checksums', got {detail!r}")
+        receiver = self.receiver
+        with self.lock:
+            if self.diverged and self.engine.version != self.diverged_at:
+                self.diverged = ""  # an IPC/collective refit replaced every weight since
+            return {
+                "address": None if receiver is None else receiver.address,
+                "applied": self.applied,
+                "step": self.step,
+                "diverged": self.diverged,
+                "frames": {} if receiver is None else dict(receiver.frames_received),
+            }
+
+    def _checksums(self) -> dict[str, int]:
+        if self.receiver is None:
+            return {}
+        params = self.engine.params()
+        routed = self.engine.routed_last
+        direct = routed.routes.direct if routed is not None else frozenset()
+        return {
+            name: _checksum(params[name]) if name in direct else tensor_checksum(bits)
+            for name, bits in self.receiver.verified_bits().items()
+        }
+
+    def release(self) -> int:
+        return 0  # the receiver's bits are its own copy
+
+    def close(self) -> int:
+        with self.lock:
+            receiver, self.receiver = self.receiver, None
+        if receiver is not None:
+            receiver.close()
+        return int(receiver is not None)
+
+    def _applied(self, step: int) -> None:
+        with self.lock:
+            self.applied += 1
+            self.step = step
+            self.diverged = ""
+
+    def _diverged(self, why: str) -> None:
+        with self.lock:
+            self.diverged, self.diverged_at = why, self.engine.version

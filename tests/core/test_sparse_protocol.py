@@ -1,0 +1,270 @@
+"""Laws of the sparse relay's step rules: the sender machine against receiver machines,
+over a channel that drops, corrupts, cuts short and replaces steps (h11's ConnectionPair,
+with faults). A receiver's bits are modelled by the step whose content they hold, and a
+frame applied onto bits of another step fails its checksum, as the pieces' hashes make it
+fail in the shell."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from genworker.core.sparse_protocol import (
+    FrameAction,
+    FrameResult,
+    StepBegin,
+    StepReceiver,
+    StepSender,
+    tiles,
+)
+
+CHECKSUM = "gwh64"
+NUMEL = 12
+MANIFEST = (("w", (NUMEL,), "float32"),)
+ADDRESSES = ("tcp://a", "tcp://b", "tcp://c")
+
+
+class Fault(enum.Enum):
+    NONE = "none"
+    DROP = "drop"  # a frame never arrives
+    CORRUPT = "corrupt"  # a frame fails its CRC
+    BAD_APPLY = "bad_apply"  # a frame's pieces fail their checks
+    TARGET = "target"  # the engine fails to take the verified bits
+    OTHER_END = "other_end"  # the end names another step
+    REPLACED = "replaced"  # the next Begin comes before this step's End
+    QUIET = "quiet"  # the sender goes silent past the relay's bound
+    RESTART = "restart"  # the receiver restarts before the step (fresh machine)
+
+
+@attrs.define
+class Node:
+    machine: StepReceiver
+    content: int | None = None  # the step whose bits this node holds; None: garbage
+
+
+def begin_of(step: int, base: int, frames: int, **overrides: object) -> StepBegin:
+    fields: dict[str, object] = {
+        "step": step,
+        "base_step": base,
+        "receivers": ADDRESSES,
+        "fanout": 2,
+        "hop_s": 1.0,
+        "frames": frames,
+        "manifest": MANIFEST,
+        "checksum": CHECKSUM,
+    }
+    fields.update(overrides)
+    return StepBegin(**fields)  # type: ignore[arg-type]
+
+
+def pieces(frames: int) -> list[tuple[str, int, int]]:
+    bounds = [NUMEL * i // frames for i in range(frames + 1)]
+    return [("w", a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def run_step(
+    sender: StepSender, nodes: list[Node], faults: list[Fault], frames: int
+) -> tuple[int, int, list[bool]]:
+    """One step from ``sender`` to every node, each with its fault; which committed."""
+    step, base = sender.start()
+    committed = []
+    for node, fault in zip(nodes, faults, strict=True):
+        if fault is Fault.RESTART:
+            node.machine, node.content = StepReceiver(node.machine.address, CHECKSUM), None
+        was = node.content
+        started, _ = node.machine.begin(begin_of(step, base, frames))
+        assert (started.plan is not None and started.problem == "") or base >= 0
+        if started.full:
+            node.content = None  # fresh bits: filled by this step's frames
+        results = []
+        for index, piece in enumerate(pieces(frames)):
+            if fault is Fault.DROP and index == 0:
+                continue
+            intact = not (fault is Fault.CORRUPT and index == frames - 1)
+            action = node.machine.frame(step, index, intact)
+            assert action is not FrameAction.IGNORE
+            if action is FrameAction.APPLY:
+                onto_right_bits = base < 0 or was == base
+                ok = onto_right_bits and not (fault is Fault.BAD_APPLY and index == 0)
+                results.append(FrameResult("", (piece,)) if ok else FrameResult("checksum", ()))
+        committed.append(finish(node, step, fault, results))
+    sender.conclude(all(committed))
+    return step, base, committed
+
+
+def finish(node: Node, step: int, fault: Fault, results: list[FrameResult]) -> bool:
+    """The step's end at ``node`` (or what came instead); whether it committed. A node
+    that did not holds bits nobody vouches for (a delta may have half-applied)."""
+    node.content, why = None, ""
+    if fault is Fault.REPLACED:
+        why = node.machine.replace()
+        assert why.startswith(f"step {step} was replaced")
+    elif fault is Fault.QUIET:
+        assert node.machine.idle(0.5) == ""  # within the bound: still open
+        why = node.machine.idle(100.0)
+        assert why.startswith(f"step {step} stopped mid-way")
+    else:
+        named = step + 1 if fault is Fault.OTHER_END else step
+        problem, why = node.machine.end(named, results)
+        assert why.endswith(problem)
+        if not problem:
+            why = node.machine.committed(step, "engine failed" if fault is Fault.TARGET else "")
+    assert bool(why) == node.machine.needs_full
+    if not why:
+        node.content = step
+    return not why
+
+
+@given(
+    st.integers(1, 3).flatmap(
+        lambda n: st.tuples(
+            st.just(n),
+            st.lists(
+                st.tuples(
+                    st.lists(st.sampled_from(Fault), min_size=n, max_size=n), st.integers(1, 4)
+                ),
+                min_size=1,
+                max_size=8,
+            ),
+        )
+    )
+)
+def test_receivers_commit_exactly_the_steps_they_can_vouch_for(
+    case: tuple[int, list[tuple[list[Fault], int]]],
+) -> None:
+    n, steps = case
+    sender = StepSender()
+    nodes = [Node(StepReceiver(a, CHECKSUM)) for a in ADDRESSES[:n]]
+    previous_ok = False
+    for faults, frames in steps:
+        holds = [node.machine.synced_step for node in nodes]
+        step, base = run_step(sender, nodes, faults, frames)[:2]
+        # the sender sends a delta only after a step every receiver applied
+        assert (base >= 0) == previous_ok
+        for node, fault, held in zip(nodes, faults, holds, strict=True):
+            clean = fault in (Fault.NONE, Fault.RESTART)
+            vouched = base < 0 or (held == base and fault is not Fault.RESTART)
+            # a receiver commits exactly when nothing went wrong and it holds the base
+            assert (node.machine.synced_step == step) == (clean and vouched)
+            # a receiver that holds a step holds that step's content
+            if node.machine.synced_step is not None:
+                assert node.content == node.machine.synced_step
+            else:
+                assert node.machine.needs_full
+        previous_ok = sender.synced_step is not None
+        assert previous_ok == all(node.machine.synced_step == step for node in nodes)
+
+
+@given(st.integers(1, 3), st.integers(1, 4))
+def test_a_clean_full_step_recovers_every_receiver(n: int, frames: int) -> None:
+    sender = StepSender()
+    nodes = [Node(StepReceiver(a, CHECKSUM)) for a in ADDRESSES[:n]]
+    run_step(sender, nodes, [Fault.CORRUPT] * n, frames)
+    step, base, committed = run_step(sender, nodes, [Fault.NONE] * n, frames)
+    assert base == -1
+    assert all(committed)
+    assert sender.synced_step == step
+    step, base, committed = run_step(sender, nodes, [Fault.NONE] * n, frames)
+    assert base == step - 1
+    assert all(committed)
+
+
+def fresh(address: str = ADDRESSES[0]) -> StepReceiver:
+    return StepReceiver(address, CHECKSUM)
+
+
+def test_a_node_outside_the_relay_refuses_and_forwards_nothing() -> None:
+    started, replaced = fresh("tcp://z").begin(begin_of(1, -1, 1))
+    assert started.plan is None
+    assert replaced == ""
+    assert "is not in the step's relay" in started.problem
+    bad_fanout = fresh().begin(begin_of(1, -1, 1, fanout=0))[0]
+    assert bad_fanout.plan is None
+    assert "fanout" in bad_fanout.problem
+
+
+def test_a_step_planned_over_another_relay_is_refused_but_forwarded() -> None:
+    node = fresh()
+    node.relay = ADDRESSES[:2]
+    started = node.begin(begin_of(1, -1, 1))[0]
+    assert started.plan is not None
+    assert "was configured into the relay" in started.problem
+    assert node.frame(1, 0, True) is FrameAction.FORWARD
+
+
+def test_an_invalid_manifest_refuses_the_step() -> None:
+    started = fresh().begin(begin_of(1, -1, 1, manifest=(("w", (-1,), "float32"),)))[0]
+    assert "the step's manifest is invalid" in started.problem
+    assert not started.full
+
+
+@pytest.mark.parametrize(
+    ("held", "base", "manifest", "problem"),
+    [
+        (None, 0, MANIFEST, "needs a full refit before a delta"),
+        (1, 2, MANIFEST, "holds step 1, but the delta applies to step 2"),
+        (1, 1, (("w", (NUMEL,), "bfloat16"),), "manifest differs from the one of the last full"),
+    ],
+)
+def test_a_delta_the_node_cannot_apply_is_refused(
+    held: int | None,
+    base: int,
+    manifest: tuple[tuple[str, tuple[int, ...], str], ...],
+    problem: str,
+) -> None:
+    node = fresh()
+    node.begin(begin_of(1, -1, 1))
+    node.end(1, [FrameResult("", (("w", 0, NUMEL),))])
+    node.committed(1)
+    node.synced_step = held
+    started = node.begin(begin_of(3, base, 1, manifest=manifest))[0]
+    assert problem in started.problem
+
+
+def test_a_step_with_other_checksums_is_refused() -> None:
+    started = fresh().begin(begin_of(1, -1, 1, checksum="crc32"))[0]
+    assert "carry 'crc32' checksums, this receiver checks 'gwh64'" in started.problem
+
+
+def test_messages_without_an_open_step_change_nothing() -> None:
+    node = fresh()
+    assert node.open_step is None
+    assert node.idle(1e9) == ""
+    assert node.replace() == ""
+    node.refuse("nothing to refuse")
+    assert node.frame(1, 0, True) is FrameAction.IGNORE
+    other = fresh()
+    other.begin(begin_of(1, -1, 2))
+    assert other.open_step == 1
+    assert other.frame(2, 0, True) is FrameAction.IGNORE
+
+
+def test_a_refused_step_keeps_its_first_problem_and_verified_bits_must_tile() -> None:
+    node = fresh()
+    node.begin(begin_of(1, -1, 1))
+    node.refuse("a malformed end")
+    node.refuse("a second problem")
+    assert node.end(1, [])[0] == "a malformed end"
+    node.begin(begin_of(2, -1, 1))
+    assert node.frame(2, 0, True) is FrameAction.APPLY
+    problem, why = node.end(2, [FrameResult("", (("w", 0, NUMEL - 1),))])
+    assert problem == "has no verified bits for all of ['w']"
+    assert why.startswith("step 2 refused")
+
+
+@given(st.lists(st.integers(1, 5), max_size=6), st.integers(0, 2))
+def test_tiles_holds_exactly_for_back_to_back_cover(sizes: list[int], gap: int) -> None:
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    ranges = list(itertools.pairwise(bounds))
+    assert tiles(ranges, bounds[-1]) == bool(ranges)
+    if ranges:
+        assert not tiles([*ranges, ranges[0]], bounds[-1])  # an element twice
+        shifted = [(a + gap + 1, b + gap + 1) for a, b in ranges]
+        assert not tiles(shifted, bounds[-1] + gap + 1)  # a gap at the start
+    assert tiles([(0, 0)], 0)
+    assert not tiles([], 0)
