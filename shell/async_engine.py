@@ -50,6 +50,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import attrs
+
+from genworker.shell.install import check_torchvision
+
+check_torchvision()  # before vLLM or transformers load a model (docs/install.md)
+
 import vllm.envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt

@@ -105,6 +105,9 @@ def _device() -> str:
 
 
 def _tokenizer(model: str):  # type: ignore[no-untyped-def]
+    from genworker.shell.install import check_torchvision
+
+    check_torchvision()  # before transformers imports it (docs/install.md)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model)

@@ -141,6 +141,11 @@ from typing import TYPE_CHECKING, Final, NoReturn, TypeVar, cast
 import attrs
 import numpy as np
 import numpy.typing as npt
+
+from genworker.shell.install import check_torchvision
+
+check_torchvision()  # before vLLM or transformers load a model (docs/install.md)
+
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError

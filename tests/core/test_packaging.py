@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -117,3 +120,33 @@ def test_importing_core_loads_no_engine_runtime() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def _dist(requirement: str) -> str:
+    name = re.match(r"[A-Za-z0-9._-]+", requirement)
+    assert name is not None, requirement
+    return re.sub(r"[-_.]+", "-", name.group(0)).lower()
+
+
+def _third_party(folder: str) -> dict[str, set[str]]:
+    """Each third-party top-level name the folder's modules import: the distributions
+    that provide it here (its own name where none is installed)."""
+    provided = importlib.metadata.packages_distributions()
+    found: dict[str, set[str]] = {}
+    for path in (REPO / folder).rglob("*.py"):
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top in sys.stdlib_module_names or top in ("genworker", "__future__"):
+                continue
+            found.setdefault(top, set()).update(_dist(d) for d in provided.get(top, [top]))
+    return found
+
+
+def test_every_third_party_import_is_declared_core_s_in_the_base_dependencies() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    base = {_dist(r) for r in project["dependencies"]}
+    extras = {_dist(r) for reqs in project["optional-dependencies"].values() for r in reqs}
+    for folder in ("core", "shell", "demo"):
+        declared = base if folder == "core" else base | extras
+        missing = {top for top, dists in _third_party(folder).items() if not dists & declared}
+        assert not missing, f"{folder}/ imports undeclared {sorted(missing)}"
