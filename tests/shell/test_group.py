@@ -600,7 +600,9 @@ def test_a_killed_actor_is_named_and_the_other_shard_keeps_its_rows(
 
 @pytest.mark.engine
 def test_shutdown_leaves_no_actor_or_placement_group(group: GenerationGroup) -> None:
-    pg_id = group.placement_group.id.hex()
+    pg = group.placement_group
+    assert pg is not None
+    pg_id = pg.id.hex()
     group.shutdown()
     group.shutdown()  # idempotent
     assert leftovers({pg_id}) == ([], [])
