@@ -735,7 +735,13 @@ async def serve_on(app: Any, sock: socket.socket) -> tuple[Any, asyncio.Task[Non
     server_cls = _first_attr(
         [("vllm.entrypoints.launchers.launcher", "NoSignalServer"), ("uvicorn", "Server")]
     )
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
     server = server_cls(config)
     if server_cls is uvicorn.Server:  # never take the process's signals
         server.install_signal_handlers = lambda: None
@@ -749,11 +755,19 @@ async def serve_on(app: Any, sock: socket.socket) -> tuple[Any, asyncio.Task[Non
     return server, task
 
 
+SHUTDOWN_GRACE_S = 1
+"""How long a stopping server lets requests still running finish before uvicorn cancels
+them (:meth:`OpenAIServer.stop` has ended the generations by then). Without a bound,
+uvicorn's graceful shutdown waits for every open stream to end by itself."""
+
+
 async def stop_serving(server: Any, task: asyncio.Task[None]) -> None:
-    """Stop a server of :func:`serve_on` (forced after 10 s)."""
+    """Stop a server of :func:`serve_on`: uvicorn closes idle connections at once and
+    cancels requests still running after :data:`SHUTDOWN_GRACE_S`; forced a second later
+    (uvicorn looks at ``should_exit`` every 0.1 s)."""
     server.should_exit = True
     try:
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(SHUTDOWN_GRACE_S + 1.0):
             await task
     except TimeoutError:
         server.force_exit = True
@@ -829,9 +843,12 @@ class OpenAIServer:
         log.info("vLLM's OpenAI server listens on %s", self.base_url)
 
     async def stop(self) -> None:
-        """Stop serving and close the socket (the port is free afterwards); idempotent."""
+        """End the generations in flight (a stream ends, a response not yet started
+        answers 500), stop serving and close the socket (the port is free afterwards);
+        idempotent."""
         task, self._task = self._task, None
         server, self._server = self._server, None
+        self.abort_all("the server is shutting down")
         try:
             if task is not None and server is not None:
                 await stop_serving(server, task)

@@ -49,9 +49,13 @@ def noisy(self, *args, **kwargs):
     print("noise from print")
     os.write(1, b"noise on fd 1\\n")
     start(self, *args, **kwargs)
+    vllm_config = self.engine.llm.llm_engine.vllm_config  # what the engine started with
+    print("engine:", vllm_config.model_config.max_model_len,
+          vllm_config.scheduler_config.max_num_seqs)
 worker.VllmGenerationWorker.__init__ = noisy
+import sys
 from genworker.shell.cli import main
-code = main()
+code = main(sys.argv[1:])  # given argv: main returns (without it, the process ends there)
 print("after the command: stdout is back")
 raise SystemExit(code)
 """
@@ -62,7 +66,8 @@ raise SystemExit(code)
 def test_generate_writes_only_json_records_to_stdout(tiny_model_dir: Path, tmp_path: Path) -> None:
     proc = run_cli(
         ["generate", "--model", str(tiny_model_dir), "--prompts", str(prompts_file(tmp_path)),
-         "--max-new-tokens", "6", "--chunk", "2", "--log-level", "info"],
+         "--max-new-tokens", "6", "--chunk", "2", "--log-level", "info",
+         "--max-model-len", "128", "--max-num-seqs", "3"],  # vLLM's engine options
         code=NOISY,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -75,6 +80,7 @@ def test_generate_writes_only_json_records_to_stdout(tiny_model_dir: Path, tmp_p
     assert "noise from print" in proc.stderr
     assert "noise on fd 1" in proc.stderr
     assert "generating" in proc.stderr  # the progress bar: 6 prompts in chunks of 2
+    assert "engine: 128 3" in proc.stderr  # the options reached the engine vLLM started
 
 
 @pytest.mark.parametrize(
