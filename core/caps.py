@@ -51,6 +51,7 @@ __all__ = [
     "batch_max_tokens",
     "cap_rows",
     "context_cap",
+    "no_room_error",
     "request_max_tokens",
     "reserved_tokens",
     "spec_decode_cap",
@@ -132,9 +133,10 @@ def _describe_reserve(reserve: int) -> str:
     return f" minus {reserve} slots reserved for speculative decoding (k + 1)"
 
 
-def _no_room(
+def no_room_error(
     rows: tuple[int, ...], lengths: tuple[int, ...], max_model_len: int, reserve: int
 ) -> CapError:
+    """The :class:`CapError` naming ``rows`` (with their ``lengths``) as without room."""
     limit = max_model_len - reserve
     if len(rows) == 1:
         head = f"row {rows[0]} (input length {lengths[0]}) leaves no room to generate"
@@ -156,7 +158,7 @@ def _capped(
 ) -> Result[int, CapFailure]:
     room = max_model_len - reserve - input_length
     if room < 1:
-        return Failure(_no_room((0,), (input_length,), max_model_len, reserve))
+        return Failure(no_room_error((0,), (input_length,), max_model_len, reserve))
     return Success(min(max_new_tokens, room))
 
 
@@ -302,7 +304,7 @@ def batch_max_tokens(
     if no_room.size:
         rows = tuple(no_room.tolist())
         values = tuple(lengths[no_room].tolist())
-        return Failure(_no_room(rows, values, max_model_len, reserve))
+        return Failure(no_room_error(rows, values, max_model_len, reserve))
     ceiling = min(max_new_tokens, limit)
     return Success(tuple(np.minimum(room, ceiling).tolist()))
 

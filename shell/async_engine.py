@@ -16,7 +16,7 @@ Theory of operation
   ``weight_versions`` field of ``CompletionOutput`` (vLLM 0.32; the engine core stamps
   every step's outputs with the label, ``EngineCore._attach_weight_version`` in
   ``vllm/v1/engine/core.py``).
-- Errors are translated in one place, as for the sync engine (``vllm_engine._translated``):
+- Errors are translated in one place, as for the sync engine (``vllm_engine.VLLM_CALLS``; here :data:`ASYNC_CALLS`):
   ``EngineDeadError`` becomes ours, request validation errors become ``BadBatchError``;
   ``EngineGenerateError`` (an unexpected failure inside one request) becomes a
   ``GenworkerError`` naming it, the engine keeps serving.
@@ -33,7 +33,7 @@ Theory of operation
 - ``collective_rpc`` is bounded by ``timeout`` here (the in-process executor inside the
   engine core ignores vLLM's own): past it the engine core is stuck in the RPC, so dead,
   and every later call is refused with ``EngineDeadError``. The adapter's own RPCs are
-  bounded as the sync engine's (``vllm_engine._CALL_BOUND_S``).
+  bounded as the sync engine's (``vllm_engine.CALL_BOUND_S``).
 - A sleep or wake that raises is fatal for the engine, as in the sync engine
   (``vllm_engine``'s module docstring: vLLM leaves it part-mapped with its scheduler
   paused); ``wake_up`` returns whether the engine is fully awake. ``shutdown`` skips the
@@ -45,18 +45,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
-import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
-
-from genworker.shell.install import check_torchvision
-
-check_torchvision()  # before vLLM or transformers load a model (docs/install.md)
-
 import vllm.envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
@@ -79,6 +71,8 @@ from genworker.shell.errors import (
     GenworkerError,
     RequestAbortedError,
     UnsupportedError,
+    fatal,
+    translated,
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import (
@@ -86,19 +80,17 @@ from genworker.shell.ports import (
     StreamedGeneration,
     check_request_logprobs,
 )
-from genworker.shell.startup import check_main_guard, checked_model_source
 from genworker.shell.vllm_engine import (
-    _CALL_BOUND_S,
-    _NO_TOKENIZER,
-    _REQUEST_ERRORS,
-    _fatal,
-    _generation,
-    _image_token_id,
-    _sample,
-    _sampling_arg_names,
-    _translated,
+    CALL_BOUND_S,
+    NO_TOKENIZER,
+    REQUEST_ERRORS,
+    VLLM_CALLS,
     engine_arg_names,
     expanded_with,
+    generation_of,
+    image_token_id_of,
+    metric_sample,
+    sampling_arg_names,
     token_prompt,
     tokenize_with,
 )
@@ -107,11 +99,6 @@ __all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory", "async_engine_arg_names"
 
 _PARAMS_CACHE_SIZE = 1024
 _MP_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
-_STOP_CLEANUP_S = 1.0
-"""The bound on the extension's ``cleanup`` at shutdown (a live engine answers in
-milliseconds)."""
-
-log = logging.getLogger(__name__)
 
 
 def async_engine_arg_names() -> frozenset[str]:
@@ -133,24 +120,22 @@ class AsyncVllmEngineFactory:
         return AsyncVllmEngine.start(kwargs)
 
 
-@contextmanager
-def _translated_async(call: str, *, request: bool = False) -> Iterator[None]:
-    """:func:`vllm_engine._translated`, plus what one request of the async engine raises:
-    request validation errors (``request``) and an unexpected failure inside it."""
-    try:
-        with _translated(call):
-            yield
-    except GenworkerError:
-        raise
-    except EngineGenerateError as e:
-        cause = e.__cause__
-        raise GenworkerError(
-            f"{call}: the request failed inside vLLM: {type(cause).__name__}: {cause}"
-        ) from e
-    except _REQUEST_ERRORS as e:
-        if not request:
-            raise
-        raise BadBatchError(f"{call}: vLLM rejected the request: {e}") from e
+ASYNC_CALLS = VLLM_CALLS.extended(
+    "async vllm",
+    (
+        EngineGenerateError,
+        lambda call, e: GenworkerError(
+            f"{call}: the request failed inside vLLM: {type(e.__cause__).__name__}: {e.__cause__}"
+        ),
+    ),
+)
+"""The sync engine's seam, plus an unexpected failure inside one request of ``AsyncLLM``."""
+
+ASYNC_REQUEST = ASYNC_CALLS.extended(
+    "async vllm request",
+    (REQUEST_ERRORS, lambda call, e: BadBatchError(f"{call}: vLLM rejected the request: {e}")),
+)
+"""One request: :data:`ASYNC_CALLS`, and vLLM's validation errors are a bad batch."""
 
 
 def _spawn_on_cuda() -> None:
@@ -196,7 +181,7 @@ class AsyncVllmEngine:
         self._wake_installed = False
         self._dead: str | None = None  # why the engine is dead (every later call refused)
         self._log_stats = llm.log_stats
-        sampling_args = _sampling_arg_names()
+        sampling_args = sampling_arg_names()
         media = model.multimodal_config
         self._caps = EngineCapabilities(
             sleep_mode=current_platform.is_sleep_mode_available() and model.enable_sleep_mode,
@@ -206,7 +191,7 @@ class AsyncVllmEngine:
             device=current_platform.device_type,
             sampling_args=sampling_args,
             multimodal=media is not None,
-            image_token_id=None if media is None else _image_token_id(model),
+            image_token_id=None if media is None else image_token_id_of(model),
             max_images=None if media is None else media.get_limit_per_prompt("image"),
             weight_versions=_labels_tokens(llm),
             num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
@@ -226,8 +211,6 @@ class AsyncVllmEngine:
             raise BadConfigError(
                 f"engine kwargs need 'model' as a str, got {kwargs.get('model')!r}"
             )
-        checked_model_source(str(kwargs["model"]))  # a mistyped path is no Hub id
-        check_main_guard("AsyncVllmGenerationWorker's engine (vLLM's AsyncLLM)")
         _spawn_on_cuda()
         try:
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
@@ -281,7 +264,7 @@ class AsyncVllmEngine:
     ) -> CompletionOutput:
         llm = self.llm
         final: RequestOutput | None = None
-        with _translated_async(call, request=True):
+        with translated(ASYNC_REQUEST, call):
             async for out in llm.generate(prompt, params, request_id):
                 final = out
                 if progress is not None:
@@ -306,7 +289,7 @@ class AsyncVllmEngine:
             request_id,
             progress,
         )
-        return StreamedGeneration(_generation(0, completion), _spans(completion))
+        return StreamedGeneration(generation_of(0, completion), _spans(completion))
 
     async def generate_text(
         self,
@@ -320,7 +303,7 @@ class AsyncVllmEngine:
         completion = await self._final("generate_text", request, params, request_id)
         if completion.finish_reason == "abort":
             raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
-        generation = _generation(0, completion)
+        generation = generation_of(0, completion)
         check_request_logprobs(generation, self._caps.logprobs_mode, request_id)
         return completion.text
 
@@ -332,7 +315,7 @@ class AsyncVllmEngine:
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         if self.llm.vllm_config.model_config.skip_tokenizer_init:
-            raise UnsupportedError(_NO_TOKENIZER)
+            raise UnsupportedError(NO_TOKENIZER)
         return tokenize_with(self._renderer("tokenize"), prompts)
 
     def expanded_lengths(
@@ -342,13 +325,13 @@ class AsyncVllmEngine:
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         llm = self.llm
-        with _translated_async("abort"):
+        with translated(ASYNC_CALLS, "abort"):
             await llm.abort(list(request_ids))
 
     # -- pause and weights ----------------------------------------------------------
     async def pause(self, mode: InflightMode, clear_cache: bool) -> None:
         llm = self.llm
-        with _translated_async("pause_generation"):
+        with translated(ASYNC_CALLS, "pause_generation"):
             if not self._direct_pause:
                 await llm.pause_generation(mode=mode.value, clear_cache=clear_cache)
                 return
@@ -358,14 +341,14 @@ class AsyncVllmEngine:
 
     async def resume(self) -> None:
         llm = self.llm
-        with _translated_async("resume_generation"):
+        with translated(ASYNC_CALLS, "resume_generation"):
             await llm.resume_generation()
 
     async def label_weights(self, label: str) -> None:
         update = getattr(self.llm, "update_weight_version", None)
         if not callable(update):
             raise UnsupportedError("label_weights: this vLLM does not label weight versions")
-        with _translated_async("update_weight_version"):
+        with translated(ASYNC_CALLS, "update_weight_version"):
             await update(label)
 
     # -- memory ---------------------------------------------------------------------
@@ -380,32 +363,42 @@ class AsyncVllmEngine:
         self._require_sleep_mode("sleep")
         llm = self.llm
         if self._extension and not self._wake_installed:  # in the engine core's process
-            await self.collective_rpc("install_wake", timeout=_CALL_BOUND_S)  # cumem_wake
+            await self.collective_rpc("install_wake", timeout=CALL_BOUND_S)  # cumem_wake
             self._wake_installed = True
-        with _fatal(f"sleep(level={level})", _translated_async, self._died):
+        with fatal(f"sleep(level={level})", ASYNC_CALLS, self._died):
             await llm.sleep(level=level)
 
     async def wake_up(self, tags: Sequence[str] | None) -> bool | None:
         self._require_sleep_mode("wake_up")
         llm = self.llm
         names = None if tags is None else list(tags)
-        with _fatal(f"wake_up(tags={names})", _translated_async, self._died):
+        with fatal(f"wake_up(tags={names})", ASYNC_CALLS, self._died):
             return await llm.wake_up(tags=names)
 
     async def reset_prefix_cache(self) -> None:
         llm = self.llm
-        with _translated_async("reset_prefix_cache"):
+        with translated(ASYNC_CALLS, "reset_prefix_cache"):
             reset = await llm.reset_prefix_cache()
         if not reset:
             raise EngineStateError("reset_prefix_cache: vLLM kept the cache (requests running)")
+
+    async def reset_mm_cache(self) -> None:
+        llm = self.llm
+        with translated(ASYNC_CALLS, "reset_mm_cache"):
+            await llm.reset_mm_cache()
+
+    async def reset_encoder_cache(self) -> None:
+        llm = self.llm
+        with translated(ASYNC_CALLS, "reset_encoder_cache"):
+            await llm.reset_encoder_cache()
 
     # -- observability --------------------------------------------------------------
     def metrics(self) -> list[MetricSample]:
         if not self._log_stats:
             raise UnsupportedError("metrics: the engine was started with disable_log_stats")
         self.llm  # noqa: B018 - a shut-down engine has no metrics
-        with _translated_async("metrics"):
-            return [_sample(m) for m in get_metrics_snapshot()]
+        with translated(ASYNC_CALLS, "metrics"):
+            return [metric_sample(m) for m in get_metrics_snapshot()]
 
     def num_unfinished(self) -> int:
         # The output processor's count: AsyncLLM itself has no such method before vLLM 0.32.
@@ -422,7 +415,7 @@ class AsyncVllmEngine:
         llm = self.llm
         call = llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         try:
-            with _translated_async(f"collective_rpc({method!r})"):
+            with translated(ASYNC_CALLS, f"collective_rpc({method!r})"):
                 try:
                     return await asyncio.wait_for(call, timeout)
                 except TimeoutError as e:
@@ -436,33 +429,18 @@ class AsyncVllmEngine:
     async def device_ids(self) -> list[str]:
         if not self._extension:
             return [self._caps.device]
-        ids = await self.collective_rpc("report_device_id", timeout=_CALL_BOUND_S)
+        ids = await self.collective_rpc("report_device_id", timeout=CALL_BOUND_S)
         return [str(d) for d in ids]
 
     async def shutdown(self) -> None:
-        """Stop the engine and drop it; safe to call twice.
-
-        As vLLM's own server stops (``serve_http``'s ``handle_shutdown``,
-        ``vllm/entrypoints/launchers/launcher.py``, 0.32): the engine core process gets
-        vLLM's ``shutdown_timeout`` (its engine argument; 0: requests in flight aborted,
-        the process killed at once) instead of the 5 s vLLM waits by default. The
-        extension's ``cleanup`` (refit sockets and groups) is bounded by
-        :data:`_STOP_CLEANUP_S`: an engine core that does not answer is already stopping
-        (a Ctrl-C reaches the whole process group), and its sockets go with it."""
+        """Stop the engine and drop it; safe to call twice."""
         llm = self._llm
         if llm is None:
             return
         try:
             # close the refit sockets and groups; a dead engine's go with its stop
             if self._extension and not llm.errored and self._dead is None:
-                try:
-                    await self.collective_rpc("cleanup", timeout=_STOP_CLEANUP_S)
-                except EngineDeadError as e:
-                    log.warning("stopping the engine without the extension's cleanup: %s", e)
+                await self.collective_rpc("cleanup", timeout=CALL_BOUND_S)
         finally:
             self._llm = None
-            timeout = getattr(llm.vllm_config, "shutdown_timeout", None)
-            if timeout is not None and "timeout" in inspect.signature(llm.shutdown).parameters:
-                llm.shutdown(timeout=timeout)
-            else:  # vLLM 0.25: no shutdown_timeout
-                llm.shutdown()
+            llm.shutdown()

@@ -3,9 +3,11 @@ requests run, a weight version on every token; over vLLM's own ``AsyncLLM``.
 
 Theory of operation
 -------------------
-The same core as :class:`~genworker.shell.worker.VllmGenerationWorker` (config, checks,
-caps, stop strings, seeds, sampling specs, assembly, lifecycle); the difference is that
-every row is its own engine request, so rows finish, fail and change weights apart.
+The streaming drive loop over :class:`~genworker.shell.spine.WorkerSpine`, the body it
+shares with :class:`~genworker.shell.worker.VllmGenerationWorker` (config, checks, the
+request plan of ``core.requests``, lifecycle, sleep and wake with their cache resets, the
+refit preamble, counters, the RPC error map); the difference is that every row is its own
+engine request, so rows finish, fail and change weights apart.
 
 - ``generate_async(data)`` checks the batch row by row (``core.rows.check_rows``): a batch
   wrong as a whole raises, a row that cannot generate comes back at once as
@@ -29,8 +31,9 @@ every row is its own engine request, so rows finish, fail and change weights apa
   ends it at once.
 - The lifecycle (``core.lifecycle.TABLE``): a stream opens with ``STREAM_OPEN`` and the
   last one to end fires ``STREAMS_DONE``; sleeping and resetting the prefix cache are
-  refused while streams run. A sleep or wake that fails on the engine kills it, as in the
-  sync worker (``shell.worker``'s module docstring).
+  refused while streams run. A sleep resets the caches first, as the sync worker's (the
+  prefix cache, and on a multimodal engine the processed-media and encoder caches); a
+  sleep or wake that fails on the engine kills it (``shell.spine``).
 - In-flight refit (``update_weights_via_ipc_zmq`` / ``update_weights_from_collective``):
   the lifecycle enters refitting at once (a second refit is refused), the engine is paused
   as by ``AsyncLLM.pause_generation(mode, clear_cache)`` (without its 20 ms sleep,
@@ -79,25 +82,16 @@ from returns.result import Failure
 
 from genworker.core import lifecycle
 from genworker.core.assembly import Generation, assemble_outputs
-from genworker.core.batch import check_batch, check_seeds
-from genworker.core.caps import cap_rows
 from genworker.core.config import WorkerConfig
 from genworker.core.config_keys import parse_bool
 from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
 from genworker.core.lifecycle import InflightMode
-from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, check_generation_logprobs
-from genworker.core.refit_plan import Manifest
-from genworker.core.refit_protocol import (
-    RENDEZVOUS_WAITS,
-    Transport,
-    refit_waits,
-    rpc_bound,
-    wait_bound,
-)
-from genworker.core.rows import assemble_row, check_rows
-from genworker.core.sampling import SamplingSpec, check_stop_token_ids, sampling_spec
+from genworker.core.outputs import NonFiniteLogprobs, check_generation_logprobs
+from genworker.core.refit_protocol import Transport
+from genworker.core.rows import assemble_row
+from genworker.core.sampling import SamplingSpec
 from genworker.core.serving import server_options, training_policy
-from genworker.core.stops import StopMode, merge_stop_strings
+from genworker.core.stops import StopMode
 from genworker.core.versions import (
     VersionRuns,
     extend_runs,
@@ -106,20 +100,19 @@ from genworker.core.versions import (
 )
 from genworker.shell.errors import (
     BadArgumentError,
-    BadBatchError,
     BadConfigError,
     EngineContractError,
     EngineDeadError,
     EngineStateError,
     GenworkerError,
     RefitError,
-    RefitManifestError,
     RefitTimeoutError,
     RequestAbortedError,
     UnsupportedError,
+    translated,
     unwrap,
 )
-from genworker.shell.media import RowMedia, context_lengths, engine_prompts, row_media
+from genworker.shell.media import RowMedia
 from genworker.shell.ports import (
     AsyncEngineFactory,
     AsyncEnginePort,
@@ -128,16 +121,7 @@ from genworker.shell.ports import (
 )
 from genworker.shell.refit.wire import raise_failures
 from genworker.shell.server import OpenAIServer
-from genworker.shell.worker import (
-    _tensor_field,
-    checked_env_names,
-    failed_sleep_or_wake,
-    nonfinite_samples,
-    not_fully_awake,
-    start_engine,
-    tally_nonfinite,
-    wake_event,
-)
+from genworker.shell.spine import BatchPlan, WorkerSpine, tally_nonfinite
 
 __all__ = [
     "AsyncVllmGenerationWorker",
@@ -201,20 +185,7 @@ class _Request:
     seen: int = 0
 
 
-@attrs.frozen
-class _Plan:
-    """A stream's rows: ``(row, prompt, spec)`` to run, ``(row, error)`` refused, the rows
-    without room for a token (they come back unchanged, as the sync worker's do), and the
-    images of the rows that have some, with what their prompts hold in the context."""
-
-    rows: tuple[tuple[int, Sequence[int], SamplingSpec], ...]
-    errors: tuple[tuple[int, GenworkerError], ...]
-    no_room: tuple[int, ...] = ()
-    media: Mapping[int, RowMedia] = attrs.field(factory=dict)
-    context: Mapping[int, int] = attrs.field(factory=dict)
-
-
-# What a row without room gets: its prompt back, no tokens (the sync worker's _NO_ROOM).
+# What a row without room gets: its prompt back, no tokens (as the sync worker's rows).
 _NO_ROOM = RowResult(Generation((), (), "abort"), VersionRuns((), (), 0))
 
 
@@ -319,12 +290,25 @@ class _MetricsLogger:
         self._thread.join(max(self._interval, 1.0) + 5.0)
 
 
-class AsyncVllmGenerationWorker:
+_RESETS: dict[str, Callable[[AsyncEnginePort], Awaitable[None]]] = {
+    "prefix": lambda e: e.reset_prefix_cache(),
+    "mm": lambda e: e.reset_mm_cache(),
+    "encoder": lambda e: e.reset_encoder_cache(),
+}
+
+
+class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
     """One ``AsyncLLM`` serving streamed rollouts, refit while it generates.
 
     The constructor is the sync worker's (``VllmGenerationWorker``); the config must say
     ``vllm_cfg.async_engine: true``.
     """
+
+    _ASYNC_ENGINE = True
+    _WRONG_ENGINE = (
+        "vllm_cfg.async_engine is false: AsyncVllmGenerationWorker runs vLLM's "
+        "AsyncLLM; set vllm_cfg.async_engine: true, or use VllmGenerationWorker"
+    )
 
     def __init__(
         self,
@@ -338,28 +322,10 @@ class AsyncVllmGenerationWorker:
         engine_factory: AsyncEngineFactory | None = None,
         stop_mode: StopMode = StopMode.PER_SAMPLE,
     ) -> None:
-        self.cfg: WorkerConfig = unwrap(
-            WorkerConfig.from_mapping(config), BadConfigError, "worker config"
-        )
-        if not self.cfg.vllm.async_engine:
-            raise BadConfigError(
-                "vllm_cfg.async_engine is false: AsyncVllmGenerationWorker runs vLLM's "
-                "AsyncLLM; set vllm_cfg.async_engine: true, or use VllmGenerationWorker"
-            )
+        super().__init__(config, bundle_indices, fraction_of_gpus, seed, extra_env_vars, stop_mode)
         self._logger_interval = _logger_interval(self.cfg)
         self._logger: _MetricsLogger | None = None
-        self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
-        self.fraction_of_gpus = fraction_of_gpus
-        self.seed = seed if seed is not None else (self.cfg.seed or 0)
-        self.stop_mode = stop_mode
-        #: variables (names) vLLM's Ray workers inherit from this process (the sync
-        #: worker's ``extra_env_vars``); ``vllm_cfg.env_vars`` are forwarded as well
-        self.extra_env_vars = checked_env_names(extra_env_vars)
         self._factory = engine_factory
-        self._engine: AsyncEnginePort | None = None
-        self._state = lifecycle.NOT_LOADED
-        self._dead: str | None = None
-        self._version = 0
         self._label = 0  # the version counted rows' new tokens get (unlabelled engines)
         self._labelled = False  # the engine labels its weights with our version
         self._streams = 0
@@ -367,13 +333,6 @@ class AsyncVllmGenerationWorker:
         self._ids = itertools.count()
         self._id_prefix = f"gw-{secrets.token_hex(4)}"
         self._activity = 0  # tokens counted; the settle after a pause watches it
-        self._manifest: Manifest | None = None  # from prepare_refit_info
-        self._collective = False  # init_collective succeeded
-        #: the last successful refit: each engine worker's report, its mode, and the
-        #: seconds of its pause, transfer and resume
-        self.last_refit: dict[str, object] = {}
-        #: non-finite logprobs seen in generated tokens, by kind (``get_counters``)
-        self.nonfinite_logprobs: dict[str, int] = dict(NonFiniteCounts().by_kind())
         #: vLLM's OpenAI server (vllm_cfg.expose_http_server); its socket is bound now,
         #: before the engine loads
         self._http: OpenAIServer | None = self._bind_http_server()
@@ -382,79 +341,17 @@ class AsyncVllmGenerationWorker:
 
     # -- construction -----------------------------------------------------------------
     def load_model(self) -> None:
-        """Start the engine (the deferred half of ``__init__``); needs no event loop."""
-        self._move(lifecycle.Event.LOAD)
-        factory = self._factory or _default_factory()
-        engine = start_engine(factory, self.cfg, self.seed, self.extra_env_vars)
-        # Stop ids index the logits: refused against the vocabulary known now (G6).
-        stops = check_stop_token_ids(self.cfg.stop_token_ids, engine.capabilities.vocab_size)
-        if isinstance(stops, Failure):
-            del engine  # AsyncLLM.__del__ shuts it down (nothing here may await)
-            unwrap(stops, BadConfigError, "worker config")
-        self._engine = engine
-        self._state = unwrap(
-            lifecycle.transition(self._state, lifecycle.Event.LOAD),
-            EngineStateError,
-            "load_model",
-        )
+        """Start the engine (the deferred half of ``__init__``); needs no event loop. A
+        refused engine is dropped (``AsyncLLM.__del__`` shuts it down: nothing here may
+        await)."""
+        engine = self._start(self._factory or _default_factory(), lambda e: None)
+        self._loaded(engine)
         if self._logger_interval is not None:
-            self._logger = _MetricsLogger(self._engine, self._logger_interval)
-
-    # -- state ------------------------------------------------------------------------
-    @property
-    def state(self) -> lifecycle.State:
-        return self._state
-
-    @property
-    def weight_version(self) -> int:
-        """Good refits so far (0: the weights loaded)."""
-        return self._version
-
-    @property
-    def engine(self) -> AsyncEnginePort:
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine died earlier ({self._dead}); re-create the worker")
-        if self._engine is None:
-            if self._shut_down:
-                raise EngineStateError("the worker was shut down; create a new worker")
-            raise EngineStateError("no engine: call load_model() first (defer_model_load=True)")
-        return self._engine
-
-    @property
-    def llm(self) -> object:
-        """The underlying ``AsyncLLM`` (vLLM's engine client; an HTTP server wraps it)."""
-        engine = self.engine
-        return getattr(engine, "llm", engine)
-
-    def is_alive(self) -> bool:
-        return self._engine is not None and self._dead is None and not self._shut_down
+            self._logger = _MetricsLogger(engine, self._logger_interval)
 
     def num_unfinished(self) -> int:
         """Requests the engine has not finished (running, waiting or paused)."""
         return self.engine.num_unfinished()
-
-    @property
-    def _shut_down(self) -> bool:
-        return self._state.phase is lifecycle.Phase.SHUT_DOWN
-
-    def __repr__(self) -> str:
-        return (
-            f"AsyncVllmGenerationWorker(model={self.cfg.model_name!r}, seed={self.seed}, "
-            f"state={self._state}, version={self._version}, alive={self.is_alive()})"
-        )
-
-    def _move(self, event: lifecycle.Event) -> lifecycle.State:
-        """The state ``event`` leads to, or EngineStateError; does not commit it."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine died earlier ({self._dead}); re-create the worker")
-        return unwrap(
-            lifecycle.transition(self._state, event), EngineStateError, event.name.lower()
-        )
-
-    def _died(self, error: EngineDeadError) -> None:
-        if self._dead is None:
-            self._dead = str(error)
-            log.error("the engine died: %s", error)
 
     async def _call(self, fn: Callable[[AsyncEnginePort], Awaitable[_T]]) -> _T:
         try:
@@ -601,7 +498,7 @@ class AsyncVllmGenerationWorker:
         return RowResult(generation, runs)
 
     async def _stream(
-        self, plan: _Plan
+        self, plan: BatchPlan
     ) -> AsyncGenerator[tuple[int, RowResult | GenworkerError], None]:
         """The plan's refused rows, then each request's result as it finishes."""
         self._open_stream()
@@ -610,17 +507,17 @@ class AsyncVllmGenerationWorker:
         try:
             for row, error in plan.errors:
                 yield row, error
-            for row in plan.no_room:
+            for row in plan.requests.no_room:
                 yield row, _NO_ROOM
-            if not plan.rows:
+            if not (rows := plan.requests.requests()):
                 return
             engine = self.engine
             await self._ensure_labelled(engine)
             results: asyncio.Queue[tuple[int, RowResult | GenworkerError]] = asyncio.Queue()
-            for row, prompt, spec in plan.rows:
+            for row, spec in rows:
                 request = self._new_request(row)
                 requests.append(request)
-                media, context = plan.media.get(row), plan.context.get(row, len(prompt))
+                prompt, media, context = plan.prompts[row], plan.media.get(row), plan.context[row]
                 task = self._row_task(engine, request, prompt, spec, results, media, context)
                 tasks.append(asyncio.ensure_future(task))
             for _ in tasks:
@@ -646,139 +543,15 @@ class AsyncVllmGenerationWorker:
                 self._requests.pop(request.request_id, None)
 
     # -- generation -------------------------------------------------------------------
-    def _row_specs(
-        self,
-        batch_size: int,
-        data: Mapping[str, object],
-        rows: Sequence[int],
-        lengths: Sequence[int],
-        greedy: bool,
-        text: bool = False,
-    ) -> tuple[dict[int, SamplingSpec], tuple[int, ...]]:
-        """One spec per row of ``rows`` (of a batch of ``batch_size``; ``lengths`` theirs),
-        and the rows without room for one token (speculative decoding holds k + 1 slots
-        back), which the sync worker returns unchanged (``core.caps.cap_rows``). Per-sample
-        data (stop strings, seeds) is the whole batch's."""
-        caps = self.engine.capabilities
-        seeds = unwrap(check_seeds(data.get("seeds"), batch_size), BadBatchError, "seeds")
-        stops = unwrap(
-            merge_stop_strings(
-                self.cfg.stop_strings,
-                data.get("stop_strings"),  # type: ignore[arg-type]
-                batch_size,
-                self.stop_mode,
-            ),
-            BadBatchError,
-            "stop_strings",
-        )
-        caps_of_rows = unwrap(
-            cap_rows(
-                self.cfg.max_new_tokens,
-                lengths,
-                caps.max_model_len,
-                cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
-                num_speculative_tokens=caps.num_speculative_tokens,
-            ),
-            BadBatchError,
-            "max tokens",
-        )
-        if caps_of_rows.refused is not None:
-            log.warning(
-                "streaming without the rows that have no room left: %s", caps_of_rows.refused
-            )
-        made: dict[tuple[int, tuple[str, ...], int | None], SamplingSpec] = {}
-        specs: dict[int, SamplingSpec] = {}
-        no_room: list[int] = []
-        for row, m in zip(rows, caps_of_rows.max_tokens, strict=True):
-            if m == 0:
-                no_room.append(row)
-                continue
-            key = (m, tuple(stops[row]), seeds[row])
-            spec = made.get(key)
-            if spec is None:  # rows alike share one (immutable) spec
-                spec = made[key] = sampling_spec(
-                    self.cfg,
-                    greedy=greedy,
-                    max_tokens=m,
-                    stop=stops[row],
-                    seed=seeds[row],
-                    flat_logprobs=caps.flat_logprobs,
-                    text=text,
-                )
-            specs[row] = spec
-        return specs, tuple(no_room)
-
-    def _token_plan(self, data: Mapping[str, object], greedy: bool, *, whole: bool) -> _Plan:
-        """Check the lifecycle and the batch; ``whole``: a bad row refuses the batch."""
+    def _token_plan(self, data: Mapping[str, object], greedy: bool, *, whole: bool) -> BatchPlan:
+        """Check the lifecycle, then the spine's plan; ``whole``: a bad row refuses the
+        batch."""
         self._move(lifecycle.Event.STREAM_OPEN)
-        if not isinstance(greedy, bool):
-            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
-        input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
-        caps = self.engine.capabilities
-        limits = {
-            "pad_token_id": self.cfg.pad_token_id,
-            "vocab_size": caps.vocab_size,
-            "max_model_len": caps.max_model_len,
-        }
-        refused: dict[int, GenworkerError] = {}
-        if whole:
-            checked = unwrap(
-                check_batch(input_ids, input_lengths, **limits),  # type: ignore[arg-type]
-                BadBatchError,
-                "generate batch",
-            )
-            prompts = dict(enumerate(checked.prompts))
-        else:
-            checks = unwrap(
-                check_rows(input_ids, input_lengths, **limits),  # type: ignore[arg-type]
-                BadBatchError,
-                "generate batch",
-            )
-            refused = {
-                row: BadBatchError(f"row {row} cannot generate: {error}", detail=error)
-                for row, error in checks.errors
-            }
-            prompts = dict(checks.prompts)
-        batch_size = int(input_ids.shape[0])
-        media = row_media(data, batch_size, "generate")
-        starts, context, images = self._media_rows(batch_size, prompts, media, "generate")
-        specs, no_room = self._row_specs(
-            batch_size, data, list(starts), [context[r] for r in starts], greedy
-        )
-        return _Plan(
-            rows=tuple((row, starts[row], spec) for row, spec in specs.items()),
-            errors=tuple(sorted(refused.items())),
-            no_room=no_room,
-            media=images,
-            context=context,
-        )
-
-    def _media_rows(
-        self,
-        batch_size: int,
-        prompts: Mapping[int, Sequence[int]],
-        media: Sequence[RowMedia | None] | None,
-        call: str,
-    ) -> tuple[dict[int, Sequence[int]], dict[int, int], dict[int, RowMedia]]:
-        """The rows' engine prompts (a prompt text's ids where NeMo-RL's ``vllm_content``
-        gave one), what each holds in the context, and the rows' images: the sync worker's
-        checks (``genworker.shell.media``), refusing the batch, rows named as in it."""
-        caps = self.engine.capabilities
-        if media is None and caps.image_token_id is None:
-            return dict(prompts), {row: len(p) for row, p in prompts.items()}, {}
-        rows = [prompts.get(row, ()) for row in range(batch_size)]  # a refused row: empty
-        kept = None if media is None else [m if r in prompts else None for r, m in enumerate(media)]
         engine = self.engine
-        starts = engine_prompts(rows, kept, engine.tokenize, caps.max_model_len, call)
-        lengths = context_lengths(
-            caps, starts, [len(p) for p in starts], kept, engine.expanded_lengths
+        _, _, plan = self._token_batch(
+            data, greedy, whole=whole, tokenize=engine.tokenize, expanded=engine.expanded_lengths
         )
-        images = {row: m for row, m in enumerate(kept or ()) if m is not None}
-        return (
-            {row: starts[row] for row in prompts},
-            {row: lengths[row] for row in prompts},
-            images,
-        )
+        return plan
 
     async def generate_async(
         self, data: Mapping[str, object], greedy: bool = False
@@ -826,57 +599,31 @@ class AsyncVllmGenerationWorker:
         )
         return out
 
-    def _text_plan(self, data: Mapping[str, object], greedy: bool) -> _Plan:
+    def _text_plan(self, data: Mapping[str, object], greedy: bool) -> BatchPlan:
+        """Check the lifecycle, then the spine's plan; a bad prompt is refused alone."""
         self._move(lifecycle.Event.STREAM_OPEN)
-        if not isinstance(greedy, bool):
-            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
-        prompts = data.get("prompts") if isinstance(data, Mapping) else None
-        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-            raise BadBatchError("generate_text: data['prompts'] must be a list of str")
-        media = row_media(data, len(prompts), "generate_text", texts=False)
-        refused: dict[int, GenworkerError] = {
-            row: BadBatchError(f"generate_text: prompt {row} is an empty string")
-            for row, p in enumerate(prompts)
-            if not p
-        }
-        texts = [row for row in range(len(prompts)) if row not in refused]
-        # Tokenized once, here (the sync worker's way), so each row's cap sees its real ids.
-        ids = dict(zip(texts, self.engine.tokenize([prompts[r] for r in texts]), strict=True))
-        limit = self.engine.capabilities.max_model_len
-        for row in [r for r in texts if len(ids[r]) >= limit]:
-            refused[row] = BadBatchError(
-                f"generate_text: prompt {row} leaves no room to generate: {len(ids[row])} "
-                f"tokens, max_model_len={limit} (a prompt must be shorter)"
-            )
-        kept = {row: ids[row] for row in texts if row not in refused}
-        starts, context, images = self._media_rows(len(prompts), kept, media, "generate_text")
-        specs, no_room = self._row_specs(
-            len(prompts), data, list(starts), [context[r] for r in starts], greedy, text=True
-        )
-        return _Plan(
-            rows=tuple((row, starts[row], spec) for row, spec in specs.items()),
-            errors=tuple(sorted(refused.items())),
-            no_room=no_room,
-            media=images,
-            context=context,
+        engine = self.engine
+        return self._text_batch(
+            data, greedy, whole=False, tokenize=engine.tokenize, expanded=engine.expanded_lengths
         )
 
     async def _text_stream(
-        self, plan: _Plan
+        self, plan: BatchPlan
     ) -> AsyncGenerator[tuple[int, str | GenworkerError], None]:
         self._open_stream()
         tasks: dict[asyncio.Task[str], _Request] = {}
         try:
             for row, error in plan.errors:
                 yield row, error
-            for row in plan.no_room:
+            for row in plan.requests.no_room:
                 yield row, ""
-            if not plan.rows:
+            if not (rows := plan.requests.requests()):
                 return
             engine = self.engine
-            for row, prompt, spec in plan.rows:
+            for row, spec in rows:
                 request = self._new_request(row)
-                call = engine.generate_text(request.request_id, prompt, spec, plan.media.get(row))
+                prompt, media = plan.prompts[row], plan.media.get(row)
+                call = engine.generate_text(request.request_id, prompt, spec, media)
                 task = asyncio.ensure_future(call)
                 tasks[task] = request
             pending = set(tasks)
@@ -929,65 +676,52 @@ class AsyncVllmGenerationWorker:
         return {"texts": [texts[row] for row in range(len(texts))]}
 
     # -- memory -----------------------------------------------------------------------
-    def _require_sleep_mode(self, call: str) -> None:
-        caps = self.engine.capabilities
-        if not caps.sleep_mode:
-            raise UnsupportedError(
-                f"{call}: sleep mode is unsupported on this platform ({caps.device})"
-            )
-
     async def sleep(self, level: int | None = None) -> None:
         """Free engine memory (refused while streams run): level 1 offloads the weights to
-        host memory, level 2 discards them."""
-        level = self.cfg.vllm.sleep_level if level is None else level
-        if level not in (1, 2) or isinstance(level, bool):
-            raise BadArgumentError(f"sleep level must be 1 or 2, got {level!r}")
-        event = lifecycle.Event.SLEEP_L1 if level == 1 else lifecycle.Event.SLEEP_L2
-        next_state = self._move(event)
-        self._require_sleep_mode("sleep")
-        if next_state == self._state:
+        host memory, level 2 discards them; the caches are reset first (``shell.spine``)."""
+        level, next_state = self._sleep_event(level)
+        if next_state is None:
             return
         before, self._state = self._state, next_state  # new streams are refused from now
         try:
-            await self._call(lambda e: e.reset_prefix_cache())
+            await self._reset_caches()
             await self._memory_call(f"sleep(level={level})", lambda e: e.sleep(level))
         except BaseException:
             self._state = before  # as the sync worker's, which commits only on success
             raise
 
+    async def _reset_caches(self) -> None:
+        """The spine's cache resets before a sleep (the async engine counts no requests:
+        the ledger alone says when they are known empty)."""
+        for name in self._resets_due(None):
+            try:
+                await self._call(_RESETS[name])
+            except EngineStateError as e:
+                self._reset_failed(name, None, e)
+            self._reset_done(name)
+        self._resets_finished(None)
+
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``weights``, ``kv_cache`` or both (``None``); waking an awake tag is a no-op."""
-        event = wake_event(tags)
-        after = self._move(event)
-        self._require_sleep_mode("wake_up")
-        asleep = lifecycle.wake_tags(self._state, event)
+        next_state, asleep = self._wake_plan(tags)
         if asleep:
             call = f"wake_up(tags={list(asleep)})"
             fully = await self._memory_call(call, lambda e: e.wake_up(list(asleep)))
-            dead = not_fully_awake(call, after, fully)
-            if dead is not None:
-                self._died(dead)
-                raise dead
-        self._state = self._move(event)
+            self._wake_checked(call, next_state, fully)
+        self._state = next_state
 
     async def _memory_call(self, call: str, fn: Callable[[AsyncEnginePort], Awaitable[_T]]) -> _T:
-        """The engine's sleep or wake: a failure other than a typed refusal kills the
-        engine, as in the sync worker (``shell.worker``'s module docstring)."""
+        """The engine's sleep or wake (a failure but a typed refusal kills the engine)."""
         try:
             return await self._call(fn)
-        except BaseException as e:
-            dead = failed_sleep_or_wake(call, e)
-            if dead is None:
-                raise
-            self._died(dead)
-            if dead is e or not isinstance(e, Exception):
-                raise
-            raise dead from e
+        except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
+            self._memory_failed(call, e)
 
     async def reset_prefix_cache(self) -> None:
         """Drop the prefix cache (refused while streams run)."""
         self._state = self._move(lifecycle.Event.RESET_PREFIX_CACHE)
         await self._call(lambda e: e.reset_prefix_cache())
+        self._reset_done("prefix")
 
     # -- refit ------------------------------------------------------------------------
     # The refit protocol's bounds (core.refit_protocol), as in VllmGenerationWorker: every
@@ -1000,7 +734,7 @@ class AsyncVllmGenerationWorker:
     ) -> list[object]:
         """Tell the engine workers which tensors every refit carries (names, shapes,
         dtypes); each engine worker's summary (as ``VllmGenerationWorker``'s)."""
-        manifest = unwrap(Manifest.from_info(state_dict_info), RefitManifestError, "refit info")
+        manifest = self._manifest_of(state_dict_info)
         summaries = await self._rpc("prepare_refit_info", manifest.to_info())
         self._manifest = manifest
         return summaries
@@ -1032,9 +766,9 @@ class AsyncVllmGenerationWorker:
         """:meth:`init_collective` through another extension method (``method(*args,
         bound)``, e.g. the receiver of NeMo-RL's weight-update group,
         ``nemo_rl_init_collective``)."""
-        bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
+        bound, outer = self._rendezvous_bounds(method, timeout_s)
         self._collective = False
-        await self._rpc(method, *args, bound, timeout=rpc_bound(RENDEZVOUS_WAITS, bound))
+        await self._rpc(method, *args, bound, timeout=outer)
         self._collective = True
 
     async def call_engine_workers(self, method: str, *args: object) -> list[object]:
@@ -1057,16 +791,12 @@ class AsyncVllmGenerationWorker:
         return await self._rpc("release_refit_buffers")
 
     async def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
-        if self._shut_down:
-            raise EngineStateError(f"{method}: the worker was shut down")
-        try:
+        """``method(*args)`` on every engine worker; failures typed by the spine's map."""
+        self._rpc_allowed(method)
+        with translated(self._rpc_seam(method), method):
             results = await self._call(
                 lambda e: e.collective_rpc(method, args=args, timeout=timeout)
             )
-        except GenworkerError:
-            raise
-        except Exception as e:
-            raise RefitError(f"{method} failed on the engine workers: {e}") from e
         return raise_failures(results, method)
 
     async def update_weights_via_ipc_zmq(
@@ -1121,21 +851,16 @@ class AsyncVllmGenerationWorker:
         clear_cache: object,
         transport: Transport,
     ) -> bool:
-        timeout = unwrap(wait_bound(timeout_s), BadArgumentError, method)
         inflight = _inflight_mode(mode)
         if not isinstance(clear_cache, bool):
             raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
-        if not clear_cache and self.engine.capabilities.multimodal:
+        if not clear_cache and self.caps.multimodal:
             raise BadArgumentError(
                 f"{method}: clear_cache=False on a multimodal engine: after such a refit "
                 "vLLM 0.32's engine core died at the next image request ('Encoder cache "
                 "miss'); keep clear_cache=True"
             )
-        if transport is Transport.COLLECTIVE and not self._collective:
-            raise EngineStateError(f"{method} needs init_collective first")
-        if self._manifest is None:
-            raise EngineStateError(f"{method} needs prepare_refit_info first")
-        outer = rpc_bound(refit_waits(len(self._manifest), transport), timeout)
+        timeout, outer = self._refit_bounds(method, timeout_s, transport)
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         engine = self.engine
         started = time.monotonic()
@@ -1162,11 +887,9 @@ class AsyncVllmGenerationWorker:
                 method,
             )
             rpc_done = time.monotonic()
-        except BaseException as e:
-            await self._refit_failed(engine, method, e)
-            if isinstance(e, GenworkerError) or not isinstance(e, Exception):
-                raise
-            raise RefitError(f"{method} failed: {e}; weights are inconsistent") from e
+        except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
+            await self._abort_after_failed_refit(engine, method, e)
+            self._refit_failed(method, e)
         self._version += 1
         try:
             if engine.capabilities.weight_versions:
@@ -1174,11 +897,7 @@ class AsyncVllmGenerationWorker:
                 self._labelled = True
             self._close_runs()
             self._label = self._version
-            self._state = unwrap(
-                lifecycle.transition(self._state, lifecycle.Event.REFIT_OK),
-                EngineStateError,
-                "refit",
-            )
+            self._commit(lifecycle.Event.REFIT_OK, "refit")
             await engine.resume()
             resumed_at = time.monotonic()
         except EngineDeadError as e:
@@ -1195,16 +914,14 @@ class AsyncVllmGenerationWorker:
         }
         return True
 
-    async def _refit_failed(
+    async def _abort_after_failed_refit(
         self, engine: AsyncEnginePort, method: str, error: BaseException
     ) -> None:
         """A failed refit: weights inconsistent, every request in flight aborted with the
         refit's error as its row's reason, the engine resumed."""
         if isinstance(error, EngineDeadError):
             self._died(error)
-        self._state = lifecycle.transition(self._state, lifecycle.Event.REFIT_FAILED).value_or(
-            self._state
-        )
+        self._mark_refit_failed()
         if self._dead is not None:
             return
         ids = self._mark_in_flight(
@@ -1241,19 +958,12 @@ class AsyncVllmGenerationWorker:
     async def report_device_id(self) -> list[str]:
         return await self._call(lambda e: e.device_ids())
 
-    def multimodal_info(self) -> dict[str, int | None]:
-        """The engine's image placeholder id and per-prompt image limit, as the sync
-        worker's (``GenerationGroup.generate`` asks shard 0 before it splits a batch);
-        this worker itself refuses images."""
-        caps = self.engine.capabilities
-        return {"image_token_id": caps.image_token_id, "max_images": caps.max_images}
-
     async def get_counters(self) -> dict[str, float | list[float]]:
-        """The engine's Prometheus snapshot and the non-finite logprobs the worker saw
+        """The engine's Prometheus snapshot, the worker's cache resets
+        (``genworker:cache_resets{cache=...}``) and the non-finite logprobs it saw
         (``genworker:nonfinite_logprobs{kind=...}``), encoded as flat keys (see
         core.counters)."""
-        engine = self.engine
-        return encode_snapshot([*engine.metrics(), *nonfinite_samples(self.nonfinite_logprobs)])
+        return encode_snapshot([*self.engine.metrics(), *self._own_counters()])
 
     def get_vllm_logger_metrics(self) -> dict[str, list[float]]:
         """What the metrics logger (``vllm_cfg.enable_vllm_metrics_logger: true``) sampled
@@ -1283,12 +993,7 @@ class AsyncVllmGenerationWorker:
         logger, self._logger = self._logger, None
         if logger is not None:
             logger.stop()
-        engine, self._engine = self._engine, None
-        self._state = unwrap(
-            lifecycle.transition(self._state, lifecycle.Event.SHUTDOWN),
-            EngineStateError,
-            "shutdown",
-        )
+        engine = self._detach()
         if engine is None:
             return True
         ids = self._mark_in_flight(

@@ -1,14 +1,25 @@
-"""genworker's exception family.
+"""genworker's exception family, and the one way foreign errors become it.
 
 Core returns frozen error values; the shell raises them as one of these exceptions, with
 the core value in ``.detail`` when there is one. Foreign errors (vLLM, Ray, ZMQ, NCCL) are
-translated at the edge and chained (``raise ... from e``).
+translated at the edge and chained (``raise ... from e``): each edge (a *seam*) declares a
+:class:`Seam`, an explicit map from foreign exception types to ours, and wraps its calls in
+``with translated(SEAM, call):`` (httpcore's ``map_exceptions``). Our own errors and
+interrupts (``KeyboardInterrupt``, ``CancelledError``: not ``Exception``) pass unchanged.
+
+The seams declared here are the workers' engine RPCs: :data:`REFIT_RPC` (a refit method's
+failure is a :class:`RefitError`: the weights may be inconsistent) and :data:`ENGINE_RPC`
+(any other method's is an :class:`EngineRpcError`: nothing about the weights follows).
+The engine adapters declare theirs beside the foreign types they know (``vllm_engine``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
+import attrs
 from returns.result import Failure, Result, Success
 
 from genworker.core.errors import CoreError
@@ -17,11 +28,14 @@ _T = TypeVar("_T")
 _E = TypeVar("_E", bound=CoreError)
 
 __all__ = [
+    "ENGINE_RPC",
+    "REFIT_RPC",
     "BadArgumentError",
     "BadBatchError",
     "BadConfigError",
     "EngineContractError",
     "EngineDeadError",
+    "EngineRpcError",
     "EngineStateError",
     "GenerationAbortedError",
     "GenworkerError",
@@ -32,8 +46,11 @@ __all__ = [
     "RefitTransportError",
     "RefitWireError",
     "RequestAbortedError",
+    "Seam",
+    "fatal",
     "UnsafePickleError",
     "UnsupportedError",
+    "translated",
     "unwrap",
 ]
 
@@ -78,6 +95,10 @@ class EngineStateError(GenworkerError, RuntimeError):
 
 class EngineDeadError(GenworkerError, RuntimeError):
     """The engine died; the worker is unusable and must be re-created."""
+
+
+class EngineRpcError(GenworkerError, RuntimeError):
+    """An RPC to the engine workers (not a refit's) failed: the message names the method."""
 
 
 class UnsupportedError(GenworkerError, NotImplementedError):
@@ -126,3 +147,84 @@ class RefitWireError(RefitError, ValueError):
 class UnsafePickleError(RefitWireError):
     """A pickled refit message names a callable outside the wire's allowlist; it was refused
     before any object was built."""
+
+
+#: Builds our error for a foreign one raised by ``call``.
+Translation = Callable[[str, Exception], GenworkerError]
+
+
+@attrs.frozen
+class Seam:
+    """One edge's map of foreign errors: ``rules`` in order, the first whose type matches
+    wins; any other ``Exception`` becomes ``other`` (None: it propagates unchanged)."""
+
+    name: str
+    rules: tuple[tuple[type[Exception] | tuple[type[Exception], ...], Translation], ...] = ()
+    other: Translation | None = None
+
+    def extended(
+        self,
+        name: str,
+        *rules: tuple[type[Exception] | tuple[type[Exception], ...], Translation],
+    ) -> Seam:
+        """This seam with ``rules`` tried after its own (and the same ``other``)."""
+        return Seam(name, (*self.rules, *rules), self.other)
+
+    def translate(self, call: str, error: Exception) -> GenworkerError | None:
+        """Our error for ``error`` raised by ``call``, or None to let it through."""
+        for kind, make in self.rules:
+            if isinstance(error, kind):
+                return make(call, error)
+        return None if self.other is None else self.other(call, error)
+
+
+@contextmanager
+def translated(seam: Seam, call: str) -> Iterator[None]:
+    """Raise what ``seam`` maps a foreign ``Exception`` of the block to, chained; our own
+    errors and interrupts pass unchanged."""
+    try:
+        yield
+    except GenworkerError:
+        raise
+    except Exception as e:
+        error = seam.translate(call, e)
+        if error is None:
+            raise
+        raise error from e
+
+
+REFIT_RPC = Seam(
+    "refit rpc",
+    other=lambda call, e: RefitError(f"{call} failed on the engine workers: {e}"),
+)
+"""A refit method's RPC (``prepare_refit_info``, ``update_weights_*``, the relay's...)."""
+
+ENGINE_RPC = Seam(
+    "engine rpc",
+    other=lambda call, e: EngineRpcError(f"{call} failed on the engine workers: {e}"),
+)
+"""Any other RPC to the engine workers."""
+
+
+@contextmanager
+def fatal(call: str, seam: Seam, died: Callable[[EngineDeadError], None]) -> Iterator[None]:
+    """A call whose failure leaves the engine dead (an adapter's sleep or wake: vLLM
+    leaves its memory part-mapped, ``vllm_engine``'s module docstring): the block's error
+    is mapped through ``seam``, then anything becomes EngineDeadError (the failure its
+    cause), recorded by ``died``; an interrupt or a cancellation propagates as itself."""
+    try:
+        with translated(seam, call):
+            yield
+    except BaseException as e:
+        error = (
+            e
+            if isinstance(e, EngineDeadError)
+            else EngineDeadError(
+                f"{call} failed: {type(e).__name__}: {e}; a failed sleep or wake leaves "
+                "vLLM's memory part-mapped and its scheduler paused, so the engine is dead"
+            )
+        )
+        died(error)
+        if error is e or not isinstance(e, Exception):
+            raise
+        raise error from e

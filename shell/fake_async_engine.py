@@ -163,6 +163,8 @@ class FakeAsyncEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefix_cache_resets = 0
+        self.mm_cache_resets = 0
+        self.encoder_cache_resets = 0
         self.dead = False
         self.shut_down = False
         self.fail_next: BaseException | None = None
@@ -447,6 +449,14 @@ class FakeAsyncEngine:
         if self._running:
             raise EngineStateError("reset_prefix_cache: vLLM kept the cache (requests running)")
         self.prefix_cache_resets += 1
+
+    async def reset_mm_cache(self) -> None:
+        self._enter("reset_mm_cache")
+        self.mm_cache_resets += 1
+
+    async def reset_encoder_cache(self) -> None:
+        self._enter("reset_encoder_cache")
+        self.encoder_cache_resets += 1
 
     # -- observability and RPC --------------------------------------------------------
     def metrics(self) -> list[MetricSample]:

@@ -48,6 +48,7 @@ __all__ = [
     "context_lengths",
     "engine_prompts",
     "image_counts",
+    "media_rows",
     "row_media",
 ]
 
@@ -231,3 +232,30 @@ def context_lengths(
     expanded = expanded_lengths(prompts, media)
     unwrap(check_context(lengths, expanded, caps.max_model_len), BadBatchError, "multi_modal_data")
     return expanded
+
+
+def media_rows(
+    caps: EngineCapabilities,
+    batch_size: int,
+    prompts: Mapping[int, Sequence[int]],
+    media: Sequence[RowMedia | None] | None,
+    tokenize: Callable[[list[str]], list[list[int]]],
+    expanded_lengths: Callable[[Sequence[Sequence[int]], Sequence[RowMedia | None]], list[int]],
+    call: str,
+) -> tuple[dict[int, Sequence[int]], dict[int, int], dict[int, RowMedia]]:
+    """For the rows in ``prompts`` (by batch row; the others were refused): each one's
+    engine prompt (:func:`engine_prompts`), what it holds in the context
+    (:func:`context_lengths`), and the images of the rows that have some. A bad image
+    refuses the batch, rows named as in it."""
+    if media is None and caps.image_token_id is None:
+        return dict(prompts), {row: len(p) for row, p in prompts.items()}, {}
+    rows = [prompts.get(row, ()) for row in range(batch_size)]  # a refused row: empty
+    kept = None if media is None else [m if r in prompts else None for r, m in enumerate(media)]
+    starts = engine_prompts(rows, kept, tokenize, caps.max_model_len, call)
+    lengths = context_lengths(caps, starts, [len(p) for p in starts], kept, expanded_lengths)
+    images = {row: m for row, m in enumerate(kept or ()) if m is not None}
+    return (
+        {row: starts[row] for row in prompts},
+        {row: lengths[row] for row in prompts},
+        images,
+    )

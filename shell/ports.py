@@ -264,6 +264,14 @@ class AsyncEnginePort(Protocol):
 
     async def reset_prefix_cache(self) -> None: ...
 
+    async def reset_mm_cache(self) -> None:
+        """:meth:`EnginePort.reset_mm_cache`."""
+        ...
+
+    async def reset_encoder_cache(self) -> None:
+        """:meth:`EnginePort.reset_encoder_cache`."""
+        ...
+
     def metrics(self) -> list[MetricSample]: ...
 
     async def collective_rpc(

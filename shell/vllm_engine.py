@@ -31,7 +31,7 @@ Theory of operation
   (their ids compared with the row's as bytes), or from flat logprobs holding exactly the
   sampled token at each position (checked with two list comparisons, packed by
   ``struct``); no per-row ``Generation`` is built. From the first row that does not fit
-  either layout on, rows go one by one (:func:`_generation`), which names what is wrong.
+  either layout on, rows go one by one (:func:`generation_of`), which names what is wrong.
 - vLLM detokenizes only the rows whose spec asks for it (``SamplingSpec.detokenize``:
   stop strings, text requests); ``generate_text`` refuses a spec that does not.
 - Finish reasons: ``length`` is truncated, ``stop`` and ``repetition`` are stops,
@@ -57,7 +57,8 @@ Theory of operation
   interval each time; handing them over only at the end of the call instead left them
   alive for the end-of-call young collection, which then walked every token object again
   (14-24 ms).
-- Errors are translated in one place (:func:`_translated`): vLLM's ``EngineDeadError``
+- Errors are translated in one place (the seam :data:`VLLM_CALLS`, through
+  ``shell.errors.translated``): vLLM's ``EngineDeadError``
   becomes ours. A generate call runs under :func:`_batch_call` as well: ``LLM.generate``
   aborts the requests it already added when one is rejected (``_render_and_add_requests``
   in vllm/entrypoints/common/offline.py, 0.32), but an error out of ``LLMEngine.step``
@@ -107,7 +108,7 @@ Theory of operation
   waited for, up to its bound, before the next one starts, so two never run at once. The
   adapter's own RPCs (``install_wake``, ``report_device_id``, the recovery's
   ``drop_staged_writes``, ``cleanup``) wait on nothing outside the engine: their bound is
-  :data:`_CALL_BOUND_S` (``core.refit_protocol.rpc_bound`` of no waits, the engine's own
+  :data:`CALL_BOUND_S` (``core.refit_protocol.rpc_bound`` of no waits, the engine's own
   work).
 - A sleep or wake that raises is fatal for the engine. vLLM 0.32's ``CuMemAllocator``
   (vllm/device_allocator/cumem.py) unmaps or maps allocation after allocation and stops at
@@ -135,17 +136,12 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Final, NoReturn, TypeVar, cast
 
 import attrs
 import numpy as np
 import numpy.typing as npt
-
-from genworker.shell.install import check_torchvision
-
-check_torchvision()  # before vLLM or transformers load a model (docs/install.md)
-
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
@@ -178,14 +174,16 @@ from genworker.shell.errors import (
     GenerationAbortedError,
     GenworkerError,
     RequestAbortedError,
+    Seam,
     UnsupportedError,
+    fatal,
+    translated,
     unwrap,
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities
 from genworker.shell.sampled_logprobs import MARKER, SampledLogprobs, install
 from genworker.shell.staged_writes import drop_staged_writes
-from genworker.shell.startup import checked_model_source
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -208,7 +206,7 @@ log = logging.getLogger(__name__)
 
 #: The bound of an RPC that waits on nothing outside the engine (``install_wake``,
 #: ``report_device_id``, ``drop_staged_writes``, ``cleanup``): the engine's own work.
-_CALL_BOUND_S: Final = rpc_bound(0, DEFAULT_TIMEOUT_S)
+CALL_BOUND_S: Final = rpc_bound(0, DEFAULT_TIMEOUT_S)
 #: The bound of an fp8 engine's second read of its checkpoint (``prepare_fp8``): a model
 #: load, which vLLM's own start does not bound either.
 _LOAD_BOUND_S: Final = 1800.0
@@ -224,7 +222,7 @@ _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repeti
 
 # Request validation raises ValueError or VLLMValidationError (a ValueError in 0.25 but
 # not in 0.32, vllm/exceptions.py).
-_REQUEST_ERRORS = (ValueError, VLLMValidationError)
+REQUEST_ERRORS = (ValueError, VLLMValidationError)
 
 
 def engine_arg_names() -> frozenset[str]:
@@ -259,53 +257,32 @@ def sampling_params(
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
-def _sampling_arg_names() -> frozenset[str]:
+def sampling_arg_names() -> frozenset[str]:
     params = inspect.signature(SamplingParams).parameters
     return frozenset(name for name in params if not name.startswith("_"))
 
 
-@contextmanager
-def _translated(call: str, *, profiling: bool = False) -> Iterator[None]:
-    """The one place vLLM's errors become ours (see the module docstring)."""
-    try:
-        yield
-    except GenworkerError:
-        raise
-    except VllmEngineDeadError as e:
-        raise EngineDeadError(f"{call}: the vLLM engine died: {e}") from e
-    except RuntimeError as e:
-        # The worker's profile() raises RuntimeError when no profiler is configured
-        # (vllm/v1/worker/gpu_worker.py, 0.32).
-        if not profiling:
-            raise
-        raise UnsupportedError(f"{call}: profiling is not enabled in this engine: {e}") from e
+VLLM_CALLS = Seam(
+    "vllm",
+    (
+        (
+            VllmEngineDeadError,
+            lambda call, e: EngineDeadError(f"{call}: the vLLM engine died: {e}"),
+        ),
+    ),
+)
+"""The one place vLLM's errors become ours (see the module docstring): every adapter call."""
 
-
-@contextmanager
-def _fatal(
-    call: str,
-    translated: Callable[[str], AbstractContextManager[None]],
-    died: Callable[[EngineDeadError], None],
-) -> Iterator[None]:
-    """A sleep or a wake (both adapters): any failure leaves the engine dead (see the
-    module docstring): ``died`` records it, and it is raised as ``EngineDeadError`` with
-    the failure as its cause; an interrupt or a cancellation propagates as itself."""
-    try:
-        with translated(call):
-            yield
-    except BaseException as e:
-        error = (
-            e
-            if isinstance(e, EngineDeadError)
-            else EngineDeadError(
-                f"{call} failed: {type(e).__name__}: {e}; a failed sleep or wake leaves "
-                "vLLM's memory part-mapped and its scheduler paused, so the engine is dead"
-            )
-        )
-        died(error)
-        if error is e or not isinstance(e, Exception):
-            raise
-        raise error from e
+# The worker's profile() raises RuntimeError when no profiler is configured
+# (vllm/v1/worker/gpu_worker.py, 0.32).
+VLLM_PROFILING = VLLM_CALLS.extended(
+    "vllm profiling",
+    (
+        RuntimeError,
+        lambda call, e: UnsupportedError(f"{call}: profiling is not enabled in this engine: {e}"),
+    ),
+)
+"""``start_profile`` / ``stop_profile``: :data:`VLLM_CALLS`, and no profiler is unsupported."""
 
 
 @contextmanager
@@ -313,7 +290,7 @@ def _batch_call(llm: LLM, call: str, inflight: _Inflight) -> Iterator[None]:
     """A generate call: errors translated, and the engine left with no unfinished request
     after any error (see the module docstring)."""
     try:
-        with _translated(call):
+        with translated(VLLM_CALLS, call):
             yield
     except EngineDeadError:
         raise
@@ -321,7 +298,7 @@ def _batch_call(llm: LLM, call: str, inflight: _Inflight) -> Iterator[None]:
         aborted = abort_unfinished(llm, call, e, inflight=inflight)
         if not isinstance(e, Exception) or isinstance(e, GenworkerError):
             raise
-        if not aborted and isinstance(e, _REQUEST_ERRORS):
+        if not aborted and isinstance(e, REQUEST_ERRORS):
             raise BadBatchError(f"{call}: vLLM rejected the request: {e}") from e
         raise GenerationAbortedError(
             f"{call}: the engine raised {type(e).__name__} while running the batch ({e}); "
@@ -336,7 +313,7 @@ def abort_unfinished(
     """Abort every request the engine holds unfinished, and drop the writes the model
     runner staged for them; the ids aborted. EngineDeadError when that is impossible (no
     such API on this vLLM, requests survive the abort, or the drop does not answer within
-    :data:`_CALL_BOUND_S`: it then stays in ``inflight``, the engine's calls left running)."""
+    :data:`CALL_BOUND_S`: it then stays in ``inflight``, the engine's calls left running)."""
     engine = llm.llm_engine
     running = [] if inflight is None else inflight
     try:
@@ -348,7 +325,7 @@ def abort_unfinished(
         what = "collective_rpc(drop_staged_writes)"
         drops = _bounded(
             lambda: llm.collective_rpc(drop_staged_writes),
-            _CALL_BOUND_S,
+            CALL_BOUND_S,
             what=what,
             inflight=running,
         )
@@ -385,7 +362,7 @@ class VllmEngine:
         self._inflight: _Inflight = []  # a call left running
         self._dead: str | None = None  # why the engine is dead (every later call refused)
         self._log_stats = llm.llm_engine.log_stats
-        sampling_args = _sampling_arg_names()
+        sampling_args = sampling_arg_names()
         media = model.multimodal_config
         self._caps = EngineCapabilities(
             sleep_mode=current_platform.is_sleep_mode_available() and model.enable_sleep_mode,
@@ -395,7 +372,7 @@ class VllmEngine:
             device=current_platform.device_type,
             sampling_args=sampling_args,
             multimodal=media is not None,
-            image_token_id=None if media is None else _image_token_id(model),
+            image_token_id=None if media is None else image_token_id_of(model),
             max_images=None if media is None else media.get_limit_per_prompt("image"),
             num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
             logprobs_mode=model.logprobs_mode,
@@ -405,9 +382,9 @@ class VllmEngine:
         # the wake without a refused fabric create per allocation (CUDA), where it sleeps
         if self._caps.sleep_mode and self._extension:  # in each engine worker's process
             what = "collective_rpc('install_wake')"  # not an overridable method
-            with _translated(what):
+            with translated(VLLM_CALLS, what):
                 wake = functools.partial(llm.collective_rpc, "install_wake")
-                _bounded(wake, _CALL_BOUND_S, what=what, inflight=self._inflight)
+                _bounded(wake, CALL_BOUND_S, what=what, inflight=self._inflight)
         elif self._caps.sleep_mode:
             install_wake()
 
@@ -418,7 +395,6 @@ class VllmEngine:
         model = rest.pop("model", None)
         if not isinstance(model, str):
             raise BadConfigError(f"engine kwargs need 'model' as a str, got {model!r}")
-        checked_model_source(model)  # a mistyped local path is refused, not sent to the Hub
         try:
             llm = LLM(model, **rest)
         except Exception as e:
@@ -441,7 +417,7 @@ class VllmEngine:
                 "precision fp8 needs genworker's worker extension, which quantizes the weights"
             )
         what = "collective_rpc('prepare_fp8')"
-        with _translated(what):
+        with translated(VLLM_CALLS, what):
             prepare = functools.partial(self.llm.collective_rpc, "prepare_fp8")
             problems = _bounded(prepare, _LOAD_BOUND_S, what=what, inflight=self._inflight)
         if problem := next((p for p in problems if p), None):
@@ -549,7 +525,7 @@ class VllmEngine:
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         if self._skip_tokenizer:
-            raise UnsupportedError(_NO_TOKENIZER)
+            raise UnsupportedError(NO_TOKENIZER)
         return tokenize_with(self._renderer("tokenize"), prompts)
 
     def expanded_lengths(
@@ -568,31 +544,31 @@ class VllmEngine:
     def sleep(self, level: int) -> None:
         self._require_sleep_mode("sleep")
         llm = self.llm
-        with _fatal(f"sleep(level={level})", _translated, self._died):
+        with fatal(f"sleep(level={level})", VLLM_CALLS, self._died):
             llm.sleep(level=level)
 
     def wake_up(self, tags: Sequence[str] | None) -> bool | None:
         self._require_sleep_mode("wake_up")
         llm = self.llm
         names = None if tags is None else list(tags)
-        with _fatal(f"wake_up(tags={names})", _translated, self._died):
+        with fatal(f"wake_up(tags={names})", VLLM_CALLS, self._died):
             return llm.wake_up(tags=names)
 
     def reset_prefix_cache(self) -> None:
         llm = self.llm
-        with _translated("reset_prefix_cache"):
+        with translated(VLLM_CALLS, "reset_prefix_cache"):
             reset = llm.reset_prefix_cache()
         if not reset:
             raise EngineStateError("reset_prefix_cache: vLLM kept the cache (requests running)")
 
     def reset_mm_cache(self) -> None:
         llm = self.llm
-        with _translated("reset_mm_cache"):
+        with translated(VLLM_CALLS, "reset_mm_cache"):
             llm.reset_mm_cache()
 
     def reset_encoder_cache(self) -> None:
         llm = self.llm
-        with _translated("reset_encoder_cache"):
+        with translated(VLLM_CALLS, "reset_encoder_cache"):
             llm.llm_engine.reset_encoder_cache()
 
     # -- observability --------------------------------------------------------------
@@ -600,17 +576,17 @@ class VllmEngine:
         if not self._log_stats:
             raise UnsupportedError("metrics: the engine was started with disable_log_stats")
         llm = self.llm
-        with _translated("metrics"):
-            return [_sample(m) for m in llm.get_metrics()]
+        with translated(VLLM_CALLS, "metrics"):
+            return [metric_sample(m) for m in llm.get_metrics()]
 
     def start_profile(self) -> None:
         llm = self.llm
-        with _translated("start_profile", profiling=True):
+        with translated(VLLM_PROFILING, "start_profile"):
             llm.start_profile()
 
     def stop_profile(self) -> None:
         llm = self.llm
-        with _translated("stop_profile", profiling=True):
+        with translated(VLLM_PROFILING, "stop_profile"):
             llm.stop_profile()
 
     # -- workers --------------------------------------------------------------------
@@ -629,7 +605,7 @@ class VllmEngine:
         what = f"collective_rpc({method!r})"
         try:
             _settle(self._inflight, what)
-            with _translated(what):
+            with translated(VLLM_CALLS, what):
                 if timeout is None:
                     return call()
                 return _bounded(call, timeout, what=what, inflight=self._inflight)
@@ -640,7 +616,7 @@ class VllmEngine:
     def device_ids(self) -> list[str]:
         if not self._extension:
             return [self._caps.device]
-        return [str(d) for d in self.collective_rpc("report_device_id", timeout=_CALL_BOUND_S)]
+        return [str(d) for d in self.collective_rpc("report_device_id", timeout=CALL_BOUND_S)]
 
     def shutdown(self) -> None:
         """Stop the engine and drop it; safe to call twice. The stop is always reached;
@@ -675,12 +651,12 @@ class VllmEngine:
             )
             return
         what = "collective_rpc('cleanup')"
-        with _translated(what):
+        with translated(VLLM_CALLS, what):
             cleanup = functools.partial(llm.collective_rpc, "cleanup")
-            _bounded(cleanup, _CALL_BOUND_S, what=what, inflight=self._inflight)
+            _bounded(cleanup, CALL_BOUND_S, what=what, inflight=self._inflight)
 
 
-_NO_TOKENIZER = (
+NO_TOKENIZER = (
     "tokenize: text prompts need a tokenizer: the engine was started with skip_tokenizer_init=True"
 )
 
@@ -702,7 +678,7 @@ def expanded_with(
         )
         try:
             (rendered,) = renderer.render_cmpl([request], params, skip_mm_cache=True)
-        except (AssertionError, OSError, *_REQUEST_ERRORS) as e:
+        except (AssertionError, OSError, *REQUEST_ERRORS) as e:
             raise BadBatchError(
                 f"multi_modal_data[{row}]: vLLM's processor refused the row: "
                 f"{type(e).__name__}: {e}"
@@ -721,7 +697,7 @@ def tokenize_with(renderer: BaseRenderer, prompts: Sequence[str]) -> list[list[i
     """The ids vLLM makes of text prompts (one BOS: a prompt that starts with the
     tokenizer's BOS text is tokenized without adding another)."""
     try:
-        with _translated("tokenize"):
+        with translated(VLLM_CALLS, "tokenize"):
             bos = getattr(renderer.get_tokenizer(), "bos_token", None)
             params = renderer.default_cmpl_tok_params
             plain = params.with_kwargs(add_special_tokens=False)
@@ -735,12 +711,12 @@ def tokenize_with(renderer: BaseRenderer, prompts: Sequence[str]) -> list[list[i
                 tokenized = renderer.tokenize_prompts(texts, plain if bare else params)
                 for row, prompt in zip(rows, tokenized, strict=True):
                     ids[row] = list(prompt["prompt_token_ids"])
-    except _REQUEST_ERRORS as e:
+    except REQUEST_ERRORS as e:
         raise BadBatchError(f"tokenize: vLLM refused a prompt: {e}") from e
     return ids
 
 
-def _image_token_id(model: ModelConfig) -> int | None:
+def image_token_id_of(model: ModelConfig) -> int | None:
     """The prompt id that stands for one image: the HF config's ``image_token_id``
     (Idefics3, Qwen2-VL) or ``image_token_index`` (LLaVA, Gemma 3), else None."""
     for name in ("image_token_id", "image_token_index"):
@@ -936,7 +912,7 @@ def _with_rest(
     rest_outs = [_present(outs[row]) for row in range(first, len(outs))]
     every = [*reasons, *(out.finish_reason for out in rest_outs)]
     truncated, aborted = _finish_flags(every, call)
-    rest = flatten_generations([_generation(first + i, out) for i, out in enumerate(rest_outs)])
+    rest = flatten_generations([generation_of(first + i, out) for i, out in enumerate(rest_outs)])
     return FlatGenerations(
         token_ids=np.concatenate(
             [np.frombuffer(token_ids, dtype=np.int64, count=offset), rest.token_ids]
@@ -982,7 +958,7 @@ def _finish_reason(row: int, finish_reason: str | None) -> str:
     return reason
 
 
-def _generation(row: int, out: CompletionOutput) -> Generation:
+def generation_of(row: int, out: CompletionOutput) -> Generation:
     reason = _finish_reason(row, out.finish_reason)
     token_ids = np.asarray(out.token_ids, dtype=np.int64)
     return Generation(token_ids, _sampled_logprobs(row, token_ids, out), reason)
@@ -1034,7 +1010,7 @@ def _sampled_logprobs(
     return values
 
 
-def _sample(metric: Metric) -> MetricSample:
+def metric_sample(metric: Metric) -> MetricSample:
     if isinstance(metric, Counter):
         return CounterSample.from_counter(metric.name, metric.labels, metric.value)
     if isinstance(metric, Gauge):
@@ -1046,3 +1022,9 @@ def _sample(metric: Metric) -> MetricSample:
     if isinstance(metric, Vector):
         return VectorSample.from_vector(metric.name, metric.labels, metric.values)
     raise GenworkerError(f"metrics: unknown vLLM metric type {type(metric).__name__}")
+
+
+# Old private names, for the modules outside this change that still import them.
+_CALL_BOUND_S = CALL_BOUND_S
+_generation = generation_of
+_sample = metric_sample

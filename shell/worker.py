@@ -1,11 +1,13 @@
-"""``VllmGenerationWorker``: NeMo-RL's worker surface over an engine port.
+"""``VllmGenerationWorker``: NeMo-RL's worker surface over an engine port, the batch drive
+loop over :class:`~genworker.shell.spine.WorkerSpine`.
 
-The worker is a thin shell: every decision is a core function (config, batch checks, caps,
-stop strings, sampling specs, output assembly, lifecycle), the only effects are calls on
-the engine port. Each call first asks core's lifecycle table whether it is allowed, so a
-refused call touches nothing; an engine that dies marks the worker unusable. So does a
-sleep or wake that fails on the engine (anything but a typed refusal, ``EnginePort.sleep``;
-S1/S2 in failure-modes.md): vLLM 0.32 leaves it part-mapped with its scheduler paused
+The worker is a thin shell: every decision is a core function or the spine's (config,
+batch checks, the request plan of ``core.requests``, output assembly, lifecycle, the
+cache-reset and error rules), the only effects are calls on the engine port. Each call
+first asks core's lifecycle table whether it is allowed, so a refused call touches
+nothing; an engine that dies marks the worker unusable. So does a sleep or wake that
+fails on the engine (anything but a typed refusal, ``EnginePort.sleep``; S1/S2 in
+failure-modes.md): vLLM 0.32 leaves it part-mapped with its scheduler paused
 (``vllm_engine``'s module docstring), so the call raises ``EngineDeadError`` (the engine's
 error as its cause; an interrupt as itself) and every later call is refused with it; and
 so does a wake after which every tag should be resident but the engine says it is not
@@ -18,9 +20,9 @@ check to its commit. A call that finds another running waits for it, at most
 during a long ``generate`` runs after it, never under its forward). ``llm`` and ``engine``
 hand out the raw engine outside that rule.
 
-A row without room left in the context (``core.caps.cap_rows``: with speculative decoding
-the drafter's k + 1 slots count too; a media row counts with its expanded prompt) is
-refused alone: it comes back unchanged with generation length 0 (``generate_text``: an
+A row without room left in the context (``core.requests.plan_requests``: with speculative
+decoding the drafter's k + 1 slots count too; a media row counts with its expanded prompt)
+is refused alone: it comes back unchanged with generation length 0 (``generate_text``: an
 empty text), it is named in a warning and in ``last_refused_rows``, and the other rows
 generate. Images come in ``data["multi_modal_data"]`` or NeMo-RL's ``vllm_images`` /
 ``vllm_content`` side channels (:mod:`genworker.shell.media`); a row whose prompt text
@@ -31,42 +33,25 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Concatenate, ParamSpec, Protocol, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
-from returns.result import Failure, Result, Success
+from returns.result import Failure
 
 from genworker.core import lifecycle
 from genworker.core.assembly import (
+    FlatGenerations,
     GenerationOutputs,
     assemble_flat_outputs,
     assemble_outputs,
     flatten_generations,
     place_rows,
 )
-from genworker.core.batch import check_batch, check_seeds
-from genworker.core.caps import cap_rows
-from genworker.core.config import WorkerConfig
-from genworker.core.counters import (
-    CACHE_RESETS,
-    NONFINITE_LOGPROBS,
-    CounterSample,
-    encode_snapshot,
-)
-from genworker.core.engine_plan import plan_engine_kwargs
-from genworker.core.outputs import (
-    NonFiniteCounts,
-    NonFiniteLogprobs,
-    check_finished,
-    check_logprobs,
-)
-from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
+from genworker.core.counters import encode_snapshot
+from genworker.core.outputs import NonFiniteLogprobs, check_finished, check_logprobs
 from genworker.core.placement import configure_worker as plan_placement
-from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import (
     RENDEZVOUS_WAITS,
     Transport,
@@ -74,152 +59,48 @@ from genworker.core.refit_protocol import (
     rpc_bound,
     wait_bound,
 )
-from genworker.core.sampling import SamplingSpec, check_stop_token_ids, sampling_spec
-from genworker.core.stops import StopMode, merge_stop_strings
+from genworker.core.stops import StopMode
 from genworker.core.versions import uniform_versions
 from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.engine_lock import EngineLock
 from genworker.shell.errors import (
     BadArgumentError,
-    BadBatchError,
     BadConfigError,
     EngineContractError,
     EngineDeadError,
     EngineStateError,
-    GenworkerError,
-    RefitError,
-    RefitManifestError,
     RequestAbortedError,
-    UnsupportedError,
+    translated,
     unwrap,
 )
 from genworker.shell.host import ephemeral_ports, vllm_cache_root
-from genworker.shell.media import RowMedia, context_lengths, engine_prompts, row_media
+from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineFactory, EnginePort
 from genworker.shell.refit.wire import raise_failures
 from genworker.shell.sparse import SparseRefitError
+from genworker.shell.spine import (
+    EXTENSION_CLS,
+    WorkerSpine,
+    checked_env_names,
+    forward_env,
+    start_engine,
+    tally_nonfinite,
+    wake_event,
+)
 
-__all__ = ["EXTENSION_CLS", "ExistingEngine", "VllmGenerationWorker"]
+__all__ = [
+    "EXTENSION_CLS",
+    "ExistingEngine",
+    "VllmGenerationWorker",
+    "checked_env_names",
+    "start_engine",
+    "wake_event",
+]
 
 log = logging.getLogger(__name__)
 
-EXTENSION_CLS = "genworker.shell.extension.WorkerExtension"
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
-_WAKE_EVENTS = {
-    frozenset({"weights"}): lifecycle.Event.WAKE_WEIGHTS,
-    frozenset({"kv_cache"}): lifecycle.Event.WAKE_KV_CACHE,
-    frozenset({"weights", "kv_cache"}): lifecycle.Event.WAKE_ALL,
-}
-_Started_co = TypeVar("_Started_co", covariant=True)
-
-
-class _StartsEngines(Protocol[_Started_co]):
-    """What both workers' engine factories offer (:class:`EngineFactory`,
-    ``AsyncEngineFactory``)."""
-
-    def arg_names(self) -> frozenset[str] | None: ...
-
-    def gpu_capability(self) -> tuple[int, int] | None: ...
-
-    def start(self, kwargs: Mapping[str, object]) -> _Started_co: ...
-
-
-def start_engine(
-    factory: _StartsEngines[_Started_co],
-    cfg: WorkerConfig,
-    seed: int,
-    extra_env_vars: Sequence[str],
-) -> _Started_co:
-    """Plan the engine's arguments for this GPU and the installed vLLM (a dropped one is
-    logged), export the environment they need, and start the engine (both workers)."""
-    capability = factory.gpu_capability()
-    plan = unwrap(
-        plan_engine_kwargs(
-            cfg,
-            seed=seed,
-            gpu_capability=capability,
-            known_args=factory.arg_names(),
-            extension_cls=EXTENSION_CLS,
-            enable_sleep_mode=capability is not None,
-            telemetry={k: v for k, v in os.environ.items() if k.startswith("OTEL_")},
-        ),
-        BadConfigError,
-        "engine arguments",
-    )
-    if plan.dropped:
-        log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
-    os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
-    VllmGenerationWorker.forward_env([*cfg.vllm.env_vars, *extra_env_vars])
-    return factory.start(plan.llm_kwargs())
-
-
-#: What an engine's sleep or wake raises only before it touched its memory (EnginePort.sleep).
-_REFUSALS = (BadArgumentError, EngineStateError, UnsupportedError)
-
-
-def failed_sleep_or_wake(call: str, error: BaseException) -> EngineDeadError | None:
-    """What the engine's sleep or wake ``call`` raising ``error`` means (both workers):
-    None for a typed refusal (nothing changed: raise ``error``); otherwise the engine is
-    dead: ``error`` itself when it says so, else an EngineDeadError naming it."""
-    if isinstance(error, _REFUSALS):
-        return None
-    if isinstance(error, EngineDeadError):
-        return error
-    return EngineDeadError(
-        f"{call} failed: {type(error).__name__}: {error}; the engine's memory is left in an "
-        "unknown state (part-mapped, its scheduler paused), so the engine is dead"
-    )
-
-
-def not_fully_awake(
-    call: str, after: lifecycle.State, fully_awake: bool | None
-) -> EngineDeadError | None:
-    """EngineDeadError when the wake ``call`` leaves every tag resident by the lifecycle
-    table but the engine says it is not fully awake (both workers; None: they agree)."""
-    if fully_awake is not False or not (after.weights_awake and after.kv_cache_awake):
-        return None
-    return EngineDeadError(
-        f"{call}: the engine is not fully awake after it, though every tag should be "
-        "resident; vLLM resumes scheduling only once it is (EngineCore.wake_up, "
-        "vllm/v1/engine/core.py, 0.32), so every request would wait: the engine is dead"
-    )
-
-
-def tally_nonfinite(
-    tally: dict[str, int], checked: Result[NonFiniteCounts, NonFiniteLogprobs]
-) -> None:
-    """Add the non-finite logprobs ``check_logprobs`` saw, refused or not (both workers)."""
-    match checked:
-        case Success(NonFiniteCounts() as seen):
-            pass
-        case Failure(NonFiniteLogprobs() as problem):
-            seen = problem.seen
-    if seen.total:
-        for kind, count in seen.by_kind().items():
-            tally[kind] += count
-
-
-def nonfinite_samples(tally: Mapping[str, int]) -> list[CounterSample]:
-    """``genworker:nonfinite_logprobs{kind=...}``, one series per kind (both workers)."""
-    return [
-        CounterSample.from_counter(NONFINITE_LOGPROBS, {"kind": kind}, count)
-        for kind, count in tally.items()
-    ]
-
-
-def wake_event(tags: Sequence[str] | None) -> lifecycle.Event:
-    """The lifecycle event of ``wake_up(tags)`` (both workers); a typed error naming the
-    tags when they are not a non-empty subset of ``weights`` and ``kv_cache``."""
-    if tags is not None and (isinstance(tags, str) or not all(isinstance(t, str) for t in tags)):
-        raise BadArgumentError(f"wake_up tags must be a list of str or None, got {tags!r}")
-    wanted = frozenset(tags) if tags is not None else frozenset({"weights", "kv_cache"})
-    event = _WAKE_EVENTS.get(wanted)
-    if event is None:
-        raise BadArgumentError(
-            f"wake_up tags must be a non-empty subset of ['kv_cache', 'weights'], got {tags!r}"
-        )
-    return event
 
 
 class ExistingEngine:
@@ -260,33 +141,27 @@ def _serialized(
     return serialized
 
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def checked_env_names(names: Sequence[str] | None) -> tuple[str, ...]:
-    """``extra_env_vars`` as a tuple of variable names, or BadArgumentError."""
-    if names is None:
-        return ()
-    if isinstance(names, str) or not isinstance(names, Sequence):
-        raise BadArgumentError(
-            f"extra_env_vars must be a list of environment variable names, got {names!r}"
-        )
-    bad = [n for n in names if not isinstance(n, str) or not _ENV_NAME.fullmatch(n)]
-    if bad:
-        raise BadArgumentError(f"extra_env_vars: not environment variable names: {bad!r}")
-    return tuple(names)
-
-
 _NO_ROWS = flatten_generations([])
-_CACHES = {"prefix": "prefix cache", "mm": "multimodal cache", "encoder": "encoder cache"}
+_RESETS: dict[str, Callable[[EnginePort], None]] = {
+    "prefix": lambda e: e.reset_prefix_cache(),
+    "mm": lambda e: e.reset_mm_cache(),
+    "encoder": lambda e: e.reset_encoder_cache(),
+}
 
 
-class VllmGenerationWorker:
+class VllmGenerationWorker(WorkerSpine[EnginePort]):
     """One vLLM engine serving rollouts, with NeMo-RL's ``VllmGenerationWorker`` surface.
 
     ``busy_wait_s``: how long a call waits for another one to finish before it is refused
     with ``EngineStateError`` (0: refuse at once).
     """
+
+    _ASYNC_ENGINE = False
+    _WRONG_ENGINE = (
+        "vllm_cfg.async_engine is true: VllmGenerationWorker runs the synchronous "
+        "vllm.LLM; use genworker.shell.async_worker.AsyncVllmGenerationWorker, or set "
+        "vllm_cfg.async_engine: false"
+    )
 
     def __init__(
         self,
@@ -302,42 +177,10 @@ class VllmGenerationWorker:
         busy_wait_s: float = 600.0,
     ) -> None:
         self._lock = EngineLock(busy_wait_s)
-        self.cfg: WorkerConfig = unwrap(
-            WorkerConfig.from_mapping(config), BadConfigError, "worker config"
-        )
-        if self.cfg.vllm.async_engine:
-            raise BadConfigError(
-                "vllm_cfg.async_engine is true: VllmGenerationWorker runs the synchronous "
-                "vllm.LLM; use genworker.shell.async_worker.AsyncVllmGenerationWorker, or set "
-                "vllm_cfg.async_engine: false"
-            )
-        self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
-        self.fraction_of_gpus = fraction_of_gpus
-        self.seed = seed if seed is not None else (self.cfg.seed or 0)
-        self.stop_mode = stop_mode
-        #: variables (names) vLLM's Ray workers inherit from this process, as NeMo-RL's
-        #: ``extra_env_vars``; ``vllm_cfg.env_vars`` are exported and forwarded as well
-        self.extra_env_vars = checked_env_names(extra_env_vars)
+        super().__init__(config, bundle_indices, fraction_of_gpus, seed, extra_env_vars, stop_mode)
         self._factory = engine_factory
-        self._engine: EnginePort | None = None
-        self._state = lifecycle.NOT_LOADED
-        self._dead: str | None = None
-        self._manifest: Manifest | None = None  # from prepare_refit_info
-        self._collective = False  # init_collective succeeded
-        self._caches = lifecycle.CacheLedger()  # known empty: resets skipped
-        #: the last successful refit: each engine worker's report (tensors, bytes, mode,
-        #: seconds and ``phases``), the RPC's seconds, and each cache reset's
-        #: (``reset_{prefix,mm,encoder}_cache_seconds``; mm and encoder on multimodal engines)
-        self.last_refit: dict[str, object] = {}
-        #: how many times each engine cache was reset (``get_counters`` reports them)
-        self.cache_resets: dict[str, int] = {"prefix": 0, "mm": 0, "encoder": 0}
-        #: non-finite logprobs seen in generated tokens, by kind (``get_counters``)
-        self.nonfinite_logprobs: dict[str, int] = dict(NonFiniteCounts().by_kind())
-        #: rows of the last generate / generate_text refused for want of room (see above)
-        self.last_refused_rows: tuple[int, ...] = ()
         self._sparse_urls: list[str] | None = None  # the engine workers' relay receivers
         self._sparse_applied: list[object] = []  # their applied counts as last seen
-        self._version = 0  # good refits so far (weight_version)
         if not defer_model_load:
             self.load_model()
 
@@ -378,81 +221,9 @@ class VllmGenerationWorker:
     @_serialized
     def load_model(self) -> None:
         """Start the engine (the deferred half of ``__init__``)."""
-        self._move(lifecycle.Event.LOAD)
-        factory = self._factory or _default_factory()
-        self._engine = start_engine(factory, self.cfg, self.seed, self.extra_env_vars)
-        caps = self._engine.capabilities
-        problem = self.cfg.vllm.encoder_reset_problem(multimodal=caps.multimodal)
-        # Stop ids index the logits: refused against the vocabulary known now (G6).
-        stops = check_stop_token_ids(self.cfg.stop_token_ids, caps.vocab_size)
-        if problem is not None or isinstance(stops, Failure):
-            engine, self._engine = self._engine, None
-            engine.shutdown()
-            if problem is not None:
-                raise BadConfigError(problem)
-            unwrap(stops, BadConfigError, "worker config")
-        self._state = unwrap(
-            lifecycle.transition(self._state, lifecycle.Event.LOAD),
-            EngineStateError,
-            "load_model",
-        )
+        self._loaded(self._start(self._factory or _default_factory(), lambda e: e.shutdown()))
 
-    @staticmethod
-    def forward_env(names: Iterable[str]) -> None:
-        """Have vLLM's Ray executor copy these variables into its engine workers
-        (``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``); an in-process engine inherits them anyway."""
-        names = list(names)
-        if names:
-            existing = os.environ.get(RAY_EXTRA_ENV_VARS, "")
-            os.environ[RAY_EXTRA_ENV_VARS] = forwarded_env_names(existing, names)
-
-    # -- state ----------------------------------------------------------------------
-    @property
-    def state(self) -> lifecycle.State:
-        return self._state
-
-    @property
-    def weight_version(self) -> int:
-        """Good refits so far (0: the weights loaded), the async worker's count: every
-        ``generate`` output carries it as ``weight_versions``, and a refit that fails
-        leaves it alone (generation is refused until a good one)."""
-        return self._version
-
-    @property
-    def engine(self) -> EnginePort:
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine died earlier ({self._dead}); re-create the worker")
-        if self._engine is None:
-            raise EngineStateError("no engine: call load_model() first (defer_model_load=True)")
-        return self._engine
-
-    @property
-    def llm(self) -> object:
-        """The underlying ``vllm.LLM`` (or the fake engine) for callers that need it."""
-        engine = self.engine
-        return getattr(engine, "llm", engine)
-
-    def is_alive(self) -> bool:
-        return self._engine is not None and self._dead is None and not self._shut_down
-
-    @property
-    def _shut_down(self) -> bool:
-        return self._state.phase is lifecycle.Phase.SHUT_DOWN
-
-    def __repr__(self) -> str:
-        return (
-            f"VllmGenerationWorker(model={self.cfg.model_name!r}, seed={self.seed}, "
-            f"state={self._state}, alive={self.is_alive()})"
-        )
-
-    def _move(self, event: lifecycle.Event) -> lifecycle.State:
-        """The state ``event`` leads to, or EngineStateError; does not commit it."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine died earlier ({self._dead}); re-create the worker")
-        self._caches = self._caches.after(event)
-        return unwrap(
-            lifecycle.transition(self._state, event), EngineStateError, event.name.lower()
-        )
+    forward_env = staticmethod(forward_env)
 
     def _call(self, fn: Callable[[EnginePort], _T]) -> _T:
         if not self._lock.held():
@@ -460,72 +231,22 @@ class VllmGenerationWorker:
         try:
             return fn(self.engine)
         except EngineDeadError as e:
-            self._dead = str(e)
+            self._died(e)
             raise
         except EngineContractError as e:  # generate_text: the engine checked its rows
             if isinstance(e.detail, NonFiniteLogprobs):
                 tally_nonfinite(self.nonfinite_logprobs, Failure(e.detail))
             raise
 
-    # -- generation -----------------------------------------------------------------
-    def _specs(
-        self,
-        lengths: Sequence[int],
-        data: Mapping[str, object],
-        greedy: bool,
-        text: bool = False,
-    ) -> list[SamplingSpec | None]:
-        """One spec per row; ``None`` for a row without room (refused alone, named in
-        ``last_refused_rows`` and a warning). ``text``: the caller reads the completions'
-        text (vLLM detokenizes every row; otherwise only rows with stop strings)."""
-        caps = self.engine.capabilities
-        per_sample_stops = data.get("stop_strings")
-        seeds = unwrap(check_seeds(data.get("seeds"), len(lengths)), BadBatchError, "seeds")
-        stops = unwrap(
-            merge_stop_strings(
-                self.cfg.stop_strings,
-                per_sample_stops,  # type: ignore[arg-type]
-                len(lengths),
-                self.stop_mode,
-            ),
-            BadBatchError,
-            "stop_strings",
-        )
-        rows = unwrap(
-            cap_rows(
-                self.cfg.max_new_tokens,
-                lengths,
-                caps.max_model_len,
-                cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
-                num_speculative_tokens=caps.num_speculative_tokens,
-            ),
-            BadBatchError,
-            "max tokens",
-        )
-        self.last_refused_rows = rows.refused_rows
-        if rows.refused is not None:
-            log.warning("generating without the rows that have no room left: %s", rows.refused)
-        made: dict[tuple[int, tuple[str, ...], int | None], SamplingSpec] = {}
-        specs: list[SamplingSpec | None] = []
-        for m, s, seed in zip(rows.max_tokens, stops, seeds, strict=True):
-            if m == 0:
-                specs.append(None)
-                continue
-            key = (m, tuple(s), seed)
-            spec = made.get(key)
-            if spec is None:  # rows alike share one (immutable) spec
-                spec = made[key] = sampling_spec(
-                    self.cfg,
-                    greedy=greedy,
-                    max_tokens=m,
-                    stop=s,
-                    seed=seed,
-                    flat_logprobs=caps.flat_logprobs,
-                    text=text,
-                )
-            specs.append(spec)
-        return specs
+    def _tokenize(self, texts: list[str]) -> list[list[int]]:
+        return self._call(lambda e: e.tokenize(texts))
 
+    def _expanded(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        return self._call(lambda e: e.expanded_lengths(prompts, media))
+
+    # -- generation -----------------------------------------------------------------
     @_serialized
     @defer_cyclic_gc()
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
@@ -533,45 +254,42 @@ class VllmGenerationWorker:
         waits for the end of the call (``genworker.shell.collector``)."""
         self._check_sparse()
         next_state = self._move(lifecycle.Event.GENERATE)
-        if not isinstance(greedy, bool):
-            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
-        input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
-        caps = self.engine.capabilities
-        batch = unwrap(
-            check_batch(
-                input_ids,
-                input_lengths,
-                pad_token_id=self.cfg.pad_token_id,
-                vocab_size=caps.vocab_size,
-                max_model_len=caps.max_model_len,
-            ),
-            BadBatchError,
-            "generate batch",
+        input_ids, input_lengths, plan = self._token_batch(
+            data, greedy, whole=True, tokenize=self._tokenize, expanded=self._expanded
         )
-        media = row_media(data, batch.batch_size, "generate")
-        if not batch.prompts:
-            self.last_refused_rows = ()
+        if not plan.batch_size:
             empty = assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id)
             return self._versioned(empty)
-        starts = self._engine_prompts(batch.prompts, media)  # a prompt text's ids, or the row's
-        lengths = batch.lengths if starts is batch.prompts else list(map(len, starts))
-        context = self._context_lengths(starts, lengths, media)
-        specs = self._specs(context, data, greedy)
-        kept = [i for i, spec in enumerate(specs) if spec is not None]
-        progress = self.cfg.vllm.use_tqdm
+        requests = plan.requests.requests()
         made = _NO_ROWS
-        if kept:
-            prompts = [starts[i] for i in kept]
-            kept_specs = [spec for spec in specs if spec is not None]
-            kept_media = None if media is None else [media[i] for i in kept]
-            made = self._call(
-                lambda e: e.generate(prompts, kept_specs, kept_media, use_tqdm=progress)
-            )
+        if requests:
+            prompts = [plan.prompts[row] for row, _ in requests]
+            specs = [spec for _, spec in requests]
+            media = None if not plan.media else [plan.media.get(row) for row, _ in requests]
+            progress = self.cfg.vllm.use_tqdm
+            made = self._call(lambda e: e.generate(prompts, specs, media, use_tqdm=progress))
         # Rows without room come back empty, as if never sent.
-        generations = made if len(kept) == len(specs) else place_rows(made, kept, len(specs))
+        kept = [row for row, _ in requests]
+        generations = (
+            made if len(kept) == plan.batch_size else place_rows(made, kept, plan.batch_size)
+        )
         self._state = next_state
-        # The engine's rows, before any reaches the trainer: non-finite logprobs (G11; one
-        # vectorised pass when all are finite) and aborted rows (G14), named by batch row.
+        return self._versioned(
+            self._checked(input_ids, input_lengths, generations, plan.context, bool(plan.media))
+        )
+
+    def _checked(
+        self,
+        input_ids: torch.Tensor,
+        input_lengths: torch.Tensor,
+        generations: FlatGenerations,
+        context: Mapping[int, int],
+        media: bool,
+    ) -> GenerationOutputs:
+        """The engine's rows, before any reaches the trainer: non-finite logprobs (G11; one
+        vectorised pass when all are finite), aborted rows (G14) and rows past the context,
+        named by batch row."""
+        caps = self.caps
         checked = check_logprobs(generations.logprobs, generations.lengths, caps.logprobs_mode)
         tally_nonfinite(self.nonfinite_logprobs, checked)
         unwrap(checked, EngineContractError, "generate")
@@ -579,15 +297,16 @@ class VllmGenerationWorker:
         out = assemble_flat_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
         # What the context held: the prompt (expanded, for media rows) plus the generation.
         held = out.unpadded_sequence_lengths
-        if media is not None:
-            held = torch.tensor(context, dtype=held.dtype) + out.generation_lengths.to(held.dtype)
+        if media:
+            expanded = [context[row] for row in range(len(context))]
+            held = torch.tensor(expanded, dtype=held.dtype) + out.generation_lengths.to(held.dtype)
         over = torch.nonzero(held > caps.max_model_len).flatten()
         if over.numel():
             raise EngineContractError(
                 f"rows {over.tolist()} came back longer than max_model_len="
                 f"{caps.max_model_len}: context lengths {held[over].tolist()}"
             )
-        return self._versioned(out)
+        return out
 
     def _versioned(self, out: GenerationOutputs) -> dict[str, torch.Tensor]:
         """The output contract plus ``weight_versions`` (B, W) int64: this worker's
@@ -601,33 +320,6 @@ class VllmGenerationWorker:
         )
         return {**out.as_dict(), "weight_versions": versions}
 
-    def _engine_prompts(
-        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None] | None
-    ) -> Sequence[Sequence[int]]:
-        """What the engine starts each row from (:func:`~genworker.shell.media.engine_prompts`)."""
-        limit = self.engine.capabilities.max_model_len
-
-        def tokenize(texts: list[str]) -> list[list[int]]:
-            return self._call(lambda e: e.tokenize(texts))
-
-        return engine_prompts(prompts, media, tokenize, limit, "generate")
-
-    def _context_lengths(
-        self,
-        prompts: Sequence[Sequence[int]],
-        lengths: Sequence[int],
-        media: Sequence[RowMedia | None] | None,
-    ) -> list[int]:
-        """What each prompt holds in the context
-        (:func:`~genworker.shell.media.context_lengths`)."""
-        return context_lengths(
-            self.engine.capabilities,
-            prompts,
-            lengths,
-            media,
-            lambda p, m: self._call(lambda e: e.expanded_lengths(p, m)),
-        )
-
     @_serialized
     def generate_text(
         self, data: Mapping[str, object], greedy: bool = False
@@ -635,62 +327,27 @@ class VllmGenerationWorker:
         """Generate from text prompts (``data["prompts"]``); returns ``{"texts": [...]}``."""
         self._check_sparse()
         next_state = self._move(lifecycle.Event.GENERATE)
-        if not isinstance(greedy, bool):
-            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
-        if not isinstance(data, Mapping):
-            raise BadBatchError(f"generate_text: data must be a mapping, got {type(data).__name__}")
-        prompts = data.get("prompts")
-        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-            raise BadBatchError("generate_text: data['prompts'] must be a list of str")
-        if not prompts:
-            return {"texts": []}
-        if empty := [i for i, p in enumerate(prompts) if not p]:
-            raise BadBatchError(f"generate_text: prompts {empty} are empty strings")
-        media = row_media(data, len(prompts), "generate_text", texts=False)
-        # Tokenised once, here (no second BOS), so caps and media checks see the real ids.
-        ids = self._call(lambda e: e.tokenize(prompts))
-        caps = self.engine.capabilities
-        if too_long := [i for i, p in enumerate(ids) if len(p) >= caps.max_model_len]:
-            raise BadBatchError(
-                f"generate_text: prompts {too_long} leave no room to generate: "
-                f"{[len(ids[i]) for i in too_long]} tokens, max_model_len="
-                f"{caps.max_model_len} (a prompt must be shorter)"
-            )
-        context = self._context_lengths(ids, [len(p) for p in ids], media)
-        specs = self._specs(context, data, greedy, text=True)
-        kept = [i for i, spec in enumerate(specs) if spec is not None]
-        texts = [""] * len(prompts)
-        if kept:
-            kept_ids = [ids[i] for i in kept]
-            kept_specs = [spec for spec in specs if spec is not None]
-            kept_media = None if media is None else [media[i] for i in kept]
+        plan = self._text_batch(
+            data, greedy, whole=True, tokenize=self._tokenize, expanded=self._expanded
+        )
+        texts = [""] * plan.batch_size
+        if requests := plan.requests.requests():
+            ids = [plan.prompts[row] for row, _ in requests]
+            specs = [spec for _, spec in requests]
+            media = None if not plan.media else [plan.media.get(row) for row, _ in requests]
             progress = self.cfg.vllm.use_tqdm
-            made = self._call(
-                lambda e: e.generate_text(kept_ids, kept_specs, kept_media, use_tqdm=progress)
-            )
-            for i, text in zip(kept, made, strict=True):
-                texts[i] = text
+            made = self._call(lambda e: e.generate_text(ids, specs, media, use_tqdm=progress))
+            for (row, _), text in zip(requests, made, strict=True):
+                texts[row] = text
         self._state = next_state
         return {"texts": texts}
 
     # -- memory ---------------------------------------------------------------------
-    def _require_sleep_mode(self, call: str) -> None:
-        if not self.engine.capabilities.sleep_mode:
-            raise UnsupportedError(
-                f"{call}: sleep mode is unsupported on this platform "
-                f"({self.engine.capabilities.device})"
-            )
-
     @_serialized
     def sleep(self, level: int | None = None) -> None:
         """Free engine memory: level 1 offloads weights to host, level 2 discards them."""
-        level = self.cfg.vllm.sleep_level if level is None else level
-        if level not in (1, 2) or isinstance(level, bool):
-            raise BadArgumentError(f"sleep level must be 1 or 2, got {level!r}")
-        event = lifecycle.Event.SLEEP_L1 if level == 1 else lifecycle.Event.SLEEP_L2
-        next_state = self._move(event)
-        self._require_sleep_mode("sleep")
-        if next_state == self._state:
+        level, next_state = self._sleep_event(level)
+        if next_state is None:
             return
         self._reset_caches()
         self._memory_call(f"sleep(level={level})", lambda e: e.sleep(level))
@@ -699,85 +356,44 @@ class VllmGenerationWorker:
     @_serialized
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``weights``, ``kv_cache`` or both (``None``); waking an awake tag is a no-op."""
-        event = wake_event(tags)
-        next_state = self._move(event)
-        self._require_sleep_mode("wake_up")
-        # vLLM drops a whole wake_up(tags) when one tag is already awake: pass only the
-        # asleep ones (core.lifecycle.wake_tags), and nothing when all are awake.
-        asleep = lifecycle.wake_tags(self._state, event)
+        next_state, asleep = self._wake_plan(tags)
         if asleep:
             call = f"wake_up(tags={list(asleep)})"
             fully = self._memory_call(call, lambda e: e.wake_up(list(asleep)))
-            dead = not_fully_awake(call, next_state, fully)
-            if dead is not None:
-                self._dead = str(dead)
-                raise dead
+            self._wake_checked(call, next_state, fully)
         self._state = next_state
 
     def _memory_call(self, call: str, fn: Callable[[EnginePort], _T]) -> _T:
-        """The engine's sleep or wake: a failure other than a typed refusal kills the
-        engine (see the module docstring)."""
+        """The engine's sleep or wake (a failure but a typed refusal kills the engine)."""
         try:
             return self._call(fn)
-        except BaseException as e:
-            dead = failed_sleep_or_wake(call, e)
-            if dead is None:
-                raise
-            if self._dead is None:
-                self._dead = str(dead)
-            if dead is e or not isinstance(e, Exception):
-                raise
-            raise dead from e
+        except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
+            self._memory_failed(call, e)
 
     @_serialized
     def reset_prefix_cache(self) -> None:
         self._state = self._move(lifecycle.Event.RESET_PREFIX_CACHE)
         self._call(lambda e: e.reset_prefix_cache())
-        self.cache_resets["prefix"] += 1
+        self._reset_done("prefix")
 
     def _reset_caches(self, refit: str | None = None) -> dict[str, float]:
-        """Reset the prefix cache and, on a multimodal engine, the processed-media and
-        encoder caches (stale after a refit); seconds per reset. After the refit ``refit``,
-        a reset the engine refuses (``EngineStateError``) is a ``RefitError``: that cache
-        may still serve what the old weights computed. Caches known empty (core.lifecycle's
-        ``CacheLedger``: no request ran since the last reset) are not reset again."""
+        """The spine's cache resets (``WorkerSpine._resets_due``); seconds per reset."""
         counter = getattr(getattr(self.llm, "request_counter", None), "counter", None)
         requests = counter if isinstance(counter, int) else None
-        if not self._caches.needs_reset(requests):
-            return {}
-        resets: list[tuple[str, Callable[[EnginePort], None]]] = [
-            ("prefix", lambda e: e.reset_prefix_cache())
-        ]
-        if self.engine.capabilities.multimodal:
-            resets += [
-                ("mm", lambda e: e.reset_mm_cache()),
-                ("encoder", lambda e: e.reset_encoder_cache()),
-            ]
         seconds = {}
-        for name, reset in resets:
+        for name in self._resets_due(requests):
             started = time.monotonic()
             try:
-                self._call(reset)
+                self._call(_RESETS[name])
             except EngineStateError as e:
-                if refit is None:
-                    raise
-                raise RefitError(
-                    f"{refit}: the new weights are in, but resetting the {_CACHES[name]} "
-                    f"failed ({e}), so it may still serve what the old weights computed; the "
-                    "weights count as inconsistent until a refit succeeds"
-                ) from e
+                self._reset_failed(name, refit, e)
             seconds[name] = time.monotonic() - started
-            self.cache_resets[name] += 1
-        self._caches = self._caches.reset(requests)
+            self._reset_done(name)
+        self._resets_finished(requests)
         return seconds
 
     # -- refit ----------------------------------------------------------------------
-    # Per refit, every wait (engine side and trainer side) is bounded by ``timeout_s``
-    # (None: core.refit_protocol.DEFAULT_TIMEOUT_S); the engine call's own bound is
-    # derived from it (core.refit_protocol.rpc_bound), so only a wedged call ever exceeds
-    # it. A refit refused before it starts (no prepare_refit_info, a bad timeout_s, no
-    # init_collective) changes nothing; one that fails, times out or is interrupted
-    # leaves the weights inconsistent (generate refused) until a refit succeeds.
+    # The refit preamble, its bounds and its commit are the spine's (WorkerSpine).
     @_serialized
     def prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
@@ -786,7 +402,7 @@ class VllmGenerationWorker:
 
         Returns each engine worker's summary (manifest digest, how many tensors go straight
         into parameter memory, how many through the loader)."""
-        manifest = unwrap(Manifest.from_info(state_dict_info), RefitManifestError, "refit info")
+        manifest = self._manifest_of(state_dict_info)
         summaries = self._rpc("prepare_refit_info", manifest.to_info())
         self._manifest = manifest
         return summaries
@@ -803,18 +419,13 @@ class VllmGenerationWorker:
     ) -> None:
         """Join the trainer's standalone weight-update group (ranks after the trainer's);
         every rendezvous wait is bounded by ``timeout_s``."""
-        bound = unwrap(wait_bound(timeout_s), BadArgumentError, "init_collective")
+        args = (rank_prefix, ip, port, world_size, train_world_size)
+        self._init_collective("init_collective", args, timeout_s)
+
+    def _init_collective(self, method: str, args: tuple[object, ...], timeout_s: object) -> None:
+        bound, outer = self._rendezvous_bounds(method, timeout_s)
         self._collective = False
-        self._rpc(
-            "init_collective",
-            rank_prefix,
-            ip,
-            port,
-            world_size,
-            train_world_size,
-            bound,
-            timeout=rpc_bound(RENDEZVOUS_WAITS, bound),
-        )
+        self._rpc(method, *args, bound, timeout=outer)
         self._collective = True
 
     @_serialized
@@ -846,28 +457,18 @@ class VllmGenerationWorker:
         return self._rpc("release_refit_buffers")
 
     def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
-        if self._shut_down:
-            raise EngineStateError(f"{method}: the worker was shut down")
-        try:
+        """``method(*args)`` on every engine worker; failures typed by the spine's map."""
+        self._rpc_allowed(method)
+        with translated(self._rpc_seam(method), method):
             results = self._call(lambda e: e.collective_rpc(method, args=args, timeout=timeout))
-        except GenworkerError:
-            raise
-        except Exception as e:
-            raise RefitError(f"{method} failed on the engine workers: {e}") from e
         return raise_failures(results, method)
 
     def _refit(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
         """The refit RPC, then the cache resets; the weights count as valid only when all
         succeeded (a cache still holding KV or encoder outputs of the old weights would
-        serve them). ``timeout_s`` is checked first (the one check of it), then what the
-        refit needs (init_collective for a collective one, prepare_refit_info), then the
+        serve them). The preamble first (``WorkerSpine._refit_bounds``), then the
         lifecycle: a refit refused by any of them changes nothing."""
-        bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
-        if transport is Transport.COLLECTIVE and not self._collective:
-            raise EngineStateError(f"{method} needs init_collective first")
-        if self._manifest is None:
-            raise EngineStateError(f"{method} needs prepare_refit_info first")
-        outer = rpc_bound(refit_waits(len(self._manifest), transport), bound)
+        bound, outer = self._refit_bounds(method, timeout_s, transport)
         return self._run_refit(method, {"timeout_s": bound}, outer)
 
     def _run_refit(self, method: str, kwargs: dict[str, object], outer: float) -> bool:
@@ -880,20 +481,15 @@ class VllmGenerationWorker:
             raise_failures(reports, method)
             rpc_s = time.monotonic() - started
             resets = self._reset_caches(method)
-        except BaseException as e:
-            event = lifecycle.Event.REFIT_FAILED
-            self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, method)
-            if isinstance(e, GenworkerError) or not isinstance(e, Exception):
-                raise  # typed, or an interrupt (KeyboardInterrupt, SystemExit) as itself
-            raise RefitError(f"{method} failed: {e}; weights are inconsistent") from e
-        event = lifecycle.Event.REFIT_OK
-        self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, method)
-        self._version += 1
-        self.last_refit = {
-            "engine_workers": reports,
-            "rpc_seconds": rpc_s,
-            **{f"reset_{name}_cache_seconds": s for name, s in resets.items()},
-        }
+        except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
+            self._refit_failed(method, e)
+        self._refit_ok(
+            {
+                "engine_workers": reports,
+                "rpc_seconds": rpc_s,
+                **{f"reset_{name}_cache_seconds": s for name, s in resets.items()},
+            }
+        )
         return True
 
     # -- observability --------------------------------------------------------------
@@ -907,46 +503,27 @@ class VllmGenerationWorker:
         (``genworker:cache_resets{cache=...}``) and the non-finite logprobs it saw
         (``genworker:nonfinite_logprobs{kind=...}``), encoded as flat keys (see
         core.counters)."""
-        resets = [
-            CounterSample.from_counter(CACHE_RESETS, {"cache": name}, count)
-            for name, count in self.cache_resets.items()
-        ]
-        own = [*resets, *nonfinite_samples(self.nonfinite_logprobs)]
-        return encode_snapshot([*self._call(lambda e: e.metrics()), *own])
-
-    def multimodal_info(self) -> dict[str, int | None]:
-        """The engine's image placeholder id and per-prompt image limit (the group checks
-        a batch's media against them before splitting it)."""
-        caps = self.engine.capabilities
-        return {"image_token_id": caps.image_token_id, "max_images": caps.max_images}
+        return encode_snapshot([*self._call(lambda e: e.metrics()), *self._own_counters()])
 
     @_serialized
     def start_gpu_profiling(self) -> None:
-        if self.engine.capabilities.device != "cuda":
-            log.info(
-                "start_gpu_profiling: no-op, the engine runs on %s", self.engine.capabilities.device
-            )
-            return
-        self._call(lambda e: e.start_profile())
+        self._profile("start_gpu_profiling", lambda e: e.start_profile())
 
     @_serialized
     def stop_gpu_profiling(self) -> None:
-        if self.engine.capabilities.device != "cuda":
-            log.info(
-                "stop_gpu_profiling: no-op, the engine runs on %s", self.engine.capabilities.device
-            )
+        self._profile("stop_gpu_profiling", lambda e: e.stop_profile())
+
+    def _profile(self, call: str, fn: Callable[[EnginePort], None]) -> None:
+        device = self.caps.device
+        if device != "cuda":
+            log.info("%s: no-op, the engine runs on %s", call, device)
             return
-        self._call(lambda e: e.stop_profile())
+        self._call(fn)
 
     @_serialized
     def shutdown(self) -> bool:
         """Free the engine; idempotent. The worker is unusable afterwards."""
-        engine, self._engine = self._engine, None
-        self._state = unwrap(
-            lifecycle.transition(self._state, lifecycle.Event.SHUTDOWN),
-            EngineStateError,
-            "shutdown",
-        )
+        engine = self._detach()
         if engine is not None:
             engine.shutdown()
         return True
@@ -1059,10 +636,7 @@ class VllmGenerationWorker:
     ) -> None:
         """:meth:`init_collective` through another extension method (``method(*args,
         bound)``, e.g. the receiver of NeMo-RL's weight-update group)."""
-        bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
-        self._collective = False
-        self._rpc(method, *args, bound, timeout=rpc_bound(RENDEZVOUS_WAITS, bound))
-        self._collective = True
+        self._init_collective(method, args, timeout_s)
 
     @_serialized
     def refit_via(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
@@ -1144,16 +718,3 @@ def _steps_between(before: Sequence[object], after: Sequence[object]) -> int:
     if isinstance(old, int) and isinstance(new, int) and new > old:
         return new - old
     return 1
-
-
-def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
-    if not isinstance(data, Mapping):
-        raise BadBatchError(f"generate: data must be a mapping, got {type(data).__name__}")
-    value = data.get(key)
-    if value is None:
-        raise BadBatchError(f"generate: data[{key!r}] is missing")
-    if not isinstance(value, torch.Tensor):
-        raise BadBatchError(
-            f"generate: data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
-        )
-    return value

@@ -852,9 +852,6 @@ def nemo_config_dicts(
     _cfg_maybe(
         draw, d, "bad_words", st.none() | st.lists(st.text(min_size=1, max_size=6), max_size=2)
     )
-    if vllm_cfg.get("skip_tokenizer_init") is True:  # without a tokenizer both are refused
-        d["stop_strings"] = None
-        d.pop("bad_words", None)
     _cfg_maybe(draw, d, "ignore_eos", st.booleans())
     _cfg_maybe(draw, d, "seed", st.none() | st.integers(0, 2**31))
     _cfg_maybe(
@@ -2112,3 +2109,66 @@ refit_events: st.SearchStrategy[_protocol.Event] = st.one_of(
     st.builds(_protocol.End, _refit_ids, st.integers(0, 3), st.integers(0, 4)),
     st.builds(_protocol.Abort, _refit_ids, st.just("stop")),
 )
+
+
+# --- requests ---
+import attrs as _requests_attrs
+
+from genworker.core.requests import RequestLimits as _RequestLimits
+from genworker.core.stops import StopMode as _StopMode
+
+
+@_requests_attrs.frozen
+class RequestCase:
+    """Arguments of ``plan_requests``: the batch's per-sample data as ``data``, the limits,
+    and each planned row's ``(batch row, context length)``; rows repeat lengths, stops and
+    seeds so that alike rows occur."""
+
+    defaults: SamplingDefaultsValue
+    limits: _RequestLimits
+    data: dict[str, object]
+    batch_size: int
+    rows: tuple[tuple[int, int], ...]
+    greedy: bool
+    text: bool
+    mode: _StopMode
+
+
+@st.composite
+def request_cases(draw: st.DrawFn, *, max_rows: int = 8) -> RequestCase:
+    """A valid batch to plan; its rows are a subset of the batch, in any order."""
+    max_model_len = draw(st.integers(2, 64))
+    limits = _RequestLimits(
+        max_new_tokens=draw(st.integers(1, 80)),
+        max_model_len=max_model_len,
+        cap_to_context=draw(st.booleans()),
+        num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
+        flat_logprobs=draw(st.booleans()),
+    )
+    batch_size = draw(st.integers(0, max_rows))
+    lengths = st.sampled_from([1, max_model_len // 2, max_model_len - 2, max_model_len - 1])
+    data: dict[str, object] = {}
+    if draw(st.booleans()):
+        data["seeds"] = draw(
+            st.lists(st.sampled_from([None, 0, 7]), min_size=batch_size, max_size=batch_size)
+        )
+    if draw(st.booleans()):
+        data["stop_strings"] = draw(
+            st.lists(
+                st.sampled_from([None, ["</s>"], ["a", "b"]]),
+                min_size=batch_size,
+                max_size=batch_size,
+            )
+        )
+    chosen = draw(st.permutations(range(batch_size)))
+    kept = chosen[: draw(st.integers(0, batch_size))]
+    return RequestCase(
+        defaults=draw(sampling_defaults),
+        limits=limits,
+        data=data,
+        batch_size=batch_size,
+        rows=tuple((row, max(1, draw(lengths))) for row in kept),
+        greedy=draw(st.booleans()),
+        text=draw(st.booleans()),
+        mode=draw(st.sampled_from(list(_StopMode))),
+    )

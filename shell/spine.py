@@ -1,0 +1,769 @@
+"""The worker spine: what the sync and the async worker do alike, written once.
+
+Theory of operation
+-------------------
+vLLM's ``LLMEngine`` and ``AsyncLLM`` are two drive loops over the same
+``InputProcessor`` / ``OutputProcessor``. Here :class:`WorkerSpine` is the shared body and
+the two workers are its drive loops: ``shell.worker.VllmGenerationWorker`` runs a batch
+through one blocking engine call, ``shell.async_worker.AsyncVllmGenerationWorker`` runs
+each row as its own request and refits while they run. The spine never calls the engine
+itself (the two engine ports differ in sync and async calls, ``shell.ports``): it holds the
+state and takes every decision, and each drive loop makes the calls in between.
+
+What the spine holds: the config and constructor arguments; engine start
+(:meth:`_start`) and death (:meth:`_died`, a dead engine refuses every later call);
+lifecycle moves over ``core.lifecycle.TABLE`` (:meth:`_move` checks, :meth:`_commit`
+commits); the request plan (:meth:`_token_batch`, :meth:`_text_batch`: the checks, media,
+then ``core.requests``); sleep and wake (:meth:`_sleep_event`, :meth:`_wake_checked`,
+:meth:`_memory_failed`) and the cache-reset rule (:meth:`_resets_due`,
+:meth:`_reset_done`, :meth:`_reset_failed`); the refit preamble (:meth:`_refit_bounds`),
+its commit (:meth:`_refit_ok`), ``last_refit`` and the weight version; the counters
+(:meth:`_own_counters`); and the RPC error map (:meth:`_rpc_seam`: ``RefitError`` only for
+refit methods, ``EngineRpcError`` for the rest, ``shell.errors``).
+
+Differences between the two workers, and how they are settled here
+------------------------------------------------------------------
+============================  ===============================  ==============================
+What differed                 Settled as                       Why
+============================  ===============================  ==============================
+async sleep reset only the    both reset prefix, and on a      encoder outputs and processed
+prefix cache; sync also the   multimodal engine the mm and     media of the old weights are
+mm and encoder caches         encoder caches, skipping caches  stale either way; the async
+                              known empty (``CacheLedger``)    port gained the two resets
+only sync counted cache       both count every reset in        one counter contract
+resets (``cache_resets``,     ``cache_resets`` and report it   (``get_counters``) for both
+``get_counters``)             in ``get_counters``
+async reset_prefix_cache did  both count it                    as above
+not count the reset
+async load skipped the        both refuse it at load           a config the worker cannot
+``reset_encoder_cache_after_                                   honour on a multimodal engine
+weight_update: false`` check                                   is refused on both fronts
+async refused a no-room       the plan names batch rows        the warning named positions
+warning with plan positions   (``core.requests``) for both     in the planned subset
+async never set               both set it (the rows of the     one attribute, one meaning
+``last_refused_rows``         last plan without room)
+``engine`` after shutdown:    both: "the worker was shut       the clearer message
+sync said "call load_model"   down; create a new worker"
+every RPC failure was a       ``RefitError`` only for refit    a failed ``report_device_id``
+``RefitError`` (both)         methods, else ``EngineRpcError`` says nothing about weights
+async docstring said images   docstring fixed (the async       it takes them
+are refused                   worker takes images)
+async imported the sync       both import public names from    private means private
+module's private helpers      here (``spine``)
+============================  ===============================  ==============================
+
+Kept apart on purpose: the in-flight refit (pause, settle, label, resume; async only), the
+sparse relay and reshard methods (sync only), the sync worker's lock (an async worker runs
+on one event loop), the metrics logger and HTTP server (async only), and ``generate_text``
+refusals: the sync worker refuses the batch naming every bad prompt, the async worker
+refuses each row alone (its ``generate_text`` raises the first): the same core rule
+(``core.requests.text_refusals``) in its batch and row forms.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Generic, NoReturn, Protocol, TypeVar
+
+import attrs
+import torch
+from returns.result import Failure, Result, Success
+
+from genworker.core import lifecycle
+from genworker.core.batch import check_batch
+from genworker.core.config import WorkerConfig
+from genworker.core.counters import CACHE_RESETS, NONFINITE_LOGPROBS, CounterSample
+from genworker.core.engine_plan import plan_engine_kwargs
+from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs
+from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
+from genworker.core.refit_plan import Manifest
+from genworker.core.refit_protocol import (
+    RENDEZVOUS_WAITS,
+    Transport,
+    refit_waits,
+    rpc_bound,
+    wait_bound,
+)
+from genworker.core.requests import (
+    PlanError,
+    RequestLimits,
+    RequestPlan,
+    check_text_prompts,
+    parse_sample_data,
+    plan_requests,
+    text_refusals,
+)
+from genworker.core.rows import check_rows
+from genworker.core.sampling import check_stop_token_ids
+from genworker.core.stops import StopMode
+from genworker.shell.errors import (
+    ENGINE_RPC,
+    REFIT_RPC,
+    BadArgumentError,
+    BadBatchError,
+    BadConfigError,
+    EngineDeadError,
+    EngineStateError,
+    GenworkerError,
+    RefitError,
+    RefitManifestError,
+    Seam,
+    UnsupportedError,
+    unwrap,
+)
+from genworker.shell.media import RowMedia, media_rows, row_media
+from genworker.shell.ports import EngineCapabilities
+
+__all__ = [
+    "EXTENSION_CLS",
+    "REFIT_METHODS",
+    "BatchPlan",
+    "WorkerSpine",
+    "checked_env_names",
+    "forward_env",
+    "nonfinite_samples",
+    "start_engine",
+    "tally_nonfinite",
+    "tensor_field",
+    "wake_event",
+]
+
+log = logging.getLogger("genworker.shell.worker")
+
+EXTENSION_CLS = "genworker.shell.extension.WorkerExtension"
+
+#: The engine-side RPC targets of a refit (genworker's, the sparse relay's, the reshard's);
+#: NeMo-RL's wire receivers are the ``nemo_rl_`` ones. Their failures are ``RefitError``.
+REFIT_METHODS = frozenset(
+    {
+        "prepare_refit_info",
+        "init_collective",
+        "update_weights_via_ipc_zmq",
+        "update_weights_from_collective",
+        "refit_address",
+        "engine_param_layout",
+        "release_refit_buffers",
+        "start_sparse_relay",
+        "configure_sparse_relay",
+        "stop_sparse_relay",
+        "sparse_relay_status",
+        "init_nccl_reshard_comm_group",
+        "prepare_nccl_reshard_refit_info",
+        "nccl_reshard_refit",
+    }
+)
+
+_E = TypeVar("_E")
+_Started_co = TypeVar("_Started_co", covariant=True)
+_WAKE_EVENTS = {
+    frozenset({"weights"}): lifecycle.Event.WAKE_WEIGHTS,
+    frozenset({"kv_cache"}): lifecycle.Event.WAKE_KV_CACHE,
+    frozenset({"weights", "kv_cache"}): lifecycle.Event.WAKE_ALL,
+}
+#: What an engine's sleep or wake raises only before it touched its memory (EnginePort.sleep).
+_REFUSALS = (BadArgumentError, EngineStateError, UnsupportedError)
+_CACHES = {"prefix": "prefix cache", "mm": "multimodal cache", "encoder": "encoder cache"}
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class StartsEngines(Protocol[_Started_co]):
+    """What both workers' engine factories offer (``EngineFactory``, ``AsyncEngineFactory``)."""
+
+    def arg_names(self) -> frozenset[str] | None: ...
+
+    def gpu_capability(self) -> tuple[int, int] | None: ...
+
+    def start(self, kwargs: Mapping[str, object]) -> _Started_co: ...
+
+
+class HasCapabilities(Protocol):
+    """Both engine ports: what the spine reads of an engine."""
+
+    @property
+    def capabilities(self) -> EngineCapabilities: ...
+
+
+def forward_env(names: Iterable[str]) -> None:
+    """Have vLLM's Ray executor copy these variables into its engine workers
+    (``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``); an in-process engine inherits them anyway."""
+    names = list(names)
+    if names:
+        existing = os.environ.get(RAY_EXTRA_ENV_VARS, "")
+        os.environ[RAY_EXTRA_ENV_VARS] = forwarded_env_names(existing, names)
+
+
+def start_engine(
+    factory: StartsEngines[_Started_co],
+    cfg: WorkerConfig,
+    seed: int,
+    extra_env_vars: Sequence[str],
+) -> _Started_co:
+    """Plan the engine's arguments for this GPU and the installed vLLM (a dropped one is
+    logged), export the environment they need, and start the engine."""
+    capability = factory.gpu_capability()
+    plan = unwrap(
+        plan_engine_kwargs(
+            cfg,
+            seed=seed,
+            gpu_capability=capability,
+            known_args=factory.arg_names(),
+            extension_cls=EXTENSION_CLS,
+            enable_sleep_mode=capability is not None,
+            telemetry={k: v for k, v in os.environ.items() if k.startswith("OTEL_")},
+        ),
+        BadConfigError,
+        "engine arguments",
+    )
+    if plan.dropped:
+        log.warning("engine arguments the installed vLLM lacks, dropped: %s", plan.dropped)
+    os.environ.update(plan.env)  # e.g. the OTLP traces protocol, which vLLM reads from env
+    forward_env([*cfg.vllm.env_vars, *extra_env_vars])
+    return factory.start(plan.llm_kwargs())
+
+
+def checked_env_names(names: Sequence[str] | None) -> tuple[str, ...]:
+    """``extra_env_vars`` as a tuple of variable names, or BadArgumentError."""
+    if names is None:
+        return ()
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise BadArgumentError(
+            f"extra_env_vars must be a list of environment variable names, got {names!r}"
+        )
+    bad = [n for n in names if not isinstance(n, str) or not _ENV_NAME.fullmatch(n)]
+    if bad:
+        raise BadArgumentError(f"extra_env_vars: not environment variable names: {bad!r}")
+    return tuple(names)
+
+
+def wake_event(tags: Sequence[str] | None) -> lifecycle.Event:
+    """The lifecycle event of ``wake_up(tags)``; a typed error naming the tags when they
+    are not a non-empty subset of ``weights`` and ``kv_cache``."""
+    if tags is not None and (isinstance(tags, str) or not all(isinstance(t, str) for t in tags)):
+        raise BadArgumentError(f"wake_up tags must be a list of str or None, got {tags!r}")
+    wanted = frozenset(tags) if tags is not None else frozenset({"weights", "kv_cache"})
+    event = _WAKE_EVENTS.get(wanted)
+    if event is None:
+        raise BadArgumentError(
+            f"wake_up tags must be a non-empty subset of ['kv_cache', 'weights'], got {tags!r}"
+        )
+    return event
+
+
+def tally_nonfinite(
+    tally: dict[str, int], checked: Result[NonFiniteCounts, NonFiniteLogprobs]
+) -> None:
+    """Add the non-finite logprobs ``check_logprobs`` saw, refused or not."""
+    match checked:
+        case Success(NonFiniteCounts() as seen):
+            pass
+        case Failure(NonFiniteLogprobs() as problem):
+            seen = problem.seen
+    if seen.total:
+        for kind, count in seen.by_kind().items():
+            tally[kind] += count
+
+
+def nonfinite_samples(tally: Mapping[str, int]) -> list[CounterSample]:
+    """``genworker:nonfinite_logprobs{kind=...}``, one series per kind."""
+    return [
+        CounterSample.from_counter(NONFINITE_LOGPROBS, {"kind": kind}, count)
+        for kind, count in tally.items()
+    ]
+
+
+def tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
+    """``data[key]`` as a tensor, or a BadBatchError naming the key."""
+    if not isinstance(data, Mapping):
+        raise BadBatchError(f"generate: data must be a mapping, got {type(data).__name__}")
+    value = data.get(key)
+    if value is None:
+        raise BadBatchError(f"generate: data[{key!r}] is missing")
+    if not isinstance(value, torch.Tensor):
+        raise BadBatchError(
+            f"generate: data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
+        )
+    return value
+
+
+@attrs.frozen
+class BatchPlan:
+    """A checked batch of ``batch_size`` rows: the engine prompt of each row that passed
+    the checks (a prompt text's ids where NeMo-RL's ``vllm_content`` gave one), what it
+    holds in the context, the rows' images, the request plan of those rows, and why each
+    other row cannot generate (empty when the batch is refused whole)."""
+
+    batch_size: int
+    prompts: Mapping[int, Sequence[int]]
+    context: Mapping[int, int]
+    media: Mapping[int, RowMedia]
+    requests: RequestPlan
+    errors: tuple[tuple[int, GenworkerError], ...] = ()
+
+
+Tokenize = Callable[[list[str]], list[list[int]]]
+ExpandedLengths = Callable[[Sequence[Sequence[int]], Sequence[RowMedia | None]], list[int]]
+
+
+class WorkerSpine(Generic[_E]):
+    """The state and decisions both workers share (see the module docstring); ``_E`` is
+    the engine port (``EnginePort`` or ``AsyncEnginePort``)."""
+
+    #: vllm_cfg.async_engine this worker runs, and what to say when the config disagrees
+    _ASYNC_ENGINE: bool
+    _WRONG_ENGINE: str
+
+    def __init__(
+        self,
+        config: Mapping[str, object],
+        bundle_indices: Sequence[int] | None,
+        fraction_of_gpus: float,
+        seed: int | None,
+        extra_env_vars: Sequence[str] | None,
+        stop_mode: StopMode,
+    ) -> None:
+        self.cfg: WorkerConfig = unwrap(
+            WorkerConfig.from_mapping(config), BadConfigError, "worker config"
+        )
+        if self.cfg.vllm.async_engine is not self._ASYNC_ENGINE:
+            raise BadConfigError(self._WRONG_ENGINE)
+        self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
+        self.fraction_of_gpus = fraction_of_gpus
+        self.seed = seed if seed is not None else (self.cfg.seed or 0)
+        self.stop_mode = stop_mode
+        #: variables (names) vLLM's Ray workers inherit from this process, as NeMo-RL's
+        #: ``extra_env_vars``; ``vllm_cfg.env_vars`` are exported and forwarded as well
+        self.extra_env_vars = checked_env_names(extra_env_vars)
+        self._engine: _E | None = None
+        self._state = lifecycle.NOT_LOADED
+        self._dead: str | None = None
+        self._version = 0  # good refits so far (weight_version)
+        self._manifest: Manifest | None = None  # from prepare_refit_info
+        self._collective = False  # init_collective succeeded
+        self._caches = lifecycle.CacheLedger()  # known empty: resets skipped
+        #: the last successful refit: each engine worker's report and the seconds of its
+        #: steps (the sync worker: the RPC and each cache reset; the async worker: the
+        #: pause, the RPC and the resume, its mode and version)
+        self.last_refit: dict[str, object] = {}
+        #: how many times each engine cache was reset (``get_counters`` reports them)
+        self.cache_resets: dict[str, int] = {"prefix": 0, "mm": 0, "encoder": 0}
+        #: non-finite logprobs seen in generated tokens, by kind (``get_counters``)
+        self.nonfinite_logprobs: dict[str, int] = dict(NonFiniteCounts().by_kind())
+        #: rows of the last plan refused for want of room (they come back unchanged)
+        self.last_refused_rows: tuple[int, ...] = ()
+
+    # -- engine start and death -------------------------------------------------------
+    def _start(self, factory: StartsEngines[_E], discard: Callable[[_E], None]) -> _E:
+        """Start the engine and check the config against it (stop ids against its
+        vocabulary, G6; the encoder-reset key against a multimodal engine); a refused one
+        is handed to ``discard``. Commits nothing: :meth:`_loaded` does."""
+        self._move(lifecycle.Event.LOAD)
+        engine = start_engine(factory, self.cfg, self.seed, self.extra_env_vars)
+        caps = self._caps_of(engine)
+        problem = self.cfg.vllm.encoder_reset_problem(multimodal=caps.multimodal)
+        stops = check_stop_token_ids(self.cfg.stop_token_ids, caps.vocab_size)
+        if problem is not None or isinstance(stops, Failure):
+            discard(engine)
+            if problem is not None:
+                raise BadConfigError(problem)
+            unwrap(stops, BadConfigError, "worker config")
+        return engine
+
+    def _loaded(self, engine: _E) -> None:
+        self._engine = engine
+        self._commit(lifecycle.Event.LOAD, "load_model")
+
+    @staticmethod
+    def _caps_of(engine: object) -> EngineCapabilities:
+        caps = engine.capabilities  # type: ignore[attr-defined]
+        assert isinstance(caps, EngineCapabilities)
+        return caps
+
+    @property
+    def engine(self) -> _E:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine died earlier ({self._dead}); re-create the worker")
+        if self._engine is None:
+            if self._shut_down:
+                raise EngineStateError("the worker was shut down; create a new worker")
+            raise EngineStateError("no engine: call load_model() first (defer_model_load=True)")
+        return self._engine
+
+    @property
+    def caps(self) -> EngineCapabilities:
+        """The running engine's capabilities."""
+        return self._caps_of(self.engine)
+
+    @property
+    def llm(self) -> object:
+        """The underlying ``vllm.LLM`` / ``AsyncLLM`` (or the fake engine)."""
+        engine = self.engine
+        return getattr(engine, "llm", engine)
+
+    def _died(self, error: EngineDeadError) -> None:
+        """The engine is dead: every later call is refused with ``error``."""
+        if self._dead is None:
+            self._dead = str(error)
+            log.error("the engine died: %s", error)
+
+    def is_alive(self) -> bool:
+        return self._engine is not None and self._dead is None and not self._shut_down
+
+    @property
+    def _shut_down(self) -> bool:
+        return self._state.phase is lifecycle.Phase.SHUT_DOWN
+
+    def _detach(self) -> _E | None:
+        """Shutdown's first step (idempotent): the engine, let go, and the state moved."""
+        engine, self._engine = self._engine, None
+        self._commit(lifecycle.Event.SHUTDOWN, "shutdown")
+        return engine
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def state(self) -> lifecycle.State:
+        return self._state
+
+    @property
+    def weight_version(self) -> int:
+        """Good refits so far (0: the weights loaded): every ``generate`` output carries
+        it as ``weight_versions``; a refit that fails leaves it alone."""
+        return self._version
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(model={self.cfg.model_name!r}, seed={self.seed}, "
+            f"state={self._state}, version={self._version}, alive={self.is_alive()})"
+        )
+
+    def _move(self, event: lifecycle.Event) -> lifecycle.State:
+        """The state ``event`` leads to, or EngineStateError; does not commit it."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine died earlier ({self._dead}); re-create the worker")
+        self._caches = self._caches.after(event)
+        return unwrap(
+            lifecycle.transition(self._state, event), EngineStateError, event.name.lower()
+        )
+
+    def _commit(self, event: lifecycle.Event, call: str) -> None:
+        """Move the state by ``event`` from where it is now (EngineStateError if the table
+        refuses it)."""
+        self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, call)
+
+    # -- the request plan ---------------------------------------------------------------
+    @staticmethod
+    def _check_greedy(greedy: object) -> None:
+        if not isinstance(greedy, bool):
+            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
+
+    def _plan(
+        self,
+        data: Mapping[str, object],
+        batch_size: int,
+        rows: Sequence[tuple[int, int]],
+        greedy: bool,
+        text: bool = False,
+    ) -> RequestPlan:
+        """``core.requests``'s plan of ``rows`` (``(batch row, context length)``)."""
+        caps = self.caps
+        samples = parse_sample_data(
+            data, batch_size, config_stops=self.cfg.stop_strings, mode=self.stop_mode
+        )
+        limits = RequestLimits(
+            max_new_tokens=self.cfg.max_new_tokens,
+            max_model_len=caps.max_model_len,
+            cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
+            num_speculative_tokens=caps.num_speculative_tokens,
+            flat_logprobs=caps.flat_logprobs,
+        )
+        planned = samples.bind(
+            lambda s: plan_requests(self.cfg, limits, s, rows, greedy=greedy, text=text)
+        )
+        if isinstance(planned, Failure):
+            raise _batch_error(planned.failure())
+        plan = planned.unwrap()
+        self.last_refused_rows = plan.no_room
+        if plan.refused is not None:
+            log.warning("generating without the rows that have no room left: %s", plan.refused)
+        return plan
+
+    def _token_batch(
+        self,
+        data: Mapping[str, object],
+        greedy: bool,
+        *,
+        whole: bool,
+        tokenize: Tokenize,
+        expanded: ExpandedLengths,
+    ) -> tuple[torch.Tensor, torch.Tensor, BatchPlan]:
+        """A right-padded batch checked and planned; ``whole``: a bad row refuses the
+        batch (else it is set aside with its error, ``core.rows.check_rows``)."""
+        self._check_greedy(greedy)
+        input_ids, input_lengths = (tensor_field(data, k) for k in ("input_ids", "input_lengths"))
+        caps = self.caps
+        limits = {
+            "pad_token_id": self.cfg.pad_token_id,
+            "vocab_size": caps.vocab_size,
+            "max_model_len": caps.max_model_len,
+        }
+        errors: list[tuple[int, GenworkerError]] = []
+        if whole:
+            checked = unwrap(
+                check_batch(input_ids, input_lengths, **limits),  # type: ignore[arg-type]
+                BadBatchError,
+                "generate batch",
+            )
+            prompts: dict[int, Sequence[int]] = dict(enumerate(checked.prompts))
+        else:
+            rows = unwrap(
+                check_rows(input_ids, input_lengths, **limits),  # type: ignore[arg-type]
+                BadBatchError,
+                "generate batch",
+            )
+            errors = [
+                (row, BadBatchError(f"row {row} cannot generate: {error}", detail=error))
+                for row, error in rows.errors
+            ]
+            prompts = dict(rows.prompts)
+        batch_size = int(input_ids.shape[0])
+        media = row_media(data, batch_size, "generate")
+        plan = self._planned(
+            data, batch_size, prompts, greedy, "generate", tokenize, expanded, media
+        )
+        return input_ids, input_lengths, attrs.evolve(plan, errors=tuple(errors))
+
+    def _text_batch(
+        self,
+        data: Mapping[str, object],
+        greedy: bool,
+        *,
+        whole: bool,
+        tokenize: Tokenize,
+        expanded: ExpandedLengths,
+    ) -> BatchPlan:
+        """``generate_text``'s prompts checked, tokenized once (no second BOS) and
+        planned; ``whole``: a bad prompt refuses the batch naming every such prompt."""
+        self._check_greedy(greedy)
+        if not isinstance(data, Mapping):
+            raise BadBatchError(f"generate_text: data must be a mapping, got {type(data).__name__}")
+        checked = check_text_prompts(data.get("prompts"))
+        if isinstance(checked, Failure):
+            raise _batch_error(checked.failure())
+        prompts = checked.unwrap()
+        if not prompts:
+            return BatchPlan(0, {}, {}, {}, RequestPlan((), ()))
+        refused = text_refusals(prompts, None, 0)
+        if whole and refused:
+            raise BadBatchError(refused[0].message, detail=refused[0])
+        media = row_media(data, len(prompts), "generate_text", texts=False)
+        texts = [row for row, p in enumerate(prompts) if p]
+        ids = dict(zip(texts, tokenize([prompts[r] for r in texts]), strict=True)) if texts else {}
+        limit = self.caps.max_model_len
+        refused = text_refusals(prompts, {r: len(p) for r, p in ids.items()}, limit)
+        if whole and refused:
+            raise BadBatchError(refused[0].message, detail=refused[0])
+        errors = {
+            row: BadBatchError(refusal.row_message(row), detail=refusal)
+            for refusal in refused
+            for row in refusal.rows
+        }
+        kept: dict[int, Sequence[int]] = {r: p for r, p in ids.items() if r not in errors}
+        plan = self._planned(
+            data, len(prompts), kept, greedy, "generate_text", tokenize, expanded, media, True
+        )
+        return attrs.evolve(plan, errors=tuple(sorted(errors.items())))
+
+    def _planned(
+        self,
+        data: Mapping[str, object],
+        batch_size: int,
+        prompts: Mapping[int, Sequence[int]],
+        greedy: bool,
+        call: str,
+        tokenize: Tokenize,
+        expanded: ExpandedLengths,
+        media: list[RowMedia | None] | None,
+        text: bool = False,
+    ) -> BatchPlan:
+        """The media checks and the request plan of the rows in ``prompts``."""
+        starts, context, images = media_rows(
+            self.caps, batch_size, prompts, media, tokenize, expanded, call
+        )
+        rows = [(row, context[row]) for row in starts]
+        requests = self._plan(data, batch_size, rows, greedy, text)
+        return BatchPlan(batch_size, starts, context, images, requests)
+
+    # -- memory -------------------------------------------------------------------------
+    def _require_sleep_mode(self, call: str) -> None:
+        caps = self.caps
+        if not caps.sleep_mode:
+            raise UnsupportedError(
+                f"{call}: sleep mode is unsupported on this platform ({caps.device})"
+            )
+
+    def _sleep_event(self, level: int | None) -> tuple[int, lifecycle.State | None]:
+        """``sleep(level)``'s level and the state it leads to (None: already there)."""
+        level = self.cfg.vllm.sleep_level if level is None else level
+        if level not in (1, 2) or isinstance(level, bool):
+            raise BadArgumentError(f"sleep level must be 1 or 2, got {level!r}")
+        event = lifecycle.Event.SLEEP_L1 if level == 1 else lifecycle.Event.SLEEP_L2
+        next_state = self._move(event)
+        self._require_sleep_mode("sleep")
+        return level, None if next_state == self._state else next_state
+
+    def _wake_plan(self, tags: Sequence[str] | None) -> tuple[lifecycle.State, tuple[str, ...]]:
+        """``wake_up(tags)``'s next state and the tags to pass the engine: vLLM drops a
+        whole ``wake_up(tags)`` when one tag is already awake, so only the asleep ones
+        (``core.lifecycle.wake_tags``), and none when all are awake."""
+        event = wake_event(tags)
+        next_state = self._move(event)
+        self._require_sleep_mode("wake_up")
+        return next_state, tuple(lifecycle.wake_tags(self._state, event))
+
+    def _wake_checked(self, call: str, after: lifecycle.State, fully_awake: bool | None) -> None:
+        """EngineDeadError when the wake ``call`` leaves every tag resident by the
+        lifecycle table but the engine says it is not fully awake (vLLM resumes scheduling
+        only then, ``EngineCore.wake_up``, vllm/v1/engine/core.py, 0.32)."""
+        if fully_awake is not False or not (after.weights_awake and after.kv_cache_awake):
+            return
+        dead = EngineDeadError(
+            f"{call}: the engine is not fully awake after it, though every tag should be "
+            "resident; vLLM resumes scheduling only once it is (EngineCore.wake_up, "
+            "vllm/v1/engine/core.py, 0.32), so every request would wait: the engine is dead"
+        )
+        self._died(dead)
+        raise dead
+
+    def _memory_failed(self, call: str, error: BaseException) -> NoReturn:
+        """The engine's sleep or wake ``call`` raised ``error``: a typed refusal changed
+        nothing (re-raised); anything else leaves the memory part-mapped and the scheduler
+        paused (S1/S2): the engine is dead, and ``error`` is raised as EngineDeadError
+        (an interrupt as itself)."""
+        if isinstance(error, _REFUSALS):
+            raise error
+        dead = (
+            error
+            if isinstance(error, EngineDeadError)
+            else EngineDeadError(
+                f"{call} failed: {type(error).__name__}: {error}; the engine's memory is left "
+                "in an unknown state (part-mapped, its scheduler paused), so the engine is dead"
+            )
+        )
+        self._died(dead)
+        if dead is error or not isinstance(error, Exception):
+            raise error
+        raise dead from error
+
+    def _resets_due(self, requests: int | None) -> list[str]:
+        """The caches to reset before a sleep or after a refit: the prefix cache and, on a
+        multimodal engine, the processed-media and encoder caches (stale after a refit);
+        none when they are known empty (``CacheLedger``: no request since the last reset,
+        the engine counting ``requests``)."""
+        if not self._caches.needs_reset(requests):
+            return []
+        return ["prefix", "mm", "encoder"] if self.caps.multimodal else ["prefix"]
+
+    def _reset_done(self, name: str) -> None:
+        self.cache_resets[name] += 1
+
+    def _resets_finished(self, requests: int | None) -> None:
+        self._caches = self._caches.reset(requests)
+
+    @staticmethod
+    def _reset_failed(name: str, refit: str | None, error: EngineStateError) -> NoReturn:
+        """A reset the engine refused: after the refit ``refit`` a ``RefitError`` (that
+        cache may still serve what the old weights computed), else ``error`` itself."""
+        if refit is None:
+            raise error
+        raise RefitError(
+            f"{refit}: the new weights are in, but resetting the {_CACHES[name]} failed "
+            f"({error}), so it may still serve what the old weights computed; the weights "
+            "count as inconsistent until a refit succeeds"
+        ) from error
+
+    # -- refit --------------------------------------------------------------------------
+    # Per refit, every wait (engine side and trainer side) is bounded by ``timeout_s``
+    # (None: core.refit_protocol.DEFAULT_TIMEOUT_S); the engine call's own bound is
+    # derived from it (core.refit_protocol.rpc_bound), so only a wedged call ever exceeds
+    # it. A refit refused before it starts (no prepare_refit_info, a bad timeout_s, no
+    # init_collective) changes nothing; one that fails, times out or is interrupted
+    # leaves the weights inconsistent (generate refused) until a refit succeeds.
+    def _refit_bounds(
+        self, method: str, timeout_s: object, transport: Transport
+    ) -> tuple[float, float]:
+        """The refit preamble: ``timeout_s`` checked (the one check of it), then what the
+        refit needs; the per-wait bound and the RPC's outer bound."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
+        if transport is Transport.COLLECTIVE and not self._collective:
+            raise EngineStateError(f"{method} needs init_collective first")
+        if self._manifest is None:
+            raise EngineStateError(f"{method} needs prepare_refit_info first")
+        return bound, rpc_bound(refit_waits(len(self._manifest), transport), bound)
+
+    @staticmethod
+    def _rendezvous_bounds(method: str, timeout_s: object, stages: int = 1) -> tuple[float, float]:
+        """A group join's per-wait bound (``timeout_s`` checked) and its RPC's outer bound."""
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
+        return bound, rpc_bound(RENDEZVOUS_WAITS * max(1, stages), bound)
+
+    @staticmethod
+    def _manifest_of(state_dict_info: Mapping[str, tuple[Sequence[int], object]]) -> Manifest:
+        return unwrap(Manifest.from_info(state_dict_info), RefitManifestError, "refit info")
+
+    def _mark_refit_failed(self) -> None:
+        """A refit that began failed: the weights are inconsistent (generation refused
+        until a refit succeeds)."""
+        self._state = lifecycle.transition(self._state, lifecycle.Event.REFIT_FAILED).value_or(
+            self._state
+        )
+
+    def _refit_failed(self, method: str, error: BaseException) -> NoReturn:
+        """:meth:`_mark_refit_failed`, and ``error`` raised typed (a foreign one as
+        RefitError, an interrupt as itself)."""
+        self._mark_refit_failed()
+        if isinstance(error, GenworkerError) or not isinstance(error, Exception):
+            raise error
+        raise RefitError(f"{method} failed: {error}; weights are inconsistent") from error
+
+    def _refit_ok(self, last_refit: dict[str, object], steps: int = 1) -> None:
+        """A refit succeeded: the weights are valid and ``steps`` versions newer."""
+        self._commit(lifecycle.Event.REFIT_OK, "refit")
+        self._version += steps
+        self.last_refit = last_refit
+
+    @staticmethod
+    def _rpc_seam(method: str) -> Seam:
+        """The error map of an RPC to ``method``: a refit method's failure is a
+        RefitError, any other's an EngineRpcError (``shell.errors``)."""
+        return REFIT_RPC if method in REFIT_METHODS or method.startswith("nemo_rl_") else ENGINE_RPC
+
+    def _rpc_allowed(self, method: str) -> None:
+        if self._shut_down:
+            raise EngineStateError(f"{method}: the worker was shut down")
+
+    # -- observability ------------------------------------------------------------------
+    def _own_counters(self) -> list[CounterSample]:
+        """The worker's cache resets (``genworker:cache_resets{cache=...}``) and the
+        non-finite logprobs it saw (``genworker:nonfinite_logprobs{kind=...}``)."""
+        resets = [
+            CounterSample.from_counter(CACHE_RESETS, {"cache": name}, count)
+            for name, count in self.cache_resets.items()
+        ]
+        return [*resets, *nonfinite_samples(self.nonfinite_logprobs)]
+
+    def multimodal_info(self) -> dict[str, int | None]:
+        """The engine's image placeholder id and per-prompt image limit (the group checks
+        a batch's media against them before splitting it)."""
+        caps = self.caps
+        return {"image_token_id": caps.image_token_id, "max_images": caps.max_images}
+
+
+def _batch_error(problem: PlanError) -> BadBatchError:
+    """A whole batch refused by the plan: the core error, named by its input."""
+    if problem.cause is None:
+        return BadBatchError(problem.message, detail=problem)
+    error = BadBatchError.from_core(problem.cause, problem.field)
+    assert isinstance(error, BadBatchError)
+    return error

@@ -1,0 +1,185 @@
+"""Laws of the request plan (``genworker.core.requests``), which both workers follow."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from hypothesis import given
+from returns.result import Failure, Success
+from strategies import RequestCase, request_cases
+
+from genworker.core.batch import BatchError
+from genworker.core.caps import CapArgumentError, reserved_tokens
+from genworker.core.requests import (
+    PlanError,
+    RequestLimits,
+    RequestPlan,
+    SampleData,
+    check_text_prompts,
+    parse_sample_data,
+    plan_requests,
+    text_refusals,
+)
+from genworker.core.stops import StopError, StopMode
+
+
+def plan(case: RequestCase, rows: tuple[tuple[int, int], ...] | None = None) -> RequestPlan:
+    samples = parse_sample_data(case.data, case.batch_size, config_stops=("<eos>",), mode=case.mode)
+    assert isinstance(samples, Success)
+    planned = plan_requests(
+        case.defaults,
+        case.limits,
+        samples.unwrap(),
+        case.rows if rows is None else rows,
+        greedy=case.greedy,
+        text=case.text,
+    )
+    assert isinstance(planned, Success)
+    value = planned.unwrap()
+    assert isinstance(value, RequestPlan)
+    return value
+
+
+def has_room(case: RequestCase, length: int) -> bool:
+    limits = case.limits
+    reserve = reserved_tokens(num_speculative_tokens=limits.num_speculative_tokens)
+    return limits.max_model_len - reserve - length >= 1
+
+
+@given(request_cases())
+def test_a_row_without_room_comes_back_unchanged(case: RequestCase) -> None:
+    """A row without room gets no request (the workers return it unchanged) and is named,
+    by its batch row, in ``no_room``; every other row gets a spec within its room."""
+    planned = plan(case)
+    assert planned.rows == tuple(row for row, _ in case.rows)
+    for (row, length), spec in zip(case.rows, planned.specs, strict=True):
+        room = has_room(case, length) or not (
+            case.limits.cap_to_context or case.limits.num_speculative_tokens
+        )
+        assert (spec is not None) == room
+        assert (row in planned.no_room) == (not room)
+        if spec is not None and (case.limits.cap_to_context or case.limits.num_speculative_tokens):
+            reserve = reserved_tokens(num_speculative_tokens=case.limits.num_speculative_tokens)
+            assert length + spec.max_tokens + reserve <= case.limits.max_model_len
+    assert planned.requests() == tuple(
+        (row, spec)
+        for (row, _), spec in zip(case.rows, planned.specs, strict=True)
+        if spec is not None
+    )
+    assert [planned.rows[i] for i in planned.kept] == [row for row, _ in planned.requests()]
+
+
+@given(request_cases())
+def test_rows_alike_share_one_spec(case: RequestCase) -> None:
+    """Two rows with equal specs hold the same spec object (one ``SamplingParams``)."""
+    specs = [s for s in plan(case).specs if s is not None]
+    for a in specs:
+        for b in specs:
+            assert (a == b) == (a is b)
+
+
+@given(request_cases())
+def test_the_plan_of_a_batch_equals_the_plans_of_its_rows(case: RequestCase) -> None:
+    """Row by row, the batch's plan is each row's own plan (the per-sample data stays the
+    batch's: see the module docstring for what is batch-level)."""
+    planned = plan(case)
+    for i, one in enumerate(case.rows):
+        alone = plan(case, (one,))
+        assert alone.specs == (planned.specs[i],)
+        assert alone.no_room == ((one[0],) if planned.specs[i] is None else ())
+
+
+@given(request_cases())
+def test_specs_carry_the_row_data(case: RequestCase) -> None:
+    samples = parse_sample_data(
+        case.data, case.batch_size, config_stops=("<eos>",), mode=case.mode
+    ).unwrap()
+    for row, spec in plan(case).requests():
+        assert spec.seed == samples.seeds[row]
+        assert spec.stop == samples.stops[row]
+        assert spec.detokenize == (case.text or bool(spec.stop))
+        assert spec.flat_logprobs == case.limits.flat_logprobs
+        assert (spec.temperature == 0.0) if case.greedy else True
+
+
+def test_batch_level_inputs_refuse_the_batch() -> None:
+    seeds = parse_sample_data({"seeds": [1]}, 2, config_stops=(), mode=StopMode.PER_SAMPLE)
+    assert isinstance(seeds, Failure)
+    assert seeds.failure().field == "seeds"
+    assert isinstance(seeds.failure().cause, BatchError)
+    stops = parse_sample_data(
+        {"stop_strings": [[""], None]}, 2, config_stops=(), mode=StopMode.PER_SAMPLE
+    )
+    assert isinstance(stops, Failure)
+    assert stops.failure().field == "stop_strings"
+    assert isinstance(stops.failure().cause, StopError)
+    samples = SampleData((None,), ((),))
+    bad = plan_requests(_Defaults(), RequestLimits(0, 8), samples, [(0, 1)], greedy=False)
+    assert isinstance(bad, Failure)
+    assert bad.failure().field == "max tokens"
+    assert isinstance(bad.failure().cause, CapArgumentError)
+    with pytest.raises(ValueError, match=r"rows \[1\] are outside a batch of 1"):
+        plan_requests(_Defaults(), RequestLimits(4, 8), samples, [(1, 1)], greedy=False)
+    with pytest.raises(ValueError, match="1 seeds but 0 stop lists"):
+        SampleData((None,), ())
+
+
+def test_union_stops_are_batch_level() -> None:
+    """Under BATCH_UNION a row stops on every row's strings: the one batch-level datum."""
+    samples = parse_sample_data(
+        {"stop_strings": [["a"], ["b"]]}, 2, config_stops=(), mode=StopMode.BATCH_UNION
+    ).unwrap()
+    planned = plan_requests(
+        _Defaults(), RequestLimits(4, 8), samples, [(0, 1)], greedy=True
+    ).unwrap()
+    spec = planned.specs[0]
+    assert spec is not None
+    assert spec.stop == ("a", "b")
+
+
+def test_no_room_names_batch_rows() -> None:
+    samples = SampleData((None,) * 4, ((),) * 4)
+    limits = RequestLimits(4, 8, num_speculative_tokens=2)
+    planned = plan_requests(
+        _Defaults(), limits, samples, [(3, 7), (1, 2), (0, 5)], greedy=False
+    ).unwrap()
+    assert planned.no_room == (3, 0)
+    assert planned.refused is not None
+    assert "rows 3 (input length 7), 0 (input length 5)" in planned.refused.message
+    assert planned.kept == (1,)
+
+
+def test_text_prompts() -> None:
+    assert check_text_prompts(["a", ""]) == Success(("a", ""))
+    for bad in ("a", ["a", 1], None):
+        refused = check_text_prompts(bad)
+        assert isinstance(refused, Failure)
+        assert refused.failure().message == "generate_text: data['prompts'] must be a list of str"
+    assert text_refusals(["a", "b"], {0: 3, 1: 4}, 8) == ()
+    empty, long = text_refusals(["", "abc", "", "d"], {1: 8, 3: 9}, 8)
+    assert empty.rows == (0, 2)
+    assert empty.message == "generate_text: prompts [0, 2] are empty strings"
+    assert empty.row_message(2) == "generate_text: prompt 2 is an empty string"
+    assert long.rows == (1, 3)
+    assert long.message.startswith(
+        "generate_text: prompts [1, 3] leave no room to generate: [8, 9]"
+    )
+    assert long.row_message(3) == (
+        "generate_text: prompt 3 leaves no room to generate: 9 tokens, max_model_len=8 "
+        "(a prompt must be shorter)"
+    )
+    assert text_refusals([""], None, 8)[0].rows == (0,)
+
+
+@attrs.frozen
+class _Defaults:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] | None = None
+    ignore_eos: bool = False
+
+
+def test_plan_error_is_a_core_error() -> None:
+    assert str(PlanError("x", field="seeds")) == "x"
