@@ -45,10 +45,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
+
+from genworker.shell.install import check_torchvision
+
+check_torchvision()  # before vLLM or transformers load a model (docs/install.md)
+
 import vllm.envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
@@ -80,6 +87,7 @@ from genworker.shell.ports import (
     StreamedGeneration,
     check_request_logprobs,
 )
+from genworker.shell.startup import check_main_guard, checked_model_source
 from genworker.shell.vllm_engine import (
     CALL_BOUND_S,
     NO_TOKENIZER,
@@ -99,6 +107,11 @@ __all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory", "async_engine_arg_names"
 
 _PARAMS_CACHE_SIZE = 1024
 _MP_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
+_STOP_CLEANUP_S = 1.0
+"""The bound on the extension's ``cleanup`` at shutdown (a live engine answers in
+milliseconds)."""
+
+log = logging.getLogger(__name__)
 
 
 def async_engine_arg_names() -> frozenset[str]:
@@ -211,6 +224,8 @@ class AsyncVllmEngine:
             raise BadConfigError(
                 f"engine kwargs need 'model' as a str, got {kwargs.get('model')!r}"
             )
+        checked_model_source(str(kwargs["model"]))  # a mistyped path is no Hub id
+        check_main_guard("AsyncVllmGenerationWorker's engine (vLLM's AsyncLLM)")
         _spawn_on_cuda()
         try:
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
@@ -433,14 +448,29 @@ class AsyncVllmEngine:
         return [str(d) for d in ids]
 
     async def shutdown(self) -> None:
-        """Stop the engine and drop it; safe to call twice."""
+        """Stop the engine and drop it; safe to call twice.
+
+        As vLLM's own server stops (``serve_http``'s ``handle_shutdown``,
+        ``vllm/entrypoints/launchers/launcher.py``, 0.32): the engine core process gets
+        vLLM's ``shutdown_timeout`` (its engine argument; 0: requests in flight aborted,
+        the process killed at once) instead of the 5 s vLLM waits by default. The
+        extension's ``cleanup`` (refit sockets and groups) is bounded by
+        :data:`_STOP_CLEANUP_S`: an engine core that does not answer is already stopping
+        (a Ctrl-C reaches the whole process group), and its sockets go with it."""
         llm = self._llm
         if llm is None:
             return
         try:
             # close the refit sockets and groups; a dead engine's go with its stop
             if self._extension and not llm.errored and self._dead is None:
-                await self.collective_rpc("cleanup", timeout=CALL_BOUND_S)
+                try:
+                    await self.collective_rpc("cleanup", timeout=_STOP_CLEANUP_S)
+                except EngineDeadError as e:
+                    log.warning("stopping the engine without the extension's cleanup: %s", e)
         finally:
             self._llm = None
-            llm.shutdown()
+            timeout = getattr(llm.vllm_config, "shutdown_timeout", None)
+            if timeout is not None and "timeout" in inspect.signature(llm.shutdown).parameters:
+                llm.shutdown(timeout=timeout)
+            else:  # vLLM 0.25: no shutdown_timeout
+                llm.shutdown()
