@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-SRC := $(shell find core shell demo -name '*.py' -o -name 'py.typed' 2>/dev/null) pyproject.toml
+SRC := $(shell find package core shell demo -name '*.py' -o -name 'py.typed' 2>/dev/null) pyproject.toml
 RUN := PYTHONSAFEPATH=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_TARGET_DEVICE=cpu
 HYPOTHESIS_PROFILE ?= dev
 
@@ -28,7 +28,7 @@ $(VENV)/.deps: | $(PY)
 # The package itself, editable in strict mode; reinstalled when a source file appears.
 $(VENV)/.pkg: $(SRC) $(VENV)/.deps
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
-	mkdir -p .dev/genworker && ln -sfn ../../core .dev/genworker/core && ln -sfn ../../shell .dev/genworker/shell && ln -sfn ../../demo .dev/genworker/demo
+	mkdir -p .dev/genworker && ln -sfn ../../core .dev/genworker/core && ln -sfn ../../shell .dev/genworker/shell && ln -sfn ../../demo .dev/genworker/demo && ln -sfn ../../package/__init__.py .dev/genworker/__init__.py
 	touch $@
 
 setup: $(VENV)/.pkg
@@ -46,10 +46,10 @@ test-core: setup
 # Ray's __all__, ray.data (needs pandas, Ray's data extra) and ray.workflow (removed in 2.48).
 export RAY_STUBTEST := import ray, sys; ray.__all__[:] = [n for n in ray.__all__ if n not in ("data", "workflow")]; from mypy.stubtest import main; sys.exit(main())
 
-# mypy sees the installed names through .dev/genworker/{core,shell}, symlinks to the
+# mypy sees the installed names through .dev/genworker/{__init__.py,core,shell,demo}, symlinks to the
 # source folders (the package-dir rename has no on-disk twin otherwise).
 typecheck: setup
-	MYPYPATH=.dev $(PY) -m mypy -p genworker.core -p genworker.shell -p genworker.demo
+	MYPYPATH=.dev $(PY) -m mypy -p genworker
 	MYPYPATH=.dev $(PY) -m mypy tests
 	$(PY) -m mypy.stubtest vllm --mypy-config-file pyproject.toml \
 	    --allowlist typings/stubtest-allowlist.txt --ignore-missing-stub
@@ -58,8 +58,8 @@ typecheck: setup
 	$(VENV)/bin/lint-imports pyproject.toml
 
 lint: setup
-	$(VENV)/bin/ruff check core shell demo tests
-	$(VENV)/bin/ruff format --check core shell demo tests
+	$(VENV)/bin/ruff check package core shell demo tests
+	$(VENV)/bin/ruff format --check package core shell demo tests
 
 bench: setup
 	$(RUN) $(PY) bench/run.py

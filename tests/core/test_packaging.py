@@ -49,6 +49,7 @@ def test_only_genworker_at_the_wheel_top_level(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
     assert "genworker/core/py.typed" in names
+    assert "genworker/__init__.py" in names
     assert "genworker/shell/py.typed" in names
 
 
@@ -75,7 +76,7 @@ def test_bare_core_shell_and_demo_are_not_importable_from_an_install(
         "import importlib.util, sys\n"
         "import genworker.core, genworker.shell.errors\n"
         f"assert genworker.core.__file__.startswith({str(target)!r}), genworker.core.__file__\n"
-        "print(*(importlib.util.find_spec(n) for n in ('core', 'shell', 'demo')))\n"
+        "print(*(importlib.util.find_spec(n) for n in ('core', 'shell', 'demo', 'package')))\n"
     )
     done = subprocess.run(
         [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r})\n{probe}"],
@@ -85,7 +86,7 @@ def test_bare_core_shell_and_demo_are_not_importable_from_an_install(
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "None None None"
+    assert done.stdout.strip() == "None None None None"
 
 
 def _imports(path: Path) -> set[str]:
@@ -150,3 +151,11 @@ def test_every_third_party_import_is_declared_core_s_in_the_base_dependencies() 
         declared = base if folder == "core" else base | extras
         missing = {top for top, dists in _third_party(folder).items() if not dists & declared}
         assert not missing, f"{folder}/ imports undeclared {sorted(missing)}"
+
+
+def test_the_version_has_one_source_pyproject() -> None:
+    import genworker
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert genworker.__version__ == declared
+    assert genworker.__version__ == importlib.metadata.version("genworker")
