@@ -142,6 +142,11 @@ from typing import TYPE_CHECKING, Final, NoReturn, TypeVar, cast
 import attrs
 import numpy as np
 import numpy.typing as npt
+
+from genworker.shell.install import check_torchvision
+
+check_torchvision()  # before vLLM or transformers load a model (docs/install.md)
+
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
@@ -184,6 +189,7 @@ from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities
 from genworker.shell.sampled_logprobs import MARKER, SampledLogprobs, install
 from genworker.shell.staged_writes import drop_staged_writes
+from genworker.shell.startup import checked_model_source
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -395,6 +401,7 @@ class VllmEngine:
         model = rest.pop("model", None)
         if not isinstance(model, str):
             raise BadConfigError(f"engine kwargs need 'model' as a str, got {model!r}")
+        checked_model_source(model)  # a mistyped local path is refused, not sent to the Hub
         try:
             llm = LLM(model, **rest)
         except Exception as e:

@@ -852,6 +852,9 @@ def nemo_config_dicts(
     _cfg_maybe(
         draw, d, "bad_words", st.none() | st.lists(st.text(min_size=1, max_size=6), max_size=2)
     )
+    if vllm_cfg.get("skip_tokenizer_init") is True:  # without a tokenizer both are refused
+        d["stop_strings"] = None
+        d.pop("bad_words", None)
     _cfg_maybe(draw, d, "ignore_eos", st.booleans())
     _cfg_maybe(draw, d, "seed", st.none() | st.integers(0, 2**31))
     _cfg_maybe(
