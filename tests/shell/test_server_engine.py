@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -591,6 +592,11 @@ def test_a_stalled_client_gets_408_and_the_connection_closed(
             started = time.perf_counter()
             got = await asyncio.wait_for(reader.read(), 30)  # until the server closes
             waited = time.perf_counter() - started
+            # A reset, not a close: the server closed first, and its side of the
+            # connection would otherwise wait in TIME_WAIT on the port, which the
+            # shutdown test binds afterwards to see it free.
+            linger = struct.pack("ii", 1, 0)
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
             writer.close()
         finally:
             live.body_timeout_s = BODY_READ_TIMEOUT_S
