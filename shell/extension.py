@@ -109,12 +109,12 @@ class WorkerExtension:
         genworker's."""
         return cumem_wake.install()
 
-    def prepare_fp8(self, *checkpoint_format: str | None) -> str | None:
+    def prepare_fp8(self, checkpoint_format: str | None) -> str | None:
         """:func:`fp8.prepare` in this engine worker (its model and its loader): the
-        checkpoint read in ``checkpoint_format`` where the engine passes one
-        (``core.engine_plan.fp8_start``)."""
+        checkpoint read in ``checkpoint_format`` (``core.engine_plan.fp8_start``; ``None``:
+        the weights come by refit)."""
         engine = door_of(self).engine
-        return fp8.prepare(engine.model(), engine.loader, self, *checkpoint_format)
+        return fp8.prepare(engine.model(), engine.loader, self, checkpoint_format)
 
     # -- today's targets, one line each onto the door: remove next release -------------
 

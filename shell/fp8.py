@@ -137,18 +137,24 @@ def fp8_loading(model: nn.Module, load: Loader) -> Loader:
     return lambda weights: load(quantizing(weights, layers))
 
 
-def prepare(model: nn.Module, loader: Callable[[], Loader], worker: Any) -> str | None:
-    """Once an fp8 engine has started: why it cannot take genworker's weights, or ``None``
-    after reading its checkpoint again through :func:`quantizing` (unless vLLM loaded
-    nothing: ``load_format`` dummy)."""
+def prepare(
+    model: nn.Module, loader: Callable[[], Loader], worker: Any, checkpoint_format: str | None
+) -> str | None:
+    """Once an fp8 engine has started (on dummy weights: ``core.engine_plan.fp8_start``):
+    why it cannot take genworker's weights, or ``None`` after reading its checkpoint in
+    ``checkpoint_format`` through :func:`quantizing` (``None``: nothing to read, the
+    weights come by refit)."""
     layers = engine_fp8_layers(model)
     problem = unsupported_problem(layers)
     config = worker.vllm_config
-    if problem is not None or config.load_config.load_format == "dummy":
+    if problem is not None or checkpoint_format is None:
         return problem
+    import dataclasses
+
     from vllm.model_executor.model_loader import get_model_loader
 
-    checkpoint = get_model_loader(config.load_config)
+    load_config = dataclasses.replace(config.load_config, load_format=checkpoint_format)
+    checkpoint = get_model_loader(load_config)
     read = getattr(checkpoint, "get_all_weights", None)
     if not callable(read):
         raise UnsupportedError(

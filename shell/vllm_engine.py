@@ -165,6 +165,7 @@ from genworker.core.counters import (
     MetricSample,
     VectorSample,
 )
+from genworker.core.engine_plan import fp8_start
 from genworker.core.outputs import check_finished, check_logprobs
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
 from genworker.core.sampling import SamplingSpec, group_specs
@@ -402,30 +403,34 @@ class VllmEngine:
         if not isinstance(model, str):
             raise BadConfigError(f"engine kwargs need 'model' as a str, got {model!r}")
         checked_model_source(model)  # a mistyped local path is refused, not sent to the Hub
+        start = fp8_start(rest)
         try:
-            llm = LLM(model, **rest)
+            llm = LLM(model, **start.kwargs)
         except Exception as e:
             raise BadConfigError(f"vLLM failed to start on {model!r}: {e}") from e
         engine = cls(llm)
         try:
             if llm.llm_engine.vllm_config.model_config.quantization == "fp8":
-                engine._prepare_fp8()
+                engine._prepare_fp8(start.checkpoint_format)
         except BaseException:
             engine.shutdown()
             raise
         return engine
 
-    def _prepare_fp8(self) -> None:
+    def _prepare_fp8(self, checkpoint_format: str | None) -> None:
         """An fp8 engine's weights as vLLM's fp8 layers take them (``shell.fp8.prepare`` in
-        each engine worker): its checkpoint read again, quantized; a BadConfigError when
-        it has fp8 layers genworker cannot feed."""
+        each engine worker): its checkpoint read in ``checkpoint_format``, quantized (the
+        engine started on dummy weights: ``core.engine_plan.fp8_start``); a BadConfigError
+        when it has fp8 layers genworker cannot feed."""
         if not self._extension:
             raise BadConfigError(
                 "precision fp8 needs genworker's worker extension, which quantizes the weights"
             )
         what = "collective_rpc('prepare_fp8')"
         with translated(VLLM_CALLS, what):
-            prepare = functools.partial(self.llm.collective_rpc, "prepare_fp8")
+            prepare = functools.partial(
+                self.llm.collective_rpc, "prepare_fp8", args=(checkpoint_format,)
+            )
             problems = _bounded(prepare, _LOAD_BOUND_S, what=what, inflight=self._inflight)
         if problem := next((p for p in problems if p), None):
             raise BadConfigError(str(problem))
