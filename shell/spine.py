@@ -38,14 +38,23 @@ not count the reset
 async load skipped the        both refuse it at load           a config the worker cannot
 ``reset_encoder_cache_after_                                   honour on a multimodal engine
 weight_update: false`` check                                   is refused on both fronts
-async refused a no-room       the plan names batch rows        the warning named positions
-warning with plan positions   (``core.requests``) for both     in the planned subset
+the async no-room warning     the plan names batch rows        the warning named positions
+named plan positions          (``core.requests``) for both     in the planned subset
 async never set               both set it (the rows of the     one attribute, one meaning
 ``last_refused_rows``         last plan without room)
 ``engine`` after shutdown:    both: "the worker was shut       the clearer message
 sync said "call load_model"   down; create a new worker"
-every RPC failure was a       ``RefitError`` only for refit    a failed ``report_device_id``
-``RefitError`` (both)         methods, else ``EngineRpcError`` says nothing about weights
+every RPC failure was a       ``RefitError`` only for refit    a failed non-refit RPC (say
+``RefitError`` (both)         methods, else ``EngineRpcError`` ``call_engine_workers``) says
+                                                               nothing about the weights
+``repr``: only async showed   both show it                     one repr
+the weight version
+async in-flight refit checked the refit preamble (timeout,     one preamble; the async
+timeout first, then mode and  then what the refit needs) runs  argument checks run first as
+clear_cache                   after mode and clear_cache       before, only the order moved
+``generate_text([])``: async  both return no texts at once     an empty batch asks nothing
+checked per-sample data
+first
 async docstring said images   docstring fixed (the async       it takes them
 are refused                   worker takes images)
 async imported the sync       both import public names from    private means private
