@@ -209,7 +209,7 @@ def run_rl(
     (``load_progress``: the engine's bar while it loads the checkpoint)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from genworker.shell.cli import pad_rows, worker_config
+    from genworker.shell.local import pad_rows, worker_config
     from genworker.shell.worker import VllmGenerationWorker
 
     started = time.perf_counter()

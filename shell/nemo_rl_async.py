@@ -76,7 +76,7 @@ from genworker.core.refit_protocol import Transport
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import GenworkerError, UnsupportedError
 from genworker.shell.host import node_ip
-from genworker.shell.nemo_rl import (
+from genworker.shell.nemo_rl_member import (
     NEMO_RL_OUTPUT_KEYS,
     NemoRlMember,
     raw_spec_counters,

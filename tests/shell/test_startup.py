@@ -117,7 +117,7 @@ def test_a_guarded_script_starts(tmp_path: Path) -> None:
 UNGUARDED_WORKER = """\
 import sys
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
-from genworker.shell.cli import worker_config
+from genworker.shell.local import worker_config
 
 config = worker_config(sys.argv[1], pad_token_id=0, max_new_tokens=4, temperature=1.0,
                        device="cpu")
@@ -155,7 +155,7 @@ def test_the_async_worker_refuses_a_model_path_that_is_no_directory(tmp_path: Pa
     """A wrong local path is refused naming model_name at once, not after vLLM's Hub
     retries ('Repo id must be ...')."""
     from genworker.shell.async_worker import AsyncVllmGenerationWorker
-    from genworker.shell.cli import worker_config
+    from genworker.shell.local import worker_config
 
     config = worker_config(
         str(tmp_path / "no-such-model"),
@@ -173,7 +173,7 @@ def test_the_async_worker_refuses_a_model_path_that_is_no_directory(tmp_path: Pa
 
 @pytest.mark.engine
 def test_the_sync_worker_refuses_a_model_path_that_is_no_directory(tmp_path: Path) -> None:
-    from genworker.shell.cli import worker_config
+    from genworker.shell.local import worker_config
     from genworker.shell.worker import VllmGenerationWorker
 
     model = tmp_path / "model.safetensors"
