@@ -1034,9 +1034,3 @@ def metric_sample(metric: Metric) -> MetricSample:
     if isinstance(metric, Vector):
         return VectorSample.from_vector(metric.name, metric.labels, metric.values)
     raise GenworkerError(f"metrics: unknown vLLM metric type {type(metric).__name__}")
-
-
-# Old private names, for the modules outside this change that still import them.
-_CALL_BOUND_S = CALL_BOUND_S
-_generation = generation_of
-_sample = metric_sample

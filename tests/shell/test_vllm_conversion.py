@@ -22,7 +22,7 @@ from genworker.core.assembly import flatten_generations
 from genworker.shell import vllm_engine
 from genworker.shell.errors import EngineContractError
 from genworker.shell.sampled_logprobs import SampledLogprobs
-from genworker.shell.vllm_engine import _generation, _generations
+from genworker.shell.vllm_engine import _generations, generation_of
 
 _vllm_logprobs: Any = vllm.logprobs
 _vllm_outputs: Any = vllm.outputs
@@ -107,7 +107,7 @@ def test_bulk_conversion_equals_the_row_by_row_one(
                 finish_reason=reason,
             )
         )
-    expected = flatten_generations([_generation(i, o) for i, o in enumerate(outs)])
+    expected = flatten_generations([generation_of(i, o) for i, o in enumerate(outs)])
     given_outs = list(outs)
     slow = [
         i
@@ -225,7 +225,7 @@ def test_the_one_pass_conversion_is_bit_identical_for_any_double(
     float32's range included), and token ids past 32 bits are kept."""
     outs = [_completion([t for t, _ in row], [v for _, v in row]) for row in rows]
     bulk = _generations(outs)
-    expected = flatten_generations([_generation(i, o) for i, o in enumerate(outs)])
+    expected = flatten_generations([generation_of(i, o) for i, o in enumerate(outs)])
     assert bulk.logprobs.view(np.uint32).tolist() == expected.logprobs.view(np.uint32).tolist()
     assert bulk.token_ids.tolist() == expected.token_ids.tolist()
     assert bulk == expected
@@ -242,7 +242,7 @@ def test_token_ids_in_another_sequence_type_take_the_one_pass_path(
     def row_by_row(row: int, out: object) -> None:
         raise AssertionError(f"row {row} went row by row")
 
-    monkeypatch.setattr(vllm_engine, "_generation", row_by_row)
+    monkeypatch.setattr(vllm_engine, "generation_of", row_by_row)
     assert _generations(outs) == expected
 
 
@@ -312,7 +312,7 @@ def test_a_batch_of_arrays_is_joined_in_one_pass(
         _completion([t for t, _ in row], [v for _, v in row], sampled=True, id_array=True)
         for row in rows
     ]
-    expected = flatten_generations([_generation(i, o) for i, o in enumerate(outs)])
+    expected = flatten_generations([generation_of(i, o) for i, o in enumerate(outs)])
     assert vllm_engine._joined(outs) == expected
     given_outs = list(outs)
     assert _generations(outs, consume=consume) == expected
@@ -335,7 +335,7 @@ def test_sampled_arrays_are_copied_out_of_the_completion() -> None:
     flat = _generations([out], consume=True)
     assert flat.token_ids.tolist() == [5, 6]
     assert flat.logprobs.tolist() == [-1.0, -2.5]
-    row = _generation(0, _completion([5, 6], [-1.0, -2.5], sampled=True))
+    row = generation_of(0, _completion([5, 6], [-1.0, -2.5], sampled=True))
     assert row.logprobs is not None
     assert row.logprobs.flags.owndata  # not a view of the container's array
     assert repr(SampledLogprobs()) == "SampledLogprobs(0 positions)"

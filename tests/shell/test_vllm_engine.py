@@ -474,7 +474,7 @@ def test_a_cleanup_that_does_not_answer_is_bounded_and_the_engine_still_stops(
     engine = VllmEngine(cpu_llm)
     wedged = Wedged(cpu_llm, {"cleanup"})
     monkeypatch.setattr(cpu_llm, "collective_rpc", wedged)
-    monkeypatch.setattr(vllm_engine, "_CALL_BOUND_S", 0.2)
+    monkeypatch.setattr(vllm_engine, "CALL_BOUND_S", 0.2)
     try:
         error = within(5, engine.shutdown)
     finally:
@@ -489,7 +489,7 @@ def test_the_engines_own_rpcs_are_bounded(
     cpu_llm: LLM, monkeypatch: pytest.MonkeyPatch, stops: list[str]
 ) -> None:
     """report_device_id, and install_wake at the start of a sleep-mode engine."""
-    monkeypatch.setattr(vllm_engine, "_CALL_BOUND_S", 0.2)
+    monkeypatch.setattr(vllm_engine, "CALL_BOUND_S", 0.2)
     engine = VllmEngine(cpu_llm)
     wedged = Wedged(cpu_llm, {"report_device_id", "install_wake"})
     monkeypatch.setattr(cpu_llm, "collective_rpc", wedged)

@@ -353,7 +353,7 @@ def test_a_drop_of_staged_writes_that_does_not_answer_is_bounded_and_dead(
         return real(method, *args, **kwargs)
 
     monkeypatch.setattr(cpu_llm, "collective_rpc", wedged)
-    monkeypatch.setattr(vllm_engine, "_CALL_BOUND_S", 0.2)
+    monkeypatch.setattr(vllm_engine, "CALL_BOUND_S", 0.2)
     inflight: list[tuple[threading.Event, float]] = []
     cause = OverflowError("seed 2**64")
     try:
