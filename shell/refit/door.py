@@ -89,13 +89,11 @@ class Door:
 
     def backend(self, name: str) -> RefitBackend:
         """Backend ``name``, built on first use."""
-        backend = self.backends.get(name)
-        if backend is None:
-            make = BACKENDS.get(name)
-            if make is None:
+        if name not in self.backends:
+            if name not in BACKENDS:
                 raise BadArgumentError(f"no refit backend {name!r}; registered: {sorted(BACKENDS)}")
-            backend = self.backends[name] = make()(self.engine)
-        return backend
+            self.backends[name] = BACKENDS[name]()(self.engine)
+        return self.backends[name]
 
     def call(self, verb: str, name: str, *args: object, **kwargs: object) -> object:
         """``verb`` of backend ``name``, a typed error returned as a failure value."""

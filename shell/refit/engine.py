@@ -149,13 +149,15 @@ class EngineSink:
             torch.cuda.synchronize(self.device)
 
 
-def takes_weights_iterator(reload_weights: Callable[..., object]) -> bool:
+def takes_weights_iterator(reload_weights: object) -> bool:
     """Whether a model runner's ``reload_weights`` takes ``weights_iterator`` (vLLM's
     layerwise reload): by name (0.32's runners, 0.25's V1 GPU runner) or through
     ``**kwargs`` (0.25's V2 GPU runner, ``vllm/v1/worker/gpu/model_runner.py``, forwards
     every argument to the V1 runner's, which names it). Without it an fp8 engine cannot
     take weights at all: vLLM replaced its fp8 parameters after the first load, so
-    ``model.load_weights`` finds no loader on them."""
+    ``model.load_weights`` finds no loader on them. False for anything not callable."""
+    if not callable(reload_weights):
+        return False
     parameters = inspect.signature(reload_weights).parameters.values()
     return any(p.name == "weights_iterator" or p.kind is p.VAR_KEYWORD for p in parameters)
 
@@ -204,15 +206,9 @@ class EngineContext:
         return fp8_loading(self.model(), self._vllm_loader())
 
     def _vllm_loader(self) -> Loader:
-        worker = self.worker
-        runner = getattr(worker, "model_runner", None)
-        reload_runner = getattr(runner, "reload_weights", None)
-        reload_worker = getattr(worker, "reload_weights", None)
-        if (
-            callable(reload_runner)
-            and callable(reload_worker)
-            and takes_weights_iterator(reload_runner)
-        ):
+        runner = getattr(self.worker, "model_runner", None)
+        reload_worker = getattr(self.worker, "reload_weights", None)
+        if callable(reload_worker) and takes_weights_iterator(getattr(runner, "reload_weights", 0)):
             return lambda weights: reload_worker(weights_iterator=weights)
         model = self.model()
         load_weights = getattr(model, "load_weights", None)
@@ -243,9 +239,6 @@ class EngineContext:
         modules = dict(model.named_modules())
         self.routed_last = Routed(model, key, entries, routes, targets, modules)
         return self.routed_last
-
-    def sink(self, routed: Routed) -> EngineSink:
-        return EngineSink(routed, self.device)
 
     def watch(self, name: str, callback: Callable[[Manifest], None]) -> None:
         """Call ``callback`` with every manifest :meth:`prepare` records from now on
@@ -280,7 +273,7 @@ class EngineContext:
         manifest = self.prepared("a weight update")
         routed = self.routed(manifest, sharded_ok or self.tp_size == 1)
         loader = self.loader() if len(routed.routes.direct) < len(manifest) else None
-        sink = self.sink(routed)
+        sink = EngineSink(routed, self.device)
         report = receive(
             cast("RefitPort", port),
             manifest,

@@ -74,7 +74,7 @@ from genworker.shell.errors import (
     unwrap,
 )
 from genworker.shell.refit.collective import CollectiveGroup
-from genworker.shell.refit.engine import EngineContext
+from genworker.shell.refit.engine import EngineContext, EngineSink
 
 if TYPE_CHECKING:
     from torch import nn
@@ -583,7 +583,7 @@ def _receive(
 ) -> dict[str, object]:
     started, rank = time.monotonic(), engine.rank
     routed = engine.routed(prepared.manifest, True)
-    sink, direct = engine.sink(routed), routed.routes.direct
+    sink, direct = EngineSink(routed, engine.device), routed.routes.direct
     device = sink.device
     later: list[tuple[Copy, torch.Tensor]] = []  # received into scratch
     received = 0

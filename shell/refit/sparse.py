@@ -969,7 +969,7 @@ class EngineTarget:
         manifest = Manifest.from_specs(specs).unwrap()  # the receiver checked it
         routed = engine.routed(manifest, engine.tp_size == 1)
         self._loader = engine.loader() if len(routed.routes.direct) < len(manifest) else None
-        self._sink, self._routes = engine.sink(routed), routed.routes
+        self._sink, self._routes = EngineSink(routed, engine.device), routed.routes
         self._direct, self._loaded = [], []
 
     def apply(self, name: str, tensor: torch.Tensor) -> None:

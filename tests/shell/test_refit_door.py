@@ -18,7 +18,7 @@ from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.shell.errors import RefitError
 from genworker.shell.extension import WorkerExtension, door_of
 from genworker.shell.refit.door import BACKENDS, register_backend
-from genworker.shell.refit.engine import EngineContext
+from genworker.shell.refit.engine import EngineContext, EngineSink
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ class QueueBackend:
         batch = {n: torch.tensor(v) for n, v in self.queue.pop(0).items()}
         manifest = Manifest.from_specs(TensorSpec.of(n, t) for n, t in batch.items()).unwrap()
         routed = self.engine.routed(manifest, True)
-        sink = self.engine.sink(routed)
+        sink = EngineSink(routed, self.engine.device)
         for name, tensor in batch.items():
             sink.target(name).copy_(tensor)
         sink.finish(batch)
