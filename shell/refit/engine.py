@@ -42,6 +42,7 @@ from genworker.shell.errors import (
 )
 from genworker.shell.fp8 import fp8_loading
 from genworker.shell.refit.receiver import Loader, receive
+from genworker.shell.vllm_logs import refit_loader_alarms
 
 if TYPE_CHECKING:
     from torch import nn
@@ -273,15 +274,16 @@ class EngineContext:
         manifest = self.prepared("a weight update")
         routed = self.routed(manifest, sharded_ok or self.tp_size == 1)
         loader = self.loader() if len(routed.routes.direct) < len(manifest) else None
-        sink = EngineSink(routed, self.device)
-        report = receive(
-            cast("RefitPort", port),
-            manifest,
-            sink,
-            routes=routed.routes,
-            timeout_s=bound,
-            loader=loader,
-        )
+        # vLLM's loader calls every weight the direct routes wrote "not loaded": only the rest
+        with refit_loader_alarms(routed.routes.direct, routed.modules):
+            report = receive(
+                cast("RefitPort", port),
+                manifest,
+                EngineSink(routed, self.device),
+                routes=routed.routes,
+                timeout_s=bound,
+                loader=loader,
+            )
         self.version += 1
         figures = (report.tensors, report.nbytes / 1e9, report.seconds)
         log.info("refit %d: %d tensors, %.3f GB in %.3fs", self.version, *figures)

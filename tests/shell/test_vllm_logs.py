@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+import torch
 from torch import nn
 from vllm.model_executor.model_loader.reload import inplace, layerwise
 
@@ -81,6 +82,23 @@ def test_a_weight_no_route_wrote_is_still_named(seen: list[logging.LogRecord]) -
     (missing,) = [r for r in seen if r.name == INPLACE_LOGGER]
     assert missing.args == ({"layers.1.mlp.weight", "layers.0.norm.weight"},)
     assert missing.levelno == logging.WARNING
+
+
+class _Rotary(nn.Module):  # vLLM's RotaryEmbedding: a cos/sin cache, no parameter
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cos_sin_cache", torch.zeros(4, 2))
+
+
+def test_a_module_without_parameters_is_no_missing_weight(seen: list[logging.LogRecord]) -> None:
+    """vLLM's reload reports a buffer-only layer unloaded on every partial load (seen for
+    RotaryEmbedding on the tiny Llama's IPC refit): no refit can carry a weight for it.
+    A layer that holds parameters is still reported."""
+    modules = {**MODULES, "rotary": _Rotary()}
+    with refit_loader_alarms([], modules):
+        layerwise.logger.warning(FAILED_TO_LOAD, "_Rotary")
+        layerwise.logger.warning(FAILED_TO_LOAD, "Linear")
+    assert [r.getMessage() for r in seen] == ["Linear: Failed to load weights"]
 
 
 def test_a_refit_that_raises_gets_every_record_back(seen: list[logging.LogRecord]) -> None:
