@@ -320,7 +320,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         defer_model_load: bool = False,
         *,
         engine_factory: AsyncEngineFactory | None = None,
-        stop_mode: StopMode = StopMode.PER_SAMPLE,
+        stop_mode: StopMode | None = None,
     ) -> None:
         super().__init__(config, bundle_indices, fraction_of_gpus, seed, extra_env_vars, stop_mode)
         self._logger_interval = _logger_interval(self.cfg)

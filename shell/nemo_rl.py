@@ -132,7 +132,6 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
     # -- generation -----------------------------------------------------------------
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
         worker = self._owner("generate")
-        self._check_stop_strings(data)
         out = worker.generate(data, greedy)
         return {key: out[key] for key in NEMO_RL_OUTPUT_KEYS}
 
@@ -140,7 +139,6 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
         self, data: Mapping[str, object], greedy: bool = False
     ) -> dict[str, list[str]]:
         worker = self._owner("generate_text")
-        self._check_stop_strings(data)
         return worker.generate_text(data, greedy)
 
     def update_sampling_params(self, **params: object) -> bool:

@@ -154,7 +154,6 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         """``(row, NeMo-RL's per-sample output)`` as each row finishes (NeMo-RL sends one
         row; any batch is taken); a row's typed error is raised."""
         worker = self._owner("generate_async")
-        self._check_stop_strings(data)
         async with contextlib.aclosing(worker.generate_async(data, greedy)) as rows:
             async for row, item in rows:
                 if isinstance(item, GenworkerError):
@@ -167,7 +166,6 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         """``(row, {"texts": [text]})`` as each prompt finishes; a row's typed error is
         raised."""
         worker = self._owner("generate_text_async")
-        self._check_stop_strings(data)
         async with contextlib.aclosing(worker.generate_text_async(data, greedy)) as rows:
             async for row, item in rows:
                 if isinstance(item, GenworkerError):

@@ -24,7 +24,6 @@ from genworker.core.placement import plan_engine_env
 from genworker.core.refit_protocol import Transport, wait_bound
 from genworker.shell.errors import (
     BadArgumentError,
-    BadBatchError,
     BadConfigError,
     EngineContractError,
     EngineStateError,
@@ -157,8 +156,6 @@ class NemoRlMember(Generic[_W]):
         if self.cfg.vllm.async_engine != self.ASYNC_ENGINE:
             raise BadConfigError(self.OTHER_ENGINE)
         require_batch_modules()
-        for warning in self.cfg.warnings:
-            log.warning("genworker ignores generation-config key %s", warning)
         self.extra_env_vars = checked_env_names(extra_env_vars)
         self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
         self.fraction_of_gpus = fraction_of_gpus
@@ -245,13 +242,6 @@ class NemoRlMember(Generic[_W]):
         if self._worker is None or self._worker.state.phase is not lifecycle.Phase.RUNNING:
             return None
         return self._worker.llm
-
-    def _check_stop_strings(self, data: Mapping[str, object]) -> None:
-        """Refuse a batch's ``stop_strings`` on an engine without a detokenizer (vLLM
-        would skip them silently; ``WorkerConfig.detokenizer_problem``)."""
-        problem = self.cfg.detokenizer_problem(data.get("stop_strings"))
-        if problem is not None:
-            raise BadBatchError(problem)
 
     def _sleep_is_a_no_op(self, worker: _W, call: str) -> bool:
         """Whether ``call`` (sleep or wake) is the documented no-op of a platform without

@@ -331,17 +331,21 @@ class WorkerSpine(Generic[_E]):
         fraction_of_gpus: float,
         seed: int | None,
         extra_env_vars: Sequence[str] | None,
-        stop_mode: StopMode,
+        stop_mode: StopMode | None,
     ) -> None:
         self.cfg: WorkerConfig = unwrap(
             WorkerConfig.from_mapping(config), BadConfigError, "worker config"
         )
         if self.cfg.vllm.async_engine is not self._ASYNC_ENGINE:
             raise BadConfigError(self._WRONG_ENGINE)
+        for warning in self.cfg.warnings:  # keys accepted under unknown_keys: warn
+            log.warning("genworker ignores generation-config key %s", warning)
         self.bundle_indices = None if bundle_indices is None else tuple(bundle_indices)
         self.fraction_of_gpus = fraction_of_gpus
         self.seed = seed if seed is not None else (self.cfg.seed or 0)
-        self.stop_mode = stop_mode
+        #: how a batch's stop strings spread over its rows: the argument, else the config's
+        #: ``stop_strings_mode``
+        self.stop_mode = self.cfg.stop_mode if stop_mode is None else stop_mode
         #: variables (names) vLLM's Ray workers inherit from this process, as NeMo-RL's
         #: ``extra_env_vars``; ``vllm_cfg.env_vars`` are exported and forwarded as well
         self.extra_env_vars = checked_env_names(extra_env_vars)
@@ -596,7 +600,10 @@ class WorkerSpine(Generic[_E]):
         media: list[RowMedia | None] | None,
         text: bool = False,
     ) -> BatchPlan:
-        """The media checks and the request plan of the rows in ``prompts``."""
+        """The media checks and the request plan of the rows in ``prompts``; a batch's own
+        stop strings refused on an engine without a detokenizer (vLLM would skip them)."""
+        if (problem := self.cfg.detokenizer_problem(data.get("stop_strings"))) is not None:
+            raise BadBatchError(problem)
         starts, context, images = media_rows(
             self.caps, batch_size, prompts, media, tokenize, expanded, call
         )

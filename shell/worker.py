@@ -173,7 +173,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         defer_model_load: bool = False,
         *,
         engine_factory: EngineFactory | None = None,
-        stop_mode: StopMode = StopMode.PER_SAMPLE,
+        stop_mode: StopMode | None = None,
         busy_wait_s: float = 600.0,
     ) -> None:
         self._lock = EngineLock(busy_wait_s)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from safetensors.torch import load_file
 
 from genworker.core import lifecycle
 from genworker.core.batch import BatchError
+from genworker.core.stops import StopMode
 from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
 from genworker.shell.errors import (
     BadArgumentError,
@@ -119,15 +121,22 @@ def _fake_refits(engine: FakeEngine | FakeAsyncEngine, ok: bool) -> None:
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = handler
 
 
-def _fake(front: str, loop: asyncio.AbstractEventLoop, **engine: Any) -> Harness:
+def _fake(
+    front: str, loop: asyncio.AbstractEventLoop, top: dict[str, Any] | None = None, **engine: Any
+) -> Harness:
+    """A worker of ``front`` on its fake engine; ``top``: config keys over the contract's."""
     if front == "sync":
         factory = FakeEngineFactory(max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB, **engine)
-        worker: Worker = VllmGenerationWorker(config(async_engine=False), engine_factory=factory)
+        worker: Worker = VllmGenerationWorker(
+            config(async_engine=False, **(top or {})), engine_factory=factory
+        )
     else:
         async_factory = FakeAsyncEngineFactory(
             max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB, **engine
         )
-        worker = AsyncVllmGenerationWorker(config(async_engine=True), engine_factory=async_factory)
+        worker = AsyncVllmGenerationWorker(
+            config(async_engine=True, **(top or {})), engine_factory=async_factory
+        )
         factory = async_factory  # type: ignore[assignment]
     fake = factory.started[-1][1]
     harness = Harness(worker, loop, lambda ok: None, real=False, fake=fake)
@@ -362,6 +371,35 @@ def test_rpc_failures_are_refit_errors_only_for_refit_methods(front: str, loop: 
         harness.call("refit_address")
     assert isinstance(plain.value, GenworkerError)
     assert isinstance(plain.value.__cause__, OSError)
+    harness.call("shutdown")
+
+
+def test_the_config_s_stop_mode_and_accepted_unknown_keys_reach_both_workers(
+    front: str, loop: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``stop_strings_mode`` and ``unknown_keys: warn`` are honoured by the workers
+    themselves, not only by the NeMo-RL drop-ins that build them (issue 43)."""
+    top = {"stop_strings_mode": "batch_union", "unknown_keys": "warn", "a_future_key": 1}
+    with caplog.at_level(logging.WARNING, logger="genworker.shell.worker"):
+        harness = _fake(front, loop, top)
+    assert harness.worker.stop_mode is StopMode.BATCH_UNION
+    assert "a_future_key" in caplog.text
+    assert _fake(front, loop).worker.stop_mode is StopMode.PER_SAMPLE
+    harness.call("shutdown")
+
+
+def test_a_batch_s_stop_strings_are_refused_where_the_engine_cannot_detokenize(
+    front: str, loop: Any
+) -> None:
+    """vLLM skips stop strings silently on an engine started without a tokenizer: the
+    batch is refused naming the rows, and a batch without them is served."""
+    vllm_cfg = {**config(async_engine=front == "async")["vllm_cfg"], "skip_tokenizer_init": True}
+    harness = _fake(front, loop, {"vllm_cfg": vllm_cfg})
+    data = {**batch([3, 4]), "stop_strings": [None, ["end"]]}
+    with pytest.raises(BadBatchError, match=r"stop_strings of rows \[1\].*skip_tokenizer_init"):
+        harness.call("generate", data)
+    out = harness.call("generate", {**batch([3, 4]), "stop_strings": [None, []]})
+    assert out["output_ids"].shape[0] == 2
     harness.call("shutdown")
 
 
