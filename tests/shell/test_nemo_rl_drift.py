@@ -332,7 +332,7 @@ def test_sleep_and_wake_without_sleep_mode_are_a_no_op_said_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     worker, engine = _sync(_config(), sleep_mode=False)
-    with caplog.at_level(logging.WARNING, logger="genworker.shell.nemo_rl"):
+    with caplog.at_level(logging.WARNING, logger="genworker"):
         for _ in range(3):  # NeMo-RL's colocated loop: sleep, wake weights, refit, wake kv
             worker.sleep()
             worker.wake_up(tags=["weights"])
@@ -359,7 +359,7 @@ def test_with_sleep_mode_the_drop_in_still_sleeps() -> None:
 def test_the_async_drop_in_sleeps_the_same_way(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> list[str]:
         worker, engine = _async(async_config(vllm_cfg={"max_model_len": 64}), sleep_mode=False)
-        with caplog.at_level(logging.WARNING, logger="genworker.shell.nemo_rl"):
+        with caplog.at_level(logging.WARNING, logger="genworker"):
             await worker.sleep_async()
             await worker.wake_up_async(tags=["weights"])
             await worker.wake_up_async()
@@ -378,7 +378,7 @@ def test_an_unknown_key_is_refused_or_under_warn_logged_by_name(
 ) -> None:
     with pytest.raises(BadConfigError, match=r"zz_future_key.*unknown_keys: warn"):
         NemoRlGenerationWorker(_config(zz_future_key=1), [0], engine_factory=FakeEngineFactory())
-    with caplog.at_level(logging.WARNING, logger="genworker.shell.nemo_rl"):
+    with caplog.at_level(logging.WARNING, logger="genworker"):
         worker, _ = _sync(_config(zz_future_key=1, unknown_keys="warn"))
     said = [r.getMessage() for r in caplog.records if "zz_future_key" in r.getMessage()]
     assert len(said) == 1

@@ -205,7 +205,9 @@ def front(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.engine)])
+@pytest.fixture(
+    params=["fake", pytest.param("real", marks=[pytest.mark.engine, pytest.mark.session_engine])]
+)
 def harness(
     request: pytest.FixtureRequest, front: str, loop: asyncio.AbstractEventLoop
 ) -> Iterator[Harness]:
@@ -380,7 +382,7 @@ def test_the_config_s_stop_mode_and_accepted_unknown_keys_reach_both_workers(
     """``stop_strings_mode`` and ``unknown_keys: warn`` are honoured by the workers
     themselves, not only by the NeMo-RL drop-ins that build them (issue 43)."""
     top = {"stop_strings_mode": "batch_union", "unknown_keys": "warn", "a_future_key": 1}
-    with caplog.at_level(logging.WARNING, logger="genworker.shell.worker"):
+    with caplog.at_level(logging.WARNING, logger="genworker"):
         harness = _fake(front, loop, top)
     assert harness.worker.stop_mode is StopMode.BATCH_UNION
     assert "a_future_key" in caplog.text
