@@ -31,8 +31,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     core.py, 0.32): a module that starts and stops an engine of its own while the session
     engine is alive leaves the session engine failing every step with "pipeline model
     parallel group is not initialized". Running the session engine's tests last keeps that
-    from depending on the files' names."""
-    items.sort(key=uses_the_session_engine)
+    from depending on the files' names. The GPU suite (marker ``gpu``) keeps the order it
+    passed in: moved, three of its token-counter tests saw the counters stand still on the
+    H100 (run of 30291d7; not diagnosed further)."""
+    items.sort(
+        key=lambda item: item.get_closest_marker("gpu") is None and uses_the_session_engine(item)
+    )
 
 
 def uses_the_session_engine(item: pytest.Item) -> bool:
