@@ -47,9 +47,9 @@ __all__ = [
     "RefitWireError",
     "RequestAbortedError",
     "Seam",
-    "fatal",
     "UnsafePickleError",
     "UnsupportedError",
+    "fatal",
     "translated",
     "unwrap",
 ]

@@ -19,8 +19,8 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from genworker.core.nemo_rl_refit import packed_groups
 from genworker.shell.errors import BadConfigError, RefitError
-from genworker.shell.refit.nemo_rl import NemoRlCollectivePort, NemoRlGroup, packed_target_bytes
 from genworker.shell.refit import IpcReceiver, ParameterSink, manifest_of, receive
+from genworker.shell.refit.nemo_rl import NemoRlCollectivePort, NemoRlGroup, packed_target_bytes
 
 TIMEOUT_S = 30.0
 
