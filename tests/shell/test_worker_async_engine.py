@@ -72,11 +72,12 @@ VOCAB = 512
 
 
 def config(*, async_engine: bool = True, **top: Any) -> dict[str, Any]:
+    """The module's config; ``top`` replaces top-level keys (``max_new_tokens`` included)."""
     return cpu_engine_config(
         async_engine=async_engine,
         model="tiny",
         max_model_len=MAX_MODEL_LEN,
-        max_new_tokens=24,
+        max_new_tokens=top.pop("max_new_tokens", 24),
         pad=PAD,
         **top,
     )
