@@ -36,7 +36,7 @@ setup: $(VENV)/.pkg
 test: setup
 	HYPOTHESIS_PROFILE=ci $(RUN) $(PY) -m pytest -q -m "not gpu" \
 	    --cov=genworker.core --cov-branch --cov-report=term-missing:skip-covered \
-	    --cov-fail-under=100 tests
+	    --cov-fail-under=100 --durations=30 tests
 
 test-core: setup
 	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(RUN) $(PY) -m pytest -q tests/core \
