@@ -347,6 +347,8 @@ class VllmConfig:
     reset_encoder_cache_after_weight_update: bool = True
     #: NeMo-RL's name for the same switch (#3648); false is refused on a multimodal engine
     reset_mm_cache_after_refit: bool = True
+    #: refuse a refit holding NaN or inf on the engine side (docs/refit.md); false skips it
+    refit_finite_check: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.nvfp4_per_token and self.precision not in _NVFP4_PRECISIONS:
@@ -427,6 +429,7 @@ class VllmConfig:
             env_vars=dict(self.env_vars),
             reset_encoder_cache_after_weight_update=self.reset_encoder_cache_after_weight_update,
             reset_mm_cache_after_refit=self.reset_mm_cache_after_refit,
+            refit_finite_check=self.refit_finite_check,
         )
         return out
 
@@ -844,6 +847,7 @@ _VLLM_KEYS: Final = frozenset(
         "mm_processor_kwargs",
         "reset_encoder_cache_after_weight_update",
         "reset_mm_cache_after_refit",
+        "refit_finite_check",
         "use_tqdm",
         "env_vars",
     }
@@ -1061,6 +1065,7 @@ def _parse_vllm(
         v, "reset_encoder_cache_after_weight_update", _as_bool, True, prefix=p, default=True
     )
     mm_reset = r.take(v, "reset_mm_cache_after_refit", _as_bool, True, prefix=p, default=True)
+    finite = r.take(v, "refit_finite_check", _as_bool, True, prefix=p, default=True)
 
     spec_raw = r.take(
         v, "speculative_config", _optional(_str_mapping), None, prefix=p, default=None
@@ -1158,6 +1163,7 @@ def _parse_vllm(
         extras=extras,
         reset_encoder_cache_after_weight_update=encoder_reset,
         reset_mm_cache_after_refit=mm_reset,
+        refit_finite_check=finite,
     )
     return config, logprobs_mode
 

@@ -316,6 +316,13 @@ KEYS: Final[tuple[KeyRule, ...]] = (
         "the engine is multimodal (encoder outputs of the old weights would be stale)",
     ),
     KeyRule(
+        "vllm_cfg.refit_finite_check",
+        _H,
+        "true (default): the engine refuses a refit holding NaN or inf before it counts (one "
+        "fused reduction per chunk); false: the worker tells its engine workers to skip the "
+        "check (docs/refit.md)",
+    ),
+    KeyRule(
         "vllm_cfg.async_engine",
         _H,
         "picks the worker: false is VllmGenerationWorker (vllm.LLM), true "

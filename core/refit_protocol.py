@@ -99,6 +99,7 @@ __all__ = [
     "Write",
     "Writes",
     "claim_problems",
+    "dtype_problems",
     "explain_cuda_ipc_failure",
     "file_problem",
     "max_message_bytes",
@@ -259,6 +260,55 @@ def plan_routes(manifest: Manifest, params: Iterable[EngineParam], *, sharded_ok
     modules = frozenset(m for m, names in matching.items() if names == writable[m])
     direct = frozenset(n for m in modules for n in matching[m])
     return Routes(direct, modules)
+
+
+def _floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
+
+
+def _engine_name(name: str, params: Mapping[str, str], packed: Mapping[str, Iterable[str]]) -> str:
+    """The engine parameter a checkpoint tensor loads into: itself, or its module's packed
+    one (vLLM's ``packed_modules_mapping``: ``q_proj`` into ``qkv_proj``); '' when none."""
+    if name in params:
+        return name
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        for fused, shards in packed.items():
+            if part in shards:
+                candidate = ".".join([*parts[:i], fused, *parts[i + 1 :]])
+                if candidate in params:
+                    return candidate
+    return ""
+
+
+def dtype_problems(
+    manifest: Manifest, params: Mapping[str, str], packed: Mapping[str, Iterable[str]]
+) -> Result[Manifest, ManifestError]:
+    """A manifest whose dtypes the engine can take: a tensor that loads into a
+    floating-point parameter (``params``: the engine's ``{name: dtype}``; ``packed``: its
+    fused modules' shards) must be declared floating point. vLLM's loader converts values,
+    so an integer declared for a float parameter of the same byte size would pass every
+    size check and load the bits as numbers (issue 44: every logprob 0.0 for the final
+    norm, garbage for a projection). Floats of another width (bf16 for an fp8 or fp32
+    parameter) convert faithfully and pass; non-float parameters (packed quantized
+    weights) are the quantizer's to check. Refused naming each tensor and both dtypes."""
+    problems = []
+    for spec in manifest.specs:
+        target = _engine_name(spec.name, params, packed)
+        if target and _floating(params[target]) and not _floating(spec.dtype):
+            into = "" if target == spec.name else f" {target!r}"
+            problems.append(
+                TensorProblem(
+                    spec.name,
+                    Deviation.MISMATCHED,
+                    f"is declared {spec.dtype}, but the engine's parameter{into} is "
+                    f"{params[target]}: its values would be converted as numbers; send it as "
+                    "a floating-point tensor",
+                )
+            )
+    if problems:
+        return Failure(manifest_error("the refit manifest's dtypes", problems))
+    return Success(manifest)
 
 
 # -- the receiver ---------------------------------------------------------------------

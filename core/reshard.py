@@ -83,6 +83,7 @@ __all__ = [
     "intersect",
     "megatron_layout",
     "plan_reshard",
+    "rank_problems",
     "sender_problems",
     "vllm_shard",
 ]
@@ -193,6 +194,26 @@ class TrainerLayout:
                     )
                 )
         return problems
+
+
+def rank_problems(layouts: Iterable[TrainerLayout], train_ranks: int) -> list[ParamProblem]:
+    """Every layout that names a trainer rank outside the group's ``train_ranks`` trainer
+    ranks (``0 .. train_ranks - 1``): no rank would ever send it, so a refit would wait
+    its whole bound for it. Each layout named once, with its ranks."""
+    problems = []
+    for layout in layouts:
+        outside = sorted({s.rank for s in layout.shards if not 0 <= s.rank < train_ranks})
+        if outside:
+            problems.append(
+                ParamProblem(
+                    layout.name,
+                    Problem.INVALID,
+                    tuple(outside),
+                    f"the layout names trainer rank(s) {outside}, outside the group's "
+                    f"{train_ranks} trainer rank(s) 0..{train_ranks - 1}",
+                )
+            )
+    return problems
 
 
 def megatron_layout(

@@ -333,6 +333,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         self._ids = itertools.count()
         self._id_prefix = f"gw-{secrets.token_hex(4)}"
         self._activity = 0  # tokens counted; the settle after a pause watches it
+        self._finite_check_off = False  # refit_configure told the engine workers
         #: vLLM's OpenAI server (vllm_cfg.expose_http_server); its socket is bound now,
         #: before the engine loads
         self._http: OpenAIServer | None = self._bind_http_server()
@@ -861,6 +862,9 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 "miss'); keep clear_cache=True"
             )
         timeout, outer = self._refit_bounds(method, timeout_s, transport)
+        if not self.cfg.vllm.refit_finite_check and not self._finite_check_off:
+            await self._rpc("refit_configure", False)  # the engine workers check unless told
+            self._finite_check_off = True
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         engine = self.engine
         started = time.monotonic()
@@ -938,9 +942,25 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         try:
             if ids:
                 await engine.abort(ids)
+            await self._reset_after_failure(error)  # paused: nothing runs on the caches
             await engine.resume()
         except EngineDeadError as e:
             self._died(e)
+
+    async def _reset_after_failure(self, error: BaseException) -> None:
+        """The spine's resets after a refused or failed refit; one that fails is noted
+        on ``error`` (raised by the caller)."""
+        try:
+            for name in self._resets_after_failed_refit(error):
+                if name == "kv":
+                    await self._rpc("refit_reset_kv")
+                else:
+                    await self._call(_RESETS[name])
+                    self._reset_done(name)
+        except EngineDeadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - noted on the refit's own error
+            error.add_note(f"resetting the caches after the failed refit failed too: {e}")
 
     async def _settle(self) -> None:
         """Wait until the tokens sampled before the pause have all been counted (engines

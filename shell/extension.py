@@ -94,6 +94,23 @@ class WorkerExtension:
         """Record the manifest of every later refit: ``{name: (shape, dtype)}``."""
         return door_of(self).engine.prepare(info)
 
+    def refit_configure(self, finite_check: bool) -> bool:
+        """Whether refits are checked for NaN and inf (``vllm_cfg.refit_finite_check``)."""
+        door_of(self).engine.finite_check = bool(finite_check)
+        return door_of(self).engine.finite_check
+
+    def refit_hold(self, held: bool, wait_s: float) -> object:
+        """Hold the weights for a batch (``held``) or let them go (``WeightsGate``)."""
+        try:
+            door_of(self).engine.gate.hold(bool(held), float(wait_s))
+        except Exception as e:  # noqa: BLE001 -- told as a value, raised typed by the worker
+            return failure(e)
+        return True
+
+    def refit_reset_kv(self) -> int:
+        """Zero the KV cache memory after a refused or failed refit; how many tensors."""
+        return door_of(self).engine.reset_kv()
+
     def engine_param_layout(self) -> dict[str, list[object]]:
         """``{name: [shape, dtype]}`` of the parameters a refit can write directly."""
         engine = door_of(self).engine

@@ -159,6 +159,8 @@ REFIT_METHODS = frozenset(
         "configure_sparse_relay",
         "stop_sparse_relay",
         "sparse_relay_status",
+        "refit_hold",
+        "refit_reset_kv",
         "init_nccl_reshard_comm_group",
         "prepare_nccl_reshard_refit_info",
         "nccl_reshard_refit",
@@ -734,6 +736,14 @@ class WorkerSpine(Generic[_E]):
         self._state = lifecycle.transition(self._state, lifecycle.Event.REFIT_FAILED).value_or(
             self._state
         )
+
+    def _resets_after_failed_refit(self, error: BaseException) -> tuple[str, ...]:
+        """What a refit that was refused or failed leaves to reset, so nothing computed
+        under bad weights is reused (issue 44): the prefix cache, and the KV cache memory
+        (``refit_reset_kv``) while it is awake; nothing on a dead engine."""
+        if self._dead is not None or isinstance(error, EngineDeadError):
+            return ()
+        return ("prefix", "kv") if self._state.kv_cache_awake else ("prefix",)
 
     def _refit_failed(self, method: str, error: BaseException) -> NoReturn:
         """:meth:`_mark_refit_failed`, and ``error`` raised typed (a foreign one as

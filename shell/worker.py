@@ -141,6 +141,26 @@ def _serialized(
     return serialized
 
 
+def _weights_held(
+    method: Callable[Concatenate[VllmGenerationWorker, _P], _T],
+) -> Callable[Concatenate[VllmGenerationWorker, _P], _T]:
+    """Run a batch holding the engine workers' weights (``refit_hold``) while the sparse
+    relay is on, whose steps arrive on a thread of their own: a step waits for the batch
+    (bounded) or is refused; none is applied under it (issue 44 item 3)."""
+
+    @functools.wraps(method)
+    def held(self: VllmGenerationWorker, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        if self._sparse_urls is None:
+            return method(self, *args, **kwargs)
+        self._rpc("refit_hold", True, self._lock.wait_s)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._rpc("refit_hold", False, 0.0)
+
+    return held
+
+
 _NO_ROWS = flatten_generations([])
 _RESETS: dict[str, Callable[[EnginePort], None]] = {
     "prefix": lambda e: e.reset_prefix_cache(),
@@ -222,6 +242,8 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
     def load_model(self) -> None:
         """Start the engine (the deferred half of ``__init__``)."""
         self._loaded(self._start(self._factory or _default_factory(), lambda e: e.shutdown()))
+        if not self.cfg.vllm.refit_finite_check:  # the engine workers check unless told
+            self._rpc("refit_configure", False)
 
     forward_env = staticmethod(forward_env)
 
@@ -248,6 +270,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
 
     # -- generation -----------------------------------------------------------------
     @_serialized
+    @_weights_held
     @defer_cyclic_gc()
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
         """Generate for a right-padded batch; returns NeMo-RL's output contract. Cyclic GC
@@ -321,6 +344,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         return {**out.as_dict(), "weight_versions": versions}
 
     @_serialized
+    @_weights_held
     def generate_text(
         self, data: Mapping[str, object], greedy: bool = False
     ) -> dict[str, list[str]]:
@@ -482,6 +506,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
             rpc_s = time.monotonic() - started
             resets = self._reset_caches(method)
         except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
+            self._reset_after_failure(e)
             self._refit_failed(method, e)
         self._refit_ok(
             {
@@ -491,6 +516,19 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
             }
         )
         return True
+
+    def _reset_after_failure(self, error: BaseException) -> None:
+        """The spine's resets after a refused or failed refit; one that fails is noted
+        on ``error`` (raised by the caller)."""
+        try:
+            for name in self._resets_after_failed_refit(error):
+                if name == "kv":
+                    self._rpc("refit_reset_kv")
+                else:
+                    self._call(_RESETS[name])
+                    self._reset_done(name)
+        except Exception as e:  # noqa: BLE001 - noted on the refit's own error
+            error.add_note(f"resetting the caches after the failed refit failed too: {e}")
 
     # -- observability --------------------------------------------------------------
     @_serialized
@@ -598,15 +636,19 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
             steps = [s["step"] for s in statuses]
             problems = [f"the engine workers hold different sparse steps {steps}"]
         if problems:
+            before = self._state.weights
             if lifecycle.transition(self._state, lifecycle.Event.REFIT_BEGIN).value_or(None):
                 self._state = self._move(lifecycle.Event.REFIT_BEGIN)
                 self._state = self._move(lifecycle.Event.REFIT_FAILED)
-            raise SparseRefitError(
+            error = SparseRefitError(
                 "generate refused: the sparse refit left weights nobody can vouch for ("
                 + "; ".join(problems)
                 + "); a full refit (the sender's next step, or an IPC/collective refit) "
                 "makes them valid again"
             )
+            if before is lifecycle.WeightsStatus.VALID:  # once, as they become inconsistent
+                self._reset_after_failure(error)
+            raise error
         if applied == self._sparse_applied:
             return
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
@@ -689,6 +731,11 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         """Plan every later reshard refit from the trainer's layouts
         (``genworker.shell.reshard.refit_info``); each engine worker's shards, digests
         and bytes, for the trainer's ``ReshardSender.plan(shards_of(...))``."""
+        if not isinstance(refit_info, Mapping):
+            raise BadArgumentError(
+                "prepare_nccl_reshard_refit_info: refit_info must be a mapping (what "
+                f"genworker.shell.reshard.refit_info returns), got {refit_info!r}"
+            )
         self._reshard_params = None
         summaries = self._rpc("prepare_nccl_reshard_refit_info", dict(refit_info))
         self._reshard_params = max(

@@ -359,9 +359,14 @@ def edited(
     add: Mapping[str, Sequence[int]] | None = None,
     reshape: Mapping[str, Sequence[int]] | None = None,
     retype: Mapping[str, str] | None = None,
+    nan: Sequence[str] = (),
 ) -> dict[str, torch.Tensor]:
-    """A copy of ``tensors`` with names kept or dropped, added, reshaped or retyped."""
+    """A copy of ``tensors`` with names kept or dropped, added, reshaped or retyped, or
+    with a NaN and an inf written into those in ``nan``."""
     out = {n: t for n, t in tensors.items() if (keep is None or n in keep) and n not in drop}
+    for name in nan:
+        out[name] = out[name].clone()
+        out[name].view(-1)[0], out[name].view(-1)[-1] = float("nan"), float("inf")
     for name, shape in (reshape or {}).items():
         out[name] = torch.zeros(tuple(shape), dtype=out[name].dtype)
     for name, dtype in (retype or {}).items():

@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Final, cast
 
 import attrs
 import torch
 
 from genworker.core import refit_protocol as p
-from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.core.refit_plan import Manifest, TensorSpec, dtype_name
 from genworker.shell.errors import (
     BadArgumentError,
     EngineStateError,
@@ -57,7 +60,9 @@ __all__ = [
     "EngineContext",
     "EngineSink",
     "Routed",
+    "WeightsGate",
     "engine_params",
+    "nonfinite",
     "parameters",
     "takes_weights_iterator",
 ]
@@ -98,6 +103,23 @@ def _unchanged(entries: Sequence[Entry]) -> bool:
             and param.is_contiguous() == contiguous
             for module, local, param, ptr, numel, dtype, contiguous in entries
         )
+
+
+def nonfinite(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the floating-point ``tensors`` holding a NaN or an infinity: one
+    fused reduction over them all (``torch._foreach_norm`` of order inf, a multi-tensor
+    kernel on CUDA; NaN and inf survive a max of absolute values) and one read back; the
+    per-tensor answers are looked at only when that one fails. 1-byte floats (fp8) are
+    skipped: the kernel takes no fp8, and no refit writes fp8 from the wire."""
+    floats = [(n, t) for n, t in tensors if t.is_floating_point() and t.element_size() > 1]
+    floats = [(n, t) for n, t in floats if t.numel()]
+    if not floats:
+        return []
+    with torch.no_grad():
+        norms = torch._foreach_norm([t for _, t in floats], float("inf"))
+        if bool(torch.stack([x.float() for x in norms]).isfinite().all()):
+            return []
+    return [n for (n, _), x in zip(floats, norms, strict=True) if not bool(x.isfinite())]
 
 
 def engine_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> list[p.EngineParam]:
@@ -163,6 +185,52 @@ def takes_weights_iterator(reload_weights: object) -> bool:
     return any(p.name == "weights_iterator" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
+class WeightsGate:
+    """Who touches the weights: a batch or a refit, never both (issue 44 item 3).
+
+    The sync worker holds the gate around each batch when a refit can arrive on a thread
+    of its own (the sparse relay): :meth:`hold` from an RPC before the batch, released by
+    one after it. A refit writes under :meth:`writing`: it waits for a held batch at most
+    its bound, then is refused naming the wait, having changed nothing; a batch waits for
+    a write in progress the same way. Refits that arrive by RPC (IPC, collective, NeMo-RL)
+    already run between batches (the worker's lock); they take the gate too, so a sparse
+    step never writes under them."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._batch: float | None = None  # when the held batch began (time.monotonic)
+        self._writer = ""  # the write in progress ('' when none)
+
+    def hold(self, held: bool, wait_s: float) -> None:
+        with self._cond:
+            if not held:
+                self._batch = None
+                self._cond.notify_all()
+                return
+            if not self._cond.wait_for(lambda: not self._writer, wait_s):
+                raise EngineStateError(
+                    f"generate: {self._writer} is writing the weights; waited {wait_s:g} s"
+                )
+            self._batch = time.monotonic()
+
+    @contextmanager
+    def writing(self, what: str, wait_s: float) -> Iterator[None]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._batch is None and not self._writer, wait_s):
+                busy = "another refit" if self._writer else "a batch"
+                raise RefitError(
+                    f"{what}: refused, {busy} held the weights for over {wait_s:g} s; nothing "
+                    "was written (a refit never applies weights under a running batch)"
+                )
+            self._writer = what
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = ""
+                self._cond.notify_all()
+
+
 class EngineContext:
     """One vLLM engine worker, for the refit backends (capability checks, never versions)."""
 
@@ -171,6 +239,10 @@ class EngineContext:
         self.manifest: Manifest | None = None
         self.version = 0  # refits received through :meth:`receive`
         self.routed_last: Routed | None = None
+        #: refuse a refit holding NaN or inf (``vllm_cfg.refit_finite_check``; the worker
+        #: sets it at load through ``refit_configure``)
+        self.finite_check = True
+        self.gate = WeightsGate()
         self._watchers: dict[str, Callable[[Manifest], None]] = {}
 
     @property
@@ -228,6 +300,36 @@ class EngineContext:
 
         return load
 
+    def check_finite(self, tensors: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
+        """Refuse ``tensors`` (a chunk of a refit, a sparse step) when any holds a NaN or
+        an infinity (:func:`nonfinite`), unless :attr:`finite_check` is off: a
+        ``RefitError`` naming them, before the refit counts as good."""
+        if not self.finite_check:
+            return
+        if bad := nonfinite(tensors):
+            shown = ", ".join(map(repr, bad[:8])) + (
+                f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+            )
+            raise RefitError(
+                f"{what}: refused, non-finite values (NaN or inf) in {shown}; the refit does "
+                "not count and the weights are inconsistent until a refit succeeds "
+                "(vllm_cfg.refit_finite_check: false turns this check off)"
+            )
+
+    def reset_kv(self) -> int:
+        """Zero this worker's KV cache memory (after a refused or failed refit, with no
+        request running and the KV cache awake: a block written under bad weights must
+        not leak into a later attention through padding); how many tensors."""
+        caches = getattr(getattr(self.worker, "model_runner", None), "kv_caches", None) or []
+        count = 0
+        with torch.no_grad():
+            for cache in caches:
+                for t in cache if isinstance(cache, list | tuple) else (cache,):
+                    if isinstance(t, torch.Tensor):
+                        t.zero_()
+                        count += 1
+        return count
+
     def routed(self, manifest: Manifest, sharded_ok: bool) -> Routed:
         """The routes of ``manifest`` here (kept while the parameters stay put)."""
         model, key = self.model(), (manifest.digest(), sharded_ok)
@@ -246,9 +348,19 @@ class EngineContext:
         (backend ``name``'s: a backend built again replaces its own)."""
         self._watchers[name] = callback
 
+    def check_dtypes(self, manifest: Manifest, what: str) -> None:
+        """Refuse ``manifest`` when it declares a non-float dtype for a tensor that loads
+        into a floating-point parameter (``core.refit_protocol.dtype_problems``)."""
+        model = self.model()
+        dtypes = {n: dtype_name(t.dtype) for n, t in parameters(model)[0].items()}
+        packed = getattr(model, "packed_modules_mapping", None) or {}
+        unwrap(p.dtype_problems(manifest, dtypes, packed), RefitManifestError, what)
+
     def prepare(self, info: Mapping[str, object]) -> dict[str, object]:
-        """Record the manifest of every later refit: ``{name: (shape, dtype)}``."""
+        """Record the manifest of every later refit: ``{name: (shape, dtype)}``, its
+        dtypes checked against the engine's parameters first."""
         manifest = unwrap(Manifest.from_info(info), RefitManifestError, "refit")
+        self.check_dtypes(manifest, "prepare_refit_info")
         self.manifest = manifest
         for callback in self._watchers.values():
             callback(manifest)
@@ -275,7 +387,8 @@ class EngineContext:
         routed = self.routed(manifest, sharded_ok or self.tp_size == 1)
         loader = self.loader() if len(routed.routes.direct) < len(manifest) else None
         # vLLM's loader calls every weight the direct routes wrote "not loaded": only the rest
-        with refit_loader_alarms(routed.routes.direct, routed.modules):
+        gate = self.gate.writing("a refit", bound)
+        with gate, refit_loader_alarms(routed.routes.direct, routed.modules):
             report = receive(
                 cast("RefitPort", port),
                 manifest,
@@ -283,6 +396,7 @@ class EngineContext:
                 routes=routed.routes,
                 timeout_s=bound,
                 loader=loader,
+                check=self.check_finite,
             )
         self.version += 1
         figures = (report.tensors, report.nbytes / 1e9, report.seconds)

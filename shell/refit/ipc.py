@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -32,6 +33,7 @@ from typing import NoReturn, cast
 import torch
 import zmq
 from torch.multiprocessing.reductions import StorageWeakRef
+from zmq.utils.monitor import recv_monitor_message
 
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import Manifest, TensorSpec
@@ -43,6 +45,7 @@ from genworker.shell.refit.memory import (
     StagingBuffer,
     copy_into,
     private_directory,
+    reclaim_dead,
 )
 from genworker.shell.refit.receiver import Sink, Wait
 from genworker.shell.refit.wire import (
@@ -58,7 +61,10 @@ from genworker.shell.refit.wire import (
     listing,
 )
 
-__all__ = ["IpcBackend", "IpcReceiver", "IpcSenderPort", "is_loopback"]
+__all__ = ["SEND_PREFIX", "IpcBackend", "IpcReceiver", "IpcSenderPort", "is_loopback"]
+
+#: A sender's staging folder: ``<SEND_PREFIX><pid>-<random>`` (see ``memory.reclaim_dead``).
+SEND_PREFIX = "genworker-refit-send-"
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +111,13 @@ class IpcReceiver:
         self.mappings, self.memo, self._listings = Mappings(device), p.Memo(), dict[int, Listing]()
 
     def _bind(self) -> zmq.Socket[bytes]:
+        for monitor in self._open[1:]:  # the previous socket's
+            monitor.close(linger=0)
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.REP)
-        self._open[:] = [sock]
+        # Who connected, so a timeout can tell "no trainer" from "a trainer sent nothing".
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED)
+        self._open[:] = [sock, self._monitor]
+        self._seen = False
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._cap)
         if self._dir is not None:
@@ -132,8 +143,9 @@ class IpcReceiver:
     def next(self, wait: Wait) -> tuple[p.Event, list[Handle] | None]:
         remaining = wait.deadline - time.monotonic()
         if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
-            raise wait.expired(self.peer)
+            raise wait.expired(self.peer) if self._connected() else wait.unconnected(self.address)
         frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        self._seen = True
         self._pending = True
         problem = RefitError(f"a refit message is one frame, got {len(frames)}")
         try:
@@ -143,6 +155,12 @@ class IpcReceiver:
             problem = e
         self._reply(problem)
         raise problem
+
+    def _connected(self) -> bool:
+        """Whether a trainer ever connected to this socket (or sent on it)."""
+        while not self._seen and self._monitor.poll(0):
+            self._seen = int(recv_monitor_message(self._monitor)["event"]) == zmq.EVENT_ACCEPTED
+        return self._seen
 
     def answer(self, event: p.Event, problem: RefitError | None) -> None:
         self._reply(problem)
@@ -467,7 +485,9 @@ class IpcSenderPort:
     def _new_buffer(self, capacity: int) -> StagingBuffer:
         assert self._device is not None
         if self._dir is None:
-            self._dir = private_directory("genworker-refit-send-", self._staging_parent)
+            # A killed sender's folder (its pid gone) is reclaimed at the next start.
+            reclaim_dead(SEND_PREFIX, self._staging_parent)
+            self._dir = private_directory(f"{SEND_PREFIX}{os.getpid()}-", self._staging_parent)
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _close, self._ctx, self._open, self._dir)
         return StagingBuffer(capacity, self._device, self._dir)

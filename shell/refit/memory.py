@@ -25,6 +25,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
 import tempfile
@@ -51,6 +52,7 @@ __all__ = [
     "device_id",
     "open_handle",
     "private_directory",
+    "reclaim_dead",
 ]
 
 _PROC_FD: Final = re.compile(r"/proc/\d+/fd/\d+")
@@ -67,13 +69,42 @@ def device_id(device: torch.device) -> str:
     return f"{device.type}@{socket.gethostname()}"
 
 
+def _parent(parent: str | Path | None) -> str | Path | None:
+    if parent is None and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return "/dev/shm"
+    return parent
+
+
 def private_directory(prefix: str, parent: str | Path | None = None) -> Path:
     """A fresh 0700 directory with a random name in ``parent`` (default: /dev/shm)."""
-    if parent is None and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        parent = "/dev/shm"
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=_parent(parent)))
     path.chmod(0o700)
     return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def reclaim_dead(prefix: str, parent: str | Path | None = None) -> list[Path]:
+    """Remove this user's ``<prefix><pid>-*`` directories in ``parent`` (default:
+    /dev/shm) whose process ``pid`` is gone: the staging of a killed sender, which no
+    finalizer ran for. The ones removed."""
+    where = Path(_parent(parent) or tempfile.gettempdir())
+    removed = []
+    for path in where.glob(f"{prefix}*-*"):
+        pid = path.name[len(prefix) :].partition("-")[0]
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours: left alone
+            if pid.isdigit() and path.stat().st_uid == os.getuid() and not _alive(int(pid)):
+                shutil.rmtree(path)
+                removed.append(path)
+    return removed
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["Laps", "ParameterSink", "Sink", "Wait", "manifest_of", "receive"]
 
 Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+#: A chunk's received tensors checked before the weight loader sees them (raises typed).
+Check = Callable[[list[tuple[str, torch.Tensor]], str], None]
 
 
 class Laps:
@@ -62,6 +64,13 @@ class Wait:
     def expired(self, peer: str) -> RefitTimeoutError:
         return RefitTimeoutError(
             f"{peer} sent nothing within {self.bound_s:g}s: waited for {self.what}"
+        )
+
+    def unconnected(self, address: str) -> RefitTimeoutError:
+        """No trainer ever connected to ``address`` (said so, not "sent nothing")."""
+        return RefitTimeoutError(
+            f"no trainer connected to {address} within {self.bound_s:g}s: waited for "
+            f"{self.what} (is the trainer sending to this address?)"
         )
 
 
@@ -105,9 +114,15 @@ def _typed(error: BaseException, context: str) -> RefitError:
 
 class _Session:
     def __init__(
-        self, port: RefitPort, manifest: Manifest, routes: p.Routes, sink: Sink, timeout_s: float
+        self,
+        port: RefitPort,
+        manifest: Manifest,
+        routes: p.Routes,
+        sink: Sink,
+        timeout_s: float,
+        check: Check | None = None,
     ) -> None:
-        self.port, self.sink, self.timeout_s = port, sink, timeout_s
+        self.port, self.sink, self.timeout_s, self.check = port, sink, timeout_s, check
         self.machine = p.Receiver(manifest, routes, memo=port.memo)
         self.laps, self.started = Laps(), time.monotonic()
         self.error: RefitError | None = None
@@ -154,6 +169,9 @@ class _Session:
             loader: list[tuple[str, torch.Tensor]] = []
             if isinstance(decision, p.Writes):
                 loader = self.port.write(decision, handles, self.sink)
+                if self.check is not None:  # before the loader sees any of the chunk
+                    direct = [(n, self.sink.target(n)) for n in decision.direct]
+                    self.check([*direct, *loader], f"chunk {decision.chunk.index}")
                 self.direct += decision.direct
                 self.loaded, self.nbytes = self.loaded + len(loader), self.nbytes + decision.nbytes
                 self.laps.lap("write")
@@ -202,9 +220,11 @@ def receive(
     routes: p.Routes,
     timeout_s: float,
     loader: Loader | None = None,
+    check: Check | None = None,
 ) -> p.RefitReport:
-    """Receive one refit; every wait bounded by ``timeout_s``."""
-    session = _Session(port, manifest, routes, sink, timeout_s)
+    """Receive one refit; every wait bounded by ``timeout_s``; ``check`` each chunk's
+    tensors once written (the engine's non-finite check), before the loader takes them."""
+    session = _Session(port, manifest, routes, sink, timeout_s, check)
     loader_error: BaseException | None = None
     try:
         (loader or _no_loader)(session.stream())

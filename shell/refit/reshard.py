@@ -61,6 +61,7 @@ from genworker.core.reshard import (
     engine_shards,
     header_problem,
     plan_reshard,
+    rank_problems,
     sender_problems,
 )
 from genworker.shell.errors import (
@@ -300,6 +301,7 @@ class ReshardSender:
 
     def plan(self, shards: Sequence[EngineShard], *, rank_prefix: int = 0) -> ReshardPlan:
         """The plan for the engine whose workers start at ``rank_prefix`` (kept)."""
+        _check_ranks([list(self.layouts.values())], self._train)
         plan = _stage_plan(list(self.layouts.values()), shards)
         ranks = {c.dst_rank for c in plan.copies}
         top = self._train + rank_prefix + max(ranks, default=-1)
@@ -535,7 +537,13 @@ class ReshardBackend:
         """This worker's shards (for :func:`shards_of`), its plan digests and byte count.
         Parameters made of none of the described tensors keep their weights; a described
         tensor that no parameter is made of is refused."""
+        if not isinstance(refit_info, Mapping):
+            raise BadArgumentError(
+                f"prepare_nccl_reshard_refit_info: refit_info must be a mapping, got {refit_info!r}"
+            )
         prepared = _engine_plans(self.engine, _parse_info(refit_info))
+        if self.groups:
+            _check_ranks(prepared.stages, self.train)
         routed = self.engine.routed(prepared.manifest, True)
         self.prepared = prepared
         rank = self.engine.rank
@@ -560,6 +568,7 @@ class ReshardBackend:
                 f"{len(self.groups)} reshard group(s) for a refit_info of "
                 f"{len(self.prepared.plans)} stage(s)"
             )
+        _check_ranks(self.prepared.stages, self.train)  # planned before the groups joined
         report = _receive(self.engine, self, self.prepared, bound)
         self.version += 1
         return {**report, "version": self.version}
@@ -576,6 +585,13 @@ class ReshardBackend:
         for group in groups:
             group.close()
         return len(groups)
+
+
+def _check_ranks(stages: Sequence[Sequence[TrainerLayout]], train_ranks: int) -> None:
+    """Refuse layouts naming a trainer rank the joined groups do not have."""
+    if problems := rank_problems([lay for layouts in stages for lay in layouts], train_ranks):
+        detail = "; ".join(pp.describe() for pp in problems)
+        raise RefitManifestError(f"reshard refit_info: {detail}")
 
 
 def _receive(

@@ -62,7 +62,6 @@ import zmq
 import zstandard
 from returns.result import Failure
 
-from genworker.core import refit_protocol as p
 from genworker.core.delta import (
     MAX_CHUNK_ELEMENTS,
     Bits,
@@ -100,7 +99,6 @@ from genworker.shell.errors import (
 )
 from genworker.shell.refit.engine import EngineContext, EngineSink
 from genworker.shell.refit.ipc import is_loopback
-from genworker.shell.refit.receiver import Loader
 
 __all__ = [
     "CHECKSUM",
@@ -275,8 +273,9 @@ class ApplyTarget(Protocol):
     own baseline, changed by the next step, so copy it before returning.
     """
 
-    def begin(self, step: int, specs: Sequence[TensorSpec]) -> None:
-        """Verified step ``step``'s tensors are about to be applied (``specs``: all)."""
+    def begin(self, step: int, specs: Sequence[TensorSpec], bound_s: float = 0.0) -> None:
+        """Verified step ``step``'s tensors are about to be applied (``specs``: all);
+        ``bound_s``: how long the target may wait for the weights to be free."""
 
     def apply(self, name: str, tensor: torch.Tensor) -> None: ...
 
@@ -290,7 +289,7 @@ class DictTarget:
     def __init__(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
         self.tensors: dict[str, torch.Tensor] = {} if tensors is None else tensors
 
-    def begin(self, step: int, specs: Sequence[TensorSpec]) -> None:
+    def begin(self, step: int, specs: Sequence[TensorSpec], bound_s: float = 0.0) -> None:
         pass
 
     def finish(self) -> None:
@@ -858,7 +857,8 @@ class SparseReceiver:
         """Hand every verified tensor to the target; the reason it did not, or ''."""
         problem = ""
         try:
-            self.target.begin(step.number, list(step.started.specs))
+            # A running batch is waited for at most half this node's answer bound.
+            self.target.begin(step.number, list(step.started.specs), step.hop_s / 2)
             for spec in step.started.specs:
                 self.target.apply(spec.name, _as_tensor(self._bits[spec.name], spec))
             self.target.finish()
@@ -952,50 +952,52 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 class EngineTarget:
     """A verified sparse step into the engine's parameters (see above); ``applied(step)``
-    is called once a step is in."""
+    is called once a step is in. The step's tensors are staged by :meth:`apply` (the
+    receiver's bits stay put until its next step) and written by :meth:`finish`: all of
+    them checked for NaN and inf first (``EngineContext.check_finite``), then written
+    under the engine's :class:`~genworker.shell.refit.engine.WeightsGate` (never under a
+    running batch: it waits for one at most ``bound_s``, then refuses the step)."""
 
     def __init__(self, engine: EngineContext, applied: Callable[[int], None]) -> None:
         self._engine, self._applied = engine, applied
-        self._sink: EngineSink | None = None
-        self._direct: list[str] = []
-        self._loaded: list[tuple[str, torch.Tensor]] = []
-        self._loader: Loader | None = None
-        self._step = -1
-        self._routes = p.Routes()
+        self._staged: list[tuple[str, torch.Tensor]] = []
+        self._step, self._bound_s = -1, 0.0
+        self._manifest: Manifest | None = None
 
-    def begin(self, step: int, specs: Sequence[TensorSpec]) -> None:
-        engine = self._engine
-        self._step = step
-        manifest = Manifest.from_specs(specs).unwrap()  # the receiver checked it
-        routed = engine.routed(manifest, engine.tp_size == 1)
-        self._loader = engine.loader() if len(routed.routes.direct) < len(manifest) else None
-        self._sink, self._routes = EngineSink(routed, engine.device), routed.routes
-        self._direct, self._loaded = [], []
+    def begin(self, step: int, specs: Sequence[TensorSpec], bound_s: float = 0.0) -> None:
+        self._step, self._bound_s, self._staged = step, bound_s, []
+        self._manifest = Manifest.from_specs(specs).unwrap()  # the receiver checked it
+        self._engine.check_dtypes(self._manifest, f"sparse step {step}")
 
     def apply(self, name: str, tensor: torch.Tensor) -> None:
-        assert self._sink is not None
-        if name not in self._routes.direct:
-            self._loaded.append((name, tensor))  # borrowed until finish(), which loads it
-            return
-        target = self._sink.target(name)
-        staged = tensor.to(target.device)  # the verified bits on the parameter's device
-        target.copy_(staged.reshape(target.shape))
-        # Compared where the parameter lives: a GPU engine reads nothing back to the host.
-        if not torch.equal(_bytes(target), _bytes(staged)):
-            raise RefitError(
-                f"{name!r} in parameter memory differs from the verified bits after the write "
-                f"(CRC-32 {_checksum(target):#010x}, verified {_checksum(tensor):#010x})"
-            )
-        self._direct.append(name)
+        self._staged.append((name, tensor))  # borrowed until finish()
 
     def finish(self) -> None:
-        assert self._sink is not None
-        if self._loaded:
-            assert self._loader is not None
-            self._loader(iter(self._loaded))
-        self._sink.finish(self._direct)
-        self._loaded = []
+        engine, staged, what = self._engine, self._staged, f"sparse step {self._step}"
+        self._staged = []
+        engine.check_finite(staged, what)
+        assert self._manifest is not None
+        with engine.gate.writing(what, self._bound_s):
+            routed = engine.routed(self._manifest, engine.tp_size == 1)
+            sink, direct = EngineSink(routed, engine.device), routed.routes.direct
+            for name, tensor in staged:
+                if name in direct:
+                    _write(sink.target(name), name, tensor)
+            if loaded := [(n, t) for n, t in staged if n not in direct]:
+                engine.loader()(iter(loaded))
+            sink.finish([n for n, _ in staged if n in direct])
         self._applied(self._step)
+
+
+def _write(target: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+    staged = tensor.to(target.device)  # the verified bits on the parameter's device
+    target.copy_(staged.reshape(target.shape))
+    # Compared where the parameter lives: a GPU engine reads nothing back to the host.
+    if not torch.equal(_bytes(target), _bytes(staged)):
+        raise RefitError(
+            f"{name!r} in parameter memory differs from the verified bits after the write "
+            f"(CRC-32 {_checksum(target):#010x}, verified {_checksum(tensor):#010x})"
+        )
 
 
 class SparseBackend:

@@ -55,13 +55,15 @@ from genworker.shell.refit import (
     manifest_of,
     receive,
 )
-from genworker.shell.refit.ipc import IpcSenderPort
+from genworker.shell.refit.engine import EngineContext, nonfinite
+from genworker.shell.refit.ipc import SEND_PREFIX, IpcSenderPort
 from genworker.shell.refit.memory import (
     Exporter,
     StagingBuffer,
     copy_into,
     open_handle,
     private_directory,
+    reclaim_dead,
 )
 from genworker.shell.refit.receiver import ParameterSink
 from genworker.shell.refit.wire import CpuHandle, CudaHandle, Reply, encode
@@ -344,6 +346,96 @@ def test_ipc_receiver_waiting_for_nobody_times_out_naming_the_wait(receiver: Ipc
     with pytest.raises(RefitTimeoutError, match=r"within 0\.5s: waited for the start of a refit"):
         receiving(receiver, {}, timeout_s=0.5).outcome()
     assert time.monotonic() - started < 0.5 + PROMPT
+
+
+def test_ipc_timeout_with_no_trainer_connected_says_none_connected(
+    receiver: IpcReceiver,
+) -> None:
+    """Issue 44 item 7: nobody ever connected, and the message says so."""
+    with pytest.raises(RefitTimeoutError) as timed:
+        receiving(receiver, {}, timeout_s=0.5).outcome()
+    assert f"no trainer connected to {receiver.address} within 0.5s" in str(timed.value)
+    assert "sent nothing" not in str(timed.value)
+    # One that connected and then went quiet is "the trainer connected to ... sent nothing".
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.connect(receiver.address)
+    try:
+        with pytest.raises(RefitTimeoutError, match=r"the trainer connected to .* sent nothing"):
+            receiving(receiver, {}, timeout_s=1.0).outcome()
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def _dead_pid() -> int:
+    import multiprocessing
+
+    process = multiprocessing.get_context("spawn").Process(target=int)
+    process.start()
+    process.join(30)
+    assert process.pid is not None
+    assert process.exitcode == 0
+    return process.pid
+
+
+def test_a_dead_senders_staging_folder_is_reclaimed_at_the_next_sender_start(
+    receiver: IpcReceiver, tmp_path: Path
+) -> None:
+    """Issue 44 item 8: a killed sender's ``genworker-refit-send-<pid>-*`` folder (its pid
+    gone) goes at the next sender's start; a live sender's stays."""
+    dead = tmp_path / f"{SEND_PREFIX}{_dead_pid()}-abc"
+    live = tmp_path / f"{SEND_PREFIX}{os.getpid()}-live"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "buffer-0").write_bytes(b"x" * 4096)
+    params = zeros_like_all(expected())
+    peer = receiving(receiver, params)
+    with ipc_sender(receiver, staging_dir=str(tmp_path)) as sender:
+        sender.send(expected().items())
+        peer.outcome()
+        assert not dead.exists()
+        assert live.exists()
+        mine = [f for f in tmp_path.iterdir() if f.name.startswith(f"{SEND_PREFIX}{os.getpid()}-")]
+        assert len(mine) == 2  # the live one, and this sender's own, named by its pid
+    assert_received(params)
+    assert reclaim_dead(SEND_PREFIX, tmp_path) == []  # nothing dead is left
+
+
+def test_a_chunk_holding_nan_or_inf_is_refused_before_the_loader_sees_it(
+    receiver: IpcReceiver,
+) -> None:
+    """Issue 44 item 1 at the port: the engine's check (EngineContext.check_finite) on
+    every chunk; the sender hears the refusal naming the tensor."""
+    tensors = expected()
+    name = sorted(tensors)[1]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = float("nan")
+    engine = EngineContext(object())
+    loaded: list[str] = []
+    params = zeros_like_all(expected())
+
+    def run() -> RefitReport:
+        manifest = manifest_of(expected())
+        sink = ParameterSink({})
+        return receive(
+            receiver, manifest, sink, routes=sink.routes, timeout_s=QUICK,
+            loader=lambda ws: loaded.extend(n for n, _ in ws), check=engine.check_finite,
+        )  # fmt: skip
+
+    peer = Peer(run)
+    with ipc_sender(receiver) as sender, pytest.raises(RefitError, match="non-finite"):
+        sender.send(tensors.items())
+    with pytest.raises(RefitError, match=f"non-finite values .* in {name!r}"):
+        peer.outcome()
+    assert name not in loaded
+    engine.finite_check = False  # the switch: the same chunk passes
+    peer = receiving(receiver, params, timeout_s=QUICK)
+    with ipc_sender(receiver) as sender:
+        sender.send(expected().items())
+    peer.outcome()
+    assert nonfinite([("a", torch.tensor([1.0, float("inf")])), ("b", torch.ones(2))]) == ["a"]
+    assert nonfinite([("i", torch.tensor([1, 2])), ("e", torch.empty(0))]) == []
 
 
 def test_ipc_paced_stream_slower_than_the_bound_succeeds_chunk_by_chunk(
