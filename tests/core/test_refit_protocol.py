@@ -779,3 +779,53 @@ def test_text_is_explained_exactly_when_it_names_a_sign(text: str) -> None:
     assert (explained is not None) == named
     if explained is not None:
         assert all(fix in explained for fix in FIXES)
+
+
+# -- dtypes against the engine's parameters (issue 44 item 2) ---------------------------
+
+_FLOATS = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float64")
+_OTHERS = ("int32", "int16", "int8", "uint8", "int64", "bool", "complex64")
+_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@given(
+    param=st.sampled_from(_FLOATS),
+    declared=st.sampled_from(_FLOATS + _OTHERS),
+    shard=st.sampled_from(("", "q_proj", "k_proj", "v_proj")),
+)
+def test_a_float_parameter_takes_any_float_and_refuses_the_rest_naming_both_dtypes(
+    param: str, declared: str, shard: str
+) -> None:
+    """Law: a tensor loading into a floating-point parameter (itself, or the packed one
+    its module is a shard of) is refused exactly when its declared dtype is not a float,
+    the error naming the tensor, both dtypes and the parameter it loads into."""
+    engine = "model.layers.0.self_attn.qkv_proj.weight" if shard else "model.norm.weight"
+    name = f"model.layers.0.self_attn.{shard}.weight" if shard else engine
+    manifest = Manifest.from_specs([TensorSpec(name, (4,), declared)]).unwrap()
+    result = p.dtype_problems(manifest, {engine: param, "lm_head.weight": "float32"}, _PACKED)
+    if declared in _FLOATS:
+        assert result == Success(manifest)
+        return
+    assert isinstance(result, Failure)
+    error = result.failure()
+    assert error.mismatched == (name,)
+    assert f"{name!r} is declared {declared}" in str(error)
+    assert param in str(error)
+    assert (f"parameter {engine!r}" in str(error)) == bool(shard)
+
+
+@given(declared=st.sampled_from(_FLOATS + _OTHERS), param=st.sampled_from(_OTHERS))
+def test_non_float_parameters_and_unknown_tensors_are_left_to_the_loader(
+    declared: str, param: str
+) -> None:
+    """Law: a packed quantized parameter (not a float) and a tensor no parameter takes are
+    not this check's business: it passes them."""
+    manifest = Manifest.from_specs(
+        [
+            TensorSpec("model.layers.0.mlp.gate_proj.qweight", (4,), declared),
+            TensorSpec("model.rotary.inv_freq", (4,), declared),
+            TensorSpec("model.layers.1.mlp.up_proj.weight", (4,), declared),  # no such layer
+        ]
+    ).unwrap()
+    params = {"model.layers.0.mlp.gate_up_proj.qweight": param}
+    assert p.dtype_problems(manifest, params, _PACKED) == Success(manifest)

@@ -32,6 +32,7 @@ from genworker.core.reshard import (
     intersect,
     megatron_layout,
     plan_reshard,
+    rank_problems,
     sender_problems,
     vllm_shard,
 )
@@ -521,3 +522,26 @@ def test_a_trainer_rank_checks_its_shards_against_the_layouts() -> None:
     ]
     assert "for engine ranks [2]" in sender_problems(1, 2, {0: plan}, layouts, {})[0]
     assert sender_problems(5, 2, {0: plan}, layouts, {}) == []  # holds no shard
+
+
+@given(
+    ranks=st.lists(st.integers(-3, 9), min_size=1, max_size=4),
+    train_ranks=st.integers(1, 6),
+)
+def test_a_layout_naming_a_rank_outside_the_group_is_named_with_its_ranks(
+    ranks: list[int], train_ranks: int
+) -> None:
+    """Law (issue 44 item 5): a layout is named exactly when one of its shards names a
+    trainer rank outside ``0 .. train_ranks - 1``, with those ranks, once."""
+    layout = TrainerLayout("w", (4,), "float32", tuple(SourceShard(r, ((0, 4),)) for r in ranks))
+    inside = TrainerLayout("v", (4,), "float32", (SourceShard(0, ((0, 4),)),))
+    problems = rank_problems([layout, inside], train_ranks)
+    outside = sorted({r for r in ranks if not 0 <= r < train_ranks})
+    if not outside:
+        assert problems == []
+        return
+    (problem,) = problems
+    assert problem.param == "w"
+    assert problem.kind is Problem.INVALID
+    assert list(problem.ranks) == outside
+    assert f"{train_ranks} trainer rank(s)" in problem.describe()
