@@ -7,7 +7,11 @@ direct route of ``WorkerExtension``, no engine). One ``RefitSender`` each, defau
 - ``refit_gbps_ipc``: shared memory + ZMQ (``RefitSender.ipc``), the same tensors every
   refit: the first packs (the sender has not seen the storages), the second moves them
   into shared memory (once) and the receiver maps them, later ones are the steady state
-  (one copy, from the trainer's memory into the parameters), the figure here; then
+  (one copy, from the trainer's memory into the parameters), the figure here; each of
+  those is paired with one that runs the engine's non-finite check on every chunk
+  (``EngineContext.check_finite``, what ``vllm_cfg.refit_finite_check`` switches):
+  ``refit_finite_check_overhead`` is the best checked refit's receiver time over the best
+  unchecked one's, same run (1.0: free); then
   ``refit_ipc_packed_vs_memcpy``: fresh tensors every refit, so always packed (two copies,
   pack then store, through the staging buffers kept from the refits before);
 - ``refit_gbps_collective``: a standalone gloo group on loopback (``RefitSender.collective``).
@@ -29,13 +33,14 @@ from typing import Protocol
 import torch
 
 from genworker.shell.refit import CollectiveReceiver, IpcReceiver, RefitSender, fake, manifest_of
+from genworker.shell.refit.engine import EngineContext
 
 __all__ = ["measure"]
 
 TENSORS = 64
 ELEMENTS = 4 << 20  # 16 MiB of float32 each: 1 GiB in all
 WARMUPS = 2  # IPC: packed first, then moved to shared memory and mapped
-REPEATS = 3
+REPEATS = 3  # steady IPC refits without the non-finite check, and as many with it
 FRESH = 2
 TIMEOUT_S = 120.0
 
@@ -59,8 +64,9 @@ def _trainer(commands: _Queue, results: _Queue, address: str, port: int) -> None
     tensors = state_dict()
     manifest = manifest_of(tensors)
     with RefitSender.ipc(address, manifest=manifest, timeout_s=TIMEOUT_S) as ipc:
-        for i in range(WARMUPS + REPEATS + FRESH):
-            sent = tensors if i < WARMUPS + REPEATS else {n: t.clone() for n, t in tensors.items()}
+        for i in range(WARMUPS + 2 * REPEATS + FRESH):
+            same = i < WARMUPS + 2 * REPEATS
+            sent = tensors if same else {n: t.clone() for n, t in tensors.items()}
             commands.get()
             results.put(_rate(ipc.send(sent.items())))
     with RefitSender.collective(
@@ -109,12 +115,21 @@ def measure() -> list[tuple[str, float]]:
     )
     trainer.start()
     ipc: list[tuple[float, float]] = []  # (refit GB/s, memcpy GB/s right before)
+    seconds: dict[bool, list[float]] = {False: [], True: []}  # steady, by the check
+    check = EngineContext(object()).check_finite
     try:
-        for _ in range(WARMUPS + REPEATS + FRESH):
+        for i in range(WARMUPS + 2 * REPEATS + FRESH):
+            checked = WARMUPS <= i < WARMUPS + 2 * REPEATS and (i - WARMUPS) % 2 == 1
             memcpy = _memcpy_gbps(src, dst)
             commands.put("go")
-            fake.receive_into(receiver, params, timeout_s=TIMEOUT_S)
-            ipc.append((float(results.get(timeout=TIMEOUT_S)), memcpy))  # type: ignore[arg-type]
+            report = fake.receive_into(
+                receiver, params, timeout_s=TIMEOUT_S, check=check if checked else None
+            )
+            rate = float(results.get(timeout=TIMEOUT_S))  # type: ignore[arg-type]
+            if WARMUPS <= i < WARMUPS + 2 * REPEATS:
+                seconds[checked].append(report.seconds)
+            if not checked:
+                ipc.append((rate, memcpy))
             _check(params, expected)
             for p in params.values():
                 p.zero_()
@@ -146,6 +161,7 @@ def measure() -> list[tuple[str, float]]:
         ("refit_collective_vs_raw", max(r / m for r, m in collective)),
         ("refit_memcpy_gbps", max(m for _, m in ipc)),
         ("refit_raw_gloo_gbps", max(m for _, m in collective)),
+        ("refit_finite_check_overhead", min(seconds[True]) / min(seconds[False])),
     ]
 
 

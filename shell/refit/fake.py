@@ -10,7 +10,7 @@ import torch
 
 from genworker.core.refit_protocol import RefitReport
 from genworker.shell.refit.collective import CollectiveGroup
-from genworker.shell.refit.receiver import Loader, ParameterSink, manifest_of, receive
+from genworker.shell.refit.receiver import Check, Loader, ParameterSink, manifest_of, receive
 
 if TYPE_CHECKING:
     from genworker.shell.ports import RefitPort
@@ -42,10 +42,13 @@ def receive_into(
     timeout_s: float,
     direct: Mapping[str, torch.Tensor] | None = None,
     loader: Loader | None = None,
+    check: Check | None = None,
 ) -> RefitReport:
     """Receive one refit of ``params``' names, shapes and dtypes straight into ``params``
-    (only those in ``direct`` when given; the others go to ``loader``)."""
+    (only those in ``direct`` when given; the others go to ``loader``); ``check``: each
+    chunk's tensors, as the engine's non-finite check does."""
     sink = ParameterSink(params if direct is None else direct)
+    manifest, routes = manifest_of(params), sink.routes
     return receive(
-        port, manifest_of(params), sink, routes=sink.routes, timeout_s=timeout_s, loader=loader
+        port, manifest, sink, routes=routes, timeout_s=timeout_s, loader=loader, check=check
     )

@@ -104,6 +104,13 @@ def worker(engine: Engine, weights: Weights) -> Iterator[Worker]:
     w.worker.stop_zmq_sparse_refit_relay()
 
 
+def engine_rpc_zeroes_kv(engine: Engine) -> bool:
+    """The engine worker zeroes its KV cache memory (``refit_reset_kv``): it finds
+    the KV cache tensors (a count above 0), not an empty list."""
+    zeroed = engine.rpc("refit_reset_kv")
+    return isinstance(zeroed, int) and zeroed > 0
+
+
 # -- 1. non-finite refits --------------------------------------------------------------
 
 
@@ -115,10 +122,12 @@ def test_a_nan_ipc_refit_is_refused_then_a_good_refit_serves_a_fresh_engines_tok
     resets = worker.worker.cache_resets["prefix"]
     (address,) = worker.worker.refit_address()
     trainer.submit("ipc", address=address, path=str(weights.b), nan=[NORM])
-    with pytest.raises(RefitError, match=rf"non-finite values .*'{NORM}'"):
+    with pytest.raises(RefitError, match=rf"non-finite values .*'{NORM}'") as refused:
         worker.worker.update_weights_via_ipc_zmq(timeout_s=REFIT_TIMEOUT)
     assert not trainer.result().ok
     assert worker.worker.cache_resets["prefix"] == resets + 1  # reset after the failure
+    assert not getattr(refused.value, "__notes__", None)  # and the KV cache zeroed
+    assert engine_rpc_zeroes_kv(worker.engine)
     with pytest.raises(EngineStateError, match="refit"):
         worker.tokens()  # never serves the half-written weights
     worker.ipc(trainer, weights.b)

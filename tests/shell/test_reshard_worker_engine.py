@@ -6,6 +6,7 @@ the fresh engine)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from vllm import LLM
 
 from genworker.demo.tiny_model import build_tiny_model
+from genworker.shell.errors import BadArgumentError, RefitManifestError
 from genworker.shell.refit.reshard import bytes_of, shards_of
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
@@ -79,6 +81,57 @@ def test_two_trainer_ranks_refit_a_single_rank_engine_through_the_worker(
             assert all(0 < int(o.detail["nbytes"]) < whole for o in sent)  # type: ignore[call-overload]
             assert (tokens(cpu_llm) == baseline) == expect_baseline
             assert len(baseline) == len(PROMPTS)
+    finally:
+        cpu_llm.collective_rpc("close_nccl_reshard_comm_group")  # the session engine lives on
+        for t in trainers:
+            t.stop()
+
+
+def test_a_bad_refit_info_is_refused_at_prepare_naming_it_then_a_good_refit(
+    worker: VllmGenerationWorker, cpu_llm: LLM, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 44 item 5: a list is a BadArgumentError naming refit_info; a layout naming
+    trainer rank 5 of a 2-rank group is refused at prepare naming the layout (it used to
+    pass, and the refit waited its whole bound); then a good refit serves."""
+    baseline = tokens(cpu_llm)
+    other = build_tiny_model(tmp_path / "tiny-llama-b", seed=1)
+    trainers = [ReshardTrainer(r, 2) for r in range(2)]
+    try:
+        for t in trainers:
+            t.ready()
+        port = free_port()
+        for t in trainers:
+            t.submit(
+                "join", path=str(tiny_model_dir / "model.safetensors"), port=port, world_size=3
+            )
+        worker.init_nccl_reshard_comm_group(
+            0, ["127.0.0.1"], [port], 1, 2, 3, timeout_s=REFIT_TIMEOUT
+        )
+        joined = [t.result() for t in trainers]
+        assert all(o.ok for o in joined), joined
+        with pytest.raises(BadArgumentError, match=r"refit_info must be a mapping.*\[1, 2, 3\]"):
+            worker.prepare_nccl_reshard_refit_info([1, 2, 3])  # type: ignore[arg-type]
+        info = joined[0].detail["info"]
+        assert isinstance(info, dict)
+        bad = copy.deepcopy(info)
+        layout = bad["stages"][0][0]
+        layout["shards"][-1]["rank"] = 5
+        with pytest.raises(RefitManifestError) as refused:
+            worker.prepare_nccl_reshard_refit_info(bad)
+        assert repr(layout["name"]) in str(refused.value)
+        assert "trainer rank(s) [5]" in str(refused.value)
+        assert "2 trainer rank(s)" in str(refused.value)
+        assert tokens(cpu_llm) == baseline  # nothing changed, still served
+        summaries = worker.prepare_nccl_reshard_refit_info(info)
+        for t in trainers:
+            t.submit("plan", summaries=summaries)
+        assert all(t.result().ok for t in trainers)
+        for path, expect_baseline in ((other, False), (tiny_model_dir, True)):
+            for t in trainers:
+                t.submit("send", path=str(path / "model.safetensors"))
+            assert worker.nccl_reshard_refit(REFIT_TIMEOUT) is True
+            assert all(t.result().ok for t in trainers)
+            assert (tokens(cpu_llm) == baseline) == expect_baseline
     finally:
         cpu_llm.collective_rpc("close_nccl_reshard_comm_group")  # the session engine lives on
         for t in trainers:
