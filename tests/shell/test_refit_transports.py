@@ -436,6 +436,8 @@ def test_a_chunk_holding_nan_or_inf_is_refused_before_the_loader_sees_it(
     peer.outcome()
     assert nonfinite([("a", torch.tensor([1.0, float("inf")])), ("b", torch.ones(2))]) == ["a"]
     assert nonfinite([("i", torch.tensor([1, 2])), ("e", torch.empty(0))]) == []
+    huge = torch.full((10,), 3e38)  # finite, but its norm overflows: told apart exactly
+    assert nonfinite([("huge", huge), ("b", torch.tensor([float("-inf")]).bfloat16())]) == ["b"]
 
 
 def test_ipc_paced_stream_slower_than_the_bound_succeeds_chunk_by_chunk(
