@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -212,7 +212,9 @@ def test_a_manifest_declaring_int32_for_a_float32_parameter_is_refused_naming_bo
 ) -> None:
     state_dict = load_file(weights.b)
     assert state_dict[name].dtype == torch.float32  # the same byte size as int32
-    info: dict[str, tuple[object, object]] = {n: (t.shape, t.dtype) for n, t in state_dict.items()}
+    info: dict[str, tuple[Sequence[int], object]] = {
+        n: (t.shape, t.dtype) for n, t in state_dict.items()
+    }
     info[name] = (state_dict[name].shape, torch.int32)
     with pytest.raises(RefitManifestError) as refused:
         worker.worker.prepare_refit_info(info)
@@ -254,11 +256,12 @@ def test_a_sparse_step_sent_during_a_batch_waits_for_it_then_applies(
     before, versions = long.rows(prompts)  # on A: the reference for the batch below
     version = long.worker.weight_version
     b = load_file(weights.b)
-    during: dict[str, object] = {}
+    during: list[tuple[list[list[int]], list[set[int]]]] = []
+    ended_at: list[float] = []
 
     def batch() -> None:
-        during["rows"] = long.rows(prompts)
-        during["ended"] = time.monotonic()
+        during.append(long.rows(prompts))
+        ended_at.append(time.monotonic())
 
     with sparse_sender(long, b, hop_s=120.0) as sender:
         runner = threading.Thread(target=batch)
@@ -268,12 +271,11 @@ def test_a_sparse_step_sent_during_a_batch_waits_for_it_then_applies(
         sender.send(b)
         applied_at = time.monotonic()
         runner.join(300)
-        assert "rows" in during, "the batch did not finish"
-        ended = during["ended"]
-        assert isinstance(ended, float)
+        assert during, "the batch did not finish"
+        (ended,) = ended_at
         assert sent_at < ended, "the step did not arrive during the batch: make it longer"
         assert applied_at > sent_at
-        tokens, labels = during["rows"]  # type: ignore[misc]
+        ((tokens, labels),) = during
         assert tokens == before  # every row on the old weights
         assert all(row == {version} for row in labels)
         after, labels = long.rows(prompts)
