@@ -113,6 +113,7 @@ __all__ = [
     "SparseSender",
     "StepReport",
     "default_workers",
+    "write_verified",
 ]
 
 log = logging.getLogger(__name__)
@@ -982,14 +983,16 @@ class EngineTarget:
             sink, direct = EngineSink(routed, engine.device), routed.routes.direct
             for name, tensor in staged:
                 if name in direct:
-                    _write(sink.target(name), name, tensor)
+                    write_verified(sink.target(name), name, tensor)
             if loaded := [(n, t) for n, t in staged if n not in direct]:
                 engine.loader()(iter(loaded))
             sink.finish([n for n, _ in staged if n in direct])
         self._applied(self._step)
 
 
-def _write(target: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+def write_verified(target: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+    """Write verified ``tensor`` into parameter memory ``target``; refused naming the
+    tensor when the bits that landed are not those."""
     staged = tensor.to(target.device)  # the verified bits on the parameter's device
     target.copy_(staged.reshape(target.shape))
     # Compared where the parameter lives: a GPU engine reads nothing back to the host.
