@@ -115,9 +115,9 @@ class IpcReceiver:
             monitor.close(linger=0)
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.REP)
         # Who connected, so a timeout can tell "no trainer" from "a trainer sent nothing".
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._open[:] = [sock, self._monitor]
-        self._seen = False
+        self._peers, self._seen = 0, False
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._cap)
         if self._dir is not None:
@@ -143,9 +143,8 @@ class IpcReceiver:
     def next(self, wait: Wait) -> tuple[p.Event, list[Handle] | None]:
         remaining = wait.deadline - time.monotonic()
         if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
-            raise wait.expired(self.peer) if self._connected() else wait.unconnected(self.address)
+            raise self._expired(wait)
         frames = self._sock.recv_multipart(zmq.NOBLOCK)
-        self._seen = True
         self._pending = True
         problem = RefitError(f"a refit message is one frame, got {len(frames)}")
         try:
@@ -156,11 +155,18 @@ class IpcReceiver:
         self._reply(problem)
         raise problem
 
-    def _connected(self) -> bool:
-        """Whether a trainer ever connected to this socket (or sent on it)."""
-        while not self._seen and self._monitor.poll(0):
-            self._seen = int(recv_monitor_message(self._monitor)["event"]) == zmq.EVENT_ACCEPTED
-        return self._seen
+    def _expired(self, wait: Wait) -> RefitError:
+        """``wait`` expired: "the trainer connected to ... sent nothing" while one is
+        connected, else "no trainer connected to ..." (saying when one went away)."""
+        while self._monitor.poll(0):
+            event = int(recv_monitor_message(self._monitor)["event"])
+            self._peers += (event == zmq.EVENT_ACCEPTED) - (event == zmq.EVENT_DISCONNECTED)
+            self._seen |= event == zmq.EVENT_ACCEPTED
+        return (
+            wait.expired(self.peer)
+            if self._peers > 0
+            else wait.unconnected(self.address, gone=self._seen)
+        )
 
     def answer(self, event: p.Event, problem: RefitError | None) -> None:
         self._reply(problem)

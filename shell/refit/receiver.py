@@ -66,11 +66,13 @@ class Wait:
             f"{peer} sent nothing within {self.bound_s:g}s: waited for {self.what}"
         )
 
-    def unconnected(self, address: str) -> RefitTimeoutError:
-        """No trainer ever connected to ``address`` (said so, not "sent nothing")."""
+    def unconnected(self, address: str, *, gone: bool) -> RefitTimeoutError:
+        """No trainer is connected to ``address`` (said so, not "sent nothing");
+        ``gone``: one was, and went away."""
+        why = "one connected earlier and went away" if gone else "is the trainer sending here?"
         return RefitTimeoutError(
             f"no trainer connected to {address} within {self.bound_s:g}s: waited for "
-            f"{self.what} (is the trainer sending to this address?)"
+            f"{self.what} ({why})"
         )
 
 

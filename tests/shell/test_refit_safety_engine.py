@@ -23,7 +23,12 @@ from refit_helpers import PROMPTS, REFIT_TIMEOUT, Engine, Trainer, Weights, edit
 from safetensors.torch import load_file
 
 from genworker.core.refit_plan import Manifest, TensorSpec
-from genworker.shell.errors import EngineStateError, RefitError, RefitManifestError
+from genworker.shell.errors import (
+    EngineStateError,
+    RefitError,
+    RefitManifestError,
+    RefitTimeoutError,
+)
 from genworker.shell.refit.sparse import SparseRefitError, SparseSender
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
@@ -285,3 +290,20 @@ def test_a_sparse_step_sent_during_a_batch_waits_for_it_then_applies(
     long.prepare()
     long.back_to_a(trainer)
     assert versions
+
+
+# -- 7. a timeout with no trainer at all --------------------------------------------------
+
+
+def test_a_refit_timeout_with_no_trainer_connected_says_so_then_a_good_refit(
+    worker: Worker, trainer: Trainer, weights: Weights, reference_b: list[list[int]]
+) -> None:
+    worker.prepare()
+    (address,) = worker.worker.refit_address()
+    with pytest.raises(RefitTimeoutError) as timed:
+        worker.worker.update_weights_via_ipc_zmq(timeout_s=2.0)
+    assert f"no trainer connected to {address} within 2s" in str(timed.value)
+    assert "sent nothing" not in str(timed.value)
+    worker.ipc(trainer, weights.b)
+    assert worker.tokens() == reference_b
+    worker.back_to_a(trainer)
