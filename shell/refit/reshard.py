@@ -633,6 +633,8 @@ def _receive(
             loader_copies.setdefault(c.source, []).append((c, scratch))
     failed: RefitError | None = None
     try:
+        arrived = [(n, sink.target(n)) for n in sorted(direct)] + [(c.param, t) for c, t in later]
+        engine.check_finite(arrived, "the reshard refit")
         if loader_copies:
             engine.loader()(_full_tensors(prepared, loader_copies, device))
         sink.finish(sorted(direct))

@@ -14,11 +14,11 @@ import pytest
 from helpers import base_config
 from refit_helpers import PROMPTS, REFIT_TIMEOUT, free_port
 from reshard_helpers import ReshardTrainer
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from vllm import LLM
 
 from genworker.demo.tiny_model import build_tiny_model
-from genworker.shell.errors import BadArgumentError, RefitManifestError
+from genworker.shell.errors import BadArgumentError, RefitError, RefitManifestError
 from genworker.shell.refit.reshard import bytes_of, shards_of
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
@@ -126,6 +126,16 @@ def test_a_bad_refit_info_is_refused_at_prepare_naming_it_then_a_good_refit(
         for t in trainers:
             t.submit("plan", summaries=summaries)
         assert all(t.result().ok for t in trainers)
+        # Issue 44 item 1 on this wire too: a NaN refit is refused, every rank told.
+        state = load_file(tiny_model_dir / "model.safetensors")
+        state["model.norm.weight"] = state["model.norm.weight"].clone()
+        state["model.norm.weight"][0] = float("nan")
+        save_file(state, tmp_path / "nan.safetensors")
+        for t in trainers:
+            t.submit("send", path=str(tmp_path / "nan.safetensors"))
+        with pytest.raises(RefitError, match=r"non-finite values .*'model\.norm\.weight'"):
+            worker.nccl_reshard_refit(REFIT_TIMEOUT)
+        assert not any(t.result().ok for t in trainers)
         for path, expect_baseline in ((other, False), (tiny_model_dir, True)):
             for t in trainers:
                 t.submit("send", path=str(path / "model.safetensors"))
