@@ -35,9 +35,10 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-#: Top-level modules replaced by stubs when this venv cannot import them: loggers and
-#: trackers, dataset and data-loading libraries, and math/reward verifiers that grpo.py and
-#: rollouts.py import at module level. None of them is on the generation or refit path.
+#: Modules replaced by stubs when this venv cannot import them: loggers and trackers,
+#: dataset, data-loading and audio libraries, NVML, the trainer's class loader, which
+#: grpo.py and rollouts.py import (directly or through NeMo-RL's other modules) at module
+#: level. None of them is on the generation or refit path.
 STUBS: tuple[str, ...] = (
     "wandb",
     "mlflow",
@@ -45,7 +46,6 @@ STUBS: tuple[str, ...] = (
     "torch.utils.tensorboard",
     "torchdata",
     "datasets",
-    "math_verify",
     "pynvml",
     "tensordict",
     "pandas",
