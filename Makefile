@@ -7,7 +7,7 @@ SRC := $(shell find package core shell demo -name '*.py' -o -name 'py.typed' 2>/
 RUN := PYTHONSAFEPATH=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_TARGET_DEVICE=cpu
 HYPOTHESIS_PROFILE ?= dev
 
-.PHONY: setup test test-core test-gpu typecheck lint bench bench-gpu demo clean
+.PHONY: setup test test-core test-nemo-rl test-gpu typecheck lint bench bench-gpu demo clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,17 @@ test: setup
 test-core: setup
 	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(RUN) $(PY) -m pytest -q tests/core \
 	    --cov=genworker.core --cov-branch --cov-report=term-missing:skip-covered --cov-fail-under=100
+
+# NeMo-RL's own VllmGeneration and grpo.py's refit driving the drop-ins on a CPU Ray cluster
+# (tests/shell/test_nemo_rl_integration.py, docs/nemo-rl.md). NEMO_RL: a NeMo-RL checkout
+# (the folder holding nemo_rl/) or a bare git mirror, whose HEAD goes to build/nemo-rl-src.
+test-nemo-rl: setup
+	@test -n "$(NEMO_RL)" || { echo "usage: make test-nemo-rl NEMO_RL=<NeMo-RL checkout or bare git mirror>"; exit 2; }
+	if [ -d "$(NEMO_RL)/nemo_rl" ]; then src="$(NEMO_RL)"; else \
+	    rm -rf build/nemo-rl-src && mkdir -p build/nemo-rl-src && \
+	    git --git-dir="$(NEMO_RL)" archive HEAD | tar -x -C build/nemo-rl-src && src=build/nemo-rl-src; fi; \
+	GENWORKER_NEMO_RL_SRC="$$(realpath "$$src")" $(RUN) $(PY) -m pytest -q -m "not gpu" \
+	    tests/shell/test_nemo_rl_integration.py
 
 # stubtest over typings/ray: `from ray import *` (which stubtest runs) fails on two names of
 # Ray's __all__, ray.data (needs pandas, Ray's data extra) and ray.workflow (removed in 2.48).
