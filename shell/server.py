@@ -78,6 +78,7 @@ from genworker.core.serving import (
     check_completion_prompt,
     check_nesting,
     check_on_policy,
+    check_template_stable,
     check_token_ids,
     check_turns,
     http_limits,
@@ -100,6 +101,7 @@ __all__ = [
     "chat_takes_prompt_ids",
     "serve_on",
     "stop_serving",
+    "tag_events",
 ]
 
 log = logging.getLogger(__name__)
@@ -192,8 +194,10 @@ class RolloutLayer:
         reuses_prompt_ids: bool,
         vocab_size: int,
         body_timeout_s: float = BODY_READ_TIMEOUT_S,
+        chat_template: str | None = None,
     ) -> None:
         self.app = app
+        self.chat_template = chat_template
         self.hooks = hooks
         self.policy = policy
         self.max_new_tokens = max_new_tokens
@@ -494,6 +498,7 @@ class RolloutLayer:
             reference, template, lambda ids: self.decode(ids, False), message=message
         )
         if isinstance(spliced, Failure):
+            await self._check_template(scope, payload, template, message)
             raise _Refused(400, str(spliced.failure()), "messages")
         ids = list(spliced.unwrap())
         kv = body.get("kv_transfer_params")
@@ -502,6 +507,35 @@ class RolloutLayer:
             "prompt_token_ids": ids,
         }
         return len(ids)
+
+    async def _check_template(
+        self, scope: Scope, payload: dict[str, Any], whole: Sequence[int], message: int
+    ) -> None:
+        """Refuses naming the chat template when it is what broke the prefix
+        (``core.serving.check_template_stable``); returns when the history is to blame."""
+        alone = {
+            **payload,
+            "messages": payload["messages"][: message + 1],
+            "add_generation_prompt": False,
+            "continue_final_message": False,
+        }
+        if "chat_template" in payload:
+            source = "the request's chat_template"
+        elif self.chat_template is not None:
+            source = "vllm_cfg.http_server_serving_chat_kwargs.chat_template"
+        else:
+            source = "the model's own, from its tokenizer config"
+        if "chat_template_kwargs" in payload:
+            source += f", with chat_template_kwargs {payload['chat_template_kwargs']!r}"
+        checked = check_template_stable(
+            await self._tokenize(scope, alone),
+            whole,
+            lambda ids: self.decode(ids, False),
+            message=message,
+            template=source,
+        )
+        if isinstance(checked, Failure):
+            raise _Refused(400, str(checked.failure()), "messages")
 
     def _ids(self, value: object, name: str, param: str) -> tuple[int, ...]:
         checked = check_token_ids(value, name, param=param, vocab_size=self.vocab_size)
@@ -531,16 +565,34 @@ class RolloutLayer:
                 pending += message.get("body", b"")
                 done, _, pending = pending.rpartition(b"\n\n")
                 if done or not message.get("more_body", False):
-                    tag = b'data: {"weight_versions":' + json.dumps(versions()).encode() + b","
                     events = (done + b"\n\n") if done else b""
                     if not message.get("more_body", False):
                         events, pending = events + pending, b""
-                    message = {**message, "body": events.replace(b"data: {", tag)}
+                    message = {**message, "body": tag_events(events, versions())}
                 else:
                     return
             await send(message)
 
         return wrapped
+
+
+def tag_events(events: bytes, versions: Sequence[int]) -> bytes:
+    """Server-sent ``events`` (whole events, each ending in a blank line) with
+    ``weight_versions`` added to every ``data:`` line that is a JSON object: the line is
+    parsed and serialised again, never edited as bytes (a completion's text may itself
+    contain ``data: {``; JSON escapes newlines, so a blank line only ends an event)."""
+    lines = events.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            event = json.loads(line[len(b"data: ") :])
+        except ValueError:  # not ours to judge: the client sees vLLM's bytes
+            continue
+        if isinstance(event, dict):
+            tagged = {"weight_versions": list(versions), **event}
+            lines[i] = b"data: " + json.dumps(tagged, ensure_ascii=False).encode()
+    return b"\n".join(lines)
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -837,6 +889,7 @@ class OpenAIServer:
             decode=decode,
             reuses_prompt_ids=chat_takes_prompt_ids(),
             vocab_size=_vocab_size(model_config, tokenizer),
+            chat_template=self.options.chat_template,
         )
         self._layer = layer
         self._server, self._task = await serve_on(layer, self._socket)

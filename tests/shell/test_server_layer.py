@@ -318,6 +318,27 @@ def test_every_streamed_event_is_tagged_across_chunk_boundaries() -> None:
     ]
 
 
+@given(st.text(min_size=0, max_size=40), st.integers(min_value=1, max_value=200))
+def test_a_streamed_text_that_contains_data_brace_still_parses(text: str, cut: int) -> None:
+    """Issue 48: the versions were spliced in by a byte replace over the whole event, so
+    a completion whose text contains ``data: {`` became invalid JSON."""
+    app, hooks = StandIn(), Hooks()
+    hooks.weight_version = 2
+    texts = [f"x data: {{{text}", 'data: {"a": 1}', text]
+    events = [b"data: " + json.dumps({"choices": [{"text": t}]}).encode() + b"\n\n" for t in texts]
+    whole = b"".join(events) + b"data: [DONE]\n\n"
+    cut = min(cut, len(whole) - 1)
+    app.events = [whole[:cut], whole[cut:]]
+    status, _, out = asyncio.run(
+        call(layer(app, hooks), "/v1/completions", b'{"prompt": "x", "stream": true}')
+    )
+    assert status == 200
+    lines = [e for e in out.decode().split("\n\n") if e]
+    assert lines[-1] == "data: [DONE]"
+    got = [json.loads(e.removeprefix("data: ")) for e in lines[:-1]]
+    assert got == [{"weight_versions": [2], "choices": [{"text": t}]} for t in texts]
+
+
 def test_chat_turns_are_spliced_and_the_ids_stripped() -> None:
     app, hooks = StandIn(), Hooks()
     # the stand-in tokenizes one id per character and decodes id i as chr(97 + i)
