@@ -91,6 +91,7 @@ __all__ = [
     "CHARS_PER_TOKEN_AT_MOST",
     "DEFAULT_HOST",
     "MAX_JSON_DEPTH",
+    "REPLACEMENT_CHARACTER",
     "BadRequest",
     "BudgetError",
     "HttpLimits",
@@ -105,6 +106,7 @@ __all__ = [
     "check_completion_prompt",
     "check_nesting",
     "check_on_policy",
+    "check_template_stable",
     "check_token_ids",
     "check_turns",
     "http_limits",
@@ -112,6 +114,7 @@ __all__ = [
     "json_depth",
     "parse_body",
     "prompt_tokens_at_most",
+    "same_returned_text",
     "server_options",
     "splice_prefix",
     "training_policy",
@@ -405,6 +408,21 @@ class PrefixMismatch(CoreError):
     message_index: int
 
 
+REPLACEMENT_CHARACTER: Final = "\ufffd"
+"""What a tokenizer's ``decode`` gives for bytes that are not whole UTF-8 characters."""
+
+
+def same_returned_text(decoded: str, content: str) -> bool:
+    """Whether ``content`` is the text the server returned for ids that decode to
+    ``decoded``. vLLM's incremental detokenizer holds back a character whose UTF-8 bytes
+    are not all there yet and drops it when the generation ends inside it
+    (``vllm/v1/engine/detokenizer.py``, 0.32), where a whole decode gives U+FFFD for
+    those bytes: the two agree up to trailing replacement characters."""
+    if decoded == content:
+        return True
+    return decoded.rstrip(REPLACEMENT_CHARACTER) == content.rstrip(REPLACEMENT_CHARACTER)
+
+
 def check_turns(
     turns: Sequence[Turn], decode_text: Callable[[Sequence[int]], str]
 ) -> Result[tuple[int, ...], PrefixMismatch]:
@@ -413,7 +431,7 @@ def check_turns(
     previous: Turn | None = None
     for turn in turns:
         text = decode_text(turn.generation_ids)
-        if text != turn.content:
+        if not same_returned_text(text, turn.content):
             return Failure(
                 PrefixMismatch(
                     f"messages[{turn.message}]: the content ({turn.content[:60]!r}) is not "
@@ -452,7 +470,9 @@ def splice_prefix(
     actual = tuple(template_ids)
     if actual[: len(ref)] == ref:
         return Success(actual)
-    ref_text = decode(ref)
+    # A generation that ended inside a character returned its text without it
+    # (``same_returned_text``): the template renders that text, the ids keep the bytes.
+    ref_text = decode(ref).rstrip(REPLACEMENT_CHARACTER)
     if not decode(actual).startswith(ref_text):
         return Failure(
             PrefixMismatch(
@@ -479,6 +499,35 @@ def splice_prefix(
             )
         )
     return Success(ref + actual[n:])
+
+
+def check_template_stable(
+    alone: Sequence[int],
+    whole: Sequence[int],
+    decode: Callable[[Sequence[int]], str],
+    *,
+    message: int,
+    template: str,
+) -> Result[None, PrefixMismatch]:
+    """Why a conversation did not render to its reference's text (``splice_prefix``
+    failed): ``alone`` is the template's rendering of ``messages[0..message]`` by itself,
+    ``whole`` the whole conversation's. A template whose rendering of the first messages
+    is not the start of the whole one's is not prefix-stable (it renders an earlier turn
+    differently once later messages follow: Qwen3's drops earlier thinking); the ids of
+    that turn cannot be kept, and the refusal names ``template``, not the caller. A
+    stable template: ``Success``, the history itself differs from its ids."""
+    if decode(whole).startswith(decode(alone)):
+        return Success(None)
+    return Failure(
+        PrefixMismatch(
+            f"messages[{message}]: the chat template ({template}) is not prefix-stable: it "
+            f"renders messages[0..{message}] differently once later messages follow, so the "
+            "ids returned with that turn cannot be kept verbatim. Send the whole prompt's "
+            "ids to /v1/completions, or serve with a prefix-stable template "
+            "(vllm_cfg.http_server_serving_chat_kwargs.chat_template)",
+            message_index=message,
+        )
+    )
 
 
 # --- request bodies and prompts ----------------------------------------------------------
