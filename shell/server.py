@@ -59,6 +59,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any, Protocol
@@ -92,6 +93,7 @@ from genworker.shell.errors import BadConfigError, EngineStateError, GenworkerEr
 
 __all__ = [
     "BODY_READ_TIMEOUT_S",
+    "DEV_MODE_VARIABLE",
     "VERSIONS_HEADER",
     "OpenAIServer",
     "RolloutHooks",
@@ -99,6 +101,7 @@ __all__ = [
     "bind_socket",
     "build_vllm_app",
     "chat_takes_prompt_ids",
+    "refuse_dev_mode",
     "serve_on",
     "stop_serving",
     "tag_events",
@@ -723,8 +726,32 @@ def _vocab_size(model_config: Any, tokenizer: Any) -> int:
     return max(int(model_config.get_vocab_size()), tokenizer_size)
 
 
+DEV_MODE_VARIABLE = "VLLM_SERVER_DEV_MODE"
+
+
+def refuse_dev_mode(environ: Mapping[str, str], dev_mode: bool = False) -> None:
+    """Refuses to serve when vLLM would add its development routes: with
+    ``VLLM_SERVER_DEV_MODE`` on, vLLM's ``build_app`` registers its own pause, sleep,
+    ``collective_rpc`` and weight-update routes (``launchers/api_server/routers.py``,
+    0.32), which would move the engine behind genworker's lifecycle table, manifest
+    checks and weight versions. ``dev_mode`` is vLLM's own reading of it (``vllm.envs``,
+    which may have been read before ``environ`` changed)."""
+    raw = environ.get(DEV_MODE_VARIABLE, "")
+    if dev_mode or raw.strip() not in ("", "0"):
+        raise BadConfigError(
+            f"{DEV_MODE_VARIABLE}={raw!r} is set: vLLM would then serve its own pause, sleep "
+            "and weight-update routes around genworker's lifecycle and weight versions. "
+            f"Unset {DEV_MODE_VARIABLE} (genworker's server refuses to start with it)"
+        )
+
+
 async def build_vllm_app(llm: Any, chat_template: str | None = None) -> Any:
-    """vLLM's own OpenAI app around the engine client ``llm`` (stock, no layer)."""
+    """vLLM's own OpenAI app around the engine client ``llm`` (stock, no layer); refused
+    with vLLM's development routes on (:func:`refuse_dev_mode`)."""
+    import vllm.envs
+
+    refuse_dev_mode(os.environ)  # first: vLLM's reading raises on a value like "true"
+    refuse_dev_mode(os.environ, bool(vllm.envs.VLLM_SERVER_DEV_MODE))
     build_app = _first_attr(
         [
             ("vllm.entrypoints.launchers.app", "build_app"),
@@ -832,6 +859,7 @@ class OpenAIServer:
     """vLLM's OpenAI app on a socket bound at construction (see the module docstring)."""
 
     def __init__(self, options: ServerOptions) -> None:
+        refuse_dev_mode(os.environ)  # before the port is bound and the engine loads
         self.options = options
         self._socket: socket.socket | None = bind_socket(options.host, options.port)
         host, port = self._socket.getsockname()[:2]

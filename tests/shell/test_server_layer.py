@@ -17,9 +17,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from genworker.core.config import WorkerConfig
-from genworker.core.serving import http_max_tokens, training_policy
-from genworker.shell.errors import EngineStateError
-from genworker.shell.server import VERSIONS_HEADER, RolloutLayer, bind_socket
+from genworker.core.serving import ServerOptions, http_max_tokens, training_policy
+from genworker.shell.errors import BadConfigError, EngineStateError
+from genworker.shell.server import (
+    DEV_MODE_VARIABLE,
+    VERSIONS_HEADER,
+    OpenAIServer,
+    RolloutLayer,
+    bind_socket,
+    build_vllm_app,
+    refuse_dev_mode,
+)
 
 
 class Hooks:
@@ -792,3 +800,22 @@ def test_a_stalled_client_on_a_real_socket_gets_408_or_a_closed_connection() -> 
     assert got.startswith(b"HTTP/1.1 408 "), got[:200]
     assert 0.4 < waited < 3.0, waited
     assert good == 200
+
+
+@pytest.mark.parametrize("value", ["1", " 1", "true"])
+def test_vllm_dev_mode_refuses_to_start_naming_the_variable(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 48: with VLLM_SERVER_DEV_MODE vLLM's app builder adds its own pause, sleep
+    and weight routes behind genworker's back; the server refuses before it binds."""
+    monkeypatch.setenv(DEV_MODE_VARIABLE, value)
+    with pytest.raises(BadConfigError, match=DEV_MODE_VARIABLE):
+        OpenAIServer(ServerOptions(port=0))
+    with pytest.raises(BadConfigError, match=DEV_MODE_VARIABLE):
+        asyncio.run(build_vllm_app(object()))
+
+
+def test_vllm_dev_mode_read_by_vllm_is_refused_too() -> None:
+    with pytest.raises(BadConfigError, match="VLLM_SERVER_DEV_MODE"):
+        refuse_dev_mode({}, dev_mode=True)
+    refuse_dev_mode({DEV_MODE_VARIABLE: "0"})  # off: serves
