@@ -34,6 +34,7 @@ from genworker.core.serving import (
     MalformedBody,
     OffPolicy,
     PrefixMismatch,
+    SamplingPolicy,
     ServerOptions,
     Turn,
     check_body_length,
@@ -745,3 +746,24 @@ def test_nesting_of_a_malformed_body_is_left_to_its_route_unless_past_the_parser
         assert refusal(got).status == 400
     else:
         assert got == Success(raw)
+
+
+@pytest.mark.parametrize("top_k", [None, -1, 0])
+def test_trls_explicit_defaults_are_the_training_values(top_k: int | None) -> None:
+    """TRL 1.16's ``VLLMClient.generate`` sends these explicitly (``top_k`` 0: off)."""
+    policy = SamplingPolicy(
+        (
+            ("temperature", 1.0),
+            ("top_p", 1.0),
+            ("top_k", -1),
+            ("min_p", 0.0),
+            ("repetition_penalty", 1.0),
+        )
+    )
+    trl = {"n": 4, "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "min_p": 0.0}
+    filled = {} if top_k is not None else {"top_k": -1}
+    assert check_on_policy({**trl, "top_k": top_k}, policy) == Success(filled)
+    for name, value in (("min_p", 0.05), ("repetition_penalty", 1.2), ("top_k", 7)):
+        got = check_on_policy({**trl, name: value}, policy)
+        assert isinstance(got, Failure)
+        assert got.failure().parameter == name

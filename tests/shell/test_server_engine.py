@@ -380,6 +380,55 @@ def test_on_policy_guard_names_the_parameter(
     run_soon(loop, body())
 
 
+def trl_payload(model: str, **sampling: Any) -> dict[str, Any]:
+    """The body TRL 1.16's ``VLLMClient.generate`` posts to ``/v1/completions`` (its
+    defaults: every sampling parameter explicit, ``top_k`` 0 for "off")."""
+    return {
+        "model": model,
+        "prompt": [[5, 6, 7, 8], [9, 10, 11]],
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "n": 4,
+        "repetition_penalty": 1.0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "max_tokens": 3,
+        "logprobs": 0,
+        **sampling,
+    }
+
+
+def test_trls_explicit_sampling_is_judged_by_the_guard_and_n_gt_1_works(
+    worker: AsyncVllmGenerationWorker, loop: asyncio.AbstractEventLoop, model: str
+) -> None:
+    """Issue 48: TRL sends min_p / repetition_penalty / top_k explicitly; the training
+    values are taken, others refused naming the parameter; ``n`` = 4 gives 4 samples
+    per prompt, prompt-major, each with its ids and one logprob per token."""
+
+    async def body() -> list[httpx.Response]:
+        async with client(worker) as c:
+            answers = [await c.post("/v1/completions", json=trl_payload(model))]
+            for param, value in (("min_p", 0.05), ("repetition_penalty", 1.2), ("top_k", 7)):
+                answers.append(
+                    await c.post("/v1/completions", json=trl_payload(model, **{param: value}))
+                )
+            return answers
+
+    ok, *refused = run_soon(loop, body())
+    assert ok.status_code == 200, ok.text
+    choices = ok.json()["choices"]
+    assert len(choices) == 8
+    assert [ch["prompt_token_ids"] for ch in choices[::4]] == [[5, 6, 7, 8], [9, 10, 11]]
+    assert all(len(ch["token_ids"]) == 3 for ch in choices)
+    assert all(len(ch["logprobs"]["token_logprobs"]) == 3 for ch in choices)
+    for r, param in zip(refused, ("min_p", "repetition_penalty", "top_k"), strict=True):
+        assert r.status_code == 400, (param, r.text)
+        assert r.json()["error"]["param"] == param
+        assert "training config" in r.json()["error"]["message"]
+
+
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(
     worker: AsyncVllmGenerationWorker, loop: asyncio.AbstractEventLoop, model: str
 ) -> None:
