@@ -38,7 +38,10 @@ is a pure function here, so it can be stated as a law and tested without a serve
   turn's reference; the text of the rendered conversation starts with the reference's
   text. The template's token at which that text ends is found by decoding (NeMo-RL's
   ``_maybe_correct_merged_tokens``); a reference whose text ends inside one of the
-  template's tokens is refused rather than guessed.
+  template's tokens is refused rather than guessed. A turn's text may lack the trailing
+  partial character vLLM's detokenizer drops (:func:`same_returned_text`); a template
+  that is not prefix-stable is named in the refusal (:func:`check_template_stable`),
+  never the caller's history.
 - **Request bodies** (:func:`parse_body`, :func:`check_nesting`, :class:`HttpLimits`): a body is refused
   before it is parsed when it passes :attr:`HttpLimits.max_body_bytes`, and when
   parsed JSON nests deeper than :data:`MAX_JSON_DEPTH` (Python's ``json`` recurses: 100k
