@@ -474,9 +474,11 @@ def splice_prefix(
     if actual[: len(ref)] == ref:
         return Success(actual)
     # A generation that ended inside a character returned its text without it
-    # (``same_returned_text``): the template renders that text, the ids keep the bytes.
-    ref_text = decode(ref).rstrip(REPLACEMENT_CHARACTER)
-    if not decode(actual).startswith(ref_text):
+    # (``same_returned_text``): the template renders that text, the ids keep the bytes,
+    # which decode to U+FFFD (at the end, or before the next turn's tokens). The texts
+    # are compared without replacement characters.
+    ref_text = _visible(decode(ref))
+    if not _visible(decode(actual)).startswith(ref_text):
         return Failure(
             PrefixMismatch(
                 f"messages[{message}]: the conversation up to it does not render to the text "
@@ -486,13 +488,13 @@ def splice_prefix(
             )
         )
     n = min(len(ref), len(actual))
-    text = decode(actual[:n])
+    text = _visible(decode(actual[:n]))
     while len(text) > len(ref_text) and n > 0:
         n -= 1
-        text = decode(actual[:n])
+        text = _visible(decode(actual[:n]))
     while len(text) < len(ref_text) and n < len(actual):
         n += 1
-        text = decode(actual[:n])
+        text = _visible(decode(actual[:n]))
     if text != ref_text:
         return Failure(
             PrefixMismatch(
@@ -502,6 +504,10 @@ def splice_prefix(
             )
         )
     return Success(ref + actual[n:])
+
+
+def _visible(text: str) -> str:
+    return text.replace(REPLACEMENT_CHARACTER, "")
 
 
 def check_template_stable(

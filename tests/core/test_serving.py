@@ -451,6 +451,17 @@ def test_a_turn_that_ends_inside_a_character_is_taken_and_kept_verbatim(
     template = prompt + list(content.encode()) + tail
     spliced = splice_prefix(prompt + generation, template, byte_decode, message=1)
     assert spliced == Success(tuple(prompt + generation + tail))
+    # the next turn's prompt keeps those bytes before its own tokens; it ends inside a
+    # character too, and the template renders both texts as they came back
+    prompt2, generation2 = prompt + generation + tail, raw[:cut]
+    content2 = returned_text(generation2)
+    assert check_turns(
+        [Turn(1, content, prompt, generation), Turn(3, content2, prompt2, generation2)],
+        byte_decode,
+    ) == Success(tuple(prompt2 + generation2))
+    template2 = [*template, *content2.encode(), *tail]
+    spliced2 = splice_prefix(prompt2 + generation2, template2, byte_decode, message=3)
+    assert spliced2 == Success(tuple(prompt2 + generation2 + tail))
 
 
 def test_a_turn_whose_text_differs_before_the_dropped_character_is_refused() -> None:
