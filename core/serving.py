@@ -38,7 +38,10 @@ is a pure function here, so it can be stated as a law and tested without a serve
   turn's reference; the text of the rendered conversation starts with the reference's
   text. The template's token at which that text ends is found by decoding (NeMo-RL's
   ``_maybe_correct_merged_tokens``); a reference whose text ends inside one of the
-  template's tokens is refused rather than guessed.
+  template's tokens is refused rather than guessed. A turn's text may lack the trailing
+  partial character vLLM's detokenizer drops (:func:`same_returned_text`); a template
+  that is not prefix-stable is named in the refusal (:func:`check_template_stable`),
+  never the caller's history.
 - **Request bodies** (:func:`parse_body`, :func:`check_nesting`, :class:`HttpLimits`): a body is refused
   before it is parsed when it passes :attr:`HttpLimits.max_body_bytes`, and when
   parsed JSON nests deeper than :data:`MAX_JSON_DEPTH` (Python's ``json`` recurses: 100k
@@ -91,6 +94,7 @@ __all__ = [
     "CHARS_PER_TOKEN_AT_MOST",
     "DEFAULT_HOST",
     "MAX_JSON_DEPTH",
+    "REPLACEMENT_CHARACTER",
     "BadRequest",
     "BudgetError",
     "HttpLimits",
@@ -105,6 +109,7 @@ __all__ = [
     "check_completion_prompt",
     "check_nesting",
     "check_on_policy",
+    "check_template_stable",
     "check_token_ids",
     "check_turns",
     "http_limits",
@@ -112,6 +117,7 @@ __all__ = [
     "json_depth",
     "parse_body",
     "prompt_tokens_at_most",
+    "same_returned_text",
     "server_options",
     "splice_prefix",
     "training_policy",
@@ -405,6 +411,21 @@ class PrefixMismatch(CoreError):
     message_index: int
 
 
+REPLACEMENT_CHARACTER: Final = "\ufffd"
+"""What a tokenizer's ``decode`` gives for bytes that are not whole UTF-8 characters."""
+
+
+def same_returned_text(decoded: str, content: str) -> bool:
+    """Whether ``content`` is the text the server returned for ids that decode to
+    ``decoded``. vLLM's incremental detokenizer holds back a character whose UTF-8 bytes
+    are not all there yet and drops it when the generation ends inside it
+    (``vllm/v1/engine/detokenizer.py``, 0.32), where a whole decode gives U+FFFD for
+    those bytes: the two agree up to trailing replacement characters."""
+    if decoded == content:
+        return True
+    return decoded.rstrip(REPLACEMENT_CHARACTER) == content.rstrip(REPLACEMENT_CHARACTER)
+
+
 def check_turns(
     turns: Sequence[Turn], decode_text: Callable[[Sequence[int]], str]
 ) -> Result[tuple[int, ...], PrefixMismatch]:
@@ -413,7 +434,7 @@ def check_turns(
     previous: Turn | None = None
     for turn in turns:
         text = decode_text(turn.generation_ids)
-        if text != turn.content:
+        if not same_returned_text(text, turn.content):
             return Failure(
                 PrefixMismatch(
                     f"messages[{turn.message}]: the content ({turn.content[:60]!r}) is not "
@@ -452,8 +473,12 @@ def splice_prefix(
     actual = tuple(template_ids)
     if actual[: len(ref)] == ref:
         return Success(actual)
-    ref_text = decode(ref)
-    if not decode(actual).startswith(ref_text):
+    # A generation that ended inside a character returned its text without it
+    # (``same_returned_text``): the template renders that text, the ids keep the bytes,
+    # which decode to U+FFFD (at the end, or before the next turn's tokens). The texts
+    # are compared without replacement characters.
+    ref_text = _visible(decode(ref))
+    if not _visible(decode(actual)).startswith(ref_text):
         return Failure(
             PrefixMismatch(
                 f"messages[{message}]: the conversation up to it does not render to the text "
@@ -463,13 +488,13 @@ def splice_prefix(
             )
         )
     n = min(len(ref), len(actual))
-    text = decode(actual[:n])
+    text = _visible(decode(actual[:n]))
     while len(text) > len(ref_text) and n > 0:
         n -= 1
-        text = decode(actual[:n])
+        text = _visible(decode(actual[:n]))
     while len(text) < len(ref_text) and n < len(actual):
         n += 1
-        text = decode(actual[:n])
+        text = _visible(decode(actual[:n]))
     if text != ref_text:
         return Failure(
             PrefixMismatch(
@@ -479,6 +504,39 @@ def splice_prefix(
             )
         )
     return Success(ref + actual[n:])
+
+
+def _visible(text: str) -> str:
+    return text.replace(REPLACEMENT_CHARACTER, "")
+
+
+def check_template_stable(
+    alone: Sequence[int],
+    whole: Sequence[int],
+    decode: Callable[[Sequence[int]], str],
+    *,
+    message: int,
+    template: str,
+) -> Result[None, PrefixMismatch]:
+    """Why a conversation did not render to its reference's text (``splice_prefix``
+    failed): ``alone`` is the template's rendering of ``messages[0..message]`` by itself,
+    ``whole`` the whole conversation's. A template whose rendering of the first messages
+    is not the start of the whole one's is not prefix-stable (it renders an earlier turn
+    differently once later messages follow: Qwen3's drops earlier thinking); the ids of
+    that turn cannot be kept, and the refusal names ``template``, not the caller. A
+    stable template: ``Success``, the history itself differs from its ids."""
+    if decode(whole).startswith(decode(alone)):
+        return Success(None)
+    return Failure(
+        PrefixMismatch(
+            f"messages[{message}]: the chat template ({template}) is not prefix-stable: it "
+            f"renders messages[0..{message}] differently once later messages follow, so the "
+            "ids returned with that turn cannot be kept verbatim. Send the whole prompt's "
+            "ids to /v1/completions, or serve with a prefix-stable template "
+            "(vllm_cfg.http_server_serving_chat_kwargs.chat_template)",
+            message_index=message,
+        )
+    )
 
 
 # --- request bodies and prompts ----------------------------------------------------------

@@ -59,6 +59,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any, Protocol
@@ -78,6 +79,7 @@ from genworker.core.serving import (
     check_completion_prompt,
     check_nesting,
     check_on_policy,
+    check_template_stable,
     check_token_ids,
     check_turns,
     http_limits,
@@ -91,6 +93,7 @@ from genworker.shell.errors import BadConfigError, EngineStateError, GenworkerEr
 
 __all__ = [
     "BODY_READ_TIMEOUT_S",
+    "DEV_MODE_VARIABLE",
     "VERSIONS_HEADER",
     "OpenAIServer",
     "RolloutHooks",
@@ -98,8 +101,10 @@ __all__ = [
     "bind_socket",
     "build_vllm_app",
     "chat_takes_prompt_ids",
+    "refuse_dev_mode",
     "serve_on",
     "stop_serving",
+    "tag_events",
 ]
 
 log = logging.getLogger(__name__)
@@ -192,8 +197,10 @@ class RolloutLayer:
         reuses_prompt_ids: bool,
         vocab_size: int,
         body_timeout_s: float = BODY_READ_TIMEOUT_S,
+        chat_template: str | None = None,
     ) -> None:
         self.app = app
+        self.chat_template = chat_template
         self.hooks = hooks
         self.policy = policy
         self.max_new_tokens = max_new_tokens
@@ -494,6 +501,7 @@ class RolloutLayer:
             reference, template, lambda ids: self.decode(ids, False), message=message
         )
         if isinstance(spliced, Failure):
+            await self._check_template(scope, payload, template, message)
             raise _Refused(400, str(spliced.failure()), "messages")
         ids = list(spliced.unwrap())
         kv = body.get("kv_transfer_params")
@@ -502,6 +510,35 @@ class RolloutLayer:
             "prompt_token_ids": ids,
         }
         return len(ids)
+
+    async def _check_template(
+        self, scope: Scope, payload: dict[str, Any], whole: Sequence[int], message: int
+    ) -> None:
+        """Refuses naming the chat template when it is what broke the prefix
+        (``core.serving.check_template_stable``); returns when the history is to blame."""
+        alone = {
+            **payload,
+            "messages": payload["messages"][: message + 1],
+            "add_generation_prompt": False,
+            "continue_final_message": False,
+        }
+        if "chat_template" in payload:
+            source = "the request's chat_template"
+        elif self.chat_template is not None:
+            source = "vllm_cfg.http_server_serving_chat_kwargs.chat_template"
+        else:
+            source = "the model's own, from its tokenizer config"
+        if "chat_template_kwargs" in payload:
+            source += f", with chat_template_kwargs {payload['chat_template_kwargs']!r}"
+        checked = check_template_stable(
+            await self._tokenize(scope, alone),
+            whole,
+            lambda ids: self.decode(ids, False),
+            message=message,
+            template=source,
+        )
+        if isinstance(checked, Failure):
+            raise _Refused(400, str(checked.failure()), "messages")
 
     def _ids(self, value: object, name: str, param: str) -> tuple[int, ...]:
         checked = check_token_ids(value, name, param=param, vocab_size=self.vocab_size)
@@ -531,16 +568,34 @@ class RolloutLayer:
                 pending += message.get("body", b"")
                 done, _, pending = pending.rpartition(b"\n\n")
                 if done or not message.get("more_body", False):
-                    tag = b'data: {"weight_versions":' + json.dumps(versions()).encode() + b","
                     events = (done + b"\n\n") if done else b""
                     if not message.get("more_body", False):
                         events, pending = events + pending, b""
-                    message = {**message, "body": events.replace(b"data: {", tag)}
+                    message = {**message, "body": tag_events(events, versions())}
                 else:
                     return
             await send(message)
 
         return wrapped
+
+
+def tag_events(events: bytes, versions: Sequence[int]) -> bytes:
+    """Server-sent ``events`` (whole events, each ending in a blank line) with
+    ``weight_versions`` added to every ``data:`` line that is a JSON object: the line is
+    parsed and serialised again, never edited as bytes (a completion's text may itself
+    contain ``data: {``; JSON escapes newlines, so a blank line only ends an event)."""
+    lines = events.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            event = json.loads(line[len(b"data: ") :])
+        except ValueError:  # not ours to judge: the client sees vLLM's bytes
+            continue
+        if isinstance(event, dict):
+            tagged = {"weight_versions": list(versions), **event}
+            lines[i] = b"data: " + json.dumps(tagged, ensure_ascii=False).encode()
+    return b"\n".join(lines)
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -671,8 +726,32 @@ def _vocab_size(model_config: Any, tokenizer: Any) -> int:
     return max(int(model_config.get_vocab_size()), tokenizer_size)
 
 
+DEV_MODE_VARIABLE = "VLLM_SERVER_DEV_MODE"
+
+
+def refuse_dev_mode(environ: Mapping[str, str], dev_mode: bool = False) -> None:
+    """Refuses to serve when vLLM would add its development routes: with
+    ``VLLM_SERVER_DEV_MODE`` on, vLLM's ``build_app`` registers its own pause, sleep,
+    ``collective_rpc`` and weight-update routes (``launchers/api_server/routers.py``,
+    0.32), which would move the engine behind genworker's lifecycle table, manifest
+    checks and weight versions. ``dev_mode`` is vLLM's own reading of it (``vllm.envs``,
+    which may have been read before ``environ`` changed)."""
+    raw = environ.get(DEV_MODE_VARIABLE, "")
+    if dev_mode or raw.strip() not in ("", "0"):
+        raise BadConfigError(
+            f"{DEV_MODE_VARIABLE}={raw!r} is set: vLLM would then serve its own pause, sleep "
+            "and weight-update routes around genworker's lifecycle and weight versions. "
+            f"Unset {DEV_MODE_VARIABLE} (genworker's server refuses to start with it)"
+        )
+
+
 async def build_vllm_app(llm: Any, chat_template: str | None = None) -> Any:
-    """vLLM's own OpenAI app around the engine client ``llm`` (stock, no layer)."""
+    """vLLM's own OpenAI app around the engine client ``llm`` (stock, no layer); refused
+    with vLLM's development routes on (:func:`refuse_dev_mode`)."""
+    import vllm.envs
+
+    refuse_dev_mode(os.environ)  # first: vLLM's reading raises on a value like "true"
+    refuse_dev_mode(os.environ, bool(vllm.envs.VLLM_SERVER_DEV_MODE))
     build_app = _first_attr(
         [
             ("vllm.entrypoints.launchers.app", "build_app"),
@@ -780,6 +859,7 @@ class OpenAIServer:
     """vLLM's OpenAI app on a socket bound at construction (see the module docstring)."""
 
     def __init__(self, options: ServerOptions) -> None:
+        refuse_dev_mode(os.environ)  # before the port is bound and the engine loads
         self.options = options
         self._socket: socket.socket | None = bind_socket(options.host, options.port)
         host, port = self._socket.getsockname()[:2]
@@ -837,6 +917,7 @@ class OpenAIServer:
             decode=decode,
             reuses_prompt_ids=chat_takes_prompt_ids(),
             vocab_size=_vocab_size(model_config, tokenizer),
+            chat_template=self.options.chat_template,
         )
         self._layer = layer
         self._server, self._task = await serve_on(layer, self._socket)

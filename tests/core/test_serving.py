@@ -3,7 +3,9 @@ multi-turn prefix, versions (``genworker.core.serving``)."""
 
 from __future__ import annotations
 
+import codecs
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -32,6 +34,7 @@ from genworker.core.serving import (
     MalformedBody,
     OffPolicy,
     PrefixMismatch,
+    SamplingPolicy,
     ServerOptions,
     Turn,
     check_body_length,
@@ -39,6 +42,7 @@ from genworker.core.serving import (
     check_completion_prompt,
     check_nesting,
     check_on_policy,
+    check_template_stable,
     check_token_ids,
     check_turns,
     http_limits,
@@ -420,6 +424,68 @@ def test_a_broken_chain_is_named(turns: list[Turn], data: st.DataObject) -> None
     assert got.failure().message_index == turns[k].message
 
 
+def byte_decode(ids: Sequence[int]) -> str:
+    """A byte-level tokenizer's whole decode: id = byte, partial characters U+FFFD."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def returned_text(ids: Sequence[int]) -> str:
+    """What vLLM's incremental detokenizer returns for a generation of these bytes: a
+    character still incomplete when the generation ends is dropped."""
+    return codecs.getincrementaldecoder("utf-8")("replace").decode(bytes(ids), final=False)
+
+
+@given(st.text(min_size=1, max_size=12), st.data())
+def test_a_turn_that_ends_inside_a_character_is_taken_and_kept_verbatim(
+    text: str, data: st.DataObject
+) -> None:
+    """Issue 48: vLLM drops a trailing partial character from the returned text; the
+    next turn sends that text back with the ids, and the server takes its own answer."""
+    raw = list(text.encode())
+    cut = data.draw(st.integers(1, len(raw)))
+    prompt, generation = list(b"<s>user:hi</s><s>assistant:"), raw[:cut]
+    content = returned_text(generation)
+    got = check_turns([Turn(1, content, prompt, generation)], byte_decode)
+    assert got == Success(tuple(prompt + generation))
+    tail = list(b"</s><s>user:more</s><s>assistant:")
+    template = prompt + list(content.encode()) + tail
+    spliced = splice_prefix(prompt + generation, template, byte_decode, message=1)
+    assert spliced == Success(tuple(prompt + generation + tail))
+    # the next turn's prompt keeps those bytes before its own tokens; it ends inside a
+    # character too, and the template renders both texts as they came back
+    prompt2, generation2 = prompt + generation + tail, raw[:cut]
+    content2 = returned_text(generation2)
+    assert check_turns(
+        [Turn(1, content, prompt, generation), Turn(3, content2, prompt2, generation2)],
+        byte_decode,
+    ) == Success(tuple(prompt2 + generation2))
+    template2 = [*template, *content2.encode(), *tail]
+    spliced2 = splice_prefix(prompt2 + generation2, template2, byte_decode, message=3)
+    assert spliced2 == Success(tuple(prompt2 + generation2 + tail))
+
+
+def test_a_turn_whose_text_differs_before_the_dropped_character_is_refused() -> None:
+    generation = list("xy\u00e9".encode())[:-1]  # ends inside the é
+    got = check_turns([Turn(1, "xz", [1], generation)], byte_decode)
+    assert isinstance(got, Failure)
+    assert "messages[1]" in str(got.failure())
+
+
+def test_an_unstable_template_is_named_and_a_stable_one_blames_the_history() -> None:
+    alone = list(b"<s>user*:hi</s><s>assistant:ok</s>")
+    whole = list(b"<s>user:hi</s><s>assistant:ok</s><s>user*:more</s>")
+    got = check_template_stable(alone, whole, byte_decode, message=1, template="T.jinja")
+    assert isinstance(got, Failure)
+    problem = got.failure()
+    assert problem.message_index == 1
+    assert "chat template (T.jinja) is not prefix-stable" in str(problem)
+    assert "edited" not in str(problem)
+    stable = list(b"<s>user:hi</s><s>assistant:ok</s>")
+    assert check_template_stable(stable, whole, byte_decode, message=1, template="T") == Success(
+        None
+    )
+
+
 def test_no_turns_no_reference() -> None:
     assert check_turns([], serving_decode) == Success(())
 
@@ -691,3 +757,24 @@ def test_nesting_of_a_malformed_body_is_left_to_its_route_unless_past_the_parser
         assert refusal(got).status == 400
     else:
         assert got == Success(raw)
+
+
+@pytest.mark.parametrize("top_k", [None, -1, 0])
+def test_trls_explicit_defaults_are_the_training_values(top_k: int | None) -> None:
+    """TRL 1.16's ``VLLMClient.generate`` sends these explicitly (``top_k`` 0: off)."""
+    policy = SamplingPolicy(
+        (
+            ("temperature", 1.0),
+            ("top_p", 1.0),
+            ("top_k", -1),
+            ("min_p", 0.0),
+            ("repetition_penalty", 1.0),
+        )
+    )
+    trl = {"n": 4, "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "min_p": 0.0}
+    filled = {} if top_k is not None else {"top_k": -1}
+    assert check_on_policy({**trl, "top_k": top_k}, policy) == Success(filled)
+    for name, value in (("min_p", 0.05), ("repetition_penalty", 1.2), ("top_k", 7)):
+        got = check_on_policy({**trl, name: value}, policy)
+        assert isinstance(got, Failure)
+        assert got.failure().parameter == name

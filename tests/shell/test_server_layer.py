@@ -17,9 +17,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from genworker.core.config import WorkerConfig
-from genworker.core.serving import http_max_tokens, training_policy
-from genworker.shell.errors import EngineStateError
-from genworker.shell.server import VERSIONS_HEADER, RolloutLayer, bind_socket
+from genworker.core.serving import ServerOptions, http_max_tokens, training_policy
+from genworker.shell.errors import BadConfigError, EngineStateError
+from genworker.shell.server import (
+    DEV_MODE_VARIABLE,
+    VERSIONS_HEADER,
+    OpenAIServer,
+    RolloutLayer,
+    bind_socket,
+    build_vllm_app,
+    refuse_dev_mode,
+)
 
 
 class Hooks:
@@ -316,6 +324,27 @@ def test_every_streamed_event_is_tagged_across_chunk_boundaries() -> None:
     assert [json.loads(e.removeprefix("data: ")) for e in lines[:-1]] == [
         {"weight_versions": [0], "n": i} for i in range(3)
     ]
+
+
+@given(st.text(min_size=0, max_size=40), st.integers(min_value=1, max_value=200))
+def test_a_streamed_text_that_contains_data_brace_still_parses(text: str, cut: int) -> None:
+    """Issue 48: the versions were spliced in by a byte replace over the whole event, so
+    a completion whose text contains ``data: {`` became invalid JSON."""
+    app, hooks = StandIn(), Hooks()
+    hooks.weight_version = 2
+    texts = [f"x data: {{{text}", 'data: {"a": 1}', text]
+    events = [b"data: " + json.dumps({"choices": [{"text": t}]}).encode() + b"\n\n" for t in texts]
+    whole = b"".join(events) + b"data: [DONE]\n\n"
+    cut = min(cut, len(whole) - 1)
+    app.events = [whole[:cut], whole[cut:]]
+    status, _, out = asyncio.run(
+        call(layer(app, hooks), "/v1/completions", b'{"prompt": "x", "stream": true}')
+    )
+    assert status == 200
+    lines = [e for e in out.decode().split("\n\n") if e]
+    assert lines[-1] == "data: [DONE]"
+    got = [json.loads(e.removeprefix("data: ")) for e in lines[:-1]]
+    assert got == [{"weight_versions": [2], "choices": [{"text": t}]} for t in texts]
 
 
 def test_chat_turns_are_spliced_and_the_ids_stripped() -> None:
@@ -771,3 +800,22 @@ def test_a_stalled_client_on_a_real_socket_gets_408_or_a_closed_connection() -> 
     assert got.startswith(b"HTTP/1.1 408 "), got[:200]
     assert 0.4 < waited < 3.0, waited
     assert good == 200
+
+
+@pytest.mark.parametrize("value", ["1", " 1", "true"])
+def test_vllm_dev_mode_refuses_to_start_naming_the_variable(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 48: with VLLM_SERVER_DEV_MODE vLLM's app builder adds its own pause, sleep
+    and weight routes behind genworker's back; the server refuses before it binds."""
+    monkeypatch.setenv(DEV_MODE_VARIABLE, value)
+    with pytest.raises(BadConfigError, match=DEV_MODE_VARIABLE):
+        OpenAIServer(ServerOptions(port=0))
+    with pytest.raises(BadConfigError, match=DEV_MODE_VARIABLE):
+        asyncio.run(build_vllm_app(object()))
+
+
+def test_vllm_dev_mode_read_by_vllm_is_refused_too() -> None:
+    with pytest.raises(BadConfigError, match="VLLM_SERVER_DEV_MODE"):
+        refuse_dev_mode({}, dev_mode=True)
+    refuse_dev_mode({DEV_MODE_VARIABLE: "0"})  # off: serves
