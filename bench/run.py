@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SUITES = (
     "bench_assembly",
     "bench_worker",
+    "bench_groups",
     "bench_multimodal",
     "bench_refit",
     "bench_refit_host",

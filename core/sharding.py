@@ -11,6 +11,12 @@ work instead of row counts:
   each onto the shard with the least cost so far (ties: fewer rows, then lower shard index,
   so zero-cost rows spread out too). This bounds the spread: the costliest shard exceeds the
   cheapest by at most the cost of one row.
+* Groups (``groups``: rows that sample one prompt, ``core.groups``) are placed whole: the
+  greedy places items, a group being one item of its rows' summed cost, so its prompt is
+  prefilled on one shard only. A group costlier than a shard's share (the batch's cost
+  over the shards, rounded up) is cut, in row order, into pieces of at most that share
+  (at least one row each), and the pieces are items. Law: no group is split unless it
+  costs more than a shard's share; the spread stays at most the costliest item.
 * Each shard keeps its rows in ascending original order, so a shard is a sub-batch of the
   input; a shard may get no rows when the batch has fewer rows than shards (failure-modes
   G8: the shell still returns correctly typed empty outputs for it).
@@ -83,12 +89,18 @@ class ShardPlan:
 
 
 def plan_shards(
-    lengths: Sequence[int] | torch.Tensor, num_shards: int, *, max_new_tokens: int = 0
+    lengths: Sequence[int] | torch.Tensor,
+    num_shards: int,
+    *,
+    max_new_tokens: int = 0,
+    groups: Sequence[Sequence[int]] | None = None,
 ) -> ShardPlan:
     """Split rows ``0..len(lengths)-1`` over ``num_shards`` shards, balanced by token cost.
 
-    ``lengths`` are the unpadded input lengths (a list or a 1-D tensor). Negative lengths,
-    a negative ``max_new_tokens`` or fewer than one shard are programming errors.
+    ``lengths`` are the unpadded input lengths (a list or a 1-D tensor); ``groups``, rows
+    kept on one shard (each row in at most one; rows in none are alone). Negative lengths,
+    a negative ``max_new_tokens``, fewer than one shard or overlapping groups are
+    programming errors.
     """
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards} must be at least 1")
@@ -99,13 +111,14 @@ def plan_shards(
     if any(length < 0 for length in as_list):
         raise ValueError(f"lengths must not be negative: {as_list}")
 
+    items = _items(costs, groups or (), num_shards)
     # (cost so far, rows so far, shard index): the heap's minimum is the shard to fill next.
     heap = [(0, 0, shard) for shard in range(num_shards)]
     rows: list[list[int]] = [[] for _ in range(num_shards)]
-    for row in sorted(range(len(costs)), key=lambda r: (-costs[r], r)):
+    for item_cost, item in sorted(items, key=lambda it: (-it[0], it[1][0])):
         load, count, shard = heapq.heappop(heap)
-        rows[shard].append(row)
-        heapq.heappush(heap, (load + costs[row], count + 1, shard))
+        rows[shard].extend(item)
+        heapq.heappush(heap, (load + item_cost, count + len(item), shard))
     loads = [0] * num_shards
     for load, _, shard in heap:
         loads[shard] = load
@@ -114,6 +127,31 @@ def plan_shards(
         shards=tuple(tuple(sorted(shard_rows)) for shard_rows in rows),
         costs=tuple(loads),
     )
+
+
+def _items(
+    costs: Sequence[int], groups: Sequence[Sequence[int]], num_shards: int
+) -> list[tuple[int, tuple[int, ...]]]:
+    """The greedy's items ``(cost, rows)``: each group whole, or cut into pieces of at
+    most a shard's share when it costs more; every other row alone."""
+    share = -(-sum(costs) // num_shards)
+    grouped = [row for group in groups for row in group]
+    taken = set(grouped)
+    if len(grouped) != len(taken) or not all(0 <= r < len(costs) for r in grouped):
+        raise ValueError(f"groups {groups} overlap or name rows outside 0..{len(costs) - 1}")
+    items: list[tuple[int, tuple[int, ...]]] = [
+        (costs[row], (row,)) for row in range(len(costs)) if row not in taken
+    ]
+    for group in groups:
+        piece: list[int] = []
+        for row in sorted(group):
+            if piece and sum(costs[r] for r in piece) + costs[row] > share:
+                items.append((sum(costs[r] for r in piece), tuple(piece)))
+                piece = []
+            piece.append(row)
+        if piece:
+            items.append((sum(costs[r] for r in piece), tuple(piece)))
+    return items
 
 
 def split_batch(

@@ -70,6 +70,7 @@ from vllm.v1.metrics.reader import get_metrics_snapshot
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
+from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
     BadBatchError,
     BadConfigError,
@@ -87,6 +88,7 @@ from genworker.shell.ports import (
     StreamedGeneration,
     check_request_logprobs,
 )
+from genworker.shell.prompt_logprobs import scored_row, scoring_params
 from genworker.shell.startup import check_main_guard, checked_model_source
 from genworker.shell.vllm_engine import (
     CALL_BOUND_S,
@@ -209,6 +211,8 @@ class AsyncVllmEngine:
             weight_versions=_labels_tokens(llm),
             num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
             logprobs_mode=model.logprobs_mode,
+            prefix_caching=bool(config.cache_config.enable_prefix_caching),
+            max_logprobs=model.max_logprobs,
         )
         self._params: dict[tuple[SamplingSpec, RequestOutputKind], SamplingParams] = {}
         # AsyncLLM.pause_generation's own calls (vllm/v1/engine/async_llm.py: 0.25 and 0.32
@@ -305,6 +309,18 @@ class AsyncVllmEngine:
             progress,
         )
         return StreamedGeneration(generation_of(0, completion), _spans(completion))
+
+    async def compute_logprobs(
+        self, request_id: str, sequence: Sequence[int], prompt_length: int, top_k: int
+    ) -> ScoredRow:
+        params = scoring_params(top_k, RequestOutputKind.FINAL_ONLY)
+        final: RequestOutput | None = None
+        with translated(ASYNC_REQUEST, "compute_logprobs"):
+            async for out in self.llm.generate(token_prompt(sequence, None), params, request_id):
+                final = out
+        if final is None or not final.finished:
+            raise GenworkerError(f"compute_logprobs: request {request_id} ended unfinished")
+        return scored_row(sequence, prompt_length, final.prompt_logprobs, top_k)
 
     async def generate_text(
         self,

@@ -85,11 +85,13 @@ from genworker.core.assembly import Generation, assemble_outputs
 from genworker.core.config import WorkerConfig
 from genworker.core.config_keys import parse_bool
 from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
+from genworker.core.groups import GroupPlan
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import NonFiniteLogprobs, check_generation_logprobs
 from genworker.core.refit_protocol import Transport
 from genworker.core.rows import assemble_row
 from genworker.core.sampling import SamplingSpec
+from genworker.core.scoring import ScoredRow, assemble_scores
 from genworker.core.serving import server_options, training_policy
 from genworker.core.stops import StopMode
 from genworker.core.versions import (
@@ -187,6 +189,21 @@ class _Request:
 
 # What a row without room gets: its prompt back, no tokens (as the sync worker's rows).
 _NO_ROOM = RowResult(Generation((), (), "abort"), VersionRuns((), (), 0))
+
+
+def _prefilled(
+    ready: asyncio.Event, progress: Callable[[int], None] | None
+) -> Callable[[int], None]:
+    """``progress``, which also sets ``ready`` at the leader's first token (its prompt is
+    in the prefix cache from then on)."""
+
+    def seen(count: int) -> None:
+        if count:
+            ready.set()
+        if progress is not None:
+            progress(count)
+
+    return seen
 
 
 def _for_row(error: GenworkerError, row: int) -> GenworkerError:
@@ -436,10 +453,18 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         results: asyncio.Queue[tuple[int, RowResult | GenworkerError]],
         media: RowMedia | None,
         context: int,
+        group: tuple[asyncio.Event | None, asyncio.Event | None] = (None, None),
     ) -> None:
+        """One row's request; ``group``: (the leader's prefill to wait for, a sibling;
+        the event to set once this leader's prefill is done, a leader of a group)."""
         item: RowResult | GenworkerError
+        after, ready = group
         try:
+            if after is not None:  # a sibling: admitted after its leader's prefill
+                await after.wait()
             progress = self._progress(engine.capabilities, request)
+            if ready is not None:
+                progress = _prefilled(ready, progress)
             streamed = await engine.generate(request.request_id, prompt, spec, progress, media)
             item = self._finished(engine.capabilities, request, context, streamed)
         except EngineDeadError as e:
@@ -452,6 +477,9 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         except Exception as e:  # noqa: BLE001 - a foreign error the adapter let through: the row's
             item = GenworkerError(f"row {request.row}: {type(e).__name__}: {e}")
             item.__cause__ = e
+        finally:
+            if ready is not None:
+                ready.set()  # the leader ended (or failed): its siblings go anyway
         results.put_nowait((request.row, item))
 
     def _finished(
@@ -499,9 +527,10 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         return RowResult(generation, runs)
 
     async def _stream(
-        self, plan: BatchPlan
+        self, plan: BatchPlan, groups: GroupPlan | None = None
     ) -> AsyncGenerator[tuple[int, RowResult | GenworkerError], None]:
-        """The plan's refused rows, then each request's result as it finishes."""
+        """The plan's refused rows, then each request's result as it finishes; a group's
+        siblings are sent once their leader's prefill is done (``core.groups``: PREFIX)."""
         self._open_stream()
         requests: list[_Request] = []
         tasks: list[asyncio.Task[None]] = []
@@ -515,12 +544,29 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             engine = self.engine
             await self._ensure_labelled(engine)
             results: asyncio.Queue[tuple[int, RowResult | GenworkerError]] = asyncio.Queue()
-            for row, spec in rows:
-                request = self._new_request(row)
-                requests.append(request)
-                prompt, media, context = plan.prompts[row], plan.media.get(row), plan.context[row]
-                task = self._row_task(engine, request, prompt, spec, results, media, context)
-                tasks.append(asyncio.ensure_future(task))
+            spec_of = dict(rows)
+            # siblings wait for their leader only where that shares its prompt's blocks
+            runs: list[tuple[int, ...]] = [(r,) for r, _ in rows]
+            if groups is not None and engine.capabilities.prefix_caching:
+                runs = [g.rows for g in groups.groups]
+            for run in runs:
+                prefilled = asyncio.Event() if len(run) > 1 else None
+                for i, row in enumerate(run):
+                    request = self._new_request(row)
+                    requests.append(request)
+                    prompt, media = plan.prompts[row], plan.media.get(row)
+                    gate = (None, prefilled) if i == 0 else (prefilled, None)
+                    task = self._row_task(
+                        engine,
+                        request,
+                        prompt,
+                        spec_of[row],
+                        results,
+                        media,
+                        plan.context[row],
+                        gate,
+                    )
+                    tasks.append(asyncio.ensure_future(task))
             for _ in tasks:
                 yield await results.get()
         finally:
@@ -560,11 +606,12 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         """Rows as they finish: ``(row, output)``, or ``(row, error)`` for a row that
         cannot generate or failed (see the module docstring)."""
         plan = self._token_plan(data, greedy, whole=False)
+        groups = self._groups(data, plan)
         input_ids, input_lengths = data["input_ids"], data["input_lengths"]
         assert isinstance(input_ids, torch.Tensor)
         assert isinstance(input_lengths, torch.Tensor)
         pad = self.cfg.pad_token_id
-        async with contextlib.aclosing(self._stream(plan)) as rows:
+        async with contextlib.aclosing(self._stream(plan, groups)) as rows:
             async for row, item in rows:
                 if isinstance(item, GenworkerError):
                     yield row, item
@@ -582,11 +629,12 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         ``weight_versions`` (B, W) int64 (the version of each generated token at its
         position, -1 elsewhere). A bad row refuses the batch; a row that fails raises."""
         plan = self._token_plan(data, greedy, whole=True)
+        groups = self._groups(data, plan)
         input_ids, input_lengths = data["input_ids"], data["input_lengths"]
         assert isinstance(input_ids, torch.Tensor)
         assert isinstance(input_lengths, torch.Tensor)
         results: dict[int, RowResult] = {}
-        async with contextlib.aclosing(self._stream(plan)) as rows:
+        async with contextlib.aclosing(self._stream(plan, groups)) as rows:
             async for row, item in rows:
                 if isinstance(item, GenworkerError):
                     raise item
@@ -599,6 +647,34 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             input_lengths.tolist(), [r.versions for r in ordered], int(out["output_ids"].shape[1])
         )
         return out
+
+    async def compute_logprobs(
+        self, data: Mapping[str, object], top_k: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """``VllmGenerationWorker.compute_logprobs``: the logprobs of given sequences, one
+        request per row, all at once (bad rows refused, each named with its reason)."""
+        self._move(lifecycle.Event.STREAM_OPEN)
+        plan = self._score_plan(data, top_k)
+        self._open_stream()
+        requests: list[_Request] = []
+        tasks: list[asyncio.Task[ScoredRow]] = []
+        try:
+            engine = self.engine
+            for row, (sequence, start) in enumerate(
+                zip(plan.sequences, plan.prompt_lengths, strict=True)
+            ):
+                request = self._new_request(row)
+                requests.append(request)
+                call = engine.compute_logprobs(request.request_id, sequence, start, plan.top_k)
+                tasks.append(asyncio.ensure_future(call))
+            scored = list(await asyncio.gather(*tasks))
+        except EngineDeadError as e:
+            self._died(e)
+            raise
+        finally:
+            await self._drop(requests, tasks)
+            self._close_stream()
+        return assemble_scores(plan, scored, self.cfg.pad_token_id)
 
     def _text_plan(self, data: Mapping[str, object], greedy: bool) -> BatchPlan:
         """Check the lifecycle, then the spine's plan; a bad prompt is refused alone."""

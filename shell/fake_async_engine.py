@@ -56,6 +56,7 @@ from genworker.core.assembly import Generation
 from genworker.core.counters import CounterSample, GaugeSample, MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
+from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -69,6 +70,7 @@ from genworker.shell.fake_engine import (
     detokenize,
     draw,
     expanded_length,
+    fake_score,
     pixels,
 )
 from genworker.shell.media import RowMedia
@@ -115,6 +117,7 @@ class FakeAsyncEngine:
         image_token_id: int | None = None,
         image_prompt_ids: int = 7,
         max_images: int | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -128,6 +131,7 @@ class FakeAsyncEngine:
             weight_versions=weight_versions,
             num_speculative_tokens=num_speculative_tokens,
             logprobs_mode=logprobs_mode,
+            prefix_caching=prefix_caching,
         )
         #: requests with these prompts come back with every sampled logprob this value,
         #: as vLLM's do when the logits are garbage (NaN, +inf) or the token was masked
@@ -162,9 +166,7 @@ class FakeAsyncEngine:
             self.rpc_handlers["nemo_rl_ipc_socket_dir"] = lambda d: f"ipc://{d}/fake-{device}.sock"
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.prefix_cache_resets = 0
-        self.mm_cache_resets = 0
-        self.encoder_cache_resets = 0
+        self.prefix_cache_resets = self.mm_cache_resets = self.encoder_cache_resets = 0
         self.dead = False
         self.shut_down = False
         self.fail_next: BaseException | None = None
@@ -341,6 +343,16 @@ class FakeAsyncEngine:
     ) -> list[int]:
         self._enter("expanded_lengths")
         return [self._expanded(p, m) for p, m in zip(prompts, media, strict=True)]
+
+    async def compute_logprobs(
+        self, request_id: str, sequence: Sequence[int], prompt_length: int, top_k: int
+    ) -> ScoredRow:
+        """The sync fake's made-up model (``fake_engine.fake_score``), one step later."""
+        self._enter("compute_logprobs")
+        await asyncio.sleep(0)
+        return fake_score(
+            self.seed, self.weight_version, self._caps, sequence, prompt_length, top_k
+        )
 
     async def generate_text(
         self,

@@ -66,6 +66,7 @@ from genworker.core.assembly import FlatGenerations, Generation, flatten_generat
 from genworker.core.counters import CounterSample, MetricSample
 from genworker.core.outputs import check_finished, check_logprobs
 from genworker.core.sampling import SamplingSpec
+from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -94,6 +95,28 @@ class FakeEngineMisuse(RuntimeError):
 
 def detokenize(token_ids: Sequence[int] | npt.NDArray[np.int64]) -> str:
     return "".join(_LETTERS[int(t) % 26] for t in token_ids)
+
+
+def fake_score(
+    seed: int,
+    version: int,
+    caps: EngineCapabilities,
+    sequence: Sequence[int],
+    start: int,
+    top_k: int,
+) -> ScoredRow:
+    """The fakes' made-up model, deterministic in the prefix: the given tokens' logprobs
+    from ``start`` on and ``top_k`` others, ranked, at each of those positions."""
+    if not 1 <= start < len(sequence) < caps.max_model_len:
+        raise FakeEngineMisuse("compute_logprobs of an unchecked sequence")
+    vocab = caps.vocab_size or 64
+    logprobs, top_ids, top_logprobs = [], [], []
+    for position in range(start, len(sequence)):
+        u = draw(seed, version, tuple(sequence[:position]), position)
+        logprobs.append(math.log(max(1e-6, 1.0 - u)) - 1.0)
+        top_ids.append(tuple((int(u * vocab) + j) % vocab for j in range(top_k)))
+        top_logprobs.append(tuple(-0.1 - j for j in range(top_k)))
+    return ScoredRow(tuple(logprobs), tuple(top_ids), tuple(top_logprobs))
 
 
 def draw(*parts: object) -> float:
@@ -162,6 +185,7 @@ class FakeEngine:
         max_images: int | None = None,
         num_speculative_tokens: int = 0,
         logprobs_mode: str = "raw_logprobs",
+        prefix_caching: bool = False,
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -174,6 +198,7 @@ class FakeEngine:
             max_images=max_images,
             num_speculative_tokens=num_speculative_tokens,
             logprobs_mode=logprobs_mode,
+            prefix_caching=prefix_caching,
         )
         #: the next generate call's rows: every sampled logprob of the row becomes this
         self.next_logprobs: dict[int, float] = {}
@@ -188,6 +213,8 @@ class FakeEngine:
         self.weights_discarded = False
         self.calls: list[str] = []
         self.requests: list[tuple[list[int], SamplingSpec]] = []
+        #: the last generate call's ``samples`` (vLLM's ``n`` per prompt; None: one each)
+        self.last_samples: list[int] | None = None
         #: each generate call's use_tqdm (the fake draws no progress bar)
         self.progress_bars: list[bool] = []
         self.prompt_tokens = 0
@@ -241,7 +268,11 @@ class FakeEngine:
         return expanded_length(prompt, media, self._caps.image_token_id, self.image_prompt_ids)
 
     def _sample(
-        self, prompt: Sequence[int], spec: SamplingSpec, media: RowMedia | None = None
+        self,
+        prompt: Sequence[int],
+        spec: SamplingSpec,
+        media: RowMedia | None = None,
+        child: int = 0,
     ) -> Generation:
         vocab = self._caps.vocab_size or 64
         room = self._caps.max_model_len - self._expanded(prompt, media)
@@ -249,7 +280,16 @@ class FakeEngine:
         logprobs: list[float] = []
         finish = "length"
         greedy = spec.temperature == 0.0
-        key = (self.seed, self.weight_version, tuple(prompt), greedy, spec.seed, pixels(media))
+        key: tuple[object, ...] = (
+            self.seed,
+            self.weight_version,
+            tuple(prompt),
+            greedy,
+            spec.seed,
+            pixels(media),
+        )
+        if child:  # vLLM's n: each child samples on its own (an unseeded one at random)
+            key = (*key, child)
         stops = tuple(spec.stop)
         stop_ids = set(spec.stop_token_ids)
         if not spec.ignore_eos:
@@ -277,8 +317,22 @@ class FakeEngine:
         media: Sequence[RowMedia | None] | None = None,
         *,
         use_tqdm: bool = False,
+        samples: Sequence[int] | None = None,
     ) -> FlatGenerations:
-        return flatten_generations(self._generations(prompts, specs, media, use_tqdm))
+        self.last_samples = None if samples is None else list(samples)
+        return flatten_generations(self._generations(prompts, specs, media, use_tqdm, samples))
+
+    def compute_logprobs(
+        self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], top_k: int
+    ) -> list[ScoredRow]:
+        """A made-up model, deterministic in the prefix (vLLM's ``prompt_logprobs``): the
+        given token's logprob and ``top_k`` others, ranked, at each scored position."""
+        self._enter("compute_logprobs")
+        self._check_servable()
+        return [
+            fake_score(self.seed, self.weight_version, self._caps, seq, start, top_k)
+            for seq, start in zip(sequences, prompt_lengths, strict=True)
+        ]
 
     def _generations(
         self,
@@ -286,6 +340,7 @@ class FakeEngine:
         specs: Sequence[SamplingSpec],
         media: Sequence[RowMedia | None] | None,
         use_tqdm: bool,
+        samples: Sequence[int] | None = None,
     ) -> list[Generation]:
         self._enter("generate")
         self.progress_bars.append(use_tqdm)
@@ -295,23 +350,26 @@ class FakeEngine:
         rows_media = list(media) if media is not None else [None] * len(prompts)
         logprob_faults, self.next_logprobs = self.next_logprobs, {}
         finish_faults, self.next_finish = self.next_finish, {}
-        out = []
-        for row, (prompt, spec, row_media) in enumerate(
-            zip(prompts, specs, rows_media, strict=True)
-        ):
+        counts = [1] * len(prompts) if samples is None else list(samples)
+        if len(counts) != len(prompts) or min(counts, default=1) < 1:
+            raise FakeEngineMisuse("one sample count >= 1 per prompt")
+        out: list[Generation] = []
+        for prompt, spec, row_media, n in zip(prompts, specs, rows_media, counts, strict=True):
             if not prompt:
                 raise BadBatchError("prompt cannot be empty")
             if self._expanded(prompt, row_media) >= self._caps.max_model_len:
                 raise BadBatchError("prompt is at least max_model_len long")
-            self.requests.append((list(prompt), spec))
-            generation = _faulted(
-                self._sample(prompt, spec, row_media),
-                logprob_faults.get(row),
-                finish_faults.get(row),
-            )
-            self.prompt_tokens += self._expanded(prompt, row_media)
-            self.generation_tokens += len(generation.token_ids)
-            out.append(generation)
+            for child in range(n):
+                row = len(out)  # faults are by output row
+                self.requests.append((list(prompt), spec))
+                generation = _faulted(
+                    self._sample(prompt, spec, row_media, child),
+                    logprob_faults.get(row),
+                    finish_faults.get(row),
+                )
+                self.prompt_tokens += self._expanded(prompt, row_media)
+                self.generation_tokens += len(generation.token_ids)
+                out.append(generation)
         return out
 
     def generate_text(

@@ -73,6 +73,7 @@ from genworker.core.counters import (
     merge_snapshots,
     spec_decode_metrics,
 )
+from genworker.core.groups import prompt_groups
 from genworker.core.multimodal import check_media
 from genworker.core.placement import (
     DEFAULT_PORT_BASE,
@@ -286,6 +287,8 @@ class GenerationGroup:
         self._pg: PlacementGroup | None = None
         self._dead: dict[int, str] = {}
         self._closed = False
+        #: the last ``generate``'s split of its rows over the shards (groups kept whole)
+        self.last_shard_plan: ShardPlan | None = None
         self._multimodal: Mapping[str, object] | None = None
         self._owns_ray = _ensure_ray(cluster)
         try:
@@ -547,7 +550,14 @@ class GenerationGroup:
                 BadBatchError,
                 "multi_modal_data",
             )
-        plan = plan_shards(batch.lengths, self.num_shards, max_new_tokens=self.cfg.max_new_tokens)
+        data = _declared_groups_checked(data, batch.prompts)
+        plan = plan_shards(
+            batch.lengths,
+            self.num_shards,
+            max_new_tokens=self.cfg.max_new_tokens,
+            groups=prompt_groups(batch.prompts),  # a group's prompt prefilled on one shard
+        )
+        self.last_shard_plan = plan
         results = self._run_shards("generate", plan, data, greedy, timeout_s)
         outputs = [_tensor_dict(results.get(rank, {}), rank) for rank in range(self.num_shards)]
         return merge_shard_outputs(
@@ -594,6 +604,7 @@ class GenerationGroup:
             [len(p) for _, p in checks.prompts],
             self.num_shards,
             max_new_tokens=self.cfg.max_new_tokens,
+            groups=prompt_groups([p for _, p in checks.prompts]),
         )
         parts = unwrap(split_batch(plan, sub), BadBatchError, "generate_async")
         bound = self.cluster.call_timeout_s if timeout_s is None else timeout_s
@@ -1097,6 +1108,29 @@ def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
             f"generate: data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
         )
     return value
+
+
+def _declared_groups_checked(
+    data: Mapping[str, object], prompts: Sequence[Sequence[int]]
+) -> Mapping[str, object]:
+    """``data`` without ``num_generations_per_prompt`` once its layout is checked here (each
+    run of G rows one prompt): the shards recognise the groups by their prompts, whatever
+    cut the sharder made of one larger than a shard's share."""
+    size = data.get("num_generations_per_prompt")
+    if size is None:
+        return data
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or len(prompts) % size:
+        raise BadBatchError(
+            f"generate: data['num_generations_per_prompt']={size!r} must be an int dividing "
+            f"the batch of {len(prompts)} rows"
+        )
+    for start in range(0, len(prompts), size):
+        if len(prompt_groups(prompts[start : start + size])) > 1:
+            raise BadBatchError(
+                f"generate: declared group of rows {list(range(start, start + size))} "
+                f"(num_generations_per_prompt={size}) holds different prompts"
+            )
+    return {k: v for k, v in data.items() if k != "num_generations_per_prompt"}
 
 
 def _tensor_dict(value: object, rank: int) -> dict[str, torch.Tensor]:

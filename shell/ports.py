@@ -17,6 +17,7 @@ from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import check_generation_logprobs
 from genworker.core.sampling import SamplingSpec
+from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import EngineContractError
 from genworker.shell.media import RowMedia
 
@@ -65,6 +66,12 @@ class EngineCapabilities:
     #: what the engine's logprobs hold (vLLM's ``logprobs_mode``): a -inf sampled logprob
     #: is legal only in a processed mode (``genworker.core.outputs.check_logprobs``)
     logprobs_mode: str = "raw_logprobs"
+    #: the engine shares computed prompt blocks between requests (vLLM's
+    #: ``enable_prefix_caching``): a group's prompt is prefilled once only then
+    #: (``genworker.core.groups``)
+    prefix_caching: bool = False
+    #: the most top logprobs a request may ask for (vLLM's ``max_logprobs``)
+    max_logprobs: int = 20
 
 
 class EnginePort(Protocol):
@@ -80,12 +87,23 @@ class EnginePort(Protocol):
         media: Sequence[RowMedia | None] | None = None,
         *,
         use_tqdm: bool = False,
+        samples: Sequence[int] | None = None,
     ) -> FlatGenerations:
         """The batch's generations as flat arrays, rows in prompt order; ``specs[i]``
         applies to prompt i and ``media[i]`` (when given) holds its images, one
         placeholder id each. ``use_tqdm`` shows the engine's progress bar. Rows come back
         as the engine made them (aborted rows flagged, logprobs as sampled, non-finite
-        ones included): the worker checks them."""
+        ones included): the worker checks them. ``samples[i]`` (default 1): prompt i is
+        sampled that many times in one request (vLLM's ``n``), its completions in a run
+        of rows in vLLM's index order."""
+        ...
+
+    def compute_logprobs(
+        self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], top_k: int
+    ) -> list[ScoredRow]:
+        """The logprob of each token of ``sequences[i]`` from position ``prompt_lengths[i]``
+        on, and the ``top_k`` logprobs with their ids there (one forward pass, vLLM's
+        ``prompt_logprobs``; ``core.scoring``). The caller checked the sequences."""
         ...
 
     def generate_text(
@@ -216,6 +234,17 @@ class AsyncEnginePort(Protocol):
         ``prompt``). ``progress(n)`` is called with the request's token count each time the
         engine hands over new tokens (the worker then counts weight versions itself).
         Cancelling the coroutine aborts the request."""
+        ...
+
+    async def compute_logprobs(
+        self,
+        request_id: str,
+        sequence: Sequence[int],
+        prompt_length: int,
+        top_k: int,
+    ) -> ScoredRow:
+        """:meth:`EnginePort.compute_logprobs` of one checked sequence, as request
+        ``request_id``."""
         ...
 
     async def generate_text(

@@ -86,6 +86,7 @@ from genworker.core.batch import check_batch
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import CACHE_RESETS, NONFINITE_LOGPROBS, CounterSample
 from genworker.core.engine_plan import plan_engine_kwargs
+from genworker.core.groups import Group, GroupPath, GroupPlan, plan_groups
 from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
 from genworker.core.refit_plan import Manifest
@@ -107,6 +108,7 @@ from genworker.core.requests import (
 )
 from genworker.core.rows import check_rows
 from genworker.core.sampling import check_stop_token_ids
+from genworker.core.scoring import ScorePlan, plan_scores
 from genworker.core.stops import StopMode
 from genworker.shell.errors import (
     ENGINE_RPC,
@@ -612,6 +614,63 @@ class WorkerSpine(Generic[_E]):
         rows = [(row, context[row]) for row in starts]
         requests = self._plan(data, batch_size, rows, greedy, text)
         return BatchPlan(batch_size, starts, context, images, requests)
+
+    # -- groups and scoring (core.groups, core.scoring; docs/groups.md) -----------------
+    def _groups(self, data: Mapping[str, object], plan: BatchPlan) -> GroupPlan:
+        """The generating rows as groups: declared by ``data["num_generations_per_prompt"]``
+        (NeMo-RL's layout) or recognised (equal prompts and specs but for the seed); a
+        batch with media goes row by row."""
+        requests = plan.requests.requests()
+        rows = [row for row, _ in requests]
+        size = data.get("num_generations_per_prompt")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+            raise BadBatchError(
+                f"generate: data['num_generations_per_prompt'] must be an int, got {size!r}"
+            )
+        if plan.media:
+            return GroupPlan(tuple(Group((row,), GroupPath.PREFIX) for row in rows))
+        groups = unwrap(
+            plan_groups(
+                rows,
+                [plan.prompts[row] for row in rows],
+                [spec for _, spec in requests],
+                group_size=size,
+                batch_size=plan.batch_size,
+            ),
+            BadBatchError,
+            "generate",
+        )
+        if groups.grouped and not self.caps.prefix_caching:
+            log.info(
+                "a batch of groups on an engine without prefix caching: each sample's prompt "
+                "is prefilled again (set vllm_cfg.enable_prefix_caching: true, docs/groups.md)"
+            )
+        return groups
+
+    def _score_plan(self, data: Mapping[str, object], top_k: object) -> ScorePlan:
+        """``compute_logprobs``' call checked: a malformed one refused whole, bad rows
+        refused naming each with its reason (``core.scoring.plan_scores``)."""
+        if not isinstance(data, Mapping):
+            raise BadBatchError(
+                f"compute_logprobs: data must be a mapping, got {type(data).__name__}"
+            )
+        caps = self.caps
+        plan, refused = unwrap(
+            plan_scores(
+                data.get("input_ids"),
+                data.get("input_lengths"),
+                data.get("prompt_lengths"),
+                top_k,
+                max_logprobs=caps.max_logprobs,
+                max_model_len=caps.max_model_len,
+                vocab_size=caps.vocab_size,
+            ),
+            BadArgumentError,
+            "compute_logprobs",
+        )
+        if refused is not None:
+            raise BadBatchError(refused.message, detail=refused)
+        return plan
 
     # -- memory -------------------------------------------------------------------------
     def _require_sleep_mode(self, call: str) -> None:

@@ -169,6 +169,7 @@ from genworker.core.engine_plan import fp8_start
 from genworker.core.outputs import check_finished, check_logprobs
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
 from genworker.core.sampling import SamplingSpec, group_specs
+from genworker.core.scoring import ScoredRow
 from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.cumem_wake import install as install_wake
 from genworker.shell.errors import (
@@ -188,6 +189,7 @@ from genworker.shell.errors import (
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities
+from genworker.shell.prompt_logprobs import scored_row, scoring_params
 from genworker.shell.sampled_logprobs import MARKER, SampledLogprobs, install
 from genworker.shell.staged_writes import drop_staged_writes
 from genworker.shell.startup import checked_model_source
@@ -262,6 +264,22 @@ def sampling_params(
     if sampled_arrays and spec.logprobs == 0 and not spec.detokenize:
         kwargs["extra_args"] = {MARKER: True}
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def with_samples(
+    params: SamplingParams | list[SamplingParams], samples: Sequence[int] | None
+) -> SamplingParams | list[SamplingParams]:
+    """``params`` with vLLM's ``n`` = ``samples[i]`` for prompt i (a copy where n > 1)."""
+    if samples is None or all(n == 1 for n in samples):
+        return params
+    per_row = params if isinstance(params, list) else [params] * len(samples)
+    out = []
+    for p, n in zip(per_row, samples, strict=True):
+        if n != 1:
+            p = p.clone()
+            p.n = n
+        out.append(p)
+    return out
 
 
 def sampling_arg_names() -> frozenset[str]:
@@ -383,6 +401,8 @@ class VllmEngine:
             max_images=None if media is None else media.get_limit_per_prompt("image"),
             num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
             logprobs_mode=model.logprobs_mode,
+            prefix_caching=bool(config.cache_config.enable_prefix_caching),
+            max_logprobs=model.max_logprobs,
         )
         self._skip_tokenizer = model.skip_tokenizer_init
         self._sampled_arrays = "extra_args" in sampling_args and install(llm.llm_engine)
@@ -488,16 +508,32 @@ class VllmEngine:
         media: Sequence[RowMedia | None] | None = None,
         *,
         use_tqdm: bool = False,
+        samples: Sequence[int] | None = None,
     ) -> FlatGenerations:
         if len(prompts) != len(specs):
             raise BadBatchError(f"generate: {len(prompts)} prompts but {len(specs)} specs")
         llm = self.llm
         with _batch_call(llm, "generate", self._inflight):
-            params = self.request_params(specs)
+            params = with_samples(self.request_params(specs), samples)
             outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
-        completions: list[CompletionOutput | None] = [out.outputs[0] for out in outputs]
+        completions: list[CompletionOutput | None] = [
+            c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
         del outputs  # the completions are now the only references to vLLM's outputs
         return _generations(completions, consume=True)  # each row freed once read
+
+    def compute_logprobs(
+        self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], top_k: int
+    ) -> list[ScoredRow]:
+        llm = self.llm
+        with _batch_call(llm, "compute_logprobs", self._inflight):
+            outputs = llm.generate(
+                _token_prompts(sequences, None), scoring_params(top_k), use_tqdm=False
+            )
+        return [
+            scored_row(seq, start, out.prompt_logprobs, top_k)
+            for seq, start, out in zip(sequences, prompt_lengths, outputs, strict=True)
+        ]
 
     def generate_text(
         self,

@@ -50,6 +50,7 @@ from genworker.core.assembly import (
     place_rows,
 )
 from genworker.core.counters import encode_snapshot
+from genworker.core.groups import order_rows
 from genworker.core.outputs import NonFiniteLogprobs, check_finished, check_logprobs
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.refit_protocol import (
@@ -59,6 +60,7 @@ from genworker.core.refit_protocol import (
     rpc_bound,
     wait_bound,
 )
+from genworker.core.scoring import assemble_scores
 from genworker.core.stops import StopMode
 from genworker.core.versions import uniform_versions
 from genworker.shell.collector import defer_cyclic_gc
@@ -80,6 +82,7 @@ from genworker.shell.refit.wire import raise_failures
 from genworker.shell.sparse import SparseRefitError
 from genworker.shell.spine import (
     EXTENSION_CLS,
+    BatchPlan,
     WorkerSpine,
     checked_env_names,
     forward_env,
@@ -286,11 +289,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         requests = plan.requests.requests()
         made = _NO_ROWS
         if requests:
-            prompts = [plan.prompts[row] for row, _ in requests]
-            specs = [spec for _, spec in requests]
-            media = None if not plan.media else [plan.media.get(row) for row, _ in requests]
-            progress = self.cfg.vllm.use_tqdm
-            made = self._call(lambda e: e.generate(prompts, specs, media, use_tqdm=progress))
+            made = self._generate_groups(data, plan)
         # Rows without room come back empty, as if never sent.
         kept = [row for row, _ in requests]
         generations = (
@@ -300,6 +299,21 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         return self._versioned(
             self._checked(input_ids, input_lengths, generations, plan.context, bool(plan.media))
         )
+
+    def _generate_groups(self, data: Mapping[str, object], plan: BatchPlan) -> FlatGenerations:
+        """The plan's rows through one engine call, groups as the spine plans them
+        (``core.groups``: vLLM's ``n``, or a group's rows one after another), the rows
+        back in ascending batch order."""
+        groups = self._groups(data, plan)
+        spec_of = dict(plan.requests.requests())
+        sent = groups.requests()
+        prompts = [plan.prompts[r.row] for r in sent]
+        specs = [spec_of[r.row] for r in sent]
+        media = None if not plan.media else [plan.media.get(r.row) for r in sent]
+        progress = self.cfg.vllm.use_tqdm
+        extra = {"samples": [r.n for r in sent]} if len(sent) < len(spec_of) else {}
+        made = self._call(lambda e: e.generate(prompts, specs, media, use_tqdm=progress, **extra))
+        return order_rows(made, groups.output_rows())
 
     def _checked(
         self,
@@ -342,6 +356,29 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
             self._version,
         )
         return {**out.as_dict(), "weight_versions": versions}
+
+    @_serialized
+    @_weights_held
+    def compute_logprobs(
+        self, data: Mapping[str, object], top_k: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """The logprobs of given sequences (one forward pass, vLLM's ``prompt_logprobs``):
+        ``data`` holds right-padded ``input_ids``, ``input_lengths`` and
+        ``prompt_lengths``; returns ``logprobs`` (B, W) float32, each token's logprob from
+        its row's prompt length on (0 elsewhere), and with ``top_k`` > 0 ``top_ids`` and
+        ``top_logprobs`` (B, W, k). Bad rows are refused, each named with its reason
+        (``core.scoring``; docs/groups.md)."""
+        self._check_sparse()
+        next_state = self._move(lifecycle.Event.GENERATE)
+        plan = self._score_plan(data, top_k)
+        rows = []
+        if plan.sequences:
+            rows = self._call(
+                lambda e: e.compute_logprobs(plan.sequences, plan.prompt_lengths, plan.top_k)
+            )
+        out = assemble_scores(plan, rows, self.cfg.pad_token_id)
+        self._state = next_state
+        return out
 
     @_serialized
     @_weights_held

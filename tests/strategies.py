@@ -2175,3 +2175,31 @@ def request_cases(draw: st.DrawFn, *, max_rows: int = 8) -> RequestCase:
         text=draw(st.booleans()),
         mode=draw(st.sampled_from(list(_StopMode))),
     )
+
+
+# --- groups (core.groups) and group-aware sharding ---
+@st.composite
+def group_batches(
+    draw: st.DrawFn, *, max_rows: int = 16
+) -> tuple[list[int], list[list[int]], list[_SamplingSpec]]:
+    """Generating rows (ascending batch rows), their prompts and specs, drawn from small
+    pools so that prompts and specs repeat (GRPO groups), seeds sometimes per row."""
+    prompt_pool = draw(st.lists(st.lists(st.integers(0, 9), max_size=3), min_size=1, max_size=3))
+    spec_pool = draw(st.lists(_sampling_specs_by_default, min_size=1, max_size=2))
+    count = draw(st.integers(0, max_rows))
+    rows = sorted(draw(st.sets(st.integers(0, 2 * max_rows), min_size=count, max_size=count)))
+    prompts = [draw(st.sampled_from(prompt_pool)) for _ in rows]
+    specs = []
+    for _ in rows:
+        spec = draw(st.sampled_from(spec_pool))
+        seed = draw(st.one_of(st.none(), st.integers(0, 3)))
+        specs.append(_sampling_attrs.evolve(spec, seed=seed))
+    return rows, prompts, specs
+
+
+@st.composite
+def shard_groups(draw: st.DrawFn, num_rows: int) -> list[list[int]]:
+    """Disjoint groups of rows ``0..num_rows-1`` (some rows in none)."""
+    owner = draw(st.lists(st.integers(-1, 5), min_size=num_rows, max_size=num_rows))
+    groups = [[row for row in range(num_rows) if owner[row] == g] for g in range(6)]
+    return [g for g in groups if g]

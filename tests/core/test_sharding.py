@@ -332,3 +332,46 @@ def test_empty_shard_may_not_invent_keys() -> None:
             [{"x": torch.zeros(1)}, {"x": torch.zeros(0), "y": torch.zeros(0)}],
             pad_token_id=PAD,
         )
+
+
+# --- groups kept whole (core.groups) ---
+from strategies import shard_groups
+
+
+@given(st.data(), shard_lengths(max_rows=24), shard_counts(), st.integers(0, 64))
+def test_no_group_is_split_unless_it_costs_more_than_a_shards_share(
+    data: st.DataObject, lengths: list[int], num_shards: int, max_new_tokens: int
+) -> None:
+    groups = data.draw(shard_groups(len(lengths)))
+    plan = plan_shards(lengths, num_shards, max_new_tokens=max_new_tokens, groups=groups)
+    cost = [length + max_new_tokens for length in lengths]
+    share = -(-sum(cost) // num_shards)
+    owner = {row: s for s, shard in enumerate(plan.shards) for row in shard}
+    assert sorted(owner) == list(range(len(lengths)))
+    for group in groups:
+        if sum(cost[row] for row in group) <= share:
+            assert len({owner[row] for row in group}) == 1, (group, plan.shards)
+    # still balanced: the spread is at most the costliest item (a whole group or a piece)
+    biggest = max([*cost, *(min(share, sum(cost[r] for r in g)) for g in groups)], default=0)
+    assert max(plan.costs) <= min(plan.costs) + biggest
+
+
+def test_eight_groups_of_eight_over_two_shards_keep_each_group_on_one_shard() -> None:
+    lengths = [100 + g for g in range(8) for _ in range(8)]
+    groups = [list(range(8 * g, 8 * g + 8)) for g in range(8)]
+    plan = plan_shards(lengths, 2, max_new_tokens=16, groups=groups)
+    for group in groups:
+        assert any(set(group) <= set(shard) for shard in plan.shards)
+    assert plan.sizes == (32, 32)
+
+
+def test_a_group_larger_than_a_share_is_cut_into_pieces_of_at_most_a_share() -> None:
+    plan = plan_shards([10] * 8, 2, groups=[list(range(8))])
+    assert plan.shards == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def test_overlapping_groups_are_a_programming_error() -> None:
+    with pytest.raises(ValueError, match="overlap"):
+        plan_shards([1, 2, 3], 2, groups=[[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="outside"):
+        plan_shards([1, 2, 3], 2, groups=[[5]])

@@ -251,6 +251,40 @@ def test_rows_travel_with_their_media_and_bad_media_is_refused_in_the_driver(
         assert len(texts["texts"]) == 2
 
 
+def test_eight_groups_of_eight_over_two_shards_keep_each_group_on_one_shard(
+    ray_session: None,
+) -> None:
+    prompts = [[3 + g] * (4 + g) for g in range(8) for _ in range(8)]  # group g: 8 copies
+    ids = torch.full((64, 12), PAD, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, : len(prompt)] = torch.tensor(prompt)
+    data = {"input_ids": ids, "input_lengths": torch.tensor([len(p) for p in prompts])}
+    with GenerationGroup(
+        tiny_config("fake"),
+        ClusterSpec(num_shards=2, cpus_per_node=2, start_timeout_s=120),
+        worker_options={"engine_factory": FakeEngineFactory(max_model_len=64)},
+    ) as g:
+        out = g.generate({**data, "num_generations_per_prompt": 8})
+        plan = g.last_shard_plan
+        assert plan is not None
+        for group in range(8):
+            rows = set(range(8 * group, 8 * group + 8))
+            assert sum(rows <= set(shard) for shard in plan.shards) == 1, plan.shards
+        assert sorted(plan.sizes) == [32, 32]  # and still balanced
+        # the rows went where the plan says: each shard's engine counted its rows' prompts
+        counted = shard_prompt_tokens(g)
+        assert counted == [sum(len(prompts[r]) for r in shard) for shard in plan.shards]
+        assert [out["output_ids"][i, : len(p)].tolist() for i, p in enumerate(prompts)] == prompts
+        with pytest.raises(BadBatchError, match=r"declared group of rows \[0, 1, 2\]"):
+            g.generate(
+                {
+                    "input_ids": ids[6:12],
+                    "input_lengths": data["input_lengths"][6:12],
+                    "num_generations_per_prompt": 3,
+                }
+            )
+
+
 def test_shard_failures_survive_pickling() -> None:
     failure = ShardFailure("generate failed", call="generate", errors={1: GroupError("dead")})
     copy = pickle.loads(pickle.dumps(failure))

@@ -25,5 +25,9 @@ class SamplingParams:
         bad_words: list[str] | None = ...,
         output_kind: RequestOutputKind = ...,
         extra_args: dict[str, Any] | None = ...,
+        n: int = ...,
+        detokenize: bool = ...,
     ) -> None: ...
     extra_args: dict[str, Any] | None
+    n: int
+    def clone(self) -> SamplingParams: ...

@@ -9,6 +9,7 @@ class ModelConfig:
     skip_tokenizer_init: bool
     # LogprobsMode, a Literal of four strings
     logprobs_mode: str
+    max_logprobs: int
     # QuantizationMethods (a Literal of method names) | str | None
     quantization: str | None
     def get_vocab_size(self) -> int: ...

@@ -1,0 +1,157 @@
+"""Laws and documented cases of genworker.core.groups."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+from strategies import group_batches
+
+from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
+from genworker.core.groups import (
+    EngineRequest,
+    Group,
+    GroupError,
+    GroupPath,
+    GroupPlan,
+    order_rows,
+    plan_groups,
+    prompt_groups,
+)
+from genworker.core.sampling import SamplingSpec
+
+Batch = tuple[list[int], list[list[int]], list[SamplingSpec]]
+SPEC = SamplingSpec(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4)
+
+
+def _plan(batch: Batch) -> GroupPlan:
+    rows, prompts, specs = batch
+    planned = plan_groups(rows, prompts, specs)
+    assert isinstance(planned, Success), planned
+    plan = planned.unwrap()
+    assert isinstance(plan, GroupPlan)
+    return plan
+
+
+@given(group_batches())
+def test_recognised_groups_partition_the_rows_by_prompt_and_spec_but_seed(batch: Batch) -> None:
+    rows, prompts, specs = batch
+    plan = _plan(batch)
+    assert sorted(plan.output_rows()) == rows
+    at = {row: i for i, row in enumerate(rows)}
+
+    def key(row: int) -> object:
+        return tuple(prompts[at[row]]), attrs.evolve(specs[at[row]], seed=None)
+
+    for group in plan.groups:
+        assert list(group.rows) == sorted(group.rows)
+        assert len({key(row) for row in group.rows}) == 1
+    assert len({key(group.leader) for group in plan.groups}) == len(plan.groups)
+    assert plan.grouped == any(len(g.rows) > 1 for g in plan.groups)
+
+
+@given(group_batches())
+def test_path_is_n_exactly_when_no_row_of_the_group_has_a_seed(batch: Batch) -> None:
+    rows, _, specs = batch
+    seed = {row: spec.seed for row, spec in zip(rows, specs, strict=True)}
+    for group in _plan(batch).groups:
+        unseeded = all(seed[row] is None for row in group.rows)
+        assert (group.path is GroupPath.SAMPLES) == unseeded
+
+
+@given(group_batches())
+def test_requests_cover_every_row_once_leader_first(batch: Batch) -> None:
+    plan = _plan(batch)
+    requests = plan.requests()
+    assert sum(r.n for r in requests) == len(batch[0])
+    expanded = []
+    for group in plan.groups:
+        if group.path is GroupPath.SAMPLES:
+            expanded.append(EngineRequest(group.leader, len(group.rows)))
+        else:
+            expanded += [EngineRequest(row, 1) for row in group.rows]
+    assert requests == tuple(expanded)
+    # the completions of each request come back in request order: a group's rows in a run
+    assert plan.output_rows() == tuple(row for g in plan.groups for row in g.rows)
+
+
+@given(group_batches(), st.randoms(use_true_random=False))
+def test_order_rows_puts_engine_order_back_in_row_order(batch: Batch, rnd: object) -> None:
+    plan = _plan(batch)
+    out_rows = plan.output_rows()
+    by_row = {
+        row: Generation(
+            token_ids=np.arange(row % 4, dtype=np.int64) + 10 * row,
+            logprobs=-np.arange(row % 4, dtype=np.float32) - row,
+            finish_reason="length" if row % 2 else "stop",
+        )
+        for row in out_rows
+    }
+    engine = flatten_generations([by_row[row] for row in out_rows])
+    expected = flatten_generations([by_row[row] for row in sorted(out_rows)])
+    assert order_rows(engine, out_rows) == expected
+
+
+def test_declared_groups_are_consecutive_runs() -> None:
+    prompts = [[1, 2]] * 4 + [[3]] * 4
+    specs = [attrs.evolve(SPEC, seed=s) for s in range(8)]
+    planned = plan_groups(list(range(8)), prompts, specs, group_size=4, batch_size=8)
+    assert planned == Success(
+        GroupPlan((Group((0, 1, 2, 3), GroupPath.PREFIX), Group((4, 5, 6, 7), GroupPath.PREFIX)))
+    )
+    assert planned.unwrap().requests()[0] == EngineRequest(0, 1)
+
+
+def test_declared_groups_may_split_equal_prompts() -> None:
+    planned = plan_groups([0, 1, 2, 3], [[1]] * 4, [SPEC] * 4, group_size=2, batch_size=4)
+    assert planned == Success(
+        GroupPlan((Group((0, 1), GroupPath.SAMPLES), Group((2, 3), GroupPath.SAMPLES)))
+    )
+    assert planned.unwrap().requests() == (EngineRequest(0, 2), EngineRequest(2, 2))
+
+
+def test_a_declared_group_with_different_prompts_is_refused_naming_its_rows() -> None:
+    planned = plan_groups(
+        [0, 1, 2, 3], [[1], [1], [1], [2]], [SPEC] * 4, group_size=2, batch_size=4
+    )
+    assert isinstance(planned, Failure)
+    problem = planned.failure()
+    assert isinstance(problem, GroupError)
+    assert problem.rows == (2, 3)
+    assert "[2, 3]" in problem.message
+
+
+@pytest.mark.parametrize(("size", "batch"), [(3, 4), (0, 4), (2, None)])
+def test_a_group_size_that_does_not_divide_the_batch_is_refused(
+    size: int, batch: int | None
+) -> None:
+    planned = plan_groups([0, 1], [[1], [1]], [SPEC] * 2, group_size=size, batch_size=batch)
+    assert isinstance(planned, Failure)
+    assert f"group_size={size}" in planned.failure().message
+
+
+def test_prompt_groups_by_first_appearance() -> None:
+    assert prompt_groups([[1], [2], [1], [], [2], []]) == ((0, 2), (1, 4), (3, 5))
+
+
+def test_programming_errors_raise() -> None:
+    with pytest.raises(ValueError, match="rows, 1 prompts"):
+        plan_groups([0, 1], [[1]], [SPEC])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        plan_groups([1, 0], [[1], [1]], [SPEC] * 2)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Group((2, 1), GroupPath.PREFIX)
+    with pytest.raises(ValueError, match="share rows"):
+        GroupPlan((Group((1,), GroupPath.SAMPLES), Group((1, 2), GroupPath.SAMPLES)))
+    flat = flatten_generations([])
+    with pytest.raises(ValueError, match="distinct rows"):
+        order_rows(flat, [0])
+
+
+def test_order_rows_of_nothing() -> None:
+    flat = flatten_generations([])
+    assert order_rows(flat, []) == flat
+    assert isinstance(flat, FlatGenerations)

@@ -1,0 +1,2 @@
+class CacheConfig:
+    enable_prefix_caching: bool
