@@ -323,6 +323,7 @@ def plan_engine_kwargs(
     if config.telemetry.enabled:
         _plan_tracing(config, telemetry or {}, kwargs, env, problems)
 
+    kwargs.update(config.lora.engine_kwargs())  # core.lora: enable_lora and its limits
     kwargs.update(
         (key, value)
         for key, value in user.items()
