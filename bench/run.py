@@ -25,6 +25,7 @@ SUITES = (
     "bench_reshard",
     "bench_async",
     "bench_server",
+    "bench_lora",
 )
 
 

@@ -55,10 +55,15 @@ __all__ = [
     "EngineLora",
     "LoraPlan",
     "LoraProblem",
+    "LoraRef",
+    "RowAdapterError",
+    "adapter_capacity",
+    "adapter_path",
     "check_adapter",
     "check_adapter_name",
     "plan_lora",
     "rank_for",
+    "row_adapters",
 ]
 
 VLLM_MAX_LORA_RANKS: Final = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -127,17 +132,31 @@ class LoraPlan:
     native: bool = False  # lora_refit_mode: native (adapter-only refits)
     alpha: float | None = None  # NeMo-RL's native adapter's alpha, the default for refits
 
-    def engine_kwargs(self) -> dict[str, object]:
-        """The ``vllm.LLM`` kwargs of the plan (none when LoRA is off)."""
+    def engine_kwargs(self, *, cpu: bool = False) -> dict[str, object]:
+        """The ``vllm.LLM`` kwargs of the plan (none when LoRA is off). ``cpu``: one slot
+        more than ``max_loras``, never filled (see :func:`adapter_capacity`)."""
         if not self.enabled:
             return {}
+        slots = self.max_loras + cpu
         return {
             "enable_lora": True,
             "max_lora_rank": self.max_rank,
-            "max_loras": self.max_loras,
-            "max_cpu_loras": self.max_cpu_loras,
+            "max_loras": slots,
+            "max_cpu_loras": max(self.max_cpu_loras, slots),
             "lora_dtype": self.dtype,
         }
+
+
+def adapter_capacity(max_loras: int, max_cpu_loras: int, *, cpu: bool) -> int:
+    """How many adapter names an engine started with these vLLM options serves at once.
+
+    vLLM's CPU LoRA kernels (``bgmv_*`` in vllm/lora/ops/torch_ops/lora_ops.py, 0.32) read a
+    row without an adapter (slot index -1) from the LAST slot, so on CPU a base-model row
+    batched beside an adapter row would run under whatever adapter holds that slot. The
+    plan gives a CPU engine one slot more (:meth:`LoraPlan.engine_kwargs`) and serves at
+    most ``max_loras - 1`` names there: vLLM activates adapters into the first free slot,
+    so with fewer adapters than slots the last one stays zero."""
+    return min(max_cpu_loras, max_loras - 1) if cpu else max_cpu_loras
 
 
 def rank_for(rank: int) -> int:
@@ -255,16 +274,24 @@ class EngineLora:
 
     max_rank: int
     modules: frozenset[str]
+    #: every module path an adapter may name (``model.layers.0.self_attn.q_proj``); empty
+    #: when the caller does not know them (then only the names are checked)
+    paths: frozenset[str] = frozenset()
 
     def as_dict(self) -> dict[str, object]:
-        return {"max_rank": self.max_rank, "modules": sorted(self.modules)}
+        return {
+            "max_rank": self.max_rank,
+            "modules": sorted(self.modules),
+            "paths": sorted(self.paths),
+        }
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, object]) -> EngineLora:
-        rank, modules = raw["max_rank"], raw["modules"]
+        rank, modules, paths = raw["max_rank"], raw["modules"], raw.get("paths", ())
         assert isinstance(rank, int)
         assert isinstance(modules, Sequence)
-        return cls(rank, frozenset(str(m) for m in modules))
+        assert isinstance(paths, Sequence)
+        return cls(rank, frozenset(map(str, modules)), frozenset(map(str, paths)))
 
 
 @attrs.frozen
@@ -424,6 +451,8 @@ def check_adapter(
     modules: list[AdapterModule] = []
     for path, half in sorted(_pairs(manifest, problems).items()):
         name = path.rpartition(".")[2]
+        if engine.paths and path not in engine.paths:
+            problems.append(f"module {path!r} is not a module of this engine's model")
         if name not in targets:
             problems.append(
                 f"module {path!r} is not in adapter_config.target_modules {list(targets)}"
@@ -438,3 +467,58 @@ def check_adapter(
     assert rank is not None
     assert isinstance(given, int | float)
     return Success(Adapter(manifest, rank, float(given), targets, tuple(modules), bool(rslora)))
+
+
+@attrs.frozen
+class LoraRef:
+    """A request's adapter: its name and the engine's ``lora_int_id`` for it."""
+
+    name: str
+    lora_int_id: int
+
+
+def adapter_path(name: str) -> str:
+    """The ``lora_path`` of a request for adapter ``name``. vLLM's worker never reads it
+    (the adapter is registered under its id by the refit), but its prefix cache keys
+    blocks by name and path (``_gen_lora_extra_hash_keys``, vllm/v1/core/kv_cache_utils.py)."""
+    return f"genworker-lora://{name}"
+
+
+@attrs.frozen
+class RowAdapterError(CoreError):
+    """A batch's adapter names refused: which input (``lora`` or ``lora_names``)."""
+
+    field: str = "lora"
+
+
+def row_adapters(
+    lora: object, lora_names: object, batch_size: int, served: Mapping[str, int]
+) -> Result[tuple[LoraRef | None, ...], RowAdapterError]:
+    """Each row's adapter: ``lora`` (one name for the batch) or ``lora_names`` (one name
+    or None per row), each a name in ``served`` (name -> ``lora_int_id``); neither given:
+    every row on the base model (an empty tuple)."""
+    if lora is not None and lora_names is not None:
+        return Failure(
+            RowAdapterError("give lora (the batch's adapter) or lora_names (per row), not both")
+        )
+    if lora is None and lora_names is None:
+        return Success(())
+    field = "lora" if lora is not None else "lora_names"
+    names = [lora] * batch_size if lora is not None else lora_names
+    if not isinstance(names, list | tuple) or len(names) != batch_size:
+        return Failure(
+            RowAdapterError(
+                f"lora_names must be a list of {batch_size} names or None, got {names!r}", field
+            )
+        )
+    if unknown := sorted(
+        {repr(n) for n in names if n is not None and (not isinstance(n, str) or n not in served)}
+    ):
+        return Failure(
+            RowAdapterError(
+                f"{field}: no adapter {', '.join(unknown)} is served here (served: {sorted(served)}); "
+                "refit one first (update_lora)",
+                field,
+            )
+        )
+    return Success(tuple(None if n is None else LoraRef(n, served[n]) for n in names))

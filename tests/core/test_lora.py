@@ -18,10 +18,15 @@ from genworker.core.lora import (
     AdapterError,
     EngineLora,
     LoraPlan,
+    LoraRef,
+    RowAdapterError,
+    adapter_capacity,
+    adapter_path,
     check_adapter,
     check_adapter_name,
     plan_lora,
     rank_for,
+    row_adapters,
 )
 from genworker.core.refit_plan import Manifest, TensorSpec
 
@@ -180,10 +185,15 @@ def test_the_worker_config_plans_lora_into_the_engine_kwargs() -> None:
         base_config(lora_refit_mode="native", vllm_kwargs={"max_loras": 2})
     ).unwrap()
     assert cfg.lora.enabled
-    kwargs = plan_engine_kwargs(cfg, seed=0, gpu_capability=None, extension_cls="x").unwrap()
-    assert kwargs.kwargs["enable_lora"] is True
-    assert kwargs.kwargs["max_loras"] == 2
-    assert kwargs.kwargs["max_cpu_loras"] == 2
+    gpu = plan_engine_kwargs(cfg, seed=0, gpu_capability=(9, 0), extension_cls="x").unwrap()
+    assert gpu.kwargs["enable_lora"] is True
+    assert gpu.kwargs["max_loras"] == 2
+    assert gpu.kwargs["max_cpu_loras"] == 2
+    cpu = plan_engine_kwargs(cfg, seed=0, gpu_capability=None, extension_cls="x").unwrap()
+    assert cpu.kwargs["max_loras"] == 3  # the spare slot vLLM's CPU kernels read for no adapter
+    assert cpu.kwargs["max_cpu_loras"] == 3
+    assert adapter_capacity(3, 3, cpu=True) == 2
+    assert adapter_capacity(2, 4, cpu=False) == 4
     assert WorkerConfig.from_mapping(cfg.to_mapping()).unwrap() == cfg
 
 
@@ -214,6 +224,14 @@ def test_a_peft_adapter_is_checked_into_its_modules() -> None:
         "use_rslora": False,
     }
     assert EngineLora.from_dict(ENGINE.as_dict()) == ENGINE
+
+
+def test_a_module_the_engine_lacks_is_named_when_its_paths_are_known() -> None:
+    engine = EngineLora(16, ENGINE.modules, frozenset(TINY))
+    assert EngineLora.from_dict(engine.as_dict()) == engine
+    assert check_adapter(manifest(adapter_specs(TINY, 8)), PEFT, engine).unwrap().rank == 8
+    far = {"model.layers.9.self_attn.q_proj": (64, 64)}
+    assert "not a module of this engine's model" in failure_of(adapter_specs(far, 8), PEFT, engine)
 
 
 def test_alpha_defaults_to_the_plan_and_targets_may_be_one_string() -> None:
@@ -318,3 +336,64 @@ def test_adapter_names_refused(name: object) -> None:
     problem = check_adapter_name(name)
     assert problem is not None
     assert repr(name) in problem
+
+
+# -- adapters per row, and the request plan -------------------------------------------
+SERVED = {"a": 1, "b": 2}
+
+
+def test_no_adapter_named_is_the_base_model() -> None:
+    assert row_adapters(None, None, 3, SERVED).unwrap() == ()
+
+
+def test_a_batch_adapter_and_per_row_names() -> None:
+    assert row_adapters("a", None, 2, SERVED).unwrap() == (LoraRef("a", 1), LoraRef("a", 1))
+    rows = row_adapters(None, ["b", None], 2, SERVED).unwrap()
+    assert rows == (LoraRef("b", 2), None)
+    assert adapter_path("a") == "genworker-lora://a"
+
+
+@pytest.mark.parametrize(
+    ("lora", "names", "field", "needle"),
+    [
+        ("a", ["a", "a"], "lora", "not both"),
+        (None, ["a"], "lora_names", "a list of 2 names"),
+        (None, "a", "lora_names", "a list of 2 names"),
+        ("c", None, "lora", "no adapter 'c' is served here"),
+        (None, ["a", 3], "lora_names", "no adapter 3"),
+    ],
+)
+def test_bad_adapter_names_are_refused_by_input(
+    lora: object, names: object, field: str, needle: str
+) -> None:
+    result = row_adapters(lora, names, 2, SERVED)
+    assert isinstance(result, Failure)
+    error = result.failure()
+    assert isinstance(error, RowAdapterError)
+    assert error.field == field
+    assert needle in error.message
+
+
+def test_the_request_plan_gives_each_row_its_adapter() -> None:
+    from genworker.core.requests import RequestLimits, parse_sample_data, plan_requests
+    from genworker.core.stops import StopMode
+
+    cfg = WorkerConfig.from_mapping(base_config()).unwrap()
+    data = {"lora_names": ["a", None, "a"]}
+    samples = parse_sample_data(data, 3, config_stops=(), mode=StopMode.PER_SAMPLE, served=SERVED)
+    limits = RequestLimits(
+        max_new_tokens=4,
+        max_model_len=32,
+        cap_to_context=True,
+        num_speculative_tokens=0,
+        flat_logprobs=False,
+    )
+    rows = [(0, 5), (1, 5), (2, 5)]
+    plan = plan_requests(cfg, limits, samples.unwrap(), rows, greedy=True).unwrap()
+    specs = [spec for _, spec in plan.requests()]
+    assert [s.adapter for s in specs] == [LoraRef("a", 1), None, LoraRef("a", 1)]
+    assert specs[0] is specs[2]  # rows alike still share one spec
+    assert "adapter" not in specs[0].as_kwargs()
+    bad = parse_sample_data({"lora": "zz"}, 3, config_stops=(), mode=StopMode.PER_SAMPLE)
+    assert isinstance(bad, Failure)
+    assert bad.failure().field == "lora"

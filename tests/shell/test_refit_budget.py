@@ -9,7 +9,9 @@ other refit families' engine ends under ``shell/refit/`` as backends of one door
 ``shell/extension.py`` and whatever is left at the old paths (re-export shims). Those
 files held 3,557 code lines at 1899196 (1,357 + 242 + 707 + 147 + 580 + 524); the set
 must not grow. The rules that left the shell on the way live in core
-(``core/sparse_protocol.py``, ``core/reshard.py``'s rounds), under core's own coverage."""
+(``core/sparse_protocol.py``, ``core/reshard.py``'s rounds), under core's own coverage.
+Issue 45 added the LoRA adapter backend (``shell/refit/lora.py``, 174 code lines, and its
+registry line in ``door.py``): 3,557 + 175; its rules live in ``core/lora.py``."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BUDGET = 3557
+BUDGET = 3732
 #: Where the refit families' engine ends were before issue 41 (shims now, if anything).
 OLD_PATHS = ("sparse.py", "sparse_engine.py", "reshard.py", "nemo_rl_refit.py")
 _LAYOUT = {
