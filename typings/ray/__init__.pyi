@@ -4,12 +4,13 @@
 from collections.abc import Generator, Sequence
 from typing import Generic, TypeVar, overload
 
+from typing_extensions import disjoint_base
+
 from ray import actor as actor
 from ray import exceptions as exceptions
 from ray import util as util
 from ray.actor import ActorClass, ActorHandle
 from ray.runtime_context import RuntimeContext
-from typing_extensions import disjoint_base
 
 _T = TypeVar("_T")
 _C = TypeVar("_C")

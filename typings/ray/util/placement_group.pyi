@@ -18,7 +18,6 @@ def placement_group(
     bundle_label_selector: list[dict[str, str]] | None = None,
     topology_strategy: dict[str, str] | None = None,
 ) -> PlacementGroup: ...
-
 class _PlacementGroupInfo(TypedDict):
     placement_group_id: str
     name: str
