@@ -111,6 +111,10 @@ def _adapter_channel(worker: Any, lora: dict[str, torch.Tensor]) -> Iterator[Cal
         yield push
 
 
+def _mb(tensors: dict[str, torch.Tensor]) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6
+
+
 def _batch() -> dict[str, torch.Tensor]:
     data = {
         "input_ids": torch.full((len(PROMPTS), max(map(len, PROMPTS))), PAD),
@@ -171,7 +175,6 @@ def measure() -> list[tuple[str, float]]:
     finally:
         for worker in workers.values():
             worker.shutdown()
-    mb = lambda tensors: sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6  # noqa: E731
     return [
         (
             "lora_refit_vs_full",
@@ -183,8 +186,8 @@ def measure() -> list[tuple[str, float]]:
         ),
         ("lora_refit_ms", statistics.median(lora_s) * 1e3),
         ("full_refit_ms", statistics.median(full_s) * 1e3),
-        ("adapter_mb", mb(lora)),
-        ("model_mb", mb(merged)),
+        ("adapter_mb", _mb(lora)),
+        ("model_mb", _mb(merged)),
     ]
 
 
