@@ -492,11 +492,18 @@ class RowAdapterError(CoreError):
 
 
 def row_adapters(
-    lora: object, lora_names: object, batch_size: int, served: Mapping[str, int]
+    lora: object,
+    lora_names: object,
+    batch_size: int,
+    served: Mapping[str, int],
+    default: str | None = None,
 ) -> Result[tuple[LoraRef | None, ...], RowAdapterError]:
     """Each row's adapter: ``lora`` (one name for the batch) or ``lora_names`` (one name
     or None per row), each a name in ``served`` (name -> ``lora_int_id``); neither given:
-    every row on the base model (an empty tuple)."""
+    ``default`` once it is served (NeMo-RL's native mode serves every request under its
+    one adapter), else every row on the base model (an empty tuple)."""
+    if lora is None and lora_names is None and default in served:
+        lora = default
     if lora is not None and lora_names is not None:
         return Failure(
             RowAdapterError("give lora (the batch's adapter) or lora_names (per row), not both")

@@ -114,12 +114,14 @@ def parse_sample_data(
     config_stops: Sequence[str],
     mode: StopMode,
     served: Mapping[str, int] | None = None,
+    default_adapter: str | None = None,
 ) -> Result[SampleData, PlanError]:
     """``data["seeds"]``, ``data["stop_strings"]`` and the adapter names ``data["lora"]``
     / ``data["lora_names"]`` (among ``served``, name -> ``lora_int_id``) for a batch of
-    ``batch_size`` rows (each absent: no seed, the config's stop strings, the base model);
-    the error names the input."""
-    adapters = row_adapters(data.get("lora"), data.get("lora_names"), batch_size, served or {})
+    ``batch_size`` rows (each absent: no seed, the config's stop strings,
+    ``default_adapter`` once served, else the base model); the error names the input."""
+    lora, names = data.get("lora"), data.get("lora_names")
+    adapters = row_adapters(lora, names, batch_size, served or {}, default_adapter)
     if isinstance(adapters, Failure):
         refused = adapters.failure()
         return Failure(PlanError(refused.message, field=refused.field, cause=refused))

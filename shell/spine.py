@@ -86,7 +86,7 @@ from genworker.core.batch import check_batch
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import CACHE_RESETS, NONFINITE_LOGPROBS, CounterSample
 from genworker.core.engine_plan import plan_engine_kwargs
-from genworker.core.lora import check_adapter_name
+from genworker.core.lora import NEMO_RL_ADAPTER_NAME, check_adapter_name
 from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
 from genworker.core.refit_plan import Manifest
@@ -494,6 +494,7 @@ class WorkerSpine(Generic[_E]):
             config_stops=self.cfg.stop_strings,
             mode=self.stop_mode,
             served=self.lora_adapters,
+            default_adapter=NEMO_RL_ADAPTER_NAME if self.cfg.lora.native else None,
         )
         limits = RequestLimits(
             max_new_tokens=self.cfg.max_new_tokens,

@@ -346,6 +346,12 @@ def test_no_adapter_named_is_the_base_model() -> None:
     assert row_adapters(None, None, 3, SERVED).unwrap() == ()
 
 
+def test_the_default_adapter_serves_unnamed_batches_once_it_is_served() -> None:
+    assert row_adapters(None, None, 2, SERVED, "a").unwrap() == (LoraRef("a", 1),) * 2
+    assert row_adapters(None, None, 2, SERVED, "nemo-rl-online").unwrap() == ()
+    assert row_adapters(None, [None, "b"], 2, SERVED, "a").unwrap() == (None, LoraRef("b", 2))
+
+
 def test_a_batch_adapter_and_per_row_names() -> None:
     assert row_adapters("a", None, 2, SERVED).unwrap() == (LoraRef("a", 1), LoraRef("a", 1))
     rows = row_adapters(None, ["b", None], 2, SERVED).unwrap()
