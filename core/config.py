@@ -109,6 +109,7 @@ from returns.result import Failure, Result, Success
 
 from genworker.core.config_keys import UNKNOWN_KEY_POLICIES, check_keys, parse_bool
 from genworker.core.errors import CoreError
+from genworker.core.lora import LoraPlan, plan_lora
 from genworker.core.stops import StopMode
 
 __all__ = [
@@ -492,6 +493,11 @@ class WorkerConfig:
     def num_speculative_tokens(self) -> int | None:
         """Draft tokens per step (0: off; ``None``: the engine infers it)."""
         return self.vllm.num_speculative_tokens
+
+    @property
+    def lora(self) -> LoraPlan:
+        """The LoRA plan (``core.lora``) of ``vllm_kwargs`` and ``lora_refit_mode``."""
+        return plan_lora(self.vllm_kwargs, self.extras.get("lora_refit_mode")).value_or(LoraPlan())
 
     @property
     def is_colocated(self) -> bool:
@@ -964,6 +970,9 @@ def _parse(m: Mapping[object, object]) -> Result[WorkerConfig, ConfigError]:
         if colocated_map is not None:
             r.take(colocated_map, "enabled", _as_bool, False, prefix="colocated.", default=False)
 
+    lora = plan_lora(user_kwargs, top.get("lora_refit_mode"))
+    for problem in lora.failure() if isinstance(lora, Failure) else ():
+        r.add(problem.key, problem.message)
     if r.problems:
         return Failure(ConfigError.from_problems(r.problems))
     extras = _freeze_str_map({k: v for k, v in top.items() if k not in _TOP_KEYS})

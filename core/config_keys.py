@@ -413,6 +413,24 @@ KEYS: Final[tuple[KeyRule, ...]] = (
         "vLLM's processed-media cache size (the worker resets it after refits and before sleep)",
     ),
     KeyRule("vllm_kwargs.skip_mm_profiling", _H, "vLLM skips the multimodal memory profiling"),
+    # LoRA (core/lora.py; NeMo-RL's native LoRA refit, nemo_rl/models/generation/vllm/
+    # lora_utils.py): checked by core.lora.plan_lora, passed to vLLM, read by the adapter refit
+    KeyRule(
+        "lora_refit_mode", _H, "native: adapter-only refits (enables LoRA); merged: full refits"
+    ),
+    KeyRule("vllm_kwargs.enable_lora", _H, "vLLM's LoRA layers; adapter refits need it"),
+    KeyRule("vllm_kwargs.max_lora_rank", _H, "the largest adapter rank; vLLM's values only"),
+    KeyRule("vllm_kwargs.max_loras", _H, "adapters one batch may mix"),
+    KeyRule("vllm_kwargs.max_cpu_loras", _H, "adapter names held at once (>= max_loras)"),
+    KeyRule(
+        "vllm_kwargs.lora_dtype", _H, "the adapters' dtype in the engine (auto, float16, bfloat16)"
+    ),
+    KeyRule(
+        "vllm_kwargs.additional_config.*",
+        _H,
+        "passed to vLLM; nemo_rl_native_lora {rank, alpha} checked against max_lora_rank, its "
+        "alpha the default of adapter refits",
+    ),
     # Drift: keys NeMo-RL added after 7ea279ab (merged or open pull requests, 2026-08/09)
     KeyRule(
         "vllm_cfg.refit_with_reload_api",

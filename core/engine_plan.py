@@ -328,6 +328,8 @@ def plan_engine_kwargs(
         for key, value in user.items()
         if key not in RESERVED_KEYS and key not in UNSUPPORTED_KEYS and key not in merged_keys
     )
+    # core.lora: enable_lora and its limits, over the user's (one more slot on CPU)
+    kwargs.update(config.lora.engine_kwargs(cpu=gpu_capability is None))
 
     if problems:
         return Failure(ConfigError.from_problems(problems))

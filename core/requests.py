@@ -48,6 +48,7 @@ from returns.result import Failure, Result, Success
 from genworker.core.batch import BatchError, check_seeds
 from genworker.core.caps import CapArgumentError, CapError, cap_rows, no_room_error
 from genworker.core.errors import CoreError
+from genworker.core.lora import LoraRef, RowAdapterError, row_adapters
 from genworker.core.sampling import SamplingDefaults, SamplingSpec, sampling_spec
 from genworker.core.stops import StopError, StopMode, merge_stop_strings
 
@@ -67,10 +68,10 @@ __all__ = [
 @attrs.frozen
 class PlanError(CoreError):
     """A batch the plan refuses whole: ``field`` names the input (``seeds``,
-    ``stop_strings``, ``max tokens``, ``prompts``) and ``cause`` is the core error."""
+    ``stop_strings``, ``max tokens``, ``prompts``, ``lora``, ``lora_names``) and ``cause`` is the core error."""
 
     field: str
-    cause: BatchError | StopError | CapArgumentError | None = None
+    cause: BatchError | StopError | CapArgumentError | RowAdapterError | None = None
 
 
 @attrs.frozen
@@ -92,6 +93,8 @@ class SampleData:
 
     seeds: tuple[int | None, ...]
     stops: tuple[tuple[str, ...], ...]
+    #: each row's adapter (``core.lora.row_adapters``); empty: every row on the base model
+    adapters: tuple[LoraRef | None, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         if len(self.seeds) != len(self.stops):
@@ -110,9 +113,18 @@ def parse_sample_data(
     *,
     config_stops: Sequence[str],
     mode: StopMode,
+    served: Mapping[str, int] | None = None,
+    default_adapter: str | None = None,
 ) -> Result[SampleData, PlanError]:
-    """``data["seeds"]`` and ``data["stop_strings"]`` for a batch of ``batch_size`` rows
-    (each absent: no seed, the config's stop strings); the error names the input."""
+    """``data["seeds"]``, ``data["stop_strings"]`` and the adapter names ``data["lora"]``
+    / ``data["lora_names"]`` (among ``served``, name -> ``lora_int_id``) for a batch of
+    ``batch_size`` rows (each absent: no seed, the config's stop strings,
+    ``default_adapter`` once served, else the base model); the error names the input."""
+    lora, names = data.get("lora"), data.get("lora_names")
+    adapters = row_adapters(lora, names, batch_size, served or {}, default_adapter)
+    if isinstance(adapters, Failure):
+        refused = adapters.failure()
+        return Failure(PlanError(refused.message, field=refused.field, cause=refused))
     seeds = check_seeds(data.get("seeds"), batch_size)
     if isinstance(seeds, Failure):
         problem = seeds.failure()
@@ -121,7 +133,7 @@ def parse_sample_data(
     if isinstance(stops, Failure):
         bad = stops.failure()
         return Failure(PlanError(bad.message, field="stop_strings", cause=bad))
-    return Success(SampleData(seeds.unwrap(), stops.unwrap()))
+    return Success(SampleData(seeds.unwrap(), stops.unwrap(), adapters.unwrap()))
 
 
 @attrs.frozen
@@ -175,13 +187,14 @@ def plan_requests(
         problem = caps.failure()
         return Failure(PlanError(problem.message, field="max tokens", cause=problem))
     capped = caps.unwrap()
-    made: dict[tuple[int, tuple[str, ...], int | None], SamplingSpec] = {}
+    made: dict[tuple[int, tuple[str, ...], int | None, LoraRef | None], SamplingSpec] = {}
     specs: list[SamplingSpec | None] = []
     for (row, _), cap in zip(rows, capped.max_tokens, strict=True):
         if cap == 0:
             specs.append(None)
             continue
-        key = (cap, samples.stops[row], samples.seeds[row])
+        adapter = samples.adapters[row] if samples.adapters else None
+        key = (cap, samples.stops[row], samples.seeds[row], adapter)
         spec = made.get(key)
         if spec is None:  # rows alike share one (immutable) spec
             spec = made[key] = sampling_spec(
@@ -193,6 +206,8 @@ def plan_requests(
                 flat_logprobs=limits.flat_logprobs,
                 text=text,
             )
+            if adapter is not None:
+                spec = made[key] = attrs.evolve(spec, adapter=adapter)
         specs.append(spec)
     refused = capped.refused
     if refused is not None:  # name batch rows, not positions in ``rows``

@@ -48,6 +48,7 @@ import attrs
 from returns.result import Failure, Result, Success
 
 from genworker.core.config import ConfigError, ConfigProblem
+from genworker.core.lora import LoraRef
 
 __all__ = [
     "SamplingDefaults",
@@ -169,6 +170,8 @@ class SamplingSpec:
     detokenize: bool = attrs.field(
         default=attrs.Factory(_has_stop_strings, takes_self=True), validator=_check_detokenize
     )
+    #: the LoRA adapter the request runs under (``core.lora``); not a SamplingParams field
+    adapter: LoraRef | None = None
 
     def as_kwargs(self, known: frozenset[str] | None = None) -> dict[str, object]:
         """Keyword arguments for vLLM ``SamplingParams`` (tuples as lists).

@@ -69,6 +69,7 @@ from vllm.v1.metrics.reader import get_metrics_snapshot
 
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
+from genworker.core.lora import LoraRef
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
@@ -99,6 +100,7 @@ from genworker.shell.vllm_engine import (
     expanded_with,
     generation_of,
     image_token_id_of,
+    lora_request,
     metric_sample,
     sampling_arg_names,
     token_prompt,
@@ -280,11 +282,13 @@ class AsyncVllmEngine:
         params: SamplingParams,
         request_id: str,
         progress: Callable[[int], None] | None = None,
+        adapter: LoraRef | None = None,
     ) -> CompletionOutput:
         llm = self.llm
         final: RequestOutput | None = None
+        lora = lora_request(adapter)
         with translated(ASYNC_REQUEST, call):
-            async for out in llm.generate(prompt, params, request_id):
+            async for out in llm.generate(prompt, params, request_id, lora_request=lora):
                 final = out
                 if progress is not None:
                     progress(len(out.outputs[0].token_ids))
@@ -307,6 +311,7 @@ class AsyncVllmEngine:
             self._sampling(spec, kind),
             request_id,
             progress,
+            spec.adapter,
         )
         return StreamedGeneration(generation_of(0, completion), _spans(completion))
 
@@ -331,7 +336,9 @@ class AsyncVllmEngine:
     ) -> str:
         params = self._sampling(spec, RequestOutputKind.FINAL_ONLY)
         request = token_prompt(prompt, media)
-        completion = await self._final("generate_text", request, params, request_id)
+        completion = await self._final(
+            "generate_text", request, params, request_id, adapter=spec.adapter
+        )
         if completion.finish_reason == "abort":
             raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
         generation = generation_of(0, completion)

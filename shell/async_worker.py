@@ -914,6 +914,71 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         built-in refits' checks, bounds, pause, version bump and resume around it."""
         return await self._refit(method, timeout_s, mode, clear_cache, transport)
 
+    # -- adapter refits (docs/lora.md; the rules in the spine, as the sync worker's) ------
+    async def prepare_lora(
+        self,
+        adapter_info: Mapping[str, tuple[Sequence[int], object]],
+        peft_config: Mapping[str, object],
+    ) -> list[object]:
+        """As ``VllmGenerationWorker.prepare_lora``: the adapter checked against what the
+        engine holds; each engine worker's address for ``RefitSender.ipc``."""
+        manifest = self._manifest_of(adapter_info)
+        alpha = self.cfg.lora.alpha
+        addresses = await self._rpc(
+            "refit_init", "lora", manifest.to_info(), dict(peft_config), alpha
+        )
+        self._lora_manifest = manifest
+        return addresses
+
+    async def update_lora(
+        self,
+        name: str,
+        timeout_s: float | None = None,
+        *,
+        mode: InflightMode | str = InflightMode.KEEP,
+        clear_cache: bool = True,
+    ) -> bool:
+        """An adapter refit while requests run, paused as a full in-flight refit is
+        (``mode``, ``clear_cache``); the version counts it. A failure resumes the engine
+        with the previous adapter serving and the version alone (rows of mode ``abort``
+        stay aborted)."""
+        inflight = _inflight_mode(mode)
+        if not isinstance(clear_cache, bool):
+            raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
+        bound, outer = self._lora_bounds(name, timeout_s)
+        self._rpc_allowed("update_lora")
+        engine = self.engine
+        if inflight is InflightMode.ABORT:
+            self._mark_in_flight(
+                lambda row: RequestAbortedError(
+                    f"row {row}: aborted by an in-flight adapter refit (mode 'abort')"
+                )
+            )
+        try:
+            await asyncio.wait_for(engine.pause(inflight, clear_cache), bound)
+        except TimeoutError as e:
+            raise RefitTimeoutError(f"update_lora: pausing the engine took over {bound:g} s") from e
+        try:
+            with translated(self._rpc_seam("update_lora"), "update_lora"):
+                results = await engine.collective_rpc(
+                    "refit_receive", ("lora", name), {"timeout_s": bound}, timeout=outer
+                )
+            reports = raise_failures(results, "update_lora")
+            self._lora_ok(name, reports, {})
+            if engine.capabilities.weight_versions:
+                await engine.label_weights(str(self._version))
+                self._labelled = True
+            self._close_runs()
+            self._label = self._version
+        except EngineDeadError as e:
+            self._died(e)
+            raise
+        finally:
+            if self._dead is None:
+                await engine.resume()
+        self.last_refit["mode"] = inflight.value
+        return True
+
     def _mark_in_flight(self, why: Callable[[int], GenworkerError]) -> list[str]:
         for request in self._requests.values():
             if request.abort_reason is None:

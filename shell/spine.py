@@ -87,6 +87,7 @@ from genworker.core.config import WorkerConfig
 from genworker.core.counters import CACHE_RESETS, NONFINITE_LOGPROBS, CounterSample
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.groups import Group, GroupPath, GroupPlan, plan_groups
+from genworker.core.lora import NEMO_RL_ADAPTER_NAME, check_adapter_name
 from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
 from genworker.core.refit_plan import Manifest
@@ -151,6 +152,8 @@ EXTENSION_CLS = "genworker.shell.extension.WorkerExtension"
 REFIT_METHODS = frozenset(
     {
         "prepare_refit_info",
+        "prepare_lora",
+        "update_lora",
         "init_collective",
         "update_weights_via_ipc_zmq",
         "update_weights_from_collective",
@@ -370,6 +373,10 @@ class WorkerSpine(Generic[_E]):
         self.nonfinite_logprobs: dict[str, int] = dict(NonFiniteCounts().by_kind())
         #: rows of the last plan refused for want of room (they come back unchanged)
         self.last_refused_rows: tuple[int, ...] = ()
+        #: the LoRA adapters served (name -> lora_int_id; ``update_lora``) and the
+        #: adapter manifest of ``prepare_lora``
+        self.lora_adapters: dict[str, int] = {}
+        self._lora_manifest: Manifest | None = None
 
     # -- engine start and death -------------------------------------------------------
     def _start(self, factory: StartsEngines[_E], discard: Callable[[_E], None]) -> _E:
@@ -486,7 +493,12 @@ class WorkerSpine(Generic[_E]):
         """``core.requests``'s plan of ``rows`` (``(batch row, context length)``)."""
         caps = self.caps
         samples = parse_sample_data(
-            data, batch_size, config_stops=self.cfg.stop_strings, mode=self.stop_mode
+            data,
+            batch_size,
+            config_stops=self.cfg.stop_strings,
+            mode=self.stop_mode,
+            served=self.lora_adapters,
+            default_adapter=NEMO_RL_ADAPTER_NAME if self.cfg.lora.native else None,
         )
         limits = RequestLimits(
             max_new_tokens=self.cfg.max_new_tokens,
@@ -817,6 +829,34 @@ class WorkerSpine(Generic[_E]):
         self._commit(lifecycle.Event.REFIT_OK, "refit")
         self._version += steps
         self.last_refit = last_refit
+
+    # -- adapter refits (core.lora, shell.refit.lora) ------------------------------------
+    # The base weights are never touched: a failed adapter refit leaves the lifecycle, the
+    # version and the adapter that served before (the engine puts it back) as they were.
+    def _lora_bounds(self, name: object, timeout_s: object) -> tuple[float, float]:
+        """``update_lora``'s preamble: the name, ``timeout_s``, ``prepare_lora`` first and
+        the weights resident; the per-wait bound and the RPC's outer bound."""
+        if (problem := check_adapter_name(name)) is not None:
+            raise BadArgumentError(f"update_lora: {problem}")
+        bound = unwrap(wait_bound(timeout_s), BadArgumentError, "update_lora")
+        if self._lora_manifest is None:
+            raise EngineStateError("update_lora needs prepare_lora first")
+        self._move(lifecycle.Event.REFIT_BEGIN)  # checked only: the weights must be resident
+        return bound, rpc_bound(refit_waits(len(self._lora_manifest), Transport.IPC), bound)
+
+    def _lora_ok(self, name: str, reports: list[object], resets: Mapping[str, float]) -> None:
+        """An adapter refit succeeded on every engine worker: ``name`` serves its
+        ``lora_int_id`` and the weights are one version newer."""
+        ids = {r.get("lora_int_id") for r in reports if isinstance(r, dict)}
+        if len(ids) != 1 or not isinstance(lora_id := ids.pop(), int):
+            raise RefitError(f"update_lora: the engine workers disagree on adapter ids: {reports}")
+        self.lora_adapters[name] = lora_id
+        self._version += 1
+        self.last_refit = {
+            "engine_workers": reports,
+            "adapter": name,
+            **{f"reset_{cache}_cache_seconds": sec for cache, sec in resets.items()},
+        }
 
     @staticmethod
     def _rpc_seam(method: str) -> Seam:

@@ -152,6 +152,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.logprobs import FlatLogprobs
+from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
 from vllm.renderers import BaseRenderer
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
@@ -166,6 +167,7 @@ from genworker.core.counters import (
     VectorSample,
 )
 from genworker.core.engine_plan import fp8_start
+from genworker.core.lora import LoraRef, adapter_path
 from genworker.core.outputs import check_finished, check_logprobs
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
 from genworker.core.sampling import SamplingSpec, group_specs
@@ -205,6 +207,8 @@ __all__ = [
     "abort_unfinished",
     "engine_arg_names",
     "expanded_with",
+    "lora_request",
+    "lora_requests",
     "sampling_params",
     "token_prompt",
     "tokenize_with",
@@ -515,7 +519,10 @@ class VllmEngine:
         llm = self.llm
         with _batch_call(llm, "generate", self._inflight):
             params = with_samples(self.request_params(specs), samples)
-            outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
+            loras = lora_requests(specs)
+            outputs = llm.generate(
+                _token_prompts(prompts, media), params, use_tqdm=use_tqdm, lora_request=loras
+            )
         completions: list[CompletionOutput | None] = [
             c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)
         ]
@@ -553,7 +560,10 @@ class VllmEngine:
         llm = self.llm
         with _batch_call(llm, "generate_text", self._inflight):
             params = self.request_params(specs)
-            outputs = llm.generate(_token_prompts(prompts, media), params, use_tqdm=use_tqdm)
+            loras = lora_requests(specs)
+            outputs = llm.generate(
+                _token_prompts(prompts, media), params, use_tqdm=use_tqdm, lora_request=loras
+            )
         completions: list[CompletionOutput | None] = [out.outputs[0] for out in outputs]
         texts = [_present(c).text for c in completions]
         # The caller sees no tokens: the rows are checked here (EnginePort.generate_text).
@@ -780,6 +790,20 @@ def token_prompt(prompt: Sequence[int], media: RowMedia | None) -> TokensPrompt:
     if media is not None:
         request["multi_modal_data"] = media.vllm_data()
     return request
+
+
+def lora_request(ref: LoraRef | None) -> LoRARequest | None:
+    """vLLM's request for adapter ``ref`` (``core.lora``; None: the base model)."""
+    if ref is None:
+        return None
+    return LoRARequest(ref.name, ref.lora_int_id, adapter_path(ref.name))
+
+
+def lora_requests(specs: Sequence[SamplingSpec]) -> list[LoRARequest | None] | None:
+    """Each row's adapter request; None when no row names an adapter."""
+    if all(spec.adapter is None for spec in specs):
+        return None
+    return [lora_request(spec.adapter) for spec in specs]
 
 
 def _token_prompts(

@@ -517,6 +517,43 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         refit maps again what it sends."""
         return self._rpc("release_refit_buffers")
 
+    # -- adapter refits (docs/lora.md) ------------------------------------------------
+    @_serialized
+    def prepare_lora(
+        self,
+        adapter_info: Mapping[str, tuple[Sequence[int], object]],
+        peft_config: Mapping[str, object],
+    ) -> list[object]:
+        """Check the adapter of every later ``update_lora`` (its tensors ``{name: (shape,
+        dtype)}`` in PEFT's names and its ``adapter_config``) against what the engine
+        holds; each engine worker's address for ``RefitSender.ipc(address,
+        manifest=adapter_info)``. A refused adapter moves nothing."""
+        manifest = self._manifest_of(adapter_info)
+        alpha = self.cfg.lora.alpha
+        addresses = self._rpc("refit_init", "lora", manifest.to_info(), dict(peft_config), alpha)
+        self._lora_manifest = manifest
+        return addresses
+
+    @_serialized
+    def update_lora(self, name: str, timeout_s: float | None = None) -> bool:
+        """Receive one adapter refit and serve it as ``name`` (generate with
+        ``data["lora"]`` or ``data["lora_names"]``); the weight version counts it. A
+        failure leaves the previous adapter serving and the version alone."""
+        bound, outer = self._lora_bounds(name, timeout_s)
+        self._rpc_allowed("update_lora")
+        kwargs: dict[str, object] = {"timeout_s": bound}
+        with translated(self._rpc_seam("update_lora"), "update_lora"):
+            reports = self._call(
+                lambda e: e.collective_rpc("refit_receive", ("lora", name), kwargs, timeout=outer)
+            )
+        raise_failures(reports, "update_lora")
+        try:
+            resets = self._reset_caches("update_lora")
+        except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
+            self._refit_failed("update_lora", e)
+        self._lora_ok(name, reports, resets)
+        return True
+
     def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
         """``method(*args)`` on every engine worker; failures typed by the spine's map."""
         self._rpc_allowed(method)

@@ -78,6 +78,7 @@ register_backend("nemo_rl_ipc", "genworker.shell.refit.nemo_rl", "NemoRlIpcBacke
 register_backend("nemo_rl_collective", "genworker.shell.refit.nemo_rl", "NemoRlCollectiveBackend")
 register_backend("sparse", "genworker.shell.refit.sparse", "SparseBackend")
 register_backend("reshard", "genworker.shell.refit.reshard", "ReshardBackend")
+register_backend("lora", "genworker.shell.refit.lora", "LoraBackend")
 
 
 class Door:

@@ -65,6 +65,8 @@ def _pad_values(run: Run) -> object:
     return sorted({int(v) for i, n in enumerate(lengths) for v in out["output_ids"][i, n:]})
 
 
+_LORA = {"vllm_kwargs.enable_lora": True}
+
 # key: (value a, value b, what differs, extra config for both runs)
 EFFECTS: dict[str, tuple[object, object, Callable[[Run], object], dict[str, Any]]] = {
     "model_name": ("m1", "m2", _kwarg("model"), {}),
@@ -143,6 +145,19 @@ EFFECTS: dict[str, tuple[object, object, Callable[[Run], object], dict[str, Any]
     ),
     "vllm_kwargs.mm_processor_cache_gb": (None, 4, _kwarg("mm_processor_cache_gb"), {}),
     "vllm_kwargs.skip_mm_profiling": (None, True, _kwarg("skip_mm_profiling"), {}),
+    # LoRA (core.lora): planned into vLLM's options
+    "lora_refit_mode": (None, "native", _kwarg("enable_lora"), {}),
+    "vllm_kwargs.enable_lora": (None, True, _kwarg("enable_lora"), {}),
+    "vllm_kwargs.max_lora_rank": (8, 16, _kwarg("max_lora_rank"), _LORA),
+    "vllm_kwargs.max_loras": (1, 2, _kwarg("max_loras"), _LORA),
+    "vllm_kwargs.max_cpu_loras": (2, 4, _kwarg("max_cpu_loras"), _LORA),
+    "vllm_kwargs.lora_dtype": ("auto", "bfloat16", _kwarg("lora_dtype"), _LORA),
+    "vllm_kwargs.additional_config.*": (
+        None,
+        {"nemo_rl_native_lora": {"rank": 32, "alpha": 64}},
+        _kwarg("max_lora_rank"),
+        {},
+    ),
 }
 
 # Keys whose only honoured value is fixed: any other is refused (the effect is the refusal).

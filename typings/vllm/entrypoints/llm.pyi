@@ -2,8 +2,8 @@ from collections.abc import Callable, Sequence
 from typing import Literal, TypeVar, overload
 
 import torch
-
 from vllm.inputs import TextPrompt, TokensPrompt
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.renderers import BaseRenderer
 from vllm.sampling_params import SamplingParams
@@ -23,7 +23,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        lora_request: None = None,
+        lora_request: Sequence[LoRARequest | None] | LoRARequest | None = None,
         priority: int | Sequence[int] | None = None,
         tokenization_kwargs: None = None,
         mm_processor_kwargs: None = None,

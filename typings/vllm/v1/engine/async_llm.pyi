@@ -6,6 +6,7 @@ from vllm.config import VllmConfig
 from vllm.config.model import ModelConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.renderers import BaseRenderer
 from vllm.sampling_params import SamplingParams
@@ -30,8 +31,13 @@ class AsyncLLM(metaclass=ABCMeta):
     def shutdown(self, timeout: float | None = None) -> None: ...
     def get_num_unfinished_requests(self) -> int: ...
     def generate(
-        self, prompt: TokensPrompt | str, sampling_params: SamplingParams, request_id: str
-    ) -> AsyncGenerator[RequestOutput, None]: ...
+        self,
+        prompt: TokensPrompt | str,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncGenerator[RequestOutput]: ...
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None: ...
     async def pause_generation(
         self, *, mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True
@@ -43,7 +49,9 @@ class AsyncLLM(metaclass=ABCMeta):
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool: ...
-    async def sleep(self, level: int = 1, mode: Literal["abort", "wait", "keep"] = "abort") -> None: ...
+    async def sleep(
+        self, level: int = 1, mode: Literal["abort", "wait", "keep"] = "abort"
+    ) -> None: ...
     async def wake_up(self, tags: list[str] | None = None) -> bool: ...
     async def is_sleeping(self) -> bool: ...
     async def collective_rpc(

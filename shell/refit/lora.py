@@ -1,0 +1,238 @@
+"""Adapter-only refits: a LoRA adapter's tensors over IPC into vLLM's LoRA manager, under
+a name, without touching the base weights (the refit backend ``lora``).
+
+Theory of operation
+-------------------
+``init(info, peft)`` takes the adapter's manifest (``{name: (shape, dtype)}`` in PEFT's
+names) and ``adapter_config``, checks them against what this engine's LoRA layers hold
+(``core.lora.check_adapter`` over :meth:`LoraBackend.holds`) and binds an
+:class:`~genworker.shell.refit.ipc.IpcReceiver` of its own: the trainer sends with
+``RefitSender.ipc(address, manifest=info)``, the refit protocol of every other refit.
+``receive(name)`` runs that protocol with no direct routes (every tensor to a loader that
+copies it to CPU, as vLLM keeps adapters there), then installs the adapter:
+``LoRAModel.from_lora_tensors`` (vllm/lora/lora_model.py, 0.32) under the name's
+``lora_int_id`` (one per name, kept across refits, so requests in flight keep it), the
+old model removed from the manager (``LRUCacheLoRAModelManager``) and the new one added
+and activated; if adding or activating fails (a shape vLLM's layer refuses), the old
+model is added and activated again, so the previous adapter serves on and the refit is
+raised typed. A failed transfer never reaches the manager.
+
+Requests name the adapter as ``LoRARequest(name, lora_int_id, path)`` with
+:func:`genworker.core.lora.adapter_path` as the path: vLLM's worker finds the id registered and never reads
+the path, and the prefix cache keys blocks by name and path (``_gen_lora_extra_hash_keys``,
+vllm/v1/core/kv_cache_utils.py), which the worker resets after every adapter refit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from genworker.core import refit_protocol as p
+from genworker.core.lora import (
+    Adapter,
+    EngineLora,
+    adapter_capacity,
+    check_adapter,
+    check_adapter_name,
+)
+from genworker.core.refit_plan import Manifest
+from genworker.shell.errors import (
+    BadArgumentError,
+    EngineStateError,
+    RefitError,
+    RefitManifestError,
+    unwrap,
+)
+from genworker.shell.refit.engine import MIN_CAP, EngineContext
+from genworker.shell.refit.ipc import IpcReceiver
+from genworker.shell.refit.receiver import receive
+
+if TYPE_CHECKING:
+    from genworker.shell.ports import RefitPort
+
+__all__ = ["LoraBackend"]
+
+log = logging.getLogger(__name__)
+
+
+class _CpuSink:
+    """No direct routes: every adapter tensor goes through the loader."""
+
+    device = torch.device("cpu")
+
+    def target(self, name: str) -> torch.Tensor:
+        raise RefitError(f"adapter tensor {name!r} has no direct route")
+
+    def finish(self, names: Iterable[str]) -> None:
+        return None
+
+
+class LoraBackend:
+    """The ``lora`` refit backend (see the module docstring)."""
+
+    def __init__(self, engine: EngineContext) -> None:
+        self.engine = engine
+        self.receiver: IpcReceiver | None = None
+        self.adapter: Adapter | None = None
+        self.ids: dict[str, int] = {}  # adapter name -> lora_int_id
+        self.refits = 0
+
+    def _manager(self) -> object:
+        """vLLM's worker LoRA manager; an ``EngineStateError`` on an engine without LoRA."""
+        runner = getattr(self.engine.worker, "model_runner", None)
+        manager = getattr(runner, "lora_manager", None)
+        if manager is None:
+            raise EngineStateError(
+                "this engine was started without LoRA: set vllm_kwargs.enable_lora: true "
+                "(or lora_refit_mode: native) for adapter refits"
+            )
+        return manager
+
+    def holds(self) -> EngineLora:
+        """What this engine's LoRA layers hold: rank limit, module names and paths."""
+        manager = self._manager()
+        adapters = manager._adapter_manager  # type: ignore[attr-defined]
+        packed: Mapping[str, list[str]] = adapters.packed_modules_mapping
+        names: set[str] = set()
+        for module in adapters.supported_lora_modules:
+            names.update(packed.get(module, [module]))
+        paths: set[str] = set()
+        for path in adapters.modules:
+            prefix, _, last = path.rpartition(".")
+            paths.update(
+                f"{prefix}.{part}" if prefix else part for part in packed.get(last, [last])
+            )
+        rank = int(manager.lora_config.max_lora_rank)  # type: ignore[attr-defined]
+        return EngineLora(rank, frozenset(names), frozenset(paths))
+
+    def init(
+        self,
+        info: Mapping[str, object] | None = None,
+        peft: Mapping[str, object] | None = None,
+        alpha: float | None = None,
+        tcp_host: str | None = None,
+    ) -> str:
+        """Check and record the adapter of every later refit (``info``: its manifest,
+        ``peft``: its ``adapter_config``; ``alpha`` the default ``lora_alpha``); the
+        address a ``RefitSender.ipc`` connects to (bound once)."""
+        if info is not None:
+            manifest = unwrap(Manifest.from_info(info), RefitManifestError, "adapter manifest")
+            checked = check_adapter(manifest, dict(peft or {}), self.holds(), alpha=alpha)
+            self.adapter = unwrap(checked, RefitManifestError, "adapter")
+        if self.receiver is None:
+            self.receiver = IpcReceiver(self.engine.device, tcp_host=tcp_host)
+        if self.adapter is not None:
+            self.receiver.limit(max(MIN_CAP, p.max_message_bytes(self.adapter.manifest)))
+        return self.receiver.address
+
+    def receive(self, name: str, timeout_s: float | None = None) -> dict[str, object]:
+        """Receive one adapter refit and serve it as ``name``; the previous adapter of
+        that name keeps serving when anything fails."""
+        if (problem := check_adapter_name(name)) is not None:
+            raise BadArgumentError(problem)
+        bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, "timeout_s")
+        if self.adapter is None or self.receiver is None:
+            raise EngineStateError("an adapter refit needs refit_init('lora', info, peft) first")
+        manager = self._manager()
+        config = manager.lora_config  # type: ignore[attr-defined]
+        cpu = self.engine.device.type == "cpu"
+        capacity = adapter_capacity(config.max_loras, config.max_cpu_loras, cpu=cpu)
+        if name not in self.ids and len(self.ids) >= capacity:
+            raise BadArgumentError(
+                f"adapter {name!r} would be adapter {len(self.ids) + 1}, and this engine serves "
+                f"{capacity} (vllm_kwargs.max_cpu_loras, max_loras on CPU); serving "
+                f"{sorted(self.ids)}"
+            )
+        tensors: dict[str, torch.Tensor] = {}
+
+        def collect(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for tensor_name, tensor in weights:
+                tensors[tensor_name] = tensor.to("cpu", copy=True)
+
+        port: RefitPort = self.receiver
+        report = receive(
+            port,
+            self.adapter.manifest,
+            _CpuSink(),
+            routes=p.Routes(),
+            timeout_s=bound,
+            loader=collect,
+        )
+        lora_id = self.ids.get(name, max(self.ids.values(), default=0) + 1)
+        self._install(manager, name, lora_id, tensors)
+        self.ids[name], self.refits = lora_id, self.refits + 1
+        log.info(
+            "adapter %r (id %d): %d tensors in %.3fs", name, lora_id, report.tensors, report.seconds
+        )
+        return {**report.as_dict(), "adapter": name, "lora_int_id": lora_id, "refits": self.refits}
+
+    def _install(
+        self, manager: object, name: str, lora_id: int, tensors: dict[str, torch.Tensor]
+    ) -> None:
+        """Replace adapter ``lora_id`` by ``tensors``; the old one back on failure."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        assert self.adapter is not None
+        config = manager.lora_config  # type: ignore[attr-defined]
+        adapters = manager._adapter_manager  # type: ignore[attr-defined]
+        mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+        try:
+            helper = PEFTHelper.from_dict(self.adapter.peft_config())
+            helper.validate_legal(config)
+            new = LoRAModel.from_lora_tensors(
+                lora_model_id=lora_id,
+                tensors=tensors,
+                peft_helper=helper,
+                device="cpu",
+                dtype=config.lora_dtype,
+                model_vocab_size=manager.vocab_size,  # type: ignore[attr-defined]
+                weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+                skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
+            )
+        except Exception as e:
+            raise RefitError(f"adapter {name!r}: vLLM refused its tensors: {e}") from e
+        old = adapters.get_adapter(lora_id)
+        adapters.remove_adapter(lora_id)
+        try:
+            adapters.add_adapter(new)
+            adapters.activate_adapter(lora_id)
+        except Exception as e:
+            adapters.remove_adapter(lora_id)
+            if old is not None:
+                adapters.add_adapter(old)
+                adapters.activate_adapter(lora_id)
+            kept = "the previous one serves on" if old is not None else "none was served"
+            raise RefitError(f"adapter {name!r} could not be installed ({kept}): {e}") from e
+
+    def status(self) -> dict[str, object]:
+        """The address, the adapters served (name -> ``lora_int_id``), adapter refits so
+        far, and what the engine holds (``None`` without LoRA)."""
+        holds = self.holds().as_dict() if self._has_lora() else None
+        address = None if self.receiver is None else self.receiver.address
+        return {
+            "address": address,
+            "adapters": dict(self.ids),
+            "refits": self.refits,
+            "holds": holds,
+        }
+
+    def _has_lora(self) -> bool:
+        return (
+            getattr(getattr(self.engine.worker, "model_runner", None), "lora_manager", None)
+            is not None
+        )
+
+    def release(self) -> int:
+        """Let go of the trainer's memory mapped here between refits; how many."""
+        return 0 if self.receiver is None else self.receiver.mappings.settle(failed=True)
+
+    def close(self) -> int:
+        receiver, self.receiver = self.receiver, None
+        if receiver is not None:
+            receiver.close()
+        return int(receiver is not None)
