@@ -69,6 +69,7 @@ from vllm.v1.metrics.reader import get_metrics_snapshot
 
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
+from genworker.core.routing import CapturePlatform
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.errors import (
     BadBatchError,
@@ -98,9 +99,12 @@ from genworker.shell.vllm_engine import (
     generation_of,
     image_token_id_of,
     metric_sample,
+    routes_of,
+    routes_shape,
     sampling_arg_names,
     token_prompt,
     tokenize_with,
+    vllm_capture_platform,
 )
 
 __all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory", "async_engine_arg_names"]
@@ -128,6 +132,9 @@ class AsyncVllmEngineFactory:
     def gpu_capability(self) -> tuple[int, int] | None:
         capability = current_platform.get_device_capability()
         return None if capability is None else (capability.major, capability.minor)
+
+    def capture_platform(self) -> CapturePlatform:
+        return vllm_capture_platform()
 
     def start(self, kwargs: Mapping[str, object]) -> AsyncVllmEngine:
         return AsyncVllmEngine.start(kwargs)
@@ -209,6 +216,7 @@ class AsyncVllmEngine:
             weight_versions=_labels_tokens(llm),
             num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
             logprobs_mode=model.logprobs_mode,
+            routes=routes_shape(config),
         )
         self._params: dict[tuple[SamplingSpec, RequestOutputKind], SamplingParams] = {}
         # AsyncLLM.pause_generation's own calls (vllm/v1/engine/async_llm.py: 0.25 and 0.32
@@ -304,7 +312,11 @@ class AsyncVllmEngine:
             request_id,
             progress,
         )
-        return StreamedGeneration(generation_of(0, completion), _spans(completion))
+        generation = generation_of(0, completion)
+        routes = routes_of(completion, self._caps.routes)  # on the final output only (0.32)
+        if routes is not None:
+            generation = attrs.evolve(generation, routed_experts=routes)
+        return StreamedGeneration(generation, _spans(completion))
 
     async def generate_text(
         self,

@@ -86,8 +86,13 @@ from genworker.core.config import WorkerConfig
 from genworker.core.config_keys import parse_bool
 from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
 from genworker.core.lifecycle import InflightMode
-from genworker.core.outputs import NonFiniteLogprobs, check_generation_logprobs
+from genworker.core.outputs import (
+    NonFiniteLogprobs,
+    check_generation_logprobs,
+    check_generation_routes,
+)
 from genworker.core.refit_protocol import Transport
+from genworker.core.routing import CapturePlatform
 from genworker.core.rows import assemble_row
 from genworker.core.sampling import SamplingSpec
 from genworker.core.serving import server_options, training_policy
@@ -153,6 +158,9 @@ class ExistingAsyncEngine:
     def gpu_capability(self) -> tuple[int, int] | None:
         return None
 
+    def capture_platform(self) -> CapturePlatform:
+        return CapturePlatform(vllm_version=None, triton=False)  # the engine is already built
+
     def start(self, kwargs: Mapping[str, object]) -> AsyncEnginePort:
         return self.engine
 
@@ -187,6 +195,19 @@ class _Request:
 
 # What a row without room gets: its prompt back, no tokens (as the sync worker's rows).
 _NO_ROOM = RowResult(Generation((), (), "abort"), VersionRuns((), (), 0))
+
+
+def _routes_checked(
+    item: RowResult | GenworkerError, prompt: int, row: int
+) -> RowResult | GenworkerError:
+    """A finished row whose routed experts (if any) fit its prompt and generation, else the
+    engine contract error naming it (``core.outputs.check_generation_routes``)."""
+    if isinstance(item, GenworkerError):
+        return item
+    routed = check_generation_routes(item.generation, prompt, row=row)
+    if isinstance(routed, Failure):
+        return EngineContractError.from_core(routed.failure(), "generate")
+    return item
 
 
 def _for_row(error: GenworkerError, row: int) -> GenworkerError:
@@ -440,7 +461,11 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         try:
             progress = self._progress(engine.capabilities, request)
             streamed = await engine.generate(request.request_id, prompt, spec, progress, media)
-            item = self._finished(engine.capabilities, request, context, streamed)
+            item = _routes_checked(
+                self._finished(engine.capabilities, request, context, streamed),
+                len(prompt),
+                request.row,
+            )
         except EngineDeadError as e:
             self._died(e)
             item = _for_row(e, request.row)

@@ -16,6 +16,7 @@ from genworker.core.assembly import FlatGenerations, Generation
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import check_generation_logprobs
+from genworker.core.routing import CapturePlatform, MoeShape
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.errors import EngineContractError
 from genworker.shell.media import RowMedia
@@ -65,6 +66,9 @@ class EngineCapabilities:
     #: what the engine's logprobs hold (vLLM's ``logprobs_mode``): a -inf sampled logprob
     #: is legal only in a processed mode (``genworker.core.outputs.check_logprobs``)
     logprobs_mode: str = "raw_logprobs"
+    #: the MoE routing the engine returns with each generation (``enable_return_routed_experts``;
+    #: None: it returns none)
+    routes: MoeShape | None = None
 
 
 class EnginePort(Protocol):
@@ -167,6 +171,10 @@ class EngineFactory(Protocol):
 
     def gpu_capability(self) -> tuple[int, int] | None:
         """The local GPU's compute capability, None without a GPU."""
+        ...
+
+    def capture_platform(self) -> CapturePlatform:
+        """What the engine's platform can do for routed-experts capture (``core.routing``)."""
         ...
 
     def start(self, kwargs: Mapping[str, object]) -> EnginePort: ...
@@ -297,6 +305,8 @@ class AsyncEngineFactory(Protocol):
     def arg_names(self) -> frozenset[str] | None: ...
 
     def gpu_capability(self) -> tuple[int, int] | None: ...
+
+    def capture_platform(self) -> CapturePlatform: ...
 
     def start(self, kwargs: Mapping[str, object]) -> AsyncEnginePort: ...
 
