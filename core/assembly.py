@@ -10,7 +10,9 @@ Theory of operation. NeMo-RL's ``VllmGenerationWorker.generate``
 - ``logprobs`` float32 of the same shape: the sampled token's logprob inside the generated
   span, 0 everywhere else (and 0 for a generation that carries no logprobs);
 - ``generation_lengths`` = g_i and ``unpadded_sequence_lengths`` = l_i + g_i, both long;
-- ``truncated`` (bool) = the generation stopped because it hit ``max_tokens`` ("length").
+- ``truncated`` (bool) = the generation stopped because it hit ``max_tokens`` ("length");
+- ``routed_experts`` (B, W, layers, top_k), only when the engine captured routes (MoE
+  routing replay): laid out by :func:`genworker.core.routing.layout_routes`.
   A row the engine aborted ("abort") is not truncated: ``FlatGenerations.aborted`` flags
   it, and the workers refuse it (:func:`genworker.core.outputs.check_finished`).
 
@@ -43,6 +45,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from genworker.core.routing import RoutedExperts, layout_routes
 
 __all__ = [
     "FINISH_REASONS",
@@ -123,6 +127,8 @@ class Generation:
         converter=_logprob_array, eq=attrs.cmp_using(eq=_arrays_equal)
     )
     finish_reason: str = attrs.field(validator=_check_finish_reason)
+    #: the experts each forwarded token was routed to (MoE capture), unchecked
+    routed_experts: RoutedExperts | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.logprobs is not None and self.logprobs.shape != self.token_ids.shape:
@@ -158,8 +164,15 @@ class FlatGenerations:
         default=attrs.Factory(_none_aborted, takes_self=True),
         eq=attrs.cmp_using(eq=_arrays_equal),
     )
+    #: each row's routes (None: the engine captured none), unchecked
+    routed_experts: tuple[RoutedExperts | None, ...] | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.routed_experts is not None and len(self.routed_experts) != len(self.lengths):
+            raise ValueError(
+                f"FlatGenerations has {len(self.routed_experts)} routed-experts rows for "
+                f"{len(self.lengths)} rows"
+            )
         expected = (
             ("token_ids", self.token_ids, np.int64),
             ("logprobs", self.logprobs, np.float32),
@@ -203,6 +216,8 @@ def flatten_generations(generations: Sequence[Generation]) -> FlatGenerations:
     aborted = np.fromiter(
         (g.finish_reason == "abort" for g in generations), dtype=np.bool_, count=batch
     )
+    routes = tuple(g.routed_experts for g in generations)
+    routed = routes if any(r is not None for r in routes) else None
     if batch == 0:
         return FlatGenerations(
             token_ids=np.empty(0, dtype=np.int64),
@@ -227,6 +242,7 @@ def flatten_generations(generations: Sequence[Generation]) -> FlatGenerations:
         lengths=lengths,
         truncated=truncated,
         aborted=aborted,
+        routed_experts=routed,
     )
 
 
@@ -252,17 +268,30 @@ def place_rows(flat: FlatGenerations, rows: Sequence[int], batch_size: int) -> F
     lengths[positions] = flat.lengths
     truncated[positions] = flat.truncated
     aborted[positions] = flat.aborted
+    routes: tuple[RoutedExperts | None, ...] | None = None
+    if flat.routed_experts is not None:
+        placed: list[RoutedExperts | None] = [None] * batch_size
+        for position, route in zip(positions.tolist(), flat.routed_experts, strict=True):
+            placed[position] = route
+        routes = tuple(placed)
     return FlatGenerations(
         token_ids=flat.token_ids,
         logprobs=flat.logprobs,
         lengths=lengths,
         truncated=truncated,
         aborted=aborted,
+        routed_experts=routes,
     )
 
 
 def _tensor_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def _optional_tensor_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return _tensor_equal(a, b)
 
 
 @attrs.frozen
@@ -274,9 +303,19 @@ class GenerationOutputs:
     generation_lengths: torch.Tensor = attrs.field(eq=attrs.cmp_using(eq=_tensor_equal))
     unpadded_sequence_lengths: torch.Tensor = attrs.field(eq=attrs.cmp_using(eq=_tensor_equal))
     truncated: torch.Tensor = attrs.field(eq=attrs.cmp_using(eq=_tensor_equal))
+    routed_experts: torch.Tensor | None = attrs.field(
+        default=None, eq=attrs.cmp_using(eq=_optional_tensor_equal)
+    )
 
     def __attrs_post_init__(self) -> None:
         shape = tuple(self.output_ids.shape)
+        if self.routed_experts is not None and (
+            self.routed_experts.dim() != 4 or tuple(self.routed_experts.shape[:2]) != shape
+        ):
+            raise ValueError(
+                f"GenerationOutputs.routed_experts must be (B, W, layers, top_k) with (B, W) "
+                f"= {shape}; got {tuple(self.routed_experts.shape)}"
+            )
         batch = shape[0] if len(shape) == 2 else -1
         vectors = (self.generation_lengths, self.unpadded_sequence_lengths, self.truncated)
         if (
@@ -297,14 +336,18 @@ class GenerationOutputs:
             )
 
     def as_dict(self) -> dict[str, torch.Tensor]:
-        """The tensors under NeMo-RL's ``GenerationOutputSpec`` keys."""
-        return {
+        """The tensors under NeMo-RL's ``GenerationOutputSpec`` keys (``routed_experts``
+        only when the engine captured routes)."""
+        out = {
             "output_ids": self.output_ids,
             "logprobs": self.logprobs,
             "generation_lengths": self.generation_lengths,
             "unpadded_sequence_lengths": self.unpadded_sequence_lengths,
             "truncated": self.truncated,
         }
+        if self.routed_experts is not None:
+            out["routed_experts"] = self.routed_experts
+        return out
 
 
 def _empty_outputs(dtype: torch.dtype) -> GenerationOutputs:
@@ -374,12 +417,17 @@ def assemble_flat_outputs(
     logprobs[generated] = flat.logprobs
 
     generation_lengths = torch.from_numpy(gen_lengths.copy())
+    routes = None
+    if flat.routed_experts is not None:
+        dense = layout_routes(flat.routed_experts, lengths, gen_lengths, total_width)
+        routes = torch.from_numpy(dense)
     return GenerationOutputs(
         output_ids=torch.from_numpy(output_ids),
         logprobs=torch.from_numpy(logprobs),
         generation_lengths=generation_lengths,
         unpadded_sequence_lengths=lengths_t + generation_lengths,
         truncated=torch.from_numpy(flat.truncated.copy()),
+        routed_experts=routes,
     )
 
 

@@ -26,7 +26,10 @@ Rules, with the vLLM behaviour they mirror (vLLM 0.32, ``vllm/sampling_params.py
   ``gpu_memory_utilization`` in ``(0, 1]``, ``max_model_len >= 1``, ``precision`` one of
   :data:`PRECISIONS` or an alias of :data:`PRECISION_ALIASES` (stored canonical),
   ``sleep_level`` 1 or 2 (default 1), ``use_tqdm`` (default false), ``env_vars`` a mapping
-  of variable names to scalars (stored as strings, as NeMo-RL's ``str(v)``).
+  of variable names to scalars (stored as strings, as NeMo-RL's ``str(v)``),
+  ``enable_return_routed_experts`` (default false; ``vllm_kwargs.enable_return_routed_experts``,
+  NeMo-RL's place for it, turns it on too and is not passed on as it is:
+  ``core.routing.plan_capture`` decides what vLLM gets).
 * Every key has a fate in :data:`genworker.core.config_keys.KEYS`: keys of other layers
   (``colocated``, ``val_temperature``, ``expose_http_server``...) are
   kept in :attr:`WorkerConfig.extras` / :attr:`VllmConfig.extras` for their readers; keys
@@ -343,6 +346,8 @@ class VllmConfig:
     limit_mm_per_prompt: FrozenMap[str, object] | None = None
     mm_processor_kwargs: FrozenMap[str, object] | None = None
     use_tqdm: bool = False
+    #: MoE routing replay: return the experts each token was routed to (``core.routing``)
+    enable_return_routed_experts: bool = False
     env_vars: FrozenMap[str, str] = attrs.field(factory=FrozenMap)
     extras: FrozenMap[str, object] = attrs.field(factory=_empty)
     reset_encoder_cache_after_weight_update: bool = True
@@ -427,6 +432,7 @@ class VllmConfig:
             if self.mm_processor_kwargs is None
             else thaw(self.mm_processor_kwargs),
             use_tqdm=self.use_tqdm,
+            enable_return_routed_experts=self.enable_return_routed_experts,
             env_vars=dict(self.env_vars),
             reset_encoder_cache_after_weight_update=self.reset_encoder_cache_after_weight_update,
             reset_mm_cache_after_refit=self.reset_mm_cache_after_refit,
@@ -855,6 +861,7 @@ _VLLM_KEYS: Final = frozenset(
         "reset_mm_cache_after_refit",
         "refit_finite_check",
         "use_tqdm",
+        "enable_return_routed_experts",
         "env_vars",
     }
 )
@@ -934,8 +941,20 @@ def _parse(m: Mapping[object, object]) -> Result[WorkerConfig, ConfigError]:
         prefix="vllm_kwargs.",
         default=None,
     )
+    kwargs_routes = r.take(
+        user_kwargs,
+        "enable_return_routed_experts",
+        _as_bool,
+        False,
+        prefix="vllm_kwargs.",
+        default=False,
+    )
     vllm_kwargs = _freeze_str_map(
-        {k: v for k, v in user_kwargs.items() if k != "speculative_config"}
+        {
+            k: v
+            for k, v in user_kwargs.items()
+            if k not in ("speculative_config", "enable_return_routed_experts")
+        }
     )
 
     vllm = _DEFAULT_VLLM
@@ -976,6 +995,8 @@ def _parse(m: Mapping[object, object]) -> Result[WorkerConfig, ConfigError]:
     if r.problems:
         return Failure(ConfigError.from_problems(r.problems))
     extras = _freeze_str_map({k: v for k, v in top.items() if k not in _TOP_KEYS})
+    if kwargs_routes:  # NeMo-RL's place for the switch (PR #2590); vllm_cfg's is genworker's
+        vllm = attrs.evolve(vllm, enable_return_routed_experts=True)
     return Success(
         WorkerConfig(
             model_name=model_name,
@@ -1059,6 +1080,7 @@ def _parse_vllm(
     sleep_level = r.take(v, "sleep_level", _sleep_level, 1, prefix=p, default=1)
     nvfp4 = r.take(v, "nvfp4_per_token", _as_bool, False, prefix=p, default=False)
     use_tqdm = r.take(v, "use_tqdm", _as_bool, False, prefix=p, default=False)
+    routes = r.take(v, "enable_return_routed_experts", _as_bool, False, prefix=p, default=False)
     no_env: FrozenMap[str, str] = FrozenMap()
     env_vars = r.take(v, "env_vars", _env_vars, no_env, prefix=p, default=no_env)
     logprobs_mode = r.take(
@@ -1168,6 +1190,7 @@ def _parse_vllm(
         limit_mm_per_prompt=None if mm_limits is None else _freeze_str_map(mm_limits),
         mm_processor_kwargs=None if mm_kwargs is None else _freeze_str_map(mm_kwargs),
         use_tqdm=use_tqdm,
+        enable_return_routed_experts=routes,
         env_vars=env_vars,
         extras=extras,
         reset_encoder_cache_after_weight_update=encoder_reset,

@@ -378,9 +378,8 @@ KEYS: Final[tuple[KeyRule, ...]] = (
     ),
     KeyRule(
         "vllm_cfg.enable_return_routed_experts",
-        _R,
-        "routed experts (R3) are not returned by generate; leave it false",
-        inert=(False,),
+        _H,
+        "MoE routing replay: generate returns routed_experts (docs/r3.md)",
     ),
     KeyRule("vllm_cfg.http_refit_api_key_env_var", _R, _SPARSE, inert=(None,)),
     KeyRule("vllm_cfg.http_refit_server_port", _R, _SPARSE, inert=(None,)),
@@ -394,9 +393,8 @@ KEYS: Final[tuple[KeyRule, ...]] = (
     # vllm_kwargs entries genworker cannot pass through honestly
     KeyRule(
         "vllm_kwargs.enable_return_routed_experts",
-        _R,
-        "routed experts (R3) are not returned by generate; leave it false",
-        inert=(False,),
+        _H,
+        "NeMo-RL's switch for MoE routing replay (PR #2590): as vllm_cfg's",
     ),
     KeyRule(
         "vllm_kwargs.media_io_kwargs",

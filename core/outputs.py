@@ -34,6 +34,7 @@ from returns.result import Failure, Result, Success
 
 from genworker.core.assembly import FlatGenerations, Generation
 from genworker.core.errors import CoreError
+from genworker.core.routing import RoutesRefused, check_routes
 
 __all__ = [
     "PROCESSED_LOGPROBS_MODES",
@@ -42,7 +43,9 @@ __all__ = [
     "NonFiniteLogprobs",
     "check_finished",
     "check_generation_logprobs",
+    "check_generation_routes",
     "check_logprobs",
+    "check_routed_experts",
 ]
 
 PROCESSED_LOGPROBS_MODES: Final = frozenset({"processed_logprobs", "processed_logits"})
@@ -197,3 +200,32 @@ def check_finished(
             tokens=tokens,
         )
     )
+
+
+def check_routed_experts(
+    flat: FlatGenerations,
+    prompt_lengths: npt.NDArray[np.int64],
+    *,
+    rows: Sequence[int] | None = None,
+) -> Result[FlatGenerations, RoutesRefused]:
+    """``flat`` when it carries no routes or every row's routes fit its prompt and
+    generation (``genworker.core.routing.check_routes``), else the rows that do not."""
+    if flat.routed_experts is None:
+        return Success(flat)
+    checked = check_routes(flat.routed_experts, prompt_lengths, flat.lengths, rows=rows)
+    return checked.map(lambda _shape: flat)
+
+
+def check_generation_routes(
+    generation: Generation, prompt_length: int, *, row: int = 0
+) -> Result[Generation, RoutesRefused]:
+    """:func:`check_routed_experts` of one generation (named ``row``)."""
+    if generation.routed_experts is None:
+        return Success(generation)
+    checked = check_routes(
+        (generation.routed_experts,),
+        np.array([prompt_length], dtype=np.int64),
+        np.array([generation.num_tokens], dtype=np.int64),
+        rows=(row,),
+    )
+    return checked.map(lambda _shape: generation)

@@ -70,6 +70,7 @@ from vllm.v1.metrics.reader import get_metrics_snapshot
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.lora import LoraRef
+from genworker.core.routing import CapturePlatform
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
@@ -102,9 +103,12 @@ from genworker.shell.vllm_engine import (
     image_token_id_of,
     lora_request,
     metric_sample,
+    routes_of,
+    routes_shape,
     sampling_arg_names,
     token_prompt,
     tokenize_with,
+    vllm_capture_platform,
 )
 
 __all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory", "async_engine_arg_names"]
@@ -132,6 +136,9 @@ class AsyncVllmEngineFactory:
     def gpu_capability(self) -> tuple[int, int] | None:
         capability = current_platform.get_device_capability()
         return None if capability is None else (capability.major, capability.minor)
+
+    def capture_platform(self) -> CapturePlatform:
+        return vllm_capture_platform()
 
     def start(self, kwargs: Mapping[str, object]) -> AsyncVllmEngine:
         return AsyncVllmEngine.start(kwargs)
@@ -215,6 +222,7 @@ class AsyncVllmEngine:
             logprobs_mode=model.logprobs_mode,
             prefix_caching=bool(config.cache_config.enable_prefix_caching),
             max_logprobs=model.max_logprobs,
+            routes=routes_shape(config),
         )
         self._params: dict[tuple[SamplingSpec, RequestOutputKind], SamplingParams] = {}
         # AsyncLLM.pause_generation's own calls (vllm/v1/engine/async_llm.py: 0.25 and 0.32
@@ -313,7 +321,11 @@ class AsyncVllmEngine:
             progress,
             spec.adapter,
         )
-        return StreamedGeneration(generation_of(0, completion), _spans(completion))
+        generation = generation_of(0, completion)
+        routes = routes_of(completion, self._caps.routes)  # on the final output only (0.32)
+        if routes is not None:
+            generation = attrs.evolve(generation, routed_experts=routes)
+        return StreamedGeneration(generation, _spans(completion))
 
     async def compute_logprobs(
         self, request_id: str, sequence: Sequence[int], prompt_length: int, top_k: int

@@ -87,8 +87,13 @@ from genworker.core.config_keys import parse_bool
 from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
 from genworker.core.groups import GroupPlan
 from genworker.core.lifecycle import InflightMode
-from genworker.core.outputs import NonFiniteLogprobs, check_generation_logprobs
+from genworker.core.outputs import (
+    NonFiniteLogprobs,
+    check_generation_logprobs,
+    check_generation_routes,
+)
 from genworker.core.refit_protocol import Transport
+from genworker.core.routing import CapturePlatform
 from genworker.core.rows import assemble_row
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow, assemble_scores
@@ -155,6 +160,9 @@ class ExistingAsyncEngine:
     def gpu_capability(self) -> tuple[int, int] | None:
         return None
 
+    def capture_platform(self) -> CapturePlatform:
+        return CapturePlatform(vllm_version=None, triton=False)  # the engine is already built
+
     def start(self, kwargs: Mapping[str, object]) -> AsyncEnginePort:
         return self.engine
 
@@ -204,6 +212,19 @@ def _prefilled(
             progress(count)
 
     return seen
+
+
+def _routes_checked(
+    item: RowResult | GenworkerError, prompt: int, row: int
+) -> RowResult | GenworkerError:
+    """A finished row whose routed experts (if any) fit its prompt and generation, else the
+    engine contract error naming it (``core.outputs.check_generation_routes``)."""
+    if isinstance(item, GenworkerError):
+        return item
+    routed = check_generation_routes(item.generation, prompt, row=row)
+    if isinstance(routed, Failure):
+        return EngineContractError.from_core(routed.failure(), "generate")
+    return item
 
 
 def _for_row(error: GenworkerError, row: int) -> GenworkerError:
@@ -466,7 +487,11 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             if ready is not None:
                 progress = _prefilled(ready, progress)
             streamed = await engine.generate(request.request_id, prompt, spec, progress, media)
-            item = self._finished(engine.capabilities, request, context, streamed)
+            item = _routes_checked(
+                self._finished(engine.capabilities, request, context, streamed),
+                len(prompt),
+                request.row,
+            )
         except EngineDeadError as e:
             self._died(e)
             item = _for_row(e, request.row)

@@ -40,6 +40,11 @@ in another process, a Ray actor). It raises ``FakeEngineMisuse`` where a real en
 (``load_new_weights``) while requests run unpaused, generating with memory asleep, sleeping
 with requests in flight.
 
+With the factory's ``moe`` option and the engine kwarg ``enable_return_routed_experts`` each
+finished request carries routed experts, as the sync fake's (``fake_engine.fake_routes``):
+the prompt under the weights of the first generated token, each generated token under the
+weights that sampled it.
+
 Detokenisation is one letter per token id, as in ``fake_engine``.
 """
 
@@ -55,6 +60,7 @@ import attrs
 from genworker.core.assembly import Generation
 from genworker.core.counters import CounterSample, GaugeSample, MetricSample
 from genworker.core.lifecycle import InflightMode
+from genworker.core.routing import CapturePlatform, MoeShape
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
@@ -71,7 +77,9 @@ from genworker.shell.fake_engine import (
     draw,
     expanded_length,
     fake_score,
+    fake_routes,
     pixels,
+    routes_option,
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities, StreamedGeneration, check_request_logprobs
@@ -118,6 +126,7 @@ class FakeAsyncEngine:
         image_prompt_ids: int = 7,
         max_images: int | None = None,
         prefix_caching: bool = False,
+        routes: MoeShape | None = None,
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -132,6 +141,7 @@ class FakeAsyncEngine:
             num_speculative_tokens=num_speculative_tokens,
             logprobs_mode=logprobs_mode,
             prefix_caching=prefix_caching,
+            routes=routes,
         )
         #: requests with these prompts come back with every sampled logprob this value,
         #: as vLLM's do when the logits are garbage (NaN, +inf) or the token was masked
@@ -164,11 +174,9 @@ class FakeAsyncEngine:
             for method in ("init_collective", "nemo_rl_init_collective"):
                 self.rpc_handlers[method] = self._accept_group
             self.rpc_handlers["nemo_rl_ipc_socket_dir"] = lambda d: f"ipc://{d}/fake-{device}.sock"
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.prefix_cache_resets = self.mm_cache_resets = self.encoder_cache_resets = 0
-        self.dead = False
-        self.shut_down = False
+        self.prompt_tokens = self.generation_tokens = self.prefix_cache_resets = 0
+        self.mm_cache_resets = self.encoder_cache_resets = 0
+        self.dead = self.shut_down = False
         self.fail_next: BaseException | None = None
         #: the name of the call ``fail_next`` waits for (None: the next call of any name)
         self.fail_call: str | None = None
@@ -296,8 +304,14 @@ class FakeAsyncEngine:
         logprobs: list[float] = request.logprobs
         if request.prompt in self.next_logprobs:
             logprobs = [self.next_logprobs.pop(request.prompt)] * len(request.tokens)
+        routes = None
+        if self._caps.routes is not None:  # the prompt under the first token's weights
+            sequence = [*request.prompt, *request.tokens]
+            first = request.versions[:1] or [self.weight_version]
+            versions = first * len(request.prompt) + list(request.versions)
+            routes = fake_routes(self._caps.routes, self.seed, sequence, versions)
         request.done.set_result(
-            StreamedGeneration(Generation(request.tokens, logprobs, reason), spans)
+            StreamedGeneration(Generation(request.tokens, logprobs, reason, routes), spans)
         )
 
     # -- generation -------------------------------------------------------------------
@@ -523,9 +537,13 @@ class FakeAsyncEngineFactory:
     def gpu_capability(self) -> tuple[int, int] | None:
         return None
 
+    def capture_platform(self) -> CapturePlatform:
+        return CapturePlatform(vllm_version=None, triton=False)  # the fake captures itself
+
     def start(self, kwargs: Mapping[str, object]) -> FakeAsyncEngine:
         seed = kwargs.get("seed", 0)
         options = dict(self.engine_options)
+        options["routes"] = routes_option(kwargs, options.pop("moe", None))
         mode = kwargs.get("logprobs_mode")
         if isinstance(mode, str):  # as vLLM takes it from the engine kwargs
             options.setdefault("logprobs_mode", mode)

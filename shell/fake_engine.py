@@ -38,6 +38,12 @@ depend on the other rows. It follows vLLM's contract where the worker relies on 
   does not resume it when the executor raises; here the KV cache is left asleep, so a
   generate let through afterwards is a ``FakeEngineMisuse``. ``wake_up`` returns whether
   the engine is fully awake afterwards (``LLM.wake_up``'s answer);
+- with ``routes`` (a :class:`~genworker.core.routing.MoeShape`; the factory's ``moe``
+  option, turned on by the engine kwarg ``enable_return_routed_experts`` as vLLM's is) each
+  generation carries routed experts as vLLM returns them: one ``(layers, top_k)`` row of
+  distinct expert ids per forwarded token (the prompt's and the generated ones but the
+  last), a function of (seed, weight version, token, position) only (:func:`fake_routes`);
+  the kwarg without ``moe`` fails to start, as vLLM refuses the capture for a dense model;
 - with ``image_token_id`` set it takes images: each placeholder id of a media row stands
   for ``image_prompt_ids`` ids of the context (vLLM's expansion; the room to generate
   shrinks accordingly) and the tokens depend on the images' sizes and pixels too. A row
@@ -65,6 +71,7 @@ import numpy.typing as npt
 from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
 from genworker.core.counters import CounterSample, MetricSample
 from genworker.core.outputs import check_finished, check_logprobs
+from genworker.core.routing import CapturePlatform, MoeShape, RoutedExperts
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
@@ -84,7 +91,15 @@ from genworker.shell.ports import EngineCapabilities
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-__all__ = ["FakeEngine", "FakeEngineFactory", "FakeEngineMisuse", "detokenize", "draw"]
+__all__ = [
+    "FakeEngine",
+    "FakeEngineFactory",
+    "FakeEngineMisuse",
+    "detokenize",
+    "draw",
+    "fake_routes",
+    "routes_option",
+]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -124,6 +139,35 @@ def draw(*parts: object) -> float:
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     (value,) = struct.unpack("<Q", digest)
     return int(value) / 2**64
+
+
+def fake_routes(
+    shape: MoeShape, seed: int, sequence: Sequence[int], versions: Sequence[int]
+) -> RoutedExperts:
+    """The fake's routes for a finished sequence (prompt then generated tokens): position p
+    < len - 1 routes to ``top_k`` distinct experts per layer, drawn from (seed, the weight
+    version that forwarded it, token, p); the last token is never forwarded."""
+    rows = np.empty((max(len(sequence) - 1, 0), shape.num_layers, shape.top_k), dtype=np.int32)
+    for p in range(rows.shape[0]):
+        rng = np.random.default_rng([seed % 2**32, versions[p], int(sequence[p]), p])
+        rows[p] = np.argsort(rng.random((shape.num_layers, shape.num_experts)), axis=1)[
+            :, : shape.top_k
+        ]
+    return RoutedExperts(shape, rows)
+
+
+def routes_option(kwargs: Mapping[str, object], moe: object) -> MoeShape | None:
+    """The fake engines' ``routes`` for these engine kwargs and the factory's ``moe``
+    option; the capture without an MoE model fails to start (vLLM 0.32:
+    "AuxOutput Connector only supports MoE models")."""
+    if not kwargs.get("enable_return_routed_experts"):
+        return None
+    if not isinstance(moe, MoeShape):
+        raise BadConfigError(
+            "the fake engine failed to start: enable_return_routed_experts needs an MoE "
+            "model (give the factory moe=MoeShape(...))"
+        )
+    return moe
 
 
 def _faulted(generation: Generation, logprob: float | None, finish: str | None) -> Generation:
@@ -186,6 +230,7 @@ class FakeEngine:
         num_speculative_tokens: int = 0,
         logprobs_mode: str = "raw_logprobs",
         prefix_caching: bool = False,
+        routes: MoeShape | None = None,
     ) -> None:
         self._caps = EngineCapabilities(
             sleep_mode=sleep_mode,
@@ -199,6 +244,7 @@ class FakeEngine:
             num_speculative_tokens=num_speculative_tokens,
             logprobs_mode=logprobs_mode,
             prefix_caching=prefix_caching,
+            routes=routes,
         )
         #: the next generate call's rows: every sampled logprob of the row becomes this
         self.next_logprobs: dict[int, float] = {}
@@ -304,10 +350,15 @@ class FakeEngine:
             if token in stop_ids or any(text.endswith(s) for s in stops):
                 finish = "stop"
                 break
+        shape = self._caps.routes
+        sequence = [*prompt, *tokens]
         return Generation(
             token_ids=np.asarray(tokens, dtype=np.int64),
             logprobs=np.asarray(logprobs, dtype=np.float64),
             finish_reason=finish,
+            routed_experts=None
+            if shape is None
+            else fake_routes(shape, self.seed, sequence, [self.weight_version] * len(sequence)),
         )
 
     def generate(
@@ -500,9 +551,13 @@ class FakeEngineFactory:
     def gpu_capability(self) -> tuple[int, int] | None:
         return None
 
+    def capture_platform(self) -> CapturePlatform:
+        return CapturePlatform(vllm_version=None, triton=False)  # the fake captures itself
+
     def start(self, kwargs: Mapping[str, object]) -> FakeEngine:
         seed = kwargs.get("seed", 0)
         options = dict(self.engine_options)
+        options["routes"] = routes_option(kwargs, options.pop("moe", None))
         mode = kwargs.get("logprobs_mode")
         if isinstance(mode, str):  # as vLLM takes it from the engine kwargs
             options.setdefault("logprobs_mode", mode)

@@ -84,6 +84,7 @@ from genworker.core.placement import (
     configure_worker,
     plan_cluster,
 )
+from genworker.core.routing import FILL
 from genworker.core.rows import check_rows
 from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards, split_batch
 from genworker.core.versions import NO_VERSION
@@ -561,7 +562,10 @@ class GenerationGroup:
         results = self._run_shards("generate", plan, data, greedy, timeout_s)
         outputs = [_tensor_dict(results.get(rank, {}), rank) for rank in range(self.num_shards)]
         return merge_shard_outputs(
-            plan, outputs, self.cfg.pad_token_id, pad_values={"weight_versions": NO_VERSION}
+            plan,
+            outputs,
+            self.cfg.pad_token_id,
+            pad_values={"weight_versions": NO_VERSION, "routed_experts": FILL},
         )
 
     async def generate_async(

@@ -89,6 +89,7 @@ from genworker.shell.nemo_rl_member import (
     NEMO_RL_OUTPUT_KEYS,
     SAMPLING_KEYS,
     NemoRlMember,
+    nemo_rl_outputs,
     raw_spec_counters,
     wake_up_tags,
 )
@@ -132,8 +133,7 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
     # -- generation -----------------------------------------------------------------
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
         worker = self._owner("generate")
-        out = worker.generate(data, greedy)
-        return {key: out[key] for key in NEMO_RL_OUTPUT_KEYS}
+        return nemo_rl_outputs(worker.generate(data, greedy))
 
     def generate_text(
         self, data: Mapping[str, object], greedy: bool = False

@@ -77,8 +77,8 @@ from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import GenworkerError, UnsupportedError
 from genworker.shell.host import node_ip
 from genworker.shell.nemo_rl_member import (
-    NEMO_RL_OUTPUT_KEYS,
     NemoRlMember,
+    nemo_rl_outputs,
     raw_spec_counters,
     wake_up_tags,
 )
@@ -158,7 +158,7 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
             async for row, item in rows:
                 if isinstance(item, GenworkerError):
                     raise item
-                yield row, {key: item[key] for key in NEMO_RL_OUTPUT_KEYS}
+                yield row, nemo_rl_outputs(item)
 
     async def generate_text_async(
         self, data: Mapping[str, object], greedy: bool = False

@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Final, Generic, Protocol, TypeVar
 
+import torch
+
 from genworker.core import lifecycle
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import (
@@ -22,6 +24,7 @@ from genworker.core.counters import (
 )
 from genworker.core.placement import plan_engine_env
 from genworker.core.refit_protocol import Transport, wait_bound
+from genworker.core.routing import nemo_rl_routes
 from genworker.shell.errors import (
     BadArgumentError,
     BadConfigError,
@@ -39,6 +42,7 @@ __all__ = [
     "NEMO_RL_OUTPUT_KEYS",
     "SAMPLING_KEYS",
     "NemoRlMember",
+    "nemo_rl_outputs",
     "raw_spec_counters",
     "wake_up_tags",
 ]
@@ -53,6 +57,23 @@ NEMO_RL_OUTPUT_KEYS: Final = (
     "unpadded_sequence_lengths",
     "truncated",
 )
+
+#: NeMo-RL's key for the routes of MoE routing replay (PR #2590), present only when the
+#: worker returns them (``enable_return_routed_experts``)
+ROUTED_EXPERTS: Final = "routed_experts"
+
+
+def nemo_rl_outputs(out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A genworker ``generate`` result as NeMo-RL's: its ``GenerationOutputSpec`` keys, and
+    ``routed_experts`` in NeMo-RL's layout (``core.routing.nemo_rl_routes``: positions
+    without a route hold ``arange(top_k)``, not genworker's -1) when the worker returned
+    routes."""
+    spec = {key: out[key] for key in NEMO_RL_OUTPUT_KEYS}
+    routes = out.get(ROUTED_EXPERTS)
+    if routes is not None:
+        spec[ROUTED_EXPERTS] = torch.from_numpy(nemo_rl_routes(routes.numpy()))
+    return spec
+
 
 #: the config keys ``update_sampling_params`` may replace
 SAMPLING_KEYS: Final = (

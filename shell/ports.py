@@ -16,6 +16,7 @@ from genworker.core.assembly import FlatGenerations, Generation
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import check_generation_logprobs
+from genworker.core.routing import CapturePlatform, MoeShape
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import EngineContractError
@@ -72,6 +73,9 @@ class EngineCapabilities:
     prefix_caching: bool = False
     #: the most top logprobs a request may ask for (vLLM's ``max_logprobs``)
     max_logprobs: int = 20
+    #: the MoE routing the engine returns with each generation (``enable_return_routed_experts``;
+    #: None: it returns none)
+    routes: MoeShape | None = None
 
 
 class EnginePort(Protocol):
@@ -185,6 +189,10 @@ class EngineFactory(Protocol):
 
     def gpu_capability(self) -> tuple[int, int] | None:
         """The local GPU's compute capability, None without a GPU."""
+        ...
+
+    def capture_platform(self) -> CapturePlatform:
+        """What the engine's platform can do for routed-experts capture (``core.routing``)."""
         ...
 
     def start(self, kwargs: Mapping[str, object]) -> EnginePort: ...
@@ -326,6 +334,8 @@ class AsyncEngineFactory(Protocol):
     def arg_names(self) -> frozenset[str] | None: ...
 
     def gpu_capability(self) -> tuple[int, int] | None: ...
+
+    def capture_platform(self) -> CapturePlatform: ...
 
     def start(self, kwargs: Mapping[str, object]) -> AsyncEnginePort: ...
 

@@ -107,6 +107,7 @@ from genworker.core.requests import (
     plan_requests,
     text_refusals,
 )
+from genworker.core.routing import CapturePlatform
 from genworker.core.rows import check_rows
 from genworker.core.sampling import check_stop_token_ids
 from genworker.core.scoring import ScorePlan, plan_scores
@@ -192,6 +193,8 @@ class StartsEngines(Protocol[_Started_co]):
 
     def gpu_capability(self) -> tuple[int, int] | None: ...
 
+    def capture_platform(self) -> CapturePlatform: ...
+
     def start(self, kwargs: Mapping[str, object]) -> _Started_co: ...
 
 
@@ -229,6 +232,7 @@ def start_engine(
             extension_cls=EXTENSION_CLS,
             enable_sleep_mode=capability is not None,
             telemetry={k: v for k, v in os.environ.items() if k.startswith("OTEL_")},
+            capture=factory.capture_platform(),
         ),
         BadConfigError,
         "engine arguments",

@@ -170,6 +170,7 @@ from genworker.core.engine_plan import fp8_start
 from genworker.core.lora import LoraRef, adapter_path
 from genworker.core.outputs import check_finished, check_logprobs
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
+from genworker.core.routing import CapturePlatform, MoeShape, RoutedExperts
 from genworker.core.sampling import SamplingSpec, group_specs
 from genworker.core.scoring import ScoredRow
 from genworker.shell.collector import defer_cyclic_gc
@@ -253,8 +254,58 @@ class VllmEngineFactory:
         capability = current_platform.get_device_capability()
         return None if capability is None else (capability.major, capability.minor)
 
+    def capture_platform(self) -> CapturePlatform:
+        return vllm_capture_platform()
+
     def start(self, kwargs: Mapping[str, object]) -> VllmEngine:
         return VllmEngine.start(kwargs)
+
+
+def vllm_capture_platform() -> CapturePlatform:
+    """The installed vLLM's version and whether Triton is there (vLLM's own ``HAS_TRITON``,
+    which decides whether Model Runner V2 can run)."""
+    import vllm
+    from vllm.triton_utils import HAS_TRITON
+
+    major, minor = (int(part) for part in vllm.__version__.split(".")[:2])
+    return CapturePlatform(vllm_version=(major, minor), triton=bool(HAS_TRITON))
+
+
+def routes_shape(config: object) -> MoeShape | None:
+    """The routing each output carries when the engine was started with
+    ``enable_return_routed_experts`` (vLLM 0.25: ``ModelConfig``; 0.32: ``AuxOutputConfig``),
+    read from the model's config as vLLM sizes its capture buffer; None otherwise."""
+    model = getattr(config, "model_config", None)
+    aux = getattr(config, "aux_output_config", None)
+    if not (
+        getattr(model, "enable_return_routed_experts", False)
+        or getattr(aux, "enable_return_routed_experts", False)
+    ):
+        return None
+    hf = getattr(model, "hf_text_config", None)
+    experts = next(
+        (
+            value
+            for name in ("num_experts", "n_routed_experts", "num_local_experts")
+            if isinstance(value := getattr(hf, name, None), int) and value > 0
+        ),
+        None,
+    )
+    layers, top_k = getattr(hf, "num_hidden_layers", None), getattr(hf, "num_experts_per_tok", None)
+    if not (isinstance(layers, int) and isinstance(top_k, int) and experts is not None):
+        raise BadConfigError(
+            "enable_return_routed_experts needs an MoE model (num_hidden_layers, "
+            f"num_experts_per_tok and an expert count in its config); got {type(hf).__name__}"
+        )
+    return MoeShape(num_layers=layers, top_k=top_k, num_experts=experts)
+
+
+def routes_of(out: CompletionOutput, shape: MoeShape | None) -> RoutedExperts | None:
+    """A completion's routes as returned (None when it has none), for ``core.routing``."""
+    raw = out.routed_experts
+    if shape is None or raw is None:
+        return None
+    return RoutedExperts(shape, np.asarray(raw))
 
 
 def sampling_params(
@@ -407,6 +458,7 @@ class VllmEngine:
             logprobs_mode=model.logprobs_mode,
             prefix_caching=bool(config.cache_config.enable_prefix_caching),
             max_logprobs=model.max_logprobs,
+            routes=routes_shape(config),
         )
         self._skip_tokenizer = model.skip_tokenizer_init
         self._sampled_arrays = "extra_args" in sampling_args and install(llm.llm_engine)
@@ -527,7 +579,12 @@ class VllmEngine:
             c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)
         ]
         del outputs  # the completions are now the only references to vLLM's outputs
-        return _generations(completions, consume=True)  # each row freed once read
+        shape = self._caps.routes
+        routes = (
+            None if shape is None else tuple(routes_of(_present(c), shape) for c in completions)
+        )
+        flat = _generations(completions, consume=True)  # each row freed once read
+        return flat if routes is None else attrs.evolve(flat, routed_experts=routes)
 
     def compute_logprobs(
         self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], top_k: int

@@ -51,7 +51,12 @@ from genworker.core.assembly import (
 )
 from genworker.core.counters import encode_snapshot
 from genworker.core.groups import order_rows
-from genworker.core.outputs import NonFiniteLogprobs, check_finished, check_logprobs
+from genworker.core.outputs import (
+    NonFiniteLogprobs,
+    check_finished,
+    check_logprobs,
+    check_routed_experts,
+)
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.refit_protocol import (
     RENDEZVOUS_WAITS,
@@ -61,6 +66,7 @@ from genworker.core.refit_protocol import (
     wait_bound,
 )
 from genworker.core.scoring import assemble_scores
+from genworker.core.routing import CapturePlatform
 from genworker.core.stops import StopMode
 from genworker.core.versions import uniform_versions
 from genworker.shell.collector import defer_cyclic_gc
@@ -120,6 +126,9 @@ class ExistingEngine:
 
     def gpu_capability(self) -> tuple[int, int] | None:
         return None
+
+    def capture_platform(self) -> CapturePlatform:
+        return CapturePlatform(vllm_version=None, triton=False)  # the engine is already built
 
     def start(self, kwargs: Mapping[str, object]) -> EnginePort:
         return self.engine
@@ -331,6 +340,8 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         tally_nonfinite(self.nonfinite_logprobs, checked)
         unwrap(checked, EngineContractError, "generate")
         unwrap(check_finished(generations), RequestAbortedError, "generate")
+        prompts = input_lengths.cpu().to(torch.int64).numpy()
+        unwrap(check_routed_experts(generations, prompts), EngineContractError, "generate")
         out = assemble_flat_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
         # What the context held: the prompt (expanded, for media rows) plus the generation.
         held = out.unpadded_sequence_lengths

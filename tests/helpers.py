@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -140,3 +141,108 @@ def cpu_engine_config(
     }
     cfg.update(top)
     return cfg
+
+
+TINY_MOE_EXPERTS = 4
+TINY_MOE_TOP_K = 2
+TINY_MOE_LAYERS = 2
+
+
+def build_tiny_moe(path: Path, *, seed: int = 0, router_scale: float = 20.0) -> Path:
+    """Write a tiny random Mixtral into ``path`` unless it already holds one: 2 layers, 4
+    experts, top-2, hidden 128, head_dim 64 (vLLM's CPU attention's smallest), with the
+    tiny Llama's locally trained BPE tokenizer (``genworker.demo.tiny_model``; nothing is
+    downloaded). The routers' weights are scaled by ``router_scale`` so that the top-k is
+    decided by a wide margin: an engine and a transformers forward pass of the same weights
+    pick the same experts even where their float rounding differs."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    from genworker.demo.tiny_model import build_tiny_model
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    source = build_tiny_model(path.parent / f".{path.name}-tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    config = MixtralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=TINY_MOE_LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=TINY_MOE_EXPERTS,
+        num_experts_per_tok=TINY_MOE_TOP_K,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(config)  # type: ignore[no-untyped-call]  # float32
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".gate.weight"):
+                parameter.mul_(router_scale)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(path)
+        except OSError:
+            if not (path / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def router_topk(
+    model_dir: Path, sequences: Sequence[Sequence[int]], device: str = "cpu"
+) -> list[Any]:
+    """The experts transformers' forward pass of ``model_dir`` (an MoE such as
+    :func:`build_tiny_moe`'s, float32) routes each token of each sequence to: per sequence
+    an int64 array ``(len, layers, top_k)``, each row sorted (vLLM's order within a row is
+    not part of the contract), read from every layer's router by a forward hook (the top-k
+    of the softmax of its logits, as Mixtral's router takes it); also returns nothing of
+    the generated tokens."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.to(device)  # type: ignore[arg-type]  # transformers' decorated to()
+    model.eval()  # type: ignore[no-untyped-call]
+    top_k = int(model.config.num_experts_per_tok)
+    layers = model.model.layers
+    seen: list[torch.Tensor] = []
+
+    def hook(_module: object, _inputs: object, output: object) -> None:
+        logits = output[0] if isinstance(output, tuple) else output
+        assert isinstance(logits, torch.Tensor)
+        probs = torch.softmax(logits.float(), dim=-1)
+        seen.append(torch.topk(probs, top_k, dim=-1).indices.reshape(-1, top_k))
+
+    handles = [
+        (getattr(layer, "mlp", None) or layer.block_sparse_moe).gate.register_forward_hook(hook)
+        for layer in layers
+    ]
+    out = []
+    try:
+        with torch.no_grad():
+            for sequence in sequences:
+                seen.clear()
+                model(torch.tensor([list(sequence)], device=device))
+                assert len(seen) == len(layers)
+                routes = torch.stack(seen, dim=1).cpu().numpy()  # (len, layers, top_k)
+                out.append(np.sort(routes, axis=-1))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out

@@ -2203,3 +2203,54 @@ def shard_groups(draw: st.DrawFn, num_rows: int) -> list[list[int]]:
     owner = draw(st.lists(st.integers(-1, 5), min_size=num_rows, max_size=num_rows))
     groups = [[row for row in range(num_rows) if owner[row] == g] for g in range(6)]
     return [g for g in groups if g]
+# --- routing ---
+
+from genworker.core.assembly import Generation as _RouteGeneration
+from genworker.core.routing import MoeShape as _MoeShape
+from genworker.core.routing import RoutedExperts as _RoutedExperts
+
+
+@st.composite
+def moe_shapes(draw: st.DrawFn) -> _MoeShape:
+    """A small MoE: 1-3 layers, 1-300 experts (past int8), top-k up to 4."""
+    experts = draw(st.one_of(st.integers(1, 8), st.integers(120, 300)))
+    top_k = draw(st.integers(1, min(4, experts)))
+    return _MoeShape(num_layers=draw(st.integers(1, 3)), top_k=top_k, num_experts=experts)
+
+
+class RoutedCase(_BatchNamedTuple):
+    """A valid batch, its MoE shape and one generation per row carrying the routes an
+    engine returns (``prompt + generated - 1`` rows, any integer dtype)."""
+
+    batch: PaddedBatch
+    shape: _MoeShape
+    generations: list[_RouteGeneration]
+
+
+@st.composite
+def routed_cases(draw: st.DrawFn, *, max_batch: int = 6, max_width: int = 10) -> RoutedCase:
+    batch = draw(
+        right_padded_batches(max_batch=max_batch, max_width=max_width).filter(
+            lambda b: b.input_ids.shape[0] > 0
+        )
+    )
+    shape = draw(moe_shapes())
+    dtypes = [_np.int32, _np.int64, _np.uint16] + ([_np.uint8] if shape.num_experts <= 256 else [])
+    dtype = draw(st.sampled_from(dtypes))
+    gens = []
+    for row in range(batch.input_ids.shape[0]):
+        generated = draw(st.integers(0, 6))
+        count = max(int(batch.input_lengths[row]) + generated - 1, 0)
+        seed = draw(st.integers(0, 2**32 - 1))
+        ids = _np.random.default_rng(seed).integers(
+            0, shape.num_experts, size=(count, shape.num_layers, shape.top_k)
+        )
+        gens.append(
+            _RouteGeneration(
+                token_ids=_np.arange(generated, dtype=_np.int64) % batch.vocab_size,
+                logprobs=None,
+                finish_reason="length",
+                routed_experts=_RoutedExperts(shape, ids.astype(dtype)),
+            )
+        )
+    return RoutedCase(batch, shape, gens)

@@ -647,3 +647,76 @@ def test_an_fp8_engine_with_a_checkpoint_starts_on_dummy_weights_and_reads_it_af
         assert start.checkpoint_format is None
         assert start.kwargs == kwargs
     assert kwargs["load_format"] == load_format  # the caller's mapping is not changed
+
+
+# --- MoE routing replay (core.routing.plan_capture) ---
+from genworker.core.routing import V2_RUNNER_ENV, CapturePlatform
+
+_GPU_032 = CapturePlatform(vllm_version=(0, 32), triton=True)
+
+
+def _routes_config(where: str, **vllm_cfg: object) -> WorkerConfig:
+    if where == "vllm_cfg":
+        return _config(enable_return_routed_experts=True, **vllm_cfg)
+    d = _config(**vllm_cfg).to_mapping()
+    d["vllm_kwargs"] = {"enable_return_routed_experts": "true"}
+    return WorkerConfig.from_mapping(d).unwrap()
+
+
+@pytest.mark.parametrize("where", ["vllm_cfg", "vllm_kwargs"])
+def test_routes_need_the_v2_runner_and_prefix_caching_on_vllm_032(where: str) -> None:
+    config = _routes_config(where)
+    assert config.vllm.enable_return_routed_experts
+    assert "enable_return_routed_experts" not in config.vllm_kwargs
+    plan = plan_engine_kwargs(
+        config, seed=1, gpu_capability=(9, 0), extension_cls=EXT, capture=_GPU_032
+    ).unwrap()
+    assert plan.kwargs["enable_return_routed_experts"] is True
+    assert plan.kwargs["enable_prefix_caching"] is True
+    assert dict(plan.env) == {V2_RUNNER_ENV: "1"}
+
+
+def test_routes_on_vllm_025_take_the_flag_alone() -> None:
+    config = _routes_config("vllm_cfg", enable_prefix_caching=False)
+    platform = CapturePlatform(vllm_version=(0, 25), triton=True)
+    plan = plan_engine_kwargs(
+        config, seed=1, gpu_capability=(9, 0), extension_cls=EXT, capture=platform
+    ).unwrap()
+    assert plan.kwargs["enable_return_routed_experts"] is True
+    assert plan.kwargs["enable_prefix_caching"] is False
+    assert dict(plan.env) == {}
+
+
+@pytest.mark.parametrize(
+    ("platform", "reason"),
+    [
+        (CapturePlatform(vllm_version=(0, 32), triton=False), "needs Triton"),
+        (None, "did not say"),
+    ],
+)
+def test_routes_are_refused_where_the_platform_cannot_capture(
+    platform: CapturePlatform | None, reason: str
+) -> None:
+    result = plan_engine_kwargs(
+        _routes_config("vllm_cfg"), seed=1, gpu_capability=None, extension_cls=EXT, capture=platform
+    )
+    assert not is_successful(result)
+    error = result.failure()
+    assert [p.key for p in error.problems] == ["vllm_cfg.enable_return_routed_experts"]
+    assert reason in str(error)
+
+
+def test_without_routes_the_plan_has_no_capture_kwargs() -> None:
+    plan = plan_engine_kwargs(
+        _config(), seed=1, gpu_capability=(9, 0), extension_cls=EXT, capture=_GPU_032
+    ).unwrap()
+    assert "enable_return_routed_experts" not in plan.kwargs
+    assert V2_RUNNER_ENV not in plan.env
+
+
+def test_a_non_bool_routes_switch_is_refused_by_name() -> None:
+    d = _config().to_mapping()
+    d["vllm_kwargs"] = {"enable_return_routed_experts": "maybe"}
+    result = WorkerConfig.from_mapping(d)
+    assert not is_successful(result)
+    assert "vllm_kwargs.enable_return_routed_experts" in str(result.failure())

@@ -17,6 +17,7 @@ import pytest
 from helpers import base_config, right_padded
 
 from genworker.core.config_keys import KEYS, Fate
+from genworker.core.routing import MoeShape
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import BadConfigError, GenworkerError
 from genworker.shell.fake_async_engine import FakeAsyncEngineFactory
@@ -38,7 +39,7 @@ class Run:
 
 def _run(config: dict[str, Any], pad: int) -> Run | str:
     """Start a worker on the fake engine, generate (sampled) and sleep; or the error text."""
-    factory = FakeEngineFactory(max_model_len=64)
+    factory = FakeEngineFactory(max_model_len=64, moe=_MOE)  # moe: used only for R3
     try:
         worker = VllmGenerationWorker(config, engine_factory=factory)
     except GenworkerError as e:
@@ -49,6 +50,13 @@ def _run(config: dict[str, Any], pad: int) -> Run | str:
     env = dict(os.environ)
     worker.sleep()
     return Run(kwargs, engine, out, texts, env, worker)
+
+
+_MOE = MoeShape(num_layers=2, top_k=2, num_experts=4)
+
+
+def _routes(run: Run) -> object:
+    return run.kwargs.get("enable_return_routed_experts"), "routed_experts" in run.out
 
 
 def _spec(attribute: str) -> Callable[[Run], object]:
@@ -158,6 +166,8 @@ EFFECTS: dict[str, tuple[object, object, Callable[[Run], object], dict[str, Any]
         _kwarg("max_lora_rank"),
         {},
     ),
+    "vllm_cfg.enable_return_routed_experts": (False, True, _routes, {}),
+    "vllm_kwargs.enable_return_routed_experts": (None, True, _routes, {}),
 }
 
 # Keys whose only honoured value is fixed: any other is refused (the effect is the refusal).

@@ -5,3 +5,5 @@ from vllm.inputs import TokensPrompt as TokensPrompt
 from vllm.outputs import CompletionOutput as CompletionOutput
 from vllm.outputs import RequestOutput as RequestOutput
 from vllm.sampling_params import SamplingParams as SamplingParams
+
+__version__: str

@@ -8,6 +8,8 @@ class CompletionOutput:
     token_ids: Sequence[int]
     logprobs: FlatLogprobs | list[dict[int, Logprob]] | None
     finish_reason: str | None
+    # (prompt + generated - 1, layers, top_k) expert ids with enable_return_routed_experts
+    routed_experts: object
 
 class RequestOutput:
     request_id: str
