@@ -76,8 +76,8 @@ from genworker.shell.fake_engine import (
     detokenize,
     draw,
     expanded_length,
-    fake_score,
     fake_routes,
+    fake_score,
     pixels,
     routes_option,
 )

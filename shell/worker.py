@@ -65,8 +65,8 @@ from genworker.core.refit_protocol import (
     rpc_bound,
     wait_bound,
 )
-from genworker.core.scoring import assemble_scores
 from genworker.core.routing import CapturePlatform
+from genworker.core.scoring import assemble_scores
 from genworker.core.stops import StopMode
 from genworker.core.versions import uniform_versions
 from genworker.shell.collector import defer_cyclic_gc

@@ -2203,6 +2203,8 @@ def shard_groups(draw: st.DrawFn, num_rows: int) -> list[list[int]]:
     owner = draw(st.lists(st.integers(-1, 5), min_size=num_rows, max_size=num_rows))
     groups = [[row for row in range(num_rows) if owner[row] == g] for g in range(6)]
     return [g for g in groups if g]
+
+
 # --- routing ---
 
 from genworker.core.assembly import Generation as _RouteGeneration

@@ -72,6 +72,7 @@ class GatedEngine(FakeEngine):
         media: Sequence[RowMedia | None] | None = None,
         *,
         use_tqdm: bool = False,
+        samples: Sequence[int] | None = None,
     ) -> FlatGenerations:
         def run() -> FlatGenerations:
             self.entered.set()
@@ -79,7 +80,9 @@ class GatedEngine(FakeEngine):
             if self.on_generate is not None:
                 self.on_generate()
             time.sleep(0.001)  # give a racing caller the chance to overlap
-            return super(GatedEngine, self).generate(prompts, specs, media, use_tqdm=use_tqdm)
+            return super(GatedEngine, self).generate(
+                prompts, specs, media, use_tqdm=use_tqdm, samples=samples
+            )
 
         result: FlatGenerations = self._around("generate", run)
         return result

@@ -101,11 +101,14 @@ class WatchedEngine(VllmEngine):
         media: Sequence[RowMedia | None] | None = None,
         *,
         use_tqdm: bool = False,
+        samples: Sequence[int] | None = None,
     ) -> FlatGenerations:
         def run() -> FlatGenerations:
             self.entered.set()
             assert self.gate.wait(DEADLINE_S), "the test never released generate"
-            return super(WatchedEngine, self).generate(prompts, specs, media, use_tqdm=use_tqdm)
+            return super(WatchedEngine, self).generate(
+                prompts, specs, media, use_tqdm=use_tqdm, samples=samples
+            )
 
         result: FlatGenerations = self._around("generate", run)
         return result
