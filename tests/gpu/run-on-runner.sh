@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite, then the GPU benchmark, in one device call on the H200 runner.
 #
-#   [BENCH_EXTRA="--sections ..."] bash tests/gpu/run-on-runner.sh [--nccl] [--tests-only | --bench-only] [--dry-run]
+#   [GPU_TESTS="tests/gpu/a.py ..."] [BENCH_EXTRA="--sections ..."] bash tests/gpu/run-on-runner.sh [--nccl] [--tests-only | --bench-only] [--dry-run]
 #
 # Needs the vLLM bundle staged (tests/gpu/README.md): it runs .gpu-bundle/install.sh
 # (idempotent) and sources .gpu-bundle/env.sh. genworker comes from this repository copy
@@ -73,8 +73,9 @@ status=0
 if [ "$RUN_TESTS" = 1 ]; then
   PER_TEST=()
   python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout "$TEST_TIMEOUT_S")
-  echo "== pytest -m gpu tests/gpu (budget ${TEST_BUDGET_S}s)"
-  timeout -k 20 "$TEST_BUDGET_S" python3 -m pytest -m gpu tests/gpu -v -rA \
+  read -r -a TESTS <<< "${GPU_TESTS:-tests/gpu}" # GPU_TESTS: a few test files instead
+  echo "== pytest -m gpu ${TESTS[*]} (budget ${TEST_BUDGET_S}s)"
+  timeout -k 20 "$TEST_BUDGET_S" python3 -m pytest -m gpu "${TESTS[@]}" -v -rA \
     -p no:cacheprovider "${PER_TEST[@]}" --junitxml="$OUT/junit-gpu.xml" \
     2>&1 | tee "$OUT/pytest-gpu.log"
   rc=${PIPESTATUS[0]}
