@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXTENSION_CLS",
+    "SESSION_ENGINE_STARTED_BY",
     "cpu_engine",
     "cpu_engine_kwargs",
     "cpu_llm",
@@ -105,6 +106,12 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_vlm(base / "tiny-idefics3")
 
 
+#: The test that started the session engine, while it runs (``pytest_runtest_setup``).
+SESSION_ENGINE_STARTED_BY: list[str] = []
+#: The test being set up.
+_SETTING_UP: list[str] = []
+
+
 @pytest.fixture(scope="session")
 def cpu_engine(tiny_model_dir: Path) -> Iterator[VllmEngine]:
     """The session's one engine, through the adapter."""
@@ -112,7 +119,9 @@ def cpu_engine(tiny_model_dir: Path) -> Iterator[VllmEngine]:
     from genworker.shell.vllm_engine import VllmEngine
 
     engine = VllmEngine.start(cpu_engine_kwargs(tiny_model_dir))
+    SESSION_ENGINE_STARTED_BY.extend(_SETTING_UP[-1:])
     yield engine
+    SESSION_ENGINE_STARTED_BY.clear()
     engine.shutdown()
 
 
@@ -120,3 +129,51 @@ def cpu_engine(tiny_model_dir: Path) -> Iterator[VllmEngine]:
 def cpu_llm(cpu_engine: VllmEngine) -> LLM:
     """The same engine as ``cpu_engine``, as the raw ``vllm.LLM``."""
     return cpu_engine.llm
+
+
+#: The fixtures that hold the session's one in-process engine (``engine_fixtures``).
+SESSION_ENGINE_FIXTURES = frozenset({"cpu_engine", "cpu_llm"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on the session's engine run after every other test, in their collected order.
+
+    An in-process vLLM engine tears down the process-wide distributed state when it shuts
+    down (``EngineCore.shutdown`` -> ``cleanup_dist_env_and_memory``, vllm/v1/engine/
+    core.py, 0.32): a module that starts and stops an engine of its own while the session
+    engine is alive leaves the session engine failing every step with "pipeline model
+    parallel group is not initialized". Running the session engine's tests last keeps that
+    from depending on the files' names. The GPU suite (marker ``gpu``) keeps the order it
+    passed in: moved, three of its token-counter tests saw the counters stand still on the
+    H100 (run of 30291d7; not diagnosed further)."""
+    items.sort(
+        key=lambda item: item.get_closest_marker("gpu") is None and uses_the_session_engine(item)
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that is not sorted with the session engine's must not run while it lives.
+
+    It would be one that starts and stops an engine of its own (breaking the session
+    engine for every test after it, far from the cause), run after a test that reached the
+    session engine without saying so: a fixture that calls ``request.getfixturevalue``
+    needs the ``session_engine`` marker on its test or parameter."""
+    _SETTING_UP[:] = [item.nodeid]
+    if item.get_closest_marker("gpu") is not None or uses_the_session_engine(item):
+        return
+    if SESSION_ENGINE_STARTED_BY:
+        pytest.fail(
+            f"{item.nodeid} runs while the session engine lives, started by "
+            f"{SESSION_ENGINE_STARTED_BY[0]}, which is not marked session_engine: mark it "
+            "(pytest.mark.session_engine) so that it runs after every other test",
+            pytrace=False,
+        )
+
+
+def uses_the_session_engine(item: pytest.Item) -> bool:
+    """Whether ``item`` needs the session engine: a fixture of its closure holds it, or it
+    is marked ``session_engine`` (a test that asks for it by ``request.getfixturevalue``)."""
+    closure = set(getattr(item, "fixturenames", ()))
+    marked = item.get_closest_marker("session_engine") is not None
+    return bool(SESSION_ENGINE_FIXTURES & closure) or marked

@@ -38,7 +38,9 @@ class Subject:
     engine: EnginePort
 
 
-@pytest.fixture(params=["fake", "vllm"], scope="module")
+@pytest.fixture(
+    params=["fake", pytest.param("vllm", marks=pytest.mark.session_engine)], scope="module"
+)
 def subject(request: pytest.FixtureRequest) -> Iterator[Subject]:
     if request.param == "fake":
         fake = FakeEngine(vocab_size=512, max_model_len=256, eos_token_id=EOS)
