@@ -15,7 +15,9 @@ embedding or LM head, ``dispatch_cpu_unquantized_gemm``, vllm/model_executor/lay
 utils.py, 0.32); else through ``reload_weights(weights_iterator=...)`` where the model
 runner has it (vLLM's layerwise reload), or ``model.load_weights`` and
 ``process_weights_after_loading``, one loader call per refit, through :mod:`genworker.shell.fp8`'s
-hook on an fp8 engine. Over a collective with tensor parallelism every rank receives the
+hook on an fp8 engine; an MoE layer whose experts kernel re-lays its weights after a load
+(vLLM's CPU prepack) is re-laid after each refit that writes it (:func:`experts_repacked`,
+which vLLM 0.32 skips on weight updates). Over a collective with tensor parallelism every rank receives the
 same bytes, so sharded parameters never go direct. The routes are kept while every
 parameter stays registered where it was, in the same memory, size and dtype (checked
 without walking the modules or vLLM's parameter ``__torch_function__``).
@@ -29,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Final, cast
+from typing import TYPE_CHECKING, Final, Protocol, cast
 
 import attrs
 import torch
@@ -62,8 +64,10 @@ __all__ = [
     "Routed",
     "WeightsGate",
     "engine_params",
+    "experts_repacked",
     "nonfinite",
     "parameters",
+    "repacking_experts",
     "takes_weights_iterator",
 ]
 
@@ -188,6 +192,71 @@ def takes_weights_iterator(reload_weights: object) -> bool:
     return any(p.name == "weights_iterator" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
+class MoeMethod(Protocol):
+    """A MoE layer's ``quant_method`` as :func:`experts_repacked` sees it."""
+
+    process_weights_after_loading: Callable[[nn.Module], object]
+
+
+def repacking_experts(model: nn.Module) -> dict[str, tuple[MoeMethod, Callable[..., object]]]:
+    """The unquantized MoE layers whose experts kernel re-lays its weights after a load, by
+    module name: each layer's ``quant_method`` and that kernel's ``process_weights_after_loading``
+    (a subclass override of vLLM's no-op default; on CPU the VNNI prepack of
+    ``fused_moe/experts/cpu_moe.py``, 0.32)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+    except ImportError:  # a vLLM without it: nothing known to skip the re-lay
+        return {}
+    out: dict[str, tuple[MoeMethod, Callable[..., object]]] = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod):
+            continue  # only its _setup_kernel is known to skip the re-lay on an update
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        hook = "process_weights_after_loading"
+        if experts is None or sum(hook in vars(c) for c in type(experts).__mro__) < 2:
+            continue
+        out[name] = (cast("MoeMethod", method), getattr(experts, hook))
+    return out
+
+
+@contextmanager
+def experts_repacked(
+    layers: Mapping[str, tuple[MoeMethod, Callable[..., object]]],
+) -> Iterator[None]:
+    """While a refit loads: each of ``layers`` (:func:`repacking_experts`) re-lays its
+    experts after vLLM processes it.
+
+    vLLM 0.32's ``UnquantizedFusedMoEMethod._setup_kernel`` runs the experts kernel's
+    ``process_weights_after_loading`` on the first load only: on a weight update it copies
+    the checkpoint-layout experts into the kernel's tensors and skips the re-lay, so an MoE
+    engine on CPU generates from unpacked weights read as packed ones, silently wrong. The
+    layerwise reload calls the layer's ``quant_method.process_weights_after_loading`` once
+    per layer it wrote, on the fresh tensors it then copies into the kernel's: the re-lay
+    goes right after it, on exactly the layers written."""
+    patched: list[MoeMethod] = []
+    try:
+        for method, relay in layers.values():
+            process = method.process_weights_after_loading
+
+            def process_and_relay(
+                layer: nn.Module,
+                process: Callable[..., object] = process,
+                relay: Callable[..., object] = relay,
+            ) -> None:
+                process(layer)
+                relay(layer)
+
+            method.process_weights_after_loading = process_and_relay
+            patched.append(method)
+        yield
+    finally:
+        for method in patched:
+            del method.process_weights_after_loading
+
+
 class WeightsGate:
     """Who touches the weights: a batch or a refit, never both (issue 44 item 3).
 
@@ -277,14 +346,37 @@ class EngineContext:
         return parameters(self.model())[0]
 
     def loader(self) -> Loader:
-        """vLLM's weight loader, quantizing on the way in on an fp8 engine (shell.fp8); a
-        ``RefitError`` when the engine worker has none."""
-        return fp8_loading(self.model(), self._vllm_loader())
+        """vLLM's weight loader, quantizing on the way in on an fp8 engine (shell.fp8) and
+        re-packing the experts it wrote (:func:`experts_repacked`); a ``RefitError`` when
+        the engine worker has none."""
+        model = self.model()
+        load = fp8_loading(model, self._vllm_loader())
+        layers = repacking_experts(model)
+        if not layers:
+            return load
+        if self._layerwise_reload() is None:
+            raise RefitError(
+                f"the MoE layer {min(layers)!r} re-lays its experts after loading and this "
+                "vLLM's model runner has no layerwise reload (reload_weights(weights_iterator="
+                "...)): a refit would leave its experts half re-laid, so it is refused"
+            )
+
+        def load_and_relay(weights: Iterable[tuple[str, torch.Tensor]]) -> object:
+            with experts_repacked(layers):
+                return load(weights)
+
+        return load_and_relay
+
+    def _layerwise_reload(self) -> Callable[..., object] | None:
+        runner = getattr(self.worker, "model_runner", None)
+        reload_worker: object = getattr(self.worker, "reload_weights", None)
+        if callable(reload_worker) and takes_weights_iterator(getattr(runner, "reload_weights", 0)):
+            return reload_worker
+        return None
 
     def _vllm_loader(self) -> Loader:
-        runner = getattr(self.worker, "model_runner", None)
-        reload_worker = getattr(self.worker, "reload_weights", None)
-        if callable(reload_worker) and takes_weights_iterator(getattr(runner, "reload_weights", 0)):
+        reload_worker = self._layerwise_reload()
+        if reload_worker is not None:
             return lambda weights: reload_worker(weights_iterator=weights)
         model = self.model()
         load_weights = getattr(model, "load_weights", None)
