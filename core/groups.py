@@ -11,12 +11,13 @@ caller (``group_size``: NeMo-RL's ``num_generations_per_prompt`` layout, rows
 
 Each group takes one of two paths (:class:`GroupPath`):
 
-- ``SAMPLES``: no row of the group has a seed: one request with vLLM's ``n`` = G
+- ``SAMPLES``: no row of the group has a seed and the group samples (it is not greedy:
+  vLLM refuses ``n`` > 1 for a greedy request): one request with vLLM's ``n`` = G
   (``SamplingParams.n``); vLLM returns the G completions in ``RequestOutput.outputs``
   (vllm/v1/engine/parallel_sampling.py, 0.32: ``ParentRequest`` fans ``n`` out into G
   child requests, ``output_aggregator[index]``). vLLM derives a seeded child's seed as
   ``seed + index``, so ``n`` cannot carry per-sample seeds.
-- ``PREFIX``: some row has a seed: one request per row, the group's rows sent one after
+- ``PREFIX``: some row has a seed, or the group is greedy: one request per row, the group's rows sent one after
   another, the first (the *leader*) first, so the siblings are admitted after it and read
   its prompt's blocks from the prefix cache. The specs are the per-row path's own, so the
   outputs are the per-row path's, bit for bit.
@@ -187,8 +188,9 @@ def plan_groups(
                 )
     groups = []
     for positions in members.values():
-        seeded = any(specs[p].seed is not None for p in positions)
-        path = GroupPath.PREFIX if seeded else GroupPath.SAMPLES
+        # equal specs but for the seed: the leader's temperature is the group's
+        per_row = specs[positions[0]].greedy or any(specs[p].seed is not None for p in positions)
+        path = GroupPath.PREFIX if per_row else GroupPath.SAMPLES
         groups.append(Group(tuple(rows[p] for p in positions), path))
     return Success(GroupPlan(tuple(groups)))
 

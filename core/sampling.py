@@ -51,6 +51,7 @@ from genworker.core.config import ConfigError, ConfigProblem
 from genworker.core.lora import LoraRef
 
 __all__ = [
+    "GREEDY_BELOW",
     "SamplingDefaults",
     "SamplingSpec",
     "SpecGroup",
@@ -58,6 +59,10 @@ __all__ = [
     "group_specs",
     "sampling_spec",
 ]
+
+#: vLLM samples a request greedily below this temperature (``_SAMPLING_EPS`` of
+#: vllm/sampling_params.py, 0.32)
+GREEDY_BELOW = 1e-5
 
 
 class SamplingDefaults(Protocol):
@@ -172,6 +177,13 @@ class SamplingSpec:
     )
     #: the LoRA adapter the request runs under (``core.lora``); not a SamplingParams field
     adapter: LoraRef | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Whether vLLM samples this spec greedily: a temperature below
+        :data:`GREEDY_BELOW` (``SamplingParams.sampling_type``; such a request may not ask
+        for ``n`` > 1, ``SamplingParams._verify_greedy_sampling``)."""
+        return self.temperature < GREEDY_BELOW
 
     def as_kwargs(self, known: frozenset[str] | None = None) -> dict[str, object]:
         """Keyword arguments for vLLM ``SamplingParams`` (tuples as lists).

@@ -410,6 +410,8 @@ class FakeEngine:
                 raise BadBatchError("prompt cannot be empty")
             if self._expanded(prompt, row_media) >= self._caps.max_model_len:
                 raise BadBatchError("prompt is at least max_model_len long")
+            if n > 1 and spec.greedy:  # vLLM's SamplingParams._verify_greedy_sampling
+                raise BadBatchError(f"n must be 1 when using greedy sampling, got {n}.")
             for child in range(n):
                 row = len(out)  # faults are by output row
                 self.requests.append((list(prompt), spec))

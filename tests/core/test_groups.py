@@ -54,12 +54,13 @@ def test_recognised_groups_partition_the_rows_by_prompt_and_spec_but_seed(batch:
 
 
 @given(group_batches())
-def test_path_is_n_exactly_when_no_row_of_the_group_has_a_seed(batch: Batch) -> None:
+def test_path_is_n_exactly_when_the_group_samples_and_no_row_has_a_seed(batch: Batch) -> None:
     rows, _, specs = batch
-    seed = {row: spec.seed for row, spec in zip(rows, specs, strict=True)}
+    spec = dict(zip(rows, specs, strict=True))
     for group in _plan(batch).groups:
-        unseeded = all(seed[row] is None for row in group.rows)
-        assert (group.path is GroupPath.SAMPLES) == unseeded
+        unseeded = all(spec[row].seed is None for row in group.rows)
+        sampled = all(spec[row].temperature >= 1e-5 for row in group.rows)  # vLLM's greedy
+        assert (group.path is GroupPath.SAMPLES) == (unseeded and sampled)
 
 
 @given(group_batches())
@@ -155,3 +156,10 @@ def test_order_rows_of_nothing() -> None:
     flat = flatten_generations([])
     assert order_rows(flat, []) == flat
     assert isinstance(flat, FlatGenerations)
+
+
+def test_a_greedy_group_goes_row_by_row_for_vllm_refuses_n_above_one_when_greedy() -> None:
+    greedy = attrs.evolve(SPEC, temperature=0.0)
+    planned = plan_groups([0, 1, 2], [[5, 6]] * 3, [greedy] * 3)
+    assert planned == Success(GroupPlan((Group((0, 1, 2), GroupPath.PREFIX),)))
+    assert planned.unwrap().requests() == tuple(EngineRequest(row, 1) for row in (0, 1, 2))

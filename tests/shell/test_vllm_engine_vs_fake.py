@@ -165,6 +165,14 @@ def test_empty_and_over_long_prompts_are_bad_batches(subject: Subject) -> None:
     assert subject.engine.generate([[5, 6]], [_spec(subject)]).batch_size == 1
 
 
+def test_a_greedy_prompt_sampled_more_than_once_is_a_bad_batch(subject: Subject) -> None:
+    # vLLM refuses n > 1 at temperature 0; genworker's groups send such rows one by one
+    with pytest.raises(BadBatchError, match="greedy"):
+        subject.engine.generate([[5, 6]], [_spec(subject)], samples=[2])
+    sampled = _spec(subject, temperature=1.0, top_k=-1)
+    assert subject.engine.generate([[5, 6]], [sampled], samples=[2]).batch_size == 2
+
+
 def test_text_prompts_are_tokenized_into_the_ids_generate_text_takes(subject: Subject) -> None:
     prompts = ["once upon a time", "abc", "x"]
     ids = subject.engine.tokenize(prompts)

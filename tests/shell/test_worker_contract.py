@@ -386,6 +386,7 @@ def test_a_batch_s_stop_strings_are_refused_where_the_engine_cannot_detokenize(
 
 
 @pytest.mark.engine
+@pytest.mark.session_engine
 def test_the_two_workers_give_equal_rows_for_equal_seeds(
     loop: asyncio.AbstractEventLoop,
     request: pytest.FixtureRequest,
