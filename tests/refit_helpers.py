@@ -488,8 +488,14 @@ class CommandedProcess:
         return outcome
 
     def stop(self) -> None:
+        """Ask the process to leave; kill it after 30 s. Polled with ``is_alive`` (a
+        ``waitpid``), not ``join``: ``join`` waits on the process's sentinel pipe, which a
+        process started meanwhile by this one may hold open (seen: a NeMo-RL trainer
+        reaped only after the 30 s, a zombie all along)."""
         self._commands.put(None)
-        self.process.join(30)
+        deadline = time.monotonic() + 30
+        while self.process.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
         if self.process.is_alive():
             self.process.kill()
 

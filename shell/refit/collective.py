@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import math
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NoReturn
@@ -226,10 +227,20 @@ class CollectiveGroup:
 
     def close(self) -> None:
         """Tear the group down without waiting for the peers (NCCL's graceful shutdown
-        would block until every rank shut down too)."""
-        self.broken = True
+        would block until every rank shut down too). A gloo group joins its worker threads
+        when it is freed, and a thread still in an operation (the receive of a refit that
+        timed out) leaves only at the group's timeout: such a group is freed on a daemon
+        thread."""
+        pending, self.broken = self.broken, True
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
         with contextlib.suppress(RuntimeError, AttributeError):
-            getattr(self._pg, "shutdown" if self.backend == "gloo" else "abort")()
+            (pg.shutdown if self.backend == "gloo" else pg.abort)()
+        if pending and self.backend == "gloo":
+            holder = [pg]
+            del pg
+            threading.Thread(target=holder.clear, name="gloo-group-free", daemon=True).start()
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:

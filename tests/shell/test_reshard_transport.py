@@ -6,6 +6,7 @@ itself; columns split through scratch; every problem is typed on every rank."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -119,7 +120,10 @@ def setup() -> Iterator[Setup]:
     finally:
         for s in ready:
             s.close()
+        started = time.monotonic()
         assert engine.close_nccl_reshard_comm_group() == 1
+        # closing waits for no peer, nor for a receive left pending by a timed-out refit
+        assert time.monotonic() - started < TIMEOUT / 4
 
 
 def test_rows_land_in_the_parameter_itself_and_columns_through_scratch(setup: Setup) -> None:
