@@ -66,6 +66,12 @@ is a pure function here, so it can be stated as a law and tested without a serve
   and tokenizing megabytes to find that out costs seconds of CPU and a lasting gigabyte
   of the server's memory. Each refusal names the request's field and, for an id, its
   index.
+- **Routed experts** (:func:`check_routes_request`, :func:`drop_routes`): an MoE
+  engine that captures (``enable_return_routed_experts``) makes vLLM add every choice's
+  routes to a non-streamed response, a base64 ``.npy`` of ``prompt + generated - 1``
+  rows; they are the request's to ask for (``return_routed_experts: true``), dropped
+  otherwise, and refused, naming the field, where the engine does not capture or the
+  request streams.
 - **Versions** (:func:`versions_between`): the server reads the worker's weight version
   when a request arrives and when its response starts (non-streaming: the generation is
   complete) or when each streamed event passes; a version increases by one per refit, so
@@ -95,6 +101,8 @@ __all__ = [
     "DEFAULT_HOST",
     "MAX_JSON_DEPTH",
     "REPLACEMENT_CHARACTER",
+    "ROUTES_CHOICE_FIELD",
+    "ROUTES_FIELD",
     "BadRequest",
     "BudgetError",
     "HttpLimits",
@@ -109,9 +117,11 @@ __all__ = [
     "check_completion_prompt",
     "check_nesting",
     "check_on_policy",
+    "check_routes_request",
     "check_template_stable",
     "check_token_ids",
     "check_turns",
+    "drop_routes",
     "http_limits",
     "http_max_tokens",
     "json_depth",
@@ -773,6 +783,61 @@ def check_chat_text(messages: Sequence[object], limits: HttpLimits) -> Result[in
                 )
             )
     return Success(total)
+
+
+# --- routed experts --------------------------------------------------------------------
+
+#: genworker's request field asking for the choices' routed experts (docs/r3.md)
+ROUTES_FIELD: Final = "return_routed_experts"
+#: the field of a choice where vLLM puts them (base64 ``.npy``, ``CompletionResponseChoice``
+#: and ``ChatCompletionResponseChoice``, vLLM 0.32)
+ROUTES_CHOICE_FIELD: Final = "routed_experts"
+
+
+def check_routes_request(body: Mapping[str, object], *, captures: bool) -> Result[bool, BadRequest]:
+    """Whether a request asks for its routed experts (:data:`ROUTES_FIELD`, opt-in: vLLM
+    adds them to every choice when its engine captures, ``prompt + generated - 1`` rows of
+    ``num_layers x top_k`` ids each). Refused naming the field: not a bool; asked of an
+    engine that does not capture; asked with ``stream`` (vLLM returns them with
+    non-streamed responses only)."""
+    wanted = body.get(ROUTES_FIELD, False)
+    if type(wanted) is not bool:
+        return _bad(f"{ROUTES_FIELD} must be true or false, got {_shown(wanted)}", ROUTES_FIELD)
+    if not wanted:
+        return Success(False)
+    if not captures:
+        return _bad(
+            f"{ROUTES_FIELD}: this server's engine does not capture routed experts (set "
+            "enable_return_routed_experts: true in the worker config, on a platform that "
+            "can capture: docs/r3.md)",
+            ROUTES_FIELD,
+        )
+    if body.get("stream") is True:
+        return _bad(
+            f"{ROUTES_FIELD}: vLLM returns routed experts with non-streamed responses "
+            "only; ask without stream",
+            ROUTES_FIELD,
+        )
+    return Success(True)
+
+
+def drop_routes(raw: bytes) -> bytes:
+    """A non-streamed completion or chat response without its choices'
+    :data:`ROUTES_CHOICE_FIELD`, serialised compactly; bytes that hold no such field (not
+    JSON, no choices) come back as they are."""
+    try:
+        response = json.loads(raw)
+    except ValueError:
+        return raw
+    choices = response.get("choices") if isinstance(response, dict) else None
+    if not isinstance(choices, list):
+        return raw
+    held = [c for c in choices if isinstance(c, dict) and ROUTES_CHOICE_FIELD in c]
+    if not held:
+        return raw
+    for choice in held:
+        del choice[ROUTES_CHOICE_FIELD]
+    return json.dumps(response, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 # --- versions --------------------------------------------------------------------------

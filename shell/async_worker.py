@@ -1221,6 +1221,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 max_new_tokens=self.cfg.max_new_tokens,
                 cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
                 num_speculative_tokens=self.engine.capabilities.num_speculative_tokens,
+                captures_routes=self.engine.capabilities.routes is not None,
             )
         return self._http.base_url
 

@@ -41,6 +41,10 @@ Theory of operation
   value, ids, logprobs and a ``max_tokens`` within budget already there) goes to vLLM as
   its own bytes; one it completes is re-serialised. The budget of a (``max_tokens``,
   prompt length) pair is memoized (``http_max_tokens`` is pure).
+- **Routed experts**: where the engine captures them, vLLM adds every choice's routes
+  to a non-streamed response; the layer passes them to a request that asks
+  (``return_routed_experts``, removed before vLLM sees the body) and drops them otherwise
+  (``core.serving.check_routes_request`` / ``drop_routes``).
 - **Weight versions**: each request runs inside ``AsyncVllmGenerationWorker.in_flight()``
   (a stream for the lifecycle: sleep and prefix-cache resets wait, in-flight refits pause
   and resume it like the worker's own rows; a refit that fails ends them: 500 naming the
@@ -68,6 +72,7 @@ from returns.result import Failure
 
 from genworker.core.caps import CapError
 from genworker.core.serving import (
+    ROUTES_FIELD,
     BadRequest,
     HttpLimits,
     OffPolicy,
@@ -79,9 +84,11 @@ from genworker.core.serving import (
     check_completion_prompt,
     check_nesting,
     check_on_policy,
+    check_routes_request,
     check_template_stable,
     check_token_ids,
     check_turns,
+    drop_routes,
     http_limits,
     http_max_tokens,
     parse_body,
@@ -198,8 +205,10 @@ class RolloutLayer:
         vocab_size: int,
         body_timeout_s: float = BODY_READ_TIMEOUT_S,
         chat_template: str | None = None,
+        captures_routes: bool = False,
     ) -> None:
         self.app = app
+        self.captures_routes = captures_routes
         self.chat_template = chat_template
         self.hooks = hooks
         self.policy = policy
@@ -250,10 +259,15 @@ class RolloutLayer:
             return
         chat = scope["path"] == "/v1/chat/completions"
         try:
-            if await self._prepare(scope, body, chat):
+            routes = check_routes_request(body, captures=self.captures_routes)
+            if isinstance(routes, Failure):
+                raise _refused(routes.failure())
+            asked = body.pop(ROUTES_FIELD, None) is not None  # genworker's, not vLLM's
+            if await self._prepare(scope, body, chat) or asked:
                 raw = json.dumps(body).encode()
+            strip = self.captures_routes and not routes.unwrap()
             async with self.hooks.in_flight():
-                await self._generate(scope, raw, receive, send)
+                await self._generate(scope, raw, receive, send, strip_routes=strip)
         except _Refused as e:
             await _respond(send, e.status, _error_body(e.status, str(e), e.param))
         except EngineStateError as e:
@@ -298,7 +312,9 @@ class RolloutLayer:
             )
             return None
 
-    async def _generate(self, scope: Scope, raw: bytes, receive: Receive, send: Send) -> None:
+    async def _generate(
+        self, scope: Scope, raw: bytes, receive: Receive, send: Send, *, strip_routes: bool
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
         started = False
@@ -314,7 +330,7 @@ class RolloutLayer:
             started = started or message["type"] == "http.response.start"
             await forward(message)
 
-        forward = self._sender(send, self.hooks.weight_version)
+        forward = self._sender(send, self.hooks.weight_version, strip_routes)
         self._running.add(task)
         try:
             await self.app(scope, _replay(raw, receive), tracked)
@@ -547,15 +563,20 @@ class RolloutLayer:
         return checked.unwrap()
 
     # -- the response ------------------------------------------------------------------
-    def _sender(self, send: Send, first: int) -> Send:
+    def _sender(self, send: Send, first: int, strip_routes: bool = False) -> Send:
+        """``send`` with the versions added (a header; each streamed event's field) and,
+        with ``strip_routes``, a non-streamed body without its choices' routed experts:
+        its start is held until the body is whole (a JSON response's start and body come
+        back to back, with no await between them here: no cancellation lands between)."""
         stream = False
         pending = b""
+        held: Message | None = None
 
         def versions() -> list[int]:
             return list(versions_between(first, self.hooks.weight_version))
 
         async def wrapped(message: Message) -> None:
-            nonlocal stream, pending
+            nonlocal stream, pending, held
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 stream = any(
@@ -564,6 +585,19 @@ class RolloutLayer:
                 )
                 headers.append((_VERSIONS_KEY, ",".join(map(str, versions())).encode()))
                 message = {**message, "headers": headers}
+                if strip_routes and not stream:
+                    held = message
+                    return
+            elif message["type"] == "http.response.body" and held is not None:
+                pending += message.get("body", b"")
+                if message.get("more_body", False):
+                    return
+                body, pending = drop_routes(pending), b""
+                length = (b"content-length", str(len(body)).encode())
+                kept = [(k, v) for k, v in held["headers"] if k.lower() != b"content-length"]
+                await send({**held, "headers": [*kept, length]})
+                held = None
+                message = {**message, "body": body}
             elif message["type"] == "http.response.body" and stream:
                 pending += message.get("body", b"")
                 done, _, pending = pending.rpartition(b"\n\n")
@@ -893,8 +927,11 @@ class OpenAIServer:
         max_new_tokens: int,
         cap_to_context: bool,
         num_speculative_tokens: int,
+        captures_routes: bool = False,
     ) -> None:
-        """Build vLLM's app around ``llm`` and serve it on this loop; idempotent."""
+        """Build vLLM's app around ``llm`` and serve it on this loop; idempotent.
+        ``captures_routes``: the engine returns routed experts (``return_routed_experts``
+        is then a request's to ask for)."""
         if self._task is not None:
             return
         if self._socket is None:
@@ -918,6 +955,7 @@ class OpenAIServer:
             reuses_prompt_ids=chat_takes_prompt_ids(),
             vocab_size=_vocab_size(model_config, tokenizer),
             chat_template=self.options.chat_template,
+            captures_routes=captures_routes,
         )
         self._layer = layer
         self._server, self._task = await serve_on(layer, self._socket)

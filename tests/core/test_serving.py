@@ -28,6 +28,8 @@ from genworker.core.config import ConfigError, WorkerConfig
 from genworker.core.serving import (
     CHARS_PER_TOKEN_AT_MOST,
     MAX_JSON_DEPTH,
+    ROUTES_CHOICE_FIELD,
+    ROUTES_FIELD,
     BadRequest,
     BudgetError,
     HttpLimits,
@@ -42,9 +44,11 @@ from genworker.core.serving import (
     check_completion_prompt,
     check_nesting,
     check_on_policy,
+    check_routes_request,
     check_template_stable,
     check_token_ids,
     check_turns,
+    drop_routes,
     http_limits,
     http_max_tokens,
     json_depth,
@@ -778,3 +782,72 @@ def test_trls_explicit_defaults_are_the_training_values(top_k: int | None) -> No
         got = check_on_policy({**trl, name: value}, policy)
         assert isinstance(got, Failure)
         assert got.failure().parameter == name
+
+
+# --- routed experts ---
+
+_choices = st.lists(
+    st.dictionaries(st.sampled_from(["index", "text", ROUTES_CHOICE_FIELD]), json_values)
+    | json_values,
+    max_size=4,
+)
+
+
+@given(
+    st.dictionaries(st.sampled_from(["id", "usage", "model"]), json_values), _choices, st.booleans()
+)
+def test_drop_routes_removes_exactly_the_choices_routes(
+    rest: dict[str, object], choices: list[object], indent: bool
+) -> None:
+    response = {**rest, "choices": choices}
+    raw = json.dumps(response, indent=1 if indent else None).encode()
+    out = drop_routes(raw)
+    expected = [
+        {k: v for k, v in c.items() if k != ROUTES_CHOICE_FIELD} if isinstance(c, dict) else c
+        for c in choices
+    ]
+    assert json.loads(out) == {**rest, "choices": expected}
+    if not any(isinstance(c, dict) and ROUTES_CHOICE_FIELD in c for c in choices):
+        assert out == raw  # nothing to drop: vLLM's own bytes
+
+
+@given(st.binary(max_size=40) | json_values.map(lambda v: json.dumps(v).encode()))
+def test_drop_routes_leaves_bytes_without_choices_as_they_are(raw: bytes) -> None:
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("choices"), list):
+        return  # the law above
+    assert drop_routes(raw) == raw
+
+
+@given(
+    st.one_of(
+        st.just({}),
+        st.fixed_dictionaries({ROUTES_FIELD: st.sampled_from([True, False])}),
+        st.fixed_dictionaries({ROUTES_FIELD: json_values}),
+    ),
+    st.sampled_from([None, True, False, "yes"]),
+    st.booleans(),
+)
+def test_routes_are_given_only_when_asked_by_a_bool_of_a_capturing_unstreamed_request(
+    field: dict[str, object], stream: object, captures: bool
+) -> None:
+    body = {**field, **({} if stream is None else {"stream": stream})}
+    checked = check_routes_request(body, captures=captures)
+    wanted = body.get(ROUTES_FIELD, False)
+    if wanted is False:
+        assert checked == Success(False)
+    elif wanted is True and captures and stream is not True:
+        assert checked == Success(True)
+    else:
+        assert isinstance(checked, Failure)
+        problem = checked.failure()
+        assert (problem.status, problem.param) == (400, ROUTES_FIELD)
+        if type(wanted) is not bool:
+            assert "true or false" in str(problem)
+        elif not captures:
+            assert "does not capture" in str(problem)
+        else:
+            assert "non-streamed" in str(problem)

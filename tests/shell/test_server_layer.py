@@ -53,6 +53,8 @@ class StandIn:
         self.tokenized: list[Any] = []
         self.events: list[bytes] | None = None
         self.hold: asyncio.Event | None = None
+        #: the JSON a generation route answers (without events)
+        self.response: object = {"ok": True}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         raw = (await receive())["body"]
@@ -66,7 +68,7 @@ class StandIn:
         if self.hold is not None:
             await self.hold.wait()
         if self.events is None:
-            await self._json(send, 200, {"ok": True})
+            await self._json(send, 200, self.response)
             return
         await send(
             {
@@ -81,14 +83,16 @@ class StandIn:
 
     @staticmethod
     async def _json(send: Any, status: int, obj: object) -> None:
+        body = json.dumps(obj).encode()
+        headers = [(b"content-length", str(len(body)).encode())]
         await send(
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [(b"content-type", b"application/json")],
+                "headers": [(b"content-type", b"application/json"), *headers],
             }
         )
-        await send({"type": "http.response.body", "body": json.dumps(obj).encode()})
+        await send({"type": "http.response.body", "body": body})
 
 
 def config() -> WorkerConfig:
@@ -125,7 +129,9 @@ def decode(ids: Sequence[int], skip_special: bool) -> str:
     return "".join(chr(97 + i % 26) for i in ids)
 
 
-def layer(app: StandIn, hooks: Hooks, *, body_timeout_s: float = 10.0) -> RolloutLayer:
+def layer(
+    app: StandIn, hooks: Hooks, *, body_timeout_s: float = 10.0, captures_routes: bool = False
+) -> RolloutLayer:
     return RolloutLayer(
         app,
         hooks,
@@ -138,6 +144,7 @@ def layer(app: StandIn, hooks: Hooks, *, body_timeout_s: float = 10.0) -> Rollou
         reuses_prompt_ids=True,
         vocab_size=VOCAB,
         body_timeout_s=body_timeout_s,
+        captures_routes=captures_routes,
     )
 
 
@@ -819,3 +826,65 @@ def test_vllm_dev_mode_read_by_vllm_is_refused_too() -> None:
     with pytest.raises(BadConfigError, match="VLLM_SERVER_DEV_MODE"):
         refuse_dev_mode({}, dev_mode=True)
     refuse_dev_mode({DEV_MODE_VARIABLE: "0"})  # off: serves
+
+
+# vLLM's answer when its engine captures: every choice carries its routes (base64 .npy)
+ROUTED = {
+    "id": "cmpl-1",
+    "choices": [
+        {"index": 0, "text": "ab", "token_ids": [1, 2], "routed_experts": "k05VTVBZ"},
+        {"index": 1, "text": "c", "token_ids": [3], "routed_experts": None},
+    ],
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_routed_experts_come_back_only_to_a_request_that_asks_for_them(path: str) -> None:
+    app, hooks = StandIn(), Hooks()
+    app.response = ROUTED
+    asgi = layer(app, hooks, captures_routes=True)
+    prompt: dict[str, object] = (
+        {"prompt": "hi"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    status, headers, body = asyncio.run(call(asgi, path, json.dumps(prompt).encode()))
+    assert status == 200
+    assert int(headers["content-length"]) == len(body)
+    assert headers[VERSIONS_HEADER] == "0"
+    dropped = json.loads(body)
+    assert [c.get("routed_experts", "gone") for c in dropped["choices"]] == ["gone", "gone"]
+    assert [c["token_ids"] for c in dropped["choices"]] == [[1, 2], [3]]
+    asked = json.dumps({**prompt, "return_routed_experts": True}).encode()
+    status, headers, body = asyncio.run(call(asgi, path, asked))
+    assert status == 200
+    assert json.loads(body) == ROUTED
+    assert int(headers["content-length"]) == len(body)
+    assert "return_routed_experts" not in json.loads(app.bodies[-1])  # genworker's field
+    # an engine that does not capture: vLLM's bytes as they come
+    app.response = {"choices": [{"index": 0, "text": "x"}]}
+    _, _, body = asyncio.run(call(layer(app, hooks), path, json.dumps(prompt).encode()))
+    assert body == json.dumps(app.response).encode()
+
+
+@pytest.mark.parametrize(
+    ("captures", "extra", "named"),
+    [
+        (False, {"return_routed_experts": True}, "does not capture"),
+        (True, {"return_routed_experts": "yes"}, "true or false"),
+        (True, {"return_routed_experts": True, "stream": True}, "non-streamed"),
+    ],
+)
+def test_asking_for_routed_experts_where_none_come_is_refused_by_name(
+    captures: bool, extra: dict[str, object], named: str
+) -> None:
+    app, hooks = StandIn(), Hooks()
+    raw = json.dumps({"prompt": "hi", **extra}).encode()
+    status, _, body = asyncio.run(
+        call(layer(app, hooks, captures_routes=captures), "/v1/completions", raw)
+    )
+    error = json.loads(body)["error"]
+    assert (status, error["param"]) == (400, "return_routed_experts")
+    assert named in error["message"]
+    assert app.bodies == []  # nothing ran
+    assert hooks.opened == 0
