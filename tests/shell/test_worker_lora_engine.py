@@ -74,6 +74,15 @@ def merged(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor]) -> dict
     return out
 
 
+def merged_model(base: Path, path: Path, seed: int) -> Path:
+    """A copy of the model directory ``base`` at ``path`` with adapter ``seed`` merged
+    into its weights (the reference the adapter refits are held against)."""
+    shutil.copytree(base, path)
+    weights = load_file(str(base / "model.safetensors"))
+    save_file(merged(weights, adapter(weights, seed)), str(path / "model.safetensors"))
+    return path
+
+
 def info_of(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
     return {n: (t.shape, t.dtype) for n, t in tensors.items()}
 
@@ -90,15 +99,11 @@ def base_weights(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def merged_outputs(
-    tiny_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    base_weights: dict[str, torch.Tensor],
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy outputs of an engine started on the merged weights of adapter seed 1."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    path = tmp_path_factory.mktemp("merged") / "tiny-llama-merged"
-    shutil.copytree(tiny_model_dir, path)
-    save_file(merged(base_weights, adapter(base_weights, 1)), str(path / "model.safetensors"))
+    path = merged_model(tiny_model_dir, tmp_path_factory.mktemp("merged") / "tiny-llama-merged", 1)
     worker = VllmGenerationWorker(config(path))
     try:
         return greedy(worker)
@@ -151,6 +156,13 @@ def refit(
     return failed
 
 
+def broken(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A trainer's stream of ``tensors`` that fails half way."""
+    items = list(tensors.items())
+    yield from items[: len(items) // 2]
+    raise OSError("the trainer's disk went away")
+
+
 def test_an_adapter_refit_generates_what_the_merged_weights_generate(
     worker: VllmGenerationWorker,
     base_weights: dict[str, torch.Tensor],
@@ -195,14 +207,8 @@ def test_a_second_refit_replaces_the_first_and_a_failed_one_changes_nothing(
 
     # the trainer's stream fails half way: the adapter serving before serves on
     version = worker.weight_version
-    items = list(second.items())
-
-    def broken() -> Iterator[tuple[str, torch.Tensor]]:
-        yield from items[: len(items) // 2]
-        raise OSError("the trainer's disk went away")
-
     with pytest.raises(RefitError):
-        refit(worker, "policy", broken(), info_of(second))
+        refit(worker, "policy", broken(second), info_of(second))
     assert worker.weight_version == version
     ids, logprobs = greedy(worker, lora="policy")
     assert torch.equal(ids, first_ids)
