@@ -232,15 +232,11 @@ class CollectiveGroup:
         timed out) leaves only at the group's timeout: such a group is freed on a daemon
         thread."""
         pending, self.broken = self.broken, True
-        pg, self._pg = self._pg, None
-        if pg is None:
-            return
+        held, self._pg = [self._pg], None  # the list holds the group's last reference
         with contextlib.suppress(RuntimeError, AttributeError):
-            (pg.shutdown if self.backend == "gloo" else pg.abort)()
+            getattr(held[0], "shutdown" if self.backend == "gloo" else "abort")()
         if pending and self.backend == "gloo":
-            holder = [pg]
-            del pg
-            threading.Thread(target=holder.clear, name="gloo-group-free", daemon=True).start()
+            threading.Thread(target=held.clear, name="gloo-group-free", daemon=True).start()
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:
