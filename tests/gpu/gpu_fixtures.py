@@ -36,6 +36,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import random
 import shutil
@@ -339,8 +340,12 @@ def _pinned(gpu: int | None) -> Iterator[None]:
 
 
 def _child_entry(target: Callable[..., object], kwargs: dict[str, Any], out: Any) -> None:
+    """Runs ``target``; its value goes back as pickled bytes: a tensor put on the queue as
+    itself travels as a file descriptor the child must still hold when the parent reads it
+    (torch's sharing strategy), and a child that returned has exited by then (seen on the
+    H100: ``ConnectionResetError`` in ``recvfds``)."""
     try:
-        out.put(("ok", target(**kwargs)))
+        out.put(("ok", pickle.dumps(target(**kwargs))))
     except BaseException:  # noqa: BLE001 - the parent raises it with this traceback
         out.put(("error", traceback.format_exc()))
 
@@ -386,7 +391,8 @@ class Child:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(5)
-        return value
+        assert isinstance(value, bytes)
+        return pickle.loads(value)
 
 
 def run_in_child(target: Callable[..., object], **kwargs: object) -> object:

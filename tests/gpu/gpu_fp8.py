@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
 from gpu.gpu_fixtures import (
     REFIT_TIMEOUT_S,
     Trainer,
@@ -29,6 +30,31 @@ from genworker.shell.worker import VllmGenerationWorker
 __all__ = ["fp8_engine_main"]
 
 
+def _tensors(worker: VllmGenerationWorker) -> dict[str, torch.Tensor]:
+    """The engine's parameters and buffers (fp8 weights, their block scales), on the host."""
+    (tensors,) = worker.engine.collective_rpc(
+        "apply_model",
+        args=(
+            lambda model: {
+                n: t.detach().cpu().clone()
+                for n, t in [*model.named_parameters(), *model.named_buffers()]
+            },
+        ),
+    )
+    assert isinstance(tensors, dict)
+    return tensors
+
+
+def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The tensors whose bytes differ, with their largest difference as numbers."""
+    out = {}
+    for name, old in before.items():
+        new = after[name]
+        if not torch.equal(old.contiguous().view(torch.uint8), new.contiguous().view(torch.uint8)):
+            out[name] = float((old.float() - new.float()).abs().max())
+    return out
+
+
 def fp8_engine_main(
     *, a: str, b: str, pad: int, on_a: list[list[int]], on_b: list[list[int]]
 ) -> dict[str, object]:
@@ -41,6 +67,7 @@ def fp8_engine_main(
     try:
         start, forced_a = greedy(worker, pad), forced_logprobs(worker.llm, on_a)
         out: dict[str, object] = {"start": start, "forced_a": forced_a}
+        started = _tensors(worker)
         (address,) = worker.refit_address()
         trainer = Trainer(ipc_trainer_main, {"address": str(address)})
         forced_b: list[list[float]] = []
@@ -53,6 +80,7 @@ def fp8_engine_main(
             out[step] = greedy(worker, pad)
             if step == "b":
                 forced_b = out["forced_b"] = forced_logprobs(worker.llm, on_b)
+        out["changed"] = _changed(started, _tensors(worker))
         out["finite"] = all(math.isfinite(x) for row in forced_a + forced_b for x in row)
         return out
     finally:
