@@ -17,9 +17,9 @@ Each group takes one of two paths (:class:`GroupPath`):
   (vllm/v1/engine/parallel_sampling.py, 0.32: ``ParentRequest`` fans ``n`` out into G
   child requests, ``output_aggregator[index]``). vLLM derives a seeded child's seed as
   ``seed + index``, so ``n`` cannot carry per-sample seeds.
-- ``PREFIX``: some row has a seed, or the group is greedy: one request per row, the group's rows sent one after
-  another, the first (the *leader*) first, so the siblings are admitted after it and read
-  its prompt's blocks from the prefix cache. The specs are the per-row path's own, so the
+- ``PREFIX``: some row has a seed, or the group is greedy: one request per row, the
+  group's rows sent one after another, the first (the *leader*) first, so the siblings are
+  admitted after it and read its prompt's blocks from the prefix cache. The specs are the per-row path's own, so the
   outputs are the per-row path's, bit for bit.
 
 Either way the prompt is computed once only where prefix caching is on: vLLM 0.32's child
