@@ -50,7 +50,7 @@ def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) ->
     out = {}
     for name, old in before.items():
         new = after[name]
-        if not torch.equal(old.contiguous().view(torch.uint8), new.contiguous().view(torch.uint8)):
+        if not torch.equal(old.reshape(-1).view(torch.uint8), new.reshape(-1).view(torch.uint8)):
             out[name] = float((old.float() - new.float()).abs().max())
     return out
 
