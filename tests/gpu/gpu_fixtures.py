@@ -78,6 +78,7 @@ __all__ = [
     "collective_fake_receiver_main",
     "collective_fake_sender_main",
     "collective_trainer_main",
+    "engine_tensors",
     "fake_state_dict",
     "free_bytes",
     "free_port",
@@ -501,6 +502,21 @@ def ipc_trainer_main(*, address: str, commands: Any, replies: Any) -> None:
         replies.put(("error", traceback.format_exc()))
 
 
+def engine_tensors(
+    worker: VllmGenerationWorker, *, buffers: bool = False
+) -> dict[str, torch.Tensor]:
+    """The worker's engine's parameters (with ``buffers``, its buffers too, such as fp8
+    block scales), in the engine's own layout, on the host."""
+
+    def copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        named = [*model.named_parameters(), *(model.named_buffers() if buffers else ())]
+        return {n: t.detach().cpu().clone() for n, t in named}
+
+    (tensors,) = worker.engine.collective_rpc("apply_model", args=(copy,))
+    assert isinstance(tensors, dict)
+    return tensors
+
+
 def reference_greedy_main(
     config: dict[str, object], pad: int, params_path: str | None = None
 ) -> list[list[int]]:
@@ -511,15 +527,7 @@ def reference_greedy_main(
     worker = VllmGenerationWorker(config)
     try:
         if params_path is not None:
-            (params,) = worker.engine.collective_rpc(
-                "apply_model",
-                args=(
-                    lambda model: {
-                        n: p.detach().cpu().clone() for n, p in model.named_parameters()
-                    },
-                ),
-            )
-            torch.save(params, params_path)
+            torch.save(engine_tensors(worker), params_path)
         return greedy(worker, pad)
     finally:
         worker.shutdown()

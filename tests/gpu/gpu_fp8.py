@@ -18,6 +18,7 @@ import torch
 from gpu.gpu_fixtures import (
     REFIT_TIMEOUT_S,
     Trainer,
+    engine_tensors,
     gpu_config,
     greedy,
     ipc_trainer_main,
@@ -28,21 +29,6 @@ from helpers import forced_logprobs
 from genworker.shell.worker import VllmGenerationWorker
 
 __all__ = ["fp8_engine_main"]
-
-
-def _tensors(worker: VllmGenerationWorker) -> dict[str, torch.Tensor]:
-    """The engine's parameters and buffers (fp8 weights, their block scales), on the host."""
-    (tensors,) = worker.engine.collective_rpc(
-        "apply_model",
-        args=(
-            lambda model: {
-                n: t.detach().cpu().clone()
-                for n, t in [*model.named_parameters(), *model.named_buffers()]
-            },
-        ),
-    )
-    assert isinstance(tensors, dict)
-    return tensors
 
 
 def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -67,7 +53,7 @@ def fp8_engine_main(
     try:
         start, forced_a = greedy(worker, pad), forced_logprobs(worker.llm, on_a)
         out: dict[str, object] = {"start": start, "forced_a": forced_a}
-        started = _tensors(worker)
+        started = engine_tensors(worker, buffers=True)
         (address,) = worker.refit_address()
         trainer = Trainer(ipc_trainer_main, {"address": str(address)})
         forced_b: list[list[float]] = []
@@ -80,7 +66,7 @@ def fp8_engine_main(
             out[step] = greedy(worker, pad)
             if step == "b":
                 forced_b = out["forced_b"] = forced_logprobs(worker.llm, on_b)
-        out["changed"] = _changed(started, _tensors(worker))
+        out["changed"] = _changed(started, engine_tensors(worker, buffers=True))
         out["finite"] = all(math.isfinite(x) for row in forced_a + forced_b for x in row)
         return out
     finally:

@@ -22,6 +22,7 @@ from gpu.gpu_fixtures import (
     GPU_MARKS,
     GpuSession,
     Trainer,
+    engine_tensors,
     gpu_config,
     greedy,
     reference_greedy_main,
@@ -37,16 +38,6 @@ pytestmark = GPU_MARKS
 
 # A delta step's bytes on the wire (frame headers, zstd payloads) over the model's.
 MAX_DELTA_WIRE_FRACTION = 0.1
-
-
-def engine_params(session: GpuSession) -> dict[str, torch.Tensor]:
-    """The session engine's parameters, in its own layout, on the host."""
-    (params,) = session.worker.engine.collective_rpc(
-        "apply_model",
-        args=(lambda model: {n: p.detach().cpu().clone() for n, p in model.named_parameters()},),
-    )
-    assert isinstance(params, dict)
-    return params
 
 
 def sent(trainer: Trainer, save: Path | None = None) -> dict[str, int]:
@@ -99,7 +90,7 @@ def test_a_full_step_then_an_adamw_delta_match_a_fresh_engine_and_the_delta_is_s
         assert delta["wire_bytes"] < MAX_DELTA_WIRE_FRACTION * delta["model_bytes"], delta
         assert delta["wire_bytes"] < MAX_DELTA_WIRE_FRACTION * full["wire_bytes"], (delta, full)
         got = greedy(worker, ckpt.pad)
-        mine = engine_params(gpu_session)
+        mine = engine_tensors(gpu_session.worker)
         fresh_params = tmp_path / "fresh-params.pt"
         fresh = run_in_child(
             reference_greedy_main,
