@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -52,6 +52,8 @@ from genworker.shell.refit.ipc import IpcReceiver
 from genworker.shell.refit.receiver import receive
 
 if TYPE_CHECKING:
+    from vllm.model_executor.models.utils import WeightsMapper
+
     from genworker.shell.ports import RefitPort
 
 __all__ = ["LoraBackend"]
@@ -69,6 +71,17 @@ class _CpuSink:
 
     def finish(self, names: Iterable[str]) -> None:
         return None
+
+
+def _names_only(mapper: object) -> WeightsMapper | None:
+    """The model's HF-to-vLLM mapper without its stacked maps (q/k/v into qkv), as vLLM's
+    own adapter loader passes it: ``get_rename_mapper`` from 0.29, ``get_unstacked_mapper``
+    in 0.25-0.28; ``None`` for a model without one."""
+    for method in ("get_rename_mapper", "get_unstacked_mapper"):
+        unstack = getattr(mapper, method, None)
+        if unstack is not None:
+            return cast("WeightsMapper", unstack())
+    return None
 
 
 class LoraBackend:
@@ -191,7 +204,7 @@ class LoraBackend:
                 device="cpu",
                 dtype=config.lora_dtype,
                 model_vocab_size=manager.vocab_size,  # type: ignore[attr-defined]
-                weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+                weights_mapper=_names_only(mapper),
                 skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
             )
         except Exception as e:
