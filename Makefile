@@ -38,14 +38,14 @@ setup: $(VENV)/.pkg
 # hypothesis loops and vLLM's Python costs more than half the suite's time again.
 test: setup
 	HYPOTHESIS_PROFILE=ci $(RUN) $(PY) -m pytest -q -n 2 -m "not gpu" tests/core \
-	    --cov=genworker.core --cov-branch --cov-report=term-missing:skip-covered \
+	    --cov=core --cov-branch --cov-report=term-missing:skip-covered \
 	    --cov-fail-under=100 --durations=10
 	HYPOTHESIS_PROFILE=ci $(RUN) $(PY) -m pytest -q -m "not gpu" --durations=30 \
 	    --ignore=tests/core tests
 
 test-core: setup
 	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(RUN) $(PY) -m pytest -q tests/core \
-	    --cov=genworker.core --cov-branch --cov-report=term-missing:skip-covered --cov-fail-under=100
+	    --cov=core --cov-branch --cov-report=term-missing:skip-covered --cov-fail-under=100
 
 # NeMo-RL's own VllmGeneration and grpo.py's refit driving the drop-ins on a CPU Ray cluster
 # (tests/shell/test_nemo_rl_integration.py, docs/nemo-rl.md). NEMO_RL: a NeMo-RL checkout
