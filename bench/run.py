@@ -26,6 +26,7 @@ SUITES = (
     "bench_reshard",
     "bench_async",
     "bench_server",
+    "bench_control",
     "bench_lora",
 )
 

@@ -351,6 +351,16 @@ KEYS: Final[tuple[KeyRule, ...]] = (
         _S,
         "genworker: refuse off-policy sampling parameters over HTTP (default true)",
     ),
+    KeyRule(
+        "vllm_cfg.http_server_rl_routes",
+        _S,
+        "genworker: vLLM's RL routes (pause, sleep, weight transfer) on the server (default false)",
+    ),
+    KeyRule(
+        "vllm_cfg.http_server_weight_transfer_timeout_s",
+        _S,
+        "genworker: the bound of each wait of a weight transfer over those routes (default 300)",
+    ),
     KeyRule("vllm_cfg.use_deep_gemm", _R, _FP8 + "; leave it false", inert=(False,)),
     KeyRule("vllm_cfg.num_first_layers_in_bf16", _R, _FP8 + "; leave it 0", inert=(0, None)),
     KeyRule("vllm_cfg.num_last_layers_in_bf16", _R, _FP8 + "; leave it 0", inert=(0, None)),

@@ -189,8 +189,14 @@ class Update:
 
     manifest: Manifest
 
-    def as_info(self) -> dict[str, list[object]]:
-        return self.manifest.to_info()
+    def as_vllm_info(self) -> dict[str, object]:
+        """As vLLM's ``update_info`` (what a trainer sends, and what :func:`parse` reads)."""
+        specs = self.manifest.specs
+        return {
+            "names": [s.name for s in specs],
+            "dtype_names": [s.dtype for s in specs],
+            "shapes": [list(s.shape) for s in specs],
+        }
 
 
 @attrs.frozen

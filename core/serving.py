@@ -140,6 +140,8 @@ _SERVER_KEYS: Final = (
     "http_server_port",
     "http_server_on_policy_guard",
     "http_server_serving_chat_kwargs",
+    "http_server_rl_routes",
+    "http_server_weight_transfer_timeout_s",
 )
 _REFUSED_KEYS: Final = ("tool_parser_plugin", "reasoning_parser_plugin")
 _CHAT_KWARGS: Final = frozenset({"chat_template"})
@@ -159,6 +161,11 @@ class ServerOptions:
     )
     on_policy_guard: bool = True
     chat_template: str | None = None
+    #: vLLM's RL routes (pause, sleep, weight transfer; ``core.control_plane``)
+    rl_routes: bool = False
+    #: the bound of every wait of a weight transfer through those routes (the join, each
+    #: packed buffer), seconds
+    weight_transfer_timeout_s: float = 300.0
 
     @property
     def loopback(self) -> bool:
@@ -213,7 +220,18 @@ def server_options(cfg: WorkerConfig) -> Result[ServerOptions | None, ConfigErro
         return _problem(
             "http_server_serving_chat_kwargs", f"chat_template must be a str, got {template!r}"
         )
-    return Success(ServerOptions(host, port, guard, template))
+    raw_rl = extras.get("http_server_rl_routes", False)
+    rl_routes = False if raw_rl is None else parse_bool(raw_rl)
+    if rl_routes is None:
+        return _problem("http_server_rl_routes", f"must be a bool, got {raw_rl!r}")
+    timeout = extras.get("http_server_weight_transfer_timeout_s", 300.0)
+    timeout = 300.0 if timeout is None else timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < 1e6:
+        return _problem(
+            "http_server_weight_transfer_timeout_s",
+            f"must be a number of seconds in (0, 1e6), got {timeout!r}",
+        )
+    return Success(ServerOptions(host, port, guard, template, rl_routes, float(timeout)))
 
 
 # --- on-policy guard -------------------------------------------------------------------

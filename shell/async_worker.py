@@ -80,7 +80,7 @@ import attrs
 import torch
 from returns.result import Failure
 
-from genworker.core import lifecycle
+from genworker.core import control_plane, lifecycle
 from genworker.core.assembly import Generation, assemble_outputs
 from genworker.core.config import WorkerConfig
 from genworker.core.config_keys import parse_bool
@@ -92,6 +92,7 @@ from genworker.core.outputs import (
     check_generation_logprobs,
     check_generation_routes,
 )
+from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import Transport
 from genworker.core.routing import CapturePlatform
 from genworker.core.rows import assemble_row
@@ -113,6 +114,7 @@ from genworker.shell.errors import (
     EngineStateError,
     GenworkerError,
     RefitError,
+    RefitManifestError,
     RefitTimeoutError,
     RequestAbortedError,
     UnsupportedError,
@@ -939,6 +941,76 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         built-in refits' checks, bounds, pause, version bump and resume around it."""
         return await self._refit(method, timeout_s, mode, clear_cache, transport)
 
+    # -- vLLM's weight-transfer wire and pause (the server's RL routes, docs/server.md) ----
+    async def pause_generation(self, mode: InflightMode | str, clear_cache: bool = True) -> None:
+        """Pause generation as vLLM's ``/pause`` does (``abort``: the rows in flight end
+        typed; ``wait``: they finish, nothing new starts; ``keep``: they freeze) until
+        :meth:`resume_generation`."""
+        inflight = _inflight_mode(mode)
+        if not isinstance(clear_cache, bool):
+            raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
+        if inflight is InflightMode.ABORT:
+            self._mark_in_flight(
+                lambda row: RequestAbortedError(f"row {row}: aborted by a pause (mode 'abort')")
+            )
+        await self.engine.pause(inflight, clear_cache)
+
+    async def resume_generation(self) -> None:
+        """Resume what :meth:`pause_generation` paused."""
+        await self.engine.resume()
+
+    def sleeping(self) -> bool:
+        """Whether any engine memory is asleep."""
+        return not (self.state.weights_awake and self.state.kv_cache_awake)
+
+    def abort_requests(self, request_ids: Sequence[str]) -> int:
+        """End HTTP generation requests in flight (every one: vLLM's ``/abort_requests``
+        with no ids; by id the server cannot tell them apart, so ids are refused)."""
+        if request_ids:
+            raise BadArgumentError(
+                "abort_requests by request_ids is not supported: genworker's server aborts "
+                "every request in flight (send no request_ids)"
+            )
+        return 0 if self._http is None else self._http.abort_all("aborted by /abort_requests")
+
+    async def init_weight_transfer(
+        self, init_info: Mapping[str, object], timeout_s: float | None = None
+    ) -> list[object]:
+        """Join the trainer's group of vLLM's weight-transfer wire (``init_info`` as vLLM's
+        ``/init_weight_transfer_engine`` takes it; the refit backend ``vllm_wire``); returns
+        once every engine worker joined, each one's rank."""
+        bound, outer = self._rendezvous_bounds("init_weight_transfer", timeout_s)
+        return await self._rpc("refit_init", "vllm_wire", dict(init_info), bound, timeout=outer)
+
+    async def update_weights_from_wire(
+        self,
+        update_info: Mapping[str, object],
+        timeout_s: float | None = None,
+        *,
+        held: bool = False,
+        mode: InflightMode | str = InflightMode.KEEP,
+        clear_cache: bool = True,
+    ) -> bool:
+        """One update over vLLM's weight-transfer wire (``update_info``: names, dtype
+        names, shapes, the tensors in broadcast order): a refit like every other, paused
+        in ``mode`` around it unless the caller ``held`` the engine paused itself."""
+        update = unwrap(
+            control_plane.parse("update_weights", {}, {"update_info": dict(update_info)}),
+            RefitManifestError,
+            "update_info",
+        )
+        assert isinstance(update, control_plane.Update)
+        return await self._refit(
+            "refit_receive",
+            timeout_s,
+            mode,
+            clear_cache,
+            Transport.COLLECTIVE,
+            args=("vllm_wire", dict(update_info)),
+            manifest=update.manifest,
+            held=held,
+        )
+
     # -- adapter refits (docs/lora.md; the rules in the spine, as the sync worker's) ------
     async def prepare_lora(
         self,
@@ -979,10 +1051,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                     f"row {row}: aborted by an in-flight adapter refit (mode 'abort')"
                 )
             )
-        try:
-            await asyncio.wait_for(engine.pause(inflight, clear_cache), bound)
-        except TimeoutError as e:
-            raise RefitTimeoutError(f"update_lora: pausing the engine took over {bound:g} s") from e
+        await self._pause_within("update_lora", inflight, clear_cache, bound)
         try:
             with translated(self._rpc_seam("update_lora"), "update_lora"):
                 results = await engine.collective_rpc(
@@ -1017,7 +1086,13 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         mode: object,
         clear_cache: object,
         transport: Transport,
+        *,
+        args: tuple[object, ...] = (),
+        manifest: Manifest | None = None,
+        held: bool = False,
     ) -> bool:
+        """``method(*args, timeout_s=)`` on the engine workers, paused (unless ``held`` by
+        the caller); ``manifest``: the refit's own (a wire that announces each update)."""
         inflight = _inflight_mode(mode)
         if not isinstance(clear_cache, bool):
             raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
@@ -1027,7 +1102,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 "vLLM 0.32's engine core died at the next image request ('Encoder cache "
                 "miss'); keep clear_cache=True"
             )
-        timeout, outer = self._refit_bounds(method, timeout_s, transport)
+        timeout, outer = self._refit_bounds(method, timeout_s, transport, manifest)
         if not self.cfg.vllm.refit_finite_check and not self._finite_check_off:
             await self._rpc("refit_configure", False)  # the engine workers check unless told
             self._finite_check_off = True
@@ -1042,23 +1117,18 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                         f"row {row}: aborted by an in-flight refit (mode 'abort')"
                     )
                 )
-            try:
-                await asyncio.wait_for(engine.pause(inflight, clear_cache), timeout)
-            except TimeoutError as e:
-                raise RefitTimeoutError(
-                    f"{method}: pausing the engine (mode {inflight.value!r}) took over "
-                    f"{timeout:g} s"
-                ) from e
+            if not held:
+                await self._pause_within(method, inflight, clear_cache, timeout)
             paused_at = time.monotonic()
             if not engine.capabilities.weight_versions:
                 await self._settle()
+            bound: dict[str, object] = {"timeout_s": timeout}
             reports = raise_failures(
-                await engine.collective_rpc(method, kwargs={"timeout_s": timeout}, timeout=outer),
-                method,
+                await engine.collective_rpc(method, args, bound, outer), method
             )
             rpc_done = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
-            await self._abort_after_failed_refit(engine, method, e)
+            await self._abort_after_failed_refit(engine, method, e, held)
             self._refit_failed(method, e)
         self._version += 1
         try:
@@ -1068,7 +1138,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             self._close_runs()
             self._label = self._version
             self._commit(lifecycle.Event.REFIT_OK, "refit")
-            await engine.resume()
+            if not held:
+                await engine.resume()
             resumed_at = time.monotonic()
         except EngineDeadError as e:
             self._died(e)
@@ -1084,11 +1155,22 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         }
         return True
 
+    async def _pause_within(
+        self, method: str, inflight: InflightMode, clear_cache: bool, timeout: float
+    ) -> None:
+        try:
+            await asyncio.wait_for(self.engine.pause(inflight, clear_cache), timeout)
+        except TimeoutError as e:
+            raise RefitTimeoutError(
+                f"{method}: pausing the engine (mode {inflight.value!r}) took over {timeout:g} s"
+            ) from e
+
     async def _abort_after_failed_refit(
-        self, engine: AsyncEnginePort, method: str, error: BaseException
+        self, engine: AsyncEnginePort, method: str, error: BaseException, held: bool = False
     ) -> None:
         """A failed refit: weights inconsistent, every request in flight aborted with the
-        refit's error as its row's reason, the engine resumed."""
+        refit's error as its row's reason, the engine resumed (unless its caller holds
+        it paused)."""
         if isinstance(error, EngineDeadError):
             self._died(error)
         self._mark_refit_failed()
@@ -1109,7 +1191,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             if ids:
                 await engine.abort(ids)
             await self._reset_after_failure(error)  # paused: nothing runs on the caches
-            await engine.resume()
+            if not held:
+                await engine.resume()
         except EngineDeadError as e:
             self._died(e)
 
@@ -1222,6 +1305,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
                 num_speculative_tokens=self.engine.capabilities.num_speculative_tokens,
                 captures_routes=self.engine.capabilities.routes is not None,
+                control=self,
             )
         return self._http.base_url
 

@@ -266,6 +266,7 @@ def _engine_config(
             http_server_host=args.host,
             http_server_port=args.port,
             http_server_on_policy_guard=not args.no_on_policy_guard,
+            http_server_rl_routes=args.rl_routes,
         )
     problems = config_problems(config)
     if problems:
@@ -545,6 +546,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     serve.add_argument(
         "--no-on-policy-guard", action="store_true", help="accept any sampling parameters"
     )
+    rl_help = "serve vLLM's RL routes (/pause, /update_weights, ...: docs/server.md)"
+    serve.add_argument("--rl-routes", action="store_true", help=rl_help)
     for p, level in ((demo, "error"), (gen, "warning"), (serve, "warning")):
         p.add_argument("--max-new-tokens", type=int, help="default 16 (RL), 24 (table, generate)")
         p.add_argument("--temperature", type=float, help="default 1.0")

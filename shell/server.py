@@ -65,12 +65,14 @@ import json
 import logging
 import os
 import socket
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any, Protocol
 
 from returns.result import Failure
 
 from genworker.core.caps import CapError
+from genworker.core.control_plane import ROUTES as CONTROL_ROUTES
 from genworker.core.serving import (
     ROUTES_FIELD,
     BadRequest,
@@ -96,6 +98,7 @@ from genworker.core.serving import (
     splice_prefix,
     versions_between,
 )
+from genworker.shell.control import ControlHooks, ControlRoutes
 from genworker.shell.errors import BadConfigError, EngineStateError, GenworkerError
 
 __all__ = [
@@ -206,8 +209,10 @@ class RolloutLayer:
         body_timeout_s: float = BODY_READ_TIMEOUT_S,
         chat_template: str | None = None,
         captures_routes: bool = False,
+        control: ControlRoutes | None = None,
     ) -> None:
         self.app = app
+        self.control = control
         self.captures_routes = captures_routes
         self.chat_template = chat_template
         self.hooks = hooks
@@ -245,6 +250,11 @@ class RolloutLayer:
             if isinstance(nested, Failure):
                 await _refuse(send, nested.failure())
                 return
+            route = CONTROL_ROUTES.get((scope.get("method", ""), scope.get("path", "")))
+            if self.control is not None and route is not None:
+                status, answer = await self.control.handle(route, _query(scope), raw)
+                await _respond(send, status, json.dumps(answer).encode())
+                return
             await self.app(scope, _replay(raw, receive), send)
             return
         parsed = parse_body(raw, self.limits)
@@ -259,6 +269,8 @@ class RolloutLayer:
             return
         chat = scope["path"] == "/v1/chat/completions"
         try:
+            if self.control is not None and (held := self.control.refuses_generation()):
+                raise _refused(held)
             routes = check_routes_request(body, captures=self.captures_routes)
             if isinstance(routes, Failure):
                 raise _refused(routes.failure())
@@ -632,6 +644,12 @@ def tag_events(events: bytes, versions: Sequence[int]) -> bytes:
     return b"\n".join(lines)
 
 
+def _query(scope: Scope) -> dict[str, str]:
+    """The request's query parameters (the last of a repeated name)."""
+    raw = scope.get("query_string", b"")
+    return dict(urllib.parse.parse_qsl(raw.decode("latin-1"), keep_blank_values=True))
+
+
 def _content_length(scope: Scope) -> int | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == b"content-length":
@@ -928,10 +946,12 @@ class OpenAIServer:
         cap_to_context: bool,
         num_speculative_tokens: int,
         captures_routes: bool = False,
+        control: ControlHooks | None = None,
     ) -> None:
         """Build vLLM's app around ``llm`` and serve it on this loop; idempotent.
         ``captures_routes``: the engine returns routed experts (``return_routed_experts``
-        is then a request's to ask for)."""
+        is then a request's to ask for); ``control``: the worker behind vLLM's RL routes
+        (served when the options ask for them)."""
         if self._task is not None:
             return
         if self._socket is None:
@@ -956,10 +976,21 @@ class OpenAIServer:
             vocab_size=_vocab_size(model_config, tokenizer),
             chat_template=self.options.chat_template,
             captures_routes=captures_routes,
+            control=self._control(llm, control),
         )
         self._layer = layer
         self._server, self._task = await serve_on(layer, self._socket)
         log.info("vLLM's OpenAI server listens on %s", self.base_url)
+
+    def _control(self, llm: Any, hooks: ControlHooks | None) -> ControlRoutes | None:
+        if not self.options.rl_routes:
+            return None
+        if hooks is None:
+            raise BadConfigError("http_server_rl_routes: this server has no worker behind it")
+        config = getattr(llm, "vllm_config", None)
+        device = str(getattr(getattr(config, "device_config", None), "device_type", "cpu"))
+        backend = "nccl" if device == "cuda" else "gloo"
+        return ControlRoutes(hooks, config, backend, self.options.weight_transfer_timeout_s)
 
     async def stop(self) -> None:
         """End the generations in flight (a stream ends, a response not yet started

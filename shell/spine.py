@@ -784,11 +784,14 @@ class WorkerSpine(Generic[_E]):
     # init_collective) changes nothing; one that fails, times out or is interrupted
     # leaves the weights inconsistent (generate refused) until a refit succeeds.
     def _refit_bounds(
-        self, method: str, timeout_s: object, transport: Transport
+        self, method: str, timeout_s: object, transport: Transport, own: Manifest | None = None
     ) -> tuple[float, float]:
         """The refit preamble: ``timeout_s`` checked (the one check of it), then what the
-        refit needs; the per-wait bound and the RPC's outer bound."""
+        refit needs; the per-wait bound and the RPC's outer bound. ``own``: the manifest
+        of a wire that announces each refit (its backend checks its own group)."""
         bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
+        if own is not None:
+            return bound, rpc_bound(refit_waits(len(own), transport), bound)
         if transport is Transport.COLLECTIVE and not self._collective:
             raise EngineStateError(f"{method} needs init_collective first")
         if self._manifest is None:

@@ -79,6 +79,7 @@ register_backend("nemo_rl_collective", "genworker.shell.refit.nemo_rl", "NemoRlC
 register_backend("sparse", "genworker.shell.refit.sparse", "SparseBackend")
 register_backend("reshard", "genworker.shell.refit.reshard", "ReshardBackend")
 register_backend("lora", "genworker.shell.refit.lora", "LoraBackend")
+register_backend("vllm_wire", "genworker.shell.refit.vllm_wire", "VllmWireBackend")
 
 
 class Door:

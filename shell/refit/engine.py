@@ -473,12 +473,20 @@ class EngineContext:
             raise EngineStateError(f"{call} needs prepare_refit_info first")
         return self.manifest
 
-    def receive(self, port: object, timeout_s: object, *, sharded_ok: bool) -> dict[str, object]:
+    def receive(
+        self,
+        port: object,
+        timeout_s: object,
+        *,
+        sharded_ok: bool,
+        manifest: Manifest | None = None,
+    ) -> dict[str, object]:
         """One refit from ``port`` (a ``RefitPort``; NeMo-RL's carry their own handle
         types) into the engine, each wait bounded by ``timeout_s``; its report and the
-        engine's refit count, or a typed error."""
+        engine's refit count, or a typed error. ``manifest``: this refit's own (a wire
+        that announces it per update), else ``prepare_refit_info``'s."""
         bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, "timeout_s")
-        manifest = self.prepared("a weight update")
+        manifest = manifest or self.prepared("a weight update")
         routed = self.routed(manifest, sharded_ok or self.tp_size == 1)
         loader = self.loader() if len(routed.routes.direct) < len(manifest) else None
         # vLLM's loader calls every weight the direct routes wrote "not loaded": only the rest

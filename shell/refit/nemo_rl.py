@@ -85,12 +85,14 @@ from genworker.shell.refit.receiver import Sink, Wait
 __all__ = [
     "CODECS",
     "DEFAULT_SOCKET_DIR",
+    "BroadcastGroup",
     "CudaIpcCodec",
     "HandleCodec",
     "NemoRlCollectiveBackend",
     "NemoRlGroup",
     "NemoRlIpcBackend",
     "packed_target_bytes",
+    "stateless_comm",
 ]
 
 H = TypeVar("H")
@@ -346,6 +348,37 @@ def packed_target_bytes(device: torch.device, environ: Mapping[str, str]) -> int
     return min(int(total * ratio), _MAX_PACKED)
 
 
+def _until_done(stream: torch.cuda.Stream, deadline: float) -> None:
+    """Wait for what ``stream`` holds so far, until ``deadline`` (NCCL has no timeout)."""
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    done.record(stream)
+    spins = 0
+    while not done.query():  # type: ignore[no-untyped-call]
+        if time.monotonic() > deadline:
+            raise TimeoutError("the broadcast did not complete in time")
+        spins += 1
+        time.sleep(0 if spins < 2000 else 1e-4)
+
+
+class _PyNccl:
+    """vLLM's ``PyNcclCommunicator`` over its ``StatelessProcessGroup`` (the group of
+    vLLM's weight-transfer engine and of the trainer's ``trainer_init``)."""
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+        self.device = device
+        self.comm: Any = PyNcclCommunicator(group, device=device)
+
+    def broadcast(self, tensor: torch.Tensor, deadline: float) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        self.comm.broadcast(tensor, src=0, stream=stream)
+        _until_done(stream, deadline)
+
+    def close(self) -> None:
+        self.comm = None
+
+
 class _Nccl:
     """One NCCL communicator through vLLM's ``NCCLLibrary`` (broadcasts from rank 0)."""
 
@@ -374,14 +407,7 @@ class _Nccl:
         self.lib.ncclBroadcast(
             ptr, ptr, tensor.numel(), kind, 0, self.comm, cudaStream_t(stream.cuda_stream)
         )
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record(stream)
-        spins = 0
-        while not done.query():  # type: ignore[no-untyped-call]
-            if time.monotonic() > deadline:
-                raise TimeoutError("the broadcast did not complete in time")
-            spins += 1
-            time.sleep(0 if spins < 2000 else 1e-4)
+        _until_done(stream, deadline)
 
     def close(self) -> None:
         abort = getattr(self.lib, "ncclCommAbort", None)
@@ -391,12 +417,14 @@ class _Nccl:
 class _Gloo:
     """The CPU stand-in: a gloo group on the same store."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(
+        self, store: Any, rank: int, world_size: int, timeout_s: float, prefix: str = "nemo-rl"
+    ) -> None:
         from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
         timeout = dt.timedelta(seconds=timeout_s)
         self.pg: Any = ProcessGroupGloo(
-            PrefixStore("nemo-rl-gloo/", store), rank, world_size, timeout
+            PrefixStore(f"{prefix}-gloo/", store), rank, world_size, timeout
         )
 
     def broadcast(self, tensor: torch.Tensor, deadline: float) -> None:
@@ -412,9 +440,62 @@ class _Gloo:
             self.pg.shutdown()
 
 
-class NemoRlGroup:
-    """An engine worker's place in NeMo-RL's weight-update group (see the module docstring);
-    every rendezvous wait and broadcast bounded, foreign errors typed in one place."""
+def stateless_comm(
+    group: Any, rank: int, world_size: int, device: torch.device, timeout_s: float
+) -> _PyNccl | _Gloo:
+    """The data plane of vLLM's ``StatelessProcessGroup`` ``group``: vLLM's
+    ``PyNcclCommunicator`` on CUDA, a gloo group on its store on CPU."""
+    if device.type == "cuda":
+        return _PyNccl(group, device)
+    return _Gloo(group.store, rank, world_size, timeout_s, "genworker")
+
+
+class BroadcastGroup:
+    """A weight-update group whose rank 0 broadcasts packed buffers (NeMo-RL's, vLLM's):
+    every broadcast bounded, foreign errors typed in one place; a failure breaks it."""
+
+    def __init__(self, peer: str, device: torch.device) -> None:
+        self.peer, self.device, self.broken = peer, device, False
+        self._comm: _Nccl | _Gloo | _PyNccl | None = None
+
+    @contextlib.contextmanager
+    def _foreign(self, what: str, bound_s: float) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        except GenworkerError:
+            self.close()
+            raise
+        except Exception as e:
+            self.close()
+            elapsed = time.monotonic() - started
+            if isinstance(e, TimeoutError) or elapsed >= 0.95 * bound_s:
+                raise RefitTimeoutError(
+                    f"{what} on {self.peer}: not done within {bound_s:g}s ({e})"
+                ) from e
+            message = f"{what} on {self.peer} failed after {elapsed:.1f}s: {type(e).__name__}: {e}"
+            raise RefitTransportError(message) from e
+
+    def broadcast(self, tensor: torch.Tensor, what: str, bound_s: float) -> None:
+        """Receive rank 0's broadcast into ``tensor``, bounded by ``bound_s``."""
+        if self.broken or self._comm is None:
+            raise RefitError(
+                f"{self.peer} is unusable after a failed collective; join the group again"
+            )
+        comm = self._comm
+        with self._foreign(f"receiving {what}", bound_s):
+            comm.broadcast(tensor, time.monotonic() + bound_s)
+
+    def close(self) -> None:
+        self.broken = True
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            with contextlib.suppress(Exception):
+                comm.close()
+
+
+class NemoRlGroup(BroadcastGroup):
+    """An engine worker's place in NeMo-RL's weight-update group (see the module docstring)."""
 
     def __init__(
         self,
@@ -430,9 +511,8 @@ class NemoRlGroup:
         claim = p.GroupClaim(rank, world_size, train_world_size, backend, "engine")
         if problems := p.topology_problems(ip, port, claim):
             raise BadConfigError("invalid NeMo-RL weight-update group: " + "; ".join(problems))
-        self.device, self.broken = device, False
-        self.peer = f"NeMo-RL's weight-update group at {ip}:{port} (rank {rank} of {world_size})"
-        self._comm: _Nccl | _Gloo | None = None
+        where = f"{ip}:{port} (rank {rank} of {world_size})"
+        super().__init__(f"NeMo-RL's weight-update group at {where}", device)
         timeout = dt.timedelta(seconds=timeout_s)
         with self._foreign("joining the group", timeout_s):
             from torch._C._distributed_c10d import TCPStore
@@ -457,50 +537,17 @@ class NemoRlGroup:
                 f"{self.peer}: the warm-up broadcast gave {warmup.item()}, NeMo-RL sends 1.0"
             )
 
-    @contextlib.contextmanager
-    def _foreign(self, what: str, bound_s: float) -> Iterator[None]:
-        started = time.monotonic()
-        try:
-            yield
-        except GenworkerError:
-            self.close()
-            raise
-        except Exception as e:
-            self.close()
-            elapsed = time.monotonic() - started
-            if isinstance(e, TimeoutError) or elapsed >= 0.95 * bound_s:
-                raise RefitTimeoutError(
-                    f"{what} on {self.peer}: not done within {bound_s:g}s ({e})"
-                ) from e
-            message = f"{what} on {self.peer} failed after {elapsed:.1f}s: {type(e).__name__}: {e}"
-            raise RefitTransportError(message) from e
-
-    def broadcast(self, tensor: torch.Tensor, what: str, bound_s: float) -> None:
-        """Receive rank 0's broadcast into ``tensor``, bounded by ``bound_s``."""
-        if self.broken or self._comm is None:
-            raise RefitError(
-                f"{self.peer} is unusable after a failed collective; call init_collective again"
-            )
-        comm = self._comm
-        with self._foreign(f"receiving {what}", bound_s):
-            comm.broadcast(tensor, time.monotonic() + bound_s)
-
-    def close(self) -> None:
-        self.broken = True
-        comm, self._comm = self._comm, None
-        if comm is not None:
-            with contextlib.suppress(Exception):
-                comm.close()
-
 
 class NemoRlCollectivePort:
-    """One refit over a :class:`NemoRlGroup` (a ``receive`` port): the manifest's packed
-    groups, one broadcast each."""
+    """One refit over a :class:`BroadcastGroup` (a ``receive`` port): the manifest's
+    packed groups, one broadcast each (NeMo-RL's wire, and vLLM's, which is the same)."""
 
-    def __init__(self, group: NemoRlGroup, manifest: Manifest, target_bytes: int, refit: int):
+    def __init__(
+        self, group: BroadcastGroup, manifest: Manifest, target_bytes: int, refit_id: str
+    ) -> None:
         self.group, self.peer = group, f"trainer rank 0 of {group.peer}"
         self.groups = n.packed_groups(manifest, target_bytes)
-        self.refit_id, self._manifest = f"nemo-rl-collective-{refit}", manifest
+        self.refit_id, self._manifest = refit_id, manifest
         self._begun, self._next, self._received = False, 0, 0
         self._bound = p.DEFAULT_TIMEOUT_S
         self.memo = p.Memo()  # one refit per port: nothing to remember across refits
@@ -653,7 +700,8 @@ class NemoRlCollectiveBackend:
         if self.group is None:
             raise EngineStateError("update_weights_from_collective before init_collective")
         self.refits += 1
-        port = NemoRlCollectivePort(self.group, manifest, self.target_bytes, self.refits)
+        refit_id = f"nemo-rl-collective-{self.refits}"
+        port = NemoRlCollectivePort(self.group, manifest, self.target_bytes, refit_id)
         return self.engine.receive(port, timeout_s, sharded_ok=False)
 
     def status(self) -> dict[str, object]:

@@ -112,9 +112,11 @@ def test_options_given() -> None:
             http_server_port=8011,
             http_server_on_policy_guard=False,
             http_server_serving_chat_kwargs={"chat_template": "{{ x }}"},
+            http_server_rl_routes=True,
+            http_server_weight_transfer_timeout_s=7,
         )
     )
-    assert got == Success(ServerOptions("0.0.0.0", 8011, False, "{{ x }}"))
+    assert got == Success(ServerOptions("0.0.0.0", 8011, False, "{{ x }}", True, 7.0))
     options = got.unwrap()
     assert options is not None
     assert not options.loopback
@@ -128,6 +130,8 @@ def test_none_values_mean_defaults() -> None:
             http_server_port=None,
             http_server_on_policy_guard=None,
             http_server_serving_chat_kwargs=None,
+            http_server_rl_routes=None,
+            http_server_weight_transfer_timeout_s=None,
         )
     )
     assert got == Success(ServerOptions())
@@ -143,6 +147,10 @@ def test_none_values_mean_defaults() -> None:
         ("http_server_port", True),
         ("http_server_port", "80"),
         ("http_server_on_policy_guard", "sometimes"),
+        ("http_server_rl_routes", "yes please"),
+        ("http_server_weight_transfer_timeout_s", 0),
+        ("http_server_weight_transfer_timeout_s", True),
+        ("http_server_weight_transfer_timeout_s", "5"),
         ("http_server_serving_chat_kwargs", ["chat_template"]),
         ("http_server_serving_chat_kwargs", {"response_role": "bot"}),
         ("http_server_serving_chat_kwargs", {"chat_template": 3}),

@@ -19,8 +19,12 @@ wrong on CPU (vLLM 0.32 skips the experts' re-lay on weight updates): redoing it
 group that a timed-out refit left inside a receive waited out the group's timeout (its
 destructor joins that thread); freeing it on a daemon thread added 4, to 3,959.
 vLLM 0.25-0.28 name the adapter loader's mapper ``get_unstacked_mapper`` (0.29 renamed it
-``get_rename_mapper``): taking whichever the model's mapper has added 7, to 3,966. The
-rules that left the shell on the way live in core (``core/sparse_protocol.py``, ``core/reshard.py``'s rounds), under core's
+``get_rename_mapper``): taking whichever the model's mapper has added 7, to 3,966.
+Issue 48 added vLLM's own weight-transfer wire, the one TRL's clients send on (the backend
+``vllm_wire``, 97 lines; vLLM's ``PyNcclCommunicator`` as a broadcast transport and
+NeMo-RL's group split into a base both wires share, in ``nemo_rl.py``; the refit's own
+manifest in ``EngineContext.receive``): 134, to 4,100. The rules that left the shell on
+the way live in core (``core/sparse_protocol.py``, ``core/reshard.py``'s rounds), under core's
 own coverage."""
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BUDGET = 3966
+BUDGET = 4100
 #: Where the refit families' engine ends were before issue 41 (shims now, if anything).
 OLD_PATHS = ("sparse.py", "sparse_engine.py", "reshard.py", "nemo_rl_refit.py")
 _LAYOUT = {

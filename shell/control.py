@@ -1,0 +1,223 @@
+"""vLLM's RL routes on genworker's server, each mapped onto the async worker (the rules in
+:mod:`genworker.core.control_plane`).
+
+Theory of operation
+-------------------
+With ``vllm_cfg.http_server_rl_routes`` (``genworker serve --rl-routes``) the server's
+layer hands every request for a route of :data:`~genworker.core.control_plane.ROUTES`
+to :meth:`ControlRoutes.handle` instead of vLLM's app (whose own versions of these
+routes exist only with ``VLLM_SERVER_DEV_MODE``, which genworker's server refuses). A
+route's query and body are parsed (400 naming the field), the machine allows it or
+answers 409 naming the state and what to call, then the worker does it:
+
+- ``/pause`` and ``/resume``: :meth:`pause_generation` / :meth:`resume_generation`;
+  ``/sleep``, ``/wake_up``, ``/reset_prefix_cache``: the worker's own lifecycle calls
+  (refused typed while streams run, as from Python);
+- ``/init_weight_transfer_engine``: the engine workers join the trainer's group
+  (``refit_init("vllm_wire", ...)``, returning once all joined);
+- ``/update_weights``: one refit through the refit backend ``vllm_wire`` (manifest
+  checks, the non-finite check, bounded waits), paused around it in mode ``keep``
+  unless the trainer paused first; the worker's weight version counts it; a failure
+  is the worker's failed refit (generation refused until an update lands), answered
+  with the typed error;
+- the read-only routes answer from the worker and vLLM's config (``/server_info`` is
+  vLLM's own serialisation of it, with genworker's ``weight_transfer_config``).
+
+Routes run one at a time (a lock): a second trainer call waits for the first, as the
+engine could not do two weight operations at once anyway. Generation requests pass
+through, except while the machine refuses them (paused in mode ``abort``; after a failed
+update): 409.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Protocol, cast
+
+from returns.result import Failure
+
+from genworker.core import control_plane as c
+from genworker.core.serving import BadRequest
+from genworker.shell.errors import (
+    BadArgumentError,
+    EngineStateError,
+    GenworkerError,
+    RefitManifestError,
+    RefitTimeoutError,
+    RefitTransportError,
+)
+
+__all__ = ["Answer", "ControlHooks", "ControlRoutes"]
+
+log = logging.getLogger(__name__)
+
+#: A route's answer: the HTTP status and the JSON body.
+Answer = tuple[int, dict[str, object]]
+
+
+class ControlHooks(Protocol):
+    """What the routes need from the async worker."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    async def pause_generation(self, mode: str, clear_cache: bool = True) -> None: ...
+
+    async def resume_generation(self) -> None: ...
+
+    async def sleep(self, level: int | None = None) -> None: ...
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
+
+    async def reset_prefix_cache(self) -> None: ...
+
+    async def init_weight_transfer(
+        self, init_info: Mapping[str, object], timeout_s: float | None = None
+    ) -> list[object]: ...
+
+    async def update_weights_from_wire(
+        self, update_info: Mapping[str, object], timeout_s: float | None = None, *, held: bool
+    ) -> bool: ...
+
+    def sleeping(self) -> bool: ...
+
+    def abort_requests(self, request_ids: Sequence[str]) -> int: ...
+
+
+def _status_of(error: GenworkerError) -> int:
+    """The HTTP status of a typed failure of a route's call."""
+    if isinstance(error, BadArgumentError | RefitManifestError):
+        return 400
+    if isinstance(error, EngineStateError):
+        return 409
+    if isinstance(error, RefitTimeoutError):
+        return 504
+    return 500
+
+
+class ControlRoutes:
+    """The RL routes' state and handlers (see the module docstring)."""
+
+    def __init__(
+        self, hooks: ControlHooks, vllm_config: object, backend: str, timeout_s: float
+    ) -> None:
+        self.hooks, self.vllm_config, self.backend = hooks, vllm_config, backend
+        self.timeout_s = timeout_s
+        self.state = c.ControlState()
+        self._lock = asyncio.Lock()
+
+    def refuses_generation(self) -> BadRequest | None:
+        """Why a generation request gets 409 now, or ``None``."""
+        refused = c.step(self.state, c.Generate())
+        if isinstance(refused, Failure):
+            return BadRequest(str(refused.failure()), status=409, param=None)
+        return None
+
+    async def handle(self, route: str, query: Mapping[str, str], raw: bytes) -> Answer:
+        """Route ``route`` with its query and raw body: the answer to send."""
+        try:
+            body = json.loads(raw) if raw.strip() else None
+        except ValueError as e:
+            return _error(
+                BadRequest(f"/{route}: the body is not JSON ({e})", status=400, param=None)
+            )
+        parsed = c.parse(route, query, body)
+        if isinstance(parsed, Failure):
+            return _error(parsed.failure())
+        request = parsed.unwrap()
+        async with self._lock:
+            allowed = c.step(self.state, request)
+            if isinstance(allowed, Failure):
+                return _error(BadRequest(str(allowed.failure()), status=409, param=None))
+            try:
+                answer = await self._run(request)
+            except GenworkerError as e:
+                if isinstance(request, c.Update):
+                    # a transport that failed (or none) closed the group: join again
+                    broken = isinstance(
+                        e, RefitTimeoutError | RefitTransportError | EngineStateError
+                    )
+                    self.state = c.update_failed(self.state, str(e), group_broken=broken)
+                status = _status_of(e)
+                return status, _body(status, f"/{route}: {type(e).__name__}: {e}")
+            if not isinstance(request, c.Update):  # an update's outcome moved it already
+                self.state = allowed.unwrap()
+            return 200, answer
+
+    async def _run(self, request: c.Request) -> dict[str, object]:
+        hooks = self.hooks
+        match request:
+            case c.Query(route=route):
+                return self._query(route)
+            case c.Pause(mode=mode, clear_cache=clear):
+                await hooks.pause_generation(mode.value, clear)
+                return {"status": "paused"}
+            case c.Resume():
+                await hooks.resume_generation()
+                return {"status": "resumed"}
+            case c.AbortRequests(request_ids=ids):
+                return {"status": "aborted", "aborted": hooks.abort_requests(ids)}
+            case c.Sleep(level=level):
+                await hooks.sleep(level)
+                return {"status": "sleeping", "level": level}
+            case c.WakeUp(tags=tags):
+                await hooks.wake_up(tags)
+                return {"status": "awake"}
+            case c.ResetPrefixCache():
+                await hooks.reset_prefix_cache()
+                return {"success": True}
+            case c.InitTransfer():
+                ranks = await hooks.init_weight_transfer(request.as_dict(), self.timeout_s)
+                return {"message": "Weight transfer initialized", "ranks": ranks}
+            case c.StartUpdate():
+                return {"message": "Weight update started"}
+            case c.Update():
+                held = self.state.paused is not None
+                info = request.as_vllm_info()
+                await hooks.update_weights_from_wire(info, self.timeout_s, held=held)
+                self.state = c.updated(c.step(self.state, request).unwrap())
+                return {"message": "Weights updated", "weight_version": hooks.weight_version}
+            case c.FinishUpdate():
+                return {"message": "Weight update finished", "weight_version": hooks.weight_version}
+        raise BadArgumentError(f"no handler for {request!r}")  # pragma: no cover
+
+    def _query(self, route: str) -> dict[str, object]:
+        state, hooks = self.state, self.hooks
+        if route == "get_world_size":
+            parallel = getattr(self.vllm_config, "parallel_config", None)
+            size = getattr(parallel, "world_size_across_dp", None)
+            return {"world_size": int(size or getattr(parallel, "world_size", 1) or 1)}
+        if route == "is_paused":
+            return {"is_paused": state.paused is not None}
+        if route == "is_sleeping":
+            return {"is_sleeping": hooks.sleeping()}
+        if route == "weight_info":
+            return {
+                "weight_version": state.label or str(hooks.weight_version),
+                "genworker_weight_version": hooks.weight_version,
+            }
+        return {"vllm_config": self._config_tree()}
+
+    def _config_tree(self) -> dict[str, object]:
+        """vLLM's ``/server_info`` tree (``config_format=json``), with the weight transfer
+        genworker serves."""
+        import pydantic
+        from vllm.config import VllmConfig
+
+        config = cast("VllmConfig", self.vllm_config)
+        dumped = pydantic.TypeAdapter(VllmConfig).dump_python(config, mode="json", fallback=str)
+        tree: dict[str, object] = dict(dumped) if isinstance(dumped, dict) else {}
+        tree["weight_transfer_config"] = {"backend": self.backend, "served_by": "genworker"}
+        return tree
+
+
+def _body(status: int, message: str, param: str | None = None) -> dict[str, object]:
+    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _error(problem: BadRequest) -> Answer:
+    return problem.status, _body(problem.status, problem.message, problem.param)
