@@ -472,10 +472,28 @@ def _conflict(state: ControlState, problem: str, call: str) -> Failure[Conflict]
     return Failure(Conflict(f"{problem} (state: {state.describe()}); {call}"))
 
 
+#: Why a transfer state refuses a request, and what to call first.
+_WHY: Final[Mapping[Transfer, tuple[str, str]]] = {
+    Transfer.NONE: ("no weight-transfer group", "POST /init_weight_transfer_engine first"),
+    Transfer.READY: ("no weight update is open", "POST /start_weight_update first"),
+    Transfer.UPDATING: ("a weight update is open", "POST /finish_weight_update first"),
+}
+#: The transfer states each request is refused in (the rest take it).
+_REFUSED_IN: Final[Mapping[type, frozenset[Transfer]]] = {
+    Sleep: frozenset({Transfer.UPDATING}),
+    WakeUp: frozenset({Transfer.UPDATING}),
+    InitTransfer: frozenset({Transfer.UPDATING}),
+    StartUpdate: frozenset({Transfer.NONE, Transfer.UPDATING}),
+    Update: frozenset({Transfer.NONE, Transfer.READY}),
+    FinishUpdate: frozenset({Transfer.NONE, Transfer.READY}),
+}
+
+
 def step(state: ControlState, request: Request) -> Result[ControlState, Conflict]:
     """``state`` after ``request``, or why it is refused now (409). An update's outcome
     comes later, from :func:`updated` or :func:`update_failed`."""
-    transfer = state.transfer
+    if state.transfer in _REFUSED_IN.get(type(request), frozenset()):
+        return _conflict(state, *_WHY[state.transfer])
     match request:
         case Generate():
             if state.paused is PauseMode.ABORT:
@@ -494,42 +512,11 @@ def step(state: ControlState, request: Request) -> Result[ControlState, Conflict
             return Success(attrs.evolve(state, paused=mode))
         case Resume():
             return Success(attrs.evolve(state, paused=None))
-        case Sleep() | WakeUp() if transfer is Transfer.UPDATING:
-            return _conflict(state, "a weight update is open", "POST /finish_weight_update first")
         case InitTransfer():
-            if transfer is Transfer.UPDATING:
-                return _conflict(
-                    state, "a weight update is open", "POST /finish_weight_update first"
-                )
             return Success(attrs.evolve(state, transfer=Transfer.READY))
         case StartUpdate():
-            if transfer is Transfer.NONE:
-                return _conflict(
-                    state, "no weight-transfer group", "POST /init_weight_transfer_engine first"
-                )
-            if transfer is Transfer.UPDATING:
-                return _conflict(
-                    state, "a weight update is already open", "POST /finish_weight_update first"
-                )
             return Success(attrs.evolve(state, transfer=Transfer.UPDATING))
-        case Update():
-            if transfer is Transfer.NONE:
-                return _conflict(
-                    state, "no weight-transfer group", "POST /init_weight_transfer_engine first"
-                )
-            if transfer is Transfer.READY:
-                return _conflict(
-                    state, "no weight update is open", "POST /start_weight_update first"
-                )
         case FinishUpdate(weight_version=label):
-            if transfer is Transfer.NONE:
-                return _conflict(
-                    state, "no weight-transfer group", "POST /init_weight_transfer_engine first"
-                )
-            if transfer is Transfer.READY:
-                return _conflict(
-                    state, "no weight update is open", "POST /start_weight_update first"
-                )
             kept = state.label if label is None or state.failed else label
             return Success(attrs.evolve(state, transfer=Transfer.READY, label=kept))
     return Success(state)
