@@ -1059,6 +1059,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 )
             reports = raise_failures(results, "update_lora")
             self._lora_ok(name, reports, {})
+            if self._http is not None:
+                self._http.serve_adapter(name, self.lora_adapters[name])
             if engine.capabilities.weight_versions:
                 await engine.label_weights(str(self._version))
                 self._labelled = True

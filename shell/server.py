@@ -931,6 +931,19 @@ class OpenAIServer:
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
         self._layer: RolloutLayer | None = None
+        self._models: Any = None  # vLLM's OpenAIServingModels of the app, once built
+        self._adapters: dict[str, int] = {}
+
+    def serve_adapter(self, name: str, lora_int_id: int) -> None:
+        """Serve adapter ``name`` (its engine id) as a model name, vLLM's convention: a
+        request with ``"model": name`` generates under it, ``/v1/models`` lists it. Kept
+        for a server not started yet."""
+        self._adapters[name] = lora_int_id
+        if self._models is not None:
+            from genworker.core.lora import LoraRef
+            from genworker.shell.vllm_engine import lora_request
+
+            self._models.lora_requests[name] = lora_request(LoraRef(name, lora_int_id))
 
     def abort_all(self, reason: str) -> int:
         """End every HTTP generation request in flight (see ``RolloutLayer.abort_all``)."""
@@ -962,6 +975,9 @@ class OpenAIServer:
             raise EngineStateError("the HTTP server was stopped; create a new worker")
         model_config = llm.model_config
         app = await build_vllm_app(llm, self.options.chat_template)
+        self._models = getattr(app.state, "openai_serving_models", None)
+        for name, lora_int_id in self._adapters.items():
+            self.serve_adapter(name, lora_int_id)
         tokenizer = await _tokenizer(llm)
 
         def decode(ids: Sequence[int], skip_special: bool) -> str:

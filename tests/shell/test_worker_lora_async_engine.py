@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from async_helpers import own_prometheus_metrics, run_soon, sending
@@ -53,6 +54,7 @@ def worker(
         async_engine=True, model=str(tiny_model_dir), max_model_len=256, max_new_tokens=12, pad=PAD
     )
     cfg["vllm_kwargs"] = {**cfg["vllm_kwargs"], "enable_lora": True, "max_lora_rank": 8}
+    cfg["vllm_cfg"] |= {"expose_http_server": True, "http_server_on_policy_guard": False}
     with own_prometheus_metrics():
         worker = AsyncVllmGenerationWorker(cfg)
         try:
@@ -69,6 +71,7 @@ def test_an_in_flight_adapter_update_then_generation_under_it(
     info = {n: (t.shape, t.dtype) for n, t in lora.items()}
     data = right_padded(PROMPTS, pad=PAD)
     base_out = run_soon(loop, worker.generate(data, greedy=True))
+    run_soon(loop, worker.start_http_server())  # before the refit: it serves the adapter
 
     async def stream_with_an_update() -> tuple[dict[str, torch.Tensor], bool]:
         (address,) = await worker.prepare_lora(info, PEFT)
@@ -101,3 +104,39 @@ def test_an_in_flight_adapter_update_then_generation_under_it(
     assert worker.weight_version == 1
     again = run_soon(loop, worker.generate({**data, "lora": "policy"}, greedy=True))
     assert torch.equal(again["output_ids"], under["output_ids"])
+
+
+def test_the_adapter_is_served_under_its_name_over_http(
+    worker: AsyncVllmGenerationWorker, loop: asyncio.AbstractEventLoop, tiny_model_dir: Path
+) -> None:
+    """vLLM's convention: the adapter's name as the request's model (the first test refit
+    it while the server ran); the base model's name is the base model."""
+    data = right_padded(PROMPTS, pad=PAD)
+    under = run_soon(loop, worker.generate({**data, "lora": "policy"}, greedy=True))
+    base = run_soon(loop, worker.generate(data, greedy=True))
+
+    def first_row(out: dict[str, torch.Tensor]) -> list[int]:
+        start = len(PROMPTS[0])
+        return out["output_ids"][0, start : start + int(out["generation_lengths"][0])].tolist()
+
+    async def body() -> tuple[list[str], list[int], list[int], int]:
+        assert worker.base_url is not None
+        async with httpx.AsyncClient(base_url=worker.base_url, timeout=60) as client:
+            models = [m["id"] for m in (await client.get("/models")).json()["data"]]
+            rows = []
+            for model in ("policy", str(tiny_model_dir)):
+                r = await client.post(
+                    "/completions",
+                    json={"model": model, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0},
+                )
+                assert r.status_code == 200, r.text
+                rows.append(r.json()["choices"][0]["token_ids"])
+            unknown = await client.post("/completions", json={"model": "nope", "prompt": [1]})
+            return models, rows[0], rows[1], unknown.status_code
+
+    models, on_policy, on_base, unknown = run_soon(loop, body())
+    assert "policy" in models
+    assert on_policy == first_row(under)
+    assert on_base == first_row(base)
+    assert on_policy != on_base
+    assert unknown == 404
