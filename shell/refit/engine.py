@@ -303,6 +303,22 @@ class WeightsGate:
                 self._cond.notify_all()
 
 
+def on_device(device: torch.device, load: Loader) -> Loader:
+    """``load`` fed every tensor on ``device``, where the parameters live: the fp8
+    quantizer and vLLM's layerwise reload then see a checkpoint read on the host (the fp8
+    start), a gloo transport's tensors (reshard on CPU) and a CUDA refit alike. Measured on
+    the H100: quantized on the host, every fp8 scale came out one ulp away from the same
+    weights' scale quantized on the GPU (CUDA divides by a scalar through its reciprocal),
+    and the layerwise reload's ``torch.cat`` refused host tensors."""
+    if device.type == "cpu":
+        return load
+
+    def moved(weights: Iterable[tuple[str, torch.Tensor]]) -> object:
+        return load((n, t if t.device == device else t.to(device)) for n, t in weights)
+
+    return moved
+
+
 class EngineContext:
     """One vLLM engine worker, for the refit backends (capability checks, never versions)."""
 
@@ -350,7 +366,7 @@ class EngineContext:
         re-packing the experts it wrote (:func:`experts_repacked`); a ``RefitError`` when
         the engine worker has none."""
         model = self.model()
-        load = fp8_loading(model, self._vllm_loader())
+        load = on_device(self.device, fp8_loading(model, self._vllm_loader()))
         layers = repacking_experts(model)
         if not layers:
             return load
