@@ -135,11 +135,10 @@ class ControlRoutes:
             try:
                 answer = await self._run(request)
             except GenworkerError as e:
-                if isinstance(request, c.Update):
-                    # a transport that failed (or none) closed the group: join again
-                    broken = isinstance(
-                        e, RefitTimeoutError | RefitTransportError | EngineStateError
-                    )
+                if isinstance(request, c.Update) and not isinstance(e, EngineStateError):
+                    # refused in the worker's state (asleep, say): nothing moved. A
+                    # transport that failed (or none left) closed the group: join again
+                    broken = isinstance(e, RefitTimeoutError | RefitTransportError)
                     self.state = c.update_failed(self.state, str(e), group_broken=broken)
                 status = _status_of(e)
                 return status, _body(status, f"/{route}: {type(e).__name__}: {e}")

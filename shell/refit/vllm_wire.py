@@ -37,8 +37,8 @@ from genworker.core.nemo_rl_refit import packed_groups
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.shell.errors import (
     BadArgumentError,
-    EngineStateError,
     RefitManifestError,
+    RefitTransportError,
     unwrap,
 )
 from genworker.shell.refit.engine import EngineContext
@@ -130,7 +130,7 @@ class VllmWireBackend:
         )
         assert isinstance(update, c.Update)
         if self.group is None or self.group.broken:
-            raise EngineStateError(
+            raise RefitTransportError(
                 "no weight-transfer group (none joined, or the last one broke): "
                 "POST /init_weight_transfer_engine first"
             )

@@ -19,6 +19,7 @@ from genworker.shell.errors import (
     GenworkerError,
     RefitError,
     RefitTimeoutError,
+    RefitTransportError,
 )
 
 INIT = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}
@@ -174,7 +175,7 @@ def test_a_body_that_is_not_json_is_a_400() -> None:
     [
         (RefitTimeoutError("the trainer sent nothing within 7s"), 504, True),
         (RefitError("chunk 0: refused, non-finite values (NaN or inf) in 'w'"), 500, False),
-        (EngineStateError("no weight-transfer group"), 409, True),
+        (RefitTransportError("no weight-transfer group"), 500, True),
         (BadArgumentError("timeout_s"), 400, False),
     ],
 )
@@ -230,3 +231,15 @@ def test_the_read_only_routes_and_the_rest() -> None:
         ("wake_up", ("weights", "kv_cache")),
         ("reset_prefix_cache", None),
     ]
+
+
+def test_an_update_refused_in_the_workers_state_moves_nothing() -> None:
+    """The worker refuses a refit while asleep (EngineStateError) before anything moves:
+    a 409, the update still open, generation not refused."""
+    routes, hooks = make()
+    call(routes, "init_weight_transfer_engine", {"init_info": INIT})
+    call(routes, "start_weight_update")
+    hooks.fail = EngineStateError("the engine is asleep: wake_up first")
+    assert call(routes, "update_weights", {"update_info": UPDATE})[0] == 409
+    assert routes.refuses_generation() is None
+    assert call(routes, "update_weights", {"update_info": UPDATE})[0] == 200
