@@ -26,6 +26,7 @@ import httpx
 import pytest
 import torch
 from async_helpers import own_prometheus_metrics, run_soon
+from helpers import cpu_engine_config
 from refit_helpers import PROMPTS, Weights, free_port
 from safetensors.torch import load_file
 
@@ -40,32 +41,16 @@ _T = TypeVar("_T")
 
 
 def config(model: Path) -> dict[str, Any]:
-    return {
-        "backend": "vllm",
-        "model_name": str(model),
-        "max_new_tokens": 16,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": None,
-        "stop_token_ids": None,
-        "stop_strings": None,
-        "_pad_token_id": 2,
-        "seed": 0,
-        "vllm_cfg": {
-            "tensor_parallel_size": 1,
-            "pipeline_parallel_size": 1,
-            "gpu_memory_utilization": 0.05,
-            "max_model_len": 256,
-            "precision": "float32",
-            "enforce_eager": True,
-            "async_engine": True,
-            "expose_http_server": True,
-            "http_server_on_policy_guard": False,  # greedy checks below
-            "http_server_rl_routes": True,
-            "http_server_weight_transfer_timeout_s": TIMEOUT_S,
-        },
-        "vllm_kwargs": {"kv_cache_memory_bytes": 32 << 20, "max_num_batched_tokens": 8192},
+    cfg = cpu_engine_config(
+        async_engine=True, model=str(model), max_model_len=256, max_new_tokens=16, pad=2
+    )
+    cfg["vllm_cfg"] |= {
+        "expose_http_server": True,
+        "http_server_on_policy_guard": False,  # greedy checks below
+        "http_server_rl_routes": True,
+        "http_server_weight_transfer_timeout_s": TIMEOUT_S,
     }
+    return cfg
 
 
 @pytest.fixture(scope="module")
