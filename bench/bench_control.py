@@ -52,20 +52,12 @@ def _config(model: Path) -> dict[str, object]:
     }
 
 
-def _info(tensors: dict[str, Any]) -> dict[str, object]:
-    return {
-        "names": list(tensors),
-        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
-        "shapes": [list(t.shape) for t in tensors.values()],
-    }
-
-
 async def _run(model: Path, model_b: Path) -> list[tuple[str, float]]:
     import httpx
     from safetensors.torch import load_file
 
     from genworker.shell.async_worker import AsyncVllmGenerationWorker
-    from genworker.shell.refit.vllm_wire import send, trainer_group
+    from genworker.shell.refit.vllm_wire import send, trainer_group, update_info
 
     weights = [load_file(model / "model.safetensors"), load_file(model_b / "model.safetensors")]
     worker = AsyncVllmGenerationWorker(_config(model))
@@ -90,7 +82,9 @@ async def _run(model: Path, model_b: Path) -> list[tuple[str, float]]:
                 r = await client.post("/start_weight_update", json={})
                 assert r.status_code == 200, r.text
                 r, _ = await asyncio.gather(
-                    client.post("/update_weights", json={"update_info": _info(tensors)}),
+                    client.post(
+                        "/update_weights", json={"update_info": update_info(tensors.items())}
+                    ),
                     asyncio.to_thread(send, group, tensors.items(), 60.0),
                 )
                 assert r.status_code == 200, r.text
@@ -101,7 +95,7 @@ async def _run(model: Path, model_b: Path) -> list[tuple[str, float]]:
             async def python(tensors: dict[str, Any]) -> float:
                 started = time.perf_counter()
                 await asyncio.gather(
-                    worker.update_weights_from_wire(_info(tensors), 60.0),
+                    worker.update_weights_from_wire(update_info(tensors.items()), 60.0),
                     asyncio.to_thread(send, group, tensors.items(), 60.0),
                 )
                 return time.perf_counter() - started

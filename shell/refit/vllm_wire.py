@@ -44,7 +44,7 @@ from genworker.shell.errors import (
 from genworker.shell.refit.engine import EngineContext
 from genworker.shell.refit.nemo_rl import BroadcastGroup, NemoRlCollectivePort, stateless_comm
 
-__all__ = ["VllmWireBackend", "VllmWireGroup", "send", "trainer_group"]
+__all__ = ["VllmWireBackend", "VllmWireGroup", "send", "trainer_group", "update_info"]
 
 
 class VllmWireGroup(BroadcastGroup):
@@ -71,17 +71,29 @@ class VllmWireGroup(BroadcastGroup):
         self.broadcast(tensor, "a packed buffer", bound_s)
 
 
-def trainer_group(init_info: Mapping[str, object], timeout_s: float = 300.0) -> VllmWireGroup:
-    """The trainer's place (rank 0) in the group ``init_info`` describes, as vLLM's
-    ``trainer_init`` takes it; returns once every engine worker joined. Call it while the
-    server handles ``/init_weight_transfer_engine`` (both sides wait for each other)."""
+def _init_of(init_info: Mapping[str, object]) -> c.InitTransfer:
+    """``init_info`` (vLLM's ``/init_weight_transfer_engine`` body field) checked."""
     init = unwrap(
         c.parse("init_weight_transfer_engine", {}, {"init_info": dict(init_info)}),
         BadArgumentError,
         "init_info",
     )
     assert isinstance(init, c.InitTransfer)
-    return VllmWireGroup(init, 0, torch.device("cpu"), timeout_s)
+    return init
+
+
+def trainer_group(init_info: Mapping[str, object], timeout_s: float = 300.0) -> VllmWireGroup:
+    """The trainer's place (rank 0) in the group ``init_info`` describes, as vLLM's
+    ``trainer_init`` takes it; returns once every engine worker joined. Call it while the
+    server handles ``/init_weight_transfer_engine`` (both sides wait for each other)."""
+    return VllmWireGroup(_init_of(init_info), 0, torch.device("cpu"), timeout_s)
+
+
+def update_info(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, object]:
+    """The ``update_info`` of ``/update_weights`` that announces ``tensors`` (names, dtype
+    names, shapes, in the order :func:`send` broadcasts them)."""
+    manifest = Manifest.from_specs(TensorSpec.of(n, t) for n, t in tensors).unwrap()
+    return c.Update(manifest).as_vllm_info()
 
 
 def send(
@@ -108,12 +120,7 @@ class VllmWireBackend:
         """Join the group as ``rank_offset`` + this worker's rank (a group joined before
         is left first); the rank."""
         bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, "timeout_s")
-        init = unwrap(
-            c.parse("init_weight_transfer_engine", {}, {"init_info": dict(init_info)}),
-            BadArgumentError,
-            "init_info",
-        )
-        assert isinstance(init, c.InitTransfer)
+        init = _init_of(init_info)
         self.close()
         rank = init.rank_offset + self.engine.rank
         self.group = VllmWireGroup(init, rank, self.engine.device, bound)

@@ -31,7 +31,7 @@ from refit_helpers import PROMPTS, Weights, free_port
 from safetensors.torch import load_file
 
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
-from genworker.shell.refit.vllm_wire import VllmWireGroup, send, trainer_group
+from genworker.shell.refit.vllm_wire import VllmWireGroup, send, trainer_group, update_info
 
 pytest_plugins = ["refit_engine_fixtures"]
 pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
@@ -123,14 +123,6 @@ def greedy(loop: asyncio.AbstractEventLoop, url: str) -> list[list[int]]:
     return rows
 
 
-def update_info(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    return {
-        "names": list(tensors),
-        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
-        "shapes": [list(t.shape) for t in tensors.values()],
-    }
-
-
 def join(loop: asyncio.AbstractEventLoop, trl: Any) -> tuple[dict[str, Any], VllmWireGroup]:
     """A new group: TRL's ``init_weight_transfer_engine`` and the trainer's rendezvous
     at once (each waits for the other). A small buffer: several packed broadcasts."""
@@ -184,7 +176,7 @@ def test_trls_client_generates_and_updates_weights_over_the_gloo_wire(
     on_loop(loop, trl.start_weight_update)
     on_loop(
         loop,
-        lambda: trl.update_weights(update_info(b), timeout=60),
+        lambda: trl.update_weights(update_info(b.items()), timeout=60),
         lambda: send(group, b.items(), 60.0),
     )
     on_loop(loop, trl.finish_weight_update)
@@ -197,7 +189,7 @@ def test_trls_client_generates_and_updates_weights_over_the_gloo_wire(
     http(loop, url, "POST", "/start_weight_update", json={"is_checkpoint_format": True})
     on_loop(
         loop,
-        lambda: trl.update_weights(update_info(a), timeout=60),
+        lambda: trl.update_weights(update_info(a.items()), timeout=60),
         lambda: send(group, a.items(), 60.0),
     )
     done = http(loop, url, "POST", "/finish_weight_update", json={"weight_version": "a-again"})
@@ -267,7 +259,7 @@ def test_a_trainer_that_dies_mid_update_is_a_typed_answer_and_a_good_update_reco
 
     def update() -> httpx.Response:
         return httpx.post(
-            f"{url}/update_weights", json={"update_info": update_info(b)}, timeout=120
+            f"{url}/update_weights", json={"update_info": update_info(b.items())}, timeout=120
         )
 
     started = time.monotonic()
@@ -287,7 +279,7 @@ def test_a_trainer_that_dies_mid_update_is_a_typed_answer_and_a_good_update_reco
     assert http(loop, url, "POST", "/start_weight_update", json={}).status_code == 200
     on_loop(
         loop,
-        lambda: trl.update_weights(update_info(b), timeout=60),
+        lambda: trl.update_weights(update_info(b.items()), timeout=60),
         lambda: send(group, b.items(), 60.0),
     )
     assert http(loop, url, "POST", "/finish_weight_update", json={}).status_code == 200
