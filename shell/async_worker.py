@@ -1034,15 +1034,16 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         *,
         mode: InflightMode | str = InflightMode.KEEP,
         clear_cache: bool = True,
+        transport: str = "ipc",
     ) -> bool:
         """An adapter refit while requests run, paused as a full in-flight refit is
-        (``mode``, ``clear_cache``); the version counts it. A failure resumes the engine
-        with the previous adapter serving and the version alone (rows of mode ``abort``
-        stay aborted)."""
+        (``mode``, ``clear_cache``), over ``transport`` as the sync worker's; the version
+        counts it. A failure resumes the engine with the previous adapter serving and the
+        version alone (rows of mode ``abort`` stay aborted)."""
         inflight = _inflight_mode(mode)
         if not isinstance(clear_cache, bool):
             raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
-        bound, outer = self._lora_bounds(name, timeout_s)
+        bound, outer, kwargs = self._lora_bounds(name, timeout_s, transport)
         self._rpc_allowed("update_lora")
         engine = self.engine
         if inflight is InflightMode.ABORT:
@@ -1055,7 +1056,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         try:
             with translated(self._rpc_seam("update_lora"), "update_lora"):
                 results = await engine.collective_rpc(
-                    "refit_receive", ("lora", name), {"timeout_s": bound}, timeout=outer
+                    "refit_receive", ("lora", name), kwargs, timeout=outer
                 )
             reports = raise_failures(results, "update_lora")
             self._lora_ok(name, reports, {})

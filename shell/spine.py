@@ -840,16 +840,28 @@ class WorkerSpine(Generic[_E]):
     # -- adapter refits (core.lora, shell.refit.lora) ------------------------------------
     # The base weights are never touched: a failed adapter refit leaves the lifecycle, the
     # version and the adapter that served before (the engine puts it back) as they were.
-    def _lora_bounds(self, name: object, timeout_s: object) -> tuple[float, float]:
-        """``update_lora``'s preamble: the name, ``timeout_s``, ``prepare_lora`` first and
-        the weights resident; the per-wait bound and the RPC's outer bound."""
+    def _lora_bounds(
+        self, name: object, timeout_s: object, transport: object
+    ) -> tuple[float, float, dict[str, object]]:
+        """``update_lora``'s preamble: the name, ``timeout_s``, the transport (``ipc``,
+        or ``collective`` after ``init_collective``), ``prepare_lora`` first and the
+        weights resident; the per-wait bound, the RPC's outer bound and its kwargs."""
         if (problem := check_adapter_name(name)) is not None:
             raise BadArgumentError(f"update_lora: {problem}")
         bound = unwrap(wait_bound(timeout_s), BadArgumentError, "update_lora")
+        known = {t.value: t for t in Transport}
+        if not isinstance(transport, str) or transport not in known:
+            raise BadArgumentError(
+                f"update_lora: transport must be one of {sorted(known)}, got {transport!r}"
+            )
+        if known[transport] is Transport.COLLECTIVE and not self._collective:
+            raise EngineStateError("update_lora over the collective needs init_collective first")
         if self._lora_manifest is None:
             raise EngineStateError("update_lora needs prepare_lora first")
         self._move(lifecycle.Event.REFIT_BEGIN)  # checked only: the weights must be resident
-        return bound, rpc_bound(refit_waits(len(self._lora_manifest), Transport.IPC), bound)
+        waits = refit_waits(len(self._lora_manifest), known[transport])
+        kwargs: dict[str, object] = {"timeout_s": bound, "transport": transport}
+        return bound, rpc_bound(waits, bound), kwargs
 
     def _lora_ok(self, name: str, reports: list[object], resets: Mapping[str, float]) -> None:
         """An adapter refit succeeded on every engine worker: ``name`` serves its

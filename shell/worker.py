@@ -546,13 +546,16 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         return addresses
 
     @_serialized
-    def update_lora(self, name: str, timeout_s: float | None = None) -> bool:
+    def update_lora(
+        self, name: str, timeout_s: float | None = None, *, transport: str = "ipc"
+    ) -> bool:
         """Receive one adapter refit and serve it as ``name`` (generate with
         ``data["lora"]`` or ``data["lora_names"]``); the weight version counts it. A
-        failure leaves the previous adapter serving and the version alone."""
-        bound, outer = self._lora_bounds(name, timeout_s)
+        failure leaves the previous adapter serving and the version alone.
+        ``transport``: ``ipc`` (``RefitSender.ipc`` to ``prepare_lora``'s addresses) or
+        ``collective`` (``RefitSender.collective`` to the group of ``init_collective``)."""
+        _, outer, kwargs = self._lora_bounds(name, timeout_s, transport)
         self._rpc_allowed("update_lora")
-        kwargs: dict[str, object] = {"timeout_s": bound}
         with translated(self._rpc_seam("update_lora"), "update_lora"):
             reports = self._call(
                 lambda e: e.collective_rpc("refit_receive", ("lora", name), kwargs, timeout=outer)

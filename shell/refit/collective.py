@@ -440,7 +440,7 @@ class CollectiveBackend:
         where = (str(ip), int(port))
         size, train = int(world_size), int(train_world_size)
         group = CollectiveGroup(*where, rank, size, train, "engine", self.engine.device, bound)
-        self.receiver = CollectiveReceiver(group)
+        self.receiver = self.engine.group_port = CollectiveReceiver(group)
         return {"rank": rank}
 
     def receive(self, timeout_s: float | None = None) -> dict[str, object]:
@@ -458,5 +458,6 @@ class CollectiveBackend:
     def close(self) -> int:
         receiver, self.receiver = self.receiver, None
         if receiver is not None:
+            self.engine.group_port = None
             receiver.group.close()
         return int(receiver is not None)

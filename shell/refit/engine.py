@@ -327,6 +327,9 @@ class EngineContext:
         self.manifest: Manifest | None = None
         self.version = 0  # refits received through :meth:`receive`
         self.routed_last: Routed | None = None
+        #: the weight-update group this worker joined (``init_collective``; a
+        #: ``RefitPort``), for other backends' refits over it (adapters)
+        self.group_port: object | None = None
         #: refuse a refit holding NaN or inf (``vllm_cfg.refit_finite_check``; the worker
         #: sets it at load through ``refit_configure``)
         self.finite_check = True
@@ -411,10 +414,17 @@ class EngineContext:
 
         return load
 
-    def check_finite(self, tensors: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
-        """Refuse ``tensors`` (a chunk of a refit, a sparse step) when any holds a NaN or
-        an infinity (:func:`nonfinite`), unless :attr:`finite_check` is off: a
-        ``RefitError`` naming them, before the refit counts as good."""
+    def check_finite(
+        self,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        what: str,
+        *,
+        kept: str = "the weights are inconsistent until a refit succeeds",
+    ) -> None:
+        """Refuse ``tensors`` (a chunk of a refit, a sparse step, an adapter) when any
+        holds a NaN or an infinity (:func:`nonfinite`), unless :attr:`finite_check` is
+        off: a ``RefitError`` naming them and what holds now (``kept``), before the refit
+        counts as good."""
         if not self.finite_check:
             return
         if bad := nonfinite(tensors):
@@ -423,8 +433,8 @@ class EngineContext:
             )
             raise RefitError(
                 f"{what}: refused, non-finite values (NaN or inf) in {shown}; the refit does "
-                "not count and the weights are inconsistent until a refit succeeds "
-                "(vllm_cfg.refit_finite_check: false turns this check off)"
+                f"not count and {kept} (vllm_cfg.refit_finite_check: false turns this check "
+                "off)"
             )
 
     def reset_kv(self) -> int:

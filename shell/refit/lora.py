@@ -26,7 +26,7 @@ vllm/v1/core/kv_cache_utils.py), which the worker resets after every adapter ref
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -142,14 +142,19 @@ class LoraBackend:
             self.receiver.limit(max(MIN_CAP, p.max_message_bytes(self.adapter.manifest)))
         return self.receiver.address
 
-    def receive(self, name: str, timeout_s: float | None = None) -> dict[str, object]:
-        """Receive one adapter refit and serve it as ``name``; the previous adapter of
-        that name keeps serving when anything fails."""
+    def receive(
+        self, name: str, timeout_s: float | None = None, transport: str = "ipc"
+    ) -> dict[str, object]:
+        """Receive one adapter refit over ``transport`` (``ipc``: this backend's socket;
+        ``collective``: the weight-update group of ``init_collective``) and serve it as
+        ``name``; the previous adapter of that name keeps serving when anything fails,
+        a NaN or an infinity among its tensors included."""
         if (problem := check_adapter_name(name)) is not None:
             raise BadArgumentError(problem)
         bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, "timeout_s")
         if self.adapter is None or self.receiver is None:
             raise EngineStateError("an adapter refit needs refit_init('lora', info, peft) first")
+        port = self._port(transport)
         manager = self._manager()
         config = manager.lora_config  # type: ignore[attr-defined]
         cpu = self.engine.device.type == "cpu"
@@ -166,7 +171,9 @@ class LoraBackend:
             for tensor_name, tensor in weights:
                 tensors[tensor_name] = tensor.to("cpu", copy=True)
 
-        port: RefitPort = self.receiver
+        def check(chunk: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
+            self.engine.check_finite(chunk, what, kept=f"adapter {name!r} serves as before")
+
         report = receive(
             port,
             self.adapter.manifest,
@@ -174,6 +181,7 @@ class LoraBackend:
             routes=p.Routes(),
             timeout_s=bound,
             loader=collect,
+            check=check,
         )
         lora_id = self.ids.get(name, max(self.ids.values(), default=0) + 1)
         self._install(manager, name, lora_id, tensors)
@@ -182,6 +190,18 @@ class LoraBackend:
             "adapter %r (id %d): %d tensors in %.3fs", name, lora_id, report.tensors, report.seconds
         )
         return {**report.as_dict(), "adapter": name, "lora_int_id": lora_id, "refits": self.refits}
+
+    def _port(self, transport: str) -> RefitPort:
+        """The port an adapter refit over ``transport`` arrives on."""
+        assert self.receiver is not None
+        if transport == p.Transport.IPC.value:
+            return self.receiver
+        if transport != p.Transport.COLLECTIVE.value:
+            known = [t.value for t in p.Transport]
+            raise BadArgumentError(f"transport must be one of {known}, got {transport!r}")
+        if self.engine.group_port is None:
+            raise EngineStateError("an adapter refit over the collective needs init_collective")
+        return cast("RefitPort", self.engine.group_port)
 
     def _install(
         self, manager: object, name: str, lora_id: int, tensors: dict[str, torch.Tensor]

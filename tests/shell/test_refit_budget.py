@@ -25,7 +25,10 @@ Issue 48 added vLLM's own weight-transfer wire, the one TRL's clients send on (t
 NeMo-RL's group split into a base both wires share, in ``nemo_rl.py``; the refit's own
 manifest in ``EngineContext.receive``): 134, to 4,100. Feeding the loader on the engine's
 device (``on_device``: the fp8 start's scales one ulp off a refit's, reshard's host tensors
-refused by vLLM's layerwise reload, both on the H100) added 6, to 4,106. The rules that
+refused by vLLM's layerwise reload, both on the H100) added 6, to 4,106. Issue 45's
+adapters over the collective group (the group a worker joined, offered to the ``lora``
+backend as ``EngineContext.group_port``) and the non-finite check of adapter tensors (a
+NaN adapter was served) added 23, to 4,129. The rules that
 left the shell on the way live in core (``core/sparse_protocol.py``, ``core/reshard.py``'s rounds), under core's
 own coverage."""
 
@@ -37,7 +40,7 @@ import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BUDGET = 4106
+BUDGET = 4129
 #: Where the refit families' engine ends were before issue 41 (shims now, if anything).
 OLD_PATHS = ("sparse.py", "sparse_engine.py", "reshard.py", "nemo_rl_refit.py")
 _LAYOUT = {

@@ -22,9 +22,16 @@ from typing import Any
 import pytest
 import torch
 from helpers import cpu_engine_config, right_padded
+from refit_helpers import free_port
 from safetensors.torch import load_file, save_file
 
-from genworker.shell.errors import BadBatchError, RefitError, RefitManifestError
+from genworker.shell.errors import (
+    BadArgumentError,
+    BadBatchError,
+    EngineStateError,
+    RefitError,
+    RefitManifestError,
+)
 from genworker.shell.refit import RefitSender
 from genworker.shell.worker import VllmGenerationWorker
 
@@ -228,3 +235,67 @@ def test_an_adapter_the_engine_cannot_hold_is_refused_before_anything_moves(
     with pytest.raises(BadBatchError, match="no adapter 'missing' is served here"):
         greedy(worker, lora="missing")
     assert worker.generate(right_padded(PROMPTS, pad=PAD), greedy=True)["output_ids"].shape[0] == 3
+
+
+def test_an_adapter_holding_a_nan_is_refused_and_the_adapter_before_serves_on(
+    worker: VllmGenerationWorker, base_weights: dict[str, torch.Tensor]
+) -> None:
+    first = adapter(base_weights, 1)
+    assert refit(worker, "policy", first.items(), info_of(first)) == []
+    first_ids, first_logprobs = greedy(worker, lora="policy")
+    poisoned = adapter(base_weights, 2)
+    name = sorted(poisoned)[-1]
+    poisoned[name][0, 0] = float("nan")
+    version = worker.weight_version
+    with pytest.raises(
+        RefitError, match=rf"non-finite .*{name}.*adapter 'policy' serves as before"
+    ):
+        refit(worker, "policy", poisoned.items(), info_of(poisoned))
+    assert worker.weight_version == version
+    ids, logprobs = greedy(worker, lora="policy")
+    assert torch.equal(ids, first_ids)
+    torch.testing.assert_close(logprobs, first_logprobs, atol=1e-5, rtol=0)
+
+
+def test_an_adapter_refit_over_the_collective_generates_what_the_merged_weights_generate(
+    worker: VllmGenerationWorker,
+    base_weights: dict[str, torch.Tensor],
+    merged_outputs: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """The trainer's weight-update group (gloo on CPU; the trainer is rank 0 in this
+    process), adapter tensors only, then ``update_lora(transport="collective")``."""
+    lora = adapter(base_weights, 1)
+    other = adapter(base_weights, 2)
+    with pytest.raises(EngineStateError, match="init_collective"):
+        worker.update_lora("policy", timeout_s=TIMEOUT_S, transport="collective")
+    with pytest.raises(BadArgumentError, match="transport must be one of"):
+        worker.update_lora("policy", timeout_s=TIMEOUT_S, transport="nccl")
+    assert refit(worker, "policy", other.items(), info_of(other)) == []  # serving: seed 2
+    worker.prepare_lora(info_of(lora), PEFT)
+    port = free_port()
+    joined: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            worker.init_collective(0, "127.0.0.1", port, 2, 1, timeout_s=TIMEOUT_S)
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            joined.append(e)
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    sender = RefitSender.collective(
+        "127.0.0.1", port, 2, manifest=info_of(lora), timeout_s=TIMEOUT_S
+    )
+    thread.join(TIMEOUT_S)
+    assert joined == []
+    with sender:
+        sent = threading.Thread(target=sender.send, args=(lora.items(),), daemon=True)
+        sent.start()
+        version = worker.weight_version
+        worker.update_lora("policy", timeout_s=TIMEOUT_S, transport="collective")
+        sent.join(TIMEOUT_S)
+    assert worker.weight_version == version + 1
+    ids, logprobs = greedy(worker, lora="policy")
+    merged_ids, merged_logprobs = merged_outputs
+    assert torch.equal(ids, merged_ids)
+    torch.testing.assert_close(logprobs, merged_logprobs, atol=1e-4, rtol=0)

@@ -40,8 +40,8 @@ def lora_worker(fail: list[bool]) -> tuple[VllmGenerationWorker, FakeEngine, lis
         calls.append(("init", backend, args))
         return "ipc:///tmp/fake-lora.sock"
 
-    def receive(backend: str, name: str, timeout_s: float) -> object:
-        calls.append(("receive", backend, name, timeout_s))
+    def receive(backend: str, name: str, timeout_s: float, transport: str) -> object:
+        calls.append(("receive", backend, name, timeout_s, transport))
         if fail and fail.pop(0):
             return failure(RefitError("the trainer aborted the refit"))
         return {"adapter": name, "lora_int_id": 1, "refits": len(calls)}
@@ -80,6 +80,22 @@ def test_a_refit_counts_a_version_and_serves_the_name_a_failed_one_changes_nothi
     assert int(out["weight_versions"].max()) == 1
     adapters = [spec.adapter for _, spec in engine.requests[-2:]]
     assert adapters == [LoraRef("policy", 1), None]
+
+
+def test_an_adapter_refit_over_the_collective_needs_the_group_and_names_its_transport() -> None:
+    worker, engine, calls = lora_worker([])
+    worker.prepare_lora(INFO, PEFT)
+    with pytest.raises(BadArgumentError, match="transport must be one of"):
+        worker.update_lora("policy", timeout_s=5.0, transport="nccl")
+    with pytest.raises(EngineStateError, match="needs init_collective first"):
+        worker.update_lora("policy", timeout_s=5.0, transport="collective")
+    assert [c[0] for c in calls] == ["init"]
+    assert worker.weight_version == 0
+    engine.rpc_handlers["init_collective"] = lambda *args: {"rank": 1}
+    worker.init_collective(0, "127.0.0.1", 29500, 2, 1, timeout_s=5.0)
+    assert worker.update_lora("policy", timeout_s=5.0, transport="collective") is True
+    assert calls[-1] == ("receive", "lora", "policy", 5.0, "collective")
+    assert worker.weight_version == 1
 
 
 def test_a_batch_naming_an_adapter_not_served_is_refused() -> None:
