@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -103,8 +104,126 @@ def test_command_line_sections() -> None:
     ]
     assert bench.parse_args(["--sections", "refit,gen"]).sections == ["gen", "refit"]
     assert bench.parse_args(["--sections", "server,async"]).sections == ["async", "server"]
+    assert bench.parse_args(["--sections", "groups,lora,refit"]).sections == [
+        "refit",
+        "lora",
+        "groups",
+    ]
     with pytest.raises(SystemExit):
         bench.parse_args(["--sections", "gen,warp"])
+
+
+def test_every_section_has_a_title_and_its_paragraph_in_the_docstring() -> None:
+    doc = bench.__doc__
+    assert doc is not None
+    for key in bench.SECTIONS:
+        assert key in bench.TITLES
+        assert f"``{key}``" in doc
+    for figure in (
+        "refit_finite_check_overhead",
+        "lora_refit_vs_full",
+        "lora_generate_overhead",
+        "group_prefill_vs_unshared_rows",
+        "group_prefill_vs_rows",
+    ):
+        assert figure in doc
+
+
+class _Rpc:
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+        self.calls: list[tuple[str, tuple[object, ...]]] = []
+
+    def collective_rpc(self, method: str, args: tuple[object, ...] = ()) -> list[object]:
+        self.calls.append((method, args))
+        return [args[0] if self.answer is None else self.answer]
+
+
+class _Worker:
+    def __init__(self, answer: object = None) -> None:
+        self.engine = _Rpc(answer)
+
+
+def test_the_finite_check_is_toggled_by_the_rpc_the_config_key_uses() -> None:
+    worker = _Worker()
+    bench.set_finite_check(worker, False)
+    bench.set_finite_check(worker, True)
+    assert worker.engine.calls == [("refit_configure", (False,)), ("refit_configure", (True,))]
+    with pytest.raises(RuntimeError, match="refit_configure"):
+        bench.set_finite_check(_Worker(answer=True), False)  # an engine that kept it on
+
+
+def test_refit_finite_check_overhead_is_the_ratio_of_the_medians_with_its_bar() -> None:
+    measured = bench.CheckedRefits(
+        times={True: [0.0110, 0.0102, 0.0200], False: [0.0100, 0.0100, 0.0090]},
+        phases={True: "write 1.0", False: "write 1.0"},
+        warmup_s=[0.05, 0.02],
+    )
+    section = bench.Section("refit", "Refit")
+    bench.finite_check_rows(section, measured, 16 << 30, None)
+    (row,) = [r for r in section.rows if r[0].startswith("refit_finite_check_overhead")]
+    assert row[1] == "1.100"  # 11.0 ms over 10.0 ms, not the best over the best
+    assert section.verdicts == [("refit_finite_check_overhead 1.100 <= 1.05", False)]
+    measured = bench.CheckedRefits(
+        times={True: [0.0101, 0.0102], False: [0.0100, 0.0100]},
+        phases={True: "", False: ""},
+        warmup_s=[],
+    )
+    section = bench.Section("refit", "Refit")
+    bench.finite_check_rows(section, measured, 16 << 30, 0.004)
+    assert section.verdicts[0][1]
+    assert any(r[0].startswith("the check alone") for r in section.rows)
+
+
+def test_rotated_runs_rotate_the_order_and_drop_the_warm_up_round() -> None:
+    order: list[str] = []
+
+    def run(name: str, seconds: float) -> Callable[[], float]:
+        def go() -> float:
+            order.append(name)
+            return seconds if len(order) > 3 else 99.0  # the warm-up round's are dropped
+
+        return go
+
+    times = bench.rotated({"a": run("a", 1.0), "b": run("b", 2.0), "c": run("c", 4.0)}, 2)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert times == {"a": [1.0, 1.0], "b": [2.0, 2.0], "c": [4.0, 4.0]}
+    assert bench.paired_ratio(times, "a", "c") == 0.25
+
+
+class _Llm:
+    def generate(self, prompts: list[int], params: object = None) -> list[int]:
+        return [p + 1 for p in prompts]
+
+
+def test_counted_prompts_counts_each_generate_call_and_restores_the_engine() -> None:
+    llm = _Llm()
+    with bench.counted_prompts(llm) as counts:
+        assert llm.generate([1, 2, 3]) == [2, 3, 4]
+        llm.generate([4], params=None)
+    assert counts == [3, 1]
+    assert "generate" not in vars(llm)
+
+
+def test_the_lora_adapter_is_one_genworker_accepts_for_every_projection() -> None:
+    from returns.result import Success
+
+    from genworker.core.lora import EngineLora, check_adapter
+    from genworker.core.refit_plan import Manifest
+
+    shape = bench.LLAMA_1B
+    layout = bench.adapter_layout(shape, bench.LORA_RANK, "bfloat16")
+    assert len(layout) == 2 * len(bench.LORA_TARGETS) * shape.layers
+    a = layout["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"]
+    b = layout["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
+    assert a == ((bench.LORA_RANK, shape.intermediate), "bfloat16")
+    assert b == ((shape.hidden, bench.LORA_RANK), "bfloat16")
+    paths = {n.removesuffix(".weight") for n in shape.hf_shapes()}
+    engine = EngineLora(bench.LORA_RANK, frozenset(bench.LORA_TARGETS), frozenset(paths))
+    checked = check_adapter(Manifest.from_info(layout).unwrap(), bench.LORA_PEFT, engine)
+    assert isinstance(checked, Success)
+    # a few MB against the model's 1.7 GB: what makes an adapter refit cheap
+    assert bench.layout_bytes(layout) < 0.02 * shape.num_params() * 2
 
 
 def test_without_cuda_the_dry_run_goes_to_the_cpu_in_float32() -> None:
