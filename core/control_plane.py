@@ -15,12 +15,14 @@ values below or a :class:`~genworker.core.serving.BadRequest` naming the field (
 what the machine allowed and reports how an update ended (:func:`updated`,
 :func:`update_failed`).
 
-The wire of an update is vLLM's packed broadcast (``packed_nccl_broadcast_producer``,
-``vllm/distributed/weight_transfer/packed_tensor.py``): the ``update_info`` tensors in
-order, a packed buffer closing once its bytes exceed ``packed_buffer_size_bytes``, one
-broadcast each. That is NeMo-RL's rule, :func:`genworker.core.nemo_rl_refit.packed_groups`,
-which the engine side reuses. Only packed updates are taken: every released trainer
-(TRL, vLLM's examples) sends ``packed``; an unpacked one is refused by name.
+The wire of an update (:func:`broadcasts`) is vLLM's: the ``update_info`` tensors in
+order, either packed (``packed_nccl_broadcast_producer``,
+``vllm/distributed/weight_transfer/packed_tensor.py``: a buffer closing once its bytes
+exceed ``packed_buffer_size_bytes``, one broadcast each; NeMo-RL's rule,
+:func:`genworker.core.nemo_rl_refit.packed_groups`) or unpacked (one broadcast per
+tensor). Which one is vLLM's rule for both versions: 0.25 says it per update
+(``update_info.packed`` and its buffer size), 0.32 once at init (``init_info.packed``);
+both default to unpacked when the trainer says nothing (TRL says ``packed: true`` in both).
 
 Versions: every update that lands is one refit of the worker (its weight version goes up
 by one, tokens are labelled with it); ``/finish_weight_update``'s ``weight_version`` is
@@ -39,6 +41,7 @@ import attrs
 from returns.result import Failure, Result, Success
 
 from genworker.core.errors import CoreError
+from genworker.core.nemo_rl_refit import packed_groups
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.core.serving import BadRequest
 
@@ -70,8 +73,6 @@ __all__ = [
 
 #: vLLM's ``DEFAULT_PACKED_BUFFER_SIZE_BYTES`` (both ends must agree on it).
 DEFAULT_BUFFER_BYTES: Final = 1024 * 1024 * 1024
-_DEFAULT_NUM_BUFFERS: Final = 2
-
 #: (method, path) -> the route's name, as vLLM serves them with ``VLLM_SERVER_DEV_MODE``.
 ROUTES: Final[Mapping[tuple[str, str], str]] = {
     ("GET", "/get_world_size"): "get_world_size",
@@ -165,6 +166,9 @@ class InitTransfer:
     rank_offset: int
     world_size: int
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    #: vLLM 0.32's wire for every update (``init_info.packed``; its engine's default is
+    #: unpacked); an update that says its own (0.25) overrides it
+    packed: bool = False
 
     def as_dict(self) -> dict[str, object]:
         """As vLLM's ``init_info`` (what a trainer sends, and what :func:`parse` reads)."""
@@ -173,7 +177,7 @@ class InitTransfer:
             "master_port": self.master_port,
             "rank_offset": self.rank_offset,
             "world_size": self.world_size,
-            "packed": True,
+            "packed": self.packed,
             "packed_buffer_size_bytes": self.buffer_bytes,
         }
 
@@ -185,18 +189,36 @@ class StartUpdate:
 
 @attrs.frozen
 class Update:
-    """One packed update: its tensors, in the order they are broadcast."""
+    """One update: its tensors, in the order they are broadcast; the wire where the
+    update says it (vLLM 0.25's ``packed`` and ``packed_buffer_size_bytes``; ``None``:
+    as the init said)."""
 
     manifest: Manifest
+    packed: bool | None = None
+    buffer_bytes: int | None = None
 
     def as_vllm_info(self) -> dict[str, object]:
         """As vLLM's ``update_info`` (what a trainer sends, and what :func:`parse` reads)."""
         specs = self.manifest.specs
+        wire = {"packed": self.packed, "packed_buffer_size_bytes": self.buffer_bytes}
         return {
             "names": [s.name for s in specs],
             "dtype_names": [s.dtype for s in specs],
             "shapes": [list(s.shape) for s in specs],
+            **{k: v for k, v in wire.items() if v is not None},
         }
+
+
+def broadcasts(init: InitTransfer, update: Update) -> tuple[tuple[TensorSpec, ...], ...]:
+    """The tensors of each broadcast of ``update`` over the group ``init`` opened, as
+    vLLM's producer sends them: packed (the update's own say where it has one, else the
+    init's) into buffers of the update's or else the init's size; unpacked, one tensor
+    each (an empty tensor too: vLLM broadcasts it)."""
+    packed = init.packed if update.packed is None else update.packed
+    if not packed:
+        return tuple((spec,) for spec in update.manifest.specs)
+    size = init.buffer_bytes if update.buffer_bytes is None else update.buffer_bytes
+    return packed_groups(update.manifest, size)
 
 
 @attrs.frozen
@@ -323,21 +345,32 @@ def _init(body: dict[str, object]) -> Result[Request, BadRequest]:
         return _bad(
             route, "init_info.world_size", f"must be an int > rank_offset ({offset}), got {world!r}"
         )
-    if info.get("packed", True) is not True:
-        return _bad(
-            route, "init_info.packed", "must be true: genworker receives packed broadcasts only"
+    wire = _wire(route, "init_info", info)
+    if isinstance(wire, Failure):
+        return wire
+    packed, size = wire
+    return Success(
+        InitTransfer(
+            address, port, offset, world, size or DEFAULT_BUFFER_BYTES, packed=bool(packed)
         )
-    size = info.get("packed_buffer_size_bytes", DEFAULT_BUFFER_BYTES)
-    if not _int(size) or size < 1:
-        return _bad(
-            route, "init_info.packed_buffer_size_bytes", f"must be a positive int, got {size!r}"
-        )
-    buffers = info.get("packed_num_buffers", _DEFAULT_NUM_BUFFERS)
-    if not _int(buffers) or buffers < 1:
-        return _bad(
-            route, "init_info.packed_num_buffers", f"must be a positive int, got {buffers!r}"
-        )
-    return Success(InitTransfer(address, port, offset, world, size))
+    )
+
+
+def _wire(
+    route: str, field: str, info: Mapping[object, object]
+) -> tuple[bool | None, int | None] | Failure[BadRequest]:
+    """``packed`` and ``packed_buffer_size_bytes`` of an init or update info (``None``
+    where absent), ``packed_num_buffers`` checked (the sender's number of streams: what
+    is broadcast does not change with it)."""
+    packed = info.get("packed")
+    if packed is not None and not isinstance(packed, bool):
+        return _bad(route, f"{field}.packed", f"must be a bool, got {packed!r}")
+    for key in ("packed_buffer_size_bytes", "packed_num_buffers"):
+        value = info.get(key)
+        if value is not None and (not _int(value) or value < 1):
+            return _bad(route, f"{field}.{key}", f"must be a positive int, got {value!r}")
+    size = info.get("packed_buffer_size_bytes")
+    return packed, size if _int(size) else None
 
 
 def _start(body: dict[str, object]) -> Result[Request, BadRequest]:
@@ -352,12 +385,12 @@ def _update(body: dict[str, object]) -> Result[Request, BadRequest]:
     if not isinstance(info, dict):
         return _bad(route, "update_info", f"must be an object, got {info!r}")
     allowed = {"names", "dtype_names", "shapes", "packed", "is_checkpoint_format"}
+    allowed |= {"packed_buffer_size_bytes", "packed_num_buffers"}
     if unknown := sorted(str(k) for k in info if k not in allowed):
         return _bad(route, f"update_info.{unknown[0]}", "is not a field of vLLM's update info")
-    if info.get("packed", True) is not True:
-        return _bad(
-            route, "update_info.packed", "must be true: genworker receives packed broadcasts only"
-        )
+    wire = _wire(route, "update_info", info)
+    if isinstance(wire, Failure):
+        return wire
     columns: dict[str, list[object]] = {}
     for key in ("names", "dtype_names", "shapes"):
         value = info.get(key)
@@ -386,7 +419,7 @@ def _update(body: dict[str, object]) -> Result[Request, BadRequest]:
     manifest = Manifest.from_specs(specs)
     if isinstance(manifest, Failure):
         return _bad(route, "update_info.names", str(manifest.failure()))
-    return Success(Update(manifest.unwrap()))
+    return Success(Update(manifest.unwrap(), *wire))
 
 
 def _finish(body: dict[str, object]) -> Result[Request, BadRequest]:

@@ -963,15 +963,23 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         """Whether any engine memory is asleep."""
         return not (self.state.weights_awake and self.state.kv_cache_awake)
 
-    def abort_requests(self, request_ids: Sequence[str]) -> int:
-        """End HTTP generation requests in flight (every one: vLLM's ``/abort_requests``
-        with no ids; by id the server cannot tell them apart, so ids are refused)."""
-        if request_ids:
+    async def abort_requests(self, request_ids: Sequence[str]) -> int:
+        """End HTTP generation requests in flight, as vLLM's ``/abort_requests``: no ids,
+        every one (each answers typed); else the engine requests of those ids (vLLM's
+        external ids: ``cmpl-<X-Request-Id>-<prompt index>`` for a completion,
+        ``chatcmpl-<X-Request-Id>`` for a chat; an id not running is ignored, as vLLM
+        does), which finish with reason ``abort`` and the tokens so far. The worker's
+        own rows are not the server's to abort (refused, naming them). How many were
+        aborted, or asked for by id."""
+        if not request_ids:
+            return 0 if self._http is None else self._http.abort_all("aborted by /abort_requests")
+        if own := sorted(set(request_ids) & set(self._requests)):
             raise BadArgumentError(
-                "abort_requests by request_ids is not supported: genworker's server aborts "
-                "every request in flight (send no request_ids)"
+                f"request_ids {own} are rows of the worker's own generate calls, not the "
+                "server's: abort them through the worker"
             )
-        return 0 if self._http is None else self._http.abort_all("aborted by /abort_requests")
+        await self.engine.abort(list(request_ids))
+        return len(request_ids)
 
     async def init_weight_transfer(
         self, init_info: Mapping[str, object], timeout_s: float | None = None

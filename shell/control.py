@@ -84,7 +84,7 @@ class ControlHooks(Protocol):
 
     def sleeping(self) -> bool: ...
 
-    def abort_requests(self, request_ids: Sequence[str]) -> int: ...
+    async def abort_requests(self, request_ids: Sequence[str]) -> int: ...
 
 
 def _status_of(error: GenworkerError) -> int:
@@ -158,7 +158,7 @@ class ControlRoutes:
                 await hooks.resume_generation()
                 return {"status": "resumed"}
             case c.AbortRequests(request_ids=ids):
-                return {"status": "aborted", "aborted": hooks.abort_requests(ids)}
+                return {"status": "aborted", "aborted": await hooks.abort_requests(ids)}
             case c.Sleep(level=level):
                 await hooks.sleep(level)
                 return {"status": "sleeping", "level": level}

@@ -56,7 +56,7 @@ import zmq
 
 from genworker.core import nemo_rl_refit as n
 from genworker.core import refit_protocol as p
-from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest
+from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.shell.errors import (
     BadArgumentError,
     BadConfigError,
@@ -539,14 +539,19 @@ class NemoRlGroup(BroadcastGroup):
 
 
 class NemoRlCollectivePort:
-    """One refit over a :class:`BroadcastGroup` (a ``receive`` port): the manifest's
-    packed groups, one broadcast each (NeMo-RL's wire, and vLLM's, which is the same)."""
+    """One refit over a :class:`BroadcastGroup` (a ``receive`` port): ``groups``, the
+    manifest's tensors of each broadcast, in order (NeMo-RL's packed groups; vLLM's,
+    packed or one tensor each)."""
 
     def __init__(
-        self, group: BroadcastGroup, manifest: Manifest, target_bytes: int, refit_id: str
+        self,
+        group: BroadcastGroup,
+        manifest: Manifest,
+        groups: tuple[tuple[TensorSpec, ...], ...],
+        refit_id: str,
     ) -> None:
         self.group, self.peer = group, f"trainer rank 0 of {group.peer}"
-        self.groups = n.packed_groups(manifest, target_bytes)
+        self.groups = groups
         self.refit_id, self._manifest = refit_id, manifest
         self._begun, self._next, self._received = False, 0, 0
         self._bound = p.DEFAULT_TIMEOUT_S
@@ -701,7 +706,8 @@ class NemoRlCollectiveBackend:
             raise EngineStateError("update_weights_from_collective before init_collective")
         self.refits += 1
         refit_id = f"nemo-rl-collective-{self.refits}"
-        port = NemoRlCollectivePort(self.group, manifest, self.target_bytes, refit_id)
+        groups = n.packed_groups(manifest, self.target_bytes)
+        port = NemoRlCollectivePort(self.group, manifest, groups, refit_id)
         return self.engine.receive(port, timeout_s, sharded_ok=False)
 
     def status(self) -> dict[str, object]:

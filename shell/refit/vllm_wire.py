@@ -11,8 +11,9 @@ and ``nccl_common.py``, 0.32; the same wire in 0.25) and its trainer (``trainer_
 master_port``; every engine worker joins as ``rank_offset`` + its rank, then
 ``PyNcclCommunicator`` hands NCCL's unique id round through the store and warms up with
 one all-reduce. An update is announced over HTTP (``update_info``: names, dtype names,
-shapes) and travels as packed buffers, a buffer closing once its bytes exceed
-``packed_buffer_size_bytes``: NeMo-RL's wire exactly, so the receiving port is
+shapes) and travels packed (buffers closing once their bytes exceed
+``packed_buffer_size_bytes``: NeMo-RL's wire exactly) or one tensor per broadcast, as
+the trainer said (``core.control_plane.broadcasts``), so the receiving port is
 :class:`~genworker.shell.refit.nemo_rl.NemoRlCollectivePort` over a
 :class:`~genworker.shell.refit.nemo_rl.BroadcastGroup`, through ``EngineContext.receive``
 with ``update_info`` as the refit's manifest: the dtype check, the routes, the non-finite
@@ -33,7 +34,6 @@ import torch
 
 from genworker.core import control_plane as c
 from genworker.core import refit_protocol as p
-from genworker.core.nemo_rl_refit import packed_groups
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.shell.errors import (
     BadArgumentError,
@@ -53,7 +53,7 @@ class VllmWireGroup(BroadcastGroup):
     def __init__(self, init: c.InitTransfer, rank: int, device: torch.device, timeout_s: float):
         where = f"{init.master_address}:{init.master_port} (rank {rank} of {init.world_size})"
         super().__init__(f"the weight-transfer group at {where}", device)
-        self.buffer_bytes = init.buffer_bytes
+        self.init = init
         with self._foreign("joining the group", timeout_s):
             from vllm.distributed.utils import StatelessProcessGroup
 
@@ -68,7 +68,7 @@ class VllmWireGroup(BroadcastGroup):
 
     def send(self, tensor: torch.Tensor, bound_s: float) -> None:
         """Rank 0's side of a broadcast (the trainer's, on CPU)."""
-        self.broadcast(tensor, "a packed buffer", bound_s)
+        self.broadcast(tensor, "a broadcast", bound_s)
 
 
 def _init_of(init_info: Mapping[str, object]) -> c.InitTransfer:
@@ -99,13 +99,14 @@ def update_info(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, object
 def send(
     group: VllmWireGroup, tensors: Iterable[tuple[str, torch.Tensor]], timeout_s: float = 300.0
 ) -> None:
-    """Broadcast ``tensors`` as vLLM's packed producer does (in order, a buffer closing
-    once its bytes exceed the group's ``packed_buffer_size_bytes``); the server handles
-    the ``/update_weights`` that announced them meanwhile."""
+    """Broadcast ``tensors`` as vLLM's producer does on the group's wire (packed: in
+    order, a buffer closing once its bytes exceed ``packed_buffer_size_bytes``; else one
+    tensor each, the same bytes); the server handles the ``/update_weights`` that
+    announced them meanwhile."""
     named = list(tensors)
     manifest = Manifest.from_specs(TensorSpec.of(n, t) for n, t in named).unwrap()
     flat = {n: t.detach().contiguous().view(-1).view(torch.uint8) for n, t in named}
-    for specs in packed_groups(manifest, group.buffer_bytes):
+    for specs in c.broadcasts(group.init, c.Update(manifest)):
         group.send(torch.cat([flat[s.name] for s in specs]), timeout_s)
 
 
@@ -143,8 +144,9 @@ class VllmWireBackend:
             )
         self.engine.check_dtypes(update.manifest, "update_weights")
         self.updates += 1
+        groups = c.broadcasts(self.group.init, update)
         port = NemoRlCollectivePort(
-            self.group, update.manifest, self.group.buffer_bytes, f"vllm-wire-{self.updates}"
+            self.group, update.manifest, groups, f"vllm-wire-{self.updates}"
         )
         return self.engine.receive(port, timeout_s, sharded_ok=False, manifest=update.manifest)
 
@@ -154,7 +156,7 @@ class VllmWireBackend:
         return {"joined": joined, "updates": self.updates}
 
     def release(self) -> int:
-        return 0  # each packed buffer is the receiver's own
+        return 0  # each broadcast's buffer is the receiver's own
 
     def close(self) -> int:
         group, self.group = self.group, None

@@ -117,7 +117,7 @@ def test_a_bad_entry_of_update_info_is_named_by_its_column_and_index(
         (
             "init_weight_transfer_engine",
             {},
-            {"init_info": {**GOOD_INIT, "packed": False}},
+            {"init_info": {**GOOD_INIT, "packed": "yes"}},
             "init_info.packed",
         ),
         (
@@ -159,10 +159,23 @@ def test_a_bad_entry_of_update_info_is_named_by_its_column_and_index(
                     "names": ["a"],
                     "dtype_names": ["float32"],
                     "shapes": [[1]],
-                    "packed": False,
+                    "packed": 1,
                 }
             },
             "update_info.packed",
+        ),
+        (
+            "update_weights",
+            {},
+            {
+                "update_info": {
+                    "names": ["a"],
+                    "dtype_names": ["float32"],
+                    "shapes": [[1]],
+                    "packed_buffer_size_bytes": 0,
+                }
+            },
+            "update_info.packed_buffer_size_bytes",
         ),
         (
             "update_weights",
@@ -222,7 +235,10 @@ def test_the_good_bodies_of_trl_and_vllm_parse() -> None:
     assert c.parse("wake_up", {"tags": "weights"}, None).unwrap() == c.WakeUp(("weights",))
     assert c.parse("wake_up", {}, {}).unwrap() == c.WakeUp(None)
     init = c.parse("init_weight_transfer_engine", {}, {"init_info": {**GOOD_INIT, "packed": True}})
-    assert init.unwrap() == c.InitTransfer("127.0.0.1", 29500, 1, 2)
+    assert init.unwrap() == c.InitTransfer("127.0.0.1", 29500, 1, 2, packed=True)
+    # vLLM's engine default: unpacked unless the trainer says packed
+    init = c.parse("init_weight_transfer_engine", {}, {"init_info": GOOD_INIT})
+    assert init.unwrap() == c.InitTransfer("127.0.0.1", 29500, 1, 2, packed=False)
     assert c.parse("start_weight_update", {}, {}).unwrap() == c.StartUpdate(True)
     assert c.parse("finish_weight_update", {}, None).unwrap() == c.FinishUpdate(None)
     assert c.parse("finish_weight_update", {}, {"weight_version": 7}).unwrap() == c.FinishUpdate(
@@ -245,21 +261,57 @@ def test_the_good_bodies_of_trl_and_vllm_parse() -> None:
     st.integers(1, 4),
     st.integers(1, 4),
     st.integers(1, 2**40),
+    st.booleans(),
 )
 def test_an_init_info_round_trips(
-    address: str, port: int, offset: int, more: int, size: int
+    address: str, port: int, offset: int, more: int, size: int, packed: bool
 ) -> None:
-    init = c.InitTransfer(address, port, offset, offset + more, size)
+    init = c.InitTransfer(address, port, offset, offset + more, size, packed)
     assert (
         c.parse("init_weight_transfer_engine", {}, {"init_info": init.as_dict()}).unwrap() == init
     )
 
 
-@given(st.lists(specs, min_size=1, max_size=6, unique_by=lambda s: s.name))
-def test_an_update_info_round_trips(tensors: list[TensorSpec]) -> None:
-    update = c.parse("update_weights", {}, {"update_info": update_info(tensors)}).unwrap()
-    assert isinstance(update, c.Update)
+@given(
+    st.lists(specs, min_size=1, max_size=6, unique_by=lambda s: s.name),
+    st.none() | st.booleans(),
+    st.none() | st.integers(1, 2**40),
+)
+def test_an_update_info_round_trips(
+    tensors: list[TensorSpec], packed: bool | None, size: int | None
+) -> None:
+    wire = {"packed": packed, "packed_buffer_size_bytes": size}
+    info = {**update_info(tensors), **{k: v for k, v in wire.items() if v is not None}}
+    update = c.parse("update_weights", {}, {"update_info": info}).unwrap()
+    assert update == c.Update(Manifest.from_specs(tensors).unwrap(), packed, size)
     assert c.parse("update_weights", {}, {"update_info": update.as_vllm_info()}).unwrap() == update
+
+
+@given(
+    st.lists(specs, min_size=1, max_size=8, unique_by=lambda s: s.name),
+    st.booleans(),
+    st.integers(1, 64),
+    st.none() | st.booleans(),
+    st.none() | st.integers(1, 64),
+)
+def test_an_update_is_broadcast_as_vllm_sends_it(
+    tensors: list[TensorSpec],
+    init_packed: bool,
+    init_size: int,
+    packed: bool | None,
+    size: int | None,
+) -> None:
+    """vLLM 0.25 says packed or not per update (``update_info``), 0.32 at init; both
+    default to unpacked. Packed: NeMo-RL's groups at the update's buffer size, else the
+    init's; unpacked: one broadcast per tensor, in order."""
+    manifest = Manifest.from_specs(tensors).unwrap()
+    init = c.InitTransfer("h", 1, 1, 2, init_size, init_packed)
+    groups = c.broadcasts(init, c.Update(manifest, packed, size))
+    assert [s for g in groups for s in g] == list(manifest.specs)
+    if packed is False or (packed is None and not init_packed):
+        assert all(len(g) == 1 for g in groups)
+    else:
+        assert groups == packed_groups(manifest, init_size if size is None else size)
 
 
 @pytest.mark.parametrize(

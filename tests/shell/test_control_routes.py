@@ -75,7 +75,7 @@ class StandIn:
     def sleeping(self) -> bool:
         return False
 
-    def abort_requests(self, request_ids: Sequence[str]) -> int:
+    async def abort_requests(self, request_ids: Sequence[str]) -> int:
         self._call("abort", tuple(request_ids))
         return 3
 
@@ -107,7 +107,7 @@ def test_a_trl_step_reaches_the_worker_with_the_timeout_and_the_pause_held() -> 
         "weight_version": "step-1",
         "genworker_weight_version": 1,
     }
-    init = {**INIT, "packed": True, "packed_buffer_size_bytes": c.DEFAULT_BUFFER_BYTES}
+    init = {**INIT, "packed": False, "packed_buffer_size_bytes": c.DEFAULT_BUFFER_BYTES}
     assert hooks.calls == [
         ("init", (init, 7.0)),
         ("pause", ("keep", True)),

@@ -82,7 +82,8 @@ def _refit(
     n: int,
 ) -> int:
     manifest = manifest_of(tensors)
-    port = NemoRlCollectivePort(group, manifest, target, f"nemo-rl-collective-{n}")
+    groups = packed_groups(manifest, target)
+    port = NemoRlCollectivePort(group, manifest, groups, f"nemo-rl-collective-{n}")
     report = receive(
         cast(IpcReceiver, port), manifest, sink, routes=sink.routes, timeout_s=TIMEOUT_S
     )

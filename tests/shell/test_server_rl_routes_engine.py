@@ -123,17 +123,20 @@ def greedy(loop: asyncio.AbstractEventLoop, url: str) -> list[list[int]]:
     return rows
 
 
-def join(loop: asyncio.AbstractEventLoop, trl: Any) -> tuple[dict[str, Any], VllmWireGroup]:
+def join(
+    loop: asyncio.AbstractEventLoop, trl: Any, *, packed: bool = True
+) -> tuple[dict[str, Any], VllmWireGroup]:
     """A new group: TRL's ``init_weight_transfer_engine`` and the trainer's rendezvous
-    at once (each waits for the other). A small buffer: several packed broadcasts."""
-    info = {
+    at once (each waits for the other). Packed, a small buffer: several packed
+    broadcasts; else ``packed`` left out, vLLM's default: one broadcast per tensor."""
+    info: dict[str, Any] = {
         "master_address": "127.0.0.1",
         "master_port": free_port(),
         "rank_offset": 1,
         "world_size": on_loop(loop, trl.get_world_size)[0] + 1,
-        "packed": True,
-        "packed_buffer_size_bytes": 1 << 16,
     }
+    if packed:
+        info |= {"packed": True, "packed_buffer_size_bytes": 1 << 16}
     _, group = on_loop(
         loop,
         lambda: trl.init_weight_transfer_engine(info, timeout=60),
@@ -223,7 +226,7 @@ def test_wrong_states_and_bad_bodies_get_4xx_and_the_server_keeps_serving(
             "master_address",
         ),
         ("POST", "/start_weight_update", {"content": b"{not json"}, 400, "not JSON"),
-        ("POST", "/abort_requests", {"json": {"request_ids": ["cmpl-1"]}}, 400, "request_ids"),
+        ("POST", "/abort_requests", {"json": {"request_ids": "cmpl-1"}}, 400, "request_ids"),
     ]
     for method, path, kw, status, needle in cases:
         r = http(loop, url, method, path, **kw)
@@ -273,9 +276,10 @@ def test_a_trainer_that_dies_mid_update_is_a_typed_answer_and_a_good_update_reco
     assert refused.status_code == 409
     assert "inconsistent" in refused.json()["error"]["message"]
 
-    # a good update through the same routes (the group joined again) recovers
+    # a good update through the same routes (the group joined again, unpacked this
+    # time: vLLM's default wire, one broadcast per tensor) recovers
     assert http(loop, url, "POST", "/finish_weight_update", json={}).status_code in (200, 409)
-    _, group = join(loop, trl)
+    _, group = join(loop, trl, packed=False)
     assert http(loop, url, "POST", "/start_weight_update", json={}).status_code == 200
     on_loop(
         loop,
@@ -286,3 +290,37 @@ def test_a_trainer_that_dies_mid_update_is_a_typed_answer_and_a_good_update_reco
     assert worker.weight_version == before + 1
     assert greedy(loop, url) == reference_b
     group.close()
+
+
+def test_abort_requests_by_id_ends_those_requests_and_no_other(
+    worker: AsyncVllmGenerationWorker, loop: asyncio.AbstractEventLoop, url: str
+) -> None:
+    """vLLM's ids: a completion's engine request is ``cmpl-<X-Request-Id>-<prompt
+    index>``. The aborted one ends with reason ``abort`` and the tokens so far, the other
+    runs to its length; the worker's own rows are refused by name."""
+    body = {"prompt": [1, 5, 9], "max_tokens": 240, "temperature": 0.0, "ignore_eos": True}
+
+    async def run(request_id: str) -> httpx.Response:
+        async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
+            headers = {"X-Request-Id": request_id}
+            return await client.post("/v1/completions", json=body, headers=headers)
+
+    async def abort_soon() -> httpx.Response:
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
+            ids = {"request_ids": ["cmpl-doomed-0", "cmpl-never-ran-0"]}
+            return await client.post("/abort_requests", json=ids)
+
+    async def body_() -> list[httpx.Response]:
+        return list(await asyncio.gather(run("doomed"), run("kept"), abort_soon()))
+
+    doomed, kept, aborted = run_soon(loop, body_())
+    assert aborted.status_code == 200, aborted.text
+    assert aborted.json() == {"status": "aborted", "aborted": 2}
+    assert doomed.status_code == 200, doomed.text
+    choice = doomed.json()["choices"][0]
+    assert choice["finish_reason"] == "abort"
+    assert kept.status_code == 200, kept.text
+    assert kept.json()["choices"][0]["finish_reason"] == "length"
+    assert kept.json()["usage"]["completion_tokens"] == 240
+    assert doomed.json()["usage"]["completion_tokens"] < 240

@@ -361,6 +361,26 @@ def test_a_consumer_that_stops_aborts_its_requests() -> None:
     asyncio.run(main())
 
 
+def test_abort_requests_by_id_leaves_the_workers_own_rows_alone() -> None:
+    """The server's ``/abort_requests`` names engine requests by id; the worker's own
+    rows are refused by name (and run on), other ids go to the engine."""
+
+    async def main() -> None:
+        worker, engine = make_worker(max_new_tokens=60, cap=True)
+        data = right_padded([[4] * 4] * 2)
+        task = asyncio.ensure_future(collect(worker.generate_async(data)))
+        await until(lambda: engine.num_unfinished() == 2)
+        own = sorted(worker._requests)
+        with pytest.raises(BadArgumentError, match=r"rows of the worker's own generate"):
+            await worker.abort_requests([own[0], "cmpl-x-0"])
+        assert engine.num_unfinished() == 2
+        assert await worker.abort_requests(["cmpl-x-0"]) == 1
+        assert len(await task) == 2
+        assert engine.num_unfinished() == 0
+
+    asyncio.run(main())
+
+
 def test_engine_death_reaches_every_pending_row_typed() -> None:
     async def main() -> None:
         worker, engine = make_worker(max_new_tokens=60, cap=False)
