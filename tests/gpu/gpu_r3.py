@@ -28,7 +28,14 @@ from helpers import TINY_MOE_LAYERS, TINY_MOE_TOP_K, router_topk
 
 from genworker.core.routing import FILL
 
-__all__ = ["R3_KEYS", "R3_PROMPTS", "assert_routes_match", "r3_config", "r3_engine_main"]
+__all__ = [
+    "R3_KEYS",
+    "R3_PROMPTS",
+    "assert_routes_match",
+    "r3_config",
+    "r3_engine_main",
+    "r3_server_main",
+]
 
 R3_PROMPTS = ((3, 17, 42, 99, 7), (5, 6), (11, 200, 300, 12, 13, 14, 15, 400, 8), (250,))
 R3_KEYS = ("output_ids", "generation_lengths", "unpadded_sequence_lengths", "routed_experts")
@@ -108,3 +115,59 @@ def assert_routes_match(
         bad = np.argwhere((got != want).any(axis=(1, 2))).ravel().tolist()
         assert not bad, f"{what}, row {row}: positions {bad} differ from the reference"
         assert bool((routes[row, end - 1 :] == FILL).all()), f"{what}, row {row}: padding"
+
+
+def r3_server_main(*, a: str, pad: int) -> dict[str, object]:
+    """The async worker's server on MoE checkpoint A with the capture: the worker's own
+    greedy outputs, and per prompt the same greedy completion over HTTP asked with
+    ``return_routed_experts`` (vLLM's base64 ``.npy``, decoded here) and without it."""
+    import asyncio
+    import base64
+    import io
+
+    import httpx
+
+    from genworker.shell.async_worker import AsyncVllmGenerationWorker
+
+    config = r3_config(Path(a), pad)
+    vllm_cfg = dict(config["vllm_cfg"])  # type: ignore[call-overload]
+    config["vllm_cfg"] = {**vllm_cfg, "async_engine": True, "expose_http_server": True}
+    config["vllm_cfg"]["http_server_on_policy_guard"] = False  # greedy requests below
+
+    async def main() -> dict[str, object]:
+        worker = AsyncVllmGenerationWorker(config)
+        try:
+            await worker.post_init_async()
+            # row by row, as the HTTP requests run (the same batch shape, the same kernels)
+            rows = [await worker.generate(batch((p,), pad), greedy=True) for p in R3_PROMPTS]
+            assert worker.base_url is not None
+            asked, plain = [], []
+            async with httpx.AsyncClient(base_url=worker.base_url, timeout=120) as client:
+                for prompt in R3_PROMPTS:
+                    body = {
+                        "prompt": list(prompt),
+                        "max_tokens": R3_NEW_TOKENS,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                        "return_token_ids": True,
+                    }
+                    r = await client.post(
+                        "/completions", json={**body, "return_routed_experts": True}
+                    )
+                    assert r.status_code == 200, r.text
+                    choice = r.json()["choices"][0]
+                    raw = base64.b64decode(choice["routed_experts"])
+                    routes = np.load(io.BytesIO(raw), allow_pickle=False)
+                    asked.append((choice["token_ids"], routes))
+                    r = await client.post("/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    plain.append(sorted(r.json()["choices"][0]))
+            return {
+                "worker": [{key: out[key][0].cpu() for key in R3_KEYS} for out in rows],
+                "asked": asked,
+                "plain": plain,
+            }
+        finally:
+            await worker.shutdown()
+
+    return asyncio.run(main())
