@@ -131,8 +131,12 @@ def r3_server_main(*, a: str, pad: int) -> dict[str, object]:
 
     config = r3_config(Path(a), pad)
     vllm_cfg = dict(config["vllm_cfg"])  # type: ignore[call-overload]
-    config["vllm_cfg"] = {**vllm_cfg, "async_engine": True, "expose_http_server": True}
-    config["vllm_cfg"]["http_server_on_policy_guard"] = False  # greedy requests below
+    config["vllm_cfg"] = {
+        **vllm_cfg,
+        "async_engine": True,
+        "expose_http_server": True,
+        "http_server_on_policy_guard": False,  # greedy requests below
+    }
 
     async def main() -> dict[str, object]:
         worker = AsyncVllmGenerationWorker(config)
