@@ -14,6 +14,15 @@ Every step:
 4. **refit**: the trainer's new weights go into the engine through genworker's IPC sender
    (:func:`refit_channel`, the only place that refits).
 
+**LoRA mode** (``RlConfig.lora``): the policy is the same Llama, frozen, with a LoRA
+adapter (:mod:`genworker.demo.lora`: rank 8 on ``q_proj``, ``v_proj`` and ``lm_head``);
+only the adapter trains, the engine starts with ``enable_lora``, every refit moves only
+the adapter (the worker's ``prepare_lora`` once, then ``update_lora`` per step, in
+:func:`refit_channel`) and every generate call names it (``data["lora"]``). The adapter
+the trainer starts from (``B = 0``: the base model) is refit before the first step, so
+every rollout runs under the adapter; the worker's weight version counts ``steps + 1``
+adapter refits. The gap below checks the adapter refits the same way.
+
 The check that refit is right: step *k*'s rollouts come from the weights refit after step
 *k-1*, and the trainer recomputes their logprobs with those same weights before updating,
 so the mean absolute difference (``gap``) must be rounding noise. ``stale_gap`` beside it
@@ -38,6 +47,7 @@ from typing import Any
 import attrs
 import torch
 
+from genworker.demo.lora import LoraSpec, adapter_state, add_adapter, tensor_bytes
 from genworker.demo.task import (
     generated_span,
     group_advantages,
@@ -46,6 +56,7 @@ from genworker.demo.task import (
 )
 
 __all__ = [
+    "ADAPTER_NAME",
     "GAP_BOUND",
     "RL_PROMPTS",
     "RlConfig",
@@ -76,6 +87,9 @@ GAP_BOUND = 1e-4
 
 _REFIT_TIMEOUT_S = 120.0
 
+#: the name the demo's adapter is served under (``data["lora"]``)
+ADAPTER_NAME = "policy"
+
 
 def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not value > 0:
@@ -99,6 +113,8 @@ class RlConfig:
     seed: int = 0
     #: how many prompts the before/after samples show
     show: int = attrs.field(default=3, validator=_positive)
+    #: train and refit only this LoRA adapter (None: the whole model)
+    lora: LoraSpec | None = None
 
     @prompts.validator
     def _check_prompts(self, _: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
@@ -165,23 +181,48 @@ class RlRun:
     after: tuple[Sample, ...]
     #: the gap on the ``after`` samples: the check of the last refit
     final_gap: float
+    #: the policy's parameters (the base model's, in LoRA mode)
     parameters: int
+    #: the parameters the optimizer trains (the adapter's, in LoRA mode)
+    trained: int
+    #: bytes of the whole model, and bytes each refit moves (the adapter's in LoRA mode)
+    model_bytes: int
+    refit_bytes: int
+    #: the worker's weight version at the end: the refits it counted
+    weight_version: int
     engine_start_s: float
     total_s: float
+
+    @property
+    def mode(self) -> str:
+        """``lora`` or ``full``: what each refit moved."""
+        return "full" if self.config.lora is None else "lora"
 
 
 @contextlib.contextmanager
 def refit_channel(
-    worker: Any, tensors: Mapping[str, torch.Tensor]
+    worker: Any, tensors: Mapping[str, torch.Tensor], lora: LoraSpec | None = None
 ) -> Iterator[Callable[[Mapping[str, torch.Tensor]], float]]:
     """Every refit call of the demo: declares ``tensors``' names, shapes and dtypes to the
     engine once, then yields ``push(state_dict) -> seconds``, which sends one refit over
-    genworker's IPC sender from a thread while the engine receives it."""
+    genworker's IPC sender from a thread while the engine receives it. With ``lora``,
+    ``tensors`` are that adapter's (PEFT's names) and each push is an adapter refit
+    served as :data:`ADAPTER_NAME`."""
     from genworker.shell.refit import RefitSender
 
     info = {name: (t.shape, t.dtype) for name, t in tensors.items()}
-    worker.prepare_refit_info(info)
-    (address,) = worker.refit_address()
+    if lora is None:
+        worker.prepare_refit_info(info)
+        (address,) = worker.refit_address()
+
+        def receive() -> None:
+            worker.update_weights_via_ipc_zmq(timeout_s=_REFIT_TIMEOUT_S)
+    else:
+        (address,) = worker.prepare_lora(info, lora.peft_config())
+
+        def receive() -> None:
+            worker.update_lora(ADAPTER_NAME, timeout_s=_REFIT_TIMEOUT_S)
+
     with (
         RefitSender.ipc(str(address), manifest=info, timeout_s=_REFIT_TIMEOUT_S) as sender,
         ThreadPoolExecutor(1, thread_name_prefix="refit-sender") as pool,
@@ -191,7 +232,7 @@ def refit_channel(
             started = time.perf_counter()
             sent = pool.submit(sender.send, list(state.items()))
             try:
-                worker.update_weights_via_ipc_zmq(timeout_s=_REFIT_TIMEOUT_S)
+                receive()
             except BaseException as e:
                 with contextlib.suppress(Exception):  # the note only; e is raised
                     e.add_note(f"the sender said: {sent.exception(_REFIT_TIMEOUT_S)!r}")
@@ -222,8 +263,24 @@ def run_rl(
     policy = LlamaForCausalLM.from_pretrained(str(config.model), dtype=torch.float32)
     policy.train()
     reference = copy.deepcopy(policy).eval().requires_grad_(False)  # type: ignore[no-untyped-call]
-    optimizer = torch.optim.Adam(policy.parameters(), lr=config.learning_rate)
     parameters = sum(p.numel() for p in policy.parameters())
+    model_bytes = tensor_bytes(policy.state_dict().values())
+    lora = config.lora
+    if lora is None:
+
+        def state() -> dict[str, torch.Tensor]:
+            return dict(policy.state_dict())
+
+        named: dict[str, str] = {}
+    else:
+        adapted = add_adapter(policy, lora)
+
+        def state() -> dict[str, torch.Tensor]:
+            return adapter_state(adapted)
+
+        named = {"lora": ADAPTER_NAME}
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=config.learning_rate)
 
     wcfg = worker_config(
         str(config.model),
@@ -234,6 +291,10 @@ def run_rl(
         load_progress=load_progress,
     )
     wcfg["seed"] = config.seed
+    if lora is not None:
+        kwargs = wcfg["vllm_kwargs"]
+        assert isinstance(kwargs, dict)
+        kwargs.update(enable_lora=True, max_lora_rank=lora.rank)
     t0 = time.perf_counter()
     worker = VllmGenerationWorker(wcfg)
     engine_start_s = time.perf_counter() - t0
@@ -244,7 +305,7 @@ def run_rl(
     probe = pad_rows([prompt_ids[i] for i in shown], pad)
 
     def samples() -> tuple[list[Sample], float]:
-        out = worker.generate(probe)
+        out = worker.generate({**probe, **named})
         rewards = _rewards(out, probe, numbers, config.max_new_tokens)
         with torch.no_grad():
             logprobs, span = _trainer_logprobs(policy, out, probe["input_lengths"])
@@ -256,17 +317,19 @@ def run_rl(
 
     records: list[StepRecord] = []
     try:
-        before, _ = samples()
-        emit(StepRecord.HEADER)
-        with refit_channel(worker, policy.state_dict()) as push:
+        with refit_channel(worker, state(), lora) as push:
+            if lora is not None:
+                push(state())  # the adapter the trainer starts from: B = 0, the base model
+            before, _ = samples()
+            emit(StepRecord.HEADER)
             for step in range(config.steps):
                 t1 = time.perf_counter()
-                out = worker.generate(rollout)
+                out = worker.generate({**rollout, **named})
                 t2 = time.perf_counter()
                 rewards = _rewards(out, rollout, numbers, config.max_new_tokens)
                 gaps = _grpo_step(policy, reference, optimizer, out, rollout, rewards, group)
                 t3 = time.perf_counter()
-                refit_s = push(policy.state_dict())
+                refit_s = push(state())
                 record = StepRecord(
                     step=step,
                     mean_reward=float(rewards.mean()),
@@ -281,6 +344,7 @@ def run_rl(
                 records.append(record)
                 emit(record.line())
         after, final_gap = samples()
+        weight_version = worker.weight_version
     finally:
         worker.shutdown()
     return RlRun(
@@ -290,6 +354,10 @@ def run_rl(
         after=tuple(after),
         final_gap=final_gap,
         parameters=parameters,
+        trained=sum(p.numel() for p in trainable),
+        model_bytes=model_bytes,
+        refit_bytes=tensor_bytes(state().values()),
+        weight_version=weight_version,
         engine_start_s=engine_start_s,
         total_s=time.perf_counter() - started,
     )
@@ -323,7 +391,7 @@ def _grpo_step(
     loss = -(advantages[:, None] * logprobs * span).sum() / max(int(span.sum()), 1)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # type: ignore[no-untyped-call]
-    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], 1.0)
     optimizer.step()
     return _Gaps(
         mean=_mean(diff), max=float(diff.max()) if diff.numel() else float("nan"), stale=stale

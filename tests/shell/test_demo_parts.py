@@ -1,13 +1,16 @@
 """The RL demo's pure parts: the reward, GRPO's group baseline, sparklines, the chart, the
-summary. No engine here (``test_demo_rl.py`` runs the loop)."""
+summary, the LoRA mode's arguments and adapter. No engine here (``test_demo_rl.py`` runs
+the loop)."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import math
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -16,7 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from matplotlib.colors import to_rgb
 from PIL import Image
+from returns.result import Success
 
+from genworker.core.lora import EngineLora, check_adapter
+from genworker.core.refit_plan import Manifest
 from genworker.demo.chart import (
     BLUE,
     GRAY,
@@ -27,7 +33,15 @@ from genworker.demo.chart import (
     render_chart,
     sparkline,
 )
-from genworker.demo.report import gap_ok, reward_rise, summary_lines, write_outputs
+from genworker.demo.commands import LORA_LEARNING_RATE, check_demo_args
+from genworker.demo.lora import LoraSpec, adapter_state, add_adapter, tensor_bytes
+from genworker.demo.report import (
+    gap_ok,
+    output_paths,
+    reward_rise,
+    summary_lines,
+    write_outputs,
+)
 from genworker.demo.rl import GAP_BOUND, RlConfig, RlRun, Sample, StepRecord
 from genworker.demo.task import (
     generated_span,
@@ -285,21 +299,29 @@ def test_a_chart_refuses_no_panels_or_a_size_too_small_to_read() -> None:
 # -- the summary and the files ------------------------------------------------------------
 
 
-def a_run(rewards: list[float], gaps: list[float], final_gap: float = 1e-7) -> RlRun:
+def a_run(
+    rewards: list[float], gaps: list[float], final_gap: float = 1e-7, lora: LoraSpec | None = None
+) -> RlRun:
     steps = tuple(
         StepRecord(
-            step=i, mean_reward=r, tokens=100, generate_s=0.1, train_s=0.2, refit_s=0.03,
+            step=i, mean_reward=r, tokens=100, generate_s=0.1, train_s=0.2,
+            refit_s=0.03 if lora is None else 0.002 + 0.001 * i,
             gap=g, gap_max=2 * g, stale_gap=0.1 * i,
         )
         for i, (r, g) in enumerate(zip(rewards, gaps, strict=True))
     )  # fmt: skip
+    trained = 460_000 if lora is None else 13_312
     return RlRun(
-        config=RlConfig(model=Path("m"), steps=len(steps)),
+        config=RlConfig(model=Path("m"), steps=len(steps), lora=lora),
         steps=steps,
         before=(Sample("Numbers:", "abc", 0.0),),
         after=(Sample("Numbers:", " 1 2", 1.0),),
         final_gap=final_gap,
         parameters=460_000,
+        trained=trained,
+        model_bytes=1_840_000,
+        refit_bytes=4 * trained,
+        weight_version=len(steps) + (lora is not None),
         engine_start_s=5.0,
         total_s=20.0,
     )
@@ -339,5 +361,200 @@ def test_the_outputs_hold_every_figure_and_the_summary_names_them(tmp_path: Path
     assert "vllm 0.0" in text
     assert "' 1 2'" in text
     assert "engine start 5.0 s, 4 steps 1.3 s, the loop 20.0 s, the whole command 31.0 s" in text
+    assert "refits  4, each the whole model (1.84 MB, 460,000 parameters): median 30.0 ms" in text
+    assert "LoRA" not in text
+    assert (png.name, record.name) == ("rl.png", "rl-run.json")
     bad = a_run([0.05, 0.1], [1e-7, 1.0])
     assert "EXCEEDED" in "\n".join(summary_lines(bad, png, record, versions))
+
+
+def test_a_lora_run_says_so_with_the_adapters_size_and_refit_times(tmp_path: Path) -> None:
+    spec = LoraSpec()
+    run = a_run([0.05, 0.1, 0.4, 0.9], [1e-7, 2e-7, 1e-7, 3e-7], lora=spec)
+    full_png, _ = write_outputs(a_run([0.05, 0.1], [1e-7, 1e-7]), tmp_path, {})
+    png, record = write_outputs(run, tmp_path, {"vllm": "0.0"})
+    assert (png, record) == output_paths(run, tmp_path)
+    assert (png.name, record.name) == ("rl-lora.png", "rl-lora-run.json")
+    assert full_png.is_file()  # a LoRA run leaves a full run's files alone
+    assert decode_png(png.read_bytes()).size == (760, 750)  # reward, gap, refit times
+    saved = json.loads(record.read_text())
+    assert saved["mode"] == "lora"
+    assert saved["config"]["lora"] == {
+        "rank": 8, "alpha": 16.0, "targets": ["q_proj", "v_proj", "lm_head"]
+    }  # fmt: skip
+    assert (saved["refit_bytes"], saved["model_bytes"]) == (53_248, 1_840_000)
+    assert saved["weight_version"] == 5
+    assert [s["refit_s"] for s in saved["steps"]] == pytest.approx([0.002, 0.003, 0.004, 0.005])
+    text = "\n".join(summary_lines(run, png, record, {"vllm": "0.0"}))
+    assert "LoRA mode" in text
+    assert (
+        "4 adapter refits (LoRA rank 8, alpha 16 on q_proj, v_proj, lm_head), each only the "
+        "adapter: 53.2 kB, 13,312 parameters, 2.9% of the model's 1.84 MB (460,000): "
+        "median 3.5 ms (2.0..5.0); weight version 5"
+    ) in text
+    assert "the starting adapter, then after each of 4 refits" in text
+    assert "frozen, its LoRA adapter trained" in text
+
+
+def test_the_chart_of_a_lora_run_names_the_mode_and_plots_the_refit_times() -> None:
+    from genworker.demo.report import chart_panels
+
+    run = a_run([0.05, 0.1, 0.4], [1e-7] * 3, lora=LoraSpec())
+    reward, _, refit = chart_panels(run)
+    assert reward.title.startswith("LoRA mode, rank 8 on q_proj, v_proj, lm_head")
+    assert "53.2 kB of the model's 1.84 MB" in refit.title
+    assert refit.series[0].values == pytest.approx((2.0, 3.0, 4.0))
+
+
+# -- the LoRA mode's arguments ------------------------------------------------------------
+
+
+class Refused(Exception):
+    """What the parser's ``error`` raised, with its message."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise Refused(message)
+
+
+def demo_args(**given: object) -> argparse.Namespace:
+    """The demo command's arguments as the CLI parses them, nothing given but ``given``."""
+    args = {
+        "steps": None, "samples": None, "learning_rate": None, "seed": None, "out": None,
+        "batch": None, "temperature": None, "greedy": False, "chunk": None,
+        "table": False, "image": False, "shards": 1, "lora": False,
+    }  # fmt: skip
+    return argparse.Namespace(**{**args, **given})
+
+
+@pytest.mark.parametrize(
+    ("given", "other"),
+    [({"image": True}, "--image"), ({"table": True}, "--table"), ({"shards": 2}, "--shards"),
+     ({"table": True, "shards": 2}, "--table")],
+)  # fmt: skip
+def test_lora_is_refused_by_name_with_a_mode_that_trains_nothing(
+    given: dict[str, object], other: str
+) -> None:
+    with pytest.raises(Refused, match=f"--lora trains the RL loop .*: not with {other} "):
+        check_demo_args(demo_args(lora=True, **given), Parser())
+
+
+def test_lora_fills_its_own_learning_rate_unless_one_is_given() -> None:
+    args = demo_args(lora=True)
+    check_demo_args(args, Parser())
+    assert (args.lora, args.learning_rate, args.steps) == (True, LORA_LEARNING_RATE, 24)
+    given = demo_args(lora=True, learning_rate=0.1)
+    check_demo_args(given, Parser())
+    assert given.learning_rate == 0.1
+    full = demo_args()
+    check_demo_args(full, Parser())
+    assert (full.lora, full.learning_rate) == (False, 5e-3)
+
+
+def test_a_parser_without_lora_runs_the_full_loop() -> None:
+    args = demo_args()
+    del args.lora
+    check_demo_args(args, Parser())
+    assert args.lora is False
+    assert args.learning_rate == 5e-3
+
+
+# -- the trainer's adapter ----------------------------------------------------------------
+
+#: the tiny Llama's modules an engine started with enable_lora adapts, by path, as the
+#: worker's ``prepare_lora`` checks them (``shell/refit/lora.py:holds``, vLLM 0.32: every
+#: linear layer, the packed qkv_proj and gate_up_proj by their parts, and lm_head)
+TINY_LLAMA_LORA = EngineLora(
+    max_rank=8,
+    modules=frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj", "embed_tokens", "lm_head"}),
+    paths=frozenset(
+        {"lm_head"}
+        | {f"model.layers.{i}.self_attn.{m}" for i in range(2)
+           for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        | {f"model.layers.{i}.mlp.{m}" for i in range(2)
+           for m in ("gate_proj", "up_proj", "down_proj")}
+    ),
+)  # fmt: skip
+
+
+@pytest.fixture
+def policy(tiny_model_dir: Path) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model: torch.nn.Module = LlamaForCausalLM.from_pretrained(
+        str(tiny_model_dir), dtype=torch.float32
+    )
+    return model
+
+
+def test_the_adapter_has_peft_names_and_shapes_that_the_worker_accepts(
+    policy: torch.nn.Module,
+) -> None:
+    spec = LoraSpec()
+    state = adapter_state(add_adapter(policy, spec))
+    modules = [f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("q_proj", "v_proj")]
+    assert sorted(state) == sorted(
+        f"base_model.model.{m}.lora_{half}.weight" for m in [*modules, "lm_head"] for half in "AB"
+    )
+    assert state["base_model.model.lm_head.lora_A.weight"].shape == (8, 128)
+    assert state["base_model.model.lm_head.lora_B.weight"].shape == (512, 8)
+    assert state["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"].shape == (
+        128,
+        8,
+    )
+    manifest = Manifest.from_info({n: (t.shape, t.dtype) for n, t in state.items()}).unwrap()
+    checked = check_adapter(manifest, spec.peft_config(), TINY_LLAMA_LORA)
+    assert isinstance(checked, Success), checked
+    assert tensor_bytes(state.values()) == 4 * 8 * (2 * 2 * (128 + 128) + 128 + 512)
+
+
+def test_only_the_adapter_trains_and_it_starts_as_the_base_model(
+    policy: torch.nn.Module,
+) -> None:
+    ids = torch.tensor([[5, 17, 99, 240, 7]])
+    base = policy(input_ids=ids).logits.detach()
+    adapted = add_adapter(policy, LoraSpec())
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable == {f"{path}.lora_{half}" for path in adapted for half in "AB"}
+    assert torch.equal(policy(input_ids=ids).logits.detach(), base)  # B = 0
+
+
+def test_the_adapted_policy_computes_what_peft_merges(policy: torch.nn.Module) -> None:
+    """The trainer's forward with the adapter equals the base weights plus
+    ``alpha / r * B @ A`` (PEFT's merge, which the engine's LoRA layers match:
+    ``test_worker_lora_engine.py``)."""
+    from transformers import LlamaForCausalLM
+
+    merged = LlamaForCausalLM(policy.config)  # type: ignore[no-untyped-call]
+    merged.load_state_dict(policy.state_dict())
+    spec = LoraSpec(alpha=32.0)
+    adapted = add_adapter(policy, spec)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in adapted.values():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen) * 0.3)
+        state = adapter_state(adapted)
+        for path in adapted:
+            a = state[f"base_model.model.{path}.lora_A.weight"]
+            b = state[f"base_model.model.{path}.lora_B.weight"]
+            weight = merged.get_submodule(path).weight
+            assert isinstance(weight, torch.Tensor)
+            weight += spec.alpha / spec.rank * b @ a
+    ids = torch.tensor([[5, 17, 99, 240, 7], [300, 12, 8, 41, 77]])
+    torch.testing.assert_close(
+        policy(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5, rtol=0
+    )
+
+
+def test_a_spec_refuses_a_rank_vllm_does_not_serve_and_a_model_without_its_targets(
+    policy: torch.nn.Module,
+) -> None:
+    with pytest.raises(ValueError, match="one of vLLM's"):
+        LoraSpec(rank=4)
+    with pytest.raises(ValueError, match="alpha must be positive"):
+        LoraSpec(alpha=0)
+    with pytest.raises(ValueError, match=r"no linear layer named \['w_q'\]"):
+        add_adapter(policy, LoraSpec(targets=("q_proj", "w_q")))
