@@ -182,7 +182,6 @@ def versions() -> dict[str, str]:
 
 def check_demo_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Refuse options of the other demo mode; fill the RL loop's defaults."""
-    args.lora = bool(getattr(args, "lora", False))  # absent: a parser without --lora
     if args.image and (args.table or args.shards > 1):
         parser.error("--image runs one worker on the tiny Idefics3: not with --table or --shards")
     if args.lora and (args.image or args.table or args.shards > 1):

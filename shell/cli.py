@@ -1,6 +1,7 @@
 """``genworker``: the demo and a JSONL generation command for your own models.
 
 genworker demo                                    # a small RL loop: generate, score, train, refit
+genworker demo --lora                             # the same loop through a LoRA adapter
 genworker demo --table [--shards N]               # one batch on a tiny model, as a table
 genworker demo --image                            # tiny local Idefics3: an image row
 genworker generate --model DIR --prompts FILE     # JSONL {"prompt": ...} in, JSONL out
@@ -505,7 +506,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     demo.add_argument("--out", help="where the RL loop writes rl.png, rl-run.json (demo-out)")
     demo.add_argument("--steps", type=int, help="RL steps (default 24)")
     demo.add_argument("--samples", type=int, help="RL samples per prompt (default 8)")
-    demo.add_argument("--learning-rate", type=float, help="RL Adam learning rate (default 5e-3)")
+    demo.add_argument(
+        "--learning-rate", type=float, help="RL Adam learning rate (default 5e-3; 2e-2 with --lora)"
+    )
+    demo.add_argument(
+        "--lora",
+        action="store_true",
+        help="the RL loop through a LoRA adapter: train and refit only the adapter",
+    )
     demo.add_argument("--seed", type=int, help="RL seed of the trainer and engine (default 0)")
     demo.add_argument("--table", action="store_true", help="one batch as a table, no training")
     demo.add_argument(

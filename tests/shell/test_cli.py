@@ -93,6 +93,8 @@ def test_generate_writes_only_json_records_to_stdout(tiny_model_dir: Path, tmp_p
         (["demo", "--steps", "0"], "--steps must be at least 1"),
         (["demo", "--samples", "1"], "--samples must be at least 2"),
         (["demo", "--learning-rate", "0"], "--learning-rate must be positive"),
+        (["demo", "--lora", "--image"], "--lora trains the RL loop through a LoRA adapter"),
+        (["demo", "--lora", "--table"], "not with --table"),
         (["generate", "--model", "m", "--prompts", "p", "--chunk", "0"], "--chunk must be"),
         (["generate", "--model", "m", "--prompts", "p", "--log-level", "loud"], "invalid choice"),
         (["generate", "--model", "m", "--prompts", "p", "-q", "--log-level", "info"], "-q or"),

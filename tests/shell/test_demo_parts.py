@@ -452,14 +452,6 @@ def test_lora_fills_its_own_learning_rate_unless_one_is_given() -> None:
     assert (full.lora, full.learning_rate) == (False, 5e-3)
 
 
-def test_a_parser_without_lora_runs_the_full_loop() -> None:
-    args = demo_args()
-    del args.lora
-    check_demo_args(args, Parser())
-    assert args.lora is False
-    assert args.learning_rate == 5e-3
-
-
 # -- the trainer's adapter ----------------------------------------------------------------
 
 #: the tiny Llama's modules an engine started with enable_lora adapts, by path, as the
