@@ -44,6 +44,26 @@ Theory of operation
   of its rows still pending the shard's error; a consumer that stops cancels the shards'
   streams (Ray cancels the actor tasks, whose requests the workers abort). ``generate``
   on async shards merges their ``weight_versions`` too.
+* Adapter refits (``docs/lora.md``): :meth:`GenerationGroup.prepare_lora` checks the
+  adapter on every shard and answers each shard's addresses (as ``refit_address``);
+  :meth:`GenerationGroup.update_lora` starts the refit on every shard through the same
+  door as the full refits (``_refit``) and returns one future per shard for ``collect``.
+  The name is checked in the driver (core ``check_adapter_name``), and an update before
+  a ``prepare_lora`` that succeeded on every shard is refused there, so neither starts
+  anything. A batch's ``lora`` (one name) goes to every shard and ``lora_names`` (one name
+  or None per row) is split with its rows (``split_batch``); both are checked in the
+  driver first (core ``row_adapters``) against the adapters that landed on every shard,
+  so an unknown name submits nothing and the error names the batch's input.
+* Weight versions are the group's: version ``g`` is the ``g``-th refit (full or adapter,
+  collected through ``collect``) that landed on at least one shard, and every shard's
+  ``weight_versions`` are relabelled with it. A shard counts only its own good refits, so
+  after a refit that failed on some shards (the others took it; a failed shard keeps its
+  previous weights or adapter) two shards would give one count to different weights, and
+  after the next good refit different counts to the same weights; relabelled, one version
+  names one refit's weights on every shard. Without a partial failure the labels are the
+  shards' own. A refit not yet collected counts as the next one (an async shard's rows
+  sampled before ``collect``); a shard whose refit did not answer within ``collect``'s
+  bound counts as failed, so give ``collect`` a bound above the refit's own.
 * Ray is started only when it is not running (``ray.init(address=...)`` for a cluster
   named in the spec), and only a Ray the group started is shut down with it.
 """
@@ -74,6 +94,7 @@ from genworker.core.counters import (
     spec_decode_metrics,
 )
 from genworker.core.groups import prompt_groups
+from genworker.core.lora import check_adapter_name, row_adapters
 from genworker.core.multimodal import check_media
 from genworker.core.placement import (
     DEFAULT_PORT_BASE,
@@ -93,6 +114,7 @@ from genworker.shell.errors import (
     BadBatchError,
     BadConfigError,
     EngineContractError,
+    EngineStateError,
     GenworkerError,
     GroupError,
     UnsupportedError,
@@ -291,6 +313,18 @@ class GenerationGroup:
         #: the last ``generate``'s split of its rows over the shards (groups kept whole)
         self.last_shard_plan: ShardPlan | None = None
         self._multimodal: Mapping[str, object] | None = None
+        #: each refit's futures (``_refit``) until ``collect`` settles them: the call, and
+        #: for an adapter refit the adapter's name
+        self._refits: dict[tuple[ObjectRef[object], ...], tuple[str, str | None]] = {}
+        #: refits that landed on at least one shard: the group's weight version
+        self._version = 0
+        #: per shard, the group version of each of its own weight versions (indexed by
+        #: the shard's count of good refits; the module docstring)
+        self._versions: list[list[int]] = [[0] for _ in self.plan.shards]
+        #: the adapters that landed on every shard, and whether the last ``prepare_lora``
+        #: succeeded on every shard
+        self._adapters: set[str] = set()
+        self._lora_prepared = False
         self._owns_ray = _ensure_ray(cluster)
         try:
             self._pg = pg = self._create_placement_group()
@@ -530,6 +564,7 @@ class GenerationGroup:
             "generate batch",
         )
         media = row_media(data, batch.batch_size, "generate")
+        self._check_adapters(data, batch.batch_size, "generate")
         if not batch.lengths:
             empty = assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id)
             versions = torch.full(empty.output_ids.shape, NO_VERSION, dtype=torch.int64)
@@ -560,7 +595,10 @@ class GenerationGroup:
         )
         self.last_shard_plan = plan
         results = self._run_shards("generate", plan, data, greedy, timeout_s)
-        outputs = [_tensor_dict(results.get(rank, {}), rank) for rank in range(self.num_shards)]
+        outputs = [
+            self._relabelled(rank, _tensor_dict(results.get(rank, {}), rank))
+            for rank in range(self.num_shards)
+        ]
         return merge_shard_outputs(
             plan,
             outputs,
@@ -596,6 +634,7 @@ class GenerationGroup:
             BadBatchError,
             "generate_async batch",
         )
+        self._check_adapters(data, len(checks.prompts) + len(checks.errors), "generate_async")
         for row, problem in checks.errors:
             yield row, BadBatchError(f"row {row} cannot generate: {problem}", detail=problem)
         good = checks.rows
@@ -673,7 +712,9 @@ class GenerationGroup:
                     named.args = (f"shard {rank}, batch row {row}: {item}",)
                     named.__cause__ = item
                     item = named
-                elif not isinstance(item, dict):
+                elif isinstance(item, dict):
+                    item = self._relabelled(rank, item)
+                else:
                     item = EngineContractError(
                         f"shard {rank}: generate_async yielded {item!r:.200}"
                     )
@@ -712,6 +753,7 @@ class GenerationGroup:
             raise BadBatchError("generate_text: data['prompts'] must be a list of str")
         # The media's shape here; their counts against the placeholders per shard.
         row_media(data, len(prompts), "generate_text", texts=False)
+        self._check_adapters(data, len(prompts), "generate_text")
         if not prompts:
             return {"texts": []}
         # Text has no token count before the engine tokenises it; characters stand in.
@@ -732,6 +774,28 @@ class GenerationGroup:
         for row, text in zip(plan.concat_order, texts, strict=True):
             ordered[row] = text
         return {"texts": ordered}
+
+    def _check_adapters(self, data: Mapping[str, object], batch_size: int, call: str) -> None:
+        """The batch's ``lora`` / ``lora_names`` checked as each shard checks them (core
+        ``row_adapters``), against the adapters that landed on every shard: a bad name
+        submits nothing, and the error names the batch's input, not a shard's slice."""
+        served = dict.fromkeys(self._adapters, 0)  # the ids are each shard's: names only here
+        lora, names = data.get("lora"), data.get("lora_names")
+        unwrap(row_adapters(lora, names, batch_size, served), BadBatchError, call)
+
+    def _relabelled(self, rank: int, output: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Shard ``rank``'s output with its ``weight_versions`` as the group's (the module
+        docstring): a shard's own count ``c`` is ``_versions[rank][c]``; a count past
+        the refits collected is the group's next ones, in order."""
+        own = self._versions[rank]
+        versions = output.get("weight_versions")
+        if versions is None or len(own) == self._version + 1:
+            return output  # the shard took every refit: its count is the group's
+        table = torch.tensor(own, dtype=versions.dtype, device=versions.device)
+        taken = table[versions.clamp(0, len(own) - 1)]
+        later = versions - (len(own) - 1) + self._version
+        group = torch.where(versions < len(own), taken, later)
+        return {**output, "weight_versions": torch.where(versions >= 0, group, versions)}
 
     def _multimodal_info(self, timeout_s: float | None) -> Mapping[str, object]:
         """The first shard's image placeholder id and image limit (asked once: every shard
@@ -853,8 +917,16 @@ class GenerationGroup:
         return self._refit("update_weights_via_ipc_zmq", timeout_s, mode, clear_cache)
 
     def _refit(
-        self, call: str, timeout_s: float | None, mode: str | None, clear_cache: bool | None
+        self,
+        call: str,
+        timeout_s: float | None,
+        mode: str | None,
+        clear_cache: bool | None,
+        adapter: str | None = None,
+        options: Mapping[str, object] | None = None,
     ) -> list[ObjectRef[object]]:
+        """Every refit's start: ``call([adapter,] timeout_s, **options, ...)`` on every
+        shard; the futures are kept until :meth:`collect` counts the refit's outcome."""
         self._require_usable(call)
         inflight = {
             k: v for k, v in (("mode", mode), ("clear_cache", clear_cache)) if v is not None
@@ -864,7 +936,11 @@ class GenerationGroup:
                 f"{call}: {sorted(inflight)} apply to in-flight refits of async shards "
                 "(vllm_cfg.async_engine: true)"
             )
-        return [getattr(a, call).remote(timeout_s, **inflight) for a in self._actors]
+        lead = () if adapter is None else (adapter,)
+        kwargs = {**(options or {}), **inflight}
+        futures = [getattr(a, call).remote(*lead, timeout_s, **kwargs) for a in self._actors]
+        self._refits[tuple(futures)] = (call, adapter)
+        return futures
 
     def init_nccl_reshard_comm_group(
         self,
@@ -911,26 +987,94 @@ class GenerationGroup:
 
     def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> list[ObjectRef[object]]:
         """Start the reshard refit on every shard; returns one future per shard."""
-        self._require_usable("nccl_reshard_refit")
-        return [a.nccl_reshard_refit.remote(refit_timeout_s) for a in self._actors]
+        return self._refit("nccl_reshard_refit", refit_timeout_s, None, None)
 
     def collect(
         self,
         futures: Sequence[ObjectRef[object]],
         *,
-        call: str = "refit",
+        call: str | None = None,
         timeout_s: float | None = None,
     ) -> list[object]:
-        """Wait for per-shard futures (from ``init_collective`` / ``update_weights_*``).
+        """Wait for per-shard futures (from ``init_collective`` / ``update_weights_*`` /
+        ``update_lora`` ...).
 
-        Errors are translated as for every other call and name the shard.
+        Errors are translated as for every other call and name the shard (and ``call``:
+        by default the refit's own name, else ``refit``). A refit counts here, failed or
+        not: the shards it landed on take the group's next weight version (the module
+        docstring), and an adapter that landed on every shard is served by the group.
         """
         if len(futures) != self.num_shards:
             raise BadArgumentError(
                 f"collect: {len(futures)} future(s) for {self.num_shards} shard(s)"
             )
-        results = self._gather(call, dict(enumerate(futures)), timeout_s)
+        refit = self._refits.pop(tuple(futures), None)
+        name = call or (refit[0] if refit is not None else "refit")
+        try:
+            results = self._gather(name, dict(enumerate(futures)), timeout_s)
+        except GenworkerError as e:
+            failure = e if isinstance(e, ShardFailure) else e.__cause__
+            if refit is not None and isinstance(failure, ShardFailure):
+                self._landed(refit[1], failure.results)
+            raise
+        if refit is not None:
+            self._landed(refit[1], results)
         return [results[rank] for rank in range(self.num_shards)]
+
+    def _landed(self, adapter: str | None, results: Mapping[int, object]) -> None:
+        """A collected refit's outcome: the shards that answered True took it."""
+        took = [rank for rank, ok in sorted(results.items()) if ok is True]
+        if not took:
+            return
+        self._version += 1
+        for rank in took:
+            self._versions[rank].append(self._version)
+        if adapter is not None and len(took) == self.num_shards:
+            self._adapters.add(adapter)
+
+    # -- adapter refits (docs/lora.md) ----------------------------------------------
+    def prepare_lora(
+        self,
+        adapter_info: Mapping[str, tuple[Sequence[int], object]],
+        peft_config: Mapping[str, object],
+        *,
+        timeout_s: float | None = None,
+    ) -> list[list[object]]:
+        """Every shard's ``prepare_lora``: the adapter (its tensors ``{name: (shape,
+        dtype)}`` in PEFT's names, its ``adapter_config``) checked against each engine;
+        each shard's IPC addresses (one per engine worker), in shard order, as
+        :meth:`refit_address`, for ``RefitSender.ipc(address, manifest=adapter_info)``.
+        Until it succeeds on every shard, :meth:`update_lora` is refused."""
+        self._lora_prepared = False
+        answers = self._call_all(
+            "prepare_lora", dict(adapter_info), dict(peft_config), timeout_s=timeout_s
+        )
+        self._lora_prepared = True
+        return [list(_as_list(r, "prepare_lora")) for r in answers]
+
+    def update_lora(
+        self,
+        name: str,
+        timeout_s: float | None = None,
+        *,
+        mode: str | None = None,
+        clear_cache: bool | None = None,
+        transport: str | None = None,
+    ) -> list[ObjectRef[object]]:
+        """Start an adapter refit served as ``name`` on every shard; returns one future
+        per shard (send the adapter to every address of :meth:`prepare_lora`, or with
+        ``transport="collective"`` broadcast it to the group of :meth:`init_collective`,
+        then pass the futures to :meth:`collect`; ``mode`` / ``clear_cache``: what async
+        shards do with requests in flight). A bad name, or no :meth:`prepare_lora` that
+        succeeded on every shard, is refused here and starts nothing."""
+        if (problem := check_adapter_name(name)) is not None:
+            raise BadArgumentError(f"update_lora: {problem}")
+        if not self._lora_prepared:
+            raise EngineStateError(
+                "update_lora needs a prepare_lora that succeeded on every shard first"
+            )
+        options = {} if transport is None else {"transport": transport}
+        return self._refit("update_lora", timeout_s, mode, clear_cache, name, options)
 
     # -- observability --------------------------------------------------------------
     def report_device_id(self, *, timeout_s: float | None = None) -> list[list[str]]:

@@ -190,6 +190,33 @@ def test_split_copies_scalars_and_slices_per_sample_values(plan: ShardPlan) -> N
         assert _tensor(shard["input_ids"]).shape == (len(rows), width)
 
 
+@given(shard_plans(), st.data())
+def test_each_rows_adapter_name_travels_with_it_and_comes_back_in_order(
+    plan: ShardPlan, draw: st.DataObject
+) -> None:
+    """The group's ``lora_names`` (one adapter name or None per row): every shard gets its
+    rows' names, None kept; in the shards' order and back through ``concat_order`` they
+    are the batch's; the batch's one ``lora`` goes to every shard."""
+    names = draw.draw(
+        st.lists(
+            st.sampled_from([None, "policy", "ref/v2"]),
+            min_size=plan.num_rows,
+            max_size=plan.num_rows,
+        )
+    )
+    shards = _shards(split_batch(plan, {"lora_names": tuple(names), "lora": "policy"}))
+    concatenated: list[object] = []
+    for rows, shard in zip(plan.shards, shards, strict=True):
+        assert shard["lora_names"] == [names[row] for row in rows]
+        assert shard["lora"] == "policy"
+        assert isinstance(shard["lora_names"], list)
+        concatenated.extend(shard["lora_names"])
+    restored: list[object] = ["missing"] * plan.num_rows
+    for position, row in enumerate(plan.concat_order):
+        restored[row] = concatenated[position]
+    assert restored == names
+
+
 @pytest.mark.parametrize(
     ("key", "value", "length"),
     [
