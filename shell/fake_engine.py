@@ -2,7 +2,7 @@
 
 ``FakeEngine`` implements :class:`genworker.shell.ports.EnginePort` without vLLM. Its
 tokens are a function of (engine seed, weight version, prompt, position, request seed,
-greedy) only, so two fakes with the same seed agree and a batch's row results do not
+greedy, the row's adapter name) only, so two fakes with the same seed agree and a batch's row results do not
 depend on the other rows. It follows vLLM's contract where the worker relies on it:
 
 - generation stops at ``max_tokens`` or at the context end (``max_model_len``) with finish
@@ -334,6 +334,8 @@ class FakeEngine:
             spec.seed,
             pixels(media),
         )
+        if spec.adapter is not None:  # a row under an adapter samples other tokens
+            key = (*key, spec.adapter.name)
         if child:  # vLLM's n: each child samples on its own (an unseeded one at random)
             key = (*key, child)
         stops = tuple(spec.stop)

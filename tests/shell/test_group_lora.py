@@ -4,8 +4,9 @@ each row runs under its own adapter and comes back in the batch's order, bad inp
 refused in the driver naming it, and a refit that fails on one shard is typed and leaves
 the group usable with one weight version per refit.
 
-The fake engine ignores a row's adapter when it samples; :class:`AdapterFake` does not: a
-row's tokens are a function of the adapter the shard holds under the row's name too. The
+The fake engine samples a row under its adapter's name; :class:`AdapterFake` also under
+what the shard holds under that name: a row's tokens are a function of the adapter's
+last refit too. The
 trainer's side is a folder: ``send`` writes an adapter's payload there and the shards'
 ``lora`` backend (the fake's ``refit_receive``) reads it, as the real one reads the
 sender's tensors; a file ``fail-<seed>`` there makes that shard's next refits fail, and

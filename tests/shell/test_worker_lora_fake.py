@@ -80,6 +80,9 @@ def test_a_refit_counts_a_version_and_serves_the_name_a_failed_one_changes_nothi
     assert int(out["weight_versions"].max()) == 1
     adapters = [spec.adapter for _, spec in engine.requests[-2:]]
     assert adapters == [LoraRef("policy", 1), None]
+    base = worker.generate(right_padded([[1, 2, 3], [4, 5]]))
+    assert not torch.equal(out["output_ids"][0], base["output_ids"][0])  # under the adapter
+    assert torch.equal(out["output_ids"][1], base["output_ids"][1])
 
 
 def test_an_adapter_refit_over_the_collective_needs_the_group_and_names_its_transport() -> None:
