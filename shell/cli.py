@@ -506,14 +506,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     demo.add_argument("--out", help="where the RL loop writes rl.png, rl-run.json (demo-out)")
     demo.add_argument("--steps", type=int, help="RL steps (default 24)")
     demo.add_argument("--samples", type=int, help="RL samples per prompt (default 8)")
-    demo.add_argument(
-        "--learning-rate", type=float, help="RL Adam learning rate (default 5e-3; 2e-2 with --lora)"
-    )
-    demo.add_argument(
-        "--lora",
-        action="store_true",
-        help="the RL loop through a LoRA adapter: train and refit only the adapter",
-    )
+    demo.add_argument("--learning-rate", type=float, help="RL Adam learning rate (default 5e-3)")
+    demo.add_argument("--lora", action="store_true", help="train and refit a LoRA adapter only")
     demo.add_argument("--seed", type=int, help="RL seed of the trainer and engine (default 0)")
     demo.add_argument("--table", action="store_true", help="one batch as a table, no training")
     demo.add_argument(
