@@ -2343,11 +2343,7 @@ def refit_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             "worker's sleep/wake_up, the CuMem allocator's, its per-allocation "
             "unmap_and_release / create_and_map, torch.cuda.empty_cache and cyclic GC"
         )
-    if trainer is not None:
-        trainer.stop()
-    if worker is not None:
-        worker.shutdown()
-    report(sec)
+    _wind_up(sec, report, trainer, worker)
 
 
 def refit_nosleep_child(*, report: Callable[[Section], None], scale: Scale) -> None:
@@ -2393,11 +2389,7 @@ def refit_nosleep_child(*, report: Callable[[Section], None], scale: Scale) -> N
         sec.notes.append(
             "such an engine cannot sleep; the refit path is the same as with sleep mode"
         )
-    if trainer is not None:
-        trainer.stop()
-    if worker is not None:
-        worker.shutdown()
-    report(sec)
+    _wind_up(sec, report, trainer, worker)
 
 
 # -- refit over NCCL (two GPUs) ----------------------------------------------------------
@@ -2603,11 +2595,7 @@ def nccl_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             "trainer in one pinned to GPU 0; `NCCL_NVLS_ENABLE=0`; the raw broadcast is "
             "torch.distributed between two fresh processes, before the engine starts"
         )
-    if trainer is not None:
-        trainer.stop()
-    if worker is not None:
-        worker.shutdown()
-    report(sec)
+    _wind_up(sec, report, trainer, worker)
 
 
 # -- async -------------------------------------------------------------------------------
@@ -3678,6 +3666,13 @@ def lora_child(*, report: Callable[[Section], None], scale: Scale) -> None:
             "engine copies it to the host and installs it in vLLM's LoRA manager "
             "(shell/refit/lora.py), so an adapter refit's time is mostly fixed costs"
         )
+    _wind_up(sec, report, trainer, worker)
+
+
+def _wind_up(
+    sec: Section, report: Callable[[Section], None], trainer: Trainer | None, worker: Any
+) -> None:
+    """A sync worker's section ends: its trainer stopped, its worker shut down, reported."""
     if trainer is not None:
         trainer.stop()
     if worker is not None:
