@@ -2,8 +2,9 @@
 
 ``FakeEngine`` implements :class:`genworker.shell.ports.EnginePort` without vLLM. Its
 tokens are a function of (engine seed, weight version, prompt, position, request seed,
-greedy, the row's adapter name) only, so two fakes with the same seed agree and a batch's row results do not
-depend on the other rows. It follows vLLM's contract where the worker relies on it:
+greedy, the row's adapter name) only, so two fakes with the same seed agree and a batch's
+row results do not depend on the other rows. It follows vLLM's contract where the worker
+relies on it:
 
 - generation stops at ``max_tokens`` or at the context end (``max_model_len``) with finish
   reason ``"length"``, at a stop token id or the EOS id (unless ``ignore_eos``) with
