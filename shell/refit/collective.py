@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import math
+import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -51,6 +52,20 @@ from genworker.shell.refit.wire import KINDS, Handle, Reply, decode, encode, err
 __all__ = ["CollectiveBackend", "CollectiveGroup", "CollectiveReceiver", "CollectiveSenderPort"]
 
 
+def _await_listener(ip: str, port: int, bound_s: float) -> None:
+    """Return once something listens at ``ip:port``; :class:`TimeoutError` past ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((ip, port), timeout=max(left, 0.01)).close()
+            return
+        except OSError as e:
+            if left <= 0.05:
+                raise TimeoutError(f"nothing listens at {ip}:{port}") from e
+            time.sleep(0.05)
+
+
 class CollectiveGroup:
     """A weight-update group on its own TCPStore; every wait bounded, failures typed."""
 
@@ -76,6 +91,8 @@ class CollectiveGroup:
         self._timeout = dt.timedelta(seconds=timeout_s)
         what = f"{'reaching' if rank else 'hosting'} the weight-update store"
         with self._foreign(what, timeout_s):
+            if rank:  # torch's client retries past its timeout (a random back-off of seconds)
+                _await_listener(ip, port, timeout_s)
             self._store = TCPStore(
                 ip, port, None, rank == 0, timeout=self._timeout, wait_for_workers=False
             )
