@@ -94,7 +94,6 @@ from genworker.core.outputs import (
 )
 from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import Transport
-from genworker.core.routing import CapturePlatform
 from genworker.core.rows import assemble_row
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow, assemble_scores
@@ -130,7 +129,7 @@ from genworker.shell.ports import (
 )
 from genworker.shell.refit.wire import raise_failures
 from genworker.shell.server import OpenAIServer
-from genworker.shell.spine import BatchPlan, WorkerSpine, tally_nonfinite
+from genworker.shell.spine import BatchPlan, ExistingEngineFactory, WorkerSpine, tally_nonfinite
 
 __all__ = [
     "AsyncVllmGenerationWorker",
@@ -149,24 +148,9 @@ StreamItem = tuple[int, dict[str, torch.Tensor] | GenworkerError]
 """What ``generate_async`` yields: a row index and its output, or why it failed."""
 
 
-class ExistingAsyncEngine:
+class ExistingAsyncEngine(ExistingEngineFactory[AsyncEnginePort]):
     """An :class:`AsyncEngineFactory` that hands the worker an engine already running
     (benchmarks and tests that compare the worker with raw calls on the same engine)."""
-
-    def __init__(self, engine: AsyncEnginePort) -> None:
-        self.engine = engine
-
-    def arg_names(self) -> frozenset[str] | None:
-        return None
-
-    def gpu_capability(self) -> tuple[int, int] | None:
-        return None
-
-    def capture_platform(self) -> CapturePlatform:
-        return CapturePlatform(vllm_version=None, triton=False)  # the engine is already built
-
-    def start(self, kwargs: Mapping[str, object]) -> AsyncEnginePort:
-        return self.engine
 
 
 def _default_factory() -> AsyncEngineFactory:

@@ -134,6 +134,7 @@ __all__ = [
     "EXTENSION_CLS",
     "REFIT_METHODS",
     "BatchPlan",
+    "ExistingEngineFactory",
     "WorkerSpine",
     "checked_env_names",
     "forward_env",
@@ -196,6 +197,27 @@ class StartsEngines(Protocol[_Started_co]):
     def capture_platform(self) -> CapturePlatform: ...
 
     def start(self, kwargs: Mapping[str, object]) -> _Started_co: ...
+
+
+class ExistingEngineFactory(Generic[_E]):
+    """An engine factory that hands the worker an engine already running (both workers'
+    ``ExistingEngine`` / ``ExistingAsyncEngine``: benchmarks and tests that compare the
+    worker with raw calls on the same engine)."""
+
+    def __init__(self, engine: _E) -> None:
+        self.engine = engine
+
+    def arg_names(self) -> frozenset[str] | None:
+        return None
+
+    def gpu_capability(self) -> tuple[int, int] | None:
+        return None
+
+    def capture_platform(self) -> CapturePlatform:
+        return CapturePlatform(vllm_version=None, triton=False)  # the engine is already built
+
+    def start(self, kwargs: Mapping[str, object]) -> _E:
+        return self.engine
 
 
 class HasCapabilities(Protocol):

@@ -65,7 +65,6 @@ from genworker.core.refit_protocol import (
     rpc_bound,
     wait_bound,
 )
-from genworker.core.routing import CapturePlatform
 from genworker.core.scoring import assemble_scores
 from genworker.core.stops import StopMode
 from genworker.core.versions import uniform_versions
@@ -89,6 +88,7 @@ from genworker.shell.sparse import SparseRefitError
 from genworker.shell.spine import (
     EXTENSION_CLS,
     BatchPlan,
+    ExistingEngineFactory,
     WorkerSpine,
     checked_env_names,
     forward_env,
@@ -112,26 +112,11 @@ _T = TypeVar("_T")
 _P = ParamSpec("_P")
 
 
-class ExistingEngine:
+class ExistingEngine(ExistingEngineFactory[EnginePort]):
     """An :class:`EngineFactory` that hands the worker an engine already running.
 
     For benchmarks and tests that compare the worker with raw calls on the same engine.
     """
-
-    def __init__(self, engine: EnginePort) -> None:
-        self.engine = engine
-
-    def arg_names(self) -> frozenset[str] | None:
-        return None
-
-    def gpu_capability(self) -> tuple[int, int] | None:
-        return None
-
-    def capture_platform(self) -> CapturePlatform:
-        return CapturePlatform(vllm_version=None, triton=False)  # the engine is already built
-
-    def start(self, kwargs: Mapping[str, object]) -> EnginePort:
-        return self.engine
 
 
 def _default_factory() -> EngineFactory:
