@@ -385,6 +385,14 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             self._died(e)
             raise
 
+    def _tokenize(self, texts: list[str]) -> list[list[int]]:
+        return self.engine.tokenize(texts)
+
+    def _expanded(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        return self.engine.expanded_lengths(prompts, media)
+
     # -- streams ----------------------------------------------------------------------
     def _open_stream(self) -> None:
         self._state = self._move(lifecycle.Event.STREAM_OPEN)
@@ -605,10 +613,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         """Check the lifecycle, then the spine's plan; ``whole``: a bad row refuses the
         batch."""
         self._move(lifecycle.Event.STREAM_OPEN)
-        engine = self.engine
-        _, _, plan = self._token_batch(
-            data, greedy, whole=whole, tokenize=engine.tokenize, expanded=engine.expanded_lengths
-        )
+        _, _, plan = self._token_batch(data, greedy, whole=whole)
         return plan
 
     async def generate_async(
@@ -690,10 +695,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
     def _text_plan(self, data: Mapping[str, object], greedy: bool) -> BatchPlan:
         """Check the lifecycle, then the spine's plan; a bad prompt is refused alone."""
         self._move(lifecycle.Event.STREAM_OPEN)
-        engine = self.engine
-        return self._text_batch(
-            data, greedy, whole=False, tokenize=engine.tokenize, expanded=engine.expanded_lengths
-        )
+        return self._text_batch(data, greedy, whole=False)
 
     async def _text_stream(
         self, plan: BatchPlan

@@ -11,10 +11,12 @@ itself (the two engine ports differ in sync and async calls, ``shell.ports``): i
 state and takes every decision, and each drive loop makes the calls in between.
 
 What the spine holds: the config and constructor arguments; engine start
-(:meth:`_start`) and death (:meth:`_died`, a dead engine refuses every later call);
-lifecycle moves over ``core.lifecycle.TABLE`` (:meth:`_move` checks, :meth:`_commit`
-commits); the request plan (:meth:`_token_batch`, :meth:`_text_batch`: the checks, media,
-then ``core.requests``); sleep and wake (:meth:`_sleep_event`, :meth:`_wake_checked`,
+(:meth:`_start`, :class:`ExistingEngineFactory` for an engine already running) and death
+(:meth:`_died`, a dead engine refuses every later call); lifecycle moves over
+``core.lifecycle.TABLE`` (:meth:`_move` checks, :meth:`_commit` commits); the request plan
+(:meth:`_token_batch`, :meth:`_text_batch`: the checks, media, then ``core.requests``; the
+drive loop supplies the two engine calls they need, :meth:`_tokenize` and
+:meth:`_expanded`); sleep and wake (:meth:`_sleep_event`, :meth:`_wake_checked`,
 :meth:`_memory_failed`) and the cache-reset rule (:meth:`_resets_due`,
 :meth:`_reset_done`, :meth:`_reset_failed`); the refit preamble (:meth:`_refit_bounds`),
 its commit (:meth:`_refit_ok`), ``last_refit`` and the weight version; the counters
@@ -345,10 +347,6 @@ class BatchPlan:
     errors: tuple[tuple[int, GenworkerError], ...] = ()
 
 
-Tokenize = Callable[[list[str]], list[list[int]]]
-ExpandedLengths = Callable[[Sequence[Sequence[int]], Sequence[RowMedia | None]], list[int]]
-
-
 class WorkerSpine(Generic[_E]):
     """The state and decisions both workers share (see the module docstring); ``_E`` is
     the engine port (``EnginePort`` or ``AsyncEnginePort``)."""
@@ -544,14 +542,19 @@ class WorkerSpine(Generic[_E]):
             log.warning("generating without the rows that have no room left: %s", plan.refused)
         return plan
 
+    def _tokenize(self, texts: list[str]) -> list[list[int]]:
+        """The engine's token ids of ``texts`` (the drive loop makes the call)."""
+        raise NotImplementedError
+
+    def _expanded(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        """The engine's prompt lengths with each row's images expanded (the drive loop
+        makes the call)."""
+        raise NotImplementedError
+
     def _token_batch(
-        self,
-        data: Mapping[str, object],
-        greedy: bool,
-        *,
-        whole: bool,
-        tokenize: Tokenize,
-        expanded: ExpandedLengths,
+        self, data: Mapping[str, object], greedy: bool, *, whole: bool
     ) -> tuple[torch.Tensor, torch.Tensor, BatchPlan]:
         """A right-padded batch checked and planned; ``whole``: a bad row refuses the
         batch (else it is set aside with its error, ``core.rows.check_rows``)."""
@@ -584,20 +587,10 @@ class WorkerSpine(Generic[_E]):
             prompts = dict(rows.prompts)
         batch_size = int(input_ids.shape[0])
         media = row_media(data, batch_size, "generate")
-        plan = self._planned(
-            data, batch_size, prompts, greedy, "generate", tokenize, expanded, media
-        )
+        plan = self._planned(data, batch_size, prompts, greedy, "generate", media)
         return input_ids, input_lengths, attrs.evolve(plan, errors=tuple(errors))
 
-    def _text_batch(
-        self,
-        data: Mapping[str, object],
-        greedy: bool,
-        *,
-        whole: bool,
-        tokenize: Tokenize,
-        expanded: ExpandedLengths,
-    ) -> BatchPlan:
+    def _text_batch(self, data: Mapping[str, object], greedy: bool, *, whole: bool) -> BatchPlan:
         """``generate_text``'s prompts checked, tokenized once (no second BOS) and
         planned; ``whole``: a bad prompt refuses the batch naming every such prompt."""
         self._check_greedy(greedy)
@@ -614,7 +607,8 @@ class WorkerSpine(Generic[_E]):
             raise BadBatchError(refused[0].message, detail=refused[0])
         media = row_media(data, len(prompts), "generate_text", texts=False)
         texts = [row for row, p in enumerate(prompts) if p]
-        ids = dict(zip(texts, tokenize([prompts[r] for r in texts]), strict=True)) if texts else {}
+        tokens = self._tokenize([prompts[r] for r in texts]) if texts else []
+        ids = dict(zip(texts, tokens, strict=True))
         limit = self.caps.max_model_len
         refused = text_refusals(prompts, {r: len(p) for r, p in ids.items()}, limit)
         if whole and refused:
@@ -625,9 +619,7 @@ class WorkerSpine(Generic[_E]):
             for row in refusal.rows
         }
         kept: dict[int, Sequence[int]] = {r: p for r, p in ids.items() if r not in errors}
-        plan = self._planned(
-            data, len(prompts), kept, greedy, "generate_text", tokenize, expanded, media, True
-        )
+        plan = self._planned(data, len(prompts), kept, greedy, "generate_text", media, True)
         return attrs.evolve(plan, errors=tuple(sorted(errors.items())))
 
     def _planned(
@@ -637,8 +629,6 @@ class WorkerSpine(Generic[_E]):
         prompts: Mapping[int, Sequence[int]],
         greedy: bool,
         call: str,
-        tokenize: Tokenize,
-        expanded: ExpandedLengths,
         media: list[RowMedia | None] | None,
         text: bool = False,
     ) -> BatchPlan:
@@ -647,7 +637,7 @@ class WorkerSpine(Generic[_E]):
         if (problem := self.cfg.detokenizer_problem(data.get("stop_strings"))) is not None:
             raise BadBatchError(problem)
         starts, context, images = media_rows(
-            self.caps, batch_size, prompts, media, tokenize, expanded, call
+            self.caps, batch_size, prompts, media, self._tokenize, self._expanded, call
         )
         rows = [(row, context[row]) for row in starts]
         requests = self._plan(data, batch_size, rows, greedy, text)

@@ -274,9 +274,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         waits for the end of the call (``genworker.shell.collector``)."""
         self._check_sparse()
         next_state = self._move(lifecycle.Event.GENERATE)
-        input_ids, input_lengths, plan = self._token_batch(
-            data, greedy, whole=True, tokenize=self._tokenize, expanded=self._expanded
-        )
+        input_ids, input_lengths, plan = self._token_batch(data, greedy, whole=True)
         if not plan.batch_size:
             empty = assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id)
             return self._versioned(empty)
@@ -384,9 +382,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         """Generate from text prompts (``data["prompts"]``); returns ``{"texts": [...]}``."""
         self._check_sparse()
         next_state = self._move(lifecycle.Event.GENERATE)
-        plan = self._text_batch(
-            data, greedy, whole=True, tokenize=self._tokenize, expanded=self._expanded
-        )
+        plan = self._text_batch(data, greedy, whole=True)
         texts = [""] * plan.batch_size
         if requests := plan.requests.requests():
             ids = [plan.prompts[row] for row, _ in requests]
