@@ -46,11 +46,12 @@ engine request, so rows finish, fail and change weights apart.
   finish on the old weights first; ``abort`` drops them (their rows come back as
   ``RequestAbortedError``). Requests submitted during the refit queue in the paused
   engine and run on the new weights. ``timeout_s`` bounds each wait (the pause, and each
-  of the refit protocol's waits, ``core.refit_protocol``), as in the sync worker. A refit that fails leaves the version where it was, aborts every request in
-  flight (each row comes back as ``RefitError``), resumes the engine, and leaves the
-  weights inconsistent: new work is refused until a refit succeeds. ``refit_via`` (and
-  ``init_collective_via``) run the same in-flight refit through another extension
-  receiver: NeMo-RL's trainer wire, ``nemo_rl_*`` (``shell.nemo_rl_async``).
+  of the refit protocol's waits, ``core.refit_protocol``), as in the sync worker. A refit
+  that fails leaves the version where it was, aborts every request in flight (each row
+  comes back as ``RefitError``), resumes the engine, and leaves the weights inconsistent:
+  new work is refused until a refit succeeds. ``refit_via`` (and ``init_collective_via``)
+  run the same in-flight refit through another extension receiver: NeMo-RL's trainer
+  wire, ``nemo_rl_*`` (``shell.nemo_rl_async``).
 - Weight versions (``core.versions``): version 0 is the weights loaded, each good refit
   adds one. Where vLLM labels tokens (``EngineCapabilities.weight_versions``, 0.32) the
   worker labels the engine's weights ``str(version)`` while paused and reads each row's
@@ -74,7 +75,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import attrs
 import torch
@@ -592,7 +593,9 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             await self._drop(requests, tasks)
             self._close_stream()
 
-    async def _drop(self, requests: Sequence[_Request], tasks: Sequence[asyncio.Task[Any]]) -> None:
+    async def _drop(
+        self, requests: Sequence[_Request], tasks: Sequence[asyncio.Task[object]]
+    ) -> None:
         """End a stream: cancel what runs (vLLM aborts those requests), abort them by id."""
         live = [(r, t) for r, t in zip(requests, tasks, strict=True) if not t.done()]
         for _, task in live:
