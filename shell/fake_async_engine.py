@@ -54,39 +54,38 @@ import asyncio
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Unpack
 
 import attrs
 
 from genworker.core.assembly import Generation
-from genworker.core.counters import CounterSample, GaugeSample, MetricSample
+from genworker.core.counters import GaugeSample, MetricSample
 from genworker.core.lifecycle import InflightMode
-from genworker.core.routing import CapturePlatform, MoeShape
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
-    BadArgumentError,
     BadBatchError,
     EngineDeadError,
     EngineStateError,
     RequestAbortedError,
-    UnsupportedError,
 )
 from genworker.shell.fake_engine import (
+    METRIC_LABELS,
+    FakeEngineBase,
+    FakeEngineFactoryBase,
     FakeEngineMisuse,
+    FakeEngineOptions,
     detokenize,
     draw,
-    expanded_length,
     fake_routes,
     fake_score,
     pixels,
-    routes_option,
+    seed_of,
 )
 from genworker.shell.media import RowMedia
-from genworker.shell.ports import EngineCapabilities, StreamedGeneration, check_request_logprobs
+from genworker.shell.ports import StreamedGeneration, check_request_logprobs
 
 __all__ = ["FakeAsyncEngine", "FakeAsyncEngineFactory"]
-
-_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 @attrs.define(eq=False)
@@ -105,64 +104,28 @@ class _Request:
     text: str = ""
 
 
-class FakeAsyncEngine:
+class FakeAsyncEngine(FakeEngineBase):
     """Deterministic async engine; see the module docstring for its rules."""
 
     def __init__(
         self,
         *,
-        vocab_size: int = 64,
-        max_model_len: int = 128,
-        eos_token_id: int = 1,
-        seed: int = 0,
-        sleep_mode: bool = True,
-        device: str = "cpu",
         weight_versions: bool = True,
         step_s: float = 0.0005,
         accept_refits: bool = False,
-        num_speculative_tokens: int = 0,
-        logprobs_mode: str = "raw_logprobs",
-        image_token_id: int | None = None,
-        image_prompt_ids: int = 7,
-        max_images: int | None = None,
-        prefix_caching: bool = False,
-        routes: MoeShape | None = None,
+        **options: Unpack[FakeEngineOptions],
     ) -> None:
-        self._caps = EngineCapabilities(
-            sleep_mode=sleep_mode,
-            flat_logprobs=True,
-            vocab_size=vocab_size,
-            max_model_len=max_model_len,
-            device=device,
-            multimodal=image_token_id is not None,
-            image_token_id=image_token_id,
-            max_images=max_images,
-            weight_versions=weight_versions,
-            num_speculative_tokens=num_speculative_tokens,
-            logprobs_mode=logprobs_mode,
-            prefix_caching=prefix_caching,
-            routes=routes,
-        )
+        super().__init__(**options)
+        self._caps = attrs.evolve(self._caps, weight_versions=weight_versions)
         #: requests with these prompts come back with every sampled logprob this value,
         #: as vLLM's do when the logits are garbage (NaN, +inf) or the token was masked
         #: (-inf); each entry serves one request
         self.next_logprobs: dict[tuple[int, ...], float] = {}
-        self.eos_token_id = eos_token_id
-        self.image_prompt_ids = image_prompt_ids
-        self.seed = seed
         self.step_s = step_s
         #: steps left before the scheduler stops (None: no limit); see allow_steps
         self.step_budget: int | None = None
-        self.weight_version = 0
         self.label = "default"
-        self.awake_tags: set[str] = {"weights", "kv_cache"}
-        self.weights_discarded = False
         self.pause_mode: InflightMode | None = None
-        self.calls: list[str] = []
-        self.rpc_handlers: dict[str, Callable[..., object]] = {
-            "report_device_id": lambda: f"fake-{device}",
-            "prepare_refit_info": lambda info: {"tensors": len(info)},
-        }
         if accept_refits:  # every refit succeeds at once (tests that cannot reach the fake)
             for method in (
                 "update_weights_via_ipc_zmq",
@@ -173,13 +136,9 @@ class FakeAsyncEngine:
                 self.rpc_handlers[method] = self._accept_refit
             for method in ("init_collective", "nemo_rl_init_collective"):
                 self.rpc_handlers[method] = self._accept_group
+            device = self._caps.device
             self.rpc_handlers["nemo_rl_ipc_socket_dir"] = lambda d: f"ipc://{d}/fake-{device}.sock"
-        self.prompt_tokens = self.generation_tokens = self.prefix_cache_resets = 0
-        self.mm_cache_resets = self.encoder_cache_resets = 0
-        self.dead = self.shut_down = False
-        self.fail_next: BaseException | None = None
-        #: the name of the call ``fail_next`` waits for (None: the next call of any name)
-        self.fail_call: str | None = None
+        self.dead = False
         #: each finished request's prompt and the weights version of each of its tokens
         self.finished: dict[tuple[int, ...], tuple[int, ...]] = {}
         #: the first misuse a step ran into (the requests then in flight raised it)
@@ -189,32 +148,11 @@ class FakeAsyncEngine:
         self._scheduler: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        return self._caps
-
     # -- the scheduler ----------------------------------------------------------------
-    def _enter(self, call: str) -> None:
-        self.calls.append(call)
+    def _refusal(self, call: str) -> str | None:
         if self.dead or self.shut_down:
-            raise EngineDeadError(f"{call}: the fake engine is {'dead' if self.dead else 'down'}")
-        if self.fail_next is not None and (
-            self.fail_call is None or call.split("(")[0] == self.fail_call
-        ):
-            error, self.fail_next, self.fail_call = self.fail_next, None, None
-            raise error
-
-    def _enter_memory_call(self, call: str) -> None:
-        """``_enter`` for a sleep or wake: a failure other than a typed refusal strikes
-        part-way (see the module docstring), leaving the KV cache asleep."""
-        try:
-            self._enter(call)
-        except (BadArgumentError, EngineStateError, UnsupportedError):
-            raise
-        except BaseException:
-            if not (self.dead or self.shut_down):
-                self.awake_tags.discard("kv_cache")
-            raise
+            return f"{call}: the fake engine is {'dead' if self.dead else 'down'}"
+        return None
 
     def _ensure_scheduler(self) -> None:
         if self._scheduler is None or self._scheduler.done():
@@ -277,7 +215,7 @@ class FakeAsyncEngine:
         request.tokens.append(token)
         request.versions.append(self.weight_version)
         request.logprobs.append(math.log(max(1e-6, 1.0 - u)) - (0.0 if greedy else 0.5))
-        request.text += _LETTERS[token % 26]
+        request.text += detokenize((token,))
         self.generation_tokens += 1
         stop_ids = set(spec.stop_token_ids) | (set() if spec.ignore_eos else {self.eos_token_id})
         room = self._caps.max_model_len - request.context
@@ -343,20 +281,6 @@ class FakeAsyncEngine:
         except asyncio.CancelledError:
             self._finish(request, "abort")
             raise
-
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        """One id per letter (0 for anything else), as the sync fake tokenizes."""
-        self._enter("tokenize")
-        return [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] for p in prompts]
-
-    def _expanded(self, prompt: Sequence[int], media: RowMedia | None) -> int:
-        return expanded_length(prompt, media, self._caps.image_token_id, self.image_prompt_ids)
-
-    def expanded_lengths(
-        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-    ) -> list[int]:
-        self._enter("expanded_lengths")
-        return [self._expanded(p, m) for p, m in zip(prompts, media, strict=True)]
 
     async def compute_logprobs(
         self, request_id: str, sequence: Sequence[int], prompt_length: int, top_k: int
@@ -486,15 +410,9 @@ class FakeAsyncEngine:
 
     # -- observability and RPC --------------------------------------------------------
     def metrics(self) -> list[MetricSample]:
-        self._enter("metrics")
-        labels = (("engine", "0"), ("model_name", "fake"))
-        return [
-            CounterSample(name="vllm:prompt_tokens", labels=labels, value=self.prompt_tokens),
-            CounterSample(
-                name="vllm:generation_tokens", labels=labels, value=self.generation_tokens
-            ),
-            GaugeSample(name="vllm:num_requests_running", labels=labels, value=len(self._running)),
-        ]
+        counters = super().metrics()
+        running = len(self._running)
+        return [*counters, GaugeSample("vllm:num_requests_running", METRIC_LABELS, running)]
 
     async def collective_rpc(
         self,
@@ -503,11 +421,7 @@ class FakeAsyncEngine:
         kwargs: dict[str, object] | None = None,
         timeout: float | None = None,
     ) -> list[object]:
-        self._enter(f"rpc:{method}")
-        handler = self.rpc_handlers.get(method)
-        if handler is None:
-            raise AttributeError(f"the fake extension has no method {method!r}")
-        result = handler(*args, **(kwargs or {}))
+        result = self._rpc(method, args, kwargs)
         if inspect.isawaitable(result):
             result = await asyncio.wait_for(result, timeout)
         return [result]
@@ -524,29 +438,9 @@ class FakeAsyncEngine:
             self._scheduler.cancel()
 
 
-class FakeAsyncEngineFactory:
+class FakeAsyncEngineFactory(FakeEngineFactoryBase[FakeAsyncEngine]):
     """Starts ``FakeAsyncEngine``s for the async worker; records the kwargs it was given."""
 
-    def __init__(self, **engine_options: object) -> None:
-        self.engine_options = engine_options
-        self.started: list[tuple[dict[str, object], FakeAsyncEngine]] = []
-
-    def arg_names(self) -> frozenset[str] | None:
-        return None
-
-    def gpu_capability(self) -> tuple[int, int] | None:
-        return None
-
-    def capture_platform(self) -> CapturePlatform:
-        return CapturePlatform(vllm_version=None, triton=False)  # the fake captures itself
-
     def start(self, kwargs: Mapping[str, object]) -> FakeAsyncEngine:
-        seed = kwargs.get("seed", 0)
-        options = dict(self.engine_options)
-        options["routes"] = routes_option(kwargs, options.pop("moe", None))
-        mode = kwargs.get("logprobs_mode")
-        if isinstance(mode, str):  # as vLLM takes it from the engine kwargs
-            options.setdefault("logprobs_mode", mode)
-        engine = FakeAsyncEngine(seed=seed if isinstance(seed, int) else 0, **options)  # type: ignore[arg-type]
-        self.started.append((dict(kwargs), engine))
-        return engine
+        engine = FakeAsyncEngine(seed=seed_of(kwargs), **self._options(kwargs))  # type: ignore[arg-type]
+        return self._started(kwargs, engine)

@@ -56,6 +56,10 @@ relies on it:
 Tokenisation and detokenisation are one letter per token id
 (``"abcdefghijklmnopqrstuvwxyz"[id % 26]``; other characters tokenise to 0): ``tokenize``
 gives a text prompt's ids, whose count is what ``generate_text``'s per-row caps see.
+
+``FakeEngineBase`` holds what this fake shares with the async one (``fake_async_engine``):
+the options, the call log and injected failures, the tokenizer, the images' expansion,
+the counters and the RPC handlers; ``FakeEngineFactoryBase`` what their factories share.
 """
 
 from __future__ import annotations
@@ -64,14 +68,13 @@ import hashlib
 import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
 
 from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
 from genworker.core.counters import CounterSample, MetricSample
-from genworker.core.outputs import check_finished, check_logprobs
 from genworker.core.routing import CapturePlatform, MoeShape, RoutedExperts
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
@@ -79,30 +82,34 @@ from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
     BadConfigError,
-    EngineContractError,
     EngineDeadError,
     EngineStateError,
-    RequestAbortedError,
     UnsupportedError,
-    unwrap,
 )
 from genworker.shell.media import RowMedia
-from genworker.shell.ports import EngineCapabilities
+from genworker.shell.ports import EngineCapabilities, check_text_rows
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
 __all__ = [
+    "METRIC_LABELS",
     "FakeEngine",
+    "FakeEngineBase",
     "FakeEngineFactory",
+    "FakeEngineFactoryBase",
     "FakeEngineMisuse",
+    "FakeEngineOptions",
     "detokenize",
     "draw",
     "fake_routes",
     "routes_option",
+    "seed_of",
 ]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
+#: the labels of the fakes' metrics (one engine, as vLLM labels its own)
+METRIC_LABELS = (("engine", "0"), ("model_name", "fake"))
 
 
 class FakeEngineMisuse(RuntimeError):
@@ -213,8 +220,28 @@ def expanded_length(
     return len(prompt) + placeholders * (per_image - 1)
 
 
-class FakeEngine:
-    """Deterministic engine; see the module docstring for its rules."""
+class FakeEngineOptions(TypedDict, total=False):
+    """The options both fakes take (:class:`FakeEngineBase` holds their defaults)."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int
+    seed: int
+    sleep_mode: bool
+    device: str
+    image_token_id: int | None
+    image_prompt_ids: int
+    max_images: int | None
+    num_speculative_tokens: int
+    logprobs_mode: str
+    prefix_caching: bool
+    routes: MoeShape | None
+
+
+class FakeEngineBase:
+    """What the sync and the async fake share: their options and capabilities, the call
+    log with ``fail_next`` / ``fail_call``, the memory tags, the letter tokenizer, the
+    images' expansion, the token and cache-reset counters and the RPC handlers."""
 
     def __init__(
         self,
@@ -247,28 +274,15 @@ class FakeEngine:
             prefix_caching=prefix_caching,
             routes=routes,
         )
-        #: the next generate call's rows: every sampled logprob of the row becomes this
-        self.next_logprobs: dict[int, float] = {}
-        #: the next generate call's rows: this finish reason ("abort": half the tokens)
-        self.next_finish: dict[int, str] = {}
         self.image_prompt_ids = image_prompt_ids
         self.eos_token_id = eos_token_id
         self.seed = seed
         self.weight_version = 0
-        self.sleep_level = 0
         self.awake_tags: set[str] = {"weights", "kv_cache"}
         self.weights_discarded = False
         self.calls: list[str] = []
-        self.requests: list[tuple[list[int], SamplingSpec]] = []
-        #: the last generate call's ``samples`` (vLLM's ``n`` per prompt; None: one each)
-        self.last_samples: list[int] | None = None
-        #: each generate call's use_tqdm (the fake draws no progress bar)
-        self.progress_bars: list[bool] = []
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.prefix_cache_resets = 0
-        self.mm_cache_resets = 0
-        self.encoder_cache_resets = 0
+        self.prompt_tokens = self.generation_tokens = self.prefix_cache_resets = 0
+        self.mm_cache_resets = self.encoder_cache_resets = 0
         self.fail_next: BaseException | None = None
         #: the name of the call ``fail_next`` waits for (None: the next call of any name)
         self.fail_call: str | None = None
@@ -282,11 +296,15 @@ class FakeEngine:
     def capabilities(self) -> EngineCapabilities:
         return self._caps
 
-    # -- generation ------------------------------------------------------------------
+    def _refusal(self, call: str) -> str | None:
+        """Why ``call`` and every later call are refused (None: the engine serves)."""
+        return "the fake engine was shut down" if self.shut_down else None
+
     def _enter(self, call: str) -> None:
         self.calls.append(call)
-        if self.shut_down:
-            raise EngineDeadError("the fake engine was shut down")
+        refusal = self._refusal(call)
+        if refusal is not None:
+            raise EngineDeadError(refusal)
         if self.fail_next is not None and (
             self.fail_call is None or call.split("(")[0] == self.fail_call
         ):
@@ -301,18 +319,71 @@ class FakeEngine:
         except (BadArgumentError, EngineStateError, UnsupportedError):
             raise
         except BaseException:
-            if not self.shut_down:
+            if self._refusal(call) is None:
                 self.awake_tags.discard("kv_cache")
             raise
 
+    def _expanded(self, prompt: Sequence[int], media: RowMedia | None) -> int:
+        return expanded_length(prompt, media, self._caps.image_token_id, self.image_prompt_ids)
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """One id per letter, 0 for anything else (the module docstring's tokenisation)."""
+        self._enter("tokenize")
+        return [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] for p in prompts]
+
+    def expanded_lengths(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        self._enter("expanded_lengths")
+        return [self._expanded(p, m) for p, m in zip(prompts, media, strict=True)]
+
+    def metrics(self) -> list[MetricSample]:
+        self._enter("metrics")
+        return [
+            CounterSample(
+                name="vllm:prompt_tokens", labels=METRIC_LABELS, value=self.prompt_tokens
+            ),
+            CounterSample(
+                name="vllm:generation_tokens", labels=METRIC_LABELS, value=self.generation_tokens
+            ),
+        ]
+
+    def _rpc(
+        self, method: str, args: tuple[object, ...], kwargs: dict[str, object] | None
+    ) -> object:
+        """What the handler of ``method`` returns (the one engine worker's answer)."""
+        self._enter(f"rpc:{method}")
+        handler = self.rpc_handlers.get(method)
+        if handler is None:
+            raise AttributeError(f"the fake extension has no method {method!r}")
+        return handler(*args, **(kwargs or {}))
+
+
+_Engine = TypeVar("_Engine", bound=FakeEngineBase)
+
+
+class FakeEngine(FakeEngineBase):
+    """Deterministic engine; see the module docstring for its rules."""
+
+    def __init__(self, **options: Unpack[FakeEngineOptions]) -> None:
+        super().__init__(**options)
+        #: the next generate call's rows: every sampled logprob of the row becomes this
+        self.next_logprobs: dict[int, float] = {}
+        #: the next generate call's rows: this finish reason ("abort": half the tokens)
+        self.next_finish: dict[int, str] = {}
+        self.sleep_level = 0
+        self.requests: list[tuple[list[int], SamplingSpec]] = []
+        #: the last generate call's ``samples`` (vLLM's ``n`` per prompt; None: one each)
+        self.last_samples: list[int] | None = None
+        #: each generate call's use_tqdm (the fake draws no progress bar)
+        self.progress_bars: list[bool] = []
+
+    # -- generation ------------------------------------------------------------------
     def _check_servable(self) -> None:
         if self.awake_tags != {"weights", "kv_cache"}:
             raise FakeEngineMisuse(f"generate with only {sorted(self.awake_tags)} awake")
         if self.weights_discarded:
             raise FakeEngineMisuse("generate after a level-2 sleep without new weights")
-
-    def _expanded(self, prompt: Sequence[int], media: RowMedia | None) -> int:
-        return expanded_length(prompt, media, self._caps.image_token_id, self.image_prompt_ids)
 
     def _sample(
         self,
@@ -441,23 +512,9 @@ class FakeEngine:
             raise FakeEngineMisuse("generate_text with a spec that does not detokenize")
         self._check_servable()
         generations = self._generations(prompts, specs, media, use_tqdm)
-        flat = flatten_generations(generations)  # checked as the vLLM adapter checks it
-        mode = self._caps.logprobs_mode
-        unwrap(
-            check_logprobs(flat.logprobs, flat.lengths, mode), EngineContractError, "generate_text"
-        )
-        unwrap(check_finished(flat), RequestAbortedError, "generate_text")
+        # checked as the vLLM adapter checks it
+        check_text_rows(flatten_generations(generations), self._caps.logprobs_mode)
         return [detokenize(g.token_ids) for g in generations]
-
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        self._enter("tokenize")
-        return [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] for p in prompts]
-
-    def expanded_lengths(
-        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-    ) -> list[int]:
-        self._enter("expanded_lengths")
-        return [self._expanded(p, m) for p, m in zip(prompts, media, strict=True)]
 
     # -- memory ----------------------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -501,17 +558,7 @@ class FakeEngine:
         self.weight_version += 1
         self.weights_discarded = False
 
-    # -- observability and RPC -------------------------------------------------------
-    def metrics(self) -> list[MetricSample]:
-        self._enter("metrics")
-        labels = (("engine", "0"), ("model_name", "fake"))
-        return [
-            CounterSample(name="vllm:prompt_tokens", labels=labels, value=self.prompt_tokens),
-            CounterSample(
-                name="vllm:generation_tokens", labels=labels, value=self.generation_tokens
-            ),
-        ]
-
+    # -- RPC -------------------------------------------------------------------------
     def collective_rpc(
         self,
         method: str,
@@ -519,11 +566,7 @@ class FakeEngine:
         kwargs: dict[str, object] | None = None,
         timeout: float | None = None,
     ) -> list[object]:
-        self._enter(f"rpc:{method}")
-        handler = self.rpc_handlers.get(method)
-        if handler is None:
-            raise AttributeError(f"the fake extension has no method {method!r}")
-        return [handler(*args, **(kwargs or {}))]
+        return [self._rpc(method, args, kwargs)]
 
     def device_ids(self) -> list[str]:
         return [str(x) for x in self.collective_rpc("report_device_id")]
@@ -539,16 +582,13 @@ class FakeEngine:
         self.shut_down = True
 
 
-class FakeEngineFactory:
-    """Starts ``FakeEngine``s for the worker; records the engine kwargs it was given.
+class FakeEngineFactoryBase(Generic[_Engine]):
+    """What both fakes' factories share: the options every engine gets, the engines started
+    with their kwargs, no GPU, and what the engine kwargs change in the options."""
 
-    ``draft_tokens`` is what a drafter would let vLLM infer when a ``speculative_config``
-    has no ``num_speculative_tokens`` (``None``: vLLM's start error)."""
-
-    def __init__(self, *, draft_tokens: int | None = None, **engine_options: object) -> None:
-        self.draft_tokens = draft_tokens
+    def __init__(self, **engine_options: object) -> None:
         self.engine_options = engine_options
-        self.started: list[tuple[dict[str, object], FakeEngine]] = []
+        self.started: list[tuple[dict[str, object], _Engine]] = []
 
     def arg_names(self) -> frozenset[str] | None:
         return None
@@ -559,13 +599,39 @@ class FakeEngineFactory:
     def capture_platform(self) -> CapturePlatform:
         return CapturePlatform(vllm_version=None, triton=False)  # the fake captures itself
 
-    def start(self, kwargs: Mapping[str, object]) -> FakeEngine:
-        seed = kwargs.get("seed", 0)
+    def _options(self, kwargs: Mapping[str, object]) -> dict[str, object]:
+        """The engine's options: the factory's, with ``routes`` and the ``logprobs_mode``
+        the engine kwargs give (as vLLM takes it from them)."""
         options = dict(self.engine_options)
         options["routes"] = routes_option(kwargs, options.pop("moe", None))
         mode = kwargs.get("logprobs_mode")
-        if isinstance(mode, str):  # as vLLM takes it from the engine kwargs
+        if isinstance(mode, str):
             options.setdefault("logprobs_mode", mode)
+        return options
+
+    def _started(self, kwargs: Mapping[str, object], engine: _Engine) -> _Engine:
+        self.started.append((dict(kwargs), engine))
+        return engine
+
+
+def seed_of(kwargs: Mapping[str, object]) -> int:
+    """The engine kwargs' ``seed`` as a fake takes it (0 unless an int)."""
+    seed = kwargs.get("seed", 0)
+    return seed if isinstance(seed, int) else 0
+
+
+class FakeEngineFactory(FakeEngineFactoryBase[FakeEngine]):
+    """Starts ``FakeEngine``s for the worker; records the engine kwargs it was given.
+
+    ``draft_tokens`` is what a drafter would let vLLM infer when a ``speculative_config``
+    has no ``num_speculative_tokens`` (``None``: vLLM's start error)."""
+
+    def __init__(self, *, draft_tokens: int | None = None, **engine_options: object) -> None:
+        super().__init__(**engine_options)
+        self.draft_tokens = draft_tokens
+
+    def start(self, kwargs: Mapping[str, object]) -> FakeEngine:
+        options = self._options(kwargs)
         spec = kwargs.get("speculative_config")
         if isinstance(spec, Mapping):
             k = spec.get("num_speculative_tokens", self.draft_tokens)
@@ -575,6 +641,4 @@ class FakeEngineFactory:
                     "provided and the drafter does not say"
                 )
             options["num_speculative_tokens"] = k
-        engine = FakeEngine(seed=seed if isinstance(seed, int) else 0, **options)  # type: ignore[arg-type]
-        self.started.append((dict(kwargs), engine))
-        return engine
+        return self._started(kwargs, FakeEngine(seed=seed_of(kwargs), **options))  # type: ignore[arg-type]

@@ -15,11 +15,11 @@ from returns.result import Failure
 from genworker.core.assembly import FlatGenerations, Generation
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
-from genworker.core.outputs import check_generation_logprobs
+from genworker.core.outputs import check_finished, check_generation_logprobs, check_logprobs
 from genworker.core.routing import CapturePlatform, MoeShape
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
-from genworker.shell.errors import EngineContractError
+from genworker.shell.errors import EngineContractError, RequestAbortedError, unwrap
 from genworker.shell.media import RowMedia
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ __all__ = [
     "RefitPort",
     "StreamedGeneration",
     "check_request_logprobs",
+    "check_text_rows",
 ]
 
 
@@ -178,6 +179,16 @@ class EnginePort(Protocol):
     def stop_profile(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+def check_text_rows(flat: FlatGenerations, logprobs_mode: str) -> None:
+    """What an engine's ``generate_text`` owes its caller, who sees no tokens (as
+    :meth:`EnginePort.generate_text` says): ``EngineContractError`` for sampled logprobs
+    that ``check_logprobs`` refuses under ``logprobs_mode``, ``RequestAbortedError`` for
+    rows the engine aborted."""
+    checked = check_logprobs(flat.logprobs, flat.lengths, logprobs_mode)
+    unwrap(checked, EngineContractError, "generate_text")
+    unwrap(check_finished(flat), RequestAbortedError, "generate_text")
 
 
 class EngineFactory(Protocol):
