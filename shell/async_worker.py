@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -130,7 +131,13 @@ from genworker.shell.ports import (
 )
 from genworker.shell.refit.wire import raise_failures
 from genworker.shell.server import OpenAIServer
-from genworker.shell.spine import BatchPlan, ExistingEngineFactory, WorkerSpine, tally_nonfinite
+from genworker.shell.spine import (
+    BatchPlan,
+    ExistingEngineFactory,
+    WorkerSpine,
+    reset_cache,
+    tally_nonfinite,
+)
 
 __all__ = [
     "AsyncVllmGenerationWorker",
@@ -313,13 +320,6 @@ class _MetricsLogger:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(max(self._interval, 1.0) + 5.0)
-
-
-_RESETS: dict[str, Callable[[AsyncEnginePort], Awaitable[None]]] = {
-    "prefix": lambda e: e.reset_prefix_cache(),
-    "mm": lambda e: e.reset_mm_cache(),
-    "encoder": lambda e: e.reset_encoder_cache(),
-}
 
 
 class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
@@ -788,7 +788,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         the ledger alone says when they are known empty)."""
         for name in self._resets_due(None):
             try:
-                await self._call(_RESETS[name])
+                await self._call(functools.partial(reset_cache, name=name))
             except EngineStateError as e:
                 self._reset_failed(name, None, e)
             self._reset_done(name)
@@ -1204,7 +1204,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 if name == "kv":
                     await self._rpc("refit_reset_kv")
                 else:
-                    await self._call(_RESETS[name])
+                    await self._call(functools.partial(reset_cache, name=name))
                     self._reset_done(name)
         except EngineDeadError:
             raise

@@ -141,6 +141,7 @@ __all__ = [
     "checked_env_names",
     "forward_env",
     "nonfinite_samples",
+    "reset_cache",
     "start_engine",
     "tally_nonfinite",
     "tensor_field",
@@ -177,6 +178,8 @@ REFIT_METHODS = frozenset(
 )
 
 _E = TypeVar("_E")
+_R = TypeVar("_R")
+_R_co = TypeVar("_R_co", covariant=True)
 _Started_co = TypeVar("_Started_co", covariant=True)
 _WAKE_EVENTS = {
     frozenset({"weights"}): lifecycle.Event.WAKE_WEIGHTS,
@@ -227,6 +230,27 @@ class HasCapabilities(Protocol):
 
     @property
     def capabilities(self) -> EngineCapabilities: ...
+
+
+class ResetsCaches(Protocol[_R_co]):
+    """Both engine ports' cache resets (the async port's return awaitables)."""
+
+    def reset_prefix_cache(self) -> _R_co: ...
+
+    def reset_mm_cache(self) -> _R_co: ...
+
+    def reset_encoder_cache(self) -> _R_co: ...
+
+
+def reset_cache(engine: ResetsCaches[_R], name: str) -> _R:
+    """The engine's reset of the cache ``name`` (one of :meth:`WorkerSpine._resets_due`'s
+    and :meth:`WorkerSpine._resets_after_failed_refit`'s; the async port's to await)."""
+    resets = {
+        "prefix": engine.reset_prefix_cache,
+        "mm": engine.reset_mm_cache,
+        "encoder": engine.reset_encoder_cache,
+    }
+    return resets[name]()
 
 
 def forward_env(names: Iterable[str]) -> None:

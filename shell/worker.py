@@ -92,6 +92,7 @@ from genworker.shell.spine import (
     WorkerSpine,
     checked_env_names,
     forward_env,
+    reset_cache,
     start_engine,
     tally_nonfinite,
     wake_event,
@@ -159,11 +160,6 @@ def _weights_held(
 
 
 _NO_ROWS = flatten_generations([])
-_RESETS: dict[str, Callable[[EnginePort], None]] = {
-    "prefix": lambda e: e.reset_prefix_cache(),
-    "mm": lambda e: e.reset_mm_cache(),
-    "encoder": lambda e: e.reset_encoder_cache(),
-}
 
 
 class VllmGenerationWorker(WorkerSpine[EnginePort]):
@@ -437,7 +433,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         for name in self._resets_due(requests):
             started = time.monotonic()
             try:
-                self._call(_RESETS[name])
+                self._call(functools.partial(reset_cache, name=name))
             except EngineStateError as e:
                 self._reset_failed(name, refit, e)
             seconds[name] = time.monotonic() - started
@@ -594,7 +590,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
                 if name == "kv":
                     self._rpc("refit_reset_kv")
                 else:
-                    self._call(_RESETS[name])
+                    self._call(functools.partial(reset_cache, name=name))
                     self._reset_done(name)
         except Exception as e:  # noqa: BLE001 - noted on the refit's own error
             error.add_note(f"resetting the caches after the failed refit failed too: {e}")
