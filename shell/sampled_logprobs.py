@@ -44,7 +44,7 @@ import dataclasses
 import functools
 from array import array
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol, TypeVar
 
 __all__ = ["MARKER", "SampledLogprobs", "install"]
 
@@ -53,6 +53,8 @@ MARKER = "genworker_sampled_logprobs"
 
 # What _update_sample_logprobs reads and writes on vLLM's LogprobsProcessor (a dataclass).
 _FIELDS = frozenset({"tokenizer", "logprobs", "cumulative_logprob", "num_logprobs"})
+
+_Item = TypeVar("_Item", covariant=True)
 
 
 class SampledLogprobs:
@@ -71,7 +73,25 @@ class SampledLogprobs:
         return f"SampledLogprobs({len(self)} positions)"
 
 
-def _update_sample_logprobs(self: Any, logprobs_lists: Any) -> None:
+class _Matrix(Protocol[_Item]):
+    """A step's numpy array in vLLM's ``LogprobsLists`` (``vllm/v1/outputs.py``): a row per
+    new token, the sampled token's entry first."""
+
+    def __len__(self) -> int: ...
+
+    def item(self, row: int, column: int, /) -> _Item: ...
+
+
+class _Sampled(Protocol):
+    """A :data:`_SampledProcessor`, as its ``_update_sample_logprobs`` reads and writes it."""
+
+    logprobs: SampledLogprobs
+    cumulative_logprob: float
+
+
+def _update_sample_logprobs(
+    self: _Sampled, logprobs_lists: tuple[_Matrix[int], _Matrix[float], *tuple[object, ...]]
+) -> None:
     """``LogprobsProcessor._update_sample_logprobs`` for a :class:`SampledLogprobs`: the
     sampler puts the sampled token first in each row of the step's arrays."""
     token_ids, logprobs = logprobs_lists[0], logprobs_lists[1]
@@ -83,7 +103,7 @@ def _update_sample_logprobs(self: Any, logprobs_lists: Any) -> None:
         self.cumulative_logprob += value
 
 
-def _processor_class() -> Any:
+def _processor_class() -> type | None:
     """vLLM's ``LogprobsProcessor`` class when it has the fields and method read here."""
     try:
         from vllm.v1.engine import logprobs as module
@@ -101,7 +121,7 @@ def _processor_class() -> Any:
 
 
 _BASE = _processor_class()
-_SampledProcessor: Any = (
+_SampledProcessor: type | None = (
     None
     if _BASE is None
     else type(
@@ -112,7 +132,7 @@ _SampledProcessor: Any = (
 )
 
 
-def _detokenizer_class() -> Any:
+def _detokenizer_class() -> type | None:
     """vLLM's ``IncrementalDetokenizer`` class (the one without a tokenizer), if any."""
     try:
         from vllm.v1.engine import detokenizer as module
@@ -125,30 +145,28 @@ def _detokenizer_class() -> Any:
 _DETOKENIZER = _detokenizer_class()
 
 
-def _keep_ids_as_array(state: Any) -> None:
+def _keep_ids_as_array(state: object) -> None:
     """The request's generated ids in an int64 array, when its detokenizer is vLLM's
     no-tokenizer one and has taken no id yet; left alone otherwise."""
-    detokenizer: Any = getattr(state, "detokenizer", None)
-    if (
-        _DETOKENIZER is not None
-        and type(detokenizer) is _DETOKENIZER
-        and type(getattr(detokenizer, "token_ids", None)) is list
-        and not detokenizer.token_ids
-    ):
-        detokenizer.token_ids = array("q")
+    detokenizer: object = getattr(state, "detokenizer", None)
+    if _DETOKENIZER is None or type(detokenizer) is not _DETOKENIZER:
+        return
+    token_ids: object = getattr(detokenizer, "token_ids", None)
+    if type(token_ids) is list and not token_ids:
+        setattr(detokenizer, "token_ids", array("q"))  # noqa: B010 - vLLM's list[int]
 
 
-def _qualifies(request: Any, state: Any) -> bool:
-    params = getattr(request, "sampling_params", None)
-    extra = getattr(params, "extra_args", None)
+def _qualifies(request: object, state: object) -> bool:
+    params: object = getattr(request, "sampling_params", None)
+    extra: object = getattr(params, "extra_args", None)
     if not (isinstance(extra, dict) and extra.get(MARKER) is True):
         return False
-    processor: Any = getattr(state, "logprobs_processor", None)
-    kind = getattr(state, "output_kind", None)
+    processor: object = getattr(state, "logprobs_processor", None)
+    kind: object = getattr(state, "output_kind", None)
     return (
         type(processor) is _BASE
-        and processor.num_logprobs == 0
-        and processor.tokenizer is None
+        and getattr(processor, "num_logprobs", None) == 0
+        and getattr(processor, "tokenizer", None) is None
         and getattr(kind, "name", None) == "FINAL_ONLY"
         and getattr(params, "n", None) == 1
     )
@@ -157,24 +175,27 @@ def _qualifies(request: Any, state: Any) -> bool:
 def install(llm_engine: object) -> bool:
     """Keep the marked requests' sampled logprobs as arrays in this engine; False (nothing
     changed) when its output processor or vLLM's ``LogprobsProcessor`` is not as read."""
-    processor: Any = getattr(llm_engine, "output_processor", None)
-    states: Any = getattr(processor, "request_states", None)
-    add = getattr(processor, "add_request", None)
-    if _SampledProcessor is None or not isinstance(states, dict) or not callable(add):
+    processor: object = getattr(llm_engine, "output_processor", None)
+    states: object = getattr(processor, "request_states", None)
+    add: object = getattr(processor, "add_request", None)
+    sampled = _SampledProcessor
+    if sampled is None or not isinstance(states, dict) or not callable(add):
         return False
     if getattr(add, "_genworker_sampled", False):
         return True  # installed before (an engine handed over twice)
+    by_id: dict[object, object] = states
 
     @functools.wraps(add)
-    def add_request(request: Any, *args: Any, **kwargs: Any) -> None:
+    def add_request(request: object, *args: object, **kwargs: object) -> None:
         add(request, *args, **kwargs)
-        state: Any = states.get(getattr(request, "request_id", None))
+        state = by_id.get(getattr(request, "request_id", None))
         if _qualifies(request, state):
-            state.logprobs_processor.__class__ = _SampledProcessor
-            state.logprobs_processor.logprobs = SampledLogprobs()
+            kept: object = getattr(state, "logprobs_processor", None)
+            kept.__class__ = sampled
+            setattr(kept, "logprobs", SampledLogprobs())  # noqa: B010 - vLLM types it its own
             _keep_ids_as_array(state)
 
     marked: Callable[..., None] = add_request
     marked._genworker_sampled = True  # type: ignore[attr-defined]
-    processor.add_request = marked
+    setattr(processor, "add_request", marked)  # noqa: B010 - this engine's alone
     return True
