@@ -1,9 +1,12 @@
 """LoRA adapter refits on CPU: what an adapter-only refit costs next to a full refit of the
 same model, and what generating under an adapter costs next to the merged weights.
 
-Two workers on the tiny Llama, side by side in this process: ``full`` (no LoRA) and
-``lora`` (``enable_lora``, rank 8). The adapter is PEFT's layout on every layer's
-q_proj and v_proj (rank 8, alpha 16).
+Two workers, side by side in this process: ``full`` (no LoRA) and ``lora``
+(``enable_lora``, rank 8). The adapter is PEFT's layout on every layer's q_proj and v_proj
+(rank 8, alpha 16). Once on the tiny Llama (2 layers, hidden 128: 1.8 MB, where a refit's
+fixed costs dominate), once on a small one (8 layers, hidden 1024: about 100M parameters,
+420 MB in float32, where the bytes begin to count, as they do at a real model's size); the
+small model's figures carry the suffix ``_small``.
 
 - ``lora_refit_vs_full``: one adapter refit (``prepare_lora`` once, then ``update_lora``
   while a thread sends the adapter over IPC) into ``lora`` over one full IPC refit of the
@@ -14,6 +17,8 @@ q_proj and v_proj (rank 8, alpha 16).
   batch on ``full``, which then serves the merged weights: the median of adjacent pairs.
   (The two produce the same tokens: tests/shell/test_worker_lora_engine.py.)
 - ``lora_refit_ms``, ``full_refit_ms``, ``adapter_mb``, ``model_mb``: for context.
+
+The small model only refits (no generation figure: its batch costs seconds on 2 cores).
 """
 
 from __future__ import annotations
@@ -138,16 +143,30 @@ def _alternate(a: Callable[[], float], b: Callable[[], float]) -> tuple[list[flo
     return first, second
 
 
+SIZES = {"": {}, "_small": {"hidden": 1024, "layers": 8}}
+
+
 def measure() -> list[tuple[str, float]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from genworker.demo.tiny_model import build_tiny_model
+
+    cache = Path(os.environ.get("GENWORKER_MODEL_CACHE", tempfile.gettempdir()))
+    out: list[tuple[str, float]] = []
+    for suffix, size in SIZES.items():
+        name = "genworker-bench-tiny-llama" + (
+            f"-{size['hidden']}x{size['layers']}" if size else ""
+        )
+        model = build_tiny_model(cache / name, **size)
+        out += [(key + suffix, v) for key, v in _measure(model, generate=not suffix)]
+    return out
+
+
+def _measure(model: Path, *, generate: bool) -> list[tuple[str, float]]:
     from safetensors.torch import load_file
 
     from genworker.demo.rl import refit_channel
-    from genworker.demo.tiny_model import build_tiny_model
     from genworker.shell.worker import VllmGenerationWorker
 
-    cache = Path(os.environ.get("GENWORKER_MODEL_CACHE", tempfile.gettempdir()))
-    model = build_tiny_model(cache / "genworker-bench-tiny-llama")
     base = load_file(model / "model.safetensors")
     lora = _adapter(base)
     merged = _merged(base, lora)
@@ -156,6 +175,8 @@ def measure() -> list[tuple[str, float]]:
         "lora": VllmGenerationWorker(_config(model, True)),
     }
     batch = _batch()
+    under: list[float] = []
+    plain: list[float] = []
     try:
         with (
             refit_channel(workers["full"], merged) as full,
@@ -171,19 +192,22 @@ def measure() -> list[tuple[str, float]]:
 
             return run
 
-        under, plain = _alternate(timed(workers["lora"], lora="policy"), timed(workers["full"]))
+        if generate:
+            under, plain = _alternate(timed(workers["lora"], lora="policy"), timed(workers["full"]))
     finally:
         for worker in workers.values():
             worker.shutdown()
-    return [
+    figures = [
         (
             "lora_refit_vs_full",
             statistics.median(a / b for a, b in zip(lora_s, full_s, strict=True)),
-        ),
-        (
-            "lora_generate_overhead",
-            statistics.median(a / b for a, b in zip(under, plain, strict=True)),
-        ),
+        )
+    ]
+    if generate:
+        overhead = statistics.median(a / b for a, b in zip(under, plain, strict=True))
+        figures.append(("lora_generate_overhead", overhead))
+    return [
+        *figures,
         ("lora_refit_ms", statistics.median(lora_s) * 1e3),
         ("full_refit_ms", statistics.median(full_s) * 1e3),
         ("adapter_mb", _mb(lora)),

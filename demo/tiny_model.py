@@ -65,9 +65,16 @@ VLM_IMAGE_PROMPT_IDS = 3 + ((VLM_IMAGE_SIZE // _VLM_PATCH) ** 2) // _VLM_SCALE**
 ``<fake_token_around_image><global-img><image>x4<fake_token_around_image>``."""
 
 
-def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
-    """Write the tiny model and tokenizer into ``path`` unless it already holds them."""
-    return _build(Path(path), lambda out: _write_model(out, seed=seed))
+def build_tiny_model(path: Path, *, seed: int = 0, hidden: int = 128, layers: int = 2) -> Path:
+    """Write the tiny model and tokenizer into ``path`` unless it already holds them.
+    ``hidden`` (a multiple of 64: one head per 64) and ``layers`` scale it (the MLP is
+    twice as wide as ``hidden``) for a benchmark that needs weights of some size; a path
+    is built once, so give each size a path of its own."""
+    if hidden < 64 or hidden % 64 or layers < 1:
+        raise ValueError(f"hidden must be a multiple of 64 and layers >= 1: {hidden}, {layers}")
+    return _build(
+        Path(path), lambda out: _write_model(out, seed=seed, hidden=hidden, layers=layers)
+    )
 
 
 def build_tiny_vlm(path: Path, *, seed: int = 0, tiles: int = 1) -> Path:
@@ -100,7 +107,7 @@ def _build(path: Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
-def _write_model(out: Path, *, seed: int) -> None:
+def _write_model(out: Path, *, seed: int, hidden: int, layers: int) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -122,11 +129,11 @@ def _write_model(out: Path, *, seed: int) -> None:
 
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
         head_dim=64,
         max_position_embeddings=512,
         tie_word_embeddings=False,

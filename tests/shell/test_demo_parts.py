@@ -50,6 +50,7 @@ from genworker.demo.task import (
     number_rewards,
     number_token_mask,
 )
+from genworker.demo.tiny_model import build_tiny_model
 
 # -- the reward ---------------------------------------------------------------------------
 
@@ -89,6 +90,19 @@ def rollouts(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
 
 
 NUMBERS = torch.tensor([i % 3 == 0 for i in range(10)])  # ids 0, 3, 6, 9 are "numbers"
+
+
+def test_a_scaled_tiny_model_has_the_size_asked_and_a_bad_size_is_refused(
+    tmp_path: Path,
+) -> None:
+    out = build_tiny_model(tmp_path / "m", hidden=192, layers=3)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (192, 3)
+    assert (config["num_attention_heads"], config["intermediate_size"]) == (3, 384)
+    for hidden, layers in ((100, 2), (0, 2), (128, 0)):
+        with pytest.raises(ValueError, match="hidden must be a multiple of 64"):
+            build_tiny_model(tmp_path / "bad", hidden=hidden, layers=layers)
+    assert not (tmp_path / "bad").exists()
 
 
 @given(rollouts())
