@@ -70,7 +70,6 @@ from vllm.v1.metrics.reader import get_metrics_snapshot
 from genworker.core.counters import MetricSample
 from genworker.core.lifecycle import InflightMode
 from genworker.core.lora import LoraRef
-from genworker.core.routing import CapturePlatform
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
@@ -86,7 +85,6 @@ from genworker.shell.errors import (
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import (
-    EngineCapabilities,
     StreamedGeneration,
     check_request_logprobs,
 )
@@ -97,18 +95,15 @@ from genworker.shell.vllm_engine import (
     NO_TOKENIZER,
     REQUEST_ERRORS,
     VLLM_CALLS,
+    VllmEngineBase,
+    VllmPlatform,
     engine_arg_names,
-    expanded_with,
     generation_of,
-    image_token_id_of,
     lora_request,
     metric_sample,
     routes_of,
-    routes_shape,
-    sampling_arg_names,
     token_prompt,
     tokenize_with,
-    vllm_capture_platform,
 )
 
 __all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory", "async_engine_arg_names"]
@@ -127,18 +122,11 @@ def async_engine_arg_names() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs)) | engine_arg_names()
 
 
-class AsyncVllmEngineFactory:
+class AsyncVllmEngineFactory(VllmPlatform):
     """:class:`~genworker.shell.ports.AsyncEngineFactory` for the installed vLLM."""
 
     def arg_names(self) -> frozenset[str] | None:
         return async_engine_arg_names()
-
-    def gpu_capability(self) -> tuple[int, int] | None:
-        capability = current_platform.get_device_capability()
-        return None if capability is None else (capability.major, capability.minor)
-
-    def capture_platform(self) -> CapturePlatform:
-        return vllm_capture_platform()
 
     def start(self, kwargs: Mapping[str, object]) -> AsyncVllmEngine:
         return AsyncVllmEngine.start(kwargs)
@@ -193,37 +181,13 @@ def _spans(completion: CompletionOutput) -> tuple[tuple[str, int, int], ...] | N
     return tuple((str(s.version), int(s.start), int(s.end)) for s in spans)
 
 
-class AsyncVllmEngine:
+class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
     """:class:`~genworker.shell.ports.AsyncEnginePort` over one ``AsyncLLM``."""
 
     def __init__(self, llm: AsyncLLM) -> None:
-        self._llm: AsyncLLM | None = llm
-        config = llm.vllm_config
-        model = config.model_config
-        spec = config.speculative_config
-        self._extension = bool(config.parallel_config.worker_extension_cls)
+        super().__init__(llm, llm.vllm_config, weight_versions=_labels_tokens(llm))
         self._wake_installed = False
-        self._dead: str | None = None  # why the engine is dead (every later call refused)
         self._log_stats = llm.log_stats
-        sampling_args = sampling_arg_names()
-        media = model.multimodal_config
-        self._caps = EngineCapabilities(
-            sleep_mode=current_platform.is_sleep_mode_available() and model.enable_sleep_mode,
-            flat_logprobs="flat_logprobs" in sampling_args,
-            vocab_size=model.get_vocab_size(),
-            max_model_len=model.max_model_len,
-            device=current_platform.device_type,
-            sampling_args=sampling_args,
-            multimodal=media is not None,
-            image_token_id=None if media is None else image_token_id_of(model),
-            max_images=None if media is None else media.get_limit_per_prompt("image"),
-            weight_versions=_labels_tokens(llm),
-            num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
-            logprobs_mode=model.logprobs_mode,
-            prefix_caching=bool(config.cache_config.enable_prefix_caching),
-            max_logprobs=model.max_logprobs,
-            routes=routes_shape(config),
-        )
         self._params: dict[tuple[SamplingSpec, RequestOutputKind], SamplingParams] = {}
         # AsyncLLM.pause_generation's own calls (vllm/v1/engine/async_llm.py: 0.25 and 0.32
         # have both); a vLLM without them pauses through pause_generation, sleep and all.
@@ -248,23 +212,6 @@ class AsyncVllmEngine:
                 f"vLLM's AsyncLLM failed to start on {kwargs['model']!r}: {e}"
             ) from e
         return cls(llm)
-
-    @property
-    def llm(self) -> AsyncLLM:
-        """The ``AsyncLLM`` (vLLM's engine client, e.g. for its OpenAI server)."""
-        if self._llm is None:
-            raise EngineDeadError("the vLLM engine was shut down")
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine died earlier ({self._dead}); start a new one")
-        return self._llm
-
-    def _died(self, error: EngineDeadError) -> None:
-        if self._dead is None:
-            self._dead = str(error)
-
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        return self._caps
 
     # -- generation -----------------------------------------------------------------
     def _sampling(self, spec: SamplingSpec, kind: RequestOutputKind) -> SamplingParams:
@@ -368,11 +315,6 @@ class AsyncVllmEngine:
             raise UnsupportedError(NO_TOKENIZER)
         return tokenize_with(self._renderer("tokenize"), prompts)
 
-    def expanded_lengths(
-        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-    ) -> list[int]:
-        return expanded_with(self._renderer("expanded_lengths"), prompts, media)
-
     async def abort(self, request_ids: Sequence[str]) -> None:
         llm = self.llm
         with translated(ASYNC_CALLS, "abort"):
@@ -402,13 +344,6 @@ class AsyncVllmEngine:
             await update(label)
 
     # -- memory ---------------------------------------------------------------------
-    def _require_sleep_mode(self, call: str) -> None:
-        if not self._caps.sleep_mode:
-            raise UnsupportedError(
-                f"{call}: sleep mode is unavailable (platform {self._caps.device}, or the "
-                "engine was started without enable_sleep_mode)"
-            )
-
     async def sleep(self, level: int) -> None:
         self._require_sleep_mode("sleep")
         llm = self.llm

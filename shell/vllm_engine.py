@@ -137,7 +137,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Final, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Final, Generic, NoReturn, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -168,7 +168,6 @@ from genworker.core.counters import (
 )
 from genworker.core.engine_plan import fp8_start
 from genworker.core.lora import LoraRef, adapter_path
-from genworker.core.outputs import check_finished, check_logprobs
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
 from genworker.core.routing import CapturePlatform, MoeShape, RoutedExperts
 from genworker.core.sampling import SamplingSpec, group_specs
@@ -183,30 +182,31 @@ from genworker.shell.errors import (
     EngineStateError,
     GenerationAbortedError,
     GenworkerError,
-    RequestAbortedError,
     Seam,
     UnsupportedError,
     fatal,
     translated,
-    unwrap,
 )
 from genworker.shell.media import RowMedia
-from genworker.shell.ports import EngineCapabilities
+from genworker.shell.ports import EngineCapabilities, check_text_rows
 from genworker.shell.prompt_logprobs import scored_row, scoring_params
 from genworker.shell.sampled_logprobs import MARKER, SampledLogprobs, install
 from genworker.shell.staged_writes import drop_staged_writes
 from genworker.shell.startup import checked_model_source
 
 if TYPE_CHECKING:
-    from vllm.config import ModelConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput
 
 __all__ = [
     "VllmEngine",
+    "VllmEngineBase",
     "VllmEngineFactory",
+    "VllmPlatform",
     "abort_unfinished",
     "engine_arg_names",
+    "engine_capabilities",
     "expanded_with",
     "lora_request",
     "lora_requests",
@@ -216,6 +216,7 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+_Llm = TypeVar("_Llm")  # vllm.LLM or AsyncLLM
 log = logging.getLogger(__name__)
 
 #: The bound of an RPC that waits on nothing outside the engine (``install_wake``,
@@ -244,11 +245,9 @@ def engine_arg_names() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(EngineArgs))
 
 
-class VllmEngineFactory:
-    """:class:`~genworker.shell.ports.EngineFactory` for the installed vLLM."""
-
-    def arg_names(self) -> frozenset[str] | None:
-        return engine_arg_names()
+class VllmPlatform:
+    """What both vLLM factories tell of the platform: the local GPU's compute capability
+    and what the installed vLLM can do for routed-experts capture."""
 
     def gpu_capability(self) -> tuple[int, int] | None:
         capability = current_platform.get_device_capability()
@@ -256,6 +255,13 @@ class VllmEngineFactory:
 
     def capture_platform(self) -> CapturePlatform:
         return vllm_capture_platform()
+
+
+class VllmEngineFactory(VllmPlatform):
+    """:class:`~genworker.shell.ports.EngineFactory` for the installed vLLM."""
+
+    def arg_names(self) -> frozenset[str] | None:
+        return engine_arg_names()
 
     def start(self, kwargs: Mapping[str, object]) -> VllmEngine:
         return VllmEngine.start(kwargs)
@@ -340,6 +346,32 @@ def with_samples(
 def sampling_arg_names() -> frozenset[str]:
     params = inspect.signature(SamplingParams).parameters
     return frozenset(name for name in params if not name.startswith("_"))
+
+
+def engine_capabilities(config: VllmConfig, *, weight_versions: bool = False) -> EngineCapabilities:
+    """What a started engine can do, found by looking (the module docstring):
+    ``weight_versions`` says whether it labels tokens with their weights (async only)."""
+    model = config.model_config
+    spec = config.speculative_config
+    sampling_args = sampling_arg_names()
+    media = model.multimodal_config
+    return EngineCapabilities(
+        sleep_mode=current_platform.is_sleep_mode_available() and model.enable_sleep_mode,
+        flat_logprobs="flat_logprobs" in sampling_args,
+        vocab_size=model.get_vocab_size(),
+        max_model_len=model.max_model_len,
+        device=current_platform.device_type,
+        sampling_args=sampling_args,
+        multimodal=media is not None,
+        image_token_id=None if media is None else image_token_id_of(model),
+        max_images=None if media is None else media.get_limit_per_prompt("image"),
+        weight_versions=weight_versions,
+        num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
+        logprobs_mode=model.logprobs_mode,
+        prefix_caching=bool(config.cache_config.enable_prefix_caching),
+        max_logprobs=model.max_logprobs,
+        routes=routes_shape(config),
+    )
 
 
 VLLM_CALLS = Seam(
@@ -430,37 +462,62 @@ def abort_unfinished(
     return ids
 
 
-class VllmEngine:
+class VllmEngineBase(Generic[_Llm]):
+    """What both vLLM adapters share: the engine until it is shut down, its death (every
+    later call refused), its capabilities, the sleep-mode check and the renderer's
+    expansion of media rows."""
+
+    def __init__(self, llm: _Llm, config: VllmConfig, *, weight_versions: bool = False) -> None:
+        self._llm: _Llm | None = llm
+        self._dead: str | None = None  # why the engine is dead (every later call refused)
+        self._extension = bool(config.parallel_config.worker_extension_cls)
+        self._caps = engine_capabilities(config, weight_versions=weight_versions)
+
+    @property
+    def llm(self) -> _Llm:
+        """The vLLM engine (``vllm.LLM``, or ``AsyncLLM``: vLLM's engine client, e.g. for its
+        OpenAI server); EngineDeadError once it was shut down or died."""
+        if self._llm is None:
+            raise EngineDeadError("the vLLM engine was shut down")
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine died earlier ({self._dead}); start a new one")
+        return self._llm
+
+    def _died(self, error: EngineDeadError) -> None:
+        if self._dead is None:
+            self._dead = str(error)
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._caps
+
+    def _require_sleep_mode(self, call: str) -> None:
+        if not self._caps.sleep_mode:
+            raise UnsupportedError(
+                f"{call}: sleep mode is unavailable (platform {self._caps.device}, or the "
+                "engine was started without enable_sleep_mode)"
+            )
+
+    def _renderer(self, call: str) -> BaseRenderer:
+        """The engine's renderer (UnsupportedError for a vLLM without one)."""
+        raise NotImplementedError
+
+    def expanded_lengths(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        return expanded_with(self._renderer("expanded_lengths"), prompts, media)
+
+
+class VllmEngine(VllmEngineBase[LLM]):
     """:class:`~genworker.shell.ports.EnginePort` over one ``vllm.LLM``."""
 
     def __init__(self, llm: LLM) -> None:
-        self._llm: LLM | None = llm
         config = llm.llm_engine.vllm_config
-        model = config.model_config
-        spec = config.speculative_config
-        self._extension = bool(config.parallel_config.worker_extension_cls)
+        super().__init__(llm, config)
         self._inflight: _Inflight = []  # a call left running
-        self._dead: str | None = None  # why the engine is dead (every later call refused)
         self._log_stats = llm.llm_engine.log_stats
-        sampling_args = sampling_arg_names()
-        media = model.multimodal_config
-        self._caps = EngineCapabilities(
-            sleep_mode=current_platform.is_sleep_mode_available() and model.enable_sleep_mode,
-            flat_logprobs="flat_logprobs" in sampling_args,
-            vocab_size=model.get_vocab_size(),
-            max_model_len=model.max_model_len,
-            device=current_platform.device_type,
-            sampling_args=sampling_args,
-            multimodal=media is not None,
-            image_token_id=None if media is None else image_token_id_of(model),
-            max_images=None if media is None else media.get_limit_per_prompt("image"),
-            num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
-            logprobs_mode=model.logprobs_mode,
-            prefix_caching=bool(config.cache_config.enable_prefix_caching),
-            max_logprobs=model.max_logprobs,
-            routes=routes_shape(config),
-        )
-        self._skip_tokenizer = model.skip_tokenizer_init
+        self._skip_tokenizer = config.model_config.skip_tokenizer_init
+        sampling_args = self._caps.sampling_args or frozenset()
         self._sampled_arrays = "extra_args" in sampling_args and install(llm.llm_engine)
         # the wake without a refused fabric create per allocation (CUDA), where it sleeps
         if self._caps.sleep_mode and self._extension:  # in each engine worker's process
@@ -511,22 +568,10 @@ class VllmEngine:
         if problem := next((p for p in problems if p), None):
             raise BadConfigError(str(problem))
 
-    @property
-    def llm(self) -> LLM:
-        if self._llm is None:
-            raise EngineDeadError("the vLLM engine was shut down")
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine died earlier ({self._dead}); start a new one")
-        return self._llm
-
     def _died(self, error: EngineDeadError) -> None:
         if self._dead is None:
-            self._dead = str(error)
+            super()._died(error)
             log.error("the engine died: %s", error)
-
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        return self._caps
 
     @property
     def sampled_logprob_arrays(self) -> bool:
@@ -624,12 +669,7 @@ class VllmEngine:
         completions: list[CompletionOutput | None] = [out.outputs[0] for out in outputs]
         texts = [_present(c).text for c in completions]
         # The caller sees no tokens: the rows are checked here (EnginePort.generate_text).
-        flat = _generations(completions, call="generate_text")
-        mode = self._caps.logprobs_mode
-        unwrap(
-            check_logprobs(flat.logprobs, flat.lengths, mode), EngineContractError, "generate_text"
-        )
-        unwrap(check_finished(flat), RequestAbortedError, "generate_text")
+        check_text_rows(_generations(completions, call="generate_text"), self._caps.logprobs_mode)
         return texts
 
     def _renderer(self, call: str) -> BaseRenderer:
@@ -643,19 +683,7 @@ class VllmEngine:
             raise UnsupportedError(NO_TOKENIZER)
         return tokenize_with(self._renderer("tokenize"), prompts)
 
-    def expanded_lengths(
-        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-    ) -> list[int]:
-        return expanded_with(self._renderer("expanded_lengths"), prompts, media)
-
     # -- memory ---------------------------------------------------------------------
-    def _require_sleep_mode(self, call: str) -> None:
-        if not self._caps.sleep_mode:
-            raise UnsupportedError(
-                f"{call}: sleep mode is unavailable (platform {self._caps.device}, or the "
-                "engine was started without enable_sleep_mode)"
-            )
-
     def sleep(self, level: int) -> None:
         self._require_sleep_mode("sleep")
         llm = self.llm
