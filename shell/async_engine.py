@@ -48,7 +48,8 @@ import dataclasses
 import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
 
 import attrs
 
@@ -115,6 +116,7 @@ _STOP_CLEANUP_S = 1.0
 milliseconds)."""
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def async_engine_arg_names() -> frozenset[str]:
@@ -212,6 +214,13 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
                 f"vLLM's AsyncLLM failed to start on {kwargs['model']!r}: {e}"
             ) from e
         return cls(llm)
+
+    async def _call(self, call: str, act: Callable[[AsyncLLM], Awaitable[_T]]) -> _T:
+        """``act`` on the live engine (a dead one refused first), awaited with its errors
+        mapped through :data:`ASYNC_CALLS`: every call into vLLM that needs no more."""
+        llm = self.llm
+        with translated(ASYNC_CALLS, call):
+            return await act(llm)
 
     # -- generation -----------------------------------------------------------------
     def _sampling(self, spec: SamplingSpec, kind: RequestOutputKind) -> SamplingParams:
@@ -316,9 +325,7 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
         return tokenize_with(self._renderer("tokenize"), prompts)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
-        llm = self.llm
-        with translated(ASYNC_CALLS, "abort"):
-            await llm.abort(list(request_ids))
+        await self._call("abort", lambda llm: llm.abort(list(request_ids)))
 
     # -- pause and weights ----------------------------------------------------------
     async def pause(self, mode: InflightMode, clear_cache: bool) -> None:
@@ -332,9 +339,7 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
             await llm.engine_core.pause_scheduler_async(mode=mode.value, clear_cache=clear_cache)
 
     async def resume(self) -> None:
-        llm = self.llm
-        with translated(ASYNC_CALLS, "resume_generation"):
-            await llm.resume_generation()
+        await self._call("resume_generation", lambda llm: llm.resume_generation())
 
     async def label_weights(self, label: str) -> None:
         update = getattr(self.llm, "update_weight_version", None)
@@ -361,21 +366,14 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
             return await llm.wake_up(tags=names)
 
     async def reset_prefix_cache(self) -> None:
-        llm = self.llm
-        with translated(ASYNC_CALLS, "reset_prefix_cache"):
-            reset = await llm.reset_prefix_cache()
-        if not reset:
+        if not await self._call("reset_prefix_cache", lambda llm: llm.reset_prefix_cache()):
             raise EngineStateError("reset_prefix_cache: vLLM kept the cache (requests running)")
 
     async def reset_mm_cache(self) -> None:
-        llm = self.llm
-        with translated(ASYNC_CALLS, "reset_mm_cache"):
-            await llm.reset_mm_cache()
+        await self._call("reset_mm_cache", lambda llm: llm.reset_mm_cache())
 
     async def reset_encoder_cache(self) -> None:
-        llm = self.llm
-        with translated(ASYNC_CALLS, "reset_encoder_cache"):
-            await llm.reset_encoder_cache()
+        await self._call("reset_encoder_cache", lambda llm: llm.reset_encoder_cache())
 
     # -- observability --------------------------------------------------------------
     def metrics(self) -> list[MetricSample]:
@@ -399,17 +397,13 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
     ) -> list[object]:
         llm = self.llm
         call = llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
-        try:
-            with translated(ASYNC_CALLS, f"collective_rpc({method!r})"):
-                try:
-                    return await asyncio.wait_for(call, timeout)
-                except TimeoutError as e:
-                    raise EngineDeadError(
-                        f"collective_rpc({method!r}) did not answer within {timeout:g} s"
-                    ) from e
-        except EngineDeadError as e:
-            self._died(e)
-            raise
+        with self._mortal(), translated(ASYNC_CALLS, f"collective_rpc({method!r})"):
+            try:
+                return await asyncio.wait_for(call, timeout)
+            except TimeoutError as e:
+                raise EngineDeadError(
+                    f"collective_rpc({method!r}) did not answer within {timeout:g} s"
+                ) from e
 
     async def device_ids(self) -> list[str]:
         if not self._extension:

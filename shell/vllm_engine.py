@@ -487,6 +487,16 @@ class VllmEngineBase(Generic[_Llm]):
         if self._dead is None:
             self._dead = str(error)
 
+    @contextmanager
+    def _mortal(self) -> Iterator[None]:
+        """An EngineDeadError out of the block (an RPC past its bound) kills the engine:
+        every later call is refused."""
+        try:
+            yield
+        except EngineDeadError as e:
+            self._died(e)
+            raise
+
     @property
     def capabilities(self) -> EngineCapabilities:
         return self._caps
@@ -572,6 +582,13 @@ class VllmEngine(VllmEngineBase[LLM]):
         if self._dead is None:
             super()._died(error)
             log.error("the engine died: %s", error)
+
+    def _call(self, call: str, act: Callable[[LLM], _T], seam: Seam = VLLM_CALLS) -> _T:
+        """``act`` on the live engine (a dead one refused first), its errors mapped
+        through ``seam``: every call into vLLM that needs no more than that."""
+        llm = self.llm
+        with translated(seam, call):
+            return act(llm)
 
     @property
     def sampled_logprob_arrays(self) -> bool:
@@ -698,39 +715,26 @@ class VllmEngine(VllmEngineBase[LLM]):
             return llm.wake_up(tags=names)
 
     def reset_prefix_cache(self) -> None:
-        llm = self.llm
-        with translated(VLLM_CALLS, "reset_prefix_cache"):
-            reset = llm.reset_prefix_cache()
-        if not reset:
+        if not self._call("reset_prefix_cache", lambda llm: llm.reset_prefix_cache()):
             raise EngineStateError("reset_prefix_cache: vLLM kept the cache (requests running)")
 
     def reset_mm_cache(self) -> None:
-        llm = self.llm
-        with translated(VLLM_CALLS, "reset_mm_cache"):
-            llm.reset_mm_cache()
+        self._call("reset_mm_cache", lambda llm: llm.reset_mm_cache())
 
     def reset_encoder_cache(self) -> None:
-        llm = self.llm
-        with translated(VLLM_CALLS, "reset_encoder_cache"):
-            llm.llm_engine.reset_encoder_cache()
+        self._call("reset_encoder_cache", lambda llm: llm.llm_engine.reset_encoder_cache())
 
     # -- observability --------------------------------------------------------------
     def metrics(self) -> list[MetricSample]:
         if not self._log_stats:
             raise UnsupportedError("metrics: the engine was started with disable_log_stats")
-        llm = self.llm
-        with translated(VLLM_CALLS, "metrics"):
-            return [metric_sample(m) for m in llm.get_metrics()]
+        return self._call("metrics", lambda llm: [metric_sample(m) for m in llm.get_metrics()])
 
     def start_profile(self) -> None:
-        llm = self.llm
-        with translated(VLLM_PROFILING, "start_profile"):
-            llm.start_profile()
+        self._call("start_profile", lambda llm: llm.start_profile(), VLLM_PROFILING)
 
     def stop_profile(self) -> None:
-        llm = self.llm
-        with translated(VLLM_PROFILING, "stop_profile"):
-            llm.stop_profile()
+        self._call("stop_profile", lambda llm: llm.stop_profile(), VLLM_PROFILING)
 
     # -- workers --------------------------------------------------------------------
     def collective_rpc(
@@ -746,15 +750,12 @@ class VllmEngine(VllmEngineBase[LLM]):
             return llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
         what = f"collective_rpc({method!r})"
-        try:
+        with self._mortal():
             _settle(self._inflight, what)
             with translated(VLLM_CALLS, what):
                 if timeout is None:
                     return call()
                 return _bounded(call, timeout, what=what, inflight=self._inflight)
-        except EngineDeadError as e:
-            self._died(e)
-            raise
 
     def device_ids(self) -> list[str]:
         if not self._extension:
