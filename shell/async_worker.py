@@ -231,14 +231,18 @@ def _for_row(error: GenworkerError, row: int) -> GenworkerError:
     return named
 
 
-def _inflight_mode(mode: object) -> InflightMode:
-    if isinstance(mode, InflightMode):
-        return mode
-    try:
-        return InflightMode(mode)
-    except ValueError:
-        modes = ", ".join(repr(m.value) for m in InflightMode)
-        raise BadArgumentError(f"mode must be one of {modes}, got {mode!r}") from None
+def _pause_args(mode: object, clear_cache: object) -> tuple[InflightMode, bool]:
+    """A pause's ``mode`` (an ``InflightMode`` or its value) and ``clear_cache``,
+    checked."""
+    if not isinstance(mode, InflightMode):
+        try:
+            mode = InflightMode(mode)
+        except ValueError:
+            modes = ", ".join(repr(m.value) for m in InflightMode)
+            raise BadArgumentError(f"mode must be one of {modes}, got {mode!r}") from None
+    if not isinstance(clear_cache, bool):
+        raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
+    return mode, clear_cache
 
 
 # What NeMo-RL's async worker's metrics thread samples (``_start_vllm_metrics_logger``):
@@ -935,13 +939,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         """Pause generation as vLLM's ``/pause`` does (``abort``: the rows in flight end
         typed; ``wait``: they finish, nothing new starts; ``keep``: they freeze) until
         :meth:`resume_generation`."""
-        inflight = _inflight_mode(mode)
-        if not isinstance(clear_cache, bool):
-            raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
-        if inflight is InflightMode.ABORT:
-            self._mark_in_flight(
-                lambda row: RequestAbortedError(f"row {row}: aborted by a pause (mode 'abort')")
-            )
+        inflight, clear_cache = _pause_args(mode, clear_cache)
+        self._abort_in_flight(inflight, "a pause")
         await self.engine.pause(inflight, clear_cache)
 
     async def resume_generation(self) -> None:
@@ -1037,18 +1036,11 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         (``mode``, ``clear_cache``), over ``transport`` as the sync worker's; the version
         counts it. A failure resumes the engine with the previous adapter serving and the
         version alone (rows of mode ``abort`` stay aborted)."""
-        inflight = _inflight_mode(mode)
-        if not isinstance(clear_cache, bool):
-            raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
+        inflight, clear_cache = _pause_args(mode, clear_cache)
         bound, outer, kwargs = self._lora_bounds(name, timeout_s, transport)
         self._rpc_allowed("update_lora")
         engine = self.engine
-        if inflight is InflightMode.ABORT:
-            self._mark_in_flight(
-                lambda row: RequestAbortedError(
-                    f"row {row}: aborted by an in-flight adapter refit (mode 'abort')"
-                )
-            )
+        self._abort_in_flight(inflight, "an in-flight adapter refit")
         await self._pause_within("update_lora", inflight, clear_cache, bound)
         try:
             with translated(self._rpc_seam("update_lora"), "update_lora"):
@@ -1059,11 +1051,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             self._lora_ok(name, reports, {})
             if self._http is not None:
                 self._http.serve_adapter(name, self.lora_adapters[name])
-            if engine.capabilities.weight_versions:
-                await engine.label_weights(str(self._version))
-                self._labelled = True
-            self._close_runs()
-            self._label = self._version
+            await self._relabel(engine)
         except EngineDeadError as e:
             self._died(e)
             raise
@@ -1072,6 +1060,22 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 await engine.resume()
         self.last_refit["mode"] = inflight.value
         return True
+
+    def _abort_in_flight(self, inflight: InflightMode, by: str) -> None:
+        """Mode ``abort``: every row in flight ends as aborted ``by`` the pause."""
+        if inflight is InflightMode.ABORT:
+            self._mark_in_flight(
+                lambda row: RequestAbortedError(f"row {row}: aborted by {by} (mode 'abort')")
+            )
+
+    async def _relabel(self, engine: AsyncEnginePort) -> None:
+        """The weight version changed: the engine's weights labelled with it (where it
+        labels tokens), the tokens counted so far closed under the old one."""
+        if engine.capabilities.weight_versions:
+            await engine.label_weights(str(self._version))
+            self._labelled = True
+        self._close_runs()
+        self._label = self._version
 
     def _mark_in_flight(self, why: Callable[[int], GenworkerError]) -> list[str]:
         for request in self._requests.values():
@@ -1093,9 +1097,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
     ) -> bool:
         """``method(*args, timeout_s=)`` on the engine workers, paused (unless ``held`` by
         the caller); ``manifest``: the refit's own (a wire that announces each update)."""
-        inflight = _inflight_mode(mode)
-        if not isinstance(clear_cache, bool):
-            raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
+        inflight, clear_cache = _pause_args(mode, clear_cache)
         if not clear_cache and self.caps.multimodal:
             raise BadArgumentError(
                 f"{method}: clear_cache=False on a multimodal engine: after such a refit "
@@ -1111,12 +1113,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         started = time.monotonic()
         paused_at = resumed_at = rpc_done = started
         try:
-            if inflight is InflightMode.ABORT:
-                self._mark_in_flight(
-                    lambda row: RequestAbortedError(
-                        f"row {row}: aborted by an in-flight refit (mode 'abort')"
-                    )
-                )
+            self._abort_in_flight(inflight, "an in-flight refit")
             if not held:
                 await self._pause_within(method, inflight, clear_cache, timeout)
             paused_at = time.monotonic()
@@ -1132,11 +1129,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             self._refit_failed(method, e)
         self._version += 1
         try:
-            if engine.capabilities.weight_versions:
-                await engine.label_weights(str(self._version))
-                self._labelled = True
-            self._close_runs()
-            self._label = self._version
+            await self._relabel(engine)
             self._commit(lifecycle.Event.REFIT_OK, "refit")
             if not held:
                 await engine.resume()
