@@ -57,6 +57,7 @@ Theory of operation
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import importlib
@@ -66,16 +67,17 @@ import logging
 import os
 import socket
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, SupportsInt, TypeVar, runtime_checkable
 
-from returns.result import Failure
+from returns.result import Failure, Result
 
-from genworker.core.caps import CapError
+from genworker.core.caps import CapError, CapFailure
 from genworker.core.control_plane import ROUTES as CONTROL_ROUTES
 from genworker.core.serving import (
     ROUTES_FIELD,
     BadRequest,
+    BudgetError,
     HttpLimits,
     OffPolicy,
     SamplingPolicy,
@@ -100,6 +102,12 @@ from genworker.core.serving import (
 )
 from genworker.shell.control import ControlHooks, ControlRoutes
 from genworker.shell.errors import BadConfigError, EngineStateError, GenworkerError
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+    from vllm.config.model import ModelConfig
+    from vllm.lora.request import LoRARequest
 
 __all__ = [
     "BODY_READ_TIMEOUT_S",
@@ -138,11 +146,18 @@ _TOKENIZE_CHAT_FIELDS = (
     "model",
 )
 
+# ASGI's shapes as Starlette names them (starlette/types.py). Values are read through
+# :func:`_field` / :func:`_headers`, typed as the ASGI spec types them. The scope keeps
+# Starlette's own type, ``Any`` values: the app writes its own (``app``, ``state``,
+# ``router``) into the very dict the server made, so any str-keyed dict is a scope.
 Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
+Message = MutableMapping[str, object]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+_Budget = Result[int, BudgetError | CapFailure]
+
+_T = TypeVar("_T")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -230,9 +245,9 @@ class RolloutLayer:
         self.vocab_size = vocab_size
         self.limits: HttpLimits = http_limits(max_model_len, vocab_size)
         self.body_timeout_s = body_timeout_s
-        self._running: set[asyncio.Task[Any]] = set()
-        self._aborted: dict[asyncio.Task[Any], str] = {}
-        self._budgets: dict[tuple[int | None, int, int, int, bool, int], Any] = {}
+        self._running: set[asyncio.Task[object]] = set()
+        self._aborted: dict[asyncio.Task[object], str] = {}
+        self._budgets: dict[tuple[int | None, int, int, int, bool, int], _Budget] = {}
 
     def abort_all(self, reason: str) -> int:
         """End every generation request in flight (vLLM aborts it: ``AsyncLLM.generate``
@@ -254,7 +269,9 @@ class RolloutLayer:
             if isinstance(nested, Failure):
                 await _refuse(send, nested.failure())
                 return
-            route = CONTROL_ROUTES.get((scope.get("method", ""), scope.get("path", "")))
+            route = CONTROL_ROUTES.get(
+                (_field(scope, "method", str, ""), _field(scope, "path", str, ""))
+            )
             if self.control is not None and route is not None:
                 status, answer = await self.control.handle(route, _query(scope), raw)
                 await _respond(send, status, json.dumps(answer).encode())
@@ -307,7 +324,7 @@ class RolloutLayer:
                     message = await receive()
                     if message["type"] == "http.disconnect":
                         return None
-                    chunk = message.get("body", b"")
+                    chunk = _field(message, "body", bytes, b"")
                     size += len(chunk)
                     checked = check_body_length(size, self.limits)
                     if isinstance(checked, Failure):
@@ -366,7 +383,7 @@ class RolloutLayer:
             self._aborted.pop(task, None)
 
     # -- the request -------------------------------------------------------------------
-    async def _prepare(self, scope: Scope, body: dict[str, Any], chat: bool) -> bool:
+    async def _prepare(self, scope: Scope, body: dict[str, object], chat: bool) -> bool:
         """Checks and completes ``body`` in place; whether it changed (else the request's
         own bytes go to vLLM as they came)."""
         changed = chat  # chat requests lose their turns' ids, may gain prompt ids
@@ -409,7 +426,7 @@ class RolloutLayer:
             changed = True
         return changed
 
-    def _budget(self, requested: object, prompt_length: int) -> Any:
+    def _budget(self, requested: object, prompt_length: int) -> _Budget:
         """``core.serving.http_max_tokens`` for this server, memoized for the usual
         ``max_tokens`` (an int or left out): it is pure, and the fast path asks it twice."""
         if requested is not None and type(requested) is not int:
@@ -429,7 +446,7 @@ class RolloutLayer:
             found = self._budgets[memo] = self._http_max_tokens(requested, prompt_length)
         return found
 
-    def _http_max_tokens(self, requested: object, prompt_length: int) -> Any:
+    def _http_max_tokens(self, requested: object, prompt_length: int) -> _Budget:
         return http_max_tokens(
             requested,
             prompt_length,
@@ -449,7 +466,7 @@ class RolloutLayer:
             return None
         return bound
 
-    async def _tokenize(self, scope: Scope, payload: dict[str, Any]) -> list[int]:
+    async def _tokenize(self, scope: Scope, payload: Mapping[str, object]) -> list[int]:
         status, answer = await _call_json(self.app, scope, "/tokenize", payload)
         if status != 200 or not isinstance(answer, dict):
             message = answer.get("error", answer) if isinstance(answer, dict) else answer
@@ -460,7 +477,7 @@ class RolloutLayer:
         assert isinstance(tokens, list), answer
         return tokens
 
-    async def _completion_lengths(self, scope: Scope, body: dict[str, Any]) -> list[int]:
+    async def _completion_lengths(self, scope: Scope, body: Mapping[str, object]) -> list[int]:
         checked = check_completion_prompt(body.get("prompt"), self.limits)
         if isinstance(checked, Failure):
             raise _refused(checked.failure())
@@ -473,14 +490,14 @@ class RolloutLayer:
                 if bound is not None:
                     lengths.append(bound)
                     continue
-                payload: dict[str, Any] = {"prompt": p}
+                payload: dict[str, object] = {"prompt": p}
                 for field in ("model", "add_special_tokens"):
                     if field in body:
                         payload[field] = body[field]
                 lengths.append(len(await self._tokenize(scope, payload)))
         return lengths
 
-    async def _chat_prompt(self, scope: Scope, body: dict[str, Any]) -> int:
+    async def _chat_prompt(self, scope: Scope, body: dict[str, object]) -> int:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise _Refused(400, "messages must be a list of objects", "messages")
@@ -533,7 +550,7 @@ class RolloutLayer:
             reference, template, lambda ids: self.decode(ids, False), message=message
         )
         if isinstance(spliced, Failure):
-            await self._check_template(scope, payload, template, message)
+            await self._check_template(scope, payload, messages, template, message)
             raise _Refused(400, str(spliced.failure()), "messages")
         ids = list(spliced.unwrap())
         kv = body.get("kv_transfer_params")
@@ -544,13 +561,19 @@ class RolloutLayer:
         return len(ids)
 
     async def _check_template(
-        self, scope: Scope, payload: dict[str, Any], whole: Sequence[int], message: int
+        self,
+        scope: Scope,
+        payload: Mapping[str, object],
+        messages: Sequence[object],
+        whole: Sequence[int],
+        message: int,
     ) -> None:
         """Refuses naming the chat template when it is what broke the prefix
-        (``core.serving.check_template_stable``); returns when the history is to blame."""
+        (``core.serving.check_template_stable``); returns when the history is to blame.
+        ``messages``: the payload's own."""
         alone = {
             **payload,
-            "messages": payload["messages"][: message + 1],
+            "messages": messages[: message + 1],
             "add_generation_prompt": False,
             "continue_final_message": False,
         }
@@ -594,7 +617,7 @@ class RolloutLayer:
         async def wrapped(message: Message) -> None:
             nonlocal stream, pending, held
             if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
+                headers = _headers(message)
                 stream = any(
                     v.startswith(b"text/event-stream") and k.lower() == b"content-type"
                     for k, v in headers
@@ -605,17 +628,17 @@ class RolloutLayer:
                     held = message
                     return
             elif message["type"] == "http.response.body" and held is not None:
-                pending += message.get("body", b"")
+                pending += _field(message, "body", bytes, b"")
                 if message.get("more_body", False):
                     return
                 body, pending = drop_routes(pending), b""
                 length = (b"content-length", str(len(body)).encode())
-                kept = [(k, v) for k, v in held["headers"] if k.lower() != b"content-length"]
+                kept = [(k, v) for k, v in _headers(held) if k.lower() != b"content-length"]
                 await send({**held, "headers": [*kept, length]})
                 held = None
                 message = {**message, "body": body}
             elif message["type"] == "http.response.body" and stream:
-                pending += message.get("body", b"")
+                pending += _field(message, "body", bytes, b"")
                 done, _, pending = pending.rpartition(b"\n\n")
                 if done or not message.get("more_body", False):
                     events = (done + b"\n\n") if done else b""
@@ -650,18 +673,44 @@ def tag_events(events: bytes, versions: Sequence[int]) -> bytes:
 
 def _query(scope: Scope) -> dict[str, str]:
     """The request's query parameters (the last of a repeated name)."""
-    raw = scope.get("query_string", b"")
+    raw = _field(scope, "query_string", bytes, b"")
     return dict(urllib.parse.parse_qsl(raw.decode("latin-1"), keep_blank_values=True))
 
 
 def _content_length(scope: Scope) -> int | None:
-    for key, value in scope.get("headers", ()):
+    for key, value in _headers(scope):
         if key.lower() == b"content-length":
             try:
                 return int(value)
             except ValueError:  # the HTTP server refuses it before the app runs
                 return None
     return None
+
+
+def _field(
+    message: Mapping[str, object], key: str, kind: type[_T], default: _T | None = None
+) -> _T:
+    """An ASGI message's (or scope's) ``key``, of the type the ASGI spec gives it; ``default``
+    when it is absent (without one: required)."""
+    value = message[key] if default is None else message.get(key, default)
+    if not isinstance(value, kind):
+        raise TypeError(
+            f"ASGI {message.get('type')!r}: {key} is a {type(value).__name__}, not {kind.__name__}"
+        )
+    return value
+
+
+def _headers(message: Mapping[str, object]) -> list[tuple[bytes, bytes]]:
+    """An ASGI message's (or scope's) headers: ``(name, value)`` byte strings."""
+    raw = message.get("headers", ())
+    if not isinstance(raw, Iterable):
+        raise TypeError(f"ASGI {message.get('type')!r}: headers is a {type(raw).__name__}")
+    headers = []
+    for name, value in raw:
+        if not (isinstance(name, bytes) and isinstance(value, bytes)):
+            raise TypeError(f"ASGI {message.get('type')!r}: a header is not two byte strings")
+        headers.append((name, value))
+    return headers
 
 
 def _replay(body: bytes, then: Receive | None = None) -> Receive:
@@ -701,7 +750,7 @@ async def _refuse(send: Send, problem: BadRequest) -> None:
 
 
 async def _call_json(
-    app: ASGIApp, scope: Scope, path: str, payload: Mapping[str, Any]
+    app: ASGIApp, scope: Scope, path: str, payload: Mapping[str, object]
 ) -> tuple[int, object]:
     """One in-process request to ``app`` (vLLM's own route), JSON in and out."""
     data = json.dumps(payload).encode()
@@ -721,9 +770,9 @@ async def _call_json(
     async def send(message: Message) -> None:
         nonlocal status
         if message["type"] == "http.response.start":
-            status = int(message["status"])
+            status = int(_field(message, "status", int))
         elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
+            chunks.append(_field(message, "body", bytes, b""))
 
     await app(sub, _replay(data), send)
     try:
@@ -735,13 +784,48 @@ async def _call_json(
 # --- vLLM's app, found by looking ------------------------------------------------------
 
 
-def _first_attr(names: Sequence[tuple[str, str]]) -> Any:
+# The pieces of vLLM's app, each where 0.32 has it, then where 0.25 has it.
+_APP_PARTS = (
+    ("build_app", ("vllm.entrypoints.launchers.app", "vllm.entrypoints.openai.api_server")),
+    (
+        "init_app_state",
+        (
+            "vllm.entrypoints.launchers.api_server.app_state",
+            "vllm.entrypoints.openai.api_server",
+        ),
+    ),
+    (
+        "make_arg_parser",
+        ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"),
+    ),
+    ("FlexibleArgumentParser", ("vllm.utils.argparse_utils", "vllm.utils")),
+)
+
+
+class _ServedModels(Protocol):
+    """vLLM's ``OpenAIServingModels`` (``vllm/entrypoints/openai/models/serving.py``, 0.32),
+    as far as the server writes it."""
+
+    lora_requests: dict[str, LoRARequest]
+
+
+@runtime_checkable
+class _Tokenizer(Protocol):
+    """vLLM's tokenizer (``TokenizerLike``, ``vllm/tokenizers/protocol.py``, 0.32), as far
+    as the server reads it (``max_token_id`` where it has one)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def __len__(self) -> int: ...
+
+
+def _first_attr(names: Sequence[tuple[str, str]]) -> Callable[..., object]:
     for module, attr in names:
         try:
-            found = getattr(importlib.import_module(module), attr, None)
+            found: object = getattr(importlib.import_module(module), attr, None)
         except ImportError:
             continue
-        if found is not None:
+        if callable(found):
             return found
     raise BadConfigError(
         f"the installed vLLM has none of {[f'{m}.{a}' for m, a in names]}: cannot build its "
@@ -749,9 +833,31 @@ def _first_attr(names: Sequence[tuple[str, str]]) -> Any:
     )
 
 
-def _call_by_signature(fn: Any, /, **available: Any) -> Any:
+def _call_by_signature(fn: Callable[..., _T], /, **available: object) -> _T:
     params = inspect.signature(fn).parameters
     return fn(**{k: v for k, v in available.items() if k in params})
+
+
+def _expect(value: object, kind: type[_T], what: str) -> _T:
+    """``value``, found by looking in vLLM, when it is the ``kind`` read here."""
+    if not isinstance(value, kind):
+        raise BadConfigError(
+            f"the installed vLLM's {what} is a {type(value).__name__}, not a {kind.__name__}"
+        )
+    return value
+
+
+async def _awaited(value: object) -> object:
+    """``await value`` (a coroutine function of vLLM's, found by looking)."""
+    if not inspect.isawaitable(value):
+        raise TypeError(f"object {type(value).__name__} can't be used in 'await' expression")
+    return await value
+
+
+def _model_config(llm: object) -> ModelConfig:
+    from vllm.config.model import ModelConfig
+
+    return _expect(getattr(llm, "model_config", None), ModelConfig, "engine client's model_config")
 
 
 def chat_takes_prompt_ids() -> bool:
@@ -764,20 +870,24 @@ def chat_takes_prompt_ids() -> bool:
     return callable(getattr(renderer, "_reused_prompt_token_ids", None))
 
 
-async def _tokenizer(llm: Any) -> Any:
-    tokenizer = getattr(llm, "tokenizer", None)
+async def _tokenizer(llm: object) -> _Tokenizer:
+    tokenizer: object = getattr(llm, "tokenizer", None)
     if tokenizer is None or (callable(tokenizer) and not hasattr(tokenizer, "decode")):
-        got = llm.get_tokenizer()
+        got: object = getattr(llm, "get_tokenizer")()  # noqa: B009 - llm: any engine client
         tokenizer = await got if inspect.isawaitable(got) else got
     if tokenizer is None:
         raise BadConfigError("the engine has no tokenizer (skip_tokenizer_init): no HTTP server")
+    if not isinstance(tokenizer, _Tokenizer):
+        raise BadConfigError(f"the engine's tokenizer {type(tokenizer).__name__} cannot decode")
     return tokenizer
 
 
-def _vocab_size(model_config: Any, tokenizer: Any) -> int:
+def _vocab_size(model_config: ModelConfig, tokenizer: _Tokenizer) -> int:
     """The ids vLLM takes: the larger of the model's and the tokenizer's vocabulary
     (``BaseRenderer.validate_token_ids``, vLLM 0.32)."""
-    top = getattr(tokenizer, "max_token_id", None)
+    top: object = getattr(tokenizer, "max_token_id", None)
+    if top is not None and not isinstance(top, SupportsInt):
+        raise BadConfigError(f"the engine's tokenizer has max_token_id {top!r}, not an int")
     tokenizer_size = len(tokenizer) if top is None else int(top) + 1
     return max(int(model_config.get_vocab_size()), tokenizer_size)
 
@@ -801,38 +911,18 @@ def refuse_dev_mode(environ: Mapping[str, str], dev_mode: bool = False) -> None:
         )
 
 
-async def build_vllm_app(llm: Any, chat_template: str | None = None) -> Any:
+async def build_vllm_app(llm: object, chat_template: str | None = None) -> FastAPI:
     """vLLM's own OpenAI app around the engine client ``llm`` (stock, no layer); refused
     with vLLM's development routes on (:func:`refuse_dev_mode`)."""
     import vllm.envs
+    from fastapi import FastAPI
 
     refuse_dev_mode(os.environ)  # first: vLLM's reading raises on a value like "true"
     refuse_dev_mode(os.environ, bool(vllm.envs.VLLM_SERVER_DEV_MODE))
-    build_app = _first_attr(
-        [
-            ("vllm.entrypoints.launchers.app", "build_app"),
-            ("vllm.entrypoints.openai.api_server", "build_app"),
-        ]
+    build_app, init_app_state, make_arg_parser, parser_cls = (
+        _first_attr([(module, name) for module in modules]) for name, modules in _APP_PARTS
     )
-    init_app_state = _first_attr(
-        [
-            ("vllm.entrypoints.launchers.api_server.app_state", "init_app_state"),
-            ("vllm.entrypoints.openai.api_server", "init_app_state"),
-        ]
-    )
-    make_arg_parser = _first_attr(
-        [
-            ("vllm.entrypoints.launchers.cli_args", "make_arg_parser"),
-            ("vllm.entrypoints.openai.cli_args", "make_arg_parser"),
-        ]
-    )
-    parser_cls = _first_attr(
-        [
-            ("vllm.utils.argparse_utils", "FlexibleArgumentParser"),
-            ("vllm.utils", "FlexibleArgumentParser"),
-        ]
-    )
-    model_config = llm.model_config
+    model_config = _model_config(llm)
     argv = [
         "--model",
         str(model_config.model),
@@ -845,24 +935,33 @@ async def build_vllm_app(llm: Any, chat_template: str | None = None) -> Any:
         argv += ["--served-model-name", *names]
     if chat_template is not None:
         argv += ["--chat-template", chat_template]
-    args = make_arg_parser(parser_cls()).parse_args(argv)
+    parser = _expect(make_arg_parser(parser_cls()), argparse.ArgumentParser, "make_arg_parser")
+    args = parser.parse_args(argv)
     tasks = None
     get_tasks = getattr(llm, "get_supported_tasks", None)
     if callable(get_tasks):
-        tasks = await get_tasks()
-    app = _call_by_signature(build_app, args=args, supported_tasks=tasks, model_config=model_config)
-    await _call_by_signature(
-        init_app_state,
-        engine_client=llm,
-        vllm_config=getattr(llm, "vllm_config", None),
-        state=app.state,
-        args=args,
-        supported_tasks=tasks,
+        tasks = await _awaited(get_tasks())
+    app = _expect(
+        _call_by_signature(build_app, args=args, supported_tasks=tasks, model_config=model_config),
+        FastAPI,
+        "build_app",
+    )
+    await _awaited(
+        _call_by_signature(
+            init_app_state,
+            engine_client=llm,
+            vllm_config=getattr(llm, "vllm_config", None),
+            state=app.state,
+            args=args,
+            supported_tasks=tasks,
+        )
     )
     return app
 
 
-async def serve_on(app: Any, sock: socket.socket) -> tuple[Any, asyncio.Task[None]]:
+async def serve_on(
+    app: Callable[..., Awaitable[None]], sock: socket.socket
+) -> tuple[uvicorn.Server, asyncio.Task[None]]:
     """Serve the ASGI ``app`` on the bound ``sock`` from this loop with a uvicorn server
     that leaves the process's signals alone; returns once it accepts connections."""
     import uvicorn
@@ -877,9 +976,9 @@ async def serve_on(app: Any, sock: socket.socket) -> tuple[Any, asyncio.Task[Non
         lifespan="off",
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    server = server_cls(config)
+    server = _expect(server_cls(config), uvicorn.Server, "HTTP server")
     if server_cls is uvicorn.Server:  # never take the process's signals
-        server.install_signal_handlers = lambda: None
+        setattr(server, "install_signal_handlers", lambda: None)  # noqa: B010 - uvicorn < 0.29
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     async with asyncio.timeout(60):
         while not server.started:
@@ -896,7 +995,7 @@ them (:meth:`OpenAIServer.stop` has ended the generations by then). Without a bo
 uvicorn's graceful shutdown waits for every open stream to end by itself."""
 
 
-async def stop_serving(server: Any, task: asyncio.Task[None]) -> None:
+async def stop_serving(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
     """Stop a server of :func:`serve_on`: uvicorn closes idle connections at once and
     cancels requests still running after :data:`SHUTDOWN_GRACE_S`; forced a second later
     (uvicorn looks at ``should_exit`` every 0.1 s)."""
@@ -928,10 +1027,10 @@ class OpenAIServer:
                 "from other hosts",
                 self.base_url,
             )
-        self._server: Any = None
+        self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._layer: RolloutLayer | None = None
-        self._models: Any = None  # vLLM's OpenAIServingModels of the app, once built
+        self._models: _ServedModels | None = None  # the app's, once built
         self._adapters: dict[str, int] = {}
 
     def serve_adapter(self, name: str, lora_int_id: int) -> None:
@@ -943,7 +1042,9 @@ class OpenAIServer:
             from genworker.core.lora import LoraRef
             from genworker.shell.vllm_engine import lora_request
 
-            self._models.lora_requests[name] = lora_request(LoraRef(name, lora_int_id))
+            request = lora_request(LoraRef(name, lora_int_id))
+            assert request is not None  # a ref always makes one
+            self._models.lora_requests[name] = request
 
     def abort_all(self, reason: str) -> int:
         """End every HTTP generation request in flight (see ``RolloutLayer.abort_all``)."""
@@ -955,7 +1056,7 @@ class OpenAIServer:
 
     async def start(
         self,
-        llm: Any,
+        llm: object,
         hooks: RolloutHooks,
         *,
         policy: SamplingPolicy | None,
@@ -973,7 +1074,7 @@ class OpenAIServer:
             return
         if self._socket is None:
             raise EngineStateError("the HTTP server was stopped; create a new worker")
-        model_config = llm.model_config
+        model_config = _model_config(llm)
         app = await build_vllm_app(llm, self.options.chat_template)
         self._models = getattr(app.state, "openai_serving_models", None)
         for name, lora_int_id in self._adapters.items():
@@ -1002,7 +1103,7 @@ class OpenAIServer:
         self._server, self._task = await serve_on(layer, self._socket)
         log.info("vLLM's OpenAI server listens on %s", self.base_url)
 
-    def _control(self, llm: Any, hooks: ControlHooks | None) -> ControlRoutes | None:
+    def _control(self, llm: object, hooks: ControlHooks | None) -> ControlRoutes | None:
         if not self.options.rl_routes:
             return None
         if hooks is None:

@@ -1,6 +1,8 @@
 from vllm.config.multimodal import MultiModalConfig
 
 class ModelConfig:
+    model: str
+    served_model_name: str | list[str] | None
     max_model_len: int
     enable_sleep_mode: bool
     # transformers' PretrainedConfig; read with getattr (model-specific attributes).
