@@ -148,7 +148,7 @@ _TOKENIZE_CHAT_FIELDS = (
 
 # ASGI's shapes as Starlette names them (starlette/types.py). Values are read through
 # :func:`_field` / :func:`_headers`, typed as the ASGI spec types them. The scope keeps
-# Starlette's own type, ``Any`` values: the app writes its own (``app``, ``state``,
+# Starlette's own type, values of every type: the app writes its own (``app``, ``state``,
 # ``router``) into the very dict the server made, so any str-keyed dict is a scope.
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, object]
