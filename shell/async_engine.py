@@ -227,11 +227,9 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
         key = (spec, kind)
         params = self._params.get(key)
         if params is None:
-            if self._caps.flat_logprobs and not spec.flat_logprobs:
-                spec = attrs.evolve(spec, flat_logprobs=True)
             # as_kwargs yields SamplingParams fields only, each typed as vLLM expects.
             params = SamplingParams(
-                **spec.as_kwargs(self._caps.sampling_args),  # type: ignore[arg-type]
+                **self._flat(spec).as_kwargs(self._caps.sampling_args),  # type: ignore[arg-type]
                 output_kind=kind,
             )
             if len(self._params) >= _PARAMS_CACHE_SIZE:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Unpack
 
@@ -208,13 +207,14 @@ class FakeAsyncEngine(FakeEngineBase):
         position = len(request.tokens)
         context = (*request.prompt, *request.tokens)
         key = (self.seed, self.weight_version, context, greedy, *request.pixels)
-        u = draw(*key) if greedy else draw(*key, spec.seed, position)
-        token = int(u * (self._caps.vocab_size or 64))
+        token, logprob = self._sampled(
+            draw(*key) if greedy else draw(*key, spec.seed, position), greedy
+        )
         if not request.labels or request.labels[-1][0] != self.label:
             request.labels.append((self.label, position))
         request.tokens.append(token)
         request.versions.append(self.weight_version)
-        request.logprobs.append(math.log(max(1e-6, 1.0 - u)) - (0.0 if greedy else 0.5))
+        request.logprobs.append(logprob)
         request.text += detokenize((token,))
         self.generation_tokens += 1
         stop_ids = set(spec.stop_token_ids) | (set() if spec.ignore_eos else {self.eos_token_id})

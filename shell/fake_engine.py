@@ -326,6 +326,11 @@ class FakeEngineBase:
     def _expanded(self, prompt: Sequence[int], media: RowMedia | None) -> int:
         return expanded_length(prompt, media, self._caps.image_token_id, self.image_prompt_ids)
 
+    def _sampled(self, u: float, greedy: bool) -> tuple[int, float]:
+        """The token a draw ``u`` samples and its logprob (the fakes' made-up model)."""
+        token = int(u * (self._caps.vocab_size or 64))
+        return token, math.log(max(1e-6, 1.0 - u)) - (0.0 if greedy else 0.5)
+
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """One id per letter, 0 for anything else (the module docstring's tokenisation)."""
         self._enter("tokenize")
@@ -392,7 +397,6 @@ class FakeEngine(FakeEngineBase):
         media: RowMedia | None = None,
         child: int = 0,
     ) -> Generation:
-        vocab = self._caps.vocab_size or 64
         room = self._caps.max_model_len - self._expanded(prompt, media)
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -416,10 +420,9 @@ class FakeEngine(FakeEngineBase):
             stop_ids.add(self.eos_token_id)
         text = ""
         while len(tokens) < min(spec.max_tokens, room):
-            u = draw(*key, len(tokens))
-            token = int(u * vocab)
+            token, logprob = self._sampled(draw(*key, len(tokens)), greedy)
             tokens.append(token)
-            logprobs.append(math.log(max(1e-6, 1.0 - u)) - (0.0 if greedy else 0.5))
+            logprobs.append(logprob)
             text += _LETTERS[token % 26]
             if token in stop_ids or any(text.endswith(s) for s in stops):
                 finish = "stop"

@@ -501,6 +501,12 @@ class VllmEngineBase(Generic[_Llm]):
     def capabilities(self) -> EngineCapabilities:
         return self._caps
 
+    def _flat(self, spec: SamplingSpec) -> SamplingSpec:
+        """``spec`` asking for vLLM's flat logprobs wherever this engine has them."""
+        if self._caps.flat_logprobs and not spec.flat_logprobs:
+            return attrs.evolve(spec, flat_logprobs=True)
+        return spec
+
     def _require_sleep_mode(self, call: str) -> None:
         if not self._caps.sleep_mode:
             raise UnsupportedError(
@@ -606,11 +612,10 @@ class VllmEngine(VllmEngineBase[LLM]):
         groups = group_specs(specs)
         per_row: list[SamplingParams | None] = [None] * len(specs)
         for group in groups:
-            spec = group.spec
-            if self._caps.flat_logprobs and not spec.flat_logprobs:
-                spec = attrs.evolve(spec, flat_logprobs=True)
             params = sampling_params(
-                spec, self._caps.sampling_args, sampled_arrays=self._sampled_arrays
+                self._flat(group.spec),
+                self._caps.sampling_args,
+                sampled_arrays=self._sampled_arrays,
             )
             if len(groups) == 1:
                 return params
