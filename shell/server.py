@@ -68,7 +68,7 @@ import os
 import socket
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, SupportsInt, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, SupportsInt, TypeVar, runtime_checkable
 
 from returns.result import Failure, Result
 
@@ -147,10 +147,10 @@ _TOKENIZE_CHAT_FIELDS = (
 )
 
 # ASGI's shapes as Starlette names them (starlette/types.py). Values are read through
-# :func:`_field` / :func:`_headers`, typed as the ASGI spec types them. The scope keeps
-# Starlette's own type, values of every type: the app writes its own (``app``, ``state``,
-# ``router``) into the very dict the server made, so any str-keyed dict is a scope.
-Scope = MutableMapping[str, Any]
+# :func:`_field` / :func:`_headers`, typed as the ASGI spec types them. The scope is
+# mutable: the app writes its own (``app``, ``state``, ``router``) into the very dict the
+# server made.
+Scope = MutableMapping[str, object]
 Message = MutableMapping[str, object]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]

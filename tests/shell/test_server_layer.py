@@ -164,7 +164,13 @@ async def call(asgi: RolloutLayer, path: str, body: bytes) -> tuple[int, dict[st
     async def send(message: Any) -> None:
         messages.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+    scope: dict[str, object] = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [],
+        "query_string": b"",
+    }
     await asyncio.wait_for(asyncio.ensure_future(asgi(scope, receive, send)), 10)
     start = messages[0]
     headers = {k.decode(): v.decode() for k, v in start.get("headers", [])}
@@ -277,7 +283,12 @@ def test_the_clients_disconnect_reaches_the_app(body: bytes) -> None:
     async def send(message: Any) -> None:
         pass
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    scope: dict[str, object] = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [],
+    }
     asyncio.run(asyncio.wait_for(layer(app, hooks)(scope, receive, send), 10))
     assert app.after_body == [{"type": "http.disconnect"}]
     assert len(app.bodies) == 1
@@ -686,7 +697,12 @@ async def exchange(
     async def send(message: Any) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": headers or []}
+    scope: dict[str, object] = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": headers or [],
+    }
     await asyncio.wait_for(asgi(scope, receive, send), 10)
     return sent
 
