@@ -45,7 +45,7 @@ import io
 import pickle
 import pickletools
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Final, Generic, TypeVar, overload
+from typing import Final, Generic, TypeVar, overload
 
 import attrs
 import torch
@@ -259,14 +259,15 @@ class CudaIpcHandle:
 
 
 H = TypeVar("H")
+H_co = TypeVar("H_co", covariant=True)
 
 
 @attrs.frozen
-class IpcBucket(Generic[H]):
+class IpcBucket(Generic[H_co]):
     """One packed bucket: its handle (a :class:`CudaIpcHandle` on NeMo-RL's wire), the
     parameters in it and the bytes used."""
 
-    handle: H
+    handle: H_co
     names: tuple[str, ...]
     used_bytes: int
 
@@ -352,7 +353,7 @@ def read_message(
 ) -> IpcBucket[H] | IpcComplete: ...
 def read_message(
     message: object, handle_of: Callable[[object], object] = cuda_ipc_handle
-) -> IpcBucket[Any] | IpcComplete:
+) -> IpcBucket[object] | IpcComplete:
     """A loaded message as a value: a bucket (its handle read by ``handle_of``), or the end
     of the stream."""
     if message is IpcProtocol.COMPLETE:
