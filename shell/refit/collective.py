@@ -12,10 +12,11 @@ on every rank: a parameter, a fresh tensor for the loader, or scratch (other tra
 ranks, which check their own stream; a rank that failed, to stay in step). Status rounds
 after Begin and after End: an all-reduce of one error code per rank, then, when one
 failed, an all-gather of the messages, so every rank raises naming who failed and why
-(C1). Foreign errors are mapped in one place (``_foreign``): a wait past its bound is a
-:class:`RefitTimeoutError` naming it; anything else (gloo's "Connection reset by peer",
-an NCCL error) a :class:`RefitTransportError` with its text. Either breaks the group
-(aborted where the backend can) until ``init_collective`` runs again.
+(C1). Foreign errors are mapped in one place (:func:`foreign_errors`, NeMo-RL's and vLLM's
+groups' too): a wait past its bound is a :class:`RefitTimeoutError` naming it; anything
+else (gloo's "Connection reset by peer", an NCCL error) a :class:`RefitTransportError`
+with its text. Either breaks the group (aborted where the backend can) until
+``init_collective`` runs again.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NoReturn, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -40,6 +41,7 @@ from genworker.shell.errors import (
     BadArgumentError,
     BadConfigError,
     EngineStateError,
+    GenworkerError,
     RefitError,
     RefitTimeoutError,
     RefitTransportError,
@@ -50,6 +52,69 @@ from genworker.shell.refit.receiver import Sink, Wait, receive
 from genworker.shell.refit.wire import KINDS, Handle, Reply, decode, encode, error_of, kind_of
 
 __all__ = ["CollectiveBackend", "CollectiveGroup", "CollectiveReceiver", "CollectiveSenderPort"]
+
+
+@runtime_checkable
+class C10dBackend(Protocol):
+    """What the refit calls on torch's gloo and NCCL backends (``ProcessGroupGloo``,
+    ``ProcessGroupNCCL``): torch's stubs (2.13) leave the collectives of their base
+    ``Backend`` out, which its pybind class has."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+
+    def allgather(self, outs: list[list[torch.Tensor]], ins: list[torch.Tensor]) -> dist.Work: ...
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
+
+    def _start_coalescing(self) -> None: ...
+
+    def _end_coalescing(self) -> dist.Work: ...
+
+    def abort(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def c10d_backend(backend: object) -> C10dBackend:
+    """``backend`` (torch's gloo or NCCL backend) as the refit calls it."""
+    assert isinstance(backend, C10dBackend), f"{type(backend).__name__} lacks collectives"
+    return backend
+
+
+@contextlib.contextmanager
+def foreign_errors(
+    what: str, peer: str, bound_s: float, broken: Callable[[], None]
+) -> Iterator[None]:
+    """The one place where a foreign error (torch's, NCCL's, gloo's) raised while ``what``
+    ran on ``peer`` becomes ours: a timeout when it is one or came at the bound ``bound_s``,
+    else a transport failure with its text. Every failure runs ``broken`` first."""
+    started = time.monotonic()
+    try:
+        yield
+    except Exception as e:
+        broken()
+        if isinstance(e, GenworkerError):
+            raise
+        elapsed = time.monotonic() - started
+        if isinstance(e, TimeoutError) or elapsed >= 0.95 * bound_s:
+            raise RefitTimeoutError(f"{what} on {peer}: not done within {bound_s:g}s ({e})") from e
+        message = f"{what} on {peer} failed after {elapsed:.1f}s: {type(e).__name__}: {e}"
+        raise RefitTransportError(message) from e
+
+
+def spin_until(done: Callable[[], bool], deadline: float, what: str) -> None:
+    """Poll ``done`` until it holds; :class:`TimeoutError` past ``deadline``. NCCL has no
+    timeout, and its blocking waits sleep in coarse steps."""
+    spins = 0
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not complete in time")
+        spins += 1
+        time.sleep(0 if spins < 2000 else 1e-4)
 
 
 def _await_listener(ip: str, port: int, bound_s: float) -> None:
@@ -86,7 +151,7 @@ class CollectiveGroup:
             raise BadConfigError("invalid weight-update group: " + "; ".join(problems))
         self.rank, self.world_size, self.device, self.backend = rank, world_size, device, backend
         self.where, self.broken = f"{ip}:{port}", False
-        self._pg: Any = None
+        self._pg: C10dBackend | None = None
         self.peer = f"the weight-update group at {ip}:{port} (rank {rank} of {world_size})"
         self._timeout = dt.timedelta(seconds=timeout_s)
         what = f"{'reaching' if rank else 'hosting'} the weight-update store"
@@ -102,30 +167,15 @@ class CollectiveGroup:
             raise error_of(verdict.kind, message)
         store = PrefixStore("genworker-refit/pg/", self._store)
         if backend == "gloo":
-            self._pg = ProcessGroupGloo(store, rank, world_size, self._timeout)
+            self._pg = c10d_backend(ProcessGroupGloo(store, rank, world_size, self._timeout))
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self._timeout
-            self._pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+            self._pg = c10d_backend(dist.ProcessGroupNCCL(store, rank, world_size, options))
         self.settle(None, "the group's first status round", timeout_s)
 
-    @contextlib.contextmanager
-    def _foreign(self, what: str, bound_s: float) -> Iterator[None]:
-        """The one place where a foreign error becomes ours (see the module docstring)."""
-        started = time.monotonic()
-        try:
-            yield
-        except RefitError:
-            raise
-        except Exception as e:
-            self._break()
-            elapsed = time.monotonic() - started
-            if isinstance(e, TimeoutError) or elapsed >= 0.95 * bound_s:
-                raise RefitTimeoutError(
-                    f"{what} on {self.peer}: not done within {bound_s:g}s ({e})"
-                ) from e
-            message = f"{what} on {self.peer} failed after {elapsed:.1f}s: {type(e).__name__}: {e}"
-            raise RefitTransportError(message) from e
+    def _foreign(self, what: str, bound_s: float) -> contextlib.AbstractContextManager[None]:
+        return foreign_errors(what, self.peer, bound_s, self._break)
 
     def _handshake(self, timeout_s: float) -> Reply:
         store = self._store
@@ -165,7 +215,7 @@ class CollectiveGroup:
         while self._store.add("verdict/read", 0) < readers and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def _group(self) -> Any:
+    def _group(self) -> C10dBackend:
         if self.broken or self._pg is None:
             raise RefitError(
                 f"{self.peer} is unusable after a failed collective; call init_collective again"
@@ -194,12 +244,7 @@ class CollectiveGroup:
         if self.backend == "gloo":
             work.wait(dt.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             return
-        spins = 0  # NCCL's blocking wait sleeps in coarse steps: spin on completion
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise TimeoutError("the collective did not complete in time")
-            spins += 1
-            time.sleep(0 if spins < 2000 else 1e-4)
+        spin_until(work.is_completed, deadline, "the collective")
         work.wait()
 
     def message(self, data: bytes | None, what: str, bound_s: float) -> bytes:
@@ -240,7 +285,8 @@ class CollectiveGroup:
     def _break(self) -> None:
         self.broken = True
         with contextlib.suppress(RuntimeError, AttributeError):
-            self._pg.abort()
+            if self._pg is not None:
+                self._pg.abort()
 
     def close(self) -> None:
         """Tear the group down without waiting for the peers (NCCL's graceful shutdown

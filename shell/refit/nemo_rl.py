@@ -48,8 +48,10 @@ import math
 import os
 import time
 import weakref
-from collections.abc import Iterator, Mapping
-from typing import Any, Final, NoReturn, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+from itertools import accumulate
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, Protocol, TypeVar
 
 import torch
 import zmq
@@ -61,7 +63,6 @@ from genworker.shell.errors import (
     BadArgumentError,
     BadConfigError,
     EngineStateError,
-    GenworkerError,
     RefitError,
     RefitManifestError,
     RefitTimeoutError,
@@ -78,9 +79,15 @@ from genworker.shell.nemo_rl_wire import (
     loads,
     read_message,
 )
+from genworker.shell.refit.collective import c10d_backend, foreign_errors, spin_until
 from genworker.shell.refit.engine import EngineContext
 from genworker.shell.refit.memory import copy_into, device_id
 from genworker.shell.refit.receiver import Sink, Wait
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
 
 __all__ = [
     "CODECS",
@@ -151,9 +158,29 @@ class CudaIpcCodec:
         return tensor
 
 
+# Each codec has a handle type of its own: the registry cannot name them (Python has no
+# existential types); a port binds its codec's own (NemoRlIpcPort, _CodecHandle).
 CODECS: dict[str, HandleCodec[Any]] = {"cuda": CudaIpcCodec()}
 """The handle codec of each engine device type. NeMo-RL's trainer sends CUDA IPC handles
 only; tests add a CPU stand-in here (with its own allowlist), never production code."""
+
+
+class _CodecHandle(NamedTuple):
+    """A bucket's handle with its codec's two operations on it bound: what the port's
+    ``write`` gets back among a chunk's handles."""
+
+    storage_bytes: Callable[[], int]
+    open: Callable[[torch.device], torch.Tensor]
+
+
+def _reader(codec: HandleCodec[H]) -> Callable[[object], _CodecHandle]:
+    """``codec``'s handle reader, each handle bound to ``codec``."""
+
+    def read(value: object) -> _CodecHandle:
+        handle = codec.read(value)
+        return _CodecHandle(partial(codec.storage_bytes, handle), partial(codec.open, handle))
+
+    return read
 
 
 def _sync(device: torch.device) -> None:
@@ -161,11 +188,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def _nbytes(ref: p.TensorRef) -> int:
+    return math.prod(ref.shape) * DTYPE_ITEMSIZE[ref.dtype]
+
+
 def _view(buffer: torch.Tensor, ref: p.TensorRef, offset: int) -> torch.Tensor:
-    raw = buffer[offset : offset + math.prod(ref.shape) * DTYPE_ITEMSIZE[ref.dtype]]
+    raw = buffer[offset : offset + _nbytes(ref)]
     if raw.storage_offset() % DTYPE_ITEMSIZE[ref.dtype]:
         raw = raw.clone()  # packed broadcasts are unpadded: a misaligned slice moves
     return raw.view(getattr(torch, ref.dtype)).view(ref.shape)
+
+
+def _scatter(
+    buffer: torch.Tensor, writes: p.Writes, offsets: Iterable[int], sink: Sink, *, borrowed: bool
+) -> list[tuple[str, torch.Tensor]]:
+    """A chunk's tensors out of ``buffer`` (each at its offset): direct ones copied into
+    their targets, the loader's as views, cloned where the write asks and the buffer is
+    ``borrowed`` (the trainer's, reused once answered)."""
+    loader = []
+    with torch.no_grad():
+        for write, offset in zip(writes.writes, offsets, strict=False):
+            view = _view(buffer, write.ref, offset)
+            if write.route is p.Route.LOADER:
+                loader.append((write.ref.name, view.clone() if borrowed and write.copy else view))
+            elif view.numel():
+                copy_into(sink.target(write.ref.name), view)
+    _sync(sink.device)
+    return loader
 
 
 # -- IPC ---------------------------------------------------------------------------------
@@ -180,8 +229,9 @@ def _end_context(ctx: zmq.Context[zmq.Socket[bytes]], sockets: list[zmq.Socket[b
 class NemoRlIpcPort:
     """An engine worker's REP socket connected to NeMo-RL's trainer (a ``receive`` port)."""
 
-    def __init__(self, address: str, device: torch.device, codec: HandleCodec[Any]) -> None:
-        self.address, self.device, self._codec = address, device, codec
+    def __init__(self, address: str, device: torch.device, codec: HandleCodec[H]) -> None:
+        self.address, self.device = address, device
+        self._allowlist, self._read = codec.allowlist, _reader(codec)
         self.peer = f"NeMo-RL's trainer bound at {address}"
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # The finalizer holds the open socket itself: garbage-collected together with the
@@ -223,7 +273,7 @@ class NemoRlIpcPort:
             raise EngineStateError("the NeMo-RL IPC port was closed")
         return self._sock
 
-    def _recv(self, wait: Wait) -> IpcBucket[Any] | IpcComplete:
+    def _recv(self, wait: Wait) -> IpcBucket[_CodecHandle] | IpcComplete:
         remaining = wait.deadline - time.monotonic()
         sock = self._socket()
         if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
@@ -232,7 +282,7 @@ class NemoRlIpcPort:
         self._pending = True
         if len(frames) != 1:
             raise RefitWireError(f"a NeMo-RL refit message is one frame, got {len(frames)}")
-        return read_message(loads(frames[0], self._codec.allowlist), self._codec.read)
+        return read_message(loads(frames[0], self._allowlist), self._read)
 
     def next(self, wait: Wait) -> tuple[p.Event, list[object] | None]:
         self._bound = wait.bound_s
@@ -244,7 +294,7 @@ class NemoRlIpcPort:
             self._over = True
             return p.End(self.refit_id, self._chunks, self._tensors), None
         assert self._manifest is not None
-        storage = self._codec.storage_bytes(message.handle)
+        storage = message.handle.storage_bytes()
         chunk = unwrap(
             n.ipc_chunk(
                 self._manifest,
@@ -270,17 +320,12 @@ class NemoRlIpcPort:
     ) -> list[tuple[str, torch.Tensor]]:
         if not handles:
             raise RefitError(f"chunk {writes.chunk.index} carries no buffer")
-        buffer = self._codec.open(handles[0], self.device)
+        handle = handles[0]
+        assert isinstance(handle, _CodecHandle)  # what next gave for the chunk
+        buffer = handle.open(self.device)
         self.opened += 1
-        loader = []
-        with torch.no_grad():
-            for write in writes.writes:
-                view = _view(buffer, write.ref, write.ref.offset)
-                if write.route is p.Route.LOADER:
-                    loader.append((write.ref.name, view.clone() if write.copy else view))
-                elif view.numel():
-                    copy_into(sink.target(write.ref.name), view)
-        _sync(sink.device)
+        offsets = (w.ref.offset for w in writes.writes)
+        loader = _scatter(buffer, writes, offsets, sink, borrowed=True)
         del buffer  # the trainer reuses it once answered: no view of it outlives the chunk
         return loader
 
@@ -352,25 +397,21 @@ def _until_done(stream: torch.cuda.Stream, deadline: float) -> None:
     """Wait for what ``stream`` holds so far, until ``deadline`` (NCCL has no timeout)."""
     done = torch.cuda.Event()  # type: ignore[no-untyped-call]
     done.record(stream)
-    spins = 0
-    while not done.query():  # type: ignore[no-untyped-call]
-        if time.monotonic() > deadline:
-            raise TimeoutError("the broadcast did not complete in time")
-        spins += 1
-        time.sleep(0 if spins < 2000 else 1e-4)
+    spin_until(done.query, deadline, "the broadcast")
 
 
 class _PyNccl:
     """vLLM's ``PyNcclCommunicator`` over its ``StatelessProcessGroup`` (the group of
     vLLM's weight-transfer engine and of the trainer's ``trainer_init``)."""
 
-    def __init__(self, group: Any, device: torch.device) -> None:
+    def __init__(self, group: StatelessProcessGroup, device: torch.device) -> None:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
         self.device = device
-        self.comm: Any = PyNcclCommunicator(group, device=device)
+        self.comm: PyNcclCommunicator | None = PyNcclCommunicator(group, device=device)
 
     def broadcast(self, tensor: torch.Tensor, deadline: float) -> None:
+        assert self.comm is not None, "broadcast on a closed communicator"
         stream = torch.cuda.current_stream(self.device)
         self.comm.broadcast(tensor, src=0, stream=stream)
         _until_done(stream, deadline)
@@ -418,13 +459,13 @@ class _Gloo:
     """The CPU stand-in: a gloo group on the same store."""
 
     def __init__(
-        self, store: Any, rank: int, world_size: int, timeout_s: float, prefix: str = "nemo-rl"
+        self, store: Store, rank: int, world_size: int, timeout_s: float, prefix: str = "nemo-rl"
     ) -> None:
         from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
         timeout = dt.timedelta(seconds=timeout_s)
-        self.pg: Any = ProcessGroupGloo(
-            PrefixStore(f"{prefix}-gloo/", store), rank, world_size, timeout
+        self.pg = c10d_backend(
+            ProcessGroupGloo(PrefixStore(f"{prefix}-gloo/", store), rank, world_size, timeout)
         )
 
     def broadcast(self, tensor: torch.Tensor, deadline: float) -> None:
@@ -441,7 +482,7 @@ class _Gloo:
 
 
 def stateless_comm(
-    group: Any, rank: int, world_size: int, device: torch.device, timeout_s: float
+    group: StatelessProcessGroup, rank: int, world_size: int, device: torch.device, timeout_s: float
 ) -> _PyNccl | _Gloo:
     """The data plane of vLLM's ``StatelessProcessGroup`` ``group``: vLLM's
     ``PyNcclCommunicator`` on CUDA, a gloo group on its store on CPU."""
@@ -458,23 +499,8 @@ class BroadcastGroup:
         self.peer, self.device, self.broken = peer, device, False
         self._comm: _Nccl | _Gloo | _PyNccl | None = None
 
-    @contextlib.contextmanager
-    def _foreign(self, what: str, bound_s: float) -> Iterator[None]:
-        started = time.monotonic()
-        try:
-            yield
-        except GenworkerError:
-            self.close()
-            raise
-        except Exception as e:
-            self.close()
-            elapsed = time.monotonic() - started
-            if isinstance(e, TimeoutError) or elapsed >= 0.95 * bound_s:
-                raise RefitTimeoutError(
-                    f"{what} on {self.peer}: not done within {bound_s:g}s ({e})"
-                ) from e
-            message = f"{what} on {self.peer} failed after {elapsed:.1f}s: {type(e).__name__}: {e}"
-            raise RefitTransportError(message) from e
+    def _foreign(self, what: str, bound_s: float) -> contextlib.AbstractContextManager[None]:
+        return foreign_errors(what, self.peer, bound_s, self.close)
 
     def broadcast(self, tensor: torch.Tensor, what: str, bound_s: float) -> None:
         """Receive rank 0's broadcast into ``tensor``, bounded by ``bound_s``."""
@@ -583,17 +609,8 @@ class NemoRlCollectivePort:
         self, writes: p.Writes, handles: list[object] | None, sink: Sink
     ) -> list[tuple[str, torch.Tensor]]:
         buffer = self._take(writes.chunk.index)
-        loader, offset = [], 0
-        with torch.no_grad():
-            for write in writes.writes:
-                view = _view(buffer, write.ref, offset)
-                offset += math.prod(write.ref.shape) * DTYPE_ITEMSIZE[write.ref.dtype]
-                if write.route is p.Route.LOADER:
-                    loader.append((write.ref.name, view))
-                elif view.numel():
-                    copy_into(sink.target(write.ref.name), view)
-        _sync(sink.device)
-        return loader
+        offsets = accumulate((_nbytes(w.ref) for w in writes.writes), initial=0)
+        return _scatter(buffer, writes, offsets, sink, borrowed=False)
 
     def fail(self, problem: RefitError, *, late: Wait | None) -> NoReturn:
         """Stay in step: the trainer broadcasts every group whatever happened here."""

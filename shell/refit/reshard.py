@@ -38,8 +38,8 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import msgspec
@@ -483,7 +483,7 @@ class ReshardBackend:
         self.prepared: _Prepared | None = None
 
     def init(
-        self, *group: Any, refit_info: Mapping[str, object] | None = None, **options: Any
+        self, *group: object, refit_info: Mapping[str, object] | None = None, **options: object
     ) -> dict[str, object]:
         """Join every stage's group (:meth:`join`'s arguments), or, given
         ``refit_info``, plan every later refit from the trainer's layouts (:meth:`plan`)."""
@@ -491,7 +491,8 @@ class ReshardBackend:
             if group or options:
                 raise BadArgumentError("the reshard refit_info comes alone")
             return self.plan(refit_info)
-        return self.join(*group, **options)
+        join: Callable[..., dict[str, object]] = self.join  # takes the RPC's arguments as sent
+        return join(*group, **options)
 
     def join(
         self,
