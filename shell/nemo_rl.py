@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -95,9 +95,13 @@ from genworker.shell.nemo_rl_member import (
 )
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 
+if TYPE_CHECKING:  # typings/ray
+    from ray.actor import ActorClass, ActorHandle
+
 __all__ = [
     "NEMO_RL_OUTPUT_KEYS",
     "SAMPLING_KEYS",
+    "NemoRlActorClass",
     "NemoRlGenerationWorker",
     "NemoRlMember",
     "VllmAsyncGenerationWorker",
@@ -106,9 +110,28 @@ __all__ = [
     "wake_up_tags",
 ]
 
+
+@runtime_checkable
+class NemoRlActorClass(Protocol):
+    """What NeMo-RL builds its workers from: Ray's actor class of a NeMo-RL worker class
+    (``ray.remote(cls)``, an ``ActorClass`` that subclasses ``cls`` and so keeps its static
+    methods). NeMo-RL calls ``configure_worker`` on it, then ``options(...).remote(...)``."""
+
+    @staticmethod
+    def configure_worker(
+        num_gpus: float,
+        bundle_indices: tuple[int, Sequence[int]] | None = None,
+        num_gpus_per_node: int | None = None,
+    ) -> tuple[dict[str, object], dict[str, str], dict[str, object], dict[str, object]]: ...
+
+    def options(self, **actor_options: object) -> ActorClass: ...
+
+    def remote(self, *args: object, **kwargs: object) -> ActorHandle: ...
+
+
 # Made on first use by the module __getattr__ below (Ray imported then).
-VllmGenerationWorker: Any
-VllmAsyncGenerationWorker: Any
+VllmGenerationWorker: NemoRlActorClass
+VllmAsyncGenerationWorker: NemoRlActorClass
 
 log = logging.getLogger(__name__)
 
@@ -259,14 +282,14 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
         return True
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> NemoRlActorClass:
     """``VllmGenerationWorker`` and ``VllmAsyncGenerationWorker``: the Ray actor classes
     NeMo-RL's ``RayWorkerBuilder`` instantiates by class path (the second when
     ``vllm_cfg.async_engine`` is true), made on first use, so Ray is imported only then
     (a host without Ray, such as the GPU runner, drives :class:`NemoRlGenerationWorker`
-    or ``NemoRlAsyncGenerationWorker`` directly). Typed ``Any``: Ray's ActorClass type
-    hides the class's static methods, which its runtime subclass keeps (NeMo-RL calls
-    ``<class>.configure_worker(...)`` on it)."""
+    or ``NemoRlAsyncGenerationWorker`` directly). Each is a :class:`NemoRlActorClass`:
+    Ray's ``ActorClass`` type alone hides the class's static methods, which its runtime
+    subclass keeps (NeMo-RL calls ``<class>.configure_worker(...)`` on it)."""
     cls: type[object]
     if name == "VllmGenerationWorker":
         cls = NemoRlGenerationWorker
@@ -278,6 +301,8 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import ray
 
-    actor: Any = ray.remote(cls)
+    actor = ray.remote(cls)
+    if not isinstance(actor, NemoRlActorClass):
+        raise TypeError(f"Ray's actor class of {cls.__name__} lacks its configure_worker")
     globals()[name] = actor
     return actor
