@@ -77,7 +77,7 @@ import os
 import re
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 import attrs
 import torch
@@ -124,6 +124,7 @@ from genworker.shell.host import ephemeral_ports, vllm_cache_root
 from genworker.shell.media import image_counts, row_media
 
 __all__ = [
+    "ClusterOptions",
     "ClusterSpec",
     "GenerationGroup",
     "GroupCounters",
@@ -182,8 +183,27 @@ class ClusterSpec:
     port_window: int = DEFAULT_PORT_WINDOW
 
 
+class ClusterOptions(TypedDict, total=False):
+    """:class:`ClusterSpec`'s fields after ``num_shards``, as keywords of :func:`local_cluster`."""
+
+    num_nodes: int
+    gpus_per_node: int
+    cpus_per_node: int
+    gpu_fraction: float
+    actor_num_cpus: float
+    ray_address: str | None
+    ray_num_cpus: int | None
+    placement_timeout_s: float
+    start_timeout_s: float
+    call_timeout_s: float
+    shutdown_timeout_s: float
+    cache_base_dir: str | None
+    port_base: int
+    port_window: int
+
+
 def local_cluster(
-    num_shards: int = 1, *, model_parallel_size: int = 1, **options: Any
+    num_shards: int = 1, *, model_parallel_size: int = 1, **options: Unpack[ClusterOptions]
 ) -> ClusterSpec:
     """A :class:`ClusterSpec` for this machine: its GPUs, or ``num_shards`` CPU shards.
 
@@ -192,11 +212,16 @@ def local_cluster(
     """
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus:
-        return ClusterSpec(num_shards=num_shards, gpus_per_node=gpus, **options)
-    bundles = num_shards * model_parallel_size
-    cpus = max(os.cpu_count() or 1, bundles)
-    defaults: dict[str, Any] = {"cpus_per_node": cpus, "ray_num_cpus": cpus}
-    return ClusterSpec(num_shards=num_shards, **(defaults | options))
+        if "gpus_per_node" in options:  # this machine's count, never overridden
+            raise TypeError(
+                "local_cluster() got multiple values for keyword argument 'gpus_per_node' "
+                f"(this machine has {gpus} GPUs)"
+            )
+        fields: ClusterOptions = {"gpus_per_node": gpus}
+    else:
+        cpus = max(os.cpu_count() or 1, num_shards * model_parallel_size)
+        fields = {"cpus_per_node": cpus, "ray_num_cpus": cpus}
+    return ClusterSpec(num_shards=num_shards, **(fields | options))
 
 
 @attrs.frozen
@@ -549,9 +574,7 @@ class GenerationGroup:
     ) -> dict[str, torch.Tensor]:
         """Generate for a right-padded batch across the shards; rows come back in order."""
         self._require_usable("generate")
-        if not isinstance(greedy, bool):
-            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
-        input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
+        input_ids, input_lengths = _padded_batch(data, greedy)
         batch = unwrap(
             check_batch(
                 input_ids,
@@ -621,9 +644,7 @@ class GenerationGroup:
             raise UnsupportedError(
                 "generate_async needs async shards: set vllm_cfg.async_engine: true"
             )
-        if not isinstance(greedy, bool):
-            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
-        input_ids, input_lengths = (_tensor_field(data, k) for k in ("input_ids", "input_lengths"))
+        input_ids, input_lengths = _padded_batch(data, greedy)
         checks = unwrap(
             check_rows(
                 input_ids,
@@ -746,8 +767,7 @@ class GenerationGroup:
     ) -> dict[str, list[str]]:
         """Generate from text prompts across the shards, balanced by prompt characters."""
         self._require_usable("generate_text")
-        if not isinstance(greedy, bool):
-            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
+        _check_greedy(greedy)
         prompts = data.get("prompts") if isinstance(data, Mapping) else None
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise BadBatchError("generate_text: data['prompts'] must be a list of str")
@@ -1245,6 +1265,17 @@ def _reason(error: BaseException) -> str:
 
 
 # -- values at the edge -----------------------------------------------------------------
+
+
+def _check_greedy(greedy: object) -> None:
+    if not isinstance(greedy, bool):
+        raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
+
+
+def _padded_batch(data: Mapping[str, object], greedy: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """A right-padded batch's ``input_ids`` and ``input_lengths``, once ``greedy`` is a bool."""
+    _check_greedy(greedy)
+    return _tensor_field(data, "input_ids"), _tensor_field(data, "input_lengths")
 
 
 def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
