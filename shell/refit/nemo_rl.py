@@ -54,7 +54,9 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 import zmq
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore
 
 from genworker.core import nemo_rl_refit as n
 from genworker.core import refit_protocol as p
@@ -85,8 +87,6 @@ from genworker.shell.refit.memory import copy_into, device_id
 from genworker.shell.refit.receiver import Sink, Wait
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 
 __all__ = [
@@ -461,16 +461,12 @@ class _Gloo:
     def __init__(
         self, store: Store, rank: int, world_size: int, timeout_s: float, prefix: str = "nemo-rl"
     ) -> None:
-        from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
-
         timeout = dt.timedelta(seconds=timeout_s)
         self.pg = c10d_backend(
             ProcessGroupGloo(PrefixStore(f"{prefix}-gloo/", store), rank, world_size, timeout)
         )
 
     def broadcast(self, tensor: torch.Tensor, deadline: float) -> None:
-        import torch.distributed as dist
-
         options = dist.BroadcastOptions()
         options.rootRank = 0
         work = self.pg.broadcast([tensor], options)
@@ -541,8 +537,6 @@ class NemoRlGroup(BroadcastGroup):
         super().__init__(f"NeMo-RL's weight-update group at {where}", device)
         timeout = dt.timedelta(seconds=timeout_s)
         with self._foreign("joining the group", timeout_s):
-            from torch._C._distributed_c10d import TCPStore
-
             self._store = TCPStore(ip, port, world_size, False, timeout=timeout)
             if backend == "nccl":
                 self._store.wait([_UNIQUE_ID_KEY], timeout)
