@@ -81,7 +81,8 @@ class C10dBackend(Protocol):
 
 def c10d_backend(backend: object) -> C10dBackend:
     """``backend`` (torch's gloo or NCCL backend) as the refit calls it."""
-    assert isinstance(backend, C10dBackend), f"{type(backend).__name__} lacks collectives"
+    if not isinstance(backend, C10dBackend):
+        raise RefitTransportError(f"torch's {type(backend).__name__} lacks a collective used here")
     return backend
 
 

@@ -30,7 +30,11 @@ adapters over the collective group (the group a worker joined, offered to the ``
 backend as ``EngineContext.group_port``) and the non-finite check of adapter tensors (a
 NaN adapter was served) added 23, to 4,129. vLLM's unpacked wire (its default: one
 broadcast per tensor; the port now takes the broadcasts ``core.control_plane.broadcasts``
-decides, packed or not) added 5, to 4,134. The rules that
+decides, packed or not) added 5, to 4,134. A joining rank waits for the store's listener
+itself, within its bound (torch's ``TCPStore`` client retried past it after a random
+back-off of seconds): 14, to 4,148. torch's gloo and NCCL backends as a checked Protocol
+instead of ``Any`` (issue 41: torch's stubs leave their collectives out), with the one
+foreign-error map now shared by NeMo-RL's and vLLM's groups: 16, to 4,164. The rules that
 left the shell on the way live in core (``core/sparse_protocol.py``, ``core/reshard.py``'s rounds), under core's
 own coverage."""
 
@@ -42,7 +46,7 @@ import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BUDGET = 4134
+BUDGET = 4164
 #: Where the refit families' engine ends were before issue 41 (shims now, if anything).
 OLD_PATHS = ("sparse.py", "sparse_engine.py", "reshard.py", "nemo_rl_refit.py")
 _LAYOUT = {
