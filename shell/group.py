@@ -34,7 +34,9 @@ Theory of operation
   type (``BadBatchError``, ``UnsupportedError``, ...) with the shard in the message; an
   actor that died, a call past its bound, or a foreign error is a :class:`ShardFailure`
   (a ``GroupError``). Either way the :class:`ShardFailure` (the exception or its
-  ``__cause__``) holds each failed shard's error and the other shards' results. A shard
+  ``__cause__``) holds each failed shard's error and the other shards' results (a
+  ``generate``'s under the group's weight versions). A worker's error names its shard's
+  own rows, and says which of the batch's rows they are. A shard
   whose actor died stays dead: later calls refuse until the group is re-created.
 * ``vllm_cfg.async_engine: true`` starts ``AsyncVllmGenerationWorker`` actors (Ray async
   actors: many calls at once, so a refit can land while a shard streams). Their
@@ -259,6 +261,25 @@ class ShardFailure(GroupError):
         self.errors = dict(errors or {})
         self.results = dict(results or {})
         self.rows = dict(rows or {})
+
+
+def _failure_of(error: BaseException) -> ShardFailure | None:
+    """The :class:`ShardFailure` behind a failed fan-out call: the error itself, or the
+    ``__cause__`` of a shard's own typed error (the module docstring)."""
+    for candidate in (error, error.__cause__):
+        if isinstance(candidate, ShardFailure):
+            return candidate
+    return None
+
+
+def _batch_rows(rows: tuple[int, ...], shown: int = 16) -> str:
+    """What a shard's own row numbers are in the batch (nothing where they are the same)."""
+    if rows == tuple(range(len(rows))):
+        return ""
+    if len(rows) == 1:
+        return f" (its row 0 is the batch's row {rows[0]})"
+    listed = ", ".join(map(str, rows[:shown])) + (", ..." if len(rows) > shown else "")
+    return f" (its rows 0-{len(rows) - 1} are the batch's rows {listed})"
 
 
 def _ray_error() -> type[Exception]:
@@ -518,13 +539,16 @@ class GenerationGroup:
             try:
                 results[rank] = _get(ref)
             except _ray_error() as e:
-                errors[rank] = self._translate(call, rank, e)
+                errors[rank] = self._translate(call, rank, e, (rows or {}).get(rank, ()))
         if errors:
             raise self._failure(call, errors, results, rows)
         return results
 
-    def _translate(self, call: str, rank: int, error: BaseException) -> BaseException:
-        """The error a shard's call raised, as the worker's own type or a GroupError."""
+    def _translate(
+        self, call: str, rank: int, error: BaseException, rows: tuple[int, ...] = ()
+    ) -> BaseException:
+        """The error a shard's call raised, as the worker's own type or a GroupError; a
+        worker's error names the shard's own rows, so the batch's rows they are follow."""
         from ray.exceptions import RayTaskError
 
         if isinstance(error, _dead_actor_errors()):
@@ -534,7 +558,7 @@ class GenerationGroup:
             )
         elif isinstance(error, RayTaskError) and isinstance(error.cause, GenworkerError):
             translated = copy.copy(error.cause)
-            translated.args = (f"shard {rank}: {error.cause}",)
+            translated.args = (f"shard {rank}{_batch_rows(rows)}: {error.cause}",)
         else:
             cause = error.cause if isinstance(error, RayTaskError) else error
             translated = GroupError(f"shard {rank}: {call} raised {type(cause).__name__}: {cause}")
@@ -617,7 +641,15 @@ class GenerationGroup:
             groups=prompt_groups(batch.prompts),  # a group's prompt prefilled on one shard
         )
         self.last_shard_plan = plan
-        results = self._run_shards("generate", plan, data, greedy, timeout_s)
+        try:
+            results = self._run_shards("generate", plan, data, greedy, timeout_s)
+        except GenworkerError as e:
+            if (failure := _failure_of(e)) is not None:  # the rows that came back, relabelled
+                failure.results = {
+                    rank: self._relabelled(rank, _tensor_dict(result, rank))
+                    for rank, result in failure.results.items()
+                }
+            raise
         outputs = [
             self._relabelled(rank, _tensor_dict(results.get(rank, {}), rank))
             for rank in range(self.num_shards)
@@ -1033,8 +1065,7 @@ class GenerationGroup:
         try:
             results = self._gather(name, dict(enumerate(futures)), timeout_s)
         except GenworkerError as e:
-            failure = e if isinstance(e, ShardFailure) else e.__cause__
-            if refit is not None and isinstance(failure, ShardFailure):
+            if refit is not None and (failure := _failure_of(e)) is not None:
                 self._landed(refit[1], failure.results)
             raise
         if refit is not None:

@@ -329,6 +329,26 @@ def test_a_refit_that_fails_on_one_shard_is_typed_and_one_version_names_one_adap
     assert torch.equal(out["output_ids"], want["output_ids"])
     assert group.is_alive()
 
+    # shard 1 lags two refits behind the group's count: a generate that fails on shard 0
+    # gives shard 1's rows in the failure under the group's versions, as a good one would
+    bad = right_padded([[5, 999, 7], [6, 8, 9]])
+    with pytest.raises(BadBatchError, match=r"^shard 0: .*row 0 position 1 \(id 999\)") as refused:
+        group.generate({**bad, "lora": "policy"})
+    plan = group.last_shard_plan
+    assert plan is not None
+    assert plan.shards == ((0,), (1,)), plan.shards
+    failure_ = refused.value.__cause__
+    assert isinstance(failure_, ShardFailure)
+    assert sorted(failure_.errors) == [0]
+    kept = failure_.results[1]
+    assert isinstance(kept, dict)
+    versions = kept["weight_versions"]
+    assert set(versions[versions >= 0].tolist()) == {start + 3}
+    # a shard's error names its own rows: which of the batch's they are follows
+    flipped = right_padded([[6, 8, 9], [5, 999, 7]])
+    with pytest.raises(BadBatchError, match=r"^shard 1 \(its row 0 is the batch's row 1\): "):
+        group.generate(flipped)
+
 
 def test_a_prepare_lora_refused_by_one_shard_refuses_updates_until_one_succeeds(
     group: GenerationGroup, trainer: Path
