@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -29,7 +30,7 @@ from genworker.shell.errors import (
     UnsupportedError,
 )
 from genworker.shell.fake_engine import FakeEngineFactory
-from genworker.shell.group import ClusterSpec, GenerationGroup, ShardFailure
+from genworker.shell.group import ClusterOptions, ClusterSpec, GenerationGroup, ShardFailure
 from genworker.shell.nemo_rl import NEMO_RL_OUTPUT_KEYS
 from genworker.shell.worker import VllmGenerationWorker
 
@@ -139,6 +140,12 @@ def config(tiny_model_dir: Path) -> dict[str, Any]:
 
 
 # -- before any engine: plans and start failures (they need the two CPUs for themselves) --
+
+
+def test_local_clusters_keywords_are_the_cluster_specs_fields_after_num_shards() -> None:
+    fields = [f.name for f in attrs.fields(ClusterSpec)]
+    assert fields[0] == "num_shards"
+    assert list(ClusterOptions.__annotations__) == fields[1:]
 
 
 def test_a_cluster_too_small_is_refused_before_ray_starts() -> None:
