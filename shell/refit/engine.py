@@ -116,14 +116,17 @@ def nonfinite(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     ``isfinite``), one read back. A NaN or an inf makes a norm non-finite; a finite tensor
     whose norm overflows is told apart by an exact ``isfinite`` of that tensor alone, so
     nothing finite is refused. 1-byte floats (fp8) are skipped: the kernel takes no fp8,
-    and no refit writes fp8 from the wire."""
+    and no refit writes fp8 from the wire. The tensors may lie on two devices (a reshard
+    over gloo checks the engine's own and the group's host scratch together): the norms
+    are gathered on the first one's."""
     floats = [(n, t) for n, t in tensors if t.is_floating_point() and t.element_size() > 1]
     floats = [(n, t) for n, t in floats if t.numel()]
     if not floats:
         return []
     with torch.no_grad():
         norms = torch._foreach_norm([t for _, t in floats], 2)
-        if bool(torch.stack([x.float() for x in norms]).isfinite().all()):
+        here = norms[0].device  # a refit over gloo holds GPU tensors and host scratch
+        if bool(torch.stack([x.float().to(here) for x in norms]).isfinite().all()):
             return []
         suspects = [(n, t) for (n, t), x in zip(floats, norms, strict=True) if not x.isfinite()]
         return [n for n, t in suspects if not bool(torch.isfinite(t).all())]

@@ -35,6 +35,7 @@ from refit_helpers import Engine, edited
 from shell.test_refit_safety_engine import NORM, Q_PROJ, engine_rpc_zeroes_kv
 
 from genworker.shell.errors import EngineStateError, RefitError, RefitManifestError
+from genworker.shell.refit.engine import nonfinite
 
 pytest_plugins = ["gpu.gpu_fixtures"]
 pytestmark = GPU_MARKS
@@ -92,3 +93,15 @@ def test_a_manifest_declaring_int32_for_a_bfloat16_parameter_is_refused_naming_b
     assert "bfloat16" in message
     assert into in message
     assert greedy(worker, ckpt.pad) == gpu_session.baseline_a  # nothing changed
+
+
+def test_the_finite_check_takes_a_refit_held_on_the_gpu_and_on_the_host_at_once() -> None:
+    """A reshard refit over gloo checks the engine's own tensors (on the GPU) and the
+    group's host scratch together: the check groups them by device (run AG's failure was
+    ``torch.stack`` over norms on both) and names the bad one on either."""
+    gpu, host = torch.ones(4, device="cuda"), torch.ones(4)
+    assert nonfinite([("gpu", gpu), ("host", host)]) == []
+    bad_host = torch.tensor([1.0, float("nan")])
+    bad_gpu = torch.tensor([float("inf")], device="cuda").bfloat16()
+    assert nonfinite([("gpu", gpu), ("host", bad_host)]) == ["host"]
+    assert sorted(nonfinite([("g", bad_gpu), ("h", bad_host), ("ok", host)])) == ["g", "h"]
