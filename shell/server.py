@@ -977,8 +977,8 @@ async def serve_on(
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     server = _expect(server_cls(config), uvicorn.Server, "HTTP server")
-    if server_cls is uvicorn.Server:  # never take the process's signals
-        setattr(server, "install_signal_handlers", lambda: None)  # noqa: B010 - uvicorn < 0.29
+    if server_cls is uvicorn.Server:  # never take the process's signals (vLLM 0.25)
+        setattr(server, "capture_signals", contextlib.nullcontext)  # noqa: B010 - uvicorn >= 0.29
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     async with asyncio.timeout(60):
         while not server.started:

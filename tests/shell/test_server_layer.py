@@ -937,3 +937,39 @@ def test_a_json_response_is_not_held_back_by_nagle() -> None:
             sock.close()
 
     assert asyncio.run(body()) < 0.025  # with Nagle: 44 ms each, measured
+
+
+@pytest.mark.parametrize("vllm_has_it", [True, False])
+def test_the_server_leaves_the_process_signals_alone(
+    vllm_has_it: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Served from the main thread, with vLLM's ``NoSignalServer`` or (vLLM 0.25 has none)
+    uvicorn's own ``Server``: SIGINT and SIGTERM keep the handlers they had (uvicorn >= 0.29
+    takes them in ``capture_signals``, not ``install_signal_handlers``)."""
+    import signal
+
+    import genworker.shell.server as server_module
+
+    if not vllm_has_it:
+        import vllm.entrypoints.launchers.launcher as launcher
+
+        monkeypatch.delattr(launcher, "NoSignalServer")
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    def handlers() -> list[object]:
+        return [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+
+    async def body() -> None:
+        before, sock = handlers(), bind_socket("127.0.0.1", 0)  # asyncio.run's own SIGINT
+        server, task = await server_module.serve_on(app, sock)
+        try:
+            await asyncio.sleep(0.05)
+            assert handlers() == before
+        finally:
+            await server_module.stop_serving(server, task)
+            sock.close()
+
+    asyncio.run(body())
