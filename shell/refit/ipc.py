@@ -61,7 +61,7 @@ from genworker.shell.refit.wire import (
     listing,
 )
 
-__all__ = ["SEND_PREFIX", "IpcBackend", "IpcReceiver", "IpcSenderPort", "is_loopback"]
+__all__ = ["SEND_PREFIX", "IpcBackend", "IpcHolder", "IpcReceiver", "IpcSenderPort", "is_loopback"]
 
 #: A sender's staging folder: ``<SEND_PREFIX><pid>-<random>`` (see ``memory.reclaim_dead``).
 SEND_PREFIX = "genworker-refit-send-"
@@ -222,7 +222,25 @@ class IpcReceiver:
         self._finalizer()  # closes the socket (it is the one in self._open)
 
 
-class IpcBackend:
+class IpcHolder:
+    """The :class:`IpcReceiver` of a backend that binds one (``ipc``, ``lora``): bound by
+    its ``init``, kept until :meth:`close`."""
+
+    receiver: IpcReceiver | None
+
+    def release(self) -> int:
+        """Let go of the trainer's memory mapped here between refits (its storages and
+        staging buffers), so the trainer gets it back once it frees it; how many."""
+        return 0 if self.receiver is None else self.receiver.mappings.settle(failed=True)
+
+    def close(self) -> int:
+        receiver, self.receiver = self.receiver, None
+        if receiver is not None:
+            receiver.close()
+        return int(receiver is not None)
+
+
+class IpcBackend(IpcHolder):
     """The ``ipc`` refit backend: an :class:`IpcReceiver` bound on first ``init`` (kept
     until ``close``), its inbound cap raised with every manifest ``prepare_refit_info``
     records (before the trainer's first message can arrive)."""
@@ -254,17 +272,6 @@ class IpcBackend:
         if self.receiver is None:
             return {"address": None, "mapped": 0}
         return {"address": self.receiver.address, "mapped": len(self.receiver.mappings)}
-
-    def release(self) -> int:
-        """Let go of the trainer's memory mapped here between refits (its storages and
-        staging buffers), so the trainer gets it back once it frees it; how many."""
-        return 0 if self.receiver is None else self.receiver.mappings.settle(failed=True)
-
-    def close(self) -> int:
-        receiver, self.receiver = self.receiver, None
-        if receiver is not None:
-            receiver.close()
-        return int(receiver is not None)
 
 
 def is_loopback(host: str) -> bool:

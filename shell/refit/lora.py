@@ -48,7 +48,7 @@ from genworker.shell.errors import (
     unwrap,
 )
 from genworker.shell.refit.engine import MIN_CAP, EngineContext
-from genworker.shell.refit.ipc import IpcReceiver
+from genworker.shell.refit.ipc import IpcHolder, IpcReceiver
 from genworker.shell.refit.receiver import receive
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def _names_only(mapper: object) -> WeightsMapper | None:
     return None
 
 
-class LoraBackend:
+class LoraBackend(IpcHolder):
     """The ``lora`` refit backend (see the module docstring)."""
 
     def __init__(self, engine: EngineContext) -> None:
@@ -259,13 +259,3 @@ class LoraBackend:
             getattr(getattr(self.engine.worker, "model_runner", None), "lora_manager", None)
             is not None
         )
-
-    def release(self) -> int:
-        """Let go of the trainer's memory mapped here between refits; how many."""
-        return 0 if self.receiver is None else self.receiver.mappings.settle(failed=True)
-
-    def close(self) -> int:
-        receiver, self.receiver = self.receiver, None
-        if receiver is not None:
-            receiver.close()
-        return int(receiver is not None)
