@@ -428,33 +428,32 @@ def _columns(data: bytes | bytearray | memoryview) -> Result[_Columns, DeltaErro
                 values = np.frombuffer(buf, dtype=width, count=entries, offset=at)
                 at += itemsize * entries
                 blocks = np.frombuffer(buf, dtype=width, count=dense, offset=at)
-                columns = (
-                    itemsize,
-                    numel,
-                    chunk_elements,
-                    _fixed(kinds),
-                    _fixed(counts),
-                    _fixed(gaps),
-                    _fixed(values),
-                    _fixed(blocks, copy=False),
-                )
-                return Success(columns)
+                found = (itemsize, numel, chunk_elements, kinds, counts, gaps, values, blocks)
+                return Success(_fixed_columns(found))
     decoded = decode_tables(data)
     if isinstance(decoded, Failure):
         return Failure(decoded.failure())
     t = decoded.unwrap()  # pragma: no cover - the loop's rules are decode_tables'
     counts = t.counts.astype(np.uint32)  # pragma: no cover
     return Success(  # pragma: no cover
-        (
-            t.itemsize,
-            t.numel,
-            t.chunk_elements,
-            _fixed(t.kinds),
-            _fixed(counts),
-            _fixed(t.gaps),
-            _fixed(t.values),
-            _fixed(t.blocks, copy=False),
+        _fixed_columns(
+            (t.itemsize, t.numel, t.chunk_elements, t.kinds, counts, t.gaps, t.values, t.blocks)
         )
+    )
+
+
+def _fixed_columns(columns: _Columns) -> _Columns:
+    """``columns`` with every array :func:`_fixed` (the dense blocks left where they are)."""
+    itemsize, numel, chunk_elements, kinds, counts, gaps, values, blocks = columns
+    return (
+        itemsize,
+        numel,
+        chunk_elements,
+        _fixed(kinds),
+        _fixed(counts),
+        _fixed(gaps),
+        _fixed(values),
+        _fixed(blocks, copy=False),
     )
 
 
