@@ -70,6 +70,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Protocol, SupportsInt, TypeVar, runtime_checkable
 
+import attrs
 from returns.result import Failure, Result
 
 from genworker.core.caps import CapError, CapFailure
@@ -209,45 +210,34 @@ def _refused(problem: BadRequest) -> _Refused:
     return _Refused(problem.status, problem.message, problem.param)
 
 
+@attrs.define(kw_only=True, eq=False)
 class RolloutLayer:
     """The ASGI layer in front of vLLM's app (see the module docstring)."""
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        hooks: RolloutHooks,
-        *,
-        policy: SamplingPolicy | None,
-        max_new_tokens: int,
-        max_model_len: int,
-        cap_to_context: bool,
-        num_speculative_tokens: int,
-        decode: Callable[[Sequence[int], bool], str],
-        reuses_prompt_ids: bool,
-        vocab_size: int,
-        body_timeout_s: float = BODY_READ_TIMEOUT_S,
-        chat_template: str | None = None,
-        captures_routes: bool = False,
-        control: ControlRoutes | None = None,
-    ) -> None:
-        self.app = app
-        self.control = control
-        self.captures_routes = captures_routes
-        self.chat_template = chat_template
-        self.hooks = hooks
-        self.policy = policy
-        self.max_new_tokens = max_new_tokens
-        self.max_model_len = max_model_len
-        self.cap_to_context = cap_to_context
-        self.num_speculative_tokens = num_speculative_tokens
-        self.decode = decode
-        self.reuses_prompt_ids = reuses_prompt_ids
-        self.vocab_size = vocab_size
-        self.limits: HttpLimits = http_limits(max_model_len, vocab_size)
-        self.body_timeout_s = body_timeout_s
-        self._running: set[asyncio.Task[object]] = set()
-        self._aborted: dict[asyncio.Task[object], str] = {}
-        self._budgets: dict[tuple[int | None, int, int, int, bool, int], _Budget] = {}
+    app: ASGIApp = attrs.field(kw_only=False)
+    hooks: RolloutHooks = attrs.field(kw_only=False)
+    policy: SamplingPolicy | None
+    max_new_tokens: int
+    max_model_len: int
+    cap_to_context: bool
+    num_speculative_tokens: int
+    decode: Callable[[Sequence[int], bool], str]
+    reuses_prompt_ids: bool
+    vocab_size: int
+    body_timeout_s: float = BODY_READ_TIMEOUT_S
+    chat_template: str | None = None
+    captures_routes: bool = False
+    control: ControlRoutes | None = None
+    limits: HttpLimits = attrs.field(init=False)
+    _running: set[asyncio.Task[object]] = attrs.field(init=False, factory=set)
+    _aborted: dict[asyncio.Task[object], str] = attrs.field(init=False, factory=dict)
+    _budgets: dict[tuple[int | None, int, int, int, bool, int], _Budget] = attrs.field(
+        init=False, factory=dict
+    )
+
+    @limits.default
+    def _limits(self) -> HttpLimits:
+        return http_limits(self.max_model_len, self.vocab_size)
 
     def abort_all(self, reason: str) -> int:
         """End every generation request in flight (vLLM aborts it: ``AsyncLLM.generate``
