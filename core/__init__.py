@@ -43,6 +43,13 @@ from genworker.core.delta import (
     encode_full,
     plan_relay,
 )
+from genworker.core.engine_calls import (
+    BatchShapeError,
+    EngineBatch,
+    RowRequest,
+    RpcCall,
+    engine_batch,
+)
 from genworker.core.engine_plan import EngineKwargsPlan, plan_engine_kwargs
 from genworker.core.errors import CoreError
 from genworker.core.lifecycle import (
@@ -105,6 +112,7 @@ __all__ = [
     "KEYS",
     "AbortedRows",
     "BatchError",
+    "BatchShapeError",
     "CapArgumentError",
     "CapError",
     "CheckedBatch",
@@ -114,6 +122,7 @@ __all__ = [
     "ContextError",
     "CoreError",
     "DeltaError",
+    "EngineBatch",
     "EngineEnv",
     "EngineKwargsPlan",
     "Event",
@@ -137,6 +146,8 @@ __all__ = [
     "ReshardPlan",
     "RowCaps",
     "RowChecks",
+    "RowRequest",
+    "RpcCall",
     "SamplingSpec",
     "ServerOptions",
     "ShardPlan",
@@ -176,6 +187,7 @@ __all__ = [
     "encode_delta",
     "encode_full",
     "encode_snapshot",
+    "engine_batch",
     "extend_runs",
     "extract_prompts",
     "flatten_generations",

@@ -41,13 +41,16 @@ every row the batch plans, with these exceptions, which depend on the batch as a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import attrs
 from returns.result import Failure, Result, Success
 
 from genworker.core.batch import BatchError, check_seeds
 from genworker.core.caps import CapArgumentError, CapError, cap_rows, no_room_error
+from genworker.core.engine_calls import EngineBatch
 from genworker.core.errors import CoreError
+from genworker.core.groups import EngineRequest
 from genworker.core.lora import LoraRef, RowAdapterError, row_adapters
 from genworker.core.sampling import SamplingDefaults, SamplingSpec, sampling_spec
 from genworker.core.stops import StopError, StopMode, merge_stop_strings
@@ -63,6 +66,8 @@ __all__ = [
     "plan_requests",
     "text_refusals",
 ]
+
+M = TypeVar("M")
 
 
 @attrs.frozen
@@ -159,6 +164,27 @@ class RequestPlan:
         """``(batch row, spec)`` of every row that generates, in plan order."""
         return tuple(
             (row, spec) for row, spec in zip(self.rows, self.specs, strict=True) if spec is not None
+        )
+
+    def engine_batch(
+        self,
+        prompts: Mapping[int, Sequence[int]],
+        media: Mapping[int, M] | None = None,
+        sent: Sequence[EngineRequest] | None = None,
+    ) -> EngineBatch[M]:
+        """The engine batch of the rows that generate, each row's prompt (and media, when
+        ``media`` holds any) by batch row: one request each in plan order, or the requests
+        ``sent`` (``core.groups``: their order and sample counts; counts only where some
+        request samples more than once)."""
+        spec_of = dict(self.requests())
+        order = [EngineRequest(row, 1) for row in spec_of] if sent is None else sent
+        rows = [request.row for request in order]
+        counts = tuple(request.n for request in order)
+        return EngineBatch(
+            tuple(prompts[row] for row in rows),
+            tuple(spec_of[row] for row in rows),
+            tuple(media.get(row) for row in rows) if media else None,
+            None if all(n == 1 for n in counts) else counts,
         )
 
 

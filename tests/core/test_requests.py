@@ -5,11 +5,14 @@ from __future__ import annotations
 import attrs
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 from returns.result import Failure, Success
 from strategies import RequestCase, request_cases
 
 from genworker.core.batch import BatchError
 from genworker.core.caps import CapArgumentError, reserved_tokens
+from genworker.core.engine_calls import EngineBatch
+from genworker.core.groups import EngineRequest
 from genworker.core.requests import (
     PlanError,
     RequestLimits,
@@ -183,3 +186,25 @@ class _Defaults:
 
 def test_plan_error_is_a_core_error() -> None:
     assert str(PlanError("x", field="seeds")) == "x"
+
+
+@given(request_cases(), st.booleans(), st.integers(1, 3))
+def test_the_plan_hands_the_engine_its_generating_rows(
+    case: RequestCase, with_media: bool, n: int
+) -> None:
+    """The engine batch holds each generating row's prompt and spec, in plan order, or in
+    the order and sample counts of the requests sent (counts only where one is above 1)."""
+    planned = plan(case)
+    prompts = {row: [row + 1] * length for row, length in case.rows}
+    media = {row: f"image {row}" for row, _ in case.rows[:1]} if with_media else {}
+    requests = planned.requests()
+    batch = planned.engine_batch(prompts, media)
+    assert batch.prompts == tuple(prompts[row] for row, _ in requests)
+    assert batch.specs == tuple(spec for _, spec in requests)
+    assert batch.media == (tuple(media.get(row) for row, _ in requests) if media else None)
+    assert batch.samples is None
+    sent = [EngineRequest(row, n) for row, _ in reversed(requests)]
+    grouped: EngineBatch[str] = planned.engine_batch(prompts, None, sent)
+    assert grouped.prompts == tuple(reversed(batch.prompts))
+    assert grouped.specs == tuple(reversed(batch.specs))
+    assert grouped.samples == (None if n == 1 or not sent else (n,) * len(sent))

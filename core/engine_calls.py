@@ -1,0 +1,129 @@
+"""The values the engine ports take (``shell.ports``): one batch, one request, one RPC.
+
+Every engine (the vLLM adapters and the fakes, sync and async) takes these instead of
+parallel argument lists, so a batch's rows agree in one place: :class:`EngineBatch` holds
+one spec (and, when given, one media entry and one sample count >= 1) per prompt, or
+cannot be built (:func:`engine_batch` says why, as a :class:`BatchShapeError`). ``M`` is
+the shell's media type (``shell.media.RowMedia``): core never looks inside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Generic, TypeVar
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from genworker.core.errors import CoreError
+from genworker.core.sampling import SamplingSpec
+
+__all__ = [
+    "BatchShapeError",
+    "EngineBatch",
+    "RowRequest",
+    "RpcCall",
+    "batch_shape_error",
+    "engine_batch",
+]
+
+M = TypeVar("M")
+
+
+@attrs.frozen
+class BatchShapeError(CoreError):
+    """An engine batch whose rows disagree: ``field`` (``specs``, ``media``, ``samples``)
+    holds ``count`` entries for ``prompts`` prompts, or (``samples``) a count below 1."""
+
+    field: str
+    count: int
+    prompts: int
+
+
+def batch_shape_error(
+    prompts: int, specs: int, media: int | None, samples: Sequence[int] | None
+) -> BatchShapeError | None:
+    """Why a batch of ``prompts`` prompts with these many specs, media entries and these
+    sample counts cannot be one engine batch (None: it can)."""
+    counts = {"specs": specs, "media": media, "samples": None if samples is None else len(samples)}
+    for field, count in counts.items():
+        if count is not None and count != prompts:
+            return BatchShapeError(
+                f"{prompts} prompts but {count} {field}", field=field, count=count, prompts=prompts
+            )
+    if samples is not None and (low := [n for n in samples if n < 1]):
+        return BatchShapeError(
+            f"sample counts {low} are below 1", field="samples", count=len(low), prompts=prompts
+        )
+    return None
+
+
+@attrs.frozen
+class EngineBatch(Generic[M]):
+    """One engine batch: ``specs[i]`` applies to ``prompts[i]``, ``media[i]`` (when given)
+    holds its images, and ``samples[i]`` (default 1) is how many times it is sampled in
+    one request (vLLM's ``n``). Building a batch whose rows disagree raises ``ValueError``
+    (:func:`engine_batch` returns the reason instead)."""
+
+    prompts: tuple[Sequence[int], ...]
+    specs: tuple[SamplingSpec, ...]
+    media: tuple[M | None, ...] | None = None
+    samples: tuple[int, ...] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        media = None if self.media is None else len(self.media)
+        problem = batch_shape_error(len(self.prompts), len(self.specs), media, self.samples)
+        if problem is not None:
+            raise ValueError(f"EngineBatch: {problem}")
+
+    @property
+    def completions(self) -> int:
+        """How many rows the engine returns for the batch (every prompt's samples)."""
+        return len(self.prompts) if self.samples is None else sum(self.samples)
+
+    def row_media(self) -> tuple[M | None, ...]:
+        """Each prompt's media (None for every row of a batch without)."""
+        return (None,) * len(self.prompts) if self.media is None else self.media
+
+
+def engine_batch(
+    prompts: Sequence[Sequence[int]],
+    specs: Sequence[SamplingSpec],
+    media: Sequence[M | None] | None = None,
+    samples: Sequence[int] | None = None,
+) -> Result[EngineBatch[M], BatchShapeError]:
+    """The engine batch of these rows, or why they cannot be one."""
+    counts = None if media is None else len(media)
+    if (problem := batch_shape_error(len(prompts), len(specs), counts, samples)) is not None:
+        return Failure(problem)
+    return Success(
+        EngineBatch(
+            tuple(prompts),
+            tuple(specs),
+            None if media is None else tuple(media),
+            None if samples is None else tuple(samples),
+        )
+    )
+
+
+@attrs.frozen
+class RowRequest(Generic[M]):
+    """One request to an async engine: ``prompt`` sampled under ``spec`` as request
+    ``request_id``; ``media``: its images, one placeholder id each in ``prompt``."""
+
+    request_id: str
+    prompt: Sequence[int]
+    spec: SamplingSpec
+    media: M | None = None
+
+
+@attrs.frozen
+class RpcCall:
+    """A call of ``method`` of the worker extension on every engine worker (vLLM's
+    ``collective_rpc``): its positional and keyword arguments, and its bound in seconds
+    (None: unbounded)."""
+
+    method: str
+    args: tuple[object, ...] = ()
+    kwargs: Mapping[str, object] | None = None
+    timeout: float | None = None

@@ -1,0 +1,123 @@
+"""Laws of the engine ports' values (``genworker.core.engine_calls``): a batch's rows agree,
+or it is refused naming the input that disagrees."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+from strategies import sampling_specs
+
+from genworker.core.engine_calls import (
+    BatchShapeError,
+    EngineBatch,
+    RowRequest,
+    RpcCall,
+    batch_shape_error,
+    engine_batch,
+)
+from genworker.core.sampling import SamplingSpec
+
+prompts_st = st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=4), max_size=6)
+counts_st = st.integers(1, 4)
+
+
+@st.composite
+def aligned(
+    draw: st.DrawFn,
+) -> tuple[list[list[int]], list[SamplingSpec], list[str | None] | None, list[int] | None]:
+    prompts = draw(prompts_st)
+    n = len(prompts)
+    spec = draw(sampling_specs)
+    media = draw(st.none() | st.lists(st.none() | st.just("img"), min_size=n, max_size=n))
+    samples = draw(st.none() | st.lists(counts_st, min_size=n, max_size=n))
+    return prompts, [spec] * n, media, samples
+
+
+@given(aligned())
+def test_aligned_rows_make_a_batch_that_keeps_them(
+    case: tuple[list[list[int]], list[SamplingSpec], list[str | None] | None, list[int] | None],
+) -> None:
+    prompts, specs, media, samples = case
+    made = engine_batch(prompts, specs, media, samples)
+    assert isinstance(made, Success)
+    batch = made.unwrap()
+    assert list(batch.prompts) == prompts
+    assert list(batch.specs) == specs
+    assert batch.media == (None if media is None else tuple(media))
+    assert batch.row_media() == (tuple(media) if media is not None else (None,) * len(prompts))
+    assert batch.samples == (None if samples is None else tuple(samples))
+    assert batch.completions == (len(prompts) if samples is None else sum(samples))
+    assert batch == EngineBatch(batch.prompts, batch.specs, batch.media, batch.samples)
+
+
+@given(
+    aligned(),
+    st.sampled_from(["specs", "media", "samples"]),
+    st.integers(-3, 3).filter(bool),
+    sampling_specs,
+)
+def test_a_row_count_that_disagrees_is_refused_naming_the_input(
+    case: tuple[list[list[int]], list[SamplingSpec], list[str | None] | None, list[int] | None],
+    field: str,
+    delta: int,
+    spec: SamplingSpec,
+) -> None:
+    prompts, specs, media, samples = case
+    n = len(prompts)
+    count = max(0, n + delta)
+    if count == n:
+        count = n + 1
+    if field == "specs":
+        specs = [spec] * count
+    elif field == "media":
+        media = [None] * count
+    else:
+        samples = [1] * count
+    refused = engine_batch(prompts, specs, media, samples)
+    assert isinstance(refused, Failure)
+    problem = refused.failure()
+    assert isinstance(problem, BatchShapeError)
+    assert (problem.field, problem.count, problem.prompts) == (field, count, n)
+    assert problem.message == f"{n} prompts but {count} {field}"
+    with pytest.raises(ValueError, match=f"EngineBatch: {n} prompts but {count} {field}"):
+        EngineBatch(
+            tuple(prompts),
+            tuple(specs),
+            None if media is None else tuple(media),
+            None if samples is None else tuple(samples),
+        )
+
+
+@given(st.lists(st.integers(-3, 3), min_size=1, max_size=6))
+def test_a_sample_count_below_one_is_refused(samples: list[int]) -> None:
+    n = len(samples)
+    problem = batch_shape_error(n, n, None, samples)
+    low = [s for s in samples if s < 1]
+    if not low:
+        assert problem is None
+        return
+    assert problem is not None
+    assert (problem.field, problem.count, problem.prompts) == ("samples", len(low), n)
+    assert problem.message == f"sample counts {low} are below 1"
+
+
+@given(st.text(max_size=8), st.lists(st.integers(0, 50), max_size=4), sampling_specs)
+def test_a_request_and_an_rpc_keep_what_they_were_given(
+    request_id: str, prompt: list[int], spec: SamplingSpec
+) -> None:
+    request: RowRequest[str] = RowRequest(request_id, prompt, spec)
+    assert (request.request_id, request.prompt, request.spec, request.media) == (
+        request_id,
+        prompt,
+        spec,
+        None,
+    )
+    call = RpcCall("report_device_id", timeout=5.0)
+    assert (call.method, call.args, call.kwargs, call.timeout) == (
+        "report_device_id",
+        (),
+        None,
+        5.0,
+    )
