@@ -113,6 +113,7 @@ def measure() -> list[tuple[str, float]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from genworker.core.engine_calls import EngineBatch
     from genworker.core.sampling import sampling_spec
     from genworker.shell.vllm_engine import VllmEngine, engine_arg_names
     from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
@@ -162,7 +163,7 @@ def measure() -> list[tuple[str, float]]:
         times = _paired(
             {
                 "group": lambda: worker.generate(group),
-                "rows": lambda: engine.generate([prompt] * GROUP, [spec] * GROUP),
+                "rows": lambda: engine.generate(EngineBatch((prompt,) * GROUP, (spec,) * GROUP)),
                 "unshared": lambda: llm.generate(tokens, unshared, use_tqdm=False),
             },
             REPEATS,

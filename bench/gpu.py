@@ -665,7 +665,9 @@ def start_worker(config: Mapping[str, object]) -> tuple[Any, float, int]:
 def engine_layout(worker: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """The engine's own parameters a refit can write directly: name -> (shape, dtype)
     (the extension's ``engine_param_layout``, reached through the engine port)."""
-    (layout,) = worker.engine.collective_rpc("engine_param_layout")
+    from genworker.core.engine_calls import RpcCall
+
+    (layout,) = worker.engine.collective_rpc(RpcCall("engine_param_layout"))
     return {name: (tuple(shape), str(dtype)) for name, (shape, dtype) in layout.items()}
 
 
@@ -1977,7 +1979,9 @@ FINITE_CHECK_BAR = 1.05  # refit_finite_check_overhead: checked refit / unchecke
 def set_finite_check(worker: Any, on: bool) -> None:
     """The engine workers' non-finite check on or off: the ``refit_configure`` RPC, by which
     the worker applies ``vllm_cfg.refit_finite_check: false`` at load (shell/worker.py)."""
-    answers = worker.engine.collective_rpc("refit_configure", args=(on,))
+    from genworker.core.engine_calls import RpcCall
+
+    answers = worker.engine.collective_rpc(RpcCall("refit_configure", args=(on,)))
     if not answers or any(a is not on for a in answers):
         raise RuntimeError(f"refit_configure({on}) answered {answers!r}")
 
@@ -3776,6 +3780,7 @@ def groups_child(*, report: Callable[[Section], None], scale: Scale) -> None:
     import torch
     from vllm import SamplingParams, TokensPrompt
 
+    from genworker.core.engine_calls import EngineBatch
     from genworker.core.sampling import sampling_spec
 
     sec = Section("groups", TITLES["groups"])
@@ -3817,7 +3822,7 @@ def groups_child(*, report: Callable[[Section], None], scale: Scale) -> None:
         tokens = [TokensPrompt(prompt_token_ids=row) for row in token_rows]
         paths: dict[str, Callable[[], object]] = {
             "group": lambda: worker.generate(batch),
-            "rows": lambda: engine.generate(token_rows, [spec] * rows),
+            "rows": lambda: engine.generate(EngineBatch(tuple(token_rows), (spec,) * rows)),
             "unshared": lambda: llm.generate(tokens, unshared, use_tqdm=False),
         }
         requests: dict[str, set[int]] = {name: set() for name in paths}

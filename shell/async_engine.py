@@ -59,7 +59,6 @@ check_torchvision()  # before vLLM or transformers load a model (docs/install.md
 
 import vllm.envs
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.inputs import TokensPrompt
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.platforms import current_platform
 from vllm.renderers import BaseRenderer
@@ -69,8 +68,8 @@ from vllm.v1.engine.exceptions import EngineGenerateError
 from vllm.v1.metrics.reader import get_metrics_snapshot
 
 from genworker.core.counters import MetricSample
+from genworker.core.engine_calls import RowRequest, RpcCall
 from genworker.core.lifecycle import InflightMode
-from genworker.core.lora import LoraRef
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
@@ -240,15 +239,15 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
     async def _final(
         self,
         call: str,
-        prompt: TokensPrompt | str,
+        request: RowRequest[RowMedia],
         params: SamplingParams,
-        request_id: str,
         progress: Callable[[int], None] | None = None,
-        adapter: LoraRef | None = None,
     ) -> CompletionOutput:
         llm = self.llm
         final: RequestOutput | None = None
-        lora = lora_request(adapter)
+        request_id = request.request_id
+        prompt = token_prompt(request.prompt, request.media)
+        lora = lora_request(request.spec.adapter)
         with translated(ASYNC_REQUEST, call):
             async for out in llm.generate(prompt, params, request_id, lora_request=lora):
                 final = out
@@ -259,21 +258,11 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
         return final.outputs[0]
 
     async def generate(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        spec: SamplingSpec,
-        progress: Callable[[int], None] | None = None,
-        media: RowMedia | None = None,
+        self, request: RowRequest[RowMedia], progress: Callable[[int], None] | None = None
     ) -> StreamedGeneration:
         kind = RequestOutputKind.FINAL_ONLY if progress is None else RequestOutputKind.CUMULATIVE
         completion = await self._final(
-            "generate",
-            token_prompt(prompt, media),
-            self._sampling(spec, kind),
-            request_id,
-            progress,
-            spec.adapter,
+            "generate", request, self._sampling(request.spec, kind), progress
         )
         generation = generation_of(0, completion)
         routes = routes_of(completion, self._caps.routes)  # on the final output only (0.32)
@@ -293,18 +282,10 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
             raise GenworkerError(f"compute_logprobs: request {request_id} ended unfinished")
         return scored_row(sequence, prompt_length, final.prompt_logprobs, top_k)
 
-    async def generate_text(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        spec: SamplingSpec,
-        media: RowMedia | None = None,
-    ) -> str:
-        params = self._sampling(spec, RequestOutputKind.FINAL_ONLY)
-        request = token_prompt(prompt, media)
-        completion = await self._final(
-            "generate_text", request, params, request_id, adapter=spec.adapter
-        )
+    async def generate_text(self, request: RowRequest[RowMedia]) -> str:
+        params = self._sampling(request.spec, RequestOutputKind.FINAL_ONLY)
+        completion = await self._final("generate_text", request, params)
+        request_id = request.request_id
         if completion.finish_reason == "abort":
             raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
         generation = generation_of(0, completion)
@@ -351,7 +332,7 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
         self._require_sleep_mode("sleep")
         llm = self.llm
         if self._extension and not self._wake_installed:  # in the engine core's process
-            await self.collective_rpc("install_wake", timeout=CALL_BOUND_S)  # cumem_wake
+            await self.collective_rpc(RpcCall("install_wake", timeout=CALL_BOUND_S))  # cumem_wake
             self._wake_installed = True
         with fatal(f"sleep(level={level})", ASYNC_CALLS, self._died):
             await llm.sleep(level=level)
@@ -386,18 +367,14 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
         return self.llm.output_processor.get_num_unfinished_requests()
 
     # -- workers --------------------------------------------------------------------
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[object, ...] = (),
-        kwargs: dict[str, object] | None = None,
-        timeout: float | None = None,
-    ) -> list[object]:
+    async def collective_rpc(self, call: RpcCall) -> list[object]:
         llm = self.llm
-        call = llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+        method, timeout = call.method, call.timeout
+        kwargs = None if call.kwargs is None else dict(call.kwargs)
+        running = llm.collective_rpc(method, timeout=timeout, args=call.args, kwargs=kwargs)
         with self._mortal(), translated(ASYNC_CALLS, f"collective_rpc({method!r})"):
             try:
-                return await asyncio.wait_for(call, timeout)
+                return await asyncio.wait_for(running, timeout)
             except TimeoutError as e:
                 raise EngineDeadError(
                     f"collective_rpc({method!r}) did not answer within {timeout:g} s"
@@ -406,7 +383,7 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
     async def device_ids(self) -> list[str]:
         if not self._extension:
             return [self._caps.device]
-        ids = await self.collective_rpc("report_device_id", timeout=CALL_BOUND_S)
+        ids = await self.collective_rpc(RpcCall("report_device_id", timeout=CALL_BOUND_S))
         return [str(d) for d in ids]
 
     async def shutdown(self) -> None:
@@ -426,7 +403,7 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
             # close the refit sockets and groups; a dead engine's go with its stop
             if self._extension and not llm.errored and self._dead is None:
                 try:
-                    await self.collective_rpc("cleanup", timeout=_STOP_CLEANUP_S)
+                    await self.collective_rpc(RpcCall("cleanup", timeout=_STOP_CLEANUP_S))
                 except EngineDeadError as e:
                     log.warning("stopping the engine without the extension's cleanup: %s", e)
         finally:

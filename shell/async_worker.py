@@ -87,6 +87,7 @@ from genworker.core.assembly import Generation, assemble_outputs
 from genworker.core.config import WorkerConfig
 from genworker.core.config_keys import parse_bool
 from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
+from genworker.core.engine_calls import RowRequest, RpcCall
 from genworker.core.groups import GroupPlan
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import (
@@ -97,7 +98,6 @@ from genworker.core.outputs import (
 from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import Transport
 from genworker.core.rows import assemble_row
-from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow, assemble_scores
 from genworker.core.serving import server_options, training_policy
 from genworker.core.stops import StopMode
@@ -468,14 +468,12 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         self,
         engine: AsyncEnginePort,
         request: _Request,
-        prompt: Sequence[int],
-        spec: SamplingSpec,
+        call: RowRequest[RowMedia],
         results: asyncio.Queue[tuple[int, RowResult | GenworkerError]],
-        media: RowMedia | None,
         context: int,
         group: tuple[asyncio.Event | None, asyncio.Event | None] = (None, None),
     ) -> None:
-        """One row's request; ``group``: (the leader's prefill to wait for, a sibling;
+        """One row's request (``call``, as the engine takes it); ``group``: (the leader's prefill to wait for, a sibling;
         the event to set once this leader's prefill is done, a leader of a group)."""
         item: RowResult | GenworkerError
         after, ready = group
@@ -485,10 +483,10 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             progress = self._progress(engine.capabilities, request)
             if ready is not None:
                 progress = _prefilled(ready, progress)
-            streamed = await engine.generate(request.request_id, prompt, spec, progress, media)
+            streamed = await engine.generate(call, progress)
             item = _routes_checked(
                 self._finished(engine.capabilities, request, context, streamed),
-                len(prompt),
+                len(call.prompt),
                 request.row,
             )
         except EngineDeadError as e:
@@ -579,17 +577,9 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                     request = self._new_request(row)
                     requests.append(request)
                     prompt, media = plan.prompts[row], plan.media.get(row)
+                    call = RowRequest(request.request_id, prompt, spec_of[row], media)
                     gate = (None, prefilled) if i == 0 else (prefilled, None)
-                    task = self._row_task(
-                        engine,
-                        request,
-                        prompt,
-                        spec_of[row],
-                        results,
-                        media,
-                        plan.context[row],
-                        gate,
-                    )
+                    task = self._row_task(engine, request, call, results, plan.context[row], gate)
                     tasks.append(asyncio.ensure_future(task))
             for _ in tasks:
                 yield await results.get()
@@ -720,8 +710,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             for row, spec in rows:
                 request = self._new_request(row)
                 prompt, media = plan.prompts[row], plan.media.get(row)
-                call = engine.generate_text(request.request_id, prompt, spec, media)
-                task = asyncio.ensure_future(call)
+                call = RowRequest(request.request_id, prompt, spec, media)
+                task = asyncio.ensure_future(engine.generate_text(call))
                 tasks[task] = request
             pending = set(tasks)
             while pending:
@@ -891,9 +881,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         """``method(*args)`` on every engine worker; failures typed by the spine's map."""
         self._rpc_allowed(method)
         with translated(self._rpc_seam(method), method):
-            results = await self._call(
-                lambda e: e.collective_rpc(method, args=args, timeout=timeout)
-            )
+            call = RpcCall(method, args, None, timeout)
+            results = await self._call(lambda e: e.collective_rpc(call))
         return raise_failures(results, method)
 
     async def update_weights_via_ipc_zmq(
@@ -1044,9 +1033,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         await self._pause_within("update_lora", inflight, clear_cache, bound)
         try:
             with translated(self._rpc_seam("update_lora"), "update_lora"):
-                results = await engine.collective_rpc(
-                    "refit_receive", ("lora", name), kwargs, timeout=outer
-                )
+                call = RpcCall("refit_receive", ("lora", name), kwargs, outer)
+                results = await engine.collective_rpc(call)
             reports = raise_failures(results, "update_lora")
             self._lora_ok(name, reports, {})
             if self._http is not None:
@@ -1120,9 +1108,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             if not engine.capabilities.weight_versions:
                 await self._settle()
             bound: dict[str, object] = {"timeout_s": timeout}
-            reports = raise_failures(
-                await engine.collective_rpc(method, args, bound, outer), method
-            )
+            call = RpcCall(method, args, bound, outer)
+            reports = raise_failures(await engine.collective_rpc(call), method)
             rpc_done = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
             await self._abort_after_failed_refit(engine, method, e, held)

@@ -59,6 +59,7 @@ import attrs
 
 from genworker.core.assembly import Generation
 from genworker.core.counters import GaugeSample, MetricSample
+from genworker.core.engine_calls import RowRequest, RpcCall
 from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
@@ -254,14 +255,15 @@ class FakeAsyncEngine(FakeEngineBase):
 
     # -- generation -------------------------------------------------------------------
     async def generate(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        spec: SamplingSpec,
-        progress: Callable[[int], None] | None = None,
-        media: RowMedia | None = None,
+        self, request: RowRequest[RowMedia], progress: Callable[[int], None] | None = None
     ) -> StreamedGeneration:
         self._enter("generate")
+        request_id, prompt, spec, media = (
+            request.request_id,
+            request.prompt,
+            request.spec,
+            request.media,
+        )
         if not prompt:
             raise BadBatchError("prompt cannot be empty")
         context = self._expanded(prompt, media)
@@ -272,14 +274,14 @@ class FakeAsyncEngine(FakeEngineBase):
         self._ensure_scheduler()
         done: asyncio.Future[StreamedGeneration] = asyncio.get_running_loop().create_future()
         progress = None if self._caps.weight_versions else progress
-        request = _Request(request_id, tuple(prompt), spec, progress, done, context, pixels(media))
+        running = _Request(request_id, tuple(prompt), spec, progress, done, context, pixels(media))
         self.prompt_tokens += context
-        self._waiting.append(request)
+        self._waiting.append(running)
         self._wake.set()
         try:
             return await done
         except asyncio.CancelledError:
-            self._finish(request, "abort")
+            self._finish(running, "abort")
             raise
 
     async def compute_logprobs(
@@ -292,15 +294,9 @@ class FakeAsyncEngine(FakeEngineBase):
             self.seed, self.weight_version, self._caps, sequence, prompt_length, top_k
         )
 
-    async def generate_text(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        spec: SamplingSpec,
-        media: RowMedia | None = None,
-    ) -> str:
-        streamed = await self.generate(request_id, prompt, spec, media=media)
-        generation = streamed.generation
+    async def generate_text(self, request: RowRequest[RowMedia]) -> str:
+        streamed = await self.generate(request)
+        generation, request_id = streamed.generation, request.request_id
         if generation.finish_reason == "abort":
             raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
         check_request_logprobs(generation, self._caps.logprobs_mode, request_id)
@@ -414,20 +410,14 @@ class FakeAsyncEngine(FakeEngineBase):
         running = len(self._running)
         return [*counters, GaugeSample("vllm:num_requests_running", METRIC_LABELS, running)]
 
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[object, ...] = (),
-        kwargs: dict[str, object] | None = None,
-        timeout: float | None = None,
-    ) -> list[object]:
-        result = self._rpc(method, args, kwargs)
+    async def collective_rpc(self, call: RpcCall) -> list[object]:
+        result = self._rpc(call)
         if inspect.isawaitable(result):
-            result = await asyncio.wait_for(result, timeout)
+            result = await asyncio.wait_for(result, call.timeout)
         return [result]
 
     async def device_ids(self) -> list[str]:
-        return [str(x) for x in await self.collective_rpc("report_device_id")]
+        return [str(x) for x in await self.collective_rpc(RpcCall("report_device_id"))]
 
     async def shutdown(self) -> None:
         self.calls.append("shutdown")

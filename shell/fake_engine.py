@@ -75,6 +75,7 @@ import numpy.typing as npt
 
 from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
 from genworker.core.counters import CounterSample, MetricSample
+from genworker.core.engine_calls import EngineBatch, RpcCall
 from genworker.core.routing import CapturePlatform, MoeShape, RoutedExperts
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
@@ -353,15 +354,13 @@ class FakeEngineBase:
             ),
         ]
 
-    def _rpc(
-        self, method: str, args: tuple[object, ...], kwargs: dict[str, object] | None
-    ) -> object:
-        """What the handler of ``method`` returns (the one engine worker's answer)."""
-        self._enter(f"rpc:{method}")
-        handler = self.rpc_handlers.get(method)
+    def _rpc(self, call: RpcCall) -> object:
+        """What the handler of ``call.method`` returns (the one engine worker's answer)."""
+        self._enter(f"rpc:{call.method}")
+        handler = self.rpc_handlers.get(call.method)
         if handler is None:
-            raise AttributeError(f"the fake extension has no method {method!r}")
-        return handler(*args, **(kwargs or {}))
+            raise AttributeError(f"the fake extension has no method {call.method!r}")
+        return handler(*call.args, **(call.kwargs or {}))
 
 
 _Engine = TypeVar("_Engine", bound=FakeEngineBase)
@@ -438,17 +437,9 @@ class FakeEngine(FakeEngineBase):
             else fake_routes(shape, self.seed, sequence, [self.weight_version] * len(sequence)),
         )
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        specs: Sequence[SamplingSpec],
-        media: Sequence[RowMedia | None] | None = None,
-        *,
-        use_tqdm: bool = False,
-        samples: Sequence[int] | None = None,
-    ) -> FlatGenerations:
-        self.last_samples = None if samples is None else list(samples)
-        return flatten_generations(self._generations(prompts, specs, media, use_tqdm, samples))
+    def generate(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> FlatGenerations:
+        self.last_samples = None if batch.samples is None else list(batch.samples)
+        return flatten_generations(self._generations(batch, use_tqdm))
 
     def compute_logprobs(
         self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], top_k: int
@@ -462,27 +453,16 @@ class FakeEngine(FakeEngineBase):
             for seq, start in zip(sequences, prompt_lengths, strict=True)
         ]
 
-    def _generations(
-        self,
-        prompts: Sequence[Sequence[int]],
-        specs: Sequence[SamplingSpec],
-        media: Sequence[RowMedia | None] | None,
-        use_tqdm: bool,
-        samples: Sequence[int] | None = None,
-    ) -> list[Generation]:
+    def _generations(self, batch: EngineBatch[RowMedia], use_tqdm: bool) -> list[Generation]:
         self._enter("generate")
         self.progress_bars.append(use_tqdm)
         self._check_servable()
-        if len(prompts) != len(specs) or (media is not None and len(media) != len(prompts)):
-            raise FakeEngineMisuse("one sampling spec (and media entry) per prompt")
-        rows_media = list(media) if media is not None else [None] * len(prompts)
         logprob_faults, self.next_logprobs = self.next_logprobs, {}
         finish_faults, self.next_finish = self.next_finish, {}
-        counts = [1] * len(prompts) if samples is None else list(samples)
-        if len(counts) != len(prompts) or min(counts, default=1) < 1:
-            raise FakeEngineMisuse("one sample count >= 1 per prompt")
+        counts = batch.samples or (1,) * len(batch.prompts)
+        rows = zip(batch.prompts, batch.specs, batch.row_media(), counts, strict=True)
         out: list[Generation] = []
-        for prompt, spec, row_media, n in zip(prompts, specs, rows_media, counts, strict=True):
+        for prompt, spec, row_media, n in rows:
             if not prompt:
                 raise BadBatchError("prompt cannot be empty")
             if self._expanded(prompt, row_media) >= self._caps.max_model_len:
@@ -502,19 +482,14 @@ class FakeEngine(FakeEngineBase):
                 out.append(generation)
         return out
 
-    def generate_text(
-        self,
-        prompts: Sequence[Sequence[int]],
-        specs: Sequence[SamplingSpec],
-        media: Sequence[RowMedia | None] | None = None,
-        *,
-        use_tqdm: bool = False,
-    ) -> list[str]:
+    def generate_text(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> list[str]:
         self._enter("generate_text")
-        if not all(spec.detokenize for spec in specs):
+        if not all(spec.detokenize for spec in batch.specs):
             raise FakeEngineMisuse("generate_text with a spec that does not detokenize")
+        if batch.samples is not None:  # vLLM's adapter reads one completion per prompt
+            raise FakeEngineMisuse("generate_text with sample counts")
         self._check_servable()
-        generations = self._generations(prompts, specs, media, use_tqdm)
+        generations = self._generations(batch, use_tqdm)
         # checked as the vLLM adapter checks it
         check_text_rows(flatten_generations(generations), self._caps.logprobs_mode)
         return [detokenize(g.token_ids) for g in generations]
@@ -562,17 +537,11 @@ class FakeEngine(FakeEngineBase):
         self.weights_discarded = False
 
     # -- RPC -------------------------------------------------------------------------
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple[object, ...] = (),
-        kwargs: dict[str, object] | None = None,
-        timeout: float | None = None,
-    ) -> list[object]:
-        return [self._rpc(method, args, kwargs)]
+    def collective_rpc(self, call: RpcCall) -> list[object]:
+        return [self._rpc(call)]
 
     def device_ids(self) -> list[str]:
-        return [str(x) for x in self.collective_rpc("report_device_id")]
+        return [str(x) for x in self.collective_rpc(RpcCall("report_device_id"))]
 
     def start_profile(self) -> None:
         self._enter("start_profile")

@@ -14,10 +14,10 @@ from returns.result import Failure
 
 from genworker.core.assembly import FlatGenerations, Generation
 from genworker.core.counters import MetricSample
+from genworker.core.engine_calls import EngineBatch, RowRequest, RpcCall
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import check_finished, check_generation_logprobs, check_logprobs
 from genworker.core.routing import CapturePlatform, MoeShape
-from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import EngineContractError, RequestAbortedError, unwrap
 from genworker.shell.media import RowMedia
@@ -85,22 +85,12 @@ class EnginePort(Protocol):
     @property
     def capabilities(self) -> EngineCapabilities: ...
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        specs: Sequence[SamplingSpec],
-        media: Sequence[RowMedia | None] | None = None,
-        *,
-        use_tqdm: bool = False,
-        samples: Sequence[int] | None = None,
-    ) -> FlatGenerations:
-        """The batch's generations as flat arrays, rows in prompt order; ``specs[i]``
-        applies to prompt i and ``media[i]`` (when given) holds its images, one
-        placeholder id each. ``use_tqdm`` shows the engine's progress bar. Rows come back
-        as the engine made them (aborted rows flagged, logprobs as sampled, non-finite
-        ones included): the worker checks them. ``samples[i]`` (default 1): prompt i is
-        sampled that many times in one request (vLLM's ``n``), its completions in a run
-        of rows in vLLM's index order."""
+    def generate(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> FlatGenerations:
+        """The batch's generations as flat arrays, rows in prompt order (a prompt's
+        ``samples`` completions in a run of rows, in vLLM's index order); media rows hold
+        one placeholder id per image. ``use_tqdm`` shows the engine's progress bar. Rows
+        come back as the engine made them (aborted rows flagged, logprobs as sampled,
+        non-finite ones included): the worker checks them."""
         ...
 
     def compute_logprobs(
@@ -111,14 +101,7 @@ class EnginePort(Protocol):
         ``prompt_logprobs``; ``core.scoring``). The caller checked the sequences."""
         ...
 
-    def generate_text(
-        self,
-        prompts: Sequence[Sequence[int]],
-        specs: Sequence[SamplingSpec],
-        media: Sequence[RowMedia | None] | None = None,
-        *,
-        use_tqdm: bool = False,
-    ) -> list[str]:
+    def generate_text(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> list[str]:
         """One completion text per token prompt (from :meth:`tokenize`), in prompt order;
         every spec has ``detokenize=True`` (``sampling_spec(text=True)``). The caller sees
         no tokens, so the engine checks them: ``RequestAbortedError`` for rows it aborted,
@@ -162,14 +145,9 @@ class EnginePort(Protocol):
 
     def metrics(self) -> list[MetricSample]: ...
 
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple[object, ...] = (),
-        kwargs: dict[str, object] | None = None,
-        timeout: float | None = None,
-    ) -> list[object]:
-        """Call ``method`` of the worker extension on every engine worker; one result each."""
+    def collective_rpc(self, call: RpcCall) -> list[object]:
+        """Call ``call.method`` of the worker extension on every engine worker, within
+        ``call.timeout``; one result each."""
         ...
 
     def device_ids(self) -> list[str]: ...
@@ -242,15 +220,9 @@ class AsyncEnginePort(Protocol):
     def capabilities(self) -> EngineCapabilities: ...
 
     async def generate(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        spec: SamplingSpec,
-        progress: Callable[[int], None] | None = None,
-        media: RowMedia | None = None,
+        self, request: RowRequest[RowMedia], progress: Callable[[int], None] | None = None
     ) -> StreamedGeneration:
-        """Run one request to its end (``media``: its images, one placeholder id each in
-        ``prompt``). ``progress(n)`` is called with the request's token count each time the
+        """Run one request to its end. ``progress(n)`` is called with the request's token count each time the
         engine hands over new tokens (the worker then counts weight versions itself).
         Cancelling the coroutine aborts the request."""
         ...
@@ -266,13 +238,7 @@ class AsyncEnginePort(Protocol):
         ``request_id``."""
         ...
 
-    async def generate_text(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        spec: SamplingSpec,
-        media: RowMedia | None = None,
-    ) -> str:
+    async def generate_text(self, request: RowRequest[RowMedia]) -> str:
         """One request from prompt ids (:meth:`tokenize`'s) to its text; cancelling aborts.
         Checked as :meth:`EnginePort.generate_text` checks its rows."""
         ...
@@ -322,13 +288,9 @@ class AsyncEnginePort(Protocol):
 
     def metrics(self) -> list[MetricSample]: ...
 
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[object, ...] = (),
-        kwargs: dict[str, object] | None = None,
-        timeout: float | None = None,
-    ) -> list[object]: ...
+    async def collective_rpc(self, call: RpcCall) -> list[object]:
+        """:meth:`EnginePort.collective_rpc`."""
+        ...
 
     async def device_ids(self) -> list[str]: ...
 

@@ -166,6 +166,7 @@ from genworker.core.counters import (
     MetricSample,
     VectorSample,
 )
+from genworker.core.engine_calls import EngineBatch, RpcCall
 from genworker.core.engine_plan import fp8_start
 from genworker.core.lora import LoraRef, adapter_path
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
@@ -624,23 +625,13 @@ class VllmEngine(VllmEngineBase[LLM]):
         return [p for p in per_row if p is not None]
 
     @defer_cyclic_gc()
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        specs: Sequence[SamplingSpec],
-        media: Sequence[RowMedia | None] | None = None,
-        *,
-        use_tqdm: bool = False,
-        samples: Sequence[int] | None = None,
-    ) -> FlatGenerations:
-        if len(prompts) != len(specs):
-            raise BadBatchError(f"generate: {len(prompts)} prompts but {len(specs)} specs")
+    def generate(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> FlatGenerations:
         llm = self.llm
         with _batch_call(llm, "generate", self._inflight):
-            params = with_samples(self.request_params(specs), samples)
-            loras = lora_requests(specs)
+            params = with_samples(self.request_params(batch.specs), batch.samples)
+            loras = lora_requests(batch.specs)
             outputs = llm.generate(
-                _token_prompts(prompts, media), params, use_tqdm=use_tqdm, lora_request=loras
+                _token_prompts(batch), params, use_tqdm=use_tqdm, lora_request=loras
             )
         completions: list[CompletionOutput | None] = [
             c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)
@@ -658,35 +649,25 @@ class VllmEngine(VllmEngineBase[LLM]):
     ) -> list[ScoredRow]:
         llm = self.llm
         with _batch_call(llm, "compute_logprobs", self._inflight):
-            outputs = llm.generate(
-                _token_prompts(sequences, None), scoring_params(top_k), use_tqdm=False
-            )
+            prompts = [TokensPrompt(prompt_token_ids=list(s)) for s in sequences]
+            outputs = llm.generate(prompts, scoring_params(top_k), use_tqdm=False)
         return [
             scored_row(seq, start, out.prompt_logprobs, top_k)
             for seq, start, out in zip(sequences, prompt_lengths, outputs, strict=True)
         ]
 
-    def generate_text(
-        self,
-        prompts: Sequence[Sequence[int]],
-        specs: Sequence[SamplingSpec],
-        media: Sequence[RowMedia | None] | None = None,
-        *,
-        use_tqdm: bool = False,
-    ) -> list[str]:
-        if len(prompts) != len(specs):
-            raise BadBatchError(f"generate_text: {len(prompts)} prompts but {len(specs)} specs")
-        if untexted := [row for row, spec in enumerate(specs) if not spec.detokenize]:
+    def generate_text(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> list[str]:
+        if untexted := [row for row, spec in enumerate(batch.specs) if not spec.detokenize]:
             raise ValueError(
                 f"generate_text: the specs of rows {untexted} have detokenize=False "
                 "(vLLM would return empty texts); build them with sampling_spec(text=True)"
             )
         llm = self.llm
         with _batch_call(llm, "generate_text", self._inflight):
-            params = self.request_params(specs)
-            loras = lora_requests(specs)
+            params = self.request_params(batch.specs)
+            loras = lora_requests(batch.specs)
             outputs = llm.generate(
-                _token_prompts(prompts, media), params, use_tqdm=use_tqdm, lora_request=loras
+                _token_prompts(batch), params, use_tqdm=use_tqdm, lora_request=loras
             )
         completions: list[CompletionOutput | None] = [out.outputs[0] for out in outputs]
         texts = [_present(c).text for c in completions]
@@ -742,30 +723,27 @@ class VllmEngine(VllmEngineBase[LLM]):
         self._call("stop_profile", lambda llm: llm.stop_profile(), VLLM_PROFILING)
 
     # -- workers --------------------------------------------------------------------
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple[object, ...] = (),
-        kwargs: dict[str, object] | None = None,
-        timeout: float | None = None,
-    ) -> list[object]:
+    def collective_rpc(self, call: RpcCall) -> list[object]:
         llm = self.llm
+        method, timeout = call.method, call.timeout
+        kwargs = None if call.kwargs is None else dict(call.kwargs)
 
-        def call() -> list[object]:
-            return llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+        def run() -> list[object]:
+            return llm.collective_rpc(method, timeout=timeout, args=call.args, kwargs=kwargs)
 
         what = f"collective_rpc({method!r})"
         with self._mortal():
             _settle(self._inflight, what)
             with translated(VLLM_CALLS, what):
                 if timeout is None:
-                    return call()
-                return _bounded(call, timeout, what=what, inflight=self._inflight)
+                    return run()
+                return _bounded(run, timeout, what=what, inflight=self._inflight)
 
     def device_ids(self) -> list[str]:
         if not self._extension:
             return [self._caps.device]
-        return [str(d) for d in self.collective_rpc("report_device_id", timeout=CALL_BOUND_S)]
+        report = RpcCall("report_device_id", timeout=CALL_BOUND_S)
+        return [str(d) for d in self.collective_rpc(report)]
 
     def shutdown(self) -> None:
         """Stop the engine and drop it; safe to call twice. The stop is always reached;
@@ -897,12 +875,10 @@ def lora_requests(specs: Sequence[SamplingSpec]) -> list[LoRARequest | None] | N
     return [lora_request(spec.adapter) for spec in specs]
 
 
-def _token_prompts(
-    prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None] | None
-) -> list[TokensPrompt]:
-    if media is None:
-        return [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-    return [token_prompt(p, m) for p, m in zip(prompts, media, strict=True)]
+def _token_prompts(batch: EngineBatch[RowMedia]) -> list[TokensPrompt]:
+    if batch.media is None:
+        return [TokensPrompt(prompt_token_ids=list(p)) for p in batch.prompts]
+    return [token_prompt(p, m) for p, m in zip(batch.prompts, batch.media, strict=True)]
 
 
 def _settle(inflight: _Inflight, what: str) -> None:

@@ -50,6 +50,7 @@ from genworker.core.assembly import (
     place_rows,
 )
 from genworker.core.counters import encode_snapshot
+from genworker.core.engine_calls import RpcCall
 from genworker.core.groups import order_rows
 from genworker.core.outputs import (
     NonFiniteLogprobs,
@@ -293,14 +294,9 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         (``core.groups``: vLLM's ``n``, or a group's rows one after another), the rows
         back in ascending batch order."""
         groups = self._groups(data, plan)
-        spec_of = dict(plan.requests.requests())
-        sent = groups.requests()
-        prompts = [plan.prompts[r.row] for r in sent]
-        specs = [spec_of[r.row] for r in sent]
-        media = None if not plan.media else [plan.media.get(r.row) for r in sent]
+        batch = plan.requests.engine_batch(plan.prompts, plan.media, groups.requests())
         progress = self.cfg.vllm.use_tqdm
-        extra = {"samples": [r.n for r in sent]} if len(sent) < len(spec_of) else {}
-        made = self._call(lambda e: e.generate(prompts, specs, media, use_tqdm=progress, **extra))
+        made = self._call(lambda e: e.generate(batch, use_tqdm=progress))
         return order_rows(made, groups.output_rows())
 
     def _checked(
@@ -381,11 +377,9 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         plan = self._text_batch(data, greedy, whole=True)
         texts = [""] * plan.batch_size
         if requests := plan.requests.requests():
-            ids = [plan.prompts[row] for row, _ in requests]
-            specs = [spec for _, spec in requests]
-            media = None if not plan.media else [plan.media.get(row) for row, _ in requests]
+            batch = plan.requests.engine_batch(plan.prompts, plan.media)
             progress = self.cfg.vllm.use_tqdm
-            made = self._call(lambda e: e.generate_text(ids, specs, media, use_tqdm=progress))
+            made = self._call(lambda e: e.generate_text(batch, use_tqdm=progress))
             for (row, _), text in zip(requests, made, strict=True):
                 texts[row] = text
         self._state = next_state
@@ -534,9 +528,8 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         _, outer, kwargs = self._lora_bounds(name, timeout_s, transport)
         self._rpc_allowed("update_lora")
         with translated(self._rpc_seam("update_lora"), "update_lora"):
-            reports = self._call(
-                lambda e: e.collective_rpc("refit_receive", ("lora", name), kwargs, timeout=outer)
-            )
+            call = RpcCall("refit_receive", ("lora", name), kwargs, outer)
+            reports = self._call(lambda e: e.collective_rpc(call))
         raise_failures(reports, "update_lora")
         try:
             resets = self._reset_caches("update_lora")
@@ -549,7 +542,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         """``method(*args)`` on every engine worker; failures typed by the spine's map."""
         self._rpc_allowed(method)
         with translated(self._rpc_seam(method), method):
-            results = self._call(lambda e: e.collective_rpc(method, args=args, timeout=timeout))
+            results = self._call(lambda e: e.collective_rpc(RpcCall(method, args, None, timeout)))
         return raise_failures(results, method)
 
     def _refit(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
@@ -566,7 +559,8 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         try:
             started = time.monotonic()
-            reports = self._call(lambda e: e.collective_rpc(method, kwargs=kwargs, timeout=outer))
+            call = RpcCall(method, kwargs=kwargs, timeout=outer)
+            reports = self._call(lambda e: e.collective_rpc(call))
             raise_failures(reports, method)
             rpc_s = time.monotonic() - started
             resets = self._reset_caches(method)

@@ -9,6 +9,9 @@ from typing import Any
 import torch
 
 from genworker.core.assembly import FlatGenerations
+from genworker.core.engine_calls import EngineBatch
+from genworker.core.sampling import SamplingSpec
+from genworker.shell.media import RowMedia
 
 PAD = 0
 
@@ -246,3 +249,19 @@ def router_topk(
         for handle in handles:
             handle.remove()
     return out
+
+
+def batch(
+    prompts: Sequence[Sequence[int]],
+    specs: Sequence[SamplingSpec],
+    media: Sequence[RowMedia | None] | None = None,
+    *,
+    samples: Sequence[int] | None = None,
+) -> EngineBatch[RowMedia]:
+    """The engine batch of these rows (the engine ports take one)."""
+    return EngineBatch(
+        tuple(prompts),
+        tuple(specs),
+        None if media is None else tuple(media),
+        None if samples is None else tuple(samples),
+    )

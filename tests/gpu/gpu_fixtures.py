@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from genworker.core.engine_calls import RpcCall
 from genworker.demo.tiny_model import build_tiny_model
 
 if TYPE_CHECKING:
@@ -512,7 +513,7 @@ def engine_tensors(
         named = [*model.named_parameters(), *(model.named_buffers() if buffers else ())]
         return {n: t.detach().cpu().clone() for n, t in named}
 
-    (tensors,) = worker.engine.collective_rpc("apply_model", args=(copy,))
+    (tensors,) = worker.engine.collective_rpc(RpcCall("apply_model", args=(copy,)))
     assert isinstance(tensors, dict)
     return tensors
 

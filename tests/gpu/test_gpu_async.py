@@ -31,6 +31,7 @@ from gpu.gpu_fixtures import (
 )
 
 from genworker.core import lifecycle
+from genworker.core.engine_calls import RpcCall
 from genworker.shell.async_engine import AsyncVllmEngine
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import EngineStateError, GenworkerError
@@ -222,7 +223,7 @@ def test_sleep_waits_for_the_streams_and_then_frees_memory(
         engine = aworker.engine
         assert isinstance(engine, AsyncVllmEngine)
         assert engine._wake_installed
-        assert await engine.collective_rpc("install_wake", timeout=60.0) == [True]
+        assert await engine.collective_rpc(RpcCall("install_wake", timeout=60.0)) == [True]
         await aworker.wake_up()
         again = rows_of(await collect(aworker.generate_async(batch(PROMPTS, checkpoints.pad))))
         assert len(again) == len(PROMPTS)

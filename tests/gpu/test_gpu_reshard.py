@@ -32,6 +32,7 @@ from gpu.gpu_fixtures import (
 from gpu.gpu_reshard import reshard_engine_main, reshard_trainer_main
 from reshard_helpers import ReshardTrainer
 
+from genworker.core.engine_calls import RpcCall
 from genworker.shell.refit.reshard import bytes_of, shards_of
 
 pytest_plugins = ["gpu.gpu_fixtures"]
@@ -75,7 +76,9 @@ def test_a_reshard_refit_from_two_trainer_ranks_on_the_engines_gpu_equals_a_fres
         assert all(0 < n < whole for n in nbytes)  # each rank sent its own half
         assert greedy(worker, checkpoints.pad) == reference_b
     finally:
-        worker.engine.collective_rpc("close_nccl_reshard_comm_group")  # the session lives on
+        worker.engine.collective_rpc(
+            RpcCall("close_nccl_reshard_comm_group")
+        )  # the session lives on
         for t in trainers:
             t.stop()
         refit_over_ipc(gpu_session, checkpoints.a)

@@ -12,6 +12,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from genworker.core.engine_calls import RpcCall
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 
 
@@ -134,9 +136,9 @@ class _Rpc:
         self.answer = answer
         self.calls: list[tuple[str, tuple[object, ...]]] = []
 
-    def collective_rpc(self, method: str, args: tuple[object, ...] = ()) -> list[object]:
-        self.calls.append((method, args))
-        return [args[0] if self.answer is None else self.answer]
+    def collective_rpc(self, call: RpcCall) -> list[object]:
+        self.calls.append((call.method, call.args))
+        return [call.args[0] if self.answer is None else self.answer]
 
 
 class _Worker:

@@ -94,9 +94,9 @@ def _spied_worker(
     seen: list[bool] = []
     original = engine.generate
 
-    def generate(prompts: Any, specs: Any, media: Any = None, **options: Any) -> Any:
+    def generate(batch: Any, **options: Any) -> Any:
         seen.append(gc.isenabled())
-        return original(prompts, specs, media, **options)
+        return original(batch, **options)
 
     monkeypatch.setattr(engine, "generate", generate)
     return worker, engine, seen

@@ -4,7 +4,6 @@ siblings are sent after their leader's prefill, rows still stream one by one."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -12,11 +11,12 @@ import torch
 from async_helpers import async_config, collect, outputs
 from helpers import right_padded
 
-from genworker.core.sampling import SamplingSpec
+from genworker.core.engine_calls import RowRequest
 from genworker.core.scoring import ScoreRefusal
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import BadArgumentError, BadBatchError
 from genworker.shell.fake_async_engine import FakeAsyncEngine, FakeAsyncEngineFactory
+from genworker.shell.media import RowMedia
 from genworker.shell.ports import StreamedGeneration
 
 A, B = [3, 4, 5], [6, 7]
@@ -32,11 +32,9 @@ def make_worker(
     sent: list[list[int]] = []
     inner = fake.generate
 
-    async def recording(
-        request_id: str, prompt: Sequence[int], spec: SamplingSpec, *args: Any
-    ) -> StreamedGeneration:
-        sent.append(list(prompt))
-        return await inner(request_id, prompt, spec, *args)
+    async def recording(request: RowRequest[RowMedia], *args: Any) -> StreamedGeneration:
+        sent.append(list(request.prompt))
+        return await inner(request, *args)
 
     fake.generate = recording  # type: ignore[method-assign,assignment]
     return worker, fake, sent

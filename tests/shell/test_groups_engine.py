@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import base_config, flat_rows, right_padded
+from helpers import base_config, batch, flat_rows, right_padded
 
 from genworker.core.sampling import sampling_spec
 from genworker.shell.vllm_engine import VllmEngine
@@ -84,7 +84,7 @@ def test_a_seeded_group_is_bit_identical_to_the_per_row_path(
         )
         for seed in seeds
     ]
-    per_row = flat_rows(cpu_engine.generate(prompts, specs))
+    per_row = flat_rows(cpu_engine.generate(batch(prompts, specs)))
     for row, prompt in enumerate(prompts):
         tokens, logprobs = _generated(grouped, row, len(prompt))
         assert tokens == per_row[row][0]

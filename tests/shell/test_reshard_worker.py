@@ -8,6 +8,7 @@ import pytest
 from helpers import base_config
 from helpers import right_padded as batch
 
+from genworker.core.engine_calls import RpcCall
 from genworker.core.refit_protocol import RENDEZVOUS_WAITS, Transport, refit_waits, rpc_bound
 from genworker.shell.errors import BadArgumentError, EngineStateError, RefitError
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
@@ -26,14 +27,9 @@ def test_the_three_methods_reach_the_engine_workers_with_derived_bounds() -> Non
     timeouts: list[float | None] = []
     original = engine.collective_rpc
 
-    def spy(
-        method: str,
-        args: tuple[object, ...] = (),
-        kwargs: dict[str, object] | None = None,
-        timeout: float | None = None,
-    ) -> list[object]:
-        timeouts.append(timeout)
-        return original(method, args, kwargs, timeout)
+    def spy(call: RpcCall) -> list[object]:
+        timeouts.append(call.timeout)
+        return original(call)
 
     engine.collective_rpc = spy  # type: ignore[method-assign]
     for name in (

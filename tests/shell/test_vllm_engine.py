@@ -10,13 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import flat_rows
+from helpers import batch, flat_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm import LLM
 from vllm.inputs import TokensPrompt
 
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS, CounterSample
+from genworker.core.engine_calls import RpcCall
 from genworker.core.sampling import SamplingSpec
 from genworker.shell import vllm_engine
 from genworker.shell.errors import (
@@ -68,7 +69,7 @@ def raw_generate(
 def adapter_rows(
     engine: VllmEngine, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
 ) -> list[Row]:
-    return flat_rows(engine.generate(prompts, specs))
+    return flat_rows(engine.generate(batch(prompts, specs)))
 
 
 def as_float32(rows: list[Row]) -> list[object]:
@@ -149,14 +150,14 @@ def test_finish_reasons(cpu_engine: VllmEngine) -> None:
 def test_generate_text_matches_raw_vllm(cpu_engine: VllmEngine, cpu_llm: LLM) -> None:
     prompts = ["The quick brown fox", "Hello world!"]
     specs = [greedy(6, detokenize=True), greedy(3, detokenize=True)]
-    ours = cpu_engine.generate_text(cpu_engine.tokenize(prompts), specs)
+    ours = cpu_engine.generate_text(batch(cpu_engine.tokenize(prompts), specs))
     raw = cpu_llm.generate(prompts, [sampling_params(s) for s in specs], use_tqdm=False)
     assert ours == [o.outputs[0].text for o in raw]
 
 
 def test_generate_text_refuses_specs_that_do_not_detokenize(cpu_engine: VllmEngine) -> None:
     with pytest.raises(ValueError, match=r"rows \[1\]"):
-        cpu_engine.generate_text([[5], [6]], [greedy(2, detokenize=True), greedy(2)])
+        cpu_engine.generate_text(batch([[5], [6]], [greedy(2, detokenize=True), greedy(2)]))
 
 
 # --- what vLLM is asked for, and the collector around the call ---
@@ -183,7 +184,7 @@ def test_only_rows_with_stop_strings_are_detokenized(
 ) -> None:
     seen = _spy(cpu_llm, monkeypatch, lambda outs: outs)
     specs = [greedy(3), greedy(3, stop=("zz",)), greedy(3), greedy(3, detokenize=True)]
-    flat = cpu_engine.generate([[5, 6], [7, 8], [9, 10], [11]], specs)
+    flat = cpu_engine.generate(batch([[5, 6], [7, 8], [9, 10], [11]], specs))
     assert flat.batch_size == 4
     ((params, _),) = seen
     assert isinstance(params, list)
@@ -199,7 +200,7 @@ def test_the_collector_is_off_inside_llm_generate_and_on_after(
     seen = _spy(cpu_llm, monkeypatch, lambda outs: outs)
     assert gc.isenabled()
     threshold = gc.get_threshold()
-    assert cpu_engine.generate([[5, 6]], [greedy(2)]).lengths.tolist() == [2]
+    assert cpu_engine.generate(batch([[5, 6]], [greedy(2)])).lengths.tolist() == [2]
     assert [enabled for _, enabled in seen] == [False]
     assert gc.isenabled()
     assert gc.get_threshold() == threshold
@@ -220,7 +221,7 @@ def test_vllms_outputs_are_freed_as_they_are_read(
     _spy(cpu_llm, monkeypatch, watch)
     gc.disable()  # the refs must die by reference counting alone
     try:
-        flat = cpu_engine.generate([[5, 6], [7, 8, 9]], [greedy(3), greedy(2)])
+        flat = cpu_engine.generate(batch([[5, 6], [7, 8, 9]], [greedy(3), greedy(2)]))
         assert len(refs) == 4
         assert [r() for r in refs] == [None] * 4
     finally:
@@ -262,13 +263,13 @@ def test_the_collector_state_is_restored_when_generate_raises(
         gc.disable()
     try:
         with pytest.raises(error):
-            cpu_engine.generate([[7, 8], prompt], [greedy(2), greedy(2)])
+            cpu_engine.generate(batch([[7, 8], prompt], [greedy(2), greedy(2)]))
         assert gc.isenabled() is enabled
         assert [on for _, on in seen] == [False]
     finally:
         gc.enable()
     monkeypatch.undo()
-    assert cpu_engine.generate([[7, 8]], [greedy(2)]).lengths.tolist() == [2]
+    assert cpu_engine.generate(batch([[7, 8]], [greedy(2)])).lengths.tolist() == [2]
 
 
 def _counter(samples: Sequence[object], name: str) -> float:
@@ -278,7 +279,7 @@ def _counter(samples: Sequence[object], name: str) -> float:
 def test_metrics_count_a_batch_tokens(cpu_engine: VllmEngine) -> None:
     prompts = [[20, 21, 22], [30, 31, 32, 33, 34]]
     before = cpu_engine.metrics()
-    gens = cpu_engine.generate(prompts, [greedy(5), greedy(2)])
+    gens = cpu_engine.generate(batch(prompts, [greedy(5), greedy(2)]))
     after = cpu_engine.metrics()
     assert _counter(after, PROMPT_TOKENS) - _counter(before, PROMPT_TOKENS) == 8
     generated = int(gens.lengths.sum())
@@ -294,14 +295,9 @@ def test_bad_request_is_bad_batch_and_engine_keeps_serving(
 ) -> None:
     good = [7, 8, 9]
     with pytest.raises(BadBatchError) as info:
-        cpu_engine.generate([good, prompt], [greedy(3), greedy(3)])
+        cpu_engine.generate(batch([good, prompt], [greedy(3), greedy(3)]))
     assert info.value.__cause__ is not None, why
-    assert cpu_engine.generate([good], [greedy(3)]).lengths.tolist() == [3]
-
-
-def test_mismatched_specs_are_bad_batch(cpu_engine: VllmEngine) -> None:
-    with pytest.raises(BadBatchError, match="2 prompts but 1 specs"):
-        cpu_engine.generate([[5], [6]], [greedy(1)])
+    assert cpu_engine.generate(batch([good], [greedy(3)])).lengths.tolist() == [3]
 
 
 def test_sleep_is_unsupported_on_cpu(cpu_engine: VllmEngine) -> None:
@@ -312,8 +308,8 @@ def test_sleep_is_unsupported_on_cpu(cpu_engine: VllmEngine) -> None:
 
 
 def test_collective_rpc_answers_from_every_worker(cpu_engine: VllmEngine) -> None:
-    assert cpu_engine.collective_rpc("check_health", timeout=60) == [None]
-    (inspection,) = cpu_engine.collective_rpc("get_model_inspection")
+    assert cpu_engine.collective_rpc(RpcCall("check_health", timeout=60)) == [None]
+    (inspection,) = cpu_engine.collective_rpc(RpcCall("get_model_inspection"))
     assert isinstance(inspection, str)
     assert "LlamaForCausalLM" in inspection
 
@@ -329,7 +325,7 @@ def test_the_workers_answer_the_wake_installer_which_installs_nothing_without_cu
     cpu_engine: VllmEngine,
 ) -> None:
     # genworker.shell.cumem_wake: the extension's target; CUDA's allocator only
-    assert cpu_engine.collective_rpc("install_wake", timeout=60) == [False]
+    assert cpu_engine.collective_rpc(RpcCall("install_wake", timeout=60)) == [False]
 
 
 def test_a_subclass_whose_overrides_need_its_own_state_starts_on_a_sleep_mode_engine(
@@ -347,19 +343,13 @@ def test_a_subclass_whose_overrides_need_its_own_state_starts_on_a_sleep_mode_en
             super().__init__(llm)
             self.calls: list[str] = []
 
-        def collective_rpc(
-            self,
-            method: str,
-            args: tuple[object, ...] = (),
-            kwargs: dict[str, object] | None = None,
-            timeout: float | None = None,
-        ) -> list[object]:
-            self.calls.append(method)
-            return super().collective_rpc(method, args, kwargs, timeout)
+        def collective_rpc(self, call: RpcCall) -> list[object]:
+            self.calls.append(call.method)
+            return super().collective_rpc(call)
 
     engine = Recording(cpu_llm)
     assert engine.capabilities.sleep_mode
-    assert engine.collective_rpc("install_wake", timeout=60) == [False]
+    assert engine.collective_rpc(RpcCall("install_wake", timeout=60)) == [False]
     assert engine.calls == ["install_wake"]
 
 
@@ -439,11 +429,11 @@ def test_collective_rpc_expiry_is_engine_dead(
     monkeypatch.setattr(cpu_llm, "collective_rpc", wedged)
     try:
         with pytest.raises(EngineDeadError, match="update_weights"):
-            engine.collective_rpc("update_weights", timeout=0.2)
+            engine.collective_rpc(RpcCall("update_weights", timeout=0.2))
         with pytest.raises(EngineDeadError, match="died earlier"):
-            engine.collective_rpc("check_health", timeout=60)
+            engine.collective_rpc(RpcCall("check_health", timeout=60))
         with pytest.raises(EngineDeadError, match="died earlier"):
-            engine.generate([[5, 6]], [greedy(2)])
+            engine.generate(batch([[5, 6]], [greedy(2)]))
     finally:
         wedged.release.set()
     assert wedged.called == ["update_weights"]
@@ -459,7 +449,7 @@ def test_shutdown_after_an_expired_call_skips_cleanup_and_stops_the_engine(
     monkeypatch.setattr(cpu_llm, "collective_rpc", wedged)
     try:
         with pytest.raises(EngineDeadError, match=r"did not answer within 0\.2 s"):
-            engine.collective_rpc("update_weights", timeout=0.2)
+            engine.collective_rpc(RpcCall("update_weights", timeout=0.2))
         assert within(5, engine.shutdown) is None
         assert within(5, engine.shutdown) is None, "idempotent"
     finally:
@@ -528,8 +518,8 @@ def test_a_failed_sleep_or_wake_kills_the_engine_and_shutdown_still_stops_it(
     for name in ("generate", "reset_prefix_cache"):
         monkeypatch.setattr(cpu_llm, name, lambda *_a, name=name, **_k: reached.append(name))
     later: list[Callable[[], object]] = [
-        lambda: engine.generate([[5, 6]], [greedy(2)]),
-        lambda: engine.collective_rpc("check_health", timeout=60),
+        lambda: engine.generate(batch([[5, 6]], [greedy(2)])),
+        lambda: engine.collective_rpc(RpcCall("check_health", timeout=60)),
         lambda: engine.wake_up(None),
         lambda: engine.reset_prefix_cache(),
     ]

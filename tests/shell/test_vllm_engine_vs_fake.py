@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 import pytest
-from helpers import flat_rows
+from helpers import batch, flat_rows
 
 from genworker.core.assembly import FlatGenerations
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS, values_by_name
@@ -81,7 +81,7 @@ def _rows(flat: FlatGenerations) -> list[Row]:
 def _generate(
     subject: Subject, prompts: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]
 ) -> list[Row]:
-    return _rows(subject.engine.generate(prompts, specs))
+    return _rows(subject.engine.generate(batch(prompts, specs)))
 
 
 def _check_stopped_for_its_reason(
@@ -126,7 +126,7 @@ def test_a_stop_string_ends_the_text_at_its_first_match_and_is_kept(subject: Sub
     engine = subject.engine
     free_spec = _spec(subject, max_tokens=24, ignore_eos=True, detokenize=True)
     ids = engine.tokenize(TEXTS)
-    free = engine.generate_text(ids, [free_spec] * len(TEXTS))
+    free = engine.generate_text(batch(ids, [free_spec] * len(TEXTS)))
     tried = 0
     for prompt, text in zip(ids, free, strict=True):
         windows = [text[i : i + 2] for i in range(2, len(text) - 1)]
@@ -135,7 +135,7 @@ def test_a_stop_string_ends_the_text_at_its_first_match_and_is_kept(subject: Sub
             continue
         stop = stops[0]
         spec = attrs.evolve(free_spec, stop=(stop,))
-        (stopped,) = engine.generate_text([prompt], [spec])
+        (stopped,) = engine.generate_text(batch([prompt], [spec]))
         assert stopped == text[: text.index(stop) + len(stop)], (text, stop)
         tried += 1
     assert tried >= 2, free
@@ -161,16 +161,16 @@ def test_empty_and_over_long_prompts_are_bad_batches(subject: Subject) -> None:
     max_len = subject.engine.capabilities.max_model_len
     for prompt in ([], [5] * (max_len + 1)):
         with pytest.raises(BadBatchError):
-            subject.engine.generate([[5, 6], prompt], [_spec(subject)] * 2)
-    assert subject.engine.generate([[5, 6]], [_spec(subject)]).batch_size == 1
+            subject.engine.generate(batch([[5, 6], prompt], [_spec(subject)] * 2))
+    assert subject.engine.generate(batch([[5, 6]], [_spec(subject)])).batch_size == 1
 
 
 def test_a_greedy_prompt_sampled_more_than_once_is_a_bad_batch(subject: Subject) -> None:
     # vLLM refuses n > 1 at temperature 0; genworker's groups send such rows one by one
     with pytest.raises(BadBatchError, match="greedy"):
-        subject.engine.generate([[5, 6]], [_spec(subject)], samples=[2])
+        subject.engine.generate(batch([[5, 6]], [_spec(subject)], samples=[2]))
     sampled = _spec(subject, temperature=1.0, top_k=-1)
-    assert subject.engine.generate([[5, 6]], [sampled], samples=[2]).batch_size == 2
+    assert subject.engine.generate(batch([[5, 6]], [sampled], samples=[2])).batch_size == 2
 
 
 def test_text_prompts_are_tokenized_into_the_ids_generate_text_takes(subject: Subject) -> None:
@@ -180,7 +180,7 @@ def test_text_prompts_are_tokenized_into_the_ids_generate_text_takes(subject: Su
     assert all(n >= 1 for n in counts)
     assert counts[0] > counts[2]
     spec = _spec(subject, max_tokens=1, ignore_eos=True, detokenize=True)
-    texts = subject.engine.generate_text(ids, [spec] * len(prompts))
+    texts = subject.engine.generate_text(batch(ids, [spec] * len(prompts)))
     assert len(texts) == len(prompts)
     assert all(isinstance(t, str) for t in texts)
 
@@ -188,7 +188,7 @@ def test_text_prompts_are_tokenized_into_the_ids_generate_text_takes(subject: Su
 def test_the_token_counters_grow_by_the_batch(subject: Subject) -> None:
     engine = subject.engine
     before = values_by_name(engine.metrics())
-    out = engine.generate(PROMPTS, [_spec(subject)] * len(PROMPTS))
+    out = engine.generate(batch(PROMPTS, [_spec(subject)] * len(PROMPTS)))
     after = values_by_name(engine.metrics())
     prompt_grew = float(after[PROMPT_TOKENS]) - float(before.get(PROMPT_TOKENS, 0.0))  # type: ignore[arg-type]
     gen_grew = float(after[GENERATION_TOKENS]) - float(before.get(GENERATION_TOKENS, 0.0))  # type: ignore[arg-type]

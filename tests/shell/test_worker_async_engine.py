@@ -46,6 +46,7 @@ from hypothesis.stateful import (
 from safetensors.torch import load_file
 
 from genworker.core import lifecycle
+from genworker.core.engine_calls import RowRequest, RpcCall
 from genworker.core.lifecycle import TABLE, Event, InflightMode, State
 from genworker.core.sampling import SamplingSpec
 from genworker.demo.tiny_model import build_tiny_model
@@ -319,7 +320,7 @@ def test_the_engine_core_answers_the_wake_installer_which_installs_nothing_witho
     # a process of its own: the extension's target resolves there (CUDA's allocator only)
     engine = first.engine
     assert isinstance(engine, AsyncVllmEngine)
-    assert run_soon(loop, engine.collective_rpc("install_wake", timeout=60.0)) == [False]
+    assert run_soon(loop, engine.collective_rpc(RpcCall("install_wake", timeout=60.0))) == [False]
 
 
 # -- in-flight refits -----------------------------------------------------------------------
@@ -469,7 +470,9 @@ def test_a_pause_sleeps_no_fixed_time_and_keep_holds_the_requests_until_resume(
     async def main() -> list[StreamedGeneration]:
         tasks = [
             asyncio.ensure_future(
-                engine.generate(f"pause-{i}", [5 + i] * 6, spec, partial(counts.__setitem__, i))
+                engine.generate(
+                    RowRequest(f"pause-{i}", [5 + i] * 6, spec), partial(counts.__setitem__, i)
+                )
             )
             for i in range(3)
         ]

@@ -254,8 +254,8 @@ def test_engine_returning_past_the_context_is_a_contract_error(
     worker, engine = worker_engine
     original = engine.generate
 
-    def overlong(prompts: Any, specs: Any, media: Any = None, **options: Any) -> Any:
-        gens = original(prompts, specs, media, **options)
+    def overlong(batch: Any, **options: Any) -> Any:
+        gens = original(batch, **options)
         from genworker.core.assembly import Generation, flatten_generations
 
         return flatten_generations(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +17,7 @@ from helpers import right_padded as batch
 
 from genworker.core import lifecycle
 from genworker.core.assembly import FlatGenerations
-from genworker.core.sampling import SamplingSpec
+from genworker.core.engine_calls import EngineBatch
 from genworker.shell.engine_lock import EngineLock
 from genworker.shell.errors import (
     BadArgumentError,
@@ -65,24 +65,14 @@ class GatedEngine(FakeEngine):
             with self._count:
                 self.inside -= 1
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        specs: Sequence[SamplingSpec],
-        media: Sequence[RowMedia | None] | None = None,
-        *,
-        use_tqdm: bool = False,
-        samples: Sequence[int] | None = None,
-    ) -> FlatGenerations:
+    def generate(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> FlatGenerations:
         def run() -> FlatGenerations:
             self.entered.set()
             assert self.gate.wait(DEADLINE_S), "the test never released generate"
             if self.on_generate is not None:
                 self.on_generate()
             time.sleep(0.001)  # give a racing caller the chance to overlap
-            return super(GatedEngine, self).generate(
-                prompts, specs, media, use_tqdm=use_tqdm, samples=samples
-            )
+            return super(GatedEngine, self).generate(batch, use_tqdm=use_tqdm)
 
         result: FlatGenerations = self._around("generate", run)
         return result

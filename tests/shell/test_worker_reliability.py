@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import base_config, right_padded
+from helpers import base_config, batch, right_padded
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -34,6 +34,7 @@ from genworker.core import batch as core_batch
 from genworker.core import lifecycle
 from genworker.core.assembly import FlatGenerations
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS
+from genworker.core.engine_calls import EngineBatch, RpcCall
 from genworker.core.sampling import SamplingSpec
 from genworker.shell import vllm_engine
 from genworker.shell.errors import (
@@ -94,21 +95,11 @@ class WatchedEngine(VllmEngine):
             with self._count:
                 self._inside -= 1
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        specs: Sequence[SamplingSpec],
-        media: Sequence[RowMedia | None] | None = None,
-        *,
-        use_tqdm: bool = False,
-        samples: Sequence[int] | None = None,
-    ) -> FlatGenerations:
+    def generate(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> FlatGenerations:
         def run() -> FlatGenerations:
             self.entered.set()
             assert self.gate.wait(DEADLINE_S), "the test never released generate"
-            return super(WatchedEngine, self).generate(
-                prompts, specs, media, use_tqdm=use_tqdm, samples=samples
-            )
+            return super(WatchedEngine, self).generate(batch, use_tqdm=use_tqdm)
 
         result: FlatGenerations = self._around("generate", run)
         return result
@@ -119,16 +110,9 @@ class WatchedEngine(VllmEngine):
     def reset_prefix_cache(self) -> None:
         self._around("reset_prefix_cache", super().reset_prefix_cache)
 
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple[object, ...] = (),
-        kwargs: dict[str, object] | None = None,
-        timeout: float | None = None,
-    ) -> list[object]:
+    def collective_rpc(self, call: RpcCall) -> list[object]:
         result: list[object] = self._around(
-            f"rpc:{method}",
-            lambda: super(WatchedEngine, self).collective_rpc(method, args, kwargs, timeout),
+            f"rpc:{call.method}", lambda: super(WatchedEngine, self).collective_rpc(call)
         )
         return result
 
@@ -382,7 +366,7 @@ def test_a_request_vllm_rejects_at_admission_stays_a_bad_batch(
     prompts = [[5, 6], [7] * (MAX_MODEL_LEN + 4)]
     spec = SamplingSpec(temperature=0.0, top_p=1.0, top_k=1, max_tokens=4)
     with pytest.raises(BadBatchError, match="vLLM rejected the request"):
-        within(DEADLINE_S, lambda: watched.generate(prompts, [spec, spec]))
+        within(DEADLINE_S, lambda: watched.generate(batch(prompts, [spec, spec])))
     assert_serves_baseline(make_worker(watched), baseline)
 
 
