@@ -258,12 +258,7 @@ class FakeAsyncEngine(FakeEngineBase):
         self, request: RowRequest[RowMedia], progress: Callable[[int], None] | None = None
     ) -> StreamedGeneration:
         self._enter("generate")
-        request_id, prompt, spec, media = (
-            request.request_id,
-            request.prompt,
-            request.spec,
-            request.media,
-        )
+        request_id, prompt, media = request.request_id, request.prompt, request.media
         if not prompt:
             raise BadBatchError("prompt cannot be empty")
         context = self._expanded(prompt, media)
@@ -274,7 +269,9 @@ class FakeAsyncEngine(FakeEngineBase):
         self._ensure_scheduler()
         done: asyncio.Future[StreamedGeneration] = asyncio.get_running_loop().create_future()
         progress = None if self._caps.weight_versions else progress
-        running = _Request(request_id, tuple(prompt), spec, progress, done, context, pixels(media))
+        running = _Request(
+            request_id, tuple(prompt), request.spec, progress, done, context, pixels(media)
+        )
         self.prompt_tokens += context
         self._waiting.append(running)
         self._wake.set()

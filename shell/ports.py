@@ -222,9 +222,10 @@ class AsyncEnginePort(Protocol):
     async def generate(
         self, request: RowRequest[RowMedia], progress: Callable[[int], None] | None = None
     ) -> StreamedGeneration:
-        """Run one request to its end. ``progress(n)`` is called with the request's token count each time the
-        engine hands over new tokens (the worker then counts weight versions itself).
-        Cancelling the coroutine aborts the request."""
+        """Run one request to its end (``request.media``: its images, one placeholder id
+        each in its prompt). ``progress(n)`` is called with the request's token count each
+        time the engine hands over new tokens (the worker then counts weight versions
+        itself). Cancelling the coroutine aborts the request."""
         ...
 
     async def compute_logprobs(

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from helpers import PAD, base_config
@@ -736,3 +737,20 @@ def test_refusals_before_the_engine_slept_are_not_fatal(refusal: GenworkerError)
     assert worker.is_alive()
     assert worker.state == lifecycle.AWAKE
     assert worker.generate(batch([[1, 2]]))["output_ids"].shape[0] == 1
+
+
+def test_the_fake_refuses_a_text_batch_vllm_would_answer_wrongly() -> None:
+    """vLLM returns empty texts for a spec without ``detokenize``, and the adapter reads one
+    completion per prompt: the fake refuses both rather than answer."""
+    from helpers import batch as engine_batch
+
+    from genworker.core.sampling import SamplingSpec
+    from genworker.shell.fake_engine import FakeEngineMisuse
+
+    engine = FakeEngine(max_model_len=32)
+    text = SamplingSpec(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=2, detokenize=True)
+    assert len(engine.generate_text(engine_batch([[5, 6]], [text]))) == 1
+    with pytest.raises(FakeEngineMisuse, match="does not detokenize"):
+        engine.generate_text(engine_batch([[5, 6]], [attrs.evolve(text, detokenize=False)]))
+    with pytest.raises(FakeEngineMisuse, match="sample counts"):
+        engine.generate_text(engine_batch([[5, 6]], [text], samples=[2]))
