@@ -52,6 +52,7 @@ from genworker.core.engine_calls import (
 )
 from genworker.core.engine_plan import EngineKwargsPlan, plan_engine_kwargs
 from genworker.core.errors import CoreError
+from genworker.core.joins import GroupJoin, JoinError, ReshardJoin, group_join, reshard_join
 from genworker.core.lifecycle import (
     Event,
     InflightMode,
@@ -129,7 +130,9 @@ __all__ = [
     "Fate",
     "Generation",
     "GenerationOutputs",
+    "GroupJoin",
     "InflightMode",
+    "JoinError",
     "KeyRule",
     "LifecycleError",
     "Manifest",
@@ -143,6 +146,7 @@ __all__ = [
     "RelayFailure",
     "RelayPlan",
     "ReshardError",
+    "ReshardJoin",
     "ReshardPlan",
     "RowCaps",
     "RowChecks",
@@ -191,6 +195,7 @@ __all__ = [
     "extend_runs",
     "extract_prompts",
     "flatten_generations",
+    "group_join",
     "group_specs",
     "http_max_tokens",
     "merge_shard_outputs",
@@ -206,6 +211,7 @@ __all__ = [
     "plan_routes",
     "plan_shards",
     "request_max_tokens",
+    "reshard_join",
     "runs_from_spans",
     "runs_from_tokens",
     "sampling_spec",

@@ -1,0 +1,134 @@
+"""One engine's place in the trainer's weight-update group(s), as one value.
+
+An engine worker joins the trainer's group (NeMo-RL's ``init_collective``) as rank
+``train_world_size + rank_prefix + worker rank`` of ``world_size``, every rendezvous wait
+bounded by ``timeout_s``; the shard-to-shard reshard (``init_nccl_reshard_comm_group``)
+joins one such group per trainer PP stage. The worker builds the value once from its
+public arguments (:func:`group_join`, :func:`reshard_join`); it crosses vLLM's
+``collective_rpc`` as plain values (``to_wire``: msgpack, no pickle) and the engine
+builds it again from them, so both ends check the same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from genworker.core.errors import CoreError
+from genworker.core.refit_protocol import RENDEZVOUS_WAITS, rpc_bound, wait_bound
+
+__all__ = ["GroupJoin", "JoinError", "ReshardJoin", "group_join", "reshard_join"]
+
+
+@attrs.frozen
+class JoinError(CoreError):
+    """A group join refused before any socket opens: ``field`` and its ``value``."""
+
+    field: str
+    value: object = None
+
+
+@attrs.frozen
+class GroupJoin:
+    """Where and as what an engine joins one weight-update group (``timeout_s``: the
+    checked bound of each rendezvous wait)."""
+
+    rank_prefix: int
+    ip: str
+    port: int
+    world_size: int
+    train_world_size: int
+    timeout_s: float
+
+    def rank(self, worker_rank: int) -> int:
+        """Engine worker ``worker_rank``'s rank: after the trainer's and earlier engines'."""
+        return self.train_world_size + self.rank_prefix + worker_rank
+
+    def rpc_bound(self) -> float:
+        """The join call's outer bound: more than its rendezvous waits."""
+        return rpc_bound(RENDEZVOUS_WAITS, self.timeout_s)
+
+    def to_wire(self) -> dict[str, int | str | float]:
+        """The keywords of :func:`group_join` (plain values for ``collective_rpc``)."""
+        return attrs.asdict(self)
+
+
+def group_join(
+    rank_prefix: int,
+    ip: str,
+    port: int,
+    world_size: int,
+    train_world_size: int,
+    timeout_s: object = None,
+) -> Result[GroupJoin, JoinError]:
+    """The join, ``timeout_s`` checked (:func:`wait_bound`; None: the default bound)."""
+
+    def joined(bound: float) -> GroupJoin:
+        sizes = int(world_size), int(train_world_size)
+        return GroupJoin(int(rank_prefix), str(ip), int(port), *sizes, bound)
+
+    problem = "timeout_s", timeout_s
+    return wait_bound(timeout_s).alt(lambda e: JoinError(e.message, *problem)).map(joined)
+
+
+@attrs.frozen
+class ReshardJoin:
+    """The reshard's joins: stage ``s``'s group at ``stages[s]``, each as the same rank;
+    ``device`` None: the engine's own, ``"cpu"``: gloo over host memory."""
+
+    stages: tuple[GroupJoin, ...] = attrs.field(validator=attrs.validators.min_len(1))
+    device: str | None = None
+
+    def rpc_bound(self) -> float:
+        """The join call's outer bound: more than every stage's rendezvous waits."""
+        return rpc_bound(RENDEZVOUS_WAITS * len(self.stages), self.stages[0].timeout_s)
+
+    def to_wire(self) -> dict[str, object]:
+        """The keywords of :func:`reshard_join` (plain values for ``collective_rpc``)."""
+        first = self.stages[0]
+        return {
+            "rank_prefix": first.rank_prefix,
+            "pp_ips": [s.ip for s in self.stages],
+            "pp_ports": [s.port for s in self.stages],
+            "pp_size": len(self.stages),
+            "train_ranks_per_stage": first.train_world_size,
+            "sub_world_size": first.world_size,
+            "timeout_s": first.timeout_s,
+            "device": self.device,
+        }
+
+
+def reshard_join(
+    rank_prefix: int,
+    pp_ips: Sequence[str],
+    pp_ports: Sequence[int],
+    pp_size: int,
+    train_ranks_per_stage: int,
+    sub_world_size: int,
+    timeout_s: object = None,
+    device: str | None = None,
+) -> Result[ReshardJoin, JoinError]:
+    """The joins of every trainer PP stage (``pp_ips[s]:pp_ports[s]``), each as rank
+    ``train_ranks_per_stage + rank_prefix + worker rank`` of ``sub_world_size``;
+    ``timeout_s``, ``device`` and ``pp_size`` checked, in that order."""
+    bound = wait_bound(timeout_s)
+    if isinstance(bound, Failure):
+        return Failure(JoinError(bound.failure().message, "timeout_s", timeout_s))
+    if device not in (None, "cpu"):
+        why = f"device must be None (the engine's) or 'cpu', got {device!r}"
+        return Failure(JoinError(why, "device", device))
+    if not (pp_size >= 1 and len(pp_ips) == pp_size == len(pp_ports)):
+        why = f"pp_size={pp_size} with {len(pp_ips)} ip(s) and {len(pp_ports)} port(s)"
+        return Failure(JoinError(why, "pp_size", pp_size))
+    sizes = int(rank_prefix), int(sub_world_size), int(train_ranks_per_stage)
+    return Success(
+        ReshardJoin(
+            tuple(
+                GroupJoin(sizes[0], str(ip), int(port), *sizes[1:], bound.unwrap())
+                for ip, port in zip(pp_ips, pp_ports, strict=True)
+            ),
+            device,
+        )
+    )
