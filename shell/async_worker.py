@@ -89,6 +89,7 @@ from genworker.core.config_keys import parse_bool
 from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
 from genworker.core.engine_calls import RowRequest, RpcCall
 from genworker.core.groups import GroupPlan
+from genworker.core.joins import GroupJoin
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import (
     NonFiniteLogprobs,
@@ -135,6 +136,7 @@ from genworker.shell.spine import (
     BatchPlan,
     ExistingEngineFactory,
     WorkerSpine,
+    checked_join,
     reset_cache,
     tally_nonfinite,
 )
@@ -837,25 +839,14 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
     ) -> None:
         """Join the trainer's weight-update group (returns once every rank joined); every
         rendezvous wait is bounded by ``timeout_s``."""
-        await self.init_collective_via(
-            "init_collective",
-            rank_prefix,
-            ip,
-            port,
-            world_size,
-            train_world_size,
-            timeout_s=timeout_s,
-        )
+        join = checked_join(rank_prefix, ip, port, world_size, train_world_size, timeout_s)
+        await self.init_collective_via("init_collective", join)
 
-    async def init_collective_via(
-        self, method: str, *args: object, timeout_s: float | None = None
-    ) -> None:
-        """:meth:`init_collective` through another extension method (``method(*args,
-        bound)``, e.g. the receiver of NeMo-RL's weight-update group,
-        ``nemo_rl_init_collective``)."""
-        bound, outer = self._rendezvous_bounds(method, timeout_s)
+    async def init_collective_via(self, method: str, join: GroupJoin) -> None:
+        """:meth:`init_collective` through another extension method (``method(join)``,
+        e.g. the receiver of NeMo-RL's weight-update group, ``nemo_rl_init_collective``)."""
         self._collective = False
-        await self._rpc(method, *args, bound, timeout=outer)
+        await self._rpc(method, join.to_wire(), timeout=join.rpc_bound())
         self._collective = True
 
     async def call_engine_workers(self, method: str, *args: object) -> list[object]:

@@ -53,13 +53,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Unpack
+from typing import Any, Unpack
 
 import attrs
 
 from genworker.core.assembly import Generation
 from genworker.core.counters import GaugeSample, MetricSample
 from genworker.core.engine_calls import RowRequest, RpcCall
+from genworker.core.joins import GroupJoin
 from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
@@ -339,16 +340,8 @@ class FakeAsyncEngine(FakeEngineBase):
         self.load_new_weights()
         return {"tensors": 0, "version": self.weight_version}
 
-    def _accept_group(
-        self,
-        rank_prefix: int,
-        ip: str,
-        port: int,
-        world_size: int,
-        train_world_size: int,
-        timeout_s: float = 600.0,
-    ) -> dict[str, object]:
-        return {"rank": train_world_size + rank_prefix}
+    def _accept_group(self, join: Mapping[str, Any]) -> dict[str, object]:
+        return {"rank": GroupJoin(**join).rank(0)}
 
     def load_new_weights(self) -> None:
         """What a successful refit does to the fake: new tokens, weights valid again."""

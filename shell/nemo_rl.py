@@ -93,6 +93,7 @@ from genworker.shell.nemo_rl_member import (
     raw_spec_counters,
     wake_up_tags,
 )
+from genworker.shell.spine import checked_join
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 
 if TYPE_CHECKING:  # typings/ray
@@ -218,9 +219,8 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
         self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int
     ) -> None:
         """Join NeMo-RL's weight-update group (its trainer rank 0 hosts the store)."""
-        self._owner("init_collective").init_collective_via(
-            "nemo_rl_init_collective", rank_prefix, ip, port, world_size, train_world_size
-        )
+        join = checked_join(rank_prefix, ip, port, world_size, train_world_size)
+        self._owner("init_collective").init_collective_via("nemo_rl_init_collective", join)
 
     def update_weights_via_ipc_zmq(self, refit_timeout_s: float | None = None) -> bool:
         """One refit from NeMo-RL's trainer over its IPC wire; False on failure."""

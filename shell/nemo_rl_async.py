@@ -82,6 +82,7 @@ from genworker.shell.nemo_rl_member import (
     raw_spec_counters,
     wake_up_tags,
 )
+from genworker.shell.spine import checked_join
 
 __all__ = ["NemoRlAsyncGenerationWorker", "reported_url"]
 
@@ -207,8 +208,9 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int
     ) -> None:
         """Join NeMo-RL's weight-update group (its trainer rank 0 hosts the store)."""
+        join = checked_join(rank_prefix, ip, port, world_size, train_world_size)
         await self._owner("init_collective_async").init_collective_via(
-            "nemo_rl_init_collective", rank_prefix, ip, port, world_size, train_world_size
+            "nemo_rl_init_collective", join
         )
 
     async def update_weights_via_ipc_zmq_async(

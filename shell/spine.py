@@ -89,6 +89,7 @@ from genworker.core.config import WorkerConfig
 from genworker.core.counters import CACHE_RESETS, NONFINITE_LOGPROBS, CounterSample
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.groups import Group, GroupPath, GroupPlan, plan_groups
+from genworker.core.joins import GroupJoin, group_join
 from genworker.core.lora import NEMO_RL_ADAPTER_NAME, check_adapter_name
 from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
@@ -139,6 +140,7 @@ __all__ = [
     "ExistingEngineFactory",
     "WorkerSpine",
     "checked_env_names",
+    "checked_join",
     "forward_env",
     "nonfinite_samples",
     "reset_cache",
@@ -354,6 +356,19 @@ def tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
             f"generate: data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
         )
     return value
+
+
+def checked_join(
+    rank_prefix: int,
+    ip: str,
+    port: int,
+    world_size: int,
+    train_world_size: int,
+    timeout_s: float | None = None,
+) -> GroupJoin:
+    """A public ``init_collective``'s arguments as one value (``timeout_s`` checked)."""
+    join = group_join(rank_prefix, ip, port, world_size, train_world_size, timeout_s)
+    return unwrap(join, BadArgumentError, "init_collective")
 
 
 @attrs.frozen
@@ -835,10 +850,10 @@ class WorkerSpine(Generic[_E]):
         return bound, rpc_bound(refit_waits(len(self._manifest), transport), bound)
 
     @staticmethod
-    def _rendezvous_bounds(method: str, timeout_s: object, stages: int = 1) -> tuple[float, float]:
+    def _rendezvous_bounds(method: str, timeout_s: object) -> tuple[float, float]:
         """A group join's per-wait bound (``timeout_s`` checked) and its RPC's outer bound."""
         bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
-        return bound, rpc_bound(RENDEZVOUS_WAITS * max(1, stages), bound)
+        return bound, rpc_bound(RENDEZVOUS_WAITS, bound)
 
     @staticmethod
     def _manifest_of(state_dict_info: Mapping[str, tuple[Sequence[int], object]]) -> Manifest:

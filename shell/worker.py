@@ -52,6 +52,7 @@ from genworker.core.assembly import (
 from genworker.core.counters import encode_snapshot
 from genworker.core.engine_calls import RpcCall
 from genworker.core.groups import order_rows
+from genworker.core.joins import GroupJoin, reshard_join
 from genworker.core.outputs import (
     NonFiniteLogprobs,
     check_finished,
@@ -60,7 +61,6 @@ from genworker.core.outputs import (
 )
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.refit_protocol import (
-    RENDEZVOUS_WAITS,
     Transport,
     refit_waits,
     rpc_bound,
@@ -92,6 +92,7 @@ from genworker.shell.spine import (
     ExistingEngineFactory,
     WorkerSpine,
     checked_env_names,
+    checked_join,
     forward_env,
     reset_cache,
     start_engine,
@@ -462,13 +463,12 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
     ) -> None:
         """Join the trainer's standalone weight-update group (ranks after the trainer's);
         every rendezvous wait is bounded by ``timeout_s``."""
-        args = (rank_prefix, ip, port, world_size, train_world_size)
-        self._init_collective("init_collective", args, timeout_s)
+        join = checked_join(rank_prefix, ip, port, world_size, train_world_size, timeout_s)
+        self._init_collective("init_collective", join)
 
-    def _init_collective(self, method: str, args: tuple[object, ...], timeout_s: object) -> None:
-        bound, outer = self._rendezvous_bounds(method, timeout_s)
+    def _init_collective(self, method: str, join: GroupJoin) -> None:
         self._collective = False
-        self._rpc(method, *args, bound, timeout=outer)
+        self._rpc(method, join.to_wire(), timeout=join.rpc_bound())
         self._collective = True
 
     @_serialized
@@ -732,12 +732,10 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         return self._rpc(method, *args)
 
     @_serialized
-    def init_collective_via(
-        self, method: str, *args: object, timeout_s: float | None = None
-    ) -> None:
-        """:meth:`init_collective` through another extension method (``method(*args,
-        bound)``, e.g. the receiver of NeMo-RL's weight-update group)."""
-        self._init_collective(method, args, timeout_s)
+    def init_collective_via(self, method: str, join: GroupJoin) -> None:
+        """:meth:`init_collective` through another extension method (``method(join)``,
+        e.g. the receiver of NeMo-RL's weight-update group)."""
+        self._init_collective(method, join)
 
     @_serialized
     def refit_via(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
@@ -767,23 +765,12 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         every rendezvous wait bounded by ``timeout_s``. ``device="cpu"``: gloo over host
         memory even on a CUDA engine (trainer ranks on the engine's own GPU, where NCCL
         refuses a second rank; they send with ``ReshardSender(device="cpu")``)."""
-        bound = unwrap(wait_bound(timeout_s), BadArgumentError, "init_nccl_reshard_comm_group")
-        if device not in (None, "cpu"):
-            raise BadArgumentError(
-                f"init_nccl_reshard_comm_group: device must be None (the engine's) or 'cpu', "
-                f"got {device!r}"
-            )
+        args = (rank_prefix, pp_ips, pp_ports, pp_size, train_ranks_per_stage, sub_world_size)
+        join = reshard_join(*args, timeout_s, device)
+        stages = unwrap(join, BadArgumentError, "init_nccl_reshard_comm_group")
         self._reshard_stages = 0
-        args = (rank_prefix, list(pp_ips), list(pp_ports), pp_size, train_ranks_per_stage)
-        self._rpc(
-            "init_nccl_reshard_comm_group",
-            *args,
-            sub_world_size,
-            bound,
-            device,
-            timeout=rpc_bound(RENDEZVOUS_WAITS * max(1, len(pp_ips)), bound),
-        )
-        self._reshard_stages = len(pp_ips)
+        self._rpc("init_nccl_reshard_comm_group", stages.to_wire(), timeout=stages.rpc_bound())
+        self._reshard_stages = len(stages.stages)
 
     @_serialized
     def prepare_nccl_reshard_refit_info(self, refit_info: Mapping[str, object]) -> list[object]:

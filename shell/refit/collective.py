@@ -27,8 +27,8 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import NoReturn, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from genworker.core import refit_protocol as p
+from genworker.core.joins import group_join
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.shell.errors import (
     BadArgumentError,
@@ -488,22 +489,15 @@ class CollectiveBackend:
         self.engine = engine
         self.receiver: CollectiveReceiver | None = None
 
-    def init(
-        self,
-        rank_prefix: int,
-        ip: str,
-        port: int,
-        world_size: int,
-        train_world_size: int,
-        timeout_s: float | None = None,
-    ) -> dict[str, object]:
-        """Join the group (leaving any earlier one), every rendezvous wait bounded."""
-        bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, "init_collective")
+    def init(self, join: Mapping[str, Any]) -> dict[str, object]:
+        """Join the group (leaving any earlier one) as ``join`` (``GroupJoin.to_wire``)
+        says, every rendezvous wait bounded."""
+        where = unwrap(group_join(**join), BadArgumentError, "init_collective")
         self.close()
-        rank = int(train_world_size) + int(rank_prefix) + self.engine.rank
-        where = (str(ip), int(port))
-        size, train = int(world_size), int(train_world_size)
-        group = CollectiveGroup(*where, rank, size, train, "engine", self.engine.device, bound)
+        rank, sizes = where.rank(self.engine.rank), (where.world_size, where.train_world_size)
+        group = CollectiveGroup(
+            where.ip, where.port, rank, *sizes, "engine", self.engine.device, where.timeout_s
+        )
         self.receiver = self.engine.group_port = CollectiveReceiver(group)
         return {"rank": rank}
 

@@ -60,6 +60,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCP
 
 from genworker.core import nemo_rl_refit as n
 from genworker.core import refit_protocol as p
+from genworker.core.joins import group_join
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.shell.errors import (
     BadArgumentError,
@@ -683,19 +684,10 @@ class NemoRlCollectiveBackend:
         self.engine, self.target_bytes, self.refits = engine, 0, 0
         self.group: NemoRlGroup | None = None
 
-    def init(
-        self,
-        rank_prefix: int,
-        ip: str,
-        port: int,
-        world_size: int,
-        train_world_size: int,
-        timeout_s: float | None = None,
-        packed_bytes: int | None = None,
-    ) -> dict[str, object]:
-        """Join NeMo-RL's group as rank ``train_world_size + rank_prefix + worker
-        rank``; ``packed_bytes``: the packing target (None: NeMo-RL's own rule)."""
-        bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, "init_collective")
+    def init(self, join: Mapping[str, Any], packed_bytes: int | None = None) -> dict[str, object]:
+        """Join NeMo-RL's group as ``join`` (``GroupJoin.to_wire``) says; ``packed_bytes``:
+        the packing target (None: NeMo-RL's own rule)."""
+        where = unwrap(group_join(**join), BadArgumentError, "init_collective")
         device = self.engine.device
         if packed_bytes is None:
             target = packed_target_bytes(device, os.environ)
@@ -704,9 +696,8 @@ class NemoRlCollectiveBackend:
         else:
             raise BadArgumentError(f"packed_bytes must be an int, got {packed_bytes!r}")
         self.close()
-        rank = int(train_world_size) + int(rank_prefix) + self.engine.rank
-        where, sizes = (str(ip), int(port)), (int(world_size), int(train_world_size))
-        self.group = NemoRlGroup(*where, rank, *sizes, device, bound)
+        rank, sizes = where.rank(self.engine.rank), (where.world_size, where.train_world_size)
+        self.group = NemoRlGroup(where.ip, where.port, rank, *sizes, device, where.timeout_s)
         self.target_bytes = target
         return {"rank": rank, "packed_bytes": target}
 

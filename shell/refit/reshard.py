@@ -38,14 +38,15 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Final
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import msgspec
 import torch
 
 from genworker.core import refit_protocol as p
+from genworker.core.joins import reshard_join
 from genworker.core.refit_plan import Manifest, TensorSpec, dtype_name
 from genworker.core.reshard import (
     Copy,
@@ -483,55 +484,38 @@ class ReshardBackend:
         self.prepared: _Prepared | None = None
 
     def init(
-        self, *group: object, refit_info: Mapping[str, object] | None = None, **options: object
+        self, join: Mapping[str, Any] | None = None, refit_info: Mapping[str, object] | None = None
     ) -> dict[str, object]:
-        """Join every stage's group (:meth:`join`'s arguments), or, given
+        """Join every stage's group (``join``: ``ReshardJoin.to_wire``), or, given
         ``refit_info``, plan every later refit from the trainer's layouts (:meth:`plan`)."""
         if refit_info is not None:
-            if group or options:
+            if join is not None:
                 raise BadArgumentError("the reshard refit_info comes alone")
             return self.plan(refit_info)
-        join: Callable[..., dict[str, object]] = self.join  # takes the RPC's arguments as sent
-        return join(*group, **options)
+        return self.join(join or {})
 
-    def join(
-        self,
-        rank_prefix: int,
-        pp_ips: Sequence[str],
-        pp_ports: Sequence[int],
-        pp_size: int,
-        train_ranks_per_stage: int,
-        sub_world_size: int,
-        timeout_s: float | None = None,
-        device: str | None = None,
-    ) -> dict[str, object]:
-        """Join every trainer PP stage's reshard group as rank ``train_ranks_per_stage +
-        rank_prefix + worker rank``; ``device`` ``"cpu"``: the group is gloo over host
-        memory even on a CUDA engine (the shards arrive in host scratch and are copied
-        into the parameters), for trainer ranks on this engine's GPU, which NCCL refuses
-        to place in one communicator ("Duplicate GPU detected")."""
+    def join(self, join: Mapping[str, Any]) -> dict[str, object]:
+        """Join every trainer PP stage's reshard group as ``join`` says (rank
+        ``train_ranks_per_stage + rank_prefix + worker rank``); ``device`` ``"cpu"``: the
+        group is gloo over host memory even on a CUDA engine (the shards arrive in host
+        scratch and are copied into the parameters), for trainer ranks on this engine's
+        GPU, which NCCL refuses to place in one communicator ("Duplicate GPU detected")."""
         call = "init_nccl_reshard_comm_group"
-        bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, call)
-        if device not in (None, "cpu"):
-            raise BadArgumentError(
-                f"{call}: device must be None (the engine's) or 'cpu', got {device!r}"
-            )
-        where = self.engine.device if device is None else torch.device(device)
-        if not (pp_size >= 1 and len(pp_ips) == pp_size == len(pp_ports)):
-            raise BadArgumentError(
-                f"{call}: pp_size={pp_size} with {len(pp_ips)} ip(s) and {len(pp_ports)} port(s)"
-            )
+        stages = unwrap(reshard_join(**join), BadArgumentError, call)
+        where = self.engine.device if stages.device is None else torch.device(stages.device)
         self.close()
-        rank = int(train_ranks_per_stage) + int(rank_prefix) + self.engine.rank
-        sizes = (int(sub_world_size), int(train_ranks_per_stage))
+        first = stages.stages[0]
+        rank, sizes = first.rank(self.engine.rank), (first.world_size, first.train_world_size)
         try:
-            for ip, port in zip(pp_ips, pp_ports, strict=True):
-                group = ReshardGroup(str(ip), int(port), rank, *sizes, "engine", where, bound)
+            for stage in stages.stages:
+                group = ReshardGroup(
+                    stage.ip, stage.port, rank, *sizes, "engine", where, stage.timeout_s
+                )
                 self.groups.append(group)
         except GenworkerError:
             self.close()
             raise
-        self.rank_prefix, self.train = int(rank_prefix), int(train_ranks_per_stage)
+        self.rank_prefix, self.train = first.rank_prefix, first.train_world_size
         return {"rank": rank, "stages": len(self.groups)}
 
     def plan(self, refit_info: Mapping[str, object]) -> dict[str, object]:

@@ -726,7 +726,8 @@ def test_a_collective_refit_needs_init_collective_async_which_joins_nemo_rls_gro
         assert isinstance(worker.last_refit_error, EngineStateError)
         assert "init_collective first" in str(worker.last_refit_error)
         await worker.init_collective_async(0, "10.0.0.1", 29500, 3, 2)
-        assert joined == [(0, "10.0.0.1", 29500, 3, 2, DEFAULT_TIMEOUT_S)]
+        where = {"rank_prefix": 0, "ip": "10.0.0.1", "port": 29500, "world_size": 3}
+        assert joined == [({**where, "train_world_size": 2, "timeout_s": DEFAULT_TIMEOUT_S},)]
         assert await worker.update_weights_from_collective_async() is True
         assert await worker.update_weights_from_collective_async(refit_timeout_s=2.5) is True
         assert timeouts == [DEFAULT_TIMEOUT_S, 2.5]

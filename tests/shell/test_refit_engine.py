@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from genworker.core import refit_protocol as p
+from genworker.core.joins import group_join
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.shell.errors import (
     BadArgumentError,
@@ -259,7 +260,7 @@ def group(engine: Engine, trainer: Trainer) -> None:
     """The engine and the trainer joined in one weight-update group (gloo)."""
     port = free_port()
     trainer.submit("join", port=port, world_size=2)
-    engine.rpc("init_collective", 0, "127.0.0.1", port, 2, 1)
+    engine.rpc("init_collective", group_join(0, "127.0.0.1", port, 2, 1).unwrap().to_wire())
     joined = trainer.result()
     assert joined.ok, joined
 

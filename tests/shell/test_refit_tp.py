@@ -28,6 +28,7 @@ from refit_helpers import (
 )
 from safetensors.torch import load_file
 
+from genworker.core.joins import group_join
 from genworker.demo.tiny_model import build_tiny_model
 from genworker.shell.refit import RefitSender
 
@@ -107,7 +108,8 @@ def test_a_collective_refit_reaches_both_tensor_parallel_ranks(
     try:
         port = free_port()
         trainer.submit("join", port=port, world_size=3)  # trainer 0, engine workers 1 and 2
-        tp_engine.rpc_all("init_collective", 0, "127.0.0.1", port, 3, 1)
+        join = group_join(0, "127.0.0.1", port, 3, 1).unwrap()
+        tp_engine.rpc_all("init_collective", join.to_wire())
         joined = trainer.result()
         assert joined.ok, joined
         tp_engine.rpc_all("prepare_refit_info", info(checkpoint_b / "model.safetensors"))

@@ -30,6 +30,7 @@ from refit_helpers import (
 from reshard_helpers import ReshardTrainer
 from safetensors.torch import load_file
 
+from genworker.core.joins import reshard_join
 from genworker.core.reshard import box_numel
 from genworker.demo.tiny_model import build_tiny_model
 from genworker.shell.errors import RefitManifestError
@@ -72,16 +73,8 @@ class Session:
                 style=style,
                 mesh_port=mesh_port,
             )
-        joined = engine.rpc_all(
-            "init_nccl_reshard_comm_group",
-            0,
-            ["127.0.0.1"],
-            [port],
-            1,
-            world,
-            world + TP,
-            REFIT_TIMEOUT,
-        )
+        join = reshard_join(0, ["127.0.0.1"], [port], 1, world, world + TP, REFIT_TIMEOUT)
+        joined = engine.rpc_all("init_nccl_reshard_comm_group", join.unwrap().to_wire())
         assert [j["rank"] for j in joined] == [world, world + 1]  # type: ignore[index]
         outcomes = [t.result() for t in self.trainers]
         assert all(o.ok for o in outcomes), outcomes

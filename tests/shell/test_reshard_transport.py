@@ -13,6 +13,7 @@ import pytest
 import torch
 from refit_helpers import free_port
 
+from genworker.core.joins import reshard_join
 from genworker.core.reshard import TrainerLayout, megatron_layout
 from genworker.shell.errors import RefitError
 from genworker.shell.extension import WorkerExtension
@@ -107,7 +108,8 @@ def setup() -> Iterator[Setup]:
     threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
-    joined = engine.init_nccl_reshard_comm_group(0, ["127.0.0.1"], [port], 1, 2, 3, TIMEOUT)
+    stages = reshard_join(0, ["127.0.0.1"], [port], 1, 2, 3, TIMEOUT).unwrap()
+    joined = engine.init_nccl_reshard_comm_group(stages.to_wire())
     for t in threads:
         t.join(TIMEOUT)
     assert joined == {"rank": 2, "stages": 1}
@@ -207,7 +209,9 @@ def test_a_trainer_that_never_sends_is_a_timeout_and_a_refit_needs_its_setup(
 ) -> None:
     fresh = StandIn()
     assert fresh.nccl_reshard_refit(1.0)["error"] == "state"
-    assert fresh.init_nccl_reshard_comm_group(0, ["h"], [1, 2], 1, 1, 2)["error"] == "argument"
+    one_stage = reshard_join(0, ["h"], [1], 1, 1, 2).unwrap().to_wire()
+    wire = {**one_stage, "pp_ports": [1, 2]}  # two ports for one stage
+    assert fresh.init_nccl_reshard_comm_group(wire)["error"] == "argument"
     assert (
         fresh.prepare_nccl_reshard_refit_info({"version": 9, "stages": []})["error"] == "manifest"
     )

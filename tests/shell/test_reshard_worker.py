@@ -9,6 +9,7 @@ from helpers import base_config
 from helpers import right_padded as batch
 
 from genworker.core.engine_calls import RpcCall
+from genworker.core.joins import reshard_join
 from genworker.core.refit_protocol import RENDEZVOUS_WAITS, Transport, refit_waits, rpc_bound
 from genworker.shell.errors import BadArgumentError, EngineStateError, RefitError
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
@@ -49,7 +50,18 @@ def test_the_three_methods_reach_the_engine_workers_with_derived_bounds() -> Non
     )
     assert calls.pop() == (
         "init_nccl_reshard_comm_group",
-        (0, ["10.0.0.1", "10.0.0.2"], [1234, 1235], 2, 4, 6, 7.0, None),
+        (
+            {
+                "rank_prefix": 0,
+                "pp_ips": ["10.0.0.1", "10.0.0.2"],
+                "pp_ports": [1234, 1235],
+                "pp_size": 2,
+                "train_ranks_per_stage": 4,
+                "sub_world_size": 6,
+                "timeout_s": 7.0,
+                "device": None,
+            },
+        ),
         {},
     )
     assert timeouts[-1] == rpc_bound(2 * RENDEZVOUS_WAITS, 7.0)
@@ -63,9 +75,12 @@ def test_the_three_methods_reach_the_engine_workers_with_derived_bounds() -> Non
     assert calls.pop() == ("nccl_reshard_refit", (), {"refit_timeout_s": 300.0})
     # gloo over host memory on any engine (trainer ranks on the engine's own GPU)
     worker.init_nccl_reshard_comm_group(0, ["h"], [1], 1, 2, 3, timeout_s=7, device="cpu")
-    assert calls.pop() == ("init_nccl_reshard_comm_group", (0, ["h"], [1], 1, 2, 3, 7.0, "cpu"), {})
+    wire = reshard_join(0, ["h"], [1], 1, 2, 3, 7.0, "cpu").unwrap().to_wire()
+    assert calls.pop() == ("init_nccl_reshard_comm_group", (wire,), {})
     with pytest.raises(BadArgumentError, match=r"device must be None .* got 'cuda'"):
         worker.init_nccl_reshard_comm_group(0, ["h"], [1], 1, 2, 3, device="cuda")
+    with pytest.raises(BadArgumentError, match=r"pp_size=1 with 1 ip\(s\) and 2 port\(s\)"):
+        worker.init_nccl_reshard_comm_group(0, ["h"], [1, 2], 1, 2, 3)
     assert not calls  # refused before the engine workers
 
 
