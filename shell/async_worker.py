@@ -89,7 +89,7 @@ from genworker.core.config_keys import parse_bool
 from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
 from genworker.core.engine_calls import RowRequest, RpcCall
 from genworker.core.groups import GroupPlan
-from genworker.core.joins import GroupJoin
+from genworker.core.joins import GroupJoin, group_join
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import (
     NonFiniteLogprobs,
@@ -839,7 +839,9 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
     ) -> None:
         """Join the trainer's weight-update group (returns once every rank joined); every
         rendezvous wait is bounded by ``timeout_s``."""
-        join = checked_join(rank_prefix, ip, port, world_size, train_world_size, timeout_s)
+        join = checked_join(
+            group_join(rank_prefix, ip, port, world_size, train_world_size, timeout_s)
+        )
         await self.init_collective_via("init_collective", join)
 
     async def init_collective_via(self, method: str, join: GroupJoin) -> None:

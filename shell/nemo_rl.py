@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from genworker.core.config import WorkerConfig
+from genworker.core.joins import group_join
 from genworker.core.refit_protocol import Transport
 from genworker.shell.errors import (
     BadArgumentError,
@@ -219,7 +220,7 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
         self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int
     ) -> None:
         """Join NeMo-RL's weight-update group (its trainer rank 0 hosts the store)."""
-        join = checked_join(rank_prefix, ip, port, world_size, train_world_size)
+        join = checked_join(group_join(rank_prefix, ip, port, world_size, train_world_size))
         self._owner("init_collective").init_collective_via("nemo_rl_init_collective", join)
 
     def update_weights_via_ipc_zmq(self, refit_timeout_s: float | None = None) -> bool:

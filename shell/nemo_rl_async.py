@@ -71,6 +71,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 import torch
 
+from genworker.core.joins import group_join
 from genworker.core.lifecycle import InflightMode
 from genworker.core.refit_protocol import Transport
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
@@ -208,7 +209,7 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int
     ) -> None:
         """Join NeMo-RL's weight-update group (its trainer rank 0 hosts the store)."""
-        join = checked_join(rank_prefix, ip, port, world_size, train_world_size)
+        join = checked_join(group_join(rank_prefix, ip, port, world_size, train_world_size))
         await self._owner("init_collective_async").init_collective_via(
             "nemo_rl_init_collective", join
         )

@@ -89,7 +89,7 @@ from genworker.core.config import WorkerConfig
 from genworker.core.counters import CACHE_RESETS, NONFINITE_LOGPROBS, CounterSample
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.groups import Group, GroupPath, GroupPlan, plan_groups
-from genworker.core.joins import GroupJoin, group_join
+from genworker.core.joins import GroupJoin, JoinError
 from genworker.core.lora import NEMO_RL_ADAPTER_NAME, check_adapter_name
 from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
@@ -358,16 +358,9 @@ def tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
     return value
 
 
-def checked_join(
-    rank_prefix: int,
-    ip: str,
-    port: int,
-    world_size: int,
-    train_world_size: int,
-    timeout_s: float | None = None,
-) -> GroupJoin:
-    """A public ``init_collective``'s arguments as one value (``timeout_s`` checked)."""
-    join = group_join(rank_prefix, ip, port, world_size, train_world_size, timeout_s)
+def checked_join(join: Result[GroupJoin, JoinError]) -> GroupJoin:
+    """A public ``init_collective``'s join (``core.joins.group_join`` of its arguments),
+    or the BadArgumentError that names the bad one."""
     return unwrap(join, BadArgumentError, "init_collective")
 
 

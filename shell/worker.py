@@ -52,7 +52,7 @@ from genworker.core.assembly import (
 from genworker.core.counters import encode_snapshot
 from genworker.core.engine_calls import RpcCall
 from genworker.core.groups import order_rows
-from genworker.core.joins import GroupJoin, reshard_join
+from genworker.core.joins import GroupJoin, group_join, reshard_join
 from genworker.core.outputs import (
     NonFiniteLogprobs,
     check_finished,
@@ -463,7 +463,9 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
     ) -> None:
         """Join the trainer's standalone weight-update group (ranks after the trainer's);
         every rendezvous wait is bounded by ``timeout_s``."""
-        join = checked_join(rank_prefix, ip, port, world_size, train_world_size, timeout_s)
+        join = checked_join(
+            group_join(rank_prefix, ip, port, world_size, train_world_size, timeout_s)
+        )
         self._init_collective("init_collective", join)
 
     def _init_collective(self, method: str, join: GroupJoin) -> None:
