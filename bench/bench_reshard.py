@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from genworker.core.joins import group_join, reshard_join
 from genworker.core.refit_plan import DTYPE_ITEMSIZE
 from genworker.core.reshard import (
     EngineShard,
@@ -253,17 +254,8 @@ def transport_figures() -> list[tuple[str, float]]:
         for proc in procs:
             proc.start()
         try:
-            _rpc(
-                llm,
-                "init_nccl_reshard_comm_group",
-                0,
-                ["127.0.0.1"],
-                [port],
-                1,
-                TP,
-                2 * TP,
-                TIMEOUT_S,
-            )
+            stages = reshard_join(0, ["127.0.0.1"], [port], 1, TP, 2 * TP, TIMEOUT_S).unwrap()
+            _rpc(llm, "init_nccl_reshard_comm_group", stages.to_wire())
             assert all(results.get(timeout=TIMEOUT_S) == "joined" for _, results in pipes)
             summaries = _rpc(llm, "prepare_nccl_reshard_refit_info", refit_info(trainer))
             for commands, results in pipes:
@@ -278,7 +270,8 @@ def transport_figures() -> list[tuple[str, float]]:
                 )
             )
             join.start()
-            _rpc(llm, "init_collective", 0, "127.0.0.1", bport, TP + 1, 1, TIMEOUT_S)
+            group = group_join(0, "127.0.0.1", bport, TP + 1, 1, TIMEOUT_S).unwrap()
+            _rpc(llm, "init_collective", group.to_wire())
             join.join(TIMEOUT_S)
             (broadcaster,) = holder
             _rpc(
