@@ -60,7 +60,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCP
 
 from genworker.core import nemo_rl_refit as n
 from genworker.core import refit_protocol as p
-from genworker.core.joins import group_join
+from genworker.core.joins import GroupJoin, group_join
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.shell.errors import (
     BadArgumentError,
@@ -520,18 +520,11 @@ class BroadcastGroup:
 class NemoRlGroup(BroadcastGroup):
     """An engine worker's place in NeMo-RL's weight-update group (see the module docstring)."""
 
-    def __init__(
-        self,
-        ip: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        train_world_size: int,
-        device: torch.device,
-        timeout_s: float,
-    ) -> None:
+    def __init__(self, join: GroupJoin, rank: int, device: torch.device) -> None:
+        """Rank ``rank`` of the group ``join`` names, each wait bounded by its timeout."""
+        ip, port, world_size, timeout_s = join.ip, join.port, join.world_size, join.timeout_s
         backend = "nccl" if device.type == "cuda" else "gloo"
-        claim = p.GroupClaim(rank, world_size, train_world_size, backend, "engine")
+        claim = p.GroupClaim(rank, world_size, join.train_world_size, backend, "engine")
         if problems := p.topology_problems(ip, port, claim):
             raise BadConfigError("invalid NeMo-RL weight-update group: " + "; ".join(problems))
         where = f"{ip}:{port} (rank {rank} of {world_size})"
@@ -696,8 +689,8 @@ class NemoRlCollectiveBackend:
         else:
             raise BadArgumentError(f"packed_bytes must be an int, got {packed_bytes!r}")
         self.close()
-        rank, sizes = where.rank(self.engine.rank), (where.world_size, where.train_world_size)
-        self.group = NemoRlGroup(where.ip, where.port, rank, *sizes, device, where.timeout_s)
+        rank = where.rank(self.engine.rank)
+        self.group = NemoRlGroup(where, rank, device)
         self.target_bytes = target
         return {"rank": rank, "packed_bytes": target}
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from refit_helpers import FailingSink, free_port, random_state_dict, zeros_like_all
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
+from genworker.core.joins import GroupJoin
 from genworker.core.nemo_rl_refit import packed_groups
 from genworker.shell.errors import BadConfigError, RefitError
 from genworker.shell.refit import IpcReceiver, ParameterSink, manifest_of, receive
@@ -95,7 +96,7 @@ def test_packed_broadcasts_land_in_every_tensor_and_a_failure_stays_in_step(targ
     tensors = random_state_dict(3)
     port = free_port()
     trainer = NemoRlTrainerThread(port)
-    group = NemoRlGroup("127.0.0.1", port, 1, 2, 1, torch.device("cpu"), TIMEOUT_S)
+    group = NemoRlGroup(GroupJoin(0, "127.0.0.1", port, 2, 1, TIMEOUT_S), 1, torch.device("cpu"))
     try:
         groups = packed_groups(manifest_of(tensors), target)
         assert (len(groups) == 1) is (target > 1000)
@@ -121,9 +122,9 @@ def test_packed_broadcasts_land_in_every_tensor_and_a_failure_stays_in_step(targ
 
 def test_a_group_nemo_rl_could_not_form_is_refused_before_any_socket() -> None:
     with pytest.raises(BadConfigError, match="rank 0 would be a trainer rank"):
-        NemoRlGroup("127.0.0.1", free_port(), 0, 2, 1, torch.device("cpu"), 1.0)
+        NemoRlGroup(GroupJoin(0, "127.0.0.1", free_port(), 2, 1, 1.0), 0, torch.device("cpu"))
     with pytest.raises(BadConfigError, match="port 0"):
-        NemoRlGroup("127.0.0.1", 0, 1, 2, 1, torch.device("cpu"), 1.0)
+        NemoRlGroup(GroupJoin(0, "127.0.0.1", 0, 2, 1, 1.0), 1, torch.device("cpu"))
 
 
 def test_the_packing_target_is_nemo_rls_rule() -> None:
