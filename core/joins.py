@@ -65,12 +65,23 @@ def group_join(
 ) -> Result[GroupJoin, JoinError]:
     """The join, ``timeout_s`` checked (:func:`wait_bound`; None: the default bound)."""
 
-    def joined(bound: float) -> GroupJoin:
-        sizes = int(world_size), int(train_world_size)
-        return GroupJoin(int(rank_prefix), str(ip), int(port), *sizes, bound)
-
+    named = {"rank_prefix": rank_prefix, "port": port, "world_size": world_size}
+    ints = _integers(**named, train_world_size=train_world_size)
     problem = "timeout_s", timeout_s
-    return wait_bound(timeout_s).alt(lambda e: JoinError(e.message, *problem)).map(joined)
+    bound = wait_bound(timeout_s).alt(lambda e: JoinError(e.message, *problem))
+    return ints.bind(lambda n: bound.map(lambda b: GroupJoin(ip=str(ip), timeout_s=b, **n)))
+
+
+def _integers(**named: object) -> Result[dict[str, int], JoinError]:
+    """``named`` as integers (``int()`` of each, as the engine always took them), or the
+    first that is none, by name."""
+    out: dict[str, int] = {}
+    for name, value in named.items():
+        try:
+            out[name] = int(value)  # type: ignore[call-overload]
+        except (TypeError, ValueError, OverflowError):
+            return Failure(JoinError(f"{name} must be an integer, got {value!r}", name, value))
+    return Success(out)
 
 
 @attrs.frozen
@@ -122,13 +133,19 @@ def reshard_join(
     if not (pp_size >= 1 and len(pp_ips) == pp_size == len(pp_ports)):
         why = f"pp_size={pp_size} with {len(pp_ips)} ip(s) and {len(pp_ports)} port(s)"
         return Failure(JoinError(why, "pp_size", pp_size))
-    sizes = int(rank_prefix), int(sub_world_size), int(train_ranks_per_stage)
-    return Success(
-        ReshardJoin(
-            tuple(
-                GroupJoin(sizes[0], str(ip), int(port), *sizes[1:], bound.unwrap())
-                for ip, port in zip(pp_ips, pp_ports, strict=True)
-            ),
-            device,
-        )
+    sizes = _integers(
+        rank_prefix=rank_prefix,
+        sub_world_size=sub_world_size,
+        train_ranks_per_stage=train_ranks_per_stage,
+        **{f"pp_ports[{i}]": port for i, port in enumerate(pp_ports)},
     )
+
+    def joins(n: dict[str, int]) -> ReshardJoin:
+        rank_prefix, world, train = (n.pop(k) for k in tuple(n)[:3])
+        stages = (
+            GroupJoin(rank_prefix, str(ip), port, world, train, bound.unwrap())
+            for ip, port in zip(pp_ips, n.values(), strict=True)
+        )
+        return ReshardJoin(tuple(stages), device)
+
+    return sizes.map(joins)

@@ -91,3 +91,26 @@ def test_a_reshard_join_has_a_stage() -> None:
         j.ReshardJoin(())
     join = j.group_join(0, "h", 1, 2, 1).unwrap()
     assert attrs.evolve(j.ReshardJoin((join,)), device="cpu").device == "cpu"
+
+
+_not_integers: st.SearchStrategy[object] = st.sampled_from(["two", None, 1.5j, [], float("inf")])
+
+
+@given(st.integers(0, 3), _not_integers)
+def test_a_join_value_that_is_no_integer_is_refused_naming_it(at: int, bad: object) -> None:
+    """Where ``int()`` fails (the engine always took these through ``int()``), the join is
+    refused naming that argument, never a bare ``TypeError`` / ``ValueError``."""
+    names = ("rank_prefix", "port", "world_size", "train_world_size")
+    args: list[object] = [0, 29500, 2, 1]
+    args[at] = bad
+    result = j.group_join(args[0], "h", args[1], args[2], args[3])  # type: ignore[arg-type]
+    assert isinstance(result, Failure)
+    assert (result.failure().field, result.failure().value) == (names[at], bad)
+    assert names[at] in result.failure().message
+    stage_args: list[object] = [0, 1, 2, 29500]  # rank_prefix, train ranks, world, a port
+    stage_args[at] = bad
+    prefix, train, world, port = stage_args
+    reshard = j.reshard_join(prefix, ["h"], [port], 1, train, world)  # type: ignore[arg-type,list-item]
+    assert isinstance(reshard, Failure)
+    public = ("rank_prefix", "train_ranks_per_stage", "sub_world_size", "pp_ports[0]")[at]
+    assert reshard.failure().field == public
