@@ -179,7 +179,7 @@ REFIT_METHODS = frozenset(
     }
 )
 
-_E = TypeVar("_E")
+_E = TypeVar("_E", bound="HasCapabilities")
 _R = TypeVar("_R")
 _R_co = TypeVar("_R_co", covariant=True)
 _Started_co = TypeVar("_Started_co", covariant=True)
@@ -441,7 +441,7 @@ class WorkerSpine(Generic[_E]):
         is handed to ``discard``. Commits nothing: :meth:`_loaded` does."""
         self._move(lifecycle.Event.LOAD)
         engine = start_engine(factory, self.cfg, self.seed, self.extra_env_vars)
-        caps = self._caps_of(engine)
+        caps = engine.capabilities
         problem = self.cfg.vllm.encoder_reset_problem(multimodal=caps.multimodal)
         stops = check_stop_token_ids(self.cfg.stop_token_ids, caps.vocab_size)
         if problem is not None or isinstance(stops, Failure):
@@ -454,12 +454,6 @@ class WorkerSpine(Generic[_E]):
     def _loaded(self, engine: _E) -> None:
         self._engine = engine
         self._commit(lifecycle.Event.LOAD, "load_model")
-
-    @staticmethod
-    def _caps_of(engine: object) -> EngineCapabilities:
-        caps = engine.capabilities  # type: ignore[attr-defined]
-        assert isinstance(caps, EngineCapabilities)
-        return caps
 
     @property
     def engine(self) -> _E:
@@ -474,7 +468,7 @@ class WorkerSpine(Generic[_E]):
     @property
     def caps(self) -> EngineCapabilities:
         """The running engine's capabilities."""
-        return self._caps_of(self.engine)
+        return self.engine.capabilities
 
     @property
     def llm(self) -> object:
