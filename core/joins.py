@@ -12,6 +12,7 @@ builds it again from them, so both ends check the same rules.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypedDict
 
 import attrs
 from returns.result import Failure, Result, Success
@@ -19,7 +20,15 @@ from returns.result import Failure, Result, Success
 from genworker.core.errors import CoreError
 from genworker.core.refit_protocol import RENDEZVOUS_WAITS, rpc_bound, wait_bound
 
-__all__ = ["GroupJoin", "JoinError", "ReshardJoin", "group_join", "reshard_join"]
+__all__ = [
+    "GroupJoin",
+    "GroupJoinWire",
+    "JoinError",
+    "ReshardJoin",
+    "ReshardJoinWire",
+    "group_join",
+    "reshard_join",
+]
 
 
 @attrs.frozen
@@ -28,6 +37,30 @@ class JoinError(CoreError):
 
     field: str
     value: object = None
+
+
+class GroupJoinWire(TypedDict):
+    """:meth:`GroupJoin.to_wire`: the keywords of :func:`group_join`."""
+
+    rank_prefix: int
+    ip: str
+    port: int
+    world_size: int
+    train_world_size: int
+    timeout_s: float
+
+
+class ReshardJoinWire(TypedDict):
+    """:meth:`ReshardJoin.to_wire`: the keywords of :func:`reshard_join`."""
+
+    rank_prefix: int
+    pp_ips: list[str]
+    pp_ports: list[int]
+    pp_size: int
+    train_ranks_per_stage: int
+    sub_world_size: int
+    timeout_s: float
+    device: str | None
 
 
 @attrs.frozen
@@ -50,9 +83,16 @@ class GroupJoin:
         """The join call's outer bound: more than its rendezvous waits."""
         return rpc_bound(RENDEZVOUS_WAITS, self.timeout_s)
 
-    def to_wire(self) -> dict[str, int | str | float]:
+    def to_wire(self) -> GroupJoinWire:
         """The keywords of :func:`group_join` (plain values for ``collective_rpc``)."""
-        return attrs.asdict(self)
+        return GroupJoinWire(
+            rank_prefix=self.rank_prefix,
+            ip=self.ip,
+            port=self.port,
+            world_size=self.world_size,
+            train_world_size=self.train_world_size,
+            timeout_s=self.timeout_s,
+        )
 
 
 def group_join(
@@ -96,19 +136,19 @@ class ReshardJoin:
         """The join call's outer bound: more than every stage's rendezvous waits."""
         return rpc_bound(RENDEZVOUS_WAITS * len(self.stages), self.stages[0].timeout_s)
 
-    def to_wire(self) -> dict[str, object]:
+    def to_wire(self) -> ReshardJoinWire:
         """The keywords of :func:`reshard_join` (plain values for ``collective_rpc``)."""
         first = self.stages[0]
-        return {
-            "rank_prefix": first.rank_prefix,
-            "pp_ips": [s.ip for s in self.stages],
-            "pp_ports": [s.port for s in self.stages],
-            "pp_size": len(self.stages),
-            "train_ranks_per_stage": first.train_world_size,
-            "sub_world_size": first.world_size,
-            "timeout_s": first.timeout_s,
-            "device": self.device,
-        }
+        return ReshardJoinWire(
+            rank_prefix=first.rank_prefix,
+            pp_ips=[s.ip for s in self.stages],
+            pp_ports=[s.port for s in self.stages],
+            pp_size=len(self.stages),
+            train_ranks_per_stage=first.train_world_size,
+            sub_world_size=first.world_size,
+            timeout_s=first.timeout_s,
+            device=self.device,
+        )
 
 
 def reshard_join(

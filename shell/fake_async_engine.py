@@ -53,14 +53,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Unpack
+from typing import Unpack
 
 import attrs
 
 from genworker.core.assembly import Generation
 from genworker.core.counters import GaugeSample, MetricSample
 from genworker.core.engine_calls import RowRequest, RpcCall
-from genworker.core.joins import GroupJoin
+from genworker.core.joins import GroupJoin, GroupJoinWire
 from genworker.core.lifecycle import InflightMode
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
@@ -340,7 +340,7 @@ class FakeAsyncEngine(FakeEngineBase):
         self.load_new_weights()
         return {"tensors": 0, "version": self.weight_version}
 
-    def _accept_group(self, join: Mapping[str, Any]) -> dict[str, object]:
+    def _accept_group(self, join: GroupJoinWire) -> dict[str, object]:
         return {"rank": GroupJoin(**join).rank(0)}
 
     def load_new_weights(self) -> None:

@@ -27,8 +27,8 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NoReturn, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NoReturn, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from genworker.core import refit_protocol as p
-from genworker.core.joins import group_join
+from genworker.core.joins import GroupJoinWire, group_join
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.shell.errors import (
     BadArgumentError,
@@ -489,7 +489,7 @@ class CollectiveBackend:
         self.engine = engine
         self.receiver: CollectiveReceiver | None = None
 
-    def init(self, join: Mapping[str, Any]) -> dict[str, object]:
+    def init(self, join: GroupJoinWire) -> dict[str, object]:
         """Join the group (leaving any earlier one) as ``join`` (``GroupJoin.to_wire``)
         says, every rendezvous wait bounded."""
         where = unwrap(group_join(**join), BadArgumentError, "init_collective")

@@ -60,7 +60,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCP
 
 from genworker.core import nemo_rl_refit as n
 from genworker.core import refit_protocol as p
-from genworker.core.joins import GroupJoin, group_join
+from genworker.core.joins import GroupJoin, GroupJoinWire, group_join
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.shell.errors import (
     BadArgumentError,
@@ -677,7 +677,7 @@ class NemoRlCollectiveBackend:
         self.engine, self.target_bytes, self.refits = engine, 0, 0
         self.group: NemoRlGroup | None = None
 
-    def init(self, join: Mapping[str, Any], packed_bytes: int | None = None) -> dict[str, object]:
+    def init(self, join: GroupJoinWire, packed_bytes: int | None = None) -> dict[str, object]:
         """Join NeMo-RL's group as ``join`` (``GroupJoin.to_wire``) says; ``packed_bytes``:
         the packing target (None: NeMo-RL's own rule)."""
         where = unwrap(group_join(**join), BadArgumentError, "init_collective")

@@ -39,14 +39,14 @@ import hashlib
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import msgspec
 import torch
 
 from genworker.core import refit_protocol as p
-from genworker.core.joins import reshard_join
+from genworker.core.joins import ReshardJoinWire, reshard_join
 from genworker.core.refit_plan import Manifest, TensorSpec, dtype_name
 from genworker.core.reshard import (
     Copy,
@@ -484,7 +484,7 @@ class ReshardBackend:
         self.prepared: _Prepared | None = None
 
     def init(
-        self, join: Mapping[str, Any] | None = None, refit_info: Mapping[str, object] | None = None
+        self, join: ReshardJoinWire | None = None, refit_info: Mapping[str, object] | None = None
     ) -> dict[str, object]:
         """Join every stage's group (``join``: ``ReshardJoin.to_wire``), or, given
         ``refit_info``, plan every later refit from the trainer's layouts (:meth:`plan`)."""
@@ -492,9 +492,11 @@ class ReshardBackend:
             if join is not None:
                 raise BadArgumentError("the reshard refit_info comes alone")
             return self.plan(refit_info)
-        return self.join(join or {})
+        if join is None:
+            raise BadArgumentError("the reshard init takes a join or a refit_info")
+        return self.join(join)
 
-    def join(self, join: Mapping[str, Any]) -> dict[str, object]:
+    def join(self, join: ReshardJoinWire) -> dict[str, object]:
         """Join every trainer PP stage's reshard group as ``join`` says (rank
         ``train_ranks_per_stage + rank_prefix + worker rank``); ``device`` ``"cpu"``: the
         group is gloo over host memory even on a CUDA engine (the shards arrive in host

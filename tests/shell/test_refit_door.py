@@ -132,6 +132,10 @@ def test_todays_target_names_are_aliases_onto_the_door() -> None:
     assert worker.update_weights_from_collective(timeout_s=1.0)["error"] == "state"
     assert worker.configure_sparse_relay(["tcp://x"])["error"] == "state"
     assert worker.nccl_reshard_refit(1.0)["error"] == "state"
+    assert answer(worker.refit_init("reshard")) == {
+        "error": "argument",
+        "message": "the reshard init takes a join or a refit_info",
+    }
     assert worker.cleanup() is None
     assert door_of(worker).backends == {}
 
