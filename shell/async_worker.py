@@ -475,8 +475,9 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         context: int,
         group: tuple[asyncio.Event | None, asyncio.Event | None] = (None, None),
     ) -> None:
-        """One row's request (``call``, as the engine takes it); ``group``: (the leader's prefill to wait for, a sibling;
-        the event to set once this leader's prefill is done, a leader of a group)."""
+        """One row's request (``call``, as the engine takes it); ``group``: (the leader's
+        prefill to wait for, a sibling; the event to set once this leader's prefill is
+        done, a leader of a group)."""
         item: RowResult | GenworkerError
         after, ready = group
         try:
