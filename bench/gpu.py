@@ -3687,10 +3687,15 @@ def _wind_up(
 def lora_refit_rows(sec: Section, worker: Any, trainer: Trainer, scale: Scale, routes: str) -> None:
     """``lora_refit_vs_full``: adapter refits and full refits in adjacent pairs."""
 
+    engine_side: list[tuple[float, float, float]] = []  # whole, its receive, its host copies
+
     def adapter_refit() -> float:
         trainer.send("send-adapter")
         seconds, _ = timed(lambda: worker.update_lora(LORA_NAME, timeout_s=LORA_TIMEOUT_S))
         trainer.expect("sent")
+        first = worker.last_refit["engine_workers"][0]
+        receive, copies = float(first["seconds"]), float(first["phases"].get("load", 0.0))
+        engine_side.append((seconds, receive, copies))
         return seconds
 
     def full_refit() -> float:
@@ -3705,6 +3710,16 @@ def lora_refit_rows(sec: Section, worker: Any, trainer: Trainer, scale: Scale, r
         f"adapter refit (`update_lora({LORA_NAME!r})`, IPC), median",
         fmt_s(adapter_s),
         runs_text(times["adapter"]) + f"; served: {dict(worker.lora_adapters)}",
+    )
+    kept = engine_side[1:]  # rotated's warm-up round is not kept
+    receive_s = statistics.median(r for _, r, _ in kept)
+    copies_s = statistics.median(c for _, _, c in kept)
+    rest_s = statistics.median(t - r for t, r, _ in kept)
+    sec.row(
+        "adapter refit, engine side: the receive over IPC, median (of it, the host copies)",
+        f"{fmt_s(receive_s)} ({fmt_s(copies_s)})",
+        f"the rest of `update_lora`, median over the same refits: {fmt_s(rest_s)} (vLLM's "
+        "LoRA manager building and activating the adapter, the RPC, cache resets)",
     )
     sec.row(
         f"full refit (IPC, engine layout, default, {LAYOUTS['separate']}), median",
