@@ -662,6 +662,8 @@ class VllmEngine(VllmEngineBase[LLM]):
                 f"generate_text: the specs of rows {untexted} have detokenize=False "
                 "(vLLM would return empty texts); build them with sampling_spec(text=True)"
             )
+        if batch.samples is not None:  # one completion per prompt is read below
+            raise ValueError(f"generate_text: sample counts {batch.samples}: one text a prompt")
         llm = self.llm
         with _batch_call(llm, "generate_text", self._inflight):
             params = self.request_params(batch.specs)

@@ -17,7 +17,7 @@ from vllm import LLM
 from vllm.inputs import TokensPrompt
 
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS, CounterSample
-from genworker.core.engine_calls import RpcCall
+from genworker.core.engine_calls import EngineBatch, RpcCall
 from genworker.core.sampling import SamplingSpec
 from genworker.shell import vllm_engine
 from genworker.shell.errors import (
@@ -158,6 +158,9 @@ def test_generate_text_matches_raw_vllm(cpu_engine: VllmEngine, cpu_llm: LLM) ->
 def test_generate_text_refuses_specs_that_do_not_detokenize(cpu_engine: VllmEngine) -> None:
     with pytest.raises(ValueError, match=r"rows \[1\]"):
         cpu_engine.generate_text(batch([[5], [6]], [greedy(2, detokenize=True), greedy(2)]))
+    texted = greedy(2, detokenize=True)
+    with pytest.raises(ValueError, match=r"sample counts \(2,\)"):  # never read as one each
+        cpu_engine.generate_text(EngineBatch(([5],), (texted,), None, (2,)))
 
 
 # --- what vLLM is asked for, and the collector around the call ---
