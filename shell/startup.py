@@ -5,28 +5,22 @@ Theory of operation
 - :func:`checked_model_source`: ``model_name`` against the filesystem, decided by
   ``core.model_source.classify_model`` (a mistyped local path is refused at once instead
   of costing vLLM's Hub retries).
-- :func:`check_main_guard`: vLLM's multiprocessing engine core (``AsyncLLM`` always; the
-  CPU platform forces the ``spawn`` start method, ``vllm/platforms/cpu.py``, 0.32, and
-  genworker does on CUDA) starts a process that runs the parent's ``__main__`` script
-  again, as ``__mp_main__`` (``multiprocessing/spawn.py``: ``_fixup_main_from_path``, or
-  ``_fixup_main_from_name`` for ``python -m pkg.mod``; never for ``python -c``, an
-  interactive session, or a package's ``__main__``). A script that starts the worker at
-  its top level, outside ``if __name__ == "__main__":``, starts it again in that child,
-  where multiprocessing refuses with "An attempt has been made to start a new process
-  before the current process has finished its bootstrapping phase": the parent sees only
-  "Engine core initialization failed". The check finds the script's statement that is
-  running now (its module-level frame on the stack) and refuses, before anything is
-  spawned, when that statement is not inside such a guard.
+- :func:`check_main_guard`: a script that starts the worker at its top level, outside
+  ``if __name__ == "__main__":``, would start it again in the process vLLM spawns for its
+  engine core, where multiprocessing refuses and the parent sees only "Engine core
+  initialization failed" (``core.main_guard`` decides, from the script's source, as its
+  docstring says). The check finds the script's statement that is running now (its
+  module-level frame on the stack) and refuses, before anything is spawned, when that
+  statement is not inside such a guard.
 """
 
 from __future__ import annotations
 
-import ast
 import os
 import sys
 import types
-from typing import Final
 
+from genworker.core.main_guard import guarded_line, reruns_on_spawn
 from genworker.core.model_source import ModelSource, classify_model
 from genworker.shell.errors import BadConfigError, GenworkerError, unwrap
 
@@ -34,8 +28,6 @@ __all__ = [
     "UnguardedMainError",
     "check_main_guard",
     "checked_model_source",
-    "guarded_line",
-    "reruns_on_spawn",
 ]
 
 
@@ -54,49 +46,6 @@ def checked_model_source(name: str) -> ModelSource:
         BadConfigError,
         "worker config",
     )
-
-
-_SKIPPED_MAIN_NAMES: Final = ("ipython",)
-
-
-def reruns_on_spawn(spec_name: str | None, main_file: str | None) -> bool:
-    """Whether a spawned child runs the ``__main__`` module's code again (as
-    multiprocessing's ``spawn.get_preparation_data`` and ``_fixup_main_from_*`` decide)."""
-    if spec_name is not None:
-        return spec_name != "__main__" and not spec_name.endswith(".__main__")
-    if main_file is None:
-        return False
-    stem = os.path.splitext(os.path.basename(main_file))[0]
-    return stem not in _SKIPPED_MAIN_NAMES
-
-
-def _is_main_test(test: ast.expr) -> bool:
-    if not (
-        isinstance(test, ast.Compare)
-        and len(test.ops) == 1
-        and isinstance(test.ops[0], ast.Eq)
-        and len(test.comparators) == 1
-    ):
-        return False
-    sides = (test.left, test.comparators[0])
-    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
-    mains = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
-    return len(names) == 1 and len(mains) == 1
-
-
-def guarded_line(source: str, line: int) -> bool | None:
-    """Whether line ``line`` of the module ``source`` lies inside a top-level
-    ``if __name__ == "__main__":`` body; ``None`` when it cannot be told (the source does
-    not parse, or no top-level statement holds the line)."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return None
-    for statement in tree.body:
-        end = statement.end_lineno or statement.lineno
-        if statement.lineno <= line <= end:
-            return isinstance(statement, ast.If) and _is_main_test(statement.test)
-    return None
 
 
 def _main_statement_line(main: types.ModuleType) -> int | None:
