@@ -29,19 +29,16 @@ import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TextIO
+from typing import NoReturn, TextIO
 
-from genworker.shell.local import (
-    completions,
-    device,
-    load_tokenizer,
-    pad_id,
-    pad_rows,
+from genworker.core.cli_inputs import (
+    check_prompt_lengths,
+    engine_config,
+    parse_prompts,
     worker_config,
 )
-
-if TYPE_CHECKING:
-    from genworker.core.config import ConfigProblem
+from genworker.shell.errors import GenworkerError, unwrap
+from genworker.shell.local import completions, device, load_tokenizer, pad_id, pad_rows
 
 __all__ = ["main"]
 
@@ -52,30 +49,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 ENGINE_COMMANDS = ("generate", "serve")
 
-ENGINE_OPTION_KEYS: dict[str, str] = {
-    "max_model_len": "vllm_cfg.max_model_len",
-    "tensor_parallel_size": "vllm_cfg.tensor_parallel_size",
-    "pipeline_parallel_size": "vllm_cfg.pipeline_parallel_size",
-    "gpu_memory_utilization": "vllm_cfg.gpu_memory_utilization",
-    "dtype": "vllm_cfg.precision",
-    "enforce_eager": "vllm_cfg.enforce_eager",
-    "load_format": "vllm_cfg.load_format",
-    "kv_cache_dtype": "vllm_cfg.kv_cache_dtype",
-    "enable_prefix_caching": "vllm_cfg.enable_prefix_caching",
-    "skip_tokenizer_init": "vllm_cfg.skip_tokenizer_init",
-    "logprobs_mode": "vllm_cfg.logprobs_mode",
-    "limit_mm_per_prompt": "vllm_cfg.limit_mm_per_prompt",
-    "mm_processor_kwargs": "vllm_cfg.mm_processor_kwargs",
-    "speculative_config": "vllm_cfg.speculative_config",
-    "distributed_executor_backend": "vllm_cfg.distributed_executor_backend",
-    "enable_expert_parallel": "vllm_cfg.enable_expert_parallel",
-    "seed": "seed",
-}
-"""vLLM engine options (``EngineArgs`` field names) that genworker's config holds under its
-own key; every other option goes to ``vllm_kwargs`` under its own name. Either way the
-worker's checks and its engine-kwargs plan apply (``core.config``, ``core.engine_plan``):
-an option genworker refuses is refused by name before the engine starts."""
-
 ENGINE_EPILOG = """\
 vLLM engine options: every engine option of `vllm serve` is accepted and passes through
 genworker's config checks (e.g. --max-model-len, --dtype, --tensor-parallel-size,
@@ -84,14 +57,15 @@ genworker's config checks (e.g. --max-model-len, --dtype, --tensor-parallel-size
 (--max-model-len), float32 (--dtype) and a 32 MiB KV cache (--kv-cache-memory-bytes)."""
 
 
-class InputError(Exception):
+class InputError(GenworkerError):
     """A bad input of ``generate`` or ``serve`` (file, line, option), found before the
     engine starts: the command exits 2 with this message."""
 
 
 def read_prompts(path: str) -> list[tuple[int, str]]:
-    """The prompts of the JSONL file at ``path`` with their line numbers (blank lines
-    skipped); an :class:`InputError` naming the file and line for anything else."""
+    """The prompts of the JSONL file at ``path`` with their line numbers
+    (``core.cli_inputs.parse_prompts``); an :class:`InputError` naming the file, and the
+    line where one is bad."""
     try:
         with open(path, "rb") as f:
             raw_lines = list(f)
@@ -101,66 +75,7 @@ def read_prompts(path: str) -> list[tuple[int, str]]:
         raise InputError(f"--prompts {path}: a directory, not a JSONL file") from None
     except OSError as e:
         raise InputError(f"--prompts {path}: cannot be read: {e.strerror}") from None
-    prompts: list[tuple[int, str]] = []
-    for n, raw in enumerate(raw_lines, 1):
-        where = f"{path}:{n}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise InputError(f"{where}: not UTF-8 text (byte {e.start + 1})") from None
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{where}: not valid JSON: {e.msg} at column {e.colno}") from None
-        if not isinstance(record, dict):
-            raise InputError(
-                f'{where}: expected a JSON object {{"prompt": "..."}}, got {_json_type(record)}'
-            )
-        if "prompt" not in record:
-            keys = ", ".join(repr(k) for k in record) or "none"
-            raise InputError(f"{where}: no 'prompt' key (keys: {keys})")
-        prompt = record["prompt"]
-        if not isinstance(prompt, str):
-            raise InputError(f"{where}: 'prompt' must be a string, got {_json_type(prompt)}")
-        if not prompt:
-            raise InputError(f"{where}: 'prompt' is empty")
-        prompts.append((n, prompt))
-    if not prompts:
-        what = "empty" if not raw_lines else "blank lines only"
-        raise InputError(f"{path}:{len(raw_lines) or 1}: no prompts ({what})")
-    return prompts
-
-
-def _json_type(value: object) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
-    if value is None:
-        return "null"
-    return names.get(type(value), "a number")
-
-
-def check_prompt_lengths(
-    path: str,
-    lines: Sequence[int],
-    lengths: Sequence[int],
-    *,
-    max_model_len: int,
-    max_new_tokens: int,
-) -> None:
-    """Each prompt leaves room for a generated token in the context (the worker's rule,
-    ``core.caps.context_cap``); an :class:`InputError` naming the first line that does not."""
-    from returns.pipeline import is_successful
-
-    from genworker.core.caps import context_cap
-
-    for line, length in zip(lines, lengths, strict=True):
-        if not is_successful(context_cap(max_new_tokens, length, max_model_len)):
-            raise InputError(
-                f"{path}:{line}: the prompt is {length} tokens, longer than the context "
-                f"leaves room for (--max-model-len {max_model_len}: at most "
-                f"{max_model_len - 1} prompt tokens, one left to generate)"
-            )
+    return unwrap(parse_prompts(path, raw_lines), InputError, "")
 
 
 def check_model_dir(model: str) -> None:
@@ -195,61 +110,12 @@ def engine_options(command: str, argv: Sequence[str]) -> dict[str, object]:
     return dict(vars(parser.parse_args(list(argv))))
 
 
-def apply_engine_options(
-    config: dict[str, object], options: Mapping[str, object]
-) -> dict[str, str]:
-    """Put ``options`` into the worker ``config`` (:data:`ENGINE_OPTION_KEYS`, else
-    ``vllm_kwargs``); returns each config key set with the flag that set it."""
-    flags: dict[str, str] = {}
-    for dest, value in options.items():
-        path = ENGINE_OPTION_KEYS.get(dest, f"vllm_kwargs.{dest}")
-        section, _, key = path.rpartition(".")
-        target = config[section] if section else config
-        assert isinstance(target, dict)
-        target[key] = value
-        flags[path] = "--" + dest.replace("_", "-")
-    return flags
-
-
-def config_problems(config: Mapping[str, object]) -> tuple[ConfigProblem, ...]:
-    """What the worker would refuse in ``config`` before starting an engine: its parse
-    and its engine-kwargs plan (``core.config``, ``core.engine_plan``)."""
-    from returns.pipeline import is_successful
-
-    from genworker.core.config import WorkerConfig
-    from genworker.core.engine_plan import plan_engine_kwargs
-
-    parsed = WorkerConfig.from_mapping(config)
-    if not is_successful(parsed):
-        return parsed.failure().problems
-    plan = plan_engine_kwargs(
-        parsed.unwrap(), seed=0, gpu_capability=None, extension_cls="genworker"
-    )
-    return () if is_successful(plan) else plan.failure().problems
-
-
-def explain_problems(problems: Sequence[ConfigProblem], flags: Mapping[str, str]) -> str:
-    """``problems`` named by the flag that set their key, where a flag did."""
-
-    def flag_of(key: str) -> str | None:
-        owners = [path for path in flags if key == path or key.startswith(path + ".")]
-        return flags[max(owners, key=len)] if owners else None
-
-    lines = []
-    for problem in problems:
-        flag = flag_of(problem.key)
-        lines.append(f"{flag} ({problem})" if flag else str(problem))
-    return "; ".join(lines)
-
-
 def _engine_config(
     args: argparse.Namespace, rest: Sequence[str], tokenizer: object
 ) -> dict[str, object]:
     """The worker config of ``generate`` / ``serve``: genworker's defaults for this device,
-    then the vLLM engine options in ``rest``; refused by flag (InputError) where the worker
-    would refuse it."""
-    options = engine_options(args.command, rest)
-    config = worker_config(
+    then the vLLM engine options in ``rest`` (``core.cli_inputs.engine_config``)."""
+    base = worker_config(
         args.model,
         pad_token_id=pad_id(tokenizer),
         max_new_tokens=args.max_new_tokens or 24,
@@ -257,22 +123,17 @@ def _engine_config(
         device=device(),
         load_progress=args.load_progress,
     )
-    flags = apply_engine_options(config, options)
+    serve = None
     if args.command == "serve":
-        vllm_cfg = config["vllm_cfg"]
-        assert isinstance(vllm_cfg, dict)
-        vllm_cfg.update(
-            async_engine=True,
-            expose_http_server=True,
-            http_server_host=args.host,
-            http_server_port=args.port,
-            http_server_on_policy_guard=not args.no_on_policy_guard,
-            http_server_rl_routes=args.rl_routes,
-        )
-    problems = config_problems(config)
-    if problems:
-        raise InputError(explain_problems(problems, flags))
-    return config
+        serve = {
+            "async_engine": True,
+            "expose_http_server": True,
+            "http_server_host": args.host,
+            "http_server_port": args.port,
+            "http_server_on_policy_guard": not args.no_on_policy_guard,
+            "http_server_rl_routes": args.rl_routes,
+        }
+    return unwrap(engine_config(base, engine_options(args.command, rest), serve), InputError, "")
 
 
 def _max_model_len(config: Mapping[str, object]) -> int:
@@ -288,13 +149,14 @@ def _generate(args: argparse.Namespace, rest: Sequence[str]) -> int:
     config = _engine_config(args, rest, tokenizer)
     prompts = [prompt for _, prompt in numbered]
     rows = [list(tokenizer(p)["input_ids"]) for p in prompts]
-    check_prompt_lengths(
+    lengths = check_prompt_lengths(
         args.prompts,
         [n for n, _ in numbered],
         [len(r) for r in rows],
         max_model_len=_max_model_len(config),
         max_new_tokens=args.max_new_tokens or 24,
     )
+    unwrap(lengths, InputError, "")
 
     from tqdm import tqdm  # type: ignore[import-untyped]
 

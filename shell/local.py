@@ -1,6 +1,7 @@
 """A local model on this machine, as genworker's CLI and its demo drive it: a NeMo-RL
-generation config sized for the device, the model's tokenizer and pad id, prompts
-right-padded into the worker's input tensors, and each row's completion decoded."""
+generation config sized for the device (``core.cli_inputs.worker_config``), the model's
+tokenizer and pad id, prompts right-padded into the worker's input tensors, and each row's
+completion decoded."""
 
 from __future__ import annotations
 
@@ -8,48 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
+from genworker.core.cli_inputs import worker_config
+
 __all__ = ["completions", "device", "load_tokenizer", "pad_id", "pad_rows", "worker_config"]
-
-
-def worker_config(
-    model: str,
-    *,
-    pad_token_id: int,
-    max_new_tokens: int,
-    temperature: float,
-    device: str,
-    load_progress: bool = True,
-) -> dict[str, object]:
-    """A NeMo-RL generation config for ``model`` on this machine (``load_progress``:
-    vLLM's bar while it loads the checkpoint)."""
-    on_cpu = device == "cpu"
-    kwargs: dict[str, object] = {"use_tqdm_on_load": False} if not load_progress else {}
-    if on_cpu:
-        # vLLM sizes the CPU KV cache from the NUMA node's memory minus the process's,
-        # which can go negative on a small machine: ask for a fixed 32 MiB instead.
-        kwargs["kv_cache_memory_bytes"] = 32 << 20
-    return {
-        "backend": "vllm",
-        "model_name": model,
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": 1.0,
-        "top_k": None,
-        "stop_token_ids": None,
-        "stop_strings": None,
-        "_pad_token_id": pad_token_id,
-        "seed": 0,
-        "vllm_cfg": {
-            "tensor_parallel_size": 1,
-            "pipeline_parallel_size": 1,
-            "gpu_memory_utilization": 0.05 if on_cpu else 0.6,
-            "max_model_len": 256 if on_cpu else 4096,
-            "precision": "float32" if on_cpu else "bfloat16",
-            "enforce_eager": on_cpu,
-            "cap_max_tokens_to_context": True,
-        },
-        "vllm_kwargs": kwargs,
-    }
 
 
 def pad_rows(rows: Sequence[Sequence[int]], pad: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,148 @@
+"""``genworker.core.cli_inputs``: the prompts file refused by file and line, the local
+worker config, and vLLM's engine options into that config, refused by the flag that set
+a key the worker would refuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+
+from genworker.core.cli_inputs import (
+    ENGINE_OPTION_KEYS,
+    InputProblem,
+    check_prompt_lengths,
+    config_problems,
+    engine_config,
+    explain_problems,
+    parse_prompts,
+    worker_config,
+)
+from genworker.core.config import ConfigProblem, WorkerConfig
+
+
+def problem(result: object) -> str:
+    assert isinstance(result, Failure), result
+    error = result.failure()
+    assert isinstance(error, InputProblem)
+    return str(error)
+
+
+BAD_LINES = [
+    ([], "p.jsonl:1: no prompts (empty)"),
+    ([b"\n", b"  \n"], "p.jsonl:2: no prompts (blank lines only)"),
+    ([b'{"prompt": "a"}\n', b'{"prompt": "x", "y": }\n'],
+     "p.jsonl:2: not valid JSON: Expecting value at column 22"),
+    ([b'{"prompt": "a"}\n', b"\n", b'["a"]\n'],
+     'p.jsonl:3: expected a JSON object {"prompt": "..."}, got an array'),
+    ([b'"a"\n'], "p.jsonl:1: expected a JSON object {\"prompt\": \"...\"}, got a string"),
+    ([b"true\n"], "p.jsonl:1: expected a JSON object {\"prompt\": \"...\"}, got a boolean"),
+    ([b'{"text": "a"}\n'], "p.jsonl:1: no 'prompt' key (keys: 'text')"),
+    ([b"{}\n"], "p.jsonl:1: no 'prompt' key (keys: none)"),
+    ([b'{"prompt": 3}\n'], "p.jsonl:1: 'prompt' must be a string, got a number"),
+    ([b'{"prompt": null}\n'], "p.jsonl:1: 'prompt' must be a string, got null"),
+    ([b'{"prompt": {}}\n'], "p.jsonl:1: 'prompt' must be a string, got an object"),
+    ([b'{"prompt": ""}\n'], "p.jsonl:1: 'prompt' is empty"),
+    ([b'{"prompt": "a"}\n', b'{"prompt": "caf\xe9"}\n'], "p.jsonl:2: not UTF-8 text (byte 16)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("lines", "message"), BAD_LINES)
+def test_a_bad_prompts_file_is_named_by_file_and_line(lines: list[bytes], message: str) -> None:
+    assert problem(parse_prompts("p.jsonl", lines)) == message
+
+
+@given(st.lists(st.one_of(st.none(), st.text(min_size=1)), max_size=8))
+def test_every_prompt_comes_back_with_its_line_and_blank_lines_are_skipped(
+    prompts: list[str | None],
+) -> None:
+    lines = [b"  \n" if p is None else json.dumps({"prompt": p}).encode() + b"\n" for p in prompts]
+    expected = [(n, p) for n, p in enumerate(prompts, 1) if p is not None]
+    parsed = parse_prompts("p.jsonl", lines)
+    if expected:
+        assert parsed == Success(expected)
+    else:
+        assert "no prompts" in problem(parsed)
+
+
+def test_a_prompt_must_leave_room_for_one_generated_token() -> None:
+    fits = check_prompt_lengths("p", [1, 3], [5, 7], max_model_len=8, max_new_tokens=4)
+    assert fits == Success(None)
+    too_long = check_prompt_lengths("p", [1, 3], [5, 8], max_model_len=8, max_new_tokens=4)
+    assert problem(too_long) == (
+        "p:3: the prompt is 8 tokens, longer than the context leaves room for "
+        "(--max-model-len 8: at most 7 prompt tokens, one left to generate)"
+    )
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("load_progress", [True, False])
+def test_the_local_config_parses_and_is_sized_for_the_device(
+    device: str, load_progress: bool
+) -> None:
+    config = worker_config(
+        "m", pad_token_id=2, max_new_tokens=5, temperature=0.5, device=device,
+        load_progress=load_progress,
+    )  # fmt: skip
+    parsed = WorkerConfig.from_mapping(config)
+    assert isinstance(parsed, Success)
+    cfg = parsed.unwrap()
+    assert (cfg.model_name, cfg.max_new_tokens, cfg.temperature) == ("m", 5, 0.5)
+    assert cfg.vllm.max_model_len == (256 if device == "cpu" else 4096)
+    kwargs = config["vllm_kwargs"]
+    assert isinstance(kwargs, dict)
+    assert ("kv_cache_memory_bytes" in kwargs) is (device == "cpu")
+    assert kwargs.get("use_tqdm_on_load", True) is load_progress
+    assert config_problems(config) == ()
+
+
+BASE = worker_config("m", pad_token_id=0, max_new_tokens=4, temperature=1.0, device="cpu")
+
+
+def test_engine_options_land_under_genworkers_key_else_in_vllm_kwargs() -> None:
+    options = {"max_model_len": 128, "dtype": "bfloat16", "seed": 7, "max_num_seqs": 3}
+    config = engine_config(BASE, options, {"async_engine": True}).unwrap()
+    vllm_cfg, kwargs = config["vllm_cfg"], config["vllm_kwargs"]
+    assert isinstance(vllm_cfg, dict)
+    assert isinstance(kwargs, dict)
+    assert (vllm_cfg["max_model_len"], vllm_cfg["precision"], config["seed"]) == (
+        128,
+        "bfloat16",
+        7,
+    )
+    assert vllm_cfg["async_engine"] is True
+    assert kwargs["max_num_seqs"] == 3
+    base_cfg = BASE["vllm_cfg"]
+    assert isinstance(base_cfg, dict)
+    assert base_cfg["max_model_len"] == 256, "the base config is left as it was"
+    assert ENGINE_OPTION_KEYS["dtype"] == "vllm_cfg.precision"
+    assert engine_config(BASE, {}) == Success(BASE)
+
+
+def test_an_option_the_worker_refuses_is_named_by_its_flag() -> None:
+    assert problem(engine_config(BASE, {"max_model_len": 0})).startswith(
+        "--max-model-len (vllm_cfg.max_model_len: "
+    )
+    reserved = problem(engine_config(BASE, {"enable_sleep_mode": True}))
+    assert reserved.startswith("--enable-sleep-mode (vllm_kwargs.enable_sleep_mode: is reserved")
+    not_a_flag = problem(engine_config(BASE, {}, {"sleep_level": 3}))
+    assert not_a_flag.startswith("vllm_cfg.sleep_level: ")
+
+
+def test_a_problem_is_named_by_the_flag_of_the_longest_key_that_holds_it() -> None:
+    problems = [
+        ConfigProblem("vllm_kwargs.speculative_config.method", "bad"),
+        ConfigProblem("vllm_kwargs.other", "bad too"),
+        ConfigProblem("seed", "worse"),
+    ]
+    flags = {
+        "vllm_kwargs.speculative_config": "--speculative-config",
+        "vllm_kwargs.other": "--other",
+        "vllm_kwargs.oth": "--oth",
+    }
+    assert explain_problems(problems, flags) == (
+        f"--speculative-config ({problems[0]}); --other ({problems[1]}); {problems[2]}"
+    )
