@@ -91,8 +91,6 @@ from genworker.shell.nemo_rl_member import (
     SAMPLING_KEYS,
     NemoRlMember,
     nemo_rl_outputs,
-    raw_spec_counters,
-    wake_up_tags,
 )
 from genworker.shell.spine import checked_join
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
@@ -108,8 +106,6 @@ __all__ = [
     "NemoRlMember",
     "VllmAsyncGenerationWorker",
     "VllmGenerationWorker",
-    "raw_spec_counters",
-    "wake_up_tags",
 ]
 
 
@@ -198,7 +194,7 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
         """NeMo-RL's ``wake_up(tags=...)``; any other keyword is refused by name. A no-op
         on a platform without sleep mode, as :meth:`sleep`."""
         worker = self._owner("wake_up")
-        tags = wake_up_tags("wake_up", kwargs)
+        tags = self._wake_up_tags("wake_up", kwargs)
         if self._sleep_is_a_no_op(worker, "wake_up"):
             return
         worker.wake_up(tags)
@@ -249,11 +245,11 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
         return self._owner("report_device_id").report_device_id()
 
     def _get_raw_spec_counters(self) -> dict[str, float | list[float]]:
-        """The engine's metrics keyed by name (NeMo-RL's form, :func:`raw_spec_counters`);
-        ``{}`` on an inert member, which has no engine."""
+        """The engine's metrics keyed by name (NeMo-RL's form); ``{}`` on an inert member,
+        which has no engine."""
         if self._worker is None:
             return {}
-        return raw_spec_counters(self._owner("_get_raw_spec_counters").get_counters())
+        return self._by_name(self._owner("_get_raw_spec_counters").get_counters())
 
     def start_gpu_profiling(self) -> None:
         """The engine's profiler on the owner; a no-op on an inert member (NeMo-RL's

@@ -66,49 +66,37 @@ method names, arguments and return values:
 from __future__ import annotations
 
 import contextlib
-import urllib.parse
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 import torch
 
 from genworker.core.joins import group_join
 from genworker.core.lifecycle import InflightMode
+from genworker.core.nemo_rl_front import reported_url
 from genworker.core.refit_protocol import Transport
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import GenworkerError, UnsupportedError
 from genworker.shell.host import node_ip
-from genworker.shell.nemo_rl_member import (
-    NemoRlMember,
-    nemo_rl_outputs,
-    raw_spec_counters,
-    wake_up_tags,
-)
+from genworker.shell.nemo_rl_member import NemoRlMember, nemo_rl_outputs
 from genworker.shell.spine import checked_join
 
 __all__ = ["NemoRlAsyncGenerationWorker", "reported_url"]
 
 _REFITS = "refit with update_weights_via_ipc_zmq_async or update_weights_from_collective_async"
 
-
-_NO_CAPTURE = (
+# What each refused method asks for, and what to do instead (the refusal's two halves).
+_RESHARD = ("NeMo-RL's nccl_reshard refit", _REFITS)
+_RELAY = ("NeMo-RL's sparse refit relay", f"set refit_transport: null and {_REFITS}")
+_CAPTURE = (
+    "NeMo-RL's token capture (#3837)",
     "leave token_capture.enabled false (NeMo-Gym's token-echo path): every row genworker "
-    "returns carries its token ids, logprobs and weight_versions"
+    "returns carries its token ids, logprobs and weight_versions",
 )
-
-_EVERY_INTERFACE = frozenset({"0.0.0.0", "::"})
-
-
-def reported_url(url: str | None, node_address: Callable[[], str] = node_ip) -> str | None:
-    """The server's URL as NeMo-RL reports it: a server listening on every interface is
-    reached at this node's address (``node_address()``); any other URL is as bound."""
-    if url is None:
-        return None
-    parts = urllib.parse.urlsplit(url)
-    if parts.hostname not in _EVERY_INTERFACE:
-        return url
-    ip = node_address()
-    host = f"[{ip}]" if ":" in ip else ip
-    return parts._replace(netloc=f"{host}:{parts.port}").geturl()
+_NSIGHT = (
+    "nsight profiling of the async engine",
+    "unset NRL_NSYS_PROFILE_STEP_RANGE, or profile with the synchronous worker "
+    "(vllm_cfg.async_engine: false)",
+)
 
 
 def _refused(method: str, what: str, instead: str) -> UnsupportedError:
@@ -140,14 +128,14 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
     async def get_reserved_url(self) -> str | None:
         """The OpenAI server's ``http://host:port/v1``, known before the model loads (its
         socket is bound); ``None`` without ``expose_http_server`` and on an inert member."""
-        return None if self._worker is None else reported_url(self._worker.base_url)
+        return None if self._worker is None else reported_url(self._worker.base_url, node_ip)
 
     async def report_dp_openai_server_base_url(self) -> str | None:
         """The same URL, the server serving (started here if ``post_init_async`` did not)."""
         if self._worker is None:
             return None
         worker = self._owner("report_dp_openai_server_base_url")
-        return reported_url(await worker.report_dp_openai_server_base_url())
+        return reported_url(await worker.report_dp_openai_server_base_url(), node_ip)
 
     # -- generation -----------------------------------------------------------------
     async def generate_async(
@@ -187,7 +175,7 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         """NeMo-RL's ``wake_up_async(tags=...)``; any other keyword is refused by name; a
         no-op without sleep mode, as :meth:`sleep_async`."""
         worker = self._owner("wake_up_async")
-        tags = wake_up_tags("wake_up_async", kwargs)
+        tags = self._wake_up_tags("wake_up_async", kwargs)
         if self._sleep_is_a_no_op(worker, "wake_up_async"):
             return
         await worker.wake_up(tags)
@@ -268,11 +256,10 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         return await self._owner("report_device_id_async").report_device_id()
 
     async def _get_raw_spec_counters(self) -> dict[str, float | list[float]]:
-        """The engine's metrics keyed by name (NeMo-RL's form,
-        :func:`~genworker.shell.nemo_rl.raw_spec_counters`); ``{}`` on an inert member."""
+        """The engine's metrics keyed by name (NeMo-RL's form); ``{}`` on an inert member."""
         if self._worker is None:
             return {}
-        return raw_spec_counters(await self._owner("_get_raw_spec_counters").get_counters())
+        return self._by_name(await self._owner("_get_raw_spec_counters").get_counters())
 
     def get_vllm_logger_metrics(self) -> dict[str, list[float]]:
         """What the metrics logger sampled (``vllm_cfg.enable_vllm_metrics_logger``)."""
@@ -299,17 +286,13 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         train_ranks_per_stage: int,
         sub_world_size: int,
     ) -> None:
-        raise _refused(
-            "init_nccl_reshard_comm_group_async", "NeMo-RL's nccl_reshard refit", _REFITS
-        )
+        raise _refused("init_nccl_reshard_comm_group_async", *_RESHARD)
 
     async def prepare_nccl_reshard_refit_info_async(self, refit_info: Mapping[str, object]) -> None:
-        raise _refused(
-            "prepare_nccl_reshard_refit_info_async", "NeMo-RL's nccl_reshard refit", _REFITS
-        )
+        raise _refused("prepare_nccl_reshard_refit_info_async", *_RESHARD)
 
     async def nccl_reshard_refit_async(self) -> bool:
-        raise _refused("nccl_reshard_refit_async", "NeMo-RL's nccl_reshard refit", _REFITS)
+        raise _refused("nccl_reshard_refit_async", *_RESHARD)
 
     async def checkpoint_engine_rpc_async(
         self, checkpoint_method: str, method_args: tuple[object, ...] = ()
@@ -325,51 +308,30 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         return None
 
     def start_zmq_sparse_refit_relay(self) -> str:
-        raise _refused(
-            "start_zmq_sparse_refit_relay",
-            "NeMo-RL's sparse refit relay",
-            f"set refit_transport: null and {_REFITS}",
-        )
+        raise _refused("start_zmq_sparse_refit_relay", *_RELAY)
 
     def configure_zmq_sparse_refit_relay(self, relay_addresses: Sequence[str]) -> None:
-        raise _refused(
-            "configure_zmq_sparse_refit_relay",
-            "NeMo-RL's sparse refit relay",
-            f"set refit_transport: null and {_REFITS}",
-        )
+        raise _refused("configure_zmq_sparse_refit_relay", *_RELAY)
 
     def stop_zmq_sparse_refit_relay(self) -> None:
-        raise _refused(
-            "stop_zmq_sparse_refit_relay",
-            "NeMo-RL's sparse refit relay",
-            f"set refit_transport: null and {_REFITS}",
-        )
+        raise _refused("stop_zmq_sparse_refit_relay", *_RELAY)
 
     def setup_token_capture(self, *args: object, **kwargs: object) -> bool:
-        raise _refused("setup_token_capture", "NeMo-RL's token capture (#3837)", _NO_CAPTURE)
+        raise _refused("setup_token_capture", *_CAPTURE)
 
     def install_token_capture(self, *args: object, **kwargs: object) -> bool:
-        raise _refused("install_token_capture", "NeMo-RL's token capture (#3837)", _NO_CAPTURE)
+        raise _refused("install_token_capture", *_CAPTURE)
 
     def set_rollout_weight_version(self, *args: object, **kwargs: object) -> None:
+        what, instead = _CAPTURE
         raise _refused(
             "set_rollout_weight_version",
-            "NeMo-RL's token capture (#3837)",
-            _NO_CAPTURE + "; genworker counts weight versions itself (one per good refit)",
+            what,
+            instead + "; genworker counts weight versions itself (one per good refit)",
         )
 
     def start_gpu_profiling(self) -> None:
-        raise _refused(
-            "start_gpu_profiling",
-            "nsight profiling of the async engine",
-            "unset NRL_NSYS_PROFILE_STEP_RANGE, or profile with the synchronous worker "
-            "(vllm_cfg.async_engine: false)",
-        )
+        raise _refused("start_gpu_profiling", *_NSIGHT)
 
     def stop_gpu_profiling(self) -> None:
-        raise _refused(
-            "stop_gpu_profiling",
-            "nsight profiling of the async engine",
-            "unset NRL_NSYS_PROFILE_STEP_RANGE, or profile with the synchronous worker "
-            "(vllm_cfg.async_engine: false)",
-        )
+        raise _refused("stop_gpu_profiling", *_NSIGHT)

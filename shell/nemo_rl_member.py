@@ -1,8 +1,8 @@
 """What NeMo-RL's two drop-ins share (:mod:`genworker.shell.nemo_rl` for the synchronous
 worker, :mod:`genworker.shell.nemo_rl_async` for the async one): NeMo-RL's output keys and
-sampling keys, :class:`NemoRlMember` (one member of a NeMo-RL worker group over a genworker
-worker: the tied-group rules, the config checks, refit bookkeeping and errors, as
-:mod:`genworker.shell.nemo_rl`'s docstring describes), and the counter and wake helpers.
+sampling keys (``core.nemo_rl_front``), and :class:`NemoRlMember` (one member of a NeMo-RL
+worker group over a genworker worker: the tied-group rules, the config checks, refit
+bookkeeping and errors, as :mod:`genworker.shell.nemo_rl`'s docstring describes).
 Its own module so that the two drop-ins import it and not each other."""
 
 from __future__ import annotations
@@ -10,21 +10,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import ClassVar, Final, Generic, Protocol, TypeVar
-
-import torch
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 from genworker.core import lifecycle
 from genworker.core.config import WorkerConfig
-from genworker.core.counters import (
-    CACHE_RESETS,
-    NONFINITE_LOGPROBS,
-    decode_snapshot,
-    values_by_name,
+from genworker.core.nemo_rl_front import (
+    NEMO_RL_OUTPUT_KEYS,
+    SAMPLING_KEYS,
+    nemo_rl_outputs,
+    raw_spec_counters,
+    wake_up_tags,
 )
 from genworker.core.placement import plan_engine_env
 from genworker.core.refit_protocol import Transport, wait_bound
-from genworker.core.routing import nemo_rl_routes
 from genworker.shell.errors import (
     BadArgumentError,
     BadConfigError,
@@ -38,54 +36,7 @@ from genworker.shell.nemo_rl_refit import DEFAULT_SOCKET_DIR
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 from genworker.shell.worker import checked_env_names
 
-__all__ = [
-    "NEMO_RL_OUTPUT_KEYS",
-    "SAMPLING_KEYS",
-    "NemoRlMember",
-    "nemo_rl_outputs",
-    "raw_spec_counters",
-    "wake_up_tags",
-]
-
-#: NeMo-RL's ``GenerationOutputSpec``: the keys of every ``generate`` result (genworker's
-#: ``weight_versions`` is left out: NeMo-RL merges the workers' outputs with
-#: ``BatchedDataDict.from_batches``, which would pad it with 0, a version)
-NEMO_RL_OUTPUT_KEYS: Final = (
-    "output_ids",
-    "logprobs",
-    "generation_lengths",
-    "unpadded_sequence_lengths",
-    "truncated",
-)
-
-#: NeMo-RL's key for the routes of MoE routing replay (PR #2590), present only when the
-#: worker returns them (``enable_return_routed_experts``)
-ROUTED_EXPERTS: Final = "routed_experts"
-
-
-def nemo_rl_outputs(out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A genworker ``generate`` result as NeMo-RL's: its ``GenerationOutputSpec`` keys, and
-    ``routed_experts`` in NeMo-RL's layout (``core.routing.nemo_rl_routes``: positions
-    without a route hold ``arange(top_k)``, not genworker's -1) when the worker returned
-    routes."""
-    spec = {key: out[key] for key in NEMO_RL_OUTPUT_KEYS}
-    routes = out.get(ROUTED_EXPERTS)
-    if routes is not None:
-        spec[ROUTED_EXPERTS] = torch.from_numpy(nemo_rl_routes(routes.numpy()))
-    return spec
-
-
-#: the config keys ``update_sampling_params`` may replace
-SAMPLING_KEYS: Final = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "max_new_tokens",
-    "stop_token_ids",
-    "stop_strings",
-    "bad_words",
-    "ignore_eos",
-)
+__all__ = ["NEMO_RL_OUTPUT_KEYS", "SAMPLING_KEYS", "NemoRlMember", "nemo_rl_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -123,28 +74,6 @@ class _Native(Protocol):
 
 
 _W = TypeVar("_W", bound=_Native)
-
-
-def raw_spec_counters(encoded: Mapping[str, float | list[float]]) -> dict[str, float | list[float]]:
-    """A worker's ``get_counters()`` as NeMo-RL's ``_get_raw_spec_counters`` returns them:
-    keyed by metric name. The worker's own counters (``genworker:cache_resets``, one series
-    per cache; ``genworker:nonfinite_logprobs``, one per kind) are left out: summed by name
-    they would mean nothing."""
-    snapshot = unwrap(decode_snapshot(encoded), EngineContractError, "engine metrics")
-    own = {CACHE_RESETS, NONFINITE_LOGPROBS}
-    return values_by_name(s for s in snapshot.samples if s.name not in own)
-
-
-def wake_up_tags(call: str, kwargs: Mapping[str, object]) -> Sequence[str] | None:
-    """NeMo-RL's ``wake_up(**kwargs)`` takes ``tags=`` only; any other keyword is refused
-    by name (the worker checks the entries)."""
-    unknown = sorted(set(kwargs) - {"tags"})
-    if unknown:
-        raise BadArgumentError(f"{call} takes only tags=, got {unknown}")
-    tags = kwargs.get("tags")
-    if tags is not None and not isinstance(tags, Sequence):
-        raise BadArgumentError(f"{call} tags must be a list of str or None, got {tags!r}")
-    return tags
 
 
 class NemoRlMember(Generic[_W]):
@@ -286,6 +215,16 @@ class NemoRlMember(Generic[_W]):
             return False
         worker = self._worker
         return worker is None or worker.state == lifecycle.NOT_LOADED or worker.is_alive()
+
+    @staticmethod
+    def _wake_up_tags(call: str, kwargs: Mapping[str, object]) -> Sequence[str] | None:
+        """NeMo-RL's ``wake_up(tags=...)``: any other keyword is refused by name."""
+        return unwrap(wake_up_tags(call, kwargs), BadArgumentError, "")
+
+    @staticmethod
+    def _by_name(encoded: Mapping[str, float | list[float]]) -> dict[str, float | list[float]]:
+        """The engine's metrics keyed by name (``core.nemo_rl_front.raw_spec_counters``)."""
+        return unwrap(raw_spec_counters(encoded), EngineContractError, "engine metrics")
 
     # -- refit ----------------------------------------------------------------------
     def get_last_refit_error(self) -> GenworkerError | None:

@@ -46,7 +46,7 @@ from genworker.shell.errors import (
 from genworker.shell.fake_async_engine import FakeAsyncEngine, FakeAsyncEngineFactory
 from genworker.shell.host import node_ip
 from genworker.shell.nemo_rl import NEMO_RL_OUTPUT_KEYS, NemoRlGenerationWorker, NemoRlMember
-from genworker.shell.nemo_rl_async import NemoRlAsyncGenerationWorker, reported_url
+from genworker.shell.nemo_rl_async import NemoRlAsyncGenerationWorker
 
 CLASS_PATH = "genworker.shell.nemo_rl.VllmAsyncGenerationWorker"
 MAX_MODEL_LEN = 64
@@ -344,22 +344,6 @@ def test_a_deferred_owner_reserves_its_url_and_loads_on_load_model() -> None:
         await plain.shutdown()
 
     asyncio.run(main())
-
-
-@pytest.mark.parametrize(
-    ("bound", "node", "reported"),
-    [
-        (None, "10.1.2.3", None),
-        ("http://127.0.0.1:5001/v1", "10.1.2.3", "http://127.0.0.1:5001/v1"),
-        ("http://10.9.9.9:5001/v1", "10.1.2.3", "http://10.9.9.9:5001/v1"),
-        ("http://0.0.0.0:5001/v1", "10.1.2.3", "http://10.1.2.3:5001/v1"),
-        ("http://[::]:5001/v1", "fd00::7", "http://[fd00::7]:5001/v1"),
-    ],
-)
-def test_a_server_on_every_interface_is_reported_at_the_nodes_address(
-    bound: str | None, node: str, reported: str | None
-) -> None:
-    assert reported_url(bound, lambda: node) == reported
 
 
 def test_the_drop_in_reports_a_wildcard_server_at_this_nodes_ip() -> None:

@@ -1,0 +1,127 @@
+"""NeMo-RL's names and shapes at the drop-ins' edge (``shell/nemo_rl.py``,
+``shell/nemo_rl_async.py``): what both fronts translate, over plain values.
+
+* :func:`nemo_rl_outputs`: a genworker ``generate`` result as NeMo-RL's
+  ``GenerationOutputSpec`` (genworker's ``weight_versions`` left out: NeMo-RL merges the
+  workers' outputs with ``BatchedDataDict.from_batches``, which would pad it with 0, a
+  version), with ``routed_experts`` in NeMo-RL's layout when the worker returned routes.
+* :func:`raw_spec_counters`: the engine's encoded metric snapshot keyed by metric name,
+  as NeMo-RL's ``_get_raw_spec_counters`` returns it.
+* :func:`wake_up_tags`: NeMo-RL's ``wake_up(**kwargs)`` takes ``tags=`` only.
+* :func:`reported_url`: the OpenAI server's URL as NeMo-RL reports it.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
+from typing import Final
+
+import attrs
+import torch
+from returns.result import Failure, Result, Success
+
+from genworker.core.counters import (
+    CACHE_RESETS,
+    NONFINITE_LOGPROBS,
+    CounterError,
+    decode_snapshot,
+    values_by_name,
+)
+from genworker.core.errors import CoreError
+from genworker.core.routing import nemo_rl_routes
+
+__all__ = [
+    "NEMO_RL_OUTPUT_KEYS",
+    "ROUTED_EXPERTS",
+    "SAMPLING_KEYS",
+    "WakeUpError",
+    "nemo_rl_outputs",
+    "raw_spec_counters",
+    "reported_url",
+    "wake_up_tags",
+]
+
+#: NeMo-RL's ``GenerationOutputSpec``: the keys of every ``generate`` result
+NEMO_RL_OUTPUT_KEYS: Final = (
+    "output_ids",
+    "logprobs",
+    "generation_lengths",
+    "unpadded_sequence_lengths",
+    "truncated",
+)
+
+#: NeMo-RL's key for the routes of MoE routing replay (PR #2590), present only when the
+#: worker returns them (``enable_return_routed_experts``)
+ROUTED_EXPERTS: Final = "routed_experts"
+
+#: the config keys ``update_sampling_params`` may replace
+SAMPLING_KEYS: Final = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "stop_token_ids",
+    "stop_strings",
+    "bad_words",
+    "ignore_eos",
+)
+
+
+def nemo_rl_outputs(out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``out`` with NeMo-RL's keys, and ``routed_experts`` in NeMo-RL's layout
+    (``core.routing.nemo_rl_routes``: positions without a route hold ``arange(top_k)``,
+    not genworker's -1) when ``out`` has routes."""
+    spec = {key: out[key] for key in NEMO_RL_OUTPUT_KEYS}
+    routes = out.get(ROUTED_EXPERTS)
+    if routes is not None:
+        spec[ROUTED_EXPERTS] = torch.from_numpy(nemo_rl_routes(routes.numpy()))
+    return spec
+
+
+def raw_spec_counters(
+    encoded: Mapping[str, float | list[float]],
+) -> Result[dict[str, float | list[float]], CounterError]:
+    """A worker's ``get_counters()`` keyed by metric name. The worker's own counters
+    (``genworker:cache_resets``, one series per cache; ``genworker:nonfinite_logprobs``,
+    one per kind) are left out: summed by name they would mean nothing."""
+    own = {CACHE_RESETS, NONFINITE_LOGPROBS}
+    return decode_snapshot(encoded).map(
+        lambda snapshot: values_by_name(s for s in snapshot.samples if s.name not in own)
+    )
+
+
+@attrs.frozen
+class WakeUpError(CoreError):
+    """``wake_up`` was given a keyword other than ``tags``, or tags that are no list."""
+
+
+def wake_up_tags(
+    call: str, kwargs: Mapping[str, object]
+) -> Result[Sequence[str] | None, WakeUpError]:
+    """The ``tags=`` of ``call``'s keywords; any other keyword is refused by name (the
+    worker checks the entries)."""
+    unknown = sorted(set(kwargs) - {"tags"})
+    if unknown:
+        return Failure(WakeUpError(f"{call} takes only tags=, got {unknown}"))
+    tags = kwargs.get("tags")
+    if tags is not None and not isinstance(tags, Sequence):
+        return Failure(WakeUpError(f"{call} tags must be a list of str or None, got {tags!r}"))
+    return Success(tags)
+
+
+_EVERY_INTERFACE: Final = frozenset({"0.0.0.0", "::"})
+
+
+def reported_url(url: str | None, node_address: Callable[[], str]) -> str | None:
+    """The server's URL as NeMo-RL reports it: a server listening on every interface is
+    reached at this node's address (``node_address()``, asked only then); any other URL
+    is as bound."""
+    if url is None:
+        return None
+    parts = urllib.parse.urlsplit(url)
+    if parts.hostname not in _EVERY_INTERFACE:
+        return url
+    ip = node_address()
+    host = f"[{ip}]" if ":" in ip else ip
+    return parts._replace(netloc=f"{host}:{parts.port}").geturl()

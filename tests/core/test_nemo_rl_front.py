@@ -1,0 +1,91 @@
+"""``genworker.core.nemo_rl_front``: NeMo-RL's output keys and routes layout, the counters
+keyed by name without genworker's own, ``wake_up``'s one keyword, and the URL NeMo-RL is
+told."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from returns.result import Failure, Success
+
+from genworker.core.counters import (
+    CACHE_RESETS,
+    NONFINITE_LOGPROBS,
+    PROMPT_TOKENS,
+    CounterSample,
+    encode_snapshot,
+)
+from genworker.core.nemo_rl_front import (
+    NEMO_RL_OUTPUT_KEYS,
+    ROUTED_EXPERTS,
+    WakeUpError,
+    nemo_rl_outputs,
+    raw_spec_counters,
+    reported_url,
+    wake_up_tags,
+)
+
+
+def _out(**extra: torch.Tensor) -> dict[str, torch.Tensor]:
+    out = {key: torch.zeros(2, 3) for key in NEMO_RL_OUTPUT_KEYS}
+    return {**out, "weight_versions": torch.zeros(2, 3), **extra}
+
+
+def test_outputs_keep_nemo_rls_keys_and_drop_weight_versions() -> None:
+    assert list(nemo_rl_outputs(_out())) == list(NEMO_RL_OUTPUT_KEYS)
+
+
+def test_routes_come_in_nemo_rls_layout() -> None:
+    routes = np.full((1, 2, 1, 2), -1, dtype=np.int16)
+    routes[0, 0, 0] = [3, 1]
+    spec = nemo_rl_outputs(_out(**{ROUTED_EXPERTS: torch.from_numpy(routes)}))
+    assert spec[ROUTED_EXPERTS].tolist() == [[[[3, 1]], [[0, 1]]]]
+
+
+def test_counters_are_keyed_by_name_without_genworkers_own() -> None:
+    encoded = encode_snapshot(
+        [
+            CounterSample(PROMPT_TOKENS, (("engine", "0"),), 3.0),
+            CounterSample(PROMPT_TOKENS, (("engine", "1"),), 4.0),
+            CounterSample(CACHE_RESETS, (("cache", "prefix"),), 1.0),
+            CounterSample(NONFINITE_LOGPROBS, (("kind", "nan"),), 2.0),
+        ]
+    )
+    assert raw_spec_counters(encoded) == Success({PROMPT_TOKENS: 7.0})
+    assert isinstance(raw_spec_counters({"not a key{": 1.0}), Failure)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [({}, None), ({"tags": None}, None), ({"tags": ["weights"]}, ["weights"])],
+)
+def test_wake_up_takes_tags(kwargs: dict[str, object], expected: list[str] | None) -> None:
+    assert wake_up_tags("wake_up", kwargs) == Success(expected)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tags": ["kv_cache"], "level": 1}, "wake_up takes only tags=, got ['level']"),
+        ({"tags": 3}, "wake_up tags must be a list of str or None, got 3"),
+    ],
+)
+def test_wake_up_refuses_anything_else_by_name(kwargs: dict[str, object], message: str) -> None:
+    assert wake_up_tags("wake_up", kwargs) == Failure(WakeUpError(message))
+
+
+@pytest.mark.parametrize(
+    ("bound", "node", "reported"),
+    [
+        (None, "10.1.2.3", None),
+        ("http://127.0.0.1:5001/v1", "10.1.2.3", "http://127.0.0.1:5001/v1"),
+        ("http://10.9.9.9:5001/v1", "10.1.2.3", "http://10.9.9.9:5001/v1"),
+        ("http://0.0.0.0:5001/v1", "10.1.2.3", "http://10.1.2.3:5001/v1"),
+        ("http://[::]:5001/v1", "fd00::7", "http://[fd00::7]:5001/v1"),
+    ],
+)
+def test_a_server_on_every_interface_is_reported_at_the_nodes_address(
+    bound: str | None, node: str, reported: str | None
+) -> None:
+    assert reported_url(bound, lambda: node) == reported
