@@ -32,41 +32,27 @@ arguments and return values (``nemo_rl/models/generation/vllm/vllm_worker.py``):
   check, ``configure_worker``, inert members, the engine's environment, the refits'
   ``bool`` answers with ``last_refit_error``, the spec-decode counters.
 
-* ``stop_strings_mode`` (genworker's config key, :mod:`genworker.core.config_keys`) picks
-  the stop-string semantics: ``per_sample`` (the default: a row stops on the config's
-  strings and its own) or ``batch_union`` (NeMo-RL's sync ``generate``: every row stops on
-  every row's strings); the drop-in passes it to the worker it builds.
-* Stop strings need the engine's tokenizer: with ``vllm_cfg.skip_tokenizer_init: true``
-  (NeMo-RL's choice when the config's ``stop_strings`` is null) vLLM would skip them
-  silently, so a batch that carries ``stop_strings`` is refused by name with
-  ``BadBatchError`` before any engine call (``WorkerConfig.detokenizer_problem``).
-* Keys in no table of :mod:`genworker.core.config_keys` are refused; with
-  ``unknown_keys: warn`` each is accepted without effect and logged here by name, once,
-  when the worker is built.
+* ``stop_strings_mode`` picks the stop-string semantics (``per_sample`` or NeMo-RL's
+  ``batch_union``, :mod:`genworker.core.config_keys`); the drop-in passes it to its worker.
+* With ``vllm_cfg.skip_tokenizer_init: true`` vLLM would skip stop strings silently, so a
+  batch that carries ``stop_strings`` is refused by name with ``BadBatchError`` before any
+  engine call (``WorkerConfig.detokenizer_problem``).
+* With ``unknown_keys: warn``, each key in no table is logged here by name, once.
 * Sleep and wake on a platform without vLLM's sleep mode (no CUDA: the CPU engine) are a
-  documented **no-op**: the first ``sleep`` / ``wake_up`` logs one warning saying so and
-  every later call does nothing; the engine keeps its memory (there is no GPU memory to
-  share with a colocated trainer there) and the worker stays usable, so NeMo-RL's
-  colocated loop runs unchanged. On a GPU, sleep and wake are the worker's own.
-* NeMo-RL sends its batches as ``BatchedDataDict[GenerationDatumSpec](...)``: the pickled
-  generic alias makes Ray's argument unpickling on this actor import
-  ``nemo_rl.distributed.batched_data_dict`` and ``nemo_rl.models.generation.interfaces``
-  before any method runs, so a venv where that import fails would lose the call (NeMo-RL
-  keeps such a sample with 0 turns). The drop-in cannot read the argument itself (Ray
-  unpickles it first); it imports those modules when it is built and fails there, loudly,
-  naming the module and its error (:mod:`genworker.shell.nemo_rl_batches`).
+  documented **no-op**: the first logs one warning, the engine keeps its memory (there is
+  no GPU memory to share with a colocated trainer there) and NeMo-RL's colocated loop runs
+  unchanged. On a GPU, sleep and wake are the worker's own.
+* Ray unpickles NeMo-RL's ``BatchedDataDict[GenerationDatumSpec]`` batches on this actor
+  before any method runs, through NeMo-RL's modules: the drop-in imports them when it is
+  built and fails there, loudly (:mod:`genworker.shell.nemo_rl_batches` says why).
 * ``update_sampling_params(**params) -> bool`` (NeMo-RL #2538) replaces the config's
-  sampling keys (``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``,
-  ``stop_token_ids``, ``stop_strings``, ``bad_words``, ``ignore_eos``) for every later
-  call, validated as the config is; any other name is refused.
-
-* The refit methods speak NeMo-RL's own trainer wire (:mod:`genworker.shell.nemo_rl_refit`,
-  the extension's ``nemo_rl_*`` methods): ``update_weights_via_ipc_zmq`` connects to the
-  socket NeMo-RL's policy worker binds at ``ipc://<ipc_socket_dir>/<GPU UUID>.sock``
-  (``/tmp``, as NeMo-RL's ``get_zmq_address``) and reads its pickled CUDA IPC handles
-  through an allowlist; ``init_collective`` / ``update_weights_from_collective`` join its
-  ``StatelessProcessGroup`` store and receive its packed NCCL broadcasts. genworker's own
-  worker (:class:`genworker.shell.worker.VllmGenerationWorker`) keeps genworker's wire.
+  sampling keys (``core.nemo_rl_front.SAMPLING_KEYS``) for every later call, validated as
+  the config is; any other name is refused.
+* The refit methods speak NeMo-RL's own trainer wire (:mod:`genworker.shell.refit.nemo_rl`,
+  docs/nemo-rl.md): its pickled CUDA IPC handles at ``ipc://<ipc_socket_dir>/<GPU
+  UUID>.sock`` (``/tmp``, NeMo-RL's ``get_zmq_address``) read through an allowlist, or its
+  ``StatelessProcessGroup`` and packed NCCL broadcasts. genworker's own worker keeps
+  genworker's wire.
 """
 
 from __future__ import annotations

@@ -11,56 +11,35 @@ coroutine runs on the actor's one event loop, which genworker's
 :class:`~genworker.shell.async_worker.AsyncVllmGenerationWorker` needs), with NeMo-RL's
 method names, arguments and return values:
 
-* Construction, ``configure_worker``, inert tied-group members (only the member given
-  ``bundle_indices`` builds an engine), the engine's environment for vLLM's Ray executor,
-  the refits' ``bool`` answers with ``last_refit_error``, and ``_get_raw_spec_counters``
-  are :class:`genworker.shell.nemo_rl.NemoRlMember`'s, as in the synchronous drop-in.
-* ``VllmGeneration`` calls ``post_init_async``, ``report_device_id_async``,
-  ``init_collective_async``, ``prepare_refit_info_async`` (returns ``None``),
-  ``update_weights_via_ipc_zmq_async`` / ``update_weights_from_collective_async``
-  (``bool``), ``reset_prefix_cache_async``, ``sleep_async``, ``wake_up_async(tags=)``,
-  ``get_vllm_logger_metrics``, ``clear_vllm_logger_metrics``, ``get_reserved_url``,
-  ``report_dp_openai_server_base_url``, ``load_model`` and ``shutdown`` by these names.
+* Construction, ``configure_worker``, inert tied-group members, the engine's environment,
+  the refits' ``bool`` answers with ``last_refit_error``, ``_get_raw_spec_counters``,
+  ``stop_strings_mode``, the stop-string and unknown-key checks, the up-front import of
+  NeMo-RL's batch modules and the sleep/wake no-op without sleep mode are the synchronous
+  drop-in's (:class:`~genworker.shell.nemo_rl_member.NemoRlMember`, :mod:`genworker.shell.nemo_rl`).
 * ``generate_async`` / ``generate_text_async`` are async generators of ``(row, result)``,
-  rows in completion order, ``result`` in NeMo-RL's per-sample shape: the five
-  ``GenerationOutputSpec`` tensors of that row (genworker's ``weight_versions`` is left
-  out: NeMo-RL merges rows with ``BatchedDataDict.from_batches``, which would pad it with
-  0, a version) or ``{"texts": [text]}``. genworker's worker yields a row's typed error as
-  a value; here it is raised, as NeMo-RL's worker raises (the stream ends, the other rows'
-  requests are aborted). ``VllmGeneration._generate_on_shard`` calls them through Ray's
-  streaming generator (``method.remote(data=..., greedy=...)``, ``await anext(...)`` for
-  the row's ``ObjectRef``) and ``ray.cancel``s the call when its own consumer is
-  cancelled: Ray cancels the actor's task, the stream is closed, and genworker's worker
-  aborts the vLLM request (``AsyncVllmGenerationWorker``'s module docstring).
-* The refits are in flight: the engine is paused (``mode``, default ``keep``; with
+  rows in completion order, ``result`` in NeMo-RL's per-sample shape (its five
+  ``GenerationOutputSpec`` tensors, ``core.nemo_rl_front.nemo_rl_outputs``, or
+  ``{"texts": [text]}``). genworker's worker yields a row's typed error as a value; here
+  it is raised, as NeMo-RL's worker raises (the stream ends, the other rows' requests are
+  aborted). ``VllmGeneration._generate_on_shard`` reads them through Ray's streaming
+  generator and ``ray.cancel``s the call when its own consumer is cancelled: the stream is
+  closed and genworker's worker aborts the vLLM request.
+* The refits are in flight: the engine pauses (``mode``, default ``keep``; with
   ``clear_cache=True``, the default, running requests are re-prefilled on the new
-  weights), NeMo-RL's trainer wire is received by the extension's ``nemo_rl_*`` methods
-  (:mod:`genworker.shell.nemo_rl_refit`), the weight version goes up by one and the engine
-  resumes: ``AsyncVllmGenerationWorker.refit_via``, the same pause and resume as
-  genworker's own wire. NeMo-RL calls them without arguments; NeMo-RL's own worker loads
-  between engine steps without a pause and keeps the running requests' KV cache of the old
-  weights, which ``clear_cache=False`` reproduces.
-* The OpenAI server (``vllm_cfg.expose_http_server``): genworker's
-  :class:`~genworker.shell.server.OpenAIServer`, its socket bound in the constructor, so
-  ``get_reserved_url`` (before the model loads) and ``report_dp_openai_server_base_url``
-  (after ``post_init_async`` started serving) are the same URL; ``None`` without a server
-  and on an inert member. It listens on ``vllm_cfg.http_server_host`` (loopback unless
-  set); one listening on every interface (``0.0.0.0``, ``::``, as NeMo-RL's does) is
-  reported at this node's IP (:func:`genworker.shell.host.node_ip`), the address NeMo-Gym
-  on another node can reach.
-* ``stop_strings_mode``, the refusal of per-batch ``stop_strings`` on an engine without a
-  detokenizer, the logged ``unknown_keys: warn`` keys, the up-front import of NeMo-RL's
-  batch modules and the sleep/wake no-op on a platform without sleep mode (one warning,
-  then silence; the engine keeps its memory) are the synchronous drop-in's
-  (:mod:`genworker.shell.nemo_rl`'s module docstring).
-* NeMo-RL's token capture (#3837: ``setup_token_capture``, ``install_token_capture``,
-  ``set_rollout_weight_version``, for ``token_capture.enabled``) is refused by name:
-  genworker's rows carry their token ids and ``weight_versions`` themselves; leave
-  ``token_capture.enabled`` false (NeMo-Gym's token-echo path).
+  weights), receives NeMo-RL's trainer wire, counts a weight version and resumes
+  (``AsyncVllmGenerationWorker.refit_via``, docs/async.md). NeMo-RL calls them without
+  arguments; its own worker loads between engine steps without a pause and keeps the
+  running requests' KV cache of the old weights, which ``clear_cache=False`` reproduces.
+* The OpenAI server (``vllm_cfg.expose_http_server``) binds its socket in the constructor,
+  so ``get_reserved_url`` (before the model loads) and ``report_dp_openai_server_base_url``
+  (serving) are the same URL; ``None`` without a server and on an inert member. A server
+  on every interface (``0.0.0.0``, ``::``, as NeMo-RL's) is reported at this node's IP,
+  the address NeMo-Gym on another node can reach.
 * What NeMo-RL's async worker has and genworker cannot do is refused with
   ``UnsupportedError`` naming the method and what to use instead (never a silent no-op):
-  the ``nccl_reshard`` refit, the checkpoint engine, the sparse refit relay, and
-  nsight's ``start_gpu_profiling`` / ``stop_gpu_profiling``.
+  the ``nccl_reshard`` refit, the checkpoint engine, the sparse refit relay, nsight's
+  ``start_gpu_profiling`` / ``stop_gpu_profiling``, and NeMo-RL's token capture (#3837;
+  genworker's rows carry their token ids and ``weight_versions`` themselves).
 """
 
 from __future__ import annotations

@@ -33,25 +33,13 @@ from genworker.shell.errors import (
 )
 from genworker.shell.nemo_rl_batches import require_batch_modules
 from genworker.shell.nemo_rl_refit import DEFAULT_SOCKET_DIR
+from genworker.shell.ports import EngineCapabilities
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 from genworker.shell.worker import checked_env_names
 
 __all__ = ["NEMO_RL_OUTPUT_KEYS", "SAMPLING_KEYS", "NemoRlMember", "nemo_rl_outputs"]
 
 log = logging.getLogger(__name__)
-
-
-class _Capabilities(Protocol):
-    @property
-    def sleep_mode(self) -> bool: ...
-
-    @property
-    def device(self) -> str: ...
-
-
-class _Engine(Protocol):
-    @property
-    def capabilities(self) -> _Capabilities: ...
 
 
 class _Native(Protocol):
@@ -63,7 +51,7 @@ class _Native(Protocol):
     def state(self) -> lifecycle.State: ...
 
     @property
-    def engine(self) -> _Engine: ...
+    def caps(self) -> EngineCapabilities: ...
 
     @property
     def llm(self) -> object: ...
@@ -196,7 +184,7 @@ class NemoRlMember(Generic[_W]):
     def _sleep_is_a_no_op(self, worker: _W, call: str) -> bool:
         """Whether ``call`` (sleep or wake) is the documented no-op of a platform without
         vLLM's sleep mode; the first such call logs one warning (module docstring)."""
-        caps = worker.engine.capabilities
+        caps = worker.caps
         if caps.sleep_mode:
             return False
         if not self._no_sleep_mode_said:
