@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from genworker.shell.errors import GenworkerError
-from genworker.shell.install import InstallError, check_torchvision, torchvision_fix
+from genworker.shell.install import InstallError, check_torchvision
 
 NMS = "operator torchvision::nms does not exist"
 
@@ -61,13 +61,3 @@ def test_a_torchvision_that_loads_passes(fresh_torchvision: Path) -> None:
 def test_no_torchvision_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     check_torchvision()
-
-
-def test_the_fix_takes_the_torch_variant_s_index() -> None:
-    assert torchvision_fix("2.9.0+cu128", "0.24.0").startswith(
-        "pip install --force-reinstall --no-deps 'torchvision==0.24.0+cu128' "
-        "--index-url https://download.pytorch.org/whl/cu128"
-    )
-    assert torchvision_fix("2.9.0", "0.25.0+cpu").startswith(
-        "pip install --force-reinstall --no-deps 'torchvision==0.25.0'  (or"
-    )
