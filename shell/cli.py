@@ -111,10 +111,11 @@ def engine_options(command: str, argv: Sequence[str]) -> dict[str, object]:
 
 
 def _engine_config(
-    args: argparse.Namespace, rest: Sequence[str], tokenizer: object
+    args: argparse.Namespace, rest: Sequence[str], tokenizer: object, template: str | None = None
 ) -> dict[str, object]:
     """The worker config of ``generate`` / ``serve``: genworker's defaults for this device,
-    then the vLLM engine options in ``rest`` (``core.cli_inputs.engine_config``)."""
+    then the vLLM engine options in ``rest`` (``core.cli_inputs.engine_config``), then
+    ``serve``'s own keys (``template``: its chat template)."""
     base = worker_config(
         args.model,
         pad_token_id=pad_id(tokenizer),
@@ -133,6 +134,8 @@ def _engine_config(
             "http_server_on_policy_guard": not args.no_on_policy_guard,
             "http_server_rl_routes": args.rl_routes,
         }
+        if template is not None:
+            serve["http_server_serving_chat_kwargs"] = {"chat_template": template}
     return unwrap(engine_config(base, engine_options(args.command, rest), serve), InputError, "")
 
 
@@ -210,12 +213,8 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         except OSError as e:
             raise InputError(f"--chat-template {args.chat_template}: {e.strerror}") from None
     tokenizer = load_tokenizer(args.model)
-    config = _engine_config(args, rest, tokenizer)
-    if template is not None:
-        vllm_cfg = config["vllm_cfg"]
-        assert isinstance(vllm_cfg, dict)
-        vllm_cfg["http_server_serving_chat_kwargs"] = {"chat_template": template}
-    elif not getattr(tokenizer, "chat_template", None):
+    config = _engine_config(args, rest, tokenizer, template)
+    if template is None and not getattr(tokenizer, "chat_template", None):
         _log.warning(
             "%s has no chat template: /v1/chat/completions answers 400 until you pass "
             "--chat-template FILE (a Jinja template); /v1/completions works without one",
@@ -377,29 +376,27 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     demo.add_argument("--batch", type=int, help="table rows (default 16)")
     demo.add_argument("--image", action="store_true", help="an image row on a tiny Idefics3")
-    engine_help = {
-        "epilog": None,
-        "formatter_class": argparse.RawDescriptionHelpFormatter,
-        "allow_abbrev": False,  # an abbreviation must not take a vLLM option's place
-    }
-    gen = sub.add_parser(
-        "generate",
-        help="JSONL prompts in, JSONL completions out",
-        **{**engine_help, "epilog": ENGINE_EPILOG.format(command="generate")},  # type: ignore[arg-type]
+    gen, serve = (
+        sub.add_parser(
+            name,
+            help=summary,
+            epilog=ENGINE_EPILOG.format(command=name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            allow_abbrev=False,  # an abbreviation must not take a vLLM option's place
+        )
+        for name, summary in (
+            ("generate", "JSONL prompts in, JSONL completions out"),
+            ("serve", "vLLM's OpenAI server around the async worker"),
+        )
     )
-    gen.add_argument("--model", required=True, help="a local Hugging Face model directory")
+    for p in (gen, serve):
+        p.add_argument("--model", required=True, help="a local Hugging Face model directory")
     gen.add_argument(
         "--prompts",
         required=True,
         help='JSONL file, one {"prompt": "..."} per line (blank lines skipped)',
     )
     gen.add_argument("--out", help="output JSONL (default: stdout)")
-    serve = sub.add_parser(
-        "serve",
-        help="vLLM's OpenAI server around the async worker",
-        **{**engine_help, "epilog": ENGINE_EPILOG.format(command="serve")},  # type: ignore[arg-type]
-    )
-    serve.add_argument("--model", required=True, help="a local Hugging Face model directory")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default loopback)")
     serve.add_argument("--port", type=int, default=0, help="listen port (0: any free port)")
     serve.add_argument(
