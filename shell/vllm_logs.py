@@ -16,20 +16,19 @@ then judges completeness as if that call were a full checkpoint load:
 
 For a refit both are true only for weights that no route wrote. :func:`refit_loader_alarms`
 holds those two records back while the refit runs and, when it ends, lets through exactly
-what the direct routes do not explain: the not-loaded names minus the names written
-directly (one warning in vLLM's own words naming only the rest), and one "Failed to load
-weights" per layer beyond the count of directly written modules of that class. A weight
-that no route wrote is still reported, by name; a refit that raises gets every held record
-back unchanged. Records are matched by logger name and message format, both checked
-against the installed vLLM's source by the tests.
+what the direct routes do not explain (``core.loader_alarms`` decides): a weight that no
+route wrote is still reported, by name, in vLLM's own words; a refit that raises gets every
+held record back unchanged. Records are matched by logger name and message format, both
+checked against the installed vLLM's source by the tests.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
+
+from genworker.core.loader_alarms import Alarm, explain_alarms
 
 __all__ = [
     "FAILED_TO_LOAD",
@@ -64,10 +63,6 @@ class _Hold(logging.Filter):
         return True
 
 
-def _first_arg(record: logging.LogRecord) -> object:
-    return record.args[0] if isinstance(record.args, tuple) and record.args else None
-
-
 @contextlib.contextmanager
 def refit_loader_alarms(direct: Collection[str], modules: Mapping[str, object]) -> Iterator[None]:
     """Around one refit's loader call: ``direct`` are the parameter names the refit wrote
@@ -88,41 +83,33 @@ def refit_loader_alarms(direct: Collection[str], modules: Mapping[str, object]) 
     finally:
         for hold in holds:
             hold.logger.removeFilter(hold)
-        explained = _explained(set(direct), modules)
-        for logger, record in held:
-            if failed or not explained(record):
-                logger.handle(record)
+        for logger, record in held if failed else _unexplained(held, direct, modules):
+            logger.handle(record)
+
+
+def _unexplained(
+    held: list[tuple[logging.Logger, logging.LogRecord]],
+    direct: Collection[str],
+    modules: Mapping[str, object],
+) -> list[tuple[logging.Logger, logging.LogRecord]]:
+    """The held records the direct routes do not explain (``core.loader_alarms``), a "not
+    loaded" one narrowed to the names no route wrote."""
+    verdicts = explain_alarms(
+        [Alarm(record.msg == NOT_LOADED, _first_arg(record)) for _, record in held],
+        set(direct),
+        {name: type(module).__name__ for name, module in modules.items()},
+        [type(m).__name__ for m in modules.values() if _holds_no_parameter(m)],
+    )
+    for (_, record), verdict in zip(held, verdicts, strict=True):
+        if verdict.rest is not None:
+            record.args = (set(verdict.rest),)
+    return [pair for pair, verdict in zip(held, verdicts, strict=True) if not verdict.explained]
+
+
+def _first_arg(record: logging.LogRecord) -> object:
+    return record.args[0] if isinstance(record.args, tuple) and record.args else None
 
 
 def _holds_no_parameter(module: object) -> bool:
     own = getattr(module, "parameters", None)
     return callable(own) and next(iter(own(recurse=False)), None) is None
-
-
-def _explained(
-    written: set[str], modules: Mapping[str, object]
-) -> Callable[[logging.LogRecord], bool]:
-    """Whether a held record is wholly explained by the direct routes; a not-loaded record
-    that is only partly explained is narrowed to the rest (and let out)."""
-    budget = collections.Counter(
-        type(modules[m]).__name__ for m in {n.rpartition(".")[0] for n in written} if m in modules
-    )
-    # A module with no parameter of its own (RotaryEmbedding: a cos_sin_cache buffer) takes
-    # no weight from any refit or checkpoint; vLLM's reload reports it unloaded every time.
-    budget.update(type(m).__name__ for m in modules.values() if _holds_no_parameter(m))
-
-    def explained(record: logging.LogRecord) -> bool:
-        arg = _first_arg(record)
-        if record.msg == NOT_LOADED:
-            if not isinstance(arg, Collection) or isinstance(arg, str):
-                return False  # not vLLM's shape: nothing to explain away
-            rest = {str(n) for n in arg} - written
-            if rest:
-                record.args = (rest,)
-            return not rest
-        if isinstance(arg, str) and budget[arg] > 0:
-            budget[arg] -= 1
-            return True
-        return False
-
-    return explained
