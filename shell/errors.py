@@ -3,8 +3,8 @@
 Core returns frozen error values; the shell raises them as one of these exceptions, with
 the core value in ``.detail`` when there is one. Foreign errors (vLLM, Ray, ZMQ, NCCL) are
 translated at the edge and chained (``raise ... from e``): each edge (a *seam*) declares a
-:class:`Seam`, an explicit map from foreign exception types to ours, and wraps its calls in
-``with translated(SEAM, call):`` (httpcore's ``map_exceptions``). Our own errors and
+:class:`Seam`, an explicit map from foreign exception types to ours (``core.seams``), and
+wraps its calls in ``with translated(SEAM, call):`` (httpcore's ``map_exceptions``). Our own errors and
 interrupts (``KeyboardInterrupt``, ``CancelledError``: not ``Exception``) pass unchanged.
 
 The seams declared here are the workers' engine RPCs: :data:`REFIT_RPC` (a refit method's
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
-import attrs
 from returns.result import Failure, Result, Success
 
+from genworker.core import seams
 from genworker.core.errors import CoreError
 
 _T = TypeVar("_T")
@@ -149,33 +149,8 @@ class UnsafePickleError(RefitWireError):
     before any object was built."""
 
 
-#: Builds our error for a foreign one raised by ``call``.
-Translation = Callable[[str, Exception], GenworkerError]
-
-
-@attrs.frozen
-class Seam:
-    """One edge's map of foreign errors: ``rules`` in order, the first whose type matches
-    wins; any other ``Exception`` becomes ``other`` (None: it propagates unchanged)."""
-
-    name: str
-    rules: tuple[tuple[type[Exception] | tuple[type[Exception], ...], Translation], ...] = ()
-    other: Translation | None = None
-
-    def extended(
-        self,
-        name: str,
-        *rules: tuple[type[Exception] | tuple[type[Exception], ...], Translation],
-    ) -> Seam:
-        """This seam with ``rules`` tried after its own (and the same ``other``)."""
-        return Seam(name, (*self.rules, *rules), self.other)
-
-    def translate(self, call: str, error: Exception) -> GenworkerError | None:
-        """Our error for ``error`` raised by ``call``, or None to let it through."""
-        for kind, make in self.rules:
-            if isinstance(error, kind):
-                return make(call, error)
-        return None if self.other is None else self.other(call, error)
+#: One edge's map of foreign errors to ours (``core.seams``).
+Seam: TypeAlias = seams.Seam[GenworkerError]
 
 
 @contextmanager
