@@ -65,9 +65,11 @@ __all__ = [
     "Transfer",
     "Update",
     "WakeUp",
+    "init_transfer",
     "parse",
     "step",
     "update_failed",
+    "update_of",
     "updated",
 ]
 
@@ -315,7 +317,9 @@ def _wake(query: Mapping[str, str], body: dict[str, object]) -> Result[Request, 
     return Success(WakeUp(tuple(str(t) for t in raw)))
 
 
-def _init(body: dict[str, object]) -> Result[Request, BadRequest]:
+def init_transfer(body: Mapping[str, object]) -> Result[InitTransfer, BadRequest]:
+    """The ``init_info`` of an ``/init_weight_transfer_engine`` body, checked field by field
+    (the server's route and the ``vllm_wire`` backend's ``init`` alike)."""
     route, info = "/init_weight_transfer_engine", body.get("init_info")
     if not isinstance(info, dict):
         return _bad(route, "init_info", f"must be an object, got {info!r}")
@@ -380,7 +384,8 @@ def _start(body: dict[str, object]) -> Result[Request, BadRequest]:
     return Success(StartUpdate(raw))
 
 
-def _update(body: dict[str, object]) -> Result[Request, BadRequest]:
+def update_of(body: Mapping[str, object]) -> Result[Update, BadRequest]:
+    """The ``update_info`` of an ``/update_weights`` body as the update it announces."""
     route, info = "/update_weights", body.get("update_info")
     if not isinstance(info, dict):
         return _bad(route, "update_info", f"must be an object, got {info!r}")
@@ -470,11 +475,11 @@ def parse(route: str, query: Mapping[str, str], body: object) -> Result[Request,
         case "wake_up":
             return _wake(query, fields)
         case "init_weight_transfer_engine":
-            return _init(fields)
+            return init_transfer(fields)
         case "start_weight_update":
             return _start(fields)
         case "update_weights":
-            return _update(fields)
+            return update_of(fields)
         case "finish_weight_update":
             return _finish(fields)
     return _bad("/" + route, None, "is not a route of the control plane")

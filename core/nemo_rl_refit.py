@@ -32,6 +32,7 @@ from typing import Final
 from returns.result import Failure, Result, Success
 
 from genworker.core import refit_protocol as p
+from genworker.core.errors import CoreError
 from genworker.core.refit_plan import (
     Deviation,
     Manifest,
@@ -42,10 +43,12 @@ from genworker.core.refit_plan import (
     manifest_error,
 )
 
-__all__ = ["IPC_ALIGN", "ipc_chunk", "packed_chunk", "packed_groups"]
+__all__ = ["IPC_ALIGN", "MAX_PACKED", "ipc_chunk", "packed_chunk", "packed_groups", "packed_target"]
 
 #: NeMo-RL's ``calculate_aligned_size`` default: each packed tensor starts at a multiple.
 IPC_ALIGN: Final = 512
+#: NeMo-RL's largest packed broadcast (``get_target_packed_tensor_size``).
+MAX_PACKED: Final = 5 << 30
 
 
 def ipc_chunk(
@@ -80,6 +83,19 @@ def ipc_chunk(
         return Failure(manifest_error(f"IPC bucket {index} does not match the manifest", problems))
     kinds = (p.StorageKind.TEMPORARY,)
     return Success(p.Chunk(refit_id, index, tuple(refs), (storage_bytes,), kinds))
+
+
+def packed_target(ratio: str, total_bytes: int) -> Result[int, CoreError]:
+    """NeMo-RL's ``get_target_packed_tensor_size``: ``total_bytes`` (the device's memory)
+    times ``ratio`` (``NRL_REFIT_BUFFER_MEMORY_RATIO``'s text, in (0, 1]), at most
+    :data:`MAX_PACKED`."""
+    try:
+        share = float(ratio)
+    except ValueError:
+        return Failure(CoreError(f"NRL_REFIT_BUFFER_MEMORY_RATIO must be a number, got {ratio!r}"))
+    if not 0 < share <= 1:
+        return Failure(CoreError(f"NRL_REFIT_BUFFER_MEMORY_RATIO must be in (0, 1], got {ratio!r}"))
+    return Success(min(int(total_bytes * share), MAX_PACKED))
 
 
 def packed_groups(manifest: Manifest, target_bytes: int) -> tuple[tuple[TensorSpec, ...], ...]:

@@ -36,8 +36,8 @@ import torch
 from refit_helpers import REFIT_TIMEOUT, CommandedProcess, edited, serve_commands
 from safetensors.torch import load_file
 
+from genworker.core.nemo_rl_wire import NEMO_RL_IPC_GLOBALS, WireName
 from genworker.shell.errors import RefitWireError
-from genworker.shell.nemo_rl_wire import NEMO_RL_IPC_GLOBALS, WireName
 
 ALIGN = 512
 

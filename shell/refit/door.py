@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from genworker.shell.errors import BadArgumentError, GenworkerError
 from genworker.shell.refit.engine import EngineContext
 from genworker.shell.refit.wire import failure
 
-__all__ = ["BACKENDS", "Door", "RefitBackend", "register_backend"]
+__all__ = ["BACKENDS", "Door", "Holding", "RefitBackend", "register_backend"]
 
 
 class RefitBackend(Protocol):
@@ -51,6 +51,29 @@ class RefitBackend(Protocol):
     def release(self) -> int: ...
 
     def close(self) -> int: ...
+
+
+class Closable(Protocol):
+    def close(self) -> object: ...
+
+
+T = TypeVar("T", bound=Closable)
+
+
+class Holding(Generic[T]):
+    """A backend whose transport is one object it holds (a port, a group) in ``held``:
+    nothing of the trainer's stays mapped between refits, and ``close`` closes it."""
+
+    held: T | None = None
+
+    def release(self) -> int:
+        return 0  # each refit's buffers are the receiver's own, or let go once answered
+
+    def close(self) -> int:
+        held, self.held = self.held, None
+        if held is not None:
+            held.close()
+        return int(held is not None)
 
 
 Factory = Callable[[EngineContext], RefitBackend]

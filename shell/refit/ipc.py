@@ -46,6 +46,7 @@ from genworker.shell.refit.memory import (
     copy_into,
     private_directory,
     reclaim_dead,
+    sync,
 )
 from genworker.shell.refit.receiver import Sink, Wait
 from genworker.shell.refit.wire import (
@@ -61,7 +62,15 @@ from genworker.shell.refit.wire import (
     listing,
 )
 
-__all__ = ["SEND_PREFIX", "IpcBackend", "IpcHolder", "IpcReceiver", "IpcSenderPort", "is_loopback"]
+__all__ = [
+    "SEND_PREFIX",
+    "IpcBackend",
+    "IpcHolder",
+    "IpcReceiver",
+    "IpcSenderPort",
+    "end_zmq",
+    "is_loopback",
+]
 
 #: A sender's staging folder: ``<SEND_PREFIX><pid>-<random>`` (see ``memory.reclaim_dead``).
 SEND_PREFIX = "genworker-refit-send-"
@@ -69,21 +78,20 @@ SEND_PREFIX = "genworker-refit-send-"
 log = logging.getLogger(__name__)
 
 
-def _close(
-    ctx: zmq.Context[zmq.Socket[bytes]], sockets: list[zmq.Socket[bytes]], directory: Path | None
+def end_zmq(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    sockets: list[zmq.Socket[bytes]],
+    directory: Path | None = None,
 ) -> None:
-    # The finalizer holds the sockets themselves: one collected in the same cycle as its
-    # port, which the context no longer tracks, would leave ctx.term() waiting forever.
+    """A ZMQ port's finalizer: its sockets closed, its context ended, its folder removed.
+    The finalizer holds the sockets themselves: one collected in the same cycle as its
+    port, which the context no longer tracks, would leave ``ctx.term()`` waiting forever
+    (seen inside vLLM's ``gc.collect()`` in the full suite)."""
     for sock in sockets:
         sock.close(linger=0)
     ctx.term()
     if directory is not None:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def _sync(device: torch.device | None) -> None:
-    if device is not None and device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 class IpcReceiver:
@@ -106,7 +114,7 @@ class IpcReceiver:
         self._dir = None if tcp_host else Path(tempfile.mkdtemp("", "genworker-refit-", directory))
         self._endpoint = f"tcp://{tcp_host}:0" if tcp_host else f"ipc://{self._dir}/refit.sock"
         self._open: list[zmq.Socket[bytes]] = []
-        self._finalizer = weakref.finalize(self, _close, self._ctx, self._open, self._dir)
+        self._finalizer = weakref.finalize(self, end_zmq, self._ctx, self._open, self._dir)
         self._sock = self._bind()
         self.mappings, self.memo, self._listings = Mappings(device), p.Memo(), dict[int, Listing]()
 
@@ -185,7 +193,7 @@ class IpcReceiver:
                 elif view.numel():
                     copy_into(sink.target(write.ref.name), view)
         if not writes.chunk.stable:  # the sender may reuse a storage once answered
-            _sync(sink.device)
+            sync(sink.device)
         self.mappings.drop_temporary(writes.chunk, handles)
         return loader
 
@@ -354,7 +362,7 @@ class IpcSenderPort:
         self._ctx, self._sock = zmq.Context(), cast(zmq.Socket[bytes] | None, None)
         self._dir: Path | None = None
         self._open: list[zmq.Socket[bytes]] = []
-        self._finalizer = weakref.finalize(self, _close, self._ctx, self._open, None)
+        self._finalizer = weakref.finalize(self, end_zmq, self._ctx, self._open, None)
         self._buffers: dict[int, StagingBuffer] = {}
         self._exporter = Exporter()
         self._chunk, self._outstanding = _Chunk(), cast(_Chunk | None, None)
@@ -463,7 +471,7 @@ class IpcSenderPort:
     def _out(self, chunk: _Chunk, listed: bytes) -> None:
         index, self._chunks = self._chunks, self._chunks + 1
         for device in {self._device, *chunk.devices}:
-            _sync(device)
+            sync(device)
         self._settle()
         self._send(encode_chunk(self.refit_id, index, listed), f"chunk {index}")
         self._outstanding, self._what = chunk, f"chunk {index}"
@@ -502,7 +510,7 @@ class IpcSenderPort:
             reclaim_dead(SEND_PREFIX, self._staging_parent)
             self._dir = private_directory(f"{SEND_PREFIX}{os.getpid()}-", self._staging_parent)
             self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _close, self._ctx, self._open, self._dir)
+            self._finalizer = weakref.finalize(self, end_zmq, self._ctx, self._open, self._dir)
         return StagingBuffer(capacity, self._device, self._dir)
 
     def _poll(self, flag: int, what: str) -> zmq.Socket[bytes]:

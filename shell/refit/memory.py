@@ -53,6 +53,7 @@ __all__ = [
     "open_handle",
     "private_directory",
     "reclaim_dead",
+    "sync",
 ]
 
 _PROC_FD: Final = re.compile(r"/proc/\d+/fd/\d+")
@@ -67,6 +68,12 @@ def device_id(device: torch.device) -> str:
         uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
         return f"GPU-{uuid}" if uuid is not None else f"cuda:{index}@{socket.gethostname()}"
     return f"{device.type}@{socket.gethostname()}"
+
+
+def sync(device: torch.device | None) -> None:
+    """Wait for what ``device``'s current stream holds (nothing to wait for off CUDA)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _parent(parent: str | Path | None) -> str | Path | None:

@@ -34,7 +34,7 @@ protocol's events and pass the same manifest checks and routes
 (``EngineContext.receive``).
 NeMo-RL's trainer sends checkpoint-layout tensors, whole on every tensor-parallel rank,
 so sharded parameters always go through the weight loader. Pickles are read only through
-:func:`genworker.shell.nemo_rl_wire.loads` with the allowlist of the engine's device's
+:func:`read_frame` (``core.nemo_rl_wire``) with the allowlist of the engine's device's
 :class:`HandleCodec` (:data:`CODECS`): CUDA only in production; a test configuration adds
 a CPU stand-in with its own allowlist.
 """
@@ -56,11 +56,22 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, Protocol, Ty
 import torch
 import torch.distributed as dist
 import zmq
+from returns.result import Failure, Result
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore
 
 from genworker.core import nemo_rl_refit as n
 from genworker.core import refit_protocol as p
 from genworker.core.joins import GroupJoin, GroupJoinWire, group_join
+from genworker.core.nemo_rl_wire import (
+    NEMO_RL_IPC_GLOBALS,
+    CudaIpcHandle,
+    IpcBucket,
+    IpcComplete,
+    WireProblem,
+    cuda_ipc_handle,
+    loads,
+    read_message,
+)
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.shell.errors import (
     BadArgumentError,
@@ -71,20 +82,14 @@ from genworker.shell.errors import (
     RefitTimeoutError,
     RefitTransportError,
     RefitWireError,
+    UnsafePickleError,
     unwrap,
 )
-from genworker.shell.nemo_rl_wire import (
-    NEMO_RL_IPC_GLOBALS,
-    CudaIpcHandle,
-    IpcBucket,
-    IpcComplete,
-    cuda_ipc_handle,
-    loads,
-    read_message,
-)
 from genworker.shell.refit.collective import c10d_backend, foreign_errors, spin_until
+from genworker.shell.refit.door import Holding
 from genworker.shell.refit.engine import EngineContext
-from genworker.shell.refit.memory import copy_into, device_id
+from genworker.shell.refit.ipc import end_zmq
+from genworker.shell.refit.memory import copy_into, device_id, sync
 from genworker.shell.refit.receiver import Sink, Wait
 
 if TYPE_CHECKING:
@@ -100,17 +105,38 @@ __all__ = [
     "NemoRlGroup",
     "NemoRlIpcBackend",
     "packed_target_bytes",
+    "read_frame",
     "stateless_comm",
 ]
 
 H = TypeVar("H")
+T = TypeVar("T")
 
 #: Where NeMo-RL's trainer binds its IPC sockets (``get_zmq_address``).
 DEFAULT_SOCKET_DIR: Final = "/tmp"
 _UNIQUE_ID_KEY: Final = "nccl_unique_id"
 _UNIQUE_ID_BYTES: Final = 128
 _ACK: Final = b"ack"
-_MAX_PACKED: Final = 5 << 30
+
+
+def _wire(result: Result[T, WireProblem]) -> T:
+    """The value, or the refusal raised: ``UnsafePickleError`` when the pickle reached
+    for what the wire never carries, else ``RefitWireError``."""
+    if isinstance(result, Failure):
+        problem = result.failure()
+        raise (UnsafePickleError if problem.unsafe else RefitWireError)(str(problem))
+    return result.unwrap()
+
+
+def read_frame(
+    frame: bytes, allowlist: Mapping[tuple[str, str], object], read: Callable[[object], H]
+) -> IpcBucket[H] | IpcComplete:
+    """One message off NeMo-RL's IPC wire (``core.nemo_rl_wire``): unpickled with
+    ``allowlist``, a bucket's handle read by ``read``."""
+    message = _wire(loads(frame, allowlist).bind(read_message))
+    if isinstance(message, IpcComplete):
+        return message
+    return IpcBucket(read(message.handle), message.names, message.used_bytes)
 
 
 class HandleCodec(Protocol[H]):
@@ -135,7 +161,7 @@ class CudaIpcCodec:
     allowlist: Mapping[tuple[str, str], object] = NEMO_RL_IPC_GLOBALS
 
     def read(self, value: object) -> CudaIpcHandle:
-        return cuda_ipc_handle(value)
+        return _wire(cuda_ipc_handle(value))
 
     def storage_bytes(self, handle: CudaIpcHandle) -> int:
         if handle.dtype is not torch.uint8 or len(handle.size) != 1 or handle.stride != (1,):
@@ -184,11 +210,6 @@ def _reader(codec: HandleCodec[H]) -> Callable[[object], _CodecHandle]:
     return read
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 def _nbytes(ref: p.TensorRef) -> int:
     return math.prod(ref.shape) * DTYPE_ITEMSIZE[ref.dtype]
 
@@ -214,17 +235,11 @@ def _scatter(
                 loader.append((write.ref.name, view.clone() if borrowed and write.copy else view))
             elif view.numel():
                 copy_into(sink.target(write.ref.name), view)
-    _sync(sink.device)
+    sync(sink.device)
     return loader
 
 
 # -- IPC ---------------------------------------------------------------------------------
-
-
-def _end_context(ctx: zmq.Context[zmq.Socket[bytes]], sockets: list[zmq.Socket[bytes]]) -> None:
-    for sock in sockets:
-        sock.close(linger=0)
-    ctx.term()
 
 
 class NemoRlIpcPort:
@@ -235,11 +250,8 @@ class NemoRlIpcPort:
         self._allowlist, self._read = codec.allowlist, _reader(codec)
         self.peer = f"NeMo-RL's trainer bound at {address}"
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        # The finalizer holds the open socket itself: garbage-collected together with the
-        # port, a socket the context no longer tracks would make its term() wait forever
-        # (seen inside vLLM's gc.collect() in the full suite).
-        self._open: list[zmq.Socket[bytes]] = []
-        self._finalizer = weakref.finalize(self, _end_context, self._ctx, self._open)
+        self._open: list[zmq.Socket[bytes]] = []  # the socket, for the finalizer (end_zmq)
+        self._finalizer = weakref.finalize(self, end_zmq, self._ctx, self._open)
         self._sock: zmq.Socket[bytes] | None = None
         self._cap, self._refits = -1, 0
         self._manifest: Manifest | None = None
@@ -283,7 +295,7 @@ class NemoRlIpcPort:
         self._pending = True
         if len(frames) != 1:
             raise RefitWireError(f"a NeMo-RL refit message is one frame, got {len(frames)}")
-        return read_message(loads(frames[0], self._allowlist), self._read)
+        return read_frame(frames[0], self._allowlist, self._read)
 
     def next(self, wait: Wait) -> tuple[p.Event, list[object] | None]:
         self._bound = wait.bound_s
@@ -378,20 +390,12 @@ class NemoRlIpcPort:
 def packed_target_bytes(device: torch.device, environ: Mapping[str, str]) -> int:
     """NeMo-RL's ``get_target_packed_tensor_size`` on this device: the device's total
     memory (the host's on CPU) times ``NRL_REFIT_BUFFER_MEMORY_RATIO`` (0.02), at most 5 GiB."""
-    raw = environ.get("NRL_REFIT_BUFFER_MEMORY_RATIO", "0.02")
-    try:
-        ratio = float(raw)
-    except ValueError:
-        raise BadConfigError(
-            f"NRL_REFIT_BUFFER_MEMORY_RATIO must be a number, got {raw!r}"
-        ) from None
-    if not 0 < ratio <= 1:
-        raise BadConfigError(f"NRL_REFIT_BUFFER_MEMORY_RATIO must be in (0, 1], got {raw!r}")
+    ratio = environ.get("NRL_REFIT_BUFFER_MEMORY_RATIO", "0.02")
     if device.type == "cuda":
         total = int(torch.cuda.get_device_properties(device).total_memory)
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(int(total * ratio), _MAX_PACKED)
+    return unwrap(n.packed_target(ratio, total), BadConfigError, "")
 
 
 def _until_done(stream: torch.cuda.Stream, deadline: float) -> None:
@@ -620,13 +624,12 @@ class NemoRlCollectivePort:
 # -- the backends --------------------------------------------------------------------------
 
 
-class NemoRlIpcBackend:
+class NemoRlIpcBackend(Holding[NemoRlIpcPort]):
     """``nemo_rl_ipc``: a REP socket connected to NeMo-RL's trainer's socket for this
     worker's GPU, ``ipc://<socket dir>/<GPU UUID>.sock``."""
 
     def __init__(self, engine: EngineContext) -> None:
         self.engine, self.socket_dir = engine, DEFAULT_SOCKET_DIR
-        self.port: NemoRlIpcPort | None = None
 
     @property
     def address(self) -> str:
@@ -652,30 +655,20 @@ class NemoRlIpcBackend:
                 f"NeMo-RL's IPC wire carries CUDA IPC handles; this engine worker runs "
                 f"on {device.type}, which has no handle codec"
             )
-        if self.port is None:
-            self.port = NemoRlIpcPort(self.address, device, codec)
-        self.port.begin(manifest)
-        return self.engine.receive(self.port, timeout_s, sharded_ok=False)
+        if self.held is None:
+            self.held = NemoRlIpcPort(self.address, device, codec)
+        self.held.begin(manifest)
+        return self.engine.receive(self.held, timeout_s, sharded_ok=False)
 
     def status(self) -> dict[str, object]:
-        return {"address": self.address, "connected": self.port is not None}
-
-    def release(self) -> int:
-        return 0  # every buffer is let go of once its message is answered
-
-    def close(self) -> int:
-        port, self.port = self.port, None
-        if port is not None:
-            port.close()
-        return int(port is not None)
+        return {"address": self.address, "connected": self.held is not None}
 
 
-class NemoRlCollectiveBackend:
+class NemoRlCollectiveBackend(Holding[NemoRlGroup]):
     """``nemo_rl_collective``: this worker's place in NeMo-RL's weight-update group."""
 
     def __init__(self, engine: EngineContext) -> None:
         self.engine, self.target_bytes, self.refits = engine, 0, 0
-        self.group: NemoRlGroup | None = None
 
     def init(self, join: GroupJoinWire, packed_bytes: int | None = None) -> dict[str, object]:
         """Join NeMo-RL's group as ``join`` (``GroupJoin.to_wire``) says; ``packed_bytes``:
@@ -690,29 +683,20 @@ class NemoRlCollectiveBackend:
             raise BadArgumentError(f"packed_bytes must be an int, got {packed_bytes!r}")
         self.close()
         rank = where.rank(self.engine.rank)
-        self.group = NemoRlGroup(where, rank, device)
+        self.held = NemoRlGroup(where, rank, device)
         self.target_bytes = target
         return {"rank": rank, "packed_bytes": target}
 
     def receive(self, timeout_s: float | None = None) -> dict[str, object]:
         """Receive one refit from NeMo-RL's trainer over its packed broadcasts."""
         manifest = self.engine.prepared("update_weights_from_collective")
-        if self.group is None:
+        if self.held is None:
             raise EngineStateError("update_weights_from_collective before init_collective")
         self.refits += 1
         refit_id = f"nemo-rl-collective-{self.refits}"
         groups = n.packed_groups(manifest, self.target_bytes)
-        port = NemoRlCollectivePort(self.group, manifest, groups, refit_id)
+        port = NemoRlCollectivePort(self.held, manifest, groups, refit_id)
         return self.engine.receive(port, timeout_s, sharded_ok=False)
 
     def status(self) -> dict[str, object]:
-        return {"joined": self.group is not None, "packed_bytes": self.target_bytes}
-
-    def release(self) -> int:
-        return 0  # each packed group's buffer is the receiver's own
-
-    def close(self) -> int:
-        group, self.group = self.group, None
-        if group is not None:
-            group.close()
-        return int(group is not None)
+        return {"joined": self.held is not None, "packed_bytes": self.target_bytes}

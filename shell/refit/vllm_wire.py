@@ -41,6 +41,7 @@ from genworker.shell.errors import (
     RefitTransportError,
     unwrap,
 )
+from genworker.shell.refit.door import Holding
 from genworker.shell.refit.engine import EngineContext
 from genworker.shell.refit.nemo_rl import BroadcastGroup, NemoRlCollectivePort, stateless_comm
 
@@ -73,13 +74,7 @@ class VllmWireGroup(BroadcastGroup):
 
 def _init_of(init_info: Mapping[str, object]) -> c.InitTransfer:
     """``init_info`` (vLLM's ``/init_weight_transfer_engine`` body field) checked."""
-    init = unwrap(
-        c.parse("init_weight_transfer_engine", {}, {"init_info": dict(init_info)}),
-        BadArgumentError,
-        "init_info",
-    )
-    assert isinstance(init, c.InitTransfer)
-    return init
+    return unwrap(c.init_transfer({"init_info": dict(init_info)}), BadArgumentError, "init_info")
 
 
 def trainer_group(init_info: Mapping[str, object], timeout_s: float = 300.0) -> VllmWireGroup:
@@ -110,12 +105,11 @@ def send(
         group.send(torch.cat([flat[s.name] for s in specs]), timeout_s)
 
 
-class VllmWireBackend:
+class VllmWireBackend(Holding[VllmWireGroup]):
     """``vllm_wire``: this engine worker's place in a trainer's weight-transfer group."""
 
     def __init__(self, engine: EngineContext) -> None:
         self.engine, self.updates = engine, 0
-        self.group: VllmWireGroup | None = None
 
     def init(self, init_info: Mapping[str, object], timeout_s: float | None = None) -> int:
         """Join the group as ``rank_offset`` + this worker's rank (a group joined before
@@ -124,42 +118,26 @@ class VllmWireBackend:
         init = _init_of(init_info)
         self.close()
         rank = init.rank_offset + self.engine.rank
-        self.group = VllmWireGroup(init, rank, self.engine.device, bound)
+        self.held = VllmWireGroup(init, rank, self.engine.device, bound)
         return rank
 
     def receive(
         self, update_info: Mapping[str, object], timeout_s: float | None = None
     ) -> dict[str, object]:
         """Receive one update (``update_info``'s tensors, in order) into the engine."""
-        update = unwrap(
-            c.parse("update_weights", {}, {"update_info": dict(update_info)}),
-            RefitManifestError,
-            "update_info",
-        )
-        assert isinstance(update, c.Update)
-        if self.group is None or self.group.broken:
+        info = {"update_info": dict(update_info)}
+        update = unwrap(c.update_of(info), RefitManifestError, "update_info")
+        if self.held is None or self.held.broken:
             raise RefitTransportError(
                 "no weight-transfer group (none joined, or the last one broke): "
                 "POST /init_weight_transfer_engine first"
             )
         self.engine.check_dtypes(update.manifest, "update_weights")
         self.updates += 1
-        groups = c.broadcasts(self.group.init, update)
-        port = NemoRlCollectivePort(
-            self.group, update.manifest, groups, f"vllm-wire-{self.updates}"
-        )
+        groups = c.broadcasts(self.held.init, update)
+        port = NemoRlCollectivePort(self.held, update.manifest, groups, f"vllm-wire-{self.updates}")
         return self.engine.receive(port, timeout_s, sharded_ok=False, manifest=update.manifest)
 
     def status(self) -> dict[str, object]:
-        group = self.group
-        joined = group is not None and not group.broken
+        joined = self.held is not None and not self.held.broken
         return {"joined": joined, "updates": self.updates}
-
-    def release(self) -> int:
-        return 0  # each broadcast's buffer is the receiver's own
-
-    def close(self) -> int:
-        group, self.group = self.group, None
-        if group is not None:
-            group.close()
-        return int(group is not None)

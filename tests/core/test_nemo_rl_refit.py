@@ -119,3 +119,18 @@ def test_packed_groups_are_the_manifest_in_order_each_closing_once_over_target(
     receiver = _receive(manifest, chunks)
     assert receiver.received == frozenset(manifest.names)
     assert receiver.chunks == len(groups)
+
+
+@given(st.floats(1e-9, 1.0), st.integers(0, 1 << 44))
+def test_the_packed_target_is_the_memory_share_capped_at_5_gib(share: float, total: int) -> None:
+    target = n.packed_target(repr(share), total)
+    assert isinstance(target, Success)
+    assert target.unwrap() == min(int(total * share), 5 << 30) == min(target.unwrap(), n.MAX_PACKED)
+
+
+@given(st.sampled_from(["0", "-0.1", "1.5", "nan", "inf", "lots", ""]))
+def test_a_packed_target_ratio_off_its_range_is_refused_naming_it(ratio: str) -> None:
+    target = n.packed_target(ratio, 1 << 30)
+    assert isinstance(target, Failure)
+    assert "NRL_REFIT_BUFFER_MEMORY_RATIO" in str(target.failure())
+    assert repr(ratio) in str(target.failure())

@@ -37,9 +37,10 @@ from gpu.nemo_rl_wire_sender import (
     sender_main,
 )
 
+from genworker.core.nemo_rl_wire import NEMO_RL_IPC_GLOBALS, IpcBucket
 from genworker.shell.errors import EngineStateError, RefitError
 from genworker.shell.nemo_rl import NemoRlGenerationWorker
-from genworker.shell.nemo_rl_wire import IpcBucket, loads, read_message
+from genworker.shell.refit.nemo_rl import CudaIpcCodec, read_frame
 from genworker.shell.worker import ExistingEngine
 
 pytest_plugins = ["gpu.gpu_fixtures"]
@@ -53,7 +54,7 @@ def test_a_nemo_rl_cuda_ipc_bucket_loads_and_maps_onto_this_gpu() -> None:
     try:
         data = trainer.expect("message", CHILD_TIMEOUT_S)
         assert isinstance(data, bytes)
-        bucket = read_message(loads(data))
+        bucket = read_frame(data, NEMO_RL_IPC_GLOBALS, CudaIpcCodec().read)
         assert isinstance(bucket, IpcBucket)
         assert bucket.handle.dtype is torch.uint8
         args = bucket.handle.rebuild_args(torch.cuda.current_device())

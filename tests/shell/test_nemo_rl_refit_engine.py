@@ -130,7 +130,7 @@ def ipc_refit(
 
 
 def test_the_production_allowlist_has_no_cpu_codec() -> None:
-    from genworker.shell.nemo_rl_wire import NEMO_RL_IPC_GLOBALS
+    from genworker.core.nemo_rl_wire import NEMO_RL_IPC_GLOBALS
 
     assert (
         "torch.multiprocessing.reductions",

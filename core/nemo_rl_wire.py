@@ -23,19 +23,20 @@ values, and checks the whole pickle before building anything:
    pushed just before it, directly or from the memo) must be on the allowlist; opcodes
    that construct or mutate arbitrary objects (``BUILD``, ``INST``, ``OBJ``, ``NEWOBJ*``),
    the extension registry (``EXT*``), persistent ids and out-of-band buffers are refused.
-   A refusal is an :class:`~genworker.shell.errors.UnsafePickleError` naming the opcode or
-   the callable; nothing has been built.
+   A refusal is a :class:`WireProblem` with ``unsafe`` set, naming the opcode or the
+   callable; nothing has been built.
 2. The restricted :class:`WireUnpickler` then loads it; its ``find_class`` gives only the
    allowlist's objects. Class and function globals the wire carries as *data* (the tensor
    and storage classes, ``rebuild_cuda_tensor``) load as inert :class:`WireName` markers, so
    a ``REDUCE`` on one fails instead of calling it; the only callables a pickle can reach
    are ``torch.Size`` (a tuple of ints) and the protocol ``Enum`` (genworker's own copy).
 3. :func:`read_message` checks the loaded value's shape and returns an :class:`IpcBucket`
-   (the handle's fields as plain values, read by :func:`cuda_ipc_handle` or another
-   reader a test configuration passes with its own allowlist) or :data:`IPC_COMPLETE`.
+   (its handle as it loaded, for :func:`cuda_ipc_handle` or another reader a test
+   configuration passes with its own allowlist) or :data:`IPC_COMPLETE`.
 
 Protocol 3 or newer (pyzmq sends ``pickle.DEFAULT_PROTOCOL``): protocol 2 pickles bytes
-through ``_codecs.encode``, which is not on the allowlist.
+through ``_codecs.encode``, which is not on the allowlist. Every refusal is a
+:class:`WireProblem` value (the shell raises ``UnsafePickleError`` or ``RefitWireError``).
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ import enum
 import io
 import pickle
 import pickletools
-from collections.abc import Callable, Iterator, Mapping
-from typing import Final, Generic, TypeVar, overload
+from collections.abc import Iterator, Mapping
+from typing import Final, Generic, TypeVar
 
 import attrs
 import torch
+from returns.result import Failure, Result, Success, safe
 
-from genworker.shell.errors import RefitWireError, UnsafePickleError
+from genworker.core.errors import CoreError
 
 __all__ = [
     "IPC_COMPLETE",
@@ -60,12 +62,29 @@ __all__ = [
     "IpcComplete",
     "IpcProtocol",
     "WireName",
+    "WireProblem",
     "WireUnpickler",
     "cuda_ipc_handle",
     "loads",
     "read_message",
     "scan_pickle",
 ]
+
+
+@attrs.frozen
+class WireProblem(CoreError):
+    """A NeMo-RL IPC message refused: ``unsafe`` when the pickle reaches for what the wire
+    never carries (nothing was built), else malformed or of the wrong shape."""
+
+    unsafe: bool = False
+
+
+class _Refused(Exception):
+    """Raised inside loading and parsing; every public function returns its problem."""
+
+    def __init__(self, message: str, *, unsafe: bool = False) -> None:
+        super().__init__(message)
+        self.problem = WireProblem(message, unsafe)
 
 
 class IpcProtocol(enum.Enum):
@@ -85,9 +104,10 @@ class WireName(enum.Enum):
     REBUILD_CUDA_TENSOR = "torch.multiprocessing.reductions.rebuild_cuda_tensor"
 
     def __call__(self, *args: object, **kwargs: object) -> object:
-        raise UnsafePickleError(
+        raise _Refused(
             f"refit message refused: it calls {self.value}, which NeMo-RL's IPC wire carries "
-            "only as data"
+            "only as data",
+            unsafe=True,
         )
 
 
@@ -133,11 +153,12 @@ _MEMO_GETS: Final = frozenset({"GET", "BINGET", "LONG_BINGET"})
 _MEMO_PUTS: Final = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 
 
-def _refuse(what: str) -> UnsafePickleError:
-    return UnsafePickleError(
+def _refuse(what: str) -> _Refused:
+    return _Refused(
         f"refit message refused before loading: it {what}; NeMo-RL's IPC wire carries only "
         "torch's CUDA IPC handle arguments (sizes, dtypes, bytes), parameter names, sizes "
-        "and the COMPLETE marker"
+        "and the COMPLETE marker",
+        unsafe=True,
     )
 
 
@@ -146,14 +167,10 @@ def _ops(data: bytes) -> Iterator[tuple[str, object]]:
         for opcode, arg, _pos in pickletools.genops(data):
             yield opcode.name, arg
     except Exception as e:  # any parse failure is a malformed message
-        raise RefitWireError(f"refit message is not a well-formed pickle: {e}") from e
+        raise _Refused(f"refit message is not a well-formed pickle: {e}") from e
 
 
-def scan_pickle(
-    data: bytes, allowlist: Mapping[tuple[str, str], object] = NEMO_RL_IPC_GLOBALS
-) -> tuple[tuple[str, str], ...]:
-    """The globals ``data`` names, in order, after checking every opcode and global (see
-    the module docstring); :class:`UnsafePickleError` or :class:`RefitWireError` otherwise."""
+def _scan(data: bytes, allowlist: Mapping[tuple[str, str], object]) -> tuple[tuple[str, str], ...]:
     names: list[tuple[str, str]] = []
     memo: dict[int, str | None] = {}
     pushed: list[str | None] = []  # what the last stack-pushing opcodes pushed (str or not)
@@ -184,6 +201,17 @@ def scan_pickle(
     return tuple(names)
 
 
+def scan_pickle(
+    data: bytes, allowlist: Mapping[tuple[str, str], object] = NEMO_RL_IPC_GLOBALS
+) -> Result[tuple[tuple[str, str], ...], WireProblem]:
+    """The globals ``data`` names, in order, after checking every opcode and global (see
+    the module docstring)."""
+    try:
+        return Success(_scan(data, allowlist))
+    except _Refused as e:
+        return Failure(e.problem)
+
+
 class WireUnpickler(pickle.Unpickler):
     """A ``pickle.Unpickler`` whose ``find_class`` gives only the allowlist's objects."""
 
@@ -203,18 +231,24 @@ class WireUnpickler(pickle.Unpickler):
         raise _refuse("uses a persistent id")
 
 
-def loads(data: bytes, allowlist: Mapping[tuple[str, str], object] = NEMO_RL_IPC_GLOBALS) -> object:
-    """Unpickle one refit message: scanned first, then loaded through :class:`WireUnpickler`."""
+def loads(
+    data: object, allowlist: Mapping[tuple[str, str], object] = NEMO_RL_IPC_GLOBALS
+) -> Result[object, WireProblem]:
+    """One refit message unpickled: scanned first, then loaded through
+    :class:`WireUnpickler`."""
     if not isinstance(data, bytes | bytearray | memoryview):
-        raise RefitWireError(f"refit message must be bytes, got {type(data).__name__}")
+        return Failure(WireProblem(f"refit message must be bytes, got {type(data).__name__}"))
     raw = bytes(data)
-    scan_pickle(raw, allowlist)
-    try:
-        return WireUnpickler(io.BytesIO(raw), allowlist).load()
-    except RefitWireError:
-        raise
-    except Exception as e:  # whatever broke, the message is malformed
-        raise RefitWireError(f"refit message is not a well-formed pickle: {e}") from e
+    return scan_pickle(raw, allowlist).bind(
+        lambda _: safe(WireUnpickler(io.BytesIO(raw), allowlist).load)().alt(_load_problem)
+    )
+
+
+def _load_problem(error: Exception) -> WireProblem:
+    """Whatever broke while loading: a refusal's own problem, else a malformed message."""
+    if isinstance(error, _Refused):
+        return error.problem
+    return WireProblem(f"refit message is not a well-formed pickle: {error}")
 
 
 @attrs.frozen
@@ -258,7 +292,6 @@ class CudaIpcHandle:
         )
 
 
-H = TypeVar("H")
 H_co = TypeVar("H_co", covariant=True)
 
 
@@ -286,30 +319,29 @@ def _is_int(value: object) -> bool:
 
 def _ints(value: object, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple) or not all(_is_int(v) and v >= 0 for v in value):
-        raise RefitWireError(f"IPC handle {what} must be a tuple of ints >= 0, got {value!r}")
+        raise _Refused(f"IPC handle {what} must be a tuple of ints >= 0, got {value!r}")
     return tuple(value)
 
 
-def cuda_ipc_handle(value: object) -> CudaIpcHandle:
-    """A bucket's handle as NeMo-RL sends it, checked field by field."""
+def _handle(value: object) -> CudaIpcHandle:
     if isinstance(value, tuple) and len(value) == 2 and value[0] is WireName.REBUILD_CUDA_TENSOR:
         value = (value[1],)  # (rebuild_cuda_tensor, args): the whole reduce_tensor result
     if not isinstance(value, tuple) or len(value) != 1 or not isinstance(value[0], tuple):
-        raise RefitWireError(
+        raise _Refused(
             "IPC handle must be reduce_tensor(buffer)[1:], a 1-tuple of rebuild_cuda_tensor's "
             f"arguments, got {type(value).__name__}"
         )
     args = value[0]
     if len(args) != 15:
-        raise RefitWireError(f"IPC handle must carry 15 arguments, got {len(args)}")
+        raise _Refused(f"IPC handle must carry 15 arguments, got {len(args)}")
     (cls, size, stride, offset, storage_cls, dtype, device, handle, storage_size,
      storage_offset, requires_grad, ref_handle, ref_offset, event, event_sync) = args  # fmt: skip
     if cls is not WireName.TENSOR_CLASS:
-        raise RefitWireError(f"IPC handle tensor class must be torch.Tensor, got {cls!r}")
+        raise _Refused(f"IPC handle tensor class must be torch.Tensor, got {cls!r}")
     if storage_cls not in (WireName.STORAGE_CLASS, WireName.UNTYPED_STORAGE_CLASS):
-        raise RefitWireError(f"IPC handle storage class is not a torch storage: {storage_cls!r}")
+        raise _Refused(f"IPC handle storage class is not a torch storage: {storage_cls!r}")
     if not isinstance(dtype, torch.dtype):
-        raise RefitWireError(f"IPC handle dtype must be a torch dtype, got {dtype!r}")
+        raise _Refused(f"IPC handle dtype must be a torch dtype, got {dtype!r}")
     scalars = {
         "offset": offset,
         "device": device,
@@ -317,17 +349,16 @@ def cuda_ipc_handle(value: object) -> CudaIpcHandle:
         "storage offset": storage_offset,
         "ref-counter offset": ref_offset,
     }
-    bad = [f"{k}={v!r}" for k, v in scalars.items() if not _is_int(v) or v < 0]
-    if bad:
-        raise RefitWireError(f"IPC handle fields must be ints >= 0: {', '.join(bad)}")
+    if bad := [f"{k}={v!r}" for k, v in scalars.items() if not _is_int(v) or v < 0]:
+        raise _Refused(f"IPC handle fields must be ints >= 0: {', '.join(bad)}")
     blobs = {"handle": handle, "ref-counter handle": ref_handle, "event handle": event}
     if wrong := [k for k, v in blobs.items() if not isinstance(v, bytes)]:
-        raise RefitWireError(f"IPC handle fields must be bytes: {wrong}")
+        raise _Refused(f"IPC handle fields must be bytes: {wrong}")
     flags = {"requires_grad": requires_grad, "event_sync_required": event_sync}
     if wrong := [k for k, v in flags.items() if not isinstance(v, bool)]:
-        raise RefitWireError(f"IPC handle fields must be bools: {wrong}")
+        raise _Refused(f"IPC handle fields must be bools: {wrong}")
     if not isinstance(size, torch.Size):
-        raise RefitWireError(f"IPC handle size must be a torch.Size, got {size!r}")
+        raise _Refused(f"IPC handle size must be a torch.Size, got {size!r}")
     return CudaIpcHandle(
         size=_ints(tuple(size), "size"),
         stride=_ints(stride, "stride"),
@@ -345,29 +376,32 @@ def cuda_ipc_handle(value: object) -> CudaIpcHandle:
     )
 
 
-@overload
-def read_message(message: object) -> IpcBucket[CudaIpcHandle] | IpcComplete: ...
-@overload
-def read_message(
-    message: object, handle_of: Callable[[object], H]
-) -> IpcBucket[H] | IpcComplete: ...
-def read_message(
-    message: object, handle_of: Callable[[object], object] = cuda_ipc_handle
-) -> IpcBucket[object] | IpcComplete:
-    """A loaded message as a value: a bucket (its handle read by ``handle_of``), or the end
-    of the stream."""
+def cuda_ipc_handle(value: object) -> Result[CudaIpcHandle, WireProblem]:
+    """A bucket's handle as NeMo-RL sends it, checked field by field."""
+    try:
+        return Success(_handle(value))
+    except _Refused as e:
+        return Failure(e.problem)
+
+
+def read_message(message: object) -> Result[IpcBucket[object] | IpcComplete, WireProblem]:
+    """A loaded message as a value: a bucket (its handle as it loaded: the caller's
+    reader, :func:`cuda_ipc_handle` on NeMo-RL's wire, checks it), or the end of the
+    stream."""
     if message is IpcProtocol.COMPLETE:
-        return IPC_COMPLETE
+        return Success(IPC_COMPLETE)
     if not isinstance(message, tuple) or len(message) != 3:
-        raise RefitWireError(
-            "refit message must be (cuda_ipc_handle, param_names, used_bytes) or "
-            f"IPCProtocol.COMPLETE, got {type(message).__name__}"
+        return Failure(
+            WireProblem(
+                "refit message must be (cuda_ipc_handle, param_names, used_bytes) or "
+                f"IPCProtocol.COMPLETE, got {type(message).__name__}"
+            )
         )
     handle, names, used = message
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-        raise RefitWireError(
-            f"refit message param_names must be a non-empty list of str, got {names!r}"
+        return Failure(
+            WireProblem(f"refit message param_names must be a non-empty list of str, got {names!r}")
         )
     if not _is_int(used) or used < 0:
-        raise RefitWireError(f"refit message used_bytes must be an int >= 0, got {used!r}")
-    return IpcBucket(handle=handle_of(handle), names=tuple(names), used_bytes=used)
+        return Failure(WireProblem(f"refit message used_bytes must be an int >= 0, got {used!r}"))
+    return Success(IpcBucket(handle=handle, names=tuple(names), used_bytes=used))
