@@ -28,7 +28,8 @@ are listed as unsupported: a tensor on its way into one is refused by name
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Final
 
 import attrs
 from returns.result import Failure, Result, Success
@@ -42,6 +43,7 @@ __all__ = [
     "Fp8Refused",
     "Fp8Target",
     "block_scale_shape",
+    "fp8_layers",
     "fp8_route",
     "unsupported_problem",
 ]
@@ -96,6 +98,36 @@ class Fp8Layers:
     def quantizes(self) -> bool:
         """Whether any weight must be quantized on its way in."""
         return bool(self.blocks)
+
+
+#: The vLLM method whose layers genworker feeds, and fp8 methods that hold no weights.
+FEEDS: Final = "Fp8LinearMethod"
+IGNORED: Final = frozenset({"Fp8KVCacheMethod"})  # fp8 KV cache scales: not weights
+
+
+def fp8_layers(
+    methods: Iterable[tuple[str, str, Sequence[int] | None, object]],
+    packed: Mapping[str, Sequence[str]],
+) -> Fp8Layers:
+    """The fp8 layers of a model from each module's quantization method as vLLM built it
+    (module name, method class name, ``weight_block_size``, its config's
+    ``activation_scheme``) and its ``packed_modules_mapping``: block-quantized linear
+    modules, and any other fp8 method (per-tensor or static scales, fused MoE experts)
+    as unsupported, saying why."""
+    blocks: dict[str, tuple[int, int]] = {}
+    unsupported: dict[str, str] = {}
+    for name, kind, block, scheme in methods:
+        if not kind.startswith("Fp8") or kind in IGNORED:
+            continue
+        if kind != FEEDS:
+            unsupported[name] = f"vLLM's {kind}"
+        elif block is None:
+            unsupported[name] = "per-tensor fp8 scales (weight_block_size null)"
+        elif scheme != "dynamic":
+            unsupported[name] = f"activation_scheme {scheme!r} needs calibrated input scales"
+        else:
+            blocks[name] = (int(block[0]), int(block[1]))
+    return Fp8Layers.of(blocks, packed, unsupported)
 
 
 @attrs.frozen

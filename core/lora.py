@@ -32,7 +32,7 @@ vLLM would ignore or refuse (``use_dora``, ``modules_to_save``, a ``bias`` other
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 
 import attrs
@@ -284,6 +284,25 @@ class EngineLora:
             "modules": sorted(self.modules),
             "paths": sorted(self.paths),
         }
+
+    @classmethod
+    def of(
+        cls,
+        max_rank: int,
+        supported: Iterable[str],
+        paths: Iterable[str],
+        packed: Mapping[str, Sequence[str]],
+    ) -> EngineLora:
+        """What vLLM's LoRA model manager holds: its ``max_lora_rank``, its
+        ``supported_lora_modules`` and the paths of its LoRA ``modules``, a packed module
+        (``qkv_proj``) standing for its parts (``packed_modules_mapping``)."""
+        names = {part for module in supported for part in packed.get(module, [module])}
+        unpacked: set[str] = set()
+        for path in paths:
+            prefix, _, last = path.rpartition(".")
+            parts = packed.get(last, [last])
+            unpacked.update(f"{prefix}.{part}" if prefix else part for part in parts)
+        return cls(max_rank, frozenset(names), frozenset(unpacked))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, object]) -> EngineLora:

@@ -25,6 +25,7 @@ from genworker.core.fp8 import (
     FP8_E4M3_MAX,
     Fp8Layers,
     block_scale_shape,
+    fp8_layers,
     fp8_route,
     unsupported_problem,
 )
@@ -43,18 +44,15 @@ log = logging.getLogger(__name__)
 Weights = Iterable[tuple[str, torch.Tensor]]
 Loader = Callable[[Weights], object]  # vLLM's loaders return what they loaded, or None
 FP8 = torch.float8_e4m3fn
-_FEEDS = "Fp8LinearMethod"
-_IGNORED = frozenset({"Fp8KVCacheMethod"})  # fp8 KV cache scales: not weights
 
 
 _SEEN: weakref.WeakKeyDictionary[nn.Module, Fp8Layers] = weakref.WeakKeyDictionary()
 
 
 def engine_fp8_layers(model: nn.Module) -> Fp8Layers:
-    """The model's fp8 layers: block-quantized linear modules, and any other fp8 method
-    (per-tensor or static scales, fused MoE experts) as unsupported. Read once per model
-    (a module's quantization method is fixed when vLLM builds it): every refit through the
-    loader asks."""
+    """The model's fp8 layers (``core.fp8.fp8_layers`` over each module's quantization
+    method). Read once per model (a module's quantization method is fixed when vLLM
+    builds it): every refit through the loader asks."""
     layers = _SEEN.get(model)
     if layers is None:
         layers = _SEEN[model] = _read_layers(model)
@@ -62,25 +60,13 @@ def engine_fp8_layers(model: nn.Module) -> Fp8Layers:
 
 
 def _read_layers(model: nn.Module) -> Fp8Layers:
-    blocks: dict[str, tuple[int, int]] = {}
-    unsupported: dict[str, str] = {}
+    methods = []
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        kind = type(method).__name__
-        if not kind.startswith("Fp8") or kind in _IGNORED:
-            continue
         block = getattr(method, "weight_block_size", None)
         scheme = getattr(getattr(method, "quant_config", None), "activation_scheme", "dynamic")
-        if kind != _FEEDS:
-            unsupported[name] = f"vLLM's {kind}"
-        elif block is None:
-            unsupported[name] = "per-tensor fp8 scales (weight_block_size null)"
-        elif scheme != "dynamic":
-            unsupported[name] = f"activation_scheme {scheme!r} needs calibrated input scales"
-        else:
-            blocks[name] = (int(block[0]), int(block[1]))
-    packed = getattr(model, "packed_modules_mapping", None) or {}
-    return Fp8Layers.of(blocks, packed, unsupported)
+        methods.append((name, type(method).__name__, block, scheme))
+    return fp8_layers(methods, getattr(model, "packed_modules_mapping", None) or {})
 
 
 def quantize_blockwise(

@@ -109,18 +109,9 @@ class LoraBackend(IpcHolder):
         """What this engine's LoRA layers hold: rank limit, module names and paths."""
         manager = self._manager()
         adapters = manager._adapter_manager  # type: ignore[attr-defined]
-        packed: Mapping[str, list[str]] = adapters.packed_modules_mapping
-        names: set[str] = set()
-        for module in adapters.supported_lora_modules:
-            names.update(packed.get(module, [module]))
-        paths: set[str] = set()
-        for path in adapters.modules:
-            prefix, _, last = path.rpartition(".")
-            paths.update(
-                f"{prefix}.{part}" if prefix else part for part in packed.get(last, [last])
-            )
         rank = int(manager.lora_config.max_lora_rank)  # type: ignore[attr-defined]
-        return EngineLora(rank, frozenset(names), frozenset(paths))
+        supported, paths = adapters.supported_lora_modules, adapters.modules
+        return EngineLora.of(rank, supported, paths, adapters.packed_modules_mapping)
 
     def init(
         self,

@@ -11,6 +11,7 @@ from genworker.core.fp8 import (
     Fp8Layers,
     Fp8Target,
     block_scale_shape,
+    fp8_layers,
     fp8_route,
     unsupported_problem,
 )
@@ -149,3 +150,26 @@ def test_an_engine_with_unsupported_fp8_layers_is_refused_naming_them(modules: l
     assert all(m not in problem for m in sorted(modules)[4:])
     assert (f"and {len(modules) - 4} more" in problem) is (len(modules) > 4)
     assert "precision bfloat16" in problem
+
+
+def test_the_fp8_layers_are_read_off_vllm_s_methods() -> None:
+    layers = fp8_layers(
+        [
+            ("qkv_proj", "Fp8LinearMethod", [128, 64], "dynamic"),  # vLLM keeps a list
+            ("o_proj", "Fp8LinearMethod", None, "dynamic"),
+            ("down_proj", "Fp8LinearMethod", (128, 128), "static"),
+            ("experts", "Fp8MoEMethod", None, "dynamic"),
+            ("attn", "Fp8KVCacheMethod", None, "dynamic"),
+            ("lm_head", "UnquantizedLinearMethod", None, "dynamic"),
+            ("", "NoneType", None, "dynamic"),
+        ],
+        {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+    )
+    assert dict(layers.blocks) == {"qkv_proj": (128, 64)}
+    assert dict(layers.packed) == {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+    assert dict(layers.unsupported) == {
+        "o_proj": "per-tensor fp8 scales (weight_block_size null)",
+        "down_proj": "activation_scheme 'static' needs calibrated input scales",
+        "experts": "vLLM's Fp8MoEMethod",
+    }
+    assert fp8_layers([], {}) == Fp8Layers()

@@ -403,3 +403,22 @@ def test_the_request_plan_gives_each_row_its_adapter() -> None:
     bad = parse_sample_data({"lora": "zz"}, 3, config_stops=(), mode=StopMode.PER_SAMPLE)
     assert isinstance(bad, Failure)
     assert bad.failure().field == "lora"
+
+
+def test_what_the_engine_holds_names_a_packed_module_by_its_parts() -> None:
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    paths = ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj", "lm_head"]
+    held = EngineLora.of(8, ["qkv_proj", "o_proj"], paths, packed)
+    assert held == EngineLora(
+        8,
+        frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}),
+        frozenset(
+            {
+                "model.layers.0.self_attn.q_proj",
+                "model.layers.0.self_attn.k_proj",
+                "model.layers.0.self_attn.v_proj",
+                "model.layers.0.self_attn.o_proj",
+                "lm_head",
+            }
+        ),
+    )
