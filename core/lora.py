@@ -58,6 +58,7 @@ __all__ = [
     "LoraRef",
     "RowAdapterError",
     "adapter_capacity",
+    "adapter_id",
     "adapter_path",
     "check_adapter",
     "check_adapter_name",
@@ -157,6 +158,23 @@ def adapter_capacity(max_loras: int, max_cpu_loras: int, *, cpu: bool) -> int:
     most ``max_loras - 1`` names there: vLLM activates adapters into the first free slot,
     so with fewer adapters than slots the last one stays zero."""
     return min(max_cpu_loras, max_loras - 1) if cpu else max_cpu_loras
+
+
+def adapter_id(name: str, ids: Mapping[str, int], capacity: int) -> Result[int, CoreError]:
+    """The ``lora_int_id`` adapter ``name`` is served under: its own when it is served
+    (``ids``: name -> id), else one past the largest; refused when a new name would
+    serve more than ``capacity`` adapters (:func:`adapter_capacity`)."""
+    if name in ids:
+        return Success(ids[name])
+    if len(ids) >= capacity:
+        return Failure(
+            CoreError(
+                f"adapter {name!r} would be adapter {len(ids) + 1}, and this engine serves "
+                f"{capacity} (vllm_kwargs.max_cpu_loras, max_loras on CPU); serving "
+                f"{sorted(ids)}"
+            )
+        )
+    return Success(max(ids.values(), default=0) + 1)
 
 
 def rank_for(rank: int) -> int:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Generic, TypeVar
 
 import attrs
@@ -103,6 +103,7 @@ __all__ = [
     "explain_cuda_ipc_failure",
     "file_problem",
     "max_message_bytes",
+    "nonfinite_refusal",
     "plan_routes",
     "refit_waits",
     "rpc_bound",
@@ -828,6 +829,19 @@ _IPC_UNAVAILABLE: Final = (
         "the engine do not share an IPC and PID namespace, or may not inspect each other)",
     ),
 )
+
+
+def nonfinite_refusal(what: str, names: Sequence[str], kept: str) -> str:
+    """Why ``what`` (a chunk of a refit, a sparse step, an adapter) is refused: the first
+    eight of the tensors ``names`` holding a NaN or an infinity, and what holds now
+    (``kept``)."""
+    shown = ", ".join(map(repr, names[:8])) + (
+        f" and {len(names) - 8} more" if len(names) > 8 else ""
+    )
+    return (
+        f"{what}: refused, non-finite values (NaN or inf) in {shown}; the refit does "
+        f"not count and {kept} (vllm_cfg.refit_finite_check: false turns this check off)"
+    )
 
 
 def explain_cuda_ipc_failure(text: str) -> str | None:

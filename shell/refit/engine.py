@@ -431,14 +431,7 @@ class EngineContext:
         if not self.finite_check:
             return
         if bad := nonfinite(tensors):
-            shown = ", ".join(map(repr, bad[:8])) + (
-                f" and {len(bad) - 8} more" if len(bad) > 8 else ""
-            )
-            raise RefitError(
-                f"{what}: refused, non-finite values (NaN or inf) in {shown}; the refit does "
-                f"not count and {kept} (vllm_cfg.refit_finite_check: false turns this check "
-                "off)"
-            )
+            raise RefitError(p.nonfinite_refusal(what, bad, kept))
 
     def reset_kv(self) -> int:
         """Zero this worker's KV cache memory (after a refused or failed refit, with no

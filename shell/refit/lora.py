@@ -36,6 +36,7 @@ from genworker.core.lora import (
     Adapter,
     EngineLora,
     adapter_capacity,
+    adapter_id,
     check_adapter,
     check_adapter_name,
 )
@@ -150,12 +151,7 @@ class LoraBackend(IpcHolder):
         config = manager.lora_config  # type: ignore[attr-defined]
         cpu = self.engine.device.type == "cpu"
         capacity = adapter_capacity(config.max_loras, config.max_cpu_loras, cpu=cpu)
-        if name not in self.ids and len(self.ids) >= capacity:
-            raise BadArgumentError(
-                f"adapter {name!r} would be adapter {len(self.ids) + 1}, and this engine serves "
-                f"{capacity} (vllm_kwargs.max_cpu_loras, max_loras on CPU); serving "
-                f"{sorted(self.ids)}"
-            )
+        lora_id = unwrap(adapter_id(name, self.ids, capacity), BadArgumentError, "")
         tensors: dict[str, torch.Tensor] = {}
 
         def collect(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -174,7 +170,6 @@ class LoraBackend(IpcHolder):
             loader=collect,
             check=check,
         )
-        lora_id = self.ids.get(name, max(self.ids.values(), default=0) + 1)
         self._install(manager, name, lora_id, tensors)
         self.ids[name], self.refits = lora_id, self.refits + 1
         log.info(

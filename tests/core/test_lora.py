@@ -21,6 +21,7 @@ from genworker.core.lora import (
     LoraRef,
     RowAdapterError,
     adapter_capacity,
+    adapter_id,
     adapter_path,
     check_adapter,
     check_adapter_name,
@@ -422,3 +423,17 @@ def test_what_the_engine_holds_names_a_packed_module_by_its_parts() -> None:
             }
         ),
     )
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=4), st.integers(1, 64), max_size=6))
+def test_an_adapter_keeps_its_id_and_a_new_one_takes_the_next_within_capacity(
+    ids: dict[str, int],
+) -> None:
+    for name, own in ids.items():
+        assert adapter_id(name, ids, 0) == Success(own)  # served: its id, whatever the room
+    new = "new-adapter"
+    assert adapter_id(new, ids, len(ids) + 1) == Success(max(ids.values(), default=0) + 1)
+    refused = adapter_id(new, ids, len(ids))
+    assert isinstance(refused, Failure)
+    assert f"adapter {new!r} would be adapter {len(ids) + 1}" in str(refused.failure())
+    assert f"serves {len(ids)} " in str(refused.failure())

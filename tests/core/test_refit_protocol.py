@@ -829,3 +829,14 @@ def test_non_float_parameters_and_unknown_tensors_are_left_to_the_loader(
     ).unwrap()
     params = {"model.layers.0.mlp.gate_up_proj.qweight": param}
     assert p.dtype_problems(manifest, params, _PACKED) == Success(manifest)
+
+
+@given(st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=12, unique=True))
+def test_a_nonfinite_refusal_names_the_first_eight_tensors_and_counts_the_rest(
+    names: list[str],
+) -> None:
+    said = p.nonfinite_refusal("chunk 3", names, "the weights are as before")
+    assert said.startswith("chunk 3: refused, non-finite values (NaN or inf) in ")
+    assert all(repr(n) in said for n in names[:8])
+    assert (f" and {len(names) - 8} more" in said) is (len(names) > 8)
+    assert "the weights are as before (vllm_cfg.refit_finite_check: false" in said
