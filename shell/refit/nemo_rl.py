@@ -49,9 +49,8 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from functools import partial
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -186,28 +185,10 @@ class CudaIpcCodec:
 
 
 # Each codec has a handle type of its own: the registry cannot name them (Python has no
-# existential types); a port binds its codec's own (NemoRlIpcPort, _CodecHandle).
+# existential types); a port is generic in its codec's (NemoRlIpcPort).
 CODECS: dict[str, HandleCodec[Any]] = {"cuda": CudaIpcCodec()}
 """The handle codec of each engine device type. NeMo-RL's trainer sends CUDA IPC handles
 only; tests add a CPU stand-in here (with its own allowlist), never production code."""
-
-
-class _CodecHandle(NamedTuple):
-    """A bucket's handle with its codec's two operations on it bound: what the port's
-    ``write`` gets back among a chunk's handles."""
-
-    storage_bytes: Callable[[], int]
-    open: Callable[[torch.device], torch.Tensor]
-
-
-def _reader(codec: HandleCodec[H]) -> Callable[[object], _CodecHandle]:
-    """``codec``'s handle reader, each handle bound to ``codec``."""
-
-    def read(value: object) -> _CodecHandle:
-        handle = codec.read(value)
-        return _CodecHandle(partial(codec.storage_bytes, handle), partial(codec.open, handle))
-
-    return read
 
 
 def _nbytes(ref: p.TensorRef) -> int:
@@ -242,12 +223,12 @@ def _scatter(
 # -- IPC ---------------------------------------------------------------------------------
 
 
-class NemoRlIpcPort:
-    """An engine worker's REP socket connected to NeMo-RL's trainer (a ``receive`` port)."""
+class NemoRlIpcPort(Generic[H]):
+    """An engine worker's REP socket connected to NeMo-RL's trainer (a ``receive`` port),
+    its buckets' handles read and mapped by ``codec``."""
 
     def __init__(self, address: str, device: torch.device, codec: HandleCodec[H]) -> None:
-        self.address, self.device = address, device
-        self._allowlist, self._read = codec.allowlist, _reader(codec)
+        self.address, self.device, self._codec = address, device, codec
         self.peer = f"NeMo-RL's trainer bound at {address}"
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._open: list[zmq.Socket[bytes]] = []  # the socket, for the finalizer (end_zmq)
@@ -286,7 +267,7 @@ class NemoRlIpcPort:
             raise EngineStateError("the NeMo-RL IPC port was closed")
         return self._sock
 
-    def _recv(self, wait: Wait) -> IpcBucket[_CodecHandle] | IpcComplete:
+    def _recv(self, wait: Wait) -> IpcBucket[H] | IpcComplete:
         remaining = wait.deadline - time.monotonic()
         sock = self._socket()
         if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
@@ -295,7 +276,7 @@ class NemoRlIpcPort:
         self._pending = True
         if len(frames) != 1:
             raise RefitWireError(f"a NeMo-RL refit message is one frame, got {len(frames)}")
-        return read_frame(frames[0], self._allowlist, self._read)
+        return read_frame(frames[0], self._codec.allowlist, self._codec.read)
 
     def next(self, wait: Wait) -> tuple[p.Event, list[object] | None]:
         self._bound = wait.bound_s
@@ -307,7 +288,7 @@ class NemoRlIpcPort:
             self._over = True
             return p.End(self.refit_id, self._chunks, self._tensors), None
         assert self._manifest is not None
-        storage = message.handle.storage_bytes()
+        storage = self._codec.storage_bytes(message.handle)
         chunk = unwrap(
             n.ipc_chunk(
                 self._manifest,
@@ -333,9 +314,7 @@ class NemoRlIpcPort:
     ) -> list[tuple[str, torch.Tensor]]:
         if not handles:
             raise RefitError(f"chunk {writes.chunk.index} carries no buffer")
-        handle = handles[0]
-        assert isinstance(handle, _CodecHandle)  # what next gave for the chunk
-        buffer = handle.open(self.device)
+        buffer = self._codec.open(cast(H, handles[0]), self.device)  # what next gave
         self.opened += 1
         offsets = (w.ref.offset for w in writes.writes)
         loader = _scatter(buffer, writes, offsets, sink, borrowed=True)
@@ -624,7 +603,7 @@ class NemoRlCollectivePort:
 # -- the backends --------------------------------------------------------------------------
 
 
-class NemoRlIpcBackend(Holding[NemoRlIpcPort]):
+class NemoRlIpcBackend(Holding[NemoRlIpcPort[object]]):
     """``nemo_rl_ipc``: a REP socket connected to NeMo-RL's trainer's socket for this
     worker's GPU, ``ipc://<socket dir>/<GPU UUID>.sock``."""
 
