@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     import torch
 
     from genworker.core import refit_protocol as p
+    from genworker.core.refit_wire import Handle
     from genworker.shell.errors import RefitError
     from genworker.shell.refit.receiver import Sink, Wait
-    from genworker.shell.refit.wire import Handle
 
 __all__ = [
     "AsyncEngineFactory",

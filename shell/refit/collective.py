@@ -38,6 +38,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 from genworker.core import refit_protocol as p
 from genworker.core.joins import GroupJoinWire, group_join
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
+from genworker.core.refit_wire import Handle, Reply, encode
 from genworker.shell.errors import (
     BadArgumentError,
     BadConfigError,
@@ -50,7 +51,7 @@ from genworker.shell.errors import (
 )
 from genworker.shell.refit.engine import EngineContext
 from genworker.shell.refit.receiver import Sink, Wait, receive
-from genworker.shell.refit.wire import KINDS, Handle, Reply, decode, encode, error_of, kind_of
+from genworker.shell.refit.wire import KINDS, decode, error_of, kind_of
 
 __all__ = ["CollectiveBackend", "CollectiveGroup", "CollectiveReceiver", "CollectiveSenderPort"]
 

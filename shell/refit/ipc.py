@@ -37,6 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.core.refit_wire import Handle, Listing, Reply, encode, encode_chunk, listing
 from genworker.shell.errors import BadConfigError, RefitError, RefitTimeoutError
 from genworker.shell.refit.engine import MIN_CAP, EngineContext
 from genworker.shell.refit.memory import (
@@ -49,18 +50,7 @@ from genworker.shell.refit.memory import (
     sync,
 )
 from genworker.shell.refit.receiver import Sink, Wait
-from genworker.shell.refit.wire import (
-    Handle,
-    Listing,
-    Reply,
-    decode,
-    decode_reply,
-    encode,
-    encode_chunk,
-    error_of,
-    kind_of,
-    listing,
-)
+from genworker.shell.refit.wire import decode, decode_reply, error_of, kind_of
 
 __all__ = [
     "SEND_PREFIX",
@@ -331,7 +321,7 @@ class _Replay:
     """A refit sent by handle and through the staging buffers, to send again when the same
     tensors come back: each tensor's :func:`place_of` (with its storage's reference) and,
     packed, its staging buffer and offset (packed there again, as the listing says), and
-    where its chunk ends with that chunk's listing (:func:`wire.listing`: the very bytes
+    where its chunk ends with that chunk's listing (``core.refit_wire.listing``: the very bytes
     it sent). A tensor packed alone, in a temporary buffer, is never recorded."""
 
     def __init__(self) -> None:

@@ -41,8 +41,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import DTYPE_ITEMSIZE
+from genworker.core.refit_wire import CpuHandle, CudaHandle, Handle
 from genworker.shell.errors import RefitError
-from genworker.shell.refit.wire import CpuHandle, CudaHandle, Handle
 
 __all__ = [
     "Exporter",

@@ -41,6 +41,7 @@ from torch import nn
 from genworker.core import refit_protocol as p
 from genworker.core.joins import group_join
 from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.core.refit_wire import Reply, encode
 from genworker.shell.errors import (
     BadArgumentError,
     EngineStateError,
@@ -52,7 +53,6 @@ from genworker.shell.errors import (
 from genworker.shell.extension import WorkerExtension, door_of
 from genworker.shell.refit import engine as refit_engine
 from genworker.shell.refit.engine import EngineSink, Routed
-from genworker.shell.refit.wire import Reply, encode
 from genworker.shell.vllm_logs import INPLACE_LOGGER, LAYERWISE_LOGGER
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 

@@ -39,6 +39,7 @@ from refit_helpers import (
 )
 
 from genworker.core import refit_protocol as p
+from genworker.core.refit_wire import CpuHandle, CudaHandle, Reply, encode
 from genworker.shell.errors import (
     BadConfigError,
     RefitError,
@@ -66,7 +67,6 @@ from genworker.shell.refit.memory import (
     reclaim_dead,
 )
 from genworker.shell.refit.receiver import ParameterSink
-from genworker.shell.refit.wire import CpuHandle, CudaHandle, Reply, encode
 
 T = TypeVar("T")
 SEED = 7
