@@ -21,7 +21,8 @@ A request whose ``SamplingParams.extra_args`` holds :data:`MARKER` and that asks
 nothing else (the sampled logprob only, no detokenization, final-only output, ``n=1``)
 keeps instead its sampled ids and logprobs in a :class:`SampledLogprobs` (an int64 and a
 float32 ``array.array``, no object per token), and its ``CompletionOutput.logprobs`` is
-that container. The cumulative logprob is summed as vLLM sums it. When its detokenizer is
+that container (:class:`genworker.core.completions.SampledLogprobs`, where the
+conversion reads it). The cumulative logprob is summed as vLLM sums it. When its detokenizer is
 that base class with nothing in it yet, its token ids are kept in an int64
 ``array.array`` as well (``extend`` and ``len`` are all vLLM calls on it for such a
 request: the stop-string trimming that edits the list runs only for detokenized rows),
@@ -46,6 +47,8 @@ from array import array
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+from genworker.core.completions import SampledLogprobs
+
 __all__ = ["MARKER", "SampledLogprobs", "install"]
 
 #: the ``SamplingParams.extra_args`` key that asks for :class:`SampledLogprobs`
@@ -55,22 +58,6 @@ MARKER = "genworker_sampled_logprobs"
 _FIELDS = frozenset({"tokenizer", "logprobs", "cumulative_logprob", "num_logprobs"})
 
 _Item = TypeVar("_Item", covariant=True)
-
-
-class SampledLogprobs:
-    """The sampled token's id (int64) and logprob (float32) at each generated position."""
-
-    __slots__ = ("logprobs", "token_ids")
-
-    def __init__(self) -> None:
-        self.token_ids = array("q")
-        self.logprobs = array("f")
-
-    def __len__(self) -> int:
-        return len(self.logprobs)
-
-    def __repr__(self) -> str:
-        return f"SampledLogprobs({len(self)} positions)"
 
 
 class _Matrix(Protocol[_Item]):

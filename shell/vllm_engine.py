@@ -8,13 +8,6 @@ Theory of operation
   (vllm/sampling_params.py, 0.32); engine arguments are ``EngineArgs``' dataclass fields.
 - ``generate`` builds one ``SamplingParams`` per distinct spec (``group_specs``) and hands
   vLLM a per-prompt list of them; ``LLM.generate`` returns outputs in prompt order.
-- The sampled token's logprob: with ``logprobs=k`` vLLM records, per position, the sampled
-  token first and then the top k (``append_logprobs_for_next_position`` in
-  vllm/logprobs.py, 0.32). ``FlatLogprobs`` keeps those in flat lists with a start index
-  per position, so the sampled tokens' logprobs are one fancy-index away; their token ids
-  must equal the output ids (a mismatch is an engine contract error). Without flat
-  logprobs each position is a dict looked up by the sampled token id; a missing entry is
-  an error, never 0.0.
 - The sampled logprobs as arrays (:mod:`genworker.shell.sampled_logprobs`): the engine
   installs that hook on its ``LLMEngine`` at start, and marks the ``SamplingParams`` of
   every spec with ``logprobs=0`` and no text; vLLM then keeps those rows' sampled ids and
@@ -22,22 +15,12 @@ Theory of operation
   token ids in a third in place of a list: no Python object per token stays alive. Rows
   that need text (stop strings) or more logprobs, and every engine on which the hook
   cannot be installed, get vLLM's flat logprobs.
-- One pass from vLLM's outputs to :class:`~genworker.core.assembly.FlatGenerations`. With
-  the hook, every row's token ids and sampled logprobs are arrays: the batch's ids and
-  logprobs are each joined into one buffer by one C copy (:func:`_joined`), and the
-  ids are checked against the sampled ids as one byte string, no Python per token.
-  Otherwise every row's token ids are packed straight into one flat numpy array
-  (``struct``, one C loop per row) and its logprobs copied in: from the sampled arrays
-  (their ids compared with the row's as bytes), or from flat logprobs holding exactly the
-  sampled token at each position (checked with two list comparisons, packed by
-  ``struct``); no per-row ``Generation`` is built. From the first row that does not fit
-  either layout on, rows go one by one (:func:`generation_of`), which names what is wrong.
+- vLLM's outputs become :class:`~genworker.core.assembly.FlatGenerations` in one pass
+  (:mod:`genworker.core.completions`: the layouts, the finish reasons); a completion it
+  cannot read is an ``EngineContractError``.
 - vLLM detokenizes only the rows whose spec asks for it (``SamplingSpec.detokenize``:
   stop strings, text requests); ``generate_text`` refuses a spec that does not.
-- Finish reasons: ``length`` is truncated, ``stop`` and ``repetition`` are stops,
-  ``abort`` is flagged in ``FlatGenerations.aborted`` (a partial rollout, never a stop);
-  anything else (``error``, None) is an ``EngineContractError`` naming every such row.
-  ``generate`` hands back the rows as vLLM made them (non-finite logprobs included) and
+- ``generate`` hands back the rows as vLLM made them (non-finite logprobs included) and
   the worker checks them (``genworker.core.outputs``); ``generate_text``, whose caller
   sees no tokens, converts its rows the same way and checks them itself.
 - Cyclic GC stays out of a generate call (:func:`~genworker.shell.collector.defer_cyclic_gc`):
@@ -131,17 +114,14 @@ import functools
 import gc
 import inspect
 import logging
-import struct
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Final, Generic, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Final, Generic, TypeVar, cast
 
 import attrs
 import numpy as np
-import numpy.typing as npt
 
 from genworker.shell.install import check_torchvision
 
@@ -158,7 +138,9 @@ from vllm.renderers import BaseRenderer
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
 
-from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
+from genworker.core import completions
+from genworker.core.assembly import FlatGenerations, Generation
+from genworker.core.completions import Completion, flat_generations
 from genworker.core.counters import (
     CounterSample,
     GaugeSample,
@@ -187,17 +169,17 @@ from genworker.shell.errors import (
     UnsupportedError,
     fatal,
     translated,
+    unwrap,
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities, check_text_rows
 from genworker.shell.prompt_logprobs import scored_row, scoring_params
-from genworker.shell.sampled_logprobs import MARKER, SampledLogprobs, install
+from genworker.shell.sampled_logprobs import MARKER, install
 from genworker.shell.staged_writes import drop_staged_writes
 from genworker.shell.startup import checked_model_source
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
-    from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput
 
 __all__ = [
@@ -227,14 +209,6 @@ CALL_BOUND_S: Final = rpc_bound(0, DEFAULT_TIMEOUT_S)
 #: load, which vLLM's own start does not bound either.
 _LOAD_BOUND_S: Final = 1800.0
 _Inflight = list[tuple[threading.Event, float]]
-
-# vLLM's finish reasons (vllm/v1/engine/__init__.py FINISH_REASON_STRINGS, 0.32) as ours;
-# "repetition" is a stop condition; "abort" (the engine ended the request, its tokens so
-# far kept) is flagged in FlatGenerations.aborted, never passed as a stop, and the workers
-# refuse it (G14). Anything else ("error", a request-level failure; None, a row that did
-# not finish) is an engine contract error naming the rows.
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
-
 
 # Request validation raises ValueError or VLLMValidationError (a ValueError in 0.25 but
 # not in 0.32, vllm/exceptions.py).
@@ -319,7 +293,7 @@ def sampling_params(
     spec: SamplingSpec, known: frozenset[str] | None = None, *, sampled_arrays: bool = False
 ) -> SamplingParams:
     """vLLM's ``SamplingParams`` for a spec; ``known`` (field names) drops what vLLM lacks;
-    ``sampled_arrays``: marked for :class:`SampledLogprobs` when the spec asks for the
+    ``sampled_arrays``: marked for ``SampledLogprobs`` when the spec asks for the
     sampled logprob only and no text (an engine :func:`install` ran on keeps them so)."""
     # as_kwargs yields SamplingParams fields only, each typed as vLLM expects.
     kwargs = spec.as_kwargs(known)
@@ -633,14 +607,12 @@ class VllmEngine(VllmEngineBase[LLM]):
             outputs = llm.generate(
                 _token_prompts(batch), params, use_tqdm=use_tqdm, lora_request=loras
             )
-        completions: list[CompletionOutput | None] = [
-            c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)
-        ]
+        rows = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         del outputs  # the completions are now the only references to vLLM's outputs
         shape = self._caps.routes
-        routes = (
-            None if shape is None else tuple(routes_of(_present(c), shape) for c in completions)
-        )
+        routes = None if shape is None else tuple(routes_of(c, shape) for c in rows)
+        completions: list[CompletionOutput | None] = list(rows)
+        del rows
         flat = _generations(completions, consume=True)  # each row freed once read
         return flat if routes is None else attrs.evolve(flat, routed_experts=routes)
 
@@ -672,7 +644,7 @@ class VllmEngine(VllmEngineBase[LLM]):
                 _token_prompts(batch), params, use_tqdm=use_tqdm, lora_request=loras
             )
         completions: list[CompletionOutput | None] = [out.outputs[0] for out in outputs]
-        texts = [_present(c).text for c in completions]
+        texts = [out.outputs[0].text for out in outputs]
         # The caller sees no tokens: the rows are checked here (EnginePort.generate_text).
         check_text_rows(_generations(completions, call="generate_text"), self._caps.logprobs_mode)
         return texts
@@ -930,225 +902,17 @@ def _bounded(
 def _generations(
     outs: list[CompletionOutput | None], *, consume: bool = False, call: str = "generate"
 ) -> FlatGenerations:
-    """Every row's generation as flat arrays, in one pass where the layout allows it (see
-    the module docstring), the rest row by row from the first row it does not. ``consume``:
-    each row's entry of ``outs`` is dropped once read (set to None), so a list that held
-    the only references frees the row's objects while they are still in the cache.
-    ``call`` names the call in the errors."""
-    joined = _joined(outs, call)
-    if joined is not None:
-        if consume:
-            outs[:] = [None] * len(outs)
-        return joined
-    rows = len(outs)
-    lengths = np.array([len(_present(out).token_ids) for out in outs], dtype=np.int64)
-    total = int(lengths.sum())
-    token_ids = bytearray(8 * total)  # int64, then wrapped by numpy without a copy
-    logprobs = bytearray(4 * total)  # float32
-    reasons: list[str | None] = []
-    # Per row length n: [0, n) (the start indices of one entry per position) and the
-    # packers of n native int64 / float32 values. struct packs a list's values straight
-    # into the buffers in one C loop each, about twice as fast as array.array or numpy's
-    # list conversion; float32 is rounded from vLLM's doubles as numpy's cast rounds it.
-    layouts: dict[int, tuple[list[int], struct.Struct, struct.Struct]] = {}
-    offset = 0
-    for row in range(rows):
-        out = _present(outs[row])
-        ids = out.token_ids  # a list in 0.32; any other sequence is compared as one
-        if not isinstance(ids, list):
-            ids = list(ids)
-        flat: object = out.logprobs
-        n = len(ids)
-        layout = layouts.get(n)
-        if layout is None:
-            layout = layouts[n] = (list(range(n)), struct.Struct(f"{n}q"), struct.Struct(f"{n}f"))
-        one_per_position, pack_ids, pack_logprobs = layout
-        if isinstance(flat, SampledLogprobs) and len(flat) == n:
-            pack_ids.pack_into(token_ids, 8 * offset, *ids)
-            if token_ids[8 * offset : 8 * (offset + n)] != flat.token_ids:
-                return _with_rest(outs, row, token_ids, logprobs, offset, lengths, reasons, call)
-            memoryview(logprobs)[4 * offset : 4 * (offset + n)] = memoryview(flat.logprobs).cast(
-                "B"
-            )
-        elif (
-            isinstance(flat, FlatLogprobs)
-            and len(flat.logprobs) == n
-            and flat.token_ids == ids
-            and flat.start_indices == one_per_position
-        ):
-            pack_ids.pack_into(token_ids, 8 * offset, *ids)
-            pack_logprobs.pack_into(logprobs, 4 * offset, *flat.logprobs)
-        else:
-            return _with_rest(outs, row, token_ids, logprobs, offset, lengths, reasons, call)
-        offset += n
-        reasons.append(out.finish_reason)
-        if consume:
-            del out, ids, flat
-            outs[row] = None
-    truncated, aborted = _finish_flags(reasons, call)
-    return FlatGenerations(
-        token_ids=np.frombuffer(token_ids, dtype=np.int64),
-        logprobs=np.frombuffer(logprobs, dtype=np.float32),
-        lengths=lengths,
-        truncated=truncated,
-        aborted=aborted,
+    """Every row's generation as flat arrays (``core.completions.flat_generations``), an
+    engine contract error naming what vLLM got wrong."""
+    flat = flat_generations(
+        cast(list[Completion | None], outs), FlatLogprobs, consume=consume, call=call
     )
-
-
-def _joined(
-    outs: Sequence[CompletionOutput | None], call: str = "generate"
-) -> FlatGenerations | None:
-    """The batch when every row holds the hook's arrays, token ids and sampled logprobs
-    alike (:mod:`genworker.shell.sampled_logprobs`): each joined by one C copy, the ids
-    compared with the sampled ids as one byte string, and each row's three lengths
-    compared; None when any of that does not hold (the row-by-row pass then names the
-    row)."""
-    present = [_present(out) for out in outs]
-    ids: list[object] = [out.token_ids for out in present]
-    sampled: list[object] = [out.logprobs for out in present]
-    if not (
-        all(type(row) is array and row.typecode == "q" for row in ids)
-        and all(type(row) is SampledLogprobs for row in sampled)
-    ):
-        return None
-    arrays = cast(list["array[int]"], ids)
-    kept = cast(list[SampledLogprobs], sampled)
-    lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
-    if not (
-        np.array_equal(lengths, np.fromiter((len(k.token_ids) for k in kept), np.int64))
-        and np.array_equal(lengths, np.fromiter((len(k.logprobs) for k in kept), np.int64))
-    ):
-        return None
-    token_ids = bytearray().join(arrays)
-    if token_ids != b"".join([k.token_ids for k in kept]):
-        return None
-    reasons = [out.finish_reason for out in present]
-    truncated, aborted = _finish_flags(reasons, call)
-    return FlatGenerations(
-        token_ids=np.frombuffer(token_ids, dtype=np.int64),
-        logprobs=np.frombuffer(bytearray().join([k.logprobs for k in kept]), dtype=np.float32),
-        lengths=lengths,
-        truncated=truncated,
-        aborted=aborted,
-    )
-
-
-def _present(out: CompletionOutput | None) -> CompletionOutput:
-    if out is None:
-        raise GenworkerError("genworker bug: a vLLM output read after it was dropped")
-    return out
-
-
-def _with_rest(
-    outs: Sequence[CompletionOutput | None],
-    first: int,
-    token_ids: bytearray,
-    logprobs: bytearray,
-    offset: int,
-    lengths: npt.NDArray[np.int64],
-    reasons: list[str | None],
-    call: str,
-) -> FlatGenerations:
-    """The rows before ``first`` as packed, the others converted row by row."""
-    rest_outs = [_present(outs[row]) for row in range(first, len(outs))]
-    every = [*reasons, *(out.finish_reason for out in rest_outs)]
-    truncated, aborted = _finish_flags(every, call)
-    rest = flatten_generations([generation_of(first + i, out) for i, out in enumerate(rest_outs)])
-    return FlatGenerations(
-        token_ids=np.concatenate(
-            [np.frombuffer(token_ids, dtype=np.int64, count=offset), rest.token_ids]
-        ),
-        logprobs=np.concatenate(
-            [np.frombuffer(logprobs, dtype=np.float32, count=offset), rest.logprobs]
-        ),
-        lengths=lengths,
-        truncated=truncated,
-        aborted=aborted,
-    )
-
-
-def _finish_flags(
-    reasons: Sequence[str | None], call: str
-) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
-    """Which of these rows ran out of tokens and which the engine aborted; an engine
-    contract error naming every row that did not finish (one set operation when every row
-    did, a second list pass only when one was aborted)."""
-    seen = set(reasons)
-    if not _FINISH_REASONS.keys() >= seen:
-        _unfinished(reasons, call)
-    truncated = np.array([r == "length" for r in reasons], dtype=np.bool_)
-    if "abort" not in seen:
-        return truncated, np.zeros(len(reasons), dtype=np.bool_)
-    return truncated, np.array([r == "abort" for r in reasons], dtype=np.bool_)
-
-
-def _unfinished(reasons: Sequence[str | None], call: str) -> NoReturn:
-    rows = [row for row, r in enumerate(reasons) if r not in _FINISH_REASONS]
-    raise EngineContractError(
-        f"{call}: rows {rows} did not finish (finish reasons "
-        f"{[reasons[row] for row in rows]}; vLLM's finished ones are {sorted(_FINISH_REASONS)})"
-    )
-
-
-def _finish_reason(row: int, finish_reason: str | None) -> str:
-    reason = _FINISH_REASONS.get(finish_reason or "")
-    if reason is None:
-        raise EngineContractError(
-            f"generate: row {row} did not finish (finish reason {finish_reason!r})"
-        )
-    return reason
+    return unwrap(flat, EngineContractError, "")
 
 
 def generation_of(row: int, out: CompletionOutput) -> Generation:
-    reason = _finish_reason(row, out.finish_reason)
-    token_ids = np.asarray(out.token_ids, dtype=np.int64)
-    return Generation(token_ids, _sampled_logprobs(row, token_ids, out), reason)
-
-
-def _sampled_logprobs(
-    row: int, token_ids: npt.NDArray[np.int64], out: CompletionOutput
-) -> npt.NDArray[np.float32]:
-    arrays: object = out.logprobs
-    if isinstance(arrays, SampledLogprobs):
-        sampled = np.frombuffer(arrays.token_ids, dtype=np.int64, count=len(arrays.token_ids))
-        if len(arrays) != len(sampled) or not np.array_equal(sampled, token_ids):
-            raise EngineContractError(
-                f"generate: row {row}'s sampled logprobs ({len(arrays)}) are for tokens "
-                f"{sampled.tolist()}, not the generated {token_ids.tolist()}"
-            )
-        return np.frombuffer(arrays.logprobs, dtype=np.float32, count=len(arrays)).copy()
-    logprobs = out.logprobs
-    if logprobs is None:
-        raise EngineContractError(f"generate: row {row} came back without logprobs")
-    if isinstance(logprobs, FlatLogprobs):
-        starts = np.asarray(logprobs.start_indices, dtype=np.int64)
-        ends = np.asarray(logprobs.end_indices, dtype=np.int64)
-        if starts.shape != token_ids.shape or bool((ends <= starts).any()):
-            raise EngineContractError(
-                f"generate: row {row} has {len(token_ids)} tokens but flat logprobs for "
-                f"{int((ends > starts).sum())} positions"
-            )
-        sampled = np.asarray(logprobs.token_ids, dtype=np.int64)[starts]
-        if not np.array_equal(sampled, token_ids):
-            raise EngineContractError(
-                f"generate: row {row}'s flat logprobs are for tokens {sampled.tolist()}, "
-                f"not the generated {token_ids.tolist()}"
-            )
-        return np.asarray(logprobs.logprobs, dtype=np.float32)[starts]
-    if not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
-        raise EngineContractError(
-            f"generate: row {row} has {len(token_ids)} tokens but logprobs "
-            f"{type(logprobs).__name__} of length {len(logprobs)}"
-        )
-    values = np.empty(len(token_ids), dtype=np.float32)
-    for i, (token, position) in enumerate(zip(token_ids.tolist(), logprobs, strict=True)):
-        entry: Logprob | None = position.get(token)
-        if entry is None:
-            raise EngineContractError(
-                f"generate: row {row} position {i}: no logprob for the sampled token {token}"
-            )
-        values[i] = entry.logprob
-    return values
+    """One completion as a ``Generation`` (``core.completions.generation_of``)."""
+    return unwrap(completions.generation_of(row, out, FlatLogprobs), EngineContractError, "")
 
 
 def metric_sample(metric: Metric) -> MetricSample:

@@ -18,8 +18,8 @@ import vllm.outputs
 from hypothesis import given
 from hypothesis import strategies as st
 
+from genworker.core import completions
 from genworker.core.assembly import flatten_generations
-from genworker.shell import vllm_engine
 from genworker.shell.errors import EngineContractError
 from genworker.shell.sampled_logprobs import SampledLogprobs
 from genworker.shell.vllm_engine import _generations, generation_of
@@ -239,10 +239,10 @@ def test_token_ids_in_another_sequence_type_take_the_one_pass_path(
     for out in outs:
         out.token_ids = tuple(out.token_ids)
 
-    def row_by_row(row: int, out: object) -> None:
+    def row_by_row(row: int, out: object, flat_type: object) -> None:
         raise AssertionError(f"row {row} went row by row")
 
-    monkeypatch.setattr(vllm_engine, "generation_of", row_by_row)
+    monkeypatch.setattr(completions, "_generation", row_by_row)
     assert _generations(outs) == expected
 
 
@@ -313,7 +313,7 @@ def test_a_batch_of_arrays_is_joined_in_one_pass(
         for row in rows
     ]
     expected = flatten_generations([generation_of(i, o) for i, o in enumerate(outs)])
-    assert vllm_engine._joined(outs) == expected
+    assert completions.joined_generations(outs).unwrap() == expected
     given_outs = list(outs)
     assert _generations(outs, consume=consume) == expected
     assert outs == ([None] * len(given_outs) if consume else given_outs)
