@@ -19,7 +19,13 @@ The caller gives right-padded ``input_ids`` (B, W), ``input_lengths`` (B,) and
 naming each with its reason: an empty sequence, a prompt length outside ``[1, l_i)``, a
 sequence with no room for the one token the pass needs under ``max_model_len``, a token
 outside the vocabulary) and ``top_k`` against the engine's ``max_logprobs``.
-:func:`assemble_scores` lays the engine's answers out:
+:func:`read_scored_row` reads one row of vLLM's answer (vllm/v1/worker/gpu_model_runner.py
+``_get_prompt_logprobs_dict``, vllm/logprobs.py, 0.32): ``RequestOutput.prompt_logprobs``
+holds one entry per prompt position, ``None`` at position 0, else a mapping ``token id ->
+Logprob`` with the top ``prompt_logprobs`` tokens (``Logprob.rank`` 1..k) and the prompt's
+own token at that position (its own rank, which may be above k). The logprobs are the
+model's raw log-softmax (no temperature, no processors). :func:`assemble_scores` lays the
+engine's answers out:
 
 - ``logprobs`` (B, W) float32: the given token's logprob at ``[p_i, l_i)``, 0 elsewhere
   (``generate``'s layout: 0 outside the scored span);
@@ -29,7 +35,9 @@ outside the vocabulary) and ``top_k`` against the engine's ``max_logprobs``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -43,8 +51,10 @@ __all__ = [
     "ScorePlan",
     "ScoreRefusal",
     "ScoredRow",
+    "UnreadScores",
     "assemble_scores",
     "plan_scores",
+    "read_scored_row",
 ]
 
 
@@ -82,6 +92,74 @@ class ScoredRow:
     logprobs: tuple[float, ...]
     top_ids: tuple[tuple[int, ...], ...] = ()
     top_logprobs: tuple[tuple[float, ...], ...] = ()
+
+
+@attrs.frozen
+class UnreadScores(CoreError):
+    """vLLM's prompt logprobs for a sequence lack what the engine owes: ``position`` names
+    the position (None: the count of positions is wrong)."""
+
+    position: int | None = None
+
+
+class RankedLogprob(Protocol):
+    """What is read of vLLM's ``Logprob``."""
+
+    @property
+    def logprob(self) -> float: ...
+
+    @property
+    def rank(self) -> int | None: ...
+
+
+def read_scored_row(
+    sequence: Sequence[int],
+    prompt_length: int,
+    prompt_logprobs: Sequence[Mapping[int, RankedLogprob] | None] | None,
+    top_k: int,
+) -> Result[ScoredRow, UnreadScores]:
+    """The given tokens' logprobs from ``prompt_length`` on, and the top ``top_k`` (rank
+    order; a rank vLLM did not give sorts last) at each of those positions, from vLLM's
+    ``prompt_logprobs`` of ``sequence`` (see the module docstring)."""
+    if prompt_logprobs is None or len(prompt_logprobs) != len(sequence):
+        got = None if prompt_logprobs is None else len(prompt_logprobs)
+        return Failure(
+            UnreadScores(
+                f"compute_logprobs: {got} prompt logprob positions for {len(sequence)} tokens"
+            )
+        )
+    logprobs: list[float] = []
+    top_ids: list[tuple[int, ...]] = []
+    top_logprobs: list[tuple[float, ...]] = []
+    for position in range(prompt_length, len(sequence)):
+        entries = prompt_logprobs[position]
+        token = sequence[position]
+        if entries is None or token not in entries:
+            return Failure(
+                UnreadScores(
+                    f"compute_logprobs: no logprob for token {token} at position {position}",
+                    position=position,
+                )
+            )
+        logprobs.append(float(entries[token].logprob))
+        if top_k:
+            ranked = sorted(entries.items(), key=_rank_order)[:top_k]
+            if len(ranked) != top_k:
+                return Failure(
+                    UnreadScores(
+                        f"compute_logprobs: {len(ranked)} top logprobs at position "
+                        f"{position}, asked for {top_k}",
+                        position=position,
+                    )
+                )
+            top_ids.append(tuple(int(t) for t, _ in ranked))
+            top_logprobs.append(tuple(float(lp.logprob) for _, lp in ranked))
+    return Success(ScoredRow(tuple(logprobs), tuple(top_ids), tuple(top_logprobs)))
+
+
+def _rank_order(item: tuple[int, RankedLogprob]) -> tuple[float, float]:
+    rank = item[1].rank
+    return (math.inf if rank is None else rank, -item[1].logprob)
 
 
 def _vector(value: object, name: str, batch: int) -> list[int] | ScoreArgumentError:

@@ -88,7 +88,6 @@ from genworker.shell.ports import (
     StreamedGeneration,
     check_request_logprobs,
 )
-from genworker.shell.prompt_logprobs import scored_row, scoring_params
 from genworker.shell.startup import check_main_guard, checked_model_source
 from genworker.shell.vllm_engine import (
     CALL_BOUND_S,
@@ -102,6 +101,8 @@ from genworker.shell.vllm_engine import (
     lora_request,
     metric_sample,
     routes_of,
+    scored_row,
+    scoring_params,
     token_prompt,
     tokenize_with,
 )

@@ -135,6 +135,7 @@ from vllm.logprobs import FlatLogprobs
 from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
 from vllm.renderers import BaseRenderer
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
 
@@ -154,7 +155,7 @@ from genworker.core.lora import LoraRef, adapter_path
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
 from genworker.core.routing import CapturePlatform, MoeShape, RoutedExperts
 from genworker.core.sampling import SamplingSpec, group_specs
-from genworker.core.scoring import ScoredRow
+from genworker.core.scoring import ScoredRow, read_scored_row
 from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.cumem_wake import install as install_wake
 from genworker.shell.errors import (
@@ -173,13 +174,13 @@ from genworker.shell.errors import (
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities, check_text_rows
-from genworker.shell.prompt_logprobs import scored_row, scoring_params
 from genworker.shell.sampled_logprobs import MARKER, install
 from genworker.shell.staged_writes import drop_staged_writes
 from genworker.shell.startup import checked_model_source
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
+    from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput
 
 __all__ = [
@@ -300,6 +301,31 @@ def sampling_params(
     if sampled_arrays and spec.logprobs == 0 and not spec.detokenize:
         kwargs["extra_args"] = {MARKER: True}
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def scoring_params(top_k: int, kind: RequestOutputKind | None = None) -> SamplingParams:
+    """The request that scores a sequence (``core.scoring``): one forward pass with
+    ``prompt_logprobs=top_k``, one greedy token read by nobody, nothing detokenized
+    (``kind``: the async engine's output kind)."""
+    if kind is None:
+        return SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False
+        )
+    return SamplingParams(
+        max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False, output_kind=kind
+    )
+
+
+def scored_row(
+    sequence: Sequence[int],
+    prompt_length: int,
+    prompt_logprobs: list[dict[int, Logprob] | None] | None,
+    top_k: int,
+) -> ScoredRow:
+    """One row of vLLM's prompt logprobs (``core.scoring.read_scored_row``); an engine
+    contract error names what is missing."""
+    scored = read_scored_row(sequence, prompt_length, prompt_logprobs, top_k)
+    return unwrap(scored, EngineContractError, "")
 
 
 def with_samples(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -13,8 +14,10 @@ from genworker.core.scoring import (
     ScoredRow,
     ScorePlan,
     ScoreRefusal,
+    UnreadScores,
     assemble_scores,
     plan_scores,
+    read_scored_row,
 )
 
 PAD = 0
@@ -175,3 +178,66 @@ def test_engine_rows_that_do_not_fit_the_plan_are_programming_errors() -> None:
         assemble_scores(plan, [ScoredRow((0.0,))], PAD)
     with pytest.raises(ValueError, match="top-1"):
         assemble_scores(plan, [ScoredRow((0.0, 0.0), ((1,),), ((0.0,),))], PAD)
+
+
+@attrs.frozen
+class _Logprob:
+    logprob: float
+    rank: int | None
+
+
+@given(st.lists(st.integers(0, 40), min_size=2, max_size=8), st.data())
+def test_the_given_tokens_and_the_ranked_top_k_are_read(
+    ids: list[int], data: st.DataObject
+) -> None:
+    """vLLM's prompt logprobs (None at 0, the top k by rank and the given token at every
+    other position): the given token's logprob from the prompt length on, the top k in
+    rank order."""
+    start = data.draw(st.integers(1, len(ids) - 1))
+    top_k = data.draw(st.integers(0, 3))
+    positions: list[dict[int, _Logprob] | None] = [None]
+    for p in range(1, len(ids)):
+        entries = {100 + r: _Logprob(-0.1 * r - p, r) for r in range(1, top_k + 1)}
+        entries[ids[p]] = _Logprob(-float(p), data.draw(st.integers(1, 50)))
+        positions.append(entries)
+    result = read_scored_row(ids, start, positions, top_k)
+    assert isinstance(result, Success)
+    row = result.unwrap()
+    assert row.logprobs == tuple(-float(p) for p in range(start, len(ids)))
+    assert len(row.top_ids) == (len(ids) - start if top_k else 0)
+    for p, (top, values) in enumerate(zip(row.top_ids, row.top_logprobs, strict=True), start):
+        seen = positions[p]
+        assert seen is not None
+        ranks = [seen[t].rank for t in top]
+        assert ranks == sorted(r for r in ranks if r is not None)
+        assert values == tuple(seen[t].logprob for t in top)
+
+
+def test_a_rank_vllm_did_not_give_sorts_last() -> None:
+    positions = [None, {5: _Logprob(-0.5, None), 6: _Logprob(-2.0, 1)}]
+    result = read_scored_row([1, 5], 1, positions, 2)
+    assert result == Success(ScoredRow((-0.5,), ((6, 5),), ((-2.0, -0.5),)))
+
+
+@pytest.mark.parametrize(
+    ("positions", "top_k", "error", "position"),
+    [
+        (None, 0, "None prompt logprob positions for 3 tokens", None),
+        ([None, None], 0, "2 prompt logprob positions for 3 tokens", None),
+        ([None, None, {7: _Logprob(-1.0, 1)}], 0, "no logprob for token 6 at position 1", 1),
+        ([None, {6: _Logprob(-1.0, 1)}, {8: _Logprob(-1.0, 1)}], 0, "token 7 at position 2", 2),
+        ([None, {6: _Logprob(-1.0, 1)}, None], 2, "1 top logprobs at position 1, asked for 2", 1),
+    ],
+)
+def test_prompt_logprobs_that_lack_a_position_are_named(
+    positions: list[dict[int, _Logprob] | None] | None,
+    top_k: int,
+    error: str,
+    position: int | None,
+) -> None:
+    result = read_scored_row([5, 6, 7], 1, positions, top_k)
+    assert isinstance(result, Failure)
+    problem = result.failure()
+    assert isinstance(problem, UnreadScores)
+    assert error in str(problem)
+    assert problem.position == position
