@@ -61,7 +61,6 @@ import vllm.envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.platforms import current_platform
-from vllm.renderers import BaseRenderer
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineGenerateError
@@ -91,7 +90,6 @@ from genworker.shell.ports import (
 from genworker.shell.startup import check_main_guard, checked_model_source
 from genworker.shell.vllm_engine import (
     CALL_BOUND_S,
-    NO_TOKENIZER,
     REQUEST_ERRORS,
     VLLM_CALLS,
     VllmEngineBase,
@@ -104,7 +102,6 @@ from genworker.shell.vllm_engine import (
     scored_row,
     scoring_params,
     token_prompt,
-    tokenize_with,
 )
 
 __all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory", "async_engine_arg_names"]
@@ -292,17 +289,6 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
         generation = generation_of(0, completion)
         check_request_logprobs(generation, self._caps.logprobs_mode, request_id)
         return completion.text
-
-    def _renderer(self, call: str) -> BaseRenderer:
-        renderer = getattr(self.llm, "renderer", None)  # AsyncLLM.renderer: 0.25 and 0.32
-        if not isinstance(renderer, BaseRenderer):
-            raise UnsupportedError(f"{call}: this vLLM's AsyncLLM has no renderer")
-        return renderer
-
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        if self.llm.vllm_config.model_config.skip_tokenizer_init:
-            raise UnsupportedError(NO_TOKENIZER)
-        return tokenize_with(self._renderer("tokenize"), prompts)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         await self._call("abort", lambda llm: llm.abort(list(request_ids)))

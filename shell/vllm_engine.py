@@ -23,23 +23,13 @@ Theory of operation
 - ``generate`` hands back the rows as vLLM made them (non-finite logprobs included) and
   the worker checks them (``genworker.core.outputs``); ``generate_text``, whose caller
   sees no tokens, converts its rows the same way and checks them itself.
-- Cyclic GC stays out of a generate call (:func:`~genworker.shell.collector.defer_cyclic_gc`):
-  vLLM allocates per request and per step on the host thread all through the call.
-  With the hook's arrays a row is a handful of objects, all dropped once the batch is
-  joined (``worker_outside_free_ms`` 1.5 ms for 512 x 256 on this host, against 4.6 with
-  a list of token ids and 11.7 with flat logprobs). Otherwise
-  vLLM's outputs are freed row by row during the conversion: once a row is packed, its
-  completion (the only reference left: the ``RequestOutput`` list is dropped first) goes,
-  and with it its objects (with flat logprobs ~800 for 256 tokens: token ids, logprob
-  floats, the lists around them; with the sampled arrays a third of that) while they are
-  still in the cache. On this 2-core host, a 512 x 256 batch, the same engine
-  in turn (issue 20): the worker's time outside ``LLM.generate`` is ~20 ms of CPU and
-  ~20 ms of wall time this way, against ~14 ms of CPU but ~29 ms of wall time when a
-  releaser thread freed them after the conversion: that thread took the interpreter lock
-  whenever the caller released it (numpy, torch) and kept it for up to the 5 ms switch
-  interval each time; handing them over only at the end of the call instead left them
-  alive for the end-of-call young collection, which then walked every token object again
-  (14-24 ms).
+- Cyclic GC stays out of a generate call (:func:`~genworker.shell.collector.defer_cyclic_gc`),
+  and vLLM's outputs are freed as they are read: with the hook's arrays a row is a
+  handful of objects, all dropped once the batch is joined (``worker_outside_free_ms``
+  1.5 ms for 512 x 256 on this host, against 4.6 with a list of token ids and 11.7 with
+  flat logprobs); otherwise each row's completion (the only reference left: the
+  ``RequestOutput`` list is dropped first) goes once it is packed, its objects still in
+  the cache (issue 20; :mod:`genworker.shell.collector` tells why not a releaser thread).
 - Errors are translated in one place (the seam :data:`VLLM_CALLS`, through
   ``shell.errors.translated``): vLLM's ``EngineDeadError``
   becomes ours. A generate call runs under :func:`_batch_call` as well: ``LLM.generate``
@@ -465,14 +455,15 @@ def abort_unfinished(
 
 class VllmEngineBase(Generic[_Llm]):
     """What both vLLM adapters share: the engine until it is shut down, its death (every
-    later call refused), its capabilities, the sleep-mode check and the renderer's
-    expansion of media rows."""
+    later call refused), its capabilities, the sleep-mode check, and the renderer's
+    tokenization and expansion of media rows."""
 
     def __init__(self, llm: _Llm, config: VllmConfig, *, weight_versions: bool = False) -> None:
         self._llm: _Llm | None = llm
         self._dead: str | None = None  # why the engine is dead (every later call refused)
         self._extension = bool(config.parallel_config.worker_extension_cls)
         self._caps = engine_capabilities(config, weight_versions=weight_versions)
+        self._skip_tokenizer = config.model_config.skip_tokenizer_init
 
     @property
     def llm(self) -> _Llm:
@@ -516,8 +507,18 @@ class VllmEngineBase(Generic[_Llm]):
             )
 
     def _renderer(self, call: str) -> BaseRenderer:
-        """The engine's renderer (UnsupportedError for a vLLM without one)."""
-        raise NotImplementedError
+        """The engine's renderer (``LLM.renderer`` and ``AsyncLLM.renderer``: 0.25 and 0.32
+        have it); UnsupportedError for a vLLM without one."""
+        renderer = getattr(self.llm, "renderer", None)
+        if not isinstance(renderer, BaseRenderer):
+            name = type(self.llm).__name__
+            raise UnsupportedError(f"{call}: this vLLM's {name} has no renderer to tokenize with")
+        return renderer
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        if self._skip_tokenizer:
+            raise UnsupportedError(NO_TOKENIZER)
+        return tokenize_with(self._renderer("tokenize"), prompts)
 
     def expanded_lengths(
         self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
@@ -533,7 +534,6 @@ class VllmEngine(VllmEngineBase[LLM]):
         super().__init__(llm, config)
         self._inflight: _Inflight = []  # a call left running
         self._log_stats = llm.llm_engine.log_stats
-        self._skip_tokenizer = config.model_config.skip_tokenizer_init
         sampling_args = self._caps.sampling_args or frozenset()
         self._sampled_arrays = "extra_args" in sampling_args and install(llm.llm_engine)
         # the wake without a refused fabric create per allocation (CUDA), where it sleeps
@@ -674,17 +674,6 @@ class VllmEngine(VllmEngineBase[LLM]):
         # The caller sees no tokens: the rows are checked here (EnginePort.generate_text).
         check_text_rows(_generations(completions, call="generate_text"), self._caps.logprobs_mode)
         return texts
-
-    def _renderer(self, call: str) -> BaseRenderer:
-        renderer = getattr(self.llm, "renderer", None)  # LLM.renderer: 0.25 and 0.32 have it
-        if not isinstance(renderer, BaseRenderer):
-            raise UnsupportedError(f"{call}: this vLLM's LLM has no renderer to tokenize with")
-        return renderer
-
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        if self._skip_tokenizer:
-            raise UnsupportedError(NO_TOKENIZER)
-        return tokenize_with(self._renderer("tokenize"), prompts)
 
     # -- memory ---------------------------------------------------------------------
     def sleep(self, level: int) -> None:
