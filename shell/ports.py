@@ -35,6 +35,7 @@ __all__ = [
     "AsyncEnginePort",
     "EngineCapabilities",
     "EngineFactory",
+    "EngineFactoryBase",
     "EnginePort",
     "RefitPort",
     "StreamedGeneration",
@@ -169,8 +170,8 @@ def check_text_rows(flat: FlatGenerations, logprobs_mode: str) -> None:
     unwrap(check_finished(flat), RequestAbortedError, "generate_text")
 
 
-class EngineFactory(Protocol):
-    """Starts engines: what the worker needs to plan and build one."""
+class EngineFactoryBase(Protocol):
+    """What both engine factories tell the worker that plans an engine."""
 
     def arg_names(self) -> frozenset[str] | None:
         """The installed engine's argument names (None: accept every planned argument)."""
@@ -183,6 +184,10 @@ class EngineFactory(Protocol):
     def capture_platform(self) -> CapturePlatform:
         """What the engine's platform can do for routed-experts capture (``core.routing``)."""
         ...
+
+
+class EngineFactory(EngineFactoryBase, Protocol):
+    """Starts engines: what the worker needs to plan and build one."""
 
     def start(self, kwargs: Mapping[str, object]) -> EnginePort: ...
 
@@ -214,7 +219,8 @@ def check_request_logprobs(generation: Generation, logprobs_mode: str, request_i
 
 class AsyncEnginePort(Protocol):
     """An engine that runs many requests at once (vLLM's ``AsyncLLM``): one coroutine per
-    request, pause/resume around weight changes, and the rest of :class:`EnginePort`."""
+    request, pause/resume around weight changes, and the rest of :class:`EnginePort`: a
+    method not documented here is that port's of the same name, its rules included."""
 
     @property
     def capabilities(self) -> EngineCapabilities: ...
@@ -229,19 +235,13 @@ class AsyncEnginePort(Protocol):
         ...
 
     async def compute_logprobs(
-        self,
-        request_id: str,
-        sequence: Sequence[int],
-        prompt_length: int,
-        top_k: int,
+        self, request_id: str, sequence: Sequence[int], prompt_length: int, top_k: int
     ) -> ScoredRow:
-        """:meth:`EnginePort.compute_logprobs` of one checked sequence, as request
-        ``request_id``."""
+        """One checked sequence, as request ``request_id``."""
         ...
 
     async def generate_text(self, request: RowRequest[RowMedia]) -> str:
-        """One request from prompt ids (:meth:`tokenize`'s) to its text; cancelling aborts.
-        Checked as :meth:`EnginePort.generate_text` checks its rows."""
+        """One request from prompt ids (:meth:`tokenize`'s) to its text; cancelling aborts."""
         ...
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -251,9 +251,7 @@ class AsyncEnginePort(Protocol):
 
     def expanded_lengths(
         self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-    ) -> list[int]:
-        """As :meth:`EnginePort.expanded_lengths` (the engine's processor, no request)."""
-        ...
+    ) -> list[int]: ...
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """End these requests now (their ``generate`` returns with finish reason abort)."""
@@ -269,29 +267,19 @@ class AsyncEnginePort(Protocol):
         """Label the tokens sampled from now on (``capabilities.weight_versions`` only)."""
         ...
 
-    async def sleep(self, level: int) -> None:
-        """:meth:`EnginePort.sleep`, with its rule for failures."""
-        ...
+    async def sleep(self, level: int) -> None: ...
 
-    async def wake_up(self, tags: Sequence[str] | None) -> bool | None:
-        """:meth:`EnginePort.wake_up`: whether the engine is fully awake afterwards."""
-        ...
+    async def wake_up(self, tags: Sequence[str] | None) -> bool | None: ...
 
     async def reset_prefix_cache(self) -> None: ...
 
-    async def reset_mm_cache(self) -> None:
-        """:meth:`EnginePort.reset_mm_cache`."""
-        ...
+    async def reset_mm_cache(self) -> None: ...
 
-    async def reset_encoder_cache(self) -> None:
-        """:meth:`EnginePort.reset_encoder_cache`."""
-        ...
+    async def reset_encoder_cache(self) -> None: ...
 
     def metrics(self) -> list[MetricSample]: ...
 
-    async def collective_rpc(self, call: RpcCall) -> list[object]:
-        """:meth:`EnginePort.collective_rpc`."""
-        ...
+    async def collective_rpc(self, call: RpcCall) -> list[object]: ...
 
     async def device_ids(self) -> list[str]: ...
 
@@ -302,14 +290,8 @@ class AsyncEnginePort(Protocol):
     async def shutdown(self) -> None: ...
 
 
-class AsyncEngineFactory(Protocol):
+class AsyncEngineFactory(EngineFactoryBase, Protocol):
     """Starts async engines (the :class:`EngineFactory` of the async worker)."""
-
-    def arg_names(self) -> frozenset[str] | None: ...
-
-    def gpu_capability(self) -> tuple[int, int] | None: ...
-
-    def capture_platform(self) -> CapturePlatform: ...
 
     def start(self, kwargs: Mapping[str, object]) -> AsyncEnginePort: ...
 
