@@ -219,9 +219,8 @@ class FakeAsyncEngine(FakeEngineBase):
         request.logprobs.append(logprob)
         request.text += detokenize((token,))
         self.generation_tokens += 1
-        stop_ids = set(spec.stop_token_ids) | (set() if spec.ignore_eos else {self.eos_token_id})
         room = self._caps.max_model_len - request.context
-        if token in stop_ids or any(request.text.endswith(s) for s in spec.stop):
+        if self._stops(spec, token, request.text):
             self._finish(request, "stop")
         elif len(request.tokens) >= min(spec.max_tokens, room):
             self._finish(request, "length")
@@ -260,11 +259,7 @@ class FakeAsyncEngine(FakeEngineBase):
     ) -> StreamedGeneration:
         self._enter("generate")
         request_id, prompt, media = request.request_id, request.prompt, request.media
-        if not prompt:
-            raise BadBatchError("prompt cannot be empty")
-        context = self._expanded(prompt, media)
-        if context >= self._caps.max_model_len:
-            raise BadBatchError("prompt is at least max_model_len long")
+        context = self._context(prompt, media)
         if any(r.request_id == request_id for r in (*self._waiting, *self._running)):
             raise BadBatchError(f"request id {request_id!r} is in use")
         self._ensure_scheduler()
@@ -344,13 +339,9 @@ class FakeAsyncEngine(FakeEngineBase):
         return {"rank": GroupJoin(**join).rank(0)}
 
     def load_new_weights(self) -> None:
-        """What a successful refit does to the fake: new tokens, weights valid again."""
-        if "weights" not in self.awake_tags:
-            raise FakeEngineMisuse("weights written while their memory is asleep")
         if self._running and self.pause_mode is None:
             raise FakeEngineMisuse("weights written while requests run unpaused")
-        self.weight_version += 1
-        self.weights_discarded = False
+        super().load_new_weights()
 
     def kill(self) -> None:
         """The engine core died: pending requests and later calls raise EngineDeadError."""
@@ -374,11 +365,7 @@ class FakeAsyncEngine(FakeEngineBase):
     async def wake_up(self, tags: Sequence[str] | None) -> bool:
         """Whether the engine is fully awake afterwards."""
         self._enter_memory_call(f"wake_up({None if tags is None else sorted(tags)})")
-        everything = {"weights", "kv_cache"}
-        if tags and self.awake_tags != everything and any(t in self.awake_tags for t in tags):
-            return False  # vLLM: "Tag ... is not in sleeping tags": the whole call is dropped
-        self.awake_tags |= everything if tags is None else set(tags)
-        return self.awake_tags == everything
+        return self._wake_tags(tags)
 
     async def reset_prefix_cache(self) -> None:
         self._enter("reset_prefix_cache")

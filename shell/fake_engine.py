@@ -327,6 +327,33 @@ class FakeEngineBase:
     def _expanded(self, prompt: Sequence[int], media: RowMedia | None) -> int:
         return expanded_length(prompt, media, self._caps.image_token_id, self.image_prompt_ids)
 
+    def _context(self, prompt: Sequence[int], media: RowMedia | None) -> int:
+        """What a prompt holds in the context; vLLM's refusals of an empty prompt and of
+        one that leaves no room for a token (``InputProcessor._validate_prompt_len``)."""
+        if not prompt:
+            raise BadBatchError("prompt cannot be empty")
+        context = self._expanded(prompt, media)
+        if context >= self._caps.max_model_len:
+            raise BadBatchError("prompt is at least max_model_len long")
+        return context
+
+    def _stops(self, spec: SamplingSpec, token: int, text: str) -> bool:
+        """vLLM's stop rule: a stop token id, the EOS id (unless ``ignore_eos``), or the
+        text so far ending with a stop string."""
+        eos = token == self.eos_token_id and not spec.ignore_eos
+        return eos or token in spec.stop_token_ids or any(text.endswith(s) for s in spec.stop)
+
+    def _wake_tags(self, tags: Sequence[str] | None) -> bool:
+        """vLLM's ``Executor.wake_up`` (see the module docstring); whether the engine is
+        fully awake afterwards."""
+        everything = {"weights", "kv_cache"}
+        if self.awake_tags == everything:
+            return True  # vLLM: "Executor is not sleeping."
+        if tags and any(t in self.awake_tags for t in tags):
+            return False  # vLLM: "Tag ... is not in sleeping tags": the whole call is dropped
+        self.awake_tags |= everything if not tags else set(tags)
+        return self.awake_tags == everything
+
     def _sampled(self, u: float, greedy: bool) -> tuple[int, float]:
         """The token a draw ``u`` samples and its logprob (the fakes' made-up model)."""
         token = int(u * (self._caps.vocab_size or 64))
@@ -353,6 +380,13 @@ class FakeEngineBase:
                 name="vllm:generation_tokens", labels=METRIC_LABELS, value=self.generation_tokens
             ),
         ]
+
+    def load_new_weights(self) -> None:
+        """What a successful refit does to the fake: new tokens, weights valid again."""
+        if "weights" not in self.awake_tags:
+            raise FakeEngineMisuse("weights written while their memory is asleep")
+        self.weight_version += 1
+        self.weights_discarded = False
 
     def _rpc(self, call: RpcCall) -> object:
         """What the handler of ``call.method`` returns (the one engine worker's answer)."""
@@ -413,17 +447,13 @@ class FakeEngine(FakeEngineBase):
             key = (*key, spec.adapter.name)
         if child:  # vLLM's n: each child samples on its own (an unseeded one at random)
             key = (*key, child)
-        stops = tuple(spec.stop)
-        stop_ids = set(spec.stop_token_ids)
-        if not spec.ignore_eos:
-            stop_ids.add(self.eos_token_id)
         text = ""
         while len(tokens) < min(spec.max_tokens, room):
             token, logprob = self._sampled(draw(*key, len(tokens)), greedy)
             tokens.append(token)
             logprobs.append(logprob)
             text += _LETTERS[token % 26]
-            if token in stop_ids or any(text.endswith(s) for s in stops):
+            if self._stops(spec, token, text):
                 finish = "stop"
                 break
         shape = self._caps.routes
@@ -463,10 +493,7 @@ class FakeEngine(FakeEngineBase):
         rows = zip(batch.prompts, batch.specs, batch.row_media(), counts, strict=True)
         out: list[Generation] = []
         for prompt, spec, row_media, n in rows:
-            if not prompt:
-                raise BadBatchError("prompt cannot be empty")
-            if self._expanded(prompt, row_media) >= self._caps.max_model_len:
-                raise BadBatchError("prompt is at least max_model_len long")
+            context = self._context(prompt, row_media)
             if n > 1 and spec.greedy:  # vLLM's SamplingParams._verify_greedy_sampling
                 raise BadBatchError(f"n must be 1 when using greedy sampling, got {n}.")
             for child in range(n):
@@ -477,7 +504,7 @@ class FakeEngine(FakeEngineBase):
                     logprob_faults.get(row),
                     finish_faults.get(row),
                 )
-                self.prompt_tokens += self._expanded(prompt, row_media)
+                self.prompt_tokens += context
                 self.generation_tokens += len(generation.token_ids)
                 out.append(generation)
         return out
@@ -507,15 +534,10 @@ class FakeEngine(FakeEngineBase):
     def wake_up(self, tags: Sequence[str] | None) -> bool:
         """Whether the engine is fully awake afterwards."""
         self._enter_memory_call(f"wake_up({None if tags is None else sorted(tags)})")
-        everything = {"weights", "kv_cache"}
-        if self.awake_tags == everything:
-            return True  # vLLM: "Executor is not sleeping."
-        if tags and any(t in self.awake_tags for t in tags):
-            return False  # vLLM: "Tag ... is not in sleeping tags": the whole call is dropped
-        self.awake_tags |= everything if not tags else set(tags)
-        if self.awake_tags == everything:
+        awake = self._wake_tags(tags)
+        if awake:
             self.sleep_level = 0
-        return self.awake_tags == everything
+        return awake
 
     def reset_prefix_cache(self) -> None:
         self._enter("reset_prefix_cache")
@@ -528,13 +550,6 @@ class FakeEngine(FakeEngineBase):
     def reset_encoder_cache(self) -> None:
         self._enter("reset_encoder_cache")
         self.encoder_cache_resets += 1
-
-    def load_new_weights(self) -> None:
-        """What a successful refit does to the fake: new outputs, weights valid again."""
-        if "weights" not in self.awake_tags:
-            raise FakeEngineMisuse("weights written while their memory is asleep")
-        self.weight_version += 1
-        self.weights_discarded = False
 
     # -- RPC -------------------------------------------------------------------------
     def collective_rpc(self, call: RpcCall) -> list[object]:
