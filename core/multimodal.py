@@ -38,20 +38,45 @@ image splitting it depends on each image's size): the shell measures it, and
 :func:`check_context` refuses rows whose expanded prompt leaves no room to generate. The
 caps of :mod:`genworker.core.caps` take the expanded lengths too. The output contract keeps
 the caller's own ids: one placeholder per image, never vLLM's expansion.
+
+Where a batch's images are (:func:`media_layout`, before any is decoded):
+``data["multi_modal_data"]`` is a list aligned with the rows, ``None`` for a text-only
+row or a mapping whose only key is ``"image"`` (other modalities are refused by name), one
+image or a list of them. NeMo-RL's side channels (``nemo_rl/models/generation/vllm/
+utils.py``, ``format_prompt_for_vllm_generation``) are ``vllm_images`` (per row a list of
+images, empty for a text row) and ``vllm_content`` (per row the conversation as text, or
+``None``): a row with images takes its prompt from its ``vllm_content`` when that is a
+string (NeMo-RL's ``input_ids`` hold its processor's *expanded* image ids, which vLLM
+cannot take back as a token prompt), else from its ids; a row without images uses its ids
+whatever its ``vllm_content`` says, as NeMo-RL does. ``vllm_audios`` and ``vllm_videos``
+carrying anything are refused by name (images only), as are ``vllm_images`` together with
+``multi_modal_data`` (one way in), and ``vllm_content`` for a call whose prompts are text.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 from returns.result import Failure, Result, Success
 
 from genworker.core.errors import CoreError
 
-__all__ = ["ContextError", "MediaError", "MediaErrorKind", "check_context", "check_media"]
+__all__ = [
+    "MEDIA_KEY",
+    "ContextError",
+    "MediaError",
+    "MediaErrorKind",
+    "MediaLayoutError",
+    "RawMedia",
+    "check_context",
+    "check_media",
+    "media_layout",
+]
+
+MEDIA_KEY = "multi_modal_data"
 
 
 class MediaErrorKind(enum.StrEnum):
@@ -223,3 +248,131 @@ def check_context(
             max_model_len=max_model_len,
         )
     )
+
+
+@attrs.frozen
+class MediaLayoutError(CoreError):
+    """The batch's images are not laid out as the module docstring says; ``key`` names the
+    data key."""
+
+    key: str
+
+
+@attrs.frozen
+class RawMedia:
+    """One row's images as the batch gave them (not yet decoded), the name of their list
+    in messages (image ``i`` is ``f"{where}[{i}]"``), and the row's prompt text (NeMo-RL's
+    ``vllm_content``; None: its ids)."""
+
+    images: tuple[object, ...]
+    where: str
+    text: str | None = None
+
+
+def _carries(value: object) -> bool:
+    """Whether a NeMo-RL side channel holds anything (a non-empty entry in some row)."""
+    if value is None:
+        return False
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        return True
+    return any(v is not None and not (isinstance(v, Sequence) and len(v) == 0) for v in value)
+
+
+class _Refused(Exception):
+    """A :class:`MediaLayoutError` on its way out to :func:`media_layout`'s Failure."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.error = MediaLayoutError(message, key=key)
+
+
+def _rows(data: Mapping[str, object], key: str, batch_size: int, call: str) -> Sequence[object]:
+    """``data[key]``, a list with one entry per row."""
+    value = data[key]
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        raise _Refused(
+            f"{call}: data[{key!r}] must be a list with one entry per row, got "
+            f"{type(value).__name__}",
+            key,
+        )
+    if len(value) != batch_size:
+        raise _Refused(f"{call}: data[{key!r}] has {len(value)} entries for {batch_size} rows", key)
+    return value
+
+
+def _entry(entry: object, row: int, call: str) -> RawMedia | None:
+    """Row ``row`` of ``multi_modal_data``."""
+    where = f"{call}: {MEDIA_KEY}[{row}]"
+    if entry is None:
+        return None
+    if not isinstance(entry, Mapping):
+        raise _Refused(f"{where} must be None or a mapping, got {type(entry).__name__}", MEDIA_KEY)
+    unknown = sorted(str(k) for k in entry if k != "image")
+    if unknown:
+        raise _Refused(f"{where}: only 'image' is supported, got {unknown}", MEDIA_KEY)
+    value = entry.get("image")
+    images = tuple(value) if isinstance(value, list | tuple) else (value,)
+    return RawMedia(images, f"{where}['image']") if value is not None and images else None
+
+
+def _nemo_rl_row(images: object, text: object, row: int, call: str) -> RawMedia | None:
+    """Row ``row`` of NeMo-RL's ``vllm_images`` and ``vllm_content``."""
+    where = f"{call}: vllm_images[{row}]"
+    if images is not None and not isinstance(images, list | tuple):
+        raise _Refused(
+            f"{where} must be a list of PIL images, got {type(images).__name__}", "vllm_images"
+        )
+    if text is not None and (not isinstance(text, str) or not text):
+        raise _Refused(
+            f"{call}: vllm_content[{row}] must be None or a non-empty str, got {text!r:.80}",
+            "vllm_content",
+        )
+    return RawMedia(tuple(images), where, text) if images else None  # none: the row's ids
+
+
+def media_layout(
+    data: Mapping[str, object], batch_size: int, call: str, *, texts: bool = True
+) -> Result[list[RawMedia | None] | None, MediaLayoutError]:
+    """Each row's images (undecoded) from ``data`` (see the module docstring), or ``None``
+    when no row has any. ``texts=False``: the call's prompts are text already, and a
+    ``vllm_content`` that carries anything is refused."""
+    try:
+        media = _layout(data, batch_size, call, texts)
+    except _Refused as e:
+        return Failure(e.error)
+    return Success(media if media and any(m is not None for m in media) else None)
+
+
+def _layout(
+    data: Mapping[str, object], batch_size: int, call: str, texts: bool
+) -> list[RawMedia | None] | None:
+    if other := [k for k in ("vllm_audios", "vllm_videos") if _carries(data.get(k))]:
+        raise _Refused(
+            f"{call}: data keys {other} carry audio or video, which this worker does not "
+            "take (images only)",
+            other[0],
+        )
+    if not texts and _carries(data.get("vllm_content")):
+        raise _Refused(
+            f"{call}: data['vllm_content'] (NeMo-RL's prompt text) is for generate: "
+            "this call's prompts are data['prompts']",
+            "vllm_content",
+        )
+    if _carries(data.get("vllm_images")):
+        if _carries(data.get(MEDIA_KEY)):
+            raise _Refused(
+                f"{call}: images in both data[{MEDIA_KEY!r}] and data['vllm_images'] "
+                "(NeMo-RL's side channel): keep one",
+                MEDIA_KEY,
+            )
+        images = _rows(data, "vllm_images", batch_size, call)
+        content = data.get("vllm_content")
+        prompts: Sequence[object] = [None] * batch_size
+        if content is not None:
+            prompts = _rows(data, "vllm_content", batch_size, call)
+        pairs = enumerate(zip(images, prompts, strict=True))
+        return [_nemo_rl_row(i, t, row, call) for row, (i, t) in pairs]
+    if data.get(MEDIA_KEY) is None:
+        return None
+    raw = _rows(data, MEDIA_KEY, batch_size, call)
+    return [_entry(entry, row, call) for row, entry in enumerate(raw)]

@@ -1,30 +1,13 @@
 """The images of a generate batch: one entry per row, checked and held for the engine.
 
-``data["multi_modal_data"]`` is a list aligned with the rows (of ``input_ids`` for
-``generate``, of ``prompts`` for ``generate_text``): ``None`` for a text-only row, or
-``{"image": image}`` / ``{"image": [image, ...]}`` with PIL images, one placeholder id per
-image in the row's prompt (:mod:`genworker.core.multimodal` checks those counts). Here:
-
-- the shape: a list of the batch's length, each entry ``None`` or a mapping whose only key
-  is ``"image"`` (other modalities are refused by name), images being PIL images;
-- that each image can be read: PIL opens files lazily, and a truncated or corrupt file
-  fails only when vLLM's processor decodes it, with an ``OSError`` from deep inside. Each
-  image is decoded here (``Image.load``; PIL keeps the pixels, so vLLM does not decode it
-  again) and must have a size;
-- NeMo-RL's side channels, the way its processors and collate functions send images
-  (``nemo_rl/models/generation/vllm/utils.py``, ``format_prompt_for_vllm_generation``):
-  ``vllm_images`` (per row a list of PIL images, empty for a text row) and ``vllm_content``
-  (per row the conversation as text, or ``None``). A row with images takes its prompt from
-  its ``vllm_content`` when that is a string (:attr:`RowMedia.text`; NeMo-RL's ``input_ids``
-  hold its processor's *expanded* image ids, which vLLM cannot take back as a token prompt,
-  and NeMo-RL sends vLLM the text for that reason), else from its ids (NeMo-RL's later
-  turns: ``vllm_content`` ``None``); a row without images uses its ids whatever its
-  ``vllm_content`` says, as NeMo-RL does. ``vllm_audios`` and ``vllm_videos`` carrying
-  anything are refused by name (images only), as are ``vllm_images`` together with
-  ``multi_modal_data`` (one way in).
-
-Every problem is a :class:`~genworker.shell.errors.BadBatchError` naming the row (and the
-image), raised before anything reaches the engine.
+Where the images are (``data["multi_modal_data"]``, or NeMo-RL's ``vllm_images`` and
+``vllm_content`` side channels) is core's to read (:func:`genworker.core.multimodal.media_layout`,
+whose docstring has the rules). Here each image is decoded: PIL opens files lazily, and a
+truncated or corrupt file fails only when vLLM's processor decodes it, with an ``OSError``
+from deep inside. ``Image.load`` decodes it now (PIL keeps the pixels, so vLLM does not
+decode it again), and it must have a size. Every problem is a
+:class:`~genworker.shell.errors.BadBatchError` naming the row (and the image), raised
+before anything reaches the engine.
 """
 
 from __future__ import annotations
@@ -34,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from genworker.core.multimodal import check_context, check_media
+from genworker.core.multimodal import MEDIA_KEY, check_context, check_media, media_layout
 from genworker.shell.errors import BadBatchError, unwrap
 
 if TYPE_CHECKING:
@@ -51,8 +34,6 @@ __all__ = [
     "media_rows",
     "row_media",
 ]
-
-MEDIA_KEY = "multi_modal_data"
 
 
 @attrs.frozen
@@ -83,96 +64,23 @@ def _image(value: object, where: str) -> Image:
     return value
 
 
-def _entry(entry: object, row: int, call: str) -> RowMedia | None:
-    where = f"{call}: {MEDIA_KEY}[{row}]"
-    if entry is None:
-        return None
-    if not isinstance(entry, Mapping):
-        raise BadBatchError(f"{where} must be None or a mapping, got {type(entry).__name__}")
-    unknown = sorted(str(k) for k in entry if k != "image")
-    if unknown:
-        raise BadBatchError(f"{where}: only 'image' is supported, got {unknown}")
-    value = entry.get("image")
-    if value is None:
-        return None
-    values = list(value) if isinstance(value, list | tuple) else [value]
-    images = tuple(_image(v, f"{where}['image'][{i}]") for i, v in enumerate(values))
-    return RowMedia(images) if images else None
-
-
-def _carries(value: object) -> bool:
-    """Whether a NeMo-RL side channel holds anything (a non-empty entry in some row)."""
-    if value is None:
-        return False
-    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
-        return True
-    return any(v is not None and not (isinstance(v, Sequence) and len(v) == 0) for v in value)
-
-
-def _rows(data: Mapping[str, object], key: str, batch_size: int, call: str) -> Sequence[object]:
-    """``data[key]``, a list with one entry per row."""
-    value = data[key]
-    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
-        raise BadBatchError(
-            f"{call}: data[{key!r}] must be a list with one entry per row, got "
-            f"{type(value).__name__}"
-        )
-    if len(value) != batch_size:
-        raise BadBatchError(f"{call}: data[{key!r}] has {len(value)} entries for {batch_size} rows")
-    return value
-
-
-def _nemo_rl_row(images: object, text: object, row: int, call: str) -> RowMedia | None:
-    """Row ``row`` of NeMo-RL's ``vllm_images`` and ``vllm_content``."""
-    where = f"{call}: vllm_images[{row}]"
-    if images is not None and not isinstance(images, list | tuple):
-        raise BadBatchError(f"{where} must be a list of PIL images, got {type(images).__name__}")
-    decoded = tuple(_image(v, f"{where}[{i}]") for i, v in enumerate(images or ()))
-    if text is not None and (not isinstance(text, str) or not text):
-        raise BadBatchError(
-            f"{call}: vllm_content[{row}] must be None or a non-empty str, got {text!r:.80}"
-        )
-    return RowMedia(decoded, text) if decoded else None  # NeMo-RL: no images, the ids
-
-
 def row_media(
     data: Mapping[str, object], batch_size: int, call: str, *, texts: bool = True
 ) -> list[RowMedia | None] | None:
-    """Each row's media from ``data`` (see the module docstring), or ``None`` when no row
-    has any. ``texts=False``: the call's prompts are text already, and a ``vllm_content``
-    that carries anything is refused."""
-    if other := [k for k in ("vllm_audios", "vllm_videos") if _carries(data.get(k))]:
-        raise BadBatchError(
-            f"{call}: data keys {other} carry audio or video, which this worker does not "
-            "take (images only)"
-        )
-    if not texts and _carries(data.get("vllm_content")):
-        raise BadBatchError(
-            f"{call}: data['vllm_content'] (NeMo-RL's prompt text) is for generate: "
-            "this call's prompts are data['prompts']"
-        )
-    if _carries(data.get("vllm_images")):
-        if _carries(data.get(MEDIA_KEY)):
-            raise BadBatchError(
-                f"{call}: images in both data[{MEDIA_KEY!r}] and data['vllm_images'] "
-                "(NeMo-RL's side channel): keep one"
-            )
-        images = _rows(data, "vllm_images", batch_size, call)
-        content = data.get("vllm_content")
-        prompts = (
-            [None] * batch_size
-            if content is None
-            else _rows(data, "vllm_content", batch_size, call)
-        )
-        media = [
-            _nemo_rl_row(*row, i, call) for i, row in enumerate(zip(images, prompts, strict=True))
-        ]
-    elif data.get(MEDIA_KEY) is None:
+    """Each row's media from ``data`` (``core.multimodal.media_layout``), its images
+    decoded, or ``None`` when no row has any. ``texts=False``: the call's prompts are text
+    already, and a ``vllm_content`` that carries anything is refused."""
+    layout = unwrap(media_layout(data, batch_size, call, texts=texts), BadBatchError, "")
+    if layout is None:
         return None
-    else:
-        raw = _rows(data, MEDIA_KEY, batch_size, call)
-        media = [_entry(entry, row, call) for row, entry in enumerate(raw)]
-    return media if any(m is not None for m in media) else None
+    return [
+        None
+        if raw is None
+        else RowMedia(
+            tuple(_image(v, f"{raw.where}[{i}]") for i, v in enumerate(raw.images)), raw.text
+        )
+        for raw in layout
+    ]
 
 
 def image_counts(media: Sequence[RowMedia | None] | None, batch_size: int) -> list[int]:

@@ -11,11 +11,15 @@ from returns.result import Failure, Success
 from strategies import MediaBatch, media_batches, st
 
 from genworker.core.multimodal import (
+    MEDIA_KEY,
     ContextError,
     MediaError,
     MediaErrorKind,
+    MediaLayoutError,
+    RawMedia,
     check_context,
     check_media,
+    media_layout,
 )
 
 IMAGE = 4  # the tiny Idefics3's <image> id
@@ -168,3 +172,80 @@ def test_check_context_refuses_inconsistent_lengths() -> None:
         check_context([1, 2], [8], 10)
     with pytest.raises(ValueError, match=r"rows \[1\] have expanded lengths below"):
         check_context([1, 5], [8, 4], 10)
+
+
+_A, _B = object(), object()  # images: core never looks inside them
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({}, None),
+        ({MEDIA_KEY: None, "vllm_images": [[], None], "vllm_audios": [None]}, None),
+        ({MEDIA_KEY: [None, {"image": None}, {"image": []}]}, None),
+        (
+            {MEDIA_KEY: [{"image": _A}, None, {"image": (_A, _B)}]},
+            [
+                RawMedia((_A,), "c: multi_modal_data[0]['image']"),
+                None,
+                RawMedia((_A, _B), "c: multi_modal_data[2]['image']"),
+            ],
+        ),
+        (
+            {"vllm_images": [[_A], [], (_B,)], "vllm_content": ["text", "other", None]},
+            [
+                RawMedia((_A,), "c: vllm_images[0]", "text"),
+                None,
+                RawMedia((_B,), "c: vllm_images[2]"),
+            ],
+        ),
+        ({"vllm_images": [None, [_A], []]}, [None, RawMedia((_A,), "c: vllm_images[1]"), None]),
+    ],
+)
+def test_the_layout_finds_each_rows_images_and_text(
+    data: dict[str, object], expected: list[RawMedia | None] | None
+) -> None:
+    assert media_layout(data, 3, "c") == Success(expected)
+
+
+@pytest.mark.parametrize(
+    ("data", "texts", "key", "error"),
+    [
+        (
+            {"vllm_videos": [[_A]], "vllm_audios": 1},
+            True,
+            "vllm_audios",
+            "['vllm_audios', 'vllm_videos'] carry",
+        ),
+        ({"vllm_videos": "clip"}, True, "vllm_videos", "carry audio or video"),
+        ({"vllm_content": [None, "hi"]}, False, "vllm_content", "is for generate"),
+        ({MEDIA_KEY: [{"image": _A}], "vllm_images": [[_A]]}, True, MEDIA_KEY, "keep one"),
+        ({"vllm_images": [[_A]]}, True, "vllm_images", "has 1 entries for 2 rows"),
+        ({"vllm_images": ([_A], [])}, True, "vllm_images", None),
+        ({"vllm_images": [[_A], []], "vllm_content": "hi"}, True, "vllm_content", "must be a list"),
+        ({"vllm_images": [_A, []]}, True, "vllm_images", "c: vllm_images[0] must be a list"),
+        ({"vllm_images": [[_A], []], "vllm_content": ["", None]}, True, "vllm_content", "[0] must"),
+        ({"vllm_images": [[_A], []], "vllm_content": [None, 3]}, True, "vllm_content", "got 3"),
+        ({MEDIA_KEY: b"xy"}, True, MEDIA_KEY, "must be a list with one entry per row, got bytes"),
+        ({MEDIA_KEY: [None, _A]}, True, MEDIA_KEY, "[1] must be None or a mapping, got object"),
+        (
+            {MEDIA_KEY: [{"audio": _A}, None]},
+            True,
+            MEDIA_KEY,
+            "only 'image' is supported, got ['audio']",
+        ),
+    ],
+)
+def test_a_layout_it_cannot_read_is_refused_naming_the_key(
+    data: dict[str, object], texts: bool, key: str, error: str | None
+) -> None:
+    result = media_layout(data, 2, "c", texts=texts)
+    if error is None:  # a tuple of rows is a list of rows too
+        assert result == Success([RawMedia((_A,), "c: vllm_images[0]"), None])
+        return
+    assert isinstance(result, Failure)
+    problem = result.failure()
+    assert isinstance(problem, MediaLayoutError)
+    assert problem.key == key
+    assert error in str(problem)
+    assert str(problem).startswith("c: ")
