@@ -58,14 +58,17 @@ from genworker.core.errors import CoreError
 
 __all__ = [
     "FILL",
+    "MOE_FIELDS",
     "V2_RUNNER_ENV",
     "CapturePlan",
     "CapturePlatform",
     "MoeShape",
+    "NotMoe",
     "RoutedExperts",
     "RoutesRefused",
     "check_routes",
     "layout_routes",
+    "moe_shape",
     "nemo_rl_routes",
     "plan_capture",
     "routes_dtype",
@@ -127,6 +130,44 @@ class MoeShape:
     @property
     def dtype(self) -> np.dtype[RouteScalar]:
         return routes_dtype(self.num_experts)
+
+
+#: the HF config fields an MoE model's routing is sized from, as vLLM sizes its capture
+#: buffer: layers, experts per token, then the expert count under each model family's name
+MOE_FIELDS: Final = (
+    "num_hidden_layers",
+    "num_experts_per_tok",
+    "num_experts",
+    "n_routed_experts",
+    "num_local_experts",
+)
+
+
+@attrs.frozen
+class NotMoe(CoreError):
+    """Routes were asked of a model whose config (``config``: its class name) does not size
+    them."""
+
+    config: str
+
+
+def moe_shape(fields: Mapping[str, object], config: str) -> Result[MoeShape, NotMoe]:
+    """The routing shape of a model whose HF config holds these :data:`MOE_FIELDS` (name ->
+    value, None when absent; the first positive expert count wins); ``config`` names the
+    config's class in the refusal."""
+    experts = next(
+        (v for name in MOE_FIELDS[2:] if isinstance(v := fields.get(name), int) and v > 0), None
+    )
+    layers, top_k = fields.get("num_hidden_layers"), fields.get("num_experts_per_tok")
+    if not (isinstance(layers, int) and isinstance(top_k, int) and experts is not None):
+        return Failure(
+            NotMoe(
+                "enable_return_routed_experts needs an MoE model (num_hidden_layers, "
+                f"num_experts_per_tok and an expert count in its config); got {config}",
+                config=config,
+            )
+        )
+    return Success(MoeShape(num_layers=layers, top_k=top_k, num_experts=experts))
 
 
 def _same_array(a: EngineArray, b: EngineArray) -> bool:

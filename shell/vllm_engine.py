@@ -143,7 +143,13 @@ from genworker.core.engine_calls import EngineBatch, RpcCall
 from genworker.core.engine_plan import fp8_start
 from genworker.core.lora import LoraRef, adapter_path
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
-from genworker.core.routing import CapturePlatform, MoeShape, RoutedExperts
+from genworker.core.routing import (
+    MOE_FIELDS,
+    CapturePlatform,
+    MoeShape,
+    RoutedExperts,
+    moe_shape,
+)
 from genworker.core.sampling import SamplingSpec, group_specs
 from genworker.core.scoring import ScoredRow, read_scored_row
 from genworker.shell.collector import defer_cyclic_gc
@@ -255,21 +261,8 @@ def routes_shape(config: object) -> MoeShape | None:
     ):
         return None
     hf = getattr(model, "hf_text_config", None)
-    experts = next(
-        (
-            value
-            for name in ("num_experts", "n_routed_experts", "num_local_experts")
-            if isinstance(value := getattr(hf, name, None), int) and value > 0
-        ),
-        None,
-    )
-    layers, top_k = getattr(hf, "num_hidden_layers", None), getattr(hf, "num_experts_per_tok", None)
-    if not (isinstance(layers, int) and isinstance(top_k, int) and experts is not None):
-        raise BadConfigError(
-            "enable_return_routed_experts needs an MoE model (num_hidden_layers, "
-            f"num_experts_per_tok and an expert count in its config); got {type(hf).__name__}"
-        )
-    return MoeShape(num_layers=layers, top_k=top_k, num_experts=experts)
+    fields = {name: getattr(hf, name, None) for name in MOE_FIELDS}
+    return unwrap(moe_shape(fields, type(hf).__name__), BadConfigError, "")
 
 
 def routes_of(out: CompletionOutput, shape: MoeShape | None) -> RoutedExperts | None:

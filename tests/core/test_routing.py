@@ -19,13 +19,16 @@ from genworker.core.assembly import (
 from genworker.core.outputs import check_generation_routes, check_routed_experts
 from genworker.core.routing import (
     FILL,
+    MOE_FIELDS,
     V2_RUNNER_ENV,
     CapturePlatform,
     MoeShape,
+    NotMoe,
     RoutedExperts,
     RoutesRefused,
     check_routes,
     layout_routes,
+    moe_shape,
     nemo_rl_routes,
     plan_capture,
     routes_dtype,
@@ -295,3 +298,31 @@ def test_capture_is_refused_with_the_reason(
     plan = plan_capture(platform, prefix)
     assert isinstance(plan, Failure)
     assert reason in plan.failure()
+
+
+@pytest.mark.parametrize(
+    ("expert_field", "experts"),
+    [("num_experts", 8), ("n_routed_experts", 6), ("num_local_experts", 4)],
+)
+def test_the_routing_shape_is_read_from_each_model_familys_expert_count(
+    expert_field: str, experts: int
+) -> None:
+    fields: dict[str, object] = dict.fromkeys(MOE_FIELDS)
+    fields.update({"num_hidden_layers": 3, "num_experts_per_tok": 2, expert_field: experts})
+    assert moe_shape(fields, "Cfg") == Success(MoeShape(num_layers=3, top_k=2, num_experts=experts))
+    fields["num_experts"] = 0  # a dense family's zero is no count: the next name is read
+    if expert_field != "num_experts":
+        assert moe_shape(fields, "Cfg") == Success(MoeShape(3, 2, experts))
+
+
+@pytest.mark.parametrize(
+    "missing", [{"num_hidden_layers": None}, {"num_experts_per_tok": "2"}, {"num_experts": 0}]
+)
+def test_a_config_that_does_not_size_routes_is_no_moe_model(missing: dict[str, object]) -> None:
+    fields: dict[str, object] = {"num_hidden_layers": 3, "num_experts_per_tok": 2, "num_experts": 8}
+    fields.update(missing)
+    refused = moe_shape(fields, "LlamaConfig")
+    assert isinstance(refused, Failure)
+    assert refused.failure() == NotMoe(refused.failure().message, config="LlamaConfig")
+    assert "needs an MoE model" in str(refused.failure())
+    assert str(refused.failure()).endswith("got LlamaConfig")
