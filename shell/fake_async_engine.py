@@ -18,34 +18,22 @@ scheduler task admits waiting requests and gives every running request one token
   ``label_weights`` when it was sampled, reported as spans when the request finishes;
   with ``weight_versions=False`` the engine labels nothing and calls ``progress`` after
   every step instead;
-- with ``image_token_id`` set it takes images as the sync fake does: each placeholder of a
-  request stands for ``image_prompt_ids`` ids in the context, the tokens depend on the
-  images' pixels, and images that do not match the placeholders are refused;
 - ``next_logprobs`` (prompt -> value) makes the next request with that prompt come back
   with every sampled logprob that value (vLLM's garbage logits: NaN, +inf; or -inf);
-  ``generate_text`` checks it as the vLLM adapter does, under the engine's
-  ``logprobs_mode`` (the factory's ``logprobs_mode`` kwarg);
 - ``kill()`` is an engine core that died: every pending request and every later call
   raises ``EngineDeadError``;
-- ``fail_next`` (with ``fail_call``: only a call of that name takes it) is raised by the
-  next call, as the sync fake's; a sleep or wake that fails so (anything but a typed
-  refusal) fails part-way and leaves the KV cache asleep, as the sync fake's (vLLM 0.32's
-  ``CuMemAllocator`` and ``EngineCore.sleep``); ``wake_up`` drops a call naming an awake
-  tag whole (vllm#31618, the same ``Executor`` as the sync engine's) and returns whether
-  the engine is fully awake (``AsyncLLM.wake_up``'s answer).
+- ``accept_refits=True`` makes every refit RPC succeed at once, genworker's wire and the
+  extension's NeMo-RL one (``nemo_rl_*``), group joins included (for tests whose fake
+  lives in another process, a Ray actor);
+- ``FakeEngineMisuse`` where a real engine would silently go wrong: weights changed
+  (``load_new_weights``) while requests run unpaused, generating with memory asleep,
+  sleeping with requests in flight.
 
-``accept_refits=True`` makes every refit RPC succeed at once, genworker's wire and the
-extension's NeMo-RL one (``nemo_rl_*``), group joins included (for tests whose fake lives
-in another process, a Ray actor). It raises ``FakeEngineMisuse`` where a real engine would silently go wrong: weights changed
-(``load_new_weights``) while requests run unpaused, generating with memory asleep, sleeping
-with requests in flight.
-
-With the factory's ``moe`` option and the engine kwarg ``enable_return_routed_experts`` each
-finished request carries routed experts, as the sync fake's (``fake_engine.fake_routes``):
-the prompt under the weights of the first generated token, each generated token under the
-weights that sampled it.
-
-Detokenisation is one letter per token id, as in ``fake_engine``.
+The rest is the sync fake's (``fake_engine``, the same ``FakeEngineBase``): images,
+``generate_text``'s checks under the engine's ``logprobs_mode``, ``fail_next`` /
+``fail_call`` and a sleep or wake that fails part-way, ``wake_up``'s tag rule, routed
+experts (here the prompt under the weights of the first generated token, each generated
+token under the weights that sampled it) and the letter tokenizer.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from array import array
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -90,16 +91,20 @@ def _update_sample_logprobs(
         self.cumulative_logprob += value
 
 
-def _processor_class() -> type | None:
-    """vLLM's ``LogprobsProcessor`` class when it has the fields and method read here."""
+def _vllm_class(module: str, name: str) -> type | None:
+    """Class ``name`` of ``vllm.v1.engine.<module>``, if this vLLM has it."""
     try:
-        from vllm.v1.engine import logprobs as module
+        found = getattr(importlib.import_module(f"vllm.v1.engine.{module}"), name, None)
     except ImportError:
         return None
-    cls = getattr(module, "LogprobsProcessor", None)
+    return found if isinstance(found, type) else None
+
+
+def _processor_class() -> type | None:
+    """vLLM's ``LogprobsProcessor`` class when it has the fields and method read here."""
+    cls = _vllm_class("logprobs", "LogprobsProcessor")
     if not (
-        isinstance(cls, type)
-        and dataclasses.is_dataclass(cls)
+        dataclasses.is_dataclass(cls)
         and {f.name for f in dataclasses.fields(cls)} >= _FIELDS
         and callable(getattr(cls, "_update_sample_logprobs", None))
     ):
@@ -117,19 +122,8 @@ _SampledProcessor: type | None = (
         {"_update_sample_logprobs": _update_sample_logprobs, "__slots__": ()},
     )
 )
-
-
-def _detokenizer_class() -> type | None:
-    """vLLM's ``IncrementalDetokenizer`` class (the one without a tokenizer), if any."""
-    try:
-        from vllm.v1.engine import detokenizer as module
-    except ImportError:
-        return None
-    cls = getattr(module, "IncrementalDetokenizer", None)
-    return cls if isinstance(cls, type) else None
-
-
-_DETOKENIZER = _detokenizer_class()
+#: vLLM's ``IncrementalDetokenizer`` class (the one without a tokenizer), if any
+_DETOKENIZER = _vllm_class("detokenizer", "IncrementalDetokenizer")
 
 
 def _keep_ids_as_array(state: object) -> None:

@@ -8,13 +8,10 @@ Theory of operation
   (vllm/sampling_params.py, 0.32); engine arguments are ``EngineArgs``' dataclass fields.
 - ``generate`` builds one ``SamplingParams`` per distinct spec (``group_specs``) and hands
   vLLM a per-prompt list of them; ``LLM.generate`` returns outputs in prompt order.
-- The sampled logprobs as arrays (:mod:`genworker.shell.sampled_logprobs`): the engine
-  installs that hook on its ``LLMEngine`` at start, and marks the ``SamplingParams`` of
-  every spec with ``logprobs=0`` and no text; vLLM then keeps those rows' sampled ids and
-  logprobs in two typed arrays per row in place of flat logprobs, and their generated
-  token ids in a third in place of a list: no Python object per token stays alive. Rows
-  that need text (stop strings) or more logprobs, and every engine on which the hook
-  cannot be installed, get vLLM's flat logprobs.
+- The sampled logprobs as arrays: the engine installs the hook of
+  :mod:`genworker.shell.sampled_logprobs` on its ``LLMEngine`` at start, and marks the
+  ``SamplingParams`` of every spec with ``logprobs=0`` and no text; rows that need text
+  (stop strings) or more logprobs, and every engine without the hook, get flat logprobs.
 - vLLM's outputs become :class:`~genworker.core.assembly.FlatGenerations` in one pass
   (:mod:`genworker.core.completions`: the layouts, the finish reasons); a completion it
   cannot read is an ``EngineContractError``.
@@ -177,7 +174,7 @@ from genworker.shell.startup import checked_model_source
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
     from vllm.logprobs import Logprob
-    from vllm.outputs import CompletionOutput
+    from vllm.outputs import CompletionOutput, RequestOutput
 
 __all__ = [
     "VllmEngine",
@@ -617,15 +614,20 @@ class VllmEngine(VllmEngineBase[LLM]):
                 per_row[row] = params
         return [p for p in per_row if p is not None]
 
+    def _run(self, call: str, batch: EngineBatch[RowMedia], use_tqdm: bool) -> list[RequestOutput]:
+        """The batch through ``LLM.generate`` under :func:`_batch_call` (its sample counts
+        as vLLM's ``n``, its rows' adapters as LoRA requests)."""
+        llm = self.llm
+        with _batch_call(llm, call, self._inflight):
+            params = with_samples(self.request_params(batch.specs), batch.samples)
+            rows = zip(batch.prompts, batch.row_media(), strict=True)
+            prompts = [token_prompt(prompt, media) for prompt, media in rows]
+            loras = lora_requests(batch.specs)
+            return llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=loras)
+
     @defer_cyclic_gc()
     def generate(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> FlatGenerations:
-        llm = self.llm
-        with _batch_call(llm, "generate", self._inflight):
-            params = with_samples(self.request_params(batch.specs), batch.samples)
-            loras = lora_requests(batch.specs)
-            outputs = llm.generate(
-                _token_prompts(batch), params, use_tqdm=use_tqdm, lora_request=loras
-            )
+        outputs = self._run("generate", batch, use_tqdm)
         rows = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         del outputs  # the completions are now the only references to vLLM's outputs
         shape = self._caps.routes
@@ -655,13 +657,7 @@ class VllmEngine(VllmEngineBase[LLM]):
             )
         if batch.samples is not None:  # one completion per prompt is read below
             raise ValueError(f"generate_text: sample counts {batch.samples}: one text a prompt")
-        llm = self.llm
-        with _batch_call(llm, "generate_text", self._inflight):
-            params = self.request_params(batch.specs)
-            loras = lora_requests(batch.specs)
-            outputs = llm.generate(
-                _token_prompts(batch), params, use_tqdm=use_tqdm, lora_request=loras
-            )
+        outputs = self._run("generate_text", batch, use_tqdm)
         completions: list[CompletionOutput | None] = [out.outputs[0] for out in outputs]
         texts = [out.outputs[0].text for out in outputs]
         # The caller sees no tokens: the rows are checked here (EnginePort.generate_text).
@@ -855,12 +851,6 @@ def lora_requests(specs: Sequence[SamplingSpec]) -> list[LoRARequest | None] | N
     if all(spec.adapter is None for spec in specs):
         return None
     return [lora_request(spec.adapter) for spec in specs]
-
-
-def _token_prompts(batch: EngineBatch[RowMedia]) -> list[TokensPrompt]:
-    if batch.media is None:
-        return [TokensPrompt(prompt_token_ids=list(p)) for p in batch.prompts]
-    return [token_prompt(p, m) for p, m in zip(batch.prompts, batch.media, strict=True)]
 
 
 def _settle(inflight: _Inflight, what: str) -> None:
