@@ -77,7 +77,6 @@ from genworker.shell.errors import (
     EngineDeadError,
     EngineStateError,
     GenworkerError,
-    RequestAbortedError,
     UnsupportedError,
     fatal,
     translated,
@@ -85,7 +84,7 @@ from genworker.shell.errors import (
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import (
     StreamedGeneration,
-    check_request_logprobs,
+    check_text_request,
 )
 from genworker.shell.startup import check_main_guard, checked_model_source
 from genworker.shell.vllm_engine import (
@@ -284,10 +283,8 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
         params = self._sampling(request.spec, RequestOutputKind.FINAL_ONLY)
         completion = await self._final("generate_text", request, params)
         request_id = request.request_id
-        if completion.finish_reason == "abort":
-            raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
         generation = generation_of(0, completion)
-        check_request_logprobs(generation, self._caps.logprobs_mode, request_id)
+        check_text_request(generation, self._caps.logprobs_mode, request_id)
         return completion.text
 
     async def abort(self, request_ids: Sequence[str]) -> None:

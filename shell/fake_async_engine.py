@@ -56,7 +56,6 @@ from genworker.shell.errors import (
     BadBatchError,
     EngineDeadError,
     EngineStateError,
-    RequestAbortedError,
 )
 from genworker.shell.fake_engine import (
     METRIC_LABELS,
@@ -72,7 +71,7 @@ from genworker.shell.fake_engine import (
     seed_of,
 )
 from genworker.shell.media import RowMedia
-from genworker.shell.ports import StreamedGeneration, check_request_logprobs
+from genworker.shell.ports import StreamedGeneration, check_text_request
 
 __all__ = ["FakeAsyncEngine", "FakeAsyncEngineFactory"]
 
@@ -278,9 +277,7 @@ class FakeAsyncEngine(FakeEngineBase):
     async def generate_text(self, request: RowRequest[RowMedia]) -> str:
         streamed = await self.generate(request)
         generation, request_id = streamed.generation, request.request_id
-        if generation.finish_reason == "abort":
-            raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
-        check_request_logprobs(generation, self._caps.logprobs_mode, request_id)
+        check_text_request(generation, self._caps.logprobs_mode, request_id)
         return detokenize(generation.token_ids)
 
     async def abort(self, request_ids: Sequence[str]) -> None:

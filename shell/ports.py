@@ -39,7 +39,7 @@ __all__ = [
     "EnginePort",
     "RefitPort",
     "StreamedGeneration",
-    "check_request_logprobs",
+    "check_text_request",
     "check_text_rows",
 ]
 
@@ -202,10 +202,13 @@ class StreamedGeneration:
     version_spans: tuple[tuple[str, int, int], ...] | None = None
 
 
-def check_request_logprobs(generation: Generation, logprobs_mode: str, request_id: str) -> None:
-    """What an async engine's ``generate_text`` owes its caller, who sees no tokens: an
-    ``EngineContractError`` naming the request when ``check_logprobs`` refuses the
-    request's sampled logprobs (the async worker names the row)."""
+def check_text_request(generation: Generation, logprobs_mode: str, request_id: str) -> None:
+    """What an async engine's ``generate_text`` owes its caller, who sees no tokens:
+    ``RequestAbortedError`` when the engine aborted the request, ``EngineContractError``
+    naming the request when ``check_logprobs`` refuses its sampled logprobs (the async
+    worker names the row)."""
+    if generation.finish_reason == "abort":
+        raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
     checked = check_generation_logprobs(generation, logprobs_mode)
     if isinstance(checked, Failure):
         problem = checked.failure()
