@@ -1154,7 +1154,7 @@ def diagnose_before(
             (worker.VllmGenerationWorker, "_context_lengths"),
             (worker.VllmGenerationWorker, "_specs"),
             (vllm_engine.VllmEngine, "request_params"),
-            (vllm_engine, "_token_prompts"),
+            (vllm_engine, "token_prompt"),  # per row, summed
         ]
     )
     measured = probe.clock
