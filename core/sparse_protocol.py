@@ -24,26 +24,59 @@ the sender holds only after the verdict. :class:`StepReceiver` is one relay node
 A node that diverged holds bits nobody can vouch for: it refuses every delta until a
 full step (``needs_full``). Every divergence is returned as its reason, for the shell to
 log and tell the engine.
+
+*The wire.* Each message is a tag, a msgpack body against a fixed schema (no pickle) and,
+for a frame, its compressed payload; :func:`read_begin`, :func:`read_frame`,
+:func:`read_end` and :func:`read_report` take a body (or a report's parts) to a value or
+a :class:`WireError`, the ``*_message`` functions build the parts.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Final
 
 import attrs
-from returns.result import Failure
+import msgspec
+from returns.result import Failure, Result, Success
 
-from genworker.core.delta import RelayPlan, plan_relay
+from genworker.core.delta import (
+    MAX_CHUNK_ELEMENTS,
+    NodeResult,
+    Outcome,
+    RelayPlan,
+    RelayReport,
+    plan_relay,
+)
+from genworker.core.errors import CoreError
 from genworker.core.refit_plan import Manifest, TensorSpec
 
 __all__ = [
+    "TAG_BEGIN",
+    "TAG_END",
+    "TAG_FRAME",
+    "TAG_REPORT",
+    "BeginMsg",
     "FrameAction",
+    "FrameMsg",
     "FrameResult",
     "Started",
     "StepBegin",
     "StepReceiver",
     "StepSender",
+    "WireError",
+    "WirePiece",
+    "begin_message",
+    "end_message",
+    "frame_message",
+    "read_begin",
+    "read_end",
+    "read_frame",
+    "read_report",
+    "report_message",
+    "step_manifest",
+    "tensor_problems",
     "tiles",
 ]
 
@@ -268,3 +301,157 @@ class StepReceiver:
             return ""
         self._step = None
         return self._diverge(f"step {current.begin.step} stopped mid-way for {bound:g} s")
+
+
+def step_manifest(manifest: Manifest) -> StepManifest:
+    """``manifest`` as a step's ``Begin`` carries it."""
+    return tuple((s.name, s.shape, s.dtype) for s in manifest.specs)
+
+
+def tensor_problems(manifest: Manifest, specs: Mapping[str, TensorSpec | None]) -> list[str]:
+    """What keeps a step's tensors from being ``manifest``'s: each missing, misshaped or
+    unknown one, named (``specs``: each given tensor's spec by name, ``None`` for a name
+    outside the manifest)."""
+    problems = []
+    for spec in manifest.specs:
+        got = specs.get(spec.name)
+        if got is None:
+            problems.append(f"{spec.name!r} is missing")
+        elif got != spec:
+            problems.append(f"{spec.name!r} is {got.describe()}, expected {spec.describe()}")
+    extra = sorted(set(specs) - set(manifest.names))
+    problems.extend(f"{name!r} is not in the manifest" for name in extra)
+    return problems
+
+
+# --- the wire ------------------------------------------------------------------------
+
+TAG_BEGIN: Final = b"begin"
+TAG_FRAME: Final = b"frame"
+TAG_END: Final = b"end"
+TAG_REPORT: Final = b"report"
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class BeginMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+    base_step: int  # the step whose bits a delta applies to; -1 for a full step
+    receivers: list[str]
+    fanout: Annotated[int, msgspec.Meta(ge=1)]
+    hop_s: Annotated[float, msgspec.Meta(gt=0)]
+    frames: NonNegative
+    manifest: dict[str, tuple[list[NonNegative], str]]
+    chunk_elements: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_ELEMENTS)]
+    # the pieces' checksum; a sender from before it was named sent CRC-32s
+    checksum: str = "crc32"
+
+
+class WirePiece(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    start: NonNegative
+    stop: NonNegative
+    nbytes: NonNegative  # of this piece's delta wire form in the decompressed payload
+    checksum: NonNegative  # bits_hash of the piece's elements after the step
+
+
+class FrameMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+    index: NonNegative
+    crc: NonNegative  # of the compressed payload
+    raw_bytes: NonNegative
+    pieces: list[WirePiece]
+
+
+class _EndMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+
+
+class _WireResult(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    outcome: str
+    detail: str
+
+
+class _ReportMsg(msgspec.Struct, frozen=True):
+    step: NonNegative
+    results: list[_WireResult]
+
+
+_enc: Final = msgspec.msgpack.Encoder()
+_begin_dec: Final = msgspec.msgpack.Decoder(BeginMsg)
+_frame_dec: Final = msgspec.msgpack.Decoder(FrameMsg)
+_end_dec: Final = msgspec.msgpack.Decoder(_EndMsg)
+_report_dec: Final = msgspec.msgpack.Decoder(_ReportMsg)
+_MALFORMED: Final = (msgspec.DecodeError, msgspec.ValidationError)
+
+
+@attrs.frozen
+class WireError(CoreError):
+    """A message body that does not fit its schema."""
+
+
+def begin_message(begin: StepBegin, chunk_elements: int) -> list[bytes]:
+    """A step's ``Begin`` as parts (``chunk_elements``: the codec's, for the receivers)."""
+    msg = BeginMsg(
+        step=begin.step,
+        base_step=begin.base_step,
+        receivers=list(begin.receivers),
+        fanout=begin.fanout,
+        hop_s=begin.hop_s,
+        frames=begin.frames,
+        manifest={name: (list(shape), dtype) for name, shape, dtype in begin.manifest},
+        chunk_elements=chunk_elements,
+        checksum=begin.checksum,
+    )
+    return [TAG_BEGIN, _enc.encode(msg)]
+
+
+def read_begin(body: bytes) -> Result[StepBegin, WireError]:
+    try:
+        msg = _begin_dec.decode(body)
+    except _MALFORMED as e:
+        return Failure(WireError(f"malformed begin: {e}"))
+    manifest = tuple((n, tuple(shape), dtype) for n, (shape, dtype) in msg.manifest.items())
+    fields = (msg.step, msg.base_step, tuple(msg.receivers), msg.fanout, msg.hop_s)
+    return Success(StepBegin(*fields, msg.frames, manifest, msg.checksum))
+
+
+def frame_message(header: FrameMsg, payload: bytes) -> list[bytes]:
+    return [TAG_FRAME, _enc.encode(header), payload]
+
+
+def read_frame(body: bytes) -> Result[FrameMsg, WireError]:
+    try:
+        return Success(_frame_dec.decode(body))
+    except _MALFORMED as e:
+        return Failure(WireError(f"a malformed frame header: {e}"))
+
+
+def end_message(step: int) -> list[bytes]:
+    return [TAG_END, _enc.encode(_EndMsg(step))]
+
+
+def read_end(body: bytes) -> Result[int, WireError]:
+    """The step an ``End`` names."""
+    try:
+        return Success(_end_dec.decode(body).step)
+    except _MALFORMED as e:
+        return Failure(WireError(f"a malformed end: {e}"))
+
+
+def report_message(step: int, report: RelayReport) -> list[bytes]:
+    results = [_WireResult(r.name, r.outcome.value, r.detail) for r in report.results]
+    return [TAG_REPORT, _enc.encode(_ReportMsg(step, results))]
+
+
+def read_report(parts: Sequence[bytes]) -> tuple[int, RelayReport] | None:
+    """A ``[report, body]`` message as (step, report); ``None`` when it is not one."""
+    if len(parts) != 2 or parts[0] != TAG_REPORT:
+        return None
+    try:
+        msg = _report_dec.decode(parts[1])
+        results = tuple(NodeResult(r.name, Outcome(r.outcome), r.detail) for r in msg.results)
+    except (*_MALFORMED, ValueError):
+        return None
+    return msg.step, RelayReport(results)

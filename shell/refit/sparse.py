@@ -52,10 +52,9 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Final, Protocol
+from typing import Final, Protocol
 
 import attrs
-import msgspec
 import numpy as np
 import torch
 import zmq
@@ -82,12 +81,27 @@ from genworker.core.delta import (
 )
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.core.sparse_protocol import (
+    TAG_BEGIN,
+    TAG_END,
+    TAG_FRAME,
     FrameAction,
+    FrameMsg,
     FrameResult,
     Started,
     StepBegin,
     StepReceiver,
     StepSender,
+    WirePiece,
+    begin_message,
+    end_message,
+    frame_message,
+    read_begin,
+    read_end,
+    read_frame,
+    read_report,
+    report_message,
+    step_manifest,
+    tensor_problems,
 )
 from genworker.shell.delta_kernels import apply_wire_into, encode_wire, piece_hash, warm_up
 from genworker.shell.errors import (
@@ -122,71 +136,11 @@ FRAME_BYTES: Final = 8 << 20
 #: The pieces' checksum this code computes and checks (``BeginMsg.checksum``).
 CHECKSUM: Final = "gwh64"
 ZSTD_LEVEL: Final = 1
-_TAG_BEGIN: Final = b"begin"
-_TAG_FRAME: Final = b"frame"
-_TAG_END: Final = b"end"
-_TAG_REPORT: Final = b"report"
 _POLL_MS: Final = 50
 
 
 class SparseRefitError(RefitError):
     """A sparse step that not every receiver applied; ``detail`` names each one."""
-
-
-# --- wire --------------------------------------------------------------------------
-
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class BeginMsg(msgspec.Struct, frozen=True):
-    step: NonNegative
-    base_step: int  # the step whose bits a delta applies to; -1 for a full step
-    receivers: list[str]
-    fanout: Annotated[int, msgspec.Meta(ge=1)]
-    hop_s: Annotated[float, msgspec.Meta(gt=0)]
-    frames: NonNegative
-    manifest: dict[str, tuple[list[NonNegative], str]]
-    chunk_elements: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_ELEMENTS)]
-    # the pieces' checksum; a sender from before it was named sent CRC-32s
-    checksum: str = "crc32"
-
-
-class WirePiece(msgspec.Struct, array_like=True, frozen=True):
-    name: str
-    start: NonNegative
-    stop: NonNegative
-    nbytes: NonNegative  # of this piece's delta wire form in the decompressed payload
-    checksum: NonNegative  # bits_hash of the piece's elements after the step
-
-
-class FrameMsg(msgspec.Struct, frozen=True):
-    step: NonNegative
-    index: NonNegative
-    crc: NonNegative  # of the compressed payload
-    raw_bytes: NonNegative
-    pieces: list[WirePiece]
-
-
-class EndMsg(msgspec.Struct, frozen=True):
-    step: NonNegative
-
-
-class WireResult(msgspec.Struct, array_like=True, frozen=True):
-    name: str
-    outcome: str
-    detail: str
-
-
-class ReportMsg(msgspec.Struct, frozen=True):
-    step: NonNegative
-    results: list[WireResult]
-
-
-_enc: Final = msgspec.msgpack.Encoder()
-_begin_dec: Final = msgspec.msgpack.Decoder(BeginMsg)
-_frame_dec: Final = msgspec.msgpack.Decoder(FrameMsg)
-_end_dec: Final = msgspec.msgpack.Decoder(EndMsg)
-_report_dec: Final = msgspec.msgpack.Decoder(ReportMsg)
 
 
 # --- the link throttle ---------------------------------------------------------------
@@ -426,25 +380,17 @@ class SparseSender:
         started = time.monotonic()
         step, base = self.steps.start()
         full = base < 0
-        begin = BeginMsg(
-            step=step,
-            base_step=base,
-            receivers=list(self.plan.receivers),
-            fanout=self.plan.fanout,
-            hop_s=self.hop_s,
-            frames=len(self.frames),
-            manifest={s.name: (list(s.shape), s.dtype) for s in self.manifest.specs},
-            chunk_elements=self.chunk_elements,
-            checksum=self.checksum,
-        )
+        plan, manifest = self.plan, step_manifest(self.manifest)
+        fields = (step, base, plan.receivers, plan.fanout, self.hop_s, len(self.frames))
+        begin = StepBegin(*fields, manifest, self.checksum)
         while self._sock.poll(0):
             self._sock.recv_multipart()  # a late report of an earlier, failed step
         kept: list[tuple[FramePiece, bytes]] = []
-        wire = self._write([_TAG_BEGIN, _enc.encode(begin)], step)
+        wire = self._write(begin_message(begin, self.chunk_elements), step)
         for encoded in self._encode_ahead(bits, full, step):
-            wire += self._write([_TAG_FRAME, _enc.encode(encoded.header), encoded.payload], step)
+            wire += self._write(frame_message(encoded.header, encoded.payload), step)
             kept.extend(encoded.deltas)
-        wire += self._write([_TAG_END, _enc.encode(EndMsg(step))], step)
+        wire += self._write(end_message(step), step)
         # The baseline takes the step's bits while the receivers apply and commit it (the
         # pool's threads, pieces being disjoint element ranges); it counts as the
         # receivers' bits only after the verdict (``synced_step``): a failed step makes
@@ -489,16 +435,8 @@ class SparseSender:
         unwrap(apply_wire_into(target, data), RefitError, f"the baseline of {piece.name!r}")
 
     def _bits_of(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Bits]:
-        problems = []
-        for spec in self.manifest.specs:
-            t = tensors.get(spec.name)
-            if t is None:
-                problems.append(f"{spec.name!r} is missing")
-            elif (got := TensorSpec.of(spec.name, t)) != spec:
-                problems.append(f"{spec.name!r} is {got.describe()}, expected {spec.describe()}")
-        extra = sorted(set(tensors) - set(self.manifest.names))
-        problems.extend(f"{name!r} is not in the manifest" for name in extra)
-        if problems:
+        given = {n: TensorSpec.of(n, t) if n in self.manifest else None for n, t in tensors.items()}
+        if problems := tensor_problems(self.manifest, given):
             raise BadArgumentError(
                 "sparse refit tensors do not match the manifest: " + "; ".join(problems[:12])
             )
@@ -570,7 +508,7 @@ class SparseSender:
             if not self._sock.poll(max(1, int(left * 1000))):
                 continue
             parts = self._sock.recv_multipart()
-            got = _read_report(parts)
+            got = read_report(parts)
             if got is None:
                 root = self.plan.receivers[0]
                 return RelayReport((NodeResult(root, Outcome.REFUSED, "sent a malformed report"),))
@@ -589,23 +527,6 @@ class SparseSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _read_report(parts: Sequence[bytes]) -> tuple[int, RelayReport] | None:
-    """A ``[report, body]`` message as (step, report); ``None`` when it is not one."""
-    if len(parts) != 2 or parts[0] != _TAG_REPORT:
-        return None
-    try:
-        msg = _report_dec.decode(parts[1])
-        results = tuple(NodeResult(r.name, Outcome(r.outcome), r.detail) for r in msg.results)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
-        return None
-    return msg.step, RelayReport(results)
-
-
-def _report_message(step: int, report: RelayReport) -> list[bytes]:
-    results = [WireResult(r.name, r.outcome.value, r.detail) for r in report.results]
-    return [_TAG_REPORT, _enc.encode(ReportMsg(step, results))]
 
 
 # --- the receiver --------------------------------------------------------------------
@@ -747,48 +668,45 @@ class SparseReceiver:
 
     def _on_message(self, step: _Step | None, parts: list[bytes | memoryview]) -> _Step | None:
         identity, tag = bytes(parts[0]), bytes(parts[1]) if len(parts) > 1 else b""
-        if tag == _TAG_BEGIN and len(parts) == 3:
+        if tag == TAG_BEGIN and len(parts) == 3:
             return self._on_begin(identity, bytes(parts[2]))
         if step is None or identity != step.parent:
             return step
-        if tag == _TAG_FRAME and len(parts) == 4:
+        if tag == TAG_FRAME and len(parts) == 4:
             self._on_frame(step, bytes(parts[2]), parts[3])
             return step
-        if tag == _TAG_END and len(parts) == 3:
+        if tag == TAG_END and len(parts) == 3:
             self._on_end(step, bytes(parts[2]))
             return None
         return step
 
     def _on_begin(self, identity: bytes, body: bytes) -> _Step | None:
-        try:
-            msg = _begin_dec.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.warning("sparse relay %s: malformed begin: %s", self.address, e)
+        read = read_begin(body)
+        if isinstance(read, Failure):
+            log.warning("sparse relay %s: %s", self.address, read.failure())
             self._diverged(self.machine.replace())
             return None
-        manifest = tuple((n, tuple(shape), dtype) for n, (shape, dtype) in msg.manifest.items())
-        fields = (msg.step, msg.base_step, tuple(msg.receivers), msg.fanout, msg.hop_s)
-        begin = StepBegin(*fields, msg.frames, manifest, msg.checksum)
+        begin = read.unwrap()
         started, replaced = self.machine.begin(begin)
         self._diverged(replaced)
-        self._forward(started, [_TAG_BEGIN, body])
+        self._forward(started, [TAG_BEGIN, body])
         if started.full:  # fresh bits for the whole manifest
             self._bits = {
                 s.name: np.zeros(s.numel, dtype=bits_dtype(DTYPE_ITEMSIZE[s.dtype]))
                 for s in started.specs
             }
         specs = {spec.name: spec for spec in started.specs}
-        return _Step(msg.step, identity, msg.hop_s, started, specs)
+        return _Step(begin.step, identity, begin.hop_s, started, specs)
 
     def _on_frame(self, step: _Step, body: bytes, payload: bytes | memoryview) -> None:
-        try:
-            header = _frame_dec.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.machine.refuse(f"a malformed frame header: {e}")
+        read = read_frame(body)
+        if isinstance(read, Failure):
+            self.machine.refuse(str(read.failure()))
             return
+        header = read.unwrap()
         action = self.machine.frame(header.step, header.index, zlib.crc32(payload) == header.crc)
         if action in (FrameAction.FORWARD, FrameAction.APPLY):
-            self._forward(step.started, [_TAG_FRAME, body, payload])
+            self._forward(step.started, [TAG_FRAME, body, payload])
             self.frames_received[header.step] = self.frames_received.get(header.step, 0) + 1
         if action is FrameAction.APPLY:
             step.applying.append(self._pool.submit(self._apply_frame, step, header, payload))
@@ -834,14 +752,13 @@ class SparseReceiver:
         return FrameResult("", tuple(done))
 
     def _on_end(self, step: _Step, body: bytes) -> None:
-        try:
-            named = _end_dec.decode(body).step
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.machine.refuse(f"a malformed end: {e}")
-            named = step.number
+        named = read_end(body)
+        if isinstance(named, Failure):
+            self.machine.refuse(str(named.failure()))
         forwarded = time.monotonic()
-        self._forward(step.started, [_TAG_END, body])
-        own, why = self.machine.end(named, [future.result() for future in step.applying])
+        self._forward(step.started, [TAG_END, body])
+        results = [future.result() for future in step.applying]
+        own, why = self.machine.end(named.value_or(step.number), results)
         if not self._diverged(why):
             own = self._commit(step)
         result = NodeResult(self.address, Outcome.REFUSED, own) if own else None
@@ -852,7 +769,7 @@ class SparseReceiver:
         else:
             children = self._collect(step, forwarded)
             report = report_subtree(plan, step.started.node, result, children, step.hop_s)
-        self._sock.send_multipart([step.parent, *_report_message(step.number, report)])
+        self._sock.send_multipart([step.parent, *report_message(step.number, report)])
 
     def _commit(self, step: _Step) -> str:
         """Hand every verified tensor to the target; the reason it did not, or ''."""
@@ -920,7 +837,7 @@ class SparseReceiver:
             for child in list(waiting):
                 sock = self._child(plan.receivers[child])
                 if ready.get(sock):
-                    got = _read_report(sock.recv_multipart())
+                    got = read_report(sock.recv_multipart())
                     if got is not None and got[0] == step.number:
                         reports[child] = got[1]
                         del waiting[child]

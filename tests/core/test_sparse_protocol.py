@@ -13,13 +13,32 @@ import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from returns.result import Failure, Success
 
+from genworker.core.delta import NodeResult, Outcome, RelayReport
+from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.core.sparse_protocol import (
+    TAG_BEGIN,
+    TAG_END,
+    TAG_FRAME,
+    TAG_REPORT,
     FrameAction,
+    FrameMsg,
     FrameResult,
     StepBegin,
     StepReceiver,
     StepSender,
+    WirePiece,
+    begin_message,
+    end_message,
+    frame_message,
+    read_begin,
+    read_end,
+    read_frame,
+    read_report,
+    report_message,
+    step_manifest,
+    tensor_problems,
     tiles,
 )
 
@@ -268,3 +287,122 @@ def test_tiles_holds_exactly_for_back_to_back_cover(sizes: list[int], gap: int) 
         assert not tiles(shifted, bounds[-1] + gap + 1)  # a gap at the start
     assert tiles([(0, 0)], 0)
     assert not tiles([], 0)
+
+
+# -- the wire -------------------------------------------------------------------------
+
+_names = st.text(min_size=1, max_size=8)
+_shapes = st.lists(st.integers(0, 5), max_size=3).map(tuple)
+_dtypes = st.sampled_from(["float32", "bfloat16", "float8_e4m3fn"])
+
+
+@given(
+    st.integers(0, 1 << 40),
+    st.integers(-1, 1 << 40),
+    st.lists(_names, min_size=1, max_size=4, unique=True),
+    st.integers(1, 8),
+    st.floats(1e-3, 1e6),
+    st.integers(0, 100),
+    st.dictionaries(_names, st.tuples(_shapes, _dtypes), max_size=4),
+    st.sampled_from(["gwh64", "crc32"]),
+    st.integers(1, 1 << 16),
+)
+def test_a_begin_reads_back_as_it_was_built(
+    step: int,
+    base: int,
+    receivers: list[str],
+    fanout: int,
+    hop_s: float,
+    frames: int,
+    manifest: dict[str, tuple[tuple[int, ...], str]],
+    checksum: str,
+    chunk_elements: int,
+) -> None:
+    entries = tuple((n, shape, dtype) for n, (shape, dtype) in manifest.items())
+    begin = StepBegin(step, base, tuple(receivers), fanout, hop_s, frames, entries, checksum)
+    tag, body = begin_message(begin, chunk_elements)
+    assert tag == TAG_BEGIN
+    read = read_begin(body)
+    assert isinstance(read, Success)
+    assert read.unwrap() == begin
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not msgpack",
+        begin_message(begin_of(1, -1, 1), 1 << 16)[1][:-3],  # cut short
+        begin_message(begin_of(1, -1, 1, fanout=0), 64)[1],  # fanout >= 1
+    ],
+)
+def test_a_malformed_begin_is_a_wire_error(body: bytes) -> None:
+    read = read_begin(body)
+    assert isinstance(read, Failure)
+    assert str(read.failure()).startswith("malformed begin: ")
+
+
+def test_a_begin_without_chunk_elements_in_range_is_malformed() -> None:
+    read = read_begin(begin_message(begin_of(1, -1, 1), (1 << 16) + 1)[1])
+    assert isinstance(read, Failure)
+    assert "chunk_elements" in str(read.failure())
+
+
+@given(
+    st.integers(0, 1 << 40),
+    st.integers(0, 1000),
+    st.integers(0, (1 << 32) - 1),
+    st.lists(st.tuples(_names, st.integers(0, 99), st.integers(0, 1 << 63)), max_size=4),
+)
+def test_frames_and_ends_read_back_as_they_were_built(
+    step: int, index: int, crc: int, pieces: list[tuple[str, int, int]]
+) -> None:
+    wire = [WirePiece(n, a, a + 1, a * 3, h) for n, a, h in pieces]
+    header = FrameMsg(step, index, crc, 7, wire)
+    tag, body, payload = frame_message(header, b"payload")
+    assert (tag, payload) == (TAG_FRAME, b"payload")
+    assert read_frame(body) == Success(header)
+    tag, body = end_message(step)
+    assert tag == TAG_END
+    assert read_end(body) == Success(step)
+
+
+def test_malformed_frame_headers_and_ends_are_wire_errors() -> None:
+    frame = read_frame(b"\x01")
+    assert isinstance(frame, Failure)
+    assert str(frame.failure()).startswith("a malformed frame header: ")
+    end = read_end(end_message(3)[1][:-1])
+    assert isinstance(end, Failure)
+    assert str(end.failure()).startswith("a malformed end: ")
+
+
+@given(
+    st.integers(0, 1 << 40),
+    st.lists(st.tuples(_names, st.sampled_from(Outcome), st.text(max_size=10)), max_size=5),
+)
+def test_a_report_reads_back_as_it_was_built(
+    step: int, results: list[tuple[str, Outcome, str]]
+) -> None:
+    report = RelayReport(tuple(NodeResult(*r) for r in results))
+    assert read_report(report_message(step, report)) == (step, report)
+
+
+def test_what_is_not_a_report_reads_as_none() -> None:
+    tag, body = report_message(1, RelayReport((NodeResult("a", Outcome.APPLIED),)))
+    assert read_report([tag]) is None
+    assert read_report([TAG_END, body]) is None
+    assert read_report([TAG_REPORT, body[:-2]]) is None
+    other = body.replace(b"applied", b"happens")  # an outcome no receiver reports
+    assert read_report([TAG_REPORT, other]) is None
+
+
+def test_tensor_problems_name_each_missing_misshaped_and_unknown_tensor() -> None:
+    manifest = Manifest.from_info({"a": ((2,), "float32"), "b": ((3,), "bfloat16")}).unwrap()
+    assert step_manifest(manifest) == (("a", (2,), "float32"), ("b", (3,), "bfloat16"))
+    exact = {s.name: s for s in manifest.specs}
+    assert tensor_problems(manifest, exact) == []
+    problems = tensor_problems(manifest, {"b": TensorSpec("b", (4,), "bfloat16"), "c": None})
+    assert problems == [
+        "'a' is missing",
+        "'b' is [4] bfloat16, expected [3] bfloat16",
+        "'c' is not in the manifest",
+    ]
