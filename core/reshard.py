@@ -50,20 +50,23 @@ offending parameter and the ranks involved, never a partial plan.
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 
 import attrs
+import msgspec
 from returns.result import Failure, Result, Success
 
 from genworker.core.errors import CoreError
-from genworker.core.refit_plan import DTYPE_ITEMSIZE
+from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 
 __all__ = [
     "Box",
     "Copy",
+    "EnginePlans",
     "EngineShard",
     "LayerKind",
     "Problem",
@@ -82,9 +85,17 @@ __all__ = [
     "header_problem",
     "intersect",
     "megatron_layout",
+    "parse_refit_info",
+    "parse_shards",
+    "plan_digest",
+    "plan_engine",
     "plan_reshard",
+    "plan_stage",
     "rank_problems",
+    "read_header",
+    "refit_info",
     "sender_problems",
+    "start_header",
     "vllm_shard",
 ]
 
@@ -799,3 +810,142 @@ def sender_problems(
     if extra := sorted(set(local) - {layout.name for layout in layouts}):
         problems.append(f"trainer rank {rank} sent tensors no layout describes: {extra[:8]}")
     return problems
+
+
+def plan_stage(
+    layouts: Sequence[TrainerLayout], shards: Sequence[EngineShard]
+) -> Result[ReshardPlan, ReshardError]:
+    """The plan of one PP stage: the engine shards made of its tensors (a shard belongs
+    to the stage of its first piece's source; a piece of another stage is named)."""
+    names = {layout.name for layout in layouts}
+    return plan_reshard(layouts, [s for s in shards if s.pieces and s.pieces[0].source in names])
+
+
+def plan_digest(plan: ReshardPlan) -> str:
+    """What every rank of a refit compares before a byte moves: a hash of the copies."""
+    return hashlib.sha256(msgspec.msgpack.encode(plan.copies)).hexdigest()[:32]
+
+
+@attrs.frozen
+class EnginePlans:
+    """One engine rank's view of the refit: its own shards (as a manifest of local
+    tensors, for the routes) and each stage's plan, with its digest."""
+
+    stages: tuple[tuple[TrainerLayout, ...], ...]
+    shards: tuple[EngineShard, ...]  # this rank's own
+    plans: tuple[ReshardPlan, ...]  # per stage, every rank of the engine
+    digests: tuple[str, ...]
+    manifest: Manifest
+
+    def dtype(self, param: str) -> str:
+        return next(s.dtype for s in self.shards if s.param == param)
+
+
+def plan_engine(
+    facts: Sequence[VllmParamFacts],
+    stages: Sequence[Sequence[TrainerLayout]],
+    tp: int,
+    rank: int,
+) -> Result[EnginePlans, ReshardError]:
+    """Engine rank ``rank``'s plans from its parameters' ``facts`` (those made of none of
+    the described tensors are left out: they keep their weights) and the trainer's
+    ``stages``; refused naming each parameter it cannot take, or a described tensor no
+    parameter is made of."""
+    names = {layout.name for layouts in stages for layout in layouts}
+    used = [f for f in facts if any(n in names for n, _ in f.sources)]
+    shards, problems = engine_shards(used, names, tp, rank)
+    if problems:
+        return Failure(ReshardError("reshard refit_info: " + "; ".join(problems)))
+    plans = []
+    for layouts in stages:
+        plan = plan_stage(layouts, shards)
+        if isinstance(plan, Failure):
+            return Failure(attrs.evolve(plan.failure(), message=f"reshard refit: {plan.failure()}"))
+        plans.append(plan.unwrap())
+    own = tuple(s for s in shards if s.rank == rank)
+    manifest = Manifest.from_specs(TensorSpec(s.param, s.shape, s.dtype) for s in own)
+    if isinstance(manifest, Failure):
+        return Failure(ReshardError(f"reshard refit: {manifest.failure()}"))
+    return Success(
+        EnginePlans(
+            tuple(tuple(layouts) for layouts in stages),
+            own,
+            tuple(plans),
+            tuple(plan_digest(p) for p in plans),
+            manifest.unwrap(),
+        )
+    )
+
+
+# --- the wire of a reshard refit -----------------------------------------------------
+
+_INFO_VERSION: Final = 1
+
+
+class _Info(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    stages: list[list[TrainerLayout]]
+
+
+def refit_info(
+    layouts: Sequence[TrainerLayout] | Mapping[int, Sequence[TrainerLayout]],
+) -> dict[str, object]:
+    """The plain ``refit_info`` of ``prepare_nccl_reshard_refit_info``: every trainer
+    tensor's layout, per PP stage (a sequence: one stage)."""
+    stages = layouts if isinstance(layouts, Mapping) else {0: layouts}
+    count = max(stages, default=-1) + 1
+    return {
+        "version": _INFO_VERSION,
+        "stages": [msgspec.to_builtins(list(stages.get(s, ()))) for s in range(count)],
+    }
+
+
+def parse_refit_info(info: object) -> Result[list[list[TrainerLayout]], ReshardError]:
+    """Every stage's layouts from a ``refit_info``, each layout valid and described once."""
+    try:
+        parsed = msgspec.convert(info, _Info)
+    except msgspec.ValidationError as e:
+        return Failure(ReshardError(f"malformed reshard refit_info: {e}"))
+    if parsed.version != _INFO_VERSION:
+        return Failure(
+            ReshardError(f"reshard refit_info version {parsed.version}, not {_INFO_VERSION}")
+        )
+    seen: dict[str, int] = {}
+    problems = []
+    for stage, layouts in enumerate(parsed.stages):
+        for layout in layouts:
+            problems += [pp.describe() for pp in layout.check()]
+            if layout.name in seen:
+                problems.append(
+                    f"{layout.name!r} is described twice (stages {seen[layout.name]} and {stage})"
+                )
+            seen[layout.name] = stage
+    if problems:
+        return Failure(ReshardError("invalid reshard refit_info: " + "; ".join(problems)))
+    return Success(parsed.stages)
+
+
+def parse_shards(summaries: Iterable[object]) -> Result[list[EngineShard], ReshardError]:
+    """Every engine shard, in engine-rank order, from the workers' answers to
+    ``prepare_nccl_reshard_refit_info`` (their ``"shards"``)."""
+    out: list[EngineShard] = []
+    for summary in summaries:
+        shards = summary.get("shards") if isinstance(summary, Mapping) else None
+        try:
+            out += msgspec.convert(shards, list[EngineShard])
+        except msgspec.ValidationError as e:
+            return Failure(ReshardError(f"not an answer of prepare_nccl_reshard_refit_info: {e}"))
+    return Success(out)
+
+
+def start_header(refit_id: str, digests: Mapping[int, str]) -> bytes:
+    """Trainer rank 0's first message of a refit: its plan digest per engine prefix."""
+    return msgspec.msgpack.encode({"refit": refit_id, "digests": dict(digests)})
+
+
+def read_header(data: bytes) -> Result[dict[int, str], ReshardError]:
+    try:
+        header = msgspec.msgpack.decode(data, type=dict[str, object])
+        return Success(msgspec.convert(header["digests"], dict[int, str], strict=False))
+    except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as e:
+        return Failure(ReshardError(f"malformed reshard refit header: {e!r}"))

@@ -35,21 +35,20 @@ bytes travel). A last status round reports post-load failures. Every wait is bou
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
-import attrs
 import msgspec
 import torch
 
 from genworker.core import refit_protocol as p
 from genworker.core.joins import ReshardJoinWire, reshard_join
-from genworker.core.refit_plan import Manifest, TensorSpec, dtype_name
+from genworker.core.refit_plan import dtype_name
 from genworker.core.reshard import (
     Copy,
+    EnginePlans,
     EngineShard,
     LayerKind,
     Replicate,
@@ -59,11 +58,17 @@ from genworker.core.reshard import (
     VllmParamFacts,
     bytes_of,
     dtensor_layout,
-    engine_shards,
     header_problem,
-    plan_reshard,
+    parse_refit_info,
+    parse_shards,
+    plan_digest,
+    plan_engine,
+    plan_stage,
     rank_problems,
+    read_header,
+    refit_info,
     sender_problems,
+    start_header,
 )
 from genworker.shell.errors import (
     BadArgumentError,
@@ -92,8 +97,6 @@ __all__ = [
     "refit_info",
     "shards_of",
 ]
-
-_VERSION: Final = 1
 
 
 class ReshardGroup(CollectiveGroup):
@@ -136,71 +139,6 @@ class ReshardGroup(CollectiveGroup):
 # -- descriptions ----------------------------------------------------------------------
 
 
-class _Info(msgspec.Struct, forbid_unknown_fields=True):
-    version: int
-    stages: list[list[TrainerLayout]]
-
-
-def refit_info(
-    layouts: Sequence[TrainerLayout] | Mapping[int, Sequence[TrainerLayout]],
-) -> dict[str, object]:
-    """The plain ``refit_info`` of ``prepare_nccl_reshard_refit_info``: every trainer
-    tensor's layout, per PP stage (a sequence: one stage)."""
-    stages = layouts if isinstance(layouts, Mapping) else {0: layouts}
-    count = max(stages, default=-1) + 1
-    return {
-        "version": _VERSION,
-        "stages": [msgspec.to_builtins(list(stages.get(s, ()))) for s in range(count)],
-    }
-
-
-def _parse_info(info: object) -> list[list[TrainerLayout]]:
-    try:
-        parsed = msgspec.convert(info, _Info)
-    except msgspec.ValidationError as e:
-        raise RefitManifestError(f"malformed reshard refit_info: {e}") from e
-    if parsed.version != _VERSION:
-        raise RefitManifestError(f"reshard refit_info version {parsed.version}, not {_VERSION}")
-    seen: dict[str, int] = {}
-    problems = []
-    for stage, layouts in enumerate(parsed.stages):
-        for layout in layouts:
-            problems += [pp.describe() for pp in layout.check()]
-            if layout.name in seen:
-                problems.append(
-                    f"{layout.name!r} is described twice (stages {seen[layout.name]} and {stage})"
-                )
-            seen[layout.name] = stage
-    if problems:
-        raise RefitManifestError("invalid reshard refit_info: " + "; ".join(problems))
-    return parsed.stages
-
-
-def shards_of(summaries: Iterable[object]) -> list[EngineShard]:
-    """Every engine shard, in engine-rank order, from the workers' answers to
-    ``prepare_nccl_reshard_refit_info`` (one engine's: one answer per worker)."""
-    out: list[EngineShard] = []
-    for summary in summaries:
-        shards = summary.get("shards") if isinstance(summary, Mapping) else None
-        try:
-            out += msgspec.convert(shards, list[EngineShard])
-        except msgspec.ValidationError as e:
-            raise BadArgumentError(f"not an answer of prepare_nccl_reshard_refit_info: {e}") from e
-    return out
-
-
-def plan_digest(plan: ReshardPlan) -> str:
-    return hashlib.sha256(msgspec.msgpack.encode(plan.copies)).hexdigest()[:32]
-
-
-def _stage_plan(layouts: Sequence[TrainerLayout], shards: Sequence[EngineShard]) -> ReshardPlan:
-    """The plan of one stage: the engine shards made of its tensors (a shard belongs to
-    the stage of its first piece's source; a piece of another stage is named)."""
-    names = {layout.name for layout in layouts}
-    mine = [s for s in shards if s.pieces and s.pieces[0].source in names]
-    return unwrap(plan_reshard(layouts, mine), RefitManifestError, "reshard refit")
-
-
 def layout_of_dtensor(name: str, tensor: torch.Tensor) -> TrainerLayout:
     """The layout of a ``DTensor`` (``Shard`` / ``Replicate`` placements): its mesh's
     ranks are the trainer ranks of the reshard group."""
@@ -241,16 +179,14 @@ def _region(tensor: torch.Tensor, box: Sequence[tuple[int, int]]) -> torch.Tenso
     return tensor[tuple(slice(a, b) for a, b in box)]
 
 
-def _header(refit_id: str, digests: Mapping[int, str]) -> bytes:
-    return msgspec.msgpack.encode({"refit": refit_id, "digests": dict(digests)})
+def shards_of(summaries: Iterable[object]) -> list[EngineShard]:
+    """Every engine shard, in engine-rank order, from the workers' answers to
+    ``prepare_nccl_reshard_refit_info`` (one engine's: one answer per worker)."""
+    return unwrap(parse_shards(summaries), BadArgumentError, "")
 
 
 def _read_header(data: bytes) -> dict[int, str]:
-    try:
-        header = msgspec.msgpack.decode(data, type=dict[str, object])
-        return msgspec.convert(header["digests"], dict[int, str], strict=False)
-    except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as e:
-        raise RefitError(f"malformed reshard refit header: {e!r}") from e
+    return unwrap(read_header(data), RefitError, "")
 
 
 # -- the trainer side ------------------------------------------------------------------
@@ -303,7 +239,9 @@ class ReshardSender:
     def plan(self, shards: Sequence[EngineShard], *, rank_prefix: int = 0) -> ReshardPlan:
         """The plan for the engine whose workers start at ``rank_prefix`` (kept)."""
         _check_ranks([list(self.layouts.values())], self._train)
-        plan = _stage_plan(list(self.layouts.values()), shards)
+        plan = unwrap(
+            plan_stage(list(self.layouts.values()), shards), RefitManifestError, "reshard refit"
+        )
         ranks = {c.dst_rank for c in plan.copies}
         top = self._train + rank_prefix + max(ranks, default=-1)
         if top >= self.group.world_size:
@@ -332,7 +270,7 @@ class ReshardSender:
         problem = self._problems(tensors)
         what = "the start of the reshard refit"
         data = group.message(
-            _header(secrets.token_hex(8), digests) if self.rank == 0 else None, what, bound
+            start_header(secrets.token_hex(8), digests) if self.rank == 0 else None, what, bound
         )
         if problem is None and self.rank and _read_header(data) != digests:
             problem = RefitManifestError(
@@ -444,35 +382,6 @@ def engine_facts(model: nn.Module) -> list[VllmParamFacts]:
     return out
 
 
-@attrs.define
-class _Prepared:
-    stages: list[list[TrainerLayout]]
-    shards: list[EngineShard]  # this worker's own
-    plans: list[ReshardPlan]  # per stage, every rank of this engine
-    digests: list[str]
-    manifest: Manifest  # this worker's shards as local tensors, for the routes
-
-
-def _engine_plans(engine: EngineContext, stages: list[list[TrainerLayout]]) -> _Prepared:
-    parallel = getattr(engine.config, "parallel_config", None)
-    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
-        raise UnsupportedError("the reshard refit takes engines without pipeline parallelism")
-    tp, rank = engine.tp_size, engine.rank
-    names = {layout.name for layouts in stages for layout in layouts}
-    facts = [f for f in engine_facts(engine.model()) if any(n in names for n, _ in f.sources)]
-    shards, problems = engine_shards(facts, names, tp, rank)
-    if problems:
-        raise RefitManifestError("reshard refit_info: " + "; ".join(problems))
-    plans = [_stage_plan(layouts, shards) for layouts in stages]
-    own = [s for s in shards if s.rank == rank]
-    manifest = unwrap(
-        Manifest.from_specs(TensorSpec(s.param, s.shape, s.dtype) for s in own),
-        RefitManifestError,
-        "reshard refit",
-    )
-    return _Prepared(stages, own, plans, [plan_digest(pl) for pl in plans], manifest)
-
-
 class ReshardBackend:
     """``reshard``: the engine's end of the reshard refit (one group per trainer PP
     stage, the plan of the trainer's layouts)."""
@@ -481,7 +390,7 @@ class ReshardBackend:
         self.engine = engine
         self.groups: list[ReshardGroup] = []
         self.rank_prefix = self.train = self.version = 0
-        self.prepared: _Prepared | None = None
+        self.prepared: EnginePlans | None = None
 
     def init(
         self, join: ReshardJoinWire | None = None, refit_info: Mapping[str, object] | None = None
@@ -528,16 +437,21 @@ class ReshardBackend:
             raise BadArgumentError(
                 f"prepare_nccl_reshard_refit_info: refit_info must be a mapping, got {refit_info!r}"
             )
-        prepared = _engine_plans(self.engine, _parse_info(refit_info))
+        stages = unwrap(parse_refit_info(refit_info), RefitManifestError, "")
+        parallel = getattr(self.engine.config, "parallel_config", None)
+        if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+            raise UnsupportedError("the reshard refit takes engines without pipeline parallelism")
+        engine, rank = self.engine, self.engine.rank
+        facts = engine_facts(engine.model())
+        prepared = unwrap(plan_engine(facts, stages, engine.tp_size, rank), RefitManifestError, "")
         if self.groups:
             _check_ranks(prepared.stages, self.train)
         routed = self.engine.routed(prepared.manifest, True)
         self.prepared = prepared
-        rank = self.engine.rank
         return {
             "tp_rank": rank,
-            "digests": prepared.digests,
-            "shards": msgspec.to_builtins(prepared.shards),
+            "digests": list(prepared.digests),
+            "shards": msgspec.to_builtins(list(prepared.shards)),
             "params": len(prepared.shards),
             "bytes": sum(pl.bytes_to(rank) for pl in prepared.plans),
             "direct": len(routed.routes.direct),
@@ -582,7 +496,7 @@ def _check_ranks(stages: Sequence[Sequence[TrainerLayout]], train_ranks: int) ->
 
 
 def _receive(
-    engine: EngineContext, state: ReshardBackend, prepared: _Prepared, bound: float
+    engine: EngineContext, state: ReshardBackend, prepared: EnginePlans, bound: float
 ) -> dict[str, object]:
     started, rank = time.monotonic(), engine.rank
     routed = engine.routed(prepared.manifest, True)
@@ -605,7 +519,7 @@ def _receive(
             if dest is None:  # scratch where the group moves bytes (host memory on gloo)
                 dest = torch.empty(
                     [b - a for a, b in c.dest_box],
-                    dtype=getattr(torch, _dtype(prepared, c)),
+                    dtype=getattr(torch, prepared.dtype(c.param)),
                     device=group.device,
                 )
                 later.append((c, dest))
@@ -650,12 +564,8 @@ def _receive(
     }
 
 
-def _dtype(prepared: _Prepared, c: Copy) -> str:
-    return next(s.dtype for s in prepared.shards if s.param == c.param)
-
-
 def _full_tensors(
-    prepared: _Prepared,
+    prepared: EnginePlans,
     copies: Mapping[str, Sequence[tuple[Copy, torch.Tensor]]],
     device: torch.device,
 ) -> Iterator[tuple[str, torch.Tensor]]:

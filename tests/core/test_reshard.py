@@ -4,6 +4,8 @@ typed errors naming the parameter and ranks for anything the layouts cannot hono
 
 from __future__ import annotations
 
+import attrs
+import msgspec
 import numpy as np
 import torch
 from hypothesis import given
@@ -31,9 +33,17 @@ from genworker.core.reshard import (
     header_problem,
     intersect,
     megatron_layout,
+    parse_refit_info,
+    parse_shards,
+    plan_digest,
+    plan_engine,
     plan_reshard,
+    plan_stage,
     rank_problems,
+    read_header,
+    refit_info,
     sender_problems,
+    start_header,
     vllm_shard,
 )
 
@@ -545,3 +555,108 @@ def test_a_layout_naming_a_rank_outside_the_group_is_named_with_its_ranks(
     assert problem.kind is Problem.INVALID
     assert list(problem.ranks) == outside
     assert f"{train_ranks} trainer rank(s)" in problem.describe()
+
+
+# -- the engine's plans and the refit's wire ------------------------------------------
+
+
+@given(reshard_models(), st.data())
+def test_every_engine_rank_plans_what_the_trainer_plans_from_the_answers(
+    model: ReshardModel, data: st.DataObject
+) -> None:
+    trainer = data.draw(megatron_trainers(model))
+    info = refit_info(trainer)
+    stages = parse_refit_info(msgspec.json.decode(msgspec.json.encode(info)))
+    assert isinstance(stages, Success)
+    assert stages.unwrap() == [trainer]
+    answers = []
+    for rank in range(model.engine_tp):
+        planned = plan_engine(model.facts(rank), stages.unwrap(), model.engine_tp, rank)
+        assert isinstance(planned, Success), planned
+        engine = planned.unwrap()
+        assert all(s.rank == rank for s in engine.shards)
+        assert engine.manifest.names == tuple(s.param for s in engine.shards)
+        assert engine.dtype(engine.shards[0].param) == "bfloat16"
+        answers.append({"shards": msgspec.to_builtins(list(engine.shards))})
+        # the trainer plans from every rank's answer what each rank planned alone
+        shards = parse_shards(answers)
+        assert isinstance(shards, Success)
+        trainer_plan = plan_stage(trainer, shards.unwrap())
+        assert isinstance(trainer_plan, Success)
+        if rank == model.engine_tp - 1:
+            assert engine.digests == (plan_digest(trainer_plan.unwrap()),)
+    digests = {
+        plan_engine(model.facts(r), [trainer], model.engine_tp, r).unwrap().digests
+        for r in range(model.engine_tp)
+    }
+    assert len(digests) == 1
+
+
+def test_a_stage_plans_only_the_shards_its_tensors_start() -> None:
+    a = megatron_layout("a", (4,), "float32", None, [[0]]).unwrap()
+    b = megatron_layout("b", (4,), "float32", None, [[1]]).unwrap()
+    facts = [
+        VllmParamFacts("pa", LayerKind.REPLICATED, "float32", 0, 1, (("a", (4,)),)),
+        VllmParamFacts("pb", LayerKind.REPLICATED, "float32", 0, 1, (("b", (4,)),)),
+    ]
+    engine = plan_engine(facts, [[a], [b]], 1, 0).unwrap()
+    assert [[c.param for c in plan.copies] for plan in engine.plans] == [["pa"], ["pb"]]
+    assert [[c.src_rank for c in plan.copies] for plan in engine.plans] == [[0], [1]]
+    assert engine.digests[0] != engine.digests[1]
+    # facts of parameters made of nothing described are left out
+    other = VllmParamFacts("pc", LayerKind.REPLICATED, "float32", 0, 1, (("c", (4,)),))
+    assert plan_engine([*facts, other], [[a], [b]], 1, 0).unwrap() == engine
+
+
+def test_an_engine_that_cannot_take_the_layouts_is_refused_by_name() -> None:
+    a = megatron_layout("a", (4,), "float32", None, [[0]]).unwrap()
+    pa = VllmParamFacts("pa", LayerKind.REPLICATED, "float32", 0, 1, (("a", (4,)),))
+    unused = plan_engine([pa], [[a, attrs.evolve(a, name="z")]], 1, 0)
+    assert isinstance(unused, Failure)
+    assert str(unused.failure()).startswith("reshard refit_info: no engine parameter is made")
+    bf16 = plan_engine([attrs.evolve(pa, dtype="bfloat16")], [[a]], 1, 0)
+    assert isinstance(bf16, Failure)
+    assert str(bf16.failure()).startswith("reshard refit: cannot plan the reshard refit")
+    assert _error(bf16).params(Problem.MISMATCHED) == ("pa",)
+    twice = plan_engine([pa, pa], [[a]], 1, 0)
+    assert isinstance(twice, Failure)
+    assert "'pa' listed twice" in str(twice.failure())
+
+
+def test_stages_map_to_the_sequence_form_and_back() -> None:
+    a = megatron_layout("a", (4,), "float32", None, [[0]]).unwrap()
+    assert refit_info({1: [a]}) == {"version": 1, "stages": [[], msgspec.to_builtins([a])[0:1]]}
+    assert parse_refit_info(refit_info({1: [a]})) == Success([[], [a]])
+
+
+def test_a_malformed_or_invalid_refit_info_is_refused_by_name() -> None:
+    a = megatron_layout("a", (4,), "float32", None, [[0]]).unwrap()
+    cases = {
+        "malformed reshard refit_info": {"version": 1},
+        "reshard refit_info version 9, not 1": {"version": 9, "stages": []},
+        "is described twice (stages 0 and 1)": refit_info({0: [a], 1: [a]}),
+        "invalid reshard refit_info: 'a' (invalid": refit_info([attrs.evolve(a, dtype="x")]),
+    }
+    for message, info in cases.items():
+        parsed = parse_refit_info(info)
+        assert isinstance(parsed, Failure)
+        assert message in str(parsed.failure())
+
+
+def test_answers_that_are_not_shards_are_refused() -> None:
+    for answers in ([{"shards": [{"param": 1}]}], [None], [{"params": 3}]):
+        parsed = parse_shards(answers)
+        assert isinstance(parsed, Failure)
+        assert "not an answer of prepare_nccl_reshard_refit_info" in str(parsed.failure())
+
+
+@given(st.text(max_size=16), st.dictionaries(st.integers(0, 64), st.text(max_size=32)))
+def test_the_start_header_reads_back_its_digests(refit_id: str, digests: dict[int, str]) -> None:
+    assert read_header(start_header(refit_id, digests)) == Success(digests)
+
+
+def test_a_malformed_start_header_is_refused() -> None:
+    for data in (b"\xc1", msgspec.msgpack.encode({"refit": "x"}), msgspec.msgpack.encode([1])):
+        header = read_header(data)
+        assert isinstance(header, Failure)
+        assert str(header.failure()).startswith("malformed reshard refit header: ")
