@@ -10,15 +10,12 @@ work is one loop, compiled with numba (a dependency of vLLM) when it imports, th
 the wire form's columns directly:
 
 - :func:`encode_wire`: ``encode_delta(old, new, chunk_elements).to_bytes()``, byte for
-  byte: the loop compares 8 bytes at a time, looks at the elements of a word only when it
-  changed, and writes gaps and new bits as it finds them (a chunk that turns out dense is
-  rewound and written as its ``XOR`` block);
+  byte (``core.delta_loops.encode_loop``);
 - :func:`apply_wire_into`: ``decode_delta`` then ``apply_delta_into``, with the same
   checks and the same :class:`~genworker.core.delta.DeltaError`\\ s: the header and chunk
   tables by a loop (any doubt: :func:`~genworker.core.delta.decode_tables` decides and
-  words the refusal), then one loop that checks every gap (no repeat, nothing past its
-  chunk's end) before a second one writes anything, so a refused delta leaves
-  ``target`` as it was;
+  words the refusal), then every gap checked before anything is written, so a refused
+  delta leaves ``target`` as it was;
 - :func:`piece_hash`: :func:`~genworker.core.delta.bits_hash`, the 64-bit hash each
   piece's result is checked with (about 20 GB/s here, CRC-32 about 4).
 
@@ -48,7 +45,6 @@ from genworker.core.delta import (
     HEADER_BYTES,
     MAX_CHUNK_ELEMENTS,
     Bits,
-    ChunkKind,
     DeltaError,
     apply_delta_into,
     bits_hash,
@@ -58,6 +54,7 @@ from genworker.core.delta import (
     encode_delta,
     encode_full,
 )
+from genworker.core.delta_loops import apply_loop, check_loop, encode_loop, tables_loop
 
 __all__ = ["apply_wire_into", "compiled", "encode_wire", "piece_hash", "warm_up"]
 
@@ -65,171 +62,6 @@ _A = TypeVar("_A", bound=npt.NDArray[np.generic])
 _HEADER: Final = struct.Struct("<4sBIQI")
 _MAGIC: Final = b"GWD1"
 assert _HEADER.size == HEADER_BYTES
-# the loops' kind numbers
-assert (ChunkKind.SPARSE, ChunkKind.XOR, ChunkKind.RAW) == (0, 1, 2)
-
-
-def _encode_loop(per: int) -> Callable[..., tuple[int, int]]:
-    """The encode loop for ``per = 8 // itemsize`` lanes a word (a constant when compiled:
-    the lane loop then has a constant trip count, which makes it half as costly)."""
-    bits = 64 // per
-    mask = (1 << bits) - 1 if per > 1 else 0
-
-    def encode(
-        old: Bits,
-        new: Bits,
-        old_words: npt.NDArray[np.uint64],
-        new_words: npt.NDArray[np.uint64],
-        chunk_elements: int,
-        kinds: npt.NDArray[np.uint8],
-        counts: npt.NDArray[np.uint32],
-        gaps: npt.NDArray[np.uint16],
-        values: Bits,
-        blocks: Bits,
-    ) -> tuple[int, int]:
-        """Fill the columns; ``(sparse entries, dense elements)`` written.
-
-        ``old_words``/``new_words``: the arrays' first ``len(old_words) * per`` elements
-        as 64-bit words, or empty (no word compare) when they are not word-aligned.
-        """
-        numel = new.shape[0]
-        itemsize = 8 // per
-        n_words = old_words.shape[0] if per > 1 else 0
-        entries = 0
-        dense = 0
-        for j in range(kinds.shape[0]):
-            start = j * chunk_elements
-            stop = min(start + chunk_elements, numel)
-            first = entries
-            prev = start
-            # Whole words inside the chunk are compared first (most did not change),
-            # then the lanes of a changed word; the chunk's ends one element at a time.
-            w0 = min(-(-start // per), n_words)
-            w1 = min(stop // per, n_words)
-            if w1 <= w0:
-                w0 = w1 = 0
-            head = w0 * per if w1 > w0 else stop
-            for i in range(start, head):
-                if old[i] != new[i]:
-                    gaps[entries] = i - prev
-                    values[entries] = new[i]
-                    entries += 1
-                    prev = i
-            for w in range(w0, w1):
-                x = old_words[w] ^ new_words[w]
-                if x != 0:
-                    for k in range(per):
-                        if (x >> np.uint64(bits * k)) & np.uint64(mask):
-                            i = w * per + k
-                            gaps[entries] = i - prev
-                            values[entries] = new[i]
-                            entries += 1
-                            prev = i
-            for i in range(max(head, w1 * per), stop):
-                if old[i] != new[i]:
-                    gaps[entries] = i - prev
-                    values[entries] = new[i]
-                    entries += 1
-                    prev = i
-            count = entries - first
-            if count * (2 + itemsize) > (stop - start) * itemsize:  # XOR is smaller
-                entries = first
-                kinds[j] = 1
-                counts[j] = 0
-                for k in range(start, stop):
-                    blocks[dense] = old[k] ^ new[k]
-                    dense += 1
-            else:
-                kinds[j] = 0  # SPARSE
-                counts[j] = count
-        return entries, dense
-
-    return encode
-
-
-def _tables_loop(
-    kinds: npt.NDArray[np.uint8],
-    counts: npt.NDArray[np.uint32],
-    numel: int,
-    chunk_elements: int,
-) -> tuple[int, int, bool]:
-    """``(sparse entries, dense elements, valid)`` of a chunk table (``decode_tables``'s
-    rules: known kinds, a sparse count within its chunk, no count on a dense chunk)."""
-    entries = 0
-    dense = 0
-    for j in range(kinds.shape[0]):
-        start = j * chunk_elements
-        length = min(start + chunk_elements, numel) - start
-        if kinds[j] == 0:
-            if counts[j] > length:
-                return 0, 0, False
-            entries += counts[j]
-        elif kinds[j] <= 2 and counts[j] == 0:
-            dense += length
-        else:
-            return 0, 0, False
-    return entries, dense, True
-
-
-def _check_loop(
-    kinds: npt.NDArray[np.uint8],
-    counts: npt.NDArray[np.uint32],
-    gaps: npt.NDArray[np.uint16],
-    numel: int,
-    chunk_elements: int,
-) -> int:
-    """0 when every sparse chunk's gaps are valid; 1: a position repeats; 2: past the end."""
-    at = np.int64(0)
-    for j in range(kinds.shape[0]):
-        if kinds[j] != 0:
-            continue
-        start = j * chunk_elements
-        length = min(start + chunk_elements, numel) - start
-        offset = np.int64(-1)
-        end = at + np.int64(counts[j])
-        for e in range(at, end):
-            gap = np.int64(gaps[e])
-            if e > at and gap == 0:
-                return 1
-            offset = gap if e == at else offset + gap
-            if offset >= length:
-                return 2
-        at = end
-    return 0
-
-
-def _apply_loop(
-    target: Bits,
-    chunk_elements: int,
-    kinds: npt.NDArray[np.uint8],
-    counts: npt.NDArray[np.uint32],
-    gaps: npt.NDArray[np.uint16],
-    values: Bits,
-    blocks: Bits,
-) -> None:
-    """Write checked columns into ``target`` (``_check_loop`` returned 0)."""
-    numel = target.shape[0]
-    at = np.int64(0)
-    dense = 0
-    for j in range(kinds.shape[0]):
-        start = j * chunk_elements
-        stop = min(start + chunk_elements, numel)
-        kind = kinds[j]
-        if kind == 0:
-            position = start
-            end = at + np.int64(counts[j])
-            for e in range(at, end):
-                position = start + gaps[e] if e == at else position + gaps[e]
-                target[position] = values[e]
-            at = end
-        elif kind == 1:
-            for k in range(start, stop):
-                target[k] ^= blocks[dense]
-                dense += 1
-        else:
-            for k in range(start, stop):
-                target[k] = blocks[dense]
-                dense += 1
 
 
 def _hash_loop(
@@ -305,10 +137,10 @@ def _compile() -> tuple[_Encoders, _Tables, _Check, _Apply, _Hash] | None:
     global _mix  # what the hash loop calls
     _mix = jit(_mix)
     return (
-        {size: cast(_Encode, jit(_encode_loop(8 // size))) for size in (1, 2, 4, 8)},
-        cast(_Tables, jit(_tables_loop)),
-        cast(_Check, jit(_check_loop)),
-        cast(_Apply, jit(_apply_loop)),
+        {size: cast(_Encode, jit(encode_loop(8 // size))) for size in (1, 2, 4, 8)},
+        cast(_Tables, jit(tables_loop)),
+        cast(_Check, jit(check_loop)),
+        cast(_Apply, jit(apply_loop)),
         cast(_Hash, jit(_hash_loop)),
     )
 
