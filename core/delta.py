@@ -78,6 +78,8 @@ __all__ = [
     "HASH_MULTIPLIERS",
     "HEADER_BYTES",
     "MAX_CHUNK_ELEMENTS",
+    "WIRE_HEADER",
+    "WIRE_MAGIC",
     "Bits",
     "ChunkKind",
     "DeltaError",
@@ -116,9 +118,10 @@ _UInt = np.uint8 | np.uint16 | np.uint32 | np.uint64
 Bits = npt.NDArray[_UInt]
 
 MAX_CHUNK_ELEMENTS: Final = 1 << 16
-_MAGIC: Final = b"GWD1"
-_HEADER: Final = struct.Struct("<4sBIQI")
-HEADER_BYTES: Final = _HEADER.size
+#: The wire form's header: magic, itemsize, chunk_elements, numel, chunk count.
+WIRE_MAGIC: Final = b"GWD1"
+WIRE_HEADER: Final = struct.Struct("<4sBIQI")
+HEADER_BYTES: Final = WIRE_HEADER.size
 CHUNK_HEADER_BYTES: Final = 5  # one kind byte, one uint32 count
 _WIDTHS: Final[Mapping[int, np.dtype[_UInt]]] = {
     1: np.dtype("u1"),
@@ -275,7 +278,9 @@ class TensorDelta:
     def to_bytes(self) -> bytes:
         """The wire form (see the module docstring)."""
         parts = [
-            _HEADER.pack(_MAGIC, self.itemsize, self.chunk_elements, self.numel, self.n_chunks),
+            WIRE_HEADER.pack(
+                WIRE_MAGIC, self.itemsize, self.chunk_elements, self.numel, self.n_chunks
+            ),
             self.kinds.tobytes(),
             self.counts().astype(_COUNT).tobytes(),
             _gaps(self.positions, self.chunk_elements).tobytes(),
@@ -429,9 +434,9 @@ def decode_tables(data: bytes | bytearray | memoryview) -> Result[DeltaTables, D
     buf = memoryview(data).cast("B")
     if len(buf) < HEADER_BYTES:
         return _bad(f"{len(buf)} bytes is shorter than the {HEADER_BYTES}-byte header", "header")
-    magic, itemsize, chunk_elements, numel, n_chunks = _HEADER.unpack_from(buf)
-    if magic != _MAGIC:
-        return _bad(f"magic {bytes(magic)!r} is not {_MAGIC!r}", "magic")
+    magic, itemsize, chunk_elements, numel, n_chunks = WIRE_HEADER.unpack_from(buf)
+    if magic != WIRE_MAGIC:
+        return _bad(f"magic {bytes(magic)!r} is not {WIRE_MAGIC!r}", "magic")
     if itemsize not in _WIDTHS:
         return _bad(f"itemsize {itemsize} is not one of {sorted(_WIDTHS)}", "itemsize")
     if not 1 <= chunk_elements <= MAX_CHUNK_ELEMENTS:

@@ -13,20 +13,53 @@ for byte:
   does, :func:`check_loop` every gap as :func:`~genworker.core.delta.decode_delta` does
   (no repeat, nothing past its chunk's end), before :func:`apply_loop` writes anything.
 
+:func:`encode_wire` and :func:`apply_wire_into` drive them (a :class:`Loops`, compiled or
+:data:`PLAIN`): one allocation per column and the header around the encode loop; the
+header and tables by a loop, any doubt left to ``decode_tables`` (its refusal is the
+answer), then the gaps checked, then the writes, so a refused delta leaves the target
+as it was.
+
 Kinds are numbered as :class:`~genworker.core.delta.ChunkKind`: 0 ``SPARSE``, 1 ``XOR``,
 2 ``RAW``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Final, TypeVar
 
+import attrs
 import numpy as np
 import numpy.typing as npt
+from returns.result import Failure, Result, Success
 
-from genworker.core.delta import Bits, ChunkKind
+from genworker.core.delta import (
+    HEADER_BYTES,
+    MAX_CHUNK_ELEMENTS,
+    WIRE_HEADER,
+    WIRE_MAGIC,
+    Bits,
+    ChunkKind,
+    DeltaError,
+    chunk_count,
+    decode_tables,
+    encode_delta,
+)
 
-__all__ = ["EncodeLoop", "apply_loop", "check_loop", "encode_loop", "tables_loop"]
+__all__ = [
+    "PLAIN",
+    "Columns",
+    "EncodeLoop",
+    "Loops",
+    "apply_loop",
+    "apply_wire_into",
+    "check_loop",
+    "encode_loop",
+    "encode_wire",
+    "fixed",
+    "tables_loop",
+    "wire_columns",
+]
 
 _U64 = npt.NDArray[np.uint64]
 #: (old, new, old_words, new_words, chunk_elements, kinds, counts, gaps, values, blocks)
@@ -210,3 +243,164 @@ def apply_loop(
             for k in range(start, stop):
                 target[k] = blocks[dense]
                 dense += 1
+
+
+_U8 = npt.NDArray[np.uint8]
+_U16 = npt.NDArray[np.uint16]
+_U32 = npt.NDArray[np.uint32]
+TablesLoop = Callable[[_U8, _U32, int, int], tuple[int, int, bool]]
+CheckLoop = Callable[[_U8, _U32, _U16, int, int], int]
+ApplyLoop = Callable[[Bits, int, _U8, _U32, _U16, Bits, Bits], None]
+
+
+@attrs.frozen
+class Loops:
+    """The loops a codec runs: these functions, or numba's compiled forms of them."""
+
+    encoders: Mapping[int, EncodeLoop]  # by itemsize
+    tables: TablesLoop
+    check: CheckLoop
+    apply: ApplyLoop
+
+
+#: The loops uncompiled (the reference the compiled ones must agree with).
+PLAIN: Final = Loops(
+    {size: encode_loop(8 // size) for size in (1, 2, 4, 8)}, tables_loop, check_loop, apply_loop
+)
+
+_NO_WORDS: Final = np.empty(0, dtype=np.uint64)
+
+
+def _words(bits: Bits) -> _U64:
+    per = 8 // bits.itemsize
+    whole = len(bits) // per * per
+    if per == 1 or bits.ctypes.data % 8 or not whole:
+        return _NO_WORDS
+    return bits[:whole].view(np.uint64)
+
+
+def encode_wire(
+    loops: Loops, old: Bits, new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS
+) -> bytes:
+    """``encode_delta(old, new, chunk_elements).to_bytes()``, in one pass of the loop.
+
+    Arrays of different dtypes or lengths, or ``chunk_elements`` outside
+    ``[1, MAX_CHUNK_ELEMENTS]``, are programming errors (``ValueError``).
+    """
+    if old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
+        return encode_delta(old, new, chunk_elements).to_bytes()  # its ValueError
+    if not 1 <= chunk_elements <= MAX_CHUNK_ELEMENTS:
+        return encode_delta(old, new, chunk_elements).to_bytes()  # its ValueError
+    old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)
+    numel, itemsize = len(new), new.itemsize
+    n_chunks = chunk_count(numel, chunk_elements)
+    kinds = np.empty(n_chunks, dtype=np.uint8)
+    counts = np.empty(n_chunks, dtype=np.uint32)
+    gaps = np.empty(numel, dtype=np.uint16)
+    values = np.empty(numel, dtype=new.dtype)
+    blocks = np.empty(numel, dtype=new.dtype)
+    old_words, new_words = _words(old), _words(new)
+    if len(old_words) != len(new_words):
+        old_words = new_words = _NO_WORDS
+    entries, dense = loops.encoders[itemsize](
+        old, new, old_words, new_words, chunk_elements, kinds, counts, gaps, values, blocks
+    )
+    head = WIRE_HEADER.pack(WIRE_MAGIC, itemsize, chunk_elements, numel, n_chunks)
+    columns = (kinds, counts, gaps[:entries], values[:entries], blocks[:dense])
+    return b"".join((head, *(column.data for column in columns)))
+
+
+_A = TypeVar("_A", bound=Bits)
+
+
+def fixed(array: _A, *, copy: bool = True) -> _A:
+    """``array`` read-only and (when ``copy``) aligned, copied when it is not: numba
+    compiles a loop per kind of array (layout, alignment, writability) it meets, and a
+    column at an odd offset of the buffer is unaligned. The dense blocks (a full step's
+    bits) are left where they are: their loop is compiled for both alignments."""
+    if copy and not array.flags.aligned:
+        array = array.copy()
+    array.flags.writeable = False
+    return array
+
+
+@attrs.frozen
+class Columns:
+    """A wire form's checked header and columns (views of its buffer, :func:`fixed`)."""
+
+    itemsize: int
+    numel: int
+    chunk_elements: int
+    kinds: _U8 = attrs.field(eq=False)
+    counts: _U32 = attrs.field(eq=False)
+    gaps: _U16 = attrs.field(eq=False)
+    values: Bits = attrs.field(eq=False)
+    blocks: Bits = attrs.field(eq=False)
+
+
+def wire_columns(loops: Loops, data: bytes | bytearray | memoryview) -> Result[Columns, DeltaError]:
+    """The wire form's columns, checked by the tables loop; anything it does not find
+    valid is left to ``decode_tables``, whose refusal is the answer."""
+    buf = memoryview(data).cast("B")
+    if len(buf) >= HEADER_BYTES:
+        magic, itemsize, chunk_elements, numel, n_chunks = WIRE_HEADER.unpack_from(buf)
+        tables = HEADER_BYTES + 5 * n_chunks
+        if (
+            magic == WIRE_MAGIC
+            and itemsize in (1, 2, 4, 8)
+            and 1 <= chunk_elements <= MAX_CHUNK_ELEMENTS
+            and n_chunks == chunk_count(numel, chunk_elements)
+            and len(buf) >= tables
+        ):
+            kinds = np.frombuffer(buf, dtype=np.uint8, count=n_chunks, offset=HEADER_BYTES)
+            at = HEADER_BYTES + n_chunks
+            counts = np.frombuffer(buf, dtype=np.uint32, count=n_chunks, offset=at)
+            entries, dense, valid = loops.tables(kinds, counts, numel, chunk_elements)
+            if valid and len(buf) == tables + entries * (2 + itemsize) + dense * itemsize:
+                width = np.dtype(f"u{itemsize}")
+                gaps = np.frombuffer(buf, dtype=np.uint16, count=entries, offset=tables)
+                at = tables + 2 * entries
+                values = np.frombuffer(buf, dtype=width, count=entries, offset=at)
+                at += itemsize * entries
+                blocks = np.frombuffer(buf, dtype=width, count=dense, offset=at)
+                found = (fixed(kinds), fixed(counts), fixed(gaps), fixed(values))
+                blocks = fixed(blocks, copy=False)
+                return Success(Columns(itemsize, numel, chunk_elements, *found, blocks))
+    refused = decode_tables(data)
+    assert isinstance(refused, Failure), "the tables loop's rules are decode_tables'"
+    return Failure(refused.failure())
+
+
+_GAP_PROBLEMS: Final = {
+    1: DeltaError("invalid delta: positions in a chunk repeat", field="positions"),
+    2: DeltaError("invalid delta: a change lies past its chunk's end", field="positions"),
+}
+
+
+def apply_wire_into(
+    loops: Loops, target: Bits, data: bytes | bytearray | memoryview
+) -> Result[None, DeltaError]:
+    """``decode_delta(data)`` applied into ``target`` (``apply_delta_into``), one pass.
+
+    The same refusals, with the same :class:`DeltaError`: an invalid buffer, or a target
+    whose width or length differs from the delta's; ``target`` is untouched by either.
+    """
+    decoded = wire_columns(loops, data)
+    if isinstance(decoded, Failure):
+        return Failure(decoded.failure())
+    c = decoded.unwrap()
+    problem = loops.check(c.kinds, c.counts, c.gaps, c.numel, c.chunk_elements)
+    if problem:
+        return Failure(_GAP_PROBLEMS[problem])
+    if target.ndim != 1 or target.itemsize != c.itemsize or len(target) != c.numel:
+        return Failure(
+            DeltaError(
+                f"a delta of {c.numel} elements of {c.itemsize} bytes cannot apply "
+                f"to an array of shape {target.shape} and {target.itemsize}-byte elements",
+                field="target",
+            )
+        )
+    values = c.values.astype(target.dtype, copy=False)
+    blocks = c.blocks.astype(target.dtype, copy=False)
+    loops.apply(target, c.chunk_elements, c.kinds, c.counts, c.gaps, values, blocks)
+    return Success(None)

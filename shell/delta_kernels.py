@@ -6,16 +6,14 @@ The codec's rules and its reference implementation are pure numpy in ``core/delt
 Those make several passes over a piece (compare, ``flatnonzero``, ``bincount``, gathers,
 gap arithmetic, one copy per column): for a delta step of a 100M-parameter model, twice
 the time of the step's CRC-32s, which themselves cost as much as the rest. Here the same
-work is one loop, compiled with numba (a dependency of vLLM) when it imports, that writes
-the wire form's columns directly:
+work is one loop (``core/delta_loops.py``, which also drives them), compiled here with
+numba (a dependency of vLLM) when it imports, that writes the wire form's columns directly:
 
 - :func:`encode_wire`: ``encode_delta(old, new, chunk_elements).to_bytes()``, byte for
-  byte (``core.delta_loops.encode_loop``);
+  byte;
 - :func:`apply_wire_into`: ``decode_delta`` then ``apply_delta_into``, with the same
-  checks and the same :class:`~genworker.core.delta.DeltaError`\\ s: the header and chunk
-  tables by a loop (any doubt: :func:`~genworker.core.delta.decode_tables` decides and
-  words the refusal), then every gap checked before anything is written, so a refused
-  delta leaves ``target`` as it was;
+  checks and the same :class:`~genworker.core.delta.DeltaError`\\ s, a refused delta
+  leaving ``target`` as it was;
 - :func:`piece_hash`: :func:`~genworker.core.delta.bits_hash`, the 64-bit hash each
   piece's result is checked with (about 20 GB/s here, CRC-32 about 4).
 
@@ -29,39 +27,31 @@ sender and the receivers do when they start.
 from __future__ import annotations
 
 import functools
-import struct
 import sys
 from collections.abc import Callable, Iterable
-from typing import Final, TypeVar, cast
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
-from returns.result import Failure, Result, Success
+from returns.result import Result
 
+from genworker.core import delta_loops as loops
 from genworker.core.delta import (
     HASH_BLOCK_WORDS,
     HASH_KEYS,
     HASH_MULTIPLIERS,
-    HEADER_BYTES,
     MAX_CHUNK_ELEMENTS,
     Bits,
     DeltaError,
     apply_delta_into,
     bits_hash,
-    chunk_count,
     decode_delta,
-    decode_tables,
     encode_delta,
     encode_full,
 )
-from genworker.core.delta_loops import apply_loop, check_loop, encode_loop, tables_loop
+from genworker.core.delta_loops import Loops, fixed
 
 __all__ = ["apply_wire_into", "compiled", "encode_wire", "piece_hash", "warm_up"]
-
-_A = TypeVar("_A", bound=npt.NDArray[np.generic])
-_HEADER: Final = struct.Struct("<4sBIQI")
-_MAGIC: Final = b"GWD1"
-assert _HEADER.size == HEADER_BYTES
 
 
 def _hash_loop(
@@ -99,11 +89,6 @@ def _mix(z: np.uint64) -> np.uint64:
     return z ^ (z >> np.uint64(31))
 
 
-_Encode = Callable[..., tuple[int, int]]
-_Encoders = dict[int, _Encode]
-_Check = Callable[..., int]
-_Tables = Callable[..., tuple[int, int, bool]]
-_Apply = Callable[..., None]
 _Hash = Callable[..., np.uint64]
 
 
@@ -125,7 +110,7 @@ def _shield_llvmlite_lib() -> None:
         table["__dict__"] = {}
 
 
-def _compile() -> tuple[_Encoders, _Tables, _Check, _Apply, _Hash] | None:
+def _compile() -> tuple[Loops, _Hash] | None:
     if sys.byteorder != "little":  # the wire form is little-endian; the loops write native
         return None
     try:
@@ -136,13 +121,10 @@ def _compile() -> tuple[_Encoders, _Tables, _Check, _Apply, _Hash] | None:
     jit = numba.njit(cache=True, nogil=True, boundscheck=False)
     global _mix  # what the hash loop calls
     _mix = jit(_mix)
-    return (
-        {size: cast(_Encode, jit(encode_loop(8 // size))) for size in (1, 2, 4, 8)},
-        cast(_Tables, jit(tables_loop)),
-        cast(_Check, jit(check_loop)),
-        cast(_Apply, jit(apply_loop)),
-        cast(_Hash, jit(_hash_loop)),
-    )
+    plain = loops.PLAIN
+    encoders = {size: jit(loop) for size, loop in plain.encoders.items()}
+    compiled = Loops(encoders, jit(plain.tables), jit(plain.check), jit(plain.apply))
+    return compiled, jit(_hash_loop)
 
 
 #: The loops, compiled on first use: numba (and llvmlite) are imported only by a process
@@ -155,169 +137,22 @@ def compiled() -> bool:
     return _kernels() is not None
 
 
-_NO_WORDS: Final = np.empty(0, dtype=np.uint64)
-
-
-def _words(bits: Bits) -> npt.NDArray[np.uint64]:
-    per = 8 // bits.itemsize
-    whole = len(bits) // per * per
-    if per == 1 or bits.ctypes.data % 8 or not whole:
-        return _NO_WORDS
-    return bits[:whole].view(np.uint64)
-
-
 def encode_wire(old: Bits, new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS) -> bytes:
-    """``encode_delta(old, new, chunk_elements).to_bytes()``, in one compiled pass.
-
-    Arrays of different dtypes or lengths, or ``chunk_elements`` outside
-    ``[1, MAX_CHUNK_ELEMENTS]``, are programming errors (``ValueError``).
-    """
+    """``encode_delta(old, new, chunk_elements).to_bytes()``, in one compiled pass
+    (``ValueError`` for what ``encode_delta`` refuses)."""
     kernels = _kernels()
-    if kernels is None or old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
-        return encode_delta(old, new, chunk_elements).to_bytes()  # or its ValueError
-    if not 1 <= chunk_elements <= MAX_CHUNK_ELEMENTS:
-        return encode_delta(old, new, chunk_elements).to_bytes()  # raises
-    old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)
-    numel, itemsize = len(new), new.itemsize
-    n_chunks = chunk_count(numel, chunk_elements)
-    kinds = np.empty(n_chunks, dtype=np.uint8)
-    counts = np.empty(n_chunks, dtype=np.uint32)
-    gaps = np.empty(numel, dtype=np.uint16)
-    values = np.empty(numel, dtype=new.dtype)
-    blocks = np.empty(numel, dtype=new.dtype)
-    old_words, new_words = _words(old), _words(new)
-    if len(old_words) != len(new_words):
-        old_words = new_words = _NO_WORDS
-    entries, dense = kernels[0][itemsize](
-        old, new, old_words, new_words, chunk_elements, kinds, counts, gaps, values, blocks
-    )
-    head = _HEADER.pack(_MAGIC, itemsize, chunk_elements, numel, n_chunks)
-    return b"".join(
-        (
-            head,
-            kinds.data,
-            counts.data,
-            gaps[:entries].data,
-            values[:entries].data,
-            blocks[:dense].data,
-        )
-    )
-
-
-_GAP_PROBLEMS: Final = {
-    1: DeltaError("invalid delta: positions in a chunk repeat", field="positions"),
-    2: DeltaError("invalid delta: a change lies past its chunk's end", field="positions"),
-}
-
-
-def _fixed(array: _A, *, copy: bool = True) -> _A:
-    """``array`` read-only and (when ``copy``) aligned, copied when it is not: numba
-    compiles a loop per kind of array (layout, alignment, writability) it meets, and a
-    column at an odd offset of the buffer is unaligned. The dense blocks (a full step's
-    bits) are left where they are: their loop is compiled for both alignments."""
-    if copy and not array.flags.aligned:
-        array = array.copy()
-    array.flags.writeable = False
-    return array
-
-
-_Columns = tuple[
-    int,  # itemsize
-    int,  # numel
-    int,  # chunk_elements
-    npt.NDArray[np.uint8],  # kinds
-    npt.NDArray[np.uint32],  # counts
-    npt.NDArray[np.uint16],  # gaps
-    Bits,  # values
-    Bits,  # blocks
-]
-
-
-def _columns(data: bytes | bytearray | memoryview) -> Result[_Columns, DeltaError]:
-    """The wire form's columns: checked by a compiled loop, or (when that loop finds it
-    anything but valid) by ``decode_tables``, whose refusal is the answer."""
-    kernels = _kernels()
-    assert kernels is not None
-    buf = memoryview(data).cast("B")
-    if len(buf) >= HEADER_BYTES:
-        magic, itemsize, chunk_elements, numel, n_chunks = _HEADER.unpack_from(buf)
-        tables = HEADER_BYTES + 5 * n_chunks
-        if (
-            magic == _MAGIC
-            and itemsize in (1, 2, 4, 8)
-            and 1 <= chunk_elements <= MAX_CHUNK_ELEMENTS
-            and n_chunks == chunk_count(numel, chunk_elements)
-            and len(buf) >= tables
-        ):
-            kinds = np.frombuffer(buf, dtype=np.uint8, count=n_chunks, offset=HEADER_BYTES)
-            at = HEADER_BYTES + n_chunks
-            counts = np.frombuffer(buf, dtype=np.uint32, count=n_chunks, offset=at)
-            entries, dense, valid = kernels[1](kinds, counts, numel, chunk_elements)
-            if valid and len(buf) == tables + entries * (2 + itemsize) + dense * itemsize:
-                width = np.dtype(f"u{itemsize}")
-                gaps = np.frombuffer(buf, dtype=np.uint16, count=entries, offset=tables)
-                at = tables + 2 * entries
-                values = np.frombuffer(buf, dtype=width, count=entries, offset=at)
-                at += itemsize * entries
-                blocks = np.frombuffer(buf, dtype=width, count=dense, offset=at)
-                found = (itemsize, numel, chunk_elements, kinds, counts, gaps, values, blocks)
-                return Success(_fixed_columns(found))
-    decoded = decode_tables(data)
-    if isinstance(decoded, Failure):
-        return Failure(decoded.failure())
-    t = decoded.unwrap()  # pragma: no cover - the loop's rules are decode_tables'
-    counts = t.counts.astype(np.uint32)  # pragma: no cover
-    return Success(  # pragma: no cover
-        _fixed_columns(
-            (t.itemsize, t.numel, t.chunk_elements, t.kinds, counts, t.gaps, t.values, t.blocks)
-        )
-    )
-
-
-def _fixed_columns(columns: _Columns) -> _Columns:
-    """``columns`` with every array :func:`_fixed` (the dense blocks left where they are)."""
-    itemsize, numel, chunk_elements, kinds, counts, gaps, values, blocks = columns
-    return (
-        itemsize,
-        numel,
-        chunk_elements,
-        _fixed(kinds),
-        _fixed(counts),
-        _fixed(gaps),
-        _fixed(values),
-        _fixed(blocks, copy=False),
-    )
+    if kernels is None:
+        return encode_delta(old, new, chunk_elements).to_bytes()
+    return loops.encode_wire(kernels[0], old, new, chunk_elements)
 
 
 def apply_wire_into(target: Bits, data: bytes | bytearray | memoryview) -> Result[None, DeltaError]:
-    """``decode_delta(data)`` applied into ``target`` (``apply_delta_into``), one pass.
-
-    The same refusals, with the same :class:`DeltaError`: an invalid buffer, or a target
-    whose width or length differs from the delta's; ``target`` is untouched by either.
-    """
+    """``decode_delta(data)`` applied into ``target`` (``apply_delta_into``), one pass,
+    with the same refusals; ``target`` is untouched by any."""
     kernels = _kernels()
     if kernels is None:
         return decode_delta(data).bind(lambda delta: apply_delta_into(target, delta))
-    decoded = _columns(data)
-    if isinstance(decoded, Failure):
-        return Failure(decoded.failure())
-    itemsize, numel, chunk_elements, kinds, counts, gaps, values, blocks = decoded.unwrap()
-    _, _, check, apply, _ = kernels
-    problem = check(kinds, counts, gaps, numel, chunk_elements)  # decode_delta's last check
-    if problem:
-        return Failure(_GAP_PROBLEMS[problem])
-    if target.ndim != 1 or target.itemsize != itemsize or len(target) != numel:
-        return Failure(
-            DeltaError(
-                f"a delta of {numel} elements of {itemsize} bytes cannot apply "
-                f"to an array of shape {target.shape} and {target.itemsize}-byte elements",
-                field="target",
-            )
-        )
-    values = values.astype(target.dtype, copy=False)
-    blocks = blocks.astype(target.dtype, copy=False)
-    apply(target, chunk_elements, kinds, counts, gaps, values, blocks)
-    return Success(None)
+    return loops.apply_wire_into(kernels[0], target, data)
 
 
 def piece_hash(bits: Bits) -> int:
@@ -334,7 +169,7 @@ def piece_hash(bits: Bits) -> int:
     tail = np.zeros(8, dtype=np.uint8)
     tail[: nbytes - whole] = raw[whole:]
     words = body.view(np.uint64)
-    value = kernels[4](
+    value = kernels[1](
         words, tail.view(np.uint64)[0], int(nbytes > whole), nbytes, HASH_KEYS, HASH_MULTIPLIERS
     )
     return int(value)
@@ -364,12 +199,12 @@ def warm_up(itemsizes: Iterable[int] = (1, 2, 4)) -> None:
         kinds, counts = np.full(1, 2, dtype=np.uint8), np.zeros(1, dtype=np.uint32)
         for column in (blocks, blocks.copy()):
             target = old[:1].copy()
-            kernels[3](
+            kernels[0].apply(
                 target,
                 1,
-                _fixed(kinds),
-                _fixed(counts),
-                _fixed(no),
-                _fixed(new[:0]),
-                _fixed(column, copy=False),
+                fixed(kinds),
+                fixed(counts),
+                fixed(no),
+                fixed(new[:0]),
+                fixed(column, copy=False),
             )

@@ -1,6 +1,8 @@
 """The codec's loops run uncompiled against the core's numpy codec: the encode loop writes
 the columns of ``encode_delta``'s wire form, the tables and gap checks refuse what
-``decode_delta`` refuses, and the apply loop makes the new bits of the old."""
+``decode_delta`` refuses, and the apply loop makes the new bits of the old; their drivers
+(``encode_wire``, ``apply_wire_into`` over :data:`PLAIN`) agree with the codec byte for
+byte and refusal for refusal."""
 
 from __future__ import annotations
 
@@ -9,10 +11,29 @@ import numpy.typing as npt
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from returns.result import Failure, Success
 from strategies import BitsPair, delta_chunk_elements, delta_pairs
 
-from genworker.core.delta import Bits, chunk_count, decode_tables, encode_delta, encode_full
-from genworker.core.delta_loops import apply_loop, check_loop, encode_loop, tables_loop
+from genworker.core.delta import (
+    MAX_CHUNK_ELEMENTS,
+    Bits,
+    DeltaError,
+    apply_delta_into,
+    chunk_count,
+    decode_delta,
+    decode_tables,
+    encode_delta,
+    encode_full,
+)
+from genworker.core.delta_loops import (
+    PLAIN,
+    apply_loop,
+    apply_wire_into,
+    check_loop,
+    encode_loop,
+    encode_wire,
+    tables_loop,
+)
 
 _NO_WORDS = np.empty(0, dtype=np.uint64)
 
@@ -82,3 +103,92 @@ def test_the_gap_check_finds_repeats_and_changes_past_the_chunk(
     kinds = np.array([0, 1], dtype=np.uint8)  # a sparse chunk of 4, then a dense one
     counts = np.array([len(gaps), 0], dtype=np.uint32)
     assert check_loop(kinds, counts, np.array(gaps, dtype=np.uint16), 6, 4) == problem
+
+
+def _offset(bits: Bits, by: int) -> Bits:
+    """The same values at another address (``by`` elements into a larger array)."""
+    out = np.empty(len(bits) + by, dtype=bits.dtype)
+    out[by:] = bits
+    view: Bits = out[by:]
+    return view
+
+
+@given(delta_pairs(), delta_chunk_elements, st.integers(0, 7), st.booleans())
+def test_the_drivers_are_the_codec_byte_for_byte(
+    pair: BitsPair, chunk: int, by: int, full: bool
+) -> None:
+    old, new = _offset(pair.old, by), _offset(pair.new, by % 3)
+    wire = encode_wire(PLAIN, old, new, chunk)
+    assert wire == encode_delta(pair.old, pair.new, chunk).to_bytes()
+    data = encode_full(pair.new, chunk).to_bytes() if full else wire
+    for shift in (0, 1):  # the columns at an odd offset of the buffer: copied aligned
+        target = pair.old.copy()
+        result = apply_wire_into(PLAIN, target, memoryview(bytes(shift) + data)[shift:])
+        assert isinstance(result, Success), result
+        assert np.array_equal(target, pair.new)
+
+
+def _core_apply(target: Bits, data: bytes) -> Failure[DeltaError] | None:
+    decoded = decode_delta(data)
+    if isinstance(decoded, Failure):
+        return decoded
+    applied = apply_delta_into(target, decoded.unwrap())
+    return applied if isinstance(applied, Failure) else None
+
+
+@given(delta_pairs(max_numel=100), st.sampled_from([1, 3, 8, 64]), st.data())
+def test_a_damaged_buffer_gets_the_codecs_verdict_and_leaves_the_target(
+    pair: BitsPair, chunk: int, data: st.DataObject
+) -> None:
+    wire = bytearray(encode_wire(PLAIN, pair.old, pair.new, chunk))
+    how = data.draw(st.sampled_from(["flip", "cut", "extend"]))
+    if how == "flip" and wire:
+        for _ in range(data.draw(st.integers(1, 3))):
+            wire[data.draw(st.integers(0, len(wire) - 1))] ^= data.draw(st.integers(1, 255))
+    elif how == "cut":
+        wire = wire[: data.draw(st.integers(0, len(wire)))]
+    else:
+        wire += data.draw(st.binary(min_size=1, max_size=6))
+    ours, theirs = pair.old.copy(), pair.old.copy()
+    result = apply_wire_into(PLAIN, ours, bytes(wire))
+    expected = _core_apply(theirs, bytes(wire))
+    if expected is None:
+        assert isinstance(result, Success), result
+    else:
+        assert isinstance(result, Failure), result
+        assert result.failure() == expected.failure()
+        assert np.array_equal(ours, pair.old)
+    assert np.array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    ("gaps", "message"),
+    [([1, 0], "positions in a chunk repeat"), ([1, 3], "a change lies past its chunk's end")],
+)
+def test_bad_gaps_are_the_codecs_refusal(gaps: list[int], message: str) -> None:
+    new = np.zeros(4, np.uint32)
+    new[1:3] = 1
+    wire = bytearray(encode_wire(PLAIN, np.zeros(4, np.uint32), new))  # one sparse chunk
+    at = len(wire) - 2 * (2 + 4)  # its two gaps, then its two values
+    wire[at : at + 4] = np.array(gaps, dtype="<u2").tobytes()
+    result = apply_wire_into(PLAIN, np.zeros(4, np.uint32), bytes(wire))
+    assert isinstance(result, Failure)
+    assert result.failure() == DeltaError(f"invalid delta: {message}", field="positions")
+
+
+def test_a_target_of_another_width_or_length_is_refused_untouched() -> None:
+    old = np.arange(10, dtype=np.uint16)
+    data = encode_wire(PLAIN, old, old + 1, 4)
+    for target in (np.zeros(9, dtype=np.uint16), np.zeros(10, dtype=np.uint32)):
+        result = apply_wire_into(PLAIN, target, data)
+        assert isinstance(result, Failure)
+        assert result.failure().field == "target"
+        assert not target.any()
+
+
+def test_encode_wire_refuses_what_encode_delta_refuses() -> None:
+    a = np.zeros(4, dtype=np.uint16)
+    with pytest.raises(ValueError, match="alike"):
+        encode_wire(PLAIN, a, np.zeros(5, dtype=np.uint16))
+    with pytest.raises(ValueError, match="chunk_elements"):
+        encode_wire(PLAIN, a, a, MAX_CHUNK_ELEMENTS + 1)
