@@ -11,9 +11,11 @@ for byte:
   written as its ``XOR`` block);
 - :func:`tables_loop` checks a chunk table as :func:`~genworker.core.delta.decode_tables`
   does, :func:`check_loop` every gap as :func:`~genworker.core.delta.decode_delta` does
-  (no repeat, nothing past its chunk's end), before :func:`apply_loop` writes anything.
+  (no repeat, nothing past its chunk's end), before :func:`apply_loop` writes anything;
+- :func:`hash_loop` is :func:`~genworker.core.delta.bits_hash` over whole words (about
+  20 GB/s compiled, CRC-32 about 4).
 
-:func:`encode_wire` and :func:`apply_wire_into` drive them (a :class:`Loops`, compiled or
+:func:`encode_wire`, :func:`apply_wire_into` and :func:`piece_hash` drive them (a :class:`Loops`, compiled or
 :data:`PLAIN`): one allocation per column and the header around the encode loop; the
 header and tables by a loop, any doubt left to ``decode_tables`` (its refusal is the
 answer), then the gaps checked, then the writes, so a refused delta leaves the target
@@ -34,6 +36,9 @@ import numpy.typing as npt
 from returns.result import Failure, Result, Success
 
 from genworker.core.delta import (
+    HASH_BLOCK_WORDS,
+    HASH_KEYS,
+    HASH_MULTIPLIERS,
     HEADER_BYTES,
     MAX_CHUNK_ELEMENTS,
     WIRE_HEADER,
@@ -57,6 +62,8 @@ __all__ = [
     "encode_loop",
     "encode_wire",
     "fixed",
+    "hash_loop",
+    "piece_hash",
     "tables_loop",
     "wire_columns",
 ]
@@ -245,12 +252,48 @@ def apply_loop(
                 dense += 1
 
 
+def hash_loop(
+    words: npt.NDArray[np.uint64],
+    tail: np.uint64,
+    has_tail: int,
+    nbytes: int,
+    keys: npt.NDArray[np.uint64],
+    mults: npt.NDArray[np.uint64],
+) -> np.uint64:
+    """``bits_hash`` over ``words`` and, when ``has_tail``, one last (zero-padded) word."""
+
+    def mix(z: np.uint64) -> np.uint64:  # hash_mix of one word (inlined when compiled)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    m = words.shape[0]
+    count = m + has_tail
+    size = HASH_BLOCK_WORDS  # a constant when compiled
+    total = np.uint64(0)
+    for b in range((count + size - 1) // size):
+        base = b * size
+        end = min(base + size, count)
+        s = np.uint64(0)
+        if end <= m and end - base == size:  # a whole block: a loop of constant length
+            for k in range(size):
+                s += (words[base + k] ^ keys[k]) * mults[k]
+        else:
+            for k in range(base, min(end, m)):
+                s += (words[k] ^ keys[k - base]) * mults[k - base]
+        if end > m:
+            s += (tail ^ keys[m - base]) * mults[m - base]
+        total += mix(s + np.uint64(b) * np.uint64(0x9E3779B97F4A7C15))
+    return mix(total ^ np.uint64(nbytes))
+
+
 _U8 = npt.NDArray[np.uint8]
 _U16 = npt.NDArray[np.uint16]
 _U32 = npt.NDArray[np.uint32]
 TablesLoop = Callable[[_U8, _U32, int, int], tuple[int, int, bool]]
 CheckLoop = Callable[[_U8, _U32, _U16, int, int], int]
 ApplyLoop = Callable[[Bits, int, _U8, _U32, _U16, Bits, Bits], None]
+HashLoop = Callable[[_U64, np.uint64, int, int, _U64, _U64], np.uint64]
 
 
 @attrs.frozen
@@ -261,11 +304,16 @@ class Loops:
     tables: TablesLoop
     check: CheckLoop
     apply: ApplyLoop
+    hash: HashLoop
 
 
 #: The loops uncompiled (the reference the compiled ones must agree with).
 PLAIN: Final = Loops(
-    {size: encode_loop(8 // size) for size in (1, 2, 4, 8)}, tables_loop, check_loop, apply_loop
+    {size: encode_loop(8 // size) for size in (1, 2, 4, 8)},
+    tables_loop,
+    check_loop,
+    apply_loop,
+    hash_loop,
 )
 
 _NO_WORDS: Final = np.empty(0, dtype=np.uint64)
@@ -404,3 +452,21 @@ def apply_wire_into(
     blocks = c.blocks.astype(target.dtype, copy=False)
     loops.apply(target, c.chunk_elements, c.kinds, c.counts, c.gaps, values, blocks)
     return Success(None)
+
+
+def piece_hash(loops: Loops, bits: Bits) -> int:
+    """:func:`~genworker.core.delta.bits_hash` of ``bits``, in one pass of the loop."""
+    raw = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
+    nbytes = len(raw)
+    whole = nbytes // 8 * 8
+    body = raw[:whole]
+    if body.ctypes.data % 8:
+        body = body.copy()  # the loop reads aligned words
+    tail = np.zeros(8, dtype=np.uint8)
+    tail[: nbytes - whole] = raw[whole:]
+    words = body.view(np.uint64)
+    has_tail = int(nbytes > whole)
+    value = loops.hash(
+        words, tail.view(np.uint64)[0], has_tail, nbytes, HASH_KEYS, HASH_MULTIPLIERS
+    )
+    return int(value)

@@ -15,7 +15,7 @@ numba (a dependency of vLLM) when it imports, that writes the wire form's column
   checks and the same :class:`~genworker.core.delta.DeltaError`\\ s, a refused delta
   leaving ``target`` as it was;
 - :func:`piece_hash`: :func:`~genworker.core.delta.bits_hash`, the 64-bit hash each
-  piece's result is checked with (about 20 GB/s here, CRC-32 about 4).
+  piece's result is checked with.
 
 Without numba (or on a big-endian host) all three fall back to the core's numpy
 functions, with the same results. The loops release the GIL, so the sender's and the
@@ -28,18 +28,14 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Final
 
 import numpy as np
-import numpy.typing as npt
 from returns.result import Result
 
 from genworker.core import delta_loops as loops
 from genworker.core.delta import (
-    HASH_BLOCK_WORDS,
-    HASH_KEYS,
-    HASH_MULTIPLIERS,
     MAX_CHUNK_ELEMENTS,
     Bits,
     DeltaError,
@@ -52,44 +48,6 @@ from genworker.core.delta import (
 from genworker.core.delta_loops import Loops, fixed
 
 __all__ = ["apply_wire_into", "compiled", "encode_wire", "piece_hash", "warm_up"]
-
-
-def _hash_loop(
-    words: npt.NDArray[np.uint64],
-    tail: np.uint64,
-    has_tail: int,
-    nbytes: int,
-    keys: npt.NDArray[np.uint64],
-    mults: npt.NDArray[np.uint64],
-) -> np.uint64:
-    """``bits_hash`` over ``words`` and, when ``has_tail``, one last (zero-padded) word."""
-    m = words.shape[0]
-    count = m + has_tail
-    size = HASH_BLOCK_WORDS  # a constant when compiled
-    total = np.uint64(0)
-    for b in range((count + size - 1) // size):
-        base = b * size
-        end = min(base + size, count)
-        s = np.uint64(0)
-        if end <= m and end - base == size:  # a whole block: a loop of constant length
-            for k in range(size):
-                s += (words[base + k] ^ keys[k]) * mults[k]
-        else:
-            for k in range(base, min(end, m)):
-                s += (words[k] ^ keys[k - base]) * mults[k - base]
-        if end > m:
-            s += (tail ^ keys[m - base]) * mults[m - base]
-        total += _mix(s + np.uint64(b) * np.uint64(0x9E3779B97F4A7C15))
-    return _mix(total ^ np.uint64(nbytes))
-
-
-def _mix(z: np.uint64) -> np.uint64:
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-_Hash = Callable[..., np.uint64]
 
 
 def _shield_llvmlite_lib() -> None:
@@ -110,7 +68,7 @@ def _shield_llvmlite_lib() -> None:
         table["__dict__"] = {}
 
 
-def _compile() -> tuple[Loops, _Hash] | None:
+def _compile() -> Loops | None:
     if sys.byteorder != "little":  # the wire form is little-endian; the loops write native
         return None
     try:
@@ -119,12 +77,9 @@ def _compile() -> tuple[Loops, _Hash] | None:
         return None
     _shield_llvmlite_lib()
     jit = numba.njit(cache=True, nogil=True, boundscheck=False)
-    global _mix  # what the hash loop calls
-    _mix = jit(_mix)
     plain = loops.PLAIN
     encoders = {size: jit(loop) for size, loop in plain.encoders.items()}
-    compiled = Loops(encoders, jit(plain.tables), jit(plain.check), jit(plain.apply))
-    return compiled, jit(_hash_loop)
+    return Loops(encoders, *(jit(f) for f in (plain.tables, plain.check, plain.apply, plain.hash)))
 
 
 #: The loops, compiled on first use: numba (and llvmlite) are imported only by a process
@@ -143,7 +98,7 @@ def encode_wire(old: Bits, new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS) 
     kernels = _kernels()
     if kernels is None:
         return encode_delta(old, new, chunk_elements).to_bytes()
-    return loops.encode_wire(kernels[0], old, new, chunk_elements)
+    return loops.encode_wire(kernels, old, new, chunk_elements)
 
 
 def apply_wire_into(target: Bits, data: bytes | bytearray | memoryview) -> Result[None, DeltaError]:
@@ -152,7 +107,7 @@ def apply_wire_into(target: Bits, data: bytes | bytearray | memoryview) -> Resul
     kernels = _kernels()
     if kernels is None:
         return decode_delta(data).bind(lambda delta: apply_delta_into(target, delta))
-    return loops.apply_wire_into(kernels[0], target, data)
+    return loops.apply_wire_into(kernels, target, data)
 
 
 def piece_hash(bits: Bits) -> int:
@@ -160,19 +115,7 @@ def piece_hash(bits: Bits) -> int:
     kernels = _kernels()
     if kernels is None:
         return bits_hash(bits)
-    raw = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
-    nbytes = len(raw)
-    whole = nbytes // 8 * 8
-    body = raw[:whole]
-    if body.ctypes.data % 8:
-        body = body.copy()  # the loop reads aligned words
-    tail = np.zeros(8, dtype=np.uint8)
-    tail[: nbytes - whole] = raw[whole:]
-    words = body.view(np.uint64)
-    value = kernels[1](
-        words, tail.view(np.uint64)[0], int(nbytes > whole), nbytes, HASH_KEYS, HASH_MULTIPLIERS
-    )
-    return int(value)
+    return loops.piece_hash(kernels, bits)
 
 
 def warm_up(itemsizes: Iterable[int] = (1, 2, 4)) -> None:
@@ -199,7 +142,7 @@ def warm_up(itemsizes: Iterable[int] = (1, 2, 4)) -> None:
         kinds, counts = np.full(1, 2, dtype=np.uint8), np.zeros(1, dtype=np.uint32)
         for column in (blocks, blocks.copy()):
             target = old[:1].copy()
-            kernels[0].apply(
+            kernels.apply(
                 target,
                 1,
                 fixed(kinds),

@@ -19,6 +19,7 @@ from genworker.core.delta import (
     Bits,
     DeltaError,
     apply_delta_into,
+    bits_hash,
     chunk_count,
     decode_delta,
     decode_tables,
@@ -32,6 +33,7 @@ from genworker.core.delta_loops import (
     check_loop,
     encode_loop,
     encode_wire,
+    piece_hash,
     tables_loop,
 )
 
@@ -192,3 +194,13 @@ def test_encode_wire_refuses_what_encode_delta_refuses() -> None:
         encode_wire(PLAIN, a, np.zeros(5, dtype=np.uint16))
     with pytest.raises(ValueError, match="chunk_elements"):
         encode_wire(PLAIN, a, a, MAX_CHUNK_ELEMENTS + 1)
+
+
+@given(st.integers(0, 9000), st.integers(0, 7), st.sampled_from([1, 2, 4, 8]), st.integers(0, 9))
+def test_the_hash_loop_is_bits_hash(nbytes: int, by: int, itemsize: int, seed: int) -> None:
+    """Whole blocks of 1024 words and a short last one, a tail of fewer than 8 bytes, and
+    words off an 8-byte boundary (copied aligned for the loop)."""
+    raw = np.random.default_rng(seed).integers(0, 256, nbytes + by + 8, dtype=np.uint8)
+    bits = raw[by : by + nbytes // itemsize * itemsize].view(f"u{itemsize}")
+    with np.errstate(over="ignore"):  # the loop's arithmetic is mod 2**64 on purpose
+        assert piece_hash(PLAIN, bits) == bits_hash(bits)
