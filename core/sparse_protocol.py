@@ -25,6 +25,11 @@ A node that diverged holds bits nobody can vouch for: it refuses every delta unt
 full step (``needs_full``). Every divergence is returned as its reason, for the shell to
 log and tell the engine.
 
+*Frames.* :func:`encode_frame` turns a frame's pieces into the payload's wire forms with
+each piece's hash of its bits after the step; :func:`apply_frame` applies a decompressed
+payload's pieces into a receiver's bits and checks each against that hash (the codec's
+loops come in as arguments, compiled or not).
+
 *The wire.* Each message is a tag, a msgpack body against a fixed schema (no pickle) and,
 for a frame, its compressed payload; :func:`read_begin`, :func:`read_frame`,
 :func:`read_end` and :func:`read_report` take a body (or a report's parts) to a value or
@@ -34,7 +39,7 @@ a :class:`WireError`, the ``*_message`` functions build the parts.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Final
 
 import attrs
@@ -43,16 +48,22 @@ from returns.result import Failure, Result, Success
 
 from genworker.core.delta import (
     MAX_CHUNK_ELEMENTS,
+    Bits,
+    DeltaError,
+    Frame,
+    FramePiece,
     NodeResult,
     Outcome,
     RelayPlan,
     RelayReport,
+    encode_full,
     plan_relay,
 )
 from genworker.core.errors import CoreError
 from genworker.core.refit_plan import Manifest, TensorSpec
 
 __all__ = [
+    "CHECKSUM",
     "TAG_BEGIN",
     "TAG_END",
     "TAG_FRAME",
@@ -67,7 +78,9 @@ __all__ = [
     "StepSender",
     "WireError",
     "WirePiece",
+    "apply_frame",
     "begin_message",
+    "encode_frame",
     "end_message",
     "frame_message",
     "read_begin",
@@ -455,3 +468,78 @@ def read_report(parts: Sequence[bytes]) -> tuple[int, RelayReport] | None:
     except (*_MALFORMED, ValueError):
         return None
     return msg.step, RelayReport(results)
+
+
+# --- frames ------------------------------------------------------------------------
+
+#: The pieces' checksum this code computes and checks (``BeginMsg.checksum``).
+CHECKSUM: Final = "gwh64"
+
+EncodeWire = Callable[[Bits, Bits, int], bytes]
+ApplyWire = Callable[[Bits, memoryview], Result[None, DeltaError]]
+PieceHash = Callable[[Bits], int]
+
+
+def encode_frame(
+    frame: Frame,
+    new: Mapping[str, Bits],
+    old: Callable[[str], Bits] | None,
+    chunk_elements: int,
+    encode_wire: EncodeWire,
+    piece_hash: PieceHash,
+) -> tuple[bytes, list[WirePiece], tuple[tuple[FramePiece, bytes], ...]]:
+    """A frame's raw payload, its pieces as ``Frame`` messages name them, and each piece's
+    wire form: ``RAW`` chunks of ``new`` (``old`` is ``None``: a full step), else the
+    delta from ``old(name)``'s bits (the sender's baseline)."""
+    parts: list[bytes] = []
+    pieces: list[WirePiece] = []
+    for piece in frame:
+        bits = new[piece.name][piece.start : piece.stop]
+        if old is None:
+            data = encode_full(bits, chunk_elements).to_bytes()
+        else:
+            data = encode_wire(old(piece.name)[piece.start : piece.stop], bits, chunk_elements)
+        parts.append(data)
+        checksum = piece_hash(bits)
+        pieces.append(WirePiece(piece.name, piece.start, piece.stop, len(data), checksum))
+    return b"".join(parts), pieces, tuple(zip(frame, parts, strict=True))
+
+
+def apply_frame(
+    header: FrameMsg,
+    raw: bytes,
+    specs: Mapping[str, TensorSpec],
+    bits: Mapping[str, Bits],
+    apply_wire: ApplyWire,
+    piece_hash: PieceHash,
+) -> FrameResult:
+    """Apply a frame's decompressed payload ``raw`` into ``bits`` piece by piece, each
+    checked against the trainer's hash; the first problem, or the ranges verified."""
+    if len(raw) != header.raw_bytes:
+        return FrameResult(
+            f"frame {header.index} decompressed to {len(raw)} bytes, not {header.raw_bytes}", ()
+        )
+    at = 0
+    view = memoryview(raw)
+    done: list[tuple[str, int, int]] = []
+    for piece in header.pieces:
+        where = f"{piece.name!r}[{piece.start}:{piece.stop}]"
+        spec = specs.get(piece.name)
+        if spec is None or not 0 <= piece.start <= piece.stop <= spec.numel:
+            return FrameResult(f"frame {header.index} names {where}, not in the manifest", ())
+        target = bits[piece.name][piece.start : piece.stop]
+        applied = apply_wire(target, view[at : at + piece.nbytes])
+        at += piece.nbytes
+        if isinstance(applied, Failure):
+            return FrameResult(f"{where}: {applied.failure()}", ())
+        got = piece_hash(target)
+        if got != piece.checksum:
+            return FrameResult(
+                f"{where} failed its checksum: {CHECKSUM} {got:#018x}, the trainer's "
+                f"{piece.checksum:#018x} (this receiver's bits diverged)",
+                (),
+            )
+        done.append((piece.name, piece.start, piece.stop))
+    if at != len(raw):
+        return FrameResult(f"frame {header.index} has {len(raw) - at} bytes past its pieces", ())
+    return FrameResult("", tuple(done))

@@ -1,8 +1,8 @@
 """Sparse-delta refit over ZMQ with a relay tree: the trainer's sender, the receivers,
 and the engine's end (the ``sparse`` refit backend).
 
-Theory of operation (the pure rules are in ``core/delta.py``)
--------------------------------------------------------------
+Theory of operation (the pure rules are in ``core/delta.py`` and ``core/sparse_protocol.py``)
+-------------------------------------------------------------------------------------------
 The sender keeps a *baseline*: the bits every receiver holds, in host memory or in a
 memory-mapped file. A step is a ``Begin``, ``Frame`` messages and an ``End``, sent once,
 to the relay's root. The first step, and every step after a failed one, is *full* (every
@@ -25,8 +25,8 @@ hash of the same elements (``core.delta.bits_hash``: 64 bits, by a compiled loop
 memory speed, where CRC-32 cost as much as the rest of a delta step; ``Begin`` names it,
 :data:`CHECKSUM`, and a receiver refuses a step that names another); a tensor is
 verified when pieces covering all of it matched (per-piece hashes let both ends hash in
-parallel). The codec's hot loops (diff and wire form, checked apply) are
-``shell/delta_kernels.py``'s, which agree with the core's numpy codec byte for byte.
+parallel). The codec's hot loops (diff and wire form, checked apply, the hash) are
+``core/delta_loops.py``'s, compiled by ``shell/delta_kernels.py``.
 At ``End`` it commits: only when every tensor is verified does it hand the
 tensors to its :class:`ApplyTarget`, so bits that failed the
 check never reach the engine, which keeps serving its previous, consistent weights. Then
@@ -73,7 +73,6 @@ from genworker.core.delta import (
     bit_pattern,
     bits_dtype,
     conclude_relay,
-    encode_full,
     plan_frames,
     plan_relay,
     report_subtree,
@@ -81,6 +80,7 @@ from genworker.core.delta import (
 )
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.core.sparse_protocol import (
+    CHECKSUM,
     TAG_BEGIN,
     TAG_END,
     TAG_FRAME,
@@ -91,8 +91,9 @@ from genworker.core.sparse_protocol import (
     StepBegin,
     StepReceiver,
     StepSender,
-    WirePiece,
+    apply_frame,
     begin_message,
+    encode_frame,
     end_message,
     frame_message,
     read_begin,
@@ -133,8 +134,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FRAME_BYTES: Final = 8 << 20
-#: The pieces' checksum this code computes and checks (``BeginMsg.checksum``).
-CHECKSUM: Final = "gwh64"
 ZSTD_LEVEL: Final = 1
 _POLL_MS: Final = 50
 
@@ -468,24 +467,12 @@ class SparseSender:
     def _encode(
         self, index: int, frame: Frame, bits: Mapping[str, Bits], full: bool, step: int
     ) -> _Encoded:
-        parts: list[bytes] = []
-        pieces: list[WirePiece] = []
-        deltas: list[tuple[FramePiece, bytes]] = []
-        for piece in frame:
-            new = bits[piece.name][piece.start : piece.stop]
-            if full:
-                data = encode_full(new, self.chunk_elements).to_bytes()
-            else:
-                old = self.baseline.bits(piece.name)[piece.start : piece.stop]
-                data = encode_wire(old, new, self.chunk_elements)
-            parts.append(data)
-            checksum = piece_hash(new)
-            pieces.append(WirePiece(piece.name, piece.start, piece.stop, len(data), checksum))
-            deltas.append((piece, data))
-        raw = b"".join(parts)
+        old = None if full else self.baseline.bits
+        chunk = self.chunk_elements
+        raw, pieces, deltas = encode_frame(frame, bits, old, chunk, encode_wire, piece_hash)
         payload = _compressor().compress(raw)
         header = FrameMsg(step, index, zlib.crc32(payload), len(raw), pieces)
-        return _Encoded(header, payload, tuple(deltas))
+        return _Encoded(header, payload, deltas)
 
     def _write(self, parts: list[bytes], step: int) -> int:
         nbytes = sum(len(p) for p in parts)
@@ -719,37 +706,7 @@ class SparseReceiver:
             raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_bytes)
         except zstandard.ZstdError as e:
             return FrameResult(f"frame {header.index} does not decompress: {e}", ())
-        if len(raw) != header.raw_bytes:
-            return FrameResult(
-                f"frame {header.index} decompressed to {len(raw)} bytes, not {header.raw_bytes}",
-                (),
-            )
-        at = 0
-        view = memoryview(raw)
-        done: list[tuple[str, int, int]] = []
-        for piece in header.pieces:
-            where = f"{piece.name!r}[{piece.start}:{piece.stop}]"
-            spec = step.specs.get(piece.name)
-            if spec is None or not 0 <= piece.start <= piece.stop <= spec.numel:
-                return FrameResult(f"frame {header.index} names {where}, not in the manifest", ())
-            target = self._bits[piece.name][piece.start : piece.stop]
-            applied = apply_wire_into(target, view[at : at + piece.nbytes])
-            at += piece.nbytes
-            if isinstance(applied, Failure):
-                return FrameResult(f"{where}: {applied.failure()}", ())
-            got = piece_hash(target)
-            if got != piece.checksum:
-                return FrameResult(
-                    f"{where} failed its checksum: {CHECKSUM} {got:#018x}, the trainer's "
-                    f"{piece.checksum:#018x} (this receiver's bits diverged)",
-                    (),
-                )
-            done.append((piece.name, piece.start, piece.stop))
-        if at != len(raw):
-            return FrameResult(
-                f"frame {header.index} has {len(raw) - at} bytes past its pieces", ()
-            )
-        return FrameResult("", tuple(done))
+        return apply_frame(header, raw, step.specs, self._bits, apply_wire_into, piece_hash)
 
     def _on_end(self, step: _Step, body: bytes) -> None:
         named = read_end(body)

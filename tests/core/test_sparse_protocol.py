@@ -10,12 +10,26 @@ import enum
 import itertools
 
 import attrs
+import msgspec
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from returns.result import Failure, Success
+from returns.result import Failure, Result, Success
+from strategies import BitsPair, delta_pairs
 
-from genworker.core.delta import NodeResult, Outcome, RelayReport
+from genworker.core.delta import (
+    Bits,
+    DeltaError,
+    NodeResult,
+    Outcome,
+    RelayReport,
+    apply_delta_into,
+    bits_hash,
+    decode_delta,
+    encode_delta,
+    plan_frames,
+)
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.core.sparse_protocol import (
     TAG_BEGIN,
@@ -29,7 +43,9 @@ from genworker.core.sparse_protocol import (
     StepReceiver,
     StepSender,
     WirePiece,
+    apply_frame,
     begin_message,
+    encode_frame,
     end_message,
     frame_message,
     read_begin,
@@ -406,3 +422,78 @@ def test_tensor_problems_name_each_missing_misshaped_and_unknown_tensor() -> Non
         "'b' is [4] bfloat16, expected [3] bfloat16",
         "'c' is not in the manifest",
     ]
+
+
+# -- frames ---------------------------------------------------------------------------
+
+
+def _encode_wire(old: Bits, new: Bits, chunk: int) -> bytes:
+    return encode_delta(old, new, chunk).to_bytes()
+
+
+def _apply_wire(target: Bits, data: memoryview) -> Result[None, DeltaError]:
+    return decode_delta(data).bind(lambda delta: apply_delta_into(target, delta))
+
+
+_DTYPES = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
+
+
+def _spec_of(name: str, bits: Bits) -> TensorSpec:
+    return TensorSpec(name, (len(bits),), _DTYPES.get(bits.itemsize, "float64"))
+
+
+def _send(
+    frame_bytes: int, old: dict[str, Bits], new: dict[str, Bits], full: bool
+) -> list[tuple[FrameMsg, bytes]]:
+    specs = [_spec_of(n, b) for n, b in new.items()]
+    frames = plan_frames(specs, frame_bytes, 8)
+    out = []
+    for index, frame in enumerate(frames):
+        before = None if full else old.__getitem__
+        raw, pieces, deltas = encode_frame(frame, new, before, 8, _encode_wire, bits_hash)
+        assert [piece for piece, _ in deltas] == list(frame)
+        assert b"".join(data for _, data in deltas) == raw
+        out.append((FrameMsg(1, index, 0, len(raw), pieces), raw))
+    return out
+
+
+@given(delta_pairs(max_numel=120), delta_pairs(max_numel=60), st.integers(8, 200), st.booleans())
+def test_a_step_encoded_and_applied_frame_by_frame_makes_the_new_bits(
+    a: BitsPair, b: BitsPair, frame_bytes: int, full: bool
+) -> None:
+    old, new = {"a": a.old, "b": b.old}, {"a": a.new, "b": b.new}
+    specs = {n: _spec_of(n, bits) for n, bits in new.items()}
+    held = {n: (np.zeros_like(bits) if full else bits.copy()) for n, bits in old.items()}
+    covered: list[tuple[str, int, int]] = []
+    for header, raw in _send(frame_bytes, old, new, full):
+        result = apply_frame(header, raw, specs, held, _apply_wire, bits_hash)
+        assert result.problem == ""
+        covered.extend(result.pieces)
+    assert all(np.array_equal(held[n], new[n]) for n in new)
+    for name, spec in specs.items():
+        assert tiles([(s, e) for n, s, e in covered if n == name], spec.numel)
+
+
+def test_a_frame_that_cannot_apply_names_its_problem() -> None:
+    old: dict[str, Bits] = {"w": np.arange(40, dtype=np.uint16)}
+    new: dict[str, Bits] = {"w": old["w"] ^ np.uint16(3)}
+    specs = {"w": TensorSpec("w", (40,), "bfloat16")}
+    [(header, raw)] = _send(1 << 20, old, new, False)
+
+    def apply(raw: bytes, header: FrameMsg = header, bits: dict[str, Bits] | None = None) -> str:
+        held = {"w": old["w"].copy()} if bits is None else bits
+        return apply_frame(header, raw, specs, held, _apply_wire, bits_hash).problem
+
+    assert apply(raw[:-1]) == f"frame 0 decompressed to {len(raw) - 1} bytes, not {len(raw)}"
+    longer = msgspec.structs.replace(header, raw_bytes=len(raw) + 2)
+    assert apply(raw + b"xy", longer) == "frame 0 has 2 bytes past its pieces"
+    piece = header.pieces[0]
+    for bad in (msgspec.structs.replace(piece, name="v"), msgspec.structs.replace(piece, stop=41)):
+        named = msgspec.structs.replace(header, pieces=[bad])
+        assert "not in the manifest" in apply(raw, named)
+    broken = b"XXXX" + raw[4:]  # the wire form's magic
+    assert apply(broken).startswith("'w'[0:40]: invalid delta: magic")
+    diverged: dict[str, Bits] = {
+        "w": old["w"] ^ np.uint16(1)
+    }  # a receiver whose bits are not the baseline
+    assert "'w'[0:40] failed its checksum: gwh64 0x" in apply(raw, bits=diverged)
