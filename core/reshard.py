@@ -53,7 +53,7 @@ import enum
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
 import attrs
@@ -77,6 +77,7 @@ __all__ = [
     "ShardPiece",
     "SourceShard",
     "TrainerLayout",
+    "VllmLayer",
     "VllmParamFacts",
     "box_numel",
     "bytes_of",
@@ -96,6 +97,7 @@ __all__ = [
     "refit_info",
     "sender_problems",
     "start_header",
+    "vllm_facts",
     "vllm_shard",
 ]
 
@@ -413,6 +415,85 @@ class VllmParamFacts:
     num_heads: int = 0
     num_kv_heads: int = 0
     padding_size: int = 64
+
+
+#: A layer's size attribute as an int: ``(name, default)`` -> the attribute's value,
+#: ``default`` when the layer has no such attribute, ``None`` when it is ``None`` there.
+SizeOf = Callable[[str, "int | None"], "int | None"]
+
+
+@attrs.frozen
+class VllmLayer:
+    """One vLLM layer as :func:`vllm_facts` reads it: its class's name, the class names
+    along its MRO, its sizes (read when needed) and ``output_sizes`` (a fused layer's)."""
+
+    layer: str
+    classes: frozenset[str]
+    size_of: SizeOf = attrs.field(eq=False)
+    output_sizes: tuple[int, ...] = ()
+
+
+class _NoSize(Exception):
+    """A size the layer does not have (:func:`vllm_facts` answers it as a ReshardError)."""
+
+
+def vllm_facts(
+    layer: VllmLayer,
+    name: str,
+    local: str,
+    param: tuple[tuple[int, ...], str, int | None, int | None],
+    subs: Sequence[str],
+) -> Result[VllmParamFacts, ReshardError]:
+    """The facts of parameter ``name`` (``local`` in its layer; ``param``: its shape,
+    dtype, ``output_dim`` and ``input_dim`` attributes) from its layer's class names and
+    sizes, its sources named ``subs`` (a fused layer's, in fused order)."""
+
+    def size(attr: str, default: int | None = None) -> int:
+        value = layer.size_of(attr, default)
+        if value is None:
+            raise _NoSize(f"{layer.layer} has no {attr!r}: no reshard layout")
+        return value
+
+    classes, bias = layer.classes, local == "bias"
+    param_shape, dtype, out_dim, in_dim = param
+    common = {
+        "output_dim": 0 if out_dim is None else out_dim,
+        "input_dim": 1 if in_dim is None else in_dim,
+    }
+
+    def shape(rows: int) -> tuple[int, ...]:
+        return (rows,) if bias else (rows, size("input_size"))
+
+    def facts(
+        kind: LayerKind, sources: Iterable[tuple[str, tuple[int, ...]]], **kw: int
+    ) -> VllmParamFacts:
+        rank, tp = size("tp_rank", 0), size("tp_size", 1)
+        return VllmParamFacts(name, kind, dtype, rank, tp, tuple(sources), **common, **kw)
+
+    try:
+        if "VocabParallelEmbedding" in classes:
+            full = (size("org_vocab_size"), size("embedding_dim"))
+            padding = size("padding_size", 64)
+            return Success(facts(LayerKind.VOCAB, [(name, full)], padding_size=padding))
+        if "QKVParallelLinear" in classes:
+            hs, heads, kv = size("head_size"), size("total_num_heads"), size("total_num_kv_heads")
+            rows = (heads * hs, kv * hs, kv * hs)
+            sources = zip(subs, map(shape, rows), strict=False)
+            heads_of = {"head_size": hs, "num_heads": heads, "num_kv_heads": kv}
+            return Success(facts(LayerKind.QKV, sources, **heads_of))
+        if "MergedColumnParallelLinear" in classes:
+            sources = zip(subs, map(shape, layer.output_sizes), strict=False)
+            return Success(facts(LayerKind.MERGED, sources))
+        if "LinearBase" in classes:
+            kind = LayerKind.REPLICATED
+            if "ColumnParallelLinear" in classes:
+                kind = LayerKind.COLUMN
+            elif "RowParallelLinear" in classes and not bias:
+                kind = LayerKind.ROW
+            return Success(facts(kind, [(subs[0], shape(size("output_size")))]))
+        return Success(facts(LayerKind.REPLICATED, [(name, param_shape)]))
+    except _NoSize as e:
+        return Failure(ReshardError(str(e)))
 
 
 def _invalid(facts: VllmParamFacts, detail: str) -> Failure[ReshardError]:

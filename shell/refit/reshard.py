@@ -35,6 +35,7 @@ bytes travel). A last status round reports post-load failures. Every wait is bou
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -50,11 +51,12 @@ from genworker.core.reshard import (
     Copy,
     EnginePlans,
     EngineShard,
-    LayerKind,
     Replicate,
     ReshardPlan,
     Shard,
+    SizeOf,
     TrainerLayout,
+    VllmLayer,
     VllmParamFacts,
     bytes_of,
     dtensor_layout,
@@ -69,6 +71,7 @@ from genworker.core.reshard import (
     refit_info,
     sender_problems,
     start_header,
+    vllm_facts,
 )
 from genworker.shell.errors import (
     BadArgumentError,
@@ -299,66 +302,22 @@ class ReshardSender:
 # -- the engine side -------------------------------------------------------------------
 
 
-def _int(module: object, attr: str, default: int | None = None) -> int:
-    value = getattr(module, attr, default)
-    if value is None:
-        raise UnsupportedError(f"{type(module).__name__} has no {attr!r}: no reshard layout")
-    return int(value)
+def _int_attr(obj: object, attr: str, default: int | None = None) -> int | None:
+    """``obj``'s attribute ``attr`` as an int (``default`` when it has none), or None."""
+    value = getattr(obj, attr, default)
+    return None if value is None else int(value)
 
 
 def _facts(
     module: nn.Module, name: str, local: str, param: torch.Tensor, subs: Sequence[str]
 ) -> VllmParamFacts:
-    classes = {c.__name__ for c in type(module).__mro__}
-    out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
-    common = {
-        "output_dim": 0 if out_dim is None else int(out_dim),
-        "input_dim": 1 if in_dim is None else int(in_dim),
-    }
-    bias = local == "bias"
-
-    def shape(rows: int) -> tuple[int, ...]:
-        return (rows,) if bias else (rows, _int(module, "input_size"))
-
-    def facts(
-        kind: LayerKind, sources: Iterable[tuple[str, tuple[int, ...]]], **kw: int
-    ) -> VllmParamFacts:
-        return VllmParamFacts(
-            name,
-            kind,
-            dtype_name(param.dtype),
-            _int(module, "tp_rank", 0),
-            _int(module, "tp_size", 1),
-            tuple(sources),
-            **common,
-            **kw,
-        )
-
-    if "VocabParallelEmbedding" in classes:
-        full = (_int(module, "org_vocab_size"), _int(module, "embedding_dim"))
-        return facts(LayerKind.VOCAB, [(name, full)], padding_size=_int(module, "padding_size", 64))
-    if "QKVParallelLinear" in classes:
-        hs, heads = _int(module, "head_size"), _int(module, "total_num_heads")
-        kv = _int(module, "total_num_kv_heads")
-        rows = (heads * hs, kv * hs, kv * hs)
-        return facts(
-            LayerKind.QKV,
-            zip(subs, map(shape, rows), strict=False),
-            head_size=hs,
-            num_heads=heads,
-            num_kv_heads=kv,
-        )
-    if "MergedColumnParallelLinear" in classes:
-        sizes = [int(n) for n in getattr(module, "output_sizes", ())]
-        return facts(LayerKind.MERGED, zip(subs, map(shape, sizes), strict=False))
-    if "LinearBase" in classes:
-        kind = LayerKind.REPLICATED
-        if "ColumnParallelLinear" in classes:
-            kind = LayerKind.COLUMN
-        elif "RowParallelLinear" in classes and not bias:
-            kind = LayerKind.ROW
-        return facts(kind, [(subs[0], shape(_int(module, "output_size")))])
-    return facts(LayerKind.REPLICATED, [(name, tuple(int(d) for d in param.shape))])
+    classes = frozenset(c.__name__ for c in type(module).__mro__)
+    sizes = tuple(int(n) for n in getattr(module, "output_sizes", None) or ())
+    size_of: SizeOf = functools.partial(_int_attr, module)
+    layer = VllmLayer(type(module).__name__, classes, size_of, sizes)
+    out_dim, in_dim = _int_attr(param, "output_dim"), _int_attr(param, "input_dim")
+    found = (tuple(int(d) for d in param.shape), dtype_name(param.dtype), out_dim, in_dim)
+    return unwrap(vllm_facts(layer, name, local, found, subs), UnsupportedError, "")
 
 
 def engine_facts(model: nn.Module) -> list[VllmParamFacts]:

@@ -4,6 +4,8 @@ typed errors naming the parameter and ranks for anything the layouts cannot hono
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import msgspec
 import numpy as np
@@ -25,6 +27,7 @@ from genworker.core.reshard import (
     ShardPiece,
     SourceShard,
     TrainerLayout,
+    VllmLayer,
     VllmParamFacts,
     box_numel,
     bytes_of,
@@ -44,6 +47,7 @@ from genworker.core.reshard import (
     refit_info,
     sender_problems,
     start_header,
+    vllm_facts,
     vllm_shard,
 )
 
@@ -660,3 +664,133 @@ def test_a_malformed_start_header_is_refused() -> None:
         header = read_header(data)
         assert isinstance(header, Failure)
         assert str(header.failure()).startswith("malformed reshard refit header: ")
+
+
+# -- the facts read off vLLM's layers -------------------------------------------------
+
+_NONE = object()
+
+
+def _layer(
+    layer: str, classes: str, sizes: Mapping[str, object], fused: tuple[int, ...] = ()
+) -> VllmLayer:
+    def size_of(attr: str, default: int | None) -> int | None:
+        value = sizes.get(attr, default)
+        return None if value is None or value is _NONE else int(str(value))
+
+    return VllmLayer(layer, frozenset(classes.split()), size_of, fused)
+
+
+@given(reshard_models(), st.data())
+def test_the_facts_read_off_vllms_layers_are_vllms_split(
+    model: ReshardModel, data: st.DataObject
+) -> None:
+    """Layers with vLLM's class names and sizes give the facts of each fused parameter."""
+    rank, s = data.draw(st.integers(0, model.engine_tp - 1)), model.shapes()
+    tp = {"tp_rank": rank, "tp_size": model.engine_tp}
+    h, linear = model.hidden, "LinearBase"
+    layers = {
+        "embed_tokens": _layer(
+            "VocabParallelEmbedding",
+            "VocabParallelEmbedding",
+            {**tp, "org_vocab_size": model.vocab, "embedding_dim": h, "padding_size": 8},
+        ),
+        "qkv_proj": _layer(
+            "QKVParallelLinear",
+            f"QKVParallelLinear ColumnParallelLinear {linear}",
+            {
+                **tp,
+                "input_size": h,
+                "head_size": model.head_size,
+                "total_num_heads": model.heads,
+                "total_num_kv_heads": model.kv_heads,
+            },
+        ),
+        "o_proj": _layer(
+            "RowParallelLinear",
+            f"RowParallelLinear {linear}",
+            {**tp, "input_size": s["o"][1], "output_size": h},
+        ),
+        "gate_up_proj": _layer(
+            "MergedColumnParallelLinear",
+            f"MergedColumnParallelLinear {linear}",
+            {**tp, "input_size": h},
+            (model.intermediate, model.intermediate),
+        ),
+        "down_proj": _layer(
+            "RowParallelLinear",
+            f"RowParallelLinear {linear}",
+            {**tp, "input_size": model.intermediate, "output_size": h},
+        ),
+        "norm": _layer("RMSNorm", "RMSNorm CustomOp", {}),
+    }
+    subs = {
+        "embed_tokens": ["embed"],
+        "qkv_proj": ["q", "k", "v"],
+        "o_proj": ["o"],
+        "gate_up_proj": ["gate", "up"],
+        "down_proj": ["down"],
+        "norm": ["norm"],
+    }
+    expected = {f.param: f for f in model.facts(rank)}
+    for param, layer in layers.items():
+        shape = s["norm"] if param == "norm" else (0,)  # a repacked weight: read from sizes
+        found = vllm_facts(layer, param, "weight", (shape, "bfloat16", None, None), subs[param])
+        want = expected[param]
+        if param == "norm":  # replicated: the parameter itself, on every rank at tp 1
+            want = attrs.evolve(want, sources=(("norm", s["norm"]),), tp_rank=0, tp_size=1)
+        if param == "embed_tokens":  # the checkpoint names an embedding as the model does
+            want = attrs.evolve(want, sources=((param, s["embed"]),))
+        assert found == Success(want)
+
+
+def test_a_linear_layers_bias_and_a_plain_linear_layer_are_split_as_vllm_does() -> None:
+    sizes = {"tp_rank": 1, "tp_size": 2, "input_size": 8, "output_size": 6}
+    param = ((3,), "float32", 0, None)
+    row = vllm_facts(
+        _layer("R", "RowParallelLinear LinearBase", sizes), "o.bias", "bias", param, ["o.bias"]
+    )
+    assert row.unwrap().kind is LayerKind.REPLICATED  # a row-parallel bias is whole
+    assert row.unwrap().sources == (("o.bias", (6,)),)
+    column = vllm_facts(
+        _layer("C", "ColumnParallelLinear LinearBase", sizes),
+        "c.weight",
+        "weight",
+        ((3, 8), "float32", 0, 1),
+        ["c.weight"],
+    )
+    assert column.unwrap().kind is LayerKind.COLUMN
+    assert column.unwrap().sources == (("c.weight", (6, 8)),)
+    plain = vllm_facts(
+        _layer("L", "ReplicatedLinear LinearBase", sizes),
+        "l.weight",
+        "weight",
+        ((6, 8), "float32", 1, 0),
+        ["l.weight"],
+    )
+    assert plain.unwrap().kind is LayerKind.REPLICATED
+    assert (plain.unwrap().output_dim, plain.unwrap().input_dim) == (1, 0)
+
+
+def test_a_layer_without_a_size_its_split_needs_is_named() -> None:
+    param = ((4, 4), "bfloat16", None, None)
+    missing = vllm_facts(
+        _layer("Odd", "ColumnParallelLinear LinearBase", {"output_size": 4}),
+        "x.weight",
+        "weight",
+        param,
+        ["x.weight"],
+    )
+    assert missing == Failure(ReshardError("Odd has no 'input_size': no reshard layout"))
+    unset = vllm_facts(
+        _layer(
+            "V",
+            "VocabParallelEmbedding",
+            {"org_vocab_size": 4, "embedding_dim": 4, "tp_rank": _NONE},
+        ),
+        "e.weight",
+        "weight",
+        param,
+        ["e.weight"],
+    )
+    assert unset == Failure(ReshardError("V has no 'tp_rank': no reshard layout"))
