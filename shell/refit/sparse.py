@@ -771,25 +771,21 @@ class SparseReceiver:
             except zmq.Again:
                 log.warning("sparse relay %s: child %s takes no messages", self.address, child)
 
-    def _collect(self, step: _Step, forwarded: float) -> dict[int, RelayReport | None]:
-        """Each child's report of this step, waited for within the child's own bound."""
+    def _collect(self, step: _Step, forwarded: float) -> dict[int, RelayReport]:
+        """Each child's report of this step, waited for within the child's own bound (a
+        child absent from the answer was silent)."""
         plan, hop = step.started.plan, step.hop_s
         assert plan is not None
         waiting = {
             child: forwarded + plan.answer_bound_s(child, hop)
             for child in plan.children(step.started.node)
         }
-        reports: dict[int, RelayReport | None] = {}
+        reports: dict[int, RelayReport] = {}
         poller = zmq.Poller()
         for child in waiting:
             poller.register(self._child(plan.receivers[child]), zmq.POLLIN)
-        while waiting:
+        while waiting := {c: at for c, at in waiting.items() if at > time.monotonic()}:
             left = max(waiting.values()) - time.monotonic()
-            for child in [c for c, at in waiting.items() if at <= time.monotonic()]:
-                reports[child] = None
-                del waiting[child]
-            if not waiting or left <= 0:
-                break
             ready = dict(poller.poll(max(1, int(min(left, _POLL_MS / 1000) * 1000))))
             for child in list(waiting):
                 sock = self._child(plan.receivers[child])
