@@ -9,12 +9,13 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 from strategies import BitsPair, delta_chunk_elements, delta_pairs
 
 from genworker.core.delta import (
+    HEADER_BYTES,
     MAX_CHUNK_ELEMENTS,
     Bits,
     DeltaError,
@@ -115,7 +116,11 @@ def _offset(bits: Bits, by: int) -> Bits:
     return view
 
 
+_RAMP = np.arange(64, dtype=np.uint16)
+
+
 @given(delta_pairs(), delta_chunk_elements, st.integers(0, 7), st.booleans())
+@example(BitsPair(_RAMP, _RAMP ^ np.uint16(1)), 16, 4, False)  # old on words, new off them
 def test_the_drivers_are_the_codec_byte_for_byte(
     pair: BitsPair, chunk: int, by: int, full: bool
 ) -> None:
@@ -163,6 +168,31 @@ def test_a_damaged_buffer_gets_the_codecs_verdict_and_leaves_the_target(
     assert np.array_equal(ours, theirs)
 
 
+def _damaged(how: str) -> bytes:
+    new = np.zeros(40, np.uint16)
+    new[::9] = 1
+    wire = bytearray(encode_wire(PLAIN, np.zeros(40, np.uint16), new, 16))
+    if how == "short":
+        return bytes(wire[:10])
+    if how == "magic":
+        wire[0] ^= 1
+    elif how == "kind":
+        wire[HEADER_BYTES] = 7
+    else:
+        wire += b"\0"
+    return bytes(wire)
+
+
+@pytest.mark.parametrize("how", ["short", "magic", "kind", "longer"])
+def test_each_damage_the_tables_loop_doubts_gets_the_codecs_refusal(how: str) -> None:
+    data = _damaged(how)
+    result = apply_wire_into(PLAIN, np.zeros(40, np.uint16), data)
+    expected = decode_delta(data)
+    assert isinstance(result, Failure)
+    assert isinstance(expected, Failure)
+    assert result.failure() == expected.failure()
+
+
 @pytest.mark.parametrize(
     ("gaps", "message"),
     [([1, 0], "positions in a chunk repeat"), ([1, 3], "a change lies past its chunk's end")],
@@ -197,6 +227,8 @@ def test_encode_wire_refuses_what_encode_delta_refuses() -> None:
 
 
 @given(st.integers(0, 9000), st.integers(0, 7), st.sampled_from([1, 2, 4, 8]), st.integers(0, 9))
+@example(8192, 0, 8, 0)  # exactly one whole block
+@example(2 * 8192 + 5, 3, 1, 1)  # two whole blocks and a tail, off the boundary
 def test_the_hash_loop_is_bits_hash(nbytes: int, by: int, itemsize: int, seed: int) -> None:
     """Whole blocks of 1024 words and a short last one, a tail of fewer than 8 bytes, and
     words off an 8-byte boundary (copied aligned for the loop)."""
