@@ -403,6 +403,13 @@ def test_generation_is_refused_while_paused_in_mode_abort() -> None:
     assert isinstance(c.step(c.step(state, c.Resume()).unwrap(), c.Generate()), Success)
 
 
+def test_a_pause_in_another_mode_is_refused_naming_the_mode_it_is_in() -> None:
+    state = c.step(c.ControlState(), c.Pause(c.PauseMode.KEEP, True)).unwrap()
+    refused = str(c.step(state, c.Pause(c.PauseMode.ABORT, True)).failure())
+    assert "already paused in mode keep" in refused
+    assert c.step(state, c.Pause(c.PauseMode.KEEP, True)) == Success(state)
+
+
 def test_generation_is_refused_after_a_failed_update_until_one_lands() -> None:
     state = c.step(c.ControlState(), c.InitTransfer("h", 1, 1, 2)).unwrap()
     state = c.step(state, c.StartUpdate(True)).unwrap()
