@@ -99,12 +99,15 @@ __all__ = [
     "BODY_BYTES_PER_TOKEN",
     "CHARS_PER_TOKEN_AT_MOST",
     "DEFAULT_HOST",
+    "DEV_MODE_VARIABLE",
     "MAX_JSON_DEPTH",
     "REPLACEMENT_CHARACTER",
     "ROUTES_CHOICE_FIELD",
     "ROUTES_FIELD",
+    "TURN_FIELDS",
     "BadRequest",
     "BudgetError",
+    "ChatTurns",
     "HttpLimits",
     "MalformedBody",
     "OffPolicy",
@@ -115,6 +118,7 @@ __all__ = [
     "check_body_length",
     "check_chat_text",
     "check_completion_prompt",
+    "check_dev_mode",
     "check_nesting",
     "check_on_policy",
     "check_routes_request",
@@ -122,16 +126,23 @@ __all__ = [
     "check_token_ids",
     "check_turns",
     "drop_routes",
+    "error_body",
     "http_limits",
     "http_max_tokens",
     "json_depth",
     "parse_body",
     "prompt_tokens_at_most",
+    "read_turns",
+    "rollout_fills",
     "same_returned_text",
     "server_options",
     "splice_prefix",
+    "split_events",
+    "tag_events",
+    "template_source",
     "training_policy",
     "versions_between",
+    "vllm_server_argv",
 ]
 
 DEFAULT_HOST: Final = "127.0.0.1"
@@ -234,6 +245,41 @@ def server_options(cfg: WorkerConfig) -> Result[ServerOptions | None, ConfigErro
     return Success(ServerOptions(host, port, guard, template, rl_routes, float(timeout)))
 
 
+DEV_MODE_VARIABLE: Final = "VLLM_SERVER_DEV_MODE"
+
+
+def check_dev_mode(raw: str, dev_mode: bool = False) -> Result[None, ConfigError]:
+    """Refused when vLLM would add its development routes: with ``VLLM_SERVER_DEV_MODE``
+    on (``raw`` its value; ``dev_mode`` vLLM's own reading of it), vLLM's ``build_app``
+    registers its own pause, sleep, ``collective_rpc`` and weight-update routes
+    (``launchers/api_server/routers.py``, 0.32), which would move the engine behind
+    genworker's lifecycle table, manifest checks and weight versions."""
+    if dev_mode or raw.strip() not in ("", "0"):
+        return Failure(
+            ConfigError(
+                f"{DEV_MODE_VARIABLE}={raw!r} is set: vLLM would then serve its own pause, "
+                "sleep and weight-update routes around genworker's lifecycle and weight "
+                f"versions. Unset {DEV_MODE_VARIABLE} (genworker's server refuses to start "
+                "with it)"
+            )
+        )
+    return Success(None)
+
+
+def vllm_server_argv(
+    model: str, max_model_len: int, served: str | Sequence[str] | None, chat_template: str | None
+) -> list[str]:
+    """The command line vLLM's own argument parser reads for the app around an engine of
+    ``model`` (``served``: its served model names; ``chat_template``: the server's)."""
+    argv = ["--model", model, "--max-model-len", str(max_model_len)]
+    names = [served] if isinstance(served, str) else list(served or [])
+    if names:
+        argv += ["--served-model-name", *names]
+    if chat_template is not None:
+        argv += ["--chat-template", chat_template]
+    return argv
+
+
 # --- on-policy guard -------------------------------------------------------------------
 
 
@@ -328,6 +374,27 @@ def check_on_policy(
                 training=None,
             )
         )
+    return Success(fills)
+
+
+def rollout_fills(
+    body: Mapping[str, object], policy: SamplingPolicy | None, *, chat: bool
+) -> Result[dict[str, object], OffPolicy]:
+    """What a completion or chat request gets filled in (:func:`check_on_policy`'s
+    training values when the guard is on; ``return_token_ids``; the sampled tokens'
+    logprobs), or the first parameter off policy."""
+    fills: dict[str, object] = {}
+    if policy is not None:
+        checked = check_on_policy(body, policy)
+        if isinstance(checked, Failure):
+            return checked
+        fills.update(checked.unwrap())
+    if body.get("return_token_ids") is not True:
+        fills["return_token_ids"] = True
+    if chat and not body.get("logprobs"):
+        fills["logprobs"] = True
+    elif not chat and body.get("logprobs") is None:
+        fills["logprobs"] = 0
     return Success(fills)
 
 
@@ -452,6 +519,60 @@ def same_returned_text(decoded: str, content: str) -> bool:
     if decoded == content:
         return True
     return decoded.rstrip(REPLACEMENT_CHARACTER) == content.rstrip(REPLACEMENT_CHARACTER)
+
+
+TURN_FIELDS: Final = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+"""A chat message's fields that carry its turn's ids (NeMo Gym's), removed before vLLM."""
+
+
+@attrs.frozen
+class ChatTurns:
+    """A chat request's earlier turns that carry ids, and its last assistant message's
+    index (-1: none)."""
+
+    turns: tuple[Turn, ...]
+    last_assistant: int
+
+
+def read_turns(
+    messages: Sequence[Mapping[str, object]], vocab_size: int
+) -> Result[ChatTurns, BadRequest]:
+    """The turns of ``messages`` that carry ids (:data:`TURN_FIELDS`), each checked (str
+    content; ids as :func:`check_token_ids`), refusals naming the message."""
+    turns: list[Turn] = []
+    last_assistant = -1
+    for i, m in enumerate(messages):
+        if m.get("role") == "assistant":
+            last_assistant = i
+        if "prompt_token_ids" not in m and "generation_token_ids" not in m:
+            continue
+        content = m.get("content")
+        if not isinstance(content, str):
+            return _bad(f"messages[{i}]: a turn with token ids needs str content", "messages")
+        ids: list[tuple[int, ...]] = []
+        for field in ("prompt_token_ids", "generation_token_ids"):
+            checked = check_token_ids(
+                m.get(field), f"messages[{i}].{field}", param="messages", vocab_size=vocab_size
+            )
+            if isinstance(checked, Failure):
+                return checked
+            ids.append(checked.unwrap())
+        turns.append(Turn(i, content, *ids))
+    return Success(ChatTurns(tuple(turns), last_assistant))
+
+
+def template_source(payload: Mapping[str, object], served: str | None) -> str:
+    """Which chat template rendered a tokenize ``payload`` (with its kwargs), for a
+    refusal: the request's own, the server's (``served``), or the model's."""
+    if "chat_template" in payload:
+        source = "the request's chat_template"
+    elif served is not None:
+        source = "vllm_cfg.http_server_serving_chat_kwargs.chat_template"
+    else:
+        source = "the model's own, from its tokenizer config"
+    if "chat_template_kwargs" in payload:
+        source += f", with chat_template_kwargs {payload['chat_template_kwargs']!r}"
+    return source
 
 
 def check_turns(
@@ -607,6 +728,12 @@ class BadRequest(CoreError):
 
     status: int
     param: str | None
+
+
+def error_body(status: int, message: str, param: str | None) -> dict[str, object]:
+    """An OpenAI-style error body (vLLM's ``ErrorResponse`` shape)."""
+    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 @attrs.frozen
@@ -866,3 +993,33 @@ def versions_between(first: int, last: int) -> tuple[int, ...]:
     if last < first:
         raise ValueError(f"weight versions only go up: {first} -> {last}")
     return tuple(range(first, last + 1))
+
+
+def split_events(buffer: bytes, more: bool) -> tuple[bytes | None, bytes]:
+    """A streamed body's ``buffer`` (bytes not yet sent) as ``(events to send, rest)``:
+    the whole server-sent events in it (each ends in a blank line), or everything once
+    the body ends (``more`` false); ``None`` while no event is whole yet."""
+    done, _, rest = buffer.rpartition(b"\n\n")
+    if not more:
+        return (done + b"\n\n" if done else b"") + rest, b""
+    if not done:
+        return None, rest
+    return done + b"\n\n", rest
+
+
+def tag_events(events: bytes, versions: Sequence[int]) -> bytes:
+    """Server-sent ``events`` (whole events, each ending in a blank line) with
+    ``weight_versions`` added to every ``data:`` line that is a JSON object: the line is
+    parsed and serialised again, never edited as bytes (a completion's text may itself
+    contain ``data: {``; JSON escapes newlines, so a blank line only ends an event)."""
+    lines = events.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            event = json.loads(line[len(b"data: ") :])
+        except ValueError:  # not ours to judge: the client sees vLLM's bytes
+            continue
+        tagged = {"weight_versions": list(versions), **event}  # "{...}" parses to a dict
+        lines[i] = b"data: " + json.dumps(tagged, ensure_ascii=False).encode()
+    return b"\n".join(lines)

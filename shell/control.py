@@ -40,7 +40,7 @@ from typing import Protocol, cast
 from returns.result import Failure
 
 from genworker.core import control_plane as c
-from genworker.core.serving import BadRequest
+from genworker.core.serving import BadRequest, error_body
 from genworker.shell.errors import (
     BadArgumentError,
     EngineStateError,
@@ -141,7 +141,7 @@ class ControlRoutes:
                     broken = isinstance(e, RefitTimeoutError | RefitTransportError)
                     self.state = c.update_failed(self.state, str(e), group_broken=broken)
                 status = _status_of(e)
-                return status, _body(status, f"/{route}: {type(e).__name__}: {e}")
+                return status, error_body(status, f"/{route}: {type(e).__name__}: {e}", None)
             if not isinstance(request, c.Update):  # an update's outcome moved it already
                 self.state = allowed.unwrap()
             return 200, answer
@@ -213,10 +213,5 @@ class ControlRoutes:
         return tree
 
 
-def _body(status: int, message: str, param: str | None = None) -> dict[str, object]:
-    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
 def _error(problem: BadRequest) -> Answer:
-    return problem.status, _body(problem.status, problem.message, problem.param)
+    return problem.status, error_body(problem.status, problem.message, problem.param)

@@ -60,13 +60,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib
 import inspect
 import json
 import logging
 import os
 import socket
-import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Protocol, SupportsInt, TypeVar, runtime_checkable
 
@@ -76,33 +76,41 @@ from returns.result import Failure, Result
 from genworker.core.caps import CapError, CapFailure
 from genworker.core.control_plane import ROUTES as CONTROL_ROUTES
 from genworker.core.serving import (
+    DEV_MODE_VARIABLE,
     ROUTES_FIELD,
+    TURN_FIELDS,
     BadRequest,
     BudgetError,
     HttpLimits,
     OffPolicy,
     SamplingPolicy,
     ServerOptions,
-    Turn,
     check_body_length,
     check_chat_text,
     check_completion_prompt,
+    check_dev_mode,
     check_nesting,
-    check_on_policy,
     check_routes_request,
     check_template_stable,
     check_token_ids,
     check_turns,
     drop_routes,
+    error_body,
     http_limits,
     http_max_tokens,
     parse_body,
     prompt_tokens_at_most,
+    read_turns,
+    rollout_fills,
     splice_prefix,
+    split_events,
+    tag_events,
+    template_source,
     versions_between,
+    vllm_server_argv,
 )
 from genworker.shell.control import ControlHooks, ControlRoutes
-from genworker.shell.errors import BadConfigError, EngineStateError, GenworkerError
+from genworker.shell.errors import BadConfigError, EngineStateError, GenworkerError, unwrap
 
 if TYPE_CHECKING:
     import uvicorn
@@ -134,9 +142,7 @@ VERSIONS_HEADER = "x-genworker-weight-versions"
 #: largest body the limits allow (``core.serving.http_limits``) takes well under a second.
 BODY_READ_TIMEOUT_S = 60.0
 _VERSIONS_KEY = VERSIONS_HEADER.encode()
-_BUDGET_MEMO = 4096  # (max_tokens, prompt length) pairs kept; cleared when full
 _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-_TURN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _TOKENIZE_CHAT_FIELDS = (
     "add_generation_prompt",
     "continue_final_message",
@@ -159,6 +165,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _Budget = Result[int, BudgetError | CapFailure]
 
 _T = TypeVar("_T")
+#: budgets of (``max_tokens``, prompt length, the server's settings), least recently used
+#: dropped past 4096
+_memo_max_tokens = functools.lru_cache(maxsize=4096)(http_max_tokens)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -200,10 +209,7 @@ class _Refused(Exception):
 
 
 def _error_body(status: int, message: str, param: str | None) -> bytes:
-    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
-    return json.dumps(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    ).encode()
+    return json.dumps(error_body(status, message, param)).encode()
 
 
 def _refused(problem: BadRequest) -> _Refused:
@@ -231,9 +237,6 @@ class RolloutLayer:
     limits: HttpLimits = attrs.field(init=False)
     _running: set[asyncio.Task[object]] = attrs.field(init=False, factory=set)
     _aborted: dict[asyncio.Task[object], str] = attrs.field(init=False, factory=dict)
-    _budgets: dict[tuple[int | None, int, int, int, bool, int], _Budget] = attrs.field(
-        init=False, factory=dict
-    )
 
     @limits.default
     def _limits(self) -> HttpLimits:
@@ -376,27 +379,16 @@ class RolloutLayer:
     async def _prepare(self, scope: Scope, body: dict[str, object], chat: bool) -> bool:
         """Checks and completes ``body`` in place; whether it changed (else the request's
         own bytes go to vLLM as they came)."""
-        changed = chat  # chat requests lose their turns' ids, may gain prompt ids
-        if self.policy is not None:
-            checked = check_on_policy(body, self.policy)
-            if isinstance(checked, Failure):
-                problem: OffPolicy = checked.failure()
-                raise _Refused(400, str(problem), problem.parameter)
-            fills = checked.unwrap()
-            if fills:
-                body.update(fills)
-                changed = True
-        if body.get("return_token_ids") is not True:
-            body["return_token_ids"] = True
-            changed = True
+        fills = rollout_fills(body, self.policy, chat=chat)
+        if isinstance(fills, Failure):
+            problem: OffPolicy = fills.failure()
+            raise _Refused(400, str(problem), problem.parameter)
+        body.update(fills.unwrap())
+        # chat requests lose their turns' ids, may gain prompt ids
+        changed = chat or bool(fills.unwrap())
         if chat:
-            if not body.get("logprobs"):
-                body["logprobs"] = True
             lengths = [await self._chat_prompt(scope, body)]
         else:
-            if body.get("logprobs") is None:
-                body["logprobs"] = 0
-                changed = True
             lengths = await self._completion_lengths(scope, body)
         key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
         requested = body.get(key)
@@ -419,25 +411,8 @@ class RolloutLayer:
     def _budget(self, requested: object, prompt_length: int) -> _Budget:
         """``core.serving.http_max_tokens`` for this server, memoized for the usual
         ``max_tokens`` (an int or left out): it is pure, and the fast path asks it twice."""
-        if requested is not None and type(requested) is not int:
-            return self._http_max_tokens(requested, prompt_length)
-        memo = (
-            requested,
-            prompt_length,
-            self.max_new_tokens,
-            self.max_model_len,
-            self.cap_to_context,
-            self.num_speculative_tokens,
-        )
-        found = self._budgets.get(memo)
-        if found is None:
-            if len(self._budgets) >= _BUDGET_MEMO:
-                self._budgets.clear()
-            found = self._budgets[memo] = self._http_max_tokens(requested, prompt_length)
-        return found
-
-    def _http_max_tokens(self, requested: object, prompt_length: int) -> _Budget:
-        return http_max_tokens(
+        usual = requested is None or type(requested) is int  # never a bool: True == 1
+        return (_memo_max_tokens if usual else http_max_tokens)(
             requested,
             prompt_length,
             max_new_tokens=self.max_new_tokens,
@@ -494,23 +469,12 @@ class RolloutLayer:
         text = check_chat_text(messages, self.limits)
         if isinstance(text, Failure):
             raise _refused(text.failure())
-        turns: list[Turn] = []
-        last_assistant = -1
-        for i, m in enumerate(messages):
-            if m.get("role") == "assistant":
-                last_assistant = i
-            if "prompt_token_ids" in m or "generation_token_ids" in m:
-                content = m.get("content")
-                if not isinstance(content, str):
-                    raise _Refused(
-                        400, f"messages[{i}]: a turn with token ids needs str content", "messages"
-                    )
-                prompt_ids, generation_ids = (
-                    self._ids(m.get(field), f"messages[{i}].{field}", "messages")
-                    for field in ("prompt_token_ids", "generation_token_ids")
-                )
-                turns.append(Turn(i, content, prompt_ids, generation_ids))
-            for field in _TURN_FIELDS:
+        read = read_turns(messages, self.vocab_size)
+        if isinstance(read, Failure):
+            raise _refused(read.failure())
+        turns, last_assistant = read.unwrap().turns, read.unwrap().last_assistant
+        for m in messages:  # genworker's, not vLLM's
+            for field in TURN_FIELDS:
                 m.pop(field, None)
         required = body.pop("required_prefix_token_ids", None)
         reference: Sequence[int] = ()
@@ -567,20 +531,12 @@ class RolloutLayer:
             "add_generation_prompt": False,
             "continue_final_message": False,
         }
-        if "chat_template" in payload:
-            source = "the request's chat_template"
-        elif self.chat_template is not None:
-            source = "vllm_cfg.http_server_serving_chat_kwargs.chat_template"
-        else:
-            source = "the model's own, from its tokenizer config"
-        if "chat_template_kwargs" in payload:
-            source += f", with chat_template_kwargs {payload['chat_template_kwargs']!r}"
         checked = check_template_stable(
             await self._tokenize(scope, alone),
             whole,
             lambda ids: self.decode(ids, False),
             message=message,
-            template=source,
+            template=template_source(payload, self.chat_template),
         )
         if isinstance(checked, Failure):
             raise _Refused(400, str(checked.failure()), "messages")
@@ -628,53 +584,31 @@ class RolloutLayer:
                 held = None
                 message = {**message, "body": body}
             elif message["type"] == "http.response.body" and stream:
-                pending += _field(message, "body", bytes, b"")
-                done, _, pending = pending.rpartition(b"\n\n")
-                if done or not message.get("more_body", False):
-                    events = (done + b"\n\n") if done else b""
-                    if not message.get("more_body", False):
-                        events, pending = events + pending, b""
-                    message = {**message, "body": tag_events(events, versions())}
-                else:
+                buffer = pending + _field(message, "body", bytes, b"")
+                events, pending = split_events(buffer, bool(message.get("more_body", False)))
+                if events is None:
                     return
+                message = {**message, "body": tag_events(events, versions())}
             await send(message)
 
         return wrapped
 
 
-def tag_events(events: bytes, versions: Sequence[int]) -> bytes:
-    """Server-sent ``events`` (whole events, each ending in a blank line) with
-    ``weight_versions`` added to every ``data:`` line that is a JSON object: the line is
-    parsed and serialised again, never edited as bytes (a completion's text may itself
-    contain ``data: {``; JSON escapes newlines, so a blank line only ends an event)."""
-    lines = events.split(b"\n")
-    for i, line in enumerate(lines):
-        if not line.startswith(b"data: {"):
-            continue
-        try:
-            event = json.loads(line[len(b"data: ") :])
-        except ValueError:  # not ours to judge: the client sees vLLM's bytes
-            continue
-        if isinstance(event, dict):
-            tagged = {"weight_versions": list(versions), **event}
-            lines[i] = b"data: " + json.dumps(tagged, ensure_ascii=False).encode()
-    return b"\n".join(lines)
-
-
 def _query(scope: Scope) -> dict[str, str]:
     """The request's query parameters (the last of a repeated name)."""
-    raw = _field(scope, "query_string", bytes, b"")
-    return dict(urllib.parse.parse_qsl(raw.decode("latin-1"), keep_blank_values=True))
+    from starlette.datastructures import QueryParams
+
+    return dict(QueryParams(_field(scope, "query_string", bytes, b"")))
 
 
 def _content_length(scope: Scope) -> int | None:
-    for key, value in _headers(scope):
-        if key.lower() == b"content-length":
-            try:
-                return int(value)
-            except ValueError:  # the HTTP server refuses it before the app runs
-                return None
-    return None
+    from starlette.datastructures import Headers
+
+    value = Headers(raw=_headers(scope)).get("content-length")
+    try:
+        return None if value is None else int(value)
+    except ValueError:  # the HTTP server refuses it before the app runs
+        return None
 
 
 def _field(
@@ -882,23 +816,11 @@ def _vocab_size(model_config: ModelConfig, tokenizer: _Tokenizer) -> int:
     return max(int(model_config.get_vocab_size()), tokenizer_size)
 
 
-DEV_MODE_VARIABLE = "VLLM_SERVER_DEV_MODE"
-
-
 def refuse_dev_mode(environ: Mapping[str, str], dev_mode: bool = False) -> None:
-    """Refuses to serve when vLLM would add its development routes: with
-    ``VLLM_SERVER_DEV_MODE`` on, vLLM's ``build_app`` registers its own pause, sleep,
-    ``collective_rpc`` and weight-update routes (``launchers/api_server/routers.py``,
-    0.32), which would move the engine behind genworker's lifecycle table, manifest
-    checks and weight versions. ``dev_mode`` is vLLM's own reading of it (``vllm.envs``,
-    which may have been read before ``environ`` changed)."""
-    raw = environ.get(DEV_MODE_VARIABLE, "")
-    if dev_mode or raw.strip() not in ("", "0"):
-        raise BadConfigError(
-            f"{DEV_MODE_VARIABLE}={raw!r} is set: vLLM would then serve its own pause, sleep "
-            "and weight-update routes around genworker's lifecycle and weight versions. "
-            f"Unset {DEV_MODE_VARIABLE} (genworker's server refuses to start with it)"
-        )
+    """Refuses to serve with vLLM's development routes on (``core.serving.check_dev_mode``);
+    ``dev_mode`` is vLLM's own reading of it (``vllm.envs``, which may have been read
+    before ``environ`` changed)."""
+    unwrap(check_dev_mode(environ.get(DEV_MODE_VARIABLE, ""), dev_mode), BadConfigError, "")
 
 
 async def build_vllm_app(llm: object, chat_template: str | None = None) -> FastAPI:
@@ -913,18 +835,12 @@ async def build_vllm_app(llm: object, chat_template: str | None = None) -> FastA
         _first_attr([(module, name) for module in modules]) for name, modules in _APP_PARTS
     )
     model_config = _model_config(llm)
-    argv = [
-        "--model",
+    argv = vllm_server_argv(
         str(model_config.model),
-        "--max-model-len",
-        str(model_config.max_model_len),
-    ]
-    served = model_config.served_model_name
-    names = [served] if isinstance(served, str) else list(served or [])
-    if names:
-        argv += ["--served-model-name", *names]
-    if chat_template is not None:
-        argv += ["--chat-template", chat_template]
+        int(model_config.max_model_len),
+        model_config.served_model_name,
+        chat_template,
+    )
     parser = _expect(make_arg_parser(parser_cls()), argparse.ArgumentParser, "make_arg_parser")
     args = parser.parse_args(argv)
     tasks = None

@@ -27,11 +27,13 @@ from genworker.core.caps import CapError
 from genworker.core.config import ConfigError, WorkerConfig
 from genworker.core.serving import (
     CHARS_PER_TOKEN_AT_MOST,
+    DEV_MODE_VARIABLE,
     MAX_JSON_DEPTH,
     ROUTES_CHOICE_FIELD,
     ROUTES_FIELD,
     BadRequest,
     BudgetError,
+    ChatTurns,
     HttpLimits,
     MalformedBody,
     OffPolicy,
@@ -42,6 +44,7 @@ from genworker.core.serving import (
     check_body_length,
     check_chat_text,
     check_completion_prompt,
+    check_dev_mode,
     check_nesting,
     check_on_policy,
     check_routes_request,
@@ -49,15 +52,22 @@ from genworker.core.serving import (
     check_token_ids,
     check_turns,
     drop_routes,
+    error_body,
     http_limits,
     http_max_tokens,
     json_depth,
     parse_body,
     prompt_tokens_at_most,
+    read_turns,
+    rollout_fills,
     server_options,
     splice_prefix,
+    split_events,
+    tag_events,
+    template_source,
     training_policy,
     versions_between,
+    vllm_server_argv,
 )
 
 BOS, EOS, COLON = SERVING_VOCAB.index("<s>"), SERVING_VOCAB.index("</s>"), SERVING_VOCAB.index(":")
@@ -859,3 +869,150 @@ def test_routes_are_given_only_when_asked_by_a_bool_of_a_capturing_unstreamed_re
             assert "does not capture" in str(problem)
         else:
             assert "non-streamed" in str(problem)
+
+
+# --- the layer's fills, turns, events and refusals -------------------------------------
+
+
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "return_token_ids": st.one_of(st.booleans(), st.none()),
+            "logprobs": st.one_of(st.none(), st.booleans(), st.integers(0, 3)),
+        },
+    ),
+    st.booleans(),
+    st.booleans(),
+)
+def test_rollout_fills_ask_for_ids_and_sampled_logprobs_and_the_training_values(
+    body: dict[str, object], chat: bool, guarded: bool
+) -> None:
+    policy = training_policy(worker_config()) if guarded else None
+    fills = rollout_fills(body, policy, chat=chat).unwrap()
+    filled = {**body, **fills}
+    assert filled["return_token_ids"] is True
+    if chat:
+        assert filled["logprobs"]
+    else:
+        assert filled["logprobs"] is not None
+    assert all(filled[k] == body[k] for k in body if k not in fills)  # nothing given changes
+    assert all(body.get(k) is None or k in ("return_token_ids", "logprobs") for k in fills)
+    if policy is not None:
+        assert {k: filled[k] for k in check_on_policy(body, policy).unwrap()} == (
+            check_on_policy(body, policy).unwrap()
+        )
+
+
+def test_rollout_fills_refuse_an_off_policy_request_naming_the_parameter() -> None:
+    refused = rollout_fills({"temperature": 0.3}, training_policy(worker_config()), chat=True)
+    assert refused.swap().unwrap().parameter == "temperature"
+    assert rollout_fills({"temperature": 0.3}, None, chat=False).unwrap() == {
+        "return_token_ids": True,
+        "logprobs": 0,
+    }
+
+
+def test_read_turns_finds_the_turns_with_ids_and_the_last_assistant() -> None:
+    messages: list[dict[str, object]] = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "prompt_token_ids": [1], "generation_token_ids": [2]},
+        {"role": "user", "content": "r"},
+        {"role": "assistant", "content": "b"},
+    ]
+    assert read_turns(messages, 10) == Success(ChatTurns((Turn(1, "a", (1,), (2,)),), 3))
+    assert read_turns(messages[:1], 10) == Success(ChatTurns((), -1))
+
+
+@pytest.mark.parametrize(
+    ("message", "why"),
+    [
+        ({"content": None, "prompt_token_ids": [1]}, "messages[1]: a turn with token ids needs"),
+        ({"content": "a", "prompt_token_ids": [1, 99]}, "messages[1].prompt_token_ids[1]: "),
+        ({"content": "a", "prompt_token_ids": [1]}, "messages[1].generation_token_ids must be"),
+        ({"content": "a", "generation_token_ids": True}, "messages[1].prompt_token_ids must be"),
+    ],
+)
+def test_read_turns_refuses_a_bad_turn_naming_the_message(
+    message: dict[str, object], why: str
+) -> None:
+    refused = read_turns([{"role": "user", "content": "q"}, message], 10).swap().unwrap()
+    assert refused.message.startswith(why)
+    assert (refused.status, refused.param) == (400, "messages")
+
+
+def test_the_template_source_names_whose_template_rendered() -> None:
+    assert template_source({"chat_template": "t"}, "s") == "the request's chat_template"
+    assert template_source({}, "s") == "vllm_cfg.http_server_serving_chat_kwargs.chat_template"
+    assert template_source({"chat_template_kwargs": {"x": 1}}, None) == (
+        "the model's own, from its tokenizer config, with chat_template_kwargs {'x': 1}"
+    )
+
+
+def test_error_bodies_are_openai_shaped() -> None:
+    assert error_body(400, "m", "p") == {
+        "error": {"message": "m", "type": "BadRequestError", "param": "p", "code": 400}
+    }
+    assert error_body(503, "m", None)["error"] == {
+        "message": "m",
+        "type": "ServiceUnavailableError",
+        "param": None,
+        "code": 503,
+    }
+
+
+@given(st.lists(st.sampled_from([b"data: {}\n\n", b"data: ", b"{}\n\n", b"x"]), max_size=12))
+def test_split_events_sends_whole_events_and_loses_nothing(parts: list[bytes]) -> None:
+    """Law: the bytes sent, in order, are the body; every send but the last ends an event,
+    and a held rest holds no whole event."""
+    sent: list[bytes] = []
+    rest = b""
+    for k, part in enumerate(parts):
+        more = k < len(parts) - 1
+        events, rest = split_events(rest + part, more)
+        if events is None:
+            assert more
+            assert b"\n\n" not in rest
+            continue
+        sent.append(events)
+        assert not more or events.endswith(b"\n\n")
+    assert b"".join(sent) + rest == b"".join(parts)
+    assert rest == b"" or not parts
+
+
+def test_split_events_holds_a_partial_event_and_flushes_at_the_end() -> None:
+    assert split_events(b"data: {}\n\ndata: {", True) == (b"data: {}\n\n", b"data: {")
+    assert split_events(b"data: {", True) == (None, b"data: {")
+    assert split_events(b"data: {}", False) == (b"data: {}", b"")
+    assert split_events(b"a\n\nb", False) == (b"a\n\nb", b"")
+
+
+def test_tagged_events_carry_the_versions_and_keep_everything_else() -> None:
+    events = b'data: {"a": "data: {x"}\n\ndata: [DONE]\n\ndata: {bad\n\ndata: {"k": 1}\n\n'
+    tagged = tag_events(events, (2, 3)).split(b"\n\n")
+    assert json.loads(tagged[0][len(b"data: ") :]) == {"weight_versions": [2, 3], "a": "data: {x"}
+    assert tagged[1:3] == [b"data: [DONE]", b"data: {bad"]
+    assert json.loads(tagged[3][len(b"data: ") :]) == {"weight_versions": [2, 3], "k": 1}
+    assert tag_events(b'data: {"k": [1]}', ()) != b'data: {"k": [1]}'
+    assert tag_events(b"data: {1: 2}\n\n", (1,)) == b"data: {1: 2}\n\n"
+
+
+@pytest.mark.parametrize("raw", ["1", "true", " yes "])
+def test_vllm_dev_mode_is_refused_naming_the_variable(raw: str) -> None:
+    refused = check_dev_mode(raw).swap().unwrap()
+    assert refused.message.startswith(f"{DEV_MODE_VARIABLE}={raw!r} is set")
+    assert isinstance(check_dev_mode("", dev_mode=True), Failure)
+    assert check_dev_mode(" 0 ") == check_dev_mode("") == Success(None)
+
+
+def test_vllm_server_argv_names_the_model_its_names_and_template() -> None:
+    base = ["--model", "m", "--max-model-len", "64"]
+    assert vllm_server_argv("m", 64, None, None) == base
+    assert vllm_server_argv("m", 64, "s", "t") == [
+        *base,
+        "--served-model-name",
+        "s",
+        "--chat-template",
+        "t",
+    ]
+    assert vllm_server_argv("m", 64, ["a", "b"], None) == [*base, "--served-model-name", "a", "b"]
