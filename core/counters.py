@@ -49,7 +49,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeAlias
 
 import attrs
@@ -70,6 +70,7 @@ __all__ = [
     "CounterSample",
     "EncodedSnapshot",
     "GaugeSample",
+    "GroupCounters",
     "HistogramSample",
     "Labels",
     "MetricSample",
@@ -80,6 +81,7 @@ __all__ = [
     "VectorSample",
     "decode_snapshot",
     "encode_snapshot",
+    "group_counters",
     "merge_snapshots",
     "series_id",
     "spec_decode_metrics",
@@ -665,3 +667,40 @@ def spec_decode_metrics(
             per_position_accepted_tokens=per_pos,
         )
     )
+
+
+# --- a data-parallel group's counters ------------------------------------------------------
+
+
+@attrs.frozen
+class GroupCounters:
+    """Counter snapshots of every shard, their sum, and spec-decode acceptance over all."""
+
+    shards: tuple[Snapshot, ...]
+    merged: Snapshot
+    spec_decode: SpecDecodeMetrics | None
+
+    def as_dict(self) -> dict[str, float | list[float]]:
+        """The merged snapshot as flat counter keys (:func:`encode_snapshot`)."""
+        return encode_snapshot(self.merged)
+
+
+def group_counters(answers: Sequence[object]) -> Result[GroupCounters, CounterError]:
+    """Every shard's encoded snapshot (``answers`` in shard order), decoded, summed, and
+    their spec-decode acceptance; an answer that is not a snapshot names its shard."""
+    shards: list[Snapshot] = []
+    for rank, encoded in enumerate(answers):
+        if not isinstance(encoded, Mapping):
+            kind = type(encoded).__name__
+            return Failure(CounterError(f"shard {rank}: get_counters returned {kind}, not a dict"))
+        decoded = decode_snapshot(encoded)
+        if isinstance(decoded, Failure):
+            problem = decoded.failure()
+            return Failure(attrs.evolve(problem, message=f"shard {rank} counters: {problem}"))
+        shards.append(decoded.unwrap())
+    merged = merge_snapshots(shards)
+    spec = spec_decode_metrics(merged)
+    if isinstance(spec, Failure):
+        problem = spec.failure()
+        return Failure(attrs.evolve(problem, message=f"spec-decode counters: {problem}"))
+    return Success(GroupCounters(shards=tuple(shards), merged=merged, spec_decode=spec.unwrap()))

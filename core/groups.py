@@ -53,6 +53,7 @@ __all__ = [
     "GroupError",
     "GroupPath",
     "GroupPlan",
+    "check_declared_groups",
     "order_rows",
     "plan_groups",
     "prompt_groups",
@@ -69,7 +70,8 @@ class GroupPath(enum.Enum):
 @attrs.frozen
 class GroupError(CoreError):
     """A declared group layout the batch does not fit: ``rows`` are the batch rows of the
-    offending group (all of the batch when its size is not a multiple of the group)."""
+    offending group (all of the batch when its size is not a multiple of the group);
+    ``group_size`` is 0 where the declared size is not an int."""
 
     rows: tuple[int, ...]
     group_size: int
@@ -139,6 +141,36 @@ def prompt_groups(prompts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ..
     for position, prompt in enumerate(prompts):
         seen.setdefault(tuple(prompt), []).append(position)
     return tuple(tuple(rows) for rows in seen.values())
+
+
+def check_declared_groups(
+    size: object, prompts: Sequence[Sequence[int]]
+) -> Result[int | None, GroupError]:
+    """A batch's declared group size (NeMo-RL's ``num_generations_per_prompt``; ``None``:
+    undeclared), once each run of ``size`` rows holds one prompt."""
+    if size is None:
+        return Success(None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or len(prompts) % size:
+        return Failure(
+            GroupError(
+                f"data['num_generations_per_prompt']={size!r} must be an int dividing the "
+                f"batch of {len(prompts)} rows",
+                rows=tuple(range(len(prompts))),
+                group_size=size if type(size) is int else 0,
+            )
+        )
+    for start in range(0, len(prompts), size):
+        if len(prompt_groups(prompts[start : start + size])) > 1:
+            rows = tuple(range(start, start + size))
+            return Failure(
+                GroupError(
+                    f"declared group of rows {list(rows)} (num_generations_per_prompt={size}) "
+                    "holds different prompts",
+                    rows=rows,
+                    group_size=size,
+                )
+            )
+    return Success(size)
 
 
 def plan_groups(

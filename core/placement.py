@@ -48,6 +48,7 @@ from __future__ import annotations
 import ipaddress
 import math
 from collections.abc import Mapping, Sequence
+from typing import TypedDict
 
 import attrs
 from returns.result import Failure, Result, Success
@@ -62,12 +63,15 @@ __all__ = [
     "MAX_PORT",
     "RAY_EXTRA_ENV_VARS",
     "SEED_STRIDE",
+    "ClusterOptions",
     "ClusterPlan",
+    "ClusterSpec",
     "EngineEnv",
     "PlacementError",
     "PlacementPlan",
     "PortWindow",
     "ShardPlacement",
+    "check_bundle_nodes",
     "check_inherited_env",
     "configure_worker",
     "forwarded_env_names",
@@ -624,3 +628,91 @@ def plan_cluster(
             ray_per_worker_gpus=fraction / size if uses_gpus else 0.0,
         )
     )
+
+
+def check_bundle_nodes(
+    plan: ClusterPlan, bundle_nodes: Mapping[int, str]
+) -> Result[None, PlacementError]:
+    """Whether Ray's bundle-to-node table matches the plan: the bundles planned on one
+    node on one Ray node, different planned nodes on different Ray nodes."""
+    planned: dict[int, set[str]] = {}
+    for bundle in range(plan.num_bundles):
+        node = bundle_nodes.get(bundle)
+        if node is None:
+            return _table_error(f"Ray reports no node for bundle {bundle}", bundle_nodes)
+        planned.setdefault(bundle // plan.bundles_per_node, set()).add(node)
+    split = {k: sorted(v) for k, v in planned.items() if len(v) > 1}
+    if split:
+        why = f"bundles planned on one node landed on several Ray nodes: {split}"
+        return _table_error(why, bundle_nodes)
+    owners: dict[str, list[int]] = {}
+    for k, nodes in planned.items():
+        owners.setdefault(next(iter(nodes)), []).append(k)
+    shared = {node: ks for node, ks in owners.items() if len(ks) > 1}
+    if shared:
+        return _table_error(
+            f"planned nodes {sorted(shared.values())} share one Ray node", bundle_nodes
+        )
+    return Success(None)
+
+
+def _table_error(why: str, bundle_nodes: Mapping[int, str]) -> Failure[PlacementError]:
+    return Failure(PlacementError(why, name="bundles_to_node_id", value=repr(dict(bundle_nodes))))
+
+
+def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name}={value!r} must be a number of seconds above 0")
+
+
+def _cpu_share(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{attribute.name}={value!r} must be in (0, 1]: a bundle holds 1 CPU")
+
+
+@attrs.frozen
+class ClusterSpec:
+    """Where a data-parallel generation group runs and how long it waits.
+
+    ``num_shards`` engines (data-parallel size) on ``num_nodes`` nodes of ``gpus_per_node``
+    GPUs each; ``gpus_per_node=0`` is a CPU-only cluster of ``cpus_per_node`` bundles per
+    node. Tensor and pipeline parallel sizes come from the worker config. ``ray_address``
+    is passed to ``ray.init`` when Ray is not running yet (``None``: a local Ray with
+    ``ray_num_cpus`` CPUs); an initialised Ray is used as it is.
+    """
+
+    num_shards: int
+    num_nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_node: int = 0
+    gpu_fraction: float = 1.0
+    actor_num_cpus: float = attrs.field(default=1.0, validator=_cpu_share)
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+    placement_timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    start_timeout_s: float = attrs.field(default=900.0, validator=_positive)
+    call_timeout_s: float = attrs.field(default=3600.0, validator=_positive)
+    shutdown_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    cache_base_dir: str | None = None
+    port_base: int = DEFAULT_PORT_BASE
+    port_window: int = DEFAULT_PORT_WINDOW
+
+
+class ClusterOptions(TypedDict, total=False):
+    """:class:`ClusterSpec`'s fields after ``num_shards``, as keywords of
+    ``genworker.shell.group.local_cluster``."""
+
+    num_nodes: int
+    gpus_per_node: int
+    cpus_per_node: int
+    gpu_fraction: float
+    actor_num_cpus: float
+    ray_address: str | None
+    ray_num_cpus: int | None
+    placement_timeout_s: float
+    start_timeout_s: float
+    call_timeout_s: float
+    shutdown_timeout_s: float
+    cache_base_dir: str | None
+    port_base: int
+    port_window: int

@@ -40,7 +40,9 @@ from genworker.core.errors import CoreError
 __all__ = [
     "ShardError",
     "ShardPlan",
+    "describe_shard_rows",
     "merge_shard_outputs",
+    "merge_shard_texts",
     "plan_shards",
     "split_batch",
 ]
@@ -197,6 +199,38 @@ def _take(data: Mapping[str, object], rows: tuple[int, ...]) -> dict[str, object
         else:
             shard[key] = value
     return shard
+
+
+def describe_shard_rows(rows: tuple[int, ...], shown: int = 16) -> str:
+    """What a shard's own row numbers are in the batch (nothing where they are the same)."""
+    if rows == tuple(range(len(rows))):
+        return ""
+    if len(rows) == 1:
+        return f" (its row 0 is the batch's row {rows[0]})"
+    listed = ", ".join(map(str, rows[:shown])) + (", ..." if len(rows) > shown else "")
+    return f" (its rows 0-{len(rows) - 1} are the batch's rows {listed})"
+
+
+def merge_shard_texts(
+    plan: ShardPlan, shard_texts: Sequence[Sequence[str]]
+) -> Result[list[str], ShardError]:
+    """The shards' ``generate_text`` texts (one list per shard) in input row order; a
+    shard that returned another count than its rows is named."""
+    ordered = [""] * plan.num_rows
+    for rank, (rows, texts) in enumerate(zip(plan.shards, shard_texts, strict=True)):
+        if len(texts) != len(rows):
+            return Failure(
+                ShardError(
+                    f"shard {rank}: generate_text returned {len(texts)} texts for "
+                    f"{len(rows)} prompts",
+                    key="texts",
+                    length=len(texts),
+                    num_rows=len(rows),
+                )
+            )
+        for row, text in zip(rows, texts, strict=True):
+            ordered[row] = text
+    return Success(ordered)
 
 
 def merge_shard_outputs(

@@ -32,6 +32,13 @@ sits at column ``l_i + k``; every other cell (prompt, padding) holds :data:`NO_V
 :func:`uniform_versions` is the same layout for a batch sampled under one version (the sync
 worker's: no refit runs inside its ``generate``), in one vectorised pass.
 :func:`staleness` says how many good refits behind the current weights each token is.
+
+A data-parallel group (``genworker.shell.group``) relabels its shards' versions with its
+own (:class:`GroupVersions`): version ``g`` is the ``g``-th refit that landed on at least
+one shard. A shard counts only its own good refits, so after a refit that failed on some
+shards their counts name different weights; relabelled, one version names one refit's
+weights on every shard. A count past the refits collected is the group's next ones, in
+order (a refit not yet collected).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from genworker.core.errors import CoreError
 
 __all__ = [
     "NO_VERSION",
+    "GroupVersions",
     "VersionError",
     "VersionRuns",
     "extend_runs",
@@ -277,3 +285,51 @@ def uniform_versions(
     columns = torch.arange(width, dtype=torch.int64)
     inside = (columns >= starts) & (columns < ends)
     return torch.where(inside, version, NO_VERSION).to(torch.int64)
+
+
+def _start_at_zero(instance: GroupVersions, attribute: object, value: object) -> None:
+    for rank, own in enumerate(instance.shards):
+        if not own or own[0] != 0 or list(own) != sorted(set(own)) or own[-1] > instance.version:
+            raise ValueError(
+                f"shard {rank}'s versions {own} must rise from 0 to at most {instance.version}"
+            )
+
+
+@attrs.frozen
+class GroupVersions:
+    """A group's weight versions (the module docstring): ``version`` is the group's count
+    of refits that landed; ``shards[rank][c]`` the group version of shard ``rank``'s own
+    version ``c``."""
+
+    version: int
+    shards: tuple[tuple[int, ...], ...] = attrs.field(validator=_start_at_zero)
+
+    @classmethod
+    def start(cls, num_shards: int) -> GroupVersions:
+        """Every shard on the weights it loaded: version 0."""
+        return cls(version=0, shards=((0,),) * num_shards)
+
+    def landed(self, took: Iterable[int]) -> GroupVersions:
+        """After a refit collected: the shards ``took`` (ranks) took it (none: unchanged)."""
+        ranks = set(took)
+        if not ranks:
+            return self
+        version = self.version + 1
+        return GroupVersions(
+            version=version,
+            shards=tuple(
+                (*own, version) if rank in ranks else own for rank, own in enumerate(self.shards)
+            ),
+        )
+
+    def relabel(self, rank: int, versions: torch.Tensor) -> torch.Tensor:
+        """Shard ``rank``'s per-token ``versions`` as the group's (:data:`NO_VERSION` cells
+        kept); the tensor itself where the shard took every refit."""
+        own = self.shards[rank]
+        if len(own) == self.version + 1:
+            return versions  # the shard took every refit: its count is the group's
+        table = torch.tensor(own, dtype=versions.dtype, device=versions.device)
+        taken = table[versions.clamp(0, len(own) - 1)]
+        later = versions - (len(own) - 1) + self.version
+        group = torch.where(versions < len(own), taken, later)
+        return torch.where(versions >= 0, group, versions)

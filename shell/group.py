@@ -79,38 +79,38 @@ import os
 import re
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import TYPE_CHECKING, TypedDict, Unpack
+from typing import TYPE_CHECKING, Unpack
 
-import attrs
 import torch
 
 from genworker.core.assembly import assemble_outputs
 from genworker.core.batch import check_batch
 from genworker.core.config import WorkerConfig
-from genworker.core.counters import (
-    Snapshot,
-    SpecDecodeMetrics,
-    decode_snapshot,
-    encode_snapshot,
-    merge_snapshots,
-    spec_decode_metrics,
-)
-from genworker.core.groups import prompt_groups
+from genworker.core.counters import GroupCounters, group_counters
+from genworker.core.groups import check_declared_groups, prompt_groups
 from genworker.core.lora import check_adapter_name, row_adapters
 from genworker.core.multimodal import check_media
 from genworker.core.placement import (
-    DEFAULT_PORT_BASE,
-    DEFAULT_PORT_WINDOW,
+    ClusterOptions,
     ClusterPlan,
+    ClusterSpec,
     ShardPlacement,
+    check_bundle_nodes,
     check_inherited_env,
     configure_worker,
     plan_cluster,
 )
 from genworker.core.routing import FILL
 from genworker.core.rows import check_rows
-from genworker.core.sharding import ShardPlan, merge_shard_outputs, plan_shards, split_batch
-from genworker.core.versions import NO_VERSION
+from genworker.core.sharding import (
+    ShardPlan,
+    describe_shard_rows,
+    merge_shard_outputs,
+    merge_shard_texts,
+    plan_shards,
+    split_batch,
+)
+from genworker.core.versions import NO_VERSION, GroupVersions
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -137,6 +137,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_DECLARED = "num_generations_per_prompt"
 
 if TYPE_CHECKING:  # typings/ray: the Ray names used here, stubtest-checked
     from ray import ObjectRef, ObjectRefGenerator
@@ -145,63 +146,6 @@ if TYPE_CHECKING:  # typings/ray: the Ray names used here, stubtest-checked
 
 # Actor handles and object refs never leave this module except as the opaque futures of
 # the refit calls; what a ref resolves to is checked where it is read.
-
-
-def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name}={value!r} must be a number of seconds above 0")
-
-
-def _cpu_share(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0 < value <= 1:
-        raise ValueError(f"{attribute.name}={value!r} must be in (0, 1]: a bundle holds 1 CPU")
-
-
-@attrs.frozen
-class ClusterSpec:
-    """Where a :class:`GenerationGroup` runs and how long it waits.
-
-    ``num_shards`` engines (data-parallel size) on ``num_nodes`` nodes of ``gpus_per_node``
-    GPUs each; ``gpus_per_node=0`` is a CPU-only cluster of ``cpus_per_node`` bundles per
-    node. Tensor and pipeline parallel sizes come from the worker config. ``ray_address``
-    is passed to ``ray.init`` when Ray is not running yet (``None``: a local Ray with
-    ``ray_num_cpus`` CPUs); an initialised Ray is used as it is.
-    """
-
-    num_shards: int
-    num_nodes: int = 1
-    gpus_per_node: int = 0
-    cpus_per_node: int = 0
-    gpu_fraction: float = 1.0
-    actor_num_cpus: float = attrs.field(default=1.0, validator=_cpu_share)
-    ray_address: str | None = None
-    ray_num_cpus: int | None = None
-    placement_timeout_s: float = attrs.field(default=300.0, validator=_positive)
-    start_timeout_s: float = attrs.field(default=900.0, validator=_positive)
-    call_timeout_s: float = attrs.field(default=3600.0, validator=_positive)
-    shutdown_timeout_s: float = attrs.field(default=60.0, validator=_positive)
-    cache_base_dir: str | None = None
-    port_base: int = DEFAULT_PORT_BASE
-    port_window: int = DEFAULT_PORT_WINDOW
-
-
-class ClusterOptions(TypedDict, total=False):
-    """:class:`ClusterSpec`'s fields after ``num_shards``, as keywords of :func:`local_cluster`."""
-
-    num_nodes: int
-    gpus_per_node: int
-    cpus_per_node: int
-    gpu_fraction: float
-    actor_num_cpus: float
-    ray_address: str | None
-    ray_num_cpus: int | None
-    placement_timeout_s: float
-    start_timeout_s: float
-    call_timeout_s: float
-    shutdown_timeout_s: float
-    cache_base_dir: str | None
-    port_base: int
-    port_window: int
 
 
 def local_cluster(
@@ -224,19 +168,6 @@ def local_cluster(
         cpus = max(os.cpu_count() or 1, num_shards * model_parallel_size)
         fields = {"cpus_per_node": cpus, "ray_num_cpus": cpus}
     return ClusterSpec(num_shards=num_shards, **(fields | options))
-
-
-@attrs.frozen
-class GroupCounters:
-    """Counter snapshots of every shard, their sum, and spec-decode acceptance over all."""
-
-    shards: tuple[Snapshot, ...]
-    merged: Snapshot
-    spec_decode: SpecDecodeMetrics | None
-
-    def as_dict(self) -> dict[str, float | list[float]]:
-        """The merged snapshot as flat counter keys (see ``genworker.core.counters``)."""
-        return encode_snapshot(self.merged)
 
 
 class ShardFailure(GroupError):
@@ -272,16 +203,6 @@ def _failure_of(error: BaseException) -> ShardFailure | None:
     return None
 
 
-def _batch_rows(rows: tuple[int, ...], shown: int = 16) -> str:
-    """What a shard's own row numbers are in the batch (nothing where they are the same)."""
-    if rows == tuple(range(len(rows))):
-        return ""
-    if len(rows) == 1:
-        return f" (its row 0 is the batch's row {rows[0]})"
-    listed = ", ".join(map(str, rows[:shown])) + (", ..." if len(rows) > shown else "")
-    return f" (its rows 0-{len(rows) - 1} are the batch's rows {listed})"
-
-
 def _ray_error() -> type[Exception]:
     """What ``ray.get`` raises for a failed task or actor (every cause type included)."""
     from ray.exceptions import RayError
@@ -294,26 +215,6 @@ def _dead_actor_errors() -> tuple[type[BaseException], ...]:
     from ray.exceptions import ActorUnavailableError, RayActorError
 
     return (RayActorError, ActorUnavailableError)
-
-
-def _check_bundle_nodes(plan: ClusterPlan, bundle_nodes: Mapping[int, str]) -> str | None:
-    """Why Ray's bundle-to-node table breaks the plan, or ``None`` when it matches."""
-    planned: dict[int, set[str]] = {}
-    for bundle in range(plan.num_bundles):
-        node = bundle_nodes.get(bundle)
-        if node is None:
-            return f"Ray reports no node for bundle {bundle}"
-        planned.setdefault(bundle // plan.bundles_per_node, set()).add(node)
-    split = {k: sorted(v) for k, v in planned.items() if len(v) > 1}
-    if split:
-        return f"bundles planned on one node landed on several Ray nodes: {split}"
-    owners: dict[str, list[int]] = {}
-    for k, nodes in planned.items():
-        owners.setdefault(next(iter(nodes)), []).append(k)
-    shared = {node: ks for node, ks in owners.items() if len(ks) > 1}
-    if shared:
-        return f"planned nodes {sorted(shared.values())} share one Ray node"
-    return None
 
 
 class GenerationGroup:
@@ -362,11 +263,8 @@ class GenerationGroup:
         #: each refit's futures (``_refit``) until ``collect`` settles them: the call, and
         #: for an adapter refit the adapter's name
         self._refits: dict[tuple[ObjectRef[object], ...], tuple[str, str | None]] = {}
-        #: refits that landed on at least one shard: the group's weight version
-        self._version = 0
-        #: per shard, the group version of each of its own weight versions (indexed by
-        #: the shard's count of good refits; the module docstring)
-        self._versions: list[list[int]] = [[0] for _ in self.plan.shards]
+        #: the group's weight versions, and each shard's own under them (the docstring)
+        self._versions = GroupVersions.start(self.plan.data_parallel_size)
         #: the adapters that landed on every shard, and whether the last ``prepare_lora``
         #: succeeded on every shard
         self._adapters: set[str] = set()
@@ -447,9 +345,12 @@ class GenerationGroup:
                 f"{ray.available_resources()} available of {ray.cluster_resources()}"
             )
         table = placement_group_table(pg).get("bundles_to_node_id", {})
-        problem = _check_bundle_nodes(self.plan, {int(k): str(v) for k, v in table.items()})
-        if problem is not None:
-            raise GroupError(f"placement group does not match the plan: {problem}")
+        nodes = {int(k): str(v) for k, v in table.items()}
+        unwrap(
+            check_bundle_nodes(self.plan, nodes),
+            GroupError,
+            "placement group does not match the plan",
+        )
         return pg
 
     def _start_actor(self, pg: PlacementGroup, shard: ShardPlacement) -> ActorHandle:
@@ -517,6 +418,16 @@ class GenerationGroup:
         results = self._gather(call, refs, timeout_s)
         return [results[rank] for rank in range(self.num_shards)]
 
+    def _call_lists(
+        self, call: str, *args: object, timeout_s: float | None = None
+    ) -> list[list[object]]:
+        """:meth:`_call_all` of a call that answers a list on every shard."""
+        answers = self._call_all(call, *args, timeout_s=timeout_s)
+        bad = [type(a).__name__ for a in answers if not isinstance(a, list)]
+        if bad:
+            raise EngineContractError(f"{call} returned {bad[0]}, not a list")
+        return [list(a) for a in answers if isinstance(a, list)]
+
     def _gather(
         self,
         call: str,
@@ -558,7 +469,7 @@ class GenerationGroup:
             )
         elif isinstance(error, RayTaskError) and isinstance(error.cause, GenworkerError):
             translated = copy.copy(error.cause)
-            translated.args = (f"shard {rank}{_batch_rows(rows)}: {error.cause}",)
+            translated.args = (f"shard {rank}{describe_shard_rows(rows)}: {error.cause}",)
         else:
             cause = error.cause if isinstance(error, RayTaskError) else error
             translated = GroupError(f"shard {rank}: {call} raised {type(cause).__name__}: {cause}")
@@ -633,7 +544,12 @@ class GenerationGroup:
                 BadBatchError,
                 "multi_modal_data",
             )
-        data = _declared_groups_checked(data, batch.prompts)
+        # Checked here (each run of G rows one prompt): the shards recognise the groups by
+        # their prompts, whatever cut the sharder made of one larger than a shard's share.
+        if unwrap(
+            check_declared_groups(data.get(_DECLARED), batch.prompts), BadBatchError, "generate"
+        ):
+            data = {k: v for k, v in data.items() if k != _DECLARED}
         plan = plan_shards(
             batch.lengths,
             self.num_shards,
@@ -813,19 +729,8 @@ class GenerationGroup:
             [len(p) for p in prompts], self.num_shards, max_new_tokens=self.cfg.max_new_tokens
         )
         results = self._run_shards("generate_text", plan, data, greedy, timeout_s)
-        texts: list[str] = []
-        for rank, rows in enumerate(plan.shards):
-            shard_texts = _texts(results.get(rank, {"texts": []}), rank)
-            if len(shard_texts) != len(rows):
-                raise EngineContractError(
-                    f"shard {rank}: generate_text returned {len(shard_texts)} texts for "
-                    f"{len(rows)} prompts"
-                )
-            texts.extend(shard_texts)
-        ordered = [""] * plan.num_rows
-        for row, text in zip(plan.concat_order, texts, strict=True):
-            ordered[row] = text
-        return {"texts": ordered}
+        texts = [_texts(results.get(rank, {"texts": []}), rank) for rank in range(plan.num_shards)]
+        return {"texts": unwrap(merge_shard_texts(plan, texts), EngineContractError, "")}
 
     def _check_adapters(self, data: Mapping[str, object], batch_size: int, call: str) -> None:
         """The batch's ``lora`` / ``lora_names`` checked as each shard checks them (core
@@ -837,17 +742,11 @@ class GenerationGroup:
 
     def _relabelled(self, rank: int, output: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Shard ``rank``'s output with its ``weight_versions`` as the group's (the module
-        docstring): a shard's own count ``c`` is ``_versions[rank][c]``; a count past
-        the refits collected is the group's next ones, in order."""
-        own = self._versions[rank]
+        docstring, ``core.versions.GroupVersions``)."""
         versions = output.get("weight_versions")
-        if versions is None or len(own) == self._version + 1:
-            return output  # the shard took every refit: its count is the group's
-        table = torch.tensor(own, dtype=versions.dtype, device=versions.device)
-        taken = table[versions.clamp(0, len(own) - 1)]
-        later = versions - (len(own) - 1) + self._version
-        group = torch.where(versions < len(own), taken, later)
-        return {**output, "weight_versions": torch.where(versions >= 0, group, versions)}
+        if versions is None:
+            return output
+        return {**output, "weight_versions": self._versions.relabel(rank, versions)}
 
     def _multimodal_info(self, timeout_s: float | None) -> Mapping[str, object]:
         """The first shard's image placeholder id and image limit (asked once: every shard
@@ -902,18 +801,12 @@ class GenerationGroup:
 
     def refit_address(self, *, timeout_s: float | None = None) -> list[list[object]]:
         """Each shard's IPC refit addresses (one per engine worker), in shard order."""
-        return [
-            list(_as_list(r, "refit_address"))
-            for r in self._call_all("refit_address", timeout_s=timeout_s)
-        ]
+        return self._call_lists("refit_address", timeout_s=timeout_s)
 
     def release_refit_buffers(self, *, timeout_s: float | None = None) -> list[list[object]]:
         """Every shard's ``release_refit_buffers``: the trainer memory its engine workers
         keep mapped between IPC refits is let go (counts per engine worker, shard order)."""
-        return [
-            list(_as_list(r, "release_refit_buffers"))
-            for r in self._call_all("release_refit_buffers", timeout_s=timeout_s)
-        ]
+        return self._call_lists("release_refit_buffers", timeout_s=timeout_s)
 
     def init_collective(
         self,
@@ -1030,12 +923,9 @@ class GenerationGroup:
     ) -> list[list[object]]:
         """Every shard's engine workers' answers (shard order): for the trainer's
         ``ReshardSender.plan(shards_of(answers[s]), rank_prefix=s x tensor x pipeline)``."""
-        return [
-            list(_as_list(r, "prepare_nccl_reshard_refit_info"))
-            for r in self._call_all(
-                "prepare_nccl_reshard_refit_info", dict(refit_info), timeout_s=timeout_s
-            )
-        ]
+        return self._call_lists(
+            "prepare_nccl_reshard_refit_info", dict(refit_info), timeout_s=timeout_s
+        )
 
     def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> list[ObjectRef[object]]:
         """Start the reshard refit on every shard; returns one future per shard."""
@@ -1074,12 +964,8 @@ class GenerationGroup:
 
     def _landed(self, adapter: str | None, results: Mapping[int, object]) -> None:
         """A collected refit's outcome: the shards that answered True took it."""
-        took = [rank for rank, ok in sorted(results.items()) if ok is True]
-        if not took:
-            return
-        self._version += 1
-        for rank in took:
-            self._versions[rank].append(self._version)
+        took = [rank for rank, ok in results.items() if ok is True]
+        self._versions = self._versions.landed(took)
         if adapter is not None and len(took) == self.num_shards:
             self._adapters.add(adapter)
 
@@ -1097,11 +983,11 @@ class GenerationGroup:
         :meth:`refit_address`, for ``RefitSender.ipc(address, manifest=adapter_info)``.
         Until it succeeds on every shard, :meth:`update_lora` is refused."""
         self._lora_prepared = False
-        answers = self._call_all(
+        answers = self._call_lists(
             "prepare_lora", dict(adapter_info), dict(peft_config), timeout_s=timeout_s
         )
         self._lora_prepared = True
-        return [list(_as_list(r, "prepare_lora")) for r in answers]
+        return answers
 
     def update_lora(
         self,
@@ -1129,25 +1015,13 @@ class GenerationGroup:
 
     # -- observability --------------------------------------------------------------
     def report_device_id(self, *, timeout_s: float | None = None) -> list[list[str]]:
-        return [
-            [str(d) for d in _as_list(r, "report_device_id")]
-            for r in self._call_all("report_device_id", timeout_s=timeout_s)
-        ]
+        answers = self._call_lists("report_device_id", timeout_s=timeout_s)
+        return [[str(d) for d in devices] for devices in answers]
 
     def get_counters(self, *, timeout_s: float | None = None) -> GroupCounters:
         """Every shard's counter snapshot, their sum, and spec-decode acceptance."""
-        shards: list[Snapshot] = []
-        for rank, encoded in enumerate(self._call_all("get_counters", timeout_s=timeout_s)):
-            if not isinstance(encoded, Mapping):
-                raise EngineContractError(
-                    f"shard {rank}: get_counters returned {type(encoded).__name__}, not a dict"
-                )
-            shards.append(
-                unwrap(decode_snapshot(encoded), EngineContractError, f"shard {rank} counters")
-            )
-        merged = merge_snapshots(shards)
-        spec = unwrap(spec_decode_metrics(merged), EngineContractError, "spec-decode counters")
-        return GroupCounters(shards=tuple(shards), merged=merged, spec_decode=spec)
+        answers = self._call_all("get_counters", timeout_s=timeout_s)
+        return unwrap(group_counters(answers), EngineContractError, "")
 
     def is_alive(self, *, timeout_s: float | None = None) -> bool:
         """Whether every shard's engine answers that it is alive (bounded)."""
@@ -1223,12 +1097,9 @@ class GenerationGroup:
         self, host: str = "127.0.0.1", allow_remote: bool = False, *, timeout_s: float | None = None
     ) -> list[list[object]]:
         """Start every shard's relay receivers; their addresses (per engine worker)."""
-        return [
-            list(_as_list(r, "start_zmq_sparse_refit_relay"))
-            for r in self._call_all(
-                "start_zmq_sparse_refit_relay", host, allow_remote, timeout_s=timeout_s
-            )
-        ]
+        return self._call_lists(
+            "start_zmq_sparse_refit_relay", host, allow_remote, timeout_s=timeout_s
+        )
 
     def configure_zmq_sparse_refit_relay(
         self, relay_addresses: Sequence[str], *, timeout_s: float | None = None
@@ -1320,29 +1191,6 @@ def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
     return value
 
 
-def _declared_groups_checked(
-    data: Mapping[str, object], prompts: Sequence[Sequence[int]]
-) -> Mapping[str, object]:
-    """``data`` without ``num_generations_per_prompt`` once its layout is checked here (each
-    run of G rows one prompt): the shards recognise the groups by their prompts, whatever
-    cut the sharder made of one larger than a shard's share."""
-    size = data.get("num_generations_per_prompt")
-    if size is None:
-        return data
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or len(prompts) % size:
-        raise BadBatchError(
-            f"generate: data['num_generations_per_prompt']={size!r} must be an int dividing "
-            f"the batch of {len(prompts)} rows"
-        )
-    for start in range(0, len(prompts), size):
-        if len(prompt_groups(prompts[start : start + size])) > 1:
-            raise BadBatchError(
-                f"generate: declared group of rows {list(range(start, start + size))} "
-                f"(num_generations_per_prompt={size}) holds different prompts"
-            )
-    return {k: v for k, v in data.items() if k != "num_generations_per_prompt"}
-
-
 def _tensor_dict(value: object, rank: int) -> dict[str, torch.Tensor]:
     if not isinstance(value, Mapping) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items()
@@ -1356,9 +1204,3 @@ def _texts(value: object, rank: int) -> list[str]:
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise EngineContractError(f"shard {rank}: generate_text returned {value!r:.200}")
     return texts
-
-
-def _as_list(value: object, call: str) -> list[object]:
-    if not isinstance(value, list):
-        raise EngineContractError(f"{call} returned {type(value).__name__}, not a list")
-    return value

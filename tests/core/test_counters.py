@@ -30,6 +30,7 @@ from genworker.core.counters import (
     CounterSample,
     EncodedSnapshot,
     GaugeSample,
+    GroupCounters,
     HistogramSample,
     Sample,
     Snapshot,
@@ -38,6 +39,7 @@ from genworker.core.counters import (
     VectorSample,
     decode_snapshot,
     encode_snapshot,
+    group_counters,
     merge_snapshots,
     series_id,
     spec_decode_metrics,
@@ -737,3 +739,32 @@ def test_values_by_name_sum_series_and_leave_histograms_out() -> None:
         "vllm:num_requests_running": 2.0,
         SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS: [4.0, 2.0],
     }
+
+
+@given(st.lists(metric_snapshots(), max_size=4))
+def test_group_counters_decode_every_shard_and_sum_them(shards: list[Snapshot]) -> None:
+    try:
+        merged = merge_snapshots(shards)
+    except ValueError:  # one series of two kinds: a programming error, raised as it was
+        assume(False)
+    spec = spec_decode_metrics(merged)
+    assume(isinstance(spec, Success))
+    counters = group_counters([encode_snapshot(s) for s in shards]).unwrap()
+    assert counters == GroupCounters(shards=tuple(shards), merged=merged, spec_decode=spec.unwrap())
+    assert counters.as_dict() == encode_snapshot(merged)
+
+
+def test_group_counters_name_the_shard_or_the_spec_decode_counters_that_fail() -> None:
+    good = encode_snapshot([CounterSample(PROMPT_TOKENS, ENGINE0, 1)])
+    not_dict = group_counters([good, ["x"]])
+    assert not_dict == Failure(CounterError("shard 1: get_counters returned list, not a dict"))
+    bad_key = group_counters([good, {"no key": 1.0}]).swap().unwrap()
+    assert bad_key.message.startswith("shard 1 counters: metric key 'no key' ")
+    assert bad_key.key == "no key"
+    drafts = [
+        CounterSample(SPEC_DECODE_NUM_DRAFTS, {}, 4),
+        CounterSample(SPEC_DECODE_NUM_DRAFT_TOKENS, {}, 3),
+    ]
+    spec = group_counters([encode_snapshot(drafts)]).swap().unwrap()
+    assert spec.message.startswith("spec-decode counters: ")
+    assert spec.key == SPEC_DECODE_NUM_DRAFT_TOKENS

@@ -17,6 +17,7 @@ from genworker.core.groups import (
     GroupError,
     GroupPath,
     GroupPlan,
+    check_declared_groups,
     order_rows,
     plan_groups,
     prompt_groups,
@@ -163,3 +164,29 @@ def test_a_greedy_group_goes_row_by_row_for_vllm_refuses_n_above_one_when_greedy
     planned = plan_groups([0, 1, 2], [[5, 6]] * 3, [greedy] * 3)
     assert planned == Success(GroupPlan((Group((0, 1, 2), GroupPath.PREFIX),)))
     assert planned.unwrap().requests() == tuple(EngineRequest(row, 1) for row in (0, 1, 2))
+
+
+@given(st.integers(1, 4), st.integers(0, 5))
+def test_a_declared_layout_of_equal_prompts_is_its_size(size: int, groups: int) -> None:
+    prompts = [[g, g + 1] for g in range(groups) for _ in range(size)]
+    assert check_declared_groups(size, prompts) == Success(size)
+    assert check_declared_groups(None, prompts) == Success(None)
+
+
+@pytest.mark.parametrize("size", [0, -2, 3, "2", True, 2.0])
+def test_a_declared_size_that_is_no_divisor_is_refused_naming_it(size: object) -> None:
+    problem = check_declared_groups(size, [[1], [1], [2], [2]]).swap().unwrap()
+    assert problem.message == (
+        f"data['num_generations_per_prompt']={size!r} must be an int dividing the batch of 4 rows"
+    )
+    assert problem.rows == (0, 1, 2, 3)
+    assert problem.group_size == (size if type(size) is int else 0)
+
+
+def test_a_declared_group_of_different_prompts_is_refused_naming_its_rows() -> None:
+    problem = check_declared_groups(2, [[1], [1], [1], [2]]).swap().unwrap()
+    assert problem == GroupError(
+        "declared group of rows [2, 3] (num_generations_per_prompt=2) holds different prompts",
+        rows=(2, 3),
+        group_size=2,
+    )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 
 import attrs
 import pytest
@@ -15,9 +16,11 @@ from strategies import Topology, placement_bundle_indices, placement_num_gpus, t
 from genworker.core.placement import (
     MAX_PORT,
     ClusterPlan,
+    ClusterSpec,
     PlacementError,
     PlacementPlan,
     PortWindow,
+    check_bundle_nodes,
     check_inherited_env,
     configure_worker,
     forwarded_env_names,
@@ -627,3 +630,50 @@ def test_forwarded_names_keep_every_name_once_in_order(
     parts = merged.split(",") if merged else []
     assert parts == sorted(set(parts))
     assert set(parts) == {n.strip() for n in [*existing, *names]}
+
+
+@given(topologies())
+def test_a_bundle_table_that_follows_the_plan_is_accepted(topology: Topology) -> None:
+    cluster = _cluster(topology)
+    table = {b: f"ray-{b // cluster.bundles_per_node}" for b in range(cluster.num_bundles)}
+    assert isinstance(check_bundle_nodes(cluster, table), Success)
+
+
+@given(topologies(), st.data())
+def test_a_bundle_table_that_breaks_the_plan_is_refused_naming_how(
+    topology: Topology, data: st.DataObject
+) -> None:
+    cluster = _cluster(topology)
+    per_node = cluster.bundles_per_node
+    table = {b: f"ray-{b // per_node}" for b in range(cluster.num_bundles)}
+    bundle = data.draw(st.integers(0, cluster.num_bundles - 1))
+    missing = _error(check_bundle_nodes(cluster, {k: v for k, v in table.items() if k != bundle}))
+    assert missing.message == f"Ray reports no node for bundle {bundle}"
+    assert missing.name == "bundles_to_node_id"
+    planned_nodes = sorted({b // per_node for b in table})
+    if len(planned_nodes) > 1:
+        shared = _error(check_bundle_nodes(cluster, dict.fromkeys(table, "ray-0")))
+        assert shared.message == f"planned nodes {[planned_nodes]} share one Ray node"
+    if per_node > 1 and cluster.num_bundles > 1:
+        split = _error(check_bundle_nodes(cluster, {**table, 1: "elsewhere"}))
+        assert split.message == (
+            "bundles planned on one node landed on several Ray nodes: {0: ['elsewhere', 'ray-0']}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ClusterSpec(1, call_timeout_s=0.0), "call_timeout_s=0.0 must be a number of"),
+        (lambda: ClusterSpec(1, placement_timeout_s=-1.0), "placement_timeout_s=-1.0 must be"),
+        (lambda: ClusterSpec(1, actor_num_cpus=0.0), "actor_num_cpus=0.0 must be in (0, 1]"),
+        (lambda: ClusterSpec(1, actor_num_cpus=1.5), "actor_num_cpus=1.5 must be in (0, 1]"),
+    ],
+)
+def test_a_cluster_spec_refuses_a_bound_or_cpu_share_naming_the_field(
+    make: Callable[[], ClusterSpec], message: str
+) -> None:
+    spec = ClusterSpec(num_shards=1, actor_num_cpus=1.0, call_timeout_s=0.5)
+    assert spec.call_timeout_s == 0.5
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make()

@@ -12,7 +12,9 @@ from strategies import generated_rows, shard_counts, shard_lengths, shard_plans
 from genworker.core.sharding import (
     ShardError,
     ShardPlan,
+    describe_shard_rows,
     merge_shard_outputs,
+    merge_shard_texts,
     plan_shards,
     split_batch,
 )
@@ -402,3 +404,26 @@ def test_overlapping_groups_are_a_programming_error() -> None:
         plan_shards([1, 2, 3], 2, groups=[[0, 1], [1, 2]])
     with pytest.raises(ValueError, match="outside"):
         plan_shards([1, 2, 3], 2, groups=[[5]])
+
+
+@given(shard_plans())
+def test_merged_texts_are_each_row_s_own_text(plan: ShardPlan) -> None:
+    texts = [[f"row {row}" for row in rows] for rows in plan.shards]
+    assert merge_shard_texts(plan, texts).unwrap() == [f"row {r}" for r in range(plan.num_rows)]
+
+
+def test_a_shard_with_another_count_of_texts_is_named() -> None:
+    plan = ShardPlan(num_rows=3, shards=((0, 2), (1,)), costs=(2, 1))
+    problem = merge_shard_texts(plan, [["a", "c"], []]).swap().unwrap()
+    assert problem == ShardError(
+        "shard 1: generate_text returned 0 texts for 1 prompts", key="texts", length=0, num_rows=1
+    )
+
+
+def test_a_shard_s_rows_are_described_as_the_batch_s() -> None:
+    assert describe_shard_rows(()) == ""
+    assert describe_shard_rows((0, 1, 2)) == ""
+    assert describe_shard_rows((3,)) == " (its row 0 is the batch's row 3)"
+    assert describe_shard_rows((1, 4)) == " (its rows 0-1 are the batch's rows 1, 4)"
+    many = tuple(range(1, 19))
+    assert describe_shard_rows(many, shown=2) == " (its rows 0-17 are the batch's rows 1, 2, ...)"

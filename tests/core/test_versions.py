@@ -13,6 +13,7 @@ from strategies import version_batches, version_sequences
 
 from genworker.core.versions import (
     NO_VERSION,
+    GroupVersions,
     VersionError,
     VersionRuns,
     extend_runs,
@@ -238,3 +239,34 @@ def test_placing_rows_that_do_not_fit_is_a_programming_error() -> None:
         uniform_versions(torch.tensor([-1]), torch.tensor([1]), 4, 0)
     empty = torch.zeros(0, dtype=torch.int64)
     assert tuple(uniform_versions(empty, empty, 0, 3).shape) == (0, 0)
+
+
+@given(st.integers(1, 4), st.lists(st.lists(st.booleans(), min_size=4, max_size=4), max_size=6))
+def test_group_versions_name_one_refit_s_weights_on_every_shard(
+    num_shards: int, refits: list[list[bool]]
+) -> None:
+    """Law: shard ``r``'s own version ``c`` relabelled is the group version of the refit
+    that gave it its ``c``-th weights; a count past them is the group's next ones."""
+    versions = GroupVersions.start(num_shards)
+    own = [[0] for _ in range(num_shards)]  # per shard, the group version of each own count
+    for took in refits:
+        ranks = [r for r in range(num_shards) if took[r]]
+        versions = versions.landed(ranks)
+        if ranks:
+            for r in ranks:
+                own[r].append(versions.version)
+    for rank in range(num_shards):
+        counts = torch.tensor([[NO_VERSION, *range(len(own[rank]) + 2)]])
+        expected = [NO_VERSION, *own[rank], versions.version + 1, versions.version + 2]
+        assert versions.relabel(rank, counts).tolist() == [expected]
+
+
+def test_group_versions_start_at_zero_and_keep_a_full_shard_s_tensor() -> None:
+    start = GroupVersions.start(2)
+    assert start == GroupVersions(version=0, shards=((0,), (0,)))
+    assert start.landed([]) is start
+    both = start.landed([0, 1])
+    counts = torch.tensor([1, 0, NO_VERSION])
+    assert both.relabel(1, counts) is counts
+    with pytest.raises(ValueError, match=r"shard 0's versions \(0, 2\) must rise from 0"):
+        GroupVersions(version=1, shards=((0, 2),))
