@@ -106,8 +106,9 @@ __all__ = [
     "ROUTES_FIELD",
     "TURN_FIELDS",
     "BadRequest",
+    "Budget",
     "BudgetError",
-    "ChatTurns",
+    "ChatReference",
     "HttpLimits",
     "MalformedBody",
     "OffPolicy",
@@ -115,6 +116,7 @@ __all__ = [
     "SamplingPolicy",
     "ServerOptions",
     "Turn",
+    "chat_reference",
     "check_body_length",
     "check_chat_text",
     "check_completion_prompt",
@@ -132,7 +134,7 @@ __all__ = [
     "json_depth",
     "parse_body",
     "prompt_tokens_at_most",
-    "read_turns",
+    "request_budget",
     "rollout_fills",
     "same_returned_text",
     "server_options",
@@ -140,6 +142,7 @@ __all__ = [
     "split_events",
     "tag_events",
     "template_source",
+    "tokenize_answer",
     "training_policy",
     "versions_between",
     "vllm_server_argv",
@@ -466,6 +469,32 @@ def http_max_tokens(
     return Success(min(tokens, room))
 
 
+Budget = Callable[[object, int], Result[int, BudgetError | CapFailure]]
+""":func:`http_max_tokens` for one server's settings: ``(requested, prompt length)``."""
+
+
+def request_budget(
+    requested: object,
+    prompt_lengths: Sequence[int],
+    budget: Budget,
+    *,
+    key: str,
+    prompt_param: str,
+) -> Result[int, BadRequest]:
+    """The ``max_tokens`` (the request's field ``key``) a request with prompts of
+    ``prompt_lengths`` runs with: the least of their budgets, or a refusal naming the
+    prompt (``prompt_param``: no room left) or ``key``."""
+    budgets = []
+    for length in prompt_lengths:
+        found = budget(requested, length)
+        if isinstance(found, Failure):
+            problem = found.failure()
+            param = prompt_param if isinstance(problem, CapError) else key
+            return _bad(f"{param}: {problem}", param)
+        budgets.append(found.unwrap())
+    return Success(min(budgets))
+
+
 def prompt_tokens_at_most(num_bytes: int) -> int:
     """An upper bound on the tokens of a text prompt of ``num_bytes`` UTF-8 bytes, for the
     budget's fast path: every token of the text covers at least one of its bytes (byte-level
@@ -526,19 +555,24 @@ TURN_FIELDS: Final = ("prompt_token_ids", "generation_token_ids", "generation_lo
 
 
 @attrs.frozen
-class ChatTurns:
-    """A chat request's earlier turns that carry ids, and its last assistant message's
-    index (-1: none)."""
+class ChatReference:
+    """The ids a chat request's new prompt must start with (empty: none), and the message
+    they end at (named in a refusal)."""
 
-    turns: tuple[Turn, ...]
-    last_assistant: int
+    ids: tuple[int, ...]
+    message: int
 
 
-def read_turns(
-    messages: Sequence[Mapping[str, object]], vocab_size: int
-) -> Result[ChatTurns, BadRequest]:
-    """The turns of ``messages`` that carry ids (:data:`TURN_FIELDS`), each checked (str
-    content; ids as :func:`check_token_ids`), refusals naming the message."""
+def chat_reference(
+    messages: Sequence[Mapping[str, object]],
+    required: object,
+    vocab_size: int,
+    decode_text: Callable[[Sequence[int]], str],
+) -> Result[ChatReference, BadRequest]:
+    """The reference of a chat request (the module docstring): the last turn's ids, each
+    turn carrying ids (:data:`TURN_FIELDS`) checked (str content, ids as
+    :func:`check_token_ids`, :func:`check_turns`), or NeMo-RL's ``required`` prefix ids;
+    refusals name the message or the field."""
     turns: list[Turn] = []
     last_assistant = -1
     for i, m in enumerate(messages):
@@ -558,7 +592,18 @@ def read_turns(
                 return checked
             ids.append(checked.unwrap())
         turns.append(Turn(i, content, *ids))
-    return Success(ChatTurns(tuple(turns), last_assistant))
+    reference: tuple[int, ...] = ()
+    if turns:
+        agreed = check_turns(turns, decode_text)
+        if isinstance(agreed, Failure):
+            return _bad(str(agreed.failure()), "messages")
+        reference = agreed.unwrap()
+    if required is None:
+        return Success(ChatReference(reference, turns[-1].message if turns else last_assistant))
+    name = "required_prefix_token_ids"
+    return check_token_ids(required, name, param=name, vocab_size=vocab_size).map(
+        lambda prefix: ChatReference(prefix, last_assistant)
+    )
 
 
 def template_source(payload: Mapping[str, object], served: str | None) -> str:
@@ -739,6 +784,21 @@ def error_body(status: int, message: str, param: str | None) -> dict[str, object
 @attrs.frozen
 class MalformedBody(CoreError):
     """The body is not JSON; vLLM's own answer says so."""
+
+
+def tokenize_answer(status: int, answer: object) -> Result[list[int], BadRequest]:
+    """The ids of vLLM's ``/tokenize`` answer, or its refusal passed on (4xx as 400, any
+    other as 500) with vLLM's own message."""
+    if status != 200 or not isinstance(answer, dict):
+        message = answer.get("error", answer) if isinstance(answer, dict) else answer
+        if isinstance(message, dict):
+            message = message.get("message", message)
+        return Failure(
+            BadRequest(str(message), status=400 if 400 <= status < 500 else 500, param=None)
+        )
+    tokens = answer.get("tokens")
+    assert isinstance(tokens, list), answer  # vLLM's TokenizeResponse
+    return Success(tokens)
 
 
 def check_body_length(num_bytes: int, limits: HttpLimits) -> Result[int, BadRequest]:

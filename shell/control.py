@@ -8,20 +8,11 @@ layer hands every request for a route of :data:`~genworker.core.control_plane.RO
 to :meth:`ControlRoutes.handle` instead of vLLM's app (whose own versions of these
 routes exist only with ``VLLM_SERVER_DEV_MODE``, which genworker's server refuses). A
 route's query and body are parsed (400 naming the field), the machine allows it or
-answers 409 naming the state and what to call, then the worker does it:
-
-- ``/pause`` and ``/resume``: :meth:`pause_generation` / :meth:`resume_generation`;
-  ``/sleep``, ``/wake_up``, ``/reset_prefix_cache``: the worker's own lifecycle calls
-  (refused typed while streams run, as from Python);
-- ``/init_weight_transfer_engine``: the engine workers join the trainer's group
-  (``refit_init("vllm_wire", ...)``, returning once all joined);
-- ``/update_weights``: one refit through the refit backend ``vllm_wire`` (manifest
-  checks, the non-finite check, bounded waits), paused around it in mode ``keep``
-  unless the trainer paused first; the worker's weight version counts it; a failure
-  is the worker's failed refit (generation refused until an update lands), answered
-  with the typed error;
-- the read-only routes answer from the worker and vLLM's config (``/server_info`` is
-  vLLM's own serialisation of it, with genworker's ``weight_transfer_config``).
+answers 409 naming the state and what to call, then the worker does it (the table of
+routes and worker calls: ``docs/server.md``). ``/update_weights`` is one refit through
+the refit backend ``vllm_wire``, paused around it in mode ``keep`` unless the trainer
+paused first; a failure is the worker's failed refit (generation refused until an
+update lands), answered with the typed error.
 
 Routes run one at a time (a lock): a second trainer call waits for the first, as the
 engine could not do two weight operations at once anyway. Generation requests pass

@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Protocol, SupportsInt, TypeVar, runtime_checka
 import attrs
 from returns.result import Failure, Result
 
-from genworker.core.caps import CapError, CapFailure
+from genworker.core.caps import CapFailure
 from genworker.core.control_plane import ROUTES as CONTROL_ROUTES
 from genworker.core.serving import (
     DEV_MODE_VARIABLE,
@@ -85,6 +85,7 @@ from genworker.core.serving import (
     OffPolicy,
     SamplingPolicy,
     ServerOptions,
+    chat_reference,
     check_body_length,
     check_chat_text,
     check_completion_prompt,
@@ -92,20 +93,19 @@ from genworker.core.serving import (
     check_nesting,
     check_routes_request,
     check_template_stable,
-    check_token_ids,
-    check_turns,
     drop_routes,
     error_body,
     http_limits,
     http_max_tokens,
     parse_body,
     prompt_tokens_at_most,
-    read_turns,
+    request_budget,
     rollout_fills,
     splice_prefix,
     split_events,
     tag_events,
     template_source,
+    tokenize_answer,
     versions_between,
     vllm_server_argv,
 )
@@ -392,19 +392,12 @@ class RolloutLayer:
             lengths = await self._completion_lengths(scope, body)
         key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
         requested = body.get(key)
-        budgets = []
-        for length in lengths:
-            budget = self._budget(requested, length)
-            if isinstance(budget, Failure):
-                problem_ = budget.failure()
-                param = "messages" if chat else "prompt"
-                if not isinstance(problem_, CapError):
-                    param = key
-                raise _Refused(400, f"{param}: {problem_}", param)
-            budgets.append(budget.unwrap())
-        budget_ = min(budgets)
-        if type(requested) is not int or requested != budget_:
-            body[key] = budget_
+        prompt = "messages" if chat else "prompt"
+        budget = request_budget(requested, lengths, self._budget, key=key, prompt_param=prompt)
+        if isinstance(budget, Failure):
+            raise _refused(budget.failure())
+        if type(requested) is not int or requested != budget.unwrap():
+            body[key] = budget.unwrap()
             changed = True
         return changed
 
@@ -432,15 +425,10 @@ class RolloutLayer:
         return bound
 
     async def _tokenize(self, scope: Scope, payload: Mapping[str, object]) -> list[int]:
-        status, answer = await _call_json(self.app, scope, "/tokenize", payload)
-        if status != 200 or not isinstance(answer, dict):
-            message = answer.get("error", answer) if isinstance(answer, dict) else answer
-            if isinstance(message, dict):
-                message = message.get("message", message)
-            raise _Refused(400 if 400 <= status < 500 else 500, str(message))
-        tokens = answer.get("tokens")
-        assert isinstance(tokens, list), answer
-        return tokens
+        tokens = tokenize_answer(*await _call_json(self.app, scope, "/tokenize", payload))
+        if isinstance(tokens, Failure):
+            raise _refused(tokens.failure())
+        return tokens.unwrap()
 
     async def _completion_lengths(self, scope: Scope, body: Mapping[str, object]) -> list[int]:
         checked = check_completion_prompt(body.get("prompt"), self.limits)
@@ -469,24 +457,14 @@ class RolloutLayer:
         text = check_chat_text(messages, self.limits)
         if isinstance(text, Failure):
             raise _refused(text.failure())
-        read = read_turns(messages, self.vocab_size)
+        required = body.pop("required_prefix_token_ids", None)
+        read = chat_reference(messages, required, self.vocab_size, lambda i: self.decode(i, True))
         if isinstance(read, Failure):
             raise _refused(read.failure())
-        turns, last_assistant = read.unwrap().turns, read.unwrap().last_assistant
+        reference, message = read.unwrap().ids, read.unwrap().message
         for m in messages:  # genworker's, not vLLM's
             for field in TURN_FIELDS:
                 m.pop(field, None)
-        required = body.pop("required_prefix_token_ids", None)
-        reference: Sequence[int] = ()
-        if turns:
-            checked = check_turns(turns, lambda ids: self.decode(ids, True))
-            if isinstance(checked, Failure):
-                raise _Refused(400, str(checked.failure()), "messages")
-            reference = checked.unwrap()
-        if required is not None:
-            reference = self._ids(
-                required, "required_prefix_token_ids", "required_prefix_token_ids"
-            )
         payload = {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}
         payload["messages"] = messages
         template = await self._tokenize(scope, payload)
@@ -499,7 +477,6 @@ class RolloutLayer:
                 "(no kv_transfer_params.prompt_token_ids reuse); send the ids to /v1/completions",
                 "messages",
             )
-        message = turns[-1].message if turns and required is None else last_assistant
         spliced = splice_prefix(
             reference, template, lambda ids: self.decode(ids, False), message=message
         )
@@ -540,12 +517,6 @@ class RolloutLayer:
         )
         if isinstance(checked, Failure):
             raise _Refused(400, str(checked.failure()), "messages")
-
-    def _ids(self, value: object, name: str, param: str) -> tuple[int, ...]:
-        checked = check_token_ids(value, name, param=param, vocab_size=self.vocab_size)
-        if isinstance(checked, Failure):
-            raise _refused(checked.failure())
-        return checked.unwrap()
 
     # -- the response ------------------------------------------------------------------
     def _sender(self, send: Send, first: int, strip_routes: bool = False) -> Send:

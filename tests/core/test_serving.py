@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from returns.result import Failure, Success
+from returns.result import Failure, Result, Success
 from strategies import (
     SERVING_VOCAB,
     json_nesting,
@@ -23,7 +23,7 @@ from strategies import (
     serving_texts,
 )
 
-from genworker.core.caps import CapError
+from genworker.core.caps import CapError, CapFailure
 from genworker.core.config import ConfigError, WorkerConfig
 from genworker.core.serving import (
     CHARS_PER_TOKEN_AT_MOST,
@@ -33,7 +33,7 @@ from genworker.core.serving import (
     ROUTES_FIELD,
     BadRequest,
     BudgetError,
-    ChatTurns,
+    ChatReference,
     HttpLimits,
     MalformedBody,
     OffPolicy,
@@ -41,6 +41,7 @@ from genworker.core.serving import (
     SamplingPolicy,
     ServerOptions,
     Turn,
+    chat_reference,
     check_body_length,
     check_chat_text,
     check_completion_prompt,
@@ -58,13 +59,14 @@ from genworker.core.serving import (
     json_depth,
     parse_body,
     prompt_tokens_at_most,
-    read_turns,
+    request_budget,
     rollout_fills,
     server_options,
     splice_prefix,
     split_events,
     tag_events,
     template_source,
+    tokenize_answer,
     training_policy,
     versions_between,
     vllm_server_argv,
@@ -913,15 +915,23 @@ def test_rollout_fills_refuse_an_off_policy_request_naming_the_parameter() -> No
     }
 
 
-def test_read_turns_finds_the_turns_with_ids_and_the_last_assistant() -> None:
+def _text(ids: Sequence[int]) -> str:
+    return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_the_chat_reference_is_the_last_turn_s_ids_or_the_required_prefix() -> None:
     messages: list[dict[str, object]] = [
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "a", "prompt_token_ids": [1], "generation_token_ids": [2]},
+        {"role": "assistant", "content": "c", "prompt_token_ids": [1], "generation_token_ids": [2]},
         {"role": "user", "content": "r"},
         {"role": "assistant", "content": "b"},
     ]
-    assert read_turns(messages, 10) == Success(ChatTurns((Turn(1, "a", (1,), (2,)),), 3))
-    assert read_turns(messages[:1], 10) == Success(ChatTurns((), -1))
+    assert chat_reference(messages, None, 10, _text) == Success(ChatReference((1, 2), 1))
+    assert chat_reference(messages, [1, 2, 5], 10, _text) == Success(ChatReference((1, 2, 5), 3))
+    assert chat_reference(messages[:1], None, 10, _text) == Success(ChatReference((), -1))
+    required = chat_reference(messages[:1], [10], 10, _text).swap().unwrap()
+    assert (required.param, required.status) == ("required_prefix_token_ids", 400)
+    assert required.message.startswith("required_prefix_token_ids[0]: token id 10 is outside")
 
 
 @pytest.mark.parametrize(
@@ -931,14 +941,17 @@ def test_read_turns_finds_the_turns_with_ids_and_the_last_assistant() -> None:
         ({"content": "a", "prompt_token_ids": [1, 99]}, "messages[1].prompt_token_ids[1]: "),
         ({"content": "a", "prompt_token_ids": [1]}, "messages[1].generation_token_ids must be"),
         ({"content": "a", "generation_token_ids": True}, "messages[1].prompt_token_ids must be"),
+        (
+            {"content": "x", "prompt_token_ids": [1], "generation_token_ids": [2]},
+            "messages[1]: the content ('x') is not the text of its generation_token_ids",
+        ),
     ],
 )
-def test_read_turns_refuses_a_bad_turn_naming_the_message(
-    message: dict[str, object], why: str
-) -> None:
-    refused = read_turns([{"role": "user", "content": "q"}, message], 10).swap().unwrap()
-    assert refused.message.startswith(why)
-    assert (refused.status, refused.param) == (400, "messages")
+def test_a_bad_turn_is_refused_naming_the_message(message: dict[str, object], why: str) -> None:
+    refused = chat_reference([{"role": "user", "content": "q"}, message], None, 10, _text)
+    problem = refused.swap().unwrap()
+    assert problem.message.startswith(why)
+    assert (problem.status, problem.param) == (400, "messages")
 
 
 def test_the_template_source_names_whose_template_rendered() -> None:
@@ -1016,3 +1029,39 @@ def test_vllm_server_argv_names_the_model_its_names_and_template() -> None:
         "t",
     ]
     assert vllm_server_argv("m", 64, ["a", "b"], None) == [*base, "--served-model-name", "a", "b"]
+
+
+def _budget(requested: object, length: int) -> Result[int, BudgetError | CapFailure]:
+    return http_max_tokens(
+        requested,
+        length,
+        max_new_tokens=8,
+        max_model_len=32,
+        cap_to_context=True,
+        num_speculative_tokens=0,
+    )
+
+
+@given(st.one_of(st.none(), st.integers(1, 40)), st.lists(st.integers(0, 31), min_size=1))
+def test_a_request_runs_with_the_least_budget_of_its_prompts(
+    requested: int | None, lengths: list[int]
+) -> None:
+    budget = request_budget(requested, lengths, _budget, key="max_tokens", prompt_param="prompt")
+    assert budget == Success(min(_budget(requested, n).unwrap() for n in lengths))
+
+
+def test_a_request_budget_refusal_names_the_prompt_or_the_field() -> None:
+    full = request_budget(None, [3, 32], _budget, key="max_tokens", prompt_param="messages")
+    assert full.swap().unwrap().param == "messages"
+    assert full.swap().unwrap().message.startswith("messages: ")
+    bad = request_budget(0, [3], _budget, key="max_completion_tokens", prompt_param="prompt")
+    assert (bad.swap().unwrap().param, bad.swap().unwrap().status) == ("max_completion_tokens", 400)
+
+
+def test_tokenize_answers_give_the_ids_or_vllm_s_message() -> None:
+    assert tokenize_answer(200, {"tokens": [1, 2], "count": 2}) == Success([1, 2])
+    error = {"error": {"message": "no template", "code": 400}}
+    assert tokenize_answer(400, error) == Failure(BadRequest("no template", status=400, param=None))
+    assert tokenize_answer(422, {"detail": "x"}).swap().unwrap().message == "{'detail': 'x'}"
+    assert tokenize_answer(500, "boom") == Failure(BadRequest("boom", status=500, param=None))
+    assert tokenize_answer(200, "text").swap().unwrap().status == 500
