@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 from returns.result import Failure, Result, Success
@@ -73,6 +73,7 @@ __all__ = [
     "RawMedia",
     "check_context",
     "check_media",
+    "check_media_by_info",
     "media_layout",
 ]
 
@@ -376,3 +377,24 @@ def _layout(
         return None
     raw = _rows(data, MEDIA_KEY, batch_size, call)
     return [_entry(entry, row, call) for row, entry in enumerate(raw)]
+
+
+def check_media_by_info(
+    prompts: Sequence[Sequence[int]],
+    image_counts: Sequence[int],
+    info: Mapping[str, object],
+    *,
+    text_rows: Collection[int] = (),
+) -> Result[tuple[int, ...], MediaError]:
+    """:func:`check_media` against an engine's ``multimodal_info`` (its
+    ``image_token_id`` and ``max_images``; anything but an int: none), for a batch checked
+    away from the engine. Rows in ``text_rows`` carry their prompt as text (NeMo-RL's
+    ``vllm_content``), checked where it is tokenized: their ids hold the caller's
+    processor's expansion, so they count here as rows without images."""
+    placeholder, limit = info.get("image_token_id"), info.get("max_images")
+    return check_media(
+        [() if r in text_rows else p for r, p in enumerate(prompts)],
+        [0 if r in text_rows else n for r, n in enumerate(image_counts)],
+        placeholder_id=placeholder if isinstance(placeholder, int) else None,
+        max_images=limit if isinstance(limit, int) else None,
+    )

@@ -70,6 +70,7 @@ __all__ = [
     "PlacementError",
     "PlacementPlan",
     "PortWindow",
+    "ShardActor",
     "ShardPlacement",
     "check_bundle_nodes",
     "check_inherited_env",
@@ -78,6 +79,7 @@ __all__ = [
     "parse_port_range",
     "plan_cluster",
     "plan_engine_env",
+    "plan_shard_actor",
 ]
 
 MAX_PORT = 65535
@@ -716,3 +718,64 @@ class ClusterOptions(TypedDict, total=False):
     cache_base_dir: str | None
     port_base: int
     port_window: int
+
+
+@attrs.frozen
+class ShardActor:
+    """How one shard's worker actor starts (:func:`plan_shard_actor`); the dict views are
+    built afresh on every access."""
+
+    worker: PlacementPlan
+    engine_env: tuple[tuple[str, str], ...]
+    uses_gpus: bool
+    num_cpus: float
+
+    @property
+    def options(self) -> dict[str, object]:
+        """Ray actor options, without the scheduling strategy."""
+        return {
+            "num_cpus": self.num_cpus,
+            "num_gpus": self.worker.num_gpus if self.uses_gpus else 0,
+            "runtime_env": {"env_vars": self.worker.env_vars | dict(self.engine_env)},
+            "max_restarts": 0,
+        }
+
+    @property
+    def init_kwargs(self) -> dict[str, object]:
+        """The worker's init kwargs (no GPU fraction on a CPU bundle)."""
+        kwargs = self.worker.init_kwargs
+        if not self.uses_gpus:
+            kwargs.pop("fraction_of_gpus", None)
+        return kwargs
+
+
+def plan_shard_actor(
+    spec: ClusterSpec,
+    plan: ClusterPlan,
+    shard: ShardPlacement,
+    *,
+    cache_root: str,
+    ephemeral_ports: tuple[int, int] = DEFAULT_EPHEMERAL_PORTS,
+) -> Result[ShardActor, PlacementError]:
+    """Shard ``shard``'s worker actor of ``plan`` on ``spec``: :func:`configure_worker`'s
+    seed, ports and cache root, and the engine's environment (:meth:`ClusterPlan.engine_env_vars`)."""
+    configured = configure_worker(
+        # A CPU bundle has no GPU; the plan's seed, ports and cache root still apply.
+        plan.worker_num_gpus if plan.uses_gpus else 1.0,
+        shard.bundle_indices,
+        plan.bundles_per_node,
+        cache_root=cache_root,
+        tensor_parallel_size=plan.tensor_parallel_size,
+        pipeline_parallel_size=plan.pipeline_parallel_size,
+        port_base=spec.port_base,
+        port_window=spec.port_window,
+        ephemeral_ports=ephemeral_ports,
+    )
+    return configured.map(
+        lambda worker: ShardActor(
+            worker=worker,
+            engine_env=tuple(plan.engine_env_vars(shard.rank).items()),
+            uses_gpus=plan.uses_gpus,
+            num_cpus=spec.actor_num_cpus,
+        )
+    )

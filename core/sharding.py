@@ -36,6 +36,7 @@ import torch
 from returns.result import Failure, Result, Success
 
 from genworker.core.errors import CoreError
+from genworker.core.groups import prompt_groups
 
 __all__ = [
     "ShardError",
@@ -43,6 +44,7 @@ __all__ = [
     "describe_shard_rows",
     "merge_shard_outputs",
     "merge_shard_texts",
+    "plan_prompt_shards",
     "plan_shards",
     "split_batch",
 ]
@@ -129,6 +131,16 @@ def plan_shards(
         shards=tuple(tuple(sorted(shard_rows)) for shard_rows in rows),
         costs=tuple(loads),
     )
+
+
+def plan_prompt_shards(
+    prompts: Sequence[Sequence[int]], num_shards: int, *, max_new_tokens: int = 0
+) -> ShardPlan:
+    """:func:`plan_shards` of token prompts, the rows of one prompt
+    (``core.groups.prompt_groups``) kept together: the prompt is prefilled on one shard."""
+    lengths = [len(p) for p in prompts]
+    groups = prompt_groups(prompts)
+    return plan_shards(lengths, num_shards, max_new_tokens=max_new_tokens, groups=groups)
 
 
 def _items(

@@ -36,9 +36,12 @@ worker's: no refit runs inside its ``generate``), in one vectorised pass.
 A data-parallel group (``genworker.shell.group``) relabels its shards' versions with its
 own (:class:`GroupVersions`): version ``g`` is the ``g``-th refit that landed on at least
 one shard. A shard counts only its own good refits, so after a refit that failed on some
-shards their counts name different weights; relabelled, one version names one refit's
-weights on every shard. A count past the refits collected is the group's next ones, in
-order (a refit not yet collected).
+shards (a failed shard keeps its previous weights or adapter) two shards would give one
+count to different weights, and after the next good refit different counts to the same
+weights; relabelled, one version names one refit's weights on every shard. Without a
+partial failure the labels are the shards' own. A count past the refits collected is the
+group's next ones, in order (a refit not yet collected: an async shard's rows sampled
+before ``collect``).
 """
 
 from __future__ import annotations

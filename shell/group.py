@@ -56,16 +56,11 @@ Theory of operation
   or None per row) is split with its rows (``split_batch``); both are checked in the
   driver first (core ``row_adapters``) against the adapters that landed on every shard,
   so an unknown name submits nothing and the error names the batch's input.
-* Weight versions are the group's: version ``g`` is the ``g``-th refit (full or adapter,
-  collected through ``collect``) that landed on at least one shard, and every shard's
-  ``weight_versions`` are relabelled with it. A shard counts only its own good refits, so
-  after a refit that failed on some shards (the others took it; a failed shard keeps its
-  previous weights or adapter) two shards would give one count to different weights, and
-  after the next good refit different counts to the same weights; relabelled, one version
-  names one refit's weights on every shard. Without a partial failure the labels are the
-  shards' own. A refit not yet collected counts as the next one (an async shard's rows
-  sampled before ``collect``); a shard whose refit did not answer within ``collect``'s
-  bound counts as failed, so give ``collect`` a bound above the refit's own.
+* Weight versions are the group's (``core.versions.GroupVersions``): every shard's
+  ``weight_versions`` are relabelled with the count of refits (full or adapter, collected
+  through ``collect``) that landed on at least one shard. A shard whose refit did not
+  answer within ``collect``'s bound counts as failed, so give ``collect`` a bound above
+  the refit's own.
 * Ray is started only when it is not running (``ray.init(address=...)`` for a cluster
   named in the spec), and only a Ray the group started is shut down with it.
 """
@@ -87,19 +82,21 @@ from genworker.core.assembly import assemble_outputs
 from genworker.core.batch import check_batch
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import GroupCounters, group_counters
-from genworker.core.groups import check_declared_groups, prompt_groups
+from genworker.core.groups import check_declared_groups
 from genworker.core.lora import check_adapter_name, row_adapters
-from genworker.core.multimodal import check_media
+from genworker.core.multimodal import check_media_by_info
 from genworker.core.placement import (
     ClusterOptions,
     ClusterPlan,
     ClusterSpec,
+    ShardActor,
     ShardPlacement,
     check_bundle_nodes,
     check_inherited_env,
-    configure_worker,
     plan_cluster,
+    plan_shard_actor,
 )
+from genworker.core.requests import check_text_prompts
 from genworker.core.routing import FILL
 from genworker.core.rows import check_rows
 from genworker.core.sharding import (
@@ -107,6 +104,7 @@ from genworker.core.sharding import (
     describe_shard_rows,
     merge_shard_outputs,
     merge_shard_texts,
+    plan_prompt_shards,
     plan_shards,
     split_batch,
 )
@@ -124,6 +122,7 @@ from genworker.shell.errors import (
 )
 from genworker.shell.host import ephemeral_ports, vllm_cache_root
 from genworker.shell.media import image_counts, row_media
+from genworker.shell.spine import tensor_field
 
 __all__ = [
     "ClusterOptions",
@@ -298,36 +297,19 @@ class GenerationGroup:
         """The group's Ray placement group (``None`` once shut down)."""
         return self._pg
 
-    def _placement(self, shard: ShardPlacement) -> tuple[dict[str, object], dict[str, object]]:
-        """``(ray actor options without the scheduling strategy, worker init kwargs)``."""
+    def _placement(self, shard: ShardPlacement) -> ShardActor:
         base = self.cluster.cache_base_dir
-        worker = unwrap(
-            configure_worker(
-                # A CPU bundle has no GPU; the plan's seed, ports and cache root still apply.
-                self.plan.worker_num_gpus if self.plan.uses_gpus else 1.0,
-                shard.bundle_indices,
-                self.plan.bundles_per_node,
+        return unwrap(
+            plan_shard_actor(
+                self.cluster,
+                self.plan,
+                shard,
                 cache_root=vllm_cache_root() if base is None else os.path.join(base, "vllm"),
-                tensor_parallel_size=self.plan.tensor_parallel_size,
-                pipeline_parallel_size=self.plan.pipeline_parallel_size,
-                port_base=self.cluster.port_base,
-                port_window=self.cluster.port_window,
                 ephemeral_ports=ephemeral_ports(),
             ),
             BadConfigError,
             f"placement of shard {shard.rank}",
         )
-        env = worker.env_vars | self.plan.engine_env_vars(shard.rank)
-        init_kwargs = worker.init_kwargs
-        if not self.plan.uses_gpus:
-            init_kwargs.pop("fraction_of_gpus", None)
-        options: dict[str, object] = {
-            "num_cpus": self.cluster.actor_num_cpus,
-            "num_gpus": worker.num_gpus if self.plan.uses_gpus else 0,
-            "runtime_env": {"env_vars": env},
-            "max_restarts": 0,
-        }
-        return options, init_kwargs
 
     def _create_placement_group(self) -> PlacementGroup:
         import ray
@@ -360,7 +342,7 @@ class GenerationGroup:
         from genworker.shell.async_worker import AsyncVllmGenerationWorker
         from genworker.shell.worker import VllmGenerationWorker
 
-        options, init_kwargs = self._placements[shard.rank]
+        placed = self._placements[shard.rank]
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=pg,
             placement_group_bundle_index=shard.global_bundle_ids[0],
@@ -370,8 +352,8 @@ class GenerationGroup:
             AsyncVllmGenerationWorker if self.cfg.vllm.async_engine else VllmGenerationWorker
         )
         actor_cls = ray.remote(worker_cls)
-        return actor_cls.options(scheduling_strategy=strategy, **options).remote(
-            self._config, **init_kwargs, **self._worker_options
+        return actor_cls.options(scheduling_strategy=strategy, **placed.options).remote(
+            self._config, **placed.init_kwargs, **self._worker_options
         )
 
     def _wait_alive(self) -> None:
@@ -528,34 +510,20 @@ class GenerationGroup:
             versions = torch.full(empty.output_ids.shape, NO_VERSION, dtype=torch.int64)
             return {**empty.as_dict(), "weight_versions": versions}  # the shards' keys
         info = self._multimodal_info(timeout_s)
-        placeholder, limit = info.get("image_token_id"), info.get("max_images")
-        if media is not None or placeholder is not None:
-            # A row with prompt text (NeMo-RL's vllm_content) is checked by its shard, on
-            # the text's ids: its input_ids hold the caller's processor's expansion.
+        if media is not None or info.get("image_token_id") is not None:
+            # A row with prompt text (NeMo-RL's vllm_content) is checked by its shard.
             texts = {r for r, m in enumerate(media or ()) if m is not None and m.text is not None}
             counts = image_counts(media, batch.batch_size)
-            unwrap(
-                check_media(
-                    [() if r in texts else p for r, p in enumerate(batch.prompts)],
-                    [0 if r in texts else n for r, n in enumerate(counts)],
-                    placeholder_id=placeholder if isinstance(placeholder, int) else None,
-                    max_images=limit if isinstance(limit, int) else None,
-                ),
-                BadBatchError,
-                "multi_modal_data",
-            )
+            checked = check_media_by_info(batch.prompts, counts, info, text_rows=texts)
+            unwrap(checked, BadBatchError, "multi_modal_data")
         # Checked here (each run of G rows one prompt): the shards recognise the groups by
         # their prompts, whatever cut the sharder made of one larger than a shard's share.
         if unwrap(
             check_declared_groups(data.get(_DECLARED), batch.prompts), BadBatchError, "generate"
         ):
             data = {k: v for k, v in data.items() if k != _DECLARED}
-        plan = plan_shards(
-            batch.lengths,
-            self.num_shards,
-            max_new_tokens=self.cfg.max_new_tokens,
-            groups=prompt_groups(batch.prompts),  # a group's prompt prefilled on one shard
-        )
+        new_tokens = self.cfg.max_new_tokens
+        plan = plan_prompt_shards(batch.prompts, self.num_shards, max_new_tokens=new_tokens)
         self.last_shard_plan = plan
         try:
             results = self._run_shards("generate", plan, data, greedy, timeout_s)
@@ -612,12 +580,8 @@ class GenerationGroup:
         refused = tuple(r for r, _ in checks.errors)
         keep = ShardPlan(num_rows=len(good) + len(refused), shards=(good, refused), costs=(0, 0))
         (sub, _) = unwrap(split_batch(keep, data), BadBatchError, "generate_async")
-        plan = plan_shards(
-            [len(p) for _, p in checks.prompts],
-            self.num_shards,
-            max_new_tokens=self.cfg.max_new_tokens,
-            groups=prompt_groups([p for _, p in checks.prompts]),
-        )
+        prompts, new_tokens = [p for _, p in checks.prompts], self.cfg.max_new_tokens
+        plan = plan_prompt_shards(prompts, self.num_shards, max_new_tokens=new_tokens)
         parts = unwrap(split_batch(plan, sub), BadBatchError, "generate_async")
         bound = self.cluster.call_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + bound
@@ -716,9 +680,8 @@ class GenerationGroup:
         """Generate from text prompts across the shards, balanced by prompt characters."""
         self._require_usable("generate_text")
         _check_greedy(greedy)
-        prompts = data.get("prompts") if isinstance(data, Mapping) else None
-        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-            raise BadBatchError("generate_text: data['prompts'] must be a list of str")
+        given = data.get("prompts") if isinstance(data, Mapping) else None
+        prompts = unwrap(check_text_prompts(given), BadBatchError, "")
         # The media's shape here; their counts against the placeholders per shard.
         row_media(data, len(prompts), "generate_text", texts=False)
         self._check_adapters(data, len(prompts), "generate_text")
@@ -831,13 +794,8 @@ class GenerationGroup:
                 f"{train_world_size} rank(s) and this group's {self.num_engine_workers} "
                 f"engine worker(s) make {expected}"
             )
-        size = self.plan.model_parallel_size
-        return [
-            actor.init_collective.remote(
-                rank * size, ip, port, world_size, train_world_size, timeout_s
-            )
-            for rank, actor in enumerate(self._actors)
-        ]
+        args = (ip, port, world_size, train_world_size, timeout_s)
+        return self._join("init_collective", *args)
 
     def update_weights_from_collective(
         self,
@@ -910,11 +868,16 @@ class GenerationGroup:
                 f"{train_ranks_per_stage} trainer rank(s) per stage and this group's "
                 f"{self.num_engine_workers} engine worker(s) make {expected}"
             )
-        size, ips, ports = self.plan.model_parallel_size, list(pp_ips), list(pp_ports)
+        ips, ports = list(pp_ips), list(pp_ports)
+        args = (ips, ports, len(ips), train_ranks_per_stage, sub_world_size, timeout_s)
+        return self._join("init_nccl_reshard_comm_group", *args)
+
+    def _join(self, call: str, *args: object) -> list[ObjectRef[object]]:
+        """``call(rank_prefix, *args)`` on every shard, its engine workers' ranks after the
+        trainer's and the shards' before it (``s x tensor x pipeline``); the futures."""
+        size = self.plan.model_parallel_size
         return [
-            actor.init_nccl_reshard_comm_group.remote(
-                rank * size, ips, ports, len(ips), train_ranks_per_stage, sub_world_size, timeout_s
-            )
+            getattr(actor, call).remote(rank * size, *args)
             for rank, actor in enumerate(self._actors)
         ]
 
@@ -1177,18 +1140,7 @@ def _check_greedy(greedy: object) -> None:
 def _padded_batch(data: Mapping[str, object], greedy: object) -> tuple[torch.Tensor, torch.Tensor]:
     """A right-padded batch's ``input_ids`` and ``input_lengths``, once ``greedy`` is a bool."""
     _check_greedy(greedy)
-    return _tensor_field(data, "input_ids"), _tensor_field(data, "input_lengths")
-
-
-def _tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
-    if not isinstance(data, Mapping):
-        raise BadBatchError(f"generate: data must be a mapping, got {type(data).__name__}")
-    value = data.get(key)
-    if not isinstance(value, torch.Tensor):
-        raise BadBatchError(
-            f"generate: data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
-        )
-    return value
+    return tensor_field(data, "input_ids"), tensor_field(data, "input_lengths")
 
 
 def _tensor_dict(value: object, rank: int) -> dict[str, torch.Tensor]:

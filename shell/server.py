@@ -143,6 +143,7 @@ VERSIONS_HEADER = "x-genworker-weight-versions"
 BODY_READ_TIMEOUT_S = 60.0
 _VERSIONS_KEY = VERSIONS_HEADER.encode()
 _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_TOKENIZE_FIELDS = ("model", "add_special_tokens")
 _TOKENIZE_CHAT_FIELDS = (
     "add_generation_prompt",
     "continue_final_message",
@@ -443,10 +444,7 @@ class RolloutLayer:
                 if bound is not None:
                     lengths.append(bound)
                     continue
-                payload: dict[str, object] = {"prompt": p}
-                for field in ("model", "add_special_tokens"):
-                    if field in body:
-                        payload[field] = body[field]
+                payload = {k: body[k] for k in _TOKENIZE_FIELDS if k in body} | {"prompt": p}
                 lengths.append(len(await self._tokenize(scope, payload)))
         return lengths
 

@@ -19,6 +19,7 @@ from genworker.core.multimodal import (
     RawMedia,
     check_context,
     check_media,
+    check_media_by_info,
     media_layout,
 )
 
@@ -249,3 +250,27 @@ def test_a_layout_it_cannot_read_is_refused_naming_the_key(
     assert problem.key == key
     assert error in str(problem)
     assert str(problem).startswith("c: ")
+
+
+@given(media_batches(), st.sets(st.integers(0, 5)))
+def test_checking_by_info_is_check_media_without_the_text_rows(
+    batch: MediaBatch, text_rows: set[int]
+) -> None:
+    info = {"image_token_id": batch.placeholder_id, "max_images": batch.max_images}
+    expected = check_media(
+        [() if r in text_rows else p for r, p in enumerate(batch.prompts)],
+        [0 if r in text_rows else n for r, n in enumerate(batch.image_counts)],
+        placeholder_id=batch.placeholder_id,
+        max_images=batch.max_images,
+    )
+    assert check_media_by_info(batch.prompts, batch.image_counts, info, text_rows=text_rows) == (
+        expected
+    )
+
+
+def test_an_info_value_that_is_not_an_int_is_unknown() -> None:
+    info = {"image_token_id": "7", "max_images": 1.0}
+    assert check_media_by_info([[IMAGE]], [1], info) == check_media(
+        [[IMAGE]], [1], placeholder_id=None, max_images=None
+    )
+    assert isinstance(check_media_by_info([[IMAGE]], [1], info), Failure)

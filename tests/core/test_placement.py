@@ -20,6 +20,7 @@ from genworker.core.placement import (
     PlacementError,
     PlacementPlan,
     PortWindow,
+    ShardActor,
     check_bundle_nodes,
     check_inherited_env,
     configure_worker,
@@ -27,6 +28,7 @@ from genworker.core.placement import (
     parse_port_range,
     plan_cluster,
     plan_engine_env,
+    plan_shard_actor,
 )
 
 CACHE = "/cache/genworker/vllm"
@@ -677,3 +679,46 @@ def test_a_cluster_spec_refuses_a_bound_or_cpu_share_naming_the_field(
     assert spec.call_timeout_s == 0.5
     with pytest.raises(ValueError, match=re.escape(message)):
         make()
+
+
+@given(topologies())
+def test_a_shard_actor_is_its_worker_plan_with_the_engine_env(topology: Topology) -> None:
+    cluster = _cluster(topology)
+    spec = ClusterSpec(num_shards=topology.data_parallel_size, actor_num_cpus=0.5)
+    for shard in cluster.shards:
+        actor = plan_shard_actor(spec, cluster, shard, cache_root=CACHE).unwrap()
+        worker = _plan(
+            configure_worker(
+                cluster.worker_num_gpus,
+                shard.bundle_indices,
+                cluster.bundles_per_node,
+                cache_root=CACHE,
+                tensor_parallel_size=cluster.tensor_parallel_size,
+                pipeline_parallel_size=cluster.pipeline_parallel_size,
+            )
+        )
+        assert actor == ShardActor(
+            worker, tuple(cluster.engine_env_vars(shard.rank).items()), True, 0.5
+        )
+        assert actor.options == {
+            "num_cpus": 0.5,
+            "num_gpus": worker.num_gpus,
+            "runtime_env": {"env_vars": worker.env_vars | cluster.engine_env_vars(shard.rank)},
+            "max_restarts": 0,
+        }
+        assert actor.init_kwargs == worker.init_kwargs
+
+
+def test_a_cpu_shard_actor_asks_for_no_gpu_and_keeps_seed_ports_and_cache() -> None:
+    cluster = plan_cluster(1, 0, 1, 1, 2, cpus_per_node=2).unwrap()
+    spec = ClusterSpec(num_shards=2, cpus_per_node=2, port_base=9000, port_window=10)
+    actor = plan_shard_actor(spec, cluster, cluster.shards[1], cache_root=CACHE).unwrap()
+    assert actor.options["num_gpus"] == 0
+    assert actor.init_kwargs == {"bundle_indices": [1], "seed": 1}
+    env = actor.options["runtime_env"]
+    assert env == {"env_vars": actor.worker.env_vars}
+    assert actor.worker.env_vars["VLLM_PORT"] == "9010"
+    refused = plan_shard_actor(
+        spec, cluster, cluster.shards[1], cache_root=CACHE, ephemeral_ports=(9005, 60999)
+    )
+    assert isinstance(refused, Failure)

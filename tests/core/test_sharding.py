@@ -9,12 +9,14 @@ from hypothesis import strategies as st
 from returns.result import Result
 from strategies import generated_rows, shard_counts, shard_lengths, shard_plans
 
+from genworker.core.groups import prompt_groups
 from genworker.core.sharding import (
     ShardError,
     ShardPlan,
     describe_shard_rows,
     merge_shard_outputs,
     merge_shard_texts,
+    plan_prompt_shards,
     plan_shards,
     split_batch,
 )
@@ -427,3 +429,22 @@ def test_a_shard_s_rows_are_described_as_the_batch_s() -> None:
     assert describe_shard_rows((1, 4)) == " (its rows 0-1 are the batch's rows 1, 4)"
     many = tuple(range(1, 19))
     assert describe_shard_rows(many, shown=2) == " (its rows 0-17 are the batch's rows 1, 2, ...)"
+
+
+@given(
+    st.lists(st.sampled_from([(1,), (1, 2), (3, 4, 5), ()]), max_size=12),
+    shard_counts(),
+    st.integers(0, 4),
+)
+def test_prompt_shards_keep_equal_prompts_together_when_they_fit(
+    prompts: list[tuple[int, ...]], num_shards: int, max_new: int
+) -> None:
+    plan = plan_prompt_shards(prompts, num_shards, max_new_tokens=max_new)
+    cost = [len(p) + max_new for p in prompts]
+    share = -(-sum(cost) // num_shards)
+    owner = {row: k for k, rows in enumerate(plan.shards) for row in rows}
+    for group in prompt_groups(prompts):
+        assert len({prompts[row] for row in group}) == 1
+        if sum(cost[row] for row in group) <= share:
+            assert len({owner[row] for row in group}) == 1, (group, plan)
+    assert plan.costs == tuple(sum(cost[r] for r in rows) for rows in plan.shards)
