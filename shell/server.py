@@ -565,13 +565,13 @@ class RolloutLayer:
 
 def _query(scope: Scope) -> dict[str, str]:
     """The request's query parameters (the last of a repeated name)."""
-    from starlette.datastructures import QueryParams
+    from fastapi.datastructures import QueryParams
 
     return dict(QueryParams(_field(scope, "query_string", bytes, b"")))
 
 
 def _content_length(scope: Scope) -> int | None:
-    from starlette.datastructures import Headers
+    from fastapi.datastructures import Headers
 
     value = Headers(raw=_headers(scope)).get("content-length")
     try:
