@@ -87,6 +87,7 @@ __all__ = [
     "spec_decode_metrics",
     "step_deltas",
     "values_by_name",
+    "worker_counters",
 ]
 
 PROMPT_TOKENS = "vllm:prompt_tokens"
@@ -704,3 +705,21 @@ def group_counters(answers: Sequence[object]) -> Result[GroupCounters, CounterEr
         problem = spec.failure()
         return Failure(attrs.evolve(problem, message=f"spec-decode counters: {problem}"))
     return Success(GroupCounters(shards=tuple(shards), merged=merged, spec_decode=spec.unwrap()))
+
+
+def worker_counters(
+    cache_resets: Mapping[str, int], nonfinite: Mapping[str, int]
+) -> list[CounterSample]:
+    """A worker's own counters: its cache resets (``genworker:cache_resets{cache=...}``) and
+    the non-finite logprobs it saw (``genworker:nonfinite_logprobs{kind=...}``)."""
+    resets = [
+        CounterSample.from_counter(CACHE_RESETS, {"cache": name}, count)
+        for name, count in cache_resets.items()
+    ]
+    return [
+        *resets,
+        *(
+            CounterSample.from_counter(NONFINITE_LOGPROBS, {"kind": kind}, count)
+            for kind, count in nonfinite.items()
+        ),
+    ]

@@ -66,7 +66,7 @@ counts too.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 import attrs
@@ -101,6 +101,7 @@ __all__ = [
     "WEIGHTS_ONLY_INCONSISTENT",
     "WEIGHTS_TAG",
     "CacheLedger",
+    "CallError",
     "Event",
     "InflightMode",
     "LifecycleError",
@@ -109,7 +110,10 @@ __all__ = [
     "WeightsStatus",
     "allowed_events",
     "check_can_generate",
+    "pause_args",
+    "sleep_event",
     "transition",
+    "wake_event",
     "wake_tags",
 ]
 
@@ -493,3 +497,57 @@ class CacheLedger:
     def needs_reset(self, requests: int | None) -> bool:
         """Whether the caches may hold entries, the engine now counting ``requests``."""
         return not (self.clean and requests == self.requests)
+
+
+@attrs.frozen
+class CallError(CoreError):
+    """An argument of a lifecycle call (``sleep``'s level, ``wake_up``'s tags, a pause's
+    mode and ``clear_cache``) that it does not take; the message names the value."""
+
+
+_WAKE_EVENTS = {
+    frozenset({WEIGHTS_TAG}): Event.WAKE_WEIGHTS,
+    frozenset({KV_CACHE_TAG}): Event.WAKE_KV_CACHE,
+    frozenset({WEIGHTS_TAG, KV_CACHE_TAG}): Event.WAKE_ALL,
+}
+
+
+def wake_event(tags: object) -> Result[Event, CallError]:
+    """The event of ``wake_up(tags)`` (None: both tags), or why ``tags`` are not a
+    non-empty subset of ``weights`` and ``kv_cache``."""
+    if tags is not None and (
+        isinstance(tags, str)
+        or not isinstance(tags, Iterable)
+        or not all(isinstance(t, str) for t in tags)
+    ):
+        return Failure(CallError(f"wake_up tags must be a list of str or None, got {tags!r}"))
+    wanted = frozenset(tags) if tags is not None else frozenset({WEIGHTS_TAG, KV_CACHE_TAG})
+    event = _WAKE_EVENTS.get(wanted)
+    if event is None:
+        return Failure(
+            CallError(
+                f"wake_up tags must be a non-empty subset of ['kv_cache', 'weights'], got {tags!r}"
+            )
+        )
+    return Success(event)
+
+
+def sleep_event(level: object) -> Result[Event, CallError]:
+    """The event of ``sleep(level)``, or why ``level`` is not 1 or 2."""
+    if level not in (1, 2) or isinstance(level, bool):
+        return Failure(CallError(f"sleep level must be 1 or 2, got {level!r}"))
+    return Success(Event.SLEEP_L1 if level == 1 else Event.SLEEP_L2)
+
+
+def pause_args(mode: object, clear_cache: object) -> Result[tuple[InflightMode, bool], CallError]:
+    """A pause's ``mode`` (an :class:`InflightMode` or its value) and ``clear_cache``,
+    checked."""
+    if not isinstance(mode, InflightMode):
+        known = {m.value: m for m in InflightMode}
+        if not isinstance(mode, str) or mode not in known:
+            modes = ", ".join(repr(m.value) for m in InflightMode)
+            return Failure(CallError(f"mode must be one of {modes}, got {mode!r}"))
+        mode = known[mode]
+    if not isinstance(clear_cache, bool):
+        return Failure(CallError(f"clear_cache must be a bool, got {clear_cache!r}"))
+    return Success((mode, clear_cache))

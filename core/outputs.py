@@ -46,6 +46,7 @@ __all__ = [
     "check_generation_routes",
     "check_logprobs",
     "check_routed_experts",
+    "nonfinite_seen",
 ]
 
 PROCESSED_LOGPROBS_MODES: Final = frozenset({"processed_logprobs", "processed_logits"})
@@ -73,6 +74,11 @@ class NonFiniteCounts:
 
 
 _NONE_SEEN: Final = NonFiniteCounts()
+
+
+def nonfinite_seen(checked: Result[NonFiniteCounts, NonFiniteLogprobs]) -> NonFiniteCounts:
+    """The non-finite logprobs a check of logprobs saw, refused or not."""
+    return checked.failure().seen if isinstance(checked, Failure) else checked.unwrap()
 
 
 @attrs.frozen

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import TypedDict
 
@@ -75,6 +76,7 @@ __all__ = [
     "check_bundle_nodes",
     "check_inherited_env",
     "configure_worker",
+    "env_names",
     "forwarded_env_names",
     "parse_port_range",
     "plan_cluster",
@@ -93,6 +95,9 @@ DEFAULT_EPHEMERAL_PORTS = (32768, 60999)
 RAY_EXTRA_ENV_VARS = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 """vLLM's list of extra variables its Ray executor copies into its workers (vLLM >= 0.25,
 ``vllm/ray/ray_env.py``), comma-separated."""
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @attrs.frozen
@@ -449,6 +454,21 @@ def forwarded_env_names(existing: str, names: Sequence[str]) -> str:
     sorted and unique (NeMo-RL's ``_patch_vllm_init_workers_ray`` merges the same way)."""
     merged = {n.strip() for n in (*existing.split(","), *names) if n.strip()}
     return ",".join(sorted(merged))
+
+
+def env_names(names: object) -> Result[tuple[str, ...], PlacementError]:
+    """``extra_env_vars`` (NeMo-RL's list of variable names to forward; None: none) as a
+    tuple, or why it is not a list of environment variable names."""
+    if names is None:
+        return Success(())
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        message = f"extra_env_vars must be a list of environment variable names, got {names!r}"
+        return Failure(PlacementError(message, name="extra_env_vars", value=repr(names)))
+    bad = [n for n in names if not isinstance(n, str) or not _ENV_NAME.fullmatch(n)]
+    if bad:
+        message = f"extra_env_vars: not environment variable names: {bad!r}"
+        return Failure(PlacementError(message, name="extra_env_vars", value=repr(bad)))
+    return Success(tuple(names))
 
 
 def check_inherited_env(env: Mapping[str, str]) -> Result[None, PlacementError]:

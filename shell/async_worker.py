@@ -234,17 +234,7 @@ def _for_row(error: GenworkerError, row: int) -> GenworkerError:
 
 
 def _pause_args(mode: object, clear_cache: object) -> tuple[InflightMode, bool]:
-    """A pause's ``mode`` (an ``InflightMode`` or its value) and ``clear_cache``,
-    checked."""
-    if not isinstance(mode, InflightMode):
-        try:
-            mode = InflightMode(mode)
-        except ValueError:
-            modes = ", ".join(repr(m.value) for m in InflightMode)
-            raise BadArgumentError(f"mode must be one of {modes}, got {mode!r}") from None
-    if not isinstance(clear_cache, bool):
-        raise BadArgumentError(f"clear_cache must be a bool, got {clear_cache!r}")
-    return mode, clear_cache
+    return unwrap(lifecycle.pause_args(mode, clear_cache), BadArgumentError, "")
 
 
 # What NeMo-RL's async worker's metrics thread samples (``_start_vllm_metrics_logger``):

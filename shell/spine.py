@@ -75,24 +75,23 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic, NoReturn, Protocol, TypeVar
 
 import attrs
 import torch
-from returns.result import Failure, Result, Success
+from returns.result import Failure, Result
 
 from genworker.core import lifecycle
 from genworker.core.batch import check_batch
 from genworker.core.config import WorkerConfig
-from genworker.core.counters import CACHE_RESETS, NONFINITE_LOGPROBS, CounterSample
+from genworker.core.counters import CounterSample, worker_counters
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.groups import Group, GroupPath, GroupPlan, plan_groups
 from genworker.core.joins import GroupJoin, JoinError
 from genworker.core.lora import NEMO_RL_ADAPTER_NAME, check_adapter_name
-from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs
-from genworker.core.placement import RAY_EXTRA_ENV_VARS, forwarded_env_names
+from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, nonfinite_seen
+from genworker.core.placement import RAY_EXTRA_ENV_VARS, env_names, forwarded_env_names
 from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import (
     RENDEZVOUS_WAITS,
@@ -142,7 +141,6 @@ __all__ = [
     "checked_env_names",
     "checked_join",
     "forward_env",
-    "nonfinite_samples",
     "reset_cache",
     "start_engine",
     "tally_nonfinite",
@@ -183,15 +181,9 @@ _E = TypeVar("_E", bound="HasCapabilities")
 _R = TypeVar("_R")
 _R_co = TypeVar("_R_co", covariant=True)
 _Started_co = TypeVar("_Started_co", covariant=True)
-_WAKE_EVENTS = {
-    frozenset({"weights"}): lifecycle.Event.WAKE_WEIGHTS,
-    frozenset({"kv_cache"}): lifecycle.Event.WAKE_KV_CACHE,
-    frozenset({"weights", "kv_cache"}): lifecycle.Event.WAKE_ALL,
-}
 #: What an engine's sleep or wake raises only before it touched its memory (EnginePort.sleep).
 _REFUSALS = (BadArgumentError, EngineStateError, UnsupportedError)
 _CACHES = {"prefix": "prefix cache", "mm": "multimodal cache", "encoder": "encoder cache"}
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class StartsEngines(Protocol[_Started_co]):
@@ -296,52 +288,20 @@ def start_engine(
 
 def checked_env_names(names: Sequence[str] | None) -> tuple[str, ...]:
     """``extra_env_vars`` as a tuple of variable names, or BadArgumentError."""
-    if names is None:
-        return ()
-    if isinstance(names, str) or not isinstance(names, Sequence):
-        raise BadArgumentError(
-            f"extra_env_vars must be a list of environment variable names, got {names!r}"
-        )
-    bad = [n for n in names if not isinstance(n, str) or not _ENV_NAME.fullmatch(n)]
-    if bad:
-        raise BadArgumentError(f"extra_env_vars: not environment variable names: {bad!r}")
-    return tuple(names)
+    return unwrap(env_names(names), BadArgumentError, "")
 
 
 def wake_event(tags: Sequence[str] | None) -> lifecycle.Event:
-    """The lifecycle event of ``wake_up(tags)``; a typed error naming the tags when they
-    are not a non-empty subset of ``weights`` and ``kv_cache``."""
-    if tags is not None and (isinstance(tags, str) or not all(isinstance(t, str) for t in tags)):
-        raise BadArgumentError(f"wake_up tags must be a list of str or None, got {tags!r}")
-    wanted = frozenset(tags) if tags is not None else frozenset({"weights", "kv_cache"})
-    event = _WAKE_EVENTS.get(wanted)
-    if event is None:
-        raise BadArgumentError(
-            f"wake_up tags must be a non-empty subset of ['kv_cache', 'weights'], got {tags!r}"
-        )
-    return event
+    """The lifecycle event of ``wake_up(tags)``, or BadArgumentError naming the tags."""
+    return unwrap(lifecycle.wake_event(tags), BadArgumentError, "")
 
 
 def tally_nonfinite(
     tally: dict[str, int], checked: Result[NonFiniteCounts, NonFiniteLogprobs]
 ) -> None:
     """Add the non-finite logprobs ``check_logprobs`` saw, refused or not."""
-    match checked:
-        case Success(NonFiniteCounts() as seen):
-            pass
-        case Failure(NonFiniteLogprobs() as problem):
-            seen = problem.seen
-    if seen.total:
-        for kind, count in seen.by_kind().items():
-            tally[kind] += count
-
-
-def nonfinite_samples(tally: Mapping[str, int]) -> list[CounterSample]:
-    """``genworker:nonfinite_logprobs{kind=...}``, one series per kind."""
-    return [
-        CounterSample.from_counter(NONFINITE_LOGPROBS, {"kind": kind}, count)
-        for kind, count in tally.items()
-    ]
+    for kind, count in nonfinite_seen(checked).by_kind().items():
+        tally[kind] += count
 
 
 def tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
@@ -737,9 +697,7 @@ class WorkerSpine(Generic[_E]):
     def _sleep_event(self, level: int | None) -> tuple[int, lifecycle.State | None]:
         """``sleep(level)``'s level and the state it leads to (None: already there)."""
         level = self.cfg.vllm.sleep_level if level is None else level
-        if level not in (1, 2) or isinstance(level, bool):
-            raise BadArgumentError(f"sleep level must be 1 or 2, got {level!r}")
-        event = lifecycle.Event.SLEEP_L1 if level == 1 else lifecycle.Event.SLEEP_L2
+        event = unwrap(lifecycle.sleep_event(level), BadArgumentError, "")
         next_state = self._move(event)
         self._require_sleep_mode("sleep")
         return level, None if next_state == self._state else next_state
@@ -927,13 +885,7 @@ class WorkerSpine(Generic[_E]):
 
     # -- observability ------------------------------------------------------------------
     def _own_counters(self) -> list[CounterSample]:
-        """The worker's cache resets (``genworker:cache_resets{cache=...}``) and the
-        non-finite logprobs it saw (``genworker:nonfinite_logprobs{kind=...}``)."""
-        resets = [
-            CounterSample.from_counter(CACHE_RESETS, {"cache": name}, count)
-            for name, count in self.cache_resets.items()
-        ]
-        return [*resets, *nonfinite_samples(self.nonfinite_logprobs)]
+        return worker_counters(self.cache_resets, self.nonfinite_logprobs)
 
     def multimodal_info(self) -> dict[str, int | None]:
         """The engine's image placeholder id and per-prompt image limit (the group checks

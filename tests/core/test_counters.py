@@ -20,7 +20,9 @@ from strategies import (
 )
 
 from genworker.core.counters import (
+    CACHE_RESETS,
     GENERATION_TOKENS,
+    NONFINITE_LOGPROBS,
     PROMPT_TOKENS,
     SPEC_DECODE_NUM_ACCEPTED_TOKENS,
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
@@ -45,6 +47,7 @@ from genworker.core.counters import (
     spec_decode_metrics,
     step_deltas,
     values_by_name,
+    worker_counters,
 )
 
 ENGINE0 = {"engine": "0", "model_name": "m"}
@@ -768,3 +771,13 @@ def test_group_counters_name_the_shard_or_the_spec_decode_counters_that_fail() -
     spec = group_counters([encode_snapshot(drafts)]).swap().unwrap()
     assert spec.message.startswith("spec-decode counters: ")
     assert spec.key == SPEC_DECODE_NUM_DRAFT_TOKENS
+
+
+def test_worker_counters_are_one_series_per_cache_and_per_kind() -> None:
+    samples = worker_counters({"prefix": 2, "mm": 0}, {"nan": 1, "+inf": 0})
+    assert [(s.name, dict(s.labels), s.value) for s in samples] == [
+        (CACHE_RESETS, {"cache": "prefix"}, 2),
+        (CACHE_RESETS, {"cache": "mm"}, 0),
+        (NONFINITE_LOGPROBS, {"kind": "nan"}, 1),
+        (NONFINITE_LOGPROBS, {"kind": "+inf"}, 0),
+    ]

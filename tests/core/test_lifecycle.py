@@ -30,14 +30,19 @@ from genworker.core.lifecycle import (
     TRANSITIONS,
     WEIGHTS_TAG,
     CacheLedger,
+    CallError,
     Event,
+    InflightMode,
     LifecycleError,
     Phase,
     State,
     WeightsStatus,
     allowed_events,
     check_can_generate,
+    pause_args,
+    sleep_event,
     transition,
+    wake_event,
     wake_tags,
 )
 
@@ -722,3 +727,77 @@ def test_every_transition_that_can_run_requests_dirties_the_caches(
     )
     if runs or event is Event.STREAM_OPEN:
         assert CacheLedger().reset(0).after(event).needs_reset(0)
+
+
+_TAG_EVENTS = {
+    frozenset({"weights"}): Event.WAKE_WEIGHTS,
+    frozenset({"kv_cache"}): Event.WAKE_KV_CACHE,
+    frozenset({"weights", "kv_cache"}): Event.WAKE_ALL,
+}
+
+
+@given(
+    st.none()
+    | st.integers()
+    | st.text(max_size=8)
+    | st.lists(st.sampled_from(["weights", "kv_cache", "gpu", ""]) | st.integers(), max_size=4)
+)
+def test_wake_event_is_the_tags_event_for_every_non_empty_subset_and_refuses_the_rest(
+    tags: object,
+) -> None:
+    """None wakes both tags; a list of the two tag names (repeats allowed) wakes those;
+    anything else (a str, a non-iterable, other names, none) is refused naming it."""
+    wanted = (
+        frozenset({"weights", "kv_cache"})
+        if tags is None
+        else frozenset(tags)
+        if isinstance(tags, list) and all(isinstance(t, str) for t in tags)
+        else None
+    )
+    event = wake_event(tags)
+    if wanted in _TAG_EVENTS:
+        assert event == Success(_TAG_EVENTS[wanted])
+    else:
+        assert isinstance(event, Failure)
+        assert isinstance(event.failure(), CallError)
+        assert repr(tags) in event.failure().message
+
+
+@given(st.integers(-2, 4) | st.booleans() | st.none() | st.text(max_size=2) | st.floats())
+def test_sleep_event_takes_levels_one_and_two_only(level: object) -> None:
+    event = sleep_event(level)
+    if level in (1, 2) and not isinstance(level, bool):
+        assert event == Success(Event.SLEEP_L1 if level == 1 else Event.SLEEP_L2)
+    else:
+        assert isinstance(event, Failure)
+        assert event.failure().message == f"sleep level must be 1 or 2, got {level!r}"
+
+
+@given(
+    st.sampled_from(list(InflightMode))
+    | st.sampled_from([m.value for m in InflightMode])
+    | st.text(max_size=5)
+    | st.integers()
+    | st.none(),
+    st.booleans() | st.integers() | st.none(),
+)
+def test_pause_args_take_a_mode_or_its_value_and_a_bool(mode: object, clear: object) -> None:
+    """A mode is an InflightMode or its value; clear_cache a bool; else refused naming
+    the bad argument."""
+    values = {m.value: m for m in InflightMode}
+    known = (
+        mode
+        if isinstance(mode, InflightMode)
+        else values.get(mode)
+        if isinstance(mode, str)
+        else None
+    )
+    checked = pause_args(mode, clear)
+    if known is None:
+        assert isinstance(checked, Failure)
+        assert checked.failure().message.startswith("mode must be one of 'keep', 'wait', 'abort'")
+        assert repr(mode) in checked.failure().message
+    elif not isinstance(clear, bool):
+        assert checked == Failure(CallError(f"clear_cache must be a bool, got {clear!r}"))
+    else:
+        assert checked == Success((known, clear))

@@ -20,6 +20,7 @@ from genworker.core.outputs import (
     check_finished,
     check_generation_logprobs,
     check_logprobs,
+    nonfinite_seen,
 )
 
 
@@ -214,3 +215,10 @@ def test_one_generation_is_checked_as_a_batch_of_that_one_row(
         return
     lengths = np.array([g.num_tokens], dtype=np.int64)
     assert got == check_logprobs(g.logprobs, lengths, mode, rows=(row,))
+
+
+def test_nonfinite_seen_counts_refused_and_accepted_checks_alike() -> None:
+    seen = NonFiniteCounts(nan=1, posinf=2, neginf=3)
+    assert nonfinite_seen(Success(seen)) == seen
+    refused = NonFiniteLogprobs("refused", rows=(0,), counts=(1,), seen=seen)
+    assert nonfinite_seen(Failure(refused)) == seen

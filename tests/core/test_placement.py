@@ -24,6 +24,7 @@ from genworker.core.placement import (
     check_bundle_nodes,
     check_inherited_env,
     configure_worker,
+    env_names,
     forwarded_env_names,
     parse_port_range,
     plan_cluster,
@@ -722,3 +723,27 @@ def test_a_cpu_shard_actor_asks_for_no_gpu_and_keeps_seed_ports_and_cache() -> N
         spec, cluster, cluster.shards[1], cache_root=CACHE, ephemeral_ports=(9005, 60999)
     )
     assert isinstance(refused, Failure)
+
+
+@given(st.lists(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,6}", fullmatch=True), max_size=4))
+def test_env_names_keeps_a_list_of_variable_names(names: list[str]) -> None:
+    assert env_names(names) == Success(tuple(names))
+    assert env_names(None) == Success(())
+
+
+@pytest.mark.parametrize(
+    ("names", "named"),
+    [
+        ("HF_TOKEN", "'HF_TOKEN'"),
+        ({"A": "1"}, "{'A': '1'}"),
+        (5, "5"),
+        (["OK", "1BAD", "A-B", 3], "['1BAD', 'A-B', 3]"),
+    ],
+)
+def test_env_names_refuses_what_is_not_a_list_of_names_naming_it(names: object, named: str) -> None:
+    """NeMo-RL passes a list of names; a mapping or a str (whose characters would be
+    taken as names) is refused, as are entries that are not variable names."""
+    result = env_names(names)
+    assert isinstance(result, Failure)
+    assert result.failure().name == "extra_env_vars"
+    assert result.failure().message.endswith(named)
