@@ -60,6 +60,7 @@ from genworker.core.errors import CoreError
 __all__ = [
     "CACHE_RESETS",
     "GENERATION_TOKENS",
+    "LOGGER_METRICS",
     "NONFINITE_LOGPROBS",
     "PROMPT_TOKENS",
     "SPEC_DECODE_NUM_ACCEPTED_TOKENS",
@@ -82,6 +83,7 @@ __all__ = [
     "decode_snapshot",
     "encode_snapshot",
     "group_counters",
+    "logger_sample",
     "merge_snapshots",
     "series_id",
     "spec_decode_metrics",
@@ -723,3 +725,23 @@ def worker_counters(
             for kind, count in nonfinite.items()
         ),
     ]
+
+
+#: What NeMo-RL's async worker's metrics thread samples (``_start_vllm_metrics_logger``):
+#: vLLM metric -> the list it lands in (``get_vllm_logger_metrics``).
+LOGGER_METRICS: Mapping[str, str] = {
+    "vllm:num_requests_running": "inflight_batch_sizes",
+    "vllm:num_requests_waiting": "num_pending_samples",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+    "vllm:generation_tokens": "generation_tokens",
+}
+
+
+def logger_sample(metrics: Iterable[Sample]) -> dict[str, float]:
+    """One read of the metrics logger: each :data:`LOGGER_METRICS` series the engine
+    reported (a counter or gauge; one engine per worker), under its list's name."""
+    return {
+        LOGGER_METRICS[m.name]: m.value
+        for m in metrics
+        if m.name in LOGGER_METRICS and isinstance(m, GaugeSample | CounterSample)
+    }

@@ -83,6 +83,7 @@ is a pure function here, so it can be stated as a law and tested without a serve
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
@@ -132,6 +133,7 @@ __all__ = [
     "http_limits",
     "http_max_tokens",
     "json_depth",
+    "metrics_logger_interval",
     "parse_body",
     "prompt_tokens_at_most",
     "request_budget",
@@ -189,6 +191,38 @@ class ServerOptions:
 
 def _problem(key: str, message: str) -> Failure[ConfigError]:
     return Failure(ConfigError.from_problems([ConfigProblem(f"vllm_cfg.{key}", message)]))
+
+
+#: NeMo-RL's default ``vllm_cfg.vllm_metrics_logger_interval``, seconds
+_LOGGER_INTERVAL_S: Final = 0.5
+
+
+def _refused(key: str, message: str) -> Failure[ConfigError]:
+    """``vllm_cfg.<key> <message>`` as the whole message."""
+    full = f"vllm_cfg.{key} {message}"
+    return Failure(ConfigError(full, problems=(ConfigProblem(f"vllm_cfg.{key}", message),)))
+
+
+def metrics_logger_interval(cfg: WorkerConfig) -> Result[float | None, ConfigError]:
+    """``vllm_cfg.enable_vllm_metrics_logger`` / ``vllm_metrics_logger_interval`` (the
+    async worker's metrics thread, as NeMo-RL's): its period in seconds, or None when it
+    is off."""
+    extras = cfg.vllm.extras
+    raw = extras.get("enable_vllm_metrics_logger", False)
+    enabled = parse_bool(raw)
+    if enabled is None:
+        return _refused("enable_vllm_metrics_logger", f"must be a bool, got {raw!r}")
+    interval = extras.get("vllm_metrics_logger_interval", _LOGGER_INTERVAL_S)
+    if (
+        isinstance(interval, bool)
+        or not isinstance(interval, int | float)
+        or not (math.isfinite(interval) and interval > 0)
+    ):
+        return _refused(
+            "vllm_metrics_logger_interval",
+            f"must be a finite number of seconds > 0, got {interval!r}",
+        )
+    return Success(float(interval) if enabled else None)
 
 
 def server_options(cfg: WorkerConfig) -> Result[ServerOptions | None, ConfigError]:

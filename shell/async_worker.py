@@ -71,7 +71,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import math
 import secrets
 import threading
 import time
@@ -84,9 +83,7 @@ from returns.result import Failure
 
 from genworker.core import control_plane, lifecycle
 from genworker.core.assembly import Generation, assemble_outputs
-from genworker.core.config import WorkerConfig
-from genworker.core.config_keys import parse_bool
-from genworker.core.counters import CounterSample, GaugeSample, encode_snapshot
+from genworker.core.counters import LOGGER_METRICS, encode_snapshot, logger_sample
 from genworker.core.engine_calls import RowRequest, RpcCall
 from genworker.core.groups import GroupPlan
 from genworker.core.joins import GroupJoin, group_join
@@ -100,7 +97,7 @@ from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import Transport
 from genworker.core.rows import assemble_row
 from genworker.core.scoring import ScoredRow, assemble_scores
-from genworker.core.serving import server_options, training_policy
+from genworker.core.serving import metrics_logger_interval, server_options, training_policy
 from genworker.core.stops import StopMode
 from genworker.core.versions import (
     VersionRuns,
@@ -237,40 +234,6 @@ def _pause_args(mode: object, clear_cache: object) -> tuple[InflightMode, bool]:
     return unwrap(lifecycle.pause_args(mode, clear_cache), BadArgumentError, "")
 
 
-# What NeMo-RL's async worker's metrics thread samples (``_start_vllm_metrics_logger``):
-# vLLM metric -> the list it lands in (``get_vllm_logger_metrics``).
-LOGGER_METRICS = {
-    "vllm:num_requests_running": "inflight_batch_sizes",
-    "vllm:num_requests_waiting": "num_pending_samples",
-    "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
-    "vllm:generation_tokens": "generation_tokens",
-}
-_LOGGER_INTERVAL_S = 0.5  # NeMo-RL's default vllm_metrics_logger_interval
-
-
-def _logger_interval(cfg: WorkerConfig) -> float | None:
-    """``vllm_cfg.enable_vllm_metrics_logger`` / ``vllm_metrics_logger_interval``: the
-    metrics thread's period in seconds, or None when it is off; bad values refused."""
-    extras = cfg.vllm.extras
-    enabled = parse_bool(extras.get("enable_vllm_metrics_logger", False))
-    if enabled is None:
-        raise BadConfigError(
-            "vllm_cfg.enable_vllm_metrics_logger must be a bool, got "
-            f"{extras['enable_vllm_metrics_logger']!r}"
-        )
-    interval = extras.get("vllm_metrics_logger_interval", _LOGGER_INTERVAL_S)
-    if (
-        isinstance(interval, bool)
-        or not isinstance(interval, int | float)
-        or not (math.isfinite(interval) and interval > 0)
-    ):
-        raise BadConfigError(
-            "vllm_cfg.vllm_metrics_logger_interval must be a finite number of seconds > 0, "
-            f"got {interval!r}"
-        )
-    return float(interval) if enabled else None
-
-
 class _MetricsLogger:
     """A daemon thread sampling :data:`LOGGER_METRICS` from the engine every ``interval``
     seconds (NeMo-RL's metrics logger); it stops at shutdown or at the first failed read
@@ -295,11 +258,7 @@ class _MetricsLogger:
                 self.error = f"{type(e).__name__}: {e}"
                 log.warning("the vLLM metrics logger stopped: %s", self.error)
                 return
-            sampled: dict[str, float] = {}
-            for m in metrics:
-                key = LOGGER_METRICS.get(m.name)
-                if key is not None and isinstance(m, GaugeSample | CounterSample):
-                    sampled[key] = m.value  # one engine per worker
+            sampled = logger_sample(metrics)
             with self._lock:
                 for key, value in sampled.items():
                     self._samples[key].append(value)
@@ -344,7 +303,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         stop_mode: StopMode | None = None,
     ) -> None:
         super().__init__(config, bundle_indices, fraction_of_gpus, seed, extra_env_vars, stop_mode)
-        self._logger_interval = _logger_interval(self.cfg)
+        interval = metrics_logger_interval(self.cfg)
+        self._logger_interval = unwrap(interval, BadConfigError, "")
         self._logger: _MetricsLogger | None = None
         self._factory = engine_factory
         self._label = 0  # the version counted rows' new tokens get (unlabelled engines)

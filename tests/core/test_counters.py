@@ -22,6 +22,7 @@ from strategies import (
 from genworker.core.counters import (
     CACHE_RESETS,
     GENERATION_TOKENS,
+    LOGGER_METRICS,
     NONFINITE_LOGPROBS,
     PROMPT_TOKENS,
     SPEC_DECODE_NUM_ACCEPTED_TOKENS,
@@ -42,6 +43,7 @@ from genworker.core.counters import (
     decode_snapshot,
     encode_snapshot,
     group_counters,
+    logger_sample,
     merge_snapshots,
     series_id,
     spec_decode_metrics,
@@ -781,3 +783,19 @@ def test_worker_counters_are_one_series_per_cache_and_per_kind() -> None:
         (NONFINITE_LOGPROBS, {"kind": "nan"}, 1),
         (NONFINITE_LOGPROBS, {"kind": "+inf"}, 0),
     ]
+
+
+def test_a_logger_sample_keeps_the_logged_counters_and_gauges_under_their_lists() -> None:
+    metrics: list[Sample] = [
+        GaugeSample("vllm:num_requests_running", {}, 3.0),
+        CounterSample("vllm:generation_tokens", {}, 40.0),
+        GaugeSample("vllm:other", {}, 1.0),
+        HistogramSample("vllm:kv_cache_usage_perc", {}, 1, 1.0, {"+Inf": 1}),
+    ]
+    assert logger_sample(metrics) == {"inflight_batch_sizes": 3.0, "generation_tokens": 40.0}
+    assert set(LOGGER_METRICS.values()) == {
+        "inflight_batch_sizes",
+        "num_pending_samples",
+        "kv_cache_usage_perc",
+        "generation_tokens",
+    }

@@ -57,6 +57,7 @@ from genworker.core.serving import (
     http_limits,
     http_max_tokens,
     json_depth,
+    metrics_logger_interval,
     parse_body,
     prompt_tokens_at_most,
     request_budget,
@@ -1065,3 +1066,34 @@ def test_tokenize_answers_give_the_ids_or_vllm_s_message() -> None:
     assert tokenize_answer(422, {"detail": "x"}).swap().unwrap().message == "{'detail': 'x'}"
     assert tokenize_answer(500, "boom") == Failure(BadRequest("boom", status=500, param=None))
     assert tokenize_answer(200, "text").swap().unwrap().status == 500
+
+
+def test_the_metrics_logger_is_off_unless_enabled_and_runs_at_its_interval() -> None:
+    assert metrics_logger_interval(worker_config()) == Success(None)
+    assert metrics_logger_interval(worker_config(vllm_metrics_logger_interval=2)) == Success(None)
+    on = worker_config(enable_vllm_metrics_logger=True)
+    assert metrics_logger_interval(on) == Success(0.5)  # NeMo-RL's default
+    every = worker_config(enable_vllm_metrics_logger=True, vllm_metrics_logger_interval=2)
+    assert metrics_logger_interval(every) == Success(2.0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("enable_vllm_metrics_logger", "sometimes"),
+        ("vllm_metrics_logger_interval", 0),
+        ("vllm_metrics_logger_interval", -1.0),
+        ("vllm_metrics_logger_interval", True),
+        ("vllm_metrics_logger_interval", float("nan")),
+        ("vllm_metrics_logger_interval", "1s"),
+    ],
+)
+def test_bad_metrics_logger_settings_are_refused_naming_the_key_and_value(
+    key: str, value: object
+) -> None:
+    cfg = worker_config(**{"enable_vllm_metrics_logger": True, key: value})
+    refused = metrics_logger_interval(cfg)
+    assert isinstance(refused, Failure)
+    assert refused.failure().message.startswith(f"vllm_cfg.{key} must be ")
+    assert refused.failure().message.endswith(f"got {value!r}")
+    assert refused.failure().keys == (f"vllm_cfg.{key}",)
