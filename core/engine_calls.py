@@ -19,12 +19,14 @@ from genworker.core.errors import CoreError
 from genworker.core.sampling import SamplingSpec
 
 __all__ = [
+    "REFIT_METHODS",
     "BatchShapeError",
     "EngineBatch",
     "RowRequest",
     "RpcCall",
     "batch_shape_error",
     "engine_batch",
+    "is_refit_method",
 ]
 
 M = TypeVar("M")
@@ -127,3 +129,35 @@ class RpcCall:
     args: tuple[object, ...] = ()
     kwargs: Mapping[str, object] | None = None
     timeout: float | None = None
+
+
+#: The engine-side RPC targets of a refit (genworker's, the sparse relay's, the reshard's);
+#: NeMo-RL's wire receivers are the ``nemo_rl_`` ones (:func:`is_refit_method`).
+REFIT_METHODS = frozenset(
+    {
+        "prepare_refit_info",
+        "prepare_lora",
+        "update_lora",
+        "init_collective",
+        "update_weights_via_ipc_zmq",
+        "update_weights_from_collective",
+        "refit_address",
+        "engine_param_layout",
+        "release_refit_buffers",
+        "start_sparse_relay",
+        "configure_sparse_relay",
+        "stop_sparse_relay",
+        "sparse_relay_status",
+        "refit_hold",
+        "refit_reset_kv",
+        "init_nccl_reshard_comm_group",
+        "prepare_nccl_reshard_refit_info",
+        "nccl_reshard_refit",
+    }
+)
+
+
+def is_refit_method(method: str) -> bool:
+    """Whether an RPC to ``method`` is part of a refit (its failure says the weights may be
+    inconsistent: the shell raises it as a ``RefitError``)."""
+    return method in REFIT_METHODS or method.startswith("nemo_rl_")

@@ -59,10 +59,12 @@ from genworker.core.errors import CoreError
 
 __all__ = [
     "NO_VERSION",
+    "Counted",
     "GroupVersions",
     "VersionError",
     "VersionRuns",
     "extend_runs",
+    "finished_runs",
     "place_versions",
     "runs_from_spans",
     "runs_from_tokens",
@@ -241,6 +243,39 @@ def runs_from_spans(
             return extended
         runs = extended.unwrap()
     return Success(runs)
+
+
+@attrs.frozen
+class Counted:
+    """A row's tokens as the worker counted them while they streamed (an engine that does
+    not label tokens): the runs closed at each refit, the tokens seen, the version now."""
+
+    runs: VersionRuns
+    seen: int
+    version: int
+
+
+def finished_runs(
+    num_tokens: int,
+    row: int,
+    *,
+    spans: Sequence[tuple[str, int, int]] | None,
+    counted: Counted | None,
+) -> Result[VersionRuns, VersionError]:
+    """The versions of a finished row's ``num_tokens`` tokens: from the engine's labelled
+    ``spans`` (``counted`` None: the engine labels tokens), else from what the worker
+    ``counted``, its last tokens under the version now; errors name the row."""
+    if counted is None:
+        if spans is None:
+            message = f"row {row}: the engine did not label its tokens"
+            return Failure(VersionError(message=message, detail="unlabelled"))
+        runs = runs_from_spans(spans, num_tokens)
+    elif counted.seen > num_tokens:
+        message = f"row {row}: {counted.seen} tokens streamed but {num_tokens} in the final output"
+        return Failure(VersionError(message=message, detail="count"))
+    else:
+        runs = extend_runs(counted.runs, counted.version, num_tokens - counted.runs.length)
+    return runs.alt(lambda e: attrs.evolve(e, message=f"row {row} weight versions: {e}"))
 
 
 def staleness(runs: VersionRuns, current: int) -> IntArray:

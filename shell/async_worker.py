@@ -100,10 +100,11 @@ from genworker.core.scoring import ScoredRow, assemble_scores
 from genworker.core.serving import metrics_logger_interval, server_options, training_policy
 from genworker.core.stops import StopMode
 from genworker.core.versions import (
+    Counted,
     VersionRuns,
     extend_runs,
+    finished_runs,
     place_versions,
-    runs_from_spans,
 )
 from genworker.shell.errors import (
     BadArgumentError,
@@ -205,19 +206,6 @@ def _prefilled(
             progress(count)
 
     return seen
-
-
-def _routes_checked(
-    item: RowResult | GenworkerError, prompt: int, row: int
-) -> RowResult | GenworkerError:
-    """A finished row whose routed experts (if any) fit its prompt and generation, else the
-    engine contract error naming it (``core.outputs.check_generation_routes``)."""
-    if isinstance(item, GenworkerError):
-        return item
-    routed = check_generation_routes(item.generation, prompt, row=row)
-    if isinstance(routed, Failure):
-        return EngineContractError.from_core(routed.failure(), "generate")
-    return item
 
 
 def _for_row(error: GenworkerError, row: int) -> GenworkerError:
@@ -437,10 +425,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             if ready is not None:
                 progress = _prefilled(ready, progress)
             streamed = await engine.generate(call, progress)
-            item = _routes_checked(
-                self._finished(engine.capabilities, request, context, streamed),
-                len(call.prompt),
-                request.row,
+            item = self._finished(
+                engine.capabilities, request, (len(call.prompt), context), streamed
             )
         except EngineDeadError as e:
             self._died(e)
@@ -461,45 +447,35 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         self,
         caps: EngineCapabilities,
         request: _Request,
-        prompt_length: int,
+        lengths: tuple[int, int],
         streamed: StreamedGeneration,
     ) -> RowResult | GenworkerError:
-        generation = streamed.generation
-        row = request.row
+        """A finished row checked (``lengths``: its prompt's, and what it holds in the
+        context): aborted, non-finite logprobs (G11, as the sync worker), past the
+        context, its weight versions (``core.versions.finished_runs``), its routes."""
+        generation, row = streamed.generation, request.row
         if generation.finish_reason == "abort":
-            if request.abort_reason is not None:
-                return request.abort_reason
-            return RequestAbortedError(f"row {row}: the engine aborted the request")
-        # non-finite logprobs (G11), as the sync worker
+            aborted = RequestAbortedError(f"row {row}: the engine aborted the request")
+            return request.abort_reason or aborted
         checked = check_generation_logprobs(generation, caps.logprobs_mode, row=row)
         tally_nonfinite(self.nonfinite_logprobs, checked)
         if isinstance(checked, Failure):
             return EngineContractError.from_core(checked.failure(), "generate")
-        if prompt_length + generation.num_tokens > caps.max_model_len:
+        prompt, context = lengths
+        if context + generation.num_tokens > caps.max_model_len:
             return EngineContractError(
                 f"row {row} came back longer than max_model_len={caps.max_model_len}: "
-                f"{prompt_length} + {generation.num_tokens} tokens"
+                f"{context} + {generation.num_tokens} tokens"
             )
-        if caps.weight_versions:
-            if streamed.version_spans is None:
-                return EngineContractError(f"row {row}: the engine did not label its tokens")
-            runs = unwrap(
-                runs_from_spans(streamed.version_spans, generation.num_tokens),
-                EngineContractError,
-                f"row {row} weight versions",
-            )
-        else:
-            if request.seen > generation.num_tokens:
-                return EngineContractError(
-                    f"row {row}: {request.seen} tokens streamed but "
-                    f"{generation.num_tokens} in the final output"
-                )
-            runs = unwrap(
-                extend_runs(request.runs, self._label, generation.num_tokens - request.runs.length),
-                EngineContractError,
-                f"row {row} weight versions",
-            )
-        return RowResult(generation, runs)
+        counted = None if caps.weight_versions else Counted(request.runs, request.seen, self._label)
+        spans = streamed.version_spans
+        runs = finished_runs(generation.num_tokens, row, spans=spans, counted=counted)
+        if isinstance(runs, Failure):
+            return EngineContractError.from_core(runs.failure())
+        routed = check_generation_routes(generation, prompt, row=row)
+        if isinstance(routed, Failure):
+            return EngineContractError.from_core(routed.failure(), "generate")
+        return RowResult(generation, runs.unwrap())
 
     async def _stream(
         self, plan: BatchPlan, groups: GroupPlan | None = None

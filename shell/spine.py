@@ -86,6 +86,7 @@ from genworker.core import lifecycle
 from genworker.core.batch import check_batch
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import CounterSample, worker_counters
+from genworker.core.engine_calls import is_refit_method
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.groups import Group, GroupPath, GroupPlan, plan_groups
 from genworker.core.joins import GroupJoin, JoinError
@@ -134,7 +135,6 @@ from genworker.shell.ports import EngineCapabilities
 
 __all__ = [
     "EXTENSION_CLS",
-    "REFIT_METHODS",
     "BatchPlan",
     "ExistingEngineFactory",
     "WorkerSpine",
@@ -151,31 +151,6 @@ __all__ = [
 log = logging.getLogger("genworker.shell.worker")
 
 EXTENSION_CLS = "genworker.shell.extension.WorkerExtension"
-
-#: The engine-side RPC targets of a refit (genworker's, the sparse relay's, the reshard's);
-#: NeMo-RL's wire receivers are the ``nemo_rl_`` ones. Their failures are ``RefitError``.
-REFIT_METHODS = frozenset(
-    {
-        "prepare_refit_info",
-        "prepare_lora",
-        "update_lora",
-        "init_collective",
-        "update_weights_via_ipc_zmq",
-        "update_weights_from_collective",
-        "refit_address",
-        "engine_param_layout",
-        "release_refit_buffers",
-        "start_sparse_relay",
-        "configure_sparse_relay",
-        "stop_sparse_relay",
-        "sparse_relay_status",
-        "refit_hold",
-        "refit_reset_kv",
-        "init_nccl_reshard_comm_group",
-        "prepare_nccl_reshard_refit_info",
-        "nccl_reshard_refit",
-    }
-)
 
 _E = TypeVar("_E", bound="HasCapabilities")
 _R = TypeVar("_R")
@@ -877,7 +852,7 @@ class WorkerSpine(Generic[_E]):
     def _rpc_seam(method: str) -> Seam:
         """The error map of an RPC to ``method``: a refit method's failure is a
         RefitError, any other's an EngineRpcError (``shell.errors``)."""
-        return REFIT_RPC if method in REFIT_METHODS or method.startswith("nemo_rl_") else ENGINE_RPC
+        return REFIT_RPC if is_refit_method(method) else ENGINE_RPC
 
     def _rpc_allowed(self, method: str) -> None:
         if self._shut_down:

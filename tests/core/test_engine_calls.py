@@ -10,12 +10,14 @@ from returns.result import Failure, Success
 from strategies import sampling_specs
 
 from genworker.core.engine_calls import (
+    REFIT_METHODS,
     BatchShapeError,
     EngineBatch,
     RowRequest,
     RpcCall,
     batch_shape_error,
     engine_batch,
+    is_refit_method,
 )
 from genworker.core.sampling import SamplingSpec
 
@@ -121,3 +123,12 @@ def test_a_request_and_an_rpc_keep_what_they_were_given(
         None,
         5.0,
     )
+
+
+def test_refit_methods_are_the_table_and_nemo_rls_wire() -> None:
+    """A failed RPC to one of these says the weights may be inconsistent; to any other
+    method (``report_device_id``, ``refit_configure``) it says nothing about them."""
+    assert all(is_refit_method(m) for m in REFIT_METHODS)
+    assert is_refit_method("nemo_rl_update_weights_via_ipc_zmq")
+    assert not is_refit_method("report_device_id")
+    assert not is_refit_method("refit_configure")

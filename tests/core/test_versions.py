@@ -13,10 +13,12 @@ from strategies import version_batches, version_sequences
 
 from genworker.core.versions import (
     NO_VERSION,
+    Counted,
     GroupVersions,
     VersionError,
     VersionRuns,
     extend_runs,
+    finished_runs,
     place_versions,
     runs_from_spans,
     runs_from_tokens,
@@ -270,3 +272,39 @@ def test_group_versions_start_at_zero_and_keep_a_full_shard_s_tensor() -> None:
     assert both.relabel(1, counts) is counts
     with pytest.raises(ValueError, match=r"shard 0's versions \(0, 2\) must rise from 0"):
         GroupVersions(version=1, shards=((0, 2),))
+
+
+@given(version_sequences(), st.integers(0, 5), st.integers(0, 6))
+def test_finished_runs_of_a_counted_row_end_under_the_version_now(
+    before: list[int], more: int, now: int
+) -> None:
+    """Without labels: the tokens counted before the last refit keep their versions, the
+    rest of the row's tokens get the version now (never below the last one)."""
+    runs = runs_from_tokens(before).unwrap()
+    version = max([now, *before])
+    counted = Counted(runs, len(before), version)
+    total = len(before) + more
+    finished = finished_runs(total, 3, spans=None, counted=counted)
+    assert finished == runs_from_tokens([*before, *[version] * more])
+
+
+def test_finished_runs_of_a_labelled_row_are_its_spans() -> None:
+    spans = [("0", 0, 2), ("1", 2, 3)]
+    assert finished_runs(3, 0, spans=spans, counted=None) == runs_from_tokens([0, 0, 1])
+
+
+@pytest.mark.parametrize(
+    ("spans", "counted", "message"),
+    [
+        (None, None, "row 4: the engine did not label its tokens"),
+        ([("0", 0, 2)], None, "row 4 weight versions: the spans cover 2 tokens of 3"),
+        (None, Counted(VersionRuns((), (), 0), 5, 0), "row 4: 5 tokens streamed but 3 in"),
+        (None, Counted(VersionRuns((2,), (0,), 1), 1, 1), "row 4 weight versions: version 1"),
+    ],
+)
+def test_finished_runs_refuse_versions_that_cannot_describe_the_row_naming_it(
+    spans: list[tuple[str, int, int]] | None, counted: Counted | None, message: str
+) -> None:
+    finished = finished_runs(3, 4, spans=spans, counted=counted)
+    assert isinstance(finished, Failure)
+    assert finished.failure().message.startswith(message)
