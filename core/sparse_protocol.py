@@ -72,6 +72,7 @@ __all__ = [
     "FrameAction",
     "FrameMsg",
     "FrameResult",
+    "SparseDiverged",
     "Started",
     "StepBegin",
     "StepReceiver",
@@ -88,6 +89,7 @@ __all__ = [
     "read_frame",
     "read_report",
     "report_message",
+    "sparse_steps",
     "step_manifest",
     "tensor_problems",
     "tiles",
@@ -543,3 +545,41 @@ def apply_frame(
     if at != len(raw):
         return FrameResult(f"frame {header.index} has {len(raw) - at} bytes past its pieces", ())
     return FrameResult("", tuple(done))
+
+
+@attrs.frozen
+class SparseDiverged(CoreError):
+    """Engine workers whose sparse-refit weights nobody can vouch for: each ``problems``
+    entry is one diverged worker, or the workers' different steps."""
+
+    problems: tuple[str, ...]
+
+
+def sparse_steps(
+    statuses: Sequence[Mapping[str, object]], applied_before: Sequence[object]
+) -> Result[int, SparseDiverged]:
+    """The sparse steps the engine workers applied since ``applied_before`` (their
+    statuses' ``applied`` counts when last seen; 0: none, and at least one when the counts
+    changed), or why generating now is refused: a worker diverged, or the workers hold
+    different steps (a full refit makes the weights valid again)."""
+    problems = [
+        f"engine worker {i}: {s['diverged']}" for i, s in enumerate(statuses) if s["diverged"]
+    ]
+    if not problems and len({str(s["step"]) for s in statuses}) > 1:
+        steps = [s["step"] for s in statuses]
+        problems = [f"the engine workers hold different sparse steps {steps}"]
+    if problems:
+        message = (
+            "generate refused: the sparse refit left weights nobody can vouch for ("
+            + "; ".join(problems)
+            + "); a full refit (the sender's next step, or an IPC/collective refit) "
+            "makes them valid again"
+        )
+        return Failure(SparseDiverged(message, problems=tuple(problems)))
+    applied = [s["applied"] for s in statuses]
+    if applied == list(applied_before):
+        return Success(0)
+    old, new = (applied_before[0] if applied_before else 0), (applied[0] if applied else 0)
+    if isinstance(old, int) and isinstance(new, int) and new > old:
+        return Success(new - old)
+    return Success(1)

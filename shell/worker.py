@@ -67,6 +67,7 @@ from genworker.core.refit_protocol import (
     wait_bound,
 )
 from genworker.core.scoring import assemble_scores
+from genworker.core.sparse_protocol import sparse_steps
 from genworker.core.stops import StopMode
 from genworker.core.versions import uniform_versions
 from genworker.shell.collector import defer_cyclic_gc
@@ -689,28 +690,17 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         if self._sparse_urls is None:
             return
         statuses = self._sparse_status()
-        applied = [s["applied"] for s in statuses]
-        problems = [
-            f"engine worker {i}: {s['diverged']}" for i, s in enumerate(statuses) if s["diverged"]
-        ]
-        if not problems and len({str(s["step"]) for s in statuses}) > 1:
-            steps = [s["step"] for s in statuses]
-            problems = [f"the engine workers hold different sparse steps {steps}"]
-        if problems:
+        steps = sparse_steps(statuses, self._sparse_applied)
+        if isinstance(steps, Failure):
             before = self._state.weights
             if lifecycle.transition(self._state, lifecycle.Event.REFIT_BEGIN).value_or(None):
                 self._state = self._move(lifecycle.Event.REFIT_BEGIN)
                 self._state = self._move(lifecycle.Event.REFIT_FAILED)
-            error = SparseRefitError(
-                "generate refused: the sparse refit left weights nobody can vouch for ("
-                + "; ".join(problems)
-                + "); a full refit (the sender's next step, or an IPC/collective refit) "
-                "makes them valid again"
-            )
+            error = SparseRefitError.from_core(steps.failure())
             if before is lifecycle.WeightsStatus.VALID:  # once, as they become inconsistent
                 self._reset_after_failure(error)
             raise error
-        if applied == self._sparse_applied:
+        if not steps.unwrap():
             return
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         try:
@@ -719,8 +709,8 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
             self._state = self._move(lifecycle.Event.REFIT_FAILED)
             raise
         self._state = self._move(lifecycle.Event.REFIT_OK)
-        self._version += _steps_between(self._sparse_applied, applied)
-        self._sparse_applied = applied
+        self._version += steps.unwrap()
+        self._sparse_applied = [s["applied"] for s in statuses]
         self.last_refit = {
             "engine_workers": statuses,
             **{f"reset_{name}_cache_seconds": sec for name, sec in resets.items()},
@@ -804,12 +794,3 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
             raise EngineStateError(f"{method} needs prepare_nccl_reshard_refit_info first")
         outer = rpc_bound(self._reshard_stages * refit_waits(1, Transport.COLLECTIVE), bound)
         return self._run_refit(method, {"refit_timeout_s": bound}, outer)
-
-
-def _steps_between(before: Sequence[object], after: Sequence[object]) -> int:
-    """Sparse steps the engine workers applied between two statuses (their ``applied``
-    counts; every worker holds the same step): at least one, as the counts changed."""
-    old, new = (before[0] if before else 0), (after[0] if after else 0)
-    if isinstance(old, int) and isinstance(new, int) and new > old:
-        return new - old
-    return 1

@@ -39,6 +39,7 @@ from genworker.core.sparse_protocol import (
     FrameAction,
     FrameMsg,
     FrameResult,
+    SparseDiverged,
     StepBegin,
     StepReceiver,
     StepSender,
@@ -53,6 +54,7 @@ from genworker.core.sparse_protocol import (
     read_frame,
     read_report,
     report_message,
+    sparse_steps,
     step_manifest,
     tensor_problems,
     tiles,
@@ -497,3 +499,33 @@ def test_a_frame_that_cannot_apply_names_its_problem() -> None:
         "w": old["w"] ^ np.uint16(1)
     }  # a receiver whose bits are not the baseline
     assert "'w'[0:40] failed its checksum: gwh64 0x" in apply(raw, bits=diverged)
+
+
+def _status(applied: object, step: object = 1, diverged: str = "") -> dict[str, object]:
+    return {"applied": applied, "step": step, "diverged": diverged}
+
+
+@given(st.integers(0, 9), st.integers(0, 9), st.integers(1, 4))
+def test_sparse_steps_count_what_the_workers_applied_since_last_seen(
+    before: int, after: int, workers: int
+) -> None:
+    """No change: no step; more applied: that many; a count that went down or is not a
+    number (a restarted relay): one step, as the counts changed."""
+    statuses = [_status(after, step=after)] * workers
+    steps = sparse_steps(statuses, [before] * workers)
+    assert steps == Success(0 if after == before else after - before if after > before else 1)
+    assert sparse_steps([_status("x")], [before]) == Success(1)
+    assert sparse_steps([_status(after)], []) == Success(max(after, 1))
+
+
+def test_sparse_steps_refuse_diverged_workers_or_different_steps_naming_them() -> None:
+    diverged = sparse_steps([_status(1), _status(1, diverged="crc mismatch")], [0, 0])
+    assert isinstance(diverged, Failure)
+    assert isinstance(diverged.failure(), SparseDiverged)
+    assert diverged.failure().problems == ("engine worker 1: crc mismatch",)
+    assert diverged.failure().message.startswith(
+        "generate refused: the sparse refit left weights nobody can vouch for (engine worker 1"
+    )
+    apart = sparse_steps([_status(1, step=3), _status(1, step=4)], [1, 1])
+    assert isinstance(apart, Failure)
+    assert apart.failure().problems == ("the engine workers hold different sparse steps [3, 4]",)
