@@ -149,6 +149,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+#: A row's engine call: the engine, the request, its call, its context length, and the
+#: event a group's leader sets at its first token.
+_RowWork = Callable[
+    [AsyncEnginePort, "_Request", RowRequest[RowMedia], int, asyncio.Event | None], Awaitable[_T]
+]
 _SETTLE_ROUNDS = 3
 _SETTLE_BOUND_S = 5.0
 
@@ -406,42 +411,54 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
 
     async def _row_task(
         self,
-        engine: AsyncEnginePort,
         request: _Request,
-        call: RowRequest[RowMedia],
-        results: asyncio.Queue[tuple[int, RowResult | GenworkerError]],
-        context: int,
+        work: Callable[[], Awaitable[_T]],
+        results: asyncio.Queue[tuple[int, _T | GenworkerError]],
         group: tuple[asyncio.Event | None, asyncio.Event | None] = (None, None),
     ) -> None:
-        """One row's request (``call``, as the engine takes it); ``group``: (the leader's
-        prefill to wait for, a sibling; the event to set once this leader's prefill is
-        done, a leader of a group)."""
-        item: RowResult | GenworkerError
+        """One row's request (``work``: the engine call), its result or typed error put on
+        ``results``; ``group``: (the leader's prefill to wait for, a sibling; the event to
+        set once this leader's prefill is done, a leader of a group)."""
+        item: _T | GenworkerError
         after, ready = group
         try:
             if after is not None:  # a sibling: admitted after its leader's prefill
                 await after.wait()
-            progress = self._progress(engine.capabilities, request)
-            if ready is not None:
-                progress = _prefilled(ready, progress)
-            streamed = await engine.generate(call, progress)
-            item = self._finished(
-                engine.capabilities, request, (len(call.prompt), context), streamed
-            )
-        except EngineDeadError as e:
-            self._died(e)
-            item = _for_row(e, request.row)
-        except GenworkerError as e:
-            item = _for_row(e, request.row)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a foreign error the adapter let through: the row's
-            item = GenworkerError(f"row {request.row}: {type(e).__name__}: {e}")
-            item.__cause__ = e
+            item = await work()
+        except Exception as e:  # noqa: BLE001 - typed for the row, a foreign error too
+            item = request.abort_reason or self._row_error(e, request.row)
         finally:
             if ready is not None:
                 ready.set()  # the leader ended (or failed): its siblings go anyway
         results.put_nowait((request.row, item))
+
+    def _row_error(self, error: Exception, row: int) -> GenworkerError:
+        """What a row's engine call raised, typed and naming the row (a foreign error the
+        adapter let through as the row's ``GenworkerError``); a dead engine noted."""
+        if isinstance(error, EngineDeadError):
+            self._died(error)
+        if isinstance(error, EngineContractError) and isinstance(error.detail, NonFiniteLogprobs):
+            tally_nonfinite(self.nonfinite_logprobs, Failure(error.detail))  # the engine checked
+        if isinstance(error, GenworkerError):
+            return _for_row(error, row)
+        typed = GenworkerError(f"{type(error).__name__}: {error}")
+        typed.__cause__ = error
+        return _for_row(typed, row)
+
+    async def _generated(
+        self,
+        engine: AsyncEnginePort,
+        request: _Request,
+        call: RowRequest[RowMedia],
+        context: int,
+        ready: asyncio.Event | None,
+    ) -> RowResult | GenworkerError:
+        """One row generated (``ready``: set at a leader's first token) and checked."""
+        progress = self._progress(engine.capabilities, request)
+        if ready is not None:
+            progress = _prefilled(ready, progress)
+        streamed = await engine.generate(call, progress)
+        return self._finished(engine.capabilities, request, (len(call.prompt), context), streamed)
 
     def _finished(
         self,
@@ -478,10 +495,13 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         return RowResult(generation, runs.unwrap())
 
     async def _stream(
-        self, plan: BatchPlan, groups: GroupPlan | None = None
-    ) -> AsyncGenerator[tuple[int, RowResult | GenworkerError], None]:
-        """The plan's refused rows, then each request's result as it finishes; a group's
-        siblings are sent once their leader's prefill is done (``core.groups``: PREFIX)."""
+        self, plan: BatchPlan, groups: GroupPlan | None, no_room: _T, work: _RowWork[_T]
+    ) -> AsyncGenerator[tuple[int, _T | GenworkerError], None]:
+        """The plan's refused rows, those without room (``no_room``), then each request's
+        result as it finishes (``work``: the row's engine call, :meth:`_generated` or
+        :meth:`_text_row`). With ``groups`` (token rows) the engine's weights are labelled
+        first and a group's siblings are sent once their leader's prefill is done
+        (``core.groups``: PREFIX)."""
         self._open_stream()
         requests: list[_Request] = []
         tasks: list[asyncio.Task[None]] = []
@@ -489,12 +509,13 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             for row, error in plan.errors:
                 yield row, error
             for row in plan.requests.no_room:
-                yield row, _NO_ROOM
+                yield row, no_room
             if not (rows := plan.requests.requests()):
                 return
             engine = self.engine
-            await self._ensure_labelled(engine)
-            results: asyncio.Queue[tuple[int, RowResult | GenworkerError]] = asyncio.Queue()
+            if groups is not None:
+                await self._ensure_labelled(engine)
+            results: asyncio.Queue[tuple[int, _T | GenworkerError]] = asyncio.Queue()
             spec_of = dict(rows)
             # siblings wait for their leader only where that shares its prompt's blocks
             runs: list[tuple[int, ...]] = [(r,) for r, _ in rows]
@@ -507,14 +528,26 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                     requests.append(request)
                     prompt, media = plan.prompts[row], plan.media.get(row)
                     call = RowRequest(request.request_id, prompt, spec_of[row], media)
+                    ready = prefilled if i == 0 else None
                     gate = (None, prefilled) if i == 0 else (prefilled, None)
-                    task = self._row_task(engine, request, call, results, plan.context[row], gate)
+                    args = (engine, request, call, plan.context[row], ready)
+                    task = self._row_task(request, functools.partial(work, *args), results, gate)
                     tasks.append(asyncio.ensure_future(task))
             for _ in tasks:
                 yield await results.get()
         finally:
             await self._drop(requests, tasks)
             self._close_stream()
+
+    async def _text_row(
+        self,
+        engine: AsyncEnginePort,
+        request: _Request,
+        call: RowRequest[RowMedia],
+        context: int,
+        ready: asyncio.Event | None,
+    ) -> str:
+        return await engine.generate_text(call)
 
     async def _drop(
         self, requests: Sequence[_Request], tasks: Sequence[asyncio.Task[object]]
@@ -535,25 +568,25 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 self._requests.pop(request.request_id, None)
 
     # -- generation -------------------------------------------------------------------
-    def _token_plan(self, data: Mapping[str, object], greedy: bool, *, whole: bool) -> BatchPlan:
-        """Check the lifecycle, then the spine's plan; ``whole``: a bad row refuses the
-        batch."""
+    def _token_plan(
+        self, data: Mapping[str, object], greedy: bool, *, whole: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, BatchPlan, GroupPlan]:
+        """Check the lifecycle, then the spine's plan and groups; ``whole``: a bad row
+        refuses the batch."""
         self._move(lifecycle.Event.STREAM_OPEN)
-        _, _, plan = self._token_batch(data, greedy, whole=whole)
-        return plan
+        input_ids, input_lengths, plan = self._token_batch(data, greedy, whole=whole)
+        return input_ids, input_lengths, plan, self._groups(data, plan)
 
     async def generate_async(
         self, data: Mapping[str, object], greedy: bool = False
     ) -> AsyncGenerator[StreamItem, None]:
         """Rows as they finish: ``(row, output)``, or ``(row, error)`` for a row that
         cannot generate or failed (see the module docstring)."""
-        plan = self._token_plan(data, greedy, whole=False)
-        groups = self._groups(data, plan)
-        input_ids, input_lengths = data["input_ids"], data["input_lengths"]
-        assert isinstance(input_ids, torch.Tensor)
-        assert isinstance(input_lengths, torch.Tensor)
+        input_ids, input_lengths, plan, groups = self._token_plan(data, greedy, whole=False)
         pad = self.cfg.pad_token_id
-        async with contextlib.aclosing(self._stream(plan, groups)) as rows:
+        async with contextlib.aclosing(
+            self._stream(plan, groups, _NO_ROOM, self._generated)
+        ) as rows:
             async for row, item in rows:
                 if isinstance(item, GenworkerError):
                     yield row, item
@@ -570,13 +603,11 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         """The whole batch at once, in ``VllmGenerationWorker.generate``'s contract plus
         ``weight_versions`` (B, W) int64 (the version of each generated token at its
         position, -1 elsewhere). A bad row refuses the batch; a row that fails raises."""
-        plan = self._token_plan(data, greedy, whole=True)
-        groups = self._groups(data, plan)
-        input_ids, input_lengths = data["input_ids"], data["input_lengths"]
-        assert isinstance(input_ids, torch.Tensor)
-        assert isinstance(input_lengths, torch.Tensor)
+        input_ids, input_lengths, plan, groups = self._token_plan(data, greedy, whole=True)
         results: dict[int, RowResult] = {}
-        async with contextlib.aclosing(self._stream(plan, groups)) as rows:
+        async with contextlib.aclosing(
+            self._stream(plan, groups, _NO_ROOM, self._generated)
+        ) as rows:
             async for row, item in rows:
                 if isinstance(item, GenworkerError):
                     raise item
@@ -623,56 +654,12 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         self._move(lifecycle.Event.STREAM_OPEN)
         return self._text_batch(data, greedy, whole=False)
 
-    async def _text_stream(
-        self, plan: BatchPlan
-    ) -> AsyncGenerator[tuple[int, str | GenworkerError], None]:
-        self._open_stream()
-        tasks: dict[asyncio.Task[str], _Request] = {}
-        try:
-            for row, error in plan.errors:
-                yield row, error
-            for row in plan.requests.no_room:
-                yield row, ""
-            if not (rows := plan.requests.requests()):
-                return
-            engine = self.engine
-            for row, spec in rows:
-                request = self._new_request(row)
-                prompt, media = plan.prompts[row], plan.media.get(row)
-                call = RowRequest(request.request_id, prompt, spec, media)
-                task = asyncio.ensure_future(engine.generate_text(call))
-                tasks[task] = request
-            pending = set(tasks)
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    request = tasks[task]
-                    raised = task.exception()
-                    if raised is None:
-                        yield request.row, task.result()
-                        continue
-                    if isinstance(raised, EngineDeadError):
-                        self._died(raised)
-                    if isinstance(raised, EngineContractError) and isinstance(
-                        raised.detail, NonFiniteLogprobs
-                    ):  # the engine checked the row's logprobs (AsyncEnginePort)
-                        tally_nonfinite(self.nonfinite_logprobs, Failure(raised.detail))
-                    if isinstance(raised, GenworkerError):
-                        typed = raised
-                    else:  # a foreign error the adapter let through: the row's
-                        typed = GenworkerError(f"{type(raised).__name__}: {raised}")
-                        typed.__cause__ = raised
-                    yield request.row, request.abort_reason or _for_row(typed, request.row)
-        finally:
-            await self._drop(list(tasks.values()), list(tasks))
-            self._close_stream()
-
     async def generate_text_async(
         self, data: Mapping[str, object], greedy: bool = False
     ) -> AsyncGenerator[tuple[int, dict[str, list[str]] | GenworkerError], None]:
         """Texts as they finish: ``(row, {"texts": [text]})`` or ``(row, error)``."""
         plan = self._text_plan(data, greedy)
-        async with contextlib.aclosing(self._text_stream(plan)) as rows:
+        async with contextlib.aclosing(self._stream(plan, None, "", self._text_row)) as rows:
             async for row, item in rows:
                 yield row, item if isinstance(item, GenworkerError) else {"texts": [item]}
 
@@ -684,7 +671,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         if plan.errors:
             raise plan.errors[0][1]
         texts: dict[int, str] = {}
-        async with contextlib.aclosing(self._text_stream(plan)) as rows:
+        async with contextlib.aclosing(self._stream(plan, None, "", self._text_row)) as rows:
             async for row, item in rows:
                 if isinstance(item, GenworkerError):
                     raise item
