@@ -30,9 +30,10 @@ from typing import Final
 import attrs
 import numpy as np
 import numpy.typing as npt
+import torch
 from returns.result import Failure, Result, Success
 
-from genworker.core.assembly import FlatGenerations, Generation
+from genworker.core.assembly import FlatGenerations, Generation, GenerationOutputs
 from genworker.core.errors import CoreError
 from genworker.core.routing import RoutesRefused, check_routes
 
@@ -41,6 +42,8 @@ __all__ = [
     "AbortedRows",
     "NonFiniteCounts",
     "NonFiniteLogprobs",
+    "PastContext",
+    "check_context",
     "check_finished",
     "check_generation_logprobs",
     "check_generation_routes",
@@ -235,3 +238,36 @@ def check_generation_routes(
         rows=(row,),
     )
     return checked.map(lambda _shape: generation)
+
+
+@attrs.frozen
+class PastContext(CoreError):
+    """Rows that came back holding more than ``max_model_len`` tokens in the context: each
+    row (ascending) and what it held."""
+
+    rows: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+def check_context(
+    out: GenerationOutputs, max_model_len: int, expanded: Sequence[int] | None = None
+) -> Result[GenerationOutputs, PastContext]:
+    """``out`` when every row's context (its prompt, ``expanded`` per row when images
+    expanded it, plus its generation) fits ``max_model_len``, else the rows past it."""
+    held = out.unpadded_sequence_lengths
+    if expanded is not None:
+        held = torch.tensor(list(expanded), dtype=held.dtype) + out.generation_lengths.to(
+            held.dtype
+        )
+    over = torch.nonzero(held > max_model_len).flatten()
+    if not over.numel():
+        return Success(out)
+    rows, lengths = over.tolist(), held[over].tolist()
+    return Failure(
+        PastContext(
+            f"rows {rows} came back longer than max_model_len={max_model_len}: "
+            f"context lengths {lengths}",
+            rows=tuple(rows),
+            lengths=tuple(lengths),
+        )
+    )

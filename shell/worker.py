@@ -55,6 +55,7 @@ from genworker.core.groups import order_rows
 from genworker.core.joins import GroupJoin, group_join, reshard_join
 from genworker.core.outputs import (
     NonFiniteLogprobs,
+    check_context,
     check_finished,
     check_logprobs,
     check_routed_experts,
@@ -320,18 +321,8 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         prompts = input_lengths.cpu().to(torch.int64).numpy()
         unwrap(check_routed_experts(generations, prompts), EngineContractError, "generate")
         out = assemble_flat_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
-        # What the context held: the prompt (expanded, for media rows) plus the generation.
-        held = out.unpadded_sequence_lengths
-        if media:
-            expanded = [context[row] for row in range(len(context))]
-            held = torch.tensor(expanded, dtype=held.dtype) + out.generation_lengths.to(held.dtype)
-        over = torch.nonzero(held > caps.max_model_len).flatten()
-        if over.numel():
-            raise EngineContractError(
-                f"rows {over.tolist()} came back longer than max_model_len="
-                f"{caps.max_model_len}: context lengths {held[over].tolist()}"
-            )
-        return out
+        expanded = [context[row] for row in range(len(context))] if media else None
+        return unwrap(check_context(out, caps.max_model_len, expanded), EngineContractError, "")
 
     def _versioned(self, out: GenerationOutputs) -> dict[str, torch.Tensor]:
         """The output contract plus ``weight_versions`` (B, W) int64: this worker's

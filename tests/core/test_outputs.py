@@ -7,16 +7,19 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from returns.result import Failure, Success
 from strategies import LogprobBatch, generations, logprob_batches, st
 
-from genworker.core.assembly import Generation, flatten_generations, place_rows
+from genworker.core.assembly import Generation, assemble_outputs, flatten_generations, place_rows
 from genworker.core.outputs import (
     PROCESSED_LOGPROBS_MODES,
     AbortedRows,
     NonFiniteCounts,
     NonFiniteLogprobs,
+    PastContext,
+    check_context,
     check_finished,
     check_generation_logprobs,
     check_logprobs,
@@ -222,3 +225,33 @@ def test_nonfinite_seen_counts_refused_and_accepted_checks_alike() -> None:
     assert nonfinite_seen(Success(seen)) == seen
     refused = NonFiniteLogprobs("refused", rows=(0,), counts=(1,), seen=seen)
     assert nonfinite_seen(Failure(refused)) == seen
+
+
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=5))
+def test_check_context_refuses_exactly_the_rows_past_max_model_len(
+    rows: list[tuple[int, int]],
+) -> None:
+    """A row holds its prompt and its generation (its expanded prompt when images
+    expanded it); only rows holding more than max_model_len are named, with what they held."""
+    width = max(p for p, _ in rows)
+    ids = torch.tensor([[1] * p + [0] * (width - p) for p, _ in rows])
+    lengths = torch.tensor([p for p, _ in rows])
+    made = [Generation(tuple(range(2, 2 + g)), (0.0,) * g, "length") for _, g in rows]
+    out = assemble_outputs(ids, lengths, made, 0)
+    limit = 7
+    for expanded in (None, [p + 3 for p, _ in rows]):
+        prompts = expanded if expanded is not None else [p for p, _ in rows]
+        held = [p + g for p, (_, g) in zip(prompts, rows, strict=True)]
+        over = [row for row, h in enumerate(held) if h > limit]
+        checked = check_context(out, limit, expanded)
+        if not over:
+            assert checked == Success(out)
+            continue
+        assert checked == Failure(
+            PastContext(
+                f"rows {over} came back longer than max_model_len={limit}: "
+                f"context lengths {[held[r] for r in over]}",
+                rows=tuple(over),
+                lengths=tuple(held[r] for r in over),
+            )
+        )
