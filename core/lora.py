@@ -40,6 +40,7 @@ from returns.result import Failure, Result, Success
 
 from genworker.core.errors import CoreError
 from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.core.refit_protocol import Transport, wait_bound
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -62,6 +63,7 @@ __all__ = [
     "adapter_path",
     "check_adapter",
     "check_adapter_name",
+    "lora_update",
     "plan_lora",
     "rank_for",
     "row_adapters",
@@ -378,6 +380,23 @@ def check_adapter_name(name: object) -> str | None:
     if isinstance(name, str) and _ADAPTER_NAME.match(name):
         return None
     return f"an adapter name is 1-128 letters, digits or '._/-' (not first), got {name!r}"
+
+
+def lora_update(
+    name: object, timeout_s: object, transport: object
+) -> Result[tuple[float, Transport], CoreError]:
+    """``update_lora``'s arguments, checked in this order: the adapter's name, ``timeout_s``
+    (the bound of each wait, ``core.refit_protocol.wait_bound``) and the transport."""
+    if (problem := check_adapter_name(name)) is not None:
+        return Failure(AdapterError(problem))
+    bound = wait_bound(timeout_s)
+    if isinstance(bound, Failure):
+        return bound
+    known = {t.value: t for t in Transport}
+    if not isinstance(transport, str) or transport not in known:
+        message = f"transport must be one of {sorted(known)}, got {transport!r}"
+        return Failure(AdapterError(message))
+    return Success((bound.unwrap(), known[transport]))
 
 
 def _peft_problems(peft: Mapping[str, object]) -> list[str]:

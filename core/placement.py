@@ -73,6 +73,7 @@ __all__ = [
     "PortWindow",
     "ShardActor",
     "ShardPlacement",
+    "bundle_group_size",
     "check_bundle_nodes",
     "check_inherited_env",
     "configure_worker",
@@ -227,6 +228,15 @@ def _slots_per_node(group_size: int, num_gpus_per_node: int) -> int:
 def _describe_ephemeral(ephemeral_ports: tuple[int, int]) -> str:
     low, high = ephemeral_ports
     return f"the host's ephemeral port range {low}-{high} (net.ipv4.ip_local_port_range)"
+
+
+def bundle_group_size(bundle_indices: object) -> int:
+    """The tied group NeMo-RL's placement hook infers from ``bundle_indices``: as many
+    GPUs as ``(node_idx, ids)`` names bundles, else one."""
+    if isinstance(bundle_indices, tuple | list) and len(bundle_indices) == 2:
+        ids = bundle_indices[1]
+        return len(ids) if isinstance(ids, Sequence) and ids else 1
+    return 1
 
 
 def configure_worker(

@@ -90,7 +90,7 @@ from genworker.core.engine_calls import is_refit_method
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.groups import Group, GroupPath, GroupPlan, plan_groups
 from genworker.core.joins import GroupJoin, JoinError
-from genworker.core.lora import NEMO_RL_ADAPTER_NAME, check_adapter_name
+from genworker.core.lora import NEMO_RL_ADAPTER_NAME, lora_update
 from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, nonfinite_seen
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, env_names, forwarded_env_names
 from genworker.core.refit_plan import Manifest
@@ -817,20 +817,14 @@ class WorkerSpine(Generic[_E]):
         """``update_lora``'s preamble: the name, ``timeout_s``, the transport (``ipc``,
         or ``collective`` after ``init_collective``), ``prepare_lora`` first and the
         weights resident; the per-wait bound, the RPC's outer bound and its kwargs."""
-        if (problem := check_adapter_name(name)) is not None:
-            raise BadArgumentError(f"update_lora: {problem}")
-        bound = unwrap(wait_bound(timeout_s), BadArgumentError, "update_lora")
-        known = {t.value: t for t in Transport}
-        if not isinstance(transport, str) or transport not in known:
-            raise BadArgumentError(
-                f"update_lora: transport must be one of {sorted(known)}, got {transport!r}"
-            )
-        if known[transport] is Transport.COLLECTIVE and not self._collective:
+        checked = lora_update(name, timeout_s, transport)
+        bound, over = unwrap(checked, BadArgumentError, "update_lora")
+        if over is Transport.COLLECTIVE and not self._collective:
             raise EngineStateError("update_lora over the collective needs init_collective first")
         if self._lora_manifest is None:
             raise EngineStateError("update_lora needs prepare_lora first")
         self._move(lifecycle.Event.REFIT_BEGIN)  # checked only: the weights must be resident
-        waits = refit_waits(len(self._lora_manifest), known[transport])
+        waits = refit_waits(len(self._lora_manifest), over)
         kwargs: dict[str, object] = {"timeout_s": bound, "transport": transport}
         return bound, rpc_bound(waits, bound), kwargs
 

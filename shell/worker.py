@@ -60,6 +60,7 @@ from genworker.core.outputs import (
     check_logprobs,
     check_routed_experts,
 )
+from genworker.core.placement import bundle_group_size
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.refit_protocol import (
     Transport,
@@ -216,18 +217,13 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         ``VLLM_CACHE_ROOT`` is ``<cache_root>_<seed>``, ``cache_root`` defaulting to the
         inherited ``VLLM_CACHE_ROOT`` or ``~/.cache/vllm``; ``VLLM_PORT`` stays below this
         host's ephemeral port range or the call fails naming the range."""
-        size = 1
-        if isinstance(bundle_indices, tuple | list) and len(bundle_indices) == 2:
-            ids = bundle_indices[1]
-            size = len(ids) if isinstance(ids, Sequence) and ids else 1
         plan = unwrap(
             plan_placement(
                 num_gpus,
                 bundle_indices,
                 num_gpus_per_node,
                 cache_root=cache_root or vllm_cache_root(),
-                # NeMo-RL's hook infers the tied group from the bundle count.
-                tensor_parallel_size=size,
+                tensor_parallel_size=bundle_group_size(bundle_indices),
                 ephemeral_ports=ephemeral_ports(),
             ),
             BadConfigError,

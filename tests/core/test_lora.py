@@ -25,11 +25,13 @@ from genworker.core.lora import (
     adapter_path,
     check_adapter,
     check_adapter_name,
+    lora_update,
     plan_lora,
     rank_for,
     row_adapters,
 )
 from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, Transport
 
 ENGINE = EngineLora(16, frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}))
 PEFT = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
@@ -437,3 +439,25 @@ def test_an_adapter_keeps_its_id_and_a_new_one_takes_the_next_within_capacity(
     assert isinstance(refused, Failure)
     assert f"adapter {new!r} would be adapter {len(ids) + 1}" in str(refused.failure())
     assert f"serves {len(ids)} " in str(refused.failure())
+
+
+def test_lora_update_takes_a_name_a_bound_and_a_transport() -> None:
+    assert lora_update("math", None, "ipc") == Success((DEFAULT_TIMEOUT_S, Transport.IPC))
+    assert lora_update("a/b", 2, "collective") == Success((2.0, Transport.COLLECTIVE))
+
+
+@pytest.mark.parametrize(
+    ("name", "timeout_s", "transport", "named"),
+    [
+        ("-x", 0, "nccl", "got '-x'"),  # the name first
+        ("math", 0, "nccl", "timeout_s must be a finite number of seconds > 0"),  # the bound
+        ("math", 1, "nccl", "transport must be one of ['collective', 'ipc'], got 'nccl'"),
+        ("math", 1, None, "got None"),
+    ],
+)
+def test_lora_update_refuses_the_first_bad_argument_naming_it(
+    name: object, timeout_s: object, transport: object, named: str
+) -> None:
+    checked = lora_update(name, timeout_s, transport)
+    assert isinstance(checked, Failure)
+    assert named in checked.failure().message

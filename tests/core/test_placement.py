@@ -21,6 +21,7 @@ from genworker.core.placement import (
     PlacementPlan,
     PortWindow,
     ShardActor,
+    bundle_group_size,
     check_bundle_nodes,
     check_inherited_env,
     configure_worker,
@@ -747,3 +748,12 @@ def test_env_names_refuses_what_is_not_a_list_of_names_naming_it(names: object, 
     assert isinstance(result, Failure)
     assert result.failure().name == "extra_env_vars"
     assert result.failure().message.endswith(named)
+
+
+@pytest.mark.parametrize(
+    ("bundle_indices", "size"),
+    [(None, 1), ((0, [0, 1, 2, 3]), 4), ([1, (4, 5)], 2), ((0, []), 1), ((0, 3), 1), ((0,), 1)],
+)
+def test_the_tied_group_is_the_bundle_count(bundle_indices: object, size: int) -> None:
+    """NeMo-RL's hook infers the engine's GPUs from the bundles its first worker owns."""
+    assert bundle_group_size(bundle_indices) == size
