@@ -18,14 +18,23 @@ indices keep their meaning in the next pass's messages; at most one pass per row
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import torch
 from returns.result import Failure, Result, Success
 
 from genworker.core.assembly import Generation, GenerationOutputs, assemble_outputs
 from genworker.core.batch import BatchError, check_batch
+from genworker.core.versions import VersionRuns, place_versions
 
-__all__ = ["RowChecks", "assemble_row", "check_rows"]
+__all__ = [
+    "RowChecks",
+    "assemble_row",
+    "check_rows",
+    "versioned_outputs",
+    "versioned_row",
+]
 
 
 @attrs.frozen
@@ -114,3 +123,33 @@ def assemble_row(
         [generation],
         pad_token_id,
     )
+
+
+def versioned_outputs(
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    generations: Sequence[Generation],
+    versions: Sequence[VersionRuns],
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """``generate``'s contract of these rows plus ``weight_versions`` (B, W) int64: the
+    version of each generated token at its position, -1 elsewhere."""
+    out = assemble_outputs(input_ids, input_lengths, list(generations), pad_token_id).as_dict()
+    width = int(out["output_ids"].shape[1])
+    out["weight_versions"] = place_versions(input_lengths.tolist(), versions, width)
+    return out
+
+
+def versioned_row(
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    row: int,
+    generation: Generation,
+    versions: VersionRuns,
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """:func:`assemble_row` of row ``row`` plus its ``weight_versions`` (1, l + g)."""
+    out = assemble_row(input_ids, input_lengths, row, generation, pad_token_id).as_dict()
+    width = int(out["output_ids"].shape[1])
+    out["weight_versions"] = place_versions([int(input_lengths[row])], [versions], width)
+    return out

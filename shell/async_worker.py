@@ -31,9 +31,7 @@ engine request, so rows finish, fail and change weights apart.
   ends it at once.
 - The lifecycle (``core.lifecycle.TABLE``): a stream opens with ``STREAM_OPEN`` and the
   last one to end fires ``STREAMS_DONE``; sleeping and resetting the prefix cache are
-  refused while streams run. A sleep resets the caches first, as the sync worker's (the
-  prefix cache, and on a multimodal engine the processed-media and encoder caches); a
-  sleep or wake that fails on the engine kills it (``shell.spine``).
+  refused while streams run. Sleep and wake are the sync worker's (``shell.spine``).
 - In-flight refit (``update_weights_via_ipc_zmq`` / ``update_weights_from_collective``):
   the lifecycle enters refitting at once (a second refit is refused), the engine is paused
   as by ``AsyncLLM.pause_generation(mode, clear_cache)`` (without its 20 ms sleep,
@@ -82,7 +80,7 @@ import torch
 from returns.result import Failure
 
 from genworker.core import control_plane, lifecycle
-from genworker.core.assembly import Generation, assemble_outputs
+from genworker.core.assembly import Generation
 from genworker.core.counters import LOGGER_METRICS, encode_snapshot, logger_sample
 from genworker.core.engine_calls import RowRequest, RpcCall
 from genworker.core.groups import GroupPlan
@@ -95,7 +93,7 @@ from genworker.core.outputs import (
 )
 from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import Transport
-from genworker.core.rows import assemble_row
+from genworker.core.rows import versioned_outputs, versioned_row
 from genworker.core.scoring import ScoredRow, assemble_scores
 from genworker.core.serving import metrics_logger_interval, server_options, training_policy
 from genworker.core.stops import StopMode
@@ -104,7 +102,6 @@ from genworker.core.versions import (
     VersionRuns,
     extend_runs,
     finished_runs,
-    place_versions,
 )
 from genworker.shell.errors import (
     BadArgumentError,
@@ -591,11 +588,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 if isinstance(item, GenworkerError):
                     yield row, item
                     continue
-                out = assemble_row(input_ids, input_lengths, row, item.generation, pad).as_dict()
-                out["weight_versions"] = place_versions(
-                    [int(input_lengths[row])], [item.versions], int(out["output_ids"].shape[1])
-                )
-                yield row, out
+                ids, lengths, made = input_ids, input_lengths, item.generation
+                yield row, versioned_row(ids, lengths, row, made, item.versions, pad)
 
     async def generate(
         self, data: Mapping[str, object], greedy: bool = False
@@ -613,13 +607,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                     raise item
                 results[row] = item
         ordered = [results[row] for row in range(len(results))]
-        out = assemble_outputs(
-            input_ids, input_lengths, [r.generation for r in ordered], self.cfg.pad_token_id
-        ).as_dict()
-        out["weight_versions"] = place_versions(
-            input_lengths.tolist(), [r.versions for r in ordered], int(out["output_ids"].shape[1])
-        )
-        return out
+        made, versions = [r.generation for r in ordered], [r.versions for r in ordered]
+        return versioned_outputs(input_ids, input_lengths, made, versions, self.cfg.pad_token_id)
 
     async def compute_logprobs(
         self, data: Mapping[str, object], top_k: int = 0
@@ -727,11 +716,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         self._reset_done("prefix")
 
     # -- refit ------------------------------------------------------------------------
-    # The refit protocol's bounds (core.refit_protocol), as in VllmGenerationWorker: every
-    # wait of a refit (the pause, each wait on the engine side and the trainer's) is
-    # bounded by ``timeout_s`` (None: DEFAULT_TIMEOUT_S), the engine call by a bound
-    # derived from it (rpc_bound). A refit refused before it starts (a bad argument, no
-    # prepare_refit_info, no init_collective for a collective one) changes nothing.
+    # The refit's bounds and preamble are the spine's; the pause is one more bounded wait.
     async def prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
     ) -> list[object]:
@@ -1115,10 +1100,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         return await self._call(lambda e: e.device_ids())
 
     async def get_counters(self) -> dict[str, float | list[float]]:
-        """The engine's Prometheus snapshot, the worker's cache resets
-        (``genworker:cache_resets{cache=...}``) and the non-finite logprobs it saw
-        (``genworker:nonfinite_logprobs{kind=...}``), encoded as flat keys (see
-        core.counters)."""
+        """As ``VllmGenerationWorker.get_counters``."""
         return encode_snapshot([*self.engine.metrics(), *self._own_counters()])
 
     def get_vllm_logger_metrics(self) -> dict[str, list[float]]:

@@ -3,15 +3,9 @@ loop over :class:`~genworker.shell.spine.WorkerSpine`.
 
 The worker is a thin shell: every decision is a core function or the spine's (config,
 batch checks, the request plan of ``core.requests``, output assembly, lifecycle, the
-cache-reset and error rules), the only effects are calls on the engine port. Each call
-first asks core's lifecycle table whether it is allowed, so a refused call touches
-nothing; an engine that dies marks the worker unusable. So does a sleep or wake that
-fails on the engine (anything but a typed refusal, ``EnginePort.sleep``; S1/S2 in
-failure-modes.md): vLLM 0.32 leaves it part-mapped with its scheduler paused
-(``vllm_engine``'s module docstring), so the call raises ``EngineDeadError`` (the engine's
-error as its cause; an interrupt as itself) and every later call is refused with it; and
-so does a wake after which every tag should be resident but the engine says it is not
-fully awake (vLLM resumes scheduling only then: every later request would wait).
+cache-reset and error rules, when the engine counts as dead), the only effects are calls
+on the engine port. Each call first asks core's lifecycle table whether it is allowed, so
+a refused call touches nothing.
 
 Calls are serialised: every public method that touches the engine or the lifecycle state
 holds the worker's :class:`~genworker.shell.engine_lock.EngineLock` from its lifecycle
@@ -424,8 +418,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         self._resets_finished(requests)
         return seconds
 
-    # -- refit ----------------------------------------------------------------------
-    # The refit preamble, its bounds and its commit are the spine's (WorkerSpine).
+    # -- refit (the preamble, its bounds and its commit are the spine's) ---------------
     @_serialized
     def prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
@@ -536,16 +529,15 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         return raise_failures(results, method)
 
     def _refit(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
-        """The refit RPC, then the cache resets; the weights count as valid only when all
-        succeeded (a cache still holding KV or encoder outputs of the old weights would
-        serve them). The preamble first (``WorkerSpine._refit_bounds``), then the
-        lifecycle: a refit refused by any of them changes nothing."""
+        """The spine's refit preamble (a refit it refuses changes nothing), then the refit."""
         bound, outer = self._refit_bounds(method, timeout_s, transport)
         return self._run_refit(method, {"timeout_s": bound}, outer)
 
     def _run_refit(self, method: str, kwargs: dict[str, object], outer: float) -> bool:
         """The refit RPC ``method(**kwargs)`` on every engine worker (bounded by ``outer``),
-        then the cache resets, through the lifecycle's refit states; the checks are done."""
+        then the cache resets, through the lifecycle's refit states; the weights count as
+        valid only when all succeeded (a cache still holding KV or encoder outputs of the
+        old weights would serve them)."""
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         try:
             started = time.monotonic()

@@ -11,7 +11,14 @@ from strategies import AssemblyCase, WildBatch, assembly_cases, wild_batches
 
 from genworker.core.assembly import Generation, assemble_outputs
 from genworker.core.batch import BatchError, BatchErrorKind, check_batch
-from genworker.core.rows import RowChecks, assemble_row, check_rows
+from genworker.core.rows import (
+    RowChecks,
+    assemble_row,
+    check_rows,
+    versioned_outputs,
+    versioned_row,
+)
+from genworker.core.versions import NO_VERSION, runs_from_tokens
 
 
 def _tensors(case: WildBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,3 +150,24 @@ def test_one_row_output_of_an_empty_generation_is_its_prompt() -> None:
     one = assemble_row(ids, lengths, 1, Generation([], [], "abort"), 0)
     assert one.output_ids.tolist() == [[5]]
     assert one.unpadded_sequence_lengths.tolist() == [1]
+
+
+@given(assembly_cases())
+def test_versioned_outputs_label_exactly_the_generated_tokens(case: AssemblyCase) -> None:
+    """Each generated token carries its version at its position (row ``i``'s ``k``-th
+    token sampled under version ``i + k // 2``), every other position NO_VERSION; one
+    row's output is that row of the batch's, cut to its length."""
+    b = case.batch
+    per_row = [[i + k // 2 for k in range(g.num_tokens)] for i, g in enumerate(case.generations)]
+    runs = [runs_from_tokens(versions).unwrap() for versions in per_row]
+    whole = versioned_outputs(b.input_ids, b.input_lengths, case.generations, runs, b.pad_token_id)
+    for row, (generation, versions) in enumerate(zip(case.generations, per_row, strict=True)):
+        start = int(b.input_lengths[row])
+        labelled = whole["weight_versions"][row].tolist()
+        expected = [NO_VERSION] * len(labelled)
+        expected[start : start + len(versions)] = versions
+        assert labelled == expected
+        one = versioned_row(b.input_ids, b.input_lengths, row, generation, runs[row], 0)
+        end = int(whole["unpadded_sequence_lengths"][row])
+        assert one["weight_versions"].tolist() == [expected[:end]]
+        assert torch.equal(one["output_ids"][0], whole["output_ids"][row, :end])
