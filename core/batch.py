@@ -45,6 +45,7 @@ every engine takes.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 import attrs
 import numpy as np
@@ -58,7 +59,9 @@ __all__ = [
     "SEED_LIMIT",
     "BatchError",
     "BatchErrorKind",
+    "BatchFieldError",
     "CheckedBatch",
+    "batch_tensors",
     "check_batch",
     "check_seeds",
     "extract_prompts",
@@ -85,6 +88,31 @@ class BatchErrorKind(enum.StrEnum):
     TOKEN_ID = "token_id"
     MAX_MODEL_LEN = "max_model_len"
     SEEDS = "seeds"
+
+
+@attrs.frozen
+class BatchFieldError(CoreError):
+    """A ``generate`` call's ``data`` that is not a mapping (``key`` empty) or lacks the
+    tensor ``key``."""
+
+    key: str = ""
+
+
+def batch_tensors(data: object) -> Result[tuple[torch.Tensor, torch.Tensor], BatchFieldError]:
+    """``data["input_ids"]`` and ``data["input_lengths"]``, or why ``data`` does not hold
+    them as tensors (naming the key)."""
+    if not isinstance(data, Mapping):
+        return Failure(BatchFieldError(f"data must be a mapping, got {type(data).__name__}"))
+    tensors = []
+    for key in ("input_ids", "input_lengths"):
+        value = data.get(key)
+        if value is None:
+            return Failure(BatchFieldError(f"data[{key!r}] is missing", key=key))
+        if not isinstance(value, torch.Tensor):
+            message = f"data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
+            return Failure(BatchFieldError(message, key=key))
+        tensors.append(value)
+    return Success((tensors[0], tensors[1]))
 
 
 @attrs.frozen

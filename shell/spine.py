@@ -83,7 +83,7 @@ import torch
 from returns.result import Failure, Result
 
 from genworker.core import lifecycle
-from genworker.core.batch import check_batch
+from genworker.core.batch import batch_tensors, check_batch
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import CounterSample, worker_counters
 from genworker.core.engine_calls import is_refit_method
@@ -144,7 +144,6 @@ __all__ = [
     "reset_cache",
     "start_engine",
     "tally_nonfinite",
-    "tensor_field",
     "wake_event",
 ]
 
@@ -277,20 +276,6 @@ def tally_nonfinite(
     """Add the non-finite logprobs ``check_logprobs`` saw, refused or not."""
     for kind, count in nonfinite_seen(checked).by_kind().items():
         tally[kind] += count
-
-
-def tensor_field(data: Mapping[str, object], key: str) -> torch.Tensor:
-    """``data[key]`` as a tensor, or a BadBatchError naming the key."""
-    if not isinstance(data, Mapping):
-        raise BadBatchError(f"generate: data must be a mapping, got {type(data).__name__}")
-    value = data.get(key)
-    if value is None:
-        raise BadBatchError(f"generate: data[{key!r}] is missing")
-    if not isinstance(value, torch.Tensor):
-        raise BadBatchError(
-            f"generate: data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
-        )
-    return value
 
 
 def checked_join(join: Result[GroupJoin, JoinError]) -> GroupJoin:
@@ -520,7 +505,7 @@ class WorkerSpine(Generic[_E]):
         """A right-padded batch checked and planned; ``whole``: a bad row refuses the
         batch (else it is set aside with its error, ``core.rows.check_rows``)."""
         self._check_greedy(greedy)
-        input_ids, input_lengths = (tensor_field(data, k) for k in ("input_ids", "input_lengths"))
+        input_ids, input_lengths = unwrap(batch_tensors(data), BadBatchError, "generate")
         caps = self.caps
         limits = {
             "pad_token_id": self.cfg.pad_token_id,

@@ -26,7 +26,9 @@ from genworker.core.batch import (
     SEED_LIMIT,
     BatchError,
     BatchErrorKind,
+    BatchFieldError,
     CheckedBatch,
+    batch_tensors,
     check_batch,
     check_seeds,
     extract_prompts,
@@ -422,3 +424,15 @@ def test_checked_batch_refuses_prompts_that_disagree_with_lengths() -> None:
         CheckedBatch(prompts=([1],), lengths=(1, 1))
     with pytest.raises(ValueError, match=r"rows \[1\]"):
         CheckedBatch(prompts=([1], [1, 2]), lengths=(1, 1))
+
+
+def test_batch_tensors_are_the_two_tensors_or_the_key_that_is_wrong() -> None:
+    ids, lengths = torch.tensor([[1, 2]]), torch.tensor([2])
+    assert batch_tensors({"input_ids": ids, "input_lengths": lengths}) == Success((ids, lengths))
+    assert batch_tensors([ids]) == Failure(BatchFieldError("data must be a mapping, got list"))
+    assert batch_tensors({"input_ids": ids}) == Failure(
+        BatchFieldError("data['input_lengths'] is missing", key="input_lengths")
+    )
+    assert batch_tensors({"input_ids": [[1, 2]], "input_lengths": lengths}) == Failure(
+        BatchFieldError("data['input_ids'] must be a torch.Tensor, got list", key="input_ids")
+    )
