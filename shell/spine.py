@@ -23,52 +23,13 @@ its commit (:meth:`_refit_ok`), ``last_refit`` and the weight version; the count
 (:meth:`_own_counters`); and the RPC error map (:meth:`_rpc_seam`: ``RefitError`` only for
 refit methods, ``EngineRpcError`` for the rest, ``shell.errors``).
 
-Differences between the two workers, and how they are settled here
-------------------------------------------------------------------
-============================  ===============================  ==============================
-What differed                 Settled as                       Why
-============================  ===============================  ==============================
-async sleep reset only the    both reset prefix, and on a      encoder outputs and processed
-prefix cache; sync also the   multimodal engine the mm and     media of the old weights are
-mm and encoder caches         encoder caches, skipping caches  stale either way; the async
-                              known empty (``CacheLedger``)    port gained the two resets
-only sync counted cache       both count every reset in        one counter contract
-resets (``cache_resets``,     ``cache_resets`` and report it   (``get_counters``) for both
-``get_counters``)             in ``get_counters``
-async reset_prefix_cache did  both count it                    as above
-not count the reset
-async load skipped the        both refuse it at load           a config the worker cannot
-``reset_encoder_cache_after_                                   honour on a multimodal engine
-weight_update: false`` check                                   is refused on both fronts
-the async no-room warning     the plan names batch rows        the warning named positions
-named plan positions          (``core.requests``) for both     in the planned subset
-async never set               both set it (the rows of the     one attribute, one meaning
-``last_refused_rows``         last plan without room)
-``engine`` after shutdown:    both: "the worker was shut       the clearer message
-sync said "call load_model"   down; create a new worker"
-every RPC failure was a       ``RefitError`` only for refit    a failed non-refit RPC (say
-``RefitError`` (both)         methods, else ``EngineRpcError`` ``call_engine_workers``) says
-                                                               nothing about the weights
-``repr``: only async showed   both show it                     one repr
-the weight version
-async in-flight refit checked the refit preamble (timeout,     one preamble; the async
-timeout first, then mode and  then what the refit needs) runs  argument checks run first as
-clear_cache                   after mode and clear_cache       before, only the order moved
-``generate_text([])``: async  both return no texts at once     an empty batch asks nothing
-checked per-sample data
-first
-async docstring said images   docstring fixed (the async       it takes them
-are refused                   worker takes images)
-async imported the sync       both import public names from    private means private
-module's private helpers      here (``spine``)
-============================  ===============================  ==============================
-
-Kept apart on purpose: the in-flight refit (pause, settle, label, resume; async only), the
-sparse relay and reshard methods (sync only), the sync worker's lock (an async worker runs
-on one event loop), the metrics logger and HTTP server (async only), and ``generate_text``
-refusals: the sync worker refuses the batch naming every bad prompt, the async worker
-refuses each row alone (its ``generate_text`` raises the first): the same core rule
-(``core.requests.text_refusals``) in its batch and row forms.
+Kept apart on purpose: the in-flight refit (pause, settle, label, resume; async only),
+the sparse relay and reshard methods (sync only), the sync worker's lock (an async worker
+runs on one event loop), the metrics logger and HTTP server (async only), and
+``generate_text`` refusals: the sync worker refuses the batch naming every bad prompt, the
+async worker refuses each row alone (its ``generate_text`` raises the first): the same core
+rule (``core.requests.text_refusals``) in its batch and row forms. Where the two workers
+differed before the spine, and how each difference was settled: ``docs/workers.md``.
 """
 
 from __future__ import annotations
