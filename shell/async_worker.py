@@ -1048,17 +1048,13 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         self._mark_refit_failed()
         if self._dead is not None:
             return
-        ids = self._mark_in_flight(
-            lambda row: RefitError(
-                f"row {row}: aborted: the in-flight refit ({method}) failed ({error}); the "
-                "weights are inconsistent until a refit succeeds"
-            )
+        why = (
+            f"aborted: the in-flight refit ({method}) failed ({error}); the weights are "
+            "inconsistent until a refit succeeds"
         )
+        ids = self._mark_in_flight(lambda row: RefitError(f"row {row}: {why}"))
         if self._http is not None:
-            self._http.abort_all(
-                f"aborted: the in-flight refit ({method}) failed ({error}); the weights are "
-                "inconsistent until a refit succeeds"
-            )
+            self._http.abort_all(why)
         try:
             if ids:
                 await engine.abort(ids)
