@@ -158,9 +158,8 @@ StreamItem = tuple[int, dict[str, torch.Tensor] | GenworkerError]
 """What ``generate_async`` yields: a row index and its output, or why it failed."""
 
 
-class ExistingAsyncEngine(ExistingEngineFactory[AsyncEnginePort]):
-    """An :class:`AsyncEngineFactory` that hands the worker an engine already running
-    (benchmarks and tests that compare the worker with raw calls on the same engine)."""
+#: An :class:`AsyncEngineFactory` that hands the worker an engine already running.
+ExistingAsyncEngine = ExistingEngineFactory[AsyncEnginePort]
 
 
 def _default_factory() -> AsyncEngineFactory:

@@ -112,11 +112,8 @@ _T = TypeVar("_T")
 _P = ParamSpec("_P")
 
 
-class ExistingEngine(ExistingEngineFactory[EnginePort]):
-    """An :class:`EngineFactory` that hands the worker an engine already running.
-
-    For benchmarks and tests that compare the worker with raw calls on the same engine.
-    """
+#: An :class:`EngineFactory` that hands the worker an engine already running.
+ExistingEngine = ExistingEngineFactory[EnginePort]
 
 
 def _default_factory() -> EngineFactory:
