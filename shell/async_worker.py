@@ -587,8 +587,10 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 if isinstance(item, GenworkerError):
                     yield row, item
                     continue
-                ids, lengths, made = input_ids, input_lengths, item.generation
-                yield row, versioned_row(ids, lengths, row, made, item.versions, pad)
+                out = versioned_row(
+                    input_ids, input_lengths, row, item.generation, item.versions, pad
+                )
+                yield row, out
 
     async def generate(
         self, data: Mapping[str, object], greedy: bool = False
