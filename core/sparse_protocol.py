@@ -72,6 +72,7 @@ __all__ = [
     "FrameAction",
     "FrameMsg",
     "FrameResult",
+    "RelayArgumentError",
     "SparseDiverged",
     "Started",
     "StepBegin",
@@ -81,6 +82,8 @@ __all__ = [
     "WirePiece",
     "apply_frame",
     "begin_message",
+    "check_relay_addresses",
+    "check_relay_start",
     "encode_frame",
     "end_message",
     "frame_message",
@@ -545,6 +548,29 @@ def apply_frame(
     if at != len(raw):
         return FrameResult(f"frame {header.index} has {len(raw) - at} bytes past its pieces", ())
     return FrameResult("", tuple(done))
+
+
+@attrs.frozen
+class RelayArgumentError(CoreError):
+    """An argument of the sync worker's relay calls that it does not take."""
+
+
+def check_relay_start(
+    host: object, allow_remote: object
+) -> Result[tuple[str, bool], RelayArgumentError]:
+    """``start_zmq_sparse_refit_relay``'s ``host`` (a str) and ``allow_remote`` (a bool)."""
+    if not isinstance(host, str) or not isinstance(allow_remote, bool):
+        message = f"host must be a str and allow_remote a bool, got {host!r} and {allow_remote!r}"
+        return Failure(RelayArgumentError(message))
+    return Success((host, allow_remote))
+
+
+def check_relay_addresses(addresses: object) -> Result[list[object], RelayArgumentError]:
+    """``configure_zmq_sparse_refit_relay``'s relay, a list of addresses (the root first)."""
+    if isinstance(addresses, str) or not isinstance(addresses, Sequence):
+        message = f"relay_addresses must be a list of addresses, got {addresses!r}"
+        return Failure(RelayArgumentError(message))
+    return Success(list(addresses))
 
 
 @attrs.frozen

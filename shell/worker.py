@@ -63,7 +63,11 @@ from genworker.core.refit_protocol import (
     wait_bound,
 )
 from genworker.core.scoring import assemble_scores
-from genworker.core.sparse_protocol import sparse_steps
+from genworker.core.sparse_protocol import (
+    check_relay_addresses,
+    check_relay_start,
+    sparse_steps,
+)
 from genworker.core.stops import StopMode
 from genworker.core.versions import uniform_versions
 from genworker.shell.collector import defer_cyclic_gc
@@ -617,12 +621,10 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         addresses, for ``SparseSender`` or :meth:`configure_zmq_sparse_refit_relay`.
         ``host`` other than loopback needs ``allow_remote=True`` (the relay is
         unauthenticated)."""
-        if not isinstance(host, str) or not isinstance(allow_remote, bool):
-            raise BadArgumentError(
-                f"start_zmq_sparse_refit_relay: host must be a str and allow_remote a bool, "
-                f"got {host!r} and {allow_remote!r}"
-            )
-        urls = [str(u) for u in self._rpc("start_sparse_relay", host, allow_remote)]
+        args = unwrap(
+            check_relay_start(host, allow_remote), BadArgumentError, "start_zmq_sparse_refit_relay"
+        )
+        urls = [str(u) for u in self._rpc("start_sparse_relay", *args)]
         if self._sparse_urls is None:
             self._sparse_applied = [s["applied"] for s in self._sparse_status()]
         self._sparse_urls = urls
@@ -636,11 +638,8 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
             raise EngineStateError(
                 "configure_zmq_sparse_refit_relay needs start_zmq_sparse_refit_relay first"
             )
-        if isinstance(relay_addresses, str) or not isinstance(relay_addresses, Sequence):
-            raise BadArgumentError(
-                f"relay_addresses must be a list of addresses, got {relay_addresses!r}"
-            )
-        self._rpc("configure_sparse_relay", list(relay_addresses))
+        relay = unwrap(check_relay_addresses(relay_addresses), BadArgumentError, "")
+        self._rpc("configure_sparse_relay", relay)
 
     @_serialized
     def report_refit_server_base_url(self) -> str | None:

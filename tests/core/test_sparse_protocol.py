@@ -39,6 +39,7 @@ from genworker.core.sparse_protocol import (
     FrameAction,
     FrameMsg,
     FrameResult,
+    RelayArgumentError,
     SparseDiverged,
     StepBegin,
     StepReceiver,
@@ -46,6 +47,8 @@ from genworker.core.sparse_protocol import (
     WirePiece,
     apply_frame,
     begin_message,
+    check_relay_addresses,
+    check_relay_start,
     encode_frame,
     end_message,
     frame_message,
@@ -529,3 +532,18 @@ def test_sparse_steps_refuse_diverged_workers_or_different_steps_naming_them() -
     apart = sparse_steps([_status(1, step=3), _status(1, step=4)], [1, 1])
     assert isinstance(apart, Failure)
     assert apart.failure().problems == ("the engine workers hold different sparse steps [3, 4]",)
+
+
+def test_the_relay_calls_take_a_host_a_flag_and_a_list_of_addresses() -> None:
+    assert check_relay_start("0.0.0.0", True) == Success(("0.0.0.0", True))
+    assert check_relay_start("h", 1) == Failure(
+        RelayArgumentError("host must be a str and allow_remote a bool, got 'h' and 1")
+    )
+    assert check_relay_start(None, False) == Failure(
+        RelayArgumentError("host must be a str and allow_remote a bool, got None and False")
+    )
+    assert check_relay_addresses(("tcp://a:1", "tcp://b:2")) == Success(["tcp://a:1", "tcp://b:2"])
+    for bad in ("tcp://a:1", 3, None):
+        assert check_relay_addresses(bad) == Failure(
+            RelayArgumentError(f"relay_addresses must be a list of addresses, got {bad!r}")
+        )
