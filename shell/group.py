@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Unpack
 import torch
 
 from genworker.core.assembly import assemble_outputs
-from genworker.core.batch import check_batch
+from genworker.core.batch import batch_tensors, check_batch
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import GroupCounters, group_counters
 from genworker.core.groups import check_declared_groups
@@ -122,7 +122,6 @@ from genworker.shell.errors import (
 )
 from genworker.shell.host import ephemeral_ports, vllm_cache_root
 from genworker.shell.media import image_counts, row_media
-from genworker.shell.spine import tensor_field
 
 __all__ = [
     "ClusterOptions",
@@ -1140,7 +1139,7 @@ def _check_greedy(greedy: object) -> None:
 def _padded_batch(data: Mapping[str, object], greedy: object) -> tuple[torch.Tensor, torch.Tensor]:
     """A right-padded batch's ``input_ids`` and ``input_lengths``, once ``greedy`` is a bool."""
     _check_greedy(greedy)
-    return tensor_field(data, "input_ids"), tensor_field(data, "input_lengths")
+    return unwrap(batch_tensors(data), BadBatchError, "generate")
 
 
 def _tensor_dict(value: object, rank: int) -> dict[str, torch.Tensor]:
