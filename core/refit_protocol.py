@@ -146,6 +146,11 @@ class TensorRef:
     storage: int = 0
     offset: int = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Its bytes; its dtype is one a refit carries (``DTYPE_ITEMSIZE``)."""
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
 
 class StorageKind(enum.Enum):
     """What a chunk's storage is to the sender, which decides its mapping's life."""

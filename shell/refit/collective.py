@@ -49,6 +49,7 @@ from genworker.shell.errors import (
     RefitTransportError,
     unwrap,
 )
+from genworker.shell.refit.door import Holding
 from genworker.shell.refit.engine import EngineContext
 from genworker.shell.refit.receiver import Sink, Wait, receive
 from genworker.shell.refit.wire import KINDS, decode, error_of, kind_of
@@ -399,6 +400,9 @@ class CollectiveReceiver:
         self._due = None
         return 0
 
+    def close(self) -> None:
+        self.group.close()
+
 
 class _Scratch:
     """Another trainer rank's sink: every tensor into scratch."""
@@ -482,13 +486,13 @@ class CollectiveSenderPort:
         return receive(port, manifest, sink, routes=routes, timeout_s=self._timeout).tensors
 
 
-class CollectiveBackend:
+class CollectiveBackend(Holding[CollectiveReceiver]):
     """The ``collective`` refit backend: this engine worker's place in the trainer's
-    weight-update group (rank ``train_world_size + rank_prefix + worker rank``)."""
+    weight-update group (rank ``train_world_size + rank_prefix + worker rank``), offered
+    to the other backends as ``EngineContext.group_port`` while joined."""
 
     def __init__(self, engine: EngineContext) -> None:
         self.engine = engine
-        self.receiver: CollectiveReceiver | None = None
 
     def init(self, join: GroupJoinWire) -> dict[str, object]:
         """Join the group (leaving any earlier one) as ``join`` (``GroupJoin.to_wire``)
@@ -499,24 +503,19 @@ class CollectiveBackend:
         group = CollectiveGroup(
             where.ip, where.port, rank, *sizes, "engine", self.engine.device, where.timeout_s
         )
-        self.receiver = self.engine.group_port = CollectiveReceiver(group)
+        self.held = self.engine.group_port = CollectiveReceiver(group)
         return {"rank": rank}
 
     def receive(self, timeout_s: float | None = None) -> dict[str, object]:
         """Receive one refit over the group into the engine."""
-        if self.receiver is None:
+        if self.held is None:
             raise EngineStateError("update_weights_from_collective before init_collective")
-        return self.engine.receive(self.receiver, timeout_s, sharded_ok=False)
+        return self.engine.receive(self.held, timeout_s, sharded_ok=False)
 
     def status(self) -> dict[str, object]:
-        return {"joined": self.receiver is not None}
-
-    def release(self) -> int:
-        return 0  # nothing of the trainer's is mapped here
+        return {"joined": self.held is not None}
 
     def close(self) -> int:
-        receiver, self.receiver = self.receiver, None
-        if receiver is not None:
+        if self.held is not None:
             self.engine.group_port = None
-            receiver.group.close()
-        return int(receiver is not None)
+        return super().close()

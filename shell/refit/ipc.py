@@ -39,6 +39,7 @@ from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.core.refit_wire import Handle, Listing, Reply, encode, encode_chunk, listing
 from genworker.shell.errors import BadConfigError, RefitError, RefitTimeoutError
+from genworker.shell.refit.door import Holding
 from genworker.shell.refit.engine import MIN_CAP, EngineContext
 from genworker.shell.refit.memory import (
     Exporter,
@@ -58,8 +59,10 @@ __all__ = [
     "IpcHolder",
     "IpcReceiver",
     "IpcSenderPort",
+    "arrived",
     "end_zmq",
     "is_loopback",
+    "zmq_socket",
 ]
 
 #: A sender's staging folder: ``<SEND_PREFIX><pid>-<random>`` (see ``memory.reclaim_dead``).
@@ -82,6 +85,24 @@ def end_zmq(
     ctx.term()
     if directory is not None:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def zmq_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]], kind: int, sockets: list[zmq.Socket[bytes]], cap: int = -1
+) -> zmq.Socket[bytes]:
+    """A fresh ``kind`` socket, ``LINGER=0``, its inbound messages capped at ``cap`` bytes
+    (-1: none): the one ``sockets`` (its port's, for :func:`end_zmq`) holds now."""
+    sock: zmq.Socket[bytes] = ctx.socket(kind)
+    sockets[:] = [sock]
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, cap)
+    return sock
+
+
+def arrived(sock: zmq.Socket[bytes], wait: Wait) -> bool:
+    """Whether a message is there to take before ``wait`` expires."""
+    remaining = wait.deadline - time.monotonic()
+    return remaining > 0 and bool(sock.poll(int(remaining * 1000) + 1, zmq.POLLIN))
 
 
 class IpcReceiver:
@@ -111,13 +132,11 @@ class IpcReceiver:
     def _bind(self) -> zmq.Socket[bytes]:
         for monitor in self._open[1:]:  # the previous socket's
             monitor.close(linger=0)
-        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.REP)
+        sock = zmq_socket(self._ctx, zmq.REP, self._open, self._cap)
         # Who connected, so a timeout can tell "no trainer" from "a trainer sent nothing".
         self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._open[:] = [sock, self._monitor]
+        self._open.append(self._monitor)
         self._peers, self._seen = 0, False
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._cap)
         if self._dir is not None:
             (self._dir / "refit.sock").unlink(missing_ok=True)
         try:
@@ -139,8 +158,7 @@ class IpcReceiver:
             self._sock, self._pending = self._bind(), False
 
     def next(self, wait: Wait) -> tuple[p.Event, list[Handle] | None]:
-        remaining = wait.deadline - time.monotonic()
-        if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+        if not arrived(self._sock, wait):
             raise self._expired(wait)
         frames = self._sock.recv_multipart(zmq.NOBLOCK)
         self._pending = True
@@ -220,22 +238,14 @@ class IpcReceiver:
         self._finalizer()  # closes the socket (it is the one in self._open)
 
 
-class IpcHolder:
-    """The :class:`IpcReceiver` of a backend that binds one (``ipc``, ``lora``): bound by
-    its ``init``, kept until :meth:`close`."""
-
-    receiver: IpcReceiver | None
+class IpcHolder(Holding[IpcReceiver]):
+    """A backend that binds an :class:`IpcReceiver` (``ipc``, ``lora``) by its ``init``
+    and keeps it until ``close``."""
 
     def release(self) -> int:
         """Let go of the trainer's memory mapped here between refits (its storages and
         staging buffers), so the trainer gets it back once it frees it; how many."""
-        return 0 if self.receiver is None else self.receiver.mappings.settle(failed=True)
-
-    def close(self) -> int:
-        receiver, self.receiver = self.receiver, None
-        if receiver is not None:
-            receiver.close()
-        return int(receiver is not None)
+        return 0 if self.held is None else self.held.mappings.settle(failed=True)
 
 
 class IpcBackend(IpcHolder):
@@ -245,31 +255,30 @@ class IpcBackend(IpcHolder):
 
     def __init__(self, engine: EngineContext) -> None:
         self.engine = engine
-        self.receiver: IpcReceiver | None = None
         engine.watch("ipc", self._limit)
 
     def _limit(self, manifest: Manifest | None) -> None:
-        if self.receiver is not None:
+        if self.held is not None:
             cap = p.max_message_bytes(manifest) if manifest else 0
-            self.receiver.limit(max(MIN_CAP, cap))
+            self.held.limit(max(MIN_CAP, cap))
 
     def init(self, tcp_host: str | None = None) -> str:
         """The address a ``RefitSender.ipc`` connects to (bound once)."""
-        if self.receiver is None:
-            self.receiver = IpcReceiver(self.engine.device, tcp_host=tcp_host)
+        if self.held is None:
+            self.held = IpcReceiver(self.engine.device, tcp_host=tcp_host)
             self._limit(self.engine.manifest)
-        return self.receiver.address
+        return self.held.address
 
     def receive(self, timeout_s: float | None = None) -> dict[str, object]:
         """Receive one refit through shared memory at the ``init`` address."""
         self.init()
-        assert self.receiver is not None
-        return self.engine.receive(self.receiver, timeout_s, sharded_ok=True)
+        assert self.held is not None
+        return self.engine.receive(self.held, timeout_s, sharded_ok=True)
 
     def status(self) -> dict[str, object]:
-        if self.receiver is None:
+        if self.held is None:
             return {"address": None, "mapped": 0}
-        return {"address": self.receiver.address, "mapped": len(self.receiver.mappings)}
+        return {"address": self.held.address, "mapped": len(self.held.mappings)}
 
 
 def is_loopback(host: str) -> bool:
@@ -505,9 +514,7 @@ class IpcSenderPort:
 
     def _poll(self, flag: int, what: str) -> zmq.Socket[bytes]:
         if self._sock is None:
-            self._sock = self._ctx.socket(zmq.REQ)
-            self._open[:] = [self._sock]
-            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock = zmq_socket(self._ctx, zmq.REQ, self._open)
             self._sock.connect(self.address)
         if not self._sock.poll(int(self._timeout * 1000), flag):
             self.drop()

@@ -90,7 +90,6 @@ class LoraBackend(IpcHolder):
 
     def __init__(self, engine: EngineContext) -> None:
         self.engine = engine
-        self.receiver: IpcReceiver | None = None
         self.adapter: Adapter | None = None
         self.ids: dict[str, int] = {}  # adapter name -> lora_int_id
         self.refits = 0
@@ -128,11 +127,11 @@ class LoraBackend(IpcHolder):
             manifest = unwrap(Manifest.from_info(info), RefitManifestError, "adapter manifest")
             checked = check_adapter(manifest, dict(peft or {}), self.holds(), alpha=alpha)
             self.adapter = unwrap(checked, RefitManifestError, "adapter")
-        if self.receiver is None:
-            self.receiver = IpcReceiver(self.engine.device, tcp_host=tcp_host)
+        if self.held is None:
+            self.held = IpcReceiver(self.engine.device, tcp_host=tcp_host)
         if self.adapter is not None:
-            self.receiver.limit(max(MIN_CAP, p.max_message_bytes(self.adapter.manifest)))
-        return self.receiver.address
+            self.held.limit(max(MIN_CAP, p.max_message_bytes(self.adapter.manifest)))
+        return self.held.address
 
     def receive(
         self, name: str, timeout_s: float | None = None, transport: str = "ipc"
@@ -144,7 +143,7 @@ class LoraBackend(IpcHolder):
         if (problem := check_adapter_name(name)) is not None:
             raise BadArgumentError(problem)
         bound = unwrap(p.wait_bound(timeout_s), BadArgumentError, "timeout_s")
-        if self.adapter is None or self.receiver is None:
+        if self.adapter is None or self.held is None:
             raise EngineStateError("an adapter refit needs refit_init('lora', info, peft) first")
         port = self._port(transport)
         manager = self._manager()
@@ -179,9 +178,9 @@ class LoraBackend(IpcHolder):
 
     def _port(self, transport: str) -> RefitPort:
         """The port an adapter refit over ``transport`` arrives on."""
-        assert self.receiver is not None
+        assert self.held is not None
         if transport == p.Transport.IPC.value:
-            return self.receiver
+            return self.held
         if transport != p.Transport.COLLECTIVE.value:
             known = [t.value for t in p.Transport]
             raise BadArgumentError(f"transport must be one of {known}, got {transport!r}")
@@ -232,7 +231,7 @@ class LoraBackend(IpcHolder):
         """The address, the adapters served (name -> ``lora_int_id``), adapter refits so
         far, and what the engine holds (``None`` without LoRA)."""
         holds = self.holds().as_dict() if self._has_lora() else None
-        address = None if self.receiver is None else self.receiver.address
+        address = None if self.held is None else self.held.address
         return {
             "address": address,
             "adapters": dict(self.ids),

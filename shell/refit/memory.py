@@ -21,7 +21,6 @@ keeps its mappings (:class:`Mappings`).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import secrets
@@ -40,7 +39,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from genworker.core import refit_protocol as p
-from genworker.core.refit_plan import DTYPE_ITEMSIZE
 from genworker.core.refit_wire import CpuHandle, CudaHandle, Handle
 from genworker.shell.errors import RefitError
 
@@ -290,8 +288,7 @@ class Mappings:
         buffers = [self._map(h) for h in handles]
         out = []
         for ref in chunk.tensors:
-            end = ref.offset + math.prod(ref.shape) * DTYPE_ITEMSIZE[ref.dtype]
-            raw = buffers[ref.storage][ref.offset : end]
+            raw = buffers[ref.storage][ref.offset : ref.offset + ref.nbytes]
             out.append(raw.view(getattr(torch, ref.dtype)).view(ref.shape))
         if len(kept) == len(handles):
             self._views[chunk.index] = (key, out)

@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime as dt
-import math
 import os
 import time
 import weakref
@@ -87,7 +86,7 @@ from genworker.shell.errors import (
 from genworker.shell.refit.collective import c10d_backend, foreign_errors, spin_until
 from genworker.shell.refit.door import Holding
 from genworker.shell.refit.engine import EngineContext
-from genworker.shell.refit.ipc import end_zmq
+from genworker.shell.refit.ipc import arrived, end_zmq, zmq_socket
 from genworker.shell.refit.memory import copy_into, device_id, sync
 from genworker.shell.refit.receiver import Sink, Wait
 
@@ -191,12 +190,8 @@ CODECS: dict[str, HandleCodec[Any]] = {"cuda": CudaIpcCodec()}
 only; tests add a CPU stand-in here (with its own allowlist), never production code."""
 
 
-def _nbytes(ref: p.TensorRef) -> int:
-    return math.prod(ref.shape) * DTYPE_ITEMSIZE[ref.dtype]
-
-
 def _view(buffer: torch.Tensor, ref: p.TensorRef, offset: int) -> torch.Tensor:
-    raw = buffer[offset : offset + _nbytes(ref)]
+    raw = buffer[offset : offset + ref.nbytes]
     if raw.storage_offset() % DTYPE_ITEMSIZE[ref.dtype]:
         raw = raw.clone()  # packed broadcasts are unpadded: a misaligned slice moves
     return raw.view(getattr(torch, ref.dtype)).view(ref.shape)
@@ -256,10 +251,7 @@ class NemoRlIpcPort(Generic[H]):
         if self._sock is None or cap > self._cap or stale:
             if self._sock is not None:
                 self._sock.close(linger=0)
-            self._cap, self._sock = cap, self._ctx.socket(zmq.REP)
-            self._open[:] = [self._sock]
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, cap)
+            self._cap, self._sock = cap, zmq_socket(self._ctx, zmq.REP, self._open, cap)
             self._sock.connect(self.address)
 
     def _socket(self) -> zmq.Socket[bytes]:
@@ -268,9 +260,8 @@ class NemoRlIpcPort(Generic[H]):
         return self._sock
 
     def _recv(self, wait: Wait) -> IpcBucket[H] | IpcComplete:
-        remaining = wait.deadline - time.monotonic()
         sock = self._socket()
-        if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+        if not arrived(sock, wait):
             raise wait.expired(self.peer)
         frames = sock.recv_multipart(zmq.NOBLOCK)
         self._pending = True
@@ -580,7 +571,7 @@ class NemoRlCollectivePort:
         self, writes: p.Writes, handles: list[object] | None, sink: Sink
     ) -> list[tuple[str, torch.Tensor]]:
         buffer = self._take(writes.chunk.index)
-        offsets = accumulate((_nbytes(w.ref) for w in writes.writes), initial=0)
+        offsets = accumulate((w.ref.nbytes for w in writes.writes), initial=0)
         return _scatter(buffer, writes, offsets, sink, borrowed=False)
 
     def fail(self, problem: RefitError, *, late: Wait | None) -> NoReturn:

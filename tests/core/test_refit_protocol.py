@@ -840,3 +840,13 @@ def test_a_nonfinite_refusal_names_the_first_eight_tensors_and_counts_the_rest(
     assert all(repr(n) in said for n in names[:8])
     assert (f" and {len(names) - 8} more" in said) is (len(names) > 8)
     assert "the weights are as before (vllm_cfg.refit_finite_check: false" in said
+
+
+@given(
+    shape=st.lists(st.integers(0, 9), max_size=4).map(tuple),
+    dtype=st.sampled_from([("float32", 4), ("bfloat16", 2), ("uint8", 1), ("int64", 8)]),
+)
+def test_a_tensor_refs_bytes(shape: tuple[int, ...], dtype: tuple[str, int]) -> None:
+    """A listed tensor takes its elements times its dtype's size, wherever it lies."""
+    ref = p.TensorRef("w", shape, dtype[0], 1, 64)
+    assert ref.nbytes == math.prod(shape) * dtype[1] == TensorSpec("w", shape, dtype[0]).nbytes
