@@ -683,6 +683,51 @@ class ChunkPlan:
 
 
 @attrs.frozen
+class Sent(Generic[K]):
+    """One tensor a refit sent, for a replay: where it lay (``place``: name, spec, storage
+    and place in it, compared whole), its storage's reference, and its (staging buffer,
+    offset) when packed, None when it went by handle."""
+
+    place: tuple[object, ...]
+    ref: K
+    packed: tuple[int, int] | None = None
+
+
+@attrs.frozen
+class SentChunk(Generic[K]):
+    """One chunk a refit sent: its listing (the very bytes), its tensors and their bytes."""
+
+    listing: bytes
+    sent: tuple[Sent[K], ...]
+    nbytes: int
+
+    @property
+    def by_handle(self) -> int:
+        return sum(s.packed is None for s in self.sent)
+
+
+@attrs.frozen
+class Replay(Generic[K]):
+    """A refit sent by handle and through the staging buffers, chunk by chunk. The next
+    refit whose tensors come back in the same places, in order, sends these chunks'
+    listings again (packing each packed tensor where the listing says) instead of routing
+    and encoding them; a tensor in a place of its own (a temporary buffer) is never
+    replayed, so a refit that sent one is not recorded."""
+
+    chunks: tuple[SentChunk[K], ...] = ()
+
+    def add(self, chunk: SentChunk[K]) -> Replay[K]:
+        return Replay((*self.chunks, chunk))
+
+    def expects(self, index: int, held: int, place: tuple[object, ...]) -> Sent[K] | None:
+        """Chunk ``index``'s tensor after the ``held`` already taken, when it lay at
+        ``place``; None past the last chunk or at another place."""
+        if index < len(self.chunks) and (sent := self.chunks[index].sent[held]).place == place:
+            return sent
+        return None
+
+
+@attrs.frozen
 class Settled(Generic[K]):
     kept: Kept[K]
     released: frozenset[K]

@@ -4,22 +4,13 @@ wake, the fp8 start.
 vLLM appends ``worker_extension_cls`` to its worker's bases and refuses attributes that
 clash (``vllm/v1/worker/worker_base.py``, 0.32); every method is a ``collective_rpc``
 target with plain msgpack-able arguments and results (no
-``VLLM_ALLOW_INSECURE_SERIALIZATION``), all state on the instance under one attribute
-(a :class:`~genworker.shell.refit.door.Door`), so any caller (the worker, ``AsyncLLM``)
-drives a refit the same way, in vLLM's weight-transfer shape: ``prepare_refit_info``
-once per manifest; ``refit_init(backend, ...)`` once per transport; ``refit_receive
-(backend, ...)`` per refit (each wait bounded by ``timeout_s``); ``refit_status``,
-``refit_release`` (the trainer's memory back) and ``refit_close``. A failure comes back
-as a plain value (``refit.wire.failure``) for ``refit.wire.raise_failures``. The
-backends (``shell/refit/door.py``'s registry) never see this class: they get the
-door's :class:`~genworker.shell.refit.engine.EngineContext`.
-
-fp8 is not a backend: it is a hook on the engine's weight loader
-(:mod:`genworker.shell.fp8`), which every backend's loaded tensors pass through
-(``EngineContext.loader``), plus a once-per-engine start (:meth:`prepare_fp8`).
-
-Today's target names stay for one release, each one line onto the door (the table at the
-end of :class:`WorkerExtension`).
+``VLLM_ALLOW_INSECURE_SERIALIZATION``), all state on the instance under one attribute (a
+:class:`~genworker.shell.refit.door.Door`), so any caller (the worker, ``AsyncLLM``)
+drives a refit the same way: the five verbs of docs/design.md's "The refit path", a
+failure coming back as a plain value (``refit.wire.failure``). fp8 is not a backend but
+a hook on the engine's weight loader (:mod:`genworker.shell.fp8`) plus a once-per-engine
+start (:meth:`prepare_fp8`). Today's target names stay for one release, each one line
+onto the door (the table at the end of :class:`WorkerExtension`).
 """
 
 from __future__ import annotations

@@ -12,15 +12,10 @@ of the parameters (:func:`engine_params`): straight into a contiguous parameter 
 unquantized module when every writable parameter of that module arrives so, followed by
 the module's ``process_weights_after_loading`` (on CPU it re-packs the oneDNN handle of an
 embedding or LM head, ``dispatch_cpu_unquantized_gemm``, vllm/model_executor/layers/
-utils.py, 0.32); else through ``reload_weights(weights_iterator=...)`` where the model
-runner has it (vLLM's layerwise reload), or ``model.load_weights`` and
-``process_weights_after_loading``, one loader call per refit, through :mod:`genworker.shell.fp8`'s
-hook on an fp8 engine; an MoE layer whose experts kernel re-lays its weights after a load
-(vLLM's CPU prepack) is re-laid after each refit that writes it (:func:`experts_repacked`,
-which vLLM 0.32 skips on weight updates). Over a collective with tensor parallelism every rank receives the
-same bytes, so sharded parameters never go direct. The routes are kept while every
-parameter stays registered where it was, in the same memory, size and dtype (checked
-without walking the modules or vLLM's parameter ``__torch_function__``).
+utils.py, 0.32); else through vLLM's loader (:meth:`EngineContext.loader`: the fp8 hook,
+the experts' re-lay), one call per refit. Over a collective with tensor parallelism every
+rank receives the same bytes, so sharded parameters never go direct. The routes are kept
+while every parameter stays where it was (:func:`_unchanged`).
 """
 
 from __future__ import annotations

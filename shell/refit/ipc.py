@@ -37,6 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.core.refit_protocol import Replay
 from genworker.core.refit_wire import Handle, Listing, Reply, encode, encode_chunk, listing
 from genworker.shell.errors import BadConfigError, RefitError, RefitTimeoutError
 from genworker.shell.refit.door import Holding
@@ -289,7 +290,6 @@ def is_loopback(host: str) -> bool:
 
 
 def _pack(buffer: StagingBuffer, offset: int, tensor: torch.Tensor) -> None:
-    """Copy ``tensor`` into ``buffer`` at ``offset``."""
     view = buffer.tensor[offset : offset + tensor.numel() * tensor.element_size()]
     copy_into(view.view(tensor.dtype).view(tensor.shape), tensor)
 
@@ -304,6 +304,8 @@ class _Chunk:
         self.refs: list[p.TensorRef] = []
         self.devices: set[torch.device] = set()
         self.alive: list[torch.Tensor | StagingBuffer] = []
+        self.sent: list[p.Sent[StorageWeakRef]] = []  # for the replay (core's Replay)
+        self.nbytes = 0
 
     def storage(self, handle: Handle, kind: p.StorageKind) -> int:
         if handle not in self.handles:
@@ -324,19 +326,6 @@ def place_of(name: str, tensor: torch.Tensor) -> tuple[object, ...]:
     s = tensor.untyped_storage()
     return (name, s._cdata, s.data_ptr(), s.nbytes(), tensor.storage_offset(), tensor.shape,
             tensor.dtype, tensor.is_contiguous())  # fmt: skip
-
-
-class _Replay:
-    """A refit sent by handle and through the staging buffers, to send again when the same
-    tensors come back: each tensor's :func:`place_of` (with its storage's reference) and,
-    packed, its staging buffer and offset (packed there again, as the listing says), and
-    where its chunk ends with that chunk's listing (``core.refit_wire.listing``: the very bytes
-    it sent). A tensor packed alone, in a temporary buffer, is never recorded."""
-
-    def __init__(self) -> None:
-        self.tensors: list[tuple[tuple[object, ...], StorageWeakRef, tuple[int, int] | None]] = []
-        self.ends: list[tuple[int, bytes, int]] = []  # (tensors, listing, bytes) so far
-        self.nbytes, self.complete = 0, True
 
 
 class IpcSenderPort:
@@ -367,12 +356,14 @@ class IpcSenderPort:
         self._chunk, self._outstanding = _Chunk(), cast(_Chunk | None, None)
         self._chunks, self._what, self.refit_id = 0, "", ""
         self._used: set[StorageWeakRef] = set()
-        self.replay = self._replay = cast(_Replay | None, None)
-        self._record, self.held = _Replay(), list[tuple[str, torch.Tensor]]()
+        #: the last refit, to send again (``core.refit_protocol.Replay``); this refit's
+        #: record (None once it cannot be one: partly replayed, or a tensor sent alone)
+        self.replay = self._replay = self._record = cast(Replay[StorageWeakRef] | None, None)
+        self.held = list[tuple[str, torch.Tensor]]()
 
     def begin(self, event: p.Begin) -> None:
         self.refit_id, self._chunks, self._used = event.refit_id, 0, set()
-        self._record, self._replay, self.replay = _Replay(), self.replay, None  # back at end
+        self._record, self._replay, self.replay = Replay(), self.replay, None  # back at end
         self.held = []
         self._send(encode(event), "the start of the refit")  # answered before chunk 0 goes
         self._outstanding, self._what = _Chunk(), "the start of the refit"
@@ -384,32 +375,29 @@ class IpcSenderPort:
         tensors, bytes and tensors by handle of the replayed chunk it completes, sent
         (zeros while none)."""
         replay, index, held = self._replay, self._chunks, self.held
-        start, _, before = replay.ends[index - 1] if replay and index else (0, b"", 0)
-        here = replay.tensors[start + len(held)] if replay and index < len(replay.ends) else None
-        if item is None or here is None or here[0] != place_of(*item):
+        here = replay.expects(index, len(held), place_of(*item)) if replay and item else None
+        if replay is None or item is None or here is None:
             self._settle()
             return None
-        assert replay is not None
-        if here[2] is not None:  # packed: into the same staging buffer, at the same offset
-            _pack(self._buffers[here[2][0]], here[2][1], item[1])
+        if here.packed is not None:  # into the same staging buffer, at the same offset
+            buffer, offset = here.packed
+            _pack(self._buffers[buffer], offset, item[1])
         held.append(item)
-        end, listed, nbytes = replay.ends[index]
-        if start + len(held) < end:
+        done = replay.chunks[index]
+        if len(held) < len(done.sent):
             return 0, 0, 0
         chunk, self.held = _Chunk(), []
         chunk.alive, chunk.devices = [t for _, t in held], {t.device for _, t in held}
-        self._used.update(ref for _, ref, _ in replay.tensors[start:end])
-        self._exporter.saw(replay.tensors[start:end])
-        self._record.complete = False  # a refit partly replayed is not recorded, and
-        if index == len(replay.ends) - 1:  # one replayed whole is the replay (and more)
-            self._record = replay
-        self._out(chunk, listed)
-        return end - start, nbytes - before, sum(pk is None for *_, pk in replay.tensors[start:end])
+        self._used.update(s.ref for s in done.sent)
+        self._exporter.saw(done.sent)
+        # a refit partly replayed is not recorded; one replayed whole is the replay (and more)
+        self._record = replay if index == len(replay.chunks) - 1 else None
+        self._out(chunk, done.listing)
+        return len(done.sent), done.nbytes, done.by_handle
 
     def route(self, tensor: torch.Tensor) -> tuple[p.SendRoute, object]:
         """HANDLE with ``(storage ref, handle)``; PACK with ``(storage ref, None)`` when
-        it packs for good, else (packed until its storage is recognised) with None.
-        ``send_route`` is HANDLE exactly when recognised and HANDLE if recognised."""
+        it packs for good, else (packed until its storage is recognised) with None."""
         device = self._device = self._device or tensor.device
         ref, recognised = self._exporter.recognised(tensor)
         best = p.send_route(
@@ -432,9 +420,10 @@ class IpcSenderPort:
         route: tuple[p.SendRoute, object],
         placed: p.Placement,
     ) -> None:
-        chunk, record = self._chunk, self._record
+        chunk = self._chunk
         ref, handle = cast(tuple[StorageWeakRef, Handle | None], route[1] or (None, None))
-        record.complete &= route[1] is not None and not placed.alone  # else never replayed
+        if route[1] is None or placed.alone:  # never replayed
+            self._record = None
         pack: tuple[int, int] | None = None
         if handle is not None:
             self._used.add(ref)
@@ -455,8 +444,8 @@ class IpcSenderPort:
             index = chunk.storage(kept.handle, p.StorageKind.STAGING)
             offset, pack = placed.offset, (placed.plan.buffer, placed.offset)
             _pack(kept, offset, tensor)
-        record.tensors.append((place_of(spec.name, tensor), ref, pack))  # after a CPU move
-        record.nbytes += spec.nbytes
+        chunk.sent.append(p.Sent(place_of(spec.name, tensor), ref, pack))  # after a CPU move
+        chunk.nbytes += spec.nbytes
         chunk.refs.append(p.TensorRef(spec.name, spec.shape, spec.dtype, index, offset))
 
     def flush(self) -> None:
@@ -464,7 +453,8 @@ class IpcSenderPort:
         chunk, self._chunk = self._chunk, _Chunk()
         event = p.Chunk(self.refit_id, self._chunks, tuple(chunk.refs), None, tuple(chunk.kinds))
         listed = listing(event, list(chunk.handles))
-        self._record.ends.append((len(self._record.tensors), listed, self._record.nbytes))
+        if self._record is not None:
+            self._record = self._record.add(p.SentChunk(listed, tuple(chunk.sent), chunk.nbytes))
         self._out(chunk, listed)
 
     def _out(self, chunk: _Chunk, listed: bytes) -> None:
@@ -478,7 +468,7 @@ class IpcSenderPort:
     def end(self, event: p.End) -> None:
         self._settle()
         self._exchange(encode(event), "the end of the refit")
-        self.replay = self._record if self._record.complete and self._record.ends else None
+        self.replay = self._record if self._record is not None and self._record.chunks else None
         self._exporter.settle(self._used)
         if self._device is not None and self._device.type == "cuda":
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]

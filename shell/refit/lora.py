@@ -94,11 +94,11 @@ class LoraBackend(IpcHolder):
         self.ids: dict[str, int] = {}  # adapter name -> lora_int_id
         self.refits = 0
 
-    def _manager(self) -> object:
-        """vLLM's worker LoRA manager; an ``EngineStateError`` on an engine without LoRA."""
-        runner = getattr(self.engine.worker, "model_runner", None)
-        manager = getattr(runner, "lora_manager", None)
-        if manager is None:
+    def _manager(self, *, required: bool = True) -> object:
+        """vLLM's worker LoRA manager; on an engine without LoRA an ``EngineStateError``,
+        or None where not ``required``."""
+        manager = getattr(getattr(self.engine.worker, "model_runner", None), "lora_manager", None)
+        if manager is None and required:
             raise EngineStateError(
                 "this engine was started without LoRA: set vllm_kwargs.enable_lora: true "
                 "(or lora_refit_mode: native) for adapter refits"
@@ -230,7 +230,8 @@ class LoraBackend(IpcHolder):
     def status(self) -> dict[str, object]:
         """The address, the adapters served (name -> ``lora_int_id``), adapter refits so
         far, and what the engine holds (``None`` without LoRA)."""
-        holds = self.holds().as_dict() if self._has_lora() else None
+        lora = self._manager(required=False) is not None
+        holds = self.holds().as_dict() if lora else None
         address = None if self.held is None else self.held.address
         return {
             "address": address,
@@ -238,9 +239,3 @@ class LoraBackend(IpcHolder):
             "refits": self.refits,
             "holds": holds,
         }
-
-    def _has_lora(self) -> bool:
-        return (
-            getattr(getattr(self.engine.worker, "model_runner", None), "lora_manager", None)
-            is not None
-        )

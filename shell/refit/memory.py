@@ -28,7 +28,7 @@ import shutil
 import socket
 import stat
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final, cast
@@ -196,11 +196,11 @@ class Exporter:
         self._handles[ref] = (*place, handle)
         return handle
 
-    def saw(self, sent: Sequence[tuple[tuple[object, ...], StorageWeakRef, object]]) -> None:
+    def saw(self, sent: Iterable[p.Sent[StorageWeakRef]]) -> None:
         """This refit sent these storages again (:class:`~.ipc.IpcSenderPort`'s replay:
-        each tensor's place, its storage's reference, and how it travelled)."""
-        for place, ref, _ in sent:
-            self._seen[ref] = cast(tuple[int, int], place[2:4])
+        each tensor's place holds its storage's pointer and bytes)."""
+        for tensor in sent:
+            self._seen[tensor.ref] = cast(tuple[int, int], tensor.place[2:4])
 
     def forget(self, ref: StorageWeakRef) -> None:
         """``ref`` could not be shared: never recognise it (it travels packed)."""

@@ -850,3 +850,44 @@ def test_a_tensor_refs_bytes(shape: tuple[int, ...], dtype: tuple[str, int]) -> 
     """A listed tensor takes its elements times its dtype's size, wherever it lies."""
     ref = p.TensorRef("w", shape, dtype[0], 1, 64)
     assert ref.nbytes == math.prod(shape) * dtype[1] == TensorSpec("w", shape, dtype[0]).nbytes
+
+
+_sent_chunks = st.lists(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.none() | st.tuples(st.integers(0, 1), st.integers(0, 64))),
+        min_size=1,
+        max_size=4,
+    ),
+    max_size=4,
+)
+
+
+def _replay(chunks: list[list[tuple[int, tuple[int, int] | None]]]) -> p.Replay[str]:
+    replay: p.Replay[str] = p.Replay()
+    for index, chunk in enumerate(chunks):
+        sent = tuple(
+            p.Sent(("t", index, i, tag), f"ref{tag}", packed)
+            for i, (tag, packed) in enumerate(chunk)
+        )
+        replay = replay.add(p.SentChunk(f"listing {index}".encode(), sent, 10 * len(sent)))
+    return replay
+
+
+@given(_sent_chunks)
+def test_a_replay_expects_what_was_sent_in_order_at_the_same_place(
+    chunks: list[list[tuple[int, tuple[int, int] | None]]],
+) -> None:
+    """Each chunk's tensors come back in order at their places, each its reference and
+    packing; a tensor at another place, or past the last chunk, is not the replay's."""
+    replay = _replay(chunks)
+    assert [c.listing for c in replay.chunks] == [
+        f"listing {i}".encode() for i in range(len(chunks))
+    ]
+    for index, chunk in enumerate(chunks):
+        assert replay.chunks[index].by_handle == sum(packed is None for _, packed in chunk)
+        for held, (tag, packed) in enumerate(chunk):
+            here = replay.expects(index, held, ("t", index, held, tag))
+            assert here is not None
+            assert (here.ref, here.packed) == (f"ref{tag}", packed)
+            assert replay.expects(index, held, ("t", index, held, tag + 1)) is None
+    assert replay.expects(len(chunks), 0, ("t", len(chunks), 0, 0)) is None
