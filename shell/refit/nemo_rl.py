@@ -348,9 +348,7 @@ class NemoRlIpcPort(Generic[H]):
             raise RefitTransportError(f"could not answer {self.peer}: {e}") from e
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        self._sock = None  # closed by the finalizer (the one socket in self._open)
         self._finalizer()
 
 
