@@ -25,7 +25,13 @@ from genworker.core.refit_wire import (
 )
 
 HANDLES: st.SearchStrategy[Handle] = st.one_of(
-    st.builds(CpuHandle, st.text(max_size=8), st.integers(0, 1 << 40), st.integers(), st.text()),
+    st.builds(
+        CpuHandle,
+        st.text(max_size=8),
+        st.integers(0, 1 << 40),
+        st.integers(0, (1 << 64) - 1),
+        st.text(),
+    ),
     st.builds(
         CudaHandle,
         st.text(max_size=8),
