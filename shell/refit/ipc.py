@@ -250,9 +250,8 @@ class IpcHolder(Holding[IpcReceiver]):
 
 
 class IpcBackend(IpcHolder):
-    """The ``ipc`` refit backend: an :class:`IpcReceiver` bound on first ``init`` (kept
-    until ``close``), its inbound cap raised with every manifest ``prepare_refit_info``
-    records (before the trainer's first message can arrive)."""
+    """The ``ipc`` refit backend, its inbound cap raised with every manifest
+    ``prepare_refit_info`` records (before the trainer's first message can arrive)."""
 
     def __init__(self, engine: EngineContext) -> None:
         self.engine = engine
