@@ -54,7 +54,7 @@ import hashlib
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Final
+from typing import Final, TypeVar
 
 import attrs
 import msgspec
@@ -81,11 +81,15 @@ __all__ = [
     "VllmParamFacts",
     "box_numel",
     "bytes_of",
+    "check_ranks",
     "dtensor_layout",
     "engine_shards",
+    "fit_group",
     "header_problem",
     "intersect",
     "megatron_layout",
+    "p2p_tags",
+    "packed_sources",
     "parse_refit_info",
     "parse_shards",
     "plan_digest",
@@ -94,6 +98,7 @@ __all__ = [
     "plan_stage",
     "rank_problems",
     "read_header",
+    "ready_to_receive",
     "refit_info",
     "sender_problems",
     "start_header",
@@ -101,6 +106,7 @@ __all__ = [
     "vllm_shard",
 ]
 
+_T = TypeVar("_T")
 Box = tuple[tuple[int, int], ...]
 _MAX_NAMED: Final = 12
 
@@ -227,6 +233,17 @@ def rank_problems(layouts: Iterable[TrainerLayout], train_ranks: int) -> list[Pa
                 )
             )
     return problems
+
+
+def check_ranks(
+    stages: Sequence[Sequence[TrainerLayout]], train_ranks: int
+) -> Result[None, ReshardError]:
+    """Layouts naming a trainer rank the joined groups do not have (:func:`rank_problems`),
+    refused naming every one."""
+    if problems := rank_problems([lay for layouts in stages for lay in layouts], train_ranks):
+        detail = "; ".join(pp.describe() for pp in problems)
+        return Failure(ReshardError(f"reshard refit_info: {detail}", problems=tuple(problems)))
+    return Success(None)
 
 
 def megatron_layout(
@@ -902,6 +919,33 @@ def plan_stage(
     return plan_reshard(layouts, [s for s in shards if s.pieces and s.pieces[0].source in names])
 
 
+def fit_group(
+    plan: ReshardPlan, train: int, prefix: int, world_size: int
+) -> Result[ReshardPlan, CoreError]:
+    """``plan`` for the engine whose ranks start at ``train + prefix`` in a group of
+    ``world_size``; refused when its engine ranks do not fit."""
+    top = train + prefix + max((c.dst_rank for c in plan.copies), default=-1)
+    if top >= world_size:
+        return Failure(
+            CoreError(
+                f"engine ranks up to {top} with rank_prefix {prefix} do not fit a group "
+                f"of {world_size}"
+            )
+        )
+    return Success(plan)
+
+
+def p2p_tags(messages: Sequence[tuple[int, _T]]) -> list[tuple[int, _T, int]]:
+    """Point-to-point ``(peer, message)`` pairs with their tags, where messages to one
+    peer are matched by tag (gloo): each one's place among those to the same peer."""
+    seen: dict[int, int] = {}
+    tagged = []
+    for peer, message in messages:
+        seen[peer] = seen.get(peer, -1) + 1
+        tagged.append((peer, message, seen[peer]))
+    return tagged
+
+
 def plan_digest(plan: ReshardPlan) -> str:
     """What every rank of a refit compares before a byte moves: a hash of the copies."""
     return hashlib.sha256(msgspec.msgpack.encode(plan.copies)).hexdigest()[:32]
@@ -920,6 +964,45 @@ class EnginePlans:
 
     def dtype(self, param: str) -> str:
         return next(s.dtype for s in self.shards if s.param == param)
+
+    def bytes_to(self, rank: int) -> int:
+        """The bytes every stage's plan sends to engine rank ``rank``."""
+        return sum(plan.bytes_to(rank) for plan in self.plans)
+
+    def answer(self, rank: int, direct: int) -> dict[str, object]:
+        """Engine rank ``rank``'s answer to ``prepare_nccl_reshard_refit_info`` (``direct``:
+        how many of its parameters the engine's routes write directly)."""
+        return {
+            "tp_rank": rank,
+            "digests": list(self.digests),
+            "shards": msgspec.to_builtins(list(self.shards)),
+            "params": len(self.shards),
+            "bytes": self.bytes_to(rank),
+            "direct": direct,
+        }
+
+
+def ready_to_receive(groups: int, prepared: EnginePlans | None) -> Result[EnginePlans, CoreError]:
+    """An engine rank's plans for a refit over its ``groups`` joined stage groups; refused
+    when it joined none, has no plans yet, or has another count of stages."""
+    if not groups:
+        return Failure(CoreError("nccl_reshard_refit before init_nccl_reshard_comm_group"))
+    if prepared is None:
+        return Failure(CoreError("nccl_reshard_refit before prepare_nccl_reshard_refit_info"))
+    if groups != len(prepared.plans):
+        return Failure(
+            CoreError(
+                f"{groups} reshard group(s) for a refit_info of {len(prepared.plans)} stage(s)"
+            )
+        )
+    return Success(prepared)
+
+
+def packed_sources(module: str, local: str, packed: Mapping[str, Sequence[str]]) -> list[str]:
+    """The checkpoint names of parameter ``local`` of module ``module``: a fused layer's
+    (its leaf a key of the model's ``packed_modules_mapping``) one per packed module."""
+    prefix, _, leaf = module.rpartition(".")
+    return [f"{prefix}.{s}.{local}" if prefix else f"{s}.{local}" for s in packed.get(leaf, [leaf])]
 
 
 def plan_engine(

@@ -58,6 +58,7 @@ from genworker.core.delta import (
     RelayReport,
     encode_full,
     plan_relay,
+    report_subtree,
 )
 from genworker.core.errors import CoreError
 from genworker.core.refit_plan import Manifest, TensorSpec
@@ -77,21 +78,25 @@ __all__ = [
     "Started",
     "StepBegin",
     "StepReceiver",
+    "StepReport",
     "StepSender",
     "WireError",
     "WirePiece",
     "apply_frame",
+    "baseline_layout",
     "begin_message",
     "check_relay_addresses",
     "check_relay_start",
     "encode_frame",
     "end_message",
     "frame_message",
+    "node_answer",
     "read_begin",
     "read_end",
     "read_frame",
     "read_report",
     "report_message",
+    "sender_settings",
     "sparse_steps",
     "step_manifest",
     "tensor_problems",
@@ -319,6 +324,72 @@ class StepReceiver:
             return ""
         self._step = None
         return self._diverge(f"step {current.begin.step} stopped mid-way for {bound:g} s")
+
+
+def sender_settings(
+    hop_s: float, frame_bytes: int, workers: int, chunk_elements: int
+) -> Result[None, CoreError]:
+    """A sender's settings checked: ``hop_s``, ``frame_bytes`` and ``workers`` positive,
+    ``chunk_elements`` in ``[1, MAX_CHUNK_ELEMENTS]``; refused naming them."""
+    if not hop_s > 0 or frame_bytes < 1 or workers < 1:
+        return Failure(
+            CoreError(
+                f"hop_s, frame_bytes and workers must be positive, got {hop_s!r}, "
+                f"{frame_bytes!r}, {workers!r}"
+            )
+        )
+    if not 1 <= chunk_elements <= MAX_CHUNK_ELEMENTS:
+        return Failure(
+            CoreError(
+                f"chunk_elements must be in [1, {MAX_CHUNK_ELEMENTS}], got {chunk_elements!r}"
+            )
+        )
+    return Success(None)
+
+
+def baseline_layout(specs: Sequence[TensorSpec], align: int = 64) -> tuple[dict[str, int], int]:
+    """Where each tensor's bits start in a baseline's one buffer (each at a multiple of
+    ``align`` bytes), and the buffer's size."""
+    offsets: dict[str, int] = {}
+    total = 0
+    for spec in specs:
+        offsets[spec.name] = total
+        total += -(-spec.nbytes // align) * align
+    return offsets, total
+
+
+@attrs.frozen
+class StepReport:
+    """What one step moved: its kind, the model's bytes, the bytes on the wire, the time."""
+
+    step: int
+    full: bool
+    model_bytes: int
+    wire_bytes: int
+    frames: int
+    seconds: float
+    report: RelayReport
+
+    @property
+    def wire_fraction(self) -> float:
+        return self.wire_bytes / self.model_bytes if self.model_bytes else 0.0
+
+
+def node_answer(
+    name: str,
+    problem: str,
+    started: Started,
+    children: Mapping[int, RelayReport],
+    hop_s: float,
+) -> RelayReport:
+    """Node ``name``'s answer to its parent at a step's end: its own result (refused with
+    ``problem``, applied when that is '') and, in the step's relay, its children's reports
+    (a child absent from ``children`` was silent)."""
+    own = NodeResult(name, Outcome.REFUSED, problem) if problem else None
+    own = own or NodeResult(name, Outcome.APPLIED)
+    if started.plan is None:
+        return RelayReport((own,))
+    return report_subtree(started.plan, started.node, own, children, hop_s)
 
 
 def step_manifest(manifest: Manifest) -> StepManifest:

@@ -41,7 +41,6 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import msgspec
 import torch
 
 from genworker.core import refit_protocol as p
@@ -59,15 +58,19 @@ from genworker.core.reshard import (
     VllmLayer,
     VllmParamFacts,
     bytes_of,
+    check_ranks,
     dtensor_layout,
+    fit_group,
     header_problem,
+    p2p_tags,
+    packed_sources,
     parse_refit_info,
     parse_shards,
     plan_digest,
     plan_engine,
     plan_stage,
-    rank_problems,
     read_header,
+    ready_to_receive,
     refit_info,
     sender_problems,
     start_header,
@@ -126,14 +129,8 @@ class ReshardGroup(CollectiveGroup):
                     pg.recv([tensor], peer, 0)
                 works = [pg._end_coalescing()]
             else:
-                tags: dict[tuple[str, int], int] = {}
-
-                def tag(kind: str, peer: int) -> int:
-                    tags[kind, peer] = tags.get((kind, peer), -1) + 1
-                    return tags[kind, peer]
-
-                works = [pg.send([t], peer, tag("s", peer)) for peer, t in sends]
-                works += [pg.recv([t], peer, tag("r", peer)) for peer, t in recvs]
+                works = [pg.send([t], peer, tag) for peer, t, tag in p2p_tags(sends)]
+                works += [pg.recv([t], peer, tag) for peer, t, tag in p2p_tags(recvs)]
             deadline = time.monotonic() + bound_s
             for work in works:
                 self._wait(work, deadline)
@@ -241,18 +238,11 @@ class ReshardSender:
 
     def plan(self, shards: Sequence[EngineShard], *, rank_prefix: int = 0) -> ReshardPlan:
         """The plan for the engine whose workers start at ``rank_prefix`` (kept)."""
-        _check_ranks([list(self.layouts.values())], self._train)
-        plan = unwrap(
-            plan_stage(list(self.layouts.values()), shards), RefitManifestError, "reshard refit"
-        )
-        ranks = {c.dst_rank for c in plan.copies}
-        top = self._train + rank_prefix + max(ranks, default=-1)
-        if top >= self.group.world_size:
-            raise BadArgumentError(
-                f"engine ranks up to {top} with rank_prefix {rank_prefix} do not fit a group "
-                f"of {self.group.world_size}"
-            )
-        self._plans[rank_prefix] = plan
+        layouts = list(self.layouts.values())
+        unwrap(check_ranks([layouts], self._train), RefitManifestError, "")
+        plan = unwrap(plan_stage(layouts, shards), RefitManifestError, "reshard refit")
+        fits = fit_group(plan, self._train, rank_prefix, self.group.world_size)
+        self._plans[rank_prefix] = unwrap(fits, BadArgumentError, "")
         return plan
 
     def _problems(self, tensors: Mapping[str, torch.Tensor]) -> RefitManifestError | None:
@@ -328,16 +318,11 @@ def engine_facts(model: nn.Module) -> list[VllmParamFacts]:
     packed = dict(getattr(model, "packed_modules_mapping", None) or {})
     out = []
     for module_name, module in model.named_modules():
-        prefix, _, leaf = module_name.rpartition(".")
         for local, param in module._parameters.items():
-            if param is None:
-                continue
-            name = f"{module_name}.{local}" if module_name else local
-            subs = [
-                f"{prefix}.{s}.{local}" if prefix else f"{s}.{local}"
-                for s in packed.get(leaf, [leaf])
-            ]
-            out.append(_facts(module, name, local, param, subs))
+            if param is not None:
+                name = f"{module_name}.{local}" if module_name else local
+                subs = packed_sources(module_name, local, packed)
+                out.append(_facts(module, name, local, param, subs))
     return out
 
 
@@ -404,32 +389,18 @@ class ReshardBackend:
         facts = engine_facts(engine.model())
         prepared = unwrap(plan_engine(facts, stages, engine.tp_size, rank), RefitManifestError, "")
         if self.groups:
-            _check_ranks(prepared.stages, self.train)
+            unwrap(check_ranks(prepared.stages, self.train), RefitManifestError, "")
         routed = self.engine.routed(prepared.manifest, True)
         self.prepared = prepared
-        return {
-            "tp_rank": rank,
-            "digests": list(prepared.digests),
-            "shards": msgspec.to_builtins(list(prepared.shards)),
-            "params": len(prepared.shards),
-            "bytes": sum(pl.bytes_to(rank) for pl in prepared.plans),
-            "direct": len(routed.routes.direct),
-        }
+        return prepared.answer(rank, len(routed.routes.direct))
 
     def receive(self, refit_timeout_s: float | None = None) -> dict[str, object]:
         """Receive one reshard refit from every stage group into the engine."""
         bound = unwrap(p.wait_bound(refit_timeout_s), BadArgumentError, "refit_timeout_s")
-        if not self.groups:
-            raise EngineStateError("nccl_reshard_refit before init_nccl_reshard_comm_group")
-        if self.prepared is None:
-            raise EngineStateError("nccl_reshard_refit before prepare_nccl_reshard_refit_info")
-        if len(self.groups) != len(self.prepared.plans):
-            raise EngineStateError(
-                f"{len(self.groups)} reshard group(s) for a refit_info of "
-                f"{len(self.prepared.plans)} stage(s)"
-            )
-        _check_ranks(self.prepared.stages, self.train)  # planned before the groups joined
-        report = _receive(self.engine, self, self.prepared, bound)
+        prepared = unwrap(ready_to_receive(len(self.groups), self.prepared), EngineStateError, "")
+        ranks = check_ranks(prepared.stages, self.train)  # planned before the groups joined
+        unwrap(ranks, RefitManifestError, "")
+        report = _receive(self.engine, self, prepared, bound)
         self.version += 1
         return {**report, "version": self.version}
 
@@ -445,13 +416,6 @@ class ReshardBackend:
         for group in groups:
             group.close()
         return len(groups)
-
-
-def _check_ranks(stages: Sequence[Sequence[TrainerLayout]], train_ranks: int) -> None:
-    """Refuse layouts naming a trainer rank the joined groups do not have."""
-    if problems := rank_problems([lay for layouts in stages for lay in layouts], train_ranks):
-        detail = "; ".join(pp.describe() for pp in problems)
-        raise RefitManifestError(f"reshard refit_info: {detail}")
 
 
 def _receive(
@@ -516,7 +480,7 @@ def _receive(
         "tensors": len(prepared.shards),
         "nbytes": received,
         "received_bytes": received,
-        "expected_bytes": sum(pl.bytes_to(rank) for pl in prepared.plans),
+        "expected_bytes": prepared.bytes_to(rank),
         "direct": len(direct),
         "loaded": len(loader_copies),
         "seconds": time.monotonic() - started,

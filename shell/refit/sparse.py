@@ -43,7 +43,10 @@ trusted network.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import functools
+import itertools
 import logging
 import mmap
 import os
@@ -75,7 +78,6 @@ from genworker.core.delta import (
     conclude_relay,
     plan_frames,
     plan_relay,
-    report_subtree,
     tensor_checksum,
 )
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
@@ -90,17 +92,21 @@ from genworker.core.sparse_protocol import (
     Started,
     StepBegin,
     StepReceiver,
+    StepReport,
     StepSender,
     apply_frame,
+    baseline_layout,
     begin_message,
     encode_frame,
     end_message,
     frame_message,
+    node_answer,
     read_begin,
     read_end,
     read_frame,
     read_report,
     report_message,
+    sender_settings,
     step_manifest,
     tensor_problems,
 )
@@ -175,9 +181,6 @@ class LinkThrottle:
 # --- the baseline --------------------------------------------------------------------
 
 
-_ALIGN: Final = 64
-
-
 class Baseline:
     """The bits every receiver holds, one 1-D bit array per tensor of ``manifest``.
 
@@ -187,11 +190,7 @@ class Baseline:
 
     def __init__(self, manifest: Manifest, path: Path | None = None) -> None:
         self.manifest = manifest
-        offsets: dict[str, int] = {}
-        total = 0
-        for spec in manifest.specs:
-            offsets[spec.name] = total
-            total += -(-spec.nbytes // _ALIGN) * _ALIGN
+        offsets, total = baseline_layout(manifest.specs)
         self.path = path
         self._map: mmap.mmap | None = None
         if path is None:
@@ -266,23 +265,6 @@ def _as_tensor(bits: Bits, spec: TensorSpec) -> torch.Tensor:
 # --- the sender ----------------------------------------------------------------------
 
 
-@attrs.frozen
-class StepReport:
-    """What one step moved: its kind, the model's bytes, the bytes on the wire, the time."""
-
-    step: int
-    full: bool
-    model_bytes: int
-    wire_bytes: int
-    frames: int
-    seconds: float
-    report: RelayReport
-
-    @property
-    def wire_fraction(self) -> float:
-        return self.wire_bytes / self.model_bytes if self.model_bytes else 0.0
-
-
 _local = threading.local()
 
 
@@ -341,15 +323,7 @@ class SparseSender:
             plan_relay(receivers, fanout), BadArgumentError, "sparse refit relay"
         )
         workers = default_workers() if workers is None else workers
-        if not hop_s > 0 or frame_bytes < 1 or workers < 1:
-            raise BadArgumentError(
-                f"hop_s, frame_bytes and workers must be positive, got {hop_s!r}, "
-                f"{frame_bytes!r}, {workers!r}"
-            )
-        if not 1 <= chunk_elements <= MAX_CHUNK_ELEMENTS:
-            raise BadArgumentError(
-                f"chunk_elements must be in [1, {MAX_CHUNK_ELEMENTS}], got {chunk_elements!r}"
-            )
+        unwrap(sender_settings(hop_s, frame_bytes, workers, chunk_elements), BadArgumentError, "")
         self.manifest = manifest
         self.hop_s = hop_s
         self.throttle = throttle
@@ -446,19 +420,16 @@ class SparseSender:
 
     def _encode_ahead(self, bits: Mapping[str, Bits], full: bool, step: int) -> Iterator[_Encoded]:
         """Encoded frames in order, ``2 * workers`` of them in flight ahead of the link."""
-        pending: list[concurrent.futures.Future[_Encoded]] = []
         frames = iter(enumerate(self.frames))
+        encode = functools.partial(self._encode, bits=bits, full=full, step=step)
+        pending: collections.deque[concurrent.futures.Future[_Encoded]] = collections.deque()
         try:
-            for index, frame in frames:
-                pending.append(self._pool.submit(self._encode, index, frame, bits, full, step))
-                if len(pending) >= 2 * self.workers:
-                    break
+            for index, frame in itertools.islice(frames, 2 * self.workers):
+                pending.append(self._pool.submit(encode, index, frame))
             while pending:
-                encoded = pending.pop(0).result()
-                following = next(frames, None)
-                if following is not None:
-                    index, frame = following
-                    pending.append(self._pool.submit(self._encode, index, frame, bits, full, step))
+                encoded = pending.popleft().result()
+                for index, frame in itertools.islice(frames, 1):
+                    pending.append(self._pool.submit(encode, index, frame))
                 yield encoded
         finally:
             for future in pending:
@@ -718,14 +689,8 @@ class SparseReceiver:
         own, why = self.machine.end(named.value_or(step.number), results)
         if not self._diverged(why):
             own = self._commit(step)
-        result = NodeResult(self.address, Outcome.REFUSED, own) if own else None
-        result = result or NodeResult(self.address, Outcome.APPLIED)
-        plan = step.started.plan
-        if plan is None:
-            report = RelayReport((result,))
-        else:
-            children = self._collect(step, forwarded)
-            report = report_subtree(plan, step.started.node, result, children, step.hop_s)
+        children = {} if step.started.plan is None else self._collect(step, forwarded)
+        report = node_answer(self.address, own, step.started, children, step.hop_s)
         self._sock.send_multipart([step.parent, *report_message(step.number, report)])
 
     def _commit(self, step: _Step) -> str:

@@ -31,11 +31,15 @@ from genworker.core.reshard import (
     VllmParamFacts,
     box_numel,
     bytes_of,
+    check_ranks,
     dtensor_layout,
     engine_shards,
+    fit_group,
     header_problem,
     intersect,
     megatron_layout,
+    p2p_tags,
+    packed_sources,
     parse_refit_info,
     parse_shards,
     plan_digest,
@@ -44,6 +48,7 @@ from genworker.core.reshard import (
     plan_stage,
     rank_problems,
     read_header,
+    ready_to_receive,
     refit_info,
     sender_problems,
     start_header,
@@ -561,6 +566,42 @@ def test_a_layout_naming_a_rank_outside_the_group_is_named_with_its_ranks(
     assert f"{train_ranks} trainer rank(s)" in problem.describe()
 
 
+def test_check_ranks_refuses_every_stage_naming_a_rank_outside_the_group() -> None:
+    inside = TrainerLayout("v", (4,), "float32", (SourceShard(0, ((0, 4),)),))
+    outside = TrainerLayout("w", (4,), "float32", (SourceShard(2, ((0, 4),)),))
+    assert check_ranks([[inside], [outside]], 3) == Success(None)
+    refused = check_ranks([[inside], [outside]], 2)
+    assert isinstance(refused, Failure)
+    assert str(refused.failure()) == "reshard refit_info: " + "; ".join(
+        pp.describe() for pp in rank_problems([outside], 2)
+    )
+    assert refused.failure().problems == tuple(rank_problems([outside], 2))
+
+
+@given(peers=st.lists(st.integers(0, 3), max_size=12))
+def test_p2p_tags_number_each_peers_messages_in_order(peers: list[int]) -> None:
+    """Law: a message's tag is how many messages to its peer came before it."""
+    tagged = p2p_tags([(peer, index) for index, peer in enumerate(peers)])
+    assert [(peer, index) for peer, index, _ in tagged] == [(p, i) for i, p in enumerate(peers)]
+    assert [tag for *_, tag in tagged] == [peers[:i].count(p) for i, p in enumerate(peers)]
+
+
+def test_packed_sources_name_a_fused_layers_checkpoint_tensors() -> None:
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    assert packed_sources("model.layers.0.self_attn.qkv_proj", "weight", packed) == [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+    ]
+    assert packed_sources("lm_head", "weight", packed) == ["lm_head.weight"]
+    assert packed_sources("qkv_proj", "bias", packed) == [
+        "q_proj.bias",
+        "k_proj.bias",
+        "v_proj.bias",
+    ]
+    assert packed_sources("", "scale", packed) == [".scale"]
+
+
 # -- the engine's plans and the refit's wire ------------------------------------------
 
 
@@ -625,6 +666,47 @@ def test_an_engine_that_cannot_take_the_layouts_is_refused_by_name() -> None:
     twice = plan_engine([pa, pa], [[a]], 1, 0)
     assert isinstance(twice, Failure)
     assert "'pa' listed twice" in str(twice.failure())
+
+
+def test_an_engine_ranks_plan_fits_the_group_or_is_refused_by_its_ranks() -> None:
+    a = megatron_layout("a", (4,), "float32", None, [[0]]).unwrap()
+    pa = VllmParamFacts("pa", LayerKind.REPLICATED, "float32", 0, 2, (("a", (4,)),))
+    pb = attrs.evolve(pa, tp_rank=1)
+    shards = [vllm_shard(pa).unwrap(), vllm_shard(pb).unwrap()]
+    plan = plan_stage([a], shards).unwrap()
+    assert fit_group(plan, 1, 0, 3) == Success(plan)
+    too_small = fit_group(plan, 1, 1, 3)
+    assert isinstance(too_small, Failure)
+    assert str(too_small.failure()) == (
+        "engine ranks up to 3 with rank_prefix 1 do not fit a group of 3"
+    )
+    empty = attrs.evolve(plan, copies=())
+    assert fit_group(empty, 1, 2, 3) == Success(empty)
+
+
+def test_an_engine_ranks_answer_and_readiness_to_receive() -> None:
+    a = megatron_layout("a", (4,), "float32", None, [[0]]).unwrap()
+    pa = VllmParamFacts("pa", LayerKind.REPLICATED, "float32", 0, 1, (("a", (4,)),))
+    engine = plan_engine([pa], [[a]], 1, 0).unwrap()
+    assert engine.bytes_to(0) == 16
+    assert engine.answer(0, 1) == {
+        "tp_rank": 0,
+        "digests": list(engine.digests),
+        "shards": msgspec.to_builtins(list(engine.shards)),
+        "params": 1,
+        "bytes": 16,
+        "direct": 1,
+    }
+    assert ready_to_receive(1, engine) == Success(engine)
+    refusals = {
+        (0, engine): "nccl_reshard_refit before init_nccl_reshard_comm_group",
+        (1, None): "nccl_reshard_refit before prepare_nccl_reshard_refit_info",
+        (2, engine): "2 reshard group(s) for a refit_info of 1 stage(s)",
+    }
+    for (groups, prepared), message in refusals.items():
+        refused = ready_to_receive(groups, prepared)
+        assert isinstance(refused, Failure)
+        assert str(refused.failure()) == message
 
 
 def test_stages_map_to_the_sequence_form_and_back() -> None:

@@ -19,6 +19,7 @@ from returns.result import Failure, Result, Success
 from strategies import BitsPair, delta_pairs
 
 from genworker.core.delta import (
+    MAX_CHUNK_ELEMENTS,
     Bits,
     DeltaError,
     NodeResult,
@@ -29,6 +30,7 @@ from genworker.core.delta import (
     decode_delta,
     encode_delta,
     plan_frames,
+    plan_relay,
 )
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.core.sparse_protocol import (
@@ -41,22 +43,27 @@ from genworker.core.sparse_protocol import (
     FrameResult,
     RelayArgumentError,
     SparseDiverged,
+    Started,
     StepBegin,
     StepReceiver,
+    StepReport,
     StepSender,
     WirePiece,
     apply_frame,
+    baseline_layout,
     begin_message,
     check_relay_addresses,
     check_relay_start,
     encode_frame,
     end_message,
     frame_message,
+    node_answer,
     read_begin,
     read_end,
     read_frame,
     read_report,
     report_message,
+    sender_settings,
     sparse_steps,
     step_manifest,
     tensor_problems,
@@ -427,6 +434,59 @@ def test_tensor_problems_name_each_missing_misshaped_and_unknown_tensor() -> Non
         "'b' is [4] bfloat16, expected [3] bfloat16",
         "'c' is not in the manifest",
     ]
+
+
+def test_a_senders_settings_are_refused_by_name() -> None:
+    assert sender_settings(1.0, 1, 1, 1) == Success(None)
+    assert sender_settings(1.0, 1, 1, MAX_CHUNK_ELEMENTS) == Success(None)
+    refusals = {
+        (0.0, 1, 1, 1): "hop_s, frame_bytes and workers must be positive, got 0.0, 1, 1",
+        (1.0, 0, 1, 1): "hop_s, frame_bytes and workers must be positive, got 1.0, 0, 1",
+        (1.0, 1, 0, 1): "hop_s, frame_bytes and workers must be positive, got 1.0, 1, 0",
+        (1.0, 1, 1, 0): f"chunk_elements must be in [1, {MAX_CHUNK_ELEMENTS}], got 0",
+        (1.0, 1, 1, MAX_CHUNK_ELEMENTS + 1): (
+            f"chunk_elements must be in [1, {MAX_CHUNK_ELEMENTS}], got {MAX_CHUNK_ELEMENTS + 1}"
+        ),
+    }
+    for settings, message in refusals.items():
+        refused = sender_settings(*settings)
+        assert isinstance(refused, Failure)
+        assert str(refused.failure()) == message
+
+
+@given(st.lists(st.integers(0, 200), max_size=6), st.sampled_from([1, 8, 64]))
+def test_a_baselines_tensors_start_aligned_and_apart(sizes: list[int], align: int) -> None:
+    """Law: each tensor starts at a multiple of ``align``, after the one before it ends,
+    and the buffer holds the last one, with less than ``align`` bytes to spare each."""
+    specs = [TensorSpec(f"t{i}", (n,), "uint8") for i, n in enumerate(sizes)]
+    offsets, total = baseline_layout(specs, align)
+    ends = [offsets[s.name] + s.nbytes for s in specs]
+    assert all(offsets[s.name] % align == 0 for s in specs)
+    assert [offsets[s.name] for s in specs] == sorted(offsets.values())
+    assert all(end <= offsets[s.name] for end, s in zip(ends, specs[1:], strict=False))
+    assert total == sum(-(-n // align) * align for n in sizes)
+    assert baseline_layout(specs) == baseline_layout(specs, 64)
+
+
+def test_a_step_reports_its_wire_fraction() -> None:
+    report = RelayReport(())
+    assert StepReport(1, False, 200, 50, 1, 0.1, report).wire_fraction == 0.25
+    assert StepReport(1, True, 0, 50, 1, 0.1, report).wire_fraction == 0.0
+
+
+def test_a_node_answers_its_own_result_and_its_childrens_reports() -> None:
+    plan = plan_relay(["a", "b"], 1).unwrap()
+    alone = Started(None, 0, True, (), "")
+    assert node_answer("x", "", alone, {}, 1.0) == RelayReport((NodeResult("x", Outcome.APPLIED),))
+    assert node_answer("x", "no", alone, {}, 1.0) == RelayReport(
+        (NodeResult("x", Outcome.REFUSED, "no"),)
+    )
+    root = Started(plan, 0, True, (), "")
+    child = RelayReport((NodeResult("b", Outcome.APPLIED),))
+    both = node_answer("a", "", root, {1: child}, 1.0)
+    assert both == RelayReport((NodeResult("a", Outcome.APPLIED), *child.results))
+    silent = node_answer("a", "", root, {}, 1.0)
+    assert [r.outcome for r in silent.results] == [Outcome.APPLIED, Outcome.SILENT]
 
 
 # -- frames ---------------------------------------------------------------------------
