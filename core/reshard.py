@@ -981,6 +981,21 @@ class EnginePlans:
             "direct": direct,
         }
 
+    def received(
+        self, rank: int, nbytes: int, direct: int, loaded: int, seconds: float
+    ) -> dict[str, object]:
+        """Engine rank ``rank``'s report of a refit: ``nbytes`` received, ``direct``
+        parameters written in place, ``loaded`` trainer tensors through vLLM's loader."""
+        return {
+            "tensors": len(self.shards),
+            "nbytes": nbytes,
+            "received_bytes": nbytes,
+            "expected_bytes": self.bytes_to(rank),
+            "direct": direct,
+            "loaded": loaded,
+            "seconds": seconds,
+        }
+
 
 def ready_to_receive(groups: int, prepared: EnginePlans | None) -> Result[EnginePlans, CoreError]:
     """An engine rank's plans for a refit over its ``groups`` joined stage groups; refused

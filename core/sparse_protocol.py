@@ -44,6 +44,7 @@ from typing import Annotated, Final
 
 import attrs
 import msgspec
+import numpy as np
 from returns.result import Failure, Result, Success
 
 from genworker.core.delta import (
@@ -56,12 +57,13 @@ from genworker.core.delta import (
     Outcome,
     RelayPlan,
     RelayReport,
+    bits_dtype,
     encode_full,
     plan_relay,
     report_subtree,
 )
 from genworker.core.errors import CoreError
-from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 
 __all__ = [
     "CHECKSUM",
@@ -75,11 +77,13 @@ __all__ = [
     "FrameResult",
     "RelayArgumentError",
     "SparseDiverged",
+    "SparseEngineState",
     "Started",
     "StepBegin",
     "StepReceiver",
     "StepReport",
     "StepSender",
+    "TokenBucket",
     "WireError",
     "WirePiece",
     "apply_frame",
@@ -89,7 +93,9 @@ __all__ = [
     "check_relay_start",
     "encode_frame",
     "end_message",
+    "expected_relay",
     "frame_message",
+    "fresh_bits",
     "node_answer",
     "read_begin",
     "read_end",
@@ -101,6 +107,7 @@ __all__ = [
     "step_manifest",
     "tensor_problems",
     "tiles",
+    "token_bucket",
 ]
 
 #: A manifest as a step's ``Begin`` carries it: (name, shape, dtype) in order.
@@ -390,6 +397,95 @@ def node_answer(
     if started.plan is None:
         return RelayReport((own,))
     return report_subtree(started.plan, started.node, own, children, hop_s)
+
+
+def expected_relay(
+    receivers: Sequence[str] | None, address: str
+) -> Result[tuple[str, ...] | None, CoreError]:
+    """The relay a receiver at ``address`` is configured into (``None``: any plan naming
+    it); refused when ``receivers`` are not distinct non-empty names including it."""
+    if receivers is None:
+        return Success(None)
+    names = plan_relay(receivers, 1)
+    if isinstance(names, Failure):
+        return Failure(CoreError(f"relay_addresses: {names.failure()}"))
+    if address not in names.unwrap().receivers:
+        return Failure(
+            CoreError(
+                f"relay_addresses {list(receivers)!r} do not include this receiver's "
+                f"address {address!r}"
+            )
+        )
+    return Success(names.unwrap().receivers)
+
+
+def fresh_bits(specs: Sequence[TensorSpec]) -> dict[str, Bits]:
+    """A full step's starting bits: zeros, one 1-D bit array per tensor of ``specs``."""
+    return {s.name: np.zeros(s.numel, dtype=bits_dtype(DTYPE_ITEMSIZE[s.dtype])) for s in specs}
+
+
+@attrs.define
+class SparseEngineState:
+    """What an engine's sparse backend tells its worker: the steps ``applied`` into the
+    engine, the sender's number of the last one (``step``), and why the weights
+    ``diverged`` ('' when they can be vouched for) at the engine's IPC/collective refit
+    count ``diverged_at``."""
+
+    applied: int = 0
+    step: int | None = None
+    diverged: str = ""
+    diverged_at: int = -1
+
+    def took(self, step: int) -> None:
+        self.applied, self.step, self.diverged = self.applied + 1, step, ""
+
+    def diverge(self, why: str, version: int) -> None:
+        self.diverged, self.diverged_at = why, version
+
+    def status(
+        self, version: int, address: str | None, frames: Mapping[int, int]
+    ) -> dict[str, object]:
+        """The backend's status at the engine's refit count ``version``: a divergence is
+        forgotten once an IPC/collective refit replaced every weight since."""
+        if self.diverged and version != self.diverged_at:
+            self.diverged = ""
+        return {
+            "address": address,
+            "applied": self.applied,
+            "step": self.step,
+            "diverged": self.diverged,
+            "frames": dict(frames),
+        }
+
+
+@attrs.define
+class TokenBucket:
+    """A token bucket: ``rate`` bytes a second, at most ``burst`` bytes saved up
+    (``tokens`` at time ``at``)."""
+
+    rate: float
+    burst: float
+    tokens: float
+    at: float
+
+    def take(self, now: float, nbytes: int) -> float:
+        """Spend ``nbytes`` at time ``now``: the seconds to wait before they may go."""
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        self.tokens -= nbytes
+        return max(0.0, -self.tokens / self.rate)
+
+
+def token_bucket(bits_per_s: float, burst_bytes: int, now: float) -> Result[TokenBucket, CoreError]:
+    """A full bucket of ``bits_per_s`` with a burst of ``burst_bytes``, from ``now``."""
+    if not bits_per_s > 0 or burst_bytes < 1:
+        return Failure(
+            CoreError(
+                f"a link throttle needs bits_per_s > 0 and burst_bytes >= 1, got "
+                f"{bits_per_s!r} and {burst_bytes!r}"
+            )
+        )
+    return Success(TokenBucket(bits_per_s / 8, float(burst_bytes), float(burst_bytes), now))
 
 
 def step_manifest(manifest: Manifest) -> StepManifest:

@@ -476,15 +476,8 @@ def _receive(
             errors.append(e)
     if errors:
         raise errors[0]
-    return {
-        "tensors": len(prepared.shards),
-        "nbytes": received,
-        "received_bytes": received,
-        "expected_bytes": prepared.bytes_to(rank),
-        "direct": len(direct),
-        "loaded": len(loader_copies),
-        "seconds": time.monotonic() - started,
-    }
+    seconds = time.monotonic() - started
+    return prepared.received(rank, received, len(direct), len(loader_copies), seconds)
 
 
 def _full_tensors(

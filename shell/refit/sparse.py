@@ -89,6 +89,7 @@ from genworker.core.sparse_protocol import (
     FrameAction,
     FrameMsg,
     FrameResult,
+    SparseEngineState,
     Started,
     StepBegin,
     StepReceiver,
@@ -99,7 +100,9 @@ from genworker.core.sparse_protocol import (
     begin_message,
     encode_frame,
     end_message,
+    expected_relay,
     frame_message,
+    fresh_bits,
     node_answer,
     read_begin,
     read_end,
@@ -109,6 +112,7 @@ from genworker.core.sparse_protocol import (
     sender_settings,
     step_manifest,
     tensor_problems,
+    token_bucket,
 )
 from genworker.shell.delta_kernels import apply_wire_into, encode_wire, piece_hash, warm_up
 from genworker.shell.errors import (
@@ -159,23 +163,12 @@ class LinkThrottle:
     """
 
     def __init__(self, bits_per_s: float, burst_bytes: int = 64 << 10) -> None:
-        if not bits_per_s > 0 or burst_bytes < 1:
-            raise BadArgumentError(
-                f"a link throttle needs bits_per_s > 0 and burst_bytes >= 1, got "
-                f"{bits_per_s!r} and {burst_bytes!r}"
-            )
-        self.bytes_per_s = bits_per_s / 8
-        self.burst = float(burst_bytes)
-        self._tokens = self.burst
-        self._at = time.monotonic()
+        bucket = token_bucket(bits_per_s, burst_bytes, time.monotonic())
+        self.bucket = unwrap(bucket, BadArgumentError, "")
 
     def wait(self, nbytes: int) -> None:
-        now = time.monotonic()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.bytes_per_s)
-        self._at = now
-        self._tokens -= nbytes
-        if self._tokens < 0:
-            time.sleep(-self._tokens / self.bytes_per_s)
+        if seconds := self.bucket.take(time.monotonic(), nbytes):
+            time.sleep(seconds)
 
 
 # --- the baseline --------------------------------------------------------------------
@@ -578,15 +571,8 @@ class SparseReceiver:
         """Take only steps planned over exactly ``receivers`` (in that order), or any
         plan naming this receiver (``None``). Refused (``BadArgumentError``) when they are
         not distinct non-empty names or do not include :attr:`address`."""
-        if receivers is not None:
-            names = unwrap(plan_relay(receivers, 1), BadArgumentError, "relay_addresses")
-            if self.address not in names.receivers:
-                raise BadArgumentError(
-                    f"relay_addresses {list(receivers)!r} do not include this receiver's "
-                    f"address {self.address!r}"
-                )
-            receivers = names.receivers
-        self.machine.relay = None if receivers is None else tuple(receivers)
+        relay = expected_relay(receivers, self.address)
+        self.machine.relay = unwrap(relay, BadArgumentError, "")
 
     def start(self) -> SparseReceiver:
         warm_up()  # the codec's loops, before any step waits on them
@@ -649,10 +635,7 @@ class SparseReceiver:
         self._diverged(replaced)
         self._forward(started, [TAG_BEGIN, body])
         if started.full:  # fresh bits for the whole manifest
-            self._bits = {
-                s.name: np.zeros(s.numel, dtype=bits_dtype(DTYPE_ITEMSIZE[s.dtype]))
-                for s in started.specs
-            }
+            self._bits = fresh_bits(started.specs)
         specs = {spec.name: spec for spec in started.specs}
         return _Step(begin.step, identity, begin.hop_s, started, specs)
 
@@ -844,10 +827,7 @@ class SparseBackend:
     def __init__(self, engine: EngineContext) -> None:
         self.engine = engine
         self.receiver: SparseReceiver | None = None
-        self.applied = 0  # sparse steps applied into the engine
-        self.step: int | None = None  # the sender's number of the last one
-        self.diverged = ""  # why the engine's weights cannot be vouched for; '' if they can
-        self.diverged_at = -1  # the engine's IPC/collective refit count when it diverged
+        self.state = SparseEngineState()
         self.lock = threading.Lock()
 
     def init(
@@ -895,16 +875,10 @@ class SparseBackend:
         if detail:
             raise BadArgumentError(f"sparse status takes '' or 'checksums', got {detail!r}")
         receiver = self.receiver
+        address = None if receiver is None else receiver.address
         with self.lock:
-            if self.diverged and self.engine.version != self.diverged_at:
-                self.diverged = ""  # an IPC/collective refit replaced every weight since
-            return {
-                "address": None if receiver is None else receiver.address,
-                "applied": self.applied,
-                "step": self.step,
-                "diverged": self.diverged,
-                "frames": {} if receiver is None else dict(receiver.frames_received),
-            }
+            frames = {} if receiver is None else receiver.frames_received
+            return self.state.status(self.engine.version, address, frames)
 
     def _checksums(self) -> dict[str, int]:
         if self.receiver is None:
@@ -929,10 +903,8 @@ class SparseBackend:
 
     def _applied(self, step: int) -> None:
         with self.lock:
-            self.applied += 1
-            self.step = step
-            self.diverged = ""
+            self.state.took(step)
 
     def _diverged(self, why: str) -> None:
         with self.lock:
-            self.diverged, self.diverged_at = why, self.engine.version
+            self.state.diverge(why, self.engine.version)

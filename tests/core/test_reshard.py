@@ -697,6 +697,15 @@ def test_an_engine_ranks_answer_and_readiness_to_receive() -> None:
         "bytes": 16,
         "direct": 1,
     }
+    assert engine.received(0, 16, 1, 0, 0.5) == {
+        "tensors": 1,
+        "nbytes": 16,
+        "received_bytes": 16,
+        "expected_bytes": 16,
+        "direct": 1,
+        "loaded": 0,
+        "seconds": 0.5,
+    }
     assert ready_to_receive(1, engine) == Success(engine)
     refusals = {
         (0, engine): "nccl_reshard_refit before init_nccl_reshard_comm_group",

@@ -43,6 +43,7 @@ from genworker.core.sparse_protocol import (
     FrameResult,
     RelayArgumentError,
     SparseDiverged,
+    SparseEngineState,
     Started,
     StepBegin,
     StepReceiver,
@@ -56,7 +57,9 @@ from genworker.core.sparse_protocol import (
     check_relay_start,
     encode_frame,
     end_message,
+    expected_relay,
     frame_message,
+    fresh_bits,
     node_answer,
     read_begin,
     read_end,
@@ -68,6 +71,7 @@ from genworker.core.sparse_protocol import (
     step_manifest,
     tensor_problems,
     tiles,
+    token_bucket,
 )
 
 CHECKSUM = "gwh64"
@@ -487,6 +491,74 @@ def test_a_node_answers_its_own_result_and_its_childrens_reports() -> None:
     assert both == RelayReport((NodeResult("a", Outcome.APPLIED), *child.results))
     silent = node_answer("a", "", root, {}, 1.0)
     assert [r.outcome for r in silent.results] == [Outcome.APPLIED, Outcome.SILENT]
+
+
+def test_a_receiver_expects_a_relay_naming_it_or_any() -> None:
+    assert expected_relay(None, "a") == Success(None)
+    assert expected_relay(["b", "a"], "a") == Success(("b", "a"))
+    outside = expected_relay(["b"], "a")
+    assert isinstance(outside, Failure)
+    assert str(outside.failure()) == (
+        "relay_addresses ['b'] do not include this receiver's address 'a'"
+    )
+    twice = expected_relay(["a", "a"], "a")
+    assert isinstance(twice, Failure)
+    assert str(twice.failure()).startswith("relay_addresses: ")
+
+
+def test_a_full_step_starts_from_zero_bits_of_each_tensors_width() -> None:
+    specs = [TensorSpec("a", (2, 3), "bfloat16"), TensorSpec("b", (0,), "float32")]
+    bits = fresh_bits(specs)
+    assert [(n, b.shape, b.dtype.itemsize, int(b.sum())) for n, b in bits.items()] == [
+        ("a", (6,), 2, 0),
+        ("b", (0,), 4, 0),
+    ]
+
+
+def test_an_engines_sparse_state_forgets_a_divergence_after_another_refit() -> None:
+    state = SparseEngineState()
+    frames = {3: 2}
+    assert state.status(0, None, {}) == {
+        "address": None, "applied": 0, "step": None, "diverged": "", "frames": {}
+    }  # fmt: skip
+    state.took(3)
+    state.diverge("bad", 5)
+    assert state.status(5, "tcp://a", frames) == {
+        "address": "tcp://a", "applied": 1, "step": 3, "diverged": "bad", "frames": {3: 2}
+    }  # fmt: skip
+    assert state.status(6, "tcp://a", frames)["diverged"] == ""
+    state.diverge("again", 6)
+    state.took(4)
+    assert (state.applied, state.step, state.status(6, None, {})["diverged"]) == (2, 4, "")
+
+
+@given(st.lists(st.tuples(st.floats(0, 2), st.integers(0, 3000)), max_size=8))
+def test_a_token_bucket_lets_through_its_burst_and_then_its_rate(
+    takes: list[tuple[float, int]],
+) -> None:
+    """Law: over any sequence of takes, the bytes let through by time ``t`` (each take at
+    the time it was asked, plus its wait) never exceed the burst plus the rate times
+    ``t``, and a take within the saved tokens waits for nothing."""
+    bucket = token_bucket(8000, 1000, 0.0).unwrap()  # 1,000 bytes a second
+    now, sent = 0.0, 0
+    for gap, nbytes in takes:
+        now += gap
+        saved = min(1000.0, bucket.tokens + (now - bucket.at) * 1000)
+        wait = bucket.take(now, nbytes)
+        assert (wait == 0) == (nbytes <= saved)
+        now += wait
+        sent += nbytes
+        assert sent <= 1000 + 1000 * now + 1e-6
+
+
+def test_a_token_bucket_needs_a_rate_and_a_burst() -> None:
+    for bits_per_s, burst in [(0, 1), (-1.0, 1), (1.0, 0)]:
+        refused = token_bucket(bits_per_s, burst, 0.0)
+        assert isinstance(refused, Failure)
+        assert str(refused.failure()) == (
+            "a link throttle needs bits_per_s > 0 and burst_bytes >= 1, got "
+            f"{bits_per_s!r} and {burst!r}"
+        )
 
 
 # -- frames ---------------------------------------------------------------------------
