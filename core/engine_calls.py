@@ -1,4 +1,5 @@
-"""The values the engine ports take (``shell.ports``): one batch, one request, one RPC.
+"""The values the engine ports take and give (``shell.ports``): one batch, one request,
+one RPC; what an engine can do, and one finished async request.
 
 Every engine (the vLLM adapters and the fakes, sync and async) takes these instead of
 parallel argument lists, so a batch's rows agree in one place: :class:`EngineBatch` holds
@@ -15,15 +16,19 @@ from typing import Generic, TypeVar
 import attrs
 from returns.result import Failure, Result, Success
 
+from genworker.core.assembly import Generation
 from genworker.core.errors import CoreError
+from genworker.core.routing import MoeShape
 from genworker.core.sampling import SamplingSpec
 
 __all__ = [
     "REFIT_METHODS",
     "BatchShapeError",
     "EngineBatch",
+    "EngineCapabilities",
     "RowRequest",
     "RpcCall",
+    "StreamedGeneration",
     "batch_shape_error",
     "engine_batch",
     "is_refit_method",
@@ -161,3 +166,49 @@ def is_refit_method(method: str) -> bool:
     """Whether an RPC to ``method`` is part of a refit (its failure says the weights may be
     inconsistent: the shell raises it as a ``RefitError``)."""
     return method in REFIT_METHODS or method.startswith("nemo_rl_")
+
+
+@attrs.frozen
+class EngineCapabilities:
+    """What the running engine can do, found by capability checks, never by version."""
+
+    sleep_mode: bool
+    flat_logprobs: bool
+    vocab_size: int | None
+    max_model_len: int
+    device: str
+    sampling_args: frozenset[str] | None = None
+    #: the engine labels every token with the weights that sampled it (vLLM 0.32's
+    #: ``CompletionOutput.weight_versions``); async engines only
+    weight_versions: bool = False
+    #: the engine takes media (it has multimodal caches to reset)
+    multimodal: bool = False
+    #: the prompt id that stands for one image (None: the model takes no images)
+    image_token_id: int | None = None
+    #: the engine's ``limit_mm_per_prompt`` for images (None: not known)
+    max_images: int | None = None
+    #: draft tokens per step of the engine's speculative decoding (0: none); the per-row
+    #: caps reserve k + 1 slots for it
+    num_speculative_tokens: int = 0
+    #: what the engine's logprobs hold (vLLM's ``logprobs_mode``): a -inf sampled logprob
+    #: is legal only in a processed mode (``genworker.core.outputs.check_logprobs``)
+    logprobs_mode: str = "raw_logprobs"
+    #: the engine shares computed prompt blocks between requests (vLLM's
+    #: ``enable_prefix_caching``): a group's prompt is prefilled once only then
+    #: (``genworker.core.groups``)
+    prefix_caching: bool = False
+    #: the most top logprobs a request may ask for (vLLM's ``max_logprobs``)
+    max_logprobs: int = 20
+    #: the MoE routing the engine returns with each generation (``enable_return_routed_experts``;
+    #: None: it returns none)
+    routes: MoeShape | None = None
+
+
+@attrs.frozen
+class StreamedGeneration:
+    """One finished request of an async engine: its generation and, when the engine labels
+    tokens (``EngineCapabilities.weight_versions``), the ``(label, start, end)`` spans of
+    the weights that sampled them."""
+
+    generation: Generation
+    version_spans: tuple[tuple[str, int, int], ...] | None = None

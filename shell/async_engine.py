@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -179,14 +180,21 @@ def _spans(completion: CompletionOutput) -> tuple[tuple[str, int, int], ...] | N
     return tuple((str(s.version), int(s.start), int(s.end)) for s in spans)
 
 
+@functools.lru_cache(maxsize=_PARAMS_CACHE_SIZE)
+def _params(
+    spec: SamplingSpec, kind: RequestOutputKind, known: frozenset[str] | None
+) -> SamplingParams:
+    """A request's ``SamplingParams``, made once per spec (vLLM clones them per request)."""
+    # as_kwargs yields SamplingParams fields only, each typed as vLLM expects.
+    return SamplingParams(**spec.as_kwargs(known), output_kind=kind)  # type: ignore[arg-type]
+
+
 class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
     """:class:`~genworker.shell.ports.AsyncEnginePort` over one ``AsyncLLM``."""
 
     def __init__(self, llm: AsyncLLM) -> None:
-        super().__init__(llm, llm.vllm_config, weight_versions=_labels_tokens(llm))
+        super().__init__(llm, llm.vllm_config, llm.log_stats, weight_versions=_labels_tokens(llm))
         self._wake_installed = False
-        self._log_stats = llm.log_stats
-        self._params: dict[tuple[SamplingSpec, RequestOutputKind], SamplingParams] = {}
         # AsyncLLM.pause_generation's own calls (vllm/v1/engine/async_llm.py: 0.25 and 0.32
         # have both); a vLLM without them pauses through pause_generation, sleep and all.
         self._direct_pause = callable(
@@ -220,18 +228,7 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
 
     # -- generation -----------------------------------------------------------------
     def _sampling(self, spec: SamplingSpec, kind: RequestOutputKind) -> SamplingParams:
-        key = (spec, kind)
-        params = self._params.get(key)
-        if params is None:
-            # as_kwargs yields SamplingParams fields only, each typed as vLLM expects.
-            params = SamplingParams(
-                **self._flat(spec).as_kwargs(self._caps.sampling_args),  # type: ignore[arg-type]
-                output_kind=kind,
-            )
-            if len(self._params) >= _PARAMS_CACHE_SIZE:
-                self._params.clear()
-            self._params[key] = params
-        return params
+        return _params(self._flat(spec), kind, self._caps.sampling_args)
 
     async def _final(
         self,
@@ -258,9 +255,8 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
         self, request: RowRequest[RowMedia], progress: Callable[[int], None] | None = None
     ) -> StreamedGeneration:
         kind = RequestOutputKind.FINAL_ONLY if progress is None else RequestOutputKind.CUMULATIVE
-        completion = await self._final(
-            "generate", request, self._sampling(request.spec, kind), progress
-        )
+        params = self._sampling(request.spec, kind)
+        completion = await self._final("generate", request, params, progress)
         generation = generation_of(0, completion)
         routes = routes_of(completion, self._caps.routes)  # on the final output only (0.32)
         if routes is not None:
@@ -313,8 +309,7 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
 
     # -- memory ---------------------------------------------------------------------
     async def sleep(self, level: int) -> None:
-        self._require_sleep_mode("sleep")
-        llm = self.llm
+        llm = self._sleeper("sleep")
         if self._extension and not self._wake_installed:  # in the engine core's process
             await self.collective_rpc(RpcCall("install_wake", timeout=CALL_BOUND_S))  # cumem_wake
             self._wake_installed = True
@@ -322,8 +317,7 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
             await llm.sleep(level=level)
 
     async def wake_up(self, tags: Sequence[str] | None) -> bool | None:
-        self._require_sleep_mode("wake_up")
-        llm = self.llm
+        llm = self._sleeper("wake_up")
         names = None if tags is None else list(tags)
         with fatal(f"wake_up(tags={names})", ASYNC_CALLS, self._died):
             return await llm.wake_up(tags=names)
@@ -340,8 +334,7 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
 
     # -- observability --------------------------------------------------------------
     def metrics(self) -> list[MetricSample]:
-        if not self._log_stats:
-            raise UnsupportedError("metrics: the engine was started with disable_log_stats")
+        self._stats()
         self.llm  # noqa: B018 - a shut-down engine has no metrics
         with translated(ASYNC_CALLS, "metrics"):
             return [metric_sample(m) for m in get_metrics_snapshot()]

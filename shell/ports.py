@@ -9,15 +9,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
-import attrs
 from returns.result import Failure
 
 from genworker.core.assembly import FlatGenerations, Generation
 from genworker.core.counters import MetricSample
-from genworker.core.engine_calls import EngineBatch, RowRequest, RpcCall
+from genworker.core.engine_calls import (
+    EngineBatch,
+    EngineCapabilities,
+    RowRequest,
+    RpcCall,
+    StreamedGeneration,
+)
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import check_finished, check_generation_logprobs, check_logprobs
-from genworker.core.routing import CapturePlatform, MoeShape
+from genworker.core.routing import CapturePlatform
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import EngineContractError, RequestAbortedError, unwrap
 from genworker.shell.media import RowMedia
@@ -42,42 +47,6 @@ __all__ = [
     "check_text_request",
     "check_text_rows",
 ]
-
-
-@attrs.frozen
-class EngineCapabilities:
-    """What the running engine can do, found by capability checks, never by version."""
-
-    sleep_mode: bool
-    flat_logprobs: bool
-    vocab_size: int | None
-    max_model_len: int
-    device: str
-    sampling_args: frozenset[str] | None = None
-    #: the engine labels every token with the weights that sampled it (vLLM 0.32's
-    #: ``CompletionOutput.weight_versions``); async engines only
-    weight_versions: bool = False
-    #: the engine takes media (it has multimodal caches to reset)
-    multimodal: bool = False
-    #: the prompt id that stands for one image (None: the model takes no images)
-    image_token_id: int | None = None
-    #: the engine's ``limit_mm_per_prompt`` for images (None: not known)
-    max_images: int | None = None
-    #: draft tokens per step of the engine's speculative decoding (0: none); the per-row
-    #: caps reserve k + 1 slots for it
-    num_speculative_tokens: int = 0
-    #: what the engine's logprobs hold (vLLM's ``logprobs_mode``): a -inf sampled logprob
-    #: is legal only in a processed mode (``genworker.core.outputs.check_logprobs``)
-    logprobs_mode: str = "raw_logprobs"
-    #: the engine shares computed prompt blocks between requests (vLLM's
-    #: ``enable_prefix_caching``): a group's prompt is prefilled once only then
-    #: (``genworker.core.groups``)
-    prefix_caching: bool = False
-    #: the most top logprobs a request may ask for (vLLM's ``max_logprobs``)
-    max_logprobs: int = 20
-    #: the MoE routing the engine returns with each generation (``enable_return_routed_experts``;
-    #: None: it returns none)
-    routes: MoeShape | None = None
 
 
 class EnginePort(Protocol):
@@ -190,16 +159,6 @@ class EngineFactory(EngineFactoryBase, Protocol):
     """Starts engines: what the worker needs to plan and build one."""
 
     def start(self, kwargs: Mapping[str, object]) -> EnginePort: ...
-
-
-@attrs.frozen
-class StreamedGeneration:
-    """One finished request of an async engine: its generation and, when the engine labels
-    tokens (``EngineCapabilities.weight_versions``), the ``(label, start, end)`` spans of
-    the weights that sampled them."""
-
-    generation: Generation
-    version_spans: tuple[tuple[str, int, int], ...] | None = None
 
 
 def check_text_request(generation: Generation, logprobs_mode: str, request_id: str) -> None:

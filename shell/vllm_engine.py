@@ -283,14 +283,12 @@ def sampling_params(
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
-def scoring_params(top_k: int, kind: RequestOutputKind | None = None) -> SamplingParams:
+def scoring_params(
+    top_k: int, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+) -> SamplingParams:
     """The request that scores a sequence (``core.scoring``): one forward pass with
     ``prompt_logprobs=top_k``, one greedy token read by nobody, nothing detokenized
-    (``kind``: the async engine's output kind)."""
-    if kind is None:
-        return SamplingParams(
-            max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False
-        )
+    (``kind``: the async engine's output kind; vLLM's default otherwise)."""
     return SamplingParams(
         max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False, output_kind=kind
     )
@@ -403,10 +401,8 @@ def _batch_call(llm: LLM, call: str, inflight: _Inflight) -> Iterator[None]:
 def abort_unfinished(
     llm: LLM, call: str, cause: BaseException, *, inflight: _Inflight | None = None
 ) -> list[str]:
-    """Abort every request the engine holds unfinished, and drop the writes the model
-    runner staged for them; the ids aborted. EngineDeadError when that is impossible (no
-    such API on this vLLM, requests survive the abort, or the drop does not answer within
-    :data:`CALL_BOUND_S`: it then stays in ``inflight``, the engine's calls left running)."""
+    """The recovery of the module docstring: the ids aborted, or EngineDeadError (a drop
+    past :data:`CALL_BOUND_S` stays in ``inflight``)."""
     engine = llm.llm_engine
     running = [] if inflight is None else inflight
     try:
@@ -448,8 +444,11 @@ class VllmEngineBase(Generic[_Llm]):
     later call refused), its capabilities, the sleep-mode check, and the renderer's
     tokenization and expansion of media rows."""
 
-    def __init__(self, llm: _Llm, config: VllmConfig, *, weight_versions: bool = False) -> None:
+    def __init__(
+        self, llm: _Llm, config: VllmConfig, log_stats: bool, *, weight_versions: bool = False
+    ) -> None:
         self._llm: _Llm | None = llm
+        self._log_stats = log_stats
         self._dead: str | None = None  # why the engine is dead (every later call refused)
         self._extension = bool(config.parallel_config.worker_extension_cls)
         self._caps = engine_capabilities(config, weight_versions=weight_versions)
@@ -489,12 +488,18 @@ class VllmEngineBase(Generic[_Llm]):
             return attrs.evolve(spec, flat_logprobs=True)
         return spec
 
-    def _require_sleep_mode(self, call: str) -> None:
+    def _sleeper(self, call: str) -> _Llm:
+        """The engine for a sleep or wake; UnsupportedError without sleep mode."""
         if not self._caps.sleep_mode:
             raise UnsupportedError(
                 f"{call}: sleep mode is unavailable (platform {self._caps.device}, or the "
                 "engine was started without enable_sleep_mode)"
             )
+        return self.llm
+
+    def _stats(self) -> None:
+        if not self._log_stats:
+            raise UnsupportedError("metrics: the engine was started with disable_log_stats")
 
     def _renderer(self, call: str) -> BaseRenderer:
         """The engine's renderer (``LLM.renderer`` and ``AsyncLLM.renderer``: 0.25 and 0.32
@@ -520,10 +525,8 @@ class VllmEngine(VllmEngineBase[LLM]):
     """:class:`~genworker.shell.ports.EnginePort` over one ``vllm.LLM``."""
 
     def __init__(self, llm: LLM) -> None:
-        config = llm.llm_engine.vllm_config
-        super().__init__(llm, config)
+        super().__init__(llm, llm.llm_engine.vllm_config, llm.llm_engine.log_stats)
         self._inflight: _Inflight = []  # a call left running
-        self._log_stats = llm.llm_engine.log_stats
         sampling_args = self._caps.sampling_args or frozenset()
         self._sampled_arrays = "extra_args" in sampling_args and install(llm.llm_engine)
         # the wake without a refused fabric create per allocation (CUDA), where it sleeps
@@ -666,14 +669,12 @@ class VllmEngine(VllmEngineBase[LLM]):
 
     # -- memory ---------------------------------------------------------------------
     def sleep(self, level: int) -> None:
-        self._require_sleep_mode("sleep")
-        llm = self.llm
+        llm = self._sleeper("sleep")
         with fatal(f"sleep(level={level})", VLLM_CALLS, self._died):
             llm.sleep(level=level)
 
     def wake_up(self, tags: Sequence[str] | None) -> bool | None:
-        self._require_sleep_mode("wake_up")
-        llm = self.llm
+        llm = self._sleeper("wake_up")
         names = None if tags is None else list(tags)
         with fatal(f"wake_up(tags={names})", VLLM_CALLS, self._died):
             return llm.wake_up(tags=names)
@@ -690,8 +691,7 @@ class VllmEngine(VllmEngineBase[LLM]):
 
     # -- observability --------------------------------------------------------------
     def metrics(self) -> list[MetricSample]:
-        if not self._log_stats:
-            raise UnsupportedError("metrics: the engine was started with disable_log_stats")
+        self._stats()
         return self._call("metrics", lambda llm: [metric_sample(m) for m in llm.get_metrics()])
 
     def start_profile(self) -> None:
