@@ -240,9 +240,7 @@ class FakeEngineOptions(TypedDict, total=False):
 
 
 class FakeEngineBase:
-    """What the sync and the async fake share: their options and capabilities, the call
-    log with ``fail_next`` / ``fail_call``, the memory tags, the letter tokenizer, the
-    images' expansion, the token and cache-reset counters and the RPC handlers."""
+    """What the sync and the async fake share (the module docstring's last paragraph)."""
 
     def __init__(
         self,
@@ -474,8 +472,7 @@ class FakeEngine(FakeEngineBase):
     def compute_logprobs(
         self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], top_k: int
     ) -> list[ScoredRow]:
-        """A made-up model, deterministic in the prefix (vLLM's ``prompt_logprobs``): the
-        given token's logprob and ``top_k`` others, ranked, at each scored position."""
+        """:func:`fake_score` of each sequence (vLLM's ``prompt_logprobs``)."""
         self._enter("compute_logprobs")
         self._check_servable()
         return [

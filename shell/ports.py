@@ -81,7 +81,9 @@ class EnginePort(Protocol):
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """Each text prompt's token ids as the engine tokenizes it, except that a prompt
         starting with the tokenizer's BOS string gets no second BOS (the ids
-        :meth:`generate_text` takes; their lengths are the rows' token counts)."""
+        :meth:`generate_text` takes; their lengths are the rows' token counts);
+        ``BadBatchError`` for a prompt it refuses, ``UnsupportedError`` without a
+        tokenizer."""
         ...
 
     def expanded_lengths(
@@ -130,10 +132,7 @@ class EnginePort(Protocol):
 
 
 def check_text_rows(flat: FlatGenerations, logprobs_mode: str) -> None:
-    """What an engine's ``generate_text`` owes its caller, who sees no tokens (as
-    :meth:`EnginePort.generate_text` says): ``EngineContractError`` for sampled logprobs
-    that ``check_logprobs`` refuses under ``logprobs_mode``, ``RequestAbortedError`` for
-    rows the engine aborted."""
+    """The checks :meth:`EnginePort.generate_text` owes its caller, who sees no tokens."""
     checked = check_logprobs(flat.logprobs, flat.lengths, logprobs_mode)
     unwrap(checked, EngineContractError, "generate_text")
     unwrap(check_finished(flat), RequestAbortedError, "generate_text")
@@ -162,10 +161,8 @@ class EngineFactory(EngineFactoryBase, Protocol):
 
 
 def check_text_request(generation: Generation, logprobs_mode: str, request_id: str) -> None:
-    """What an async engine's ``generate_text`` owes its caller, who sees no tokens:
-    ``RequestAbortedError`` when the engine aborted the request, ``EngineContractError``
-    naming the request when ``check_logprobs`` refuses its sampled logprobs (the async
-    worker names the row)."""
+    """:func:`check_text_rows` of one async request, the errors naming the request (the
+    async worker names the row)."""
     if generation.finish_reason == "abort":
         raise RequestAbortedError(f"generate_text: request {request_id} was aborted")
     checked = check_generation_logprobs(generation, logprobs_mode)
@@ -206,10 +203,7 @@ class AsyncEnginePort(Protocol):
         """One request from prompt ids (:meth:`tokenize`'s) to its text; cancelling aborts."""
         ...
 
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        """The ids the engine makes of text prompts (``BadBatchError`` for one it refuses,
-        ``UnsupportedError`` without a tokenizer)."""
-        ...
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]: ...
 
     def expanded_lengths(
         self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]

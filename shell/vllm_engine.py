@@ -9,56 +9,44 @@ Theory of operation
 - ``generate`` builds one ``SamplingParams`` per distinct spec (``group_specs``) and hands
   vLLM a per-prompt list of them; ``LLM.generate`` returns outputs in prompt order.
 - The sampled logprobs as arrays: the engine installs the hook of
-  :mod:`genworker.shell.sampled_logprobs` on its ``LLMEngine`` at start, and marks the
-  ``SamplingParams`` of every spec with ``logprobs=0`` and no text; rows that need text
-  (stop strings) or more logprobs, and every engine without the hook, get flat logprobs.
+  :mod:`genworker.shell.sampled_logprobs` at start and marks the specs that qualify
+  (``logprobs=0``, no text); every other row, and every engine without the hook, gets
+  flat logprobs.
 - vLLM's outputs become :class:`~genworker.core.assembly.FlatGenerations` in one pass
-  (:mod:`genworker.core.completions`: the layouts, the finish reasons); a completion it
-  cannot read is an ``EngineContractError``.
-- vLLM detokenizes only the rows whose spec asks for it (``SamplingSpec.detokenize``:
-  stop strings, text requests); ``generate_text`` refuses a spec that does not.
-- ``generate`` hands back the rows as vLLM made them (non-finite logprobs included) and
-  the worker checks them (``genworker.core.outputs``); ``generate_text``, whose caller
-  sees no tokens, converts its rows the same way and checks them itself.
-- Cyclic GC stays out of a generate call (:func:`~genworker.shell.collector.defer_cyclic_gc`),
-  and vLLM's outputs are freed as they are read: with the hook's arrays a row is a
-  handful of objects, all dropped once the batch is joined (``worker_outside_free_ms``
-  1.5 ms for 512 x 256 on this host, against 4.6 with a list of token ids and 11.7 with
-  flat logprobs); otherwise each row's completion (the only reference left: the
-  ``RequestOutput`` list is dropped first) goes once it is packed, its objects still in
-  the cache (issue 20; :mod:`genworker.shell.collector` tells why not a releaser thread).
+  (:mod:`genworker.core.completions`); a completion it cannot read is an
+  ``EngineContractError``. ``generate`` hands back the rows as vLLM made them and the
+  worker checks them (``genworker.core.outputs``); ``generate_text``, whose caller sees no
+  tokens, checks its own, and refuses a spec that does not detokenize.
+- Cyclic GC stays out of a generate call, and vLLM's outputs are freed as they are read
+  (:mod:`genworker.shell.collector` tells why): with the hook's arrays a row is a handful
+  of objects (``worker_outside_free_ms`` 1.5 ms for 512 x 256 on this host, against 4.6
+  with a list of token ids and 11.7 with flat logprobs); otherwise each row's completion
+  goes once it is packed, the ``RequestOutput`` list dropped first (issue 20).
 - Errors are translated in one place (the seam :data:`VLLM_CALLS`, through
-  ``shell.errors.translated``): vLLM's ``EngineDeadError``
-  becomes ours. A generate call runs under :func:`_batch_call` as well: ``LLM.generate``
-  aborts the requests it already added when one is rejected (``_render_and_add_requests``
-  in vllm/entrypoints/common/offline.py, 0.32), but an error out of ``LLMEngine.step``
-  (e.g. a seed ``torch.Generator.manual_seed`` cannot take, raised in ``execute_model``)
-  leaves the admitted requests unfinished, and the next ``generate`` steps them forever.
-  So after ANY error the requests still unfinished are aborted
-  (``LLMEngine.abort_request(ids, internal=True)`` on the output processor's request ids,
-  the same call vLLM makes); if that fails, or leaves requests behind, the engine is dead.
-  The abort reaches the scheduler, not the model runner: vLLM's V2 GPU runner (0.25's
-  default on CUDA) keeps the writes it staged for the requests of a step that raised
-  while adding them, and applies them over the next request that takes the slot (issue
-  18, :mod:`genworker.shell.staged_writes`). So the abort is followed by
-  ``LLM.collective_rpc(drop_staged_writes)``; if that fails the engine is dead too.
-  :func:`abort_unfinished` is that recovery, for a caller taking over an engine as well.
-  Only an error of request validation (``ValueError`` / ``VLLMValidationError``, not a
-  ``ValueError`` in 0.32) that left nothing admitted is a ``BadBatchError``; any other is
-  ``GenerationAbortedError`` (the engine serves the next call).
+  ``shell.errors.translated``): vLLM's ``EngineDeadError`` becomes ours. A generate call
+  runs under :func:`_batch_call` as well: ``LLM.generate`` aborts the requests it already
+  added when one is rejected (``_render_and_add_requests`` in
+  vllm/entrypoints/common/offline.py, 0.32), but an error out of ``LLMEngine.step`` (e.g.
+  a seed ``torch.Generator.manual_seed`` cannot take) leaves the admitted requests
+  unfinished, and the next ``generate`` steps them forever. So after ANY error
+  :func:`abort_unfinished` aborts the requests still unfinished
+  (``LLMEngine.abort_request(ids, internal=True)``, as vLLM does) and drops the writes the
+  V2 GPU runner staged for them (``LLM.collective_rpc(drop_staged_writes)``, issue 18:
+  :mod:`genworker.shell.staged_writes`); if either fails, or requests are left, the
+  engine is dead. Only an error of request validation (``ValueError`` /
+  ``VLLMValidationError``, not a ``ValueError`` in 0.32) that left nothing admitted is a
+  ``BadBatchError``; any other is ``GenerationAbortedError`` (the engine serves the next
+  call).
 - Media (vLLM 0.32 ``vllm/renderers/base.py``, the same in 0.25): ``tokenize`` runs the
-  renderer's own tokenization (``tokenize_prompts`` with ``default_cmpl_tok_params``, what
-  ``LLM.generate`` does to a text prompt) but without special tokens for a prompt that
-  already starts with the BOS string, so it never gets two; every text prompt is then
-  submitted as token ids, so ``generate_text``'s per-row caps count what the engine sees
-  (the lengths of ``tokenize``'s ids); an engine started with ``skip_tokenizer_init`` has
-  no tokenizer and takes no text prompts (``UnsupportedError``). ``expanded_lengths``
-  renders each media row as ``LLM.generate`` would (``render_cmpl``) with
-  ``skip_mm_cache=True``, the tokenize endpoint's path, which leaves the sender-side
-  multimodal cache alone (an item that cache records as sent but never reaches the engine
-  core would later be missing there); the result's ``prompt_token_ids`` are the expanded
-  prompt. The image placeholder id is the HF
-  config's ``image_token_id`` (or ``image_token_index``); the per-prompt image limit is
+  renderer's own tokenization (what ``LLM.generate`` does to a text prompt) but gives a
+  prompt that starts with the BOS string no second one; every text prompt is then
+  submitted as token ids, so ``generate_text``'s per-row caps count what the engine sees;
+  an engine started with ``skip_tokenizer_init`` takes no text prompts
+  (``UnsupportedError``). ``expanded_lengths`` renders each media row as ``LLM.generate``
+  would, with ``skip_mm_cache=True``, the tokenize endpoint's path, which leaves the
+  sender-side multimodal cache alone (an item that cache records as sent but never
+  reaches the engine core would later be missing there). The image placeholder id is the
+  HF config's ``image_token_id`` (or ``image_token_index``); the per-prompt image limit is
   ``multimodal_config.get_limit_per_prompt("image")``. After a refit, vLLM 0.32's
   ``reload_weights`` clears the model runner's encoder cache but not the scheduler's
   record of it, so the next request with an image seen before fails with "Encoder cache
@@ -184,12 +172,10 @@ __all__ = [
     "abort_unfinished",
     "engine_arg_names",
     "engine_capabilities",
-    "expanded_with",
     "lora_request",
     "lora_requests",
     "sampling_params",
     "token_prompt",
-    "tokenize_with",
 ]
 
 _T = TypeVar("_T")
@@ -322,17 +308,13 @@ def with_samples(
     return out
 
 
-def sampling_arg_names() -> frozenset[str]:
-    params = inspect.signature(SamplingParams).parameters
-    return frozenset(name for name in params if not name.startswith("_"))
-
-
 def engine_capabilities(config: VllmConfig, *, weight_versions: bool = False) -> EngineCapabilities:
     """What a started engine can do, found by looking (the module docstring):
     ``weight_versions`` says whether it labels tokens with their weights (async only)."""
     model = config.model_config
     spec = config.speculative_config
-    sampling_args = sampling_arg_names()
+    params = inspect.signature(SamplingParams).parameters
+    sampling_args = frozenset(name for name in params if not name.startswith("_"))
     media = model.multimodal_config
     return EngineCapabilities(
         sleep_mode=current_platform.is_sleep_mode_available() and model.enable_sleep_mode,
@@ -511,14 +493,62 @@ class VllmEngineBase(Generic[_Llm]):
         return renderer
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """The ids vLLM makes of text prompts (one BOS: a prompt that starts with the
+        tokenizer's BOS text is tokenized without adding another)."""
         if self._skip_tokenizer:
-            raise UnsupportedError(NO_TOKENIZER)
-        return tokenize_with(self._renderer("tokenize"), prompts)
+            raise UnsupportedError(
+                "tokenize: text prompts need a tokenizer: the engine was started with "
+                "skip_tokenizer_init=True"
+            )
+        renderer = self._renderer("tokenize")
+        try:
+            with translated(VLLM_CALLS, "tokenize"):
+                bos = getattr(renderer.get_tokenizer(), "bos_token", None)
+                params = renderer.default_cmpl_tok_params
+                plain = params.with_kwargs(add_special_tokens=False)
+                starts = [isinstance(bos, str) and bool(bos) and p.startswith(bos) for p in prompts]
+                ids: list[list[int]] = [[] for _ in prompts]
+                for bare in (False, True):
+                    rows = [row for row, s in enumerate(starts) if s is bare]
+                    if not rows:
+                        continue
+                    texts = [TextPrompt(prompt=prompts[row]) for row in rows]
+                    tokenized = renderer.tokenize_prompts(texts, plain if bare else params)
+                    for row, prompt in zip(rows, tokenized, strict=True):
+                        ids[row] = list(prompt["prompt_token_ids"])
+        except REQUEST_ERRORS as e:
+            raise BadBatchError(f"tokenize: vLLM refused a prompt: {e}") from e
+        return ids
 
     def expanded_lengths(
         self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
     ) -> list[int]:
-        return expanded_with(self._renderer("expanded_lengths"), prompts, media)
+        """How many ids each prompt holds once vLLM's processor expanded its images'
+        placeholders (``render_cmpl``, as ``LLM.generate`` renders a request; a row without
+        media: its own length); a row the processor refuses is a ``BadBatchError``."""
+        renderer = self._renderer("expanded_lengths")
+        params = renderer.default_cmpl_tok_params
+        lengths = []
+        for row, (prompt, row_media) in enumerate(zip(prompts, media, strict=True)):
+            if row_media is None:
+                lengths.append(len(prompt))
+                continue
+            request = token_prompt(prompt, row_media)
+            try:
+                (rendered,) = renderer.render_cmpl([request], params, skip_mm_cache=True)
+            except (AssertionError, OSError, *REQUEST_ERRORS) as e:
+                raise BadBatchError(
+                    f"multi_modal_data[{row}]: vLLM's processor refused the row: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            expanded = rendered.get("prompt_token_ids")
+            if not isinstance(expanded, list) or len(expanded) < len(prompt):
+                raise EngineContractError(
+                    f"multi_modal_data[{row}]: vLLM rendered {len(prompt)} prompt ids as "
+                    f"{expanded!r:.200}"
+                )
+            lengths.append(len(expanded))
+        return lengths
 
 
 class VllmEngine(VllmEngineBase[LLM]):
@@ -531,10 +561,7 @@ class VllmEngine(VllmEngineBase[LLM]):
         self._sampled_arrays = "extra_args" in sampling_args and install(llm.llm_engine)
         # the wake without a refused fabric create per allocation (CUDA), where it sleeps
         if self._caps.sleep_mode and self._extension:  # in each engine worker's process
-            what = "collective_rpc('install_wake')"  # not an overridable method
-            with translated(VLLM_CALLS, what):
-                wake = functools.partial(llm.collective_rpc, "install_wake")
-                _bounded(wake, CALL_BOUND_S, what=what, inflight=self._inflight)
+            self._rpc(llm, RpcCall("install_wake", timeout=CALL_BOUND_S))
         elif self._caps.sleep_mode:
             install_wake()
 
@@ -569,12 +596,8 @@ class VllmEngine(VllmEngineBase[LLM]):
             raise BadConfigError(
                 "precision fp8 needs genworker's worker extension, which quantizes the weights"
             )
-        what = "collective_rpc('prepare_fp8')"
-        with translated(VLLM_CALLS, what):
-            prepare = functools.partial(
-                self.llm.collective_rpc, "prepare_fp8", args=(checkpoint_format,)
-            )
-            problems = _bounded(prepare, _LOAD_BOUND_S, what=what, inflight=self._inflight)
+        prepare = RpcCall("prepare_fp8", (checkpoint_format,), timeout=_LOAD_BOUND_S)
+        problems = self._rpc(self.llm, prepare)
         if problem := next((p for p in problems if p), None):
             raise BadConfigError(str(problem))
 
@@ -703,19 +726,23 @@ class VllmEngine(VllmEngineBase[LLM]):
     # -- workers --------------------------------------------------------------------
     def collective_rpc(self, call: RpcCall) -> list[object]:
         llm = self.llm
-        method, timeout = call.method, call.timeout
-        kwargs = None if call.kwargs is None else dict(call.kwargs)
-
-        def run() -> list[object]:
-            return llm.collective_rpc(method, timeout=timeout, args=call.args, kwargs=kwargs)
-
-        what = f"collective_rpc({method!r})"
         with self._mortal():
-            _settle(self._inflight, what)
-            with translated(VLLM_CALLS, what):
-                if timeout is None:
-                    return run()
-                return _bounded(run, timeout, what=what, inflight=self._inflight)
+            _settle(self._inflight, f"collective_rpc({call.method!r})")
+            return self._rpc(llm, call)
+
+    def _rpc(self, llm: LLM, call: RpcCall) -> list[object]:
+        """``LLM.collective_rpc`` of ``call``, its errors translated, waited for at most
+        ``call.timeout`` (:func:`_bounded`); the adapter's own RPCs call this, not the
+        :meth:`collective_rpc` a subclass may override."""
+        what = f"collective_rpc({call.method!r})"
+        kwargs = None if call.kwargs is None else dict(call.kwargs)
+        run = functools.partial(
+            llm.collective_rpc, call.method, timeout=call.timeout, args=call.args, kwargs=kwargs
+        )
+        with translated(VLLM_CALLS, what):
+            if call.timeout is None:
+                return run()
+            return _bounded(run, call.timeout, what=what, inflight=self._inflight)
 
     def device_ids(self) -> list[str]:
         if not self._extension:
@@ -755,70 +782,7 @@ class VllmEngine(VllmEngineBase[LLM]):
                 "shutdown: the refit sockets and groups are left to the engine's stop: %s", why
             )
             return
-        what = "collective_rpc('cleanup')"
-        with translated(VLLM_CALLS, what):
-            cleanup = functools.partial(llm.collective_rpc, "cleanup")
-            _bounded(cleanup, CALL_BOUND_S, what=what, inflight=self._inflight)
-
-
-NO_TOKENIZER = (
-    "tokenize: text prompts need a tokenizer: the engine was started with skip_tokenizer_init=True"
-)
-
-
-def expanded_with(
-    renderer: BaseRenderer, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-) -> list[int]:
-    """How many ids each prompt holds once vLLM's processor expanded its images'
-    placeholders (``render_cmpl``, as ``LLM.generate`` renders a request; a row without
-    media: its own length); a row the processor refuses is a ``BadBatchError``."""
-    params = renderer.default_cmpl_tok_params
-    lengths = []
-    for row, (prompt, row_media) in enumerate(zip(prompts, media, strict=True)):
-        if row_media is None:
-            lengths.append(len(prompt))
-            continue
-        request = TokensPrompt(
-            prompt_token_ids=list(prompt), multi_modal_data=row_media.vllm_data()
-        )
-        try:
-            (rendered,) = renderer.render_cmpl([request], params, skip_mm_cache=True)
-        except (AssertionError, OSError, *REQUEST_ERRORS) as e:
-            raise BadBatchError(
-                f"multi_modal_data[{row}]: vLLM's processor refused the row: "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        expanded = rendered.get("prompt_token_ids")
-        if not isinstance(expanded, list) or len(expanded) < len(prompt):
-            raise EngineContractError(
-                f"multi_modal_data[{row}]: vLLM rendered {len(prompt)} prompt ids as "
-                f"{expanded!r:.200}"
-            )
-        lengths.append(len(expanded))
-    return lengths
-
-
-def tokenize_with(renderer: BaseRenderer, prompts: Sequence[str]) -> list[list[int]]:
-    """The ids vLLM makes of text prompts (one BOS: a prompt that starts with the
-    tokenizer's BOS text is tokenized without adding another)."""
-    try:
-        with translated(VLLM_CALLS, "tokenize"):
-            bos = getattr(renderer.get_tokenizer(), "bos_token", None)
-            params = renderer.default_cmpl_tok_params
-            plain = params.with_kwargs(add_special_tokens=False)
-            starts = [isinstance(bos, str) and bool(bos) and p.startswith(bos) for p in prompts]
-            ids: list[list[int]] = [[] for _ in prompts]
-            for bare in (False, True):
-                rows = [row for row, s in enumerate(starts) if s is bare]
-                if not rows:
-                    continue
-                texts = [TextPrompt(prompt=prompts[row]) for row in rows]
-                tokenized = renderer.tokenize_prompts(texts, plain if bare else params)
-                for row, prompt in zip(rows, tokenized, strict=True):
-                    ids[row] = list(prompt["prompt_token_ids"])
-    except REQUEST_ERRORS as e:
-        raise BadBatchError(f"tokenize: vLLM refused a prompt: {e}") from e
-    return ids
+        self._rpc(llm, RpcCall("cleanup", timeout=CALL_BOUND_S))
 
 
 def image_token_id_of(model: ModelConfig) -> int | None:
