@@ -41,7 +41,7 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Mapping, Sequence, Sized
-from typing import Final, Protocol, cast
+from typing import Final, Protocol, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -56,6 +56,7 @@ __all__ = [
     "Completion",
     "FlatLayout",
     "SampledLogprobs",
+    "StepMatrix",
     "UnreadCompletion",
     "flat_generations",
     "generation_of",
@@ -69,6 +70,18 @@ VLLM_FINISH_REASONS: Final = {
     "repetition": "stop",
 }
 """vLLM's finish reasons of a finished row, as ours (see the module docstring)."""
+
+
+_Item = TypeVar("_Item", covariant=True)
+
+
+class StepMatrix(Protocol[_Item]):
+    """A step's numpy array in vLLM's ``LogprobsLists`` (``vllm/v1/outputs.py``): a row per
+    new token, the sampled token's entry first."""
+
+    def __len__(self) -> int: ...
+
+    def item(self, row: int, column: int, /) -> _Item: ...
 
 
 class SampledLogprobs:
@@ -86,6 +99,18 @@ class SampledLogprobs:
 
     def __repr__(self) -> str:
         return f"SampledLogprobs({len(self)} positions)"
+
+    def append_step(
+        self, token_ids: StepMatrix[int], logprobs: StepMatrix[float], cumulative: float
+    ) -> float:
+        """Append a step's sampled ids and logprobs (the first column of each row);
+        ``cumulative`` with each logprob added in turn, as vLLM sums it."""
+        for position in range(len(logprobs)):
+            value = logprobs.item(position, 0)
+            self.token_ids.append(token_ids.item(position, 0))
+            self.logprobs.append(value)
+            cumulative += value
+        return cumulative
 
 
 class FlatLayout(Protocol):

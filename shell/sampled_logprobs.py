@@ -46,9 +46,9 @@ import functools
 import importlib
 from array import array
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
-from genworker.core.completions import SampledLogprobs
+from genworker.core.completions import SampledLogprobs, StepMatrix
 
 __all__ = ["MARKER", "SampledLogprobs", "install"]
 
@@ -57,17 +57,6 @@ MARKER = "genworker_sampled_logprobs"
 
 # What _update_sample_logprobs reads and writes on vLLM's LogprobsProcessor (a dataclass).
 _FIELDS = frozenset({"tokenizer", "logprobs", "cumulative_logprob", "num_logprobs"})
-
-_Item = TypeVar("_Item", covariant=True)
-
-
-class _Matrix(Protocol[_Item]):
-    """A step's numpy array in vLLM's ``LogprobsLists`` (``vllm/v1/outputs.py``): a row per
-    new token, the sampled token's entry first."""
-
-    def __len__(self) -> int: ...
-
-    def item(self, row: int, column: int, /) -> _Item: ...
 
 
 class _Sampled(Protocol):
@@ -78,17 +67,15 @@ class _Sampled(Protocol):
 
 
 def _update_sample_logprobs(
-    self: _Sampled, logprobs_lists: tuple[_Matrix[int], _Matrix[float], *tuple[object, ...]]
+    self: _Sampled,
+    logprobs_lists: tuple[StepMatrix[int], StepMatrix[float], *tuple[object, ...]],
 ) -> None:
     """``LogprobsProcessor._update_sample_logprobs`` for a :class:`SampledLogprobs`: the
     sampler puts the sampled token first in each row of the step's arrays."""
     token_ids, logprobs = logprobs_lists[0], logprobs_lists[1]
-    kept: SampledLogprobs = self.logprobs
-    for position in range(len(logprobs)):
-        value = logprobs.item(position, 0)
-        kept.token_ids.append(token_ids.item(position, 0))
-        kept.logprobs.append(value)
-        self.cumulative_logprob += value
+    self.cumulative_logprob = self.logprobs.append_step(
+        token_ids, logprobs, self.cumulative_logprob
+    )
 
 
 def _vllm_class(module: str, name: str) -> type | None:

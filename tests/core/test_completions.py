@@ -244,3 +244,31 @@ def test_sampled_logprobs_are_copied_out_and_say_their_size() -> None:
     assert row.logprobs.tolist() == [-1.0, -2.5]
     assert repr(c.SampledLogprobs()) == "SampledLogprobs(0 positions)"
     assert np.array_equal(row.token_ids, [5, 6])
+
+
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 2**40), st.floats(-50.0, 0.0, width=32)),
+            max_size=4,
+        ),
+        max_size=5,
+    ),
+    st.floats(-10.0, 0.0),
+)
+def test_steps_append_the_sampled_column_and_sum_as_vllm_does(
+    steps: list[list[tuple[int, float]]], start: float
+) -> None:
+    # vLLM's step arrays hold the sampled token first, then the top logprobs (here -1 each).
+    kept, cumulative, expected = c.SampledLogprobs(), start, start
+    for step in steps:
+        ids = np.array([[t, 0] for t, _ in step], dtype=np.int64).reshape(-1, 2)
+        logprobs = np.array([[v, -1.0] for _, v in step], dtype=np.float32).reshape(-1, 2)
+        cumulative = kept.append_step(ids, logprobs, cumulative)
+        for _, value in step:
+            expected += float(np.float32(value))
+    pairs = [pair for step in steps for pair in step]
+    assert list(kept.token_ids) == [t for t, _ in pairs]
+    assert list(kept.logprobs) == [float(np.float32(v)) for _, v in pairs]
+    assert cumulative == expected
+    assert len(kept) == len(pairs)
