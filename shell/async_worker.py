@@ -72,8 +72,16 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Mapping,
+    Sequence,
+)
+from typing import Concatenate, ParamSpec, TypeVar
 
 import attrs
 import torch
@@ -81,10 +89,9 @@ from returns.result import Failure
 
 from genworker.core import control_plane, lifecycle
 from genworker.core.assembly import Generation
-from genworker.core.counters import LOGGER_METRICS, encode_snapshot, logger_sample
+from genworker.core.counters import LOGGER_METRICS, logger_sample
 from genworker.core.engine_calls import RowRequest, RpcCall
 from genworker.core.groups import GroupPlan
-from genworker.core.joins import GroupJoin, group_join
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import (
     NonFiniteLogprobs,
@@ -115,7 +122,6 @@ from genworker.shell.errors import (
     RefitTimeoutError,
     RequestAbortedError,
     UnsupportedError,
-    translated,
     unwrap,
 )
 from genworker.shell.media import RowMedia
@@ -129,10 +135,11 @@ from genworker.shell.refit.wire import raise_failures
 from genworker.shell.server import OpenAIServer
 from genworker.shell.spine import (
     BatchPlan,
+    Drive,
     ExistingEngineFactory,
+    Steps,
     WorkerSpine,
-    checked_join,
-    reset_cache,
+    door_of,
     tally_nonfinite,
 )
 
@@ -146,6 +153,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
 #: A row's engine call: the engine, the request, its call, its context length, and the
 #: event a group's leader sets at its first token.
 _RowWork = Callable[
@@ -217,6 +225,18 @@ def _for_row(error: GenworkerError, row: int) -> GenworkerError:
         named = GenworkerError(f"row {row}: {error}", detail=error.detail)
     named.__cause__ = error
     return named
+
+
+def _door(
+    body: Callable[Concatenate[WorkerSpine[AsyncEnginePort], _P], Steps[_T]],
+) -> Callable[Concatenate[AsyncVllmGenerationWorker, _P], Coroutine[object, object, _T]]:
+    """The public coroutine method that drives the spine's ``body`` (its name and
+    docstring ``body``'s, ``shell.spine.door_of``)."""
+
+    async def door(self: AsyncVllmGenerationWorker, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        return await self._drive(body(self, *args, **kwargs))
+
+    return door_of(door, body)
 
 
 def _pause_args(mode: object, clear_cache: object) -> tuple[InflightMode, bool]:
@@ -323,13 +343,6 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
     def num_unfinished(self) -> int:
         """Requests the engine has not finished (running, waiting or paused)."""
         return self.engine.num_unfinished()
-
-    async def _call(self, fn: Callable[[AsyncEnginePort], Awaitable[_T]]) -> _T:
-        try:
-            return await fn(self.engine)
-        except EngineDeadError as e:
-            self._died(e)
-            raise
 
     def _tokenize(self, texts: list[str]) -> list[list[int]]:
         return self.engine.tokenize(texts)
@@ -668,116 +681,46 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 texts[row] = item
         return {"texts": [texts[row] for row in range(len(texts))]}
 
-    # -- memory -----------------------------------------------------------------------
-    async def sleep(self, level: int | None = None) -> None:
-        """Free engine memory (refused while streams run): level 1 offloads the weights to
-        host memory, level 2 discards them; the caches are reset first (``shell.spine``)."""
-        level, next_state = self._sleep_event(level)
-        if next_state is None:
-            return
-        before, self._state = self._state, next_state  # new streams are refused from now
-        try:
-            await self._reset_caches()
-            await self._memory_call(f"sleep(level={level})", lambda e: e.sleep(level))
-        except BaseException:
-            self._state = before  # as the sync worker's, which commits only on success
-            raise
+    # -- the operations both workers share (their bodies: WorkerSpine, shell.spine) -----
+    sleep = _door(WorkerSpine._sleep)
+    wake_up = _door(WorkerSpine._wake_up)
+    reset_prefix_cache = _door(WorkerSpine._reset_prefix_cache)
+    prepare_refit_info = _door(WorkerSpine._prepare_refit_info)
+    init_collective = _door(WorkerSpine._init_collective)
+    init_collective_via = _door(WorkerSpine._init_collective_via)
+    engine_param_layout = _door(WorkerSpine._engine_param_layout)
+    refit_address = _door(WorkerSpine._refit_address)
+    release_refit_buffers = _door(WorkerSpine._release_refit_buffers)
+    prepare_lora = _door(WorkerSpine._prepare_lora)
+    call_engine_workers = _door(WorkerSpine._call_engine_workers)
+    report_device_id = _door(WorkerSpine._report_device_id)
+    get_counters = _door(WorkerSpine._get_counters)
 
-    async def _reset_caches(self) -> None:
-        """The spine's cache resets before a sleep (the async engine counts no requests:
-        the ledger alone says when they are known empty)."""
-        for name in self._resets_due(None):
+    async def _drive(self, steps: Steps[_T]) -> _T:
+        """Make the engine calls a spine body yields (awaiting what the port returns to
+        await): the result sent back into the body, a failure thrown in (a dead engine
+        noted first); the body's value."""
+        drive = Drive(steps)
+        call = drive.send(None)
+        while call is not None:
             try:
-                await self._call(functools.partial(reset_cache, name=name))
-            except EngineStateError as e:
-                self._reset_failed(name, None, e)
-            self._reset_done(name)
-        self._resets_finished(None)
+                result = call.on(self.engine)
+                if isinstance(result, Awaitable):
+                    result = await result
+            except BaseException as e:  # noqa: BLE001 - the body raises it (or its own)
+                if isinstance(e, EngineDeadError):
+                    self._died(e)
+                call = drive.throw(e)
+            else:
+                call = drive.send(result)
+        return drive.result
 
-    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Wake ``weights``, ``kv_cache`` or both (``None``); waking an awake tag is a no-op."""
-        next_state, asleep = self._wake_plan(tags)
-        if asleep:
-            call = f"wake_up(tags={list(asleep)})"
-            fully = await self._memory_call(call, lambda e: e.wake_up(list(asleep)))
-            self._wake_checked(call, next_state, fully)
-        self._state = next_state
-
-    async def _memory_call(self, call: str, fn: Callable[[AsyncEnginePort], Awaitable[_T]]) -> _T:
-        """The engine's sleep or wake (a failure but a typed refusal kills the engine)."""
-        try:
-            return await self._call(fn)
-        except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
-            self._memory_failed(call, e)
-
-    async def reset_prefix_cache(self) -> None:
-        """Drop the prefix cache (refused while streams run)."""
-        self._state = self._move(lifecycle.Event.RESET_PREFIX_CACHE)
-        await self._call(lambda e: e.reset_prefix_cache())
-        self._reset_done("prefix")
+    async def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
+        """``method(*args)`` on every engine worker (``WorkerSpine._rpc_steps``)."""
+        return await self._drive(self._rpc_steps(method, *args, timeout=timeout))
 
     # -- refit ------------------------------------------------------------------------
     # The refit's bounds and preamble are the spine's; the pause is one more bounded wait.
-    async def prepare_refit_info(
-        self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
-    ) -> list[object]:
-        """Tell the engine workers which tensors every refit carries (names, shapes,
-        dtypes); each engine worker's summary (as ``VllmGenerationWorker``'s)."""
-        manifest = self._manifest_of(state_dict_info)
-        summaries = await self._rpc("prepare_refit_info", manifest.to_info())
-        self._manifest = manifest
-        return summaries
-
-    async def init_collective(
-        self,
-        rank_prefix: int,
-        ip: str,
-        port: int,
-        world_size: int,
-        train_world_size: int,
-        timeout_s: float | None = None,
-    ) -> None:
-        """Join the trainer's weight-update group (returns once every rank joined); every
-        rendezvous wait is bounded by ``timeout_s``."""
-        join = checked_join(
-            group_join(rank_prefix, ip, port, world_size, train_world_size, timeout_s)
-        )
-        await self.init_collective_via("init_collective", join)
-
-    async def init_collective_via(self, method: str, join: GroupJoin) -> None:
-        """:meth:`init_collective` through another extension method (``method(join)``,
-        e.g. the receiver of NeMo-RL's weight-update group, ``nemo_rl_init_collective``)."""
-        self._collective = False
-        await self._rpc(method, join.to_wire(), timeout=join.rpc_bound())
-        self._collective = True
-
-    async def call_engine_workers(self, method: str, *args: object) -> list[object]:
-        """Every engine worker's answer to its ``WorkerExtension.method(*args)`` (plain
-        values); a failure raised typed, naming the worker."""
-        return await self._rpc(method, *args)
-
-    async def refit_address(self) -> list[object]:
-        """Where each engine worker listens for IPC refits (one entry per worker), for
-        ``genworker.shell.refit.RefitSender.ipc``."""
-        return await self._rpc("refit_address")
-
-    async def engine_param_layout(self) -> list[object]:
-        """Each engine worker's directly writable parameters: ``{name: [shape, dtype]}``."""
-        return await self._rpc("engine_param_layout")
-
-    async def release_refit_buffers(self) -> list[object]:
-        """Let go of the trainer storages and staging buffers the engine workers keep
-        mapped between IPC refits (``VllmGenerationWorker``'s); how many each let go."""
-        return await self._rpc("release_refit_buffers")
-
-    async def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
-        """``method(*args)`` on every engine worker; failures typed by the spine's map."""
-        self._rpc_allowed(method)
-        with translated(self._rpc_seam(method), method):
-            call = RpcCall(method, args, None, timeout)
-            results = await self._call(lambda e: e.collective_rpc(call))
-        return raise_failures(results, method)
-
     async def update_weights_via_ipc_zmq(
         self,
         timeout_s: float | None = None,
@@ -890,21 +833,6 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         )
 
     # -- adapter refits (docs/lora.md; the rules in the spine, as the sync worker's) ------
-    async def prepare_lora(
-        self,
-        adapter_info: Mapping[str, tuple[Sequence[int], object]],
-        peft_config: Mapping[str, object],
-    ) -> list[object]:
-        """As ``VllmGenerationWorker.prepare_lora``: the adapter checked against what the
-        engine holds; each engine worker's address for ``RefitSender.ipc``."""
-        manifest = self._manifest_of(adapter_info)
-        alpha = self.cfg.lora.alpha
-        addresses = await self._rpc(
-            "refit_init", "lora", manifest.to_info(), dict(peft_config), alpha
-        )
-        self._lora_manifest = manifest
-        return addresses
-
     async def update_lora(
         self,
         name: str,
@@ -920,15 +848,14 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         version alone (rows of mode ``abort`` stay aborted)."""
         inflight, clear_cache = _pause_args(mode, clear_cache)
         bound, outer, kwargs = self._lora_bounds(name, timeout_s, transport)
-        self._rpc_allowed("update_lora")
         engine = self.engine
         self._abort_in_flight(inflight, "an in-flight adapter refit")
         await self._pause_within("update_lora", inflight, clear_cache, bound)
         try:
-            with translated(self._rpc_seam("update_lora"), "update_lora"):
-                call = RpcCall("refit_receive", ("lora", name), kwargs, outer)
-                results = await engine.collective_rpc(call)
-            reports = raise_failures(results, "update_lora")
+            receive = self._rpc_steps(
+                "refit_receive", "lora", name, kwargs=kwargs, timeout=outer, label="update_lora"
+            )
+            reports = await self._drive(receive)
             self._lora_ok(name, reports, {})
             if self._http is not None:
                 self._http.serve_adapter(name, self.lora_adapters[name])
@@ -1059,26 +986,12 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         try:
             if ids:
                 await engine.abort(ids)
-            await self._reset_after_failure(error)  # paused: nothing runs on the caches
+            # paused: nothing runs on the caches
+            await self._drive(self._reset_after_failure(error, (EngineDeadError,)))
             if not held:
                 await engine.resume()
         except EngineDeadError as e:
             self._died(e)
-
-    async def _reset_after_failure(self, error: BaseException) -> None:
-        """The spine's resets after a refused or failed refit; one that fails is noted
-        on ``error`` (raised by the caller)."""
-        try:
-            for name in self._resets_after_failed_refit(error):
-                if name == "kv":
-                    await self._rpc("refit_reset_kv")
-                else:
-                    await self._call(functools.partial(reset_cache, name=name))
-                    self._reset_done(name)
-        except EngineDeadError:
-            raise
-        except Exception as e:  # noqa: BLE001 - noted on the refit's own error
-            error.add_note(f"resetting the caches after the failed refit failed too: {e}")
 
     async def _settle(self) -> None:
         """Wait until the tokens sampled before the pause have all been counted (engines
@@ -1093,13 +1006,6 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 quiet, last = 0, self._activity
 
     # -- observability ----------------------------------------------------------------
-    async def report_device_id(self) -> list[str]:
-        return await self._call(lambda e: e.device_ids())
-
-    async def get_counters(self) -> dict[str, float | list[float]]:
-        """As ``VllmGenerationWorker.get_counters``."""
-        return encode_snapshot([*self.engine.metrics(), *self._own_counters()])
-
     def get_vllm_logger_metrics(self) -> dict[str, list[float]]:
         """What the metrics logger (``vllm_cfg.enable_vllm_metrics_logger: true``) sampled
         every ``vllm_metrics_logger_interval`` seconds since the last clear, as NeMo-RL's

@@ -34,10 +34,12 @@ differed before the spine, and how each difference was settled: ``docs/workers.m
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Generic, NoReturn, Protocol, TypeVar
+import time
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from typing import Generic, Literal, NoReturn, Protocol, TypeVar
 
 import attrs
 import torch
@@ -46,11 +48,11 @@ from returns.result import Failure, Result
 from genworker.core import lifecycle
 from genworker.core.batch import batch_tensors, check_batch
 from genworker.core.config import WorkerConfig
-from genworker.core.counters import CounterSample, worker_counters
-from genworker.core.engine_calls import is_refit_method
+from genworker.core.counters import CounterSample, MetricSample, encode_snapshot, worker_counters
+from genworker.core.engine_calls import RpcCall, is_refit_method
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.groups import Group, GroupPath, GroupPlan, plan_groups
-from genworker.core.joins import GroupJoin, JoinError
+from genworker.core.joins import GroupJoin, JoinError, group_join
 from genworker.core.lora import NEMO_RL_ADAPTER_NAME, lora_update
 from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, nonfinite_seen
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, env_names, forwarded_env_names
@@ -82,27 +84,32 @@ from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
     BadConfigError,
+    EngineContractError,
     EngineDeadError,
     EngineStateError,
     GenworkerError,
     RefitError,
     RefitManifestError,
-    Seam,
     UnsupportedError,
+    translated,
     unwrap,
 )
 from genworker.shell.media import RowMedia, media_rows, row_media
 from genworker.shell.ports import EngineCapabilities
+from genworker.shell.refit.wire import raise_failures
 
 __all__ = [
     "EXTENSION_CLS",
     "BatchPlan",
+    "Drive",
+    "EngineCall",
     "ExistingEngineFactory",
+    "Steps",
     "WorkerSpine",
     "checked_env_names",
     "checked_join",
+    "door_of",
     "forward_env",
-    "reset_cache",
     "start_engine",
     "tally_nonfinite",
     "wake_event",
@@ -113,8 +120,9 @@ log = logging.getLogger("genworker.shell.worker")
 EXTENSION_CLS = "genworker.shell.extension.WorkerExtension"
 
 _E = TypeVar("_E", bound="HasCapabilities")
-_R = TypeVar("_R")
-_R_co = TypeVar("_R_co", covariant=True)
+_T = TypeVar("_T")
+_X = TypeVar("_X")
+_F = TypeVar("_F", bound=Callable[..., object])
 _Started_co = TypeVar("_Started_co", covariant=True)
 #: What an engine's sleep or wake raises only before it touched its memory (EnginePort.sleep).
 _REFUSALS = (BadArgumentError, EngineStateError, UnsupportedError)
@@ -161,25 +169,77 @@ class HasCapabilities(Protocol):
     def capabilities(self) -> EngineCapabilities: ...
 
 
-class ResetsCaches(Protocol[_R_co]):
-    """Both engine ports' cache resets (the async port's return awaitables)."""
+#: The engine-port methods a spine body asks for (both ports name them alike,
+#: ``shell.ports``; the async port's return awaitables, but ``metrics``).
+EngineMethod = Literal[
+    "sleep",
+    "wake_up",
+    "reset_prefix_cache",
+    "reset_mm_cache",
+    "reset_encoder_cache",
+    "collective_rpc",
+    "device_ids",
+    "metrics",
+]
 
-    def reset_prefix_cache(self) -> _R_co: ...
 
-    def reset_mm_cache(self) -> _R_co: ...
+@attrs.frozen
+class EngineCall:
+    """One engine-port call a spine body yields to its drive loop (sans-I/O, as h11's
+    events): the port method's name and its arguments. The drive loop makes it and sends
+    the result back into the body, or throws in what the call raised."""
 
-    def reset_encoder_cache(self) -> _R_co: ...
+    method: EngineMethod
+    args: tuple[object, ...] = ()
+
+    def on(self, engine: object) -> object:
+        """The call made on ``engine`` (the async port's result is to await)."""
+        method: Callable[..., object] = getattr(engine, self.method)
+        return method(*self.args)
 
 
-def reset_cache(engine: ResetsCaches[_R], name: str) -> _R:
-    """The engine's reset of the cache ``name`` (one of :meth:`WorkerSpine._resets_due`'s
-    and :meth:`WorkerSpine._resets_after_failed_refit`'s; the async port's to await)."""
-    resets = {
-        "prefix": engine.reset_prefix_cache,
-        "mm": engine.reset_mm_cache,
-        "encoder": engine.reset_encoder_cache,
-    }
-    return resets[name]()
+#: A spine body: the engine calls it needs, each answered by the drive loop, and its value.
+Steps = Generator[EngineCall, object, _T]
+
+#: each cache's reset (the names of :meth:`WorkerSpine._resets_due`)
+_RESETS = {
+    "prefix": EngineCall("reset_prefix_cache"),
+    "mm": EngineCall("reset_mm_cache"),
+    "encoder": EngineCall("reset_encoder_cache"),
+}
+
+
+class Drive(Generic[_T]):
+    """A spine body run by a drive loop: :meth:`send` and :meth:`throw` answer the last
+    engine call and return the next one, or None once the body returned :attr:`result`."""
+
+    result: _T
+
+    def __init__(self, steps: Steps[_T]) -> None:
+        self._steps = self._run(steps)
+
+    def _run(self, steps: Steps[_T]) -> Generator[EngineCall, object, None]:
+        self.result = yield from steps
+
+    def send(self, value: object) -> EngineCall | None:
+        try:
+            return self._steps.send(value)
+        except StopIteration:
+            return None
+
+    def throw(self, error: BaseException) -> EngineCall | None:
+        try:
+            return self._steps.throw(error)
+        except StopIteration:
+            return None
+
+
+def door_of(door: _F, body: Callable[..., object]) -> _F:
+    """``door``, a worker's public method that drives the spine's ``body``, named and
+    documented as ``body`` without its underscore (``WorkerSpine._sleep``: ``sleep``)."""
+    functools.update_wrapper(door, body)
+    door.__name__ = body.__name__.removeprefix("_")
+    return door
 
 
 def forward_env(names: Iterable[str]) -> None:
@@ -615,83 +675,99 @@ class WorkerSpine(Generic[_E]):
                 f"{call}: sleep mode is unsupported on this platform ({caps.device})"
             )
 
-    def _sleep_event(self, level: int | None) -> tuple[int, lifecycle.State | None]:
-        """``sleep(level)``'s level and the state it leads to (None: already there)."""
+    def _sleep(self, level: int | None = None) -> Steps[None]:
+        """Free engine memory (refused while streams run): level 1 offloads the weights to
+        host memory, level 2 discards them; the caches are reset first."""
         level = self.cfg.vllm.sleep_level if level is None else level
-        event = unwrap(lifecycle.sleep_event(level), BadArgumentError, "")
-        next_state = self._move(event)
+        next_state = self._move(unwrap(lifecycle.sleep_event(level), BadArgumentError, ""))
         self._require_sleep_mode("sleep")
-        return level, None if next_state == self._state else next_state
+        if next_state == self._state:  # already there
+            return
+        before, self._state = self._state, next_state  # new streams are refused from now
+        try:
+            yield from self._reset_caches()
+            yield from self._memory_call(f"sleep(level={level})", EngineCall("sleep", (level,)))
+        except BaseException:
+            self._state = before  # the state moves only once the engine slept
+            raise
 
-    def _wake_plan(self, tags: Sequence[str] | None) -> tuple[lifecycle.State, tuple[str, ...]]:
-        """``wake_up(tags)``'s next state and the tags to pass the engine: vLLM drops a
-        whole ``wake_up(tags)`` when one tag is already awake, so only the asleep ones
-        (``core.lifecycle.wake_tags``), and none when all are awake."""
+    def _wake_up(self, tags: Sequence[str] | None = None) -> Steps[None]:
+        """Wake ``weights``, ``kv_cache`` or both (``None``); waking an awake tag is a no-op."""
         event = wake_event(tags)
         next_state = self._move(event)
         self._require_sleep_mode("wake_up")
-        return next_state, tuple(lifecycle.wake_tags(self._state, event))
+        # vLLM drops a whole wake_up(tags) when one tag is already awake: only the asleep ones
+        if asleep := tuple(lifecycle.wake_tags(self._state, event)):
+            call = f"wake_up(tags={list(asleep)})"
+            fully = yield from self._memory_call(call, EngineCall("wake_up", (list(asleep),)))
+            if fully is False and next_state.weights_awake and next_state.kv_cache_awake:
+                dead = EngineDeadError(
+                    f"{call}: the engine is not fully awake after it, though every tag should "
+                    "be resident; vLLM resumes scheduling only once it is (EngineCore.wake_up, "
+                    "vllm/v1/engine/core.py, 0.32), so every request would wait: the engine "
+                    "is dead"
+                )
+                self._died(dead)
+                raise dead
+        self._state = next_state
 
-    def _wake_checked(self, call: str, after: lifecycle.State, fully_awake: bool | None) -> None:
-        """EngineDeadError when the wake ``call`` leaves every tag resident by the
-        lifecycle table but the engine says it is not fully awake (vLLM resumes scheduling
-        only then, ``EngineCore.wake_up``, vllm/v1/engine/core.py, 0.32)."""
-        if fully_awake is not False or not (after.weights_awake and after.kv_cache_awake):
-            return
-        dead = EngineDeadError(
-            f"{call}: the engine is not fully awake after it, though every tag should be "
-            "resident; vLLM resumes scheduling only once it is (EngineCore.wake_up, "
-            "vllm/v1/engine/core.py, 0.32), so every request would wait: the engine is dead"
-        )
-        self._died(dead)
-        raise dead
-
-    def _memory_failed(self, call: str, error: BaseException) -> NoReturn:
-        """The engine's sleep or wake ``call`` raised ``error``: a typed refusal changed
-        nothing (re-raised); anything else leaves the memory part-mapped and the scheduler
-        paused (S1/S2): the engine is dead, and ``error`` is raised as EngineDeadError
-        (an interrupt as itself)."""
-        if isinstance(error, _REFUSALS):
-            raise error
-        dead = (
-            error
-            if isinstance(error, EngineDeadError)
-            else EngineDeadError(
-                f"{call} failed: {type(error).__name__}: {error}; the engine's memory is left "
-                "in an unknown state (part-mapped, its scheduler paused), so the engine is dead"
+    def _memory_call(self, call: str, engine_call: EngineCall) -> Steps[object]:
+        """The engine's sleep or wake ``call``. A typed refusal changed nothing (raised as
+        it is); anything else leaves the memory part-mapped and the scheduler paused
+        (S1/S2): the engine is dead, and the error is raised as EngineDeadError (an
+        interrupt as itself)."""
+        try:
+            return (yield engine_call)
+        except _REFUSALS:
+            raise
+        except EngineDeadError as e:
+            self._died(e)
+            raise
+        except BaseException as e:
+            dead = EngineDeadError(
+                f"{call} failed: {type(e).__name__}: {e}; the engine's memory is left in an "
+                "unknown state (part-mapped, its scheduler paused), so the engine is dead"
             )
-        )
-        self._died(dead)
-        if dead is error or not isinstance(error, Exception):
-            raise error
-        raise dead from error
+            self._died(dead)
+            if not isinstance(e, Exception):
+                raise
+            raise dead from e
 
-    def _resets_due(self, requests: int | None) -> list[str]:
-        """The caches to reset before a sleep or after a refit: the prefix cache and, on a
-        multimodal engine, the processed-media and encoder caches (stale after a refit);
-        none when they are known empty (``CacheLedger``: no request since the last reset,
-        the engine counting ``requests``)."""
-        if not self._caches.needs_reset(requests):
-            return []
-        return ["prefix", "mm", "encoder"] if self.caps.multimodal else ["prefix"]
+    def _reset_prefix_cache(self) -> Steps[None]:
+        """Drop the prefix cache (refused while streams run)."""
+        self._state = self._move(lifecycle.Event.RESET_PREFIX_CACHE)
+        yield EngineCall("reset_prefix_cache")
+        self.cache_resets["prefix"] += 1
 
-    def _reset_done(self, name: str) -> None:
-        self.cache_resets[name] += 1
+    def _reset_caches(self, refit: str | None = None) -> Steps[dict[str, float]]:
+        """The cache resets before a sleep or after the refit ``refit``; the seconds of each.
 
-    def _resets_finished(self, requests: int | None) -> None:
+        The prefix cache and, on a multimodal engine, the processed-media and encoder
+        caches (stale after a refit); none when they are known empty (``CacheLedger``: no
+        request since the last reset, as the engine counts them in vLLM's
+        ``LLM.request_counter``; without one, ``AsyncLLM``, the ledger alone). A reset the
+        engine refuses raises its error; after a refit a RefitError (that cache may still
+        serve what the old weights computed)."""
+        counter = getattr(getattr(self.llm, "request_counter", None), "counter", None)
+        requests = counter if isinstance(counter, int) else None
+        seconds = {}
+        if self._caches.needs_reset(requests):
+            for name in ["prefix", "mm", "encoder"] if self.caps.multimodal else ["prefix"]:
+                started = time.monotonic()
+                try:
+                    yield _RESETS[name]
+                except EngineStateError as e:
+                    if refit is None:
+                        raise
+                    raise RefitError(
+                        f"{refit}: the new weights are in, but resetting the {_CACHES[name]} "
+                        f"failed ({e}), so it may still serve what the old weights computed; "
+                        "the weights count as inconsistent until a refit succeeds"
+                    ) from e
+                seconds[name] = time.monotonic() - started
+                self.cache_resets[name] += 1
         self._caches = self._caches.reset(requests)
-
-    @staticmethod
-    def _reset_failed(name: str, refit: str | None, error: EngineStateError) -> NoReturn:
-        """A reset the engine refused: after the refit ``refit`` a ``RefitError`` (that
-        cache may still serve what the old weights computed), else ``error`` itself."""
-        if refit is None:
-            raise error
-        raise RefitError(
-            f"{refit}: the new weights are in, but resetting the {_CACHES[name]} failed "
-            f"({error}), so it may still serve what the old weights computed; the weights "
-            "count as inconsistent until a refit succeeds"
-        ) from error
+        return seconds
 
     # -- refit --------------------------------------------------------------------------
     # Per refit, every wait (engine side and trainer side) is bounded by ``timeout_s``
@@ -732,14 +808,6 @@ class WorkerSpine(Generic[_E]):
             self._state
         )
 
-    def _resets_after_failed_refit(self, error: BaseException) -> tuple[str, ...]:
-        """What a refit that was refused or failed leaves to reset, so nothing computed
-        under bad weights is reused (issue 44): the prefix cache, and the KV cache memory
-        (``refit_reset_kv``) while it is awake; nothing on a dead engine."""
-        if self._dead is not None or isinstance(error, EngineDeadError):
-            return ()
-        return ("prefix", "kv") if self._state.kv_cache_awake else ("prefix",)
-
     def _refit_failed(self, method: str, error: BaseException) -> NoReturn:
         """:meth:`_mark_refit_failed`, and ``error`` raised typed (a foreign one as
         RefitError, an interrupt as itself)."""
@@ -753,6 +821,83 @@ class WorkerSpine(Generic[_E]):
         self._commit(lifecycle.Event.REFIT_OK, "refit")
         self._version += steps
         self.last_refit = last_refit
+
+    def _reset_after_failure(
+        self, error: BaseException, passing: tuple[type[Exception], ...] = ()
+    ) -> Steps[None]:
+        """What a refused or failed refit leaves to reset, so nothing computed under bad
+        weights is reused (issue 44): the prefix cache, and the KV cache memory
+        (``refit_reset_kv``) while it is awake; nothing on a dead engine. A reset that
+        fails is noted on ``error`` (raised by the caller), but for ``passing`` errors,
+        raised."""
+        if self._dead is not None or isinstance(error, EngineDeadError):
+            return
+        try:
+            yield _RESETS["prefix"]
+            self.cache_resets["prefix"] += 1
+            if self._state.kv_cache_awake:
+                yield from self._rpc_steps("refit_reset_kv")
+        except passing:
+            raise
+        except Exception as e:  # noqa: BLE001 - noted on the refit's own error
+            error.add_note(f"resetting the caches after the failed refit failed too: {e}")
+
+    def _prepare_refit_info(
+        self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
+    ) -> Steps[list[object]]:
+        """Tell the engine workers which tensors every refit carries (names, shapes, dtypes).
+
+        Returns each engine worker's summary (manifest digest, how many tensors go straight
+        into parameter memory, how many through the loader)."""
+        manifest = self._manifest_of(state_dict_info)
+        summaries = yield from self._rpc_steps("prepare_refit_info", manifest.to_info())
+        self._manifest = manifest
+        return summaries
+
+    def _init_collective(
+        self,
+        rank_prefix: int,
+        ip: str,
+        port: int,
+        world_size: int,
+        train_world_size: int,
+        timeout_s: float | None = None,
+    ) -> Steps[None]:
+        """Join the trainer's standalone weight-update group (ranks after the trainer's);
+        returns once every rank joined, every rendezvous wait bounded by ``timeout_s``."""
+        join = checked_join(
+            group_join(rank_prefix, ip, port, world_size, train_world_size, timeout_s)
+        )
+        yield from self._init_collective_via("init_collective", join)
+
+    def _init_collective_via(self, method: str, join: GroupJoin) -> Steps[None]:
+        """:meth:`init_collective` through another extension method (``method(join)``,
+        e.g. the receiver of NeMo-RL's weight-update group, ``nemo_rl_init_collective``)."""
+        self._collective = False
+        yield from self._rpc_steps(method, join.to_wire(), timeout=join.rpc_bound())
+        self._collective = True
+
+    def _engine_param_layout(self) -> Steps[list[object]]:
+        """Each engine worker's parameters a refit can write straight into memory:
+        ``{name: [shape, dtype]}`` (send in this layout for the fast refits)."""
+        return (yield from self._rpc_steps("engine_param_layout"))
+
+    def _refit_address(self) -> Steps[list[object]]:
+        """Where each engine worker listens for IPC refits (one entry per worker), for
+        ``genworker.shell.refit.RefitSender.ipc``."""
+        return (yield from self._rpc_steps("refit_address"))
+
+    def _release_refit_buffers(self) -> Steps[list[object]]:
+        """Give the trainer its memory back: each engine worker lets go of the trainer
+        storages and staging buffers it keeps mapped between IPC refits (memory mapped
+        stays allocated even after the trainer frees it). How many each let go. The next
+        refit maps again what it sends."""
+        return (yield from self._rpc_steps("release_refit_buffers"))
+
+    def _call_engine_workers(self, method: str, *args: object) -> Steps[list[object]]:
+        """Every engine worker's answer to its ``WorkerExtension.method(*args)`` (plain
+        values); a failure raised typed, naming the worker."""
+        return (yield from self._rpc_steps(method, *args))
 
     # -- adapter refits (core.lora, shell.refit.lora) ------------------------------------
     # The base weights are never touched: a failed adapter refit leaves the lifecycle, the
@@ -774,6 +919,23 @@ class WorkerSpine(Generic[_E]):
         kwargs: dict[str, object] = {"timeout_s": bound, "transport": transport}
         return bound, rpc_bound(waits, bound), kwargs
 
+    def _prepare_lora(
+        self,
+        adapter_info: Mapping[str, tuple[Sequence[int], object]],
+        peft_config: Mapping[str, object],
+    ) -> Steps[list[object]]:
+        """Check the adapter of every later ``update_lora`` (its tensors ``{name: (shape,
+        dtype)}`` in PEFT's names and its ``adapter_config``) against what the engine
+        holds; each engine worker's address for ``RefitSender.ipc(address,
+        manifest=adapter_info)``. A refused adapter moves nothing."""
+        manifest = self._manifest_of(adapter_info)
+        alpha = self.cfg.lora.alpha
+        addresses = yield from self._rpc_steps(
+            "refit_init", "lora", manifest.to_info(), dict(peft_config), alpha
+        )
+        self._lora_manifest = manifest
+        return addresses
+
     def _lora_ok(self, name: str, reports: list[object], resets: Mapping[str, float]) -> None:
         """An adapter refit succeeded on every engine worker: ``name`` serves its
         ``lora_int_id`` and the weights are one version newer."""
@@ -788,25 +950,57 @@ class WorkerSpine(Generic[_E]):
             **{f"reset_{cache}_cache_seconds": sec for cache, sec in resets.items()},
         }
 
-    @staticmethod
-    def _rpc_seam(method: str) -> Seam:
-        """The error map of an RPC to ``method``: a refit method's failure is a
-        RefitError, any other's an EngineRpcError (``shell.errors``)."""
-        return REFIT_RPC if is_refit_method(method) else ENGINE_RPC
-
-    def _rpc_allowed(self, method: str) -> None:
+    def _rpc_steps(
+        self,
+        method: str,
+        *args: object,
+        kwargs: Mapping[str, object] | None = None,
+        timeout: float | None = 120.0,
+        label: str | None = None,
+    ) -> Steps[list[object]]:
+        """``method(*args, **kwargs)`` on every engine worker, bounded by ``timeout``;
+        failures typed by the error map of ``label`` (default ``method``): a refit
+        method's failure is a RefitError, any other's an EngineRpcError (``shell.errors``)."""
+        label = label or method
         if self._shut_down:
-            raise EngineStateError(f"{method}: the worker was shut down")
+            raise EngineStateError(f"{label}: the worker was shut down")
+        with translated(REFIT_RPC if is_refit_method(label) else ENGINE_RPC, label):
+            results = yield EngineCall("collective_rpc", (RpcCall(method, args, kwargs, timeout),))
+        return raise_failures(_list_of(results, object, "collective_rpc"), label)
 
     # -- observability ------------------------------------------------------------------
     def _own_counters(self) -> list[CounterSample]:
         return worker_counters(self.cache_resets, self.nonfinite_logprobs)
+
+    def _report_device_id(self) -> Steps[list[str]]:
+        """Each engine worker's device id."""
+        return _list_of((yield EngineCall("device_ids")), str, "device_ids")
+
+    def _get_counters(self) -> Steps[dict[str, float | list[float]]]:
+        """The engine's Prometheus snapshot, the worker's cache resets
+        (``genworker:cache_resets{cache=...}``) and the non-finite logprobs it saw
+        (``genworker:nonfinite_logprobs{kind=...}``), encoded as flat keys (see
+        core.counters)."""
+        metrics = _list_of((yield EngineCall("metrics")), object, "metrics")
+        samples = [s for s in metrics if isinstance(s, MetricSample)]
+        if len(samples) != len(metrics):
+            raise EngineContractError(f"metrics returned {metrics!r}, not only samples")
+        return encode_snapshot([*samples, *self._own_counters()])
 
     def multimodal_info(self) -> dict[str, int | None]:
         """The engine's image placeholder id and per-prompt image limit (the group checks
         a batch's media against them before splitting it)."""
         caps = self.caps
         return {"image_token_id": caps.image_token_id, "max_images": caps.max_images}
+
+
+def _list_of(value: object, kind: type[_X], call: str) -> list[_X]:
+    """An engine call's list answer, each item a ``kind`` (else EngineContractError)."""
+    items = value if isinstance(value, list) else []
+    checked = [item for item in items if isinstance(item, kind)]
+    if not isinstance(value, list) or len(checked) != len(items):
+        raise EngineContractError(f"{call} returned {value!r}, not a list of {kind.__name__}")
+    return checked
 
 
 def _batch_error(problem: PlanError) -> BadBatchError:

@@ -43,10 +43,9 @@ from genworker.core.assembly import (
     flatten_generations,
     place_rows,
 )
-from genworker.core.counters import encode_snapshot
 from genworker.core.engine_calls import RpcCall
 from genworker.core.groups import order_rows
-from genworker.core.joins import GroupJoin, group_join, reshard_join
+from genworker.core.joins import reshard_join
 from genworker.core.outputs import (
     NonFiniteLogprobs,
     check_context,
@@ -79,7 +78,6 @@ from genworker.shell.errors import (
     EngineDeadError,
     EngineStateError,
     RequestAbortedError,
-    translated,
     unwrap,
 )
 from genworker.shell.host import ephemeral_ports, vllm_cache_root
@@ -90,12 +88,13 @@ from genworker.shell.sparse import SparseRefitError
 from genworker.shell.spine import (
     EXTENSION_CLS,
     BatchPlan,
+    Drive,
     ExistingEngineFactory,
+    Steps,
     WorkerSpine,
     checked_env_names,
-    checked_join,
+    door_of,
     forward_env,
-    reset_cache,
     start_engine,
     tally_nonfinite,
     wake_event,
@@ -157,6 +156,18 @@ def _weights_held(
             self._rpc("refit_hold", False, 0.0)
 
     return held
+
+
+def _door(
+    body: Callable[Concatenate[WorkerSpine[EnginePort], _P], Steps[_T]],
+) -> Callable[Concatenate[VllmGenerationWorker, _P], _T]:
+    """The public method that drives the spine's ``body`` holding the worker's lock (its
+    name and docstring ``body``'s, ``shell.spine.door_of``)."""
+
+    def door(self: VllmGenerationWorker, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        return self._drive(body(self, *args, **kwargs))
+
+    return _serialized(door_of(door, body))
 
 
 _NO_ROWS = flatten_generations([])
@@ -369,92 +380,40 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         self._state = next_state
         return {"texts": texts}
 
-    # -- memory ---------------------------------------------------------------------
-    @_serialized
-    def sleep(self, level: int | None = None) -> None:
-        """Free engine memory: level 1 offloads weights to host, level 2 discards them."""
-        level, next_state = self._sleep_event(level)
-        if next_state is None:
-            return
-        self._reset_caches()
-        self._memory_call(f"sleep(level={level})", lambda e: e.sleep(level))
-        self._state = next_state
+    # -- the operations both workers share (their bodies: WorkerSpine, shell.spine) -----
+    sleep = _door(WorkerSpine._sleep)
+    wake_up = _door(WorkerSpine._wake_up)
+    reset_prefix_cache = _door(WorkerSpine._reset_prefix_cache)
+    prepare_refit_info = _door(WorkerSpine._prepare_refit_info)
+    init_collective = _door(WorkerSpine._init_collective)
+    init_collective_via = _door(WorkerSpine._init_collective_via)
+    engine_param_layout = _door(WorkerSpine._engine_param_layout)
+    refit_address = _door(WorkerSpine._refit_address)
+    release_refit_buffers = _door(WorkerSpine._release_refit_buffers)
+    prepare_lora = _door(WorkerSpine._prepare_lora)
+    call_engine_workers = _door(WorkerSpine._call_engine_workers)
+    report_device_id = _door(WorkerSpine._report_device_id)
+    get_counters = _door(WorkerSpine._get_counters)
 
-    @_serialized
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Wake ``weights``, ``kv_cache`` or both (``None``); waking an awake tag is a no-op."""
-        next_state, asleep = self._wake_plan(tags)
-        if asleep:
-            call = f"wake_up(tags={list(asleep)})"
-            fully = self._memory_call(call, lambda e: e.wake_up(list(asleep)))
-            self._wake_checked(call, next_state, fully)
-        self._state = next_state
-
-    def _memory_call(self, call: str, fn: Callable[[EnginePort], _T]) -> _T:
-        """The engine's sleep or wake (a failure but a typed refusal kills the engine)."""
-        try:
-            return self._call(fn)
-        except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
-            self._memory_failed(call, e)
-
-    @_serialized
-    def reset_prefix_cache(self) -> None:
-        self._state = self._move(lifecycle.Event.RESET_PREFIX_CACHE)
-        self._call(lambda e: e.reset_prefix_cache())
-        self._reset_done("prefix")
-
-    def _reset_caches(self, refit: str | None = None) -> dict[str, float]:
-        """The spine's cache resets (``WorkerSpine._resets_due``); seconds per reset."""
-        counter = getattr(getattr(self.llm, "request_counter", None), "counter", None)
-        requests = counter if isinstance(counter, int) else None
-        seconds = {}
-        for name in self._resets_due(requests):
-            started = time.monotonic()
+    def _drive(self, steps: Steps[_T]) -> _T:
+        """Make the engine calls a spine body yields, each through :meth:`_call`: the
+        result sent back into the body, a failure thrown in; the body's value."""
+        drive = Drive(steps)
+        call = drive.send(None)
+        while call is not None:
             try:
-                self._call(functools.partial(reset_cache, name=name))
-            except EngineStateError as e:
-                self._reset_failed(name, refit, e)
-            seconds[name] = time.monotonic() - started
-            self._reset_done(name)
-        self._resets_finished(requests)
-        return seconds
+                result = self._call(call.on)
+            except BaseException as e:  # noqa: BLE001 - the body raises it (or its own)
+                call = drive.throw(e)
+            else:
+                call = drive.send(result)
+        return drive.result
+
+    def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
+        """``method(*args)`` on every engine worker (``WorkerSpine._rpc_steps``)."""
+        return self._drive(self._rpc_steps(method, *args, timeout=timeout))
 
     # -- refit (the preamble, its bounds and its commit are the spine's) ---------------
-    @_serialized
-    def prepare_refit_info(
-        self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
-    ) -> list[object]:
-        """Tell the engine workers which tensors every refit carries (names, shapes, dtypes).
-
-        Returns each engine worker's summary (manifest digest, how many tensors go straight
-        into parameter memory, how many through the loader)."""
-        manifest = self._manifest_of(state_dict_info)
-        summaries = self._rpc("prepare_refit_info", manifest.to_info())
-        self._manifest = manifest
-        return summaries
-
-    @_serialized
-    def init_collective(
-        self,
-        rank_prefix: int,
-        ip: str,
-        port: int,
-        world_size: int,
-        train_world_size: int,
-        timeout_s: float | None = None,
-    ) -> None:
-        """Join the trainer's standalone weight-update group (ranks after the trainer's);
-        every rendezvous wait is bounded by ``timeout_s``."""
-        join = checked_join(
-            group_join(rank_prefix, ip, port, world_size, train_world_size, timeout_s)
-        )
-        self._init_collective("init_collective", join)
-
-    def _init_collective(self, method: str, join: GroupJoin) -> None:
-        self._collective = False
-        self._rpc(method, join.to_wire(), timeout=join.rpc_bound())
-        self._collective = True
-
     @_serialized
     def update_weights_from_collective(self, timeout_s: float | None = None) -> bool:
         return self._refit("update_weights_from_collective", timeout_s, Transport.COLLECTIVE)
@@ -462,43 +421,6 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
     @_serialized
     def update_weights_via_ipc_zmq(self, timeout_s: float | None = None) -> bool:
         return self._refit("update_weights_via_ipc_zmq", timeout_s, Transport.IPC)
-
-    @_serialized
-    def engine_param_layout(self) -> list[object]:
-        """Each engine worker's parameters a refit can write straight into memory:
-        ``{name: [shape, dtype]}`` (send in this layout for the fast refits)."""
-        return self._rpc("engine_param_layout")
-
-    @_serialized
-    def refit_address(self) -> list[object]:
-        """Where each engine worker listens for IPC refits (one entry per worker), for
-        ``genworker.shell.refit.RefitSender.ipc``."""
-        return self._rpc("refit_address")
-
-    @_serialized
-    def release_refit_buffers(self) -> list[object]:
-        """Give the trainer its memory back: each engine worker lets go of the trainer
-        storages and staging buffers it keeps mapped between IPC refits (memory mapped
-        stays allocated even after the trainer frees it). How many each let go. The next
-        refit maps again what it sends."""
-        return self._rpc("release_refit_buffers")
-
-    # -- adapter refits (docs/lora.md) ------------------------------------------------
-    @_serialized
-    def prepare_lora(
-        self,
-        adapter_info: Mapping[str, tuple[Sequence[int], object]],
-        peft_config: Mapping[str, object],
-    ) -> list[object]:
-        """Check the adapter of every later ``update_lora`` (its tensors ``{name: (shape,
-        dtype)}`` in PEFT's names and its ``adapter_config``) against what the engine
-        holds; each engine worker's address for ``RefitSender.ipc(address,
-        manifest=adapter_info)``. A refused adapter moves nothing."""
-        manifest = self._manifest_of(adapter_info)
-        alpha = self.cfg.lora.alpha
-        addresses = self._rpc("refit_init", "lora", manifest.to_info(), dict(peft_config), alpha)
-        self._lora_manifest = manifest
-        return addresses
 
     @_serialized
     def update_lora(
@@ -510,24 +432,16 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         ``transport``: ``ipc`` (``RefitSender.ipc`` to ``prepare_lora``'s addresses) or
         ``collective`` (``RefitSender.collective`` to the group of ``init_collective``)."""
         _, outer, kwargs = self._lora_bounds(name, timeout_s, transport)
-        self._rpc_allowed("update_lora")
-        with translated(self._rpc_seam("update_lora"), "update_lora"):
-            call = RpcCall("refit_receive", ("lora", name), kwargs, outer)
-            reports = self._call(lambda e: e.collective_rpc(call))
-        raise_failures(reports, "update_lora")
+        receive = self._rpc_steps(
+            "refit_receive", "lora", name, kwargs=kwargs, timeout=outer, label="update_lora"
+        )
+        reports = self._drive(receive)
         try:
-            resets = self._reset_caches("update_lora")
+            resets = self._drive(self._reset_caches("update_lora"))
         except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
             self._refit_failed("update_lora", e)
         self._lora_ok(name, reports, resets)
         return True
-
-    def _rpc(self, method: str, *args: object, timeout: float | None = 120.0) -> list[object]:
-        """``method(*args)`` on every engine worker; failures typed by the spine's map."""
-        self._rpc_allowed(method)
-        with translated(self._rpc_seam(method), method):
-            results = self._call(lambda e: e.collective_rpc(RpcCall(method, args, None, timeout)))
-        return raise_failures(results, method)
 
     def _refit(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
         """The spine's refit preamble (a refit it refuses changes nothing), then the refit."""
@@ -546,9 +460,9 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
             reports = self._call(lambda e: e.collective_rpc(call))
             raise_failures(reports, method)
             rpc_s = time.monotonic() - started
-            resets = self._reset_caches(method)
+            resets = self._drive(self._reset_caches(method))
         except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
-            self._reset_after_failure(e)
+            self._drive(self._reset_after_failure(e))
             self._refit_failed(method, e)
         self._refit_ok(
             {
@@ -559,32 +473,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         )
         return True
 
-    def _reset_after_failure(self, error: BaseException) -> None:
-        """The spine's resets after a refused or failed refit; one that fails is noted
-        on ``error`` (raised by the caller)."""
-        try:
-            for name in self._resets_after_failed_refit(error):
-                if name == "kv":
-                    self._rpc("refit_reset_kv")
-                else:
-                    self._call(functools.partial(reset_cache, name=name))
-                    self._reset_done(name)
-        except Exception as e:  # noqa: BLE001 - noted on the refit's own error
-            error.add_note(f"resetting the caches after the failed refit failed too: {e}")
-
     # -- observability --------------------------------------------------------------
-    @_serialized
-    def report_device_id(self) -> list[str]:
-        return self._call(lambda e: e.device_ids())
-
-    @_serialized
-    def get_counters(self) -> dict[str, float | list[float]]:
-        """The engine's Prometheus snapshot, the worker's cache resets
-        (``genworker:cache_resets{cache=...}``) and the non-finite logprobs it saw
-        (``genworker:nonfinite_logprobs{kind=...}``), encoded as flat keys (see
-        core.counters)."""
-        return encode_snapshot([*self._call(lambda e: e.metrics()), *self._own_counters()])
-
     @_serialized
     def start_gpu_profiling(self) -> None:
         self._profile("start_gpu_profiling", lambda e: e.start_profile())
@@ -673,13 +562,13 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
                 self._state = self._move(lifecycle.Event.REFIT_FAILED)
             error = SparseRefitError.from_core(steps.failure())
             if before is lifecycle.WeightsStatus.VALID:  # once, as they become inconsistent
-                self._reset_after_failure(error)
+                self._drive(self._reset_after_failure(error))
             raise error
         if not steps.unwrap():
             return
         self._state = self._move(lifecycle.Event.REFIT_BEGIN)
         try:
-            resets = self._reset_caches("sparse refit")
+            resets = self._drive(self._reset_caches("sparse refit"))
         except BaseException:
             self._state = self._move(lifecycle.Event.REFIT_FAILED)
             raise
@@ -692,18 +581,6 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         }
 
     # -- receivers of other refit wires (genworker.shell.nemo_rl) ---------------------
-    @_serialized
-    def call_engine_workers(self, method: str, *args: object) -> list[object]:
-        """Every engine worker's answer to its ``WorkerExtension.method(*args)`` (plain
-        values); a failure raised typed, naming the worker."""
-        return self._rpc(method, *args)
-
-    @_serialized
-    def init_collective_via(self, method: str, join: GroupJoin) -> None:
-        """:meth:`init_collective` through another extension method (``method(join)``,
-        e.g. the receiver of NeMo-RL's weight-update group)."""
-        self._init_collective(method, join)
-
     @_serialized
     def refit_via(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
         """A refit through another extension receiver ``method(timeout_s=)`` of
