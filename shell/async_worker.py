@@ -344,14 +344,6 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         """Requests the engine has not finished (running, waiting or paused)."""
         return self.engine.num_unfinished()
 
-    def _tokenize(self, texts: list[str]) -> list[list[int]]:
-        return self.engine.tokenize(texts)
-
-    def _expanded(
-        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-    ) -> list[int]:
-        return self.engine.expanded_lengths(prompts, media)
-
     # -- streams ----------------------------------------------------------------------
     def _open_stream(self) -> None:
         self._state = self._move(lifecycle.Event.STREAM_OPEN)

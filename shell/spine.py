@@ -163,10 +163,17 @@ class ExistingEngineFactory(Generic[_E]):
 
 
 class HasCapabilities(Protocol):
-    """Both engine ports: what the spine reads of an engine."""
+    """Both engine ports: what the spine reads of an engine, and the calls both make at
+    once (the request plan's tokenization)."""
 
     @property
     def capabilities(self) -> EngineCapabilities: ...
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]: ...
+
+    def expanded_lengths(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]: ...
 
 
 #: The engine-port methods a spine body asks for (both ports name them alike,
@@ -509,17 +516,6 @@ class WorkerSpine(Generic[_E]):
             log.warning("generating without the rows that have no room left: %s", plan.refused)
         return plan
 
-    def _tokenize(self, texts: list[str]) -> list[list[int]]:
-        """The engine's token ids of ``texts`` (the drive loop makes the call)."""
-        raise NotImplementedError
-
-    def _expanded(
-        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-    ) -> list[int]:
-        """The engine's prompt lengths with each row's images expanded (the drive loop
-        makes the call)."""
-        raise NotImplementedError
-
     def _token_batch(
         self, data: Mapping[str, object], greedy: bool, *, whole: bool
     ) -> tuple[torch.Tensor, torch.Tensor, BatchPlan]:
@@ -574,7 +570,7 @@ class WorkerSpine(Generic[_E]):
             raise BadBatchError(refused[0].message, detail=refused[0])
         media = row_media(data, len(prompts), "generate_text", texts=False)
         texts = [row for row, p in enumerate(prompts) if p]
-        tokens = self._tokenize([prompts[r] for r in texts]) if texts else []
+        tokens = self.engine.tokenize([prompts[r] for r in texts]) if texts else []
         ids = dict(zip(texts, tokens, strict=True))
         limit = self.caps.max_model_len
         refused = text_refusals(prompts, {r: len(p) for r, p in ids.items()}, limit)
@@ -603,8 +599,9 @@ class WorkerSpine(Generic[_E]):
         stop strings refused on an engine without a detokenizer (vLLM would skip them)."""
         if (problem := self.cfg.detokenizer_problem(data.get("stop_strings"))) is not None:
             raise BadBatchError(problem)
+        engine = self.engine
         starts, context, images = media_rows(
-            self.caps, batch_size, prompts, media, self._tokenize, self._expanded, call
+            self.caps, batch_size, prompts, media, engine.tokenize, engine.expanded_lengths, call
         )
         rows = [(row, context[row]) for row in starts]
         requests = self._plan(data, batch_size, rows, greedy, text)

@@ -81,7 +81,6 @@ from genworker.shell.errors import (
     unwrap,
 )
 from genworker.shell.host import ephemeral_ports, vllm_cache_root
-from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineFactory, EnginePort
 from genworker.shell.refit.wire import raise_failures
 from genworker.shell.sparse import SparseRefitError
@@ -138,24 +137,32 @@ def _serialized(
     return serialized
 
 
-def _weights_held(
+def _serving(
     method: Callable[Concatenate[VllmGenerationWorker, _P], _T],
 ) -> Callable[Concatenate[VllmGenerationWorker, _P], _T]:
-    """Run a batch holding the engine workers' weights (``refit_hold``) while the sparse
-    relay is on, whose steps arrive on a thread of their own: a step waits for the batch
-    (bounded) or is refused; none is applied under it (issue 44 item 3)."""
+    """Run a batch holding the worker's lock, through the lifecycle's ``GENERATE`` (checked
+    first, committed at the end) after the sparse relay's steps (:meth:`_check_sparse`).
+    While the relay is on, whose steps arrive on a thread of their own, the batch holds
+    the engine workers' weights (``refit_hold``): a step waits for it (bounded) or is
+    refused; none is applied under it (issue 44 item 3)."""
 
     @functools.wraps(method)
-    def held(self: VllmGenerationWorker, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        if self._sparse_urls is None:
-            return method(self, *args, **kwargs)
-        self._rpc("refit_hold", True, self._lock.wait_s)
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._rpc("refit_hold", False, 0.0)
+    def serving(self: VllmGenerationWorker, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        with self._lock.hold(method.__name__):
+            held = self._sparse_urls is not None
+            if held:
+                self._rpc("refit_hold", True, self._lock.wait_s)
+            try:
+                self._check_sparse()
+                next_state = self._move(lifecycle.Event.GENERATE)
+                out = method(self, *args, **kwargs)
+                self._state = next_state
+                return out
+            finally:
+                if held:
+                    self._rpc("refit_hold", False, 0.0)
 
-    return held
+    return serving
 
 
 def _door(
@@ -259,23 +266,12 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
                 tally_nonfinite(self.nonfinite_logprobs, Failure(e.detail))
             raise
 
-    def _tokenize(self, texts: list[str]) -> list[list[int]]:
-        return self._call(lambda e: e.tokenize(texts))
-
-    def _expanded(
-        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-    ) -> list[int]:
-        return self._call(lambda e: e.expanded_lengths(prompts, media))
-
     # -- generation -----------------------------------------------------------------
-    @_serialized
-    @_weights_held
+    @_serving
     @defer_cyclic_gc()
     def generate(self, data: Mapping[str, object], greedy: bool = False) -> dict[str, torch.Tensor]:
         """Generate for a right-padded batch; returns NeMo-RL's output contract. Cyclic GC
         waits for the end of the call (``genworker.shell.collector``)."""
-        self._check_sparse()
-        next_state = self._move(lifecycle.Event.GENERATE)
         input_ids, input_lengths, plan = self._token_batch(data, greedy, whole=True)
         if not plan.batch_size:
             empty = assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id)
@@ -289,7 +285,6 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         generations = (
             made if len(kept) == plan.batch_size else place_rows(made, kept, plan.batch_size)
         )
-        self._state = next_state
         return self._versioned(
             self._checked(input_ids, input_lengths, generations, plan.context, bool(plan.media))
         )
@@ -338,8 +333,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         )
         return {**out.as_dict(), "weight_versions": versions}
 
-    @_serialized
-    @_weights_held
+    @_serving
     def compute_logprobs(
         self, data: Mapping[str, object], top_k: int = 0
     ) -> dict[str, torch.Tensor]:
@@ -349,26 +343,19 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         its row's prompt length on (0 elsewhere), and with ``top_k`` > 0 ``top_ids`` and
         ``top_logprobs`` (B, W, k). Bad rows are refused, each named with its reason
         (``core.scoring``; docs/groups.md)."""
-        self._check_sparse()
-        next_state = self._move(lifecycle.Event.GENERATE)
         plan = self._score_plan(data, top_k)
         rows = []
         if plan.sequences:
             rows = self._call(
                 lambda e: e.compute_logprobs(plan.sequences, plan.prompt_lengths, plan.top_k)
             )
-        out = assemble_scores(plan, rows, self.cfg.pad_token_id)
-        self._state = next_state
-        return out
+        return assemble_scores(plan, rows, self.cfg.pad_token_id)
 
-    @_serialized
-    @_weights_held
+    @_serving
     def generate_text(
         self, data: Mapping[str, object], greedy: bool = False
     ) -> dict[str, list[str]]:
         """Generate from text prompts (``data["prompts"]``); returns ``{"texts": [...]}``."""
-        self._check_sparse()
-        next_state = self._move(lifecycle.Event.GENERATE)
         plan = self._text_batch(data, greedy, whole=True)
         texts = [""] * plan.batch_size
         if requests := plan.requests.requests():
@@ -377,7 +364,6 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
             made = self._call(lambda e: e.generate_text(batch, use_tqdm=progress))
             for (row, _), text in zip(requests, made, strict=True):
                 texts[row] = text
-        self._state = next_state
         return {"texts": texts}
 
     # -- the operations both workers share (their bodies: WorkerSpine, shell.spine) -----
