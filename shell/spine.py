@@ -3,33 +3,31 @@
 Theory of operation
 -------------------
 vLLM's ``LLMEngine`` and ``AsyncLLM`` are two drive loops over the same
-``InputProcessor`` / ``OutputProcessor``. Here :class:`WorkerSpine` is the shared body and
-the two workers are its drive loops: ``shell.worker.VllmGenerationWorker`` runs a batch
-through one blocking engine call, ``shell.async_worker.AsyncVllmGenerationWorker`` runs
-each row as its own request and refits while they run. The spine never calls the engine
-itself (the two engine ports differ in sync and async calls, ``shell.ports``): it holds the
-state and takes every decision, and each drive loop makes the calls in between.
+``InputProcessor`` / ``OutputProcessor``; httpcore generates ``_sync/`` from ``_async/``.
+Here :class:`WorkerSpine` is the shared body and the two workers are its drive loops:
+``shell.worker.VllmGenerationWorker`` runs a batch through one blocking engine call,
+``shell.async_worker.AsyncVllmGenerationWorker`` runs each row as its own request and
+refits while they run.
 
-What the spine holds: the config and constructor arguments; engine start
-(:meth:`_start`, :class:`ExistingEngineFactory` for an engine already running) and death
-(:meth:`_died`, a dead engine refuses every later call); lifecycle moves over
+Each operation both workers offer (sleep, wake_up, reset_prefix_cache, the refit's setup
+calls, prepare_lora, the RPCs, the counters) is written once here as a sans-I/O body, as
+h11 and h2 are: a generator method (``_sleep``, ``_prepare_refit_info``, ...) that takes
+every decision and yields the engine calls it needs as :class:`EngineCall` values; the
+drive loop makes each call on its port (``shell.ports``: the sync port returns values,
+the async port awaitables, under the same names) and sends the result back, or throws
+in what the call raised. Each worker has one drive loop (``_drive``) and makes its public
+methods from the bodies (``_door``: the sync one under the worker's lock, the async one a
+coroutine; :func:`door_of` names and documents them as the body).
+
+The spine also holds what the workers' own paths share: the config and constructor
+arguments; engine start (:meth:`_start`, :class:`ExistingEngineFactory`) and death
+(:meth:`_died`: a dead engine refuses every later call); lifecycle moves over
 ``core.lifecycle.TABLE`` (:meth:`_move` checks, :meth:`_commit` commits); the request plan
-(:meth:`_token_batch`, :meth:`_text_batch`: the checks, media, then ``core.requests``; the
-drive loop supplies the two engine calls they need, :meth:`_tokenize` and
-:meth:`_expanded`); sleep and wake (:meth:`_sleep_event`, :meth:`_wake_checked`,
-:meth:`_memory_failed`) and the cache-reset rule (:meth:`_resets_due`,
-:meth:`_reset_done`, :meth:`_reset_failed`); the refit preamble (:meth:`_refit_bounds`),
-its commit (:meth:`_refit_ok`), ``last_refit`` and the weight version; the counters
-(:meth:`_own_counters`); and the RPC error map (:meth:`_rpc_seam`: ``RefitError`` only for
-refit methods, ``EngineRpcError`` for the rest, ``shell.errors``).
-
-Kept apart on purpose: the in-flight refit (pause, settle, label, resume; async only),
-the sparse relay and reshard methods (sync only), the sync worker's lock (an async worker
-runs on one event loop), the metrics logger and HTTP server (async only), and
-``generate_text`` refusals: the sync worker refuses the batch naming every bad prompt, the
-async worker refuses each row alone (its ``generate_text`` raises the first): the same core
-rule (``core.requests.text_refusals``) in its batch and row forms. Where the two workers
-differed before the spine, and how each difference was settled: ``docs/workers.md``.
+(:meth:`_token_batch`, :meth:`_text_batch`: the checks, media, then ``core.requests``);
+the refit preamble (:meth:`_refit_bounds`), its failure (:meth:`_refit_failed`) and
+commit, ``last_refit`` and the weight version; and the RPC error map (:meth:`_rpc_steps`:
+``RefitError`` only for refit methods, ``EngineRpcError`` for the rest). What is kept
+apart on purpose, and where the two workers differed before the spine: ``docs/workers.md``.
 """
 
 from __future__ import annotations
@@ -208,7 +206,7 @@ class EngineCall:
 #: A spine body: the engine calls it needs, each answered by the drive loop, and its value.
 Steps = Generator[EngineCall, object, _T]
 
-#: each cache's reset (the names of :meth:`WorkerSpine._resets_due`)
+#: each cache's reset (the names :meth:`WorkerSpine._reset_caches` resets)
 _RESETS = {
     "prefix": EngineCall("reset_prefix_cache"),
     "mm": EngineCall("reset_mm_cache"),
