@@ -44,6 +44,7 @@ __all__ = [
     "describe_shard_rows",
     "merge_shard_outputs",
     "merge_shard_texts",
+    "plan_prompt_rows",
     "plan_prompt_shards",
     "plan_shards",
     "split_batch",
@@ -141,6 +142,24 @@ def plan_prompt_shards(
     lengths = [len(p) for p in prompts]
     groups = prompt_groups(prompts)
     return plan_shards(lengths, num_shards, max_new_tokens=max_new_tokens, groups=groups)
+
+
+def plan_prompt_rows(
+    prompts: Sequence[tuple[int, Sequence[int]]],
+    num_rows: int,
+    num_shards: int,
+    *,
+    max_new_tokens: int = 0,
+) -> ShardPlan:
+    """:func:`plan_prompt_shards` of some of a batch's rows (``(row, prompt)`` in ascending
+    row order), each shard's rows named as the batch's; the rows left out make one more
+    shard, last and of no cost, so one :func:`split_batch` serves the batch."""
+    rows = [row for row, _ in prompts]
+    plan = plan_prompt_shards([p for _, p in prompts], num_shards, max_new_tokens=max_new_tokens)
+    placed = set(rows)
+    left = tuple(row for row in range(num_rows) if row not in placed)
+    shards = tuple(tuple(rows[k] for k in shard) for shard in plan.shards)
+    return ShardPlan(num_rows=num_rows, shards=(*shards, left), costs=(*plan.costs, 0))
 
 
 def _items(

@@ -17,7 +17,8 @@ Theory of operation
   nodes by accident, port windows and seeds stay distinct), different planned nodes on
   different Ray nodes.
 * Every wait is bounded (placement, engine start, each call, shutdown) and its error says
-  what was waited for, how long, and on which shard.
+  what was waited for, how long, and on which shard. Every call on the shards goes through
+  one door (``_submit``) and one wait (``_settle``, one bound for all the shards).
 * ``generate``: the batch is checked in the driver first (core ``check_batch``; with media
   also ``row_media`` and core ``check_media`` against the placeholder id and image limit
   the first shard reports once, ``multimodal_info``), so a bad row submits nothing
@@ -33,7 +34,7 @@ Theory of operation
   result is lost and none lands in another row. A worker's own error comes back as its own
   type (``BadBatchError``, ``UnsupportedError``, ...) with the shard in the message; an
   actor that died, a call past its bound, or a foreign error is a :class:`ShardFailure`
-  (a ``GroupError``). Either way the :class:`ShardFailure` (the exception or its
+  (a ``GroupError``; the faults and their lines: ``core.group_calls``). Either way the :class:`ShardFailure` (the exception or its
   ``__cause__``) holds each failed shard's error and the other shards' results (a
   ``generate``'s under the group's weight versions). A worker's error names its shard's
   own rows, and says which of the batch's rows they are. A shard
@@ -71,10 +72,8 @@ import asyncio
 import copy
 import logging
 import os
-import re
-import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import TYPE_CHECKING, Unpack
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar, Unpack
 
 import torch
 
@@ -82,6 +81,21 @@ from genworker.core.assembly import assemble_outputs
 from genworker.core.batch import batch_tensors, check_batch
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import GroupCounters, group_counters
+from genworker.core.group_calls import (
+    Fault,
+    check_in_flight,
+    check_world_size,
+    failed_on,
+    failed_to_start,
+    fault_message,
+    list_faults,
+    ray_reason,
+    shard_lists,
+    shard_tensors,
+    shard_texts,
+    stream_pair,
+    unusable,
+)
 from genworker.core.groups import check_declared_groups
 from genworker.core.lora import check_adapter_name, row_adapters
 from genworker.core.multimodal import check_media_by_info
@@ -101,9 +115,9 @@ from genworker.core.routing import FILL
 from genworker.core.rows import check_rows
 from genworker.core.sharding import (
     ShardPlan,
-    describe_shard_rows,
     merge_shard_outputs,
     merge_shard_texts,
+    plan_prompt_rows,
     plan_prompt_shards,
     plan_shards,
     split_batch,
@@ -134,8 +148,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _DECLARED = "num_generations_per_prompt"
+_T = TypeVar("_T")
+_E = TypeVar("_E", bound=BaseException)
 
 if TYPE_CHECKING:  # typings/ray: the Ray names used here, stubtest-checked
     from ray import ObjectRef, ObjectRefGenerator
@@ -199,20 +214,6 @@ def _failure_of(error: BaseException) -> ShardFailure | None:
         if isinstance(candidate, ShardFailure):
             return candidate
     return None
-
-
-def _ray_error() -> type[Exception]:
-    """What ``ray.get`` raises for a failed task or actor (every cause type included)."""
-    from ray.exceptions import RayError
-
-    error: type[Exception] = RayError
-    return error
-
-
-def _dead_actor_errors() -> tuple[type[BaseException], ...]:
-    from ray.exceptions import ActorUnavailableError, RayActorError
-
-    return (RayActorError, ActorUnavailableError)
 
 
 class GenerationGroup:
@@ -356,129 +357,129 @@ class GenerationGroup:
         )
 
     def _wait_alive(self) -> None:
-        refs = {rank: actor.is_alive.remote() for rank, actor in enumerate(self._actors)}
-        timeout = self.cluster.start_timeout_s
-        ready = _wait(list(refs.values()), timeout)
-        problems: dict[int, str] = {}
-        for rank, ref in refs.items():
-            if ref not in ready:
-                problems[rank] = f"no answer within {timeout:g} s (engine still loading?)"
-                continue
-            try:
-                alive = _get(ref)
-            except _ray_error() as e:
-                problems[rank] = _reason(e)
-                continue
+        bound = self.cluster.start_timeout_s
+        refs = self._submit("is_alive", dict.fromkeys(range(len(self._actors)), ()))
+        results, errors = _settle(refs, bound)
+        problems = {
+            rank: f"no answer within {bound:g} s (engine still loading?)"
+            if error is None
+            else _reason(error)
+            for rank, error in errors.items()
+        }
+        for rank, alive in results.items():
             if alive is not True:
                 problems[rank] = "the worker reports its engine is not alive"
-        if problems:
-            listed = "; ".join(f"shard {r}: {why}" for r, why in sorted(problems.items()))
-            raise GroupError(
-                f"{len(problems)} of {self.num_shards} engine(s) failed to start: {listed}"
-            )
+        if (why := failed_to_start(problems, self.num_shards)) is not None:
+            raise GroupError(why)
 
-    # -- fan-out machinery ----------------------------------------------------------
+    # -- the one door: every call on the shards --------------------------------------
     def _require_usable(self, call: str) -> None:
-        if self._closed:
-            raise GroupError(f"{call}: the group was shut down")
-        if self._dead:
-            listed = "; ".join(f"shard {r}: {why}" for r, why in sorted(self._dead.items()))
-            raise GroupError(
-                f"{call}: shard(s) {sorted(self._dead)} died earlier ({listed}); shut the "
-                "group down and create a new one"
-            )
+        if (why := unusable(call, closed=self._closed, dead=self._dead)) is not None:
+            raise GroupError(why)
 
-    def _call_all(
-        self, call: str, *args: object, timeout_s: float | None = None, **kwargs: object
-    ) -> list[object]:
+    def _submit(
+        self, call: str, args: Mapping[int, Sequence[object]], **kwargs: object
+    ) -> dict[int, ObjectRef[object]]:
+        """``call(*args[rank], **kwargs)`` on each shard ``args`` names; its futures."""
         self._require_usable(call)
-        refs = {
-            rank: getattr(actor, call).remote(*args, **kwargs)
-            for rank, actor in enumerate(self._actors)
+        return {
+            rank: getattr(self._actors[rank], call).remote(*shard_args, **kwargs)
+            for rank, shard_args in args.items()
         }
-        results = self._gather(call, refs, timeout_s)
+
+    def _every(self, *args: object, prefixed: bool = False) -> dict[int, tuple[object, ...]]:
+        """The same ``args`` for every shard; ``prefixed``: after its engine workers' rank
+        prefix, their ranks after the trainer's and the earlier shards' (``s x tensor x
+        pipeline``)."""
+        size = self.plan.model_parallel_size
+        return {rank: (rank * size, *args) if prefixed else args for rank in range(self.num_shards)}
+
+    def _answers(self, call: str, *args: object, timeout_s: float | None = None) -> list[object]:
+        """``call(*args)`` on every shard; their answers in shard order."""
+        results = self._gather(call, self._submit(call, self._every(*args)), timeout_s, _as_is)
         return [results[rank] for rank in range(self.num_shards)]
 
-    def _call_lists(
+    def _lists(
         self, call: str, *args: object, timeout_s: float | None = None
     ) -> list[list[object]]:
-        """:meth:`_call_all` of a call that answers a list on every shard."""
-        answers = self._call_all(call, *args, timeout_s=timeout_s)
-        bad = [type(a).__name__ for a in answers if not isinstance(a, list)]
-        if bad:
-            raise EngineContractError(f"{call} returned {bad[0]}, not a list")
-        return [list(a) for a in answers if isinstance(a, list)]
+        """:meth:`_answers` of a call that answers a list on every shard."""
+        answers = self._answers(call, *args, timeout_s=timeout_s)
+        return unwrap(shard_lists(call, answers), EngineContractError, "")
 
     def _gather(
         self,
         call: str,
         refs: Mapping[int, ObjectRef[object]],
         timeout_s: float | None,
+        each: Callable[[int, object], _T],
         rows: Mapping[int, tuple[int, ...]] | None = None,
-    ) -> dict[int, object]:
-        """Every shard's result, by rank; raises once every shard answered or timed out."""
-        timeout = self.cluster.call_timeout_s if timeout_s is None else timeout_s
-        ready = _wait(list(refs.values()), timeout)
-        results: dict[int, object] = {}
-        errors: dict[int, BaseException] = {}
-        for rank, ref in refs.items():
-            if ref not in ready:
-                errors[rank] = GroupError(
-                    f"shard {rank}: {call} did not finish within {timeout:g} s "
-                    "(the actor may still be running it)"
-                )
-                continue
-            try:
-                results[rank] = _get(ref)
-            except _ray_error() as e:
-                errors[rank] = self._translate(call, rank, e, (rows or {}).get(rank, ()))
-        if errors:
-            raise self._failure(call, errors, results, rows)
-        return results
-
-    def _translate(
-        self, call: str, rank: int, error: BaseException, rows: tuple[int, ...] = ()
-    ) -> BaseException:
-        """The error a shard's call raised, as the worker's own type or a GroupError; a
-        worker's error names the shard's own rows, so the batch's rows they are follow."""
-        from ray.exceptions import RayTaskError
-
-        if isinstance(error, _dead_actor_errors()):
-            self._dead[rank] = _reason(error)
-            translated: BaseException = GroupError(
-                f"shard {rank}: the actor died during {call}: {_reason(error)}"
-            )
-        elif isinstance(error, RayTaskError) and isinstance(error.cause, GenworkerError):
-            translated = copy.copy(error.cause)
-            translated.args = (f"shard {rank}{describe_shard_rows(rows)}: {error.cause}",)
-        else:
-            cause = error.cause if isinstance(error, RayTaskError) else error
-            translated = GroupError(f"shard {rank}: {call} raised {type(cause).__name__}: {cause}")
-        translated.__cause__ = error
-        return translated
-
-    def _failure(
-        self,
-        call: str,
-        errors: Mapping[int, BaseException],
-        results: Mapping[int, object],
-        rows: Mapping[int, tuple[int, ...]] | None,
-    ) -> BaseException:
-        listed = "; ".join(str(errors[r]) for r in sorted(errors))
+    ) -> dict[int, _T]:
+        """Every shard's result (``each(rank, result)``), by rank; raises once every shard
+        answered or timed out."""
+        bound = self.cluster.call_timeout_s if timeout_s is None else timeout_s
+        answered, failed = _settle(refs, bound)
+        results = {rank: each(rank, value) for rank, value in answered.items()}
+        errors = {
+            rank: self._translate(call, rank, error, (rows or {}).get(rank, ()), bound)
+            for rank, error in failed.items()
+        }
+        if not errors:
+            return results
+        lines = {rank: str(e) for rank, e in errors.items()}
         failure = ShardFailure(
-            f"{call} failed on {len(errors)} of {self.num_shards} shard(s): {listed}",
+            failed_on(call, lines, self.num_shards),
             call=call,
             errors=errors,
             results=results,
             rows=rows,
         )
-        typed = [e for e in errors.values() if not isinstance(e, GroupError)]
-        if len(typed) < len(errors):
-            return failure
-        first = copy.copy(errors[min(errors)])
-        first.args = (listed,)
-        first.__cause__ = failure
-        return first
+        if any(isinstance(e, GroupError) for e in errors.values()):
+            raise failure
+        raise _renamed(errors[min(errors)], list_faults(lines), failure)
+
+    def _translate(
+        self,
+        call: str,
+        rank: int,
+        error: BaseException | None,
+        rows: tuple[int, ...] = (),
+        bound: float = 0.0,
+    ) -> BaseException:
+        """How a shard's call failed (``None``: no answer within ``bound``; the faults of
+        ``core.group_calls``), as the worker's own type or a GroupError; a worker's error
+        names the shard's own rows, so the batch's rows they are follow."""
+        from ray.exceptions import RayTaskError
+
+        cause = error.cause if isinstance(error, RayTaskError) else error
+        if error is None:
+            return GroupError(fault_message(Fault.LATE, call, rank, bound=bound))
+        if isinstance(error, _dead_actor_errors()):
+            self._dead[rank] = _reason(error)
+            line = fault_message(Fault.DIED, call, rank, detail=self._dead[rank])
+            translated: BaseException = GroupError(line)
+        elif isinstance(cause, GenworkerError) and cause is not error:
+            line = fault_message(Fault.WORKER, call, rank, detail=str(cause), rows=rows)
+            return _renamed(cause, line, error)
+        else:
+            detail = f"{type(cause).__name__}: {cause}"
+            translated = GroupError(fault_message(Fault.FOREIGN, call, rank, detail=detail))
+        translated.__cause__ = error
+        return translated
+
+    def _run_shards(
+        self,
+        call: str,
+        plan: ShardPlan,
+        data: Mapping[str, object],
+        greedy: bool,
+        timeout_s: float | None,
+        each: Callable[[int, object], _T],
+    ) -> dict[int, _T]:
+        """``call(rows, greedy)`` on every shard the plan gives rows, each its own."""
+        parts = unwrap(split_batch(plan, data), BadBatchError, call)
+        args = {r: (parts[r], greedy) for r in range(self.num_shards) if plan.sizes[r]}
+        rows = {rank: plan.shards[rank] for rank in range(plan.num_shards)}
+        return self._gather(call, self._submit(call, args), timeout_s, each, rows)
 
     # -- generation -----------------------------------------------------------------
     def generate(
@@ -524,19 +525,8 @@ class GenerationGroup:
         new_tokens = self.cfg.max_new_tokens
         plan = plan_prompt_shards(batch.prompts, self.num_shards, max_new_tokens=new_tokens)
         self.last_shard_plan = plan
-        try:
-            results = self._run_shards("generate", plan, data, greedy, timeout_s)
-        except GenworkerError as e:
-            if (failure := _failure_of(e)) is not None:  # the rows that came back, relabelled
-                failure.results = {
-                    rank: self._relabelled(rank, _tensor_dict(result, rank))
-                    for rank, result in failure.results.items()
-                }
-            raise
-        outputs = [
-            self._relabelled(rank, _tensor_dict(results.get(rank, {}), rank))
-            for rank in range(self.num_shards)
-        ]
+        results = self._run_shards("generate", plan, data, greedy, timeout_s, self._output)
+        outputs = [results.get(rank, {}) for rank in range(self.num_shards)]
         return merge_shard_outputs(
             plan,
             outputs,
@@ -570,38 +560,31 @@ class GenerationGroup:
             BadBatchError,
             "generate_async batch",
         )
-        self._check_adapters(data, len(checks.prompts) + len(checks.errors), "generate_async")
+        num_rows = len(checks.prompts) + len(checks.errors)
+        self._check_adapters(data, num_rows, "generate_async")
         for row, problem in checks.errors:
             yield row, BadBatchError(f"row {row} cannot generate: {problem}", detail=problem)
-        good = checks.rows
-        if not good:
+        if not checks.prompts:
             return
-        refused = tuple(r for r, _ in checks.errors)
-        keep = ShardPlan(num_rows=len(good) + len(refused), shards=(good, refused), costs=(0, 0))
-        (sub, _) = unwrap(split_batch(keep, data), BadBatchError, "generate_async")
-        prompts, new_tokens = [p for _, p in checks.prompts], self.cfg.max_new_tokens
-        plan = plan_prompt_shards(prompts, self.num_shards, max_new_tokens=new_tokens)
-        parts = unwrap(split_batch(plan, sub), BadBatchError, "generate_async")
+        # The rows that cannot generate make the plan's last shard, which runs nowhere.
+        plan = plan_prompt_rows(
+            checks.prompts, num_rows, self.num_shards, max_new_tokens=self.cfg.max_new_tokens
+        )
+        parts = unwrap(split_batch(plan, data), BadBatchError, "generate_async")
         bound = self.cluster.call_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + bound
+        deadline = asyncio.get_running_loop().time() + bound
         queue: asyncio.Queue[tuple[int, dict[str, torch.Tensor] | GenworkerError]] = asyncio.Queue()
         streams: dict[int, ObjectRefGenerator] = {}
         tasks: list[asyncio.Task[None]] = []
-        for rank, part in enumerate(parts):
+        for rank in range(self.num_shards):
             if not plan.sizes[rank]:
                 continue
-            rows = tuple(good[k] for k in plan.shards[rank])
-            stream = (
-                self._actors[rank]
-                .generate_async.options(num_returns="streaming")
-                .remote(part, greedy)
-            )
-            streams[rank] = stream
-            tasks.append(
-                asyncio.ensure_future(self._drain_shard(rank, stream, rows, deadline, bound, queue))
-            )
+            method = self._actors[rank].generate_async.options(num_returns="streaming")
+            streams[rank] = stream = method.remote(parts[rank], greedy)
+            drain = self._drain_shard(rank, stream, plan.shards[rank], deadline, bound, queue)
+            tasks.append(asyncio.ensure_future(drain))
         try:
-            for _ in range(len(good)):
+            for _ in range(len(checks.prompts)):
                 yield await queue.get()
         finally:
             import ray
@@ -623,51 +606,40 @@ class GenerationGroup:
         queue: asyncio.Queue[tuple[int, dict[str, torch.Tensor] | GenworkerError]],
     ) -> None:
         """Put each of a shard's rows on ``queue`` under its batch index; if the shard
-        fails, each row it still owes gets the shard's error."""
+        fails, each row it still owes gets the shard's error. One bound: the stream's
+        ``deadline`` (loop time), over every wait of the shard."""
         pending = set(range(len(rows)))
         try:
-            while pending:
-                ref = await asyncio.wait_for(
-                    stream.__anext__(), max(deadline - time.monotonic(), 1e-3)
-                )
-                pair = await asyncio.wait_for(ref, max(deadline - time.monotonic(), 1e-3))
-                if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)):
-                    raise EngineContractError(  # noqa: TRY301 - translated below with the rest
-                        f"shard {rank}: generate_async yielded {pair!r:.200}, not (row, output)"
-                    )
-                local: int = pair[0]
-                item: object = pair[1]
-                row = rows[local]
-                pending.discard(local)
-                if isinstance(item, GenworkerError):
-                    named = copy.copy(item)
-                    named.args = (f"shard {rank}, batch row {row}: {item}",)
-                    named.__cause__ = item
-                    item = named
-                elif isinstance(item, dict):
-                    item = self._relabelled(rank, item)
-                else:
-                    item = EngineContractError(
-                        f"shard {rank}: generate_async yielded {item!r:.200}"
-                    )
-                queue.put_nowait((row, item))
+            async with asyncio.timeout_at(deadline):
+                async for ref in stream:
+                    # a bad pair raises here, translated below with the rest
+                    pair = unwrap(stream_pair(rank, await ref), EngineContractError, "")
+                    local, item = pair
+                    row = rows[local]
+                    pending.discard(local)
+                    if isinstance(item, GenworkerError):
+                        item = _renamed(item, f"shard {rank}, batch row {row}: {item}", item)
+                    elif isinstance(item, dict):
+                        item = self._relabelled(rank, item)
+                    else:
+                        item = EngineContractError(
+                            f"shard {rank}: generate_async yielded {item!r:.200}"
+                        )
+                    queue.put_nowait((row, item))
+                    if not pending:
+                        return
+            error: BaseException = EngineContractError(
+                f"shard {rank}: its stream ended with {len(pending)} row(s) missing"
+            )
         except asyncio.CancelledError:
             raise
+        except TimeoutError:
+            error = self._translate("generate_async", rank, None, bound=bound)
         except BaseException as e:  # noqa: BLE001 - every row the shard owes gets it
-            if isinstance(e, TimeoutError):
-                error: BaseException = GroupError(
-                    f"shard {rank}: generate_async did not finish within {bound:g} s "
-                    "(the actor may still be running it)"
-                )
-            elif isinstance(e, StopAsyncIteration):
-                error = EngineContractError(
-                    f"shard {rank}: its stream ended with {len(pending)} row(s) missing"
-                )
-            else:
-                error = self._translate("generate_async", rank, e)
-            typed = error if isinstance(error, GenworkerError) else GroupError(str(error))
-            for local in sorted(pending):
-                queue.put_nowait((rows[local], typed))
+            error = self._translate("generate_async", rank, e)
+        typed = error if isinstance(error, GenworkerError) else GroupError(str(error))
+        for local in sorted(pending):
+            queue.put_nowait((rows[local], typed))
 
     def generate_text(
         self,
@@ -690,8 +662,8 @@ class GenerationGroup:
         plan = plan_shards(
             [len(p) for p in prompts], self.num_shards, max_new_tokens=self.cfg.max_new_tokens
         )
-        results = self._run_shards("generate_text", plan, data, greedy, timeout_s)
-        texts = [_texts(results.get(rank, {"texts": []}), rank) for rank in range(plan.num_shards)]
+        results = self._run_shards("generate_text", plan, data, greedy, timeout_s, _as_is)
+        texts = [_texts(rank, results.get(rank, {"texts": []})) for rank in range(plan.num_shards)]
         return {"texts": unwrap(merge_shard_texts(plan, texts), EngineContractError, "")}
 
     def _check_adapters(self, data: Mapping[str, object], batch_size: int, call: str) -> None:
@@ -701,6 +673,11 @@ class GenerationGroup:
         served = dict.fromkeys(self._adapters, 0)  # the ids are each shard's: names only here
         lora, names = data.get("lora"), data.get("lora_names")
         unwrap(row_adapters(lora, names, batch_size, served), BadBatchError, call)
+
+    def _output(self, rank: int, value: object) -> dict[str, torch.Tensor]:
+        """Shard ``rank``'s ``generate`` output, checked and relabelled."""
+        output = unwrap(shard_tensors("generate", rank, value), EngineContractError, "")
+        return self._relabelled(rank, output)
 
     def _relabelled(self, rank: int, output: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Shard ``rank``'s output with its ``weight_versions`` as the group's (the module
@@ -714,42 +691,24 @@ class GenerationGroup:
         """The first shard's image placeholder id and image limit (asked once: every shard
         serves the same model)."""
         if self._multimodal is None:
-            self._require_usable("multimodal_info")
-            ref = self._actors[0].multimodal_info.remote()
-            info = self._gather("multimodal_info", {0: ref}, timeout_s)[0]
+            ref = self._submit("multimodal_info", {0: ()})
+            info = self._gather("multimodal_info", ref, timeout_s, _as_is)[0]
             if not isinstance(info, Mapping):
                 raise EngineContractError(f"shard 0: multimodal_info returned {info!r:.200}")
             self._multimodal = info
         return self._multimodal
 
-    def _run_shards(
-        self,
-        call: str,
-        plan: ShardPlan,
-        data: Mapping[str, object],
-        greedy: bool,
-        timeout_s: float | None,
-    ) -> dict[int, object]:
-        parts = unwrap(split_batch(plan, data), BadBatchError, call)
-        refs = {
-            rank: getattr(self._actors[rank], call).remote(part, greedy)
-            for rank, part in enumerate(parts)
-            if plan.sizes[rank]
-        }
-        rows = {rank: plan.shards[rank] for rank in range(plan.num_shards)}
-        return self._gather(call, refs, timeout_s, rows)
-
     # -- memory ---------------------------------------------------------------------
     def sleep(self, level: int | None = None, *, timeout_s: float | None = None) -> None:
         """Put every shard's engine to sleep (see ``VllmGenerationWorker.sleep``)."""
-        self._call_all("sleep", level, timeout_s=timeout_s)
+        self._answers("sleep", level, timeout_s=timeout_s)
 
     def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> None:
         """Wake ``tags`` (``weights``, ``kv_cache``; ``None``: both) on every shard."""
-        self._call_all("wake_up", None if tags is None else list(tags), timeout_s=timeout_s)
+        self._answers("wake_up", None if tags is None else list(tags), timeout_s=timeout_s)
 
     def reset_prefix_cache(self, *, timeout_s: float | None = None) -> None:
-        self._call_all("reset_prefix_cache", timeout_s=timeout_s)
+        self._answers("reset_prefix_cache", timeout_s=timeout_s)
 
     # -- refit ----------------------------------------------------------------------
     def prepare_refit_info(
@@ -759,16 +718,16 @@ class GenerationGroup:
         timeout_s: float | None = None,
     ) -> None:
         """Give every shard the names, shapes and dtypes each refit carries."""
-        self._call_all("prepare_refit_info", dict(state_dict_info), timeout_s=timeout_s)
+        self._answers("prepare_refit_info", dict(state_dict_info), timeout_s=timeout_s)
 
     def refit_address(self, *, timeout_s: float | None = None) -> list[list[object]]:
         """Each shard's IPC refit addresses (one per engine worker), in shard order."""
-        return self._call_lists("refit_address", timeout_s=timeout_s)
+        return self._lists("refit_address", timeout_s=timeout_s)
 
     def release_refit_buffers(self, *, timeout_s: float | None = None) -> list[list[object]]:
         """Every shard's ``release_refit_buffers``: the trainer memory its engine workers
         keep mapped between IPC refits is let go (counts per engine worker, shard order)."""
-        return self._call_lists("release_refit_buffers", timeout_s=timeout_s)
+        return self._lists("release_refit_buffers", timeout_s=timeout_s)
 
     def init_collective(
         self,
@@ -785,16 +744,49 @@ class GenerationGroup:
         ``s x tensor x pipeline``, so its engine workers take the ranks after those of
         the shards before it. Pass the futures to :meth:`collect` once the trainer joined.
         """
-        self._require_usable("init_collective")
-        expected = train_world_size + self.num_engine_workers
-        if world_size != expected:
-            raise BadArgumentError(
-                f"init_collective: world_size={world_size} but the trainer's "
-                f"{train_world_size} rank(s) and this group's {self.num_engine_workers} "
-                f"engine worker(s) make {expected}"
-            )
+        sizes = ("world_size", world_size, train_world_size, "the trainer's {} rank(s)")
         args = (ip, port, world_size, train_world_size, timeout_s)
-        return self._join("init_collective", *args)
+        return self._join("init_collective", sizes, args)
+
+    def init_nccl_reshard_comm_group(
+        self,
+        pp_ips: Sequence[str],
+        pp_ports: Sequence[int],
+        *,
+        train_ranks_per_stage: int,
+        sub_world_size: int,
+        timeout_s: float | None = None,
+    ) -> list[ObjectRef[object]]:
+        """Join every engine worker to each trainer PP stage's reshard group; returns
+        futures (pass them to :meth:`collect` once the trainer ranks joined).
+
+        Shard ``s`` gets rank prefix ``s x tensor x pipeline``, as in
+        :meth:`init_collective`; ``sub_world_size`` must be the stage's trainer ranks and
+        this group's engine workers."""
+        trainer = "{} trainer rank(s) per stage"
+        sizes = ("sub_world_size", sub_world_size, train_ranks_per_stage, trainer)
+        ips, ports = list(pp_ips), list(pp_ports)
+        args = (ips, ports, len(ips), train_ranks_per_stage, sub_world_size, timeout_s)
+        return self._join("init_nccl_reshard_comm_group", sizes, args)
+
+    def _join(
+        self, call: str, sizes: tuple[str, int, int, str], args: tuple[object, ...]
+    ) -> list[ObjectRef[object]]:
+        """``call(rank_prefix, *args)`` on every shard once the group's size checks
+        (``sizes``: its field, its value, the trainer's ranks and how they are named)."""
+        self._require_usable(call)
+        field, given, trainer_ranks, trainer = sizes
+        workers = self.num_engine_workers
+        checked = check_world_size(call, field, given, trainer_ranks, workers, trainer)
+        unwrap(checked, BadArgumentError, "")
+        return list(self._submit(call, self._every(*args, prefixed=True)).values())
+
+    def prepare_nccl_reshard_refit_info(
+        self, refit_info: Mapping[str, object], *, timeout_s: float | None = None
+    ) -> list[list[object]]:
+        """Every shard's engine workers' answers (shard order): for the trainer's
+        ``ReshardSender.plan(shards_of(answers[s]), rank_prefix=s x tensor x pipeline)``."""
+        return self._lists("prepare_nccl_reshard_refit_info", dict(refit_info), timeout_s=timeout_s)
 
     def update_weights_from_collective(
         self,
@@ -814,9 +806,12 @@ class GenerationGroup:
         mode: str | None = None,
         clear_cache: bool | None = None,
     ) -> list[ObjectRef[object]]:
-        """Start the IPC refit on every shard; returns one future per shard (``mode`` /
-        ``clear_cache``: what async shards do with requests in flight)."""
+        """As :meth:`update_weights_from_collective`, for the IPC refit."""
         return self._refit("update_weights_via_ipc_zmq", timeout_s, mode, clear_cache)
+
+    def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> list[ObjectRef[object]]:
+        """Start the reshard refit on every shard; returns one future per shard."""
+        return self._refit("nccl_reshard_refit", refit_timeout_s, None, None)
 
     def _refit(
         self,
@@ -830,68 +825,14 @@ class GenerationGroup:
         """Every refit's start: ``call([adapter,] timeout_s, **options, ...)`` on every
         shard; the futures are kept until :meth:`collect` counts the refit's outcome."""
         self._require_usable(call)
-        inflight = {
-            k: v for k, v in (("mode", mode), ("clear_cache", clear_cache)) if v is not None
-        }
-        if inflight and not self.cfg.vllm.async_engine:
-            raise UnsupportedError(
-                f"{call}: {sorted(inflight)} apply to in-flight refits of async shards "
-                "(vllm_cfg.async_engine: true)"
-            )
+        async_shards = self.cfg.vllm.async_engine
+        checked = check_in_flight(call, mode, clear_cache, async_shards=async_shards)
+        in_flight = unwrap(checked, UnsupportedError, "")
         lead = () if adapter is None else (adapter,)
-        kwargs = {**(options or {}), **inflight}
-        futures = [getattr(a, call).remote(*lead, timeout_s, **kwargs) for a in self._actors]
+        refs = self._submit(call, self._every(*lead, timeout_s), **(options or {}), **in_flight)
+        futures = list(refs.values())
         self._refits[tuple(futures)] = (call, adapter)
         return futures
-
-    def init_nccl_reshard_comm_group(
-        self,
-        pp_ips: Sequence[str],
-        pp_ports: Sequence[int],
-        *,
-        train_ranks_per_stage: int,
-        sub_world_size: int,
-        timeout_s: float | None = None,
-    ) -> list[ObjectRef[object]]:
-        """Join every engine worker to each trainer PP stage's reshard group; returns
-        futures (pass them to :meth:`collect` once the trainer ranks joined).
-
-        Shard ``s`` gets rank prefix ``s x tensor x pipeline``, as in
-        :meth:`init_collective`; ``sub_world_size`` must be the stage's trainer ranks and
-        this group's engine workers."""
-        self._require_usable("init_nccl_reshard_comm_group")
-        expected = train_ranks_per_stage + self.num_engine_workers
-        if sub_world_size != expected:
-            raise BadArgumentError(
-                f"init_nccl_reshard_comm_group: sub_world_size={sub_world_size} but "
-                f"{train_ranks_per_stage} trainer rank(s) per stage and this group's "
-                f"{self.num_engine_workers} engine worker(s) make {expected}"
-            )
-        ips, ports = list(pp_ips), list(pp_ports)
-        args = (ips, ports, len(ips), train_ranks_per_stage, sub_world_size, timeout_s)
-        return self._join("init_nccl_reshard_comm_group", *args)
-
-    def _join(self, call: str, *args: object) -> list[ObjectRef[object]]:
-        """``call(rank_prefix, *args)`` on every shard, its engine workers' ranks after the
-        trainer's and the shards' before it (``s x tensor x pipeline``); the futures."""
-        size = self.plan.model_parallel_size
-        return [
-            getattr(actor, call).remote(rank * size, *args)
-            for rank, actor in enumerate(self._actors)
-        ]
-
-    def prepare_nccl_reshard_refit_info(
-        self, refit_info: Mapping[str, object], *, timeout_s: float | None = None
-    ) -> list[list[object]]:
-        """Every shard's engine workers' answers (shard order): for the trainer's
-        ``ReshardSender.plan(shards_of(answers[s]), rank_prefix=s x tensor x pipeline)``."""
-        return self._call_lists(
-            "prepare_nccl_reshard_refit_info", dict(refit_info), timeout_s=timeout_s
-        )
-
-    def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> list[ObjectRef[object]]:
-        """Start the reshard refit on every shard; returns one future per shard."""
-        return self._refit("nccl_reshard_refit", refit_timeout_s, None, None)
 
     def collect(
         self,
@@ -915,7 +856,7 @@ class GenerationGroup:
         refit = self._refits.pop(tuple(futures), None)
         name = call or (refit[0] if refit is not None else "refit")
         try:
-            results = self._gather(name, dict(enumerate(futures)), timeout_s)
+            results = self._gather(name, dict(enumerate(futures)), timeout_s, _as_is)
         except GenworkerError as e:
             if refit is not None and (failure := _failure_of(e)) is not None:
                 self._landed(refit[1], failure.results)
@@ -945,7 +886,7 @@ class GenerationGroup:
         :meth:`refit_address`, for ``RefitSender.ipc(address, manifest=adapter_info)``.
         Until it succeeds on every shard, :meth:`update_lora` is refused."""
         self._lora_prepared = False
-        answers = self._call_lists(
+        answers = self._lists(
             "prepare_lora", dict(adapter_info), dict(peft_config), timeout_s=timeout_s
         )
         self._lora_prepared = True
@@ -977,12 +918,12 @@ class GenerationGroup:
 
     # -- observability --------------------------------------------------------------
     def report_device_id(self, *, timeout_s: float | None = None) -> list[list[str]]:
-        answers = self._call_lists("report_device_id", timeout_s=timeout_s)
+        answers = self._lists("report_device_id", timeout_s=timeout_s)
         return [[str(d) for d in devices] for devices in answers]
 
     def get_counters(self, *, timeout_s: float | None = None) -> GroupCounters:
         """Every shard's counter snapshot, their sum, and spec-decode acceptance."""
-        answers = self._call_all("get_counters", timeout_s=timeout_s)
+        answers = self._answers("get_counters", timeout_s=timeout_s)
         return unwrap(group_counters(answers), EngineContractError, "")
 
     def is_alive(self, *, timeout_s: float | None = None) -> bool:
@@ -990,10 +931,31 @@ class GenerationGroup:
         if self._closed or self._dead:
             return False
         try:
-            return all(r is True for r in self._call_all("is_alive", timeout_s=timeout_s))
+            return all(r is True for r in self._answers("is_alive", timeout_s=timeout_s))
         except GroupError as e:  # a health probe: a shard that cannot answer is not alive
             log.warning("is_alive: %s", e)
             return False
+
+    # -- sparse-delta refit (issue 16): each shard's calls, in shard order ---------------
+    def start_zmq_sparse_refit_relay(
+        self, host: str = "127.0.0.1", allow_remote: bool = False, *, timeout_s: float | None = None
+    ) -> list[list[object]]:
+        """Start every shard's relay receivers; their addresses (per engine worker)."""
+        return self._lists("start_zmq_sparse_refit_relay", host, allow_remote, timeout_s=timeout_s)
+
+    def configure_zmq_sparse_refit_relay(
+        self, relay_addresses: Sequence[str], *, timeout_s: float | None = None
+    ) -> None:
+        """Tell every shard's receivers the whole relay (the root first)."""
+        call = "configure_zmq_sparse_refit_relay"
+        self._answers(call, list(relay_addresses), timeout_s=timeout_s)
+
+    def report_refit_server_base_url(self, *, timeout_s: float | None = None) -> list[object]:
+        """Each shard's first relay receiver address (``None`` where the relay is off)."""
+        return self._answers("report_refit_server_base_url", timeout_s=timeout_s)
+
+    def stop_zmq_sparse_refit_relay(self, *, timeout_s: float | None = None) -> None:
+        self._answers("stop_zmq_sparse_refit_relay", timeout_s=timeout_s)
 
     # -- shutdown -------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -1016,20 +978,10 @@ class GenerationGroup:
             for rank, actor in enumerate(actors)
             if graceful and rank not in self._dead
         }
-        if refs:
-            ready = _wait(list(refs.values()), self.cluster.shutdown_timeout_s)
-            for rank, ref in refs.items():
-                if ref not in ready:
-                    log.warning(
-                        "shard %d: engine shutdown did not finish within %g s; killing it",
-                        rank,
-                        self.cluster.shutdown_timeout_s,
-                    )
-                    continue
-                try:
-                    _get(ref)
-                except _ray_error() as e:
-                    log.warning("shard %d: engine shutdown failed (%s); killing it", rank, e)
+        bound = self.cluster.shutdown_timeout_s
+        for rank, error in _settle(refs, bound)[1].items():
+            why = f"did not finish within {bound:g} s" if error is None else f"failed ({error})"
+            log.warning("shard %d: engine shutdown %s; killing it", rank, why)
         for actor in actors:
             ray.kill(actor, no_restart=True)
         pg, self._pg = self._pg, None
@@ -1054,30 +1006,6 @@ class GenerationGroup:
             f"{state if self._closed or self._dead else 'running'})"
         )
 
-    # -- sparse-delta refit (issue 16): each shard's calls, in shard order ---------------
-    def start_zmq_sparse_refit_relay(
-        self, host: str = "127.0.0.1", allow_remote: bool = False, *, timeout_s: float | None = None
-    ) -> list[list[object]]:
-        """Start every shard's relay receivers; their addresses (per engine worker)."""
-        return self._call_lists(
-            "start_zmq_sparse_refit_relay", host, allow_remote, timeout_s=timeout_s
-        )
-
-    def configure_zmq_sparse_refit_relay(
-        self, relay_addresses: Sequence[str], *, timeout_s: float | None = None
-    ) -> None:
-        """Tell every shard's receivers the whole relay (the root first)."""
-        self._call_all(
-            "configure_zmq_sparse_refit_relay", list(relay_addresses), timeout_s=timeout_s
-        )
-
-    def report_refit_server_base_url(self, *, timeout_s: float | None = None) -> list[object]:
-        """Each shard's first relay receiver address (``None`` where the relay is off)."""
-        return self._call_all("report_refit_server_base_url", timeout_s=timeout_s)
-
-    def stop_zmq_sparse_refit_relay(self, *, timeout_s: float | None = None) -> None:
-        self._call_all("stop_zmq_sparse_refit_relay", timeout_s=timeout_s)
-
 
 # -- Ray edge ---------------------------------------------------------------------------
 
@@ -1095,40 +1023,63 @@ def _ensure_ray(cluster: ClusterSpec) -> bool:
     return True
 
 
-def _wait(refs: list[ObjectRef[object]], timeout_s: float) -> set[ObjectRef[object]]:
-    """The refs among ``refs`` that finished within ``timeout_s`` seconds."""
+def _settle(
+    refs: Mapping[int, ObjectRef[object]], bound: float
+) -> tuple[dict[int, object], dict[int, Exception | None]]:
+    """The one wait under every group call: each ref's result by rank, or its Ray error
+    (``None``: no answer within ``bound`` seconds, the whole wait's one bound)."""
     import ray
+    from ray.exceptions import RayError
 
-    if not refs:
-        return set()
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    return set(ready)
-
-
-def _get(ref: ObjectRef[object]) -> object:
-    import ray
-
-    result: object = ray.get(ref)
-    return result
+    ready = (
+        set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=bound)[0])
+        if refs
+        else set()
+    )
+    results: dict[int, object] = {}
+    errors: dict[int, Exception | None] = {}
+    for rank, ref in refs.items():
+        try:
+            if ref not in ready:
+                errors[rank] = None
+            else:
+                results[rank] = ray.get(ref)
+        except RayError as e:
+            errors[rank] = e
+    return results, errors
 
 
 def _reason(error: BaseException) -> str:
-    """A one-line reason from a Ray error: the cause of a task error, the exception a
-    failed ``__init__`` raised, or the first and last lines of Ray's account."""
+    """A one-line reason from a Ray error: the cause of a task error, else Ray's account
+    (``core.group_calls.ray_reason``)."""
     from ray.exceptions import RayTaskError
 
     if isinstance(error, RayTaskError):
         return f"{type(error.cause).__name__}: {error.cause}"
-    text = _ANSI.sub("", str(getattr(error, "error_msg", "") or error))
-    lines = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
-    if not lines:
-        return type(error).__name__
-    if getattr(error, "actor_init_failed", False):
-        return f"the worker's __init__ raised {lines[-1]}"
-    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    text = str(getattr(error, "error_msg", "") or error)
+    init_failed = bool(getattr(error, "actor_init_failed", False))
+    return ray_reason(text, type(error).__name__, init_failed=init_failed)
+
+
+def _dead_actor_errors() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return (RayActorError, ActorUnavailableError)
+
+
+def _renamed(error: _E, message: str, cause: BaseException) -> _E:
+    """A copy of ``error`` (its type and fields) that says ``message``, caused by ``cause``."""
+    named = copy.copy(error)
+    named.args = (message,)
+    named.__cause__ = cause
+    return named
 
 
 # -- values at the edge -----------------------------------------------------------------
+
+
+def _as_is(rank: int, value: object) -> object:
+    return value
 
 
 def _check_greedy(greedy: object) -> None:
@@ -1142,16 +1093,5 @@ def _padded_batch(data: Mapping[str, object], greedy: object) -> tuple[torch.Ten
     return unwrap(batch_tensors(data), BadBatchError, "generate")
 
 
-def _tensor_dict(value: object, rank: int) -> dict[str, torch.Tensor]:
-    if not isinstance(value, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items()
-    ):
-        raise EngineContractError(f"shard {rank}: generate returned {value!r:.200}")
-    return dict(value)
-
-
-def _texts(value: object, rank: int) -> list[str]:
-    texts = value.get("texts") if isinstance(value, Mapping) else None
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise EngineContractError(f"shard {rank}: generate_text returned {value!r:.200}")
-    return texts
+def _texts(rank: int, value: object) -> list[str]:
+    return unwrap(shard_texts(rank, value), EngineContractError, "")

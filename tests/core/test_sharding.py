@@ -16,6 +16,7 @@ from genworker.core.sharding import (
     describe_shard_rows,
     merge_shard_outputs,
     merge_shard_texts,
+    plan_prompt_rows,
     plan_prompt_shards,
     plan_shards,
     split_batch,
@@ -448,3 +449,25 @@ def test_prompt_shards_keep_equal_prompts_together_when_they_fit(
         if sum(cost[row] for row in group) <= share:
             assert len({owner[row] for row in group}) == 1, (group, plan)
     assert plan.costs == tuple(sum(cost[r] for r in rows) for rows in plan.shards)
+
+
+@given(
+    st.lists(st.lists(st.integers(3, 9), min_size=1, max_size=6), max_size=16),
+    st.data(),
+    shard_counts(),
+)
+def test_a_plan_of_some_rows_names_the_batchs_rows_and_leaves_the_rest_last(
+    prompts: list[list[int]], data: st.DataObject, num_shards: int
+) -> None:
+    """plan_prompt_rows is plan_prompt_shards of the chosen rows, renamed to the batch's
+    rows; the rows left out make one more shard of no cost, so the plan partitions them all."""
+    chosen = sorted(
+        data.draw(st.sets(st.integers(0, max(len(prompts) - 1, 0)))) & set(range(len(prompts)))
+    )
+    picked = [(row, prompts[row]) for row in chosen]
+    plan = plan_prompt_rows(picked, len(prompts), num_shards, max_new_tokens=4)
+    inner = plan_prompt_shards([p for _, p in picked], num_shards, max_new_tokens=4)
+    assert plan.shards[:-1] == tuple(tuple(chosen[k] for k in s) for s in inner.shards)
+    assert plan.shards[-1] == tuple(r for r in range(len(prompts)) if r not in chosen)
+    assert plan.costs == (*inner.costs, 0)
+    assert plan.num_rows == len(prompts)

@@ -1,0 +1,135 @@
+"""The group's rules over its shards' calls (genworker.core.group_calls)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+
+from genworker.core.group_calls import (
+    FAULTS,
+    Fault,
+    GroupCallError,
+    check_in_flight,
+    check_world_size,
+    failed_on,
+    failed_to_start,
+    fault_message,
+    list_faults,
+    ray_reason,
+    shard_lists,
+    shard_tensors,
+    shard_texts,
+    stream_pair,
+    unusable,
+)
+
+
+def test_every_fault_has_a_line_that_names_its_shard() -> None:
+    assert set(FAULTS) == set(Fault)
+    for fault in Fault:
+        assert fault_message(fault, "sleep", 3, detail="x").startswith("shard 3")
+
+
+def test_each_fault_says_what_happened() -> None:
+    assert fault_message(Fault.LATE, "sleep", 1, bound=2.5) == (
+        "shard 1: sleep did not finish within 2.5 s (the actor may still be running it)"
+    )
+    assert fault_message(Fault.DIED, "generate", 0, detail="oom") == (
+        "shard 0: the actor died during generate: oom"
+    )
+    assert fault_message(Fault.WORKER, "generate", 1, detail="bad row", rows=(4,)) == (
+        "shard 1 (its row 0 is the batch's row 4): bad row"
+    )
+    assert fault_message(Fault.FOREIGN, "sleep", 2, detail="KeyError: 'a'") == (
+        "shard 2: sleep raised KeyError: 'a'"
+    )
+
+
+@given(st.dictionaries(st.integers(0, 7), st.text(max_size=5), min_size=1), st.integers(8, 9))
+def test_a_failure_lists_every_failed_shard_by_rank(lines: dict[int, str], shards: int) -> None:
+    listed = list_faults(lines)
+    assert listed == "; ".join(lines[r] for r in sorted(lines))
+    assert failed_on("sleep", lines, shards) == (
+        f"sleep failed on {len(lines)} of {shards} shard(s): {listed}"
+    )
+
+
+def test_start_problems_are_named_by_shard_and_none_means_started() -> None:
+    assert failed_to_start({}, 2) is None
+    assert failed_to_start({1: "b", 0: "a"}, 2) == (
+        "2 of 2 engine(s) failed to start: shard 0: a; shard 1: b"
+    )
+
+
+def test_a_shut_down_or_broken_group_refuses_and_a_sound_one_runs() -> None:
+    assert unusable("sleep", closed=False, dead={}) is None
+    assert unusable("sleep", closed=True, dead={1: "x"}) == "sleep: the group was shut down"
+    assert unusable("sleep", closed=False, dead={1: "gone", 0: "oom"}) == (
+        "sleep: shard(s) [0, 1] died earlier (shard 0: oom; shard 1: gone); shut the group "
+        "down and create a new one"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "init_failed", "want"),
+    [
+        ("", False, "RayActorError"),
+        ("\x1b[31mone   line\x1b[0m", False, "one line"),
+        ("first\n\n  middle\nlast  ", False, "first ... last"),
+        (
+            "Traceback\nTypeError: no_such_option",
+            True,
+            "the worker's __init__ raised TypeError: no_such_option",
+        ),
+    ],
+)
+def test_rays_account_comes_down_to_one_line(text: str, init_failed: bool, want: str) -> None:
+    assert ray_reason(text, "RayActorError", init_failed=init_failed) == want
+
+
+def test_a_world_size_must_be_the_trainers_ranks_and_the_engine_workers() -> None:
+    assert check_world_size("init", "world_size", 6, 4, 2, "the trainer's {} rank(s)") == Success(
+        None
+    )
+    failed = check_world_size("init", "world_size", 5, 4, 2, "the trainer's {} rank(s)")
+    assert failed == Failure(
+        GroupCallError(
+            "init: world_size=5 but the trainer's 4 rank(s) and this group's 2 engine "
+            "worker(s) make 6",
+            call="init",
+        )
+    )
+
+
+def test_in_flight_options_are_for_async_shards_only() -> None:
+    assert check_in_flight("r", None, None, async_shards=False) == Success({})
+    assert check_in_flight("r", "abort", None, async_shards=True) == Success({"mode": "abort"})
+    refused = check_in_flight("r", None, True, async_shards=False)
+    assert isinstance(refused, Failure)
+    assert "['clear_cache'] apply to in-flight refits of async shards" in str(refused.failure())
+
+
+def test_answers_are_checked_before_they_join() -> None:
+    assert shard_lists("c", [[1], (2,)]) == Failure(
+        GroupCallError("c returned tuple, not a list", call="c")
+    )
+    assert shard_lists("c", [[1], [2, 3]]) == Success([[1], [2, 3]])
+    ids = torch.ones(1)
+    assert shard_tensors("generate", 0, {"ids": ids}) == Success({"ids": ids})
+    assert isinstance(shard_tensors("generate", 1, {"ids": 1}), Failure)
+    assert isinstance(shard_tensors("generate", 1, [ids]), Failure)
+    assert shard_texts(0, {"texts": ["a"]}) == Success(["a"])
+    assert isinstance(shard_texts(0, {"texts": [1]}), Failure)
+    assert str(shard_texts(2, "x").failure()) == "shard 2: generate_text returned 'x'"
+
+
+def test_a_stream_item_is_a_row_and_its_output() -> None:
+    assert stream_pair(0, (2, "out")) == Success((2, "out"))
+    for bad in [(2,), ("a", 1), [2, 1], 5]:
+        assert isinstance(stream_pair(1, bad), Failure)
+    assert str(stream_pair(1, 5).failure()) == (
+        "shard 1: generate_async yielded 5, not (row, output)"
+    )
