@@ -10,6 +10,7 @@ the shell's media type (``shell.media.RowMedia``): core never looks inside it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from typing import Generic, TypeVar
 
@@ -24,6 +25,7 @@ from genworker.core.sampling import SamplingSpec
 __all__ = [
     "REFIT_METHODS",
     "BatchShapeError",
+    "Cache",
     "EngineBatch",
     "EngineCapabilities",
     "RowRequest",
@@ -122,6 +124,21 @@ class RowRequest(Generic[M]):
     prompt: Sequence[int]
     spec: SamplingSpec
     media: M | None = None
+
+
+class Cache(enum.StrEnum):
+    """An engine cache the worker resets by name (``EnginePort.reset_cache``): the prefix
+    cache, the processed media (front end and engine core), the encoder outputs. The value
+    is the worker's name of it (``genworker:cache_resets{cache=...}``)."""
+
+    PREFIX = "prefix"
+    MM = "mm"
+    ENCODER = "encoder"
+
+    @property
+    def call(self) -> str:
+        """The engine call that resets it (``reset_prefix_cache``...), as vLLM names it."""
+        return f"reset_{self.value}_cache"
 
 
 @attrs.frozen

@@ -45,12 +45,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import inspect
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import attrs
 
@@ -60,26 +59,23 @@ check_torchvision()  # before vLLM or transformers load a model (docs/install.md
 
 import vllm.envs
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineGenerateError
-from vllm.v1.metrics.reader import get_metrics_snapshot
 
-from genworker.core.counters import MetricSample
-from genworker.core.engine_calls import RowRequest, RpcCall
+from genworker.core.engine_calls import Cache, RowRequest, RpcCall
 from genworker.core.lifecycle import InflightMode
-from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
     BadBatchError,
     BadConfigError,
     EngineDeadError,
-    EngineStateError,
     GenworkerError,
     UnsupportedError,
-    fatal,
     translated,
 )
 from genworker.shell.media import RowMedia
@@ -97,7 +93,6 @@ from genworker.shell.vllm_engine import (
     engine_arg_names,
     generation_of,
     lora_request,
-    metric_sample,
     routes_of,
     scored_row,
     scoring_params,
@@ -106,7 +101,6 @@ from genworker.shell.vllm_engine import (
 
 __all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory", "async_engine_arg_names"]
 
-_PARAMS_CACHE_SIZE = 1024
 _MP_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 _STOP_CLEANUP_S = 1.0
 """The bound on the extension's ``cleanup`` at shutdown (a live engine answers in
@@ -180,17 +174,18 @@ def _spans(completion: CompletionOutput) -> tuple[tuple[str, int, int], ...] | N
     return tuple((str(s.version), int(s.start), int(s.end)) for s in spans)
 
 
-@functools.lru_cache(maxsize=_PARAMS_CACHE_SIZE)
-def _params(
-    spec: SamplingSpec, kind: RequestOutputKind, known: frozenset[str] | None
-) -> SamplingParams:
-    """A request's ``SamplingParams``, made once per spec (vLLM clones them per request)."""
-    # as_kwargs yields SamplingParams fields only, each typed as vLLM expects.
-    return SamplingParams(**spec.as_kwargs(known), output_kind=kind)  # type: ignore[arg-type]
+#: ``AsyncLLM``'s reset of each cache
+_RESETS: Final[Mapping[Cache, Callable[[AsyncLLM], Awaitable[object]]]] = {
+    Cache.PREFIX: AsyncLLM.reset_prefix_cache,
+    Cache.MM: AsyncLLM.reset_mm_cache,
+    Cache.ENCODER: AsyncLLM.reset_encoder_cache,
+}
 
 
 class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
     """:class:`~genworker.shell.ports.AsyncEnginePort` over one ``AsyncLLM``."""
+
+    seam = ASYNC_CALLS
 
     def __init__(self, llm: AsyncLLM) -> None:
         super().__init__(llm, llm.vllm_config, llm.log_stats, weight_versions=_labels_tokens(llm))
@@ -223,25 +218,23 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
         """``act`` on the live engine (a dead one refused first), awaited with its errors
         mapped through :data:`ASYNC_CALLS`: every call into vLLM that needs no more."""
         llm = self.llm
-        with translated(ASYNC_CALLS, call):
+        with translated(self.seam, call):
             return await act(llm)
 
     # -- generation -----------------------------------------------------------------
-    def _sampling(self, spec: SamplingSpec, kind: RequestOutputKind) -> SamplingParams:
-        return _params(self._flat(spec), kind, self._caps.sampling_args)
-
     async def _final(
         self,
         call: str,
-        request: RowRequest[RowMedia],
+        request_id: str,
+        prompt: TokensPrompt,
         params: SamplingParams,
+        lora: LoRARequest | None = None,
         progress: Callable[[int], None] | None = None,
-    ) -> CompletionOutput:
+    ) -> RequestOutput:
+        """One request run to its final output (``progress``: its token count each time
+        new tokens come)."""
         llm = self.llm
         final: RequestOutput | None = None
-        request_id = request.request_id
-        prompt = token_prompt(request.prompt, request.media)
-        lora = lora_request(request.spec.adapter)
         with translated(ASYNC_REQUEST, call):
             async for out in llm.generate(prompt, params, request_id, lora_request=lora):
                 final = out
@@ -249,14 +242,24 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
                     progress(len(out.outputs[0].token_ids))
         if final is None or not final.finished:
             raise GenworkerError(f"{call}: request {request_id} ended without a final output")
+        return final
+
+    async def _completion(
+        self, call: str, request: RowRequest[RowMedia], progress: Callable[[int], None] | None
+    ) -> CompletionOutput:
+        """A row's one completion: its spec's params (``FINAL_ONLY`` outputs unless
+        ``progress`` counts the tokens), its prompt with its media, its adapter."""
+        kind = RequestOutputKind.FINAL_ONLY if progress is None else RequestOutputKind.CUMULATIVE
+        params = self._sampling(request.spec, kind)
+        prompt = token_prompt(request.prompt, request.media)
+        lora = lora_request(request.spec.adapter)
+        final = await self._final(call, request.request_id, prompt, params, lora, progress)
         return final.outputs[0]
 
     async def generate(
         self, request: RowRequest[RowMedia], progress: Callable[[int], None] | None = None
     ) -> StreamedGeneration:
-        kind = RequestOutputKind.FINAL_ONLY if progress is None else RequestOutputKind.CUMULATIVE
-        params = self._sampling(request.spec, kind)
-        completion = await self._final("generate", request, params, progress)
+        completion = await self._completion("generate", request, progress)
         generation = generation_of(0, completion)
         routes = routes_of(completion, self._caps.routes)  # on the final output only (0.32)
         if routes is not None:
@@ -266,21 +269,14 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
     async def compute_logprobs(
         self, request_id: str, sequence: Sequence[int], prompt_length: int, top_k: int
     ) -> ScoredRow:
-        params = scoring_params(top_k, RequestOutputKind.FINAL_ONLY)
-        final: RequestOutput | None = None
-        with translated(ASYNC_REQUEST, "compute_logprobs"):
-            async for out in self.llm.generate(token_prompt(sequence, None), params, request_id):
-                final = out
-        if final is None or not final.finished:
-            raise GenworkerError(f"compute_logprobs: request {request_id} ended unfinished")
+        prompt, params = token_prompt(sequence, None), scoring_params(top_k)
+        final = await self._final("compute_logprobs", request_id, prompt, params)
         return scored_row(sequence, prompt_length, final.prompt_logprobs, top_k)
 
     async def generate_text(self, request: RowRequest[RowMedia]) -> str:
-        params = self._sampling(request.spec, RequestOutputKind.FINAL_ONLY)
-        completion = await self._final("generate_text", request, params)
-        request_id = request.request_id
+        completion = await self._completion("generate_text", request, None)
         generation = generation_of(0, completion)
-        check_text_request(generation, self._caps.logprobs_mode, request_id)
+        check_text_request(generation, self._caps.logprobs_mode, request.request_id)
         return completion.text
 
     async def abort(self, request_ids: Sequence[str]) -> None:
@@ -309,36 +305,22 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
 
     # -- memory ---------------------------------------------------------------------
     async def sleep(self, level: int) -> None:
-        llm = self._sleeper("sleep")
-        if self._extension and not self._wake_installed:  # in the engine core's process
-            await self.collective_rpc(RpcCall("install_wake", timeout=CALL_BOUND_S))  # cumem_wake
+        if self._caps.sleep_mode and self._extension and not self._wake_installed:
+            # in the engine core's process (cumem_wake)
+            await self.collective_rpc(RpcCall("install_wake", timeout=CALL_BOUND_S))
             self._wake_installed = True
-        with fatal(f"sleep(level={level})", ASYNC_CALLS, self._died):
+        with self._memory(f"sleep(level={level})") as llm:
             await llm.sleep(level=level)
 
     async def wake_up(self, tags: Sequence[str] | None) -> bool | None:
-        llm = self._sleeper("wake_up")
         names = None if tags is None else list(tags)
-        with fatal(f"wake_up(tags={names})", ASYNC_CALLS, self._died):
+        with self._memory(f"wake_up(tags={names})") as llm:
             return await llm.wake_up(tags=names)
 
-    async def reset_prefix_cache(self) -> None:
-        if not await self._call("reset_prefix_cache", lambda llm: llm.reset_prefix_cache()):
-            raise EngineStateError("reset_prefix_cache: vLLM kept the cache (requests running)")
-
-    async def reset_mm_cache(self) -> None:
-        await self._call("reset_mm_cache", lambda llm: llm.reset_mm_cache())
-
-    async def reset_encoder_cache(self) -> None:
-        await self._call("reset_encoder_cache", lambda llm: llm.reset_encoder_cache())
+    async def reset_cache(self, cache: Cache) -> None:
+        self._reset(cache, await self._call(cache.call, _RESETS[cache]))
 
     # -- observability --------------------------------------------------------------
-    def metrics(self) -> list[MetricSample]:
-        self._stats()
-        self.llm  # noqa: B018 - a shut-down engine has no metrics
-        with translated(ASYNC_CALLS, "metrics"):
-            return [metric_sample(m) for m in get_metrics_snapshot()]
-
     def num_unfinished(self) -> int:
         # The output processor's count: AsyncLLM itself has no such method before vLLM 0.32.
         return self.llm.output_processor.get_num_unfinished_requests()

@@ -45,17 +45,14 @@ from typing import Unpack
 
 import attrs
 
-from genworker.core.assembly import Generation
 from genworker.core.counters import GaugeSample, MetricSample
-from genworker.core.engine_calls import RowRequest, RpcCall
+from genworker.core.engine_calls import Cache, RowRequest, RpcCall
 from genworker.core.joins import GroupJoin, GroupJoinWire
 from genworker.core.lifecycle import InflightMode
-from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
     BadBatchError,
     EngineDeadError,
-    EngineStateError,
 )
 from genworker.shell.fake_engine import (
     METRIC_LABELS,
@@ -63,10 +60,10 @@ from genworker.shell.fake_engine import (
     FakeEngineFactoryBase,
     FakeEngineMisuse,
     FakeEngineOptions,
+    FakeRequest,
     detokenize,
     draw,
-    fake_routes,
-    fake_score,
+    faulted,
     pixels,
     seed_of,
 )
@@ -76,20 +73,15 @@ from genworker.shell.ports import StreamedGeneration, check_text_request
 __all__ = ["FakeAsyncEngine", "FakeAsyncEngineFactory"]
 
 
-@attrs.define(eq=False)
-class _Request:
+@attrs.define(eq=False, kw_only=True)
+class _Request(FakeRequest):
+    """A request the scheduler steps: its id, who counts its tokens, the future of its
+    end, and the weight labels of its tokens (label, first position)."""
+
     request_id: str
-    prompt: tuple[int, ...]
-    spec: SamplingSpec
     progress: Callable[[int], None] | None
     done: asyncio.Future[StreamedGeneration]
-    context: int = 0  # what the prompt holds in the context (images expanded)
-    pixels: tuple[str, ...] = ()  # what the tokens see of the images
-    tokens: list[int] = attrs.Factory(list)
-    logprobs: list[float] = attrs.Factory(list)
     labels: list[tuple[str, int]] = attrs.Factory(list)
-    versions: list[int] = attrs.Factory(list)
-    text: str = ""
 
 
 class FakeAsyncEngine(FakeEngineBase):
@@ -189,28 +181,22 @@ class FakeAsyncEngine(FakeEngineBase):
         self._wake.set()
 
     def _sample(self, request: _Request) -> None:
-        if self.awake_tags != {"weights", "kv_cache"} or self.weights_discarded:
-            raise FakeEngineMisuse("a step ran with memory asleep or weights discarded")
+        """One step of ``request``: its token drawn from (seed, weights, the context so far,
+        greedy, images) and, sampling, the request seed and the position."""
+        self._check_servable("a step")
         spec = request.spec
         greedy = spec.temperature == 0.0
         position = len(request.tokens)
         context = (*request.prompt, *request.tokens)
         key = (self.seed, self.weight_version, context, greedy, *request.pixels)
-        token, logprob = self._sampled(
-            draw(*key) if greedy else draw(*key, spec.seed, position), greedy
-        )
         if not request.labels or request.labels[-1][0] != self.label:
             request.labels.append((self.label, position))
-        request.tokens.append(token)
-        request.versions.append(self.weight_version)
-        request.logprobs.append(logprob)
-        request.text += detokenize((token,))
+        finish = self._next_token(
+            request, draw(*key) if greedy else draw(*key, spec.seed, position)
+        )
         self.generation_tokens += 1
-        room = self._caps.max_model_len - request.context
-        if self._stops(spec, token, request.text):
-            self._finish(request, "stop")
-        elif len(request.tokens) >= min(spec.max_tokens, room):
-            self._finish(request, "length")
+        if finish is not None:
+            self._finish(request, finish)
 
     def _finish(self, request: _Request, reason: str) -> None:
         for queue in (self._running, self._waiting):
@@ -227,18 +213,9 @@ class FakeAsyncEngine(FakeEngineBase):
                 (label, start, end)
                 for (label, start), end in zip(request.labels, ends, strict=True)
             )
-        logprobs: list[float] = request.logprobs
-        if request.prompt in self.next_logprobs:
-            logprobs = [self.next_logprobs.pop(request.prompt)] * len(request.tokens)
-        routes = None
-        if self._caps.routes is not None:  # the prompt under the first token's weights
-            sequence = [*request.prompt, *request.tokens]
-            first = request.versions[:1] or [self.weight_version]
-            versions = first * len(request.prompt) + list(request.versions)
-            routes = fake_routes(self._caps.routes, self.seed, sequence, versions)
-        request.done.set_result(
-            StreamedGeneration(Generation(request.tokens, logprobs, reason, routes), spans)
-        )
+        fault = self.next_logprobs.pop(request.prompt, None)
+        generation = faulted(self._generation(request, reason), fault, None)
+        request.done.set_result(StreamedGeneration(generation, spans))
 
     # -- generation -------------------------------------------------------------------
     async def generate(
@@ -253,7 +230,13 @@ class FakeAsyncEngine(FakeEngineBase):
         done: asyncio.Future[StreamedGeneration] = asyncio.get_running_loop().create_future()
         progress = None if self._caps.weight_versions else progress
         running = _Request(
-            request_id, tuple(prompt), request.spec, progress, done, context, pixels(media)
+            prompt=tuple(prompt),
+            spec=request.spec,
+            context=context,
+            pixels=pixels(media),
+            request_id=request_id,
+            progress=progress,
+            done=done,
         )
         self.prompt_tokens += context
         self._waiting.append(running)
@@ -267,14 +250,13 @@ class FakeAsyncEngine(FakeEngineBase):
     async def compute_logprobs(
         self, request_id: str, sequence: Sequence[int], prompt_length: int, top_k: int
     ) -> ScoredRow:
-        """The sync fake's made-up model (``fake_engine.fake_score``), one step later."""
+        """The sync fake's made-up model (``FakeEngineBase._score``), one step later."""
         self._enter("compute_logprobs")
         await asyncio.sleep(0)
-        return fake_score(
-            self.seed, self.weight_version, self._caps, sequence, prompt_length, top_k
-        )
+        return self._score(sequence, prompt_length, top_k)
 
     async def generate_text(self, request: RowRequest[RowMedia]) -> str:
+        self._check_text((request.spec,))
         streamed = await self.generate(request)
         generation, request_id = streamed.generation, request.request_id
         check_text_request(generation, self._caps.logprobs_mode, request_id)
@@ -340,31 +322,13 @@ class FakeAsyncEngine(FakeEngineBase):
 
     # -- memory -----------------------------------------------------------------------
     async def sleep(self, level: int) -> None:
-        self._enter_memory_call(f"sleep({level})")
-        if self.num_unfinished():
-            raise FakeEngineMisuse("sleep with requests in flight")
-        self.awake_tags.clear()
-        if level == 2:
-            self.weights_discarded = True
+        self._sleep(level, self.num_unfinished())
 
     async def wake_up(self, tags: Sequence[str] | None) -> bool:
-        """Whether the engine is fully awake afterwards."""
-        self._enter_memory_call(f"wake_up({None if tags is None else sorted(tags)})")
-        return self._wake_tags(tags)
+        return self._wake_up(tags)
 
-    async def reset_prefix_cache(self) -> None:
-        self._enter("reset_prefix_cache")
-        if self._running:
-            raise EngineStateError("reset_prefix_cache: vLLM kept the cache (requests running)")
-        self.prefix_cache_resets += 1
-
-    async def reset_mm_cache(self) -> None:
-        self._enter("reset_mm_cache")
-        self.mm_cache_resets += 1
-
-    async def reset_encoder_cache(self) -> None:
-        self._enter("reset_encoder_cache")
-        self.encoder_cache_resets += 1
+    async def reset_cache(self, cache: Cache) -> None:
+        self._reset_cache(cache, len(self._running))
 
     # -- observability and RPC --------------------------------------------------------
     def metrics(self) -> list[MetricSample]:

@@ -70,12 +70,13 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar, Unpack
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
 from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
 from genworker.core.counters import CounterSample, MetricSample
-from genworker.core.engine_calls import EngineBatch, RpcCall
+from genworker.core.engine_calls import Cache, EngineBatch, RpcCall
 from genworker.core.routing import CapturePlatform, MoeShape, RoutedExperts
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
@@ -101,9 +102,11 @@ __all__ = [
     "FakeEngineFactoryBase",
     "FakeEngineMisuse",
     "FakeEngineOptions",
+    "FakeRequest",
     "detokenize",
     "draw",
     "fake_routes",
+    "faulted",
     "routes_option",
     "seed_of",
 ]
@@ -119,28 +122,6 @@ class FakeEngineMisuse(RuntimeError):
 
 def detokenize(token_ids: Sequence[int] | npt.NDArray[np.int64]) -> str:
     return "".join(_LETTERS[int(t) % 26] for t in token_ids)
-
-
-def fake_score(
-    seed: int,
-    version: int,
-    caps: EngineCapabilities,
-    sequence: Sequence[int],
-    start: int,
-    top_k: int,
-) -> ScoredRow:
-    """The fakes' made-up model, deterministic in the prefix: the given tokens' logprobs
-    from ``start`` on and ``top_k`` others, ranked, at each of those positions."""
-    if not 1 <= start < len(sequence) < caps.max_model_len:
-        raise FakeEngineMisuse("compute_logprobs of an unchecked sequence")
-    vocab = caps.vocab_size or 64
-    logprobs, top_ids, top_logprobs = [], [], []
-    for position in range(start, len(sequence)):
-        u = draw(seed, version, tuple(sequence[:position]), position)
-        logprobs.append(math.log(max(1e-6, 1.0 - u)) - 1.0)
-        top_ids.append(tuple((int(u * vocab) + j) % vocab for j in range(top_k)))
-        top_logprobs.append(tuple(-0.1 - j for j in range(top_k)))
-    return ScoredRow(tuple(logprobs), tuple(top_ids), tuple(top_logprobs))
 
 
 def draw(*parts: object) -> float:
@@ -179,7 +160,7 @@ def routes_option(kwargs: Mapping[str, object], moe: object) -> MoeShape | None:
     return moe
 
 
-def _faulted(generation: Generation, logprob: float | None, finish: str | None) -> Generation:
+def faulted(generation: Generation, logprob: float | None, finish: str | None) -> Generation:
     """``generation`` as vLLM returns it with garbage logits (every sampled logprob
     ``logprob``) or aborted (``finish`` "abort": the first half of its tokens)."""
     if logprob is None and finish is None:
@@ -219,6 +200,20 @@ def expanded_length(
             f"the fake engine got {len(media.images)} images for {placeholders} placeholders"
         )
     return len(prompt) + placeholders * (per_image - 1)
+
+
+@attrs.define(eq=False, kw_only=True)
+class FakeRequest:
+    """One request as a fake runs it, token by token (:meth:`FakeEngineBase._next_token`)."""
+
+    prompt: tuple[int, ...]
+    spec: SamplingSpec
+    context: int  # what the prompt holds in the context (images expanded)
+    pixels: tuple[str, ...] = ()  # what the tokens see of the images
+    tokens: list[int] = attrs.Factory(list)
+    logprobs: list[float] = attrs.Factory(list)
+    versions: list[int] = attrs.Factory(list)  # the weights version of each token
+    text: str = ""
 
 
 class FakeEngineOptions(TypedDict, total=False):
@@ -278,6 +273,7 @@ class FakeEngineBase:
         self.seed = seed
         self.weight_version = 0
         self.awake_tags: set[str] = {"weights", "kv_cache"}
+        self.sleep_level = 0
         self.weights_discarded = False
         self.calls: list[str] = []
         self.prompt_tokens = self.generation_tokens = self.prefix_cache_resets = 0
@@ -335,27 +331,107 @@ class FakeEngineBase:
             raise BadBatchError("prompt is at least max_model_len long")
         return context
 
-    def _stops(self, spec: SamplingSpec, token: int, text: str) -> bool:
-        """vLLM's stop rule: a stop token id, the EOS id (unless ``ignore_eos``), or the
-        text so far ending with a stop string."""
-        eos = token == self.eos_token_id and not spec.ignore_eos
-        return eos or token in spec.stop_token_ids or any(text.endswith(s) for s in spec.stop)
+    def _check_servable(self, call: str) -> None:
+        """What a real engine would silently get wrong: running with memory asleep, or on
+        the garbage a level-2 sleep leaves without new weights."""
+        if self.awake_tags != {"weights", "kv_cache"}:
+            raise FakeEngineMisuse(f"{call} with only {sorted(self.awake_tags)} awake")
+        if self.weights_discarded:
+            raise FakeEngineMisuse(f"{call} after a level-2 sleep without new weights")
 
-    def _wake_tags(self, tags: Sequence[str] | None) -> bool:
+    def _next_token(self, request: FakeRequest, u: float) -> str | None:
+        """``request``'s next token from the draw ``u`` (the fakes' made-up model), under
+        the weights now; its finish reason once it ends: vLLM's stop rule (a stop token id,
+        the EOS id unless ``ignore_eos``, the text so far ending with a stop string), else
+        ``max_tokens`` or the context's end."""
+        spec = request.spec
+        token = int(u * (self._caps.vocab_size or 64))
+        request.tokens.append(token)
+        request.logprobs.append(
+            math.log(max(1e-6, 1.0 - u)) - (0.0 if spec.temperature == 0.0 else 0.5)
+        )
+        request.versions.append(self.weight_version)
+        request.text += _LETTERS[token % 26]
+        eos = token == self.eos_token_id and not spec.ignore_eos
+        if eos or token in spec.stop_token_ids or any(request.text.endswith(s) for s in spec.stop):
+            return "stop"
+        room = self._caps.max_model_len - request.context
+        return "length" if len(request.tokens) >= min(spec.max_tokens, room) else None
+
+    def _generation(self, request: FakeRequest, finish: str) -> Generation:
+        """A finished request as vLLM returns it; its routes (``routes``) with the prompt
+        under the weights of its first token and each token under the weights that
+        sampled it."""
+        shape, routes = self._caps.routes, None
+        if shape is not None:
+            sequence = [*request.prompt, *request.tokens]
+            first = request.versions[:1] or [self.weight_version]
+            versions = first * len(request.prompt) + request.versions
+            routes = fake_routes(shape, self.seed, sequence, versions)
+        return Generation(request.tokens, request.logprobs, finish, routes)
+
+    def _score(self, sequence: Sequence[int], start: int, top_k: int) -> ScoredRow:
+        """The fakes' made-up model, deterministic in the prefix: the given tokens'
+        logprobs from ``start`` on and ``top_k`` others, ranked, at each of those positions
+        (vLLM's ``prompt_logprobs``)."""
+        self._check_servable("compute_logprobs")
+        if not 1 <= start < len(sequence) < self._caps.max_model_len:
+            raise FakeEngineMisuse("compute_logprobs of an unchecked sequence")
+        vocab = self._caps.vocab_size or 64
+        logprobs, top_ids, top_logprobs = [], [], []
+        for position in range(start, len(sequence)):
+            u = draw(self.seed, self.weight_version, tuple(sequence[:position]), position)
+            logprobs.append(math.log(max(1e-6, 1.0 - u)) - 1.0)
+            top_ids.append(tuple((int(u * vocab) + j) % vocab for j in range(top_k)))
+            top_logprobs.append(tuple(-0.1 - j for j in range(top_k)))
+        return ScoredRow(tuple(logprobs), tuple(top_ids), tuple(top_logprobs))
+
+    @staticmethod
+    def _check_text(specs: Sequence[SamplingSpec]) -> None:
+        """``generate_text``'s refusal of a spec that does not detokenize (vLLM would
+        return empty texts)."""
+        if not all(spec.detokenize for spec in specs):
+            raise FakeEngineMisuse("generate_text with a spec that does not detokenize")
+
+    def _sleep(self, level: int, in_flight: int = 0) -> None:
+        """vLLM's ``Executor.sleep`` (see the module docstring): nothing while the weights
+        are asleep; ``in_flight`` requests are a misuse (the async worker pauses first)."""
+        self._enter_memory_call(f"sleep({level})")
+        if in_flight:
+            raise FakeEngineMisuse("sleep with requests in flight")
+        if "weights" not in self.awake_tags:
+            return  # vLLM: "Executor is already sleeping."
+        self.sleep_level = level
+        self.awake_tags.clear()
+        if level == 2:
+            self.weights_discarded = True
+
+    def _wake_up(self, tags: Sequence[str] | None) -> bool:
         """vLLM's ``Executor.wake_up`` (see the module docstring); whether the engine is
         fully awake afterwards."""
+        self._enter_memory_call(f"wake_up({None if tags is None else sorted(tags)})")
         everything = {"weights", "kv_cache"}
-        if self.awake_tags == everything:
-            return True  # vLLM: "Executor is not sleeping."
-        if tags and any(t in self.awake_tags for t in tags):
-            return False  # vLLM: "Tag ... is not in sleeping tags": the whole call is dropped
-        self.awake_tags |= everything if not tags else set(tags)
-        return self.awake_tags == everything
+        if self.awake_tags != everything:  # else vLLM: "Executor is not sleeping."
+            if tags and any(t in self.awake_tags for t in tags):
+                return False  # vLLM: "Tag ... is not in sleeping tags": the call is dropped
+            self.awake_tags |= everything if not tags else set(tags)
+        awake = self.awake_tags == everything
+        if awake:
+            self.sleep_level = 0
+        return awake
 
-    def _sampled(self, u: float, greedy: bool) -> tuple[int, float]:
-        """The token a draw ``u`` samples and its logprob (the fakes' made-up model)."""
-        token = int(u * (self._caps.vocab_size or 64))
-        return token, math.log(max(1e-6, 1.0 - u)) - (0.0 if greedy else 0.5)
+    def _reset_cache(self, cache: Cache, running: int = 0) -> None:
+        """Count the reset of ``cache``; a prefix cache with ``running`` requests is kept,
+        as vLLM keeps it (``EngineStateError``)."""
+        self._enter(cache.call)
+        if cache is Cache.PREFIX and running:
+            raise EngineStateError(f"{cache.call}: vLLM kept the cache (requests running)")
+        if cache is Cache.PREFIX:
+            self.prefix_cache_resets += 1
+        elif cache is Cache.MM:
+            self.mm_cache_resets += 1
+        else:
+            self.encoder_cache_resets += 1
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """One id per letter, 0 for anything else (the module docstring's tokenisation)."""
@@ -407,7 +483,6 @@ class FakeEngine(FakeEngineBase):
         self.next_logprobs: dict[int, float] = {}
         #: the next generate call's rows: this finish reason ("abort": half the tokens)
         self.next_finish: dict[int, str] = {}
-        self.sleep_level = 0
         self.requests: list[tuple[list[int], SamplingSpec]] = []
         #: the last generate call's ``samples`` (vLLM's ``n`` per prompt; None: one each)
         self.last_samples: list[int] | None = None
@@ -415,29 +490,15 @@ class FakeEngine(FakeEngineBase):
         self.progress_bars: list[bool] = []
 
     # -- generation ------------------------------------------------------------------
-    def _check_servable(self) -> None:
-        if self.awake_tags != {"weights", "kv_cache"}:
-            raise FakeEngineMisuse(f"generate with only {sorted(self.awake_tags)} awake")
-        if self.weights_discarded:
-            raise FakeEngineMisuse("generate after a level-2 sleep without new weights")
-
-    def _sample(
-        self,
-        prompt: Sequence[int],
-        spec: SamplingSpec,
-        media: RowMedia | None = None,
-        child: int = 0,
-    ) -> Generation:
-        room = self._caps.max_model_len - self._expanded(prompt, media)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        finish = "length"
-        greedy = spec.temperature == 0.0
+    def _sample(self, request: FakeRequest, media: RowMedia | None, child: int) -> Generation:
+        """One row run to its end: its tokens drawn from (seed, weights, prompt, greedy,
+        request seed, images, adapter, vLLM's child index) and the position."""
+        spec = request.spec
         key: tuple[object, ...] = (
             self.seed,
             self.weight_version,
-            tuple(prompt),
-            greedy,
+            request.prompt,
+            spec.temperature == 0.0,
             spec.seed,
             pixels(media),
         )
@@ -445,25 +506,10 @@ class FakeEngine(FakeEngineBase):
             key = (*key, spec.adapter.name)
         if child:  # vLLM's n: each child samples on its own (an unseeded one at random)
             key = (*key, child)
-        text = ""
-        while len(tokens) < min(spec.max_tokens, room):
-            token, logprob = self._sampled(draw(*key, len(tokens)), greedy)
-            tokens.append(token)
-            logprobs.append(logprob)
-            text += _LETTERS[token % 26]
-            if self._stops(spec, token, text):
-                finish = "stop"
-                break
-        shape = self._caps.routes
-        sequence = [*prompt, *tokens]
-        return Generation(
-            token_ids=np.asarray(tokens, dtype=np.int64),
-            logprobs=np.asarray(logprobs, dtype=np.float64),
-            finish_reason=finish,
-            routed_experts=None
-            if shape is None
-            else fake_routes(shape, self.seed, sequence, [self.weight_version] * len(sequence)),
-        )
+        finish = None
+        while finish is None:
+            finish = self._next_token(request, draw(*key, len(request.tokens)))
+        return self._generation(request, finish)
 
     def generate(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> FlatGenerations:
         self.last_samples = None if batch.samples is None else list(batch.samples)
@@ -472,18 +518,15 @@ class FakeEngine(FakeEngineBase):
     def compute_logprobs(
         self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], top_k: int
     ) -> list[ScoredRow]:
-        """:func:`fake_score` of each sequence (vLLM's ``prompt_logprobs``)."""
         self._enter("compute_logprobs")
-        self._check_servable()
         return [
-            fake_score(self.seed, self.weight_version, self._caps, seq, start, top_k)
-            for seq, start in zip(sequences, prompt_lengths, strict=True)
+            self._score(s, start, top_k) for s, start in zip(sequences, prompt_lengths, strict=True)
         ]
 
     def _generations(self, batch: EngineBatch[RowMedia], use_tqdm: bool) -> list[Generation]:
         self._enter("generate")
         self.progress_bars.append(use_tqdm)
-        self._check_servable()
+        self._check_servable("generate")
         logprob_faults, self.next_logprobs = self.next_logprobs, {}
         finish_faults, self.next_finish = self.next_finish, {}
         counts = batch.samples or (1,) * len(batch.prompts)
@@ -496,8 +539,9 @@ class FakeEngine(FakeEngineBase):
             for child in range(n):
                 row = len(out)  # faults are by output row
                 self.requests.append((list(prompt), spec))
-                generation = _faulted(
-                    self._sample(prompt, spec, row_media, child),
+                request = FakeRequest(prompt=tuple(prompt), spec=spec, context=context)
+                generation = faulted(
+                    self._sample(request, row_media, child),
                     logprob_faults.get(row),
                     finish_faults.get(row),
                 )
@@ -508,11 +552,10 @@ class FakeEngine(FakeEngineBase):
 
     def generate_text(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> list[str]:
         self._enter("generate_text")
-        if not all(spec.detokenize for spec in batch.specs):
-            raise FakeEngineMisuse("generate_text with a spec that does not detokenize")
+        self._check_text(batch.specs)
         if batch.samples is not None:  # vLLM's adapter reads one completion per prompt
             raise FakeEngineMisuse("generate_text with sample counts")
-        self._check_servable()
+        self._check_servable("generate")
         generations = self._generations(batch, use_tqdm)
         # checked as the vLLM adapter checks it
         check_text_rows(flatten_generations(generations), self._caps.logprobs_mode)
@@ -520,33 +563,13 @@ class FakeEngine(FakeEngineBase):
 
     # -- memory ----------------------------------------------------------------------
     def sleep(self, level: int) -> None:
-        self._enter_memory_call(f"sleep({level})")
-        if "weights" not in self.awake_tags:
-            return  # vLLM: "Executor is already sleeping."
-        self.sleep_level = level
-        self.awake_tags.clear()
-        if level == 2:
-            self.weights_discarded = True
+        self._sleep(level)
 
     def wake_up(self, tags: Sequence[str] | None) -> bool:
-        """Whether the engine is fully awake afterwards."""
-        self._enter_memory_call(f"wake_up({None if tags is None else sorted(tags)})")
-        awake = self._wake_tags(tags)
-        if awake:
-            self.sleep_level = 0
-        return awake
+        return self._wake_up(tags)
 
-    def reset_prefix_cache(self) -> None:
-        self._enter("reset_prefix_cache")
-        self.prefix_cache_resets += 1
-
-    def reset_mm_cache(self) -> None:
-        self._enter("reset_mm_cache")
-        self.mm_cache_resets += 1
-
-    def reset_encoder_cache(self) -> None:
-        self._enter("reset_encoder_cache")
-        self.encoder_cache_resets += 1
+    def reset_cache(self, cache: Cache) -> None:
+        self._reset_cache(cache)
 
     # -- RPC -------------------------------------------------------------------------
     def collective_rpc(self, call: RpcCall) -> list[object]:

@@ -14,6 +14,7 @@ from returns.result import Failure
 from genworker.core.assembly import FlatGenerations, Generation
 from genworker.core.counters import MetricSample
 from genworker.core.engine_calls import (
+    Cache,
     EngineBatch,
     EngineCapabilities,
     RowRequest,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AsyncEngineFactory",
     "AsyncEnginePort",
+    "EngineBasePort",
     "EngineCapabilities",
     "EngineFactory",
     "EngineFactoryBase",
@@ -49,11 +51,33 @@ __all__ = [
 ]
 
 
-class EnginePort(Protocol):
-    """A generation engine: token-id and text generation, sleep/wake, metrics, RPC."""
+class EngineBasePort(Protocol):
+    """What both engine ports declare alike, synchronous on both: what the engine can do,
+    its tokenizer, its expansion of media rows and its metrics."""
 
     @property
     def capabilities(self) -> EngineCapabilities: ...
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Each text prompt's token ids as the engine tokenizes it, except that a prompt
+        starting with the tokenizer's BOS string gets no second BOS (the ids
+        ``generate_text`` takes; their lengths are the rows' token counts);
+        ``BadBatchError`` for a prompt it refuses, ``UnsupportedError`` without a
+        tokenizer."""
+        ...
+
+    def expanded_lengths(
+        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
+    ) -> list[int]:
+        """How many ids each prompt holds in the context once the engine expanded its
+        images' placeholders (a row without media: its own length)."""
+        ...
+
+    def metrics(self) -> list[MetricSample]: ...
+
+
+class EnginePort(EngineBasePort, Protocol):
+    """A generation engine: token-id and text generation, sleep/wake, metrics, RPC."""
 
     def generate(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> FlatGenerations:
         """The batch's generations as flat arrays, rows in prompt order (a prompt's
@@ -78,21 +102,6 @@ class EnginePort(Protocol):
         ``EngineContractError`` for sampled logprobs that ``check_logprobs`` refuses."""
         ...
 
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        """Each text prompt's token ids as the engine tokenizes it, except that a prompt
-        starting with the tokenizer's BOS string gets no second BOS (the ids
-        :meth:`generate_text` takes; their lengths are the rows' token counts);
-        ``BadBatchError`` for a prompt it refuses, ``UnsupportedError`` without a
-        tokenizer."""
-        ...
-
-    def expanded_lengths(
-        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-    ) -> list[int]:
-        """How many ids each prompt holds in the context once the engine expanded its
-        images' placeholders (a row without media: its own length)."""
-        ...
-
     def sleep(self, level: int) -> None:
         """Put both memory tags to sleep (level 2 discards the weights). It raises
         ``BadArgumentError``, ``EngineStateError`` or ``UnsupportedError`` only before it
@@ -105,17 +114,11 @@ class EnginePort(Protocol):
         the engine is fully awake afterwards (None: the engine does not say)."""
         ...
 
-    def reset_prefix_cache(self) -> None: ...
-
-    def reset_mm_cache(self) -> None:
-        """Drop the processed media the engine keeps (front end and engine core)."""
+    def reset_cache(self, cache: Cache) -> None:
+        """Drop what the engine keeps in ``cache``: its prefix cache (``EngineStateError``
+        while requests run: vLLM keeps it then), the processed media (front end and engine
+        core), the encoder outputs (they depend on the weights)."""
         ...
-
-    def reset_encoder_cache(self) -> None:
-        """Drop the encoder outputs the engine keeps (they depend on the weights)."""
-        ...
-
-    def metrics(self) -> list[MetricSample]: ...
 
     def collective_rpc(self, call: RpcCall) -> list[object]:
         """Call ``call.method`` of the worker extension on every engine worker, within
@@ -176,13 +179,10 @@ def check_text_request(generation: Generation, logprobs_mode: str, request_id: s
         )
 
 
-class AsyncEnginePort(Protocol):
+class AsyncEnginePort(EngineBasePort, Protocol):
     """An engine that runs many requests at once (vLLM's ``AsyncLLM``): one coroutine per
     request, pause/resume around weight changes, and the rest of :class:`EnginePort`: a
     method not documented here is that port's of the same name, its rules included."""
-
-    @property
-    def capabilities(self) -> EngineCapabilities: ...
 
     async def generate(
         self, request: RowRequest[RowMedia], progress: Callable[[int], None] | None = None
@@ -203,12 +203,6 @@ class AsyncEnginePort(Protocol):
         """One request from prompt ids (:meth:`tokenize`'s) to its text; cancelling aborts."""
         ...
 
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]: ...
-
-    def expanded_lengths(
-        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-    ) -> list[int]: ...
-
     async def abort(self, request_ids: Sequence[str]) -> None:
         """End these requests now (their ``generate`` returns with finish reason abort)."""
         ...
@@ -227,13 +221,7 @@ class AsyncEnginePort(Protocol):
 
     async def wake_up(self, tags: Sequence[str] | None) -> bool | None: ...
 
-    async def reset_prefix_cache(self) -> None: ...
-
-    async def reset_mm_cache(self) -> None: ...
-
-    async def reset_encoder_cache(self) -> None: ...
-
-    def metrics(self) -> list[MetricSample]: ...
+    async def reset_cache(self, cache: Cache) -> None: ...
 
     async def collective_rpc(self, call: RpcCall) -> list[object]: ...
 

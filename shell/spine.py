@@ -47,7 +47,7 @@ from genworker.core import lifecycle
 from genworker.core.batch import batch_tensors, check_batch
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import CounterSample, MetricSample, encode_snapshot, worker_counters
-from genworker.core.engine_calls import RpcCall, is_refit_method
+from genworker.core.engine_calls import Cache, RpcCall, is_refit_method
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.groups import Group, GroupPath, GroupPlan, plan_groups
 from genworker.core.joins import GroupJoin, JoinError, group_join
@@ -179,9 +179,7 @@ class HasCapabilities(Protocol):
 EngineMethod = Literal[
     "sleep",
     "wake_up",
-    "reset_prefix_cache",
-    "reset_mm_cache",
-    "reset_encoder_cache",
+    "reset_cache",
     "collective_rpc",
     "device_ids",
     "metrics",
@@ -207,11 +205,7 @@ class EngineCall:
 Steps = Generator[EngineCall, object, _T]
 
 #: each cache's reset (the names :meth:`WorkerSpine._reset_caches` resets)
-_RESETS = {
-    "prefix": EngineCall("reset_prefix_cache"),
-    "mm": EngineCall("reset_mm_cache"),
-    "encoder": EngineCall("reset_encoder_cache"),
-}
+_RESETS = {cache.value: EngineCall("reset_cache", (cache,)) for cache in Cache}
 
 
 class Drive(Generic[_T]):
@@ -731,7 +725,7 @@ class WorkerSpine(Generic[_E]):
     def _reset_prefix_cache(self) -> Steps[None]:
         """Drop the prefix cache (refused while streams run)."""
         self._state = self._move(lifecycle.Event.RESET_PREFIX_CACHE)
-        yield EngineCall("reset_prefix_cache")
+        yield _RESETS["prefix"]
         self.cache_resets["prefix"] += 1
 
     def _reset_caches(self, refit: str | None = None) -> Steps[dict[str, float]]:

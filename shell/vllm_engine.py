@@ -93,7 +93,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Final, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, ClassVar, Final, Generic, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -112,7 +112,7 @@ from vllm.platforms import current_platform
 from vllm.renderers import BaseRenderer
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
-from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
+from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Metric, Vector, get_metrics_snapshot
 
 from genworker.core import completions
 from genworker.core.assembly import FlatGenerations, Generation
@@ -124,7 +124,7 @@ from genworker.core.counters import (
     MetricSample,
     VectorSample,
 )
-from genworker.core.engine_calls import EngineBatch, RpcCall
+from genworker.core.engine_calls import Cache, EngineBatch, RpcCall
 from genworker.core.engine_plan import fp8_start
 from genworker.core.lora import LoraRef, adapter_path
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
@@ -257,26 +257,38 @@ def routes_of(out: CompletionOutput, shape: MoeShape | None) -> RoutedExperts | 
 
 
 def sampling_params(
-    spec: SamplingSpec, known: frozenset[str] | None = None, *, sampled_arrays: bool = False
+    spec: SamplingSpec,
+    known: frozenset[str] | None = None,
+    *,
+    sampled_arrays: bool = False,
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
 ) -> SamplingParams:
     """vLLM's ``SamplingParams`` for a spec; ``known`` (field names) drops what vLLM lacks;
     ``sampled_arrays``: marked for ``SampledLogprobs`` when the spec asks for the
-    sampled logprob only and no text (an engine :func:`install` ran on keeps them so)."""
+    sampled logprob only and no text (an engine :func:`install` ran on keeps them so);
+    ``kind``: the outputs' kind (``LLM.generate`` sets ``FINAL_ONLY`` on what it is given)."""
     # as_kwargs yields SamplingParams fields only, each typed as vLLM expects.
     kwargs = spec.as_kwargs(known)
     if sampled_arrays and spec.logprobs == 0 and not spec.detokenize:
         kwargs["extra_args"] = {MARKER: True}
-    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    return SamplingParams(**kwargs, output_kind=kind)  # type: ignore[arg-type]
 
 
-def scoring_params(
-    top_k: int, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-) -> SamplingParams:
+#: :func:`sampling_params` made once per spec (vLLM clones them per request: the input
+#: processor's ``params.clone()``, 0.32), for both adapters.
+_cached_params = functools.lru_cache(maxsize=1024)(sampling_params)
+
+
+def scoring_params(top_k: int) -> SamplingParams:
     """The request that scores a sequence (``core.scoring``): one forward pass with
-    ``prompt_logprobs=top_k``, one greedy token read by nobody, nothing detokenized
-    (``kind``: the async engine's output kind; vLLM's default otherwise)."""
+    ``prompt_logprobs=top_k``, one greedy token read by nobody, nothing detokenized, its
+    final output only."""
     return SamplingParams(
-        max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False, output_kind=kind
+        max_tokens=1,
+        temperature=0.0,
+        prompt_logprobs=top_k,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
 
@@ -423,8 +435,12 @@ def abort_unfinished(
 
 class VllmEngineBase(Generic[_Llm]):
     """What both vLLM adapters share: the engine until it is shut down, its death (every
-    later call refused), its capabilities, the sleep-mode check, and the renderer's
-    tokenization and expansion of media rows."""
+    later call refused), its capabilities, each request's ``SamplingParams``, the
+    sleep-mode check, the metrics, and the renderer's tokenization and expansion of media
+    rows."""
+
+    #: where the adapter's vLLM errors become ours
+    seam: ClassVar[Seam]
 
     def __init__(
         self, llm: _Llm, config: VllmConfig, log_stats: bool, *, weight_versions: bool = False
@@ -435,6 +451,7 @@ class VllmEngineBase(Generic[_Llm]):
         self._extension = bool(config.parallel_config.worker_extension_cls)
         self._caps = engine_capabilities(config, weight_versions=weight_versions)
         self._skip_tokenizer = config.model_config.skip_tokenizer_init
+        self._sampled_arrays = False  # the sync engine's hook (sampled_logprob_arrays)
 
     @property
     def llm(self) -> _Llm:
@@ -464,24 +481,46 @@ class VllmEngineBase(Generic[_Llm]):
     def capabilities(self) -> EngineCapabilities:
         return self._caps
 
-    def _flat(self, spec: SamplingSpec) -> SamplingSpec:
-        """``spec`` asking for vLLM's flat logprobs wherever this engine has them."""
-        if self._caps.flat_logprobs and not spec.flat_logprobs:
-            return attrs.evolve(spec, flat_logprobs=True)
-        return spec
+    @property
+    def sampled_logprob_arrays(self) -> bool:
+        """Whether this engine keeps the sampled logprobs of the worker's requests as arrays
+        (:mod:`genworker.shell.sampled_logprobs`); False: as vLLM's flat logprobs."""
+        return self._sampled_arrays
 
-    def _sleeper(self, call: str) -> _Llm:
-        """The engine for a sleep or wake; UnsupportedError without sleep mode."""
+    def _sampling(self, spec: SamplingSpec, kind: RequestOutputKind) -> SamplingParams:
+        """A row's ``SamplingParams`` (:func:`sampling_params`, made once per spec): vLLM's
+        flat logprobs wherever this engine has them, marked where it keeps arrays."""
+        if self._caps.flat_logprobs and not spec.flat_logprobs:
+            spec = attrs.evolve(spec, flat_logprobs=True)
+        known, arrays = self._caps.sampling_args, self._sampled_arrays
+        return _cached_params(spec, known, sampled_arrays=arrays, kind=kind)
+
+    @contextmanager
+    def _memory(self, call: str) -> Iterator[_Llm]:
+        """The engine for a sleep or wake (UnsupportedError without sleep mode), any
+        failure of which kills it (the module docstring)."""
         if not self._caps.sleep_mode:
             raise UnsupportedError(
-                f"{call}: sleep mode is unavailable (platform {self._caps.device}, or the "
-                "engine was started without enable_sleep_mode)"
+                f"{call.split('(')[0]}: sleep mode is unavailable (platform "
+                f"{self._caps.device}, or the engine was started without enable_sleep_mode)"
             )
-        return self.llm
+        llm = self.llm
+        with fatal(call, self.seam, self._died):
+            yield llm
 
-    def _stats(self) -> None:
+    @staticmethod
+    def _reset(cache: Cache, done: object) -> None:
+        """vLLM's answer to a reset of ``cache``: a prefix cache it kept is refused."""
+        if done is False:
+            raise EngineStateError(f"{cache.call}: vLLM kept the cache (requests running)")
+
+    def metrics(self) -> list[MetricSample]:
+        """vLLM's metrics snapshot (``LLM.get_metrics`` reads it as ``AsyncLLM`` does)."""
         if not self._log_stats:
             raise UnsupportedError("metrics: the engine was started with disable_log_stats")
+        self.llm  # noqa: B018 - a shut-down engine has no metrics
+        with translated(self.seam, "metrics"):
+            return [metric_sample(m) for m in get_metrics_snapshot()]
 
     def _renderer(self, call: str) -> BaseRenderer:
         """The engine's renderer (``LLM.renderer`` and ``AsyncLLM.renderer``: 0.25 and 0.32
@@ -554,6 +593,8 @@ class VllmEngineBase(Generic[_Llm]):
 class VllmEngine(VllmEngineBase[LLM]):
     """:class:`~genworker.shell.ports.EnginePort` over one ``vllm.LLM``."""
 
+    seam = VLLM_CALLS
+
     def __init__(self, llm: LLM) -> None:
         super().__init__(llm, llm.llm_engine.vllm_config, llm.llm_engine.log_stats)
         self._inflight: _Inflight = []  # a call left running
@@ -613,12 +654,6 @@ class VllmEngine(VllmEngineBase[LLM]):
         with translated(seam, call):
             return act(llm)
 
-    @property
-    def sampled_logprob_arrays(self) -> bool:
-        """Whether this engine keeps the sampled logprobs of the worker's requests as arrays
-        (:mod:`genworker.shell.sampled_logprobs`); False: as vLLM's flat logprobs."""
-        return self._sampled_arrays
-
     # -- generation -----------------------------------------------------------------
     def request_params(
         self, specs: Sequence[SamplingSpec]
@@ -629,11 +664,7 @@ class VllmEngine(VllmEngineBase[LLM]):
         groups = group_specs(specs)
         per_row: list[SamplingParams | None] = [None] * len(specs)
         for group in groups:
-            params = sampling_params(
-                self._flat(group.spec),
-                self._caps.sampling_args,
-                sampled_arrays=self._sampled_arrays,
-            )
+            params = self._sampling(group.spec, RequestOutputKind.FINAL_ONLY)
             if len(groups) == 1:
                 return params
             for row in group.rows:
@@ -668,7 +699,7 @@ class VllmEngine(VllmEngineBase[LLM]):
     ) -> list[ScoredRow]:
         llm = self.llm
         with _batch_call(llm, "compute_logprobs", self._inflight):
-            prompts = [TokensPrompt(prompt_token_ids=list(s)) for s in sequences]
+            prompts = [token_prompt(s, None) for s in sequences]
             outputs = llm.generate(prompts, scoring_params(top_k), use_tqdm=False)
         return [
             scored_row(seq, start, out.prompt_logprobs, top_k)
@@ -692,31 +723,18 @@ class VllmEngine(VllmEngineBase[LLM]):
 
     # -- memory ---------------------------------------------------------------------
     def sleep(self, level: int) -> None:
-        llm = self._sleeper("sleep")
-        with fatal(f"sleep(level={level})", VLLM_CALLS, self._died):
+        with self._memory(f"sleep(level={level})") as llm:
             llm.sleep(level=level)
 
     def wake_up(self, tags: Sequence[str] | None) -> bool | None:
-        llm = self._sleeper("wake_up")
         names = None if tags is None else list(tags)
-        with fatal(f"wake_up(tags={names})", VLLM_CALLS, self._died):
+        with self._memory(f"wake_up(tags={names})") as llm:
             return llm.wake_up(tags=names)
 
-    def reset_prefix_cache(self) -> None:
-        if not self._call("reset_prefix_cache", lambda llm: llm.reset_prefix_cache()):
-            raise EngineStateError("reset_prefix_cache: vLLM kept the cache (requests running)")
-
-    def reset_mm_cache(self) -> None:
-        self._call("reset_mm_cache", lambda llm: llm.reset_mm_cache())
-
-    def reset_encoder_cache(self) -> None:
-        self._call("reset_encoder_cache", lambda llm: llm.llm_engine.reset_encoder_cache())
+    def reset_cache(self, cache: Cache) -> None:
+        self._reset(cache, self._call(cache.call, _RESETS[cache]))
 
     # -- observability --------------------------------------------------------------
-    def metrics(self) -> list[MetricSample]:
-        self._stats()
-        return self._call("metrics", lambda llm: [metric_sample(m) for m in llm.get_metrics()])
-
     def start_profile(self) -> None:
         self._call("start_profile", lambda llm: llm.start_profile(), VLLM_PROFILING)
 
@@ -783,6 +801,14 @@ class VllmEngine(VllmEngineBase[LLM]):
             )
             return
         self._rpc(llm, RpcCall("cleanup", timeout=CALL_BOUND_S))
+
+
+#: vLLM's reset of each cache (``LLM`` has no encoder reset; its engine resets both halves)
+_RESETS: Final[Mapping[Cache, Callable[[LLM], object]]] = {
+    Cache.PREFIX: LLM.reset_prefix_cache,
+    Cache.MM: LLM.reset_mm_cache,
+    Cache.ENCODER: lambda llm: llm.llm_engine.reset_encoder_cache(),
+}
 
 
 def image_token_id_of(model: ModelConfig) -> int | None:

@@ -12,6 +12,7 @@ from strategies import sampling_specs
 from genworker.core.engine_calls import (
     REFIT_METHODS,
     BatchShapeError,
+    Cache,
     EngineBatch,
     RowRequest,
     RpcCall,
@@ -132,3 +133,13 @@ def test_refit_methods_are_the_table_and_nemo_rls_wire() -> None:
     assert is_refit_method("nemo_rl_update_weights_via_ipc_zmq")
     assert not is_refit_method("report_device_id")
     assert not is_refit_method("refit_configure")
+
+
+def test_a_cache_is_named_as_the_worker_counts_it_and_reset_as_vllm_names_the_call() -> None:
+    assert [str(c) for c in Cache] == ["prefix", "mm", "encoder"]
+    assert Cache("mm") is Cache.MM  # the spine's names are the values
+    assert [c.call for c in Cache] == [
+        "reset_prefix_cache",
+        "reset_mm_cache",
+        "reset_encoder_cache",
+    ]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import base_config, batch, flat_rows, right_padded
 
+from genworker.core.engine_calls import Cache
 from genworker.core.sampling import sampling_spec
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
@@ -35,9 +36,9 @@ def config() -> dict[str, Any]:
 @pytest.fixture
 def worker(cpu_engine: VllmEngine) -> Iterator[VllmGenerationWorker]:
     w = VllmGenerationWorker(config(), engine_factory=ExistingEngine(cpu_engine))
-    cpu_engine.reset_prefix_cache()
+    cpu_engine.reset_cache(Cache.PREFIX)
     yield w
-    cpu_engine.reset_prefix_cache()  # the engine outlives the worker: leave no shared state
+    cpu_engine.reset_cache(Cache.PREFIX)  # the engine outlives the worker: leave no shared state
 
 
 def _prompt(start: int, length: int = 140) -> list[int]:
@@ -71,7 +72,7 @@ def test_a_seeded_group_is_bit_identical_to_the_per_row_path(
     grouped = worker.generate({**right_padded(prompts), "seeds": seeds})
     assert _hits(cpu_engine) > before  # the siblings read their leader's blocks
     # the per-row path: the same rows, the same specs, in the caller's order, one call
-    cpu_engine.reset_prefix_cache()
+    cpu_engine.reset_cache(Cache.PREFIX)
     caps = cpu_engine.capabilities
     specs = [
         sampling_spec(

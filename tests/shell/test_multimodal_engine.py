@@ -36,6 +36,7 @@ from vllm.inputs import TextPrompt, TokensPrompt
 from vlm_helpers import BLUE, BOS, IMAGE, MAX_MODEL_LEN, MAX_NEW, PAD, RED, TEXT
 
 from genworker.core.counters import CACHE_RESETS
+from genworker.core.engine_calls import Cache
 from genworker.demo.tiny_model import VLM_IMAGE_PROMPT_IDS, build_tiny_vlm
 from genworker.shell.errors import BadBatchError
 from genworker.shell.vllm_engine import VllmEngine
@@ -155,7 +156,7 @@ def vlm_config(**changes: Any) -> dict[str, Any]:
 def worker(vlm: VllmEngine) -> Iterator[VllmGenerationWorker]:
     w = VllmGenerationWorker(vlm_config(), engine_factory=ExistingEngine(vlm))
     yield w
-    vlm.reset_prefix_cache()
+    vlm.reset_cache(Cache.PREFIX)
 
 
 # -- the engine's multimodal capabilities ----------------------------------------------
@@ -194,7 +195,7 @@ def test_a_mixed_batch_equals_raw_vllm_row_by_row(
             SamplingParams(max_tokens=MAX_NEW, logprobs=0, temperature=1.0, seed=s) for s in seeds
         ],
     )
-    vlm.reset_prefix_cache()
+    vlm.reset_cache(Cache.PREFIX)
     data = as_batch(rows)
     out = worker.generate({**data, "seeds": seeds})
     lengths = [len(p) for p, _ in rows]
@@ -264,7 +265,7 @@ def test_nemo_rl_side_channels_equal_vllm_on_the_prompts_nemo_rl_sends(
         use_tqdm=False,
     )
     expected = [sampled(answer.outputs[0]) for answer in reference]
-    vlm.reset_prefix_cache()
+    vlm.reset_cache(Cache.PREFIX)
     data: dict[str, object] = dict(right_padded(expanded, pad=PAD))
     data["vllm_content"] = [text for text, _ in rows]
     data["vllm_images"] = [im for _, im in rows]
@@ -402,7 +403,7 @@ def test_bad_media_gets_typed_errors_naming_the_row_and_the_engine_serves_the_ne
             worker.generate(as_batch(rows))
     rows = image_rows(llm)
     expected = raw(llm, rows, max_tokens=MAX_NEW, temperature=0.0, logprobs=0)
-    vlm.reset_prefix_cache()
+    vlm.reset_cache(Cache.PREFIX)
     served = worker.generate(as_batch(rows), greedy=True)
     assert rows_of(served, [len(p) for p, _ in rows]) == expected
 

@@ -17,6 +17,7 @@ from PIL import Image
 
 from genworker.core import lifecycle
 from genworker.core.counters import CACHE_RESETS
+from genworker.core.engine_calls import Cache
 from genworker.shell.errors import BadBatchError, EngineStateError, RefitError
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
 from genworker.shell.worker import VllmGenerationWorker
@@ -417,10 +418,14 @@ def test_a_failed_media_cache_reset_after_a_refit_leaves_the_weights_inconsisten
     engine.rpc_handlers["update_weights_via_ipc_zmq"] = lambda timeout_s: engine.load_new_weights()
     worker.prepare_refit_info({"w": ((2,), "float32")})  # what a refit needs first
 
-    def failing() -> None:
-        raise error
+    reset = engine.reset_cache
 
-    monkeypatch.setattr(engine, f"reset_{cache}_cache", failing)
+    def failing(which: Cache) -> None:
+        if which == cache:
+            raise error
+        reset(which)
+
+    monkeypatch.setattr(engine, "reset_cache", failing)
     with pytest.raises(RefitError, match="inconsistent") as info:
         worker.update_weights_via_ipc_zmq(timeout_s=1.0)
     assert info.value.__cause__ is error

@@ -17,6 +17,7 @@ from reshard_helpers import ReshardTrainer
 from safetensors.torch import load_file, save_file
 from vllm import LLM
 
+from genworker.core.engine_calls import Cache
 from genworker.demo.tiny_model import build_tiny_model
 from genworker.shell.errors import BadArgumentError, RefitError, RefitManifestError
 from genworker.shell.refit.reshard import bytes_of, shards_of
@@ -32,7 +33,7 @@ def worker(cpu_engine: VllmEngine) -> Iterator[VllmGenerationWorker]:
         model_name="tiny", vllm_cfg={"gpu_memory_utilization": 0.05, "max_model_len": 64}
     )
     yield VllmGenerationWorker(cfg, engine_factory=ExistingEngine(cpu_engine))
-    cpu_engine.reset_prefix_cache()
+    cpu_engine.reset_cache(Cache.PREFIX)
 
 
 def tokens(llm: LLM) -> list[list[int]]:

@@ -15,6 +15,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.logprobs import FlatLogprobs
 
+from genworker.core.engine_calls import Cache
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.sampled_logprobs import MARKER, SampledLogprobs, _keep_ids_as_array, install
 from genworker.shell.vllm_engine import VllmEngine, sampling_params
@@ -43,9 +44,9 @@ def test_marked_requests_hold_what_vllms_flat_logprobs_hold(
 ) -> None:
     """The same seeded batch, marked and not: the same tokens, each position's sampled
     logprob bit for bit (float32), the same cumulative logprob (summed in vLLM's order)."""
-    cpu_engine.reset_prefix_cache()
+    cpu_engine.reset_cache(Cache.PREFIX)
     theirs = _outputs(cpu_llm, _seeded())
-    cpu_engine.reset_prefix_cache()
+    cpu_engine.reset_cache(Cache.PREFIX)
     ours = _outputs(cpu_llm, _seeded(extra_args={MARKER: True}))
     for mine, vllms in zip(ours, theirs, strict=True):
         assert isinstance(vllms.logprobs, FlatLogprobs)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from helpers import base_config, right_padded
 
+from genworker.core.engine_calls import Cache
 from genworker.shell.nemo_rl import NemoRlGenerationWorker
 from genworker.shell.vllm_engine import VllmEngine
 from genworker.shell.worker import ExistingEngine
@@ -69,7 +70,7 @@ def test_batch_union_stops_a_row_on_another_rows_string_and_per_sample_does_not(
         mine = per_sample.generate({**data, "stop_strings": strings}, greedy=True)
         theirs = union.generate({**data, "stop_strings": strings}, greedy=True)
     finally:
-        cpu_engine.reset_prefix_cache()
+        cpu_engine.reset_cache(Cache.PREFIX)
     mine_lengths = mine["generation_lengths"].tolist()
     their_lengths = theirs["generation_lengths"].tolist()
     assert mine_lengths[0] == their_lengths[0] < MAX_NEW  # its own string, in both modes

@@ -17,7 +17,7 @@ from vllm import LLM
 from vllm.inputs import TokensPrompt
 
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS, CounterSample
-from genworker.core.engine_calls import EngineBatch, RpcCall
+from genworker.core.engine_calls import Cache, EngineBatch, RpcCall
 from genworker.core.sampling import SamplingSpec
 from genworker.shell import vllm_engine
 from genworker.shell.errors import (
@@ -91,9 +91,9 @@ seeded_st = st.builds(
 def check_differential(
     engine: VllmEngine, llm: LLM, prompts: list[list[int]], specs: list[SamplingSpec]
 ) -> None:
-    engine.reset_prefix_cache()  # the same prefill work on both sides
+    engine.reset_cache(Cache.PREFIX)  # the same prefill work on both sides
     ours = adapter_rows(engine, prompts, specs)
-    engine.reset_prefix_cache()
+    engine.reset_cache(Cache.PREFIX)
     theirs = raw_generate(llm, prompts, specs)
     assert ours == as_float32(theirs)
 
@@ -524,7 +524,7 @@ def test_a_failed_sleep_or_wake_kills_the_engine_and_shutdown_still_stops_it(
         lambda: engine.generate(batch([[5, 6]], [greedy(2)])),
         lambda: engine.collective_rpc(RpcCall("check_health", timeout=60)),
         lambda: engine.wake_up(None),
-        lambda: engine.reset_prefix_cache(),
+        lambda: engine.reset_cache(Cache.PREFIX),
     ]
     for refused in later:
         with pytest.raises(EngineDeadError, match="died earlier"):

@@ -21,6 +21,7 @@ from helpers import batch, flat_rows
 
 from genworker.core.assembly import FlatGenerations
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS, values_by_name
+from genworker.core.engine_calls import Cache
 from genworker.core.sampling import SamplingSpec
 from genworker.shell.errors import BadBatchError
 from genworker.shell.fake_engine import FakeEngine
@@ -48,7 +49,7 @@ def subject(request: pytest.FixtureRequest) -> Iterator[Subject]:
         return
     engine: VllmEngine = request.getfixturevalue("cpu_engine")
     yield Subject("vllm", engine)
-    engine.reset_prefix_cache()
+    engine.reset_cache(Cache.PREFIX)
 
 
 def _spec(subject: Subject, **changes: object) -> SamplingSpec:

@@ -46,7 +46,7 @@ from hypothesis.stateful import (
 from safetensors.torch import load_file
 
 from genworker.core import lifecycle
-from genworker.core.engine_calls import RowRequest, RpcCall
+from genworker.core.engine_calls import Cache, RowRequest, RpcCall
 from genworker.core.lifecycle import TABLE, Event, InflightMode, State
 from genworker.core.sampling import SamplingSpec
 from genworker.demo.tiny_model import build_tiny_model
@@ -128,7 +128,7 @@ def worker(first: AsyncVllmGenerationWorker) -> AsyncVllmGenerationWorker:
 def sync_worker(cpu_engine: VllmEngine) -> Iterator[VllmGenerationWorker]:
     w = VllmGenerationWorker(config(async_engine=False), engine_factory=ExistingEngine(cpu_engine))
     yield w
-    cpu_engine.reset_prefix_cache()
+    cpu_engine.reset_cache(Cache.PREFIX)
 
 
 def batch(lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from vllm.inputs import TokensPrompt
 from vllm.logprobs import FlatLogprobs
 
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS
+from genworker.core.engine_calls import Cache
 from genworker.core.stops import StopMode
 from genworker.shell.errors import (
     BadBatchError,
@@ -50,7 +51,7 @@ def config(**vllm_cfg: Any) -> dict[str, Any]:
 def worker(cpu_engine: VllmEngine) -> Iterator[VllmGenerationWorker]:
     w = VllmGenerationWorker(config(), engine_factory=ExistingEngine(cpu_engine))
     yield w
-    cpu_engine.reset_prefix_cache()  # the engine outlives the worker: leave no shared state
+    cpu_engine.reset_cache(Cache.PREFIX)  # the engine outlives the worker: leave no shared state
 
 
 PROMPTS = [[5, 17, 99, 240, 7], [300, 12], [45, 46, 47, 48, 49, 50, 51, 52, 53], [88]]
@@ -98,7 +99,7 @@ def as_f32(
 
 def test_greedy_matches_raw_vllm(worker: VllmGenerationWorker, cpu_llm: LLM) -> None:
     expected = as_f32(raw(cpu_llm, PROMPTS, temperature=0.0))
-    worker.engine.reset_prefix_cache()
+    worker.engine.reset_cache(Cache.PREFIX)
     out = worker.generate(right_padded(PROMPTS, width=11, pad=PAD), greedy=True)
     assert rows_of(out, [len(p) for p in PROMPTS]) == expected
 
@@ -117,7 +118,7 @@ def test_seeded_sampling_matches_raw_vllm(worker: VllmGenerationWorker, cpu_llm:
         assert isinstance(c.logprobs, list)  # the dict path: flat_logprobs is off here
         lps = [float(pos[t].logprob) for t, pos in zip(c.token_ids, c.logprobs, strict=True)]
         expected.append((list(c.token_ids), lps, str(c.finish_reason)))
-    worker.engine.reset_prefix_cache()
+    worker.engine.reset_cache(Cache.PREFIX)
     out = worker.generate({**right_padded(PROMPTS, pad=PAD), "seeds": seeds})
     assert rows_of(out, [len(p) for p in PROMPTS]) == as_f32(expected)
 
@@ -219,14 +220,14 @@ def test_rows_with_and_without_stop_strings_match_raw_vllm_row_by_row(
     union = [found[0], found[2]]
     raw_stops = [s or [] for s in per_sample] if mode is StopMode.PER_SAMPLE else [union] * 4
     expected = as_f32(raw_per_row(cpu_llm, PROMPTS, raw_stops))
-    cpu_engine.reset_prefix_cache()
+    cpu_engine.reset_cache(Cache.PREFIX)
     out = w.generate({**right_padded(PROMPTS, pad=PAD), "stop_strings": per_sample}, greedy=True)
     got = rows_of(out, [len(p) for p in PROMPTS])
     assert got == expected
     assert got[0][2] == "stop"
     assert len(got[0][0]) < MAX_NEW  # the stop string ended row 0 early
     if mode is StopMode.PER_SAMPLE:  # rows without stop strings are as without any
-        cpu_engine.reset_prefix_cache()
+        cpu_engine.reset_cache(Cache.PREFIX)
         plain = rows_of(
             w.generate(right_padded(PROMPTS, pad=PAD), greedy=True), [len(p) for p in PROMPTS]
         )
@@ -436,7 +437,7 @@ def test_the_nemo_rl_worker_over_the_real_engine(
     assert nemo.vllm_device_ids == worker.report_device_id()
     assert nemo.llm() is cpu_engine.llm
     before = nemo._get_raw_spec_counters()
-    cpu_engine.reset_prefix_cache()
+    cpu_engine.reset_cache(Cache.PREFIX)
     out = nemo.generate(right_padded(PROMPTS, pad=PAD), greedy=True)
     after = nemo._get_raw_spec_counters()
     assert after[PROMPT_TOKENS] == before[PROMPT_TOKENS] + sum(len(p) for p in PROMPTS)  # type: ignore[operator]
@@ -444,7 +445,7 @@ def test_the_nemo_rl_worker_over_the_real_engine(
         out["generation_lengths"].sum()
     )
     assert all(":" in name and "{" not in name for name in after)
-    cpu_engine.reset_prefix_cache()
+    cpu_engine.reset_cache(Cache.PREFIX)
     assert torch.equal(
         out["output_ids"],
         worker.generate(right_padded(PROMPTS, pad=PAD), greedy=True)["output_ids"],

@@ -17,7 +17,7 @@ from helpers import right_padded as batch
 
 from genworker.core import lifecycle
 from genworker.core.assembly import FlatGenerations
-from genworker.core.engine_calls import EngineBatch
+from genworker.core.engine_calls import Cache, EngineBatch
 from genworker.shell.engine_lock import EngineLock
 from genworker.shell.errors import (
     BadArgumentError,
@@ -80,8 +80,8 @@ class GatedEngine(FakeEngine):
     def metrics(self) -> Any:
         return self._around("metrics", super().metrics)
 
-    def reset_prefix_cache(self) -> None:
-        self._around("reset_prefix_cache", super().reset_prefix_cache)
+    def reset_cache(self, cache: Cache) -> None:
+        self._around(cache.call, lambda: super(GatedEngine, self).reset_cache(cache))
 
 
 @pytest.fixture
