@@ -33,6 +33,7 @@ apart on purpose, and where the two workers differed before the spine: ``docs/wo
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import time
@@ -235,8 +236,12 @@ class Drive(Generic[_T]):
 
 def door_of(door: _F, body: Callable[..., object]) -> _F:
     """``door``, a worker's public method that drives the spine's ``body``, named and
-    documented as ``body`` without its underscore (``WorkerSpine._sleep``: ``sleep``)."""
+    documented as ``body`` without its underscore (``WorkerSpine._sleep``: ``sleep``), with
+    its signature. Not ``__wrapped__``: Ray unwraps an actor's methods and would take a
+    door onto a generator body for a streaming method (``ray/actor.py``, 2.x)."""
     functools.update_wrapper(door, body)
+    del door.__wrapped__  # type: ignore[attr-defined]
+    door.__signature__ = inspect.signature(body)  # type: ignore[attr-defined]
     door.__name__ = body.__name__.removeprefix("_")
     return door
 

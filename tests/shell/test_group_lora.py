@@ -21,10 +21,11 @@ import asyncio
 import os
 import sys
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from async_helpers import async_config, collect, outputs
@@ -32,7 +33,6 @@ from helpers import base_config, right_padded
 
 from genworker.core.assembly import Generation
 from genworker.core.counters import PROMPT_TOKENS, CounterSample
-from genworker.core.sampling import SamplingSpec
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -41,7 +41,7 @@ from genworker.shell.errors import (
     RefitManifestError,
 )
 from genworker.shell.fake_async_engine import FakeAsyncEngine, FakeAsyncEngineFactory
-from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
+from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory, FakeRequest
 from genworker.shell.group import ClusterSpec, GenerationGroup, ShardFailure
 from genworker.shell.media import RowMedia
 from genworker.shell.refit.wire import failure
@@ -72,17 +72,12 @@ class AdapterFake(FakeEngine):
         #: adapter name -> the payload of its last good refit here
         self.adapters: dict[str, str] = {}
 
-    def _sample(
-        self,
-        prompt: Sequence[int],
-        spec: SamplingSpec,
-        media: RowMedia | None = None,
-        child: int = 0,
-    ) -> Generation:
-        if spec.adapter is not None:
-            payload = self.adapters[spec.adapter.name]
-            prompt = [*prompt, 3 + zlib.crc32(payload.encode()) % 50]
-        return super()._sample(prompt, spec, media, child)
+    def _sample(self, request: FakeRequest, media: RowMedia | None, child: int) -> Generation:
+        if (adapter := request.spec.adapter) is not None:
+            payload = self.adapters[adapter.name]
+            mark = 3 + zlib.crc32(payload.encode()) % 50
+            request = attrs.evolve(request, prompt=(*request.prompt, mark))
+        return super()._sample(request, media, child)
 
 
 class AdapterFakes(FakeEngineFactory):

@@ -34,7 +34,7 @@ from genworker.core import batch as core_batch
 from genworker.core import lifecycle
 from genworker.core.assembly import FlatGenerations
 from genworker.core.counters import GENERATION_TOKENS, PROMPT_TOKENS
-from genworker.core.engine_calls import EngineBatch, RpcCall
+from genworker.core.engine_calls import Cache, EngineBatch, RpcCall
 from genworker.core.sampling import SamplingSpec
 from genworker.shell import vllm_engine
 from genworker.shell.errors import (
@@ -107,8 +107,8 @@ class WatchedEngine(VllmEngine):
     def metrics(self) -> Any:
         return self._around("metrics", super().metrics)
 
-    def reset_prefix_cache(self) -> None:
-        self._around("reset_prefix_cache", super().reset_prefix_cache)
+    def reset_cache(self, cache: Cache) -> None:
+        self._around(cache.call, lambda: super(WatchedEngine, self).reset_cache(cache))
 
     def collective_rpc(self, call: RpcCall) -> list[object]:
         result: list[object] = self._around(
