@@ -849,6 +849,16 @@ def check_body_length(num_bytes: int, limits: HttpLimits) -> Result[int, BadRequ
     return Success(num_bytes)
 
 
+def late_body(timeout_s: float, num_bytes: int) -> BadRequest:
+    """The 408 of a body that did not arrive whole within ``timeout_s`` (``num_bytes`` came);
+    the connection is closed after it."""
+    return BadRequest(
+        f"the request body did not arrive within {timeout_s:g} s ({num_bytes} bytes came)",
+        status=408,
+        param=None,
+    )
+
+
 def json_depth(value: object, limit: int) -> int:
     """The nesting depth of a parsed JSON ``value`` (a scalar: 0), counted up to
     ``limit + 1``: any deeper value gives ``limit + 1``. Iterative, so no depth recurses."""

@@ -22,25 +22,12 @@ Theory of operation
 - **The layer** (:class:`RolloutLayer`, pure ASGI, no handler of its own) otherwise
   touches only ``POST /v1/completions`` and ``POST /v1/chat/completions`` with a JSON
   object body; anything else (malformed JSON included) goes to vLLM as it came and gets
-  vLLM's answer. For those two it: checks the prompt (``core.serving``: never empty; ids
-  are ints, never bools, inside the vocabulary, checked before anything decodes them;
-  a text longer than the character bound is refused before it is tokenized); refuses
-  off-policy sampling parameters (``core.serving``, when the guard is on) and fills the
-  training values in; asks vLLM for ``return_token_ids`` and
-  the sampled tokens' logprobs; tokenizes the prompt through vLLM's own ``/tokenize``
-  route (an in-process ASGI call, same renderer, same chat template) to apply the
-  context budget of ``core.serving.http_max_tokens`` (a completion prompt whose byte
-  length bounds its tokens well inside the budget, ``core.serving.prompt_tokens_at_most``,
-  is not tokenized: the common case costs nothing); for chat with earlier turns' ids,
-  checks and splices the prefix (``core.serving.check_turns`` / ``splice_prefix``) and
-  hands the final ids to vLLM as ``kv_transfer_params.prompt_token_ids``, which vLLM's
-  renderer feeds to the engine verbatim instead of re-rendering the messages
-  (``renderers/online_renderer.py`` ``_reused_prompt_token_ids``, 0.32; where it is
-  absent such a request gets 501). Refusals are OpenAI-style error bodies (400 naming
-  the parameter or the message). A request the layer finds complete (every training
-  value, ids, logprobs and a ``max_tokens`` within budget already there) goes to vLLM as
-  its own bytes; one it completes is re-serialised. The budget of a (``max_tokens``,
-  prompt length) pair is memoized (``http_max_tokens`` is pure).
+  vLLM's answer. Those two it checks and completes with ``core.server_prompts``' machine
+  (its docstring: the prompt checks, the on-policy guard, ids and logprobs asked for,
+  the context budget, the multi-turn prefix), answering each tokenization it asks for
+  through vLLM's own ``/tokenize`` route (an in-process ASGI call). Refusals are
+  OpenAI-style error bodies. A request the machine finds complete goes to vLLM as its
+  own bytes; one it completes is re-serialised.
 - **Routed experts**: where the engine captures them, vLLM adds every choice's routes
   to a non-streamed response; the layer passes them to a request that asks
   (``return_routed_experts``, removed before vLLM sees the body) and drops them otherwise
@@ -60,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import importlib
 import inspect
 import json
@@ -73,39 +59,26 @@ from typing import TYPE_CHECKING, Protocol, SupportsInt, TypeVar, runtime_checka
 import attrs
 from returns.result import Failure, Result
 
-from genworker.core.caps import CapFailure
 from genworker.core.control_plane import ROUTES as CONTROL_ROUTES
+from genworker.core.server_prompts import Prepared, PromptRules, Tokenized
 from genworker.core.serving import (
     DEV_MODE_VARIABLE,
     ROUTES_FIELD,
-    TURN_FIELDS,
     BadRequest,
-    BudgetError,
     HttpLimits,
-    OffPolicy,
     SamplingPolicy,
     ServerOptions,
-    chat_reference,
     check_body_length,
-    check_chat_text,
-    check_completion_prompt,
     check_dev_mode,
     check_nesting,
     check_routes_request,
-    check_template_stable,
     drop_routes,
     error_body,
     http_limits,
-    http_max_tokens,
+    late_body,
     parse_body,
-    prompt_tokens_at_most,
-    request_budget,
-    rollout_fills,
-    splice_prefix,
     split_events,
     tag_events,
-    template_source,
-    tokenize_answer,
     versions_between,
     vllm_server_argv,
 )
@@ -113,6 +86,7 @@ from genworker.shell.control import ControlHooks, ControlRoutes
 from genworker.shell.errors import BadConfigError, EngineStateError, GenworkerError, unwrap
 
 if TYPE_CHECKING:
+    import httpx
     import uvicorn
     from fastapi import FastAPI
     from vllm.config.model import ModelConfig
@@ -137,23 +111,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 VERSIONS_HEADER = "x-genworker-weight-versions"
+_VERSIONS_KEY = VERSIONS_HEADER.encode()
 #: Seconds a request's whole body may take to arrive (then 408, connection closed). A
 #: constant, not a config key: rollout clients are on the cluster's network, where the
 #: largest body the limits allow (``core.serving.http_limits``) takes well under a second.
 BODY_READ_TIMEOUT_S = 60.0
-_VERSIONS_KEY = VERSIONS_HEADER.encode()
 _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-_TOKENIZE_FIELDS = ("model", "add_special_tokens")
-_TOKENIZE_CHAT_FIELDS = (
-    "add_generation_prompt",
-    "continue_final_message",
-    "chat_template",
-    "chat_template_kwargs",
-    "tools",
-    "add_special_tokens",
-    "model",
-)
-
 # ASGI's shapes as Starlette names them (starlette/types.py). Values are read through
 # :func:`_field` / :func:`_headers`, typed as the ASGI spec types them. The scope is
 # mutable: the app writes its own (``app``, ``state``, ``router``) into the very dict the
@@ -163,12 +126,7 @@ Message = MutableMapping[str, object]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-_Budget = Result[int, BudgetError | CapFailure]
-
 _T = TypeVar("_T")
-#: budgets of (``max_tokens``, prompt length, the server's settings), least recently used
-#: dropped past 4096
-_memo_max_tokens = functools.lru_cache(maxsize=4096)(http_max_tokens)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -202,21 +160,6 @@ class RolloutHooks(Protocol):
     def in_flight(self) -> contextlib.AbstractAsyncContextManager[object]: ...
 
 
-class _Refused(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-
-
-def _error_body(status: int, message: str, param: str | None) -> bytes:
-    return json.dumps(error_body(status, message, param)).encode()
-
-
-def _refused(problem: BadRequest) -> _Refused:
-    return _Refused(problem.status, problem.message, problem.param)
-
-
 @attrs.define(kw_only=True, eq=False)
 class RolloutLayer:
     """The ASGI layer in front of vLLM's app (see the module docstring)."""
@@ -236,12 +179,36 @@ class RolloutLayer:
     captures_routes: bool = False
     control: ControlRoutes | None = None
     limits: HttpLimits = attrs.field(init=False)
+    rules: PromptRules = attrs.field(init=False)
+    _local: httpx.AsyncClient = attrs.field(init=False)
     _running: set[asyncio.Task[object]] = attrs.field(init=False, factory=set)
     _aborted: dict[asyncio.Task[object], str] = attrs.field(init=False, factory=dict)
 
     @limits.default
     def _limits(self) -> HttpLimits:
         return http_limits(self.max_model_len, self.vocab_size)
+
+    @rules.default
+    def _rules(self) -> PromptRules:
+        return PromptRules(
+            policy=self.policy,
+            max_new_tokens=self.max_new_tokens,
+            max_model_len=self.max_model_len,
+            cap_to_context=self.cap_to_context,
+            num_speculative_tokens=self.num_speculative_tokens,
+            limits=self.limits,
+            reuses_prompt_ids=self.reuses_prompt_ids,
+            chat_template=self.chat_template,
+        )
+
+    @_local.default
+    def _local_client(self) -> httpx.AsyncClient:
+        """Requests to vLLM's own routes (``/tokenize``) in process: httpx's ASGI transport,
+        no socket, no proxy from the environment."""
+        import httpx
+
+        transport = httpx.ASGITransport(self.app)
+        return httpx.AsyncClient(transport=transport, base_url="http://vllm", trust_env=False)
 
     def abort_all(self, reason: str) -> int:
         """End every generation request in flight (vLLM aborts it: ``AsyncLLM.generate``
@@ -263,13 +230,16 @@ class RolloutLayer:
             if isinstance(nested, Failure):
                 await _refuse(send, nested.failure())
                 return
-            route = CONTROL_ROUTES.get(
-                (_field(scope, "method", str, ""), _field(scope, "path", str, ""))
-            )
-            if self.control is not None and route is not None:
-                status, answer = await self.control.handle(route, _query(scope), raw)
-                await _respond(send, status, json.dumps(answer).encode())
-                return
+            if self.control is not None:
+                from starlette.requests import Request
+
+                request = Request(scope)
+                route = CONTROL_ROUTES.get((request.method, _field(scope, "path", str, "")))
+                if route is not None:
+                    query = dict(request.query_params)  # the last of a repeated name
+                    status, answer = await self.control.handle(route, query, raw)
+                    await _respond(send, status, json.dumps(answer).encode())
+                    return
             await self.app(scope, _replay(raw, receive), send)
             return
         parsed = parse_body(raw, self.limits)
@@ -283,22 +253,24 @@ class RolloutLayer:
             await self.app(scope, _replay(raw, receive), send)
             return
         chat = scope["path"] == "/v1/chat/completions"
+        if self.control is not None and (held := self.control.refuses_generation()):
+            await _refuse(send, held)
+            return
+        routes = check_routes_request(body, captures=self.captures_routes)
+        asked = body.pop(ROUTES_FIELD, None) is not None  # genworker's, not vLLM's
+        prepared = routes if isinstance(routes, Failure) else await self._prepare(body, chat)
+        if isinstance(prepared, Failure):
+            await _refuse(send, prepared.failure())
+            return
+        ready = prepared.unwrap()
+        if ready.changed or asked:
+            raw = json.dumps(ready.body).encode()
         try:
-            if self.control is not None and (held := self.control.refuses_generation()):
-                raise _refused(held)
-            routes = check_routes_request(body, captures=self.captures_routes)
-            if isinstance(routes, Failure):
-                raise _refused(routes.failure())
-            asked = body.pop(ROUTES_FIELD, None) is not None  # genworker's, not vLLM's
-            if await self._prepare(scope, body, chat) or asked:
-                raw = json.dumps(body).encode()
-            strip = self.captures_routes and not routes.unwrap()
             async with self.hooks.in_flight():
+                strip = self.captures_routes and not routes.unwrap()
                 await self._generate(scope, raw, receive, send, strip_routes=strip)
-        except _Refused as e:
-            await _respond(send, e.status, _error_body(e.status, str(e), e.param))
         except EngineStateError as e:
-            await _respond(send, 503, _error_body(503, str(e), None))
+            await _refuse(send, BadRequest(str(e), status=503, param=None))
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """The request's body, read within the byte limit and :attr:`body_timeout_s`;
@@ -328,15 +300,7 @@ class RolloutLayer:
                     if not message.get("more_body", False):
                         return b"".join(chunks)
         except TimeoutError:
-            await _refuse(
-                send,
-                BadRequest(
-                    f"the request body did not arrive within {self.body_timeout_s:g} s "
-                    f"({size} bytes came)",
-                    status=408,
-                    param=None,
-                ),
-            )
+            await _refuse(send, late_body(self.body_timeout_s, size))
             return None
 
     async def _generate(
@@ -352,7 +316,7 @@ class RolloutLayer:
             if reason is not None:  # vLLM answered the cancellation itself: ours instead
                 if not started:
                     started = True
-                    await _respond(send, 500, _error_body(500, reason, None))
+                    await _refuse(send, BadRequest(reason, status=500, param=None))
                 return
             started = started or message["type"] == "http.response.start"
             await forward(message)
@@ -369,7 +333,7 @@ class RolloutLayer:
                 raise
             task.uncancel()
             if not started:
-                await _respond(send, 500, _error_body(500, reason, None))
+                await _refuse(send, BadRequest(reason, status=500, param=None))
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
@@ -377,144 +341,20 @@ class RolloutLayer:
             self._aborted.pop(task, None)
 
     # -- the request -------------------------------------------------------------------
-    async def _prepare(self, scope: Scope, body: dict[str, object], chat: bool) -> bool:
-        """Checks and completes ``body`` in place; whether it changed (else the request's
-        own bytes go to vLLM as they came)."""
-        fills = rollout_fills(body, self.policy, chat=chat)
-        if isinstance(fills, Failure):
-            problem: OffPolicy = fills.failure()
-            raise _Refused(400, str(problem), problem.parameter)
-        body.update(fills.unwrap())
-        # chat requests lose their turns' ids, may gain prompt ids
-        changed = chat or bool(fills.unwrap())
-        if chat:
-            lengths = [await self._chat_prompt(scope, body)]
-        else:
-            lengths = await self._completion_lengths(scope, body)
-        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-        requested = body.get(key)
-        prompt = "messages" if chat else "prompt"
-        budget = request_budget(requested, lengths, self._budget, key=key, prompt_param=prompt)
-        if isinstance(budget, Failure):
-            raise _refused(budget.failure())
-        if type(requested) is not int or requested != budget.unwrap():
-            body[key] = budget.unwrap()
-            changed = True
-        return changed
-
-    def _budget(self, requested: object, prompt_length: int) -> _Budget:
-        """``core.serving.http_max_tokens`` for this server, memoized for the usual
-        ``max_tokens`` (an int or left out): it is pure, and the fast path asks it twice."""
-        usual = requested is None or type(requested) is int  # never a bool: True == 1
-        return (_memo_max_tokens if usual else http_max_tokens)(
-            requested,
-            prompt_length,
-            max_new_tokens=self.max_new_tokens,
-            max_model_len=self.max_model_len,
-            cap_to_context=self.cap_to_context,
-            num_speculative_tokens=self.num_speculative_tokens,
-        )
-
-    def _fits_untokenized(self, requested: object, prompt: str) -> int | None:
-        """The prompt-length bound when ``requested`` fits with it unchanged
-        (``core.serving.prompt_tokens_at_most``), else None: tokenize."""
-        bound = prompt_tokens_at_most(len(prompt.encode()))
-        wanted = self.max_new_tokens if requested is None else requested
-        budget = self._budget(requested, bound)
-        if isinstance(budget, Failure) or budget.unwrap() != wanted:
-            return None
-        return bound
-
-    async def _tokenize(self, scope: Scope, payload: Mapping[str, object]) -> list[int]:
-        tokens = tokenize_answer(*await _call_json(self.app, scope, "/tokenize", payload))
-        if isinstance(tokens, Failure):
-            raise _refused(tokens.failure())
-        return tokens.unwrap()
-
-    async def _completion_lengths(self, scope: Scope, body: Mapping[str, object]) -> list[int]:
-        checked = check_completion_prompt(body.get("prompt"), self.limits)
-        if isinstance(checked, Failure):
-            raise _refused(checked.failure())
-        lengths = []
-        for p in checked.unwrap():
-            if isinstance(p, tuple):
-                lengths.append(len(p))
-            else:
-                bound = self._fits_untokenized(body.get("max_tokens"), p)
-                if bound is not None:
-                    lengths.append(bound)
-                    continue
-                payload = {k: body[k] for k in _TOKENIZE_FIELDS if k in body} | {"prompt": p}
-                lengths.append(len(await self._tokenize(scope, payload)))
-        return lengths
-
-    async def _chat_prompt(self, scope: Scope, body: dict[str, object]) -> int:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise _Refused(400, "messages must be a list of objects", "messages")
-        text = check_chat_text(messages, self.limits)
-        if isinstance(text, Failure):
-            raise _refused(text.failure())
-        required = body.pop("required_prefix_token_ids", None)
-        read = chat_reference(messages, required, self.vocab_size, lambda i: self.decode(i, True))
-        if isinstance(read, Failure):
-            raise _refused(read.failure())
-        reference, message = read.unwrap().ids, read.unwrap().message
-        for m in messages:  # genworker's, not vLLM's
-            for field in TURN_FIELDS:
-                m.pop(field, None)
-        payload = {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}
-        payload["messages"] = messages
-        template = await self._tokenize(scope, payload)
-        if not reference:
-            return len(template)
-        if not self.reuses_prompt_ids:
-            raise _Refused(
-                501,
-                "this vLLM cannot take a chat prompt as token ids "
-                "(no kv_transfer_params.prompt_token_ids reuse); send the ids to /v1/completions",
-                "messages",
-            )
-        spliced = splice_prefix(
-            reference, template, lambda ids: self.decode(ids, False), message=message
-        )
-        if isinstance(spliced, Failure):
-            await self._check_template(scope, payload, messages, template, message)
-            raise _Refused(400, str(spliced.failure()), "messages")
-        ids = list(spliced.unwrap())
-        kv = body.get("kv_transfer_params")
-        body["kv_transfer_params"] = {
-            **(kv if isinstance(kv, dict) else {}),
-            "prompt_token_ids": ids,
-        }
-        return len(ids)
-
-    async def _check_template(
-        self,
-        scope: Scope,
-        payload: Mapping[str, object],
-        messages: Sequence[object],
-        whole: Sequence[int],
-        message: int,
-    ) -> None:
-        """Refuses naming the chat template when it is what broke the prefix
-        (``core.serving.check_template_stable``); returns when the history is to blame.
-        ``messages``: the payload's own."""
-        alone = {
-            **payload,
-            "messages": messages[: message + 1],
-            "add_generation_prompt": False,
-            "continue_final_message": False,
-        }
-        checked = check_template_stable(
-            await self._tokenize(scope, alone),
-            whole,
-            lambda ids: self.decode(ids, False),
-            message=message,
-            template=template_source(payload, self.chat_template),
-        )
-        if isinstance(checked, Failure):
-            raise _Refused(400, str(checked.failure()), "messages")
+    async def _prepare(
+        self, body: Mapping[str, object], chat: bool
+    ) -> Result[Prepared, BadRequest]:
+        """``core.server_prompts``' machine for ``body``, its tokenizations answered by
+        vLLM's own ``/tokenize`` route."""
+        steps = self.rules.prepare(body, chat=chat, decode=self.decode)
+        try:
+            payload = next(steps)
+            while True:
+                answer = await self._local.post("/tokenize", json=payload)
+                payload = steps.send(_answer(answer))
+        except StopIteration as done:
+            decided: Result[Prepared, BadRequest] = done.value
+            return decided
 
     # -- the response ------------------------------------------------------------------
     def _sender(self, send: Send, first: int, strip_routes: bool = False) -> Send:
@@ -563,13 +403,6 @@ class RolloutLayer:
         return wrapped
 
 
-def _query(scope: Scope) -> dict[str, str]:
-    """The request's query parameters (the last of a repeated name)."""
-    from fastapi.datastructures import QueryParams
-
-    return dict(QueryParams(_field(scope, "query_string", bytes, b"")))
-
-
 def _content_length(scope: Scope) -> int | None:
     # A loop, not Starlette's Headers: this runs on every request, and building Headers
     # cost 1.2 us against 0.2 us (measured on this CPU; server_layer_cpu_us_per_request).
@@ -608,11 +441,10 @@ def _headers(message: Mapping[str, object]) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-def _replay(body: bytes, then: Receive | None = None) -> Receive:
+def _replay(body: bytes, then: Receive) -> Receive:
     """``body`` as the request's one message; afterwards what ``then`` (the connection's
     own ``receive``, its body already read) answers: the client's disconnect, which vLLM
-    listens for to abort the request (``with_cancellation``), as on the stock server.
-    Without ``then`` (an in-process call) no disconnect ever comes."""
+    listens for to abort the request (``with_cancellation``), as on the stock server."""
     sent = False
 
     async def receive() -> Message:
@@ -620,10 +452,7 @@ def _replay(body: bytes, then: Receive | None = None) -> Receive:
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        if then is not None:
-            return await then()
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")  # pragma: no cover
+        return await then()
 
     return receive
 
@@ -640,40 +469,16 @@ async def _respond(send: Send, status: int, body: bytes, *, close: bool = False)
 
 
 async def _refuse(send: Send, problem: BadRequest) -> None:
-    body = _error_body(problem.status, problem.message, problem.param)
+    body = json.dumps(error_body(problem.status, problem.message, problem.param)).encode()
     await _respond(send, problem.status, body, close=problem.status in (408, 413))
 
 
-async def _call_json(
-    app: ASGIApp, scope: Scope, path: str, payload: Mapping[str, object]
-) -> tuple[int, object]:
-    """One in-process request to ``app`` (vLLM's own route), JSON in and out."""
-    data = json.dumps(payload).encode()
-    sub = {
-        **scope,
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(data)).encode()),
-        ],
-    }
-    status = 500
-    chunks: list[bytes] = []
-
-    async def send(message: Message) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = int(_field(message, "status", int))
-        elif message["type"] == "http.response.body":
-            chunks.append(_field(message, "body", bytes, b""))
-
-    await app(sub, _replay(data), send)
+def _answer(response: httpx.Response) -> Tokenized:
+    """An in-process answer of vLLM's own route: its status and JSON (text if not JSON)."""
     try:
-        return status, json.loads(b"".join(chunks))
+        return response.status_code, response.json()
     except ValueError:
-        return status, b"".join(chunks).decode(errors="replace")
+        return response.status_code, response.text
 
 
 # --- vLLM's app, found by looking ------------------------------------------------------
@@ -728,11 +533,6 @@ def _first_attr(names: Sequence[tuple[str, str]]) -> Callable[..., object]:
     )
 
 
-def _call_by_signature(fn: Callable[..., _T], /, **available: object) -> _T:
-    params = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in available.items() if k in params})
-
-
 def _expect(value: object, kind: type[_T], what: str) -> _T:
     """``value``, found by looking in vLLM, when it is the ``kind`` read here."""
     if not isinstance(value, kind):
@@ -742,11 +542,15 @@ def _expect(value: object, kind: type[_T], what: str) -> _T:
     return value
 
 
-async def _awaited(value: object) -> object:
-    """``await value`` (a coroutine function of vLLM's, found by looking)."""
-    if not inspect.isawaitable(value):
-        raise TypeError(f"object {type(value).__name__} can't be used in 'await' expression")
-    return await value
+async def _vllm_call(
+    fn: Callable[..., object], kind: type[_T], what: str, /, *args: object, **available: object
+) -> _T:
+    """vLLM's ``fn`` (found by looking) called with ``args`` and those of ``available``
+    its signature names (they differ between versions), awaited where vLLM's is a
+    coroutine function, its value checked to be the ``kind`` read here."""
+    params = inspect.signature(fn).parameters
+    value = fn(*args, **{k: v for k, v in available.items() if k in params})
+    return _expect(await value if inspect.isawaitable(value) else value, kind, what)
 
 
 def _model_config(llm: object) -> ModelConfig:
@@ -768,8 +572,8 @@ def chat_takes_prompt_ids() -> bool:
 async def _tokenizer(llm: object) -> _Tokenizer:
     tokenizer: object = getattr(llm, "tokenizer", None)
     if tokenizer is None or (callable(tokenizer) and not hasattr(tokenizer, "decode")):
-        got: object = getattr(llm, "get_tokenizer")()  # noqa: B009 - llm: any engine client
-        tokenizer = await got if inspect.isawaitable(got) else got
+        get_tokenizer = getattr(llm, "get_tokenizer")  # noqa: B009 - llm: any engine client
+        tokenizer = await _vllm_call(get_tokenizer, object, "get_tokenizer")
     if tokenizer is None:
         raise BadConfigError("the engine has no tokenizer (skip_tokenizer_init): no HTTP server")
     if not isinstance(tokenizer, _Tokenizer):
@@ -812,26 +616,24 @@ async def build_vllm_app(llm: object, chat_template: str | None = None) -> FastA
         model_config.served_model_name,
         chat_template,
     )
-    parser = _expect(make_arg_parser(parser_cls()), argparse.ArgumentParser, "make_arg_parser")
-    args = parser.parse_args(argv)
-    tasks = None
-    get_tasks = getattr(llm, "get_supported_tasks", None)
-    if callable(get_tasks):
-        tasks = await _awaited(get_tasks())
-    app = _expect(
-        _call_by_signature(build_app, args=args, supported_tasks=tasks, model_config=model_config),
-        FastAPI,
-        "build_app",
+    parser = await _vllm_call(
+        make_arg_parser, argparse.ArgumentParser, "make_arg_parser", parser_cls()
     )
-    await _awaited(
-        _call_by_signature(
-            init_app_state,
-            engine_client=llm,
-            vllm_config=getattr(llm, "vllm_config", None),
-            state=app.state,
-            args=args,
-            supported_tasks=tasks,
-        )
+    args = parser.parse_args(argv)
+    get_tasks = getattr(llm, "get_supported_tasks", None)
+    tasks = await _vllm_call(get_tasks, object, "tasks") if callable(get_tasks) else None
+    app = await _vllm_call(
+        build_app, FastAPI, "build_app", args=args, supported_tasks=tasks, model_config=model_config
+    )
+    await _vllm_call(
+        init_app_state,
+        object,
+        "init_app_state",
+        engine_client=llm,
+        vllm_config=getattr(llm, "vllm_config", None),
+        state=app.state,
+        args=args,
+        supported_tasks=tasks,
     )
     return app
 
@@ -853,7 +655,7 @@ async def serve_on(
         lifespan="off",
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    server = _expect(server_cls(config), uvicorn.Server, "HTTP server")
+    server = await _vllm_call(server_cls, uvicorn.Server, "HTTP server", config)
     if server_cls is uvicorn.Server:  # never take the process's signals (vLLM 0.25)
         setattr(server, "capture_signals", contextlib.nullcontext)  # noqa: B010 - uvicorn >= 0.29
     task = asyncio.ensure_future(server.serve(sockets=[sock]))

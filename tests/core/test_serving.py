@@ -57,6 +57,7 @@ from genworker.core.serving import (
     http_limits,
     http_max_tokens,
     json_depth,
+    late_body,
     metrics_logger_interval,
     parse_body,
     prompt_tokens_at_most,
@@ -601,6 +602,12 @@ def test_a_body_past_the_byte_limit_is_413(size: int, limit: int) -> None:
     else:
         assert got == Success(1)
         assert check_body_length(len(raw), limits(body=limit)) == Success(len(raw))
+
+
+def test_a_body_that_arrives_late_is_408_saying_how_much_came() -> None:
+    problem = late_body(60.0, 1234)
+    assert (problem.status, problem.param) == (408, None)
+    assert "within 60 s (1234 bytes came)" in problem.message
 
 
 @pytest.mark.parametrize("raw", [b"{oops", b"", b"\xff\xfe{", b'{"a": 1'])

@@ -253,7 +253,7 @@ def test_the_memoized_budget_is_the_core_budget(cases: list[tuple[object, int]])
             cap_to_context=True,
             num_speculative_tokens=0,
         )
-        assert asgi._budget(requested, length) == expected
+        assert asgi.rules.budget(requested, length) == expected
 
 
 class Listener(StandIn):
