@@ -41,7 +41,7 @@ from genworker.shell.errors import (
     RefitTransportError,
 )
 
-__all__ = ["Answer", "ControlHooks", "ControlRoutes"]
+__all__ = ["Answer", "ControlHooks", "ControlRoutes", "refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +78,13 @@ class ControlHooks(Protocol):
     async def abort_requests(self, request_ids: Sequence[str]) -> int: ...
 
 
-def _status_of(error: GenworkerError) -> int:
-    """The HTTP status of a typed failure of a route's call."""
-    if isinstance(error, BadArgumentError | RefitManifestError):
-        return 400
-    if isinstance(error, EngineStateError):
-        return 409
-    if isinstance(error, RefitTimeoutError):
-        return 504
-    return 500
+#: The HTTP status of a typed failure of a route's call: the first kind it is, else 500.
+_STATUSES: tuple[tuple[type[GenworkerError], int], ...] = (
+    (BadArgumentError, 400),
+    (RefitManifestError, 400),
+    (EngineStateError, 409),
+    (RefitTimeoutError, 504),
+)
 
 
 class ControlRoutes:
@@ -112,17 +110,17 @@ class ControlRoutes:
         try:
             body = json.loads(raw) if raw.strip() else None
         except ValueError as e:
-            return _error(
+            return refusal(
                 BadRequest(f"/{route}: the body is not JSON ({e})", status=400, param=None)
             )
         parsed = c.parse(route, query, body)
         if isinstance(parsed, Failure):
-            return _error(parsed.failure())
+            return refusal(parsed.failure())
         request = parsed.unwrap()
         async with self._lock:
             allowed = c.step(self.state, request)
             if isinstance(allowed, Failure):
-                return _error(BadRequest(str(allowed.failure()), status=409, param=None))
+                return refusal(BadRequest(str(allowed.failure()), status=409, param=None))
             try:
                 answer = await self._run(request)
             except GenworkerError as e:
@@ -131,7 +129,7 @@ class ControlRoutes:
                     # transport that failed (or none left) closed the group: join again
                     broken = isinstance(e, RefitTimeoutError | RefitTransportError)
                     self.state = c.update_failed(self.state, str(e), group_broken=broken)
-                status = _status_of(e)
+                status = next((code for kind, code in _STATUSES if isinstance(e, kind)), 500)
                 return status, error_body(status, f"/{route}: {type(e).__name__}: {e}", None)
             if not isinstance(request, c.Update):  # an update's outcome moved it already
                 self.state = allowed.unwrap()
@@ -204,5 +202,6 @@ class ControlRoutes:
         return tree
 
 
-def _error(problem: BadRequest) -> Answer:
+def refusal(problem: BadRequest) -> Answer:
+    """A refused request's answer: its status and an OpenAI-style error body."""
     return problem.status, error_body(problem.status, problem.message, problem.param)

@@ -73,7 +73,6 @@ from genworker.core.serving import (
     check_nesting,
     check_routes_request,
     drop_routes,
-    error_body,
     http_limits,
     late_body,
     parse_body,
@@ -82,7 +81,7 @@ from genworker.core.serving import (
     versions_between,
     vllm_server_argv,
 )
-from genworker.shell.control import ControlHooks, ControlRoutes
+from genworker.shell.control import ControlHooks, ControlRoutes, refusal
 from genworker.shell.errors import BadConfigError, EngineStateError, GenworkerError, unwrap
 
 if TYPE_CHECKING:
@@ -237,8 +236,7 @@ class RolloutLayer:
                 route = CONTROL_ROUTES.get((request.method, _field(scope, "path", str, "")))
                 if route is not None:
                     query = dict(request.query_params)  # the last of a repeated name
-                    status, answer = await self.control.handle(route, query, raw)
-                    await _respond(send, status, json.dumps(answer).encode())
+                    await _respond(send, *await self.control.handle(route, query, raw))
                     return
             await self.app(scope, _replay(raw, receive), send)
             return
@@ -457,7 +455,8 @@ def _replay(body: bytes, then: Receive) -> Receive:
     return receive
 
 
-async def _respond(send: Send, status: int, body: bytes, *, close: bool = False) -> None:
+async def _respond(send: Send, status: int, answer: object, *, close: bool = False) -> None:
+    body = json.dumps(answer).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -469,8 +468,7 @@ async def _respond(send: Send, status: int, body: bytes, *, close: bool = False)
 
 
 async def _refuse(send: Send, problem: BadRequest) -> None:
-    body = json.dumps(error_body(problem.status, problem.message, problem.param)).encode()
-    await _respond(send, problem.status, body, close=problem.status in (408, 413))
+    await _respond(send, *refusal(problem), close=problem.status in (408, 413))
 
 
 def _answer(response: httpx.Response) -> Tokenized:
