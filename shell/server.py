@@ -429,7 +429,7 @@ def _field(
 def _headers(message: Mapping[str, object]) -> list[tuple[bytes, bytes]]:
     """An ASGI message's (or scope's) headers: ``(name, value)`` byte strings."""
     raw = message.get("headers", ())
-    if not isinstance(raw, Iterable):
+    if not isinstance(raw, list | Iterable):  # a list, as servers send, skips the ABC's check
         raise TypeError(f"ASGI {message.get('type')!r}: headers is a {type(raw).__name__}")
     headers = []
     for name, value in raw:
