@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 __all__ = [
     "MEDIA_KEY",
     "RowMedia",
-    "context_lengths",
-    "engine_prompts",
     "image_counts",
     "media_rows",
     "row_media",
@@ -90,58 +88,6 @@ def image_counts(media: Sequence[RowMedia | None] | None, batch_size: int) -> li
     return [0 if m is None else len(m.images) for m in media]
 
 
-def engine_prompts(
-    prompts: Sequence[Sequence[int]],
-    media: Sequence[RowMedia | None] | None,
-    tokenize: Callable[[list[str]], list[list[int]]],
-    max_model_len: int,
-    call: str,
-) -> Sequence[Sequence[int]]:
-    """What the engine starts each row from: its ids, or the ids ``tokenize`` makes of its
-    prompt text (NeMo-RL's ``vllm_content``, :attr:`RowMedia.text`), as ``generate_text``
-    tokenizes (one BOS); a text that leaves no room to generate is refused by row."""
-    texts = {row: m.text for row, m in enumerate(media or ()) if m and m.text is not None}
-    if not texts:
-        return prompts
-    ids = dict(zip(texts, tokenize(list(texts.values())), strict=True))
-    if too_long := [row for row, p in ids.items() if len(p) >= max_model_len]:
-        raise BadBatchError(
-            f"{call}: vllm_content of rows {too_long} leaves no room to generate: "
-            f"{[len(ids[r]) for r in too_long]} tokens, max_model_len={max_model_len}"
-        )
-    return [ids.get(row, prompt) for row, prompt in enumerate(prompts)]
-
-
-def context_lengths(
-    caps: EngineCapabilities,
-    prompts: Sequence[Sequence[int]],
-    lengths: Sequence[int],
-    media: Sequence[RowMedia | None] | None,
-    expanded_lengths: Callable[[Sequence[Sequence[int]], Sequence[RowMedia | None]], list[int]],
-) -> list[int]:
-    """What each prompt holds in the context: its length, or for a media row the length
-    the engine expands it to (``expanded_lengths``), once core checked the images against
-    the placeholders (every row's, a placeholder id without images included) and the
-    expanded prompts against ``max_model_len``."""
-    if media is None and caps.image_token_id is None:
-        return list(lengths)
-    unwrap(
-        check_media(
-            prompts,
-            image_counts(media, len(prompts)),
-            placeholder_id=caps.image_token_id,
-            max_images=caps.max_images,
-        ),
-        BadBatchError,
-        "multi_modal_data",
-    )
-    if media is None:
-        return list(lengths)
-    expanded = expanded_lengths(prompts, media)
-    unwrap(check_context(lengths, expanded, caps.max_model_len), BadBatchError, "multi_modal_data")
-    return expanded
-
-
 def media_rows(
     caps: EngineCapabilities,
     batch_size: int,
@@ -152,16 +98,45 @@ def media_rows(
     call: str,
 ) -> tuple[dict[int, Sequence[int]], dict[int, int], dict[int, RowMedia]]:
     """For the rows in ``prompts`` (by batch row; the others were refused): each one's
-    engine prompt (:func:`engine_prompts`), what it holds in the context
-    (:func:`context_lengths`), and the images of the rows that have some. A bad image
-    refuses the batch, rows named as in it."""
+    engine prompt, what it holds in the context, and the images of the rows that have some.
+
+    The engine starts a row from its ids, or from the ids ``tokenize`` makes of its prompt
+    text (NeMo-RL's ``vllm_content``, :attr:`RowMedia.text`), as ``generate_text``
+    tokenizes (one BOS); a text that leaves no room to generate is refused by row. A row
+    holds its prompt's length in the context, or for a media row the length the engine
+    expands it to (``expanded_lengths``), once core checked the images against the
+    placeholders (every row's, a placeholder id without images included) and the expanded
+    prompts against ``max_model_len``. A bad image refuses the batch, rows named as in it."""
     if media is None and caps.image_token_id is None:
         return dict(prompts), {row: len(p) for row, p in prompts.items()}, {}
-    rows = [prompts.get(row, ()) for row in range(batch_size)]  # a refused row: empty
+    starts = [prompts.get(row, ()) for row in range(batch_size)]  # a refused row: empty
     kept = None if media is None else [m if r in prompts else None for r, m in enumerate(media)]
-    starts = engine_prompts(rows, kept, tokenize, caps.max_model_len, call)
-    lengths = context_lengths(caps, starts, [len(p) for p in starts], kept, expanded_lengths)
     images = {row: m for row, m in enumerate(kept or ()) if m is not None}
+    if texts := {row: m.text for row, m in images.items() if m.text is not None}:
+        ids = dict(zip(texts, tokenize(list(texts.values())), strict=True))
+        if too_long := [row for row, p in ids.items() if len(p) >= caps.max_model_len]:
+            raise BadBatchError(
+                f"{call}: vllm_content of rows {too_long} leaves no room to generate: "
+                f"{[len(ids[r]) for r in too_long]} tokens, max_model_len={caps.max_model_len}"
+            )
+        starts = [ids.get(row, prompt) for row, prompt in enumerate(starts)]
+    lengths = [len(p) for p in starts]
+    unwrap(
+        check_media(
+            starts,
+            image_counts(kept, batch_size),
+            placeholder_id=caps.image_token_id,
+            max_images=caps.max_images,
+        ),
+        BadBatchError,
+        "multi_modal_data",
+    )
+    if kept is not None:
+        expanded = expanded_lengths(starts, kept)
+        unwrap(
+            check_context(lengths, expanded, caps.max_model_len), BadBatchError, "multi_modal_data"
+        )
+        lengths = expanded
     return (
         {row: starts[row] for row in prompts},
         {row: lengths[row] for row in prompts},
