@@ -13,7 +13,7 @@ to wake that way, and 5-6 ms when created directly as the allocation vLLM ends u
 against ``--as-vllm``). :func:`install` replaces the module-level ``create_and_map`` that
 ``wake_up`` calls by :func:`create_and_map` here, which makes the same allocation with the
 same properties and stops asking for a fabric handle on a device once the driver has
-refused one in this process. The first allocation vLLM makes (``my_malloc``) and every
+refused one in this process (``core.cumem.handle_types``). The first allocation vLLM makes (``my_malloc``) and every
 release stay vLLM's own; the handle is written where vLLM's C code reads it back.
 
 The replacement must happen in the process whose allocator sleeps: the worker's own for
@@ -31,13 +31,13 @@ import importlib
 import threading
 from collections.abc import Sequence
 
-__all__ = ["create_and_map", "handle_types", "install"]
+from genworker.core.cumem import FABRIC, REFUSED, handle_types
+
+__all__ = ["create_and_map", "install"]
 
 _PINNED, _LOCATION_DEVICE, _READWRITE = 1, 1, 3
-_POSIX_FD, _FABRIC = 0x1, 0x8  # CU_MEM_HANDLE_TYPE_*
 _RDMA_WITH_VMM = 110  # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
 _FABRIC_SUPPORTED = 128  # CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED
-_REFUSED = (800, 801)  # CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED
 
 
 class _Location(ctypes.Structure):
@@ -65,18 +65,6 @@ class _Prop(ctypes.Structure):
 
 class _Access(ctypes.Structure):
     _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
-
-
-def handle_types(fabric_supported: bool, fabric_refused: bool) -> tuple[int, ...]:
-    """The shareable handle types to ask ``cuMemCreate`` for, in order, the next one only
-    when the driver refuses the one before: vLLM's choice (fabric where supported, POSIX
-    when refused, none where fabric is unsupported), less the fabric attempt once the
-    driver has refused it on the device."""
-    if not fabric_supported:
-        return (0,)
-    if fabric_refused:
-        return (_POSIX_FD,)
-    return (_FABRIC, _POSIX_FD)
 
 
 class _Driver:
@@ -162,7 +150,7 @@ def create_and_map(allocation_handle: Sequence[int]) -> None:
     for kind in kinds:
         prop.requestedHandleTypes = kind
         rc = drv.cu.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(prop), 0)
-        if rc in _REFUSED and kind == _FABRIC:
+        if rc in REFUSED and kind == FABRIC:
             with drv.lock:
                 drv.fabric_refused.add(device)
             continue

@@ -1,5 +1,5 @@
-"""The sleep-mode wake's create_and_map (genworker.shell.cumem_wake): vLLM's choice of
-handle types less a refused fabric attempt, its control flow over a scripted driver, and
+"""The sleep-mode wake's create_and_map (genworker.shell.cumem_wake): its control flow
+over a scripted driver (the handle types it asks for: tests/core/test_cumem.py), and
 its absence where there is no CUDA. The H200 measures it (bench/gpu.py, refit section)."""
 
 from __future__ import annotations
@@ -9,26 +9,10 @@ import threading
 from typing import Any, cast
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from genworker.shell import cumem_wake as cw
 
 FABRIC, POSIX = 0x8, 0x1
-
-
-@given(st.booleans(), st.booleans())
-def test_the_handle_types_are_vllms_less_a_refused_fabric_attempt(
-    supported: bool, refused: bool
-) -> None:
-    kinds = cw.handle_types(supported, refused)
-    assert kinds  # something is always asked for
-    assert kinds[-1] != FABRIC  # the last resort is never the one a driver may refuse
-    assert (FABRIC in kinds) == (supported and not refused)
-    if not supported:
-        assert kinds == (0,)  # vLLM asks for no shareable handle then
-    else:
-        assert kinds[-1] == POSIX  # vLLM's fallback when the fabric handle is refused
 
 
 def test_the_structs_have_the_cuda_driver_layouts() -> None:
