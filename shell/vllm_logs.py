@@ -44,21 +44,21 @@ NOT_LOADED = "Following weights were not loaded from checkpoint: %s"
 FAILED_TO_LOAD = "%s: Failed to load weights"
 
 
-class _Hold(logging.Filter):
-    """Keeps one logger's completeness records (in ``held``, shared, in emission order)."""
+#: The completeness alarm each of vLLM's two loader loggers emits, by logger name.
+_ALARMS = {INPLACE_LOGGER: NOT_LOADED, LAYERWISE_LOGGER: FAILED_TO_LOAD}
 
-    def __init__(
-        self,
-        logger: logging.Logger,
-        message: str,
-        held: list[tuple[logging.Logger, logging.LogRecord]],
-    ) -> None:
+
+class _Hold(logging.Filter):
+    """Keeps the completeness records of the loggers it filters (in ``held``, in emission
+    order); a filter sees only its own logger's records, so ``record.name`` is the one."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.logger, self.message, self.held = logger, message, held
+        self.held: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == self.message:
-            self.held.append((self.logger, record))
+        if record.msg == _ALARMS.get(record.name):
+            self.held.append(record)
             return False
         return True
 
@@ -69,41 +69,35 @@ def refit_loader_alarms(direct: Collection[str], modules: Mapping[str, object]) 
     straight into parameter memory, ``modules`` the model's modules by name (the class of
     each directly written module, and of each module without a parameter of its own,
     explains one "Failed to load weights")."""
-    held: list[tuple[logging.Logger, logging.LogRecord]] = []
-    holds = [
-        _Hold(logging.getLogger(INPLACE_LOGGER), NOT_LOADED, held),
-        _Hold(logging.getLogger(LAYERWISE_LOGGER), FAILED_TO_LOAD, held),
-    ]
-    for hold in holds:
-        hold.logger.addFilter(hold)
+    hold = _Hold()
+    for name in _ALARMS:
+        logging.getLogger(name).addFilter(hold)
     failed = True
     try:
         yield
         failed = False
     finally:
-        for hold in holds:
-            hold.logger.removeFilter(hold)
-        for logger, record in held if failed else _unexplained(held, direct, modules):
-            logger.handle(record)
+        for name in _ALARMS:
+            logging.getLogger(name).removeFilter(hold)
+        for record in hold.held if failed else _unexplained(hold.held, direct, modules):
+            logging.getLogger(record.name).handle(record)
 
 
 def _unexplained(
-    held: list[tuple[logging.Logger, logging.LogRecord]],
-    direct: Collection[str],
-    modules: Mapping[str, object],
-) -> list[tuple[logging.Logger, logging.LogRecord]]:
+    held: list[logging.LogRecord], direct: Collection[str], modules: Mapping[str, object]
+) -> list[logging.LogRecord]:
     """The held records the direct routes do not explain (``core.loader_alarms``), a "not
     loaded" one narrowed to the names no route wrote."""
     verdicts = explain_alarms(
-        [Alarm(record.msg == NOT_LOADED, _first_arg(record)) for _, record in held],
+        [Alarm(record.msg == NOT_LOADED, _first_arg(record)) for record in held],
         set(direct),
         {name: type(module).__name__ for name, module in modules.items()},
         [type(m).__name__ for m in modules.values() if _holds_no_parameter(m)],
     )
-    for (_, record), verdict in zip(held, verdicts, strict=True):
+    for record, verdict in zip(held, verdicts, strict=True):
         if verdict.rest is not None:
             record.args = (set(verdict.rest),)
-    return [pair for pair, verdict in zip(held, verdicts, strict=True) if not verdict.explained]
+    return [record for record, verdict in zip(held, verdicts, strict=True) if not verdict.explained]
 
 
 def _first_arg(record: logging.LogRecord) -> object:
