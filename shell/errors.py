@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeAlias, TypeVar
 
-from returns.result import Failure, Result, Success
+from returns.result import Failure, Result
 
 from genworker.core import seams
 from genworker.core.errors import CoreError
@@ -132,12 +132,9 @@ class GroupError(GenworkerError, RuntimeError):
 
 def unwrap(result: Result[_T, _E], error: type[GenworkerError], context: str) -> _T:
     """The value of a core ``Result``, or ``error`` raised with the core error as detail."""
-    match result:
-        case Success(value):
-            return value  # type: ignore[no-any-return]
-        case Failure(problem):
-            raise error.from_core(problem, context)
-    raise AssertionError("unreachable")
+    if isinstance(result, Failure):
+        raise error.from_core(result.failure(), context)
+    return result.unwrap()
 
 
 class RefitWireError(RefitError, ValueError):
