@@ -60,11 +60,7 @@ class EngineLock:
                 f"{call}: called from inside {self._holder_name()} on the same thread; "
                 "the worker runs one call at a time"
             )
-        if self.wait_s > 0:
-            acquired = self._lock.acquire(timeout=self.wait_s)
-        else:
-            acquired = self._lock.acquire(blocking=False)
-        if not acquired:
+        if not self._lock.acquire(timeout=self.wait_s):  # 0: a single try
             holder = self._holder
             running = "" if holder is None else f" for {time.monotonic() - holder[1]:.1f} s"
             raise EngineStateError(
