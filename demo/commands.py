@@ -3,8 +3,9 @@
 The RL loop (the default: :mod:`genworker.demo.rl`, its report and chart; ``--lora``:
 the same loop training and refitting only a LoRA adapter), ``--table`` (one batch of
 prompts through the worker or a Ray group of shards, as a table) and ``--image`` (an
-image row and a text row on the tiny Idefics3). The CLI parses the arguments and calls
-:func:`run_demo`; nothing here imports the CLI."""
+image row and a text row on the tiny Idefics3). The CLI adds the demo's options
+(:func:`add_demo_options`), parses the arguments and calls :func:`run_demo`; nothing here
+imports the CLI."""
 
 from __future__ import annotations
 
@@ -27,7 +28,13 @@ from genworker.shell.local import (
     worker_config,
 )
 
-__all__ = ["DEMO_PROMPTS", "LORA_LEARNING_RATE", "check_demo_args", "run_demo"]
+__all__ = [
+    "DEMO_PROMPTS",
+    "LORA_LEARNING_RATE",
+    "add_demo_options",
+    "check_demo_args",
+    "run_demo",
+]
 
 DEMO_PROMPTS = (
     "The trainer hands the worker a batch of",
@@ -178,6 +185,24 @@ def versions() -> dict[str, str]:
                 found[name] = importlib.metadata.version(dist)
                 break
     return found
+
+
+def add_demo_options(parser: argparse.ArgumentParser) -> None:
+    """The demo's own options, beside the rules that read them (:func:`check_demo_args`;
+    the CLI adds those the demo shares with ``generate``)."""
+    parser.add_argument("--model", default="models/tiny-llama", help="where the tiny model lives")
+    parser.add_argument("--out", help="where the RL loop writes rl.png, rl-run.json (demo-out)")
+    parser.add_argument("--steps", type=int, help="RL steps (default 24)")
+    parser.add_argument("--samples", type=int, help="RL samples per prompt (default 8)")
+    parser.add_argument("--learning-rate", type=float, help="RL Adam learning rate (default 5e-3)")
+    parser.add_argument("--lora", action="store_true", help="train and refit a LoRA adapter only")
+    parser.add_argument("--seed", type=int, help="RL seed of the trainer and engine (default 0)")
+    parser.add_argument("--table", action="store_true", help="one batch as a table, no training")
+    parser.add_argument(
+        "--shards", type=int, default=1, help="the table on this many data-parallel Ray shards"
+    )
+    parser.add_argument("--batch", type=int, help="table rows (default 16)")
+    parser.add_argument("--image", action="store_true", help="an image row on a tiny Idefics3")
 
 
 def check_demo_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

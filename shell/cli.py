@@ -125,7 +125,6 @@ def _engine_config(
 
 
 def _generate(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    check_model_dir(args.model)
     numbered = read_prompts(args.prompts)
     tokenizer = load_tokenizer(args.model)
     config = _engine_config(args, rest, tokenizer)
@@ -186,7 +185,6 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
     import asyncio
     import signal
 
-    check_model_dir(args.model)
     template: str | None = None
     if args.chat_template is not None:
         try:
@@ -223,12 +221,10 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         try:
             url = await worker.start_http_server()
             sink.write(json.dumps({"base_url": url}) + "\n")
-            sink.flush()
             await stop.wait()
         finally:
             await worker.shutdown()
         sink.write(json.dumps({"stopped": True}) + "\n")
-        sink.flush()
 
     with _records_to(None) as sink:
         asyncio.run(serve(sink))
@@ -271,8 +267,9 @@ def _records_to(path: str | None) -> Iterator[TextIO]:
     """The stream the JSON records go to: the file at ``path``, or the process's stdout.
 
     For stdout, file descriptor 1 points at stderr while the command runs and the records
-    go to a private duplicate of the original, so nothing but records reaches stdout,
-    whoever else writes to it (vLLM, a library's ``print``, C++ code)."""
+    go to a private, line-buffered duplicate of the original, so nothing but records
+    reaches stdout, whoever else writes to it (vLLM, a library's ``print``, C++ code), and
+    each record is out as soon as it is written."""
     if path:
         with open(path, "w", encoding="utf-8") as f:
             yield f
@@ -332,6 +329,8 @@ def _parser() -> argparse.ArgumentParser:
     parsed afterwards by vLLM's parser (:func:`engine_options`), so that neither ``--help``
     nor a bad input file waits for vLLM's import. Each command's parser and what runs it
     (``run``: None for the demo) are its defaults."""
+    from genworker.demo.commands import add_demo_options
+
     parser = argparse.ArgumentParser(
         prog="genworker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -343,19 +342,7 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="a small RL loop on a tiny local model and a real engine (or --table: one batch)",
     )
-    demo.add_argument("--model", default="models/tiny-llama", help="where the tiny model lives")
-    demo.add_argument("--out", help="where the RL loop writes rl.png, rl-run.json (demo-out)")
-    demo.add_argument("--steps", type=int, help="RL steps (default 24)")
-    demo.add_argument("--samples", type=int, help="RL samples per prompt (default 8)")
-    demo.add_argument("--learning-rate", type=float, help="RL Adam learning rate (default 5e-3)")
-    demo.add_argument("--lora", action="store_true", help="train and refit a LoRA adapter only")
-    demo.add_argument("--seed", type=int, help="RL seed of the trainer and engine (default 0)")
-    demo.add_argument("--table", action="store_true", help="one batch as a table, no training")
-    demo.add_argument(
-        "--shards", type=int, default=1, help="the table on this many data-parallel Ray shards"
-    )
-    demo.add_argument("--batch", type=int, help="table rows (default 16)")
-    demo.add_argument("--image", action="store_true", help="an image row on a tiny Idefics3")
+    add_demo_options(demo)
     gen, serve = (
         sub.add_parser(
             name,
@@ -434,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.load_progress = level in ("debug", "info")
     if args.run is not None:
         try:
+            check_model_dir(args.model)
             code: int = args.run(args, rest)
         except InputError as e:
             command.error(str(e))
