@@ -13,8 +13,9 @@ to wake that way, and 5-6 ms when created directly as the allocation vLLM ends u
 against ``--as-vllm``). :func:`install` replaces the module-level ``create_and_map`` that
 ``wake_up`` calls by :func:`create_and_map` here, which makes the same allocation with the
 same properties and stops asking for a fabric handle on a device once the driver has
-refused one in this process (``core.cumem.handle_types``). The first allocation vLLM makes (``my_malloc``) and every
-release stay vLLM's own; the handle is written where vLLM's C code reads it back.
+refused one in this process (``core.cumem.handle_types``). The first allocation vLLM
+makes (``my_malloc``) and every release stay vLLM's own; the handle is written where
+vLLM's C code reads it back.
 
 The replacement must happen in the process whose allocator sleeps: the worker's own for
 an in-process engine, the engine core's for ``AsyncLLM`` (a process of its own), each
