@@ -32,8 +32,8 @@ from genworker.shell.errors import (
     unwrap,
 )
 from genworker.shell.nemo_rl_batches import require_batch_modules
-from genworker.shell.nemo_rl_refit import DEFAULT_SOCKET_DIR
 from genworker.shell.ports import EngineCapabilities
+from genworker.shell.refit.nemo_rl import DEFAULT_SOCKET_DIR
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 from genworker.shell.worker import checked_env_names
 
