@@ -18,6 +18,13 @@ failed shard's was a worker's own (its message: :func:`list_faults`); otherwise 
 group's ``ShardFailure`` (:func:`failed_on`). Either way every failed shard is listed.
 What a shard answers crosses Ray as ``object``: it is checked here before the group
 joins it (:func:`shard_lists`, :func:`shard_tensors`, :func:`shard_texts`).
+
+The group's refits are one value, :class:`GroupRefits`: its weight versions
+(``core.versions.GroupVersions``: every shard's ``weight_versions`` relabelled with the
+count of refits, full or adapter, that landed on at least one shard, where a shard that
+answered ``True`` to ``collect`` took it and one that did not answer within ``collect``'s
+bound failed), the adapters that landed on every shard (the only ones a batch may name),
+and whether the last ``prepare_lora`` succeeded on every shard (an adapter refit needs it).
 """
 
 from __future__ import annotations
@@ -30,15 +37,20 @@ import attrs
 import torch
 from returns.result import Failure, Result, Success
 
+from genworker.core.assembly import assemble_outputs
 from genworker.core.errors import CoreError
 from genworker.core.sharding import describe_shard_rows
+from genworker.core.versions import NO_VERSION, GroupVersions
 
 __all__ = [
     "FAULTS",
     "Fault",
     "GroupCallError",
+    "GroupRefits",
+    "Refit",
     "check_in_flight",
     "check_world_size",
+    "empty_outputs",
     "failed_on",
     "failed_to_start",
     "fault_message",
@@ -105,8 +117,18 @@ def failed_on(call: str, messages: Mapping[int, str], num_shards: int) -> str:
     return f"{call} failed on {len(messages)} of {num_shards} shard(s): {list_faults(messages)}"
 
 
-def failed_to_start(problems: Mapping[int, str], num_shards: int) -> str | None:
-    """Why engines failed to start, by shard (``None`` when every one started)."""
+def failed_to_start(
+    answers: Mapping[int, object], reasons: Mapping[int, str | None], num_shards: int, bound: float
+) -> str | None:
+    """Why engines failed to start, by shard (``None`` when every one started): each
+    shard's ``is_alive`` answer, or why it gave none (``None``: not within ``bound``)."""
+    problems = {
+        rank: f"no answer within {bound:g} s (engine still loading?)" if why is None else why
+        for rank, why in reasons.items()
+    }
+    for rank, alive in answers.items():
+        if alive is not True:
+            problems[rank] = "the worker reports its engine is not alive"
     if not problems:
         return None
     listed = "; ".join(f"shard {rank}: {why}" for rank, why in sorted(problems.items()))
@@ -209,3 +231,51 @@ def stream_pair(rank: int, value: object) -> Result[tuple[int, object], GroupCal
         return Success((value[0], value[1]))
     message = f"shard {rank}: generate_async yielded {value!r:.200}, not (row, output)"
     return Failure(GroupCallError(message, "generate_async"))
+
+
+def empty_outputs(
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, pad_token_id: int
+) -> dict[str, torch.Tensor]:
+    """A ``generate`` of a batch without rows: the shards' keys, no version anywhere."""
+    empty = assemble_outputs(input_ids, input_lengths, [], pad_token_id)
+    versions = torch.full(empty.output_ids.shape, NO_VERSION, dtype=torch.int64)
+    return {**empty.as_dict(), "weight_versions": versions}
+
+
+@attrs.frozen
+class Refit:
+    """A refit started on every shard and not collected yet: its call, and for an adapter
+    refit the adapter's name."""
+
+    call: str
+    adapter: str | None = None
+
+
+@attrs.frozen
+class GroupRefits:
+    """What a group's refits left (the module docstring)."""
+
+    versions: GroupVersions
+    adapters: frozenset[str] = frozenset()
+    lora_prepared: bool = False
+
+    @classmethod
+    def start(cls, num_shards: int) -> GroupRefits:
+        """Every shard on the weights it loaded, no adapter, no ``prepare_lora``."""
+        return cls(GroupVersions.start(num_shards))
+
+    def landed(self, refit: Refit | None, results: Mapping[int, object]) -> GroupRefits:
+        """After ``collect`` of ``refit`` (``None``: no refit of this group): the shards
+        that answered ``True`` in ``results`` took it."""
+        if refit is None:
+            return self
+        took = [rank for rank, ok in results.items() if ok is True]
+        adapters = self.adapters
+        if refit.adapter is not None and len(took) == len(self.versions.shards):
+            adapters = adapters | {refit.adapter}
+        return attrs.evolve(self, versions=self.versions.landed(took), adapters=adapters)
+
+    def served(self) -> dict[str, int]:
+        """The adapters a batch may name, as ``core.lora.row_adapters`` takes them (the ids
+        are each shard's: names only here)."""
+        return dict.fromkeys(self.adapters, 0)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from typing import TypedDict
@@ -79,10 +80,13 @@ __all__ = [
     "configure_worker",
     "env_names",
     "forwarded_env_names",
+    "local_cluster_spec",
     "parse_port_range",
+    "placement_not_ready",
     "plan_cluster",
     "plan_engine_env",
     "plan_shard_actor",
+    "plan_shard_actors",
 ]
 
 MAX_PORT = 65535
@@ -692,6 +696,18 @@ def _table_error(why: str, bundle_nodes: Mapping[int, str]) -> Failure[Placement
     return Failure(PlacementError(why, name="bundles_to_node_id", value=repr(dict(bundle_nodes))))
 
 
+def placement_not_ready(
+    plan: ClusterPlan, timeout_s: float, available: Mapping[str, float], total: Mapping[str, float]
+) -> str:
+    """Why the placement group of ``plan`` did not start: its bundles, and what the cluster
+    had ``available`` of its ``total`` resources after ``timeout_s`` seconds."""
+    bundles = plan.bundles
+    return (
+        f"the placement group of {len(bundles)} bundle(s) {bundles[0]} ({plan.strategy}) was "
+        f"not ready after {timeout_s:g} s; the cluster has {available} available of {total}"
+    )
+
+
 def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not value > 0:
         raise ValueError(f"{attribute.name}={value!r} must be a number of seconds above 0")
@@ -729,6 +745,20 @@ class ClusterSpec:
     port_base: int = DEFAULT_PORT_BASE
     port_window: int = DEFAULT_PORT_WINDOW
 
+    def plan(
+        self, tensor_parallel_size: int, pipeline_parallel_size: int
+    ) -> Result[ClusterPlan, PlacementError]:
+        """:func:`plan_cluster` of this cluster's engines of ``tensor x pipeline`` bundles."""
+        return plan_cluster(
+            self.num_nodes,
+            self.gpus_per_node,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            self.num_shards,
+            cpus_per_node=self.cpus_per_node,
+            gpu_fraction=self.gpu_fraction,
+        )
+
 
 class ClusterOptions(TypedDict, total=False):
     """:class:`ClusterSpec`'s fields after ``num_shards``, as keywords of
@@ -750,15 +780,46 @@ class ClusterOptions(TypedDict, total=False):
     port_window: int
 
 
+def local_cluster_spec(
+    num_shards: int,
+    model_parallel_size: int,
+    *,
+    gpus: int,
+    cpu_count: int | None,
+    options: ClusterOptions,
+) -> ClusterSpec:
+    """A :class:`ClusterSpec` for one machine of ``gpus`` GPUs, or without GPUs for
+    ``num_shards`` CPU shards (``cpu_count``: the machine's, ``None`` where unknown).
+
+    Without GPUs every bundle is one logical Ray CPU, so a local Ray is started with at
+    least as many CPUs as the shards need (``options`` override any field). The GPU count
+    of a machine with GPUs is never overridden: a ``gpus_per_node`` there is a
+    ``TypeError``, as Python's own for a keyword given twice.
+    """
+    if gpus:
+        if "gpus_per_node" in options:
+            raise TypeError(
+                "local_cluster() got multiple values for keyword argument 'gpus_per_node' "
+                f"(this machine has {gpus} GPUs)"
+            )
+        fields: ClusterOptions = {"gpus_per_node": gpus}
+    else:
+        cpus = max(cpu_count or 1, num_shards * model_parallel_size)
+        fields = {"cpus_per_node": cpus, "ray_num_cpus": cpus}
+    return ClusterSpec(num_shards=num_shards, **(fields | options))
+
+
 @attrs.frozen
 class ShardActor:
     """How one shard's worker actor starts (:func:`plan_shard_actor`); the dict views are
-    built afresh on every access."""
+    built afresh on every access. ``bundle_index``: the placement group bundle it sits on,
+    its shard's first."""
 
     worker: PlacementPlan
     engine_env: tuple[tuple[str, str], ...]
     uses_gpus: bool
     num_cpus: float
+    bundle_index: int
 
     @property
     def options(self) -> dict[str, object]:
@@ -807,5 +868,29 @@ def plan_shard_actor(
             engine_env=tuple(plan.engine_env_vars(shard.rank).items()),
             uses_gpus=plan.uses_gpus,
             num_cpus=spec.actor_num_cpus,
+            bundle_index=shard.global_bundle_ids[0],
         )
     )
+
+
+def plan_shard_actors(
+    spec: ClusterSpec,
+    plan: ClusterPlan,
+    *,
+    default_cache_root: str,
+    ephemeral_ports: tuple[int, int] = DEFAULT_EPHEMERAL_PORTS,
+) -> Result[tuple[ShardActor, ...], PlacementError]:
+    """Every shard's :func:`plan_shard_actor`, in rank order, under ``spec.cache_base_dir``'s
+    ``vllm`` (``None``: under ``default_cache_root``); a failure names its shard."""
+    base = spec.cache_base_dir
+    cache_root = default_cache_root if base is None else posixpath.join(base, "vllm")
+    actors: list[ShardActor] = []
+    for shard in plan.shards:
+        planned = plan_shard_actor(
+            spec, plan, shard, cache_root=cache_root, ephemeral_ports=ephemeral_ports
+        )
+        if isinstance(planned, Failure):
+            error = planned.failure()
+            return Failure(attrs.evolve(error, message=f"placement of shard {shard.rank}: {error}"))
+        actors.append(planned.unwrap())
+    return Success(tuple(actors))

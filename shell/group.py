@@ -75,16 +75,19 @@ import os
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar, Unpack
 
+import attrs
 import torch
 
-from genworker.core.assembly import assemble_outputs
 from genworker.core.batch import batch_tensors, check_batch
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import GroupCounters, group_counters
 from genworker.core.group_calls import (
     Fault,
+    GroupRefits,
+    Refit,
     check_in_flight,
     check_world_size,
+    empty_outputs,
     failed_on,
     failed_to_start,
     fault_message,
@@ -103,12 +106,11 @@ from genworker.core.placement import (
     ClusterOptions,
     ClusterPlan,
     ClusterSpec,
-    ShardActor,
-    ShardPlacement,
     check_bundle_nodes,
     check_inherited_env,
-    plan_cluster,
-    plan_shard_actor,
+    local_cluster_spec,
+    placement_not_ready,
+    plan_shard_actors,
 )
 from genworker.core.requests import check_text_prompts
 from genworker.core.routing import FILL
@@ -122,7 +124,7 @@ from genworker.core.sharding import (
     plan_shards,
     split_batch,
 )
-from genworker.core.versions import NO_VERSION, GroupVersions
+from genworker.core.versions import NO_VERSION
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -164,23 +166,13 @@ if TYPE_CHECKING:  # typings/ray: the Ray names used here, stubtest-checked
 def local_cluster(
     num_shards: int = 1, *, model_parallel_size: int = 1, **options: Unpack[ClusterOptions]
 ) -> ClusterSpec:
-    """A :class:`ClusterSpec` for this machine: its GPUs, or ``num_shards`` CPU shards.
-
-    Without GPUs every bundle is one logical Ray CPU, so a local Ray is started with at
-    least as many CPUs as the shards need (``options`` override any field).
-    """
+    """A :class:`ClusterSpec` for this machine: its GPUs, or ``num_shards`` CPU shards
+    (``core.placement.local_cluster_spec``: the fields, and what ``options`` override)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus:
-        if "gpus_per_node" in options:  # this machine's count, never overridden
-            raise TypeError(
-                "local_cluster() got multiple values for keyword argument 'gpus_per_node' "
-                f"(this machine has {gpus} GPUs)"
-            )
-        fields: ClusterOptions = {"gpus_per_node": gpus}
-    else:
-        cpus = max(os.cpu_count() or 1, num_shards * model_parallel_size)
-        fields = {"cpus_per_node": cpus, "ray_num_cpus": cpus}
-    return ClusterSpec(num_shards=num_shards, **(fields | options))
+    cpus = os.cpu_count()
+    return local_cluster_spec(
+        num_shards, model_parallel_size, gpus=gpus, cpu_count=cpus, options=options
+    )
 
 
 class ShardFailure(GroupError):
@@ -235,23 +227,21 @@ class GenerationGroup:
             WorkerConfig.from_mapping(config), BadConfigError, "group config"
         )
         self.cluster = cluster
-        self.plan: ClusterPlan = unwrap(
-            plan_cluster(
-                cluster.num_nodes,
-                cluster.gpus_per_node,
-                self.cfg.vllm.tensor_parallel_size,
-                self.cfg.vllm.pipeline_parallel_size,
-                cluster.num_shards,
-                cpus_per_node=cluster.cpus_per_node,
-                gpu_fraction=cluster.gpu_fraction,
-            ),
-            BadConfigError,
-            "cluster",
-        )
+        sizes = (self.cfg.vllm.tensor_parallel_size, self.cfg.vllm.pipeline_parallel_size)
+        self.plan: ClusterPlan = unwrap(cluster.plan(*sizes), BadConfigError, "cluster")
         unwrap(check_inherited_env(dict(os.environ)), BadConfigError, "environment")
         self._config = dict(config)
         self._worker_options = dict(worker_options or {})
-        self._placements = [self._placement(shard) for shard in self.plan.shards]
+        self._placements = unwrap(
+            plan_shard_actors(
+                cluster,
+                self.plan,
+                default_cache_root=vllm_cache_root(),
+                ephemeral_ports=ephemeral_ports(),
+            ),
+            BadConfigError,
+            "",
+        )
         self._actors: list[ActorHandle] = []
         self._pg: PlacementGroup | None = None
         self._dead: dict[int, str] = {}
@@ -259,20 +249,13 @@ class GenerationGroup:
         #: the last ``generate``'s split of its rows over the shards (groups kept whole)
         self.last_shard_plan: ShardPlan | None = None
         self._multimodal: Mapping[str, object] | None = None
-        #: each refit's futures (``_refit``) until ``collect`` settles them: the call, and
-        #: for an adapter refit the adapter's name
-        self._refits: dict[tuple[ObjectRef[object], ...], tuple[str, str | None]] = {}
-        #: the group's weight versions, and each shard's own under them (the docstring)
-        self._versions = GroupVersions.start(self.plan.data_parallel_size)
-        #: the adapters that landed on every shard, and whether the last ``prepare_lora``
-        #: succeeded on every shard
-        self._adapters: set[str] = set()
-        self._lora_prepared = False
+        #: each refit's futures (``_refit``) until ``collect`` settles them
+        self._refits: dict[tuple[ObjectRef[object], ...], Refit] = {}
+        #: the weight versions, adapters and ``prepare_lora`` the refits left (core value)
+        self._records = GroupRefits.start(self.plan.data_parallel_size)
         self._owns_ray = _ensure_ray(cluster)
         try:
-            self._pg = pg = self._create_placement_group()
-            self._actors = [self._start_actor(pg, shard) for shard in self.plan.shards]
-            self._wait_alive()
+            self._start()
         except BaseException:
             self._teardown(graceful=False)
             raise
@@ -297,79 +280,42 @@ class GenerationGroup:
         """The group's Ray placement group (``None`` once shut down)."""
         return self._pg
 
-    def _placement(self, shard: ShardPlacement) -> ShardActor:
-        base = self.cluster.cache_base_dir
-        return unwrap(
-            plan_shard_actor(
-                self.cluster,
-                self.plan,
-                shard,
-                cache_root=vllm_cache_root() if base is None else os.path.join(base, "vllm"),
-                ephemeral_ports=ephemeral_ports(),
-            ),
-            BadConfigError,
-            f"placement of shard {shard.rank}",
-        )
-
-    def _create_placement_group(self) -> PlacementGroup:
+    def _start(self) -> None:
+        """Create the placement group and check Ray's bundle-to-node table against the
+        plan, start one actor per shard on its bundle, and wait for every engine."""
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
-
-        bundles = self.plan.bundles
-        pg = placement_group(bundles, strategy=self.plan.strategy)
-        self._pg = pg
-        timeout = self.cluster.placement_timeout_s
-        ready, _ = ray.wait([pg.ready()], timeout=timeout)
-        if not ready:
-            raise GroupError(
-                f"the placement group of {len(bundles)} bundle(s) {bundles[0]} "
-                f"({self.plan.strategy}) was not ready after {timeout:g} s; the cluster has "
-                f"{ray.available_resources()} available of {ray.cluster_resources()}"
-            )
-        table = placement_group_table(pg).get("bundles_to_node_id", {})
-        nodes = {int(k): str(v) for k, v in table.items()}
-        unwrap(
-            check_bundle_nodes(self.plan, nodes),
-            GroupError,
-            "placement group does not match the plan",
-        )
-        return pg
-
-    def _start_actor(self, pg: PlacementGroup, shard: ShardPlacement) -> ActorHandle:
-        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from genworker.shell.async_worker import AsyncVllmGenerationWorker
         from genworker.shell.worker import VllmGenerationWorker
 
-        placed = self._placements[shard.rank]
-        strategy = PlacementGroupSchedulingStrategy(
-            placement_group=pg,
-            placement_group_bundle_index=shard.global_bundle_ids[0],
-            placement_group_capture_child_tasks=True,
-        )
-        worker_cls = (
-            AsyncVllmGenerationWorker if self.cfg.vllm.async_engine else VllmGenerationWorker
-        )
-        actor_cls = ray.remote(worker_cls)
-        return actor_cls.options(scheduling_strategy=strategy, **placed.options).remote(
-            self._config, **placed.init_kwargs, **self._worker_options
-        )
-
-    def _wait_alive(self) -> None:
+        self._pg = pg = placement_group(self.plan.bundles, strategy=self.plan.strategy)
+        timeout = self.cluster.placement_timeout_s
+        if not ray.wait([pg.ready()], timeout=timeout)[0]:
+            available, total = ray.available_resources(), ray.cluster_resources()
+            raise GroupError(placement_not_ready(self.plan, timeout, available, total))
+        table = placement_group_table(pg).get("bundles_to_node_id", {})
+        nodes = {int(k): str(v) for k, v in table.items()}
+        mismatch = "placement group does not match the plan"
+        unwrap(check_bundle_nodes(self.plan, nodes), GroupError, mismatch)
+        async_shards = self.cfg.vllm.async_engine
+        actor_cls = ray.remote(AsyncVllmGenerationWorker if async_shards else VllmGenerationWorker)
+        for placed in self._placements:
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=pg,
+                placement_group_bundle_index=placed.bundle_index,
+                placement_group_capture_child_tasks=True,
+            )
+            actor = actor_cls.options(scheduling_strategy=strategy, **placed.options)
+            self._actors.append(
+                actor.remote(self._config, **placed.init_kwargs, **self._worker_options)
+            )
         bound = self.cluster.start_timeout_s
         refs = self._submit("is_alive", dict.fromkeys(range(len(self._actors)), ()))
         results, errors = _settle(refs, bound)
-        problems = {
-            rank: f"no answer within {bound:g} s (engine still loading?)"
-            if error is None
-            else _reason(error)
-            for rank, error in errors.items()
-        }
-        for rank, alive in results.items():
-            if alive is not True:
-                problems[rank] = "the worker reports its engine is not alive"
-        if (why := failed_to_start(problems, self.num_shards)) is not None:
+        reasons = {rank: None if e is None else _reason(e) for rank, e in errors.items()}
+        if (why := failed_to_start(results, reasons, self.num_shards, bound)) is not None:
             raise GroupError(why)
 
     # -- the one door: every call on the shards --------------------------------------
@@ -448,12 +394,12 @@ class GenerationGroup:
         """How a shard's call failed (``None``: no answer within ``bound``; the faults of
         ``core.group_calls``), as the worker's own type or a GroupError; a worker's error
         names the shard's own rows, so the batch's rows they are follow."""
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
         cause = error.cause if isinstance(error, RayTaskError) else error
         if error is None:
             return GroupError(fault_message(Fault.LATE, call, rank, bound=bound))
-        if isinstance(error, _dead_actor_errors()):
+        if isinstance(error, (RayActorError, ActorUnavailableError)):
             self._dead[rank] = _reason(error)
             line = fault_message(Fault.DIED, call, rank, detail=self._dead[rank])
             translated: BaseException = GroupError(line)
@@ -506,16 +452,13 @@ class GenerationGroup:
         media = row_media(data, batch.batch_size, "generate")
         self._check_adapters(data, batch.batch_size, "generate")
         if not batch.lengths:
-            empty = assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id)
-            versions = torch.full(empty.output_ids.shape, NO_VERSION, dtype=torch.int64)
-            return {**empty.as_dict(), "weight_versions": versions}  # the shards' keys
+            return empty_outputs(input_ids, input_lengths, self.cfg.pad_token_id)
+        # A row with prompt text (NeMo-RL's vllm_content) is checked by its shard.
+        texts = {r for r, m in enumerate(media or ()) if m is not None and m.text is not None}
+        counts = image_counts(media, batch.batch_size)
         info = self._multimodal_info(timeout_s)
-        if media is not None or info.get("image_token_id") is not None:
-            # A row with prompt text (NeMo-RL's vllm_content) is checked by its shard.
-            texts = {r for r, m in enumerate(media or ()) if m is not None and m.text is not None}
-            counts = image_counts(media, batch.batch_size)
-            checked = check_media_by_info(batch.prompts, counts, info, text_rows=texts)
-            unwrap(checked, BadBatchError, "multi_modal_data")
+        checked = check_media_by_info(batch.prompts, counts, info, text_rows=texts)
+        unwrap(checked, BadBatchError, "multi_modal_data")
         # Checked here (each run of G rows one prompt): the shards recognise the groups by
         # their prompts, whatever cut the sharder made of one larger than a shard's share.
         if unwrap(
@@ -670,8 +613,8 @@ class GenerationGroup:
         """The batch's ``lora`` / ``lora_names`` checked as each shard checks them (core
         ``row_adapters``), against the adapters that landed on every shard: a bad name
         submits nothing, and the error names the batch's input, not a shard's slice."""
-        served = dict.fromkeys(self._adapters, 0)  # the ids are each shard's: names only here
         lora, names = data.get("lora"), data.get("lora_names")
+        served = self._records.served()
         unwrap(row_adapters(lora, names, batch_size, served), BadBatchError, call)
 
     def _output(self, rank: int, value: object) -> dict[str, torch.Tensor]:
@@ -685,7 +628,7 @@ class GenerationGroup:
         versions = output.get("weight_versions")
         if versions is None:
             return output
-        return {**output, "weight_versions": self._versions.relabel(rank, versions)}
+        return {**output, "weight_versions": self._records.versions.relabel(rank, versions)}
 
     def _multimodal_info(self, timeout_s: float | None) -> Mapping[str, object]:
         """The first shard's image placeholder id and image limit (asked once: every shard
@@ -831,7 +774,7 @@ class GenerationGroup:
         lead = () if adapter is None else (adapter,)
         refs = self._submit(call, self._every(*lead, timeout_s), **(options or {}), **in_flight)
         futures = list(refs.values())
-        self._refits[tuple(futures)] = (call, adapter)
+        self._refits[tuple(futures)] = Refit(call, adapter)
         return futures
 
     def collect(
@@ -854,23 +797,15 @@ class GenerationGroup:
                 f"collect: {len(futures)} future(s) for {self.num_shards} shard(s)"
             )
         refit = self._refits.pop(tuple(futures), None)
-        name = call or (refit[0] if refit is not None else "refit")
+        name = call or (refit.call if refit is not None else "refit")
         try:
             results = self._gather(name, dict(enumerate(futures)), timeout_s, _as_is)
         except GenworkerError as e:
-            if refit is not None and (failure := _failure_of(e)) is not None:
-                self._landed(refit[1], failure.results)
+            failure = _failure_of(e)
+            self._records = self._records.landed(refit, {} if failure is None else failure.results)
             raise
-        if refit is not None:
-            self._landed(refit[1], results)
+        self._records = self._records.landed(refit, results)
         return [results[rank] for rank in range(self.num_shards)]
-
-    def _landed(self, adapter: str | None, results: Mapping[int, object]) -> None:
-        """A collected refit's outcome: the shards that answered True took it."""
-        took = [rank for rank, ok in results.items() if ok is True]
-        self._versions = self._versions.landed(took)
-        if adapter is not None and len(took) == self.num_shards:
-            self._adapters.add(adapter)
 
     # -- adapter refits (docs/lora.md) ----------------------------------------------
     def prepare_lora(
@@ -885,11 +820,11 @@ class GenerationGroup:
         each shard's IPC addresses (one per engine worker), in shard order, as
         :meth:`refit_address`, for ``RefitSender.ipc(address, manifest=adapter_info)``.
         Until it succeeds on every shard, :meth:`update_lora` is refused."""
-        self._lora_prepared = False
+        self._records = attrs.evolve(self._records, lora_prepared=False)
         answers = self._lists(
             "prepare_lora", dict(adapter_info), dict(peft_config), timeout_s=timeout_s
         )
-        self._lora_prepared = True
+        self._records = attrs.evolve(self._records, lora_prepared=True)
         return answers
 
     def update_lora(
@@ -909,7 +844,7 @@ class GenerationGroup:
         succeeded on every shard, is refused here and starts nothing."""
         if (problem := check_adapter_name(name)) is not None:
             raise BadArgumentError(f"update_lora: {problem}")
-        if not self._lora_prepared:
+        if not self._records.lora_prepared:
             raise EngineStateError(
                 "update_lora needs a prepare_lora that succeeded on every shard first"
             )
@@ -1059,12 +994,6 @@ def _reason(error: BaseException) -> str:
     text = str(getattr(error, "error_msg", "") or error)
     init_failed = bool(getattr(error, "actor_init_failed", False))
     return ray_reason(text, type(error).__name__, init_failed=init_failed)
-
-
-def _dead_actor_errors() -> tuple[type[BaseException], ...]:
-    from ray.exceptions import ActorUnavailableError, RayActorError
-
-    return (RayActorError, ActorUnavailableError)
 
 
 def _renamed(error: _E, message: str, cause: BaseException) -> _E:

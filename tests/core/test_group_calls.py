@@ -12,8 +12,11 @@ from genworker.core.group_calls import (
     FAULTS,
     Fault,
     GroupCallError,
+    GroupRefits,
+    Refit,
     check_in_flight,
     check_world_size,
+    empty_outputs,
     failed_on,
     failed_to_start,
     fault_message,
@@ -58,9 +61,13 @@ def test_a_failure_lists_every_failed_shard_by_rank(lines: dict[int, str], shard
 
 
 def test_start_problems_are_named_by_shard_and_none_means_started() -> None:
-    assert failed_to_start({}, 2) is None
-    assert failed_to_start({1: "b", 0: "a"}, 2) == (
+    assert failed_to_start({0: True, 1: True}, {}, 2, 1.0) is None
+    assert failed_to_start({}, {1: "b", 0: "a"}, 2, 1.0) == (
         "2 of 2 engine(s) failed to start: shard 0: a; shard 1: b"
+    )
+    assert failed_to_start({0: False}, {1: None}, 2, 0.5) == (
+        "2 of 2 engine(s) failed to start: shard 0: the worker reports its engine is not "
+        "alive; shard 1: no answer within 0.5 s (engine still loading?)"
     )
 
 
@@ -133,3 +140,26 @@ def test_a_stream_item_is_a_row_and_its_output() -> None:
     assert str(stream_pair(1, 5).failure()) == (
         "shard 1: generate_async yielded 5, not (row, output)"
     )
+
+
+def test_an_empty_batch_gives_the_shards_keys_and_no_version() -> None:
+    out = empty_outputs(torch.zeros((0, 3), dtype=torch.int64), torch.zeros(0), 0)
+    assert out["weight_versions"].shape == out["output_ids"].shape
+    assert out["weight_versions"].dtype == torch.int64
+    assert {"output_ids", "generation_lengths", "unpadded_sequence_lengths"} <= set(out)
+
+
+def test_a_refit_lands_on_the_shards_that_took_it_and_an_adapter_only_on_all() -> None:
+    start = GroupRefits.start(2)
+    assert start.landed(None, {0: True, 1: True}) is start
+    assert start.landed(Refit("update_weights_via_ipc_zmq"), {0: False, 1: "x"}) == start
+    partial = start.landed(Refit("update_lora", "a"), {0: True, 1: False})
+    assert partial.versions.version == 1
+    assert partial.versions.shards == ((0, 1), (0,))
+    assert partial.served() == {}
+    every = partial.landed(Refit("update_lora", "b"), {0: True, 1: True})
+    assert every.served() == {"b": 0}
+    assert every.versions.shards == ((0, 1, 2), (0, 2))
+    full = every.landed(Refit("update_weights_from_collective"), {0: True, 1: True})
+    assert full.adapters == frozenset({"b"})
+    assert not full.lora_prepared

@@ -27,10 +27,13 @@ from genworker.core.placement import (
     configure_worker,
     env_names,
     forwarded_env_names,
+    local_cluster_spec,
     parse_port_range,
+    placement_not_ready,
     plan_cluster,
     plan_engine_env,
     plan_shard_actor,
+    plan_shard_actors,
 )
 
 CACHE = "/cache/genworker/vllm"
@@ -700,7 +703,11 @@ def test_a_shard_actor_is_its_worker_plan_with_the_engine_env(topology: Topology
             )
         )
         assert actor == ShardActor(
-            worker, tuple(cluster.engine_env_vars(shard.rank).items()), True, 0.5
+            worker,
+            tuple(cluster.engine_env_vars(shard.rank).items()),
+            True,
+            0.5,
+            shard.global_bundle_ids[0],
         )
         assert actor.options == {
             "num_cpus": 0.5,
@@ -757,3 +764,50 @@ def test_env_names_refuses_what_is_not_a_list_of_names_naming_it(names: object, 
 def test_the_tied_group_is_the_bundle_count(bundle_indices: object, size: int) -> None:
     """NeMo-RL's hook infers the engine's GPUs from the bundles its first worker owns."""
     assert bundle_group_size(bundle_indices) == size
+
+
+@given(topologies())
+def test_a_spec_plans_its_cluster_and_every_shards_actor(topology: Topology) -> None:
+    nodes, gpus, tp, pp, shards = topology
+    spec = ClusterSpec(num_shards=shards, num_nodes=nodes, gpus_per_node=gpus)
+    cluster = spec.plan(tp, pp).unwrap()
+    assert cluster == _cluster(topology)
+    actors = plan_shard_actors(spec, cluster, default_cache_root=CACHE).unwrap()
+    assert actors == tuple(
+        plan_shard_actor(spec, cluster, shard, cache_root=CACHE).unwrap()
+        for shard in cluster.shards
+    )
+    assert [a.bundle_index for a in actors] == [s.global_bundle_ids[0] for s in cluster.shards]
+
+
+def test_shard_actors_live_under_the_specs_cache_base_and_a_failure_names_its_shard() -> None:
+    cluster = plan_cluster(1, 0, 1, 1, 2, cpus_per_node=2).unwrap()
+    spec = ClusterSpec(num_shards=2, cpus_per_node=2, cache_base_dir="/base/", port_base=9000)
+    actors = plan_shard_actors(spec, cluster, default_cache_root=CACHE).unwrap()
+    expected = plan_shard_actor(spec, cluster, cluster.shards[0], cache_root="/base/vllm")
+    assert actors[0] == expected.unwrap()
+    windows = attrs.evolve(spec, port_window=10)
+    refused = plan_shard_actors(
+        windows, cluster, default_cache_root=CACHE, ephemeral_ports=(9015, 60999)
+    )
+    error = _error(refused)
+    assert error.message.startswith("placement of shard 0: port_window=10: ")
+
+
+def test_a_placement_group_not_ready_names_its_bundles_and_the_clusters_resources() -> None:
+    cluster = plan_cluster(1, 0, 1, 1, 3, cpus_per_node=3).unwrap()
+    assert placement_not_ready(cluster, 1.0, {"CPU": 1.0}, {"CPU": 2.0}) == (
+        "the placement group of 3 bundle(s) {'CPU': 1} (PACK) was not ready after 1 s; the "
+        "cluster has {'CPU': 1.0} available of {'CPU': 2.0}"
+    )
+
+
+def test_a_local_cluster_takes_the_machines_gpus_or_enough_cpus_for_its_shards() -> None:
+    gpus = local_cluster_spec(2, 1, gpus=8, cpu_count=64, options={"call_timeout_s": 5.0})
+    assert gpus == ClusterSpec(num_shards=2, gpus_per_node=8, call_timeout_s=5.0)
+    cpus = local_cluster_spec(3, 2, gpus=0, cpu_count=4, options={})
+    assert cpus == ClusterSpec(num_shards=3, cpus_per_node=6, ray_num_cpus=6)
+    unknown = local_cluster_spec(1, 1, gpus=0, cpu_count=None, options={"ray_num_cpus": 9})
+    assert unknown == ClusterSpec(num_shards=1, cpus_per_node=1, ray_num_cpus=9)
+    with pytest.raises(TypeError, match=r"'gpus_per_node' \(this machine has 8 GPUs\)"):
+        local_cluster_spec(1, 1, gpus=8, cpu_count=64, options={"gpus_per_node": 2})
