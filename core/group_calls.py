@@ -39,11 +39,20 @@ from returns.result import Failure, Result, Success
 
 from genworker.core.assembly import assemble_outputs
 from genworker.core.errors import CoreError
-from genworker.core.sharding import describe_shard_rows
+from genworker.core.lora import LoraRef, RowAdapterError, row_adapters
+from genworker.core.routing import FILL
+from genworker.core.sharding import (
+    ShardError,
+    ShardPlan,
+    describe_shard_rows,
+    merge_shard_outputs,
+    merge_shard_texts,
+)
 from genworker.core.versions import NO_VERSION, GroupVersions
 
 __all__ = [
     "FAULTS",
+    "JOINS",
     "Fault",
     "GroupCallError",
     "GroupRefits",
@@ -55,6 +64,8 @@ __all__ = [
     "failed_to_start",
     "fault_message",
     "list_faults",
+    "merge_outputs",
+    "merge_texts",
     "ray_reason",
     "shard_lists",
     "shard_tensors",
@@ -161,11 +172,20 @@ def ray_reason(text: str, type_name: str, *, init_failed: bool) -> str:
     return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
 
 
+#: Each weight-update group join's size argument, and how its message names the trainer's
+#: ranks (``{}``: their count).
+JOINS: Mapping[str, tuple[str, str]] = {
+    "init_collective": ("world_size", "the trainer's {} rank(s)"),
+    "init_nccl_reshard_comm_group": ("sub_world_size", "{} trainer rank(s) per stage"),
+}
+
+
 def check_world_size(
-    call: str, field: str, given: int, trainer_ranks: int, engine_workers: int, trainer: str
+    call: str, given: int, trainer_ranks: int, engine_workers: int
 ) -> Result[None, GroupCallError]:
-    """A weight-update group's size is the trainer's ranks and the group's engine workers
-    (``trainer``: how the message names the trainer's ranks, ``{}`` their count)."""
+    """The size of the weight-update group ``call`` joins (:data:`JOINS`) is the trainer's
+    ranks and the group's engine workers."""
+    field, trainer = JOINS[call]
     expected = trainer_ranks + engine_workers
     if given == expected:
         return Success(None)
@@ -225,6 +245,31 @@ def shard_texts(rank: int, value: object) -> Result[list[str], GroupCallError]:
     return Failure(GroupCallError(message, "generate_text"))
 
 
+def merge_outputs(
+    plan: ShardPlan, results: Mapping[int, Mapping[str, torch.Tensor]], pad_token_id: int
+) -> dict[str, torch.Tensor]:
+    """``generate``'s shard outputs by rank (a shard without rows is absent) as one batch in
+    input row order (``core.sharding.merge_shard_outputs``): output ids padded with
+    ``pad_token_id``, weight versions with ``NO_VERSION``, routed experts with ``FILL``."""
+    outputs = [results.get(rank, {}) for rank in range(plan.num_shards)]
+    pads = {"weight_versions": NO_VERSION, "routed_experts": FILL}
+    return merge_shard_outputs(plan, outputs, pad_token_id, pad_values=pads)
+
+
+def merge_texts(
+    plan: ShardPlan, results: Mapping[int, object]
+) -> Result[list[str], GroupCallError | ShardError]:
+    """``generate_text``'s shard answers by rank (a shard without rows is absent), each
+    checked (:func:`shard_texts`), as one list in input row order."""
+    texts: list[list[str]] = []
+    for rank in range(plan.num_shards):
+        checked = shard_texts(rank, results.get(rank, {"texts": []}))
+        if isinstance(checked, Failure):
+            return checked
+        texts.append(checked.unwrap())
+    return merge_shard_texts(plan, texts)
+
+
 def stream_pair(rank: int, value: object) -> Result[tuple[int, object], GroupCallError]:
     """One item of shard ``rank``'s ``generate_async`` stream: ``(its row, its output)``."""
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], int):
@@ -275,7 +320,19 @@ class GroupRefits:
             adapters = adapters | {refit.adapter}
         return attrs.evolve(self, versions=self.versions.landed(took), adapters=adapters)
 
-    def served(self) -> dict[str, int]:
-        """The adapters a batch may name, as ``core.lora.row_adapters`` takes them (the ids
-        are each shard's: names only here)."""
-        return dict.fromkeys(self.adapters, 0)
+    def check_adapters(
+        self, data: Mapping[str, object], batch_size: int
+    ) -> Result[tuple[LoraRef | None, ...], RowAdapterError]:
+        """A batch's ``lora`` / ``lora_names`` checked as each shard checks them
+        (``core.lora.row_adapters``), against the adapters that landed on every shard (the
+        ids are each shard's: names only here), so the error names the batch's input."""
+        served = dict.fromkeys(self.adapters, 0)
+        return row_adapters(data.get("lora"), data.get("lora_names"), batch_size, served)
+
+    def relabelled(self, rank: int, output: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Shard ``rank``'s output with its ``weight_versions`` (where it has them) as the
+        group's (``GroupVersions.relabel``)."""
+        versions = output.get("weight_versions")
+        if versions is None:
+            return dict(output)
+        return {**output, "weight_versions": self.versions.relabel(rank, versions)}

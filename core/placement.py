@@ -72,6 +72,7 @@ __all__ = [
     "PlacementError",
     "PlacementPlan",
     "PortWindow",
+    "RayInit",
     "ShardActor",
     "ShardPlacement",
     "bundle_group_size",
@@ -718,6 +719,13 @@ def _cpu_share(instance: object, attribute: attrs.Attribute[float], value: float
         raise ValueError(f"{attribute.name}={value!r} must be in (0, 1]: a bundle holds 1 CPU")
 
 
+class RayInit(TypedDict, total=False):
+    """``ray.init``'s arguments of a :class:`ClusterSpec`."""
+
+    address: str
+    num_cpus: int | None
+
+
 @attrs.frozen
 class ClusterSpec:
     """Where a data-parallel generation group runs and how long it waits.
@@ -744,6 +752,14 @@ class ClusterSpec:
     cache_base_dir: str | None = None
     port_base: int = DEFAULT_PORT_BASE
     port_window: int = DEFAULT_PORT_WINDOW
+
+    @property
+    def ray_init_kwargs(self) -> RayInit:
+        """``ray.init``'s arguments where Ray is not running yet: the cluster at
+        ``ray_address``, else a local Ray of ``ray_num_cpus`` CPUs."""
+        if self.ray_address is not None:
+            return {"address": self.ray_address}
+        return {"num_cpus": self.ray_num_cpus}
 
     def plan(
         self, tensor_parallel_size: int, pipeline_parallel_size: int

@@ -32,13 +32,11 @@ Theory of operation
   to the widest with the pad id.
 * A failed fan-out call waits for every shard (within the bound) before it raises, so no
   result is lost and none lands in another row. A worker's own error comes back as its own
-  type (``BadBatchError``, ``UnsupportedError``, ...) with the shard in the message; an
-  actor that died, a call past its bound, or a foreign error is a :class:`ShardFailure`
-  (a ``GroupError``; the faults and their lines: ``core.group_calls``). Either way the :class:`ShardFailure` (the exception or its
-  ``__cause__``) holds each failed shard's error and the other shards' results (a
-  ``generate``'s under the group's weight versions). A worker's error names its shard's
-  own rows, and says which of the batch's rows they are. A shard
-  whose actor died stays dead: later calls refuse until the group is re-created.
+  type (``BadBatchError``, ``UnsupportedError``, ...), anything else as a
+  :class:`ShardFailure` (a ``GroupError``); the faults, their lines and why a group with a
+  dead shard refuses every later call: ``core.group_calls``. Either way the
+  :class:`ShardFailure` (the exception or its ``__cause__``) holds each failed shard's
+  error and the other shards' results (a ``generate``'s under the group's weight versions).
 * ``vllm_cfg.async_engine: true`` starts ``AsyncVllmGenerationWorker`` actors (Ray async
   actors: many calls at once, so a refit can land while a shard streams). Their
   ``generate_async`` streams are merged by :meth:`GenerationGroup.generate_async`: rows
@@ -55,13 +53,10 @@ Theory of operation
   a ``prepare_lora`` that succeeded on every shard is refused there, so neither starts
   anything. A batch's ``lora`` (one name) goes to every shard and ``lora_names`` (one name
   or None per row) is split with its rows (``split_batch``); both are checked in the
-  driver first (core ``row_adapters``) against the adapters that landed on every shard,
-  so an unknown name submits nothing and the error names the batch's input.
-* Weight versions are the group's (``core.versions.GroupVersions``): every shard's
-  ``weight_versions`` are relabelled with the count of refits (full or adapter, collected
-  through ``collect``) that landed on at least one shard. A shard whose refit did not
-  answer within ``collect``'s bound counts as failed, so give ``collect`` a bound above
-  the refit's own.
+  driver first (``core.group_calls.GroupRefits.check_adapters``), so an unknown name
+  submits nothing.
+* Weight versions are the group's, counted by ``collect`` with the adapters that landed
+  (``core.group_calls.GroupRefits``): give ``collect`` a bound above the refit's own.
 * Ray is started only when it is not running (``ray.init(address=...)`` for a cluster
   named in the spec), and only a Ray the group started is shut down with it.
 """
@@ -92,15 +87,16 @@ from genworker.core.group_calls import (
     failed_to_start,
     fault_message,
     list_faults,
+    merge_outputs,
+    merge_texts,
     ray_reason,
     shard_lists,
     shard_tensors,
-    shard_texts,
     stream_pair,
     unusable,
 )
 from genworker.core.groups import check_declared_groups
-from genworker.core.lora import check_adapter_name, row_adapters
+from genworker.core.lora import check_adapter_name
 from genworker.core.multimodal import check_media_by_info
 from genworker.core.placement import (
     ClusterOptions,
@@ -113,18 +109,14 @@ from genworker.core.placement import (
     plan_shard_actors,
 )
 from genworker.core.requests import check_text_prompts
-from genworker.core.routing import FILL
 from genworker.core.rows import check_rows
 from genworker.core.sharding import (
     ShardPlan,
-    merge_shard_outputs,
-    merge_shard_texts,
     plan_prompt_rows,
     plan_prompt_shards,
     plan_shards,
     split_batch,
 )
-from genworker.core.versions import NO_VERSION
 from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
@@ -232,16 +224,11 @@ class GenerationGroup:
         unwrap(check_inherited_env(dict(os.environ)), BadConfigError, "environment")
         self._config = dict(config)
         self._worker_options = dict(worker_options or {})
-        self._placements = unwrap(
-            plan_shard_actors(
-                cluster,
-                self.plan,
-                default_cache_root=vllm_cache_root(),
-                ephemeral_ports=ephemeral_ports(),
-            ),
-            BadConfigError,
-            "",
+        cache, ports = vllm_cache_root(), ephemeral_ports()
+        actors = plan_shard_actors(
+            cluster, self.plan, default_cache_root=cache, ephemeral_ports=ports
         )
+        self._placements = unwrap(actors, BadConfigError, "")
         self._actors: list[ActorHandle] = []
         self._pg: PlacementGroup | None = None
         self._dead: dict[int, str] = {}
@@ -399,16 +386,16 @@ class GenerationGroup:
         cause = error.cause if isinstance(error, RayTaskError) else error
         if error is None:
             return GroupError(fault_message(Fault.LATE, call, rank, bound=bound))
+        if isinstance(cause, GenworkerError) and cause is not error:  # a task's own error
+            line = fault_message(Fault.WORKER, call, rank, detail=str(cause), rows=rows)
+            return _renamed(cause, line, error)
         if isinstance(error, (RayActorError, ActorUnavailableError)):
             self._dead[rank] = _reason(error)
             line = fault_message(Fault.DIED, call, rank, detail=self._dead[rank])
-            translated: BaseException = GroupError(line)
-        elif isinstance(cause, GenworkerError) and cause is not error:
-            line = fault_message(Fault.WORKER, call, rank, detail=str(cause), rows=rows)
-            return _renamed(cause, line, error)
         else:
             detail = f"{type(cause).__name__}: {cause}"
-            translated = GroupError(fault_message(Fault.FOREIGN, call, rank, detail=detail))
+            line = fault_message(Fault.FOREIGN, call, rank, detail=detail)
+        translated = GroupError(line)
         translated.__cause__ = error
         return translated
 
@@ -450,7 +437,7 @@ class GenerationGroup:
             "generate batch",
         )
         media = row_media(data, batch.batch_size, "generate")
-        self._check_adapters(data, batch.batch_size, "generate")
+        unwrap(self._records.check_adapters(data, batch.batch_size), BadBatchError, "generate")
         if not batch.lengths:
             return empty_outputs(input_ids, input_lengths, self.cfg.pad_token_id)
         # A row with prompt text (NeMo-RL's vllm_content) is checked by its shard.
@@ -469,13 +456,7 @@ class GenerationGroup:
         plan = plan_prompt_shards(batch.prompts, self.num_shards, max_new_tokens=new_tokens)
         self.last_shard_plan = plan
         results = self._run_shards("generate", plan, data, greedy, timeout_s, self._output)
-        outputs = [results.get(rank, {}) for rank in range(self.num_shards)]
-        return merge_shard_outputs(
-            plan,
-            outputs,
-            self.cfg.pad_token_id,
-            pad_values={"weight_versions": NO_VERSION, "routed_experts": FILL},
-        )
+        return merge_outputs(plan, results, self.cfg.pad_token_id)
 
     async def generate_async(
         self,
@@ -504,7 +485,7 @@ class GenerationGroup:
             "generate_async batch",
         )
         num_rows = len(checks.prompts) + len(checks.errors)
-        self._check_adapters(data, num_rows, "generate_async")
+        unwrap(self._records.check_adapters(data, num_rows), BadBatchError, "generate_async")
         for row, problem in checks.errors:
             yield row, BadBatchError(f"row {row} cannot generate: {problem}", detail=problem)
         if not checks.prompts:
@@ -556,14 +537,13 @@ class GenerationGroup:
             async with asyncio.timeout_at(deadline):
                 async for ref in stream:
                     # a bad pair raises here, translated below with the rest
-                    pair = unwrap(stream_pair(rank, await ref), EngineContractError, "")
-                    local, item = pair
+                    local, item = unwrap(stream_pair(rank, await ref), EngineContractError, "")
                     row = rows[local]
                     pending.discard(local)
                     if isinstance(item, GenworkerError):
                         item = _renamed(item, f"shard {rank}, batch row {row}: {item}", item)
                     elif isinstance(item, dict):
-                        item = self._relabelled(rank, item)
+                        item = self._records.relabelled(rank, item)
                     else:
                         item = EngineContractError(
                             f"shard {rank}: generate_async yielded {item!r:.200}"
@@ -598,7 +578,7 @@ class GenerationGroup:
         prompts = unwrap(check_text_prompts(given), BadBatchError, "")
         # The media's shape here; their counts against the placeholders per shard.
         row_media(data, len(prompts), "generate_text", texts=False)
-        self._check_adapters(data, len(prompts), "generate_text")
+        unwrap(self._records.check_adapters(data, len(prompts)), BadBatchError, "generate_text")
         if not prompts:
             return {"texts": []}
         # Text has no token count before the engine tokenises it; characters stand in.
@@ -606,29 +586,12 @@ class GenerationGroup:
             [len(p) for p in prompts], self.num_shards, max_new_tokens=self.cfg.max_new_tokens
         )
         results = self._run_shards("generate_text", plan, data, greedy, timeout_s, _as_is)
-        texts = [_texts(rank, results.get(rank, {"texts": []})) for rank in range(plan.num_shards)]
-        return {"texts": unwrap(merge_shard_texts(plan, texts), EngineContractError, "")}
-
-    def _check_adapters(self, data: Mapping[str, object], batch_size: int, call: str) -> None:
-        """The batch's ``lora`` / ``lora_names`` checked as each shard checks them (core
-        ``row_adapters``), against the adapters that landed on every shard: a bad name
-        submits nothing, and the error names the batch's input, not a shard's slice."""
-        lora, names = data.get("lora"), data.get("lora_names")
-        served = self._records.served()
-        unwrap(row_adapters(lora, names, batch_size, served), BadBatchError, call)
+        return {"texts": unwrap(merge_texts(plan, results), EngineContractError, "")}
 
     def _output(self, rank: int, value: object) -> dict[str, torch.Tensor]:
         """Shard ``rank``'s ``generate`` output, checked and relabelled."""
         output = unwrap(shard_tensors("generate", rank, value), EngineContractError, "")
-        return self._relabelled(rank, output)
-
-    def _relabelled(self, rank: int, output: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Shard ``rank``'s output with its ``weight_versions`` as the group's (the module
-        docstring, ``core.versions.GroupVersions``)."""
-        versions = output.get("weight_versions")
-        if versions is None:
-            return output
-        return {**output, "weight_versions": self._records.versions.relabel(rank, versions)}
+        return self._records.relabelled(rank, output)
 
     def _multimodal_info(self, timeout_s: float | None) -> Mapping[str, object]:
         """The first shard's image placeholder id and image limit (asked once: every shard
@@ -687,9 +650,8 @@ class GenerationGroup:
         ``s x tensor x pipeline``, so its engine workers take the ranks after those of
         the shards before it. Pass the futures to :meth:`collect` once the trainer joined.
         """
-        sizes = ("world_size", world_size, train_world_size, "the trainer's {} rank(s)")
         args = (ip, port, world_size, train_world_size, timeout_s)
-        return self._join("init_collective", sizes, args)
+        return self._join("init_collective", world_size, train_world_size, args)
 
     def init_nccl_reshard_comm_group(
         self,
@@ -706,21 +668,18 @@ class GenerationGroup:
         Shard ``s`` gets rank prefix ``s x tensor x pipeline``, as in
         :meth:`init_collective`; ``sub_world_size`` must be the stage's trainer ranks and
         this group's engine workers."""
-        trainer = "{} trainer rank(s) per stage"
-        sizes = ("sub_world_size", sub_world_size, train_ranks_per_stage, trainer)
         ips, ports = list(pp_ips), list(pp_ports)
         args = (ips, ports, len(ips), train_ranks_per_stage, sub_world_size, timeout_s)
-        return self._join("init_nccl_reshard_comm_group", sizes, args)
+        call = "init_nccl_reshard_comm_group"
+        return self._join(call, sub_world_size, train_ranks_per_stage, args)
 
     def _join(
-        self, call: str, sizes: tuple[str, int, int, str], args: tuple[object, ...]
+        self, call: str, size: int, trainer_ranks: int, args: tuple[object, ...]
     ) -> list[ObjectRef[object]]:
-        """``call(rank_prefix, *args)`` on every shard once the group's size checks
-        (``sizes``: its field, its value, the trainer's ranks and how they are named)."""
+        """``call(rank_prefix, *args)`` on every shard once the group's ``size`` is the
+        trainer's ranks and this group's engine workers (``core.group_calls.JOINS``)."""
         self._require_usable(call)
-        field, given, trainer_ranks, trainer = sizes
-        workers = self.num_engine_workers
-        checked = check_world_size(call, field, given, trainer_ranks, workers, trainer)
+        checked = check_world_size(call, size, trainer_ranks, self.num_engine_workers)
         unwrap(checked, BadArgumentError, "")
         return list(self._submit(call, self._every(*args, prefixed=True)).values())
 
@@ -906,6 +865,7 @@ class GenerationGroup:
             return
         self._closed = True
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         actors, self._actors = self._actors, []
         refs = {
@@ -921,8 +881,6 @@ class GenerationGroup:
             ray.kill(actor, no_restart=True)
         pg, self._pg = self._pg, None
         if pg is not None:
-            from ray.util.placement_group import remove_placement_group
-
             remove_placement_group(pg)
         if self._owns_ray:
             ray.shutdown()
@@ -951,10 +909,7 @@ def _ensure_ray(cluster: ClusterSpec) -> bool:
 
     if ray.is_initialized():
         return False
-    if cluster.ray_address is not None:
-        ray.init(address=cluster.ray_address)
-    else:
-        ray.init(num_cpus=cluster.ray_num_cpus)
+    ray.init(**cluster.ray_init_kwargs)
     return True
 
 
@@ -1020,7 +975,3 @@ def _padded_batch(data: Mapping[str, object], greedy: object) -> tuple[torch.Ten
     """A right-padded batch's ``input_ids`` and ``input_lengths``, once ``greedy`` is a bool."""
     _check_greedy(greedy)
     return unwrap(batch_tensors(data), BadBatchError, "generate")
-
-
-def _texts(rank: int, value: object) -> list[str]:
-    return unwrap(shard_texts(rank, value), EngineContractError, "")

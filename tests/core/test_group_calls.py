@@ -21,6 +21,8 @@ from genworker.core.group_calls import (
     failed_to_start,
     fault_message,
     list_faults,
+    merge_outputs,
+    merge_texts,
     ray_reason,
     shard_lists,
     shard_tensors,
@@ -28,6 +30,8 @@ from genworker.core.group_calls import (
     stream_pair,
     unusable,
 )
+from genworker.core.sharding import ShardPlan
+from genworker.core.versions import NO_VERSION
 
 
 def test_every_fault_has_a_line_that_names_its_shard() -> None:
@@ -98,16 +102,19 @@ def test_rays_account_comes_down_to_one_line(text: str, init_failed: bool, want:
 
 
 def test_a_world_size_must_be_the_trainers_ranks_and_the_engine_workers() -> None:
-    assert check_world_size("init", "world_size", 6, 4, 2, "the trainer's {} rank(s)") == Success(
-        None
-    )
-    failed = check_world_size("init", "world_size", 5, 4, 2, "the trainer's {} rank(s)")
+    assert check_world_size("init_collective", 6, 4, 2) == Success(None)
+    failed = check_world_size("init_collective", 5, 4, 2)
     assert failed == Failure(
         GroupCallError(
-            "init: world_size=5 but the trainer's 4 rank(s) and this group's 2 engine "
-            "worker(s) make 6",
-            call="init",
+            "init_collective: world_size=5 but the trainer's 4 rank(s) and this group's 2 "
+            "engine worker(s) make 6",
+            call="init_collective",
         )
+    )
+    reshard = check_world_size("init_nccl_reshard_comm_group", 3, 2, 2)
+    assert reshard.failure().message == (
+        "init_nccl_reshard_comm_group: sub_world_size=3 but 2 trainer rank(s) per stage and "
+        "this group's 2 engine worker(s) make 4"
     )
 
 
@@ -156,10 +163,39 @@ def test_a_refit_lands_on_the_shards_that_took_it_and_an_adapter_only_on_all() -
     partial = start.landed(Refit("update_lora", "a"), {0: True, 1: False})
     assert partial.versions.version == 1
     assert partial.versions.shards == ((0, 1), (0,))
-    assert partial.served() == {}
+    assert isinstance(partial.check_adapters({"lora": "a"}, 1), Failure)
     every = partial.landed(Refit("update_lora", "b"), {0: True, 1: True})
-    assert every.served() == {"b": 0}
+    assert isinstance(every.check_adapters({"lora_names": ["b", None]}, 2), Success)
+    assert every.check_adapters({}, 2) == Success(())
     assert every.versions.shards == ((0, 1, 2), (0, 2))
     full = every.landed(Refit("update_weights_from_collective"), {0: True, 1: True})
     assert full.adapters == frozenset({"b"})
     assert not full.lora_prepared
+
+
+def test_a_shards_versions_are_relabelled_as_the_groups_and_other_outputs_kept() -> None:
+    refits = GroupRefits.start(2).landed(Refit("update_weights_via_ipc_zmq"), {1: True})
+    ids = torch.tensor([[1, 2]])
+    assert refits.relabelled(0, {"output_ids": ids}) == {"output_ids": ids}
+    # shard 0 took no refit; its own version 1 is the group's second refit
+    relabelled = refits.relabelled(0, {"weight_versions": torch.tensor([[-1, 0, 1]])})
+    assert relabelled["weight_versions"].tolist() == [[-1, 0, 2]]
+
+
+def test_generates_outputs_merge_in_row_order_each_key_padded_with_its_no_value() -> None:
+    plan = ShardPlan(num_rows=2, shards=((1,), (0,), ()), costs=(1, 1, 0))
+    one = {"output_ids": torch.tensor([[7, 8]]), "weight_versions": torch.tensor([[-1, 0]])}
+    two = {"output_ids": torch.tensor([[5]]), "weight_versions": torch.tensor([[0]])}
+    merged = merge_outputs(plan, {0: one, 1: two}, pad_token_id=9)
+    assert merged["output_ids"].tolist() == [[5, 9], [7, 8]]
+    assert merged["weight_versions"].tolist() == [[0, NO_VERSION], [-1, 0]]
+
+
+def test_generate_texts_merge_in_row_order_and_a_bad_answer_names_its_shard() -> None:
+    plan = ShardPlan(num_rows=3, shards=((2,), (0, 1), ()), costs=(1, 2, 0))
+    merged = merge_texts(plan, {0: {"texts": ["c"]}, 1: {"texts": ["a", "b"]}})
+    assert merged == Success(["a", "b", "c"])
+    bad = merge_texts(plan, {0: {"texts": ["c"]}, 1: "oops"})
+    assert bad.failure().message == "shard 1: generate_text returned 'oops'"
+    short = merge_texts(plan, {0: {"texts": []}, 1: {"texts": ["a", "b"]}})
+    assert isinstance(short, Failure)

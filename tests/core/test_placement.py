@@ -802,6 +802,11 @@ def test_a_placement_group_not_ready_names_its_bundles_and_the_clusters_resource
     )
 
 
+def test_ray_starts_on_the_named_cluster_or_locally_with_the_specs_cpus() -> None:
+    assert ClusterSpec(1, ray_address="ray://h:1").ray_init_kwargs == {"address": "ray://h:1"}
+    assert ClusterSpec(1, ray_num_cpus=3).ray_init_kwargs == {"num_cpus": 3}
+
+
 def test_a_local_cluster_takes_the_machines_gpus_or_enough_cpus_for_its_shards() -> None:
     gpus = local_cluster_spec(2, 1, gpus=8, cpu_count=64, options={"call_timeout_s": 5.0})
     assert gpus == ClusterSpec(num_shards=2, gpus_per_node=8, call_timeout_s=5.0)
