@@ -377,7 +377,7 @@ class GenerationGroup:
         error: BaseException | None,
         rows: tuple[int, ...] = (),
         bound: float = 0.0,
-    ) -> BaseException:
+    ) -> GenworkerError:
         """How a shard's call failed (``None``: no answer within ``bound``; the faults of
         ``core.group_calls``), as the worker's own type or a GroupError; a worker's error
         names the shard's own rows, so the batch's rows they are follow."""
@@ -551,7 +551,7 @@ class GenerationGroup:
                     queue.put_nowait((row, item))
                     if not pending:
                         return
-            error: BaseException = EngineContractError(
+            error: GenworkerError = EngineContractError(
                 f"shard {rank}: its stream ended with {len(pending)} row(s) missing"
             )
         except asyncio.CancelledError:
@@ -560,9 +560,8 @@ class GenerationGroup:
             error = self._translate("generate_async", rank, None, bound=bound)
         except BaseException as e:  # noqa: BLE001 - every row the shard owes gets it
             error = self._translate("generate_async", rank, e)
-        typed = error if isinstance(error, GenworkerError) else GroupError(str(error))
         for local in sorted(pending):
-            queue.put_nowait((rows[local], typed))
+            queue.put_nowait((rows[local], error))
 
     def generate_text(
         self,
