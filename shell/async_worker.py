@@ -90,7 +90,7 @@ from returns.result import Failure
 from genworker.core import control_plane, lifecycle
 from genworker.core.assembly import Generation
 from genworker.core.counters import LOGGER_METRICS, logger_sample
-from genworker.core.engine_calls import RowRequest, RpcCall
+from genworker.core.engine_calls import RowRequest
 from genworker.core.groups import GroupPlan
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import (
@@ -98,7 +98,6 @@ from genworker.core.outputs import (
     check_generation_logprobs,
     check_generation_routes,
 )
-from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import Transport
 from genworker.core.rows import versioned_outputs, versioned_row
 from genworker.core.scoring import ScoredRow, assemble_scores
@@ -117,9 +116,7 @@ from genworker.shell.errors import (
     EngineDeadError,
     EngineStateError,
     GenworkerError,
-    RefitError,
     RefitManifestError,
-    RefitTimeoutError,
     RequestAbortedError,
     UnsupportedError,
     unwrap,
@@ -131,12 +128,13 @@ from genworker.shell.ports import (
     EngineCapabilities,
     StreamedGeneration,
 )
-from genworker.shell.refit.wire import raise_failures
 from genworker.shell.server import OpenAIServer
 from genworker.shell.spine import (
     BatchPlan,
     Drive,
+    EngineCall,
     ExistingEngineFactory,
+    Inflight,
     Steps,
     WorkerSpine,
     door_of,
@@ -239,10 +237,6 @@ def _door(
     return door_of(door, body)
 
 
-def _pause_args(mode: object, clear_cache: object) -> tuple[InflightMode, bool]:
-    return unwrap(lifecycle.pause_args(mode, clear_cache), BadArgumentError, "")
-
-
 class _MetricsLogger:
     """A daemon thread sampling :data:`LOGGER_METRICS` from the engine every ``interval``
     seconds (NeMo-RL's metrics logger); it stops at shutdown or at the first failed read
@@ -323,7 +317,6 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         self._ids = itertools.count()
         self._id_prefix = f"gw-{secrets.token_hex(4)}"
         self._activity = 0  # tokens counted; the settle after a pause watches it
-        self._finite_check_off = False  # refit_configure told the engine workers
         #: vLLM's OpenAI server (vllm_cfg.expose_http_server); its socket is bound now,
         #: before the engine loads
         self._http: OpenAIServer | None = self._bind_http_server()
@@ -696,9 +689,9 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         call = drive.send(None)
         while call is not None:
             try:
-                result = call.on(self.engine)
+                result = self._settle() if call.method == "settle" else call.on(self.engine)
                 if isinstance(result, Awaitable):
-                    result = await result
+                    result = await asyncio.wait_for(result, call.bound)
             except BaseException as e:  # noqa: BLE001 - the body raises it (or its own)
                 if isinstance(e, EngineDeadError):
                     self._died(e)
@@ -721,8 +714,12 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         clear_cache: bool = True,
     ) -> bool:
         """Receive a refit over IPC while requests run (see the module docstring)."""
-        return await self._refit(
-            "update_weights_via_ipc_zmq", timeout_s, mode, clear_cache, Transport.IPC
+        return await self.refit_via(
+            "update_weights_via_ipc_zmq",
+            timeout_s,
+            Transport.IPC,
+            mode=mode,
+            clear_cache=clear_cache,
         )
 
     async def update_weights_from_collective(
@@ -733,8 +730,9 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         clear_cache: bool = True,
     ) -> bool:
         """Receive a refit over the weight-update group while requests run."""
-        return await self._refit(
-            "update_weights_from_collective", timeout_s, mode, clear_cache, Transport.COLLECTIVE
+        method = "update_weights_from_collective"
+        return await self.refit_via(
+            method, timeout_s, Transport.COLLECTIVE, mode=mode, clear_cache=clear_cache
         )
 
     async def refit_via(
@@ -749,16 +747,17 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         """An in-flight refit through another extension receiver ``method(timeout_s=)`` of
         ``transport`` (e.g. NeMo-RL's wire, ``nemo_rl_update_weights_via_ipc_zmq``): the
         built-in refits' checks, bounds, pause, version bump and resume around it."""
-        return await self._refit(method, timeout_s, mode, clear_cache, transport)
+        refit = self._refit(method, timeout_s, transport, Inflight.of(mode, clear_cache))
+        return await self._drive(refit)
 
     # -- vLLM's weight-transfer wire and pause (the server's RL routes, docs/server.md) ----
     async def pause_generation(self, mode: InflightMode | str, clear_cache: bool = True) -> None:
         """Pause generation as vLLM's ``/pause`` does (``abort``: the rows in flight end
         typed; ``wait``: they finish, nothing new starts; ``keep``: they freeze) until
         :meth:`resume_generation`."""
-        inflight, clear_cache = _pause_args(mode, clear_cache)
-        self._abort_in_flight(inflight, "a pause")
-        await self.engine.pause(inflight, clear_cache)
+        pause = Inflight.of(mode, clear_cache)
+        self._abort_in_flight(pause.mode, "a pause")
+        await self.engine.pause(pause.mode, pause.clear_cache)
 
     async def resume_generation(self) -> None:
         """Resume what :meth:`pause_generation` paused."""
@@ -813,16 +812,15 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             "update_info",
         )
         assert isinstance(update, control_plane.Update)
-        return await self._refit(
+        refit = self._refit(
             "refit_receive",
             timeout_s,
-            mode,
-            clear_cache,
             Transport.COLLECTIVE,
+            Inflight.of(mode, clear_cache, held),
             args=("vllm_wire", dict(update_info)),
             manifest=update.manifest,
-            held=held,
         )
+        return await self._drive(refit)
 
     # -- adapter refits (docs/lora.md; the rules in the spine, as the sync worker's) ------
     async def update_lora(
@@ -834,156 +832,34 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         clear_cache: bool = True,
         transport: str = "ipc",
     ) -> bool:
-        """An adapter refit while requests run, paused as a full in-flight refit is
-        (``mode``, ``clear_cache``), over ``transport`` as the sync worker's; the version
-        counts it. A failure resumes the engine with the previous adapter serving and the
-        version alone (rows of mode ``abort`` stay aborted)."""
-        inflight, clear_cache = _pause_args(mode, clear_cache)
-        bound, outer, kwargs = self._lora_bounds(name, timeout_s, transport)
-        engine = self.engine
-        self._abort_in_flight(inflight, "an in-flight adapter refit")
-        await self._pause_within("update_lora", inflight, clear_cache, bound)
-        try:
-            receive = self._rpc_steps(
-                "refit_receive", "lora", name, kwargs=kwargs, timeout=outer, label="update_lora"
-            )
-            reports = await self._drive(receive)
-            self._lora_ok(name, reports, {})
-            if self._http is not None:
-                self._http.serve_adapter(name, self.lora_adapters[name])
-            await self._relabel(engine)
-        except EngineDeadError as e:
-            self._died(e)
-            raise
-        finally:
-            if self._dead is None:
-                await engine.resume()
-        self.last_refit["mode"] = inflight.value
-        return True
+        """An adapter refit while requests run (``WorkerSpine._update_lora``), paused as a
+        full in-flight refit is (``mode``, ``clear_cache``)."""
+        inflight = Inflight.of(mode, clear_cache)
+        return await self._drive(self._update_lora(name, timeout_s, transport, inflight))
 
-    def _abort_in_flight(self, inflight: InflightMode, by: str) -> None:
-        """Mode ``abort``: every row in flight ends as aborted ``by`` the pause."""
-        if inflight is InflightMode.ABORT:
-            self._mark_in_flight(
-                lambda row: RequestAbortedError(f"row {row}: aborted by {by} (mode 'abort')")
-            )
+    def _lora_ok(self, name: str, reports: list[object], resets: Mapping[str, float]) -> None:
+        super()._lora_ok(name, reports, resets)
+        if self._http is not None:
+            self._http.serve_adapter(name, self.lora_adapters[name])
 
-    async def _relabel(self, engine: AsyncEnginePort) -> None:
+    def _relabel(self) -> Steps[None]:
         """The weight version changed: the engine's weights labelled with it (where it
         labels tokens), the tokens counted so far closed under the old one."""
-        if engine.capabilities.weight_versions:
-            await engine.label_weights(str(self._version))
+        if self.caps.weight_versions:
+            yield EngineCall("label_weights", (str(self._version),))
             self._labelled = True
         self._close_runs()
         self._label = self._version
 
-    def _mark_in_flight(self, why: Callable[[int], GenworkerError]) -> list[str]:
+    def _mark_in_flight(
+        self, why: Callable[[int], GenworkerError], server: str | None = None
+    ) -> list[str]:
         for request in self._requests.values():
             if request.abort_reason is None:
                 request.abort_reason = why(request.row)
+        if server is not None and self._http is not None:
+            self._http.abort_all(server)
         return list(self._requests)
-
-    async def _refit(
-        self,
-        method: str,
-        timeout_s: object,
-        mode: object,
-        clear_cache: object,
-        transport: Transport,
-        *,
-        args: tuple[object, ...] = (),
-        manifest: Manifest | None = None,
-        held: bool = False,
-    ) -> bool:
-        """``method(*args, timeout_s=)`` on the engine workers, paused (unless ``held`` by
-        the caller); ``manifest``: the refit's own (a wire that announces each update)."""
-        inflight, clear_cache = _pause_args(mode, clear_cache)
-        if not clear_cache and self.caps.multimodal:
-            raise BadArgumentError(
-                f"{method}: clear_cache=False on a multimodal engine: after such a refit "
-                "vLLM 0.32's engine core died at the next image request ('Encoder cache "
-                "miss'); keep clear_cache=True"
-            )
-        timeout, outer = self._refit_bounds(method, timeout_s, transport, manifest)
-        if not self.cfg.vllm.refit_finite_check and not self._finite_check_off:
-            await self._rpc("refit_configure", False)  # the engine workers check unless told
-            self._finite_check_off = True
-        self._state = self._move(lifecycle.Event.REFIT_BEGIN)
-        engine = self.engine
-        started = time.monotonic()
-        paused_at = resumed_at = rpc_done = started
-        try:
-            self._abort_in_flight(inflight, "an in-flight refit")
-            if not held:
-                await self._pause_within(method, inflight, clear_cache, timeout)
-            paused_at = time.monotonic()
-            if not engine.capabilities.weight_versions:
-                await self._settle()
-            bound: dict[str, object] = {"timeout_s": timeout}
-            call = RpcCall(method, args, bound, outer)
-            reports = raise_failures(await engine.collective_rpc(call), method)
-            rpc_done = time.monotonic()
-        except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
-            await self._abort_after_failed_refit(engine, method, e, held)
-            self._refit_failed(method, e)
-        self._version += 1
-        try:
-            await self._relabel(engine)
-            self._commit(lifecycle.Event.REFIT_OK, "refit")
-            if not held:
-                await engine.resume()
-            resumed_at = time.monotonic()
-        except EngineDeadError as e:
-            self._died(e)
-            raise
-        self.last_refit = {
-            "engine_workers": reports,
-            "mode": inflight.value,
-            "version": self._version,
-            "pause_seconds": paused_at - started,
-            "rpc_seconds": rpc_done - paused_at,
-            "resume_seconds": resumed_at - rpc_done,
-            "paused_seconds": resumed_at - started,
-        }
-        return True
-
-    async def _pause_within(
-        self, method: str, inflight: InflightMode, clear_cache: bool, timeout: float
-    ) -> None:
-        try:
-            await asyncio.wait_for(self.engine.pause(inflight, clear_cache), timeout)
-        except TimeoutError as e:
-            raise RefitTimeoutError(
-                f"{method}: pausing the engine (mode {inflight.value!r}) took over {timeout:g} s"
-            ) from e
-
-    async def _abort_after_failed_refit(
-        self, engine: AsyncEnginePort, method: str, error: BaseException, held: bool = False
-    ) -> None:
-        """A failed refit: weights inconsistent, every request in flight aborted with the
-        refit's error as its row's reason, the engine resumed (unless its caller holds
-        it paused)."""
-        if isinstance(error, EngineDeadError):
-            self._died(error)
-        self._mark_refit_failed()
-        if self._dead is not None:
-            return
-        why = (
-            f"aborted: the in-flight refit ({method}) failed ({error}); the weights are "
-            "inconsistent until a refit succeeds"
-        )
-        ids = self._mark_in_flight(lambda row: RefitError(f"row {row}: {why}"))
-        if self._http is not None:
-            self._http.abort_all(why)
-        try:
-            if ids:
-                await engine.abort(ids)
-            # paused: nothing runs on the caches
-            await self._drive(self._reset_after_failure(error, (EngineDeadError,)))
-            if not held:
-                await engine.resume()
-        except EngineDeadError as e:
-            self._died(e)
 
     async def _settle(self) -> None:
         """Wait until the tokens sampled before the pause have all been counted (engines

@@ -52,6 +52,7 @@ from genworker.core.engine_calls import Cache, RpcCall, is_refit_method
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.groups import Group, GroupPath, GroupPlan, plan_groups
 from genworker.core.joins import GroupJoin, JoinError, group_join
+from genworker.core.lifecycle import InflightMode
 from genworker.core.lora import NEMO_RL_ADAPTER_NAME, lora_update
 from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, nonfinite_seen
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, env_names, forwarded_env_names
@@ -89,6 +90,8 @@ from genworker.shell.errors import (
     GenworkerError,
     RefitError,
     RefitManifestError,
+    RefitTimeoutError,
+    RequestAbortedError,
     UnsupportedError,
     translated,
     unwrap,
@@ -103,6 +106,7 @@ __all__ = [
     "Drive",
     "EngineCall",
     "ExistingEngineFactory",
+    "Inflight",
     "Steps",
     "WorkerSpine",
     "checked_env_names",
@@ -176,7 +180,9 @@ class HasCapabilities(Protocol):
 
 
 #: The engine-port methods a spine body asks for (both ports name them alike,
-#: ``shell.ports``; the async port's return awaitables, but ``metrics``).
+#: ``shell.ports``; the async port's return awaitables, but ``metrics``); the in-flight
+#: refit's (``pause``, ``resume``, ``label_weights``, ``abort``) are the async port's only,
+#: and ``settle`` is the async worker's own wait for the tokens sampled before a pause.
 EngineMethod = Literal[
     "sleep",
     "wake_up",
@@ -184,6 +190,11 @@ EngineMethod = Literal[
     "collective_rpc",
     "device_ids",
     "metrics",
+    "pause",
+    "resume",
+    "label_weights",
+    "abort",
+    "settle",
 ]
 
 
@@ -191,10 +202,12 @@ EngineMethod = Literal[
 class EngineCall:
     """One engine-port call a spine body yields to its drive loop (sans-I/O, as h11's
     events): the port method's name and its arguments. The drive loop makes it and sends
-    the result back into the body, or throws in what the call raised."""
+    the result back into the body, or throws in what the call raised; ``bound``: the
+    seconds the drive loop waits for an awaited call (TimeoutError past them)."""
 
     method: EngineMethod
     args: tuple[object, ...] = ()
+    bound: float | None = None
 
     def on(self, engine: object) -> object:
         """The call made on ``engine`` (the async port's result is to await)."""
@@ -207,6 +220,22 @@ Steps = Generator[EngineCall, object, _T]
 
 #: each cache's reset (the names :meth:`WorkerSpine._reset_caches` resets)
 _RESETS = {cache.value: EngineCall("reset_cache", (cache,)) for cache in Cache}
+
+
+@attrs.frozen
+class Inflight:
+    """How a refit runs while requests do (the async worker's; the sync worker refits
+    between batches): paused in ``mode``, the pause clearing the caches or not, unless
+    the caller ``held`` the engine paused itself."""
+
+    mode: InflightMode
+    clear_cache: bool
+    held: bool = False
+
+    @classmethod
+    def of(cls, mode: object, clear_cache: object, held: bool = False) -> Inflight:
+        """``mode`` and ``clear_cache`` checked (BadArgumentError)."""
+        return cls(*unwrap(lifecycle.pause_args(mode, clear_cache), BadArgumentError, ""), held)
 
 
 class Drive(Generic[_T]):
@@ -363,6 +392,7 @@ class WorkerSpine(Generic[_E]):
         self._version = 0  # good refits so far (weight_version)
         self._manifest: Manifest | None = None  # from prepare_refit_info
         self._collective = False  # init_collective succeeded
+        self._finite_check_off = False  # refit_configure told the engine workers
         self._caches = lifecycle.CacheLedger()  # known empty: resets skipped
         #: the last successful refit: each engine worker's report and the seconds of its
         #: steps (the sync worker: the RPC and each cache reset; the async worker: the
@@ -810,12 +840,6 @@ class WorkerSpine(Generic[_E]):
             raise error
         raise RefitError(f"{method} failed: {error}; weights are inconsistent") from error
 
-    def _refit_ok(self, last_refit: dict[str, object], steps: int = 1) -> None:
-        """A refit succeeded: the weights are valid and ``steps`` versions newer."""
-        self._commit(lifecycle.Event.REFIT_OK, "refit")
-        self._version += steps
-        self.last_refit = last_refit
-
     def _reset_after_failure(
         self, error: BaseException, passing: tuple[type[Exception], ...] = ()
     ) -> Steps[None]:
@@ -835,6 +859,145 @@ class WorkerSpine(Generic[_E]):
             raise
         except Exception as e:  # noqa: BLE001 - noted on the refit's own error
             error.add_note(f"resetting the caches after the failed refit failed too: {e}")
+
+    def _refit(
+        self,
+        method: str,
+        timeout_s: object,
+        transport: Transport,
+        inflight: Inflight | None = None,
+        *,
+        args: tuple[object, ...] = (),
+        manifest: Manifest | None = None,
+    ) -> Steps[bool]:
+        """A refit through the extension receiver ``method(*args, timeout_s=)`` of
+        ``transport``: the preamble (a refit it refuses changes nothing), then
+        :meth:`_run_refit`; ``manifest``: the refit's own (a wire that announces each)."""
+        if inflight is not None and not inflight.clear_cache and self.caps.multimodal:
+            raise BadArgumentError(
+                f"{method}: clear_cache=False on a multimodal engine: after such a refit "
+                "vLLM 0.32's engine core died at the next image request ('Encoder cache "
+                "miss'); keep clear_cache=True"
+            )
+        bound, outer = self._refit_bounds(method, timeout_s, transport, manifest)
+        yield from self._configure_finite_check()
+        return (yield from self._run_refit(method, {"timeout_s": bound}, outer, inflight, args))
+
+    def _configure_finite_check(self) -> Steps[None]:
+        """``vllm_cfg.refit_finite_check: false`` told the engine workers once (they check
+        unless told)."""
+        if not self.cfg.vllm.refit_finite_check and not self._finite_check_off:
+            yield from self._rpc_steps("refit_configure", False)
+            self._finite_check_off = True
+
+    def _run_refit(
+        self,
+        method: str,
+        kwargs: Mapping[str, float],
+        outer: float,
+        inflight: Inflight | None = None,
+        args: tuple[object, ...] = (),
+    ) -> Steps[bool]:
+        """The refit RPC ``method(*args, **kwargs)`` on every engine worker (bounded by
+        ``outer``) through the lifecycle's refit states; the weights count as valid, one
+        version newer, only when all succeeded. Between batches (the sync worker) the
+        caches are reset after it (they would serve what the old weights computed). In
+        flight (the async worker's module docstring) the engine pauses around it
+        (:meth:`_pause`, within ``kwargs["timeout_s"]``), the tokens sampled before the
+        pause are counted (``settle``) where the engine does not label them, and the new
+        weights are labelled (:meth:`_relabel`) before it resumes."""
+        self._state = self._move(lifecycle.Event.REFIT_BEGIN)
+        paused_at = resumed_at = rpc_done = started = time.monotonic()
+        try:
+            if inflight is not None:
+                yield from self._pause(method, inflight, kwargs["timeout_s"], "an in-flight refit")
+            paused_at = time.monotonic()
+            if inflight is not None and not self.caps.weight_versions:
+                yield EngineCall("settle")
+            results = yield EngineCall("collective_rpc", (RpcCall(method, args, kwargs, outer),))
+            reports = raise_failures(_list_of(results, object, "collective_rpc"), method)
+            rpc_done = time.monotonic()
+            resets = (yield from self._reset_caches(method)) if inflight is None else {}
+        except BaseException as e:  # noqa: BLE001 - re-raised typed by _refit_failed
+            yield from self._after_failed_refit(method, e, inflight)
+            self._refit_failed(method, e)
+        self._version += 1
+        yield from self._relabel()
+        self._commit(lifecycle.Event.REFIT_OK, "refit")
+        if inflight is not None and not inflight.held:
+            yield EngineCall("resume")
+        resumed_at = time.monotonic()
+        self.last_refit = {"engine_workers": reports, "rpc_seconds": rpc_done - paused_at}
+        self.last_refit |= {f"reset_{name}_cache_seconds": s for name, s in resets.items()}
+        if inflight is not None:
+            self.last_refit |= {
+                "mode": inflight.mode.value,
+                "version": self._version,
+                "pause_seconds": paused_at - started,
+                "resume_seconds": resumed_at - rpc_done,
+                "paused_seconds": resumed_at - started,
+            }
+        return True
+
+    def _pause(self, method: str, inflight: Inflight, bound: float, by: str) -> Steps[None]:
+        """An in-flight refit's pause: mode ``abort`` ends every row in flight (aborted
+        ``by`` it), then the engine pauses within ``bound`` unless the caller holds it."""
+        self._abort_in_flight(inflight.mode, by)
+        try:
+            if not inflight.held:
+                yield EngineCall("pause", (inflight.mode, inflight.clear_cache), bound)
+        except TimeoutError as e:
+            raise RefitTimeoutError(
+                f"{method}: pausing the engine (mode {inflight.mode.value!r}) took over {bound:g} s"
+            ) from e
+
+    def _after_failed_refit(
+        self, method: str, error: BaseException, inflight: Inflight | None
+    ) -> Steps[None]:
+        """A failed refit: weights inconsistent, the caches reset
+        (:meth:`_reset_after_failure`); in flight, every request in flight aborted with
+        the refit's error as its row's reason first, the engine resumed after (unless its
+        caller holds it paused)."""
+        self._mark_refit_failed()
+        if inflight is None:
+            return (yield from self._reset_after_failure(error))
+        if isinstance(error, EngineDeadError):
+            self._died(error)
+        if self._dead is not None:
+            return
+        why = (
+            f"aborted: the in-flight refit ({method}) failed ({error}); the weights are "
+            "inconsistent until a refit succeeds"
+        )
+        ids = self._mark_in_flight(lambda row: RefitError(f"row {row}: {why}"), why)
+        try:
+            if ids:
+                yield EngineCall("abort", (ids,))
+            # paused: nothing runs on the caches
+            yield from self._reset_after_failure(error, (EngineDeadError,))
+            if not inflight.held:
+                yield EngineCall("resume")
+        except EngineDeadError as e:
+            self._died(e)
+
+    # What the async worker's rows in flight add to a refit (the sync worker has none).
+    def _mark_in_flight(
+        self, why: Callable[[int], GenworkerError], server: str | None = None
+    ) -> list[str]:
+        """Every row in flight ends with ``why`` (the HTTP server's requests with
+        ``server``); the ids to abort."""
+        return []
+
+    def _abort_in_flight(self, inflight: InflightMode, by: str) -> None:
+        """Mode ``abort``: every row in flight ends as aborted ``by`` the pause."""
+        if inflight is InflightMode.ABORT:
+            self._mark_in_flight(
+                lambda row: RequestAbortedError(f"row {row}: aborted by {by} (mode 'abort')")
+            )
+
+    def _relabel(self) -> Steps[None]:
+        """The weight version changed under the rows in flight."""
+        yield from ()
 
     def _prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[Sequence[int], object]]
@@ -929,6 +1092,36 @@ class WorkerSpine(Generic[_E]):
         )
         self._lora_manifest = manifest
         return addresses
+
+    def _update_lora(
+        self, name: str, timeout_s: object, transport: object, inflight: Inflight | None = None
+    ) -> Steps[bool]:
+        """Receive one adapter refit and serve it as ``name`` (generate with
+        ``data["lora"]`` or ``data["lora_names"]``); the weight version counts it. A
+        failure leaves the previous adapter serving and the version alone.
+        ``transport``: ``ipc`` (``RefitSender.ipc`` to ``prepare_lora``'s addresses) or
+        ``collective`` (``RefitSender.collective`` to the group of ``init_collective``).
+        In flight, paused as :meth:`_run_refit` is and resumed after, a failure too (rows
+        of mode ``abort`` stay aborted); between batches, the caches reset after it."""
+        bound, outer, kwargs = self._lora_bounds(name, timeout_s, transport)
+        if inflight is not None:
+            yield from self._pause("update_lora", inflight, bound, "an in-flight adapter refit")
+        try:
+            reports = yield from self._rpc_steps(
+                "refit_receive", "lora", name, kwargs=kwargs, timeout=outer, label="update_lora"
+            )
+            try:
+                resets = (yield from self._reset_caches("update_lora")) if inflight is None else {}
+            except BaseException as e:  # noqa: BLE001 - re-raised typed by _refit_failed
+                self._refit_failed("update_lora", e)
+            self._lora_ok(name, reports, resets)
+            yield from self._relabel()
+        finally:
+            if inflight is not None and self._dead is None:
+                yield EngineCall("resume")
+        if inflight is not None:
+            self.last_refit["mode"] = inflight.mode.value
+        return True
 
     def _lora_ok(self, name: str, reports: list[object], resets: Mapping[str, float]) -> None:
         """An adapter refit succeeded on every engine worker: ``name`` serves its

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -43,7 +42,6 @@ from genworker.core.assembly import (
     flatten_generations,
     place_rows,
 )
-from genworker.core.engine_calls import RpcCall
 from genworker.core.groups import order_rows
 from genworker.core.joins import reshard_join
 from genworker.core.outputs import (
@@ -82,7 +80,6 @@ from genworker.shell.errors import (
 )
 from genworker.shell.host import ephemeral_ports, vllm_cache_root
 from genworker.shell.ports import EngineFactory, EnginePort
-from genworker.shell.refit.wire import raise_failures
 from genworker.shell.sparse import SparseRefitError
 from genworker.shell.spine import (
     EXTENSION_CLS,
@@ -248,8 +245,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
     def load_model(self) -> None:
         """Start the engine (the deferred half of ``__init__``)."""
         self._loaded(self._start(self._factory or _default_factory(), lambda e: e.shutdown()))
-        if not self.cfg.vllm.refit_finite_check:  # the engine workers check unless told
-            self._rpc("refit_configure", False)
+        self._drive(self._configure_finite_check())
 
     forward_env = staticmethod(forward_env)
 
@@ -399,65 +395,23 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         """``method(*args)`` on every engine worker (``WorkerSpine._rpc_steps``)."""
         return self._drive(self._rpc_steps(method, *args, timeout=timeout))
 
-    # -- refit (the preamble, its bounds and its commit are the spine's) ---------------
+    # -- refit (its preamble, body and commit: WorkerSpine._refit, shell.spine) --------
     @_serialized
     def update_weights_from_collective(self, timeout_s: float | None = None) -> bool:
-        return self._refit("update_weights_from_collective", timeout_s, Transport.COLLECTIVE)
+        return self._drive(
+            self._refit("update_weights_from_collective", timeout_s, Transport.COLLECTIVE)
+        )
 
     @_serialized
     def update_weights_via_ipc_zmq(self, timeout_s: float | None = None) -> bool:
-        return self._refit("update_weights_via_ipc_zmq", timeout_s, Transport.IPC)
+        return self._drive(self._refit("update_weights_via_ipc_zmq", timeout_s, Transport.IPC))
 
     @_serialized
     def update_lora(
         self, name: str, timeout_s: float | None = None, *, transport: str = "ipc"
     ) -> bool:
-        """Receive one adapter refit and serve it as ``name`` (generate with
-        ``data["lora"]`` or ``data["lora_names"]``); the weight version counts it. A
-        failure leaves the previous adapter serving and the version alone.
-        ``transport``: ``ipc`` (``RefitSender.ipc`` to ``prepare_lora``'s addresses) or
-        ``collective`` (``RefitSender.collective`` to the group of ``init_collective``)."""
-        _, outer, kwargs = self._lora_bounds(name, timeout_s, transport)
-        receive = self._rpc_steps(
-            "refit_receive", "lora", name, kwargs=kwargs, timeout=outer, label="update_lora"
-        )
-        reports = self._drive(receive)
-        try:
-            resets = self._drive(self._reset_caches("update_lora"))
-        except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
-            self._refit_failed("update_lora", e)
-        self._lora_ok(name, reports, resets)
-        return True
-
-    def _refit(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
-        """The spine's refit preamble (a refit it refuses changes nothing), then the refit."""
-        bound, outer = self._refit_bounds(method, timeout_s, transport)
-        return self._run_refit(method, {"timeout_s": bound}, outer)
-
-    def _run_refit(self, method: str, kwargs: dict[str, object], outer: float) -> bool:
-        """The refit RPC ``method(**kwargs)`` on every engine worker (bounded by ``outer``),
-        then the cache resets, through the lifecycle's refit states; the weights count as
-        valid only when all succeeded (a cache still holding KV or encoder outputs of the
-        old weights would serve them)."""
-        self._state = self._move(lifecycle.Event.REFIT_BEGIN)
-        try:
-            started = time.monotonic()
-            call = RpcCall(method, kwargs=kwargs, timeout=outer)
-            reports = self._call(lambda e: e.collective_rpc(call))
-            raise_failures(reports, method)
-            rpc_s = time.monotonic() - started
-            resets = self._drive(self._reset_caches(method))
-        except BaseException as e:  # noqa: BLE001 - re-raised typed by the spine
-            self._drive(self._reset_after_failure(e))
-            self._refit_failed(method, e)
-        self._refit_ok(
-            {
-                "engine_workers": reports,
-                "rpc_seconds": rpc_s,
-                **{f"reset_{name}_cache_seconds": s for name, s in resets.items()},
-            }
-        )
-        return True
+        """Receive one adapter refit and serve it as ``name`` (``WorkerSpine._update_lora``)."""
+        return self._drive(self._update_lora(name, timeout_s, transport))
 
     # -- observability --------------------------------------------------------------
     @_serialized
@@ -571,7 +525,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
     def refit_via(self, method: str, timeout_s: float | None, transport: Transport) -> bool:
         """A refit through another extension receiver ``method(timeout_s=)`` of
         ``transport``, with the built-in refits' checks, bounds, lifecycle and resets."""
-        return self._refit(method, timeout_s, transport)
+        return self._drive(self._refit(method, timeout_s, transport))
 
     # -- shard-to-shard refit (issue 17; genworker.shell.reshard) -------------------
     _reshard_stages = 0  # init_nccl_reshard_comm_group succeeded: its stage groups
@@ -631,4 +585,4 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         if self._reshard_params is None:
             raise EngineStateError(f"{method} needs prepare_nccl_reshard_refit_info first")
         outer = rpc_bound(self._reshard_stages * refit_waits(1, Transport.COLLECTIVE), bound)
-        return self._run_refit(method, {"refit_timeout_s": bound}, outer)
+        return self._drive(self._run_refit(method, {"refit_timeout_s": bound}, outer))
