@@ -9,13 +9,14 @@ Here :class:`WorkerSpine` is the shared body and the two workers are its drive l
 ``shell.async_worker.AsyncVllmGenerationWorker`` runs each row as its own request and
 refits while they run.
 
-Each operation both workers offer (sleep, wake_up, reset_prefix_cache, the refit's setup
-calls, prepare_lora, the RPCs, the counters) is written once here as a sans-I/O body, as
-h11 and h2 are: a generator method (``_sleep``, ``_prepare_refit_info``, ...) that takes
-every decision and yields the engine calls it needs as :class:`EngineCall` values; the
-drive loop makes each call on its port (``shell.ports``: the sync port returns values,
-the async port awaitables, under the same names) and sends the result back, or throws
-in what the call raised. Each worker has one drive loop (``_drive``) and makes its public
+Each operation both workers offer (sleep, wake_up, reset_prefix_cache, the refits and
+their setup calls, prepare_lora, the RPCs, the counters) is written once here as a
+sans-I/O body, as h11 and h2 are: a generator method (``_sleep``, ``_refit``, ...) that
+takes every decision and yields the engine calls it needs as :class:`EngineCall` values;
+the drive loop makes each call on its port (``shell.ports``: the sync port returns values,
+the async port awaitables, under the same names) and sends the result back, or throws in
+what the call raised. A refit given an :class:`Inflight` value (the async worker's) also
+yields the in-flight steps: pause, settle, label the weights, resume. Each worker has one drive loop (``_drive``) and makes its public
 methods from the bodies (``_door``: the sync one under the worker's lock, the async one a
 coroutine; :func:`door_of` names and documents them as the body).
 
@@ -24,8 +25,8 @@ arguments; engine start (:meth:`_start`, :class:`ExistingEngineFactory`) and dea
 (:meth:`_died`: a dead engine refuses every later call); lifecycle moves over
 ``core.lifecycle.TABLE`` (:meth:`_move` checks, :meth:`_commit` commits); the request plan
 (:meth:`_token_batch`, :meth:`_text_batch`: the checks, media, then ``core.requests``);
-the refit preamble (:meth:`_refit_bounds`), its failure (:meth:`_refit_failed`) and
-commit, ``last_refit`` and the weight version; and the RPC error map (:meth:`_rpc_steps`:
+the refit preamble (:meth:`_refit_bounds`), its failure (:meth:`_refit_failed`),
+``last_refit`` and the weight version; and the RPC error map (:meth:`_rpc_steps`:
 ``RefitError`` only for refit methods, ``EngineRpcError`` for the rest). What is kept
 apart on purpose, and where the two workers differed before the spine: ``docs/workers.md``.
 """
@@ -840,26 +841,6 @@ class WorkerSpine(Generic[_E]):
             raise error
         raise RefitError(f"{method} failed: {error}; weights are inconsistent") from error
 
-    def _reset_after_failure(
-        self, error: BaseException, passing: tuple[type[Exception], ...] = ()
-    ) -> Steps[None]:
-        """What a refused or failed refit leaves to reset, so nothing computed under bad
-        weights is reused (issue 44): the prefix cache, and the KV cache memory
-        (``refit_reset_kv``) while it is awake; nothing on a dead engine. A reset that
-        fails is noted on ``error`` (raised by the caller), but for ``passing`` errors,
-        raised."""
-        if self._dead is not None or isinstance(error, EngineDeadError):
-            return
-        try:
-            yield _RESETS["prefix"]
-            self.cache_resets["prefix"] += 1
-            if self._state.kv_cache_awake:
-                yield from self._rpc_steps("refit_reset_kv")
-        except passing:
-            raise
-        except Exception as e:  # noqa: BLE001 - noted on the refit's own error
-            error.add_note(f"resetting the caches after the failed refit failed too: {e}")
-
     def _refit(
         self,
         method: str,
@@ -952,30 +933,42 @@ class WorkerSpine(Generic[_E]):
             ) from e
 
     def _after_failed_refit(
-        self, method: str, error: BaseException, inflight: Inflight | None
+        self, method: str, error: BaseException, inflight: Inflight | None = None
     ) -> Steps[None]:
-        """A failed refit: weights inconsistent, the caches reset
-        (:meth:`_reset_after_failure`); in flight, every request in flight aborted with
-        the refit's error as its row's reason first, the engine resumed after (unless its
-        caller holds it paused)."""
+        """A refused or failed refit: the weights inconsistent, and nothing computed under
+        them reused (issue 44): the prefix cache reset, and the KV cache memory
+        (``refit_reset_kv``) while it is awake; nothing on a dead engine. A reset that
+        fails is noted on ``error`` (raised by the caller). In flight, every request in
+        flight is aborted first with the refit's error as its row's reason, and the engine
+        resumed after (unless its caller holds it paused); a dead engine ends that."""
         self._mark_refit_failed()
-        if inflight is None:
-            return (yield from self._reset_after_failure(error))
-        if isinstance(error, EngineDeadError):
+        if inflight is not None and isinstance(error, EngineDeadError):
             self._died(error)
-        if self._dead is not None:
+        if self._dead is not None or isinstance(error, EngineDeadError):
             return
         why = (
             f"aborted: the in-flight refit ({method}) failed ({error}); the weights are "
             "inconsistent until a refit succeeds"
         )
-        ids = self._mark_in_flight(lambda row: RefitError(f"row {row}: {why}"), why)
+        ids = (
+            []
+            if inflight is None
+            else self._mark_in_flight(lambda row: RefitError(f"row {row}: {why}"), why)
+        )
+        passing = () if inflight is None else (EngineDeadError,)
         try:
             if ids:
                 yield EngineCall("abort", (ids,))
-            # paused: nothing runs on the caches
-            yield from self._reset_after_failure(error, (EngineDeadError,))
-            if not inflight.held:
+            try:  # paused or between batches: nothing runs on the caches
+                yield _RESETS["prefix"]
+                self.cache_resets["prefix"] += 1
+                if self._state.kv_cache_awake:
+                    yield from self._rpc_steps("refit_reset_kv")
+            except passing:
+                raise
+            except Exception as e:  # noqa: BLE001 - noted on the refit's own error
+                error.add_note(f"resetting the caches after the failed refit failed too: {e}")
+            if inflight is not None and not inflight.held:
                 yield EngineCall("resume")
         except EngineDeadError as e:
             self._died(e)

@@ -502,7 +502,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
                 self._state = self._move(lifecycle.Event.REFIT_FAILED)
             error = SparseRefitError.from_core(steps.failure())
             if before is lifecycle.WeightsStatus.VALID:  # once, as they become inconsistent
-                self._drive(self._reset_after_failure(error))
+                self._drive(self._after_failed_refit("sparse refit", error))
             raise error
         if not steps.unwrap():
             return
