@@ -705,7 +705,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         return await self._drive(self._rpc_steps(method, *args, timeout=timeout))
 
     # -- refit ------------------------------------------------------------------------
-    # The refit's bounds and preamble are the spine's; the pause is one more bounded wait.
+    # The refit's body is the spine's (WorkerSpine._refit), its in-flight steps among them.
     async def update_weights_via_ipc_zmq(
         self,
         timeout_s: float | None = None,

@@ -950,11 +950,7 @@ class WorkerSpine(Generic[_E]):
             f"aborted: the in-flight refit ({method}) failed ({error}); the weights are "
             "inconsistent until a refit succeeds"
         )
-        ids = (
-            []
-            if inflight is None
-            else self._mark_in_flight(lambda row: RefitError(f"row {row}: {why}"), why)
-        )
+        ids = self._mark_in_flight(lambda row: RefitError(f"row {row}: {why}"), why)
         passing = () if inflight is None else (EngineDeadError,)
         try:
             if ids:
