@@ -80,7 +80,7 @@ from genworker.shell.errors import (
 )
 from genworker.shell.host import ephemeral_ports, vllm_cache_root
 from genworker.shell.ports import EngineFactory, EnginePort
-from genworker.shell.sparse import SparseRefitError
+from genworker.shell.refit.sparse import SparseRefitError
 from genworker.shell.spine import (
     EXTENSION_CLS,
     BatchPlan,
