@@ -169,6 +169,7 @@ def measure_engine(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from genworker.core.engine_calls import Cache
     from genworker.core.sampling import sampling_spec
     from genworker.shell.vllm_engine import VllmEngine
     from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
@@ -190,7 +191,7 @@ def measure_engine(
             stop=(),
             flat_logprobs=caps.flat_logprobs,
         )
-        same = engine.request_params([spec])  # marked: the sampled logprobs as arrays
+        same = engine.request_params(spec)  # marked: the sampled logprobs as arrays
         default = SamplingParams(max_tokens=new_tokens, logprobs=0, ignore_eos=True)
         llm = engine.llm
         clock = InnerClock(llm)
@@ -229,7 +230,7 @@ def measure_engine(
         for rep in range(repeats):
             for k in range(len(names)):
                 name = names[(rep + k) % len(names)]
-                engine.reset_prefix_cache()
+                engine.reset_cache(Cache.PREFIX)
                 started, cpu = time.perf_counter(), time.thread_time()
                 tokens = paths[name]()
                 times[name].append(time.perf_counter() - started)

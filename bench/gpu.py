@@ -941,7 +941,7 @@ def worker_request_params(worker: Any, spec: Any) -> Any:
     engine = worker.engine
     if not isinstance(engine, VllmEngine):
         raise TypeError(f"gen: the worker's engine is a {type(engine).__name__}")
-    return engine.request_params([spec])
+    return engine.request_params(spec)
 
 
 def gen_sleep_child(

@@ -34,6 +34,7 @@ __all__ = [
     "batch_shape_error",
     "engine_batch",
     "is_refit_method",
+    "text_refusal",
 ]
 
 M = TypeVar("M")
@@ -113,6 +114,20 @@ def engine_batch(
             None if samples is None else tuple(samples),
         )
     )
+
+
+def text_refusal(specs: Sequence[SamplingSpec], samples: Sequence[int] | None) -> str | None:
+    """Why rows under ``specs`` (``samples``: their sample counts) cannot be a
+    ``generate_text`` call, whose caller reads one text a prompt: a spec that does not
+    detokenize (vLLM would return empty texts), or sample counts; None: they can."""
+    if untexted := [row for row, spec in enumerate(specs) if not spec.detokenize]:
+        return (
+            f"generate_text: the specs of rows {untexted} have detokenize=False "
+            "(vLLM would return empty texts); build them with sampling_spec(text=True)"
+        )
+    if samples is not None:
+        return f"generate_text: sample counts {tuple(samples)}: one text a prompt"
+    return None
 
 
 @attrs.frozen

@@ -250,7 +250,7 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
         """A row's one completion: its spec's params (``FINAL_ONLY`` outputs unless
         ``progress`` counts the tokens), its prompt with its media, its adapter."""
         kind = RequestOutputKind.FINAL_ONLY if progress is None else RequestOutputKind.CUMULATIVE
-        params = self._sampling(request.spec, kind)
+        params = self.request_params(request.spec, kind=kind)
         prompt = token_prompt(request.prompt, request.media)
         lora = lora_request(request.spec.adapter)
         final = await self._final(call, request.request_id, prompt, params, lora, progress)

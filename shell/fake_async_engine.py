@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Unpack
 
 import attrs
 
 from genworker.core.counters import GaugeSample, MetricSample
-from genworker.core.engine_calls import Cache, RowRequest, RpcCall
+from genworker.core.engine_calls import Cache, RowRequest, RpcCall, text_refusal
 from genworker.core.joins import GroupJoin, GroupJoinWire
 from genworker.core.lifecycle import InflightMode
 from genworker.core.scoring import ScoredRow
@@ -65,7 +65,6 @@ from genworker.shell.fake_engine import (
     draw,
     faulted,
     pixels,
-    seed_of,
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import StreamedGeneration, check_text_request
@@ -256,7 +255,8 @@ class FakeAsyncEngine(FakeEngineBase):
         return self._score(sequence, prompt_length, top_k)
 
     async def generate_text(self, request: RowRequest[RowMedia]) -> str:
-        self._check_text((request.spec,))
+        if problem := text_refusal((request.spec,), None):
+            raise FakeEngineMisuse(problem)
         streamed = await self.generate(request)
         generation, request_id = streamed.generation, request.request_id
         check_text_request(generation, self._caps.logprobs_mode, request_id)
@@ -357,6 +357,4 @@ class FakeAsyncEngine(FakeEngineBase):
 class FakeAsyncEngineFactory(FakeEngineFactoryBase[FakeAsyncEngine]):
     """Starts ``FakeAsyncEngine``s for the async worker; records the kwargs it was given."""
 
-    def start(self, kwargs: Mapping[str, object]) -> FakeAsyncEngine:
-        engine = FakeAsyncEngine(seed=seed_of(kwargs), **self._options(kwargs))  # type: ignore[arg-type]
-        return self._started(kwargs, engine)
+    engine = FakeAsyncEngine

@@ -14,9 +14,9 @@ relies on it:
   ``InputProcessor._validate_prompt_len``), or an empty one, is a ``BadBatchError``;
 - sleep level 2 discards weights: generating after it without new weights gives garbage
   in vLLM; here it raises ``FakeEngineMisuse`` so a test sees the worker let it through;
-- ``generate`` returns the batch as ``FlatGenerations``; ``generate_text`` refuses a spec
-  without ``detokenize`` (vLLM would return empty texts) with ``FakeEngineMisuse``, and
-  checks its rows as the vLLM adapter does (aborted rows, non-finite logprobs under the
+- ``generate`` returns the batch as ``FlatGenerations``; ``generate_text`` refuses what
+  the vLLM adapter refuses (``core.engine_calls.text_refusal``: a spec without
+  ``detokenize``, sample counts) with ``FakeEngineMisuse``, and checks its rows as it does (aborted rows, non-finite logprobs under the
   engine's ``logprobs_mode``, from the factory's ``logprobs_mode`` kwarg);
 - ``next_logprobs`` / ``next_finish`` (row -> value, for the next generate or
   generate_text call only) make a row come back as vLLM's do when its logits are garbage
@@ -68,7 +68,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar, Unpack
+from typing import Generic, TypedDict, TypeVar, Unpack
 
 import attrs
 import numpy as np
@@ -76,7 +76,7 @@ import numpy.typing as npt
 
 from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
 from genworker.core.counters import CounterSample, MetricSample
-from genworker.core.engine_calls import Cache, EngineBatch, RpcCall
+from genworker.core.engine_calls import Cache, EngineBatch, RpcCall, text_refusal
 from genworker.core.routing import CapturePlatform, MoeShape, RoutedExperts
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
@@ -90,9 +90,6 @@ from genworker.shell.errors import (
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities, check_text_rows
-
-if TYPE_CHECKING:
-    from PIL.Image import Image
 
 __all__ = [
     "METRIC_LABELS",
@@ -108,7 +105,6 @@ __all__ = [
     "fake_routes",
     "faulted",
     "routes_option",
-    "seed_of",
 ]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -175,31 +171,13 @@ def faulted(generation: Generation, logprob: float | None, finish: str | None) -
     return Generation(tokens, logprobs, finish or generation.finish_reason)
 
 
-def _image_digest(image: Image) -> str:
-    return f"{hashlib.blake2b(image.tobytes(), digest_size=8).hexdigest()}{image.size}"
-
-
 def pixels(media: RowMedia | None) -> tuple[str, ...]:
-    """What a fake's tokens see of a row's images: a digest of each."""
-    return () if media is None else tuple(_image_digest(i) for i in media.images)
-
-
-def expanded_length(
-    prompt: Sequence[int], media: RowMedia | None, placeholder: int | None, per_image: int
-) -> int:
-    """A fake's context length of ``prompt``: each image's placeholder stands for
-    ``per_image`` ids; images that do not match the placeholders are refused, as vLLM's
-    processor refuses (or mangles) them."""
+    """What a fake's tokens see of a row's images: a digest of each (its bytes, its size)."""
     if media is None:
-        return len(prompt)
-    if placeholder is None:
-        raise FakeEngineMisuse("media for a fake engine without image_token_id")
-    placeholders = list(prompt).count(placeholder)
-    if placeholders != len(media.images):
-        raise BadBatchError(
-            f"the fake engine got {len(media.images)} images for {placeholders} placeholders"
-        )
-    return len(prompt) + placeholders * (per_image - 1)
+        return ()
+    return tuple(
+        f"{hashlib.blake2b(i.tobytes(), digest_size=8).hexdigest()}{i.size}" for i in media.images
+    )
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -237,40 +215,27 @@ class FakeEngineOptions(TypedDict, total=False):
 class FakeEngineBase:
     """What the sync and the async fake share (the module docstring's last paragraph)."""
 
-    def __init__(
-        self,
-        *,
-        vocab_size: int = 64,
-        max_model_len: int = 128,
-        eos_token_id: int = 1,
-        seed: int = 0,
-        sleep_mode: bool = True,
-        device: str = "cpu",
-        image_token_id: int | None = None,
-        image_prompt_ids: int = 7,
-        max_images: int | None = None,
-        num_speculative_tokens: int = 0,
-        logprobs_mode: str = "raw_logprobs",
-        prefix_caching: bool = False,
-        routes: MoeShape | None = None,
-    ) -> None:
+    def __init__(self, **options: Unpack[FakeEngineOptions]) -> None:
+        if unknown := sorted(options.keys() - FakeEngineOptions.__optional_keys__):
+            raise TypeError(f"the fake engines take no options {unknown}")
+        device, image_token_id = options.get("device", "cpu"), options.get("image_token_id")
         self._caps = EngineCapabilities(
-            sleep_mode=sleep_mode,
+            sleep_mode=options.get("sleep_mode", True),
             flat_logprobs=True,
-            vocab_size=vocab_size,
-            max_model_len=max_model_len,
+            vocab_size=options.get("vocab_size", 64),
+            max_model_len=options.get("max_model_len", 128),
             device=device,
             multimodal=image_token_id is not None,
             image_token_id=image_token_id,
-            max_images=max_images,
-            num_speculative_tokens=num_speculative_tokens,
-            logprobs_mode=logprobs_mode,
-            prefix_caching=prefix_caching,
-            routes=routes,
+            max_images=options.get("max_images"),
+            num_speculative_tokens=options.get("num_speculative_tokens", 0),
+            logprobs_mode=options.get("logprobs_mode", "raw_logprobs"),
+            prefix_caching=options.get("prefix_caching", False),
+            routes=options.get("routes"),
         )
-        self.image_prompt_ids = image_prompt_ids
-        self.eos_token_id = eos_token_id
-        self.seed = seed
+        self.image_prompt_ids = options.get("image_prompt_ids", 7)
+        self.eos_token_id = options.get("eos_token_id", 1)
+        self.seed = options.get("seed", 0)
         self.weight_version = 0
         self.awake_tags: set[str] = {"weights", "kv_cache"}
         self.sleep_level = 0
@@ -319,7 +284,19 @@ class FakeEngineBase:
             raise
 
     def _expanded(self, prompt: Sequence[int], media: RowMedia | None) -> int:
-        return expanded_length(prompt, media, self._caps.image_token_id, self.image_prompt_ids)
+        """A fake's context length of ``prompt``: each image's placeholder stands for
+        ``image_prompt_ids`` ids; images that do not match the placeholders are refused, as
+        vLLM's processor refuses (or mangles) them."""
+        if media is None:
+            return len(prompt)
+        if (placeholder := self._caps.image_token_id) is None:
+            raise FakeEngineMisuse("media for a fake engine without image_token_id")
+        placeholders = list(prompt).count(placeholder)
+        if placeholders != len(media.images):
+            raise BadBatchError(
+                f"the fake engine got {len(media.images)} images for {placeholders} placeholders"
+            )
+        return len(prompt) + placeholders * (self.image_prompt_ids - 1)
 
     def _context(self, prompt: Sequence[int], media: RowMedia | None) -> int:
         """What a prompt holds in the context; vLLM's refusals of an empty prompt and of
@@ -385,13 +362,6 @@ class FakeEngineBase:
             top_ids.append(tuple((int(u * vocab) + j) % vocab for j in range(top_k)))
             top_logprobs.append(tuple(-0.1 - j for j in range(top_k)))
         return ScoredRow(tuple(logprobs), tuple(top_ids), tuple(top_logprobs))
-
-    @staticmethod
-    def _check_text(specs: Sequence[SamplingSpec]) -> None:
-        """``generate_text``'s refusal of a spec that does not detokenize (vLLM would
-        return empty texts)."""
-        if not all(spec.detokenize for spec in specs):
-            raise FakeEngineMisuse("generate_text with a spec that does not detokenize")
 
     def _sleep(self, level: int, in_flight: int = 0) -> None:
         """vLLM's ``Executor.sleep`` (see the module docstring): nothing while the weights
@@ -552,9 +522,8 @@ class FakeEngine(FakeEngineBase):
 
     def generate_text(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> list[str]:
         self._enter("generate_text")
-        self._check_text(batch.specs)
-        if batch.samples is not None:  # vLLM's adapter reads one completion per prompt
-            raise FakeEngineMisuse("generate_text with sample counts")
+        if problem := text_refusal(batch.specs, batch.samples):  # as the vLLM adapter refuses
+            raise FakeEngineMisuse(problem)
         self._check_servable("generate")
         generations = self._generations(batch, use_tqdm)
         # checked as the vLLM adapter checks it
@@ -591,7 +560,11 @@ class FakeEngine(FakeEngineBase):
 
 class FakeEngineFactoryBase(Generic[_Engine]):
     """What both fakes' factories share: the options every engine gets, the engines started
-    with their kwargs, no GPU, and what the engine kwargs change in the options."""
+    with their kwargs (the engine kwargs' ``seed``, 0 unless an int), no GPU, and what the
+    engine kwargs change in the options."""
+
+    #: the fake this factory starts
+    engine: type[_Engine]
 
     def __init__(self, **engine_options: object) -> None:
         self.engine_options = engine_options
@@ -616,15 +589,12 @@ class FakeEngineFactoryBase(Generic[_Engine]):
             options.setdefault("logprobs_mode", mode)
         return options
 
-    def _started(self, kwargs: Mapping[str, object], engine: _Engine) -> _Engine:
+    def start(self, kwargs: Mapping[str, object]) -> _Engine:
+        seed = kwargs.get("seed", 0)
+        seed = seed if isinstance(seed, int) else 0
+        engine = self.engine(seed=seed, **self._options(kwargs))  # type: ignore[arg-type]
         self.started.append((dict(kwargs), engine))
         return engine
-
-
-def seed_of(kwargs: Mapping[str, object]) -> int:
-    """The engine kwargs' ``seed`` as a fake takes it (0 unless an int)."""
-    seed = kwargs.get("seed", 0)
-    return seed if isinstance(seed, int) else 0
 
 
 class FakeEngineFactory(FakeEngineFactoryBase[FakeEngine]):
@@ -633,12 +603,14 @@ class FakeEngineFactory(FakeEngineFactoryBase[FakeEngine]):
     ``draft_tokens`` is what a drafter would let vLLM infer when a ``speculative_config``
     has no ``num_speculative_tokens`` (``None``: vLLM's start error)."""
 
+    engine = FakeEngine
+
     def __init__(self, *, draft_tokens: int | None = None, **engine_options: object) -> None:
         super().__init__(**engine_options)
         self.draft_tokens = draft_tokens
 
-    def start(self, kwargs: Mapping[str, object]) -> FakeEngine:
-        options = self._options(kwargs)
+    def _options(self, kwargs: Mapping[str, object]) -> dict[str, object]:
+        options = super()._options(kwargs)
         spec = kwargs.get("speculative_config")
         if isinstance(spec, Mapping):
             k = spec.get("num_speculative_tokens", self.draft_tokens)
@@ -648,4 +620,4 @@ class FakeEngineFactory(FakeEngineFactoryBase[FakeEngine]):
                     "provided and the drafter does not say"
                 )
             options["num_speculative_tokens"] = k
-        return self._started(kwargs, FakeEngine(seed=seed_of(kwargs), **options))  # type: ignore[arg-type]
+        return options

@@ -7,7 +7,7 @@ beside it (``fake_engine.FakeEngine``) that tests and users' own tests use.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, NoReturn, Protocol
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
 
 from returns.result import Failure
 
@@ -49,6 +49,8 @@ __all__ = [
     "check_text_request",
     "check_text_rows",
 ]
+
+_Engine_co = TypeVar("_Engine_co", covariant=True)
 
 
 class EngineBasePort(Protocol):
@@ -141,28 +143,6 @@ def check_text_rows(flat: FlatGenerations, logprobs_mode: str) -> None:
     unwrap(check_finished(flat), RequestAbortedError, "generate_text")
 
 
-class EngineFactoryBase(Protocol):
-    """What both engine factories tell the worker that plans an engine."""
-
-    def arg_names(self) -> frozenset[str] | None:
-        """The installed engine's argument names (None: accept every planned argument)."""
-        ...
-
-    def gpu_capability(self) -> tuple[int, int] | None:
-        """The local GPU's compute capability, None without a GPU."""
-        ...
-
-    def capture_platform(self) -> CapturePlatform:
-        """What the engine's platform can do for routed-experts capture (``core.routing``)."""
-        ...
-
-
-class EngineFactory(EngineFactoryBase, Protocol):
-    """Starts engines: what the worker needs to plan and build one."""
-
-    def start(self, kwargs: Mapping[str, object]) -> EnginePort: ...
-
-
 def check_text_request(generation: Generation, logprobs_mode: str, request_id: str) -> None:
     """:func:`check_text_rows` of one async request, the errors naming the request (the
     async worker names the row)."""
@@ -234,10 +214,28 @@ class AsyncEnginePort(EngineBasePort, Protocol):
     async def shutdown(self) -> None: ...
 
 
-class AsyncEngineFactory(EngineFactoryBase, Protocol):
-    """Starts async engines (the :class:`EngineFactory` of the async worker)."""
+class EngineFactoryBase(Protocol[_Engine_co]):
+    """Starts engines: what the worker needs to plan and build one
+    (:data:`EngineFactory` of :class:`EnginePort`, :data:`AsyncEngineFactory` of
+    :class:`AsyncEnginePort`)."""
 
-    def start(self, kwargs: Mapping[str, object]) -> AsyncEnginePort: ...
+    def arg_names(self) -> frozenset[str] | None:
+        """The installed engine's argument names (None: accept every planned argument)."""
+        ...
+
+    def gpu_capability(self) -> tuple[int, int] | None:
+        """The local GPU's compute capability, None without a GPU."""
+        ...
+
+    def capture_platform(self) -> CapturePlatform:
+        """What the engine's platform can do for routed-experts capture (``core.routing``)."""
+        ...
+
+    def start(self, kwargs: Mapping[str, object]) -> _Engine_co: ...
+
+
+EngineFactory = EngineFactoryBase[EnginePort]
+AsyncEngineFactory = EngineFactoryBase[AsyncEnginePort]
 
 
 class RefitPort(Protocol):

@@ -6,8 +6,9 @@ Theory of operation
   ``current_platform.is_sleep_mode_available()`` and the engine's ``enable_sleep_mode``;
   flat logprobs are available when ``SamplingParams`` has a ``flat_logprobs`` field
   (vllm/sampling_params.py, 0.32); engine arguments are ``EngineArgs``' dataclass fields.
-- ``generate`` builds one ``SamplingParams`` per distinct spec (``group_specs``) and hands
-  vLLM a per-prompt list of them; ``LLM.generate`` returns outputs in prompt order.
+- ``generate`` hands vLLM a per-prompt list of ``SamplingParams``, each made once per
+  (spec, sample count) and shared by the rows that ask for it (``request_params``);
+  ``LLM.generate`` returns outputs in prompt order.
 - The sampled logprobs as arrays: the engine installs the hook of
   :mod:`genworker.shell.sampled_logprobs` at start and marks the specs that qualify
   (``logprobs=0``, no text); every other row, and every engine without the hook, gets
@@ -124,7 +125,7 @@ from genworker.core.counters import (
     MetricSample,
     VectorSample,
 )
-from genworker.core.engine_calls import Cache, EngineBatch, RpcCall
+from genworker.core.engine_calls import Cache, EngineBatch, RpcCall, text_refusal
 from genworker.core.engine_plan import fp8_start
 from genworker.core.lora import LoraRef, adapter_path
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
@@ -135,7 +136,7 @@ from genworker.core.routing import (
     RoutedExperts,
     moe_shape,
 )
-from genworker.core.sampling import SamplingSpec, group_specs
+from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow, read_scored_row
 from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.cumem_wake import install as install_wake
@@ -274,9 +275,24 @@ def sampling_params(
     return SamplingParams(**kwargs, output_kind=kind)  # type: ignore[arg-type]
 
 
-#: :func:`sampling_params` made once per spec (vLLM clones them per request: the input
-#: processor's ``params.clone()``, 0.32), for both adapters.
-_cached_params = functools.lru_cache(maxsize=1024)(sampling_params)
+@functools.lru_cache(maxsize=1024)
+def _cached_params(
+    spec: SamplingSpec,
+    known: frozenset[str] | None,
+    flat: bool,
+    sampled_arrays: bool,
+    kind: RequestOutputKind,
+    n: int,
+) -> SamplingParams:
+    """:func:`sampling_params` made once per spec (vLLM clones them per request: the input
+    processor's ``params.clone()``, 0.32), for both adapters: vLLM's flat logprobs where
+    ``flat``, vLLM's ``n`` = ``n``."""
+    if flat and not spec.flat_logprobs:
+        spec = attrs.evolve(spec, flat_logprobs=True)
+    params = sampling_params(spec, known, sampled_arrays=sampled_arrays, kind=kind)
+    if n != 1:
+        params.n = n
+    return params
 
 
 def scoring_params(top_k: int) -> SamplingParams:
@@ -302,22 +318,6 @@ def scored_row(
     contract error names what is missing."""
     scored = read_scored_row(sequence, prompt_length, prompt_logprobs, top_k)
     return unwrap(scored, EngineContractError, "")
-
-
-def with_samples(
-    params: SamplingParams | list[SamplingParams], samples: Sequence[int] | None
-) -> SamplingParams | list[SamplingParams]:
-    """``params`` with vLLM's ``n`` = ``samples[i]`` for prompt i (a copy where n > 1)."""
-    if samples is None or all(n == 1 for n in samples):
-        return params
-    per_row = params if isinstance(params, list) else [params] * len(samples)
-    out = []
-    for p, n in zip(per_row, samples, strict=True):
-        if n != 1:
-            p = p.clone()
-            p.n = n
-        out.append(p)
-    return out
 
 
 def engine_capabilities(config: VllmConfig, *, weight_versions: bool = False) -> EngineCapabilities:
@@ -466,6 +466,7 @@ class VllmEngineBase(Generic[_Llm]):
     def _died(self, error: EngineDeadError) -> None:
         if self._dead is None:
             self._dead = str(error)
+            log.error("the engine died: %s", error)
 
     @contextmanager
     def _mortal(self) -> Iterator[None]:
@@ -487,13 +488,19 @@ class VllmEngineBase(Generic[_Llm]):
         (:mod:`genworker.shell.sampled_logprobs`); False: as vLLM's flat logprobs."""
         return self._sampled_arrays
 
-    def _sampling(self, spec: SamplingSpec, kind: RequestOutputKind) -> SamplingParams:
-        """A row's ``SamplingParams`` (:func:`sampling_params`, made once per spec): vLLM's
-        flat logprobs wherever this engine has them, marked where it keeps arrays."""
-        if self._caps.flat_logprobs and not spec.flat_logprobs:
-            spec = attrs.evolve(spec, flat_logprobs=True)
-        known, arrays = self._caps.sampling_args, self._sampled_arrays
-        return _cached_params(spec, known, sampled_arrays=arrays, kind=kind)
+    def request_params(
+        self,
+        spec: SamplingSpec,
+        n: int = 1,
+        kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> SamplingParams:
+        """A row's ``SamplingParams`` (:func:`sampling_params`, made once per spec and
+        ``n``, vLLM's sample count): vLLM's flat logprobs wherever this engine has them,
+        marked where it keeps arrays; ``kind``: as ``LLM.generate`` sets it."""
+        caps = self._caps
+        return _cached_params(
+            spec, caps.sampling_args, caps.flat_logprobs, self._sampled_arrays, kind, n
+        )
 
     @contextmanager
     def _memory(self, call: str) -> Iterator[_Llm]:
@@ -532,8 +539,6 @@ class VllmEngineBase(Generic[_Llm]):
         return renderer
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        """The ids vLLM makes of text prompts (one BOS: a prompt that starts with the
-        tokenizer's BOS text is tokenized without adding another)."""
         if self._skip_tokenizer:
             raise UnsupportedError(
                 "tokenize: text prompts need a tokenizer: the engine was started with "
@@ -642,11 +647,6 @@ class VllmEngine(VllmEngineBase[LLM]):
         if problem := next((p for p in problems if p), None):
             raise BadConfigError(str(problem))
 
-    def _died(self, error: EngineDeadError) -> None:
-        if self._dead is None:
-            super()._died(error)
-            log.error("the engine died: %s", error)
-
     def _call(self, call: str, act: Callable[[LLM], _T], seam: Seam = VLLM_CALLS) -> _T:
         """``act`` on the live engine (a dead one refused first), its errors mapped
         through ``seam``: every call into vLLM that needs no more than that."""
@@ -655,28 +655,13 @@ class VllmEngine(VllmEngineBase[LLM]):
             return act(llm)
 
     # -- generation -----------------------------------------------------------------
-    def request_params(
-        self, specs: Sequence[SamplingSpec]
-    ) -> SamplingParams | list[SamplingParams]:
-        """What ``generate`` hands ``LLM.generate`` for these specs: one SamplingParams per
-        distinct spec, a lone one passed as is (vLLM applies it to every prompt without a
-        per-request list)."""
-        groups = group_specs(specs)
-        per_row: list[SamplingParams | None] = [None] * len(specs)
-        for group in groups:
-            params = self._sampling(group.spec, RequestOutputKind.FINAL_ONLY)
-            if len(groups) == 1:
-                return params
-            for row in group.rows:
-                per_row[row] = params
-        return [p for p in per_row if p is not None]
-
     def _run(self, call: str, batch: EngineBatch[RowMedia], use_tqdm: bool) -> list[RequestOutput]:
         """The batch through ``LLM.generate`` under :func:`_batch_call` (its sample counts
         as vLLM's ``n``, its rows' adapters as LoRA requests)."""
         llm = self.llm
         with _batch_call(llm, call, self._inflight):
-            params = with_samples(self.request_params(batch.specs), batch.samples)
+            counts = batch.samples or (1,) * len(batch.specs)
+            params = [self.request_params(s, n) for s, n in zip(batch.specs, counts, strict=True)]
             rows = zip(batch.prompts, batch.row_media(), strict=True)
             prompts = [token_prompt(prompt, media) for prompt, media in rows]
             loras = lora_requests(batch.specs)
@@ -707,13 +692,8 @@ class VllmEngine(VllmEngineBase[LLM]):
         ]
 
     def generate_text(self, batch: EngineBatch[RowMedia], *, use_tqdm: bool = False) -> list[str]:
-        if untexted := [row for row, spec in enumerate(batch.specs) if not spec.detokenize]:
-            raise ValueError(
-                f"generate_text: the specs of rows {untexted} have detokenize=False "
-                "(vLLM would return empty texts); build them with sampling_spec(text=True)"
-            )
-        if batch.samples is not None:  # one completion per prompt is read below
-            raise ValueError(f"generate_text: sample counts {batch.samples}: one text a prompt")
+        if problem := text_refusal(batch.specs, batch.samples):  # one completion a prompt read
+            raise ValueError(problem)
         outputs = self._run("generate_text", batch, use_tqdm)
         completions: list[CompletionOutput | None] = [out.outputs[0] for out in outputs]
         texts = [out.outputs[0].text for out in outputs]

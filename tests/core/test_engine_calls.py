@@ -19,6 +19,7 @@ from genworker.core.engine_calls import (
     batch_shape_error,
     engine_batch,
     is_refit_method,
+    text_refusal,
 )
 from genworker.core.sampling import SamplingSpec
 
@@ -143,3 +144,18 @@ def test_a_cache_is_named_as_the_worker_counts_it_and_reset_as_vllm_names_the_ca
         "reset_mm_cache",
         "reset_encoder_cache",
     ]
+
+
+@given(st.lists(sampling_specs, max_size=5), st.none() | st.lists(counts_st, max_size=5))
+def test_a_text_call_takes_detokenizing_specs_one_sample_each(
+    specs: list[SamplingSpec], samples: list[int] | None
+) -> None:
+    problem = text_refusal(specs, samples)
+    untexted = [row for row, spec in enumerate(specs) if not spec.detokenize]
+    if untexted:
+        assert problem is not None
+        assert f"rows {untexted} have detokenize=False" in problem
+    elif samples is not None:
+        assert problem == f"generate_text: sample counts {tuple(samples)}: one text a prompt"
+    else:
+        assert problem is None

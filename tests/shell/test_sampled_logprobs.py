@@ -82,8 +82,7 @@ def test_the_workers_params_are_marked_unless_the_row_needs_text(cpu_engine: Vll
         SamplingSpec(temperature=0.0, top_p=1.0, top_k=1, max_tokens=3, stop=("zz",)),
         SamplingSpec(temperature=0.0, top_p=1.0, top_k=1, max_tokens=3, logprobs=2),
     ]
-    params = cpu_engine.request_params(specs)
-    assert isinstance(params, list)
+    params = [cpu_engine.request_params(spec) for spec in specs]
     assert [p.extra_args for p in params] == [{MARKER: True}, None, None]
     assert sampling_params(specs[0], None).extra_args is None  # not asked for
 

@@ -750,7 +750,7 @@ def test_the_fake_refuses_a_text_batch_vllm_would_answer_wrongly() -> None:
     engine = FakeEngine(max_model_len=32)
     text = SamplingSpec(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=2, detokenize=True)
     assert len(engine.generate_text(engine_batch([[5, 6]], [text]))) == 1
-    with pytest.raises(FakeEngineMisuse, match="does not detokenize"):
+    with pytest.raises(FakeEngineMisuse, match="have detokenize=False"):
         engine.generate_text(engine_batch([[5, 6]], [attrs.evolve(text, detokenize=False)]))
     with pytest.raises(FakeEngineMisuse, match="sample counts"):
         engine.generate_text(engine_batch([[5, 6]], [text], samples=[2]))
