@@ -661,7 +661,9 @@ class VllmEngine(VllmEngineBase[LLM]):
         llm = self.llm
         with _batch_call(llm, call, self._inflight):
             counts = batch.samples or (1,) * len(batch.specs)
-            params = [self.request_params(s, n) for s, n in zip(batch.specs, counts, strict=True)]
+            made: dict[tuple[SamplingSpec, int], SamplingParams] = {}  # one lookup a distinct row
+            rows_n = zip(batch.specs, counts, strict=True)
+            params = [made.get(r) or made.setdefault(r, self.request_params(*r)) for r in rows_n]
             rows = zip(batch.prompts, batch.row_media(), strict=True)
             prompts = [token_prompt(prompt, media) for prompt, media in rows]
             loras = lora_requests(batch.specs)
