@@ -85,7 +85,6 @@ from genworker.shell.control import ControlHooks, ControlRoutes, refusal
 from genworker.shell.errors import BadConfigError, EngineStateError, GenworkerError, unwrap
 
 if TYPE_CHECKING:
-    import httpx
     import uvicorn
     from fastapi import FastAPI
     from vllm.config.model import ModelConfig
@@ -179,7 +178,6 @@ class RolloutLayer:
     control: ControlRoutes | None = None
     limits: HttpLimits = attrs.field(init=False)
     rules: PromptRules = attrs.field(init=False)
-    _local: httpx.AsyncClient = attrs.field(init=False)
     _running: set[asyncio.Task[object]] = attrs.field(init=False, factory=set)
     _aborted: dict[asyncio.Task[object], str] = attrs.field(init=False, factory=dict)
 
@@ -199,15 +197,6 @@ class RolloutLayer:
             reuses_prompt_ids=self.reuses_prompt_ids,
             chat_template=self.chat_template,
         )
-
-    @_local.default
-    def _local_client(self) -> httpx.AsyncClient:
-        """Requests to vLLM's own routes (``/tokenize``) in process: httpx's ASGI transport,
-        no socket, no proxy from the environment."""
-        import httpx
-
-        transport = httpx.ASGITransport(self.app)
-        return httpx.AsyncClient(transport=transport, base_url="http://vllm", trust_env=False)
 
     def abort_all(self, reason: str) -> int:
         """End every generation request in flight (vLLM aborts it: ``AsyncLLM.generate``
@@ -256,7 +245,7 @@ class RolloutLayer:
             return
         routes = check_routes_request(body, captures=self.captures_routes)
         asked = body.pop(ROUTES_FIELD, None) is not None  # genworker's, not vLLM's
-        prepared = routes if isinstance(routes, Failure) else await self._prepare(body, chat)
+        prepared = routes if isinstance(routes, Failure) else await self._prepare(scope, body, chat)
         if isinstance(prepared, Failure):
             await _refuse(send, prepared.failure())
             return
@@ -340,7 +329,7 @@ class RolloutLayer:
 
     # -- the request -------------------------------------------------------------------
     async def _prepare(
-        self, body: Mapping[str, object], chat: bool
+        self, scope: Scope, body: Mapping[str, object], chat: bool
     ) -> Result[Prepared, BadRequest]:
         """``core.server_prompts``' machine for ``body``, its tokenizations answered by
         vLLM's own ``/tokenize`` route."""
@@ -348,8 +337,7 @@ class RolloutLayer:
         try:
             payload = next(steps)
             while True:
-                answer = await self._local.post("/tokenize", json=payload)
-                payload = steps.send(_answer(answer))
+                payload = steps.send(await _call_json(self.app, scope, "/tokenize", payload))
         except StopIteration as done:
             decided: Result[Prepared, BadRequest] = done.value
             return decided
@@ -439,10 +427,11 @@ def _headers(message: Mapping[str, object]) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-def _replay(body: bytes, then: Receive) -> Receive:
+def _replay(body: bytes, then: Receive | None = None) -> Receive:
     """``body`` as the request's one message; afterwards what ``then`` (the connection's
     own ``receive``, its body already read) answers: the client's disconnect, which vLLM
-    listens for to abort the request (``with_cancellation``), as on the stock server."""
+    listens for to abort the request (``with_cancellation``), as on the stock server.
+    Without ``then`` (an in-process call) no disconnect ever comes."""
     sent = False
 
     async def receive() -> Message:
@@ -450,7 +439,10 @@ def _replay(body: bytes, then: Receive) -> Receive:
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        return await then()
+        if then is not None:
+            return await then()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     return receive
 
@@ -471,12 +463,39 @@ async def _refuse(send: Send, problem: BadRequest) -> None:
     await _respond(send, *refusal(problem), close=problem.status in (408, 413))
 
 
-def _answer(response: httpx.Response) -> Tokenized:
-    """An in-process answer of vLLM's own route: its status and JSON (text if not JSON)."""
+async def _call_json(
+    app: ASGIApp, scope: Scope, path: str, payload: Mapping[str, object]
+) -> Tokenized:
+    """One in-process request to ``app`` (vLLM's own route), JSON in and out (text where
+    the answer is not JSON): the request's own scope with the path and body replaced, no
+    socket and no HTTP client (one would build its own request and response objects
+    around the same call, and is not among the engine's dependencies)."""
+    data = json.dumps(payload).encode()
+    sub = {
+        **scope,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+        ],
+    }
+    status = 500
+    chunks: list[bytes] = []
+
+    async def send(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = int(_field(message, "status", int))
+        elif message["type"] == "http.response.body":
+            chunks.append(_field(message, "body", bytes, b""))
+
+    await app(sub, _replay(data), send)
     try:
-        return response.status_code, response.json()
+        return status, json.loads(b"".join(chunks))
     except ValueError:
-        return response.status_code, response.text
+        return status, b"".join(chunks).decode(errors="replace")
 
 
 # --- vLLM's app, found by looking ------------------------------------------------------
