@@ -121,6 +121,7 @@ def measure() -> list[tuple[str, float]]:
 
 
 async def _long_tail(engine: Any, model: Path) -> list[tuple[str, float]]:
+    from genworker.core.engine_calls import Cache
     from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
 
     worker = AsyncVllmGenerationWorker(
@@ -140,11 +141,11 @@ async def _long_tail(engine: Any, model: Path) -> list[tuple[str, float]]:
             seen += 1
             if seen == need:
                 stream_s.append(time.perf_counter() - start)
-        await engine.reset_prefix_cache()
+        await engine.reset_cache(Cache.PREFIX)
         start = time.perf_counter()
         await worker.generate(data, greedy=True)
         batch_s.append(time.perf_counter() - start)
-        await engine.reset_prefix_cache()
+        await engine.reset_cache(Cache.PREFIX)
     stream, whole = statistics.median(stream_s), statistics.median(batch_s)
     return [
         ("async_time_to_90pct_vs_sync", stream / whole),
@@ -211,6 +212,7 @@ async def _overhead(engine: Any, model: Path) -> list[tuple[str, float]]:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
+    from genworker.core.engine_calls import Cache
     from genworker.shell.async_worker import AsyncVllmGenerationWorker, ExistingAsyncEngine
 
     worker = AsyncVllmGenerationWorker(
@@ -256,7 +258,7 @@ async def _overhead(engine: Any, model: Path) -> list[tuple[str, float]]:
         order = (("raw", run_raw), ("worker", run_worker))
         pair: dict[str, float] = {}
         for name, fn in order if repeat % 2 == 0 else order[::-1]:
-            await engine.reset_prefix_cache()
+            await engine.reset_cache(Cache.PREFIX)
             start, start_cpu = time.perf_counter(), time.process_time()
             await fn()
             pair[name] = time.perf_counter() - start

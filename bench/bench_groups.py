@@ -113,7 +113,7 @@ def measure() -> list[tuple[str, float]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from genworker.core.engine_calls import EngineBatch
+    from genworker.core.engine_calls import Cache, EngineBatch
     from genworker.core.sampling import sampling_spec
     from genworker.shell.vllm_engine import VllmEngine, engine_arg_names
     from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
@@ -167,7 +167,7 @@ def measure() -> list[tuple[str, float]]:
                 "unshared": lambda: llm.generate(tokens, unshared, use_tqdm=False),
             },
             REPEATS,
-            engine.reset_prefix_cache,
+            lambda: engine.reset_cache(Cache.PREFIX),
         )
         figures = [
             ("group_prefill_vs_rows", _ratio(times, "group", "rows")),
@@ -185,6 +185,7 @@ def measure() -> list[tuple[str, float]]:
 
 
 def _score_figures(engine: Any, model: Path) -> list[tuple[str, float]]:
+    from genworker.core.engine_calls import Cache
     from genworker.shell.worker import ExistingEngine, VllmGenerationWorker
 
     new = SCORE_LEN - SCORE_PROMPT
@@ -204,7 +205,7 @@ def _score_figures(engine: Any, model: Path) -> list[tuple[str, float]]:
             "generate": lambda: worker.generate(batch),
         },
         max(1, REPEATS // 2),
-        engine.reset_prefix_cache,
+        lambda: engine.reset_cache(Cache.PREFIX),
     )
     print(f"# bench_groups: score {times}", file=sys.stderr, flush=True)
     return [

@@ -34,6 +34,7 @@ BOS, PAD, IMAGE = 0, 2, 4
 def measure() -> list[tuple[str, float]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+    from genworker.core.engine_calls import Cache
     from genworker.demo.tiny_model import build_tiny_vlm
     from genworker.shell.media import row_media
     from genworker.shell.vllm_engine import VllmEngine, engine_arg_names
@@ -92,9 +93,8 @@ def measure() -> list[tuple[str, float]]:
         run_worker()
         for _ in range(REPEATS):
             for name, fn in (("raw", run_raw), ("worker", run_worker), ("expand", run_expand)):
-                engine.reset_prefix_cache()
-                engine.reset_mm_cache()
-                engine.reset_encoder_cache()
+                for kind in Cache:
+                    engine.reset_cache(kind)
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)

@@ -3795,7 +3795,7 @@ def groups_child(*, report: Callable[[Section], None], scale: Scale) -> None:
     import torch
     from vllm import SamplingParams, TokensPrompt
 
-    from genworker.core.engine_calls import EngineBatch
+    from genworker.core.engine_calls import Cache, EngineBatch
     from genworker.core.sampling import sampling_spec
 
     sec = Section("groups", TITLES["groups"])
@@ -3844,7 +3844,7 @@ def groups_child(*, report: Callable[[Section], None], scale: Scale) -> None:
 
         def path(name: str) -> Callable[[], float]:
             def run() -> float:
-                engine.reset_prefix_cache()
+                engine.reset_cache(Cache.PREFIX)
                 with counted_prompts(llm) as counts:
                     seconds, _ = timed(paths[name])
                 requests[name].add(sum(counts))
