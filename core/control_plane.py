@@ -34,6 +34,7 @@ update lands.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
 from typing import Final, TypeGuard
 
@@ -65,8 +66,10 @@ __all__ = [
     "Transfer",
     "Update",
     "WakeUp",
+    "admit",
     "init_transfer",
     "parse",
+    "parse_raw",
     "step",
     "update_failed",
     "update_of",
@@ -485,6 +488,15 @@ def parse(route: str, query: Mapping[str, str], body: object) -> Result[Request,
     return _bad("/" + route, None, "is not a route of the control plane")
 
 
+def parse_raw(route: str, query: Mapping[str, str], raw: bytes) -> Result[Request, BadRequest]:
+    """:func:`parse` of a raw body (blank: no body), or a 400 when it is not JSON."""
+    try:
+        body: object = json.loads(raw) if raw.strip() else None
+    except ValueError as e:  # UnicodeDecodeError included
+        return Failure(BadRequest(f"/{route}: the body is not JSON ({e})", status=400, param=None))
+    return parse(route, query, body)
+
+
 # --- the machine -----------------------------------------------------------------------
 
 
@@ -558,6 +570,11 @@ def step(state: ControlState, request: Request) -> Result[ControlState, Conflict
             kept = state.label if label is None or state.failed else label
             return Success(attrs.evolve(state, transfer=Transfer.READY, label=kept))
     return Success(state)
+
+
+def admit(state: ControlState, request: Request) -> Result[ControlState, BadRequest]:
+    """:func:`step` as a route answers it: its conflict is a 409."""
+    return step(state, request).alt(lambda e: BadRequest(str(e), status=409, param=None))
 
 
 def updated(state: ControlState) -> ControlState:

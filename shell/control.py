@@ -23,7 +23,6 @@ update): 409.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol, cast
@@ -100,27 +99,18 @@ class ControlRoutes:
 
     def refuses_generation(self) -> BadRequest | None:
         """Why a generation request gets 409 now, or ``None``."""
-        refused = c.step(self.state, c.Generate())
-        if isinstance(refused, Failure):
-            return BadRequest(str(refused.failure()), status=409, param=None)
-        return None
+        return c.admit(self.state, c.Generate()).swap().value_or(None)
 
     async def handle(self, route: str, query: Mapping[str, str], raw: bytes) -> Answer:
         """Route ``route`` with its query and raw body: the answer to send."""
-        try:
-            body = json.loads(raw) if raw.strip() else None
-        except ValueError as e:
-            return refusal(
-                BadRequest(f"/{route}: the body is not JSON ({e})", status=400, param=None)
-            )
-        parsed = c.parse(route, query, body)
+        parsed = c.parse_raw(route, query, raw)
         if isinstance(parsed, Failure):
             return refusal(parsed.failure())
         request = parsed.unwrap()
         async with self._lock:
-            allowed = c.step(self.state, request)
+            allowed = c.admit(self.state, request)
             if isinstance(allowed, Failure):
-                return refusal(BadRequest(str(allowed.failure()), status=409, param=None))
+                return refusal(allowed.failure())
             try:
                 answer = await self._run(request)
             except GenworkerError as e:
@@ -131,8 +121,9 @@ class ControlRoutes:
                     self.state = c.update_failed(self.state, str(e), group_broken=broken)
                 status = next((code for kind, code in _STATUSES if isinstance(e, kind)), 500)
                 return status, error_body(status, f"/{route}: {type(e).__name__}: {e}", None)
-            if not isinstance(request, c.Update):  # an update's outcome moved it already
-                self.state = allowed.unwrap()
+            self.state = allowed.unwrap()
+            if isinstance(request, c.Update):  # it landed: the weights are consistent again
+                self.state = c.updated(self.state)
             return 200, answer
 
     async def _run(self, request: c.Request) -> dict[str, object]:
@@ -166,7 +157,6 @@ class ControlRoutes:
                 held = self.state.paused is not None
                 info = request.as_vllm_info()
                 await hooks.update_weights_from_wire(info, self.timeout_s, held=held)
-                self.state = c.updated(c.step(self.state, request).unwrap())
                 return {"message": "Weights updated", "weight_version": hooks.weight_version}
             case c.FinishUpdate():
                 return {"message": "Weight update finished", "weight_version": hooks.weight_version}

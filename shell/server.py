@@ -178,8 +178,8 @@ class RolloutLayer:
     control: ControlRoutes | None = None
     limits: HttpLimits = attrs.field(init=False)
     rules: PromptRules = attrs.field(init=False)
-    _running: set[asyncio.Task[object]] = attrs.field(init=False, factory=set)
-    _aborted: dict[asyncio.Task[object], str] = attrs.field(init=False, factory=dict)
+    #: The generation requests in flight, each with the reason it was aborted (or None).
+    _running: dict[asyncio.Task[object], str | None] = attrs.field(init=False, factory=dict)
 
     @limits.default
     def _limits(self) -> HttpLimits:
@@ -201,8 +201,8 @@ class RolloutLayer:
     def abort_all(self, reason: str) -> int:
         """End every generation request in flight (vLLM aborts it: ``AsyncLLM.generate``
         on cancellation); each answers 500 with ``reason``, or its stream ends there."""
-        for task in self._running:
-            self._aborted.setdefault(task, reason)
+        for task, aborted in self._running.items():
+            self._running[task] = aborted or reason
             task.cancel()
         return len(self._running)
 
@@ -293,39 +293,40 @@ class RolloutLayer:
     async def _generate(
         self, scope: Scope, raw: bytes, receive: Receive, send: Send, *, strip_routes: bool
     ) -> None:
+        """vLLM's answer, the task tracked for :meth:`abort_all`: once aborted, what vLLM
+        sends is dropped, and the request ends with ours (500 naming the reason where the
+        response has not started, else the stream's end)."""
         task = asyncio.current_task()
         assert task is not None
+        forward = self._sender(send, self.hooks.weight_version, strip_routes)
         started = False
 
         async def tracked(message: Message) -> None:
             nonlocal started
-            reason = self._aborted.get(task)
-            if reason is not None:  # vLLM answered the cancellation itself: ours instead
-                if not started:
-                    started = True
-                    await _refuse(send, BadRequest(reason, status=500, param=None))
-                return
-            started = started or message["type"] == "http.response.start"
-            await forward(message)
+            reason = self._running[task]
+            if reason is None:
+                started = started or message["type"] == "http.response.start"
+                await forward(message)
+            elif not started:  # vLLM answered the cancellation itself: ours instead
+                started = True
+                await _refuse(send, BadRequest(reason, status=500, param=None))
 
-        forward = self._sender(send, self.hooks.weight_version, strip_routes)
-        self._running.add(task)
+        self._running[task] = None
         try:
             await self.app(scope, _replay(raw, receive), tracked)
-            if task in self._aborted:  # vLLM took the cancellation as a disconnect
-                task.uncancel()
         except asyncio.CancelledError:
-            reason = self._aborted.get(task)
-            if reason is None:
+            if (reason := self._running[task]) is None:
                 raise
             task.uncancel()
             if not started:
                 await _refuse(send, BadRequest(reason, status=500, param=None))
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            if self._running[task] is not None:  # vLLM took the cancellation as a disconnect
+                task.uncancel()
         finally:
-            self._running.discard(task)
-            self._aborted.pop(task, None)
+            del self._running[task]
 
     # -- the request -------------------------------------------------------------------
     async def _prepare(

@@ -3,6 +3,7 @@ parsed or refused naming its field, and the machine of pause, transfer and updat
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
@@ -440,3 +441,25 @@ def test_vllms_packed_chunks_are_nemo_rls_groups(tensors: list[TensorSpec], targ
         chunks.append(current)
     manifest = Manifest.from_specs(tensors).unwrap()
     assert [[s.name for s in g] for g in packed_groups(manifest, target)] == chunks
+
+
+@given(st.sampled_from(ROUTE_NAMES), queries, json_values, st.sampled_from([b"", b" \n"]))
+def test_a_raw_body_parses_as_its_json_and_a_blank_one_as_none(
+    route: str, query: dict[str, str], body: object, blank: bytes
+) -> None:
+    assert c.parse_raw(route, query, json.dumps(body).encode()) == c.parse(route, query, body)
+    assert c.parse_raw(route, query, blank) == c.parse(route, query, None)
+
+
+@pytest.mark.parametrize("raw", [b"{level: 1", b"\xff"])
+def test_a_body_that_is_not_json_is_a_400_naming_the_route(raw: bytes) -> None:
+    problem = c.parse_raw("sleep", {}, raw).failure()
+    assert (problem.status, problem.param) == (400, None)
+    assert problem.message.startswith("/sleep: the body is not JSON (")
+
+
+def test_admit_is_step_with_its_conflict_a_409() -> None:
+    state = c.step(c.ControlState(), c.Pause(c.PauseMode.ABORT, True)).unwrap()
+    assert c.admit(state, c.Resume()) == c.step(state, c.Resume())
+    refused = c.admit(state, c.Generate()).failure()
+    assert refused == BadRequest(str(c.step(state, c.Generate()).failure()), status=409, param=None)
