@@ -502,20 +502,13 @@ async def _call_json(
 # --- vLLM's app, found by looking ------------------------------------------------------
 
 
+# vLLM 0.32 moved its server from ``vllm.entrypoints.openai`` to ``.launchers``.
+_LAUNCHERS, _OPENAI = "vllm.entrypoints.launchers.", "vllm.entrypoints.openai."
 # The pieces of vLLM's app, each where 0.32 has it, then where 0.25 has it.
 _APP_PARTS = (
-    ("build_app", ("vllm.entrypoints.launchers.app", "vllm.entrypoints.openai.api_server")),
-    (
-        "init_app_state",
-        (
-            "vllm.entrypoints.launchers.api_server.app_state",
-            "vllm.entrypoints.openai.api_server",
-        ),
-    ),
-    (
-        "make_arg_parser",
-        ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"),
-    ),
+    ("build_app", (_LAUNCHERS + "app", _OPENAI + "api_server")),
+    ("init_app_state", (_LAUNCHERS + "api_server.app_state", _OPENAI + "api_server")),
+    ("make_arg_parser", (_LAUNCHERS + "cli_args", _OPENAI + "cli_args")),
     ("FlexibleArgumentParser", ("vllm.utils.argparse_utils", "vllm.utils")),
 )
 
@@ -663,9 +656,7 @@ async def serve_on(
     that leaves the process's signals alone; returns once it accepts connections."""
     import uvicorn
 
-    server_cls = _first_attr(
-        [("vllm.entrypoints.launchers.launcher", "NoSignalServer"), ("uvicorn", "Server")]
-    )
+    server_cls = _first_attr([(_LAUNCHERS + "launcher", "NoSignalServer"), ("uvicorn", "Server")])
     config = uvicorn.Config(
         app,
         log_level="warning",
