@@ -865,7 +865,8 @@ def plan_shard_actor(
     ephemeral_ports: tuple[int, int] = DEFAULT_EPHEMERAL_PORTS,
 ) -> Result[ShardActor, PlacementError]:
     """Shard ``shard``'s worker actor of ``plan`` on ``spec``: :func:`configure_worker`'s
-    seed, ports and cache root, and the engine's environment (:meth:`ClusterPlan.engine_env_vars`)."""
+    seed, ports and cache root, and the engine's environment
+    (:meth:`ClusterPlan.engine_env_vars`)."""
     configured = configure_worker(
         # A CPU bundle has no GPU; the plan's seed, ports and cache root still apply.
         plan.worker_num_gpus if plan.uses_gpus else 1.0,

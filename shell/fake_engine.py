@@ -16,8 +16,9 @@ relies on it:
   in vLLM; here it raises ``FakeEngineMisuse`` so a test sees the worker let it through;
 - ``generate`` returns the batch as ``FlatGenerations``; ``generate_text`` refuses what
   the vLLM adapter refuses (``core.engine_calls.text_refusal``: a spec without
-  ``detokenize``, sample counts) with ``FakeEngineMisuse``, and checks its rows as it does (aborted rows, non-finite logprobs under the
-  engine's ``logprobs_mode``, from the factory's ``logprobs_mode`` kwarg);
+  ``detokenize``, sample counts) with ``FakeEngineMisuse``, and checks its rows as it
+  does (aborted rows, non-finite logprobs under the engine's ``logprobs_mode``, from the
+  factory's ``logprobs_mode`` kwarg);
 - ``next_logprobs`` / ``next_finish`` (row -> value, for the next generate or
   generate_text call only) make a row come back as vLLM's do when its logits are garbage
   (every sampled logprob that value: NaN, +inf, or a masked token's -inf) or when the

@@ -16,9 +16,10 @@ takes every decision and yields the engine calls it needs as :class:`EngineCall`
 the drive loop makes each call on its port (``shell.ports``: the sync port returns values,
 the async port awaitables, under the same names) and sends the result back, or throws in
 what the call raised. A refit given an :class:`Inflight` value (the async worker's) also
-yields the in-flight steps: pause, settle, label the weights, resume. Each worker has one drive loop (``_drive``) and makes its public
-methods from the bodies (``_door``: the sync one under the worker's lock, the async one a
-coroutine; :func:`door_of` names and documents them as the body).
+yields the in-flight steps: pause, settle, label the weights, resume. Each worker has one
+drive loop (``_drive``) and makes its public methods from the bodies (``_door``: the sync
+one under the worker's lock, the async one a coroutine; :func:`door_of` names and
+documents them as the body).
 
 The spine also holds what the workers' own paths share: the config and constructor
 arguments; engine start (:meth:`_start`, :class:`ExistingEngineFactory`) and death
