@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from typing import Generic, Literal, NoReturn, Protocol, TypeVar
+from typing import Generic, Literal, NoReturn, TypeVar
 
 import attrs
 import torch
@@ -99,7 +99,7 @@ from genworker.shell.errors import (
     unwrap,
 )
 from genworker.shell.media import RowMedia, media_rows, row_media
-from genworker.shell.ports import EngineCapabilities
+from genworker.shell.ports import EngineBasePort, EngineCapabilities, EngineFactoryBase
 from genworker.shell.refit.wire import raise_failures
 
 __all__ = [
@@ -124,7 +124,7 @@ log = logging.getLogger("genworker.shell.worker")
 
 EXTENSION_CLS = "genworker.shell.extension.WorkerExtension"
 
-_E = TypeVar("_E", bound="HasCapabilities")
+_E = TypeVar("_E", bound=EngineBasePort)
 _T = TypeVar("_T")
 _X = TypeVar("_X")
 _F = TypeVar("_F", bound=Callable[..., object])
@@ -132,18 +132,6 @@ _Started_co = TypeVar("_Started_co", covariant=True)
 #: What an engine's sleep or wake raises only before it touched its memory (EnginePort.sleep).
 _REFUSALS = (BadArgumentError, EngineStateError, UnsupportedError)
 _CACHES = {"prefix": "prefix cache", "mm": "multimodal cache", "encoder": "encoder cache"}
-
-
-class StartsEngines(Protocol[_Started_co]):
-    """What both workers' engine factories offer (``EngineFactory``, ``AsyncEngineFactory``)."""
-
-    def arg_names(self) -> frozenset[str] | None: ...
-
-    def gpu_capability(self) -> tuple[int, int] | None: ...
-
-    def capture_platform(self) -> CapturePlatform: ...
-
-    def start(self, kwargs: Mapping[str, object]) -> _Started_co: ...
 
 
 class ExistingEngineFactory(Generic[_E]):
@@ -165,20 +153,6 @@ class ExistingEngineFactory(Generic[_E]):
 
     def start(self, kwargs: Mapping[str, object]) -> _E:
         return self.engine
-
-
-class HasCapabilities(Protocol):
-    """Both engine ports: what the spine reads of an engine, and the calls both make at
-    once (the request plan's tokenization)."""
-
-    @property
-    def capabilities(self) -> EngineCapabilities: ...
-
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]: ...
-
-    def expanded_lengths(
-        self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
-    ) -> list[int]: ...
 
 
 #: The engine-port methods a spine body asks for (both ports name them alike,
@@ -287,7 +261,7 @@ def forward_env(names: Iterable[str]) -> None:
 
 
 def start_engine(
-    factory: StartsEngines[_Started_co],
+    factory: EngineFactoryBase[_Started_co],
     cfg: WorkerConfig,
     seed: int,
     extra_env_vars: Sequence[str],
@@ -412,7 +386,7 @@ class WorkerSpine(Generic[_E]):
         self._lora_manifest: Manifest | None = None
 
     # -- engine start and death -------------------------------------------------------
-    def _start(self, factory: StartsEngines[_E], discard: Callable[[_E], None]) -> _E:
+    def _start(self, factory: EngineFactoryBase[_E], discard: Callable[[_E], None]) -> _E:
         """Start the engine and check the config against it (stop ids against its
         vocabulary, G6; the encoder-reset key against a multimodal engine); a refused one
         is handed to ``discard``. Commits nothing: :meth:`_loaded` does."""
