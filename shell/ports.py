@@ -241,7 +241,7 @@ AsyncEngineFactory = EngineFactoryBase[AsyncEnginePort]
 class RefitPort(Protocol):
     """One transport's engine-side end of a refit, as
     :func:`genworker.shell.refit.receiver.receive` drives it: genworker's IPC and
-    collective receivers (``shell.refit``) and NeMo-RL's wire ports (``shell.nemo_rl_refit``).
+    collective receivers (``shell.refit``) and NeMo-RL's wire ports (``shell.refit.nemo_rl``).
     ``memo`` is what the last refit left for the next one (``receive`` sets it)."""
 
     peer: str
