@@ -26,6 +26,7 @@ tensors) are the same as on genworker's own wire.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Sequence
 from typing import Final
 
@@ -43,12 +44,28 @@ from genworker.core.refit_plan import (
     manifest_error,
 )
 
-__all__ = ["IPC_ALIGN", "MAX_PACKED", "ipc_chunk", "packed_chunk", "packed_groups", "packed_target"]
+__all__ = [
+    "IPC_ALIGN",
+    "MAX_PACKED",
+    "UNIQUE_ID_BYTES",
+    "UNIQUE_ID_KEY",
+    "ipc_chunk",
+    "packed_bytes",
+    "packed_chunk",
+    "packed_groups",
+    "packed_target",
+    "socket_dir",
+    "unique_id",
+]
 
 #: NeMo-RL's ``calculate_aligned_size`` default: each packed tensor starts at a multiple.
 IPC_ALIGN: Final = 512
 #: NeMo-RL's largest packed broadcast (``get_target_packed_tensor_size``).
 MAX_PACKED: Final = 5 << 30
+#: Where trainer rank 0 publishes NCCL's unique id in its store (``StatelessProcessGroup``).
+UNIQUE_ID_KEY: Final = "nccl_unique_id"
+#: The size of NCCL's unique id (``ncclUniqueId``).
+UNIQUE_ID_BYTES: Final = 128
 
 
 def ipc_chunk(
@@ -119,3 +136,29 @@ def packed_chunk(refit_id: str, index: int, group: Sequence[TensorSpec]) -> p.Ch
     """The chunk of one packed broadcast: its tensors arrive by broadcast, in order."""
     refs = tuple(p.TensorRef(s.name, s.shape, s.dtype) for s in group)
     return p.Chunk(refit_id, index, refs)
+
+
+def packed_bytes(value: object) -> Result[int | None, CoreError]:
+    """The collective backend's ``packed_bytes``: a packing target in bytes, or None for
+    NeMo-RL's own rule (:func:`packed_target`)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return Success(value)
+    return Failure(CoreError(f"packed_bytes must be an int, got {value!r}"))
+
+
+def socket_dir(value: object) -> Result[str, CoreError]:
+    """The IPC backend's ``socket_dir`` (where NeMo-RL's trainer binds its sockets): an
+    absolute path."""
+    if not isinstance(value, str) or not posixpath.isabs(value):
+        return Failure(CoreError(f"socket_dir must be an absolute path, got {value!r}"))
+    return Success(value)
+
+
+def unique_id(raw: bytes) -> Result[bytes, CoreError]:
+    """What the store holds under :data:`UNIQUE_ID_KEY`, refused unless it is NCCL's
+    unique id (:data:`UNIQUE_ID_BYTES` bytes)."""
+    if len(raw) != UNIQUE_ID_BYTES:
+        return Failure(
+            CoreError(f"{UNIQUE_ID_KEY} holds {len(raw)} bytes, NCCL's unique id {UNIQUE_ID_BYTES}")
+        )
+    return Success(raw)

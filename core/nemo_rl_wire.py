@@ -291,6 +291,18 @@ class CudaIpcHandle:
             self.event_sync_required,
         )
 
+    def bucket_bytes(self) -> Result[int, WireProblem]:
+        """The bytes of the buffer the handle maps: a NeMo-RL IPC bucket is a 1-D uint8
+        buffer (``get_handle_from_tensor`` of its packed staging buffer)."""
+        if self.dtype is not torch.uint8 or len(self.size) != 1 or self.stride != (1,):
+            return Failure(
+                WireProblem(
+                    "a NeMo-RL IPC bucket is a 1-D uint8 buffer, got "
+                    f"{self.dtype} of size {self.size} and stride {self.stride}"
+                )
+            )
+        return Success(self.size[0])
+
 
 H_co = TypeVar("H_co", covariant=True)
 

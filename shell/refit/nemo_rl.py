@@ -112,8 +112,6 @@ T = TypeVar("T")
 
 #: Where NeMo-RL's trainer binds its IPC sockets (``get_zmq_address``).
 DEFAULT_SOCKET_DIR: Final = "/tmp"
-_UNIQUE_ID_KEY: Final = "nccl_unique_id"
-_UNIQUE_ID_BYTES: Final = 128
 _ACK: Final = b"ack"
 
 
@@ -162,12 +160,7 @@ class CudaIpcCodec:
         return _wire(cuda_ipc_handle(value))
 
     def storage_bytes(self, handle: CudaIpcHandle) -> int:
-        if handle.dtype is not torch.uint8 or len(handle.size) != 1 or handle.stride != (1,):
-            raise RefitWireError(
-                "a NeMo-RL IPC bucket is a 1-D uint8 buffer, got "
-                f"{handle.dtype} of size {handle.size} and stride {handle.stride}"
-            )
-        return handle.size[0]
+        return _wire(handle.bucket_bytes())
 
     def open(self, handle: CudaIpcHandle, device: torch.device) -> torch.Tensor:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -404,7 +397,7 @@ class _Nccl:
 
         self.lib, self.device = NCCLLibrary(), device
         uid = ncclUniqueId()
-        ctypes.memmove(ctypes.addressof(uid), unique_id, _UNIQUE_ID_BYTES)
+        ctypes.memmove(ctypes.addressof(uid), unique_id, n.UNIQUE_ID_BYTES)
         with torch.cuda.device(device):
             self.comm = self.lib.ncclCommInitRank(world_size, uid, rank)
 
@@ -505,13 +498,9 @@ class NemoRlGroup(BroadcastGroup):
         with self._foreign("joining the group", timeout_s):
             self._store = TCPStore(ip, port, world_size, False, timeout=timeout)
             if backend == "nccl":
-                self._store.wait([_UNIQUE_ID_KEY], timeout)
-                unique_id = bytes(self._store.get(_UNIQUE_ID_KEY))
-                if len(unique_id) != _UNIQUE_ID_BYTES:
-                    raise RefitWireError(
-                        f"{self.peer}: {_UNIQUE_ID_KEY} holds {len(unique_id)} bytes, NCCL's "
-                        f"unique id {_UNIQUE_ID_BYTES}"
-                    )
+                self._store.wait([n.UNIQUE_ID_KEY], timeout)
+                raw = bytes(self._store.get(n.UNIQUE_ID_KEY))
+                unique_id = unwrap(n.unique_id(raw), RefitWireError, self.peer)
                 self._comm = _Nccl(unique_id, rank, world_size, device)
             else:
                 self._comm = _Gloo(self._store, rank, world_size, timeout_s)
@@ -606,8 +595,7 @@ class NemoRlIpcBackend(Holding[NemoRlIpcPort[object]]):
     def init(self, socket_dir: str = DEFAULT_SOCKET_DIR) -> str:
         """Where NeMo-RL's trainer binds its sockets (``/tmp`` unless set); the address
         this worker connects to."""
-        if not isinstance(socket_dir, str) or not os.path.isabs(socket_dir):
-            raise BadArgumentError(f"socket_dir must be an absolute path, got {socket_dir!r}")
+        unwrap(n.socket_dir(socket_dir), BadArgumentError, "")
         if socket_dir != self.socket_dir:
             self.close()
         self.socket_dir = socket_dir
@@ -643,12 +631,9 @@ class NemoRlCollectiveBackend(Holding[NemoRlGroup]):
         the packing target (None: NeMo-RL's own rule)."""
         where = unwrap(group_join(**join), BadArgumentError, "init_collective")
         device = self.engine.device
-        if packed_bytes is None:
+        target = unwrap(n.packed_bytes(packed_bytes), BadArgumentError, "")
+        if target is None:
             target = packed_target_bytes(device, os.environ)
-        elif isinstance(packed_bytes, int) and not isinstance(packed_bytes, bool):
-            target = packed_bytes
-        else:
-            raise BadArgumentError(f"packed_bytes must be an int, got {packed_bytes!r}")
         self.close()
         rank = where.rank(self.engine.rank)
         self.held = NemoRlGroup(where, rank, device)

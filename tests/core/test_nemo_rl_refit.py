@@ -134,3 +134,35 @@ def test_a_packed_target_ratio_off_its_range_is_refused_naming_it(ratio: str) ->
     assert isinstance(target, Failure)
     assert "NRL_REFIT_BUFFER_MEMORY_RATIO" in str(target.failure())
     assert repr(ratio) in str(target.failure())
+
+
+@given(st.one_of(st.none(), st.integers()))
+def test_a_packing_target_given_is_taken_as_is(value: int | None) -> None:
+    assert n.packed_bytes(value) == Success(value)
+
+
+@given(st.one_of(st.booleans(), st.floats(), st.text(), st.lists(st.integers())))
+def test_a_packing_target_that_is_no_int_is_refused_naming_it(value: object) -> None:
+    refused = n.packed_bytes(value)
+    assert isinstance(refused, Failure)
+    assert str(refused.failure()) == f"packed_bytes must be an int, got {value!r}"
+
+
+def test_the_socket_dir_must_be_an_absolute_path() -> None:
+    assert n.socket_dir("/tmp") == Success("/tmp")
+    assert n.socket_dir("/run/user/1000/") == Success("/run/user/1000/")
+    for bad in ("tmp", "", "./tmp", None, 3, b"/tmp"):
+        refused = n.socket_dir(bad)
+        assert isinstance(refused, Failure)
+        assert repr(bad) in str(refused.failure())
+
+
+@given(st.one_of(st.binary(min_size=128, max_size=128), st.binary(max_size=300)))
+def test_only_a_128_byte_nccl_unique_id_is_taken(raw: bytes) -> None:
+    taken = n.unique_id(raw)
+    if len(raw) == n.UNIQUE_ID_BYTES:
+        assert taken == Success(raw)
+    else:
+        assert isinstance(taken, Failure)
+        assert f"holds {len(raw)} bytes" in str(taken.failure())
+        assert n.UNIQUE_ID_KEY in str(taken.failure())

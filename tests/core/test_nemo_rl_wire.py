@@ -23,6 +23,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -439,3 +440,21 @@ def test_the_unpickler_alone_refuses_what_the_scan_refuses(data: bytes, what: st
     """Defence in depth: the unpickler refuses by itself what the scan stops first."""
     with pytest.raises(Exception, match=what):
         WireUnpickler(io.BytesIO(data)).load()
+
+
+@given(handles())
+def test_a_1d_uint8_bucket_maps_its_size_in_bytes(handle: CudaIpcHandle) -> None:
+    bucket = attrs.evolve(handle, dtype=torch.uint8)
+    assert bucket.bucket_bytes() == Success(bucket.size[0])
+
+
+@pytest.mark.parametrize(
+    ("size", "stride", "dtype"),
+    [((4,), (1,), torch.float32), ((2, 2), (2, 1), torch.uint8), ((4,), (2,), torch.uint8)],
+)
+def test_a_bucket_that_is_no_1d_uint8_buffer_is_refused_naming_it(
+    size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    h = CudaIpcHandle(size, stride, 0, dtype, 0, b"h", 16, 0, False, b"r", 0, b"e", True)
+    message = _refused(h.bucket_bytes(), "1-D uint8 buffer", unsafe=False)
+    assert f"{dtype} of size {size} and stride {stride}" in message
