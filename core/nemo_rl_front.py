@@ -9,6 +9,8 @@
   as NeMo-RL's ``_get_raw_spec_counters`` returns it.
 * :func:`wake_up_tags`: NeMo-RL's ``wake_up(**kwargs)`` takes ``tags=`` only.
 * :func:`reported_url`: the OpenAI server's URL as NeMo-RL reports it.
+* :func:`sampling_params` / :func:`with_sampling`: ``update_sampling_params`` (NeMo-RL
+  #2538) replaces only :data:`SAMPLING_KEYS`, checked as the config is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import attrs
 import torch
 from returns.result import Failure, Result, Success
 
+from genworker.core.config import ConfigError, WorkerConfig
 from genworker.core.counters import (
     CACHE_RESETS,
     NONFINITE_LOGPROBS,
@@ -39,7 +42,9 @@ __all__ = [
     "nemo_rl_outputs",
     "raw_spec_counters",
     "reported_url",
+    "sampling_params",
     "wake_up_tags",
+    "with_sampling",
 ]
 
 #: NeMo-RL's ``GenerationOutputSpec``: the keys of every ``generate`` result
@@ -125,3 +130,24 @@ def reported_url(url: str | None, node_address: Callable[[], str]) -> str | None
     ip = node_address()
     host = f"[{ip}]" if ":" in ip else ip
     return parts._replace(netloc=f"{host}:{parts.port}").geturl()
+
+
+def sampling_params(params: Mapping[str, object]) -> Result[Mapping[str, object], CoreError]:
+    """``update_sampling_params``'s keywords: names outside :data:`SAMPLING_KEYS` are
+    refused, naming them."""
+    unknown = sorted(set(params) - set(SAMPLING_KEYS))
+    if unknown:
+        return Failure(
+            CoreError(f"update_sampling_params takes only {list(SAMPLING_KEYS)}, got {unknown}")
+        )
+    return Success(params)
+
+
+def with_sampling(
+    cfg: WorkerConfig, params: Mapping[str, object]
+) -> Result[WorkerConfig, ConfigError]:
+    """``cfg`` with the keys ``params`` names (:func:`sampling_params`) taking its values,
+    validated as every config is."""
+    merged = cfg.to_mapping()
+    merged.update(params)
+    return WorkerConfig.from_mapping(merged)

@@ -63,8 +63,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from genworker.core.config import WorkerConfig
 from genworker.core.joins import group_join
+from genworker.core.nemo_rl_front import sampling_params, with_sampling
 from genworker.core.refit_protocol import Transport
 from genworker.shell.errors import (
     BadArgumentError,
@@ -152,16 +152,10 @@ class NemoRlGenerationWorker(NemoRlMember[NativeWorker]):
         """NeMo-RL's ``update_sampling_params`` (#2538): the config's sampling keys
         (:data:`SAMPLING_KEYS`) take these values for every later call; True once done.
         Other names and bad values are refused naming them, and change nothing."""
-        unknown = sorted(set(params) - set(SAMPLING_KEYS))
-        if unknown:
-            raise BadArgumentError(
-                f"update_sampling_params takes only {list(SAMPLING_KEYS)}, got {unknown}"
-            )
+        unwrap(sampling_params(params), BadArgumentError, "")
         if self._shut_down:
             raise EngineStateError("update_sampling_params: the worker was shut down")
-        merged = self.cfg.to_mapping()
-        merged.update(params)
-        cfg = unwrap(WorkerConfig.from_mapping(merged), BadArgumentError, "update_sampling_params")
+        cfg = unwrap(with_sampling(self.cfg, params), BadArgumentError, "update_sampling_params")
         self.cfg = cfg
         if self._worker is not None:
             self._worker.cfg = cfg

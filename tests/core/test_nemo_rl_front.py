@@ -9,6 +9,7 @@ import pytest
 import torch
 from returns.result import Failure, Success
 
+from genworker.core.config import WorkerConfig
 from genworker.core.counters import (
     CACHE_RESETS,
     NONFINITE_LOGPROBS,
@@ -19,11 +20,14 @@ from genworker.core.counters import (
 from genworker.core.nemo_rl_front import (
     NEMO_RL_OUTPUT_KEYS,
     ROUTED_EXPERTS,
+    SAMPLING_KEYS,
     WakeUpError,
     nemo_rl_outputs,
     raw_spec_counters,
     reported_url,
+    sampling_params,
     wake_up_tags,
+    with_sampling,
 )
 
 
@@ -89,3 +93,41 @@ def test_a_server_on_every_interface_is_reported_at_the_nodes_address(
     bound: str | None, node: str, reported: str | None
 ) -> None:
     assert reported_url(bound, lambda: node) == reported
+
+
+_CONFIG = {
+    "backend": "vllm",
+    "model_name": "m",
+    "max_new_tokens": 8,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": None,
+    "stop_token_ids": None,
+    "stop_strings": None,
+    "_pad_token_id": 0,
+    "vllm_cfg": {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "gpu_memory_utilization": 0.5,
+        "max_model_len": 32,
+    },
+}
+
+
+def test_update_sampling_params_takes_the_sampling_keys_only() -> None:
+    params = {"temperature": 0.5, "top_k": 3}
+    assert sampling_params(params) == Success(params)
+    refused = sampling_params({"temperature": 0.5, "model_name": "x", "seed": 1})
+    assert isinstance(refused, Failure)
+    assert str(refused.failure()) == (
+        f"update_sampling_params takes only {list(SAMPLING_KEYS)}, got ['model_name', 'seed']"
+    )
+
+
+def test_new_sampling_values_replace_the_configs_and_are_checked_as_it_is() -> None:
+    cfg = WorkerConfig.from_mapping(_CONFIG).unwrap()
+    updated = with_sampling(cfg, {"temperature": 0.5, "max_new_tokens": 4})
+    assert isinstance(updated, Success)
+    assert (updated.unwrap().temperature, updated.unwrap().max_new_tokens) == (0.5, 4)
+    assert updated.unwrap().model_name == cfg.model_name
+    assert isinstance(with_sampling(cfg, {"max_new_tokens": 0}), Failure)
