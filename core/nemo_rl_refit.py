@@ -20,8 +20,10 @@ its order), read at NeMo-RL commit 7ea279ab:
 The shell turns each message into a :class:`~refit_protocol.Chunk` with :func:`ipc_chunk`
 or :func:`packed_chunk` and feeds the usual :class:`~refit_protocol.Receiver`, with a
 synthesized :class:`~refit_protocol.Begin` first and an :class:`~refit_protocol.End`
-counting what arrived last, so the manifest checks (missing, duplicated, misplaced
-tensors) are the same as on genworker's own wire.
+counting what arrived last (:class:`IpcStream`, :func:`packed_events`), so the manifest
+checks (missing, duplicated, misplaced tensors) are the same as on genworker's own wire.
+The transports' own checks are here too: a packing target given (:func:`packed_bytes`),
+the IPC socket directory (:func:`socket_dir`) and NCCL's unique id (:func:`unique_id`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import posixpath
 from collections.abc import Sequence
 from typing import Final
 
+import attrs
 from returns.result import Failure, Result, Success
 
 from genworker.core import refit_protocol as p
@@ -49,9 +52,11 @@ __all__ = [
     "MAX_PACKED",
     "UNIQUE_ID_BYTES",
     "UNIQUE_ID_KEY",
+    "IpcStream",
     "ipc_chunk",
     "packed_bytes",
     "packed_chunk",
+    "packed_events",
     "packed_groups",
     "packed_target",
     "socket_dir",
@@ -102,6 +107,33 @@ def ipc_chunk(
     return Success(p.Chunk(refit_id, index, tuple(refs), (storage_bytes,), kinds))
 
 
+@attrs.frozen
+class IpcStream:
+    """One refit's progress on NeMo-RL's IPC wire, which carries no start and no counts:
+    a Begin synthesized on the first wait (:meth:`begin`), each bucket's chunk in turn
+    (:meth:`bucket`), then an End counting what arrived (:meth:`end`)."""
+
+    manifest: Manifest
+    refit_id: str
+    begun: bool = False
+    chunks: int = 0
+    tensors: int = 0
+
+    def begin(self) -> tuple[IpcStream, p.Begin]:
+        return attrs.evolve(self, begun=True), p.Begin(self.refit_id, "")
+
+    def bucket(
+        self, names: Sequence[str], used_bytes: int, storage_bytes: int
+    ) -> Result[tuple[IpcStream, p.Chunk], ManifestError]:
+        """The next bucket's chunk (:func:`ipc_chunk`), counted."""
+        args = (self.refit_id, self.chunks, names, used_bytes, storage_bytes)
+        counted = attrs.evolve(self, chunks=self.chunks + 1, tensors=self.tensors + len(names))
+        return ipc_chunk(self.manifest, *args).map(lambda chunk: (counted, chunk))
+
+    def end(self) -> p.End:
+        return p.End(self.refit_id, self.chunks, self.tensors)
+
+
 def packed_target(ratio: str, total_bytes: int) -> Result[int, CoreError]:
     """NeMo-RL's ``get_target_packed_tensor_size``: ``total_bytes`` (the device's memory)
     times ``ratio`` (``NRL_REFIT_BUFFER_MEMORY_RATIO``'s text, in (0, 1]), at most
@@ -136,6 +168,16 @@ def packed_chunk(refit_id: str, index: int, group: Sequence[TensorSpec]) -> p.Ch
     """The chunk of one packed broadcast: its tensors arrive by broadcast, in order."""
     refs = tuple(p.TensorRef(s.name, s.shape, s.dtype) for s in group)
     return p.Chunk(refit_id, index, refs)
+
+
+def packed_events(
+    refit_id: str, groups: Sequence[Sequence[TensorSpec]], tensors: int
+) -> tuple[p.Event, ...]:
+    """One refit of packed broadcasts as the receiver machine takes it: a synthesized
+    Begin (the wire carries none), the chunk of each group (:func:`packed_chunk`), then
+    an End counting the groups and the manifest's ``tensors``."""
+    chunks = (packed_chunk(refit_id, index, group) for index, group in enumerate(groups))
+    return (p.Begin(refit_id, ""), *chunks, p.End(refit_id, len(groups), tensors))
 
 
 def packed_bytes(value: object) -> Result[int | None, CoreError]:

@@ -223,14 +223,13 @@ class NemoRlIpcPort(Generic[H]):
         self._finalizer = weakref.finalize(self, end_zmq, self._ctx, self._open)
         self._sock: zmq.Socket[bytes] | None = None
         self._cap, self._refits = -1, 0
-        self._manifest: Manifest | None = None
+        self._stream: n.IpcStream | None = None
         self.memo = p.Memo()  # the receiver's remembered decisions (refit_protocol.Memo)
         self._start()
 
     def _start(self) -> None:
-        self.refit_id = f"nemo-rl-ipc-{self._refits}"
-        self._begun = self._pending = self._over = False
-        self._chunks = self._tensors = self.opened = 0
+        self._pending = self._over = False
+        self.opened = 0
         self._bound = p.DEFAULT_TIMEOUT_S
 
     def begin(self, manifest: Manifest) -> None:
@@ -239,7 +238,7 @@ class NemoRlIpcPort(Generic[H]):
         stale = self._pending
         self._refits += 1
         self._start()
-        self._manifest = manifest
+        self._stream = n.IpcStream(manifest, f"nemo-rl-ipc-{self._refits}")
         cap = p.max_message_bytes(manifest)
         if self._sock is None or cap > self._cap or stale:
             if self._sock is not None:
@@ -264,29 +263,17 @@ class NemoRlIpcPort(Generic[H]):
 
     def next(self, wait: Wait) -> tuple[p.Event, list[object] | None]:
         self._bound = wait.bound_s
-        if not self._begun:  # NeMo-RL's trainer sends no start: the first wait is for data
-            self._begun = True
-            return p.Begin(self.refit_id, ""), None
+        assert self._stream is not None, "next before begin"
+        if not self._stream.begun:  # NeMo-RL's trainer sends no start: the first wait is for data
+            self._stream, begin = self._stream.begin()
+            return begin, None
         message = self._recv(wait)
         if isinstance(message, IpcComplete):
             self._over = True
-            return p.End(self.refit_id, self._chunks, self._tensors), None
-        assert self._manifest is not None
+            return self._stream.end(), None
         storage = self._codec.storage_bytes(message.handle)
-        chunk = unwrap(
-            n.ipc_chunk(
-                self._manifest,
-                self.refit_id,
-                self._chunks,
-                message.names,
-                message.used_bytes,
-                storage,
-            ),
-            RefitManifestError,
-            f"the refit from {self.peer}",
-        )
-        self._chunks += 1
-        self._tensors += len(message.names)
+        step = self._stream.bucket(message.names, message.used_bytes, storage)
+        self._stream, chunk = unwrap(step, RefitManifestError, f"the refit from {self.peer}")
         return chunk, [message.handle]
 
     def answer(self, event: p.Event, problem: RefitError | None) -> None:
@@ -527,20 +514,14 @@ class NemoRlCollectivePort:
     ) -> None:
         self.group, self.peer = group, f"trainer rank 0 of {group.peer}"
         self.groups = groups
-        self.refit_id, self._manifest = refit_id, manifest
-        self._begun, self._next, self._received = False, 0, 0
+        self._events = iter(n.packed_events(refit_id, groups, len(manifest)))
+        self._received = 0
         self._bound = p.DEFAULT_TIMEOUT_S
         self.memo = p.Memo()  # one refit per port: nothing to remember across refits
 
     def next(self, wait: Wait) -> tuple[p.Event, list[object] | None]:
         self._bound = wait.bound_s
-        if not self._begun:
-            self._begun = True
-            return p.Begin(self.refit_id, ""), None
-        if self._next < len(self.groups):
-            index, self._next = self._next, self._next + 1
-            return n.packed_chunk(self.refit_id, index, self.groups[index]), None
-        return p.End(self.refit_id, len(self.groups), len(self._manifest)), None
+        return next(self._events), None
 
     def answer(self, event: p.Event, problem: RefitError | None) -> None:
         return None  # NeMo-RL's collective carries no answers

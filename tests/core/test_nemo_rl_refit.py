@@ -166,3 +166,53 @@ def test_only_a_128_byte_nccl_unique_id_is_taken(raw: bytes) -> None:
         assert isinstance(taken, Failure)
         assert f"holds {len(raw)} bytes" in str(taken.failure())
         assert n.UNIQUE_ID_KEY in str(taken.failure())
+
+
+@given(refit_specs(min_size=1), st.integers(0, 4096))
+def test_packed_events_are_a_whole_refit_the_receiver_finishes(
+    specs: list[TensorSpec], target: int
+) -> None:
+    manifest = Manifest.from_specs(specs).unwrap()
+    groups = n.packed_groups(manifest, target)
+    events = n.packed_events("r", groups, len(manifest))
+    assert events[0] == p.Begin("r", "")
+    assert events[1:-1] == tuple(n.packed_chunk("r", i, g) for i, g in enumerate(groups))
+    assert events[-1] == p.End("r", len(groups), len(manifest))
+    receiver = p.Receiver(manifest)
+    for event in events:
+        step = receiver.handle(event)
+        assert isinstance(step, Success), step
+        receiver = step.unwrap().receiver
+    assert isinstance(step.unwrap().decision, p.Finished)
+
+
+@given(refit_specs(min_size=1), st.integers(1, 8).map(lambda k: k * n.IPC_ALIGN))
+def test_an_ipc_stream_synthesizes_the_begin_and_counts_what_came_for_the_end(
+    specs: list[TensorSpec], budget: int
+) -> None:
+    manifest = Manifest.from_specs(specs).unwrap()
+    stream, begin = n.IpcStream(manifest, "r").begin()
+    assert begin == p.Begin("r", "")
+    assert stream.begun
+    receiver = p.Receiver(manifest)
+    events: list[p.Event] = [begin]
+    for names, used in _trainer_buckets(specs, budget):
+        step = stream.bucket(names, used, max(used, budget))
+        assert isinstance(step, Success), step
+        stream, chunk = step.unwrap()
+        events.append(chunk)
+    assert stream.end() == p.End("r", len(events) - 1, len(specs))
+    for event in [*events, stream.end()]:
+        got = receiver.handle(event)
+        assert isinstance(got, Success), got
+        receiver = got.unwrap().receiver
+    assert isinstance(got.unwrap().decision, p.Finished)
+
+
+def test_an_ipc_stream_refuses_a_bucket_off_the_manifest_and_counts_nothing() -> None:
+    manifest = Manifest.from_specs([TensorSpec("a", (2,), "float32")]).unwrap()
+    stream, _ = n.IpcStream(manifest, "r").begin()
+    refused = stream.bucket(["z"], n.IPC_ALIGN, n.IPC_ALIGN)
+    assert isinstance(refused, Failure)
+    assert "IPC bucket 0 does not match the manifest" in str(refused.failure())
+    assert stream.end() == p.End("r", 0, 0)
