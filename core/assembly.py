@@ -39,7 +39,7 @@ Outputs live on the CPU, as NeMo-RL's do.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -56,6 +56,7 @@ __all__ = [
     "assemble_flat_outputs",
     "assemble_outputs",
     "flatten_generations",
+    "generated_ids",
     "place_rows",
 ]
 
@@ -441,3 +442,16 @@ def assemble_outputs(
     return assemble_flat_outputs(
         input_ids, input_lengths, flatten_generations(generations), pad_token_id
     )
+
+
+def generated_ids(
+    outputs: Mapping[str, torch.Tensor], input_lengths: torch.Tensor
+) -> list[list[int]]:
+    """Each row's generated token ids in a worker's ``outputs``: its ``generation_lengths[i]``
+    ids of ``output_ids`` after its ``input_lengths[i]`` input tokens."""
+    rows = []
+    for i in range(outputs["output_ids"].shape[0]):
+        start = int(input_lengths[i])
+        stop = start + int(outputs["generation_lengths"][i])
+        rows.append(outputs["output_ids"][i, start:stop].tolist())
+    return rows

@@ -45,7 +45,7 @@ every engine takes.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -65,6 +65,7 @@ __all__ = [
     "check_batch",
     "check_seeds",
     "extract_prompts",
+    "pad_rows",
 ]
 
 _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
@@ -177,6 +178,16 @@ def extract_prompts(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> lis
         if n < reach:
             del row[n:]
     return rows
+
+
+def pad_rows(rows: Sequence[Sequence[int]], pad: int) -> dict[str, torch.Tensor]:
+    """``{"input_ids", "input_lengths"}``: ``rows`` right-padded with ``pad`` (the inverse
+    of :func:`extract_prompts`)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows])}
 
 
 def _describe(value: object) -> str:

@@ -1,26 +1,17 @@
 """A local model on this machine, as genworker's CLI and its demo drive it: a NeMo-RL
 generation config sized for the device (``core.cli_inputs.worker_config``), the model's
-tokenizer and pad id, prompts right-padded into the worker's input tensors, and each row's
-completion decoded."""
+tokenizer and pad id, prompts right-padded into the worker's input tensors
+(``core.batch.pad_rows``), and each row's completion decoded."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from genworker.core.assembly import generated_ids
+from genworker.core.batch import pad_rows
 from genworker.core.cli_inputs import worker_config
 
 __all__ = ["completions", "device", "load_tokenizer", "pad_id", "pad_rows", "worker_config"]
-
-
-def pad_rows(rows: Sequence[Sequence[int]], pad: int) -> dict[str, torch.Tensor]:
-    """``{"input_ids", "input_lengths"}``: ``rows`` right-padded with ``pad``."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows])}
 
 
 def device() -> str:
@@ -53,11 +44,4 @@ def completions(
 ) -> list[str]:
     """Each row's generated tokens of a worker's ``out``, decoded (special tokens skipped)."""
     decode = tokenizer.decode  # type: ignore[attr-defined]
-    texts = []
-    for i in range(out["output_ids"].shape[0]):
-        start = int(lengths[i])
-        stop = start + int(out["generation_lengths"][i])
-        texts.append(
-            str(decode(out["output_ids"][i, start:stop].tolist(), skip_special_tokens=True))
-        )
-    return texts
+    return [str(decode(ids, skip_special_tokens=True)) for ids in generated_ids(out, lengths)]

@@ -22,6 +22,7 @@ from genworker.core.assembly import (
     assemble_flat_outputs,
     assemble_outputs,
     flatten_generations,
+    generated_ids,
     place_rows,
 )
 
@@ -53,6 +54,13 @@ def _assemble(case: AssemblyCase) -> GenerationOutputs:
     return assemble_outputs(
         batch.input_ids, batch.input_lengths, case.generations, batch.pad_token_id
     )
+
+
+@given(assembly_cases())
+def test_generated_ids_read_back_each_rows_generation(case: AssemblyCase) -> None:
+    out = _assemble(case)
+    got = generated_ids(out.as_dict(), case.batch.input_lengths)
+    assert got == [g.token_ids.tolist() for g in case.generations]
 
 
 @given(assembly_cases())

@@ -32,6 +32,7 @@ from genworker.core.batch import (
     check_batch,
     check_seeds,
     extract_prompts,
+    pad_rows,
 )
 
 Verdict = tuple[BatchErrorKind, tuple[int, ...], tuple[tuple[int, int], ...]] | None
@@ -95,6 +96,19 @@ def test_valid_batches_give_back_their_prompts(batch: PaddedBatch) -> None:
     assert checked.lengths == tuple(len(p) for p in batch.prompts)
     assert checked.batch_size == len(batch.prompts)
     assert extract_prompts(batch.input_ids, batch.input_lengths) == batch.prompts
+
+
+@given(right_padded_batches())
+def test_padded_rows_give_back_their_prompts_padded_to_the_longest(batch: PaddedBatch) -> None:
+    if not batch.prompts:
+        return
+    padded = pad_rows(batch.prompts, batch.pad_token_id)
+    ids, lengths = padded["input_ids"], padded["input_lengths"]
+    assert extract_prompts(ids, lengths) == batch.prompts
+    assert ids.shape == (len(batch.prompts), max(len(p) for p in batch.prompts))
+    assert ids.dtype == lengths.dtype == torch.long
+    for row, prompt in zip(ids.tolist(), batch.prompts, strict=True):
+        assert row[len(prompt) :] == [batch.pad_token_id] * (len(row) - len(prompt))
 
 
 @given(wild_batches())
