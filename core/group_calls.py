@@ -57,6 +57,7 @@ __all__ = [
     "GroupCallError",
     "GroupRefits",
     "Refit",
+    "check_futures",
     "check_in_flight",
     "check_world_size",
     "empty_outputs",
@@ -68,6 +69,7 @@ __all__ = [
     "merge_texts",
     "ray_reason",
     "shard_lists",
+    "shard_mapping",
     "shard_tensors",
     "shard_texts",
     "stream_pair",
@@ -214,6 +216,23 @@ def check_in_flight(
             )
         )
     return Success(given)
+
+
+def check_futures(count: int, num_shards: int) -> Result[None, GroupCallError]:
+    """``collect``'s futures: one per shard."""
+    if count == num_shards:
+        return Success(None)
+    message = f"collect: {count} future(s) for {num_shards} shard(s)"
+    return Failure(GroupCallError(message, "collect"))
+
+
+def shard_mapping(
+    call: str, rank: int, value: object
+) -> Result[Mapping[str, object], GroupCallError]:
+    """Shard ``rank``'s answer to a call that answers a mapping (``multimodal_info``)."""
+    if isinstance(value, Mapping):
+        return Success(value)
+    return Failure(GroupCallError(f"shard {rank}: {call} returned {value!r:.200}", call))
 
 
 def shard_lists(call: str, answers: Sequence[object]) -> Result[list[list[object]], GroupCallError]:

@@ -37,7 +37,7 @@ back in ascending batch order (a permutation of ``FlatGenerations``' rows).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -48,12 +48,14 @@ from genworker.core.errors import CoreError
 from genworker.core.sampling import SamplingSpec
 
 __all__ = [
+    "DECLARED_GROUPS",
     "EngineRequest",
     "Group",
     "GroupError",
     "GroupPath",
     "GroupPlan",
     "check_declared_groups",
+    "drop_declared_groups",
     "order_rows",
     "plan_groups",
     "prompt_groups",
@@ -171,6 +173,25 @@ def check_declared_groups(
                 )
             )
     return Success(size)
+
+
+#: The batch key that declares its group size (NeMo-RL's layout, :func:`check_declared_groups`).
+DECLARED_GROUPS = "num_generations_per_prompt"
+
+
+def drop_declared_groups(
+    data: Mapping[str, object], prompts: Sequence[Sequence[int]]
+) -> Result[Mapping[str, object], GroupError]:
+    """A batch's ``data`` once its declared group size (:data:`DECLARED_GROUPS`) is
+    checked (:func:`check_declared_groups`), without it: the Ray group checks the layout
+    on the whole batch, and its shards then recognise the groups by their prompts, whatever
+    cut the sharder made of one larger than a shard's share."""
+    checked = check_declared_groups(data.get(DECLARED_GROUPS), prompts)
+    if isinstance(checked, Failure):
+        return checked
+    if checked.unwrap() is None:
+        return Success(data)
+    return Success({k: v for k, v in data.items() if k != DECLARED_GROUPS})
 
 
 def plan_groups(

@@ -61,6 +61,7 @@ __all__ = [
     "RequestPlan",
     "SampleData",
     "TextRefusal",
+    "check_greedy",
     "check_text_prompts",
     "parse_sample_data",
     "plan_requests",
@@ -73,7 +74,7 @@ M = TypeVar("M")
 @attrs.frozen
 class PlanError(CoreError):
     """A batch the plan refuses whole: ``field`` names the input (``seeds``,
-    ``stop_strings``, ``max tokens``, ``prompts``, ``lora``, ``lora_names``) and ``cause`` is the core error."""
+    ``stop_strings``, ``max tokens``, ``prompts``, ``lora``, ``lora_names``, ``greedy``) and ``cause`` is the core error."""
 
     field: str
     cause: BatchError | StopError | CapArgumentError | RowAdapterError | None = None
@@ -253,6 +254,14 @@ def check_text_prompts(prompts: object) -> Result[tuple[str, ...], PlanError]:
             PlanError("generate_text: data['prompts'] must be a list of str", field="prompts")
         )
     return Success(tuple(prompts))
+
+
+def check_greedy(greedy: object) -> Result[bool, PlanError]:
+    """A generate call's ``greedy``: a bool, not a value that is merely truthy or falsy."""
+    if isinstance(greedy, bool):
+        return Success(greedy)
+    message = f"greedy must be a bool, got {type(greedy).__name__}"
+    return Failure(PlanError(message, field="greedy"))
 
 
 @attrs.frozen

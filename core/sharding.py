@@ -47,6 +47,7 @@ __all__ = [
     "plan_prompt_rows",
     "plan_prompt_shards",
     "plan_shards",
+    "plan_text_shards",
     "split_batch",
 ]
 
@@ -142,6 +143,14 @@ def plan_prompt_shards(
     lengths = [len(p) for p in prompts]
     groups = prompt_groups(prompts)
     return plan_shards(lengths, num_shards, max_new_tokens=max_new_tokens, groups=groups)
+
+
+def plan_text_shards(
+    prompts: Sequence[str], num_shards: int, *, max_new_tokens: int = 0
+) -> ShardPlan:
+    """:func:`plan_shards` of text prompts: text has no token count before the engine
+    tokenises it, so each prompt's characters stand in for its length."""
+    return plan_shards([len(p) for p in prompts], num_shards, max_new_tokens=max_new_tokens)
 
 
 def plan_prompt_rows(

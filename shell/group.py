@@ -45,18 +45,8 @@ Theory of operation
   of its rows still pending the shard's error; a consumer that stops cancels the shards'
   streams (Ray cancels the actor tasks, whose requests the workers abort). ``generate``
   on async shards merges their ``weight_versions`` too.
-* Adapter refits (``docs/lora.md``): :meth:`GenerationGroup.prepare_lora` checks the
-  adapter on every shard and answers each shard's addresses (as ``refit_address``);
-  :meth:`GenerationGroup.update_lora` starts the refit on every shard through the same
-  door as the full refits (``_refit``) and returns one future per shard for ``collect``.
-  The name is checked in the driver (core ``check_adapter_name``), and an update before
-  a ``prepare_lora`` that succeeded on every shard is refused there, so neither starts
-  anything. A batch's ``lora`` (one name) goes to every shard and ``lora_names`` (one name
-  or None per row) is split with its rows (``split_batch``); both are checked in the
-  driver first (``core.group_calls.GroupRefits.check_adapters``), so an unknown name
-  submits nothing.
-* Weight versions are the group's, counted by ``collect`` with the adapters that landed
-  (``core.group_calls.GroupRefits``): give ``collect`` a bound above the refit's own.
+* Adapter refits (``prepare_lora``, ``update_lora``, a batch's ``lora`` / ``lora_names``)
+  and the group's weight versions (``core.group_calls.GroupRefits``): ``docs/lora.md``.
 * Ray is started only when it is not running (``ray.init(address=...)`` for a cluster
   named in the spec), and only a Ray the group started is shut down with it.
 """
@@ -80,6 +70,7 @@ from genworker.core.group_calls import (
     Fault,
     GroupRefits,
     Refit,
+    check_futures,
     check_in_flight,
     check_world_size,
     empty_outputs,
@@ -91,11 +82,12 @@ from genworker.core.group_calls import (
     merge_texts,
     ray_reason,
     shard_lists,
+    shard_mapping,
     shard_tensors,
     stream_pair,
     unusable,
 )
-from genworker.core.groups import check_declared_groups
+from genworker.core.groups import drop_declared_groups
 from genworker.core.lora import check_adapter_name
 from genworker.core.multimodal import check_media_by_info
 from genworker.core.placement import (
@@ -108,13 +100,13 @@ from genworker.core.placement import (
     placement_not_ready,
     plan_shard_actors,
 )
-from genworker.core.requests import check_text_prompts
+from genworker.core.requests import check_greedy, check_text_prompts
 from genworker.core.rows import check_rows
 from genworker.core.sharding import (
     ShardPlan,
     plan_prompt_rows,
     plan_prompt_shards,
-    plan_shards,
+    plan_text_shards,
     split_batch,
 )
 from genworker.shell.errors import (
@@ -142,7 +134,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_DECLARED = "num_generations_per_prompt"
 _T = TypeVar("_T")
 _E = TypeVar("_E", bound=BaseException)
 
@@ -446,12 +437,7 @@ class GenerationGroup:
         info = self._multimodal_info(timeout_s)
         checked = check_media_by_info(batch.prompts, counts, info, text_rows=texts)
         unwrap(checked, BadBatchError, "multi_modal_data")
-        # Checked here (each run of G rows one prompt): the shards recognise the groups by
-        # their prompts, whatever cut the sharder made of one larger than a shard's share.
-        if unwrap(
-            check_declared_groups(data.get(_DECLARED), batch.prompts), BadBatchError, "generate"
-        ):
-            data = {k: v for k, v in data.items() if k != _DECLARED}
+        data = unwrap(drop_declared_groups(data, batch.prompts), BadBatchError, "generate")
         new_tokens = self.cfg.max_new_tokens
         plan = plan_prompt_shards(batch.prompts, self.num_shards, max_new_tokens=new_tokens)
         self.last_shard_plan = plan
@@ -572,7 +558,7 @@ class GenerationGroup:
     ) -> dict[str, list[str]]:
         """Generate from text prompts across the shards, balanced by prompt characters."""
         self._require_usable("generate_text")
-        _check_greedy(greedy)
+        unwrap(check_greedy(greedy), BadArgumentError, "")
         given = data.get("prompts") if isinstance(data, Mapping) else None
         prompts = unwrap(check_text_prompts(given), BadBatchError, "")
         # The media's shape here; their counts against the placeholders per shard.
@@ -580,10 +566,7 @@ class GenerationGroup:
         unwrap(self._records.check_adapters(data, len(prompts)), BadBatchError, "generate_text")
         if not prompts:
             return {"texts": []}
-        # Text has no token count before the engine tokenises it; characters stand in.
-        plan = plan_shards(
-            [len(p) for p in prompts], self.num_shards, max_new_tokens=self.cfg.max_new_tokens
-        )
+        plan = plan_text_shards(prompts, self.num_shards, max_new_tokens=self.cfg.max_new_tokens)
         results = self._run_shards("generate_text", plan, data, greedy, timeout_s, _as_is)
         return {"texts": unwrap(merge_texts(plan, results), EngineContractError, "")}
 
@@ -598,9 +581,8 @@ class GenerationGroup:
         if self._multimodal is None:
             ref = self._submit("multimodal_info", {0: ()})
             info = self._gather("multimodal_info", ref, timeout_s, _as_is)[0]
-            if not isinstance(info, Mapping):
-                raise EngineContractError(f"shard 0: multimodal_info returned {info!r:.200}")
-            self._multimodal = info
+            checked = shard_mapping("multimodal_info", 0, info)
+            self._multimodal = unwrap(checked, EngineContractError, "")
         return self._multimodal
 
     # -- memory ---------------------------------------------------------------------
@@ -750,10 +732,7 @@ class GenerationGroup:
         not: the shards it landed on take the group's next weight version (the module
         docstring), and an adapter that landed on every shard is served by the group.
         """
-        if len(futures) != self.num_shards:
-            raise BadArgumentError(
-                f"collect: {len(futures)} future(s) for {self.num_shards} shard(s)"
-            )
+        unwrap(check_futures(len(futures), self.num_shards), BadArgumentError, "")
         refit = self._refits.pop(tuple(futures), None)
         name = call or (refit.call if refit is not None else "refit")
         try:
@@ -965,12 +944,7 @@ def _as_is(rank: int, value: object) -> object:
     return value
 
 
-def _check_greedy(greedy: object) -> None:
-    if not isinstance(greedy, bool):
-        raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
-
-
 def _padded_batch(data: Mapping[str, object], greedy: object) -> tuple[torch.Tensor, torch.Tensor]:
     """A right-padded batch's ``input_ids`` and ``input_lengths``, once ``greedy`` is a bool."""
-    _check_greedy(greedy)
+    unwrap(check_greedy(greedy), BadArgumentError, "")
     return unwrap(batch_tensors(data), BadBatchError, "generate")

@@ -14,6 +14,7 @@ from genworker.core.group_calls import (
     GroupCallError,
     GroupRefits,
     Refit,
+    check_futures,
     check_in_flight,
     check_world_size,
     empty_outputs,
@@ -25,6 +26,7 @@ from genworker.core.group_calls import (
     merge_texts,
     ray_reason,
     shard_lists,
+    shard_mapping,
     shard_tensors,
     shard_texts,
     stream_pair,
@@ -199,3 +201,18 @@ def test_generate_texts_merge_in_row_order_and_a_bad_answer_names_its_shard() ->
     assert bad.failure().message == "shard 1: generate_text returned 'oops'"
     short = merge_texts(plan, {0: {"texts": []}, 1: {"texts": ["a", "b"]}})
     assert isinstance(short, Failure)
+
+
+def test_collect_takes_one_future_per_shard() -> None:
+    assert check_futures(2, 2) == Success(None)
+    refused = check_futures(1, 2)
+    assert isinstance(refused, Failure)
+    assert refused.failure() == GroupCallError("collect: 1 future(s) for 2 shard(s)", "collect")
+
+
+def test_a_shard_answer_that_is_no_mapping_is_named() -> None:
+    info = {"image_token_id": 5}
+    assert shard_mapping("multimodal_info", 0, info) == Success(info)
+    refused = shard_mapping("multimodal_info", 0, [5])
+    assert isinstance(refused, Failure)
+    assert refused.failure().message == "shard 0: multimodal_info returned [5]"

@@ -18,6 +18,7 @@ from genworker.core.groups import (
     GroupPath,
     GroupPlan,
     check_declared_groups,
+    drop_declared_groups,
     order_rows,
     plan_groups,
     prompt_groups,
@@ -190,3 +191,15 @@ def test_a_declared_group_of_different_prompts_is_refused_naming_its_rows() -> N
         rows=(2, 3),
         group_size=2,
     )
+
+
+def test_a_declared_layout_is_checked_and_dropped_and_other_keys_kept() -> None:
+    data = {"input_ids": "ids", "num_generations_per_prompt": 2}
+    assert drop_declared_groups(data, [[1], [1], [2], [2]]) == Success({"input_ids": "ids"})
+    undeclared = {"input_ids": "ids"}
+    kept = drop_declared_groups(undeclared, [[1], [2]])
+    assert isinstance(kept, Success)
+    assert kept.unwrap() is undeclared
+    refused = drop_declared_groups(data, [[1], [1], [1], [2]])
+    assert refused == check_declared_groups(2, [[1], [1], [1], [2]])
+    assert isinstance(refused, Failure)

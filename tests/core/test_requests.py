@@ -18,6 +18,7 @@ from genworker.core.requests import (
     RequestLimits,
     RequestPlan,
     SampleData,
+    check_greedy,
     check_text_prompts,
     parse_sample_data,
     plan_requests,
@@ -208,3 +209,12 @@ def test_the_plan_hands_the_engine_its_generating_rows(
     assert grouped.prompts == tuple(reversed(batch.prompts))
     assert grouped.specs == tuple(reversed(batch.specs))
     assert grouped.samples == (None if n == 1 or not sent else (n,) * len(sent))
+
+
+def test_greedy_is_a_bool_and_nothing_merely_truthy() -> None:
+    assert check_greedy(True) == Success(True)
+    assert check_greedy(False) == Success(False)
+    for bad, name in ((1, "int"), (None, "NoneType"), ("yes", "str")):
+        refused = check_greedy(bad)
+        assert isinstance(refused, Failure)
+        assert refused.failure() == PlanError(f"greedy must be a bool, got {name}", field="greedy")

@@ -19,6 +19,7 @@ from genworker.core.sharding import (
     plan_prompt_rows,
     plan_prompt_shards,
     plan_shards,
+    plan_text_shards,
     split_batch,
 )
 
@@ -471,3 +472,12 @@ def test_a_plan_of_some_rows_names_the_batchs_rows_and_leaves_the_rest_last(
     assert plan.shards[-1] == tuple(r for r in range(len(prompts)) if r not in chosen)
     assert plan.costs == (*inner.costs, 0)
     assert plan.num_rows == len(prompts)
+
+
+@given(st.lists(st.text(max_size=12), max_size=12), shard_counts(), st.integers(0, 8))
+def test_text_prompts_are_planned_by_their_characters(
+    prompts: list[str], num_shards: int, new: int
+) -> None:
+    plan = plan_text_shards(prompts, num_shards, max_new_tokens=new)
+    lengths = [len(p) for p in prompts]
+    assert plan == plan_shards(lengths, num_shards, max_new_tokens=new)
