@@ -729,8 +729,8 @@ class GenerationGroup:
 
         Errors are translated as for every other call and name the shard (and ``call``:
         by default the refit's own name, else ``refit``). A refit counts here, failed or
-        not: the shards it landed on take the group's next weight version (the module
-        docstring), and an adapter that landed on every shard is served by the group.
+        not: the shards it landed on take the group's next weight version
+        (``docs/lora.md``), and an adapter that landed on every shard is served by the group.
         """
         unwrap(check_futures(len(futures), self.num_shards), BadArgumentError, "")
         refit = self._refits.pop(tuple(futures), None)
