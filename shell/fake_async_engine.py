@@ -47,6 +47,7 @@ import attrs
 
 from genworker.core.counters import GaugeSample, MetricSample
 from genworker.core.engine_calls import Cache, RowRequest, RpcCall, text_refusal
+from genworker.core.fake_model import detokenize, draw, faulted, weight_spans
 from genworker.core.joins import GroupJoin, GroupJoinWire
 from genworker.core.lifecycle import InflightMode
 from genworker.core.scoring import ScoredRow
@@ -61,9 +62,6 @@ from genworker.shell.fake_engine import (
     FakeEngineMisuse,
     FakeEngineOptions,
     FakeRequest,
-    detokenize,
-    draw,
-    faulted,
     pixels,
 )
 from genworker.shell.media import RowMedia
@@ -204,14 +202,9 @@ class FakeAsyncEngine(FakeEngineBase):
         self.finished[request.prompt] = tuple(request.versions)
         if request.done.done():
             return
-        n = len(request.tokens)
         spans = None
         if self._caps.weight_versions:
-            ends = [start for _, start in request.labels[1:]] + ([n] if request.labels else [])
-            spans = tuple(
-                (label, start, end)
-                for (label, start), end in zip(request.labels, ends, strict=True)
-            )
+            spans = weight_spans(request.labels, len(request.tokens))
         fault = self.next_logprobs.pop(request.prompt, None)
         generation = faulted(self._generation(request, reason), fault, None)
         request.done.set_result(StreamedGeneration(generation, spans))

@@ -44,8 +44,9 @@ relies on it:
   option, turned on by the engine kwarg ``enable_return_routed_experts`` as vLLM's is) each
   generation carries routed experts as vLLM returns them: one ``(layers, top_k)`` row of
   distinct expert ids per forwarded token (the prompt's and the generated ones but the
-  last), a function of (seed, weight version, token, position) only (:func:`fake_routes`);
-  the kwarg without ``moe`` fails to start, as vLLM refuses the capture for a dense model;
+  last), a function of (seed, weight version, token, position) only
+  (``core.fake_model.fake_routes``); the kwarg without ``moe`` fails to start, as vLLM
+  refuses the capture for a dense model;
 - with ``image_token_id`` set it takes images: each placeholder id of a media row stands
   for ``image_prompt_ids`` ids of the context (vLLM's expansion; the room to generate
   shrinks accordingly) and the tokens depend on the images' sizes and pixels too. A row
@@ -61,24 +62,35 @@ gives a text prompt's ids, whose count is what ``generate_text``'s per-row caps 
 ``FakeEngineBase`` holds what this fake shares with the async one (``fake_async_engine``):
 the options, the call log and injected failures, the tokenizer, the images' expansion,
 the counters and the RPC handlers; ``FakeEngineFactoryBase`` what their factories share.
+The pure rules of their made-up model are ``core.fake_model``'s.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, TypedDict, TypeVar, Unpack
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 
 from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
 from genworker.core.counters import CounterSample, MetricSample
 from genworker.core.engine_calls import Cache, EngineBatch, RpcCall, text_refusal
-from genworker.core.routing import CapturePlatform, MoeShape, RoutedExperts
+from genworker.core.fake_model import (
+    MEMORY_TAGS,
+    detokenize,
+    draw,
+    expanded_length,
+    fake_routes,
+    faulted,
+    finish_reason,
+    routes_option,
+    sample_token,
+    score_row,
+    tokenize,
+    waking,
+)
+from genworker.core.routing import CapturePlatform, MoeShape
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
@@ -88,6 +100,7 @@ from genworker.shell.errors import (
     EngineDeadError,
     EngineStateError,
     UnsupportedError,
+    unwrap,
 )
 from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities, check_text_rows
@@ -101,75 +114,14 @@ __all__ = [
     "FakeEngineMisuse",
     "FakeEngineOptions",
     "FakeRequest",
-    "detokenize",
-    "draw",
-    "fake_routes",
-    "faulted",
-    "routes_option",
 ]
 
-_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 #: the labels of the fakes' metrics (one engine, as vLLM labels its own)
 METRIC_LABELS = (("engine", "0"), ("model_name", "fake"))
 
 
 class FakeEngineMisuse(RuntimeError):
     """The worker let a call through that a real engine would turn into garbage or a crash."""
-
-
-def detokenize(token_ids: Sequence[int] | npt.NDArray[np.int64]) -> str:
-    return "".join(_LETTERS[int(t) % 26] for t in token_ids)
-
-
-def draw(*parts: object) -> float:
-    """A deterministic uniform number in [0, 1) from the parts."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    (value,) = struct.unpack("<Q", digest)
-    return int(value) / 2**64
-
-
-def fake_routes(
-    shape: MoeShape, seed: int, sequence: Sequence[int], versions: Sequence[int]
-) -> RoutedExperts:
-    """The fake's routes for a finished sequence (prompt then generated tokens): position p
-    < len - 1 routes to ``top_k`` distinct experts per layer, drawn from (seed, the weight
-    version that forwarded it, token, p); the last token is never forwarded."""
-    rows = np.empty((max(len(sequence) - 1, 0), shape.num_layers, shape.top_k), dtype=np.int32)
-    for p in range(rows.shape[0]):
-        rng = np.random.default_rng([seed % 2**32, versions[p], int(sequence[p]), p])
-        rows[p] = np.argsort(rng.random((shape.num_layers, shape.num_experts)), axis=1)[
-            :, : shape.top_k
-        ]
-    return RoutedExperts(shape, rows)
-
-
-def routes_option(kwargs: Mapping[str, object], moe: object) -> MoeShape | None:
-    """The fake engines' ``routes`` for these engine kwargs and the factory's ``moe``
-    option; the capture without an MoE model fails to start (vLLM 0.32:
-    "AuxOutput Connector only supports MoE models")."""
-    if not kwargs.get("enable_return_routed_experts"):
-        return None
-    if not isinstance(moe, MoeShape):
-        raise BadConfigError(
-            "the fake engine failed to start: enable_return_routed_experts needs an MoE "
-            "model (give the factory moe=MoeShape(...))"
-        )
-    return moe
-
-
-def faulted(generation: Generation, logprob: float | None, finish: str | None) -> Generation:
-    """``generation`` as vLLM returns it with garbage logits (every sampled logprob
-    ``logprob``) or aborted (``finish`` "abort": the first half of its tokens)."""
-    if logprob is None and finish is None:
-        return generation
-    tokens, logprobs = generation.token_ids, generation.logprobs
-    if finish == "abort":
-        tokens = tokens[: len(tokens) // 2]
-    if logprob is not None:
-        logprobs = np.full(len(tokens), logprob, dtype=np.float32)
-    elif logprobs is not None:
-        logprobs = logprobs[: len(tokens)]
-    return Generation(tokens, logprobs, finish or generation.finish_reason)
 
 
 def pixels(media: RowMedia | None) -> tuple[str, ...]:
@@ -292,12 +244,8 @@ class FakeEngineBase:
             return len(prompt)
         if (placeholder := self._caps.image_token_id) is None:
             raise FakeEngineMisuse("media for a fake engine without image_token_id")
-        placeholders = list(prompt).count(placeholder)
-        if placeholders != len(media.images):
-            raise BadBatchError(
-                f"the fake engine got {len(media.images)} images for {placeholders} placeholders"
-            )
-        return len(prompt) + placeholders * (self.image_prompt_ids - 1)
+        counted = expanded_length(prompt, len(media.images), placeholder, self.image_prompt_ids)
+        return unwrap(counted, BadBatchError, "")
 
     def _context(self, prompt: Sequence[int], media: RowMedia | None) -> int:
         """What a prompt holds in the context; vLLM's refusals of an empty prompt and of
@@ -312,7 +260,7 @@ class FakeEngineBase:
     def _check_servable(self, call: str) -> None:
         """What a real engine would silently get wrong: running with memory asleep, or on
         the garbage a level-2 sleep leaves without new weights."""
-        if self.awake_tags != {"weights", "kv_cache"}:
+        if self.awake_tags != MEMORY_TAGS:
             raise FakeEngineMisuse(f"{call} with only {sorted(self.awake_tags)} awake")
         if self.weights_discarded:
             raise FakeEngineMisuse(f"{call} after a level-2 sleep without new weights")
@@ -321,20 +269,17 @@ class FakeEngineBase:
         """``request``'s next token from the draw ``u`` (the fakes' made-up model), under
         the weights now; its finish reason once it ends: vLLM's stop rule (a stop token id,
         the EOS id unless ``ignore_eos``, the text so far ending with a stop string), else
-        ``max_tokens`` or the context's end."""
+        ``max_tokens`` or the context's end (``core.fake_model``)."""
         spec = request.spec
-        token = int(u * (self._caps.vocab_size or 64))
+        token, logprob = sample_token(u, self._caps.vocab_size or 64, spec.temperature == 0.0)
         request.tokens.append(token)
-        request.logprobs.append(
-            math.log(max(1e-6, 1.0 - u)) - (0.0 if spec.temperature == 0.0 else 0.5)
-        )
+        request.logprobs.append(logprob)
         request.versions.append(self.weight_version)
-        request.text += _LETTERS[token % 26]
-        eos = token == self.eos_token_id and not spec.ignore_eos
-        if eos or token in spec.stop_token_ids or any(request.text.endswith(s) for s in spec.stop):
-            return "stop"
+        request.text += detokenize([token])
         room = self._caps.max_model_len - request.context
-        return "length" if len(request.tokens) >= min(spec.max_tokens, room) else None
+        return finish_reason(
+            spec, token, request.text, len(request.tokens), room, self.eos_token_id
+        )
 
     def _generation(self, request: FakeRequest, finish: str) -> Generation:
         """A finished request as vLLM returns it; its routes (``routes``) with the prompt
@@ -351,18 +296,14 @@ class FakeEngineBase:
     def _score(self, sequence: Sequence[int], start: int, top_k: int) -> ScoredRow:
         """The fakes' made-up model, deterministic in the prefix: the given tokens'
         logprobs from ``start`` on and ``top_k`` others, ranked, at each of those positions
-        (vLLM's ``prompt_logprobs``)."""
+        (vLLM's ``prompt_logprobs``; ``core.fake_model.score_row``)."""
         self._check_servable("compute_logprobs")
         if not 1 <= start < len(sequence) < self._caps.max_model_len:
             raise FakeEngineMisuse("compute_logprobs of an unchecked sequence")
         vocab = self._caps.vocab_size or 64
-        logprobs, top_ids, top_logprobs = [], [], []
-        for position in range(start, len(sequence)):
-            u = draw(self.seed, self.weight_version, tuple(sequence[:position]), position)
-            logprobs.append(math.log(max(1e-6, 1.0 - u)) - 1.0)
-            top_ids.append(tuple((int(u * vocab) + j) % vocab for j in range(top_k)))
-            top_logprobs.append(tuple(-0.1 - j for j in range(top_k)))
-        return ScoredRow(tuple(logprobs), tuple(top_ids), tuple(top_logprobs))
+        return score_row(
+            sequence, start, top_k, seed=self.seed, weights=self.weight_version, vocab_size=vocab
+        )
 
     def _sleep(self, level: int, in_flight: int = 0) -> None:
         """vLLM's ``Executor.sleep`` (see the module docstring): nothing while the weights
@@ -381,12 +322,8 @@ class FakeEngineBase:
         """vLLM's ``Executor.wake_up`` (see the module docstring); whether the engine is
         fully awake afterwards."""
         self._enter_memory_call(f"wake_up({None if tags is None else sorted(tags)})")
-        everything = {"weights", "kv_cache"}
-        if self.awake_tags != everything:  # else vLLM: "Executor is not sleeping."
-            if tags and any(t in self.awake_tags for t in tags):
-                return False  # vLLM: "Tag ... is not in sleeping tags": the call is dropped
-            self.awake_tags |= everything if not tags else set(tags)
-        awake = self.awake_tags == everything
+        self.awake_tags |= waking(self.awake_tags, tags)
+        awake = self.awake_tags == MEMORY_TAGS
         if awake:
             self.sleep_level = 0
         return awake
@@ -407,7 +344,7 @@ class FakeEngineBase:
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """One id per letter, 0 for anything else (the module docstring's tokenisation)."""
         self._enter("tokenize")
-        return [[_LETTERS.index(c) if c in _LETTERS else 0 for c in p] for p in prompts]
+        return [tokenize(p) for p in prompts]
 
     def expanded_lengths(
         self, prompts: Sequence[Sequence[int]], media: Sequence[RowMedia | None]
@@ -584,7 +521,8 @@ class FakeEngineFactoryBase(Generic[_Engine]):
         """The engine's options: the factory's, with ``routes`` and the ``logprobs_mode``
         the engine kwargs give (as vLLM takes it from them)."""
         options = dict(self.engine_options)
-        options["routes"] = routes_option(kwargs, options.pop("moe", None))
+        routes = routes_option(kwargs, options.pop("moe", None))
+        options["routes"] = unwrap(routes, BadConfigError, "")
         mode = kwargs.get("logprobs_mode")
         if isinstance(mode, str):
             options.setdefault("logprobs_mode", mode)

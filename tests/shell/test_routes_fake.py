@@ -15,11 +15,12 @@ from async_helpers import async_config, collect, outputs
 from helpers import base_config, right_padded
 
 from genworker.core.assembly import FlatGenerations
+from genworker.core.fake_model import fake_routes
 from genworker.core.routing import FILL, MoeShape, RoutedExperts
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import BadConfigError, EngineContractError
 from genworker.shell.fake_async_engine import FakeAsyncEngineFactory
-from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory, fake_routes
+from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
 from genworker.shell.nemo_rl import NemoRlGenerationWorker
 from genworker.shell.worker import VllmGenerationWorker
 
