@@ -9,10 +9,11 @@ Their module docstrings say which part of vLLM's contract each rule mirrors; her
   scores deterministic in the prefix (:func:`score_row`), routed experts
   (:func:`fake_routes`), and a row as vLLM returns it with garbage logits or aborted
   (:func:`faulted`);
-- the engine: what ``wake_up(tags)`` wakes (:func:`waking`, vLLM's ``Executor.wake_up``,
+- the engine: what a fake with these options can do (:func:`fake_capabilities`), what
+  ``wake_up(tags)`` wakes (:func:`waking`, vLLM's ``Executor.wake_up``,
   vllm/v1/executor/abstract.py, 0.32), a media row's context length (:func:`expanded_length`),
-  the routes an engine started with these kwargs captures (:func:`routes_option`) and the
-  weight labels of a request's tokens as spans (:func:`weight_spans`).
+  the routes and the draft tokens of an engine started with these kwargs
+  (:func:`routes_option`, :func:`speculative_tokens`) and the weight labels of a request's tokens as spans (:func:`weight_spans`).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import hashlib
 import math
 import struct
 from collections.abc import Mapping, Sequence, Set
-from typing import Final
+from typing import Final, TypedDict
 
 import numpy as np
 import numpy.typing as npt
 from returns.result import Failure, Result, Success
 
 from genworker.core.assembly import Generation
+from genworker.core.engine_calls import EngineCapabilities
 from genworker.core.errors import CoreError
 from genworker.core.routing import MoeShape, RoutedExperts
 from genworker.core.sampling import SamplingSpec
@@ -36,15 +38,18 @@ from genworker.core.scoring import ScoredRow
 __all__ = [
     "LETTERS",
     "MEMORY_TAGS",
+    "FakeEngineOptions",
     "detokenize",
     "draw",
     "expanded_length",
+    "fake_capabilities",
     "fake_routes",
     "faulted",
     "finish_reason",
     "routes_option",
     "sample_token",
     "score_row",
+    "speculative_tokens",
     "tokenize",
     "waking",
     "weight_spans",
@@ -54,6 +59,47 @@ __all__ = [
 LETTERS: Final = "abcdefghijklmnopqrstuvwxyz"
 #: the memory tags of a sleep-mode engine (all of them awake: the engine serves)
 MEMORY_TAGS: Final = frozenset({"weights", "kv_cache"})
+
+
+class FakeEngineOptions(TypedDict, total=False):
+    """The options both fakes take (:func:`fake_capabilities` and ``FakeEngineBase`` hold
+    their defaults)."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int
+    seed: int
+    sleep_mode: bool
+    device: str
+    image_token_id: int | None
+    image_prompt_ids: int
+    max_images: int | None
+    num_speculative_tokens: int
+    logprobs_mode: str
+    prefix_caching: bool
+    routes: MoeShape | None
+
+
+def fake_capabilities(options: FakeEngineOptions) -> EngineCapabilities:
+    """What a fake with these ``options`` can do: by default a 64-id vocabulary, 128
+    positions, sleep mode, text only, on "cpu". An option no fake takes is a ``TypeError``."""
+    if unknown := sorted(options.keys() - FakeEngineOptions.__optional_keys__):
+        raise TypeError(f"the fake engines take no options {unknown}")
+    image_token_id = options.get("image_token_id")
+    return EngineCapabilities(
+        sleep_mode=options.get("sleep_mode", True),
+        flat_logprobs=True,
+        vocab_size=options.get("vocab_size", 64),
+        max_model_len=options.get("max_model_len", 128),
+        device=options.get("device", "cpu"),
+        multimodal=image_token_id is not None,
+        image_token_id=image_token_id,
+        max_images=options.get("max_images"),
+        num_speculative_tokens=options.get("num_speculative_tokens", 0),
+        logprobs_mode=options.get("logprobs_mode", "raw_logprobs"),
+        prefix_caching=options.get("prefix_caching", False),
+        routes=options.get("routes"),
+    )
 
 
 def detokenize(token_ids: Sequence[int] | npt.NDArray[np.int64]) -> str:
@@ -173,6 +219,26 @@ def routes_option(kwargs: Mapping[str, object], moe: object) -> Result[MoeShape 
             )
         )
     return Success(moe)
+
+
+def speculative_tokens(
+    kwargs: Mapping[str, object], draft_tokens: int | None
+) -> Result[int | None, CoreError]:
+    """The draft tokens per step of an engine started with these kwargs (None: no
+    ``speculative_config``): the config's ``num_speculative_tokens``, else what the drafter
+    lets vLLM infer (``draft_tokens``; None: vLLM's start error)."""
+    spec = kwargs.get("speculative_config")
+    if not isinstance(spec, Mapping):
+        return Success(None)
+    k = spec.get("num_speculative_tokens", draft_tokens)
+    if not isinstance(k, int):
+        return Failure(
+            CoreError(
+                "the fake engine failed to start: `num_speculative_tokens` was not "
+                "provided and the drafter does not say"
+            )
+        )
+    return Success(k)
 
 
 def weight_spans(

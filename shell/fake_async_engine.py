@@ -47,7 +47,13 @@ import attrs
 
 from genworker.core.counters import GaugeSample, MetricSample
 from genworker.core.engine_calls import Cache, RowRequest, RpcCall, text_refusal
-from genworker.core.fake_model import detokenize, draw, faulted, weight_spans
+from genworker.core.fake_model import (
+    FakeEngineOptions,
+    detokenize,
+    draw,
+    faulted,
+    weight_spans,
+)
 from genworker.core.joins import GroupJoin, GroupJoinWire
 from genworker.core.lifecycle import InflightMode
 from genworker.core.scoring import ScoredRow
@@ -60,7 +66,6 @@ from genworker.shell.fake_engine import (
     FakeEngineBase,
     FakeEngineFactoryBase,
     FakeEngineMisuse,
-    FakeEngineOptions,
     FakeRequest,
     pixels,
 )

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Generic, TypedDict, TypeVar, Unpack
+from typing import Generic, TypeVar, Unpack
 
 import attrs
 
@@ -78,19 +78,22 @@ from genworker.core.counters import CounterSample, MetricSample
 from genworker.core.engine_calls import Cache, EngineBatch, RpcCall, text_refusal
 from genworker.core.fake_model import (
     MEMORY_TAGS,
+    FakeEngineOptions,
     detokenize,
     draw,
     expanded_length,
+    fake_capabilities,
     fake_routes,
     faulted,
     finish_reason,
     routes_option,
     sample_token,
     score_row,
+    speculative_tokens,
     tokenize,
     waking,
 )
-from genworker.core.routing import CapturePlatform, MoeShape
+from genworker.core.routing import CapturePlatform
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
 from genworker.shell.errors import (
@@ -147,45 +150,12 @@ class FakeRequest:
     text: str = ""
 
 
-class FakeEngineOptions(TypedDict, total=False):
-    """The options both fakes take (:class:`FakeEngineBase` holds their defaults)."""
-
-    vocab_size: int
-    max_model_len: int
-    eos_token_id: int
-    seed: int
-    sleep_mode: bool
-    device: str
-    image_token_id: int | None
-    image_prompt_ids: int
-    max_images: int | None
-    num_speculative_tokens: int
-    logprobs_mode: str
-    prefix_caching: bool
-    routes: MoeShape | None
-
-
 class FakeEngineBase:
     """What the sync and the async fake share (the module docstring's last paragraph)."""
 
     def __init__(self, **options: Unpack[FakeEngineOptions]) -> None:
-        if unknown := sorted(options.keys() - FakeEngineOptions.__optional_keys__):
-            raise TypeError(f"the fake engines take no options {unknown}")
-        device, image_token_id = options.get("device", "cpu"), options.get("image_token_id")
-        self._caps = EngineCapabilities(
-            sleep_mode=options.get("sleep_mode", True),
-            flat_logprobs=True,
-            vocab_size=options.get("vocab_size", 64),
-            max_model_len=options.get("max_model_len", 128),
-            device=device,
-            multimodal=image_token_id is not None,
-            image_token_id=image_token_id,
-            max_images=options.get("max_images"),
-            num_speculative_tokens=options.get("num_speculative_tokens", 0),
-            logprobs_mode=options.get("logprobs_mode", "raw_logprobs"),
-            prefix_caching=options.get("prefix_caching", False),
-            routes=options.get("routes"),
-        )
+        self._caps = fake_capabilities(options)
+        device = self._caps.device
         self.image_prompt_ids = options.get("image_prompt_ids", 7)
         self.eos_token_id = options.get("eos_token_id", 1)
         self.seed = options.get("seed", 0)
@@ -550,13 +520,7 @@ class FakeEngineFactory(FakeEngineFactoryBase[FakeEngine]):
 
     def _options(self, kwargs: Mapping[str, object]) -> dict[str, object]:
         options = super()._options(kwargs)
-        spec = kwargs.get("speculative_config")
-        if isinstance(spec, Mapping):
-            k = spec.get("num_speculative_tokens", self.draft_tokens)
-            if not isinstance(k, int):
-                raise BadConfigError(
-                    "the fake engine failed to start: `num_speculative_tokens` was not "
-                    "provided and the drafter does not say"
-                )
+        k = unwrap(speculative_tokens(kwargs, self.draft_tokens), BadConfigError, "")
+        if k is not None:
             options["num_speculative_tokens"] = k
         return options

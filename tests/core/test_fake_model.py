@@ -16,12 +16,14 @@ from genworker.core.fake_model import (
     detokenize,
     draw,
     expanded_length,
+    fake_capabilities,
     fake_routes,
     faulted,
     finish_reason,
     routes_option,
     sample_token,
     score_row,
+    speculative_tokens,
     tokenize,
     waking,
     weight_spans,
@@ -219,3 +221,30 @@ def test_weight_labels_become_spans_over_the_generated_tokens() -> None:
         ("b", 2, 5),
         ("a", 5, 6),
     )
+
+
+def test_a_fake_s_capabilities_follow_its_options_with_the_documented_defaults() -> None:
+    caps = fake_capabilities({})
+    assert (caps.vocab_size, caps.max_model_len, caps.device) == (64, 128, "cpu")
+    assert caps.sleep_mode
+    assert not caps.multimodal
+    assert caps.image_token_id is None
+    media = fake_capabilities({"image_token_id": 9, "max_images": 2, "logprobs_mode": "x"})
+    assert (media.multimodal, media.image_token_id, media.max_images) == (True, 9, 2)
+    assert media.logprobs_mode == "x"
+
+
+def test_an_option_no_fake_takes_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"no options \['colour'\]"):
+        fake_capabilities({"colour": 1})  # type: ignore[typeddict-unknown-key]
+
+
+def test_draft_tokens_come_from_the_speculative_config_else_from_the_drafter() -> None:
+    assert speculative_tokens({}, 3) == Success(None)
+    assert speculative_tokens({"speculative_config": "eagle"}, 3) == Success(None)
+    config = {"speculative_config": {"num_speculative_tokens": 2}}
+    assert speculative_tokens(config, 3) == Success(2)
+    assert speculative_tokens({"speculative_config": {}}, 3) == Success(3)
+    refused = speculative_tokens({"speculative_config": {}}, None)
+    assert isinstance(refused, Failure)
+    assert "was not provided" in str(refused.failure())
