@@ -15,6 +15,9 @@ parser read the engine flags; everything it then decides is here, over those val
   key, where a flag did.
 * :func:`check_prompt_lengths`: each prompt leaves room for one generated token (the
   worker's rule, ``core.caps.context_cap``).
+* :func:`serve_keys`: the ``vllm_cfg`` keys ``serve`` sets; :func:`completion_records`:
+  the JSONL lines ``generate`` writes; :func:`log_environment`: the environment that sets
+  vLLM's and transformers' logging to a level.
 """
 
 from __future__ import annotations
@@ -36,10 +39,13 @@ __all__ = [
     "ENGINE_OPTION_KEYS",
     "InputProblem",
     "check_prompt_lengths",
+    "completion_records",
     "config_problems",
     "engine_config",
     "explain_problems",
+    "log_environment",
     "parse_prompts",
+    "serve_keys",
     "worker_config",
 ]
 
@@ -246,3 +252,60 @@ def engine_config(
     if problems:
         return Failure(InputProblem(explain_problems(problems, flags)))
     return Success(config)
+
+
+def serve_keys(
+    host: str, port: int, *, on_policy_guard: bool, rl_routes: bool, chat_template: str | None
+) -> dict[str, object]:
+    """The ``vllm_cfg`` keys of ``serve``: the async worker with its OpenAI server on
+    ``host``:``port``, its on-policy guard, vLLM's RL routes, and the chat template's text
+    where ``--chat-template`` gave one."""
+    keys: dict[str, object] = {
+        "async_engine": True,
+        "expose_http_server": True,
+        "http_server_host": host,
+        "http_server_port": port,
+        "http_server_on_policy_guard": on_policy_guard,
+        "http_server_rl_routes": rl_routes,
+    }
+    if chat_template is not None:
+        keys["http_server_serving_chat_kwargs"] = {"chat_template": chat_template}
+    return keys
+
+
+def completion_records(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    prompt_tokens: Sequence[int],
+    generated_tokens: Sequence[int],
+    truncated: Sequence[bool],
+) -> list[str]:
+    """``generate``'s JSONL lines for a chunk of prompts, one per prompt, in order."""
+    rows = zip(prompts, completions, prompt_tokens, generated_tokens, truncated, strict=True)
+    return [
+        json.dumps(
+            {
+                "prompt": prompt,
+                "completion": text,
+                "prompt_tokens": tokens,
+                "generated_tokens": generated,
+                "truncated": cut,
+            }
+        )
+        + "\n"
+        for prompt, text, tokens, generated, cut in rows
+    ]
+
+
+def log_environment(level: str) -> dict[str, str]:
+    """The environment that sends vLLM's log lines to stderr from ``level`` on, sets
+    transformers' verbosity, and from ``warning`` on turns the Hub's progress bars (and
+    transformers', which follow them) off."""
+    env = {
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+        "VLLM_LOGGING_LEVEL": level.upper(),
+        "TRANSFORMERS_VERBOSITY": level,
+    }
+    if level in ("warning", "error"):
+        env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    return env

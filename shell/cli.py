@@ -33,8 +33,11 @@ from typing import NoReturn, TextIO
 
 from genworker.core.cli_inputs import (
     check_prompt_lengths,
+    completion_records,
     engine_config,
+    log_environment,
     parse_prompts,
+    serve_keys,
     worker_config,
 )
 from genworker.shell.errors import GenworkerError, unwrap
@@ -161,15 +164,9 @@ def _generate(args: argparse.Namespace, rest: Sequence[str]) -> int:
                     part = prompts[start : start + chunk]
                     data = pad_rows(rows[start : start + chunk], pad)
                     out = worker.generate(data, greedy=bool(args.greedy))
-                    for j, text in enumerate(completions(out, data["input_lengths"], tokenizer)):
-                        record = {
-                            "prompt": part[j],
-                            "completion": text,
-                            "prompt_tokens": int(data["input_lengths"][j]),
-                            "generated_tokens": int(out["generation_lengths"][j]),
-                            "truncated": bool(out["truncated"][j]),
-                        }
-                        sink.write(json.dumps(record) + "\n")
+                    texts = completions(out, data["input_lengths"], tokenizer)
+                    counts = (data["input_lengths"], out["generation_lengths"], out["truncated"])
+                    sink.writelines(completion_records(part, texts, *(c.tolist() for c in counts)))
                     bar.update(len(part))
         finally:
             worker.shutdown()
@@ -192,16 +189,13 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         except OSError as e:
             raise InputError(f"--chat-template {args.chat_template}: {e.strerror}") from None
     tokenizer = load_tokenizer(args.model)
-    keys: dict[str, object] = {
-        "async_engine": True,
-        "expose_http_server": True,
-        "http_server_host": args.host,
-        "http_server_port": args.port,
-        "http_server_on_policy_guard": not args.no_on_policy_guard,
-        "http_server_rl_routes": args.rl_routes,
-    }
-    if template is not None:
-        keys["http_server_serving_chat_kwargs"] = {"chat_template": template}
+    keys = serve_keys(
+        args.host,
+        args.port,
+        on_policy_guard=not args.no_on_policy_guard,
+        rl_routes=args.rl_routes,
+        chat_template=template,
+    )
     config = _engine_config(args, rest, tokenizer, keys)
     if template is None and not getattr(tokenizer, "chat_template", None):
         _log.warning(
@@ -299,11 +293,7 @@ def _configure_logs(level: str | None, default: str, quiet: bool) -> str:
     chosen = "error" if quiet else (level or os.environ.get("VLLM_LOGGING_LEVEL", default).lower())
     if chosen not in LOG_LEVELS:
         raise SystemExit(f"VLLM_LOGGING_LEVEL={chosen!r}: expected one of {', '.join(LOG_LEVELS)}")
-    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
-    os.environ["VLLM_LOGGING_LEVEL"] = chosen.upper()
-    os.environ["TRANSFORMERS_VERBOSITY"] = chosen
-    if chosen in ("warning", "error"):
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' bars follow it
+    os.environ.update(log_environment(chosen))
     logging.basicConfig(
         stream=sys.stderr, level=chosen.upper(), format="%(levelname)s %(name)s: %(message)s"
     )

@@ -15,10 +15,13 @@ from genworker.core.cli_inputs import (
     ENGINE_OPTION_KEYS,
     InputProblem,
     check_prompt_lengths,
+    completion_records,
     config_problems,
     engine_config,
     explain_problems,
+    log_environment,
     parse_prompts,
+    serve_keys,
     worker_config,
 )
 from genworker.core.config import ConfigProblem, WorkerConfig
@@ -146,3 +149,44 @@ def test_a_problem_is_named_by_the_flag_of_the_longest_key_that_holds_it() -> No
     assert explain_problems(problems, flags) == (
         f"--speculative-config ({problems[0]}); --other ({problems[1]}); {problems[2]}"
     )
+
+
+def test_serve_runs_the_async_worker_behind_the_server_with_the_given_template() -> None:
+    keys = serve_keys("0.0.0.0", 8000, on_policy_guard=False, rl_routes=True, chat_template=None)
+    assert keys == {
+        "async_engine": True,
+        "expose_http_server": True,
+        "http_server_host": "0.0.0.0",
+        "http_server_port": 8000,
+        "http_server_on_policy_guard": False,
+        "http_server_rl_routes": True,
+    }
+    templated = serve_keys("h", 0, on_policy_guard=True, rl_routes=False, chat_template="{{x}}")
+    assert templated["http_server_serving_chat_kwargs"] == {"chat_template": "{{x}}"}
+
+
+@given(
+    st.lists(st.tuples(st.text(), st.text(), st.integers(0, 99), st.integers(0, 99), st.booleans()))
+)
+def test_generate_writes_one_json_line_per_prompt_in_order(
+    rows: list[tuple[str, str, int, int, bool]],
+) -> None:
+    prompts, texts = [r[0] for r in rows], [r[1] for r in rows]
+    counts = [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows]
+    lines = completion_records(prompts, texts, *counts)
+    assert all(line.endswith("\n") and line.count("\n") == 1 for line in lines)
+    keys = ("prompt", "completion", "prompt_tokens", "generated_tokens", "truncated")
+    assert [json.loads(line) for line in lines] == [
+        dict(zip(keys, row, strict=True)) for row in rows
+    ]
+
+
+@pytest.mark.parametrize(
+    ("level", "bars_off"), [("debug", False), ("info", False), ("warning", True), ("error", True)]
+)
+def test_the_log_environment_sends_vllm_to_stderr_at_the_level(level: str, bars_off: bool) -> None:
+    env = log_environment(level)
+    assert env["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"
+    assert env["VLLM_LOGGING_LEVEL"] == level.upper()
+    assert env["TRANSFORMERS_VERBOSITY"] == level
+    assert ("HF_HUB_DISABLE_PROGRESS_BARS" in env) == bars_off
