@@ -6,7 +6,8 @@ The CLI (``shell/cli.py``) reads the prompts file and lets vLLM's own ``EngineAr
 parser read the engine flags; everything it then decides is here, over those values:
 
 * :func:`parse_prompts`: the JSONL lines (bytes, as read) to ``(line number, prompt)``;
-  the first bad line is an :class:`InputProblem` naming the file and the line.
+  the first bad line is an :class:`InputProblem` naming the file and the line
+  (:func:`unreadable_prompts`: a file that cannot be opened).
 * :func:`worker_config`: genworker's NeMo-RL generation config for a local model, sized
   for the device (a CPU gets a 256-token context, float32 and a fixed 32 MiB KV cache).
 * :func:`engine_config`: that config with the engine options put in
@@ -46,6 +47,7 @@ __all__ = [
     "log_environment",
     "parse_prompts",
     "serve_keys",
+    "unreadable_prompts",
     "worker_config",
 ]
 
@@ -91,6 +93,15 @@ def _prompt(where: str, raw: bytes) -> Result[str | None, InputProblem]:
     if not prompt:
         return Failure(InputProblem(f"{where}: 'prompt' is empty"))
     return Success(prompt)
+
+
+def unreadable_prompts(path: str, error: OSError) -> InputProblem:
+    """The prompts file at ``path`` could not be opened (``error``): how."""
+    if isinstance(error, FileNotFoundError):
+        return InputProblem(f"--prompts {path}: no such file")
+    if isinstance(error, IsADirectoryError):
+        return InputProblem(f"--prompts {path}: a directory, not a JSONL file")
+    return InputProblem(f"--prompts {path}: cannot be read: {error.strerror}")
 
 
 def parse_prompts(

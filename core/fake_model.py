@@ -12,7 +12,9 @@ Their module docstrings say which part of vLLM's contract each rule mirrors; her
 - the engine: what a fake with these options can do (:func:`fake_capabilities`), what
   ``wake_up(tags)`` wakes (:func:`waking`, vLLM's ``Executor.wake_up``,
   vllm/v1/executor/abstract.py, 0.32), a media row's context length (:func:`expanded_length`),
-  the routes and the draft tokens of an engine started with these kwargs
+  why it cannot serve (:func:`unservable`), its metrics (:func:`fake_metrics`), each
+  image as its tokens see it (:func:`image_digest`), the routes and the draft tokens of an
+  engine started with these kwargs
   (:func:`routes_option`, :func:`speculative_tokens`) and the weight labels of a request's tokens as spans (:func:`weight_spans`).
 """
 
@@ -29,6 +31,7 @@ import numpy.typing as npt
 from returns.result import Failure, Result, Success
 
 from genworker.core.assembly import Generation
+from genworker.core.counters import CounterSample, GaugeSample, MetricSample
 from genworker.core.engine_calls import EngineCapabilities
 from genworker.core.errors import CoreError
 from genworker.core.routing import MoeShape, RoutedExperts
@@ -38,19 +41,23 @@ from genworker.core.scoring import ScoredRow
 __all__ = [
     "LETTERS",
     "MEMORY_TAGS",
+    "METRIC_LABELS",
     "FakeEngineOptions",
     "detokenize",
     "draw",
     "expanded_length",
     "fake_capabilities",
+    "fake_metrics",
     "fake_routes",
     "faulted",
     "finish_reason",
+    "image_digest",
     "routes_option",
     "sample_token",
     "score_row",
     "speculative_tokens",
     "tokenize",
+    "unservable",
     "waking",
     "weight_spans",
 ]
@@ -59,6 +66,8 @@ __all__ = [
 LETTERS: Final = "abcdefghijklmnopqrstuvwxyz"
 #: the memory tags of a sleep-mode engine (all of them awake: the engine serves)
 MEMORY_TAGS: Final = frozenset({"weights", "kv_cache"})
+#: the labels of the fakes' metrics (one engine, as vLLM labels its own)
+METRIC_LABELS: Final = (("engine", "0"), ("model_name", "fake"))
 
 
 class FakeEngineOptions(TypedDict, total=False):
@@ -100,6 +109,35 @@ def fake_capabilities(options: FakeEngineOptions) -> EngineCapabilities:
         prefix_caching=options.get("prefix_caching", False),
         routes=options.get("routes"),
     )
+
+
+def unservable(call: str, awake: Set[str], weights_discarded: bool) -> str | None:
+    """Why ``call`` would silently go wrong on a real engine (None: it would not): running
+    with memory asleep, or on the garbage a level-2 sleep leaves without new weights."""
+    if awake != MEMORY_TAGS:
+        return f"{call} with only {sorted(awake)} awake"
+    if weights_discarded:
+        return f"{call} after a level-2 sleep without new weights"
+    return None
+
+
+def fake_metrics(
+    prompt_tokens: int, generation_tokens: int, running: int | None = None
+) -> list[MetricSample]:
+    """A fake's metrics, named as vLLM's: its token counters and (an async fake's) the
+    requests running."""
+    samples: list[MetricSample] = [
+        CounterSample(name="vllm:prompt_tokens", labels=METRIC_LABELS, value=prompt_tokens),
+        CounterSample(name="vllm:generation_tokens", labels=METRIC_LABELS, value=generation_tokens),
+    ]
+    if running is not None:
+        samples.append(GaugeSample("vllm:num_requests_running", METRIC_LABELS, running))
+    return samples
+
+
+def image_digest(pixels: bytes, size: tuple[int, int]) -> str:
+    """What a fake's tokens see of an image: a digest of its bytes, and its size."""
+    return f"{hashlib.blake2b(pixels, digest_size=8).hexdigest()}{size}"
 
 
 def detokenize(token_ids: Sequence[int] | npt.NDArray[np.int64]) -> str:

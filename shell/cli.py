@@ -38,6 +38,7 @@ from genworker.core.cli_inputs import (
     log_environment,
     parse_prompts,
     serve_keys,
+    unreadable_prompts,
     worker_config,
 )
 from genworker.shell.errors import GenworkerError, unwrap
@@ -70,12 +71,8 @@ def read_prompts(path: str) -> list[tuple[int, str]]:
     try:
         with open(path, "rb") as f:
             raw_lines = list(f)
-    except FileNotFoundError:
-        raise InputError(f"--prompts {path}: no such file") from None
-    except IsADirectoryError:
-        raise InputError(f"--prompts {path}: a directory, not a JSONL file") from None
     except OSError as e:
-        raise InputError(f"--prompts {path}: cannot be read: {e.strerror}") from None
+        raise InputError.from_core(unreadable_prompts(path, e)) from None
     return unwrap(parse_prompts(path, raw_lines), InputError, "")
 
 

@@ -45,12 +45,13 @@ from typing import Unpack
 
 import attrs
 
-from genworker.core.counters import GaugeSample, MetricSample
+from genworker.core.counters import MetricSample
 from genworker.core.engine_calls import Cache, RowRequest, RpcCall, text_refusal
 from genworker.core.fake_model import (
     FakeEngineOptions,
     detokenize,
     draw,
+    fake_metrics,
     faulted,
     weight_spans,
 )
@@ -62,7 +63,6 @@ from genworker.shell.errors import (
     EngineDeadError,
 )
 from genworker.shell.fake_engine import (
-    METRIC_LABELS,
     FakeEngineBase,
     FakeEngineFactoryBase,
     FakeEngineMisuse,
@@ -330,9 +330,8 @@ class FakeAsyncEngine(FakeEngineBase):
 
     # -- observability and RPC --------------------------------------------------------
     def metrics(self) -> list[MetricSample]:
-        counters = super().metrics()
-        running = len(self._running)
-        return [*counters, GaugeSample("vllm:num_requests_running", METRIC_LABELS, running)]
+        self._enter("metrics")
+        return fake_metrics(self.prompt_tokens, self.generation_tokens, len(self._running))
 
     async def collective_rpc(self, call: RpcCall) -> list[object]:
         result = self._rpc(call)

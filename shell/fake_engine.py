@@ -67,14 +67,13 @@ The pure rules of their made-up model are ``core.fake_model``'s.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, TypeVar, Unpack
 
 import attrs
 
 from genworker.core.assembly import FlatGenerations, Generation, flatten_generations
-from genworker.core.counters import CounterSample, MetricSample
+from genworker.core.counters import MetricSample
 from genworker.core.engine_calls import Cache, EngineBatch, RpcCall, text_refusal
 from genworker.core.fake_model import (
     MEMORY_TAGS,
@@ -83,14 +82,17 @@ from genworker.core.fake_model import (
     draw,
     expanded_length,
     fake_capabilities,
+    fake_metrics,
     fake_routes,
     faulted,
     finish_reason,
+    image_digest,
     routes_option,
     sample_token,
     score_row,
     speculative_tokens,
     tokenize,
+    unservable,
     waking,
 )
 from genworker.core.routing import CapturePlatform
@@ -109,7 +111,6 @@ from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities, check_text_rows
 
 __all__ = [
-    "METRIC_LABELS",
     "FakeEngine",
     "FakeEngineBase",
     "FakeEngineFactory",
@@ -118,9 +119,6 @@ __all__ = [
     "FakeEngineOptions",
     "FakeRequest",
 ]
-
-#: the labels of the fakes' metrics (one engine, as vLLM labels its own)
-METRIC_LABELS = (("engine", "0"), ("model_name", "fake"))
 
 
 class FakeEngineMisuse(RuntimeError):
@@ -131,9 +129,7 @@ def pixels(media: RowMedia | None) -> tuple[str, ...]:
     """What a fake's tokens see of a row's images: a digest of each (its bytes, its size)."""
     if media is None:
         return ()
-    return tuple(
-        f"{hashlib.blake2b(i.tobytes(), digest_size=8).hexdigest()}{i.size}" for i in media.images
-    )
+    return tuple(image_digest(i.tobytes(), i.size) for i in media.images)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -230,10 +226,8 @@ class FakeEngineBase:
     def _check_servable(self, call: str) -> None:
         """What a real engine would silently get wrong: running with memory asleep, or on
         the garbage a level-2 sleep leaves without new weights."""
-        if self.awake_tags != MEMORY_TAGS:
-            raise FakeEngineMisuse(f"{call} with only {sorted(self.awake_tags)} awake")
-        if self.weights_discarded:
-            raise FakeEngineMisuse(f"{call} after a level-2 sleep without new weights")
+        if problem := unservable(call, self.awake_tags, self.weights_discarded):
+            raise FakeEngineMisuse(problem)
 
     def _next_token(self, request: FakeRequest, u: float) -> str | None:
         """``request``'s next token from the draw ``u`` (the fakes' made-up model), under
@@ -324,14 +318,7 @@ class FakeEngineBase:
 
     def metrics(self) -> list[MetricSample]:
         self._enter("metrics")
-        return [
-            CounterSample(
-                name="vllm:prompt_tokens", labels=METRIC_LABELS, value=self.prompt_tokens
-            ),
-            CounterSample(
-                name="vllm:generation_tokens", labels=METRIC_LABELS, value=self.generation_tokens
-            ),
-        ]
+        return fake_metrics(self.prompt_tokens, self.generation_tokens)
 
     def load_new_weights(self) -> None:
         """What a successful refit does to the fake: new tokens, weights valid again."""

@@ -22,6 +22,7 @@ from genworker.core.cli_inputs import (
     log_environment,
     parse_prompts,
     serve_keys,
+    unreadable_prompts,
     worker_config,
 )
 from genworker.core.config import ConfigProblem, WorkerConfig
@@ -190,3 +191,23 @@ def test_the_log_environment_sends_vllm_to_stderr_at_the_level(level: str, bars_
     assert env["VLLM_LOGGING_LEVEL"] == level.upper()
     assert env["TRANSFORMERS_VERBOSITY"] == level
     assert ("HF_HUB_DISABLE_PROGRESS_BARS" in env) == bars_off
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (FileNotFoundError(2, "No such file or directory"), "--prompts p.jsonl: no such file"),
+        (
+            IsADirectoryError(21, "Is a directory"),
+            "--prompts p.jsonl: a directory, not a JSONL file",
+        ),
+        (
+            PermissionError(13, "Permission denied"),
+            "--prompts p.jsonl: cannot be read: Permission denied",
+        ),
+    ],
+)
+def test_a_prompts_file_that_cannot_be_opened_is_named_with_how(
+    error: OSError, message: str
+) -> None:
+    assert str(unreadable_prompts("p.jsonl", error)) == message

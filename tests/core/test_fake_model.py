@@ -10,6 +10,7 @@ from returns.result import Failure, Success
 from strategies import moe_shapes
 
 from genworker.core.assembly import Generation
+from genworker.core.counters import CounterSample, GaugeSample
 from genworker.core.fake_model import (
     LETTERS,
     MEMORY_TAGS,
@@ -17,14 +18,17 @@ from genworker.core.fake_model import (
     draw,
     expanded_length,
     fake_capabilities,
+    fake_metrics,
     fake_routes,
     faulted,
     finish_reason,
+    image_digest,
     routes_option,
     sample_token,
     score_row,
     speculative_tokens,
     tokenize,
+    unservable,
     waking,
     weight_spans,
 )
@@ -248,3 +252,33 @@ def test_draft_tokens_come_from_the_speculative_config_else_from_the_drafter() -
     refused = speculative_tokens({"speculative_config": {}}, None)
     assert isinstance(refused, Failure)
     assert "was not provided" in str(refused.failure())
+
+
+def test_a_fake_serves_only_fully_awake_and_with_weights() -> None:
+    assert unservable("generate", MEMORY_TAGS, weights_discarded=False) is None
+    assert unservable("generate", {"weights"}, weights_discarded=False) == (
+        "generate with only ['weights'] awake"
+    )
+    assert unservable("a step", MEMORY_TAGS, weights_discarded=True) == (
+        "a step after a level-2 sleep without new weights"
+    )
+
+
+def test_a_fake_s_metrics_are_vllm_s_token_counters_and_running_gauge() -> None:
+    labels = {"engine": "0", "model_name": "fake"}
+    counters = fake_metrics(5, 3)
+    assert [(type(m), m.name, dict(m.labels), m.value) for m in counters] == [
+        (CounterSample, "vllm:prompt_tokens", labels, 5.0),
+        (CounterSample, "vllm:generation_tokens", labels, 3.0),
+    ]
+    running = fake_metrics(5, 3, running=2)
+    assert running[:2] == counters
+    assert running[2] == GaugeSample("vllm:num_requests_running", labels, 2)
+
+
+def test_an_image_is_seen_by_its_bytes_and_its_size() -> None:
+    digest = image_digest(b"\x00\x01", (2, 1))
+    assert digest.endswith("(2, 1)")
+    assert digest == image_digest(b"\x00\x01", (2, 1))
+    assert digest != image_digest(b"\x00\x02", (2, 1))
+    assert digest != image_digest(b"\x00\x01", (1, 2))
