@@ -267,9 +267,9 @@ def test_a_fake_serves_only_fully_awake_and_with_weights() -> None:
 def test_a_fake_s_metrics_are_vllm_s_token_counters_and_running_gauge() -> None:
     labels = {"engine": "0", "model_name": "fake"}
     counters = fake_metrics(5, 3)
-    assert [(type(m), m.name, dict(m.labels), m.value) for m in counters] == [
-        (CounterSample, "vllm:prompt_tokens", labels, 5.0),
-        (CounterSample, "vllm:generation_tokens", labels, 3.0),
+    assert counters == [
+        CounterSample("vllm:prompt_tokens", labels, 5),
+        CounterSample("vllm:generation_tokens", labels, 3),
     ]
     running = fake_metrics(5, 3, running=2)
     assert running[:2] == counters
