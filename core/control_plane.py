@@ -12,8 +12,8 @@ resumes. :func:`parse` turns a route's query and JSON body into one of the reque
 values below or a :class:`~genworker.core.serving.BadRequest` naming the field (400);
 :func:`step` moves :class:`ControlState` by one request or refuses it with a
 :class:`Conflict` (409) that names the state and the route to call. The shell executes
-what the machine allowed and reports how an update ended (:func:`updated`,
-:func:`update_failed`).
+what the machine allowed, answers with vLLM's body for the route (:func:`answer`) and
+reports how an update ended (:func:`updated`, :func:`update_failed`).
 
 The wire of an update (:func:`broadcasts`) is vLLM's: the ``update_info`` tensors in
 order, either packed (``packed_nccl_broadcast_producer``,
@@ -67,6 +67,7 @@ __all__ = [
     "Update",
     "WakeUp",
     "admit",
+    "answer",
     "init_transfer",
     "parse",
     "parse_raw",
@@ -587,3 +588,50 @@ def update_failed(state: ControlState, reason: str, *, group_broken: bool) -> Co
     joined again (the open update closes with it)."""
     transfer = Transfer.NONE if group_broken else state.transfer
     return attrs.evolve(state, failed=reason, transfer=transfer)
+
+
+# --- the answers -----------------------------------------------------------------------
+
+
+def answer(
+    request: Request, state: ControlState, outcome: object, weight_version: int
+) -> dict[str, object]:
+    """The body vLLM's route answers ``request`` with once the worker did its part:
+    ``outcome`` is what that part found (the world size, whether any memory sleeps, the
+    config tree, the requests aborted, an init's ranks; else ``None``), ``state`` the
+    plane's as the request came and ``weight_version`` the worker's after its part."""
+    match request:
+        case Query(route="get_world_size"):
+            return {"world_size": outcome}
+        case Query(route="is_paused"):
+            return {"is_paused": state.paused is not None}
+        case Query(route="is_sleeping"):
+            return {"is_sleeping": outcome}
+        case Query(route="weight_info"):
+            return {
+                "weight_version": state.label or str(weight_version),
+                "genworker_weight_version": weight_version,
+            }
+        case Query():
+            return {"vllm_config": outcome}
+        case Pause():
+            return {"status": "paused"}
+        case Resume():
+            return {"status": "resumed"}
+        case AbortRequests():
+            return {"status": "aborted", "aborted": outcome}
+        case Sleep(level=level):
+            return {"status": "sleeping", "level": level}
+        case WakeUp():
+            return {"status": "awake"}
+        case ResetPrefixCache():
+            return {"success": True}
+        case InitTransfer():
+            return {"message": "Weight transfer initialized", "ranks": outcome}
+        case StartUpdate():
+            return {"message": "Weight update started"}
+        case Update():
+            return {"message": "Weights updated", "weight_version": weight_version}
+        case FinishUpdate():
+            return {"message": "Weight update finished", "weight_version": weight_version}
+    raise ValueError(f"{request!r} is not a route of the control plane")

@@ -23,13 +23,13 @@ update): 409.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol, cast
 
 from returns.result import Failure
 
 from genworker.core import control_plane as c
+from genworker.core.asgi_messages import Answer, refusal
 from genworker.core.serving import BadRequest, error_body
 from genworker.shell.errors import (
     BadArgumentError,
@@ -40,12 +40,7 @@ from genworker.shell.errors import (
     RefitTransportError,
 )
 
-__all__ = ["Answer", "ControlHooks", "ControlRoutes", "refusal"]
-
-log = logging.getLogger(__name__)
-
-#: A route's answer: the HTTP status and the JSON body.
-Answer = tuple[int, dict[str, object]]
+__all__ = ["ControlHooks", "ControlRoutes"]
 
 
 class ControlHooks(Protocol):
@@ -112,7 +107,7 @@ class ControlRoutes:
             if isinstance(allowed, Failure):
                 return refusal(allowed.failure())
             try:
-                answer = await self._run(request)
+                outcome = await self._run(request)
             except GenworkerError as e:
                 if isinstance(request, c.Update) and not isinstance(e, EngineStateError):
                     # refused in the worker's state (asleep, say): nothing moved. A
@@ -121,63 +116,44 @@ class ControlRoutes:
                     self.state = c.update_failed(self.state, str(e), group_broken=broken)
                 status = next((code for kind, code in _STATUSES if isinstance(e, kind)), 500)
                 return status, error_body(status, f"/{route}: {type(e).__name__}: {e}", None)
+            answer = c.answer(request, self.state, outcome, self.hooks.weight_version)
             self.state = allowed.unwrap()
             if isinstance(request, c.Update):  # it landed: the weights are consistent again
                 self.state = c.updated(self.state)
             return 200, answer
 
-    async def _run(self, request: c.Request) -> dict[str, object]:
+    async def _run(self, request: c.Request) -> object:
+        """The worker's part of ``request``: what its answer reports
+        (``core.control_plane.answer``)."""
         hooks = self.hooks
         match request:
-            case c.Query(route=route):
-                return self._query(route)
+            case c.Query(route="get_world_size"):
+                parallel = getattr(self.vllm_config, "parallel_config", None)
+                size = getattr(parallel, "world_size_across_dp", None)
+                return int(size or getattr(parallel, "world_size", 1) or 1)
+            case c.Query(route="is_sleeping"):
+                return hooks.sleeping()
+            case c.Query(route="server_info"):
+                return self._config_tree()
             case c.Pause(mode=mode, clear_cache=clear):
                 await hooks.pause_generation(mode.value, clear)
-                return {"status": "paused"}
             case c.Resume():
                 await hooks.resume_generation()
-                return {"status": "resumed"}
             case c.AbortRequests(request_ids=ids):
-                return {"status": "aborted", "aborted": await hooks.abort_requests(ids)}
+                return await hooks.abort_requests(ids)
             case c.Sleep(level=level):
                 await hooks.sleep(level)
-                return {"status": "sleeping", "level": level}
             case c.WakeUp(tags=tags):
                 await hooks.wake_up(tags)
-                return {"status": "awake"}
             case c.ResetPrefixCache():
                 await hooks.reset_prefix_cache()
-                return {"success": True}
             case c.InitTransfer():
-                ranks = await hooks.init_weight_transfer(request.as_dict(), self.timeout_s)
-                return {"message": "Weight transfer initialized", "ranks": ranks}
-            case c.StartUpdate():
-                return {"message": "Weight update started"}
+                return await hooks.init_weight_transfer(request.as_dict(), self.timeout_s)
             case c.Update():
                 held = self.state.paused is not None
                 info = request.as_vllm_info()
                 await hooks.update_weights_from_wire(info, self.timeout_s, held=held)
-                return {"message": "Weights updated", "weight_version": hooks.weight_version}
-            case c.FinishUpdate():
-                return {"message": "Weight update finished", "weight_version": hooks.weight_version}
-        raise BadArgumentError(f"no handler for {request!r}")  # pragma: no cover
-
-    def _query(self, route: str) -> dict[str, object]:
-        state, hooks = self.state, self.hooks
-        if route == "get_world_size":
-            parallel = getattr(self.vllm_config, "parallel_config", None)
-            size = getattr(parallel, "world_size_across_dp", None)
-            return {"world_size": int(size or getattr(parallel, "world_size", 1) or 1)}
-        if route == "is_paused":
-            return {"is_paused": state.paused is not None}
-        if route == "is_sleeping":
-            return {"is_sleeping": hooks.sleeping()}
-        if route == "weight_info":
-            return {
-                "weight_version": state.label or str(hooks.weight_version),
-                "genworker_weight_version": hooks.weight_version,
-            }
-        return {"vllm_config": self._config_tree()}
+        return None
 
     def _config_tree(self) -> dict[str, object]:
         """vLLM's ``/server_info`` tree (``config_format=json``), with the weight transfer
@@ -190,8 +166,3 @@ class ControlRoutes:
         tree: dict[str, object] = dict(dumped) if isinstance(dumped, dict) else {}
         tree["weight_transfer_config"] = {"backend": self.backend, "served_by": "genworker"}
         return tree
-
-
-def refusal(problem: BadRequest) -> Answer:
-    """A refused request's answer: its status and an OpenAI-style error body."""
-    return problem.status, error_body(problem.status, problem.message, problem.param)

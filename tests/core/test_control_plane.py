@@ -463,3 +463,39 @@ def test_admit_is_step_with_its_conflict_a_409() -> None:
     assert c.admit(state, c.Resume()) == c.step(state, c.Resume())
     refused = c.admit(state, c.Generate()).failure()
     assert refused == BadRequest(str(c.step(state, c.Generate()).failure()), status=409, param=None)
+
+
+PAUSED = c.ControlState(paused=c.PauseMode.KEEP, label="step-7")
+
+
+@pytest.mark.parametrize(
+    ("request_", "state", "outcome", "expected"),
+    [
+        (c.Query("get_world_size"), c.ControlState(), 4, {"world_size": 4}),
+        (c.Query("is_paused"), PAUSED, None, {"is_paused": True}),
+        (c.Query("is_paused"), c.ControlState(), None, {"is_paused": False}),
+        (c.Query("is_sleeping"), c.ControlState(), True, {"is_sleeping": True}),
+        (c.Query("weight_info"), PAUSED, None, {"weight_version": "step-7", "genworker_weight_version": 3}),
+        (c.Query("weight_info"), c.ControlState(), None, {"weight_version": "3", "genworker_weight_version": 3}),
+        (c.Query("server_info"), c.ControlState(), {"a": 1}, {"vllm_config": {"a": 1}}),
+        (c.Pause(c.PauseMode.WAIT, True), c.ControlState(), None, {"status": "paused"}),
+        (c.Resume(), PAUSED, None, {"status": "resumed"}),
+        (c.AbortRequests(()), c.ControlState(), 2, {"status": "aborted", "aborted": 2}),
+        (c.Sleep(1), c.ControlState(), None, {"status": "sleeping", "level": 1}),
+        (c.WakeUp(None), c.ControlState(), None, {"status": "awake"}),
+        (c.ResetPrefixCache(), c.ControlState(), None, {"success": True}),
+        (c.InitTransfer("h", 1, 1, 2), c.ControlState(), [1], {"message": "Weight transfer initialized", "ranks": [1]}),
+        (c.StartUpdate(True), c.ControlState(), None, {"message": "Weight update started"}),
+        (c.Update(Manifest.from_specs([TensorSpec("w", (1,), "float32")]).unwrap()), c.ControlState(), True, {"message": "Weights updated", "weight_version": 3}),
+        (c.FinishUpdate("x"), c.ControlState(), None, {"message": "Weight update finished", "weight_version": 3}),
+    ],
+)  # fmt: skip
+def test_each_route_answers_with_vllms_body(
+    request_: c.Request, state: c.ControlState, outcome: object, expected: dict[str, object]
+) -> None:
+    assert c.answer(request_, state, outcome, 3) == expected
+
+
+def test_generation_is_no_route_to_answer() -> None:
+    with pytest.raises(ValueError, match="is not a route of the control plane"):
+        c.answer(c.Generate(), c.ControlState(), None, 0)
