@@ -63,8 +63,8 @@ class Reply:
             headers.append((_VERSIONS_KEY, ",".join(map(str, versions)).encode()))
             start: Message = {**message, "headers": headers}
             if self.strip_routes and not stream:
-                return attrs.evolve(self, stream=stream, held=start), ()
-            return attrs.evolve(self, stream=stream), (start,)
+                return attrs.evolve(self, held=start), ()
+            return (attrs.evolve(self, stream=True) if stream else self), (start,)
         if message["type"] == "http.response.body" and self.held is not None:
             pending = self.pending + field_of(message, "body", bytes, b"")
             if message.get("more_body", False):
