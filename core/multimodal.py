@@ -65,19 +65,38 @@ from returns.result import Failure, Result, Success
 from genworker.core.errors import CoreError
 
 __all__ = [
+    "IMAGE_TOKEN_FIELDS",
     "MEDIA_KEY",
     "ContextError",
     "MediaError",
     "MediaErrorKind",
     "MediaLayoutError",
     "RawMedia",
+    "UnreadExpansion",
     "check_context",
     "check_media",
     "check_media_by_info",
+    "expanded_length",
+    "image_token_id",
     "media_layout",
 ]
 
 MEDIA_KEY = "multi_modal_data"
+
+#: the HF config fields that hold a model's image placeholder id, in the order read:
+#: Idefics3's and Qwen2-VL's name, then LLaVA's and Gemma 3's
+IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
+
+
+def image_token_id(fields: Mapping[str, object]) -> int | None:
+    """The prompt id that stands for one image, from a model's HF config fields
+    (:data:`IMAGE_TOKEN_FIELDS` -> value, None when absent): the first that holds an int
+    (a bool is none); None when none does."""
+    for name in IMAGE_TOKEN_FIELDS:
+        value = fields.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 class MediaErrorKind(enum.StrEnum):
@@ -249,6 +268,28 @@ def check_context(
             max_model_len=max_model_len,
         )
     )
+
+
+@attrs.frozen
+class UnreadExpansion(CoreError):
+    """vLLM rendered row ``row``'s media prompt as no list of ids at least as long as the
+    prompt (an engine contract error)."""
+
+    row: int
+
+
+def expanded_length(row: int, length: int, rendered: object) -> Result[int, UnreadExpansion]:
+    """How many ids row ``row``'s prompt of ``length`` ids holds once vLLM's processor
+    expanded its images' placeholders (``rendered``: the ``prompt_token_ids`` it
+    rendered), for :func:`check_context`."""
+    if not isinstance(rendered, list) or len(rendered) < length:
+        return Failure(
+            UnreadExpansion(
+                f"multi_modal_data[{row}]: vLLM rendered {length} prompt ids as {rendered!r:.200}",
+                row=row,
+            )
+        )
+    return Success(len(rendered))
 
 
 @attrs.frozen

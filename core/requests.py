@@ -62,6 +62,7 @@ __all__ = [
     "SampleData",
     "TextRefusal",
     "check_greedy",
+    "bos_rows",
     "check_text_prompts",
     "parse_sample_data",
     "plan_requests",
@@ -262,6 +263,14 @@ def check_greedy(greedy: object) -> Result[bool, PlanError]:
         return Success(greedy)
     message = f"greedy must be a bool, got {type(greedy).__name__}"
     return Failure(PlanError(message, field="greedy"))
+
+
+def bos_rows(prompts: Sequence[str], bos: object) -> tuple[list[int], list[int]]:
+    """The rows of text ``prompts`` tokenized with the tokenizer's special tokens, and
+    those that start with its BOS text ``bos`` already, tokenized without them so that
+    they get no second BOS (``bos`` no text, or empty: every row is in the first)."""
+    starts = [isinstance(bos, str) and bool(bos) and p.startswith(bos) for p in prompts]
+    return [r for r, s in enumerate(starts) if not s], [r for r, s in enumerate(starts) if s]
 
 
 @attrs.frozen

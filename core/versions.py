@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -63,6 +64,7 @@ __all__ = [
     "GroupVersions",
     "VersionError",
     "VersionRuns",
+    "WeightSpan",
     "extend_runs",
     "finished_runs",
     "place_versions",
@@ -70,6 +72,7 @@ __all__ = [
     "runs_from_tokens",
     "staleness",
     "uniform_versions",
+    "weight_spans",
 ]
 
 NO_VERSION = -1
@@ -197,6 +200,28 @@ def extend_runs(runs: VersionRuns, version: int, count: int) -> Result[VersionRu
     return Success(
         VersionRuns((*runs.versions, version), (*runs.starts, runs.length), runs.length + count)
     )
+
+
+class WeightSpan(Protocol):
+    """One of vLLM's ``CompletionOutput.weight_versions`` entries (``WeightVersionSpan``:
+    tokens ``[start, end)`` sampled by the weights labelled ``version``)."""
+
+    @property
+    def version(self) -> object: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+
+def weight_spans(spans: Iterable[WeightSpan] | None) -> tuple[tuple[str, int, int], ...] | None:
+    """A completion's spans as ``(label, start, end)`` values, as :func:`runs_from_spans`
+    reads them; None for a completion the engine did not label."""
+    if spans is None:
+        return None
+    return tuple((str(s.version), int(s.start), int(s.end)) for s in spans)
 
 
 def runs_from_spans(

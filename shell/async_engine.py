@@ -69,7 +69,9 @@ from vllm.v1.engine.exceptions import EngineGenerateError
 
 from genworker.core.engine_calls import Cache, RowRequest, RpcCall
 from genworker.core.lifecycle import InflightMode
+from genworker.core.routing import routes_of
 from genworker.core.scoring import ScoredRow
+from genworker.core.versions import weight_spans
 from genworker.shell.errors import (
     BadBatchError,
     BadConfigError,
@@ -93,7 +95,6 @@ from genworker.shell.vllm_engine import (
     engine_arg_names,
     generation_of,
     lora_request,
-    routes_of,
     scored_row,
     scoring_params,
     token_prompt,
@@ -165,13 +166,6 @@ def _spawn_on_cuda() -> None:
 def _labels_tokens(llm: AsyncLLM) -> bool:
     fields = getattr(CompletionOutput, "__dataclass_fields__", {})
     return callable(getattr(llm, "update_weight_version", None)) and "weight_versions" in fields
-
-
-def _spans(completion: CompletionOutput) -> tuple[tuple[str, int, int], ...] | None:
-    spans = getattr(completion, "weight_versions", None)
-    if spans is None:
-        return None
-    return tuple((str(s.version), int(s.start), int(s.end)) for s in spans)
 
 
 #: ``AsyncLLM``'s reset of each cache
@@ -264,7 +258,9 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
         routes = routes_of(completion, self._caps.routes)  # on the final output only (0.32)
         if routes is not None:
             generation = attrs.evolve(generation, routed_experts=routes)
-        return StreamedGeneration(generation, _spans(completion))
+        return StreamedGeneration(
+            generation, weight_spans(getattr(completion, "weight_versions", None))
+        )
 
     async def compute_logprobs(
         self, request_id: str, sequence: Sequence[int], prompt_length: int, top_k: int

@@ -97,7 +97,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, ClassVar, Final, Generic, TypeVar, cast
 
 import attrs
-import numpy as np
 
 from genworker.shell.install import check_torchvision
 
@@ -128,16 +127,12 @@ from genworker.core.counters import (
 from genworker.core.engine_calls import Cache, EngineBatch, RpcCall, text_refusal
 from genworker.core.engine_plan import fp8_start
 from genworker.core.lora import LoraRef, adapter_path
+from genworker.core.multimodal import IMAGE_TOKEN_FIELDS, expanded_length, image_token_id
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, rpc_bound
-from genworker.core.routing import (
-    MOE_FIELDS,
-    CapturePlatform,
-    MoeShape,
-    RoutedExperts,
-    moe_shape,
-)
+from genworker.core.requests import bos_rows
+from genworker.core.routing import MOE_FIELDS, CapturePlatform, MoeShape, moe_shape, routes_of
 from genworker.core.sampling import SamplingSpec
-from genworker.core.scoring import ScoredRow, read_scored_row
+from genworker.core.scoring import ScoredRow, read_scored_row, scoring_kwargs
 from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.cumem_wake import install as install_wake
 from genworker.shell.errors import (
@@ -161,7 +156,7 @@ from genworker.shell.staged_writes import drop_staged_writes
 from genworker.shell.startup import checked_model_source
 
 if TYPE_CHECKING:
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import VllmConfig
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
 
@@ -210,7 +205,13 @@ class VllmPlatform:
         return None if capability is None else (capability.major, capability.minor)
 
     def capture_platform(self) -> CapturePlatform:
-        return vllm_capture_platform()
+        """The installed vLLM's version and whether Triton is there (vLLM's own
+        ``HAS_TRITON``, which decides whether Model Runner V2 can run)."""
+        import vllm
+        from vllm.triton_utils import HAS_TRITON
+
+        major, minor = (int(part) for part in vllm.__version__.split(".")[:2])
+        return CapturePlatform(vllm_version=(major, minor), triton=bool(HAS_TRITON))
 
 
 class VllmEngineFactory(VllmPlatform):
@@ -221,16 +222,6 @@ class VllmEngineFactory(VllmPlatform):
 
     def start(self, kwargs: Mapping[str, object]) -> VllmEngine:
         return VllmEngine.start(kwargs)
-
-
-def vllm_capture_platform() -> CapturePlatform:
-    """The installed vLLM's version and whether Triton is there (vLLM's own ``HAS_TRITON``,
-    which decides whether Model Runner V2 can run)."""
-    import vllm
-    from vllm.triton_utils import HAS_TRITON
-
-    major, minor = (int(part) for part in vllm.__version__.split(".")[:2])
-    return CapturePlatform(vllm_version=(major, minor), triton=bool(HAS_TRITON))
 
 
 def routes_shape(config: object) -> MoeShape | None:
@@ -247,14 +238,6 @@ def routes_shape(config: object) -> MoeShape | None:
     hf = getattr(model, "hf_text_config", None)
     fields = {name: getattr(hf, name, None) for name in MOE_FIELDS}
     return unwrap(moe_shape(fields, type(hf).__name__), BadConfigError, "")
-
-
-def routes_of(out: CompletionOutput, shape: MoeShape | None) -> RoutedExperts | None:
-    """A completion's routes as returned (None when it has none), for ``core.routing``."""
-    raw = out.routed_experts
-    if shape is None or raw is None:
-        return None
-    return RoutedExperts(shape, np.asarray(raw))
 
 
 def sampling_params(
@@ -296,16 +279,10 @@ def _cached_params(
 
 
 def scoring_params(top_k: int) -> SamplingParams:
-    """The request that scores a sequence (``core.scoring``): one forward pass with
-    ``prompt_logprobs=top_k``, one greedy token read by nobody, nothing detokenized, its
-    final output only."""
-    return SamplingParams(
-        max_tokens=1,
-        temperature=0.0,
-        prompt_logprobs=top_k,
-        detokenize=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
+    """The request that scores a sequence (``core.scoring.scoring_kwargs``), its final
+    output only."""
+    kwargs = scoring_kwargs(top_k)
+    return SamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)  # type: ignore[arg-type]
 
 
 def scored_row(
@@ -328,6 +305,7 @@ def engine_capabilities(config: VllmConfig, *, weight_versions: bool = False) ->
     params = inspect.signature(SamplingParams).parameters
     sampling_args = frozenset(name for name in params if not name.startswith("_"))
     media = model.multimodal_config
+    image_fields = {name: getattr(model.hf_config, name, None) for name in IMAGE_TOKEN_FIELDS}
     return EngineCapabilities(
         sleep_mode=current_platform.is_sleep_mode_available() and model.enable_sleep_mode,
         flat_logprobs="flat_logprobs" in sampling_args,
@@ -336,7 +314,7 @@ def engine_capabilities(config: VllmConfig, *, weight_versions: bool = False) ->
         device=current_platform.device_type,
         sampling_args=sampling_args,
         multimodal=media is not None,
-        image_token_id=None if media is None else image_token_id_of(model),
+        image_token_id=None if media is None else image_token_id(image_fields),
         max_images=None if media is None else media.get_limit_per_prompt("image"),
         weight_versions=weight_versions,
         num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
@@ -550,14 +528,12 @@ class VllmEngineBase(Generic[_Llm]):
                 bos = getattr(renderer.get_tokenizer(), "bos_token", None)
                 params = renderer.default_cmpl_tok_params
                 plain = params.with_kwargs(add_special_tokens=False)
-                starts = [isinstance(bos, str) and bool(bos) and p.startswith(bos) for p in prompts]
                 ids: list[list[int]] = [[] for _ in prompts]
-                for bare in (False, True):
-                    rows = [row for row, s in enumerate(starts) if s is bare]
+                for rows, row_params in zip(bos_rows(prompts, bos), (params, plain), strict=True):
                     if not rows:
                         continue
                     texts = [TextPrompt(prompt=prompts[row]) for row in rows]
-                    tokenized = renderer.tokenize_prompts(texts, plain if bare else params)
+                    tokenized = renderer.tokenize_prompts(texts, row_params)
                     for row, prompt in zip(rows, tokenized, strict=True):
                         ids[row] = list(prompt["prompt_token_ids"])
         except REQUEST_ERRORS as e:
@@ -585,13 +561,8 @@ class VllmEngineBase(Generic[_Llm]):
                     f"multi_modal_data[{row}]: vLLM's processor refused the row: "
                     f"{type(e).__name__}: {e}"
                 ) from e
-            expanded = rendered.get("prompt_token_ids")
-            if not isinstance(expanded, list) or len(expanded) < len(prompt):
-                raise EngineContractError(
-                    f"multi_modal_data[{row}]: vLLM rendered {len(prompt)} prompt ids as "
-                    f"{expanded!r:.200}"
-                )
-            lengths.append(len(expanded))
+            expanded = expanded_length(row, len(prompt), rendered.get("prompt_token_ids"))
+            lengths.append(unwrap(expanded, EngineContractError, ""))
         return lengths
 
 
@@ -791,16 +762,6 @@ _RESETS: Final[Mapping[Cache, Callable[[LLM], object]]] = {
     Cache.MM: LLM.reset_mm_cache,
     Cache.ENCODER: lambda llm: llm.llm_engine.reset_encoder_cache(),
 }
-
-
-def image_token_id_of(model: ModelConfig) -> int | None:
-    """The prompt id that stands for one image: the HF config's ``image_token_id``
-    (Idefics3, Qwen2-VL) or ``image_token_index`` (LLaVA, Gemma 3), else None."""
-    for name in ("image_token_id", "image_token_index"):
-        value = getattr(model.hf_config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
 
 
 def token_prompt(prompt: Sequence[int], media: RowMedia | None) -> TokensPrompt:

@@ -17,9 +17,12 @@ from genworker.core.multimodal import (
     MediaErrorKind,
     MediaLayoutError,
     RawMedia,
+    UnreadExpansion,
     check_context,
     check_media,
     check_media_by_info,
+    expanded_length,
+    image_token_id,
     media_layout,
 )
 
@@ -274,3 +277,37 @@ def test_an_info_value_that_is_not_an_int_is_unknown() -> None:
         [[IMAGE]], [1], placeholder_id=None, max_images=None
     )
     assert isinstance(check_media_by_info([[IMAGE]], [1], info), Failure)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"image_token_id": 49190, "image_token_index": 7}, 49190),  # Idefics3, Qwen2-VL
+        ({"image_token_id": None, "image_token_index": 32000}, 32000),  # LLaVA, Gemma 3
+        ({"image_token_id": True, "image_token_index": "<image>"}, None),  # no id in either
+        ({}, None),  # a text-only model's config
+    ],
+)
+def test_the_image_placeholder_is_the_first_field_that_holds_an_id(
+    fields: dict[str, object], expected: int | None
+) -> None:
+    assert image_token_id(fields) == expected
+
+
+@given(st.lists(st.integers(0, 100), max_size=12), st.integers(0, 12))
+def test_an_expansion_is_read_only_when_it_holds_at_least_the_prompt(
+    rendered: list[int], length: int
+) -> None:
+    result = expanded_length(3, length, rendered)
+    if len(rendered) >= length:
+        assert result == Success(len(rendered))
+        return
+    assert isinstance(result, Failure)
+    assert result.failure() == UnreadExpansion(result.failure().message, row=3)
+    assert str(result.failure()).startswith(f"multi_modal_data[3]: vLLM rendered {length} ")
+
+
+def test_an_expansion_that_is_no_list_of_ids_is_refused() -> None:
+    result = expanded_length(0, 2, None)
+    assert isinstance(result, Failure)
+    assert str(result.failure()) == "multi_modal_data[0]: vLLM rendered 2 prompt ids as None"

@@ -19,6 +19,7 @@ from genworker.core.requests import (
     RequestPlan,
     SampleData,
     check_greedy,
+    bos_rows,
     check_text_prompts,
     parse_sample_data,
     plan_requests,
@@ -218,3 +219,16 @@ def test_greedy_is_a_bool_and_nothing_merely_truthy() -> None:
         refused = check_greedy(bad)
         assert isinstance(refused, Failure)
         assert refused.failure() == PlanError(f"greedy must be a bool, got {name}", field="greedy")
+
+
+@given(st.lists(st.sampled_from(["<s>hi", "hi", "<s>", "", "x<s>"]), max_size=8))
+def test_every_text_prompt_is_tokenized_once_and_only_a_bos_start_without_special_tokens(
+    prompts: list[str],
+) -> None:
+    special, bare = bos_rows(prompts, "<s>")
+    assert sorted(special + bare) == list(range(len(prompts)))  # each row once
+    assert special == sorted(special)  # in row order
+    assert bare == sorted(bare)
+    assert bare == [row for row, p in enumerate(prompts) if p.startswith("<s>")]
+    for no_bos in (None, "", 1):  # a tokenizer without a BOS text: every row as it is
+        assert bos_rows(prompts, no_bos) == (list(range(len(prompts))), [])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import attrs
 import numpy as np
 import pytest
@@ -32,6 +34,7 @@ from genworker.core.routing import (
     nemo_rl_routes,
     plan_capture,
     routes_dtype,
+    routes_of,
 )
 from genworker.core.sharding import ShardPlan, merge_shard_outputs
 
@@ -326,3 +329,12 @@ def test_a_config_that_does_not_size_routes_is_no_moe_model(missing: dict[str, o
     assert refused.failure() == NotMoe(refused.failure().message, config="LlamaConfig")
     assert "needs an MoE model" in str(refused.failure())
     assert str(refused.failure()).endswith("got LlamaConfig")
+
+
+def test_a_completions_routes_are_read_only_where_the_engine_returns_them() -> None:
+    shape = MoeShape(num_layers=2, top_k=1, num_experts=4)
+    raw = [[[0], [3]], [[1], [2]]]  # vLLM's array, as any array-like
+    routed = routes_of(types.SimpleNamespace(routed_experts=raw), shape)
+    assert routed == RoutedExperts(shape, np.asarray(raw))
+    assert routes_of(types.SimpleNamespace(routed_experts=None), shape) is None  # none came
+    assert routes_of(types.SimpleNamespace(routed_experts=raw), None) is None  # none asked

@@ -18,6 +18,7 @@ from genworker.core.scoring import (
     assemble_scores,
     plan_scores,
     read_scored_row,
+    scoring_kwargs,
 )
 
 PAD = 0
@@ -241,3 +242,16 @@ def test_prompt_logprobs_that_lack_a_position_are_named(
     assert isinstance(problem, UnreadScores)
     assert error in str(problem)
     assert problem.position == position
+
+
+@given(st.integers(0, 20))
+def test_the_scoring_request_is_one_greedy_undetokenized_token_after_the_prompt_logprobs(
+    top_k: int,
+) -> None:
+    kwargs = scoring_kwargs(top_k)
+    assert kwargs == {
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "prompt_logprobs": top_k,
+        "detokenize": False,
+    }

@@ -3,6 +3,8 @@ per-token layout beside the output contract's logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -24,6 +26,7 @@ from genworker.core.versions import (
     runs_from_tokens,
     staleness,
     uniform_versions,
+    weight_spans,
 )
 
 
@@ -92,6 +95,24 @@ def test_vllm_spans_convert_to_the_same_runs(per_token: list[int]) -> None:
     runs = _runs(per_token)
     result = runs_from_spans(_spans(runs), runs.length)
     assert result == Success(runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _VllmSpan:
+    """vLLM 0.32's ``WeightVersionSpan`` (vllm/outputs.py), as the engine returns it."""
+
+    version: str
+    start: int
+    end: int
+
+
+@given(version_sequences())
+def test_a_completions_labelled_spans_read_as_its_runs(per_token: list[int]) -> None:
+    runs = _runs(per_token)
+    spans = [_VllmSpan(*span) for span in _spans(runs)]
+    assert weight_spans(spans) == tuple(_spans(runs))
+    assert runs_from_spans(weight_spans(spans) or (), runs.length) == Success(runs)
+    assert weight_spans(None) is None  # an engine that does not label its tokens
 
 
 @given(version_sequences(), st.data())

@@ -34,7 +34,7 @@ from refit_helpers import (
 from genworker.core.assembly import Generation, assemble_outputs
 from genworker.core.routing import MoeShape, RoutedExperts
 from genworker.shell.errors import BadConfigError
-from genworker.shell.vllm_engine import vllm_capture_platform
+from genworker.shell.vllm_engine import VllmPlatform
 from genworker.shell.worker import VllmGenerationWorker
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -57,7 +57,7 @@ def _config(model: Path) -> dict[str, object]:
 def test_asking_for_routed_experts_on_vllm_cpu_is_refused_with_the_reason(
     moe_dirs: tuple[Path, Path],
 ) -> None:
-    platform = vllm_capture_platform()
+    platform = VllmPlatform().capture_platform()
     if platform.triton or platform.vllm_version is None or platform.vllm_version < (0, 32):
         pytest.skip(f"this vLLM can capture ({platform}); the refusal is vllm-cpu 0.32's")
     with pytest.raises(BadConfigError, match="Model Runner V2") as refused:
