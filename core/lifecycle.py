@@ -66,6 +66,7 @@ counts too.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
@@ -109,6 +110,7 @@ __all__ = [
     "State",
     "WeightsStatus",
     "allowed_events",
+    "busy_wait",
     "check_can_generate",
     "pause_args",
     "sleep_event",
@@ -537,6 +539,21 @@ def sleep_event(level: object) -> Result[Event, CallError]:
     if level not in (1, 2) or isinstance(level, bool):
         return Failure(CallError(f"sleep level must be 1 or 2, got {level!r}"))
     return Success(Event.SLEEP_L1 if level == 1 else Event.SLEEP_L2)
+
+
+def busy_wait(wait_s: object) -> Result[float, CallError]:
+    """How long a sync worker's call waits for the one in progress (``busy_wait_s``), in
+    seconds, or why ``wait_s`` is no finite number >= 0 (a bool is none)."""
+    if (
+        isinstance(wait_s, bool)
+        or not isinstance(wait_s, int | float)
+        or not math.isfinite(wait_s)
+        or wait_s < 0
+    ):
+        return Failure(
+            CallError(f"busy_wait_s must be a finite number of seconds >= 0, got {wait_s!r}")
+        )
+    return Success(float(wait_s))
 
 
 def pause_args(mode: object, clear_cache: object) -> Result[tuple[InflightMode, bool], CallError]:

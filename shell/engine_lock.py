@@ -19,13 +19,13 @@ pause/resume; this lock is the sync worker's rule.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from genworker.shell.errors import BadArgumentError, EngineStateError
+from genworker.core.lifecycle import busy_wait
+from genworker.shell.errors import BadArgumentError, EngineStateError, unwrap
 
 __all__ = ["EngineLock"]
 
@@ -34,16 +34,7 @@ class EngineLock:
     """A lock that names its holder and waits a bounded time (see the module docstring)."""
 
     def __init__(self, wait_s: float) -> None:
-        if (
-            isinstance(wait_s, bool)
-            or not isinstance(wait_s, int | float)
-            or not math.isfinite(wait_s)
-            or wait_s < 0
-        ):
-            raise BadArgumentError(
-                f"busy_wait_s must be a finite number of seconds >= 0, got {wait_s!r}"
-            )
-        self.wait_s = float(wait_s)
+        self.wait_s = unwrap(busy_wait(wait_s), BadArgumentError, "")
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._holder: tuple[str, float] | None = None

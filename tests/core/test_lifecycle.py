@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -38,6 +39,7 @@ from genworker.core.lifecycle import (
     State,
     WeightsStatus,
     allowed_events,
+    busy_wait,
     check_can_generate,
     pause_args,
     sleep_event,
@@ -771,6 +773,24 @@ def test_sleep_event_takes_levels_one_and_two_only(level: object) -> None:
     else:
         assert isinstance(event, Failure)
         assert event.failure().message == f"sleep level must be 1 or 2, got {level!r}"
+
+
+@given(st.floats() | st.integers(-3, 10**6) | st.booleans() | st.none() | st.text(max_size=2))
+def test_the_busy_wait_is_a_finite_number_of_seconds_not_below_zero(wait_s: object) -> None:
+    checked = busy_wait(wait_s)
+    if (
+        isinstance(wait_s, int | float)
+        and not isinstance(wait_s, bool)
+        and math.isfinite(wait_s)
+        and wait_s >= 0
+    ):
+        assert checked == Success(float(wait_s))
+        assert type(checked.unwrap()) is float
+    else:
+        assert isinstance(checked, Failure)
+        assert checked.failure() == CallError(
+            f"busy_wait_s must be a finite number of seconds >= 0, got {wait_s!r}"
+        )
 
 
 @given(
