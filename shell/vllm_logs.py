@@ -48,28 +48,22 @@ FAILED_TO_LOAD = "%s: Failed to load weights"
 _ALARMS = {INPLACE_LOGGER: NOT_LOADED, LAYERWISE_LOGGER: FAILED_TO_LOAD}
 
 
-class _Hold(logging.Filter):
-    """Keeps the completeness records of the loggers it filters (in ``held``, in emission
-    order); a filter sees only its own logger's records, so ``record.name`` is the one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.held: list[logging.LogRecord] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == _ALARMS.get(record.name):
-            self.held.append(record)
-            return False
-        return True
-
-
 @contextlib.contextmanager
 def refit_loader_alarms(direct: Collection[str], modules: Mapping[str, object]) -> Iterator[None]:
     """Around one refit's loader call: ``direct`` are the parameter names the refit wrote
     straight into parameter memory, ``modules`` the model's modules by name (the class of
     each directly written module, and of each module without a parameter of its own,
     explains one "Failed to load weights")."""
-    hold = _Hold()
+    held: list[logging.LogRecord] = []  # in emission order
+
+    def hold(record: logging.LogRecord) -> bool:
+        """Keep a completeness record back (a filter sees only its own logger's records, so
+        ``record.name`` is the one)."""
+        if record.msg == _ALARMS.get(record.name):
+            held.append(record)
+            return False
+        return True
+
     for name in _ALARMS:
         logging.getLogger(name).addFilter(hold)
     failed = True
@@ -79,7 +73,7 @@ def refit_loader_alarms(direct: Collection[str], modules: Mapping[str, object]) 
     finally:
         for name in _ALARMS:
             logging.getLogger(name).removeFilter(hold)
-        for record in hold.held if failed else _unexplained(hold.held, direct, modules):
+        for record in held if failed else _unexplained(held, direct, modules):
             logging.getLogger(record.name).handle(record)
 
 
