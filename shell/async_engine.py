@@ -100,7 +100,7 @@ from genworker.shell.vllm_engine import (
     token_prompt,
 )
 
-__all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory", "async_engine_arg_names"]
+__all__ = ["AsyncVllmEngine", "AsyncVllmEngineFactory"]
 
 _MP_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 _STOP_CLEANUP_S = 1.0
@@ -111,16 +111,12 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-def async_engine_arg_names() -> frozenset[str]:
-    """The installed vLLM's ``AsyncEngineArgs`` field names."""
-    return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs)) | engine_arg_names()
-
-
 class AsyncVllmEngineFactory(VllmPlatform):
     """:class:`~genworker.shell.ports.AsyncEngineFactory` for the installed vLLM."""
 
     def arg_names(self) -> frozenset[str] | None:
-        return async_engine_arg_names()
+        """The installed vLLM's ``AsyncEngineArgs`` field names."""
+        return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs)) | engine_arg_names()
 
     def start(self, kwargs: Mapping[str, object]) -> AsyncVllmEngine:
         return AsyncVllmEngine.start(kwargs)
