@@ -403,6 +403,10 @@ def test_a_group_larger_than_a_share_is_cut_into_pieces_of_at_most_a_share() -> 
     assert plan.shards == ((0, 1, 2, 3), (4, 5, 6, 7))
 
 
+def test_an_empty_group_changes_nothing() -> None:
+    assert plan_shards([3, 1, 2], 2, groups=[[]]) == plan_shards([3, 1, 2], 2)
+
+
 def test_overlapping_groups_are_a_programming_error() -> None:
     with pytest.raises(ValueError, match="overlap"):
         plan_shards([1, 2, 3], 2, groups=[[0, 1], [1, 2]])
