@@ -54,6 +54,7 @@ __all__ = [
     "GroupError",
     "GroupPath",
     "GroupPlan",
+    "batch_groups",
     "check_declared_groups",
     "drop_declared_groups",
     "order_rows",
@@ -246,6 +247,26 @@ def plan_groups(
         path = GroupPath.PREFIX if per_row else GroupPath.SAMPLES
         groups.append(Group(tuple(rows[p] for p in positions), path))
     return Success(GroupPlan(tuple(groups)))
+
+
+def batch_groups(
+    rows: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    specs: Sequence[SamplingSpec],
+    *,
+    declared: object,
+    batch_size: int,
+    media: bool,
+) -> Result[GroupPlan, GroupError]:
+    """A worker's groups of a batch's generating rows (:func:`plan_groups`): ``declared``,
+    NeMo-RL's ``num_generations_per_prompt`` (an int, or None to recognise them); a batch
+    with media goes row by row."""
+    if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int)):
+        message = f"data['num_generations_per_prompt'] must be an int, got {declared!r}"
+        return Failure(GroupError(message, rows=tuple(range(batch_size)), group_size=0))
+    if media:
+        return Success(GroupPlan(tuple(Group((row,), GroupPath.PREFIX) for row in rows)))
+    return plan_groups(rows, prompts, specs, group_size=declared, batch_size=batch_size)
 
 
 def order_rows(flat: FlatGenerations, rows: Sequence[int]) -> FlatGenerations:

@@ -102,9 +102,11 @@ __all__ = [
     "dtype_problems",
     "explain_cuda_ipc_failure",
     "file_problem",
+    "inflight_seconds",
     "max_message_bytes",
     "nonfinite_refusal",
     "plan_routes",
+    "refit_report",
     "refit_waits",
     "rpc_bound",
     "send_route",
@@ -932,6 +934,28 @@ class RefitReport:
 
     def as_dict(self) -> dict[str, object]:
         return {**attrs.asdict(self, recurse=False), "phases": dict(self.phases)}
+
+
+def refit_report(
+    engine_workers: Sequence[object], resets: Mapping[str, float], **fields: object
+) -> dict[str, object]:
+    """A worker's ``last_refit`` after a refit that succeeded: each engine worker's
+    report, what the refit adds (``fields``: the RPC's seconds, the adapter's name, the
+    in-flight mode, version and timings), then the seconds of each cache reset."""
+    seconds = {f"reset_{cache}_cache_seconds": s for cache, s in resets.items()}
+    return {"engine_workers": engine_workers, **fields, **seconds}
+
+
+def inflight_seconds(
+    started: float, paused: float, rpc_done: float, resumed: float
+) -> dict[str, float]:
+    """An in-flight refit's timings from its clock readings (as it began, once paused,
+    once its RPC returned, once resumed): the pause, the resume and the whole pause."""
+    return {
+        "pause_seconds": paused - started,
+        "resume_seconds": resumed - rpc_done,
+        "paused_seconds": resumed - started,
+    }
 
 
 # -- bounds ---------------------------------------------------------------------------

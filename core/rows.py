@@ -26,12 +26,14 @@ from returns.result import Failure, Result, Success
 
 from genworker.core.assembly import Generation, GenerationOutputs, assemble_outputs
 from genworker.core.batch import BatchError, check_batch
-from genworker.core.versions import VersionRuns, place_versions
+from genworker.core.versions import VersionRuns, place_versions, uniform_versions
 
 __all__ = [
     "RowChecks",
     "assemble_row",
+    "check_prompts",
     "check_rows",
+    "uniform_versioned",
     "versioned_outputs",
     "versioned_row",
 ]
@@ -108,6 +110,24 @@ def check_rows(
         ids, lengths = _with_fillers(ids, lengths, new, pad_token_id)
 
 
+def check_prompts(
+    input_ids: object,
+    input_lengths: object,
+    *,
+    whole: bool,
+    pad_token_id: int,
+    vocab_size: int | None = None,
+    max_model_len: int | None = None,
+) -> Result[RowChecks, BatchError]:
+    """A right-padded batch checked ``whole`` (:func:`check_batch`: a bad row refuses the
+    batch, every row comes back with its prompt) or row by row (:func:`check_rows`)."""
+    limits = {"vocab_size": vocab_size, "max_model_len": max_model_len}
+    if not whole:
+        return check_rows(input_ids, input_lengths, pad_token_id=pad_token_id, **limits)
+    checked = check_batch(input_ids, input_lengths, pad_token_id=pad_token_id, **limits)
+    return checked.map(lambda batch: RowChecks(tuple(enumerate(batch.prompts)), ()))
+
+
 def assemble_row(
     input_ids: torch.Tensor,
     input_lengths: torch.Tensor,
@@ -138,6 +158,19 @@ def versioned_outputs(
     width = int(out["output_ids"].shape[1])
     out["weight_versions"] = place_versions(input_lengths.tolist(), versions, width)
     return out
+
+
+def uniform_versioned(out: GenerationOutputs, version: int) -> dict[str, torch.Tensor]:
+    """``out`` as ``generate``'s contract plus ``weight_versions`` (B, W) int64 for a batch
+    sampled under one ``version`` (the sync worker's: no refit runs inside its
+    ``generate``): ``version`` at every generated token's position, -1 elsewhere."""
+    versions = uniform_versions(
+        out.unpadded_sequence_lengths - out.generation_lengths,
+        out.generation_lengths,
+        int(out.output_ids.shape[1]),
+        version,
+    )
+    return {**out.as_dict(), "weight_versions": versions}
 
 
 def versioned_row(

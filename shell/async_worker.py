@@ -225,6 +225,17 @@ def _for_row(error: GenworkerError, row: int) -> GenworkerError:
     return named
 
 
+async def _every_row(stream: AsyncGenerator[tuple[int, _T | GenworkerError], None]) -> list[_T]:
+    """Every row of ``stream`` in row order; the first row that failed raises."""
+    results: dict[int, _T] = {}
+    async with contextlib.aclosing(stream) as rows:
+        async for row, item in rows:
+            if isinstance(item, GenworkerError):
+                raise item
+            results[row] = item
+    return [results[row] for row in range(len(results))]
+
+
 def _door(
     body: Callable[Concatenate[WorkerSpine[AsyncEnginePort], _P], Steps[_T]],
 ) -> Callable[Concatenate[AsyncVllmGenerationWorker, _P], Coroutine[object, object, _T]]:
@@ -597,15 +608,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         ``weight_versions`` (B, W) int64 (the version of each generated token at its
         position, -1 elsewhere). A bad row refuses the batch; a row that fails raises."""
         input_ids, input_lengths, plan, groups = self._token_plan(data, greedy, whole=True)
-        results: dict[int, RowResult] = {}
-        async with contextlib.aclosing(
-            self._stream(plan, groups, _NO_ROOM, self._generated)
-        ) as rows:
-            async for row, item in rows:
-                if isinstance(item, GenworkerError):
-                    raise item
-                results[row] = item
-        ordered = [results[row] for row in range(len(results))]
+        ordered = await _every_row(self._stream(plan, groups, _NO_ROOM, self._generated))
         made, versions = [r.generation for r in ordered], [r.versions for r in ordered]
         return versioned_outputs(input_ids, input_lengths, made, versions, self.cfg.pad_token_id)
 
@@ -658,13 +661,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         plan = self._text_plan(data, greedy)
         if plan.errors:
             raise plan.errors[0][1]
-        texts: dict[int, str] = {}
-        async with contextlib.aclosing(self._stream(plan, None, "", self._text_row)) as rows:
-            async for row, item in rows:
-                if isinstance(item, GenworkerError):
-                    raise item
-                texts[row] = item
-        return {"texts": [texts[row] for row in range(len(texts))]}
+        return {"texts": await _every_row(self._stream(plan, None, "", self._text_row))}
 
     # -- the operations both workers share (their bodies: WorkerSpine, shell.spine) -----
     sleep = _door(WorkerSpine._sleep)

@@ -34,8 +34,8 @@ from genworker.shell.errors import (
 from genworker.shell.nemo_rl_batches import require_batch_modules
 from genworker.shell.ports import EngineCapabilities
 from genworker.shell.refit.nemo_rl import DEFAULT_SOCKET_DIR
+from genworker.shell.spine import checked_env_names
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
-from genworker.shell.worker import checked_env_names
 
 __all__ = ["NEMO_RL_OUTPUT_KEYS", "SAMPLING_KEYS", "NemoRlMember", "nemo_rl_outputs"]
 

@@ -47,12 +47,12 @@ import torch
 from returns.result import Failure, Result
 
 from genworker.core import lifecycle
-from genworker.core.batch import batch_tensors, check_batch
+from genworker.core.batch import batch_tensors
 from genworker.core.config import WorkerConfig
 from genworker.core.counters import CounterSample, MetricSample, encode_snapshot, worker_counters
 from genworker.core.engine_calls import Cache, RpcCall, is_refit_method
 from genworker.core.engine_plan import plan_engine_kwargs
-from genworker.core.groups import Group, GroupPath, GroupPlan, plan_groups
+from genworker.core.groups import GroupPlan, batch_groups
 from genworker.core.joins import GroupJoin, JoinError, group_join
 from genworker.core.lifecycle import InflightMode
 from genworker.core.lora import NEMO_RL_ADAPTER_NAME, lora_update
@@ -62,6 +62,8 @@ from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import (
     RENDEZVOUS_WAITS,
     Transport,
+    inflight_seconds,
+    refit_report,
     refit_waits,
     rpc_bound,
     wait_bound,
@@ -76,7 +78,7 @@ from genworker.core.requests import (
     text_refusals,
 )
 from genworker.core.routing import CapturePlatform
-from genworker.core.rows import check_rows
+from genworker.core.rows import check_prompts
 from genworker.core.sampling import check_stop_token_ids
 from genworker.core.scoring import ScorePlan, plan_scores
 from genworker.core.stops import StopMode
@@ -527,34 +529,26 @@ class WorkerSpine(Generic[_E]):
         self._check_greedy(greedy)
         input_ids, input_lengths = unwrap(batch_tensors(data), BadBatchError, "generate")
         caps = self.caps
-        limits = {
-            "pad_token_id": self.cfg.pad_token_id,
-            "vocab_size": caps.vocab_size,
-            "max_model_len": caps.max_model_len,
-        }
-        errors: list[tuple[int, GenworkerError]] = []
-        if whole:
-            checked = unwrap(
-                check_batch(input_ids, input_lengths, **limits),  # type: ignore[arg-type]
-                BadBatchError,
-                "generate batch",
-            )
-            prompts: dict[int, Sequence[int]] = dict(enumerate(checked.prompts))
-        else:
-            rows = unwrap(
-                check_rows(input_ids, input_lengths, **limits),  # type: ignore[arg-type]
-                BadBatchError,
-                "generate batch",
-            )
-            errors = [
-                (row, BadBatchError(f"row {row} cannot generate: {error}", detail=error))
-                for row, error in rows.errors
-            ]
-            prompts = dict(rows.prompts)
+        checked = unwrap(
+            check_prompts(
+                input_ids,
+                input_lengths,
+                whole=whole,
+                pad_token_id=self.cfg.pad_token_id,
+                vocab_size=caps.vocab_size,
+                max_model_len=caps.max_model_len,
+            ),
+            BadBatchError,
+            "generate batch",
+        )
+        errors = tuple(
+            (row, BadBatchError(f"row {row} cannot generate: {error}", detail=error))
+            for row, error in checked.errors
+        )
         batch_size = int(input_ids.shape[0])
         media = row_media(data, batch_size, "generate")
-        plan = self._planned(data, batch_size, prompts, greedy, "generate", media)
-        return input_ids, input_lengths, attrs.evolve(plan, errors=tuple(errors))
+        plan = self._planned(data, batch_size, dict(checked.prompts), greedy, "generate", media)
+        return input_ids, input_lengths, attrs.evolve(plan, errors=errors)
 
     def _text_batch(self, data: Mapping[str, object], greedy: bool, *, whole: bool) -> BatchPlan:
         """``generate_text``'s prompts checked, tokenized once (no second BOS) and
@@ -617,20 +611,14 @@ class WorkerSpine(Generic[_E]):
         batch with media goes row by row."""
         requests = plan.requests.requests()
         rows = [row for row, _ in requests]
-        size = data.get("num_generations_per_prompt")
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
-            raise BadBatchError(
-                f"generate: data['num_generations_per_prompt'] must be an int, got {size!r}"
-            )
-        if plan.media:
-            return GroupPlan(tuple(Group((row,), GroupPath.PREFIX) for row in rows))
         groups = unwrap(
-            plan_groups(
+            batch_groups(
                 rows,
                 [plan.prompts[row] for row in rows],
                 [spec for _, spec in requests],
-                group_size=size,
+                declared=data.get("num_generations_per_prompt"),
                 batch_size=plan.batch_size,
+                media=bool(plan.media),
             ),
             BadBatchError,
             "generate",
@@ -883,16 +871,11 @@ class WorkerSpine(Generic[_E]):
         if inflight is not None and not inflight.held:
             yield EngineCall("resume")
         resumed_at = time.monotonic()
-        self.last_refit = {"engine_workers": reports, "rpc_seconds": rpc_done - paused_at}
-        self.last_refit |= {f"reset_{name}_cache_seconds": s for name, s in resets.items()}
+        fields: dict[str, object] = {"rpc_seconds": rpc_done - paused_at}
         if inflight is not None:
-            self.last_refit |= {
-                "mode": inflight.mode.value,
-                "version": self._version,
-                "pause_seconds": paused_at - started,
-                "resume_seconds": resumed_at - rpc_done,
-                "paused_seconds": resumed_at - started,
-            }
+            fields |= {"mode": inflight.mode.value, "version": self._version}
+            fields |= inflight_seconds(started, paused_at, rpc_done, resumed_at)
+        self.last_refit = refit_report(reports, resets, **fields)
         return True
 
     def _pause(self, method: str, inflight: Inflight, bound: float, by: str) -> Steps[None]:
@@ -1095,11 +1078,7 @@ class WorkerSpine(Generic[_E]):
             raise RefitError(f"update_lora: the engine workers disagree on adapter ids: {reports}")
         self.lora_adapters[name] = lora_id
         self._version += 1
-        self.last_refit = {
-            "engine_workers": reports,
-            "adapter": name,
-            **{f"reset_{cache}_cache_seconds": sec for cache, sec in resets.items()},
-        }
+        self.last_refit = refit_report(reports, resets, adapter=name)
 
     def _rpc_steps(
         self,

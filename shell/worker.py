@@ -55,10 +55,12 @@ from genworker.core.placement import bundle_group_size
 from genworker.core.placement import configure_worker as plan_placement
 from genworker.core.refit_protocol import (
     Transport,
+    refit_report,
     refit_waits,
     rpc_bound,
     wait_bound,
 )
+from genworker.core.rows import uniform_versioned
 from genworker.core.scoring import assemble_scores
 from genworker.core.sparse_protocol import (
     check_relay_addresses,
@@ -66,7 +68,6 @@ from genworker.core.sparse_protocol import (
     sparse_steps,
 )
 from genworker.core.stops import StopMode
-from genworker.core.versions import uniform_versions
 from genworker.shell.collector import defer_cyclic_gc
 from genworker.shell.engine_lock import EngineLock
 from genworker.shell.errors import (
@@ -82,28 +83,17 @@ from genworker.shell.host import ephemeral_ports, vllm_cache_root
 from genworker.shell.ports import EngineFactory, EnginePort
 from genworker.shell.refit.sparse import SparseRefitError
 from genworker.shell.spine import (
-    EXTENSION_CLS,
     BatchPlan,
     Drive,
     ExistingEngineFactory,
     Steps,
     WorkerSpine,
-    checked_env_names,
     door_of,
     forward_env,
-    start_engine,
     tally_nonfinite,
-    wake_event,
 )
 
-__all__ = [
-    "EXTENSION_CLS",
-    "ExistingEngine",
-    "VllmGenerationWorker",
-    "checked_env_names",
-    "start_engine",
-    "wake_event",
-]
+__all__ = ["ExistingEngine", "VllmGenerationWorker"]
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +261,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         input_ids, input_lengths, plan = self._token_batch(data, greedy, whole=True)
         if not plan.batch_size:
             empty = assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id)
-            return self._versioned(empty)
+            return uniform_versioned(empty, self._version)
         requests = plan.requests.requests()
         made = _NO_ROWS
         if requests:
@@ -281,9 +271,10 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         generations = (
             made if len(kept) == plan.batch_size else place_rows(made, kept, plan.batch_size)
         )
-        return self._versioned(
-            self._checked(input_ids, input_lengths, generations, plan.context, bool(plan.media))
+        checked = self._checked(
+            input_ids, input_lengths, generations, plan.context, bool(plan.media)
         )
+        return uniform_versioned(checked, self._version)
 
     def _generate_groups(self, data: Mapping[str, object], plan: BatchPlan) -> FlatGenerations:
         """The plan's rows through one engine call, groups as the spine plans them
@@ -316,18 +307,6 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         out = assemble_flat_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
         expanded = [context[row] for row in range(len(context))] if media else None
         return unwrap(check_context(out, caps.max_model_len, expanded), EngineContractError, "")
-
-    def _versioned(self, out: GenerationOutputs) -> dict[str, torch.Tensor]:
-        """The output contract plus ``weight_versions`` (B, W) int64: this worker's
-        version at every generated token's position, -1 elsewhere (the async worker's
-        layout; no refit runs inside a generate)."""
-        versions = uniform_versions(
-            out.unpadded_sequence_lengths - out.generation_lengths,
-            out.generation_lengths,
-            int(out.output_ids.shape[1]),
-            self._version,
-        )
-        return {**out.as_dict(), "weight_versions": versions}
 
     @_serving
     def compute_logprobs(
@@ -515,10 +494,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         self._state = self._move(lifecycle.Event.REFIT_OK)
         self._version += steps.unwrap()
         self._sparse_applied = [s["applied"] for s in statuses]
-        self.last_refit = {
-            "engine_workers": statuses,
-            **{f"reset_{name}_cache_seconds": sec for name, sec in resets.items()},
-        }
+        self.last_refit = refit_report(statuses, resets)
 
     # -- receivers of other refit wires (genworker.shell.nemo_rl) ---------------------
     @_serialized

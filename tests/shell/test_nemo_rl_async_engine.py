@@ -37,7 +37,7 @@ from genworker.shell.async_engine import AsyncVllmEngine, AsyncVllmEngineFactory
 from genworker.shell.nemo_rl import NEMO_RL_OUTPUT_KEYS
 from genworker.shell.nemo_rl_async import NemoRlAsyncGenerationWorker
 from genworker.shell.refit.nemo_rl import CODECS
-from genworker.shell.worker import EXTENSION_CLS
+from genworker.shell.spine import EXTENSION_CLS
 
 pytest_plugins = ["refit_engine_fixtures"]
 

@@ -32,7 +32,8 @@ from genworker.shell.errors import (
     UnsupportedError,
 )
 from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
-from genworker.shell.worker import VllmGenerationWorker, wake_event
+from genworker.shell.spine import wake_event
+from genworker.shell.worker import VllmGenerationWorker
 
 
 def make_worker(**kw: Any) -> tuple[VllmGenerationWorker, FakeEngine]:
@@ -317,7 +318,7 @@ _TAG_EVENTS = {
 def test_wake_event_is_the_tags_event_for_every_non_empty_subset_and_refuses_the_rest(
     tags: object,
 ) -> None:
-    """Both workers' ``wake_up`` (``shell.worker.wake_event``): None wakes all; a list of
+    """Both workers' ``wake_up`` (``shell.spine.wake_event``): None wakes all; a list of
     the two tag names (repeats allowed) wakes those; anything else is refused naming it."""
     wanted = (
         frozenset({"weights", "kv_cache"})
