@@ -54,6 +54,7 @@ __all__ = [
     "GroupError",
     "GroupPath",
     "GroupPlan",
+    "admission_runs",
     "batch_groups",
     "check_declared_groups",
     "drop_declared_groups",
@@ -267,6 +268,17 @@ def batch_groups(
     if media:
         return Success(GroupPlan(tuple(Group((row,), GroupPath.PREFIX) for row in rows)))
     return plan_groups(rows, prompts, specs, group_size=declared, batch_size=batch_size)
+
+
+def admission_runs(
+    rows: Sequence[int], groups: GroupPlan | None, prefix_caching: bool
+) -> list[tuple[int, ...]]:
+    """The runs a stream sends its rows in, each run's siblings once its leader's prefill
+    is done: a group's rows where the engine shares that prefill (prefix caching), else
+    every row alone."""
+    if groups is None or not prefix_caching:
+        return [(row,) for row in rows]
+    return [group.rows for group in groups.groups]
 
 
 def order_rows(flat: FlatGenerations, rows: Sequence[int]) -> FlatGenerations:

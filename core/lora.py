@@ -67,6 +67,7 @@ __all__ = [
     "plan_lora",
     "rank_for",
     "row_adapters",
+    "served_adapter_id",
 ]
 
 VLLM_MAX_LORA_RANKS: Final = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -380,6 +381,14 @@ def check_adapter_name(name: object) -> str | None:
     if isinstance(name, str) and _ADAPTER_NAME.match(name):
         return None
     return f"an adapter name is 1-128 letters, digits or '._/-' (not first), got {name!r}"
+
+
+def served_adapter_id(reports: Sequence[object]) -> int | None:
+    """The ``lora_int_id`` under which every engine worker's report of an adapter refit
+    serves the adapter; None when they disagree or name none."""
+    ids = {r.get("lora_int_id") for r in reports if isinstance(r, dict)}
+    served = ids.pop() if len(ids) == 1 else None
+    return served if isinstance(served, int) else None
 
 
 def lora_update(

@@ -48,7 +48,8 @@ from returns.result import Failure, Result, Success
 
 from genworker.core.batch import BatchError, check_seeds
 from genworker.core.caps import CapArgumentError, CapError, cap_rows, no_room_error
-from genworker.core.engine_calls import EngineBatch
+from genworker.core.config import WorkerConfig
+from genworker.core.engine_calls import EngineBatch, EngineCapabilities
 from genworker.core.errors import CoreError
 from genworker.core.groups import EngineRequest
 from genworker.core.lora import LoraRef, RowAdapterError, row_adapters
@@ -92,6 +93,17 @@ class RequestLimits:
     num_speculative_tokens: int = 0
     #: the engine returns logprobs flat (vLLM's ``flat_logprobs``)
     flat_logprobs: bool = False
+
+    @classmethod
+    def of(cls, config: WorkerConfig, caps: EngineCapabilities) -> RequestLimits:
+        """The limits a worker's ``config`` and its running engine (``caps``) fix."""
+        return cls(
+            max_new_tokens=config.max_new_tokens,
+            max_model_len=caps.max_model_len,
+            cap_to_context=config.vllm.cap_max_tokens_to_context,
+            num_speculative_tokens=caps.num_speculative_tokens,
+            flat_logprobs=caps.flat_logprobs,
+        )
 
 
 @attrs.frozen

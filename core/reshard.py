@@ -96,6 +96,7 @@ __all__ = [
     "plan_engine",
     "plan_reshard",
     "plan_stage",
+    "prepared_params",
     "rank_problems",
     "read_header",
     "ready_to_receive",
@@ -1115,6 +1116,13 @@ def parse_shards(summaries: Iterable[object]) -> Result[list[EngineShard], Resha
         except msgspec.ValidationError as e:
             return Failure(ReshardError(f"not an answer of prepare_nccl_reshard_refit_info: {e}"))
     return Success(out)
+
+
+def prepared_params(summaries: Iterable[object]) -> int:
+    """The most parameters an engine worker planned, from the workers' answers to
+    ``prepare_nccl_reshard_refit_info`` (their ``"params"``; 0 without any)."""
+    counts = (int(s.get("params", 0)) for s in summaries if isinstance(s, dict))
+    return max(counts, default=0)
 
 
 def start_header(refit_id: str, digests: Mapping[int, str]) -> bytes:

@@ -26,13 +26,23 @@ from returns.result import Failure, Result, Success
 
 from genworker.core.assembly import Generation, GenerationOutputs, assemble_outputs
 from genworker.core.batch import BatchError, check_batch
-from genworker.core.versions import VersionRuns, place_versions, uniform_versions
+from genworker.core.errors import CoreError
+from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, check_generation_routes
+from genworker.core.versions import (
+    Counted,
+    VersionRuns,
+    finished_runs,
+    place_versions,
+    uniform_versions,
+)
 
 __all__ = [
     "RowChecks",
+    "RowRefusal",
     "assemble_row",
     "check_prompts",
     "check_rows",
+    "finished_row",
     "uniform_versioned",
     "versioned_outputs",
     "versioned_row",
@@ -126,6 +136,49 @@ def check_prompts(
         return check_rows(input_ids, input_lengths, pad_token_id=pad_token_id, **limits)
     checked = check_batch(input_ids, input_lengths, pad_token_id=pad_token_id, **limits)
     return checked.map(lambda batch: RowChecks(tuple(enumerate(batch.prompts)), ()))
+
+
+@attrs.frozen
+class RowRefusal(CoreError):
+    """A finished streamed row that breaks the engine's contract, in the words of
+    ``generate``'s refusal; ``cause``: the core check that refused it (None for a row
+    past the context)."""
+
+    cause: CoreError | None = None
+
+
+def finished_row(
+    generation: Generation,
+    logprobs: Result[NonFiniteCounts, NonFiniteLogprobs],
+    lengths: tuple[int, int],
+    *,
+    row: int,
+    max_model_len: int,
+    spans: Sequence[tuple[str, int, int]] | None,
+    counted: Counted | None,
+) -> Result[VersionRuns, RowRefusal]:
+    """A finished streamed row checked in order, as ``generate`` checks its rows: its
+    logprobs (``check_generation_logprobs``, given), its context (``lengths``: its
+    prompt's, and what it holds in the context), its weight versions
+    (:func:`~genworker.core.versions.finished_runs`), its routes; its versions, or the
+    first refusal."""
+    prompt, context = lengths
+    if isinstance(logprobs, Failure):
+        return Failure(RowRefusal(f"generate: {logprobs.failure()}", logprobs.failure()))
+    if context + generation.num_tokens > max_model_len:
+        return Failure(
+            RowRefusal(
+                f"row {row} came back longer than max_model_len={max_model_len}: "
+                f"{context} + {generation.num_tokens} tokens"
+            )
+        )
+    runs = finished_runs(generation.num_tokens, row, spans=spans, counted=counted)
+    if isinstance(runs, Failure):
+        return Failure(RowRefusal(str(runs.failure()), runs.failure()))
+    routed = check_generation_routes(generation, prompt, row=row)
+    if isinstance(routed, Failure):
+        return Failure(RowRefusal(f"generate: {routed.failure()}", routed.failure()))
+    return Success(runs.unwrap())
 
 
 def assemble_row(

@@ -91,24 +91,15 @@ from genworker.core import control_plane, lifecycle
 from genworker.core.assembly import Generation
 from genworker.core.counters import LOGGER_METRICS, logger_sample
 from genworker.core.engine_calls import RowRequest
-from genworker.core.groups import GroupPlan
+from genworker.core.groups import GroupPlan, admission_runs
 from genworker.core.lifecycle import InflightMode
-from genworker.core.outputs import (
-    NonFiniteLogprobs,
-    check_generation_logprobs,
-    check_generation_routes,
-)
+from genworker.core.outputs import NonFiniteLogprobs, check_generation_logprobs
 from genworker.core.refit_protocol import Transport
-from genworker.core.rows import versioned_outputs, versioned_row
+from genworker.core.rows import finished_row, versioned_outputs, versioned_row
 from genworker.core.scoring import ScoredRow, assemble_scores
 from genworker.core.serving import metrics_logger_interval, server_options, training_policy
 from genworker.core.stops import StopMode
-from genworker.core.versions import (
-    Counted,
-    VersionRuns,
-    extend_runs,
-    finished_runs,
-)
+from genworker.core.versions import Counted, VersionRuns, extend_runs
 from genworker.shell.errors import (
     BadArgumentError,
     BadConfigError,
@@ -481,22 +472,18 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
             return request.abort_reason or aborted
         checked = check_generation_logprobs(generation, caps.logprobs_mode, row=row)
         tally_nonfinite(self.nonfinite_logprobs, checked)
-        if isinstance(checked, Failure):
-            return EngineContractError.from_core(checked.failure(), "generate")
-        prompt, context = lengths
-        if context + generation.num_tokens > caps.max_model_len:
-            return EngineContractError(
-                f"row {row} came back longer than max_model_len={caps.max_model_len}: "
-                f"{context} + {generation.num_tokens} tokens"
-            )
         counted = None if caps.weight_versions else Counted(request.runs, request.seen, self._label)
-        spans = streamed.version_spans
-        runs = finished_runs(generation.num_tokens, row, spans=spans, counted=counted)
+        runs = finished_row(
+            generation,
+            checked,
+            lengths,
+            row=row,
+            max_model_len=caps.max_model_len,
+            spans=streamed.version_spans,
+            counted=counted,
+        )
         if isinstance(runs, Failure):
-            return EngineContractError.from_core(runs.failure())
-        routed = check_generation_routes(generation, prompt, row=row)
-        if isinstance(routed, Failure):
-            return EngineContractError.from_core(routed.failure(), "generate")
+            return EngineContractError(runs.failure().message, detail=runs.failure().cause)
         return RowResult(generation, runs.unwrap())
 
     async def _stream(
@@ -522,11 +509,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
                 await self._ensure_labelled(engine)
             results: asyncio.Queue[tuple[int, _T | GenworkerError]] = asyncio.Queue()
             spec_of = dict(rows)
-            # siblings wait for their leader only where that shares its prompt's blocks
-            runs: list[tuple[int, ...]] = [(r,) for r, _ in rows]
-            if groups is not None and engine.capabilities.prefix_caching:
-                runs = [g.rows for g in groups.groups]
-            for run in runs:
+            prefix_caching = engine.capabilities.prefix_caching
+            for run in admission_runs(list(spec_of), groups, prefix_caching):
                 prefilled = asyncio.Event() if len(run) > 1 else None
                 for i, row in enumerate(run):
                     request = self._new_request(row)

@@ -49,13 +49,13 @@ from returns.result import Failure, Result
 from genworker.core import lifecycle
 from genworker.core.batch import batch_tensors
 from genworker.core.config import WorkerConfig
-from genworker.core.counters import CounterSample, MetricSample, encode_snapshot, worker_counters
+from genworker.core.counters import MetricSample, encode_snapshot, worker_counters
 from genworker.core.engine_calls import Cache, RpcCall, is_refit_method
 from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.groups import GroupPlan, batch_groups
 from genworker.core.joins import GroupJoin, JoinError, group_join
 from genworker.core.lifecycle import InflightMode
-from genworker.core.lora import NEMO_RL_ADAPTER_NAME, lora_update
+from genworker.core.lora import NEMO_RL_ADAPTER_NAME, lora_update, served_adapter_id
 from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, nonfinite_seen
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, env_names, forwarded_env_names
 from genworker.core.refit_plan import Manifest
@@ -494,7 +494,6 @@ class WorkerSpine(Generic[_E]):
         text: bool = False,
     ) -> RequestPlan:
         """``core.requests``'s plan of ``rows`` (``(batch row, context length)``)."""
-        caps = self.caps
         samples = parse_sample_data(
             data,
             batch_size,
@@ -503,13 +502,7 @@ class WorkerSpine(Generic[_E]):
             served=self.lora_adapters,
             default_adapter=NEMO_RL_ADAPTER_NAME if self.cfg.lora.native else None,
         )
-        limits = RequestLimits(
-            max_new_tokens=self.cfg.max_new_tokens,
-            max_model_len=caps.max_model_len,
-            cap_to_context=self.cfg.vllm.cap_max_tokens_to_context,
-            num_speculative_tokens=caps.num_speculative_tokens,
-            flat_logprobs=caps.flat_logprobs,
-        )
+        limits = RequestLimits.of(self.cfg, self.caps)
         planned = samples.bind(
             lambda s: plan_requests(self.cfg, limits, s, rows, greedy=greedy, text=text)
         )
@@ -1073,8 +1066,7 @@ class WorkerSpine(Generic[_E]):
     def _lora_ok(self, name: str, reports: list[object], resets: Mapping[str, float]) -> None:
         """An adapter refit succeeded on every engine worker: ``name`` serves its
         ``lora_int_id`` and the weights are one version newer."""
-        ids = {r.get("lora_int_id") for r in reports if isinstance(r, dict)}
-        if len(ids) != 1 or not isinstance(lora_id := ids.pop(), int):
+        if (lora_id := served_adapter_id(reports)) is None:
             raise RefitError(f"update_lora: the engine workers disagree on adapter ids: {reports}")
         self.lora_adapters[name] = lora_id
         self._version += 1
@@ -1099,9 +1091,6 @@ class WorkerSpine(Generic[_E]):
         return raise_failures(_list_of(results, object, "collective_rpc"), label)
 
     # -- observability ------------------------------------------------------------------
-    def _own_counters(self) -> list[CounterSample]:
-        return worker_counters(self.cache_resets, self.nonfinite_logprobs)
-
     def _report_device_id(self) -> Steps[list[str]]:
         """Each engine worker's device id."""
         return _list_of((yield EngineCall("device_ids")), str, "device_ids")
@@ -1115,7 +1104,8 @@ class WorkerSpine(Generic[_E]):
         samples = [s for s in metrics if isinstance(s, MetricSample)]
         if len(samples) != len(metrics):
             raise EngineContractError(f"metrics returned {metrics!r}, not only samples")
-        return encode_snapshot([*samples, *self._own_counters()])
+        own = worker_counters(self.cache_resets, self.nonfinite_logprobs)
+        return encode_snapshot([*samples, *own])
 
     def multimodal_info(self) -> dict[str, int | None]:
         """The engine's image placeholder id and per-prompt image limit (the group checks

@@ -60,6 +60,7 @@ from genworker.core.refit_protocol import (
     rpc_bound,
     wait_bound,
 )
+from genworker.core.reshard import prepared_params
 from genworker.core.rows import uniform_versioned
 from genworker.core.scoring import assemble_scores
 from genworker.core.sparse_protocol import (
@@ -544,9 +545,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
             )
         self._reshard_params = None
         summaries = self._rpc("prepare_nccl_reshard_refit_info", dict(refit_info))
-        self._reshard_params = max(
-            (int(s.get("params", 0)) for s in summaries if isinstance(s, dict)), default=0
-        )
+        self._reshard_params = prepared_params(summaries)
         return summaries
 
     @_serialized
