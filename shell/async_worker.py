@@ -7,47 +7,34 @@ The streaming drive loop over :class:`~genworker.shell.spine.WorkerSpine`, the b
 shares with :class:`~genworker.shell.worker.VllmGenerationWorker` (config, checks, the
 request plan of ``core.requests``, lifecycle, sleep and wake with their cache resets, the
 refit preamble, counters, the RPC error map); the difference is that every row is its own
-engine request, so rows finish, fail and change weights apart.
+engine request, so rows finish, fail and change weights apart. What a caller sees (rows
+as they finish, typed row errors, ending a stream, the refit's modes and its failure, one
+event loop): ``docs/async.md``; how it is done:
 
-- ``generate_async(data)`` checks the batch row by row (``core.rows.check_rows``): a batch
-  wrong as a whole raises, a row that cannot generate comes back at once as
-  ``(row, BadBatchError)``; every other row becomes one request, run as its own task, and
-  comes back as ``(row, output)`` when it finishes: ``output`` is ``generate``'s contract
-  for that one row cut to its own length (``core.rows.assemble_row``) plus
-  ``weight_versions``. A row without room for a token once speculative decoding holds its
-  slots back (``core.caps.cap_rows``) comes back unchanged with no tokens, as the sync
-  worker's does. A row that fails later (the engine died, a refit failed, the worker shut
-  down) comes back as ``(row, error)`` with a typed error; the others go on.
+- ``generate_async(data)`` checks the batch row by row (``core.rows.check_rows``) and
+  runs every row that can generate as its own request and task; each comes back as
+  ``generate``'s contract for that one row cut to its own length
+  (``core.rows.assemble_row``) plus ``weight_versions``. A row without room for a token
+  once speculative decoding holds its slots back (``core.caps.cap_rows``) comes back
+  unchanged with no tokens, as the sync worker's does.
 - Images come as the sync worker takes them (``multi_modal_data``, or NeMo-RL's
   ``vllm_images`` / ``vllm_content``; ``genworker.shell.media``): checked against the
   placeholders, the caps on the expanded prompt, a row with prompt text started from its
   ids; a bad image refuses the whole batch before anything runs. An in-flight refit on a
   multimodal engine must clear the caches (``clear_cache=False`` is refused: vLLM 0.32's
   engine core dies at the next image, "Encoder cache miss").
-- A consumer that stops iterating (``break``, ``aclose()``, a cancelled task) ends the
-  stream: its unfinished requests are cancelled, which aborts them in vLLM
-  (``AsyncLLM.generate`` aborts on ``CancelledError``), and aborted again by id. A stream
-  left for the garbage collector ends on the next loop turn; ``contextlib.aclosing``
-  ends it at once.
+- Ending a stream cancels its unfinished requests, which aborts them in vLLM
+  (``AsyncLLM.generate`` aborts on ``CancelledError``), and aborts them again by id.
 - The lifecycle (``core.lifecycle.TABLE``): a stream opens with ``STREAM_OPEN`` and the
   last one to end fires ``STREAMS_DONE``; sleeping and resetting the prefix cache are
   refused while streams run. Sleep and wake are the sync worker's (``shell.spine``).
-- In-flight refit (``update_weights_via_ipc_zmq`` / ``update_weights_from_collective``):
-  the lifecycle enters refitting at once (a second refit is refused), the engine is paused
-  as by ``AsyncLLM.pause_generation(mode, clear_cache)`` (without its 20 ms sleep,
-  ``AsyncVllmEngine.pause``), the engine workers receive the
-  weights over the refit transports (the same extension RPCs as the sync worker), the
-  weight version goes up by one, and the engine resumes. ``mode`` (``InflightMode``):
-  ``keep`` (default) freezes running requests, which continue on the new weights (with
-  ``clear_cache=True`` vLLM re-prefills them on the new weights,
-  ``Scheduler.reset_prefix_cache(reset_running_requests=True)``); ``wait`` lets them
-  finish on the old weights first; ``abort`` drops them (their rows come back as
-  ``RequestAbortedError``). Requests submitted during the refit queue in the paused
-  engine and run on the new weights. ``timeout_s`` bounds each wait (the pause, and each
-  of the refit protocol's waits, ``core.refit_protocol``), as in the sync worker. A refit
-  that fails leaves the version where it was, aborts every request in flight (each row
-  comes back as ``RefitError``), resumes the engine, and leaves the weights inconsistent:
-  new work is refused until a refit succeeds. ``refit_via`` (and ``init_collective_via``)
+- In-flight refit: the lifecycle enters refitting at once (a second refit is refused),
+  the engine is paused as by ``AsyncLLM.pause_generation(mode, clear_cache)`` (without its
+  20 ms sleep, ``AsyncVllmEngine.pause``), the engine workers receive the weights over the
+  refit transports (the same extension RPCs as the sync worker), and the engine resumes;
+  ``keep`` with ``clear_cache=True`` re-prefills the running requests on the new weights
+  (``Scheduler.reset_prefix_cache(reset_running_requests=True)``). A refit that fails
+  ends every row in flight as ``RefitError``. ``refit_via`` (and ``init_collective_via``)
   run the same in-flight refit through another extension receiver: NeMo-RL's trainer
   wire, ``nemo_rl_*`` (``shell.nemo_rl_async``).
 - Weight versions (``core.versions``): version 0 is the weights loaded, each good refit
@@ -58,8 +45,7 @@ engine request, so rows finish, fail and change weights apart.
   before it have all come through (vLLM sends every output of the steps before a
   ``keep``/``wait`` pause before the pause's answer, ``EngineCoreProc.pause_scheduler``),
   so the count is exact there too.
-- Events: the worker lives on ONE asyncio event loop (the engine's output handler runs on
-  the loop of the first request); build it anywhere, then await it from that loop.
+- One event loop: the engine's output handler runs on the loop of the first request.
 """
 
 from __future__ import annotations
