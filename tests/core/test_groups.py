@@ -17,6 +17,8 @@ from genworker.core.groups import (
     GroupError,
     GroupPath,
     GroupPlan,
+    admission_runs,
+    batch_groups,
     check_declared_groups,
     drop_declared_groups,
     order_rows,
@@ -203,3 +205,38 @@ def test_a_declared_layout_is_checked_and_dropped_and_other_keys_kept() -> None:
     refused = drop_declared_groups(data, [[1], [1], [1], [2]])
     assert refused == check_declared_groups(2, [[1], [1], [1], [2]])
     assert isinstance(refused, Failure)
+
+
+@given(group_batches(), st.none() | st.integers(1, 4))
+def test_a_workers_groups_are_plan_groups_and_a_batch_with_media_goes_row_by_row(
+    batch: Batch, declared: int | None
+) -> None:
+    """Without media a worker's groups are ``plan_groups``' of the declared size; with
+    media every row is its own group, whatever was declared."""
+    rows, prompts, specs = batch
+    size = max(rows, default=-1) + 1
+    planned = batch_groups(rows, prompts, specs, declared=declared, batch_size=size, media=False)
+    assert planned == plan_groups(rows, prompts, specs, group_size=declared, batch_size=size)
+    alone = batch_groups(rows, prompts, specs, declared=declared, batch_size=size, media=True)
+    assert alone == Success(GroupPlan(tuple(Group((row,), GroupPath.PREFIX) for row in rows)))
+
+
+@pytest.mark.parametrize("declared", [True, 2.0, "2"])
+def test_a_declared_size_that_is_not_an_int_refuses_the_batch_naming_it(declared: object) -> None:
+    refused = batch_groups(
+        [0, 1], [[1], [1]], [SPEC, SPEC], declared=declared, batch_size=2, media=True
+    )
+    assert refused == Failure(
+        GroupError(
+            f"data['num_generations_per_prompt'] must be an int, got {declared!r}",
+            rows=(0, 1),
+            group_size=0,
+        )
+    )
+
+
+def test_a_streams_rows_go_alone_unless_the_engine_shares_a_leaders_prefill() -> None:
+    groups = GroupPlan((Group((0, 2), GroupPath.PREFIX), Group((1,), GroupPath.SAMPLES)))
+    assert admission_runs([0, 1, 2], groups, True) == [(0, 2), (1,)]
+    assert admission_runs([0, 1, 2], groups, False) == [(0,), (1,), (2,)]
+    assert admission_runs([0, 1, 2], None, True) == [(0,), (1,), (2,)]

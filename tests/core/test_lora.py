@@ -29,6 +29,7 @@ from genworker.core.lora import (
     plan_lora,
     rank_for,
     row_adapters,
+    served_adapter_id,
 )
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S, Transport
@@ -461,3 +462,13 @@ def test_lora_update_refuses_the_first_bad_argument_naming_it(
     checked = lora_update(name, timeout_s, transport)
     assert isinstance(checked, Failure)
     assert named in checked.failure().message
+
+
+def test_an_adapter_serves_under_the_id_every_engine_worker_reports() -> None:
+    """One ``lora_int_id`` on every worker is the adapter's; workers that disagree, name
+    none or name a non-int one serve no id the worker can trust."""
+    assert served_adapter_id([{"lora_int_id": 3}, {"lora_int_id": 3}, "noise"]) == 3
+    assert served_adapter_id([{"lora_int_id": 3}, {"lora_int_id": 4}]) is None
+    assert served_adapter_id([{"lora_int_id": "3"}]) is None
+    assert served_adapter_id([{}]) is None
+    assert served_adapter_id([]) is None

@@ -891,3 +891,30 @@ def test_a_replay_expects_what_was_sent_in_order_at_the_same_place(
             assert (here.ref, here.packed) == (f"ref{tag}", packed)
             assert replay.expects(index, held, ("t", index, held, tag + 1)) is None
     assert replay.expects(len(chunks), 0, ("t", len(chunks), 0, 0)) is None
+
+
+@given(
+    st.lists(st.integers()),
+    st.dictionaries(st.sampled_from(["prefix", "mm", "encoder"]), st.floats(0, 10)),
+)
+def test_a_refit_report_holds_the_workers_reports_its_fields_and_each_resets_seconds(
+    reports: list[int], resets: dict[str, float]
+) -> None:
+    report = p.refit_report(reports, resets, adapter="a")
+    assert report["engine_workers"] == reports
+    assert report["adapter"] == "a"
+    for cache, seconds in resets.items():
+        assert report[f"reset_{cache}_cache_seconds"] == seconds
+    assert len(report) == 2 + len(resets)
+
+
+@given(st.lists(st.floats(0, 1e6), min_size=4, max_size=4).map(sorted))
+def test_an_inflight_refits_pause_and_resume_add_up_to_the_whole_pause(
+    clock: list[float],
+) -> None:
+    started, paused, rpc_done, resumed = clock
+    seconds = p.inflight_seconds(started, paused, rpc_done, resumed)
+    assert seconds["pause_seconds"] == paused - started
+    assert seconds["resume_seconds"] == resumed - rpc_done
+    assert seconds["paused_seconds"] == resumed - started
+    assert min(seconds.values()) >= 0

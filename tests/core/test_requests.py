@@ -11,7 +11,8 @@ from strategies import RequestCase, request_cases
 
 from genworker.core.batch import BatchError
 from genworker.core.caps import CapArgumentError, reserved_tokens
-from genworker.core.engine_calls import EngineBatch
+from genworker.core.config import WorkerConfig
+from genworker.core.engine_calls import EngineBatch, EngineCapabilities
 from genworker.core.groups import EngineRequest
 from genworker.core.requests import (
     PlanError,
@@ -232,3 +233,35 @@ def test_every_text_prompt_is_tokenized_once_and_only_a_bos_start_without_specia
     assert bare == [row for row, p in enumerate(prompts) if p.startswith("<s>")]
     for no_bos in (None, "", 1):  # a tokenizer without a BOS text: every row as it is
         assert bos_rows(prompts, no_bos) == (list(range(len(prompts))), [])
+
+
+def test_the_request_limits_are_the_configs_caps_and_the_running_engines() -> None:
+    """``RequestLimits.of``: the new-token cap and the context cap from the config, the
+    context, speculative slots and logprob layout from the engine."""
+    vllm_cfg = {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "gpu_memory_utilization": 0.5,
+        "max_model_len": 32,
+        "precision": "float32",
+        "cap_max_tokens_to_context": True,
+    }
+    raw = {"backend": "vllm", "model_name": "m", "max_new_tokens": 7, "vllm_cfg": vllm_cfg}
+    config = WorkerConfig.from_mapping(
+        {**raw, "temperature": 1.0, "top_p": 1.0, "top_k": None, "_pad_token_id": 0}
+    ).unwrap()
+    caps = EngineCapabilities(
+        sleep_mode=False,
+        flat_logprobs=True,
+        vocab_size=None,
+        max_model_len=48,
+        device="cpu",
+        num_speculative_tokens=2,
+    )
+    assert RequestLimits.of(config, caps) == RequestLimits(
+        max_new_tokens=7,
+        max_model_len=48,
+        cap_to_context=True,
+        num_speculative_tokens=2,
+        flat_logprobs=True,
+    )

@@ -46,6 +46,7 @@ from genworker.core.reshard import (
     plan_engine,
     plan_reshard,
     plan_stage,
+    prepared_params,
     rank_problems,
     read_header,
     ready_to_receive,
@@ -885,3 +886,9 @@ def test_a_layer_without_a_size_its_split_needs_is_named() -> None:
         ["e.weight"],
     )
     assert unset == Failure(ReshardError("V has no 'tp_rank': no reshard layout"))
+
+
+def test_the_reshard_plans_parameters_are_the_most_any_engine_worker_planned() -> None:
+    assert prepared_params([{"params": 3}, {"params": 5}, {}, "noise"]) == 5
+    assert prepared_params([{}]) == 0
+    assert prepared_params([]) == 0

@@ -3,22 +3,36 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 from returns.result import Failure, Success
 from strategies import AssemblyCase, WildBatch, assembly_cases, wild_batches
 
 from genworker.core.assembly import Generation, assemble_outputs
 from genworker.core.batch import BatchError, BatchErrorKind, check_batch
+from genworker.core.outputs import NonFiniteLogprobs, check_generation_logprobs
+from genworker.core.routing import MoeShape, RoutedExperts, RoutesRefused
 from genworker.core.rows import (
     RowChecks,
+    RowRefusal,
     assemble_row,
+    check_prompts,
     check_rows,
+    finished_row,
+    uniform_versioned,
     versioned_outputs,
     versioned_row,
 )
-from genworker.core.versions import NO_VERSION, runs_from_tokens
+from genworker.core.versions import (
+    NO_VERSION,
+    Counted,
+    VersionError,
+    VersionRuns,
+    runs_from_tokens,
+)
 
 
 def _tensors(case: WildBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,3 +185,85 @@ def test_versioned_outputs_label_exactly_the_generated_tokens(case: AssemblyCase
         end = int(whole["unpadded_sequence_lengths"][row])
         assert one["weight_versions"].tolist() == [expected[:end]]
         assert torch.equal(one["output_ids"][0], whole["output_ids"][row, :end])
+
+
+@given(wild_batches())
+def test_a_batch_checked_whole_is_check_batch_and_row_by_row_is_check_rows(
+    case: WildBatch,
+) -> None:
+    """``check_prompts``: whole, every row with its prompt and no errors, or check_batch's
+    refusal; row by row, exactly check_rows."""
+    ids, lengths = _tensors(case)
+    limits = {"vocab_size": case.vocab_size, "max_model_len": case.max_model_len}
+    pad = case.pad_token_id
+    whole = check_prompts(ids, lengths, whole=True, pad_token_id=pad, **limits)
+    batch = check_batch(ids, lengths, pad_token_id=pad, **limits)
+    if isinstance(batch, Success):
+        prompts = tuple(enumerate(batch.unwrap().prompts))
+        assert whole == Success(RowChecks(prompts=prompts, errors=()))
+    else:
+        assert whole == batch
+    rows = check_prompts(ids, lengths, whole=False, pad_token_id=pad, **limits)
+    assert rows == check_rows(ids, lengths, pad_token_id=pad, **limits)
+
+
+@given(assembly_cases(), st.integers(0, 7))
+def test_uniform_versions_are_the_versioned_outputs_of_one_version(
+    case: AssemblyCase, version: int
+) -> None:
+    """A batch sampled under one version: the contract of ``versioned_outputs`` with
+    every row's tokens under that version."""
+    b = case.batch
+    out = assemble_outputs(b.input_ids, b.input_lengths, list(case.generations), b.pad_token_id)
+    runs = [VersionRuns.uniform(version, g.num_tokens) for g in case.generations]
+    expected = versioned_outputs(
+        b.input_ids, b.input_lengths, case.generations, runs, b.pad_token_id
+    )
+    got = uniform_versioned(out, version)
+    assert got.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
+
+
+_MAX_LEN = 8
+_SHAPE = MoeShape(num_layers=1, top_k=1, num_experts=2)
+
+
+def _finished(
+    generation: Generation, lengths: tuple[int, int] = (2, 2), counted: Counted | None = None
+) -> object:
+    checked = check_generation_logprobs(generation, "raw_logprobs", row=3)
+    spans = [("0", 0, generation.num_tokens)] if counted is None else None
+    return finished_row(
+        generation, checked, lengths, row=3, max_model_len=_MAX_LEN, spans=spans, counted=counted
+    )
+
+
+def test_a_finished_row_within_its_contract_comes_back_with_its_versions() -> None:
+    """Labelled spans, or the worker's count closed under the version now."""
+    generation = Generation([5, 6, 7], [-0.1, -0.2, -0.3], "stop")
+    assert _finished(generation) == Success(VersionRuns((0,), (0,), 3))
+    counted = Counted(VersionRuns((0,), (0,), 1), 2, 1)
+    assert _finished(generation, counted=counted) == Success(VersionRuns((0, 1), (0, 1), 3))
+
+
+def test_a_finished_row_is_refused_by_the_first_rule_it_breaks_in_generates_words() -> None:
+    """Non-finite logprobs, then the context, then the versions, then the routes; the
+    refusal reads as ``generate``'s and keeps the core check that refused it."""
+    nan = _finished(Generation([5], [float("nan")], "stop"))
+    assert isinstance(nan, Failure)
+    assert nan.failure().message.startswith("generate: ")
+    assert isinstance(nan.failure().cause, NonFiniteLogprobs)
+    long = _finished(Generation([5, 6, 7], None, "stop"), lengths=(2, 6))
+    assert long == Failure(RowRefusal("row 3 came back longer than max_model_len=8: 6 + 3 tokens"))
+    miscounted = _finished(
+        Generation([5], None, "stop"), counted=Counted(VersionRuns((), (), 0), 2, 0)
+    )
+    assert isinstance(miscounted, Failure)
+    assert isinstance(miscounted.failure().cause, VersionError)
+    assert miscounted.failure().message == str(miscounted.failure().cause)
+    routes = RoutedExperts(_SHAPE, np.zeros((1, 1, 1), np.int32))
+    misrouted = _finished(Generation([5, 6], None, "stop", routes))
+    assert isinstance(misrouted, Failure)
+    assert misrouted.failure().message.startswith("generate: ")
+    assert isinstance(misrouted.failure().cause, RoutesRefused)
