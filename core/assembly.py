@@ -251,7 +251,8 @@ def place_rows(flat: FlatGenerations, rows: Sequence[int], batch_size: int) -> F
     """``flat``'s rows at positions ``rows`` (strictly increasing, one per row of ``flat``)
     of a batch of ``batch_size``; every other row is empty (no tokens, neither truncated
     nor aborted), as a row the engine never saw. The flat token and logprob arrays are shared, not copied:
-    empty rows add nothing to them and the order of the others is kept."""
+    empty rows add nothing to them and the order of the others is kept; ``flat`` itself
+    when its rows are the whole batch."""
     positions = np.asarray(rows, dtype=np.int64).reshape(-1)
     if (
         positions.shape[0] != flat.batch_size
@@ -263,6 +264,8 @@ def place_rows(flat: FlatGenerations, rows: Sequence[int], batch_size: int) -> F
             f"place_rows needs {flat.batch_size} strictly increasing rows in "
             f"[0, {batch_size}); got {positions.tolist()}"
         )
+    if flat.batch_size == batch_size:
+        return flat
     lengths = np.zeros(batch_size, dtype=np.int64)
     truncated = np.zeros(batch_size, dtype=np.bool_)
     aborted = np.zeros(batch_size, dtype=np.bool_)

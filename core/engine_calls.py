@@ -155,6 +155,11 @@ class Cache(enum.StrEnum):
         """The engine call that resets it (``reset_prefix_cache``...), as vLLM names it."""
         return f"reset_{self.value}_cache"
 
+    @property
+    def label(self) -> str:
+        """Its name in a sentence (``prefix cache``, ``multimodal cache``...)."""
+        return "multimodal cache" if self is Cache.MM else f"{self.value} cache"
+
 
 @attrs.frozen
 class RpcCall:

@@ -108,6 +108,7 @@ __all__ = [
     "plan_routes",
     "refit_report",
     "refit_waits",
+    "rendezvous_bounds",
     "rpc_bound",
     "send_route",
     "topology_problems",
@@ -1000,6 +1001,12 @@ def refit_waits(tensors: int, transport: Transport) -> int:
 def rpc_bound(waits: int, per_wait_s: float) -> float:
     """The engine call's bound: more than ``waits`` waits of ``per_wait_s`` each."""
     return waits * per_wait_s + GRACE_S
+
+
+def rendezvous_bounds(timeout_s: object) -> Result[tuple[float, float], BudgetError]:
+    """A group join's bound of each wait (``timeout_s``, :func:`wait_bound`) and its
+    engine call's bound (:data:`RENDEZVOUS_WAITS` of them)."""
+    return wait_bound(timeout_s).map(lambda bound: (bound, rpc_bound(RENDEZVOUS_WAITS, bound)))
 
 
 def max_message_bytes(manifest: Manifest) -> int:

@@ -80,7 +80,7 @@ from genworker.core.engine_calls import RowRequest
 from genworker.core.groups import GroupPlan, admission_runs
 from genworker.core.lifecycle import InflightMode
 from genworker.core.outputs import NonFiniteLogprobs, check_generation_logprobs
-from genworker.core.refit_protocol import Transport
+from genworker.core.refit_protocol import Transport, rendezvous_bounds
 from genworker.core.rows import finished_row, versioned_outputs, versioned_row
 from genworker.core.scoring import ScoredRow, assemble_scores
 from genworker.core.serving import metrics_logger_interval, server_options, training_policy
@@ -333,11 +333,7 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
     def _close_stream(self) -> None:
         self._streams -= 1
         if self._streams == 0 and self._state.streaming:
-            self._state = unwrap(
-                lifecycle.transition(self._state, lifecycle.Event.STREAMS_DONE),
-                EngineStateError,
-                "streams_done",
-            )
+            self._commit(lifecycle.Event.STREAMS_DONE, "streams_done")
 
     @contextlib.asynccontextmanager
     async def in_flight(self) -> AsyncIterator[AsyncEnginePort]:
@@ -758,7 +754,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         """Join the trainer's group of vLLM's weight-transfer wire (``init_info`` as vLLM's
         ``/init_weight_transfer_engine`` takes it; the refit backend ``vllm_wire``); returns
         once every engine worker joined, each one's rank."""
-        bound, outer = self._rendezvous_bounds("init_weight_transfer", timeout_s)
+        bounds = rendezvous_bounds(timeout_s)
+        bound, outer = unwrap(bounds, BadArgumentError, "init_weight_transfer")
         return await self._rpc("refit_init", "vllm_wire", dict(init_info), bound, timeout=outer)
 
     async def update_weights_from_wire(

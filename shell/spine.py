@@ -60,7 +60,6 @@ from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, nonfinite
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, env_names, forwarded_env_names
 from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import (
-    RENDEZVOUS_WAITS,
     Transport,
     inflight_seconds,
     refit_report,
@@ -133,7 +132,6 @@ _F = TypeVar("_F", bound=Callable[..., object])
 _Started_co = TypeVar("_Started_co", covariant=True)
 #: What an engine's sleep or wake raises only before it touched its memory (EnginePort.sleep).
 _REFUSALS = (BadArgumentError, EngineStateError, UnsupportedError)
-_CACHES = {"prefix": "prefix cache", "mm": "multimodal cache", "encoder": "encoder cache"}
 
 
 class ExistingEngineFactory(Generic[_E]):
@@ -741,7 +739,7 @@ class WorkerSpine(Generic[_E]):
                     if refit is None:
                         raise
                     raise RefitError(
-                        f"{refit}: the new weights are in, but resetting the {_CACHES[name]} "
+                        f"{refit}: the new weights are in, but resetting the {Cache(name).label} "
                         f"failed ({e}), so it may still serve what the old weights computed; "
                         "the weights count as inconsistent until a refit succeeds"
                     ) from e
@@ -771,12 +769,6 @@ class WorkerSpine(Generic[_E]):
         if self._manifest is None:
             raise EngineStateError(f"{method} needs prepare_refit_info first")
         return bound, rpc_bound(refit_waits(len(self._manifest), transport), bound)
-
-    @staticmethod
-    def _rendezvous_bounds(method: str, timeout_s: object) -> tuple[float, float]:
-        """A group join's per-wait bound (``timeout_s`` checked) and its RPC's outer bound."""
-        bound = unwrap(wait_bound(timeout_s), BadArgumentError, method)
-        return bound, rpc_bound(RENDEZVOUS_WAITS, bound)
 
     @staticmethod
     def _manifest_of(state_dict_info: Mapping[str, tuple[Sequence[int], object]]) -> Manifest:

@@ -264,17 +264,10 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
             empty = assemble_outputs(input_ids, input_lengths, [], self.cfg.pad_token_id)
             return uniform_versioned(empty, self._version)
         requests = plan.requests.requests()
-        made = _NO_ROWS
-        if requests:
-            made = self._generate_groups(data, plan)
+        made = self._generate_groups(data, plan) if requests else _NO_ROWS
         # Rows without room come back empty, as if never sent.
-        kept = [row for row, _ in requests]
-        generations = (
-            made if len(kept) == plan.batch_size else place_rows(made, kept, plan.batch_size)
-        )
-        checked = self._checked(
-            input_ids, input_lengths, generations, plan.context, bool(plan.media)
-        )
+        generations = place_rows(made, [row for row, _ in requests], plan.batch_size)
+        checked = self._checked(input_ids, input_lengths, generations, plan)
         return uniform_versioned(checked, self._version)
 
     def _generate_groups(self, data: Mapping[str, object], plan: BatchPlan) -> FlatGenerations:
@@ -292,12 +285,11 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         input_ids: torch.Tensor,
         input_lengths: torch.Tensor,
         generations: FlatGenerations,
-        context: Mapping[int, int],
-        media: bool,
+        plan: BatchPlan,
     ) -> GenerationOutputs:
         """The engine's rows, before any reaches the trainer: non-finite logprobs (G11; one
-        vectorised pass when all are finite), aborted rows (G14) and rows past the context,
-        named by batch row."""
+        vectorised pass when all are finite), aborted rows (G14) and rows past the context
+        (with media, what ``plan`` holds in it), named by batch row."""
         caps = self.caps
         checked = check_logprobs(generations.logprobs, generations.lengths, caps.logprobs_mode)
         tally_nonfinite(self.nonfinite_logprobs, checked)
@@ -306,7 +298,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         prompts = input_lengths.cpu().to(torch.int64).numpy()
         unwrap(check_routed_experts(generations, prompts), EngineContractError, "generate")
         out = assemble_flat_outputs(input_ids, input_lengths, generations, self.cfg.pad_token_id)
-        expanded = [context[row] for row in range(len(context))] if media else None
+        expanded = [plan.context[row] for row in range(len(plan.context))] if plan.media else None
         return unwrap(check_context(out, caps.max_model_len, expanded), EngineContractError, "")
 
     @_serving

@@ -918,3 +918,14 @@ def test_an_inflight_refits_pause_and_resume_add_up_to_the_whole_pause(
     assert seconds["resume_seconds"] == resumed - rpc_done
     assert seconds["paused_seconds"] == resumed - started
     assert min(seconds.values()) >= 0
+
+
+@given(st.floats(0.001, 1e6) | st.none())
+def test_a_group_join_waits_its_bound_rendezvous_times_and_a_grace(timeout_s: float | None) -> None:
+    bound, outer = p.rendezvous_bounds(timeout_s).unwrap()
+    assert bound == (p.DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    assert outer == p.rpc_bound(p.RENDEZVOUS_WAITS, bound) > p.RENDEZVOUS_WAITS * bound
+
+
+def test_a_group_joins_bad_timeout_is_refused_as_wait_bound_refuses_it() -> None:
+    assert p.rendezvous_bounds(-1) == p.wait_bound(-1)
