@@ -52,7 +52,7 @@ from genworker.core.config import WorkerConfig
 from genworker.core.counters import MetricSample, encode_snapshot, worker_counters
 from genworker.core.engine_calls import Cache, RpcCall, is_refit_method
 from genworker.core.engine_plan import plan_engine_kwargs
-from genworker.core.groups import GroupPlan, batch_groups
+from genworker.core.groups import DECLARED_GROUPS, GroupPlan, batch_groups
 from genworker.core.joins import GroupJoin, JoinError, group_join
 from genworker.core.lifecycle import InflightMode
 from genworker.core.lora import NEMO_RL_ADAPTER_NAME, lora_update, served_adapter_id
@@ -71,6 +71,7 @@ from genworker.core.requests import (
     PlanError,
     RequestLimits,
     RequestPlan,
+    check_greedy,
     check_text_prompts,
     parse_sample_data,
     plan_requests,
@@ -478,11 +479,6 @@ class WorkerSpine(Generic[_E]):
         self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, call)
 
     # -- the request plan ---------------------------------------------------------------
-    @staticmethod
-    def _check_greedy(greedy: object) -> None:
-        if not isinstance(greedy, bool):
-            raise BadArgumentError(f"greedy must be a bool, got {type(greedy).__name__}")
-
     def _plan(
         self,
         data: Mapping[str, object],
@@ -517,7 +513,7 @@ class WorkerSpine(Generic[_E]):
     ) -> tuple[torch.Tensor, torch.Tensor, BatchPlan]:
         """A right-padded batch checked and planned; ``whole``: a bad row refuses the
         batch (else it is set aside with its error, ``core.rows.check_rows``)."""
-        self._check_greedy(greedy)
+        unwrap(check_greedy(greedy), BadArgumentError, "")
         input_ids, input_lengths = unwrap(batch_tensors(data), BadBatchError, "generate")
         caps = self.caps
         checked = unwrap(
@@ -544,7 +540,7 @@ class WorkerSpine(Generic[_E]):
     def _text_batch(self, data: Mapping[str, object], greedy: bool, *, whole: bool) -> BatchPlan:
         """``generate_text``'s prompts checked, tokenized once (no second BOS) and
         planned; ``whole``: a bad prompt refuses the batch naming every such prompt."""
-        self._check_greedy(greedy)
+        unwrap(check_greedy(greedy), BadArgumentError, "")
         if not isinstance(data, Mapping):
             raise BadBatchError(f"generate_text: data must be a mapping, got {type(data).__name__}")
         checked = check_text_prompts(data.get("prompts"))
@@ -607,7 +603,7 @@ class WorkerSpine(Generic[_E]):
                 rows,
                 [plan.prompts[row] for row in rows],
                 [spec for _, spec in requests],
-                declared=data.get("num_generations_per_prompt"),
+                declared=data.get(DECLARED_GROUPS),
                 batch_size=plan.batch_size,
                 media=bool(plan.media),
             ),
