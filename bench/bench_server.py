@@ -178,14 +178,8 @@ async def _layer_cost(worker: Any) -> tuple[float, float]:
     layer = RolloutLayer(
         answer,
         worker,
-        policy=live.policy,
-        max_new_tokens=live.max_new_tokens,
-        max_model_len=live.max_model_len,
-        cap_to_context=live.cap_to_context,
-        num_speculative_tokens=live.num_speculative_tokens,
+        rules=live.rules,
         decode=live.decode,
-        reuses_prompt_ids=live.reuses_prompt_ids,
-        vocab_size=live.vocab_size,
     )
     bodies = [json.dumps(request_body("m", i, TOKENS)).encode() for i in range(64)]
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}

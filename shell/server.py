@@ -73,7 +73,6 @@ from genworker.core.serving import (
     DEV_MODE_VARIABLE,
     ROUTES_FIELD,
     BadRequest,
-    HttpLimits,
     SamplingPolicy,
     ServerOptions,
     check_body_length,
@@ -161,39 +160,13 @@ class RolloutLayer:
 
     app: ASGIApp = attrs.field(kw_only=False)
     hooks: RolloutHooks = attrs.field(kw_only=False)
-    policy: SamplingPolicy | None
-    max_new_tokens: int
-    max_model_len: int
-    cap_to_context: bool
-    num_speculative_tokens: int
+    rules: PromptRules
     decode: Callable[[Sequence[int], bool], str]
-    reuses_prompt_ids: bool
-    vocab_size: int
     body_timeout_s: float = BODY_READ_TIMEOUT_S
-    chat_template: str | None = None
     captures_routes: bool = False
     control: ControlRoutes | None = None
-    limits: HttpLimits = attrs.field(init=False)
-    rules: PromptRules = attrs.field(init=False)
     #: The generation requests in flight, each with the reason it was aborted (or None).
     _running: dict[asyncio.Task[object], str | None] = attrs.field(init=False, factory=dict)
-
-    @limits.default
-    def _limits(self) -> HttpLimits:
-        return http_limits(self.max_model_len, self.vocab_size)
-
-    @rules.default
-    def _rules(self) -> PromptRules:
-        return PromptRules(
-            policy=self.policy,
-            max_new_tokens=self.max_new_tokens,
-            max_model_len=self.max_model_len,
-            cap_to_context=self.cap_to_context,
-            num_speculative_tokens=self.num_speculative_tokens,
-            limits=self.limits,
-            reuses_prompt_ids=self.reuses_prompt_ids,
-            chat_template=self.chat_template,
-        )
 
     def abort_all(self, reason: str) -> int:
         """End every generation request in flight (vLLM aborts it: ``AsyncLLM.generate``
@@ -211,7 +184,7 @@ class RolloutLayer:
         if raw is None:  # answered, or the client is gone
             return
         if scope.get("method") != "POST" or scope.get("path") not in _GENERATE_PATHS:
-            nested = check_nesting(raw, self.limits)  # vLLM's json.loads recurses
+            nested = check_nesting(raw, self.rules.limits)  # vLLM's json.loads recurses
             if isinstance(nested, Failure):
                 await _refuse(send, nested.failure())
                 return
@@ -227,7 +200,7 @@ class RolloutLayer:
                     return
             await self.app(scope, _replay(raw, receive), send)
             return
-        parsed = parse_body(raw, self.limits)
+        parsed = parse_body(raw, self.rules.limits)
         if isinstance(parsed, Failure):
             problem = parsed.failure()
             if isinstance(problem, BadRequest):
@@ -263,7 +236,7 @@ class RolloutLayer:
         went away."""
         declared = content_length(scope)
         if declared is not None:
-            checked = check_body_length(declared, self.limits)
+            checked = check_body_length(declared, self.rules.limits)
             if isinstance(checked, Failure):
                 await _refuse(send, checked.failure())
                 return None
@@ -277,7 +250,7 @@ class RolloutLayer:
                         return None
                     chunk = field_of(message, "body", bytes, b"")
                     size += len(chunk)
-                    checked = check_body_length(size, self.limits)
+                    checked = check_body_length(size, self.rules.limits)
                     if isinstance(checked, Failure):
                         await _refuse(send, checked.failure())
                         return None
@@ -675,18 +648,22 @@ class OpenAIServer:
         def decode(ids: Sequence[int], skip_special: bool) -> str:
             return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special))
 
+        max_model_len = int(model_config.max_model_len)
+        rules = PromptRules(
+            policy=policy,
+            max_new_tokens=max_new_tokens,
+            max_model_len=max_model_len,
+            cap_to_context=cap_to_context,
+            num_speculative_tokens=num_speculative_tokens,
+            limits=http_limits(max_model_len, _vocab_size(model_config, tokenizer)),
+            reuses_prompt_ids=chat_takes_prompt_ids(),
+            chat_template=self.options.chat_template,
+        )
         layer = RolloutLayer(
             app,
             hooks,
-            policy=policy,
-            max_new_tokens=max_new_tokens,
-            max_model_len=int(model_config.max_model_len),
-            cap_to_context=cap_to_context,
-            num_speculative_tokens=num_speculative_tokens,
+            rules=rules,
             decode=decode,
-            reuses_prompt_ids=chat_takes_prompt_ids(),
-            vocab_size=_vocab_size(model_config, tokenizer),
-            chat_template=self.options.chat_template,
             captures_routes=captures_routes,
             control=self._control(llm, control),
         )

@@ -18,7 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from genworker.core.config import WorkerConfig
-from genworker.core.serving import ServerOptions, http_max_tokens, training_policy
+from genworker.core.server_prompts import PromptRules
+from genworker.core.serving import ServerOptions, http_limits, http_max_tokens, training_policy
 from genworker.shell.errors import BadConfigError, EngineStateError
 from genworker.shell.server import (
     DEV_MODE_VARIABLE,
@@ -136,14 +137,16 @@ def layer(
     return RolloutLayer(
         app,
         hooks,
-        policy=training_policy(config()),
-        max_new_tokens=8,
-        max_model_len=32,
-        cap_to_context=True,
-        num_speculative_tokens=0,
+        rules=PromptRules(
+            policy=training_policy(config()),
+            max_new_tokens=8,
+            max_model_len=32,
+            cap_to_context=True,
+            num_speculative_tokens=0,
+            limits=http_limits(32, VOCAB),
+            reuses_prompt_ids=True,
+        ),
         decode=decode,
-        reuses_prompt_ids=True,
-        vocab_size=VOCAB,
         body_timeout_s=body_timeout_s,
         captures_routes=captures_routes,
     )
@@ -733,7 +736,7 @@ def test_a_stalled_body_gets_408_and_the_connection_closed_within_the_bound(path
 def test_a_body_declared_past_the_limit_is_413_unread() -> None:
     app, hooks = StandIn(), Hooks()
     asgi = layer(app, hooks)
-    limit = asgi.limits.max_body_bytes
+    limit = asgi.rules.limits.max_body_bytes
     sent = asyncio.run(
         exchange(asgi, "/v1/completions", [], [(b"content-length", str(limit + 1).encode())])
     )
@@ -748,7 +751,7 @@ def test_a_chunked_body_past_the_limit_is_413_once_it_passes() -> None:
     app, hooks = StandIn(), Hooks()
     asgi = layer(app, hooks)
     chunk = b" " * (1 << 20)
-    chunks = asgi.limits.max_body_bytes // len(chunk) + 1
+    chunks = asgi.rules.limits.max_body_bytes // len(chunk) + 1
     messages = [{"type": "http.request", "body": chunk, "more_body": True}] * (chunks + 5)
     sent = asyncio.run(exchange(asgi, "/v1/completions", messages))
     assert answer(sent)[0] == 413
