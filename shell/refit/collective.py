@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from genworker.core import refit_protocol as p
+from genworker.core import refit_transport as rt
 from genworker.core.joins import GroupJoinWire, group_join
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.core.refit_wire import Handle, Reply, encode
@@ -103,11 +104,11 @@ def foreign_errors(
         broken()
         if isinstance(e, GenworkerError):
             raise
-        elapsed = time.monotonic() - started
-        if isinstance(e, TimeoutError) or elapsed >= 0.95 * bound_s:
-            raise RefitTimeoutError(f"{what} on {peer}: not done within {bound_s:g}s ({e})") from e
-        message = f"{what} on {peer} failed after {elapsed:.1f}s: {type(e).__name__}: {e}"
-        raise RefitTransportError(message) from e
+        elapsed, error = time.monotonic() - started, (type(e).__name__, str(e))
+        ours = rt.foreign_failure(
+            what, peer, bound_s, elapsed, error, timeout=isinstance(e, TimeoutError)
+        )
+        raise (RefitTimeoutError if ours.timed_out else RefitTransportError)(ours.message) from e
 
 
 def spin_until(done: Callable[[], bool], deadline: float, what: str) -> None:
@@ -269,22 +270,19 @@ class CollectiveGroup:
             raise problem  # the group failed under us: no one to tell
         pg, n = self._group(), self.world_size
         codes = torch.zeros(n, dtype=torch.int32, device=self.device)
-        codes[self.rank] = 0 if problem is None else KINDS.index(kind_of(problem)) + 1
+        codes[self.rank] = rt.status_code(None if problem is None else kind_of(problem), KINDS)
         with self._foreign(f"the status round after {what}", bound_s):
             self._wait(pg.allreduce([codes]), time.monotonic() + bound_s)
-            failed = {r: KINDS[c - 1] for r, c in enumerate(codes.cpu().tolist()) if c}
+            failed = rt.status_failures(codes.cpu().tolist(), KINDS)
             if failed:
-                raw = (str(problem) if problem else "").encode()[:1024].ljust(1024, b"\0")
+                raw = rt.status_frame(str(problem) if problem else "")
                 mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
                 outs = [torch.empty_like(mine) for _ in range(n)]
                 self._wait(pg.allgather([outs], [mine]), time.monotonic() + bound_s)
         if problem is not None:
             raise problem
         if failed:
-            said = (_bytes(outs[r]).rstrip(b"\0").decode(errors="replace") for r in failed)
-            text = "; ".join(f"rank {r}: {m}" for r, m in zip(failed, said, strict=True))
-            kind = next(iter(failed.values()))
-            raise error_of(kind, f"the weight-update group failed {what}: {text}")
+            raise error_of(*rt.group_failure(what, failed, [_bytes(out) for out in outs]))
 
     def _break(self) -> None:
         self.broken = True

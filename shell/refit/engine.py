@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Final, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import attrs
 import torch
@@ -67,8 +67,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-MIN_CAP: Final = 1 << 20  # an inbound message cap at least (and before prepare_refit_info)
 
 
 def parameters(model: nn.Module) -> tuple[dict[str, torch.Tensor], tuple[Entry, ...]]:

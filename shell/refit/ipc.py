@@ -20,7 +20,6 @@ makes a fresh REQ socket (R2).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import shutil
@@ -38,10 +37,11 @@ from zmq.utils.monitor import recv_monitor_message
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.core.refit_protocol import Replay
+from genworker.core.refit_transport import is_loopback, message_cap
 from genworker.core.refit_wire import Handle, Listing, Reply, encode, encode_chunk, listing
 from genworker.shell.errors import BadConfigError, RefitError, RefitTimeoutError
 from genworker.shell.refit.door import Holding
-from genworker.shell.refit.engine import MIN_CAP, EngineContext
+from genworker.shell.refit.engine import EngineContext
 from genworker.shell.refit.memory import (
     Exporter,
     Mappings,
@@ -259,8 +259,7 @@ class IpcBackend(IpcHolder):
 
     def _limit(self, manifest: Manifest | None) -> None:
         if self.held is not None:
-            cap = p.max_message_bytes(manifest) if manifest else 0
-            self.held.limit(max(MIN_CAP, cap))
+            self.held.limit(message_cap(manifest))
 
     def init(self, tcp_host: str | None = None) -> str:
         """The address a ``RefitSender.ipc`` connects to (bound once)."""
@@ -279,13 +278,6 @@ class IpcBackend(IpcHolder):
         if self.held is None:
             return {"address": None, "mapped": 0}
         return {"address": self.held.address, "mapped": len(self.held.mappings)}
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _pack(buffer: StagingBuffer, offset: int, tensor: torch.Tensor) -> None:

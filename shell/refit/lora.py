@@ -41,6 +41,7 @@ from genworker.core.lora import (
     check_adapter_name,
 )
 from genworker.core.refit_plan import Manifest
+from genworker.core.refit_transport import message_cap, transport_of
 from genworker.shell.errors import (
     BadArgumentError,
     EngineStateError,
@@ -48,9 +49,9 @@ from genworker.shell.errors import (
     RefitManifestError,
     unwrap,
 )
-from genworker.shell.refit.engine import MIN_CAP, EngineContext
+from genworker.shell.refit.engine import EngineContext
 from genworker.shell.refit.ipc import IpcHolder, IpcReceiver
-from genworker.shell.refit.receiver import receive
+from genworker.shell.refit.receiver import ParameterSink, receive
 
 if TYPE_CHECKING:
     from vllm.model_executor.models.utils import WeightsMapper
@@ -60,18 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["LoraBackend"]
 
 log = logging.getLogger(__name__)
-
-
-class _CpuSink:
-    """No direct routes: every adapter tensor goes through the loader."""
-
-    device = torch.device("cpu")
-
-    def target(self, name: str) -> torch.Tensor:
-        raise RefitError(f"adapter tensor {name!r} has no direct route")
-
-    def finish(self, names: Iterable[str]) -> None:
-        return None
 
 
 def _names_only(mapper: object) -> WeightsMapper | None:
@@ -130,7 +119,7 @@ class LoraBackend(IpcHolder):
         if self.held is None:
             self.held = IpcReceiver(self.engine.device, tcp_host=tcp_host)
         if self.adapter is not None:
-            self.held.limit(max(MIN_CAP, p.max_message_bytes(self.adapter.manifest)))
+            self.held.limit(message_cap(self.adapter.manifest))
         return self.held.address
 
     def receive(
@@ -163,7 +152,7 @@ class LoraBackend(IpcHolder):
         report = receive(
             port,
             self.adapter.manifest,
-            _CpuSink(),
+            ParameterSink({}),  # no direct routes: every tensor to the loader
             routes=p.Routes(),
             timeout_s=bound,
             loader=collect,
@@ -179,11 +168,8 @@ class LoraBackend(IpcHolder):
     def _port(self, transport: str) -> RefitPort:
         """The port an adapter refit over ``transport`` arrives on."""
         assert self.held is not None
-        if transport == p.Transport.IPC.value:
+        if unwrap(transport_of(transport), BadArgumentError, "") is p.Transport.IPC:
             return self.held
-        if transport != p.Transport.COLLECTIVE.value:
-            known = [t.value for t in p.Transport]
-            raise BadArgumentError(f"transport must be one of {known}, got {transport!r}")
         if self.engine.group_port is None:
             raise EngineStateError("an adapter refit over the collective needs init_collective")
         return cast("RefitPort", self.engine.group_port)

@@ -1,0 +1,116 @@
+"""What genworker's refit transports decide besides the protocol: the small rules of
+``shell/refit/``'s sockets and groups, as plain values.
+
+- A receiver binds a TCP socket on a loopback address unless told otherwise
+  (:func:`is_loopback`); its inbound messages are capped (:func:`message_cap`: ZMQ drops a
+  larger one's connection unread).
+- A foreign error inside a weight-update group (torch's, gloo's, NCCL's) is a timeout when
+  it says so or came at its bound, else a transport failure with its text
+  (:func:`foreign_failure`; NCCL reports an expired wait as a plain error).
+- A status round (``CollectiveGroup.settle``): every rank all-reduces one code (0: ok,
+  else its error's kind, :func:`status_code`); when any rank failed, every rank
+  all-gathers its message in a fixed-size frame (:func:`status_frame`), and the round's
+  failure names each failed rank and its message, typed as the first one's kind
+  (:func:`group_failure`).
+- An adapter refit arrives over one of the :class:`~.refit_protocol.Transport` values
+  (:func:`transport_of`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from genworker.core.errors import CoreError
+from genworker.core.refit_plan import Manifest
+from genworker.core.refit_protocol import Transport, max_message_bytes
+
+__all__ = [
+    "MIN_MESSAGE_CAP",
+    "STATUS_FRAME_BYTES",
+    "ForeignFailure",
+    "foreign_failure",
+    "group_failure",
+    "is_loopback",
+    "message_cap",
+    "status_code",
+    "status_failures",
+    "status_frame",
+    "transport_of",
+]
+
+#: A receiver's inbound message cap at least (and before ``prepare_refit_info``).
+MIN_MESSAGE_CAP: Final = 1 << 20
+#: A rank's message in a failed status round, truncated or padded with NULs to this size.
+STATUS_FRAME_BYTES: Final = 1024
+#: A foreign error this close to its bound (a fraction of it) is taken for a timeout.
+_AT_THE_BOUND: Final = 0.95
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback IP address."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def message_cap(manifest: Manifest | None) -> int:
+    """The inbound message cap of a receiver of ``manifest`` (None: before one)."""
+    return max(MIN_MESSAGE_CAP, max_message_bytes(manifest) if manifest else 0)
+
+
+@attrs.frozen
+class ForeignFailure:
+    """A foreign error as ours: a timeout (``timed_out``) or a transport failure."""
+
+    timed_out: bool
+    message: str
+
+
+def foreign_failure(
+    what: str, peer: str, bound_s: float, elapsed_s: float, error: tuple[str, str], *, timeout: bool
+) -> ForeignFailure:
+    """A foreign ``error`` (its type's name, its text) raised while ``what`` ran on ``peer``
+    ``elapsed_s`` into its bound ``bound_s``; ``timeout``: the error is a timeout."""
+    kind, text = error
+    if timeout or elapsed_s >= _AT_THE_BOUND * bound_s:
+        return ForeignFailure(True, f"{what} on {peer}: not done within {bound_s:g}s ({text})")
+    return ForeignFailure(False, f"{what} on {peer} failed after {elapsed_s:.1f}s: {kind}: {text}")
+
+
+def status_code(kind: str | None, kinds: Sequence[str]) -> int:
+    """A rank's code in a status round: 0 when ``kind`` is None (ok), else its error's
+    kind's place in ``kinds`` plus one."""
+    return 0 if kind is None else kinds.index(kind) + 1
+
+
+def status_failures(codes: Sequence[int], kinds: Sequence[str]) -> dict[int, str]:
+    """The ranks that failed a status round (their codes, all-reduced), each one's kind."""
+    return {rank: kinds[code - 1] for rank, code in enumerate(codes) if code}
+
+
+def status_frame(message: str) -> bytes:
+    """A rank's message in a failed status round, in :data:`STATUS_FRAME_BYTES` bytes."""
+    return message.encode()[:STATUS_FRAME_BYTES].ljust(STATUS_FRAME_BYTES, b"\0")
+
+
+def group_failure(what: str, failed: Mapping[int, str], frames: Sequence[bytes]) -> tuple[str, str]:
+    """The kind and message of a status round after ``what`` that ``failed`` (rank: kind),
+    from every rank's frame (:func:`status_frame`)."""
+    said = (frames[rank].rstrip(b"\0").decode(errors="replace") for rank in failed)
+    text = "; ".join(f"rank {r}: {m}" for r, m in zip(failed, said, strict=True))
+    return next(iter(failed.values())), f"the weight-update group failed {what}: {text}"
+
+
+def transport_of(name: str) -> Result[Transport, CoreError]:
+    """The transport named ``name``, or why not."""
+    for transport in Transport:
+        if transport.value == name:
+            return Success(transport)
+    known = [t.value for t in Transport]
+    return Failure(CoreError(f"transport must be one of {known}, got {name!r}"))
