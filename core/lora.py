@@ -61,6 +61,7 @@ __all__ = [
     "adapter_capacity",
     "adapter_id",
     "adapter_path",
+    "adapter_transport",
     "check_adapter",
     "check_adapter_name",
     "lora_update",
@@ -401,11 +402,16 @@ def lora_update(
     bound = wait_bound(timeout_s)
     if isinstance(bound, Failure):
         return bound
+    return adapter_transport(transport).map(lambda known: (bound.unwrap(), known))
+
+
+def adapter_transport(transport: object) -> Result[Transport, AdapterError]:
+    """The transport an adapter refit arrives over, named by its value."""
     known = {t.value: t for t in Transport}
     if not isinstance(transport, str) or transport not in known:
         message = f"transport must be one of {sorted(known)}, got {transport!r}"
         return Failure(AdapterError(message))
-    return Success((bound.unwrap(), known[transport]))
+    return Success(known[transport])
 
 
 def _peft_problems(peft: Mapping[str, object]) -> list[str]:

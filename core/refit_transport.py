@@ -12,8 +12,6 @@
   all-gathers its message in a fixed-size frame (:func:`status_frame`), and the round's
   failure names each failed rank and its message, typed as the first one's kind
   (:func:`group_failure`).
-- An adapter refit arrives over one of the :class:`~.refit_protocol.Transport` values
-  (:func:`transport_of`).
 """
 
 from __future__ import annotations
@@ -23,11 +21,9 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 import attrs
-from returns.result import Failure, Result, Success
 
-from genworker.core.errors import CoreError
 from genworker.core.refit_plan import Manifest
-from genworker.core.refit_protocol import Transport, max_message_bytes
+from genworker.core.refit_protocol import max_message_bytes
 
 __all__ = [
     "MIN_MESSAGE_CAP",
@@ -40,7 +36,6 @@ __all__ = [
     "status_code",
     "status_failures",
     "status_frame",
-    "transport_of",
 ]
 
 #: A receiver's inbound message cap at least (and before ``prepare_refit_info``).
@@ -105,12 +100,3 @@ def group_failure(what: str, failed: Mapping[int, str], frames: Sequence[bytes])
     said = (frames[rank].rstrip(b"\0").decode(errors="replace") for rank in failed)
     text = "; ".join(f"rank {r}: {m}" for r, m in zip(failed, said, strict=True))
     return next(iter(failed.values())), f"the weight-update group failed {what}: {text}"
-
-
-def transport_of(name: str) -> Result[Transport, CoreError]:
-    """The transport named ``name``, or why not."""
-    for transport in Transport:
-        if transport.value == name:
-            return Success(transport)
-    known = [t.value for t in Transport]
-    return Failure(CoreError(f"transport must be one of {known}, got {name!r}"))

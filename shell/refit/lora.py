@@ -37,11 +37,12 @@ from genworker.core.lora import (
     EngineLora,
     adapter_capacity,
     adapter_id,
+    adapter_transport,
     check_adapter,
     check_adapter_name,
 )
 from genworker.core.refit_plan import Manifest
-from genworker.core.refit_transport import message_cap, transport_of
+from genworker.core.refit_transport import message_cap
 from genworker.shell.errors import (
     BadArgumentError,
     EngineStateError,
@@ -168,7 +169,7 @@ class LoraBackend(IpcHolder):
     def _port(self, transport: str) -> RefitPort:
         """The port an adapter refit over ``transport`` arrives on."""
         assert self.held is not None
-        if unwrap(transport_of(transport), BadArgumentError, "") is p.Transport.IPC:
+        if unwrap(adapter_transport(transport), BadArgumentError, "") is p.Transport.IPC:
             return self.held
         if self.engine.group_port is None:
             raise EngineStateError("an adapter refit over the collective needs init_collective")

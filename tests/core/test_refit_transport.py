@@ -1,12 +1,11 @@
 """The refit transports' own rules (``core.refit_transport``): loopback binds, message
-caps, foreign errors typed, status rounds, adapter transports."""
+caps, foreign errors typed, status rounds."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from returns.result import Failure, Success
 
 from genworker.core import refit_protocol as p
 from genworker.core import refit_transport as rt
@@ -72,11 +71,3 @@ def test_a_failed_status_round_names_each_failed_rank_as_the_first_ones_kind() -
         == "the weight-update group failed the end of the refit: rank 1: bad tensor; rank 3: late"
     )
     assert rt.status_frame("é").rstrip(b"\0").decode() == "é"
-
-
-def test_an_adapter_transport_is_named_by_its_value() -> None:
-    assert rt.transport_of("ipc") == Success(p.Transport.IPC)
-    assert rt.transport_of("collective") == Success(p.Transport.COLLECTIVE)
-    refused = rt.transport_of("nccl")
-    assert isinstance(refused, Failure)
-    assert str(refused.failure()) == "transport must be one of ['ipc', 'collective'], got 'nccl'"
