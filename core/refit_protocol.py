@@ -242,6 +242,15 @@ class EngineParam:
     writable: bool
     sharded: bool = False
 
+    @classmethod
+    def of(cls, spec: TensorSpec, method: str | None, filled: bool, sharded: bool) -> EngineParam:
+        """``spec``'s parameter, its module quantized by ``method`` (the class name of its
+        ``quant_method``, None when it has none: vLLM's unquantized ones are
+        ``Unquantized...``); ``filled``: every parameter of the module holds data and this
+        one is contiguous."""
+        unquantized = method is None or method.startswith("Unquantized")
+        return cls(spec.name, spec.name.rpartition(".")[0], spec, unquantized and filled, sharded)
+
 
 @attrs.frozen
 class Routes:
@@ -252,6 +261,17 @@ class Routes:
 
     def route(self, name: str) -> Route:
         return Route.DIRECT if name in self.direct else Route.LOADER
+
+    def answer(self, manifest: Manifest) -> dict[str, object]:
+        """``prepare_refit_info``'s answer for ``manifest`` routed so: its digest, its
+        tensors, and how many go direct and how many through the loader."""
+        direct = len(self.direct)
+        return {
+            "manifest_digest": manifest.digest(),
+            "tensors": len(manifest),
+            "direct": direct,
+            "loaded": len(manifest) - direct,
+        }
 
 
 def plan_routes(manifest: Manifest, params: Iterable[EngineParam], *, sharded_ok: bool) -> Routes:

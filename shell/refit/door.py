@@ -1,25 +1,11 @@
 """The one door every refit family goes through on the engine side: the
 :class:`RefitBackend` interface, the registry of backends, and :class:`Door`, the one
-state an engine worker keeps for all of them.
-
-Modelled on vLLM's weight transfer (``vllm/distributed/weight_transfer/``:
-``WeightTransferEngine`` with ``init_transfer_engine`` / ``receive_weights`` /
-``shutdown``, and ``WeightTransferEngineFactory.register_engine(name, module, class)``,
-which imports a backend's module only when a worker first asks for it). A backend is
-built from the :class:`~genworker.shell.refit.engine.EngineContext` the extension hands
-it (never the extension itself), and answers five verbs, each a plain-valued call:
-
-- ``init(...)``: set up or re-set up the transport (join a group, bind or connect a
-  socket, take a plan); idempotent where its transport is;
-- ``receive(...)``: take one refit into the engine, every wait bounded;
-- ``status(...)``: what a caller checks (addresses, counts, why weights diverged);
-- ``release()``: give the trainer's memory back; how many mappings it let go;
-- ``close()``: let go of everything; how many transports it closed; idempotent.
-
-A backend raises the library's typed errors; the door returns them as values
-(``refit.wire.failure``) so they cross vLLM's ``collective_rpc`` intact. Adding a
-backend: its rules in a core module, its bytes (both ends) in one ``shell/refit/``
-module, and one :func:`register_backend` line below.
+state an engine worker keeps for all of them. Modelled on vLLM's weight transfer
+(``vllm/distributed/weight_transfer/``: ``WeightTransferEngine`` with
+``init_transfer_engine`` / ``receive_weights`` / ``shutdown``, and
+``WeightTransferEngineFactory.register_engine(name, module, class)``, which imports a
+backend's module only when a worker first asks for it). How a backend is built and
+raises, and how to add one: docs/design.md, "The refit path" and "Where things go".
 """
 
 from __future__ import annotations
@@ -36,8 +22,14 @@ __all__ = ["BACKENDS", "Door", "Holding", "RefitBackend", "register_backend"]
 
 
 class RefitBackend(Protocol):
-    """One refit family's engine end (see the module docstring for the verbs): each
-    backend takes its own arguments for ``init``, ``receive`` and ``status``."""
+    """One refit family's engine end, answering five verbs, each a plain-valued call:
+    ``init`` sets up or re-sets up the transport (join a group, bind or connect a socket,
+    take a plan; idempotent where its transport is), ``receive`` takes one refit into the
+    engine (every wait bounded), ``status`` says what a caller checks (addresses, counts,
+    why weights diverged), ``release`` gives the trainer's memory back (how many mappings
+    it let go), ``close`` lets go of everything (how many transports it closed;
+    idempotent). Each backend takes its own arguments for ``init``, ``receive`` and
+    ``status``."""
 
     @property
     def init(self) -> Callable[..., object]: ...

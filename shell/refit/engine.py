@@ -130,17 +130,13 @@ def engine_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> list[
     modules = dict(model.named_modules())
     out = []
     for name, param in params.items():
-        module_name = name.rpartition(".")[0]
-        module = modules[module_name]
+        module = modules[name.rpartition(".")[0]]
         method = getattr(module, "quant_method", None)
         own = [q for q in module._parameters.values() if q is not None]
-        writable = (
-            (method is None or type(method).__name__.startswith("Unquantized"))
-            and all(q.numel() for q in own)
-            and param.is_contiguous()
-        )
+        filled = all(q.numel() for q in own) and param.is_contiguous()
         sharded = any(getattr(param, a, None) is not None for a in ("output_dim", "input_dim"))
-        out.append(p.EngineParam(name, module_name, TensorSpec.of(name, param), writable, sharded))
+        quantized_by = None if method is None else type(method).__name__
+        out.append(p.EngineParam.of(TensorSpec.of(name, param), quantized_by, filled, sharded))
     return out
 
 
@@ -474,13 +470,7 @@ class EngineContext:
         self.manifest = manifest
         for callback in self._watchers.values():
             callback(manifest)
-        direct = len(self.routed(manifest, self.tp_size == 1).routes.direct)
-        return {
-            "manifest_digest": manifest.digest(),
-            "tensors": len(manifest),
-            "direct": direct,
-            "loaded": len(manifest) - direct,
-        }
+        return self.routed(manifest, self.tp_size == 1).routes.answer(manifest)
 
     def prepared(self, call: str) -> Manifest:
         """The manifest of ``prepare_refit_info``; an ``EngineStateError`` before it."""

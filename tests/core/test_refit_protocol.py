@@ -346,6 +346,27 @@ def test_abort_fails_the_refit_and_strays_before_begin_are_not_fatal() -> None:
 # -- routing -------------------------------------------------------------------------------
 
 
+def described(param: p.EngineParam) -> p.EngineParam:
+    """``param`` as the shell describes it: an unquantized module where it is writable,
+    an fp8 one's parameter otherwise (filled and contiguous either way)."""
+    method = "UnquantizedLinearMethod" if param.writable else "Fp8LinearMethod"
+    return p.EngineParam.of(param.spec, method, True, param.sharded)
+
+
+@pytest.mark.parametrize(
+    ("method", "filled", "writable"),
+    [(None, True, True), ("UnquantizedEmbeddingMethod", True, True),
+     ("Fp8LinearMethod", True, False), (None, False, False)],
+)  # fmt: skip
+def test_a_parameter_is_writable_in_an_unquantized_module_filled_and_contiguous(
+    method: str | None, filled: bool, writable: bool
+) -> None:
+    param = p.EngineParam.of(
+        TensorSpec("layers.0.proj.weight", (2,), "float32"), method, filled, True
+    )
+    assert (param.module, param.writable, param.sharded) == ("layers.0.proj", writable, True)
+
+
 def test_a_module_goes_direct_only_with_all_its_writable_parameters() -> None:
     def param(
         name: str, shape: tuple[int, ...], *, writable: bool = True, sharded: bool = False
@@ -372,8 +393,12 @@ def test_a_module_goes_direct_only_with_all_its_writable_parameters() -> None:
     ).unwrap()
     routes = p.plan_routes(manifest, params, sharded_ok=False)
     assert routes == p.Routes(frozenset({"norm.weight"}), frozenset({"norm"}))
+    assert routes == p.plan_routes(manifest, [described(e) for e in params], sharded_ok=False)
     assert routes.route("proj.weight") is p.Route.LOADER  # proj.bias goes to the loader
     assert p.plan_routes(manifest, params, sharded_ok=True).direct == {"norm.weight", "tp.weight"}
+    assert routes.answer(manifest) == {
+        "manifest_digest": manifest.digest(), "tensors": 4, "direct": 1, "loaded": 3,
+    }  # fmt: skip
 
 
 # -- the sender ----------------------------------------------------------------------------
