@@ -88,6 +88,7 @@ __all__ = [
     "header_problem",
     "intersect",
     "megatron_layout",
+    "outgoing",
     "p2p_tags",
     "packed_sources",
     "parse_refit_info",
@@ -103,6 +104,7 @@ __all__ = [
     "refit_info",
     "sender_problems",
     "start_header",
+    "trainer_header_problem",
     "vllm_facts",
     "vllm_shard",
 ]
@@ -877,6 +879,28 @@ def header_problem(rank: int, stage: int, own: str, digests: Mapping[int, str], 
     )
 
 
+def trainer_header_problem(rank: int, own: Mapping[int, str], digests: Mapping[int, str]) -> str:
+    """The header round, at trainer rank ``rank``: trainer rank 0's plan digests (per
+    engine ``rank_prefix``) must be this rank's own; '' when they are."""
+    if digests == own:
+        return ""
+    return (
+        f"trainer rank {rank} planned another reshard refit than trainer rank 0 "
+        "(its layouts or the engines' shards differ)"
+    )
+
+
+def outgoing(plans: Mapping[int, ReshardPlan], rank: int, train: int) -> list[tuple[int, Copy]]:
+    """What trainer rank ``rank`` sends in a refit, in order: every copy of its own in
+    ``plans`` (per engine ``rank_prefix``) with its engine rank in the group."""
+    return [
+        (train + prefix + c.dst_rank, c)
+        for prefix, plan in plans.items()
+        for c in plan.copies
+        if c.src_rank == rank
+    ]
+
+
 def sender_problems(
     rank: int,
     train: int,
@@ -889,10 +913,8 @@ def sender_problems(
     else (``plans``: per engine ``rank_prefix``, to name the engine ranks waiting)."""
     problems = []
     needs: dict[str, set[int]] = {}
-    for prefix, plan in plans.items():
-        for c in plan.copies:
-            if c.src_rank == rank:
-                needs.setdefault(c.source, set()).add(train + prefix + c.dst_rank)
+    for peer, c in outgoing(plans, rank, train):
+        needs.setdefault(c.source, set()).add(peer)
     for layout in layouts:
         boxes = [s.box for s in layout.shards if s.rank == rank]
         if not boxes:

@@ -62,6 +62,7 @@ from genworker.core.reshard import (
     dtensor_layout,
     fit_group,
     header_problem,
+    outgoing,
     p2p_tags,
     packed_sources,
     parse_refit_info,
@@ -74,6 +75,7 @@ from genworker.core.reshard import (
     refit_info,
     sender_problems,
     start_header,
+    trainer_header_problem,
     vllm_facts,
 )
 from genworker.shell.errors import (
@@ -265,20 +267,13 @@ class ReshardSender:
         data = group.message(
             start_header(secrets.token_hex(8), digests) if self.rank == 0 else None, what, bound
         )
-        if problem is None and self.rank and _read_header(data) != digests:
-            problem = RefitManifestError(
-                f"trainer rank {self.rank} planned another reshard refit than trainer rank 0 "
-                "(its layouts or the engines' shards differ)"
-            )
+        if problem is None and self.rank:
+            mismatch = trainer_header_problem(self.rank, digests, _read_header(data))
+            problem = RefitManifestError(mismatch) if mismatch else None
         group.settle(problem, what, bound)
         sends = [
-            (
-                self._train + prefix + c.dst_rank,
-                _region(_local(tensors[c.source]), c.src_box).to(group.device).contiguous(),
-            )
-            for prefix, plan in self._plans.items()
-            for c in plan.copies
-            if c.src_rank == self.rank
+            (peer, _region(_local(tensors[c.source]), c.src_box).to(group.device).contiguous())
+            for peer, c in outgoing(self._plans, self.rank, self._train)
         ]
         group.exchange(sends, [], "the shards", bound)
         group.settle(None, "the end of the reshard refit", bound)

@@ -38,6 +38,7 @@ from genworker.core.reshard import (
     header_problem,
     intersect,
     megatron_layout,
+    outgoing,
     p2p_tags,
     packed_sources,
     parse_refit_info,
@@ -53,6 +54,7 @@ from genworker.core.reshard import (
     refit_info,
     sender_problems,
     start_header,
+    trainer_header_problem,
     vllm_facts,
     vllm_shard,
 )
@@ -524,6 +526,9 @@ def test_the_header_round_holds_when_the_trainer_planned_this_engines_digest() -
     problem = header_problem(3, 1, "abc", {0: "abd"}, 0)
     assert problem.startswith("engine rank 3 (stage 1) planned another reshard refit")
     assert "digest abc vs None" in header_problem(3, 1, "abc", {}, 2)
+    assert trainer_header_problem(1, {0: "abc"}, {0: "abc"}) == ""
+    mismatch = trainer_header_problem(1, {0: "abc", 2: "d"}, {0: "abc"})
+    assert mismatch.startswith("trainer rank 1 planned another reshard refit than trainer rank 0")
 
 
 def test_a_trainer_rank_checks_its_shards_against_the_layouts() -> None:
@@ -541,6 +546,11 @@ def test_a_trainer_rank_checks_its_shards_against_the_layouts() -> None:
         "trainer rank 1 sent tensors no layout describes: ['z']",
     ]
     assert "for engine ranks [2]" in sender_problems(1, 2, {0: plan}, layouts, {})[0]
+    assert [(peer, c.source) for peer, c in outgoing({0: plan, 3: plan}, 1, 2)] == [
+        (2, "w"),
+        (5, "w"),
+    ]
+    assert outgoing({0: plan}, 5, 2) == []  # holds no shard
     assert sender_problems(5, 2, {0: plan}, layouts, {}) == []  # holds no shard
 
 
