@@ -468,6 +468,13 @@ class Receiver:
     hits: int = 0  # chunks of this refit, from the first on, taken from the memo
     taken: tuple[tuple[Chunk, Writes, frozenset[str]], ...] = ()
 
+    @property
+    def awaiting(self) -> str:
+        """What this machine waits for next, as a wait that expires names it."""
+        if self.phase is Phase.IDLE:
+            return "the start of a refit"
+        return f"chunk {self.chunks} or the end of refit {self.refit_id}"
+
     def remembered(self) -> Memo:
         """The memo for the next refit: this one's decisions once it finished."""
         if self.phase is not Phase.DONE:

@@ -133,10 +133,7 @@ class _Session:
         self.loaded = self.nbytes = 0
 
     def wait(self) -> Wait:
-        machine, what = self.machine, "the start of a refit"
-        if machine.phase is not p.Phase.IDLE:
-            what = f"chunk {machine.chunks} or the end of refit {machine.refit_id}"
-        return Wait.of(what, self.timeout_s)
+        return Wait.of(self.machine.awaiting, self.timeout_s)
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         try:

@@ -265,6 +265,11 @@ def started() -> p.Receiver:
     )
 
 
+def test_a_receiver_says_what_it_waits_for() -> None:
+    assert p.Receiver(MANIFEST).awaiting == "the start of a refit"
+    assert started().awaiting == "chunk 0 or the end of refit r"
+
+
 def refused(receiver: p.Receiver, event: p.Event) -> p.Refusal:
     result = receiver.handle(event)
     assert isinstance(result, Failure), result
