@@ -7,6 +7,8 @@
 - A foreign error inside a weight-update group (torch's, gloo's, NCCL's) is a timeout when
   it says so or came at its bound, else a transport failure with its text
   (:func:`foreign_failure`; NCCL reports an expired wait as a plain error).
+- A sender's Begin carries its manifest's digest, or '' when it was given none
+  (:func:`sender_digest`).
 - A status round (``CollectiveGroup.settle``): every rank all-reduces one code (0: ok,
   else its error's kind, :func:`status_code`); when any rank failed, every rank
   all-gathers its message in a fixed-size frame (:func:`status_frame`), and the round's
@@ -21,7 +23,9 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 import attrs
+from returns.result import Failure, Result, Success
 
+from genworker.core.errors import CoreError
 from genworker.core.refit_plan import Manifest
 from genworker.core.refit_protocol import max_message_bytes
 
@@ -33,6 +37,7 @@ __all__ = [
     "group_failure",
     "is_loopback",
     "message_cap",
+    "sender_digest",
     "status_code",
     "status_failures",
     "status_frame",
@@ -57,6 +62,18 @@ def is_loopback(host: str) -> bool:
 def message_cap(manifest: Manifest | None) -> int:
     """The inbound message cap of a receiver of ``manifest`` (None: before one)."""
     return max(MIN_MESSAGE_CAP, max_message_bytes(manifest) if manifest else 0)
+
+
+def sender_digest(manifest: object) -> Result[str, CoreError]:
+    """The digest of the manifest a sender was given: a :class:`Manifest`, the
+    ``{name: (shape, dtype)}`` of ``prepare_refit_info``, or None ('')."""
+    if manifest is None:
+        return Success("")
+    if isinstance(manifest, Mapping):
+        return Manifest.from_info(manifest).map(Manifest.digest)
+    if isinstance(manifest, Manifest):
+        return Success(manifest.digest())
+    return Failure(CoreError(repr(manifest)))
 
 
 @attrs.frozen

@@ -20,6 +20,7 @@ import torch
 
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import Manifest, TensorSpec, bucket_budget
+from genworker.core.refit_transport import sender_digest
 from genworker.shell.errors import BadConfigError, RefitError, unwrap
 from genworker.shell.refit.collective import CollectiveGroup, CollectiveSenderPort
 from genworker.shell.refit.ipc import IpcSenderPort
@@ -58,13 +59,7 @@ class RefitSender:
     ):
         self._port, self._timeout, self._specs = port, timeout_s, dict[object, TensorSpec]()
         self._busy = threading.Lock()
-        if isinstance(manifest, Mapping):
-            manifest = unwrap(
-                Manifest.from_info(manifest), BadConfigError, "invalid refit manifest"
-            )
-        elif manifest is not None and not isinstance(manifest, Manifest):
-            raise BadConfigError(f"invalid refit manifest: {manifest!r}")
-        self._digest = manifest.digest() if manifest is not None else ""
+        self._digest = unwrap(sender_digest(manifest), BadConfigError, "invalid refit manifest")
 
     @classmethod
     def ipc(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from returns.result import Failure, Success
 
 from genworker.core import refit_protocol as p
 from genworker.core import refit_transport as rt
@@ -71,3 +72,14 @@ def test_a_failed_status_round_names_each_failed_rank_as_the_first_ones_kind() -
         == "the weight-update group failed the end of the refit: rank 1: bad tensor; rank 3: late"
     )
     assert rt.status_frame("é").rstrip(b"\0").decode() == "é"
+
+
+def test_a_senders_digest_is_its_manifests_or_empty_without_one() -> None:
+    manifest = Manifest.from_specs([TensorSpec("w", (2, 3), "bfloat16")]).unwrap()
+    assert rt.sender_digest(None) == Success("")
+    assert rt.sender_digest(manifest) == Success(manifest.digest())
+    assert rt.sender_digest({"w": ((2, 3), "bfloat16")}) == Success(manifest.digest())
+    assert isinstance(rt.sender_digest({"w": ((2, 3), "complex")}), Failure)
+    refused = rt.sender_digest(["w"])
+    assert isinstance(refused, Failure)
+    assert str(refused.failure()) == "['w']"
