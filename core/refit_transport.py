@@ -6,7 +6,7 @@
   larger one's connection unread).
 - A foreign error inside a weight-update group (torch's, gloo's, NCCL's) is a timeout when
   it says so or came at its bound, else a transport failure with its text
-  (:func:`foreign_failure`; NCCL reports an expired wait as a plain error).
+  (:func:`foreign_failure`: an error at the bound is taken for its expiry).
 - A sender's Begin carries its manifest's digest, or '' when it was given none
   (:func:`sender_digest`).
 - A status round (``CollectiveGroup.settle``): every rank all-reduces one code (0: ok,
