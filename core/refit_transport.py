@@ -2,7 +2,7 @@
 ``shell/refit/``'s sockets and groups, as plain values.
 
 - A receiver binds a TCP socket on a loopback address unless told otherwise
-  (:func:`is_loopback`); its inbound messages are capped (:func:`message_cap`: ZMQ drops a
+  (:func:`is_loopback`, :func:`bind_refusal`); its inbound messages are capped (:func:`message_cap`: ZMQ drops a
   larger one's connection unread).
 - A foreign error inside a weight-update group (torch's, gloo's, NCCL's) is a timeout when
   it says so or came at its bound, else a transport failure with its text
@@ -33,6 +33,7 @@ __all__ = [
     "MIN_MESSAGE_CAP",
     "STATUS_FRAME_BYTES",
     "ForeignFailure",
+    "bind_refusal",
     "foreign_failure",
     "group_failure",
     "is_loopback",
@@ -57,6 +58,17 @@ def is_loopback(host: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def bind_refusal(what: str, host: str | None, *, allow_remote: bool, note: str = "") -> str | None:
+    """Why ``what`` may not listen on ``host`` (None: it may; ``host`` None: no TCP at
+    all): another host than loopback only when ``allow_remote``; ``note`` adds to why."""
+    if host is None or allow_remote or is_loopback(host):
+        return None
+    return (
+        f"refusing to bind {what} on {host}: not a loopback address "
+        f"(pass allow_remote=True to expose it{note})"
+    )
 
 
 def message_cap(manifest: Manifest | None) -> int:

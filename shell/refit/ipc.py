@@ -37,7 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.core.refit_protocol import Replay
-from genworker.core.refit_transport import is_loopback, message_cap
+from genworker.core.refit_transport import bind_refusal, is_loopback, message_cap
 from genworker.core.refit_wire import Handle, Listing, Reply, encode, encode_chunk, listing
 from genworker.shell.errors import BadConfigError, RefitError, RefitTimeoutError
 from genworker.shell.refit.door import Holding
@@ -117,11 +117,8 @@ class IpcReceiver:
         allow_remote: bool = False,
         directory: str | Path | None = None,
     ) -> None:
-        if tcp_host is not None and not allow_remote and not is_loopback(tcp_host):
-            raise BadConfigError(
-                f"refusing to bind the refit socket on {tcp_host}: not a loopback address "
-                "(pass allow_remote=True to expose it)"
-            )
+        if refusal := bind_refusal("the refit socket", tcp_host, allow_remote=allow_remote):
+            raise BadConfigError(refusal)
         self._ctx, self._cap, self._pending = zmq.Context(), -1, False
         self._dir = None if tcp_host else Path(tempfile.mkdtemp("", "genworker-refit-", directory))
         self._endpoint = f"tcp://{tcp_host}:0" if tcp_host else f"ipc://{self._dir}/refit.sock"

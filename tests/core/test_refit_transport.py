@@ -32,6 +32,16 @@ def test_only_loopback_hosts_are_loopback(host: str, loopback: bool) -> None:
     assert rt.is_loopback(host) is loopback
 
 
+def test_only_a_remote_host_is_refused_and_only_unless_allowed() -> None:
+    assert rt.bind_refusal("the socket", None, allow_remote=False) is None
+    assert rt.bind_refusal("the socket", "127.0.0.1", allow_remote=False) is None
+    assert rt.bind_refusal("the socket", "10.0.0.1", allow_remote=True) is None
+    assert rt.bind_refusal("the relay", "10.0.0.1", allow_remote=False, note="; it is open") == (
+        "refusing to bind the relay on 10.0.0.1: not a loopback address "
+        "(pass allow_remote=True to expose it; it is open)"
+    )
+
+
 def test_a_message_cap_is_the_manifests_largest_message_and_never_below_the_floor() -> None:
     assert rt.message_cap(None) == rt.MIN_MESSAGE_CAP
     small = Manifest.from_specs([TensorSpec("w", (2,), "float32")]).unwrap()
