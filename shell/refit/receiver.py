@@ -30,7 +30,7 @@ from genworker.shell.errors import RefitError, RefitManifestError, RefitTimeoutE
 if TYPE_CHECKING:
     from genworker.shell.ports import RefitPort
 
-__all__ = ["Laps", "ParameterSink", "Sink", "Wait", "manifest_of", "receive"]
+__all__ = ["Laps", "ParameterSink", "Sink", "Wait", "manifest_of", "receive", "typed_error"]
 
 Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 #: A chunk's received tensors checked before the weight loader sees them (raises typed).
@@ -106,7 +106,9 @@ class ParameterSink:
             torch.cuda.synchronize(self.device)
 
 
-def _typed(error: BaseException, context: str) -> RefitError:
+def typed_error(error: BaseException, context: str) -> RefitError:
+    """``error`` as a :class:`RefitError`: itself when it is one, else one saying
+    ``context``, its type and its text (caused by it)."""
     if isinstance(error, RefitError):
         return error
     wrapped = RefitError(f"{context}: {type(error).__name__}: {error}")
@@ -141,7 +143,7 @@ class _Session:
         except RefitError as e:
             self.error = e
         except Exception as e:  # noqa: BLE001 - a bug on our side still ends the refit typed
-            self.error = _typed(e, f"receiving the refit from {self.port.peer} failed")
+            self.error = typed_error(e, f"receiving the refit from {self.port.peer} failed")
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         wait = self.wait()
@@ -185,7 +187,7 @@ class _Session:
             if self.error is not None:
                 self.port.fail(self.error, late=None)
             if loader_error is not None:
-                error = _typed(loader_error, "loading the received weights failed")
+                error = typed_error(loader_error, "loading the received weights failed")
                 self.port.fail(error, late=self.wait())
             if not self.finished:
                 error = RefitError("the weight loader stopped before the refit ended")
@@ -194,7 +196,7 @@ class _Session:
             try:
                 self.sink.finish(self.direct)
             except Exception as e:  # noqa: BLE001 - answered to the peer as a typed error
-                problem = _typed(e, "post-load processing failed")
+                problem = typed_error(e, "post-load processing failed")
             self.laps.lap("finalize")
             self.port.finish(problem)
             self.laps.lap("answer")

@@ -90,6 +90,7 @@ from genworker.shell.errors import (
 )
 from genworker.shell.refit.collective import CollectiveGroup
 from genworker.shell.refit.engine import EngineContext, EngineSink
+from genworker.shell.refit.receiver import typed_error
 
 if TYPE_CHECKING:
     from torch import nn
@@ -458,11 +459,7 @@ def _receive(
             engine.loader()(_full_tensors(prepared, loader_copies, device))
         sink.finish(sorted(direct))
     except Exception as e:  # noqa: BLE001 - told to every rank by the last status round
-        failed = (
-            e
-            if isinstance(e, RefitError)
-            else RefitError(f"loading the reshard refit failed: {type(e).__name__}: {e}")
-        )
+        failed = typed_error(e, "loading the reshard refit failed")
     errors = []
     for group in state.groups:  # every stage's trainer ranks learn the outcome
         try:

@@ -24,7 +24,7 @@ from genworker.core.refit_transport import sender_digest
 from genworker.shell.errors import BadConfigError, RefitError, unwrap
 from genworker.shell.refit.collective import CollectiveGroup, CollectiveSenderPort
 from genworker.shell.refit.ipc import IpcSenderPort
-from genworker.shell.refit.receiver import Laps
+from genworker.shell.refit.receiver import Laps, typed_error
 
 __all__ = ["RefitSender"]
 
@@ -172,9 +172,7 @@ class RefitSender:
                 except RefitError:
                     raise
                 except Exception as e:  # our own failure: the peers are told, then it is raised
-                    local = RefitError(
-                        f"the trainer's tensor stream failed: {type(e).__name__}: {e}"
-                    )
+                    local = typed_error(e, "the trainer's tensor stream failed")
                     port.abort(p.Abort(refit_id, str(local)))
                     raise local from e
                 plan, tensors, nbytes = placed.plan, tensors + 1, nbytes + spec.nbytes
