@@ -19,7 +19,9 @@ for byte:
 :data:`PLAIN`): one allocation per column and the header around the encode loop; the
 header and tables by a loop, any doubt left to ``decode_tables`` (its refusal is the
 answer), then the gaps checked, then the writes, so a refused delta leaves the target
-as it was.
+as it was. Given no loops (``None``: numba does not import, or a big-endian host), they
+are the core's numpy codec, with the same results. :func:`warm_up` runs the loops once
+on tiny inputs of each kind a step meets, so that numba has compiled them before then.
 
 Kinds are numbered as :class:`~genworker.core.delta.ChunkKind`: 0 ``SPARSE``, 1 ``XOR``,
 2 ``RAW``.
@@ -27,7 +29,7 @@ Kinds are numbered as :class:`~genworker.core.delta.ChunkKind`: 0 ``SPARSE``, 1 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final, TypeVar
 
 import attrs
@@ -46,9 +48,13 @@ from genworker.core.delta import (
     Bits,
     ChunkKind,
     DeltaError,
+    apply_delta_into,
+    bits_hash,
     chunk_count,
+    decode_delta,
     decode_tables,
     encode_delta,
+    encode_full,
 )
 
 __all__ = [
@@ -65,6 +71,7 @@ __all__ = [
     "hash_loop",
     "piece_hash",
     "tables_loop",
+    "warm_up",
     "wire_columns",
 ]
 
@@ -328,13 +335,16 @@ def _words(bits: Bits) -> _U64:
 
 
 def encode_wire(
-    loops: Loops, old: Bits, new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS
+    loops: Loops | None, old: Bits, new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS
 ) -> bytes:
-    """``encode_delta(old, new, chunk_elements).to_bytes()``, in one pass of the loop.
+    """``encode_delta(old, new, chunk_elements).to_bytes()``, in one pass of the loop
+    (``None``: by ``encode_delta``).
 
     Arrays of different dtypes or lengths, or ``chunk_elements`` outside
     ``[1, MAX_CHUNK_ELEMENTS]``, are programming errors (``ValueError``).
     """
+    if loops is None:
+        return encode_delta(old, new, chunk_elements).to_bytes()
     if old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
         return encode_delta(old, new, chunk_elements).to_bytes()  # its ValueError
     if not 1 <= chunk_elements <= MAX_CHUNK_ELEMENTS:
@@ -426,13 +436,16 @@ _GAP_PROBLEMS: Final = {
 
 
 def apply_wire_into(
-    loops: Loops, target: Bits, data: bytes | bytearray | memoryview
+    loops: Loops | None, target: Bits, data: bytes | bytearray | memoryview
 ) -> Result[None, DeltaError]:
-    """``decode_delta(data)`` applied into ``target`` (``apply_delta_into``), one pass.
+    """``decode_delta(data)`` applied into ``target`` (``apply_delta_into``), one pass
+    (``None``: by those two).
 
     The same refusals, with the same :class:`DeltaError`: an invalid buffer, or a target
     whose width or length differs from the delta's; ``target`` is untouched by either.
     """
+    if loops is None:
+        return decode_delta(data).bind(lambda delta: apply_delta_into(target, delta))
     decoded = wire_columns(loops, data)
     if isinstance(decoded, Failure):
         return Failure(decoded.failure())
@@ -454,8 +467,11 @@ def apply_wire_into(
     return Success(None)
 
 
-def piece_hash(loops: Loops, bits: Bits) -> int:
-    """:func:`~genworker.core.delta.bits_hash` of ``bits``, in one pass of the loop."""
+def piece_hash(loops: Loops | None, bits: Bits) -> int:
+    """:func:`~genworker.core.delta.bits_hash` of ``bits``, in one pass of the loop
+    (``None``: by ``bits_hash``)."""
+    if loops is None:
+        return bits_hash(bits)
     raw = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
     nbytes = len(raw)
     whole = nbytes // 8 * 8
@@ -470,3 +486,38 @@ def piece_hash(loops: Loops, bits: Bits) -> int:
         words, tail.view(np.uint64)[0], has_tail, nbytes, HASH_KEYS, HASH_MULTIPLIERS
     )
     return int(value)
+
+
+def warm_up(loops: Loops | None, itemsizes: Iterable[int] = (1, 2, 4)) -> None:
+    """Run ``loops`` for these element widths on tiny inputs, once per kind of array a
+    step hands them (a delta and a full step's wire form, aligned and not, dense blocks
+    in place and copied), so that numba compiles or loads each before a step waits on
+    it; nothing without loops."""
+    if loops is None:
+        return
+    for itemsize in sorted(set(itemsizes)):
+        dtype = np.dtype(f"u{itemsize}")
+        old = np.zeros(300, dtype=dtype)
+        new = old.copy()
+        new[::7] = 1
+        new[200:] = 2  # one chunk dense
+        for data in (encode_wire(loops, old, new, 64), encode_full(new, 64).to_bytes()):
+            for shift in (0, 1):  # the blocks aligned and not
+                buf = memoryview(bytes(shift) + data)[shift:]
+                target = old.copy()
+                apply_wire_into(loops, target, buf).unwrap()
+                piece_hash(loops, target)
+        blocks = np.frombuffer(bytes(itemsize + 1), dtype=dtype, count=1, offset=1)
+        no = np.zeros(0, dtype=np.uint16)
+        kinds, counts = np.full(1, 2, dtype=np.uint8), np.zeros(1, dtype=np.uint32)
+        for column in (blocks, blocks.copy()):
+            target = old[:1].copy()
+            loops.apply(
+                target,
+                1,
+                fixed(kinds),
+                fixed(counts),
+                fixed(no),
+                fixed(new[:0]),
+                fixed(column, copy=False),
+            )

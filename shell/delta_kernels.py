@@ -31,21 +31,11 @@ import sys
 from collections.abc import Iterable
 from typing import Final
 
-import numpy as np
 from returns.result import Result
 
 from genworker.core import delta_loops as loops
-from genworker.core.delta import (
-    MAX_CHUNK_ELEMENTS,
-    Bits,
-    DeltaError,
-    apply_delta_into,
-    bits_hash,
-    decode_delta,
-    encode_delta,
-    encode_full,
-)
-from genworker.core.delta_loops import Loops, fixed
+from genworker.core.delta import MAX_CHUNK_ELEMENTS, Bits, DeltaError
+from genworker.core.delta_loops import Loops
 
 __all__ = ["apply_wire_into", "compiled", "encode_wire", "piece_hash", "warm_up"]
 
@@ -95,59 +85,22 @@ def compiled() -> bool:
 def encode_wire(old: Bits, new: Bits, chunk_elements: int = MAX_CHUNK_ELEMENTS) -> bytes:
     """``encode_delta(old, new, chunk_elements).to_bytes()``, in one compiled pass
     (``ValueError`` for what ``encode_delta`` refuses)."""
-    kernels = _kernels()
-    if kernels is None:
-        return encode_delta(old, new, chunk_elements).to_bytes()
-    return loops.encode_wire(kernels, old, new, chunk_elements)
+    return loops.encode_wire(_kernels(), old, new, chunk_elements)
 
 
 def apply_wire_into(target: Bits, data: bytes | bytearray | memoryview) -> Result[None, DeltaError]:
     """``decode_delta(data)`` applied into ``target`` (``apply_delta_into``), one pass,
     with the same refusals; ``target`` is untouched by any."""
-    kernels = _kernels()
-    if kernels is None:
-        return decode_delta(data).bind(lambda delta: apply_delta_into(target, delta))
-    return loops.apply_wire_into(kernels, target, data)
+    return loops.apply_wire_into(_kernels(), target, data)
 
 
 def piece_hash(bits: Bits) -> int:
     """:func:`~genworker.core.delta.bits_hash` of ``bits``, in one compiled pass."""
-    kernels = _kernels()
-    if kernels is None:
-        return bits_hash(bits)
-    return loops.piece_hash(kernels, bits)
+    return loops.piece_hash(_kernels(), bits)
 
 
 def warm_up(itemsizes: Iterable[int] = (1, 2, 4)) -> None:
     """Load (or compile) the loops for these element widths now, on tiny inputs, so that
     a step's first frame does not wait for numba (under a second a process from numba's
     disk cache, seconds the first time ever). A no-op without numba."""
-    kernels = _kernels()
-    if kernels is None:
-        return
-    for itemsize in sorted(set(itemsizes)):
-        dtype = np.dtype(f"u{itemsize}")
-        old = np.zeros(300, dtype=dtype)
-        new = old.copy()
-        new[::7] = 1
-        new[200:] = 2  # one chunk dense
-        for data in (encode_wire(old, new, 64), encode_full(new, 64).to_bytes()):
-            for shift in (0, 1):  # the blocks aligned and not
-                buf = memoryview(bytes(shift) + data)[shift:]
-                target = old.copy()
-                apply_wire_into(target, buf).unwrap()
-                piece_hash(target)
-        blocks = np.frombuffer(bytes(itemsize + 1), dtype=dtype, count=1, offset=1)
-        no = np.zeros(0, dtype=np.uint16)
-        kinds, counts = np.full(1, 2, dtype=np.uint8), np.zeros(1, dtype=np.uint32)
-        for column in (blocks, blocks.copy()):
-            target = old[:1].copy()
-            kernels.apply(
-                target,
-                1,
-                fixed(kinds),
-                fixed(counts),
-                fixed(no),
-                fixed(new[:0]),
-                fixed(column, copy=False),
-            )
+    loops.warm_up(_kernels(), itemsizes)

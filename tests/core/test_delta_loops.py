@@ -2,7 +2,7 @@
 the columns of ``encode_delta``'s wire form, the tables and gap checks refuse what
 ``decode_delta`` refuses, and the apply loop makes the new bits of the old; their drivers
 (``encode_wire``, ``apply_wire_into`` over :data:`PLAIN`) agree with the codec byte for
-byte and refusal for refusal."""
+byte and refusal for refusal, and are the numpy codec given no loops."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from genworker.core.delta import (
 )
 from genworker.core.delta_loops import (
     PLAIN,
+    Loops,
     apply_loop,
     apply_wire_into,
     check_loop,
@@ -36,6 +37,7 @@ from genworker.core.delta_loops import (
     encode_wire,
     piece_hash,
     tables_loop,
+    warm_up,
 )
 
 _NO_WORDS = np.empty(0, dtype=np.uint64)
@@ -236,3 +238,41 @@ def test_the_hash_loop_is_bits_hash(nbytes: int, by: int, itemsize: int, seed: i
     bits = raw[by : by + nbytes // itemsize * itemsize].view(f"u{itemsize}")
     with np.errstate(over="ignore"):  # the loop's arithmetic is mod 2**64 on purpose
         assert piece_hash(PLAIN, bits) == bits_hash(bits)
+
+
+@given(delta_pairs(max_numel=300), delta_chunk_elements)
+def test_without_loops_the_drivers_are_the_numpy_codec(pair: BitsPair, chunk: int) -> None:
+    """No numba (or a big-endian host): the same bytes, hash, result and refusals."""
+    data = encode_wire(None, pair.old, pair.new, chunk)
+    assert data == encode_delta(pair.old, pair.new, chunk).to_bytes()
+    assert piece_hash(None, pair.new) == bits_hash(pair.new)
+    target = pair.old.copy()
+    assert isinstance(apply_wire_into(None, target, data), Success)
+    assert np.array_equal(target, pair.new)
+    refused = apply_wire_into(None, target, data[:-1])
+    assert isinstance(refused, Failure)
+    assert refused == decode_delta(data[:-1])
+
+
+def test_warm_up_runs_each_width_and_both_alignments_of_the_blocks() -> None:
+    encoded: list[int] = []
+    blocks: list[bool] = []
+
+    def apply(target: Bits, chunk: int, *columns: Bits) -> None:
+        blocks.append(bool(columns[-1].flags.aligned))
+        PLAIN.apply(target, chunk, *columns)  # type: ignore[arg-type]
+
+    def encoder(size: int) -> object:
+        def encode(*args: object) -> tuple[int, int]:
+            encoded.append(size)
+            return PLAIN.encoders[size](*args)  # type: ignore[arg-type]
+
+        return encode
+
+    encoders = {size: encoder(size) for size in PLAIN.encoders}
+    counting = Loops(encoders, PLAIN.tables, PLAIN.check, apply, PLAIN.hash)  # type: ignore[arg-type]
+    with np.errstate(over="ignore"):  # the hash loop's arithmetic is mod 2**64 on purpose
+        warm_up(counting, [4, 1, 1])
+    assert encoded == [1, 4]
+    assert set(blocks) == {False, True}  # the dense blocks aligned and not
+    warm_up(None)  # nothing to run
