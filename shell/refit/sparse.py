@@ -557,16 +557,6 @@ class SparseReceiver:
     def synced_step(self, step: int | None) -> None:
         self.machine.synced_step = step
 
-    @property
-    def last_problem(self) -> str:
-        return self.machine.last_problem
-
-    @property
-    def relay(self) -> tuple[str, ...] | None:
-        """The relay this receiver was configured into (:meth:`expect_relay`); ``None``:
-        any plan naming it."""
-        return self.machine.relay
-
     def expect_relay(self, receivers: Sequence[str] | None) -> None:
         """Take only steps planned over exactly ``receivers`` (in that order), or any
         plan naming this receiver (``None``). Refused (``BadArgumentError``) when they are
