@@ -39,6 +39,7 @@ a :class:`WireError`, the ``*_message`` functions build the parts.
 from __future__ import annotations
 
 import enum
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Final
 
@@ -55,6 +56,7 @@ from genworker.core.delta import (
     FramePiece,
     NodeResult,
     Outcome,
+    RelayFailure,
     RelayPlan,
     RelayReport,
     bits_dtype,
@@ -80,6 +82,7 @@ __all__ = [
     "SparseEngineState",
     "Started",
     "StepBegin",
+    "StepFailed",
     "StepReceiver",
     "StepReport",
     "StepSender",
@@ -102,6 +105,7 @@ __all__ = [
     "read_frame",
     "read_report",
     "report_message",
+    "root_answer",
     "sender_settings",
     "sparse_steps",
     "step_manifest",
@@ -126,6 +130,10 @@ class StepBegin:
     frames: int
     manifest: StepManifest
     checksum: str
+
+    @property
+    def full(self) -> bool:
+        return self.base_step < 0
 
 
 @attrs.frozen
@@ -194,6 +202,39 @@ class StepSender:
         """Every receiver applied the step (``applied``), or not: the next is full."""
         self.synced_step = self.step if applied else None
 
+    def begin(
+        self, plan: RelayPlan, hop_s: float, frames: int, manifest: Manifest, checksum: str
+    ) -> StepBegin:
+        """The next step's ``Begin`` (:meth:`start`) over ``plan``, in ``frames`` frames
+        whose pieces carry ``checksum``."""
+        step, base = self.start()
+        fields = (step, base, plan.receivers, plan.fanout, hop_s, frames)
+        return StepBegin(*fields, step_manifest(manifest), checksum)
+
+    def finish(
+        self,
+        begin: StepBegin,
+        verdict: Result[RelayReport, RelayFailure],
+        model_bytes: int,
+        wire_bytes: int,
+        seconds: float,
+    ) -> Result[StepReport, StepFailed]:
+        """The step ``begin`` started, concluded (:meth:`conclude`) on the relay's
+        ``verdict`` after ``seconds``: what it moved, or the receivers that did not apply
+        it."""
+        self.conclude(isinstance(verdict, Success))
+        if isinstance(verdict, Failure):
+            failure = verdict.failure()
+            return Failure(
+                StepFailed(
+                    f"sparse refit step {begin.step} ({'full' if begin.full else 'delta'}) "
+                    f"failed after {seconds:.2f} s: {failure}",
+                    relay=failure,
+                )
+            )
+        fields = (begin.step, begin.full, model_bytes, wire_bytes, begin.frames, seconds)
+        return Success(StepReport(*fields, report=verdict.unwrap()))
+
 
 @attrs.define
 class StepReceiver:
@@ -204,6 +245,7 @@ class StepReceiver:
     synced_step: int | None = None  # None: needs a full step before any delta
     relay: tuple[str, ...] | None = None  # the configured relay; None: any naming it
     last_problem: str = ""
+    frames_taken: dict[int, int] = attrs.Factory(dict)  # step -> frames forwarded
     _manifest: StepManifest = ()
     _step: _Step | None = None
 
@@ -247,7 +289,7 @@ class StepReceiver:
             step.problem = f"the step's manifest is invalid: {manifest.failure()}"
             return Started(step.plan, node, False, (), step.problem), replaced
         step.specs = {s.name: s for s in manifest.unwrap().specs}
-        full = begin.base_step < 0
+        full = begin.full
         step.problem = step.problem or self._delta_problem(begin, full)
         if full:
             self._manifest, self.synced_step = begin.manifest, None
@@ -289,6 +331,15 @@ class StepReceiver:
         current.frames.add(index)
         return FrameAction.FORWARD if current.problem else FrameAction.APPLY
 
+    def take_frame(self, header: FrameMsg, payload: bytes | memoryview) -> FrameAction:
+        """A ``Frame`` message (its read ``header``, its compressed ``payload``): what to do
+        with it (:meth:`frame`, the payload checked against its CRC-32), the frames
+        forwarded counted per step in ``frames_taken``."""
+        action = self.frame(header.step, header.index, zlib.crc32(payload) == header.crc)
+        if action in (FrameAction.FORWARD, FrameAction.APPLY):
+            self.frames_taken[header.step] = self.frames_taken.get(header.step, 0) + 1
+        return action
+
     def end(self, step: int, results: Sequence[FrameResult]) -> tuple[str, str]:
         """The open step's end (naming ``step``) with its frames' results: its problem
         ('' to commit: hand the verified bits to the engine, then :meth:`committed`) and
@@ -312,6 +363,15 @@ class StepReceiver:
         if problem:
             return problem, self._diverge(f"step {current.begin.step} refused: {problem}")
         return "", ""
+
+    def take_end(self, body: bytes, results: Sequence[FrameResult]) -> tuple[str, str]:
+        """An ``End`` message of the open step, with its frames' results: as :meth:`end`
+        (a malformed one refuses the step, taken as naming it)."""
+        named = read_end(body)
+        if isinstance(named, Failure):
+            self.refuse(str(named.failure()))
+        assert self._step is not None, "end without an open step"
+        return self.end(named.value_or(self._step.begin.step), results)
 
     def committed(self, step: int, problem: str = "") -> str:
         """The engine took step ``step`` ('') or failed (``problem``): why the node
@@ -363,6 +423,13 @@ def baseline_layout(specs: Sequence[TensorSpec], align: int = 64) -> tuple[dict[
         offsets[spec.name] = total
         total += -(-spec.nbytes // align) * align
     return offsets, total
+
+
+@attrs.frozen
+class StepFailed(CoreError):
+    """A step not every receiver applied; ``relay`` names each one."""
+
+    relay: RelayFailure
 
 
 @attrs.frozen
@@ -602,7 +669,12 @@ def read_begin(body: bytes) -> Result[StepBegin, WireError]:
     return Success(StepBegin(*fields, msg.frames, manifest, msg.checksum))
 
 
-def frame_message(header: FrameMsg, payload: bytes) -> list[bytes]:
+def frame_message(
+    step: int, index: int, pieces: list[WirePiece], raw_bytes: int, payload: bytes
+) -> list[bytes]:
+    """Frame ``index`` of ``step`` as parts: its header (``payload``'s CRC-32, the
+    decompressed size ``raw_bytes``, the ``pieces``) and the compressed ``payload``."""
+    header = FrameMsg(step, index, zlib.crc32(payload), raw_bytes, pieces)
     return [TAG_FRAME, _enc.encode(header), payload]
 
 
@@ -640,6 +712,16 @@ def read_report(parts: Sequence[bytes]) -> tuple[int, RelayReport] | None:
     except (*_MALFORMED, ValueError):
         return None
     return msg.step, RelayReport(results)
+
+
+def root_answer(parts: Sequence[bytes], step: int, root: str) -> RelayReport | None:
+    """What the relay ``root``'s message ``parts`` tells the sender of ``step``: its
+    report, the root refused when it is not a report, or ``None`` for a report of another
+    step (an earlier one's, late)."""
+    got = read_report(parts)
+    if got is None:
+        return RelayReport((NodeResult(root, Outcome.REFUSED, "sent a malformed report"),))
+    return got[1] if got[0] == step else None
 
 
 # --- frames ------------------------------------------------------------------------

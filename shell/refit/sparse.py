@@ -52,7 +52,6 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Final, Protocol
@@ -69,8 +68,6 @@ from genworker.core.delta import (
     Bits,
     Frame,
     FramePiece,
-    NodeResult,
-    Outcome,
     RelayPlan,
     RelayReport,
     bit_pattern,
@@ -91,7 +88,6 @@ from genworker.core.sparse_protocol import (
     FrameResult,
     SparseEngineState,
     Started,
-    StepBegin,
     StepReceiver,
     StepReport,
     StepSender,
@@ -105,12 +101,11 @@ from genworker.core.sparse_protocol import (
     fresh_bits,
     node_answer,
     read_begin,
-    read_end,
     read_frame,
     read_report,
     report_message,
+    root_answer,
     sender_settings,
-    step_manifest,
     tensor_problems,
     token_bucket,
 )
@@ -269,11 +264,8 @@ def _compressor() -> zstandard.ZstdCompressor:
     return c
 
 
-@attrs.frozen
-class _Encoded:
-    header: FrameMsg
-    payload: bytes
-    deltas: tuple[tuple[FramePiece, bytes], ...]  # each piece's wire form
+#: A frame's message parts, and each of its pieces' wire form (for the baseline).
+_Encoded = tuple[list[bytes], tuple[tuple[FramePiece, bytes], ...]]
 
 
 def default_workers() -> int:
@@ -344,18 +336,16 @@ class SparseSender:
         """
         bits = self._bits_of(tensors)
         started = time.monotonic()
-        step, base = self.steps.start()
-        full = base < 0
-        plan, manifest = self.plan, step_manifest(self.manifest)
-        fields = (step, base, plan.receivers, plan.fanout, self.hop_s, len(self.frames))
-        begin = StepBegin(*fields, manifest, self.checksum)
+        frames = len(self.frames)
+        begin = self.steps.begin(self.plan, self.hop_s, frames, self.manifest, self.checksum)
+        step = begin.step
         while self._sock.poll(0):
             self._sock.recv_multipart()  # a late report of an earlier, failed step
         kept: list[tuple[FramePiece, bytes]] = []
         wire = self._write(begin_message(begin, self.chunk_elements), step)
-        for encoded in self._encode_ahead(bits, full, step):
-            wire += self._write(frame_message(encoded.header, encoded.payload), step)
-            kept.extend(encoded.deltas)
+        for parts, deltas in self._encode_ahead(bits, begin.full, step):
+            wire += self._write(parts, step)
+            kept.extend(deltas)
         wire += self._write(end_message(step), step)
         # The baseline takes the step's bits while the receivers apply and commit it (the
         # pool's threads, pieces being disjoint element ranges); it counts as the
@@ -368,23 +358,11 @@ class SparseSender:
             concurrent.futures.wait(advancing)  # nothing writes the baseline after send
         for future in advancing:
             future.result()  # a baseline that could not take its bits: a RefitError
-        self.steps.conclude(not isinstance(verdict, Failure))
-        if isinstance(verdict, Failure):
-            failure = verdict.failure()
-            raise SparseRefitError(
-                f"sparse refit step {step} ({'full' if full else 'delta'}) failed "
-                f"after {time.monotonic() - started:.2f} s: {failure}",
-                detail=failure,
-            )
-        return StepReport(
-            step=step,
-            full=full,
-            model_bytes=self.manifest.total_bytes,
-            wire_bytes=wire,
-            frames=len(self.frames),
-            seconds=time.monotonic() - started,
-            report=verdict.unwrap(),
-        )
+        seconds = time.monotonic() - started
+        report = self.steps.finish(begin, verdict, self.manifest.total_bytes, wire, seconds)
+        if isinstance(report, Failure):
+            raise SparseRefitError(str(report.failure()), detail=report.failure().relay)
+        return report.unwrap()
 
     @property
     def synced_step(self) -> int | None:
@@ -434,9 +412,7 @@ class SparseSender:
         old = None if full else self.baseline.bits
         chunk = self.chunk_elements
         raw, pieces, deltas = encode_frame(frame, bits, old, chunk, encode_wire, piece_hash)
-        payload = _compressor().compress(raw)
-        header = FrameMsg(step, index, zlib.crc32(payload), len(raw), pieces)
-        return _Encoded(header, payload, deltas)
+        return frame_message(step, index, pieces, len(raw), _compressor().compress(raw)), deltas
 
     def _write(self, parts: list[bytes], step: int) -> int:
         nbytes = sum(len(p) for p in parts)
@@ -458,13 +434,9 @@ class SparseSender:
         while (left := deadline - time.monotonic()) > 0:
             if not self._sock.poll(max(1, int(left * 1000))):
                 continue
-            parts = self._sock.recv_multipart()
-            got = read_report(parts)
-            if got is None:
-                root = self.plan.receivers[0]
-                return RelayReport((NodeResult(root, Outcome.REFUSED, "sent a malformed report"),))
-            if got[0] == step:
-                return got[1]
+            report = root_answer(self._sock.recv_multipart(), step, self.plan.receivers[0])
+            if report is not None:
+                return report
         return None
 
     def close(self) -> None:
@@ -534,7 +506,7 @@ class SparseReceiver:
         self._children: dict[str, zmq.Socket[bytes]] = {}
         self._bits: dict[str, Bits] = {}
         self.machine = StepReceiver(self.address, CHECKSUM)  # the step rules
-        self.frames_received: dict[int, int] = {}  # step -> frames taken
+        self.frames_received = self.machine.frames_taken  # step -> frames taken
         self._on_diverge = on_diverge
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "genworker-sparse-apply")
         self._stop = threading.Event()
@@ -635,10 +607,9 @@ class SparseReceiver:
             self.machine.refuse(str(read.failure()))
             return
         header = read.unwrap()
-        action = self.machine.frame(header.step, header.index, zlib.crc32(payload) == header.crc)
+        action = self.machine.take_frame(header, payload)
         if action in (FrameAction.FORWARD, FrameAction.APPLY):
             self._forward(step.started, [TAG_FRAME, body, payload])
-            self.frames_received[header.step] = self.frames_received.get(header.step, 0) + 1
         if action is FrameAction.APPLY:
             step.applying.append(self._pool.submit(self._apply_frame, step, header, payload))
 
@@ -653,13 +624,10 @@ class SparseReceiver:
         return apply_frame(header, raw, step.specs, self._bits, apply_wire_into, piece_hash)
 
     def _on_end(self, step: _Step, body: bytes) -> None:
-        named = read_end(body)
-        if isinstance(named, Failure):
-            self.machine.refuse(str(named.failure()))
         forwarded = time.monotonic()
         self._forward(step.started, [TAG_END, body])
         results = [future.result() for future in step.applying]
-        own, why = self.machine.end(named.value_or(step.number), results)
+        own, why = self.machine.take_end(body, results)
         if not self._diverged(why):
             own = self._commit(step)
         children = {} if step.started.plan is None else self._collect(step, forwarded)

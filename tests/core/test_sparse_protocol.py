@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import zlib
 
 import attrs
 import msgspec
@@ -24,6 +25,7 @@ from genworker.core.delta import (
     DeltaError,
     NodeResult,
     Outcome,
+    RelayFailure,
     RelayReport,
     apply_delta_into,
     bits_hash,
@@ -66,6 +68,7 @@ from genworker.core.sparse_protocol import (
     read_frame,
     read_report,
     report_message,
+    root_answer,
     sender_settings,
     sparse_steps,
     step_manifest,
@@ -229,6 +232,55 @@ def fresh(address: str = ADDRESSES[0]) -> StepReceiver:
     return StepReceiver(address, CHECKSUM)
 
 
+def test_a_senders_step_begins_over_its_plan_and_concludes_on_the_verdict() -> None:
+    plan = plan_relay(ADDRESSES, 2).unwrap()
+    manifest = Manifest.from_info({"w": ((NUMEL,), "float32")}).unwrap()
+    sender = StepSender()
+    first = sender.begin(plan, 1.0, 3, manifest, CHECKSUM)
+    assert first == begin_of(1, -1, 3)
+    assert first.full
+    report = RelayReport(tuple(NodeResult(a, Outcome.APPLIED) for a in ADDRESSES))
+    done = sender.finish(first, Success(report), 48, 10, 0.5)
+    assert done == Success(StepReport(1, True, 48, 10, 3, 0.5, report))
+    second = sender.begin(plan, 1.0, 3, manifest, CHECKSUM)
+    assert (second.base_step, second.full) == (1, False)
+    failure = RelayFailure("the step was applied by 2 of 3 receivers: c refused", results=())
+    failed = sender.finish(second, Failure(failure), 48, 10, 1.25)
+    assert isinstance(failed, Failure)
+    assert failed.failure().relay == failure
+    assert str(failed.failure()) == (
+        "sparse refit step 2 (delta) failed after 1.25 s: the step was applied by 2 of 3 "
+        "receivers: c refused"
+    )
+    assert sender.synced_step is None
+    third = sender.begin(plan, 1.0, 3, manifest, CHECKSUM)
+    assert (third.step, third.full) == (3, True)
+    assert "(full)" in str(sender.finish(third, Failure(failure), 0, 0, 0.0).failure())
+
+
+def test_frame_and_end_messages_drive_the_machine_and_count_the_frames_taken() -> None:
+    def header(step: int, index: int, payload: bytes) -> FrameMsg:
+        return read_frame(frame_message(step, index, [], 0, payload)[1]).unwrap()
+
+    node = fresh()
+    node.begin(begin_of(1, -1, 2))
+    assert node.take_frame(header(1, 0, b"ok"), b"ok") is FrameAction.APPLY
+    assert node.take_frame(header(2, 0, b"ok"), b"ok") is FrameAction.IGNORE
+    assert node.take_frame(header(1, 1, b"ok"), b"corrupted") is FrameAction.DROP
+    assert node.take_frame(header(1, 1, b"ok"), b"ok") is FrameAction.FORWARD  # refused
+    assert node.frames_taken == {1: 2}
+    problem, why = node.take_end(end_message(1)[1], [FrameResult("", (("w", 0, NUMEL),))])
+    assert problem.startswith("frame 1 of step 1 failed its CRC")
+    assert why.endswith(problem)
+    node.begin(begin_of(2, -1, 1))
+    assert node.take_frame(header(2, 0, b"ok"), b"ok") is FrameAction.APPLY
+    assert node.take_end(end_message(2)[1], [FrameResult("", (("w", 0, NUMEL),))]) == ("", "")
+    node.begin(begin_of(3, -1, 0))
+    problem, _ = node.take_end(end_message(3)[1][:-1], [])
+    assert problem.startswith("a malformed end: ")
+    assert node.frames_taken == {1: 2, 2: 1}
+
+
 def test_a_node_outside_the_relay_refuses_and_forwards_nothing() -> None:
     started, replaced = fresh("tcp://z").begin(begin_of(1, -1, 1))
     assert started.plan is None
@@ -382,20 +434,27 @@ def test_a_begin_without_chunk_elements_in_range_is_malformed() -> None:
 @given(
     st.integers(0, 1 << 40),
     st.integers(0, 1000),
-    st.integers(0, (1 << 32) - 1),
+    st.binary(max_size=20),
     st.lists(st.tuples(_names, st.integers(0, 99), st.integers(0, 1 << 63)), max_size=4),
 )
 def test_frames_and_ends_read_back_as_they_were_built(
-    step: int, index: int, crc: int, pieces: list[tuple[str, int, int]]
+    step: int, index: int, payload: bytes, pieces: list[tuple[str, int, int]]
 ) -> None:
     wire = [WirePiece(n, a, a + 1, a * 3, h) for n, a, h in pieces]
-    header = FrameMsg(step, index, crc, 7, wire)
-    tag, body, payload = frame_message(header, b"payload")
-    assert (tag, payload) == (TAG_FRAME, b"payload")
-    assert read_frame(body) == Success(header)
+    tag, body, sent = frame_message(step, index, wire, 7, payload)
+    assert (tag, sent) == (TAG_FRAME, payload)
+    assert read_frame(body) == Success(FrameMsg(step, index, zlib.crc32(payload), 7, wire))
     tag, body = end_message(step)
     assert tag == TAG_END
     assert read_end(body) == Success(step)
+
+
+def test_the_sender_reads_the_roots_report_of_its_step() -> None:
+    report = RelayReport((NodeResult("tcp://a", Outcome.APPLIED),))
+    assert root_answer(report_message(2, report), 2, "tcp://a") == report
+    assert root_answer(report_message(1, report), 2, "tcp://a") is None  # late, of step 1
+    refused = NodeResult("tcp://a", Outcome.REFUSED, "sent a malformed report")
+    assert root_answer([TAG_END, b""], 2, "tcp://a") == RelayReport((refused,))
 
 
 def test_malformed_frame_headers_and_ends_are_wire_errors() -> None:

@@ -15,14 +15,12 @@ import multiprocessing
 import queue
 import shutil
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from pathlib import Path
 
 import attrs
-import msgspec
 import pytest
 import torch
 import zstandard
@@ -31,6 +29,7 @@ from sparse_helpers import run_engine_worker, run_receiver
 
 from genworker.core.delta import Outcome, RelayFailure, bit_pattern, tensor_checksum
 from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.core.sparse_protocol import frame_message, read_frame
 from genworker.shell.refit.sparse import SparseRefitError, SparseSender
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -280,14 +279,14 @@ class CorruptingSender(SparseSender):
     frame's CRC matches what travels, only the per-tensor checksum can tell."""
 
     def _encode(self, index: int, frame: object, bits: object, full: bool, step: int) -> object:  # type: ignore[override]
-        encoded = super()._encode(index, frame, bits, full, step)  # type: ignore[arg-type]
+        parts, deltas = super()._encode(index, frame, bits, full, step)  # type: ignore[arg-type]
         if step != 2 or index != 0:
-            return encoded
-        raw = bytearray(zstandard.ZstdDecompressor().decompress(encoded.payload))
-        raw[encoded.header.pieces[0].nbytes - 1] ^= 0x01  # the piece's last bits
+            return parts, deltas
+        header = read_frame(parts[1]).unwrap()
+        raw = bytearray(zstandard.ZstdDecompressor().decompress(parts[2]))
+        raw[header.pieces[0].nbytes - 1] ^= 0x01  # the piece's last bits
         payload = zstandard.ZstdCompressor(level=1).compress(bytes(raw))
-        head = msgspec.structs.replace(encoded.header, crc=zlib.crc32(payload))
-        return attrs.evolve(encoded, header=head, payload=payload)
+        return frame_message(step, index, header.pieces, len(raw), payload), deltas
 
 
 def test_a_corrupted_payload_fails_the_checksum_and_the_engines_refuse_to_serve(
