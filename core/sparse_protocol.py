@@ -94,6 +94,7 @@ __all__ = [
     "begin_message",
     "check_relay_addresses",
     "check_relay_start",
+    "check_tensors",
     "encode_frame",
     "end_message",
     "expected_relay",
@@ -109,7 +110,6 @@ __all__ = [
     "sender_settings",
     "sparse_steps",
     "step_manifest",
-    "tensor_problems",
     "tiles",
     "token_bucket",
 ]
@@ -147,6 +147,21 @@ class Started:
     full: bool
     specs: tuple[TensorSpec, ...]
     problem: str
+
+    @property
+    def children(self) -> dict[int, str]:
+        """The node's children in the step's relay, their addresses by index (none outside
+        it)."""
+        if self.plan is None:
+            return {}
+        return {child: self.plan.receivers[child] for child in self.plan.children(self.node)}
+
+    def deadlines(self, since: float, hop_s: float) -> dict[int, float]:
+        """When each child's report is due: its own answer bound after ``since``."""
+        if self.plan is None:
+            return {}
+        plan = self.plan
+        return {child: since + plan.answer_bound_s(child, hop_s) for child in self.children}
 
 
 class FrameAction(enum.Enum):
@@ -560,10 +575,12 @@ def step_manifest(manifest: Manifest) -> StepManifest:
     return tuple((s.name, s.shape, s.dtype) for s in manifest.specs)
 
 
-def tensor_problems(manifest: Manifest, specs: Mapping[str, TensorSpec | None]) -> list[str]:
-    """What keeps a step's tensors from being ``manifest``'s: each missing, misshaped or
-    unknown one, named (``specs``: each given tensor's spec by name, ``None`` for a name
-    outside the manifest)."""
+def check_tensors(
+    manifest: Manifest, specs: Mapping[str, TensorSpec | None]
+) -> Result[None, CoreError]:
+    """A step's tensors checked against ``manifest``: refused naming each missing,
+    misshaped or unknown one (the first 12; ``specs``: each given tensor's spec by name,
+    ``None`` for a name outside the manifest)."""
     problems = []
     for spec in manifest.specs:
         got = specs.get(spec.name)
@@ -573,7 +590,10 @@ def tensor_problems(manifest: Manifest, specs: Mapping[str, TensorSpec | None]) 
             problems.append(f"{spec.name!r} is {got.describe()}, expected {spec.describe()}")
     extra = sorted(set(specs) - set(manifest.names))
     problems.extend(f"{name!r} is not in the manifest" for name in extra)
-    return problems
+    if problems:
+        message = "sparse refit tensors do not match the manifest: " + "; ".join(problems[:12])
+        return Failure(CoreError(message))
+    return Success(None)
 
 
 # --- the wire ------------------------------------------------------------------------

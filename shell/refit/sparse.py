@@ -94,6 +94,7 @@ from genworker.core.sparse_protocol import (
     apply_frame,
     baseline_layout,
     begin_message,
+    check_tensors,
     encode_frame,
     end_message,
     expected_relay,
@@ -106,7 +107,6 @@ from genworker.core.sparse_protocol import (
     report_message,
     root_answer,
     sender_settings,
-    tensor_problems,
     token_bucket,
 )
 from genworker.shell.delta_kernels import apply_wire_into, encode_wire, piece_hash, warm_up
@@ -380,10 +380,7 @@ class SparseSender:
 
     def _bits_of(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Bits]:
         given = {n: TensorSpec.of(n, t) if n in self.manifest else None for n, t in tensors.items()}
-        if problems := tensor_problems(self.manifest, given):
-            raise BadArgumentError(
-                "sparse refit tensors do not match the manifest: " + "; ".join(problems[:12])
-            )
+        unwrap(check_tensors(self.manifest, given), BadArgumentError, "")
         return {
             s.name: bit_pattern(tensors[s.name].detach().cpu().contiguous())
             for s in self.manifest.specs
@@ -630,7 +627,7 @@ class SparseReceiver:
         own, why = self.machine.take_end(body, results)
         if not self._diverged(why):
             own = self._commit(step)
-        children = {} if step.started.plan is None else self._collect(step, forwarded)
+        children = self._collect(step, forwarded)  # none outside the step's relay
         report = node_answer(self.address, own, step.started, children, step.hop_s)
         self._sock.send_multipart([step.parent, *report_message(step.number, report)])
 
@@ -668,33 +665,26 @@ class SparseReceiver:
     def _forward(self, step: Started, parts: list[bytes | memoryview]) -> None:
         """Send ``parts`` on to this node's children (never blocks: a full queue is a
         child that stopped taking messages, which its parent reports as silent)."""
-        if step.plan is None:
-            return  # not in the step's relay: no children
-        for child in step.plan.children(step.node):
-            with_child = self._child(step.plan.receivers[child])
+        for child, address in step.children.items():  # none outside the step's relay
             try:
-                with_child.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+                self._child(address).send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 log.warning("sparse relay %s: child %s takes no messages", self.address, child)
 
     def _collect(self, step: _Step, forwarded: float) -> dict[int, RelayReport]:
         """Each child's report of this step, waited for within the child's own bound (a
         child absent from the answer was silent)."""
-        plan, hop = step.started.plan, step.hop_s
-        assert plan is not None
-        waiting = {
-            child: forwarded + plan.answer_bound_s(child, hop)
-            for child in plan.children(step.started.node)
-        }
+        waiting = step.started.deadlines(forwarded, step.hop_s)
+        socks = {child: self._child(address) for child, address in step.started.children.items()}
         reports: dict[int, RelayReport] = {}
         poller = zmq.Poller()
-        for child in waiting:
-            poller.register(self._child(plan.receivers[child]), zmq.POLLIN)
+        for sock in socks.values():
+            poller.register(sock, zmq.POLLIN)
         while waiting := {c: at for c, at in waiting.items() if at > time.monotonic()}:
             left = max(waiting.values()) - time.monotonic()
             ready = dict(poller.poll(max(1, int(min(left, _POLL_MS / 1000) * 1000))))
             for child in list(waiting):
-                sock = self._child(plan.receivers[child])
+                sock = socks[child]
                 if ready.get(sock):
                     got = read_report(sock.recv_multipart())
                     if got is not None and got[0] == step.number:

@@ -57,6 +57,7 @@ from genworker.core.sparse_protocol import (
     begin_message,
     check_relay_addresses,
     check_relay_start,
+    check_tensors,
     encode_frame,
     end_message,
     expected_relay,
@@ -72,7 +73,6 @@ from genworker.core.sparse_protocol import (
     sender_settings,
     sparse_steps,
     step_manifest,
-    tensor_problems,
     tiles,
     token_bucket,
 )
@@ -486,17 +486,20 @@ def test_what_is_not_a_report_reads_as_none() -> None:
     assert read_report([TAG_REPORT, other]) is None
 
 
-def test_tensor_problems_name_each_missing_misshaped_and_unknown_tensor() -> None:
+def test_check_tensors_names_each_missing_misshaped_and_unknown_tensor() -> None:
     manifest = Manifest.from_info({"a": ((2,), "float32"), "b": ((3,), "bfloat16")}).unwrap()
     assert step_manifest(manifest) == (("a", (2,), "float32"), ("b", (3,), "bfloat16"))
     exact = {s.name: s for s in manifest.specs}
-    assert tensor_problems(manifest, exact) == []
-    problems = tensor_problems(manifest, {"b": TensorSpec("b", (4,), "bfloat16"), "c": None})
-    assert problems == [
-        "'a' is missing",
-        "'b' is [4] bfloat16, expected [3] bfloat16",
-        "'c' is not in the manifest",
-    ]
+    assert check_tensors(manifest, exact) == Success(None)
+    refused = check_tensors(manifest, {"b": TensorSpec("b", (4,), "bfloat16"), "c": None})
+    assert isinstance(refused, Failure)
+    assert str(refused.failure()) == (
+        "sparse refit tensors do not match the manifest: 'a' is missing; "
+        "'b' is [4] bfloat16, expected [3] bfloat16; 'c' is not in the manifest"
+    )
+    many = check_tensors(manifest, {f"x{i:02}": None for i in range(20)})
+    assert isinstance(many, Failure)
+    assert str(many.failure()).count("; ") == 11  # the first 12 named
 
 
 def test_a_senders_settings_are_refused_by_name() -> None:
@@ -550,6 +553,19 @@ def test_a_node_answers_its_own_result_and_its_childrens_reports() -> None:
     assert both == RelayReport((NodeResult("a", Outcome.APPLIED), *child.results))
     silent = node_answer("a", "", root, {}, 1.0)
     assert [r.outcome for r in silent.results] == [Outcome.APPLIED, Outcome.SILENT]
+
+
+def test_a_started_step_names_the_nodes_children_and_when_their_reports_are_due() -> None:
+    plan = plan_relay(["a", "b", "c", "d"], 2).unwrap()
+    root = Started(plan, 0, True, (), "")
+    assert root.children == {1: "b", 2: "c"}
+    due = root.deadlines(10.0, 2.0)
+    assert due == {1: 10.0 + 2.0 * plan.height(1), 2: 10.0 + 2.0 * plan.height(2)}
+    assert all(at <= 10.0 + plan.answer_bound_s(0, 2.0) - 2.0 for at in due.values())
+    assert Started(plan, 1, True, (), "").children == {3: "d"}
+    for childless in (Started(plan, 3, True, (), ""), Started(None, -1, False, (), "outside")):
+        assert childless.children == {}
+        assert childless.deadlines(10.0, 2.0) == {}
 
 
 def test_a_receiver_expects_a_relay_naming_it_or_any() -> None:
