@@ -90,6 +90,7 @@ __all__ = [
     "WireError",
     "WirePiece",
     "apply_frame",
+    "baseline_bits",
     "baseline_layout",
     "begin_message",
     "check_relay_addresses",
@@ -438,6 +439,18 @@ def baseline_layout(specs: Sequence[TensorSpec], align: int = 64) -> tuple[dict[
         offsets[spec.name] = total
         total += -(-spec.nbytes // align) * align
     return offsets, total
+
+
+def baseline_bits(specs: Sequence[TensorSpec], storage: Bits) -> dict[str, Bits]:
+    """Each tensor's bits as a 1-D view of ``storage`` (bytes, :func:`baseline_layout`'s
+    size) at its offset, of its element width."""
+    offsets, _ = baseline_layout(specs)
+    return {
+        s.name: storage[offsets[s.name] : offsets[s.name] + s.nbytes].view(
+            bits_dtype(DTYPE_ITEMSIZE[s.dtype])
+        )
+        for s in specs
+    }
 
 
 @attrs.frozen

@@ -71,7 +71,6 @@ from genworker.core.delta import (
     RelayPlan,
     RelayReport,
     bit_pattern,
-    bits_dtype,
     conclude_relay,
     plan_frames,
     plan_relay,
@@ -92,6 +91,7 @@ from genworker.core.sparse_protocol import (
     StepReport,
     StepSender,
     apply_frame,
+    baseline_bits,
     baseline_layout,
     begin_message,
     check_tensors,
@@ -178,7 +178,7 @@ class Baseline:
 
     def __init__(self, manifest: Manifest, path: Path | None = None) -> None:
         self.manifest = manifest
-        offsets, total = baseline_layout(manifest.specs)
+        total = baseline_layout(manifest.specs)[1]
         self.path = path
         self._map: mmap.mmap | None = None
         if path is None:
@@ -188,11 +188,7 @@ class Baseline:
                 f.truncate(max(total, 1))
                 self._map = mmap.mmap(f.fileno(), max(total, 1))
             storage = np.frombuffer(self._map, dtype=np.uint8, count=total)
-        self._bits: dict[str, Bits] = {}
-        for spec in manifest.specs:
-            at = offsets[spec.name]
-            raw = storage[at : at + spec.nbytes]
-            self._bits[spec.name] = raw.view(bits_dtype(DTYPE_ITEMSIZE[spec.dtype]))
+        self._bits = baseline_bits(manifest.specs, storage)
 
     def bits(self, name: str) -> Bits:
         return self._bits[name]
@@ -518,14 +514,6 @@ class SparseReceiver:
         """True until a full step succeeds, and again after any refused or missed step."""
         return self.machine.needs_full
 
-    @property
-    def synced_step(self) -> int | None:
-        return self.machine.synced_step
-
-    @synced_step.setter
-    def synced_step(self, step: int | None) -> None:
-        self.machine.synced_step = step
-
     def expect_relay(self, receivers: Sequence[str] | None) -> None:
         """Take only steps planned over exactly ``receivers`` (in that order), or any
         plan naming this receiver (``None``). Refused (``BadArgumentError``) when they are
@@ -557,10 +545,8 @@ class SparseReceiver:
         quiet_since = time.monotonic()
         while not self._stop.is_set():
             if not self._sock.poll(_POLL_MS):
-                if step is not None and self._diverged(
-                    self.machine.idle(time.monotonic() - quiet_since)
-                ):
-                    step = None
+                if self._diverged(self.machine.idle(time.monotonic() - quiet_since)):
+                    step = None  # the open step (the machine's) stopped mid-way
                 continue
             quiet_since = time.monotonic()
             frames = self._sock.recv_multipart(copy=False)

@@ -34,7 +34,7 @@ from genworker.core.delta import (
     plan_frames,
     plan_relay,
 )
-from genworker.core.refit_plan import Manifest, TensorSpec
+from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.core.sparse_protocol import (
     TAG_BEGIN,
     TAG_END,
@@ -53,6 +53,7 @@ from genworker.core.sparse_protocol import (
     StepSender,
     WirePiece,
     apply_frame,
+    baseline_bits,
     baseline_layout,
     begin_message,
     check_relay_addresses,
@@ -532,6 +533,26 @@ def test_a_baselines_tensors_start_aligned_and_apart(sizes: list[int], align: in
     assert all(end <= offsets[s.name] for end, s in zip(ends, specs[1:], strict=False))
     assert total == sum(-(-n // align) * align for n in sizes)
     assert baseline_layout(specs) == baseline_layout(specs, 64)
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 50), st.sampled_from(["uint8", "bfloat16", "float32"])),
+        max_size=5,
+    )
+)
+def test_a_baselines_bits_are_apart_views_of_its_buffer_of_each_width(
+    tensors: list[tuple[int, str]],
+) -> None:
+    specs = [TensorSpec(f"t{i}", (n,), dtype) for i, (n, dtype) in enumerate(tensors)]
+    storage = np.zeros(baseline_layout(specs)[1], dtype=np.uint8)
+    bits = baseline_bits(specs, storage)
+    for i, spec in enumerate(specs):
+        view = bits[spec.name]
+        assert (view.shape, view.itemsize) == ((spec.numel,), DTYPE_ITEMSIZE[spec.dtype])
+        assert spec.numel == 0 or np.shares_memory(view, storage)
+        view[:] = i + 1
+    assert all((bits[spec.name] == i + 1).all() for i, spec in enumerate(specs))  # apart
 
 
 def test_a_step_reports_its_wire_fraction() -> None:

@@ -296,11 +296,11 @@ def test_a_receiver_outside_the_plan_or_behind_refuses_the_delta(threads: Nodes)
     (a, _), (b, _), _ = threads
     with SparseSender([a.address, b.address], manifest(), fanout=1, hop_s=5.0) as sender:
         sender.send(trainer.weights())
-        b.synced_step = None  # as after a missed step
+        b.machine.synced_step = None  # as after a missed step
         with pytest.raises(SparseRefitError, match="needs a full refit before a delta"):
             sender.send(trainer.weights())
         sender.send(trainer.weights())
-        b.synced_step = 0
+        b.machine.synced_step = 0
         with pytest.raises(
             SparseRefitError, match=r"holds step 0, but the delta applies to step 3"
         ):
