@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import shutil
 import traceback
-import zlib
 from pathlib import Path
 from typing import Any
 
-import attrs
-import msgspec
 import torch
 import zstandard
 from gpu.gpu_fixtures import load_checkpoint
 
 from genworker.core.refit_plan import Manifest, TensorSpec, dtype_name
+from genworker.core.sparse_protocol import frame_message, read_frame
 from genworker.shell.refit.sparse import SparseRefitError, SparseSender
 
 __all__ = ["LR", "CorruptingSender", "save_checkpoint", "sparse_trainer_main"]
@@ -41,14 +39,14 @@ class CorruptingSender(SparseSender):
     corrupt_step = 2
 
     def _encode(self, index: int, frame: object, bits: object, full: bool, step: int) -> object:  # type: ignore[override]
-        encoded = super()._encode(index, frame, bits, full, step)  # type: ignore[arg-type]
+        parts, deltas = super()._encode(index, frame, bits, full, step)  # type: ignore[arg-type]
         if step != self.corrupt_step or index != 0:
-            return encoded
-        raw = bytearray(zstandard.ZstdDecompressor().decompress(encoded.payload))
-        raw[encoded.header.pieces[0].nbytes - 1] ^= 0x01  # the piece's last bits
+            return parts, deltas
+        header = read_frame(parts[1]).unwrap()
+        raw = bytearray(zstandard.ZstdDecompressor().decompress(parts[2]))
+        raw[header.pieces[0].nbytes - 1] ^= 0x01  # the piece's last bits
         payload = zstandard.ZstdCompressor(level=1).compress(bytes(raw))
-        head = msgspec.structs.replace(encoded.header, crc=zlib.crc32(payload))
-        return attrs.evolve(encoded, header=head, payload=payload)
+        return frame_message(step, index, header.pieces, len(raw), payload), deltas
 
 
 def save_checkpoint(like: Path, tensors: dict[str, torch.Tensor], where: Path) -> Path:
