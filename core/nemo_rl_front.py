@@ -11,6 +11,9 @@
 * :func:`reported_url`: the OpenAI server's URL as NeMo-RL reports it.
 * :func:`sampling_params` / :func:`with_sampling`: ``update_sampling_params`` (NeMo-RL
   #2538) replaces only :data:`SAMPLING_KEYS`, checked as the config is.
+* :data:`REFUSED` / :func:`refusal`: the methods of NeMo-RL's async worker that genworker's
+  async drop-in has but cannot do, each refused naming what it asks for and what to do
+  instead (never a silent no-op).
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ from genworker.core.routing import nemo_rl_routes
 
 __all__ = [
     "NEMO_RL_OUTPUT_KEYS",
+    "REFUSED",
     "ROUTED_EXPERTS",
     "SAMPLING_KEYS",
     "WakeUpError",
     "nemo_rl_outputs",
     "raw_spec_counters",
+    "refusal",
     "reported_url",
     "sampling_params",
     "wake_up_tags",
@@ -151,3 +156,51 @@ def with_sampling(
     merged = cfg.to_mapping()
     merged.update(params)
     return WorkerConfig.from_mapping(merged)
+
+
+_REFITS: Final = (
+    "refit with update_weights_via_ipc_zmq_async or update_weights_from_collective_async"
+)
+_RESHARD: Final = ("NeMo-RL's nccl_reshard refit", _REFITS)
+_RELAY: Final = ("NeMo-RL's sparse refit relay", f"set refit_transport: null and {_REFITS}")
+_CAPTURE: Final = (
+    "NeMo-RL's token capture (#3837)",
+    "leave token_capture.enabled false (NeMo-Gym's token-echo path): every row genworker "
+    "returns carries its token ids, logprobs and weight_versions",
+)
+_NSIGHT: Final = (
+    "nsight profiling of the async engine",
+    "unset NRL_NSYS_PROFILE_STEP_RANGE, or profile with the synchronous worker "
+    "(vllm_cfg.async_engine: false)",
+)
+
+#: The async drop-in's methods that refuse (NeMo-RL's async worker has them, genworker
+#: cannot do them): what each asks for (``{}``: the call's argument that names it) and
+#: what to do instead, the refusal's two halves (:func:`refusal`)
+REFUSED: Final[Mapping[str, tuple[str, str]]] = {
+    "init_nccl_reshard_comm_group_async": _RESHARD,
+    "prepare_nccl_reshard_refit_info_async": _RESHARD,
+    "nccl_reshard_refit_async": _RESHARD,
+    "checkpoint_engine_rpc_async": (
+        "the checkpoint engine ({})",
+        f"leave checkpoint_engine unset and {_REFITS}",
+    ),
+    "start_zmq_sparse_refit_relay": _RELAY,
+    "configure_zmq_sparse_refit_relay": _RELAY,
+    "stop_zmq_sparse_refit_relay": _RELAY,
+    "setup_token_capture": _CAPTURE,
+    "install_token_capture": _CAPTURE,
+    "set_rollout_weight_version": (
+        _CAPTURE[0],
+        _CAPTURE[1] + "; genworker counts weight versions itself (one per good refit)",
+    ),
+    "start_gpu_profiling": _NSIGHT,
+    "stop_gpu_profiling": _NSIGHT,
+}
+
+
+def refusal(method: str, *named: object) -> str:
+    """Why ``method`` (a key of :data:`REFUSED`) is refused and what to do instead;
+    ``named``: what the call named, put in the ``{}`` of what it asks for."""
+    what, instead = REFUSED[method]
+    return f"{method}: {what.format(*named)} is not supported by genworker's drop-in; {instead}"

@@ -36,7 +36,8 @@ method names, arguments and return values:
   on every interface (``0.0.0.0``, ``::``, as NeMo-RL's) is reported at this node's IP,
   the address NeMo-Gym on another node can reach.
 * What NeMo-RL's async worker has and genworker cannot do is refused with
-  ``UnsupportedError`` naming the method and what to use instead (never a silent no-op):
+  ``UnsupportedError`` naming the method and what to use instead (never a silent no-op;
+  ``core.nemo_rl_front.REFUSED``):
   the ``nccl_reshard`` refit, the checkpoint engine, the sparse refit relay, nsight's
   ``start_gpu_profiling`` / ``stop_gpu_profiling``, and NeMo-RL's token capture (#3837;
   genworker's rows carry their token ids and ``weight_versions`` themselves).
@@ -51,7 +52,7 @@ import torch
 
 from genworker.core.joins import group_join
 from genworker.core.lifecycle import InflightMode
-from genworker.core.nemo_rl_front import reported_url
+from genworker.core.nemo_rl_front import refusal, reported_url
 from genworker.core.refit_protocol import Transport
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import GenworkerError, UnsupportedError
@@ -60,26 +61,6 @@ from genworker.shell.nemo_rl_member import NemoRlMember, nemo_rl_outputs
 from genworker.shell.spine import checked_join
 
 __all__ = ["NemoRlAsyncGenerationWorker", "reported_url"]
-
-_REFITS = "refit with update_weights_via_ipc_zmq_async or update_weights_from_collective_async"
-
-# What each refused method asks for, and what to do instead (the refusal's two halves).
-_RESHARD = ("NeMo-RL's nccl_reshard refit", _REFITS)
-_RELAY = ("NeMo-RL's sparse refit relay", f"set refit_transport: null and {_REFITS}")
-_CAPTURE = (
-    "NeMo-RL's token capture (#3837)",
-    "leave token_capture.enabled false (NeMo-Gym's token-echo path): every row genworker "
-    "returns carries its token ids, logprobs and weight_versions",
-)
-_NSIGHT = (
-    "nsight profiling of the async engine",
-    "unset NRL_NSYS_PROFILE_STEP_RANGE, or profile with the synchronous worker "
-    "(vllm_cfg.async_engine: false)",
-)
-
-
-def _refused(method: str, what: str, instead: str) -> UnsupportedError:
-    return UnsupportedError(f"{method}: {what} is not supported by genworker's drop-in; {instead}")
 
 
 class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
@@ -265,52 +246,43 @@ class NemoRlAsyncGenerationWorker(NemoRlMember[AsyncVllmGenerationWorker]):
         train_ranks_per_stage: int,
         sub_world_size: int,
     ) -> None:
-        raise _refused("init_nccl_reshard_comm_group_async", *_RESHARD)
+        raise UnsupportedError(refusal("init_nccl_reshard_comm_group_async"))
 
     async def prepare_nccl_reshard_refit_info_async(self, refit_info: Mapping[str, object]) -> None:
-        raise _refused("prepare_nccl_reshard_refit_info_async", *_RESHARD)
+        raise UnsupportedError(refusal("prepare_nccl_reshard_refit_info_async"))
 
     async def nccl_reshard_refit_async(self) -> bool:
-        raise _refused("nccl_reshard_refit_async", *_RESHARD)
+        raise UnsupportedError(refusal("nccl_reshard_refit_async"))
 
     async def checkpoint_engine_rpc_async(
         self, checkpoint_method: str, method_args: tuple[object, ...] = ()
     ) -> object:
-        raise _refused(
-            "checkpoint_engine_rpc_async",
-            f"the checkpoint engine ({checkpoint_method})",
-            f"leave checkpoint_engine unset and {_REFITS}",
-        )
+        raise UnsupportedError(refusal("checkpoint_engine_rpc_async", checkpoint_method))
 
     def report_refit_server_base_url(self) -> str | None:
         """NeMo-RL's sparse refit server: none here (``refit_transport`` must be null)."""
         return None
 
     def start_zmq_sparse_refit_relay(self) -> str:
-        raise _refused("start_zmq_sparse_refit_relay", *_RELAY)
+        raise UnsupportedError(refusal("start_zmq_sparse_refit_relay"))
 
     def configure_zmq_sparse_refit_relay(self, relay_addresses: Sequence[str]) -> None:
-        raise _refused("configure_zmq_sparse_refit_relay", *_RELAY)
+        raise UnsupportedError(refusal("configure_zmq_sparse_refit_relay"))
 
     def stop_zmq_sparse_refit_relay(self) -> None:
-        raise _refused("stop_zmq_sparse_refit_relay", *_RELAY)
+        raise UnsupportedError(refusal("stop_zmq_sparse_refit_relay"))
 
     def setup_token_capture(self, *args: object, **kwargs: object) -> bool:
-        raise _refused("setup_token_capture", *_CAPTURE)
+        raise UnsupportedError(refusal("setup_token_capture"))
 
     def install_token_capture(self, *args: object, **kwargs: object) -> bool:
-        raise _refused("install_token_capture", *_CAPTURE)
+        raise UnsupportedError(refusal("install_token_capture"))
 
     def set_rollout_weight_version(self, *args: object, **kwargs: object) -> None:
-        what, instead = _CAPTURE
-        raise _refused(
-            "set_rollout_weight_version",
-            what,
-            instead + "; genworker counts weight versions itself (one per good refit)",
-        )
+        raise UnsupportedError(refusal("set_rollout_weight_version"))
 
     def start_gpu_profiling(self) -> None:
-        raise _refused("start_gpu_profiling", *_NSIGHT)
+        raise UnsupportedError(refusal("start_gpu_profiling"))
 
     def stop_gpu_profiling(self) -> None:
-        raise _refused("stop_gpu_profiling", *_NSIGHT)
+        raise UnsupportedError(refusal("stop_gpu_profiling"))

@@ -1,6 +1,6 @@
 """``genworker.core.nemo_rl_front``: NeMo-RL's output keys and routes layout, the counters
-keyed by name without genworker's own, ``wake_up``'s one keyword, and the URL NeMo-RL is
-told."""
+keyed by name without genworker's own, ``wake_up``'s one keyword, the URL NeMo-RL is
+told, and the refusals of what the async drop-in cannot do."""
 
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ from genworker.core.counters import (
 )
 from genworker.core.nemo_rl_front import (
     NEMO_RL_OUTPUT_KEYS,
+    REFUSED,
     ROUTED_EXPERTS,
     SAMPLING_KEYS,
     WakeUpError,
     nemo_rl_outputs,
     raw_spec_counters,
+    refusal,
     reported_url,
     sampling_params,
     wake_up_tags,
@@ -131,3 +133,25 @@ def test_new_sampling_values_replace_the_configs_and_are_checked_as_it_is() -> N
     assert (updated.unwrap().temperature, updated.unwrap().max_new_tokens) == (0.5, 4)
     assert updated.unwrap().model_name == cfg.model_name
     assert isinstance(with_sampling(cfg, {"max_new_tokens": 0}), Failure)
+
+
+@pytest.mark.parametrize("method", sorted(REFUSED))
+def test_a_refusal_names_the_method_what_it_asks_for_and_what_to_do_instead(method: str) -> None:
+    what, instead = REFUSED[method]
+    message = refusal(method, "init_checkpoint_engine")
+    assert message == (
+        f"{method}: {what.format('init_checkpoint_engine')} is not supported by genworker's "
+        f"drop-in; {instead}"
+    )
+    assert instead.startswith(("refit with", "set ", "leave ", "unset "))
+
+
+def test_the_checkpoint_engines_refusal_names_the_method_asked_for() -> None:
+    assert refusal("checkpoint_engine_rpc_async", "init_checkpoint_engine") == (
+        "checkpoint_engine_rpc_async: the checkpoint engine (init_checkpoint_engine) is not "
+        "supported by genworker's drop-in; leave checkpoint_engine unset and refit with "
+        "update_weights_via_ipc_zmq_async or update_weights_from_collective_async"
+    )
+    assert refusal("set_rollout_weight_version").endswith(
+        "weight_versions; genworker counts weight versions itself (one per good refit)"
+    )

@@ -28,7 +28,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from strategies import WildBatch, wild_batches
 
-from genworker.core import lifecycle
+from genworker.core import lifecycle, nemo_rl_front
 from genworker.core.lifecycle import InflightMode
 from genworker.core.refit_protocol import DEFAULT_TIMEOUT_S
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
@@ -807,6 +807,12 @@ def test_what_genworker_cannot_do_is_refused_naming_the_method_and_what_to_use(
         assert engine.calls == []
 
     asyncio.run(main())
+
+
+def test_every_refusal_core_holds_is_a_method_of_the_drop_in() -> None:
+    assert all(
+        callable(getattr(NemoRlAsyncGenerationWorker, m, None)) for m in nemo_rl_front.REFUSED
+    )
 
 
 def test_there_is_no_sparse_refit_server() -> None:
