@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 from genworker.core import lifecycle
 from genworker.core.config import WorkerConfig
@@ -23,6 +23,7 @@ from genworker.core.nemo_rl_front import (
 )
 from genworker.core.placement import plan_engine_env
 from genworker.core.refit_protocol import Transport, wait_bound
+from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import (
     BadArgumentError,
     BadConfigError,
@@ -32,7 +33,6 @@ from genworker.shell.errors import (
     unwrap,
 )
 from genworker.shell.nemo_rl_batches import require_batch_modules
-from genworker.shell.ports import EngineCapabilities
 from genworker.shell.refit.nemo_rl import DEFAULT_SOCKET_DIR
 from genworker.shell.spine import checked_env_names
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
@@ -42,26 +42,9 @@ __all__ = ["NEMO_RL_OUTPUT_KEYS", "SAMPLING_KEYS", "NemoRlMember", "nemo_rl_outp
 log = logging.getLogger(__name__)
 
 
-class _Native(Protocol):
-    """What :class:`NemoRlMember` needs of the genworker worker it wraps (both have it)."""
-
-    cfg: WorkerConfig
-
-    @property
-    def state(self) -> lifecycle.State: ...
-
-    @property
-    def caps(self) -> EngineCapabilities: ...
-
-    @property
-    def llm(self) -> object: ...
-
-    def is_alive(self) -> bool: ...
-
-    def load_model(self) -> None: ...
-
-
-_W = TypeVar("_W", bound=_Native)
+#: the genworker worker a drop-in wraps: what :class:`NemoRlMember` needs of it (the
+#: spine's config, state, capabilities, engine and liveness, and ``load_model``) both have
+_W = TypeVar("_W", NativeWorker, AsyncVllmGenerationWorker)
 
 
 class NemoRlMember(Generic[_W]):
