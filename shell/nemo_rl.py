@@ -33,7 +33,7 @@ arguments and return values (``nemo_rl/models/generation/vllm/vllm_worker.py``):
   ``bool`` answers with ``last_refit_error``, the spec-decode counters.
 
 * ``stop_strings_mode`` picks the stop-string semantics (``per_sample`` or NeMo-RL's
-  ``batch_union``, :mod:`genworker.core.config_keys`); the drop-in passes it to its worker.
+  ``batch_union``, :mod:`genworker.core.config_keys`); the worker reads it from the config.
 * With ``vllm_cfg.skip_tokenizer_init: true`` vLLM would skip stop strings silently, so a
   batch that carries ``stop_strings`` is refused by name with ``BadBatchError`` before any
   engine call (``WorkerConfig.detokenizer_problem``).

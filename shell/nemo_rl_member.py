@@ -103,7 +103,6 @@ class NemoRlMember(Generic[_W]):
             extra_env_vars=self.extra_env_vars,
             defer_model_load=True,
             engine_factory=engine_factory,
-            stop_mode=self.cfg.stop_mode,
         )
         if not defer_model_load:
             self.load_model()
