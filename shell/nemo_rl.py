@@ -64,7 +64,13 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from genworker.core.joins import group_join
-from genworker.core.nemo_rl_front import sampling_params, with_sampling
+from genworker.core.nemo_rl_front import (
+    NEMO_RL_OUTPUT_KEYS,
+    SAMPLING_KEYS,
+    nemo_rl_outputs,
+    sampling_params,
+    with_sampling,
+)
 from genworker.core.refit_protocol import Transport
 from genworker.shell.errors import (
     BadArgumentError,
@@ -72,12 +78,7 @@ from genworker.shell.errors import (
     GenworkerError,
     unwrap,
 )
-from genworker.shell.nemo_rl_member import (
-    NEMO_RL_OUTPUT_KEYS,
-    SAMPLING_KEYS,
-    NemoRlMember,
-    nemo_rl_outputs,
-)
+from genworker.shell.nemo_rl_member import NemoRlMember
 from genworker.shell.spine import checked_join
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 

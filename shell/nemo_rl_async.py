@@ -52,12 +52,12 @@ import torch
 
 from genworker.core.joins import group_join
 from genworker.core.lifecycle import InflightMode
-from genworker.core.nemo_rl_front import refusal, reported_url
+from genworker.core.nemo_rl_front import nemo_rl_outputs, refusal, reported_url
 from genworker.core.refit_protocol import Transport
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
 from genworker.shell.errors import GenworkerError, UnsupportedError
 from genworker.shell.host import node_ip
-from genworker.shell.nemo_rl_member import NemoRlMember, nemo_rl_outputs
+from genworker.shell.nemo_rl_member import NemoRlMember
 from genworker.shell.spine import checked_join
 
 __all__ = ["NemoRlAsyncGenerationWorker", "reported_url"]

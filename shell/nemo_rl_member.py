@@ -1,9 +1,9 @@
 """What NeMo-RL's two drop-ins share (:mod:`genworker.shell.nemo_rl` for the synchronous
-worker, :mod:`genworker.shell.nemo_rl_async` for the async one): NeMo-RL's output keys and
-sampling keys (``core.nemo_rl_front``), and :class:`NemoRlMember` (one member of a NeMo-RL
-worker group over a genworker worker: the tied-group rules, the config checks, refit
-bookkeeping and errors, as :mod:`genworker.shell.nemo_rl`'s docstring describes).
-Its own module so that the two drop-ins import it and not each other."""
+worker, :mod:`genworker.shell.nemo_rl_async` for the async one): :class:`NemoRlMember`, one
+member of a NeMo-RL worker group over a genworker worker (the tied-group rules, the config
+checks, refit bookkeeping and errors, as :mod:`genworker.shell.nemo_rl`'s docstring
+describes); what both translate (output keys, sampling keys, refusals) is in
+``core.nemo_rl_front``. Its own module so that the two drop-ins import it and not each other."""
 
 from __future__ import annotations
 
@@ -14,13 +14,7 @@ from typing import ClassVar, Generic, TypeVar
 
 from genworker.core import lifecycle
 from genworker.core.config import WorkerConfig
-from genworker.core.nemo_rl_front import (
-    NEMO_RL_OUTPUT_KEYS,
-    SAMPLING_KEYS,
-    nemo_rl_outputs,
-    raw_spec_counters,
-    wake_up_tags,
-)
+from genworker.core.nemo_rl_front import raw_spec_counters, wake_up_tags
 from genworker.core.placement import plan_engine_env
 from genworker.core.refit_protocol import Transport, wait_bound
 from genworker.shell.async_worker import AsyncVllmGenerationWorker
@@ -37,7 +31,7 @@ from genworker.shell.refit.nemo_rl import DEFAULT_SOCKET_DIR
 from genworker.shell.spine import checked_env_names
 from genworker.shell.worker import VllmGenerationWorker as NativeWorker
 
-__all__ = ["NEMO_RL_OUTPUT_KEYS", "SAMPLING_KEYS", "NemoRlMember", "nemo_rl_outputs"]
+__all__ = ["NemoRlMember"]
 
 log = logging.getLogger(__name__)
 
