@@ -26,10 +26,11 @@ from genworker.shell.errors import (
     BadArgumentError,
     BadBatchError,
     BadConfigError,
+    EngineStateError,
     GroupError,
     UnsupportedError,
 )
-from genworker.shell.fake_engine import FakeEngineFactory
+from genworker.shell.fake_engine import FakeEngine, FakeEngineFactory
 from genworker.shell.group import ClusterOptions, ClusterSpec, GenerationGroup, ShardFailure
 from genworker.shell.nemo_rl import NEMO_RL_OUTPUT_KEYS
 from genworker.shell.worker import VllmGenerationWorker
@@ -290,6 +291,65 @@ def test_eight_groups_of_eight_over_two_shards_keep_each_group_on_one_shard(
                     "num_generations_per_prompt": 3,
                 }
             )
+
+
+class RelayFakes(FakeEngineFactory):
+    """Fake engines with a sparse relay receiver each (the engine side's calls): it
+    listens at an address named after its shard's seed, and refuses a relay that leaves
+    it out, as the real receiver does."""
+
+    def start(self, kwargs: Any) -> FakeEngine:
+        engine = super().start(kwargs)
+        own: list[str] = []
+
+        def start_relay(host: str, allow_remote: bool) -> str:
+            own[:] = [f"tcp://{host}:{5000 + engine.seed}"]
+            return own[0]
+
+        def configure(relay: list[str]) -> None:
+            if not set(own) <= set(relay):
+                raise BadArgumentError(f"the relay {relay} leaves out this receiver {own}")
+
+        engine.rpc_handlers.update(
+            start_sparse_relay=start_relay,
+            configure_sparse_relay=configure,
+            sparse_relay_status=lambda: {"applied": 0, "diverged": "", "step": 0},
+            stop_sparse_relay=own.clear,
+            refit_hold=lambda held, wait_s: None,  # a batch holds the weights while it runs
+        )
+        return engine
+
+
+def test_the_sparse_relay_starts_is_configured_and_stops_on_every_shard(
+    ray_session: None,
+) -> None:
+    with GenerationGroup(
+        tiny_config("fake"),
+        ClusterSpec(num_shards=2, cpus_per_node=2, start_timeout_s=120),
+        worker_options={"engine_factory": RelayFakes(max_model_len=64)},
+    ) as g:
+        assert g.report_refit_server_base_url() == [None, None]
+        addresses = g.start_zmq_sparse_refit_relay()
+        (first,), (second,) = ([str(a) for a in shard] for shard in addresses)  # a worker each
+        assert first != second
+        assert first.startswith("tcp://127.0.0.1:")
+        assert g.report_refit_server_base_url() == [first, second]
+        with pytest.raises(BadArgumentError, match="must be a str"):
+            g.start_zmq_sparse_refit_relay(host=None)  # type: ignore[arg-type]
+        g.configure_zmq_sparse_refit_relay([first, second])
+        with pytest.raises(BadArgumentError, match=r"shard 1: .*leaves out this receiver"):
+            g.configure_zmq_sparse_refit_relay([first])
+        ids = torch.tensor([[3, 4, 5, PAD, PAD], [6, 7, 8, 9, 10]])
+        data = {"input_ids": ids, "input_lengths": torch.tensor([3, 5])}
+        out = g.generate(data, greedy=True)  # each shard asks its relay where it stands first
+        assert [out["output_ids"][i, :n].tolist() for i, n in enumerate((3, 5))] == [
+            [3, 4, 5],
+            [6, 7, 8, 9, 10],
+        ]
+        g.stop_zmq_sparse_refit_relay()
+        assert g.report_refit_server_base_url() == [None, None]
+        with pytest.raises(EngineStateError, match="needs start_zmq_sparse_refit_relay"):
+            g.configure_zmq_sparse_refit_relay([first, second])
 
 
 def test_shard_failures_survive_pickling() -> None:
