@@ -13,20 +13,24 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import TypeVar
+from urllib.parse import parse_qsl
 
 from genworker.core.serving import BadRequest, error_body
 
 __all__ = [
+    "GENERATE_PATHS",
     "Answer",
     "Message",
     "content_length",
     "field_of",
+    "generation_route",
     "headers_of",
     "inner_request",
     "json_answer",
     "json_response",
     "refusal",
     "refusal_response",
+    "routed",
 ]
 
 Message = MutableMapping[str, object]
@@ -34,6 +38,9 @@ Message = MutableMapping[str, object]
 Answer = tuple[int, dict[str, object]]
 """An answer the layer sends itself: the HTTP status and the JSON body."""
 _T = TypeVar("_T")
+
+#: The two routes the layer checks and completes (``POST``), by path: whether it is chat.
+GENERATE_PATHS: Mapping[str, bool] = {"/v1/completions": False, "/v1/chat/completions": True}
 
 
 def field_of(
@@ -73,6 +80,28 @@ def content_length(scope: Mapping[str, object]) -> int | None:
             except ValueError:  # the HTTP server refuses it before the app runs
                 return None
     return None
+
+
+def generation_route(scope: Mapping[str, object]) -> bool | None:
+    """Whether a request is a ``POST`` to the chat route (``True``) or the completions route
+    (``False``) of :data:`GENERATE_PATHS`; ``None``: any other request."""
+    path = scope.get("path")
+    if scope.get("method") != "POST" or not isinstance(path, str):
+        return None
+    return GENERATE_PATHS.get(path)
+
+
+def routed(
+    scope: Mapping[str, object], routes: Mapping[tuple[str, str], str]
+) -> tuple[str, dict[str, str]] | None:
+    """The route of ``routes`` (by method and path) a request names, and its query as
+    Starlette's ``Request.query_params`` reads it (the last value of a repeated name);
+    ``None`` when it names none of them."""
+    route = routes.get((field_of(scope, "method", str), field_of(scope, "path", str, "")))
+    if route is None:
+        return None
+    query = field_of(scope, "query_string", bytes).decode("latin-1")
+    return route, dict(parse_qsl(query, keep_blank_values=True))
 
 
 def json_response(status: int, answer: object, *, close: bool = False) -> tuple[Message, Message]:

@@ -61,10 +61,12 @@ from genworker.core.asgi_messages import (
     Message,
     content_length,
     field_of,
+    generation_route,
     inner_request,
     json_answer,
     json_response,
     refusal_response,
+    routed,
 )
 from genworker.core.control_plane import ROUTES as CONTROL_ROUTES
 from genworker.core.server_prompts import Prepared, PromptRules, Tokenized
@@ -114,7 +116,6 @@ log = logging.getLogger(__name__)
 #: constant, not a config key: rollout clients are on the cluster's network, where the
 #: largest body the limits allow (``core.serving.http_limits``) takes well under a second.
 BODY_READ_TIMEOUT_S = 60.0
-_GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # ASGI's shapes as Starlette names them (starlette/types.py; ``core.asgi_messages``).
 Scope = MutableMapping[str, object]
 Receive = Callable[[], Awaitable[Message]]
@@ -183,21 +184,16 @@ class RolloutLayer:
         raw = await self._read_body(scope, receive, send)
         if raw is None:  # answered, or the client is gone
             return
-        if scope.get("method") != "POST" or scope.get("path") not in _GENERATE_PATHS:
+        chat = generation_route(scope)
+        if chat is None:
             nested = check_nesting(raw, self.rules.limits)  # vLLM's json.loads recurses
             if isinstance(nested, Failure):
                 await _refuse(send, nested.failure())
                 return
-            if self.control is not None:
-                from starlette.requests import Request
-
-                request = Request(scope)
-                route = CONTROL_ROUTES.get((request.method, field_of(scope, "path", str, "")))
-                if route is not None:
-                    query = dict(request.query_params)  # the last of a repeated name
-                    answer = await self.control.handle(route, query, raw)
-                    await _send_all(send, json_response(*answer))
-                    return
+            if self.control is not None and (found := routed(scope, CONTROL_ROUTES)) is not None:
+                answer = await self.control.handle(*found, raw)
+                await _send_all(send, json_response(*answer))
+                return
             await self.app(scope, _replay(raw, receive), send)
             return
         parsed = parse_body(raw, self.rules.limits)
@@ -210,7 +206,6 @@ class RolloutLayer:
         if not isinstance(body, dict):  # vLLM answers malformed requests itself
             await self.app(scope, _replay(raw, receive), send)
             return
-        chat = scope["path"] == "/v1/chat/completions"
         if self.control is not None and (held := self.control.refuses_generation()):
             await _refuse(send, held)
             return

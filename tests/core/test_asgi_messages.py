@@ -12,18 +12,48 @@ from hypothesis import strategies as st
 from strategies import json_values
 
 from genworker.core.asgi_messages import (
+    GENERATE_PATHS,
     content_length,
     field_of,
+    generation_route,
     headers_of,
     inner_request,
     json_answer,
     json_response,
     refusal,
     refusal_response,
+    routed,
 )
 from genworker.core.serving import BadRequest, error_body
 
 statuses = st.integers(100, 599)
+
+
+def test_only_a_post_to_a_generation_path_is_a_generation_and_says_whether_it_is_chat() -> None:
+    assert generation_route({"method": "POST", "path": "/v1/chat/completions"}) is True
+    assert generation_route({"method": "POST", "path": "/v1/completions"}) is False
+    assert set(GENERATE_PATHS) == {"/v1/completions", "/v1/chat/completions"}
+    for scope in (
+        {"method": "GET", "path": "/v1/completions"},
+        {"method": "POST", "path": "/v1/models"},
+        {"method": "POST", "path": b"/v1/completions"},
+        {"method": "POST"},
+    ):
+        assert generation_route(scope) is None
+
+
+def test_a_routed_request_names_its_route_and_its_query_the_last_value_winning() -> None:
+    routes = {("POST", "/pause"): "pause", ("GET", "/is_paused"): "is_paused"}
+    query = b"mode=keep&x=&mode=w%C3%A9&raw=\xe9"
+    scope = {"method": "POST", "path": "/pause", "query_string": query}
+    # as Starlette reads it: the bytes as latin-1, each escape as UTF-8
+    assert routed(scope, routes) == ("pause", {"mode": "wé", "x": "", "raw": "é"})
+    assert routed({**scope, "method": "GET"}, routes) is None
+    assert routed({"method": "GET", "path": "/is_paused", "query_string": b""}, routes) == (
+        "is_paused",
+        {},
+    )
+    assert routed({"method": "GET"}, routes) is None  # no path: no route
 
 
 def test_a_field_is_read_as_its_type_with_a_default_where_absent() -> None:
