@@ -18,7 +18,8 @@ parser read the engine flags; everything it then decides is here, over those val
   worker's rule, ``core.caps.context_cap``).
 * :func:`serve_keys`: the ``vllm_cfg`` keys ``serve`` sets; :func:`completion_records`:
   the JSONL lines ``generate`` writes; :func:`log_environment`: the environment that sets
-  vLLM's and transformers' logging to a level.
+  vLLM's and transformers' logging to a level, :func:`log_level` the level a command
+  chooses; :func:`check_options`: what argparse cannot check of a command's options.
 """
 
 from __future__ import annotations
@@ -37,14 +38,18 @@ from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.errors import CoreError
 
 __all__ = [
+    "COUNT_OPTIONS",
     "ENGINE_OPTION_KEYS",
+    "LOG_LEVELS",
     "InputProblem",
+    "check_options",
     "check_prompt_lengths",
     "completion_records",
     "config_problems",
     "engine_config",
     "explain_problems",
     "log_environment",
+    "log_level",
     "parse_prompts",
     "serve_keys",
     "unreadable_prompts",
@@ -320,3 +325,39 @@ def log_environment(level: str) -> dict[str, str]:
     if level in ("warning", "error"):
         env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     return env
+
+
+#: The levels of ``--log-level`` and ``VLLM_LOGGING_LEVEL``, from the most lines.
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+
+
+def log_level(quiet: bool, level: str | None, inherited: str) -> Result[str, InputProblem]:
+    """The level a command logs at: ``error`` when ``quiet``, else ``--log-level``'s
+    ``level``, else ``inherited`` (``VLLM_LOGGING_LEVEL`` where set, else the command's
+    default) in lower case; one of :data:`LOG_LEVELS`."""
+    chosen = "error" if quiet else (level or inherited.lower())
+    if chosen not in LOG_LEVELS:
+        expected = ", ".join(LOG_LEVELS)
+        return Failure(InputProblem(f"VLLM_LOGGING_LEVEL={chosen!r}: expected one of {expected}"))
+    return Success(chosen)
+
+
+#: The options that count something (new tokens, rows per call, the demo's batches,
+#: steps, samples and shards): where given, at least 1.
+COUNT_OPTIONS: Final = ("max_new_tokens", "chunk", "batch", "steps", "samples", "shards")
+
+
+def check_options(
+    quiet: bool, level: str | None, counts: Mapping[str, int | None]
+) -> Result[None, InputProblem]:
+    """What argparse cannot check of a command's options: ``-q`` and ``--log-level`` not
+    both given, and each of :data:`COUNT_OPTIONS` given (``counts``) at least 1."""
+    if quiet and level is not None:
+        return Failure(
+            InputProblem("-q or --log-level: -q means --log-level error and no progress bar")
+        )
+    for name, value in counts.items():
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            return Failure(InputProblem(f"{flag} must be at least 1, got {value}"))
+    return Success(None)

@@ -31,11 +31,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn, TextIO
 
+from returns.result import Failure
+
 from genworker.core.cli_inputs import (
+    COUNT_OPTIONS,
+    LOG_LEVELS,
+    check_options,
     check_prompt_lengths,
     completion_records,
     engine_config,
     log_environment,
+    log_level,
     parse_prompts,
     serve_keys,
     unreadable_prompts,
@@ -45,8 +51,6 @@ from genworker.shell.errors import GenworkerError, unwrap
 from genworker.shell.local import completions, device, load_tokenizer, pad_id, pad_rows
 
 __all__ = ["main"]
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 # --- generate and serve: inputs checked before the engine starts ----------------------
@@ -287,9 +291,10 @@ def _configure_logs(level: str | None, default: str, quiet: bool) -> str:
     it was already imported, its logger's level is set instead. Python warnings become
     log records (``py.warnings``), shown from level ``warning`` on; loading progress bars
     only from ``info`` on. Returns the level chosen."""
-    chosen = "error" if quiet else (level or os.environ.get("VLLM_LOGGING_LEVEL", default).lower())
-    if chosen not in LOG_LEVELS:
-        raise SystemExit(f"VLLM_LOGGING_LEVEL={chosen!r}: expected one of {', '.join(LOG_LEVELS)}")
+    picked = log_level(quiet, level, os.environ.get("VLLM_LOGGING_LEVEL", default))
+    if isinstance(picked, Failure):
+        raise SystemExit(picked.failure().message)
+    chosen = picked.unwrap()
     os.environ.update(log_environment(chosen))
     logging.basicConfig(
         stream=sys.stderr, level=chosen.upper(), format="%(levelname)s %(name)s: %(message)s"
@@ -394,12 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command: argparse.ArgumentParser = args.parser
     if rest and args.run is None:
         command.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.quiet and args.log_level is not None:
-        command.error("-q or --log-level: -q means --log-level error and no progress bar")
-    for name in ("max_new_tokens", "chunk", "batch", "steps", "samples", "shards"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            command.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    counts = {name: getattr(args, name, None) for name in COUNT_OPTIONS}
+    if isinstance(checked := check_options(args.quiet, args.log_level, counts), Failure):
+        command.error(checked.failure().message)
     if args.run is None:
         from genworker.demo.commands import check_demo_args
 

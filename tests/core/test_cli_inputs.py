@@ -12,14 +12,18 @@ from hypothesis import strategies as st
 from returns.result import Failure, Success
 
 from genworker.core.cli_inputs import (
+    COUNT_OPTIONS,
     ENGINE_OPTION_KEYS,
+    LOG_LEVELS,
     InputProblem,
+    check_options,
     check_prompt_lengths,
     completion_records,
     config_problems,
     engine_config,
     explain_problems,
     log_environment,
+    log_level,
     parse_prompts,
     serve_keys,
     unreadable_prompts,
@@ -211,3 +215,30 @@ def test_a_prompts_file_that_cannot_be_opened_is_named_with_how(
     error: OSError, message: str
 ) -> None:
     assert str(unreadable_prompts("p.jsonl", error)) == message
+
+
+@given(st.booleans(), st.sampled_from([None, *LOG_LEVELS]), st.sampled_from(LOG_LEVELS))
+def test_the_log_level_is_quiet_then_the_option_then_the_inherited_one(
+    quiet: bool, level: str | None, inherited: str
+) -> None:
+    chosen = log_level(quiet, level, inherited.upper())
+    assert chosen == Success("error" if quiet else level or inherited)
+
+
+def test_an_inherited_log_level_that_is_no_level_is_named() -> None:
+    assert problem(log_level(False, None, "loud")) == (
+        "VLLM_LOGGING_LEVEL='loud': expected one of debug, info, warning, error"
+    )
+    assert problem(log_level(False, None, "")) == (
+        "VLLM_LOGGING_LEVEL='': expected one of debug, info, warning, error"
+    )
+
+
+def test_quiet_and_a_log_level_together_or_a_count_below_one_are_refused_by_flag() -> None:
+    assert check_options(True, None, {}) == Success(None)
+    assert check_options(False, "info", dict.fromkeys(COUNT_OPTIONS, 1)) == Success(None)
+    assert problem(check_options(True, "info", {})) == (
+        "-q or --log-level: -q means --log-level error and no progress bar"
+    )
+    counts = {"max_new_tokens": None, "chunk": 0, "batch": -1}
+    assert problem(check_options(False, None, counts)) == "--chunk must be at least 1, got 0"
