@@ -85,7 +85,7 @@ from genworker.shell.ports import (
     StreamedGeneration,
     check_text_request,
 )
-from genworker.shell.startup import check_main_guard, checked_model_source
+from genworker.shell.startup import check_main_guard, checked_model
 from genworker.shell.vllm_engine import (
     CALL_BOUND_S,
     REQUEST_ERRORS,
@@ -189,19 +189,13 @@ class AsyncVllmEngine(VllmEngineBase[AsyncLLM]):
     @classmethod
     def start(cls, kwargs: Mapping[str, object]) -> AsyncVllmEngine:
         """Start an ``AsyncLLM`` with these ``AsyncEngineArgs``; failures are BadConfigError."""
-        if not isinstance(kwargs.get("model"), str):
-            raise BadConfigError(
-                f"engine kwargs need 'model' as a str, got {kwargs.get('model')!r}"
-            )
-        checked_model_source(str(kwargs["model"]))  # a mistyped path is no Hub id
+        model = checked_model(kwargs.get("model"))
         check_main_guard("AsyncVllmGenerationWorker's engine (vLLM's AsyncLLM)")
         _spawn_on_cuda()
         try:
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         except Exception as e:
-            raise BadConfigError(
-                f"vLLM's AsyncLLM failed to start on {kwargs['model']!r}: {e}"
-            ) from e
+            raise BadConfigError(f"vLLM's AsyncLLM failed to start on {model!r}: {e}") from e
         return cls(llm)
 
     async def _call(self, call: str, act: Callable[[AsyncLLM], Awaitable[_T]]) -> _T:

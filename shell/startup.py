@@ -27,6 +27,7 @@ from genworker.shell.errors import BadConfigError, GenworkerError, unwrap
 __all__ = [
     "UnguardedMainError",
     "check_main_guard",
+    "checked_model",
     "checked_model_source",
 ]
 
@@ -46,6 +47,16 @@ def checked_model_source(name: str) -> ModelSource:
         BadConfigError,
         "worker config",
     )
+
+
+def checked_model(model: object) -> str:
+    """The engine kwargs' ``model``, checked where it is read from
+    (:func:`checked_model_source`: a mistyped local path is refused, not sent to the Hub);
+    a :class:`BadConfigError` when it is no str. Both vLLM adapters' ``start`` ask this."""
+    if not isinstance(model, str):
+        raise BadConfigError(f"engine kwargs need 'model' as a str, got {model!r}")
+    checked_model_source(model)
+    return model
 
 
 def _main_statement_line(main: types.ModuleType) -> int | None:

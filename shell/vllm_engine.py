@@ -153,7 +153,7 @@ from genworker.shell.media import RowMedia
 from genworker.shell.ports import EngineCapabilities, check_text_rows
 from genworker.shell.sampled_logprobs import MARKER, install
 from genworker.shell.staged_writes import drop_staged_writes
-from genworker.shell.startup import checked_model_source
+from genworker.shell.startup import checked_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -586,10 +586,7 @@ class VllmEngine(VllmEngineBase[LLM]):
     def start(cls, kwargs: Mapping[str, object]) -> VllmEngine:
         """Start a ``vllm.LLM`` with these keyword arguments; failures are BadConfigError."""
         rest = dict(kwargs)
-        model = rest.pop("model", None)
-        if not isinstance(model, str):
-            raise BadConfigError(f"engine kwargs need 'model' as a str, got {model!r}")
-        checked_model_source(model)  # a mistyped local path is refused, not sent to the Hub
+        model = checked_model(rest.pop("model", None))
         start = fp8_start(rest)
         try:
             llm = LLM(model, **start.kwargs)

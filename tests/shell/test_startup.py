@@ -14,7 +14,7 @@ import pytest
 
 from genworker.core.model_source import ModelSource
 from genworker.shell.errors import BadConfigError
-from genworker.shell.startup import checked_model_source
+from genworker.shell.startup import checked_model, checked_model_source
 
 SCRIPT = """\
 import sys
@@ -43,6 +43,15 @@ def test_a_directory_or_a_hub_id_is_a_model_and_anything_else_is_refused(tmp_pat
             checked_model_source(name)
         assert says in str(error.value)
         assert repr(name) in str(error.value)
+
+
+def test_an_engine_model_is_a_str_checked_as_a_model_name(tmp_path: Path) -> None:
+    assert checked_model(str(tmp_path)) == str(tmp_path)
+    for model in (None, 7, tmp_path):
+        with pytest.raises(BadConfigError, match="engine kwargs need 'model' as a str"):
+            checked_model(model)
+    with pytest.raises(BadConfigError, match="model_name"):
+        checked_model(str(tmp_path / "missing"))
 
 
 def run_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
