@@ -152,11 +152,16 @@ class FakeAsyncEngine(FakeEngineBase):
             try:
                 self._step()
             except FakeEngineMisuse as e:  # the pending requests see it, and so does the test
-                self.misuse = e
-                for request in [*self._running, *self._waiting]:
-                    if not request.done.done():
-                        request.done.set_exception(e)
-                self._running, self._waiting = [], []
+                misuse = self.misuse = e
+                self._fail_pending(lambda: misuse)  # noqa: B023 - called before the loop goes on
+
+    def _fail_pending(self, error: Callable[[], BaseException]) -> None:
+        """Every pending request raises what ``error`` makes (a misuse a step ran into, the
+        core's death); none is left."""
+        for request in [*self._running, *self._waiting]:
+            if not request.done.done():
+                request.done.set_exception(error())
+        self._running, self._waiting = [], []
 
     def allow_steps(self, steps: int | None) -> None:
         """Let the scheduler take ``steps`` more steps, then hold (None: no limit); a test
@@ -311,10 +316,7 @@ class FakeAsyncEngine(FakeEngineBase):
     def kill(self) -> None:
         """The engine core died: pending requests and later calls raise EngineDeadError."""
         self.dead = True
-        for request in [*self._running, *self._waiting]:
-            if not request.done.done():
-                request.done.set_exception(EngineDeadError("the fake engine core died"))
-        self._running, self._waiting = [], []
+        self._fail_pending(lambda: EngineDeadError("the fake engine core died"))
         if self._scheduler is not None:
             self._scheduler.cancel()
 
