@@ -76,6 +76,7 @@ __all__ = [
     "check_context",
     "check_media",
     "check_media_by_info",
+    "check_text_room",
     "expanded_length",
     "image_token_id",
     "media_layout",
@@ -266,6 +267,23 @@ def check_context(
             lengths=tuple(n for _, n, _ in full),
             expanded=tuple(e for _, _, e in full),
             max_model_len=max_model_len,
+        )
+    )
+
+
+def check_text_room(
+    call: str, lengths: Mapping[int, int], max_model_len: int
+) -> Result[None, CoreError]:
+    """Refuse rows whose prompt text (NeMo-RL's ``vllm_content``), tokenized to
+    ``lengths[row]`` ids, leaves no room to generate under ``max_model_len``; the rows are
+    named in ``lengths``' order."""
+    too_long = [row for row, length in lengths.items() if length >= max_model_len]
+    if not too_long:
+        return Success(None)
+    return Failure(
+        CoreError(
+            f"{call}: vllm_content of rows {too_long} leaves no room to generate: "
+            f"{[lengths[row] for row in too_long]} tokens, max_model_len={max_model_len}"
         )
     )
 

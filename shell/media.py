@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from genworker.core.multimodal import MEDIA_KEY, check_context, check_media, media_layout
+from genworker.core.multimodal import (
+    MEDIA_KEY,
+    check_context,
+    check_media,
+    check_text_room,
+    media_layout,
+)
 from genworker.shell.errors import BadBatchError, unwrap
 
 if TYPE_CHECKING:
@@ -114,11 +120,8 @@ def media_rows(
     images = {row: m for row, m in enumerate(kept or ()) if m is not None}
     if texts := {row: m.text for row, m in images.items() if m.text is not None}:
         ids = dict(zip(texts, tokenize(list(texts.values())), strict=True))
-        if too_long := [row for row, p in ids.items() if len(p) >= caps.max_model_len]:
-            raise BadBatchError(
-                f"{call}: vllm_content of rows {too_long} leaves no room to generate: "
-                f"{[len(ids[r]) for r in too_long]} tokens, max_model_len={caps.max_model_len}"
-            )
+        room = check_text_room(call, {row: len(p) for row, p in ids.items()}, caps.max_model_len)
+        unwrap(room, BadBatchError, "")
         starts = [ids.get(row, prompt) for row, prompt in enumerate(starts)]
     lengths = [len(p) for p in starts]
     unwrap(

@@ -19,6 +19,7 @@ from genworker.core.multimodal import (
     RawMedia,
     UnreadExpansion,
     check_context,
+    check_text_room,
     check_media,
     check_media_by_info,
     expanded_length,
@@ -169,6 +170,22 @@ def test_check_context_refuses_exactly_the_rows_whose_expansion_fills_the_contex
     assert error.expanded == tuple(expanded[r] for r in full)
     assert error.max_model_len == max_model_len
     assert all(f"row {r} (length {lengths[r]}, expanded {expanded[r]})" in str(error) for r in full)
+
+
+@given(st.dictionaries(st.integers(0, 7), st.integers(1, 60), max_size=8), st.integers(1, 60))
+def test_check_text_room_refuses_exactly_the_texts_that_fill_the_context(
+    lengths: dict[int, int], max_model_len: int
+) -> None:
+    result = check_text_room("generate", lengths, max_model_len)
+    full = [row for row, n in lengths.items() if n >= max_model_len]
+    if not full:
+        assert result == Success(None)
+        return
+    assert isinstance(result, Failure)
+    assert str(result.failure()) == (
+        f"generate: vllm_content of rows {full} leaves no room to generate: "
+        f"{[lengths[r] for r in full]} tokens, max_model_len={max_model_len}"
+    )
 
 
 def test_check_context_refuses_inconsistent_lengths() -> None:
