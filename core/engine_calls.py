@@ -160,6 +160,12 @@ class Cache(enum.StrEnum):
         """Its name in a sentence (``prefix cache``, ``multimodal cache``...)."""
         return "multimodal cache" if self is Cache.MM else f"{self.value} cache"
 
+    @property
+    def kept(self) -> str:
+        """The refusal of a reset the engine answered by keeping it (vLLM keeps a prefix
+        cache while requests run): what the vLLM adapters and the fakes say."""
+        return f"{self.call}: vLLM kept the cache (requests running)"
+
 
 @attrs.frozen
 class RpcCall:

@@ -297,7 +297,7 @@ class FakeEngineBase:
         as vLLM keeps it (``EngineStateError``)."""
         self._enter(cache.call)
         if cache is Cache.PREFIX and running:
-            raise EngineStateError(f"{cache.call}: vLLM kept the cache (requests running)")
+            raise EngineStateError(cache.kept)
         if cache is Cache.PREFIX:
             self.prefix_cache_resets += 1
         elif cache is Cache.MM:

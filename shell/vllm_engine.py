@@ -497,7 +497,7 @@ class VllmEngineBase(Generic[_Llm]):
     def _reset(cache: Cache, done: object) -> None:
         """vLLM's answer to a reset of ``cache``: a prefix cache it kept is refused."""
         if done is False:
-            raise EngineStateError(f"{cache.call}: vLLM kept the cache (requests running)")
+            raise EngineStateError(cache.kept)
 
     def metrics(self) -> list[MetricSample]:
         """vLLM's metrics snapshot (``LLM.get_metrics`` reads it as ``AsyncLLM`` does)."""

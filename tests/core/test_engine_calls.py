@@ -145,6 +145,7 @@ def test_a_cache_is_named_as_the_worker_counts_it_and_reset_as_vllm_names_the_ca
         "reset_encoder_cache",
     ]
     assert [c.label for c in Cache] == ["prefix cache", "multimodal cache", "encoder cache"]
+    assert Cache.PREFIX.kept == "reset_prefix_cache: vLLM kept the cache (requests running)"
 
 
 @given(st.lists(sampling_specs, max_size=5), st.none() | st.lists(counts_st, max_size=5))
