@@ -34,6 +34,7 @@ from genworker.core.assembly import Generation
 from genworker.core.counters import CounterSample, GaugeSample, MetricSample
 from genworker.core.engine_calls import EngineCapabilities
 from genworker.core.errors import CoreError
+from genworker.core.lifecycle import InflightMode
 from genworker.core.routing import MoeShape, RoutedExperts
 from genworker.core.sampling import SamplingSpec
 from genworker.core.scoring import ScoredRow
@@ -56,6 +57,7 @@ __all__ = [
     "sample_token",
     "score_row",
     "speculative_tokens",
+    "steppable",
     "tokenize",
     "unservable",
     "waking",
@@ -277,6 +279,16 @@ def speculative_tokens(
             )
         )
     return Success(k)
+
+
+def steppable(pause: InflightMode | None, budget: int | None, waiting: int, running: int) -> bool:
+    """Whether the async fake's scheduler takes a step: none while paused with ``keep``
+    (running requests frozen) or with no step left of its ``budget`` (None: no limit);
+    else one that admits the ``waiting`` requests (never while paused: a paused scheduler
+    queues them, as vLLM's ``pause_scheduler``) or steps the ``running`` ones."""
+    if pause is InflightMode.KEEP or budget == 0:
+        return False
+    return (pause is None and waiting > 0) or running > 0
 
 
 def weight_spans(

@@ -53,6 +53,7 @@ from genworker.core.fake_model import (
     draw,
     fake_metrics,
     faulted,
+    steppable,
     weight_spans,
 )
 from genworker.core.joins import GroupJoin, GroupJoinWire
@@ -170,10 +171,8 @@ class FakeAsyncEngine(FakeEngineBase):
         self._wake.set()
 
     def _steppable(self) -> bool:
-        if self.pause_mode is InflightMode.KEEP or self.step_budget == 0:
-            return False
-        admit = self.pause_mode is None and bool(self._waiting)
-        return admit or bool(self._running)
+        waiting, running = len(self._waiting), len(self._running)
+        return steppable(self.pause_mode, self.step_budget, waiting, running)
 
     def _step(self) -> None:
         if self.step_budget is not None:

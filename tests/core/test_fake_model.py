@@ -27,11 +27,13 @@ from genworker.core.fake_model import (
     sample_token,
     score_row,
     speculative_tokens,
+    steppable,
     tokenize,
     unservable,
     waking,
     weight_spans,
 )
+from genworker.core.lifecycle import InflightMode
 from genworker.core.routing import MoeShape
 from genworker.core.sampling import SamplingSpec
 
@@ -282,3 +284,21 @@ def test_an_image_is_seen_by_its_bytes_and_its_size() -> None:
     assert digest == image_digest(b"\x00\x01", (2, 1))
     assert digest != image_digest(b"\x00\x02", (2, 1))
     assert digest != image_digest(b"\x00\x01", (1, 2))
+
+
+@given(
+    st.none() | st.sampled_from(InflightMode),
+    st.none() | st.integers(0, 3),
+    st.integers(0, 3),
+    st.integers(0, 3),
+)
+def test_the_async_fake_steps_only_what_a_paused_scheduler_would(
+    pause: InflightMode | None, budget: int | None, waiting: int, running: int
+) -> None:
+    step = steppable(pause, budget, waiting, running)
+    if pause is InflightMode.KEEP or budget == 0:
+        assert not step  # frozen, or out of steps
+    elif running:
+        assert step  # running requests always move on
+    else:
+        assert step == (pause is None and waiting > 0)  # a paused scheduler admits nothing
