@@ -17,13 +17,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from genworker.core.multimodal import (
-    MEDIA_KEY,
-    check_context,
-    check_media,
-    check_text_room,
-    media_layout,
-)
+from genworker.core.multimodal import check_context, check_media, check_text_room, media_layout
 from genworker.shell.errors import BadBatchError, unwrap
 
 if TYPE_CHECKING:
@@ -32,7 +26,6 @@ if TYPE_CHECKING:
     from genworker.shell.ports import EngineCapabilities
 
 __all__ = [
-    "MEDIA_KEY",
     "RowMedia",
     "image_counts",
     "media_rows",
