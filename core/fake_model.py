@@ -53,6 +53,7 @@ __all__ = [
     "faulted",
     "finish_reason",
     "image_digest",
+    "request_routes",
     "routes_option",
     "sample_token",
     "score_row",
@@ -205,6 +206,21 @@ def fake_routes(
             :, : shape.top_k
         ]
     return RoutedExperts(shape, rows)
+
+
+def request_routes(
+    shape: MoeShape,
+    seed: int,
+    prompt: Sequence[int],
+    tokens: Sequence[int],
+    versions: Sequence[int],
+    now: int,
+) -> RoutedExperts:
+    """A finished request's routes (:func:`fake_routes`): its ``prompt`` under the weights
+    of its first generated token (``now``, the weights version, when it generated none),
+    each of its ``tokens`` under the weights that sampled it (``versions``)."""
+    first = list(versions[:1]) or [now]
+    return fake_routes(shape, seed, [*prompt, *tokens], first * len(prompt) + list(versions))
 
 
 def faulted(generation: Generation, logprob: float | None, finish: str | None) -> Generation:

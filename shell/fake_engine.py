@@ -83,10 +83,10 @@ from genworker.core.fake_model import (
     expanded_length,
     fake_capabilities,
     fake_metrics,
-    fake_routes,
     faulted,
     finish_reason,
     image_digest,
+    request_routes,
     routes_option,
     sample_token,
     score_row,
@@ -246,15 +246,14 @@ class FakeEngineBase:
         )
 
     def _generation(self, request: FakeRequest, finish: str) -> Generation:
-        """A finished request as vLLM returns it; its routes (``routes``) with the prompt
-        under the weights of its first token and each token under the weights that
-        sampled it."""
+        """A finished request as vLLM returns it; its routes (``routes``) as
+        ``core.fake_model.request_routes`` lays them over the weights versions."""
         shape, routes = self._caps.routes, None
         if shape is not None:
-            sequence = [*request.prompt, *request.tokens]
-            first = request.versions[:1] or [self.weight_version]
-            versions = first * len(request.prompt) + request.versions
-            routes = fake_routes(shape, self.seed, sequence, versions)
+            now = self.weight_version
+            routes = request_routes(
+                shape, self.seed, request.prompt, request.tokens, request.versions, now
+            )
         return Generation(request.tokens, request.logprobs, finish, routes)
 
     def _score(self, sequence: Sequence[int], start: int, top_k: int) -> ScoredRow:

@@ -23,6 +23,7 @@ from genworker.core.fake_model import (
     faulted,
     finish_reason,
     image_digest,
+    request_routes,
     routes_option,
     sample_token,
     score_row,
@@ -142,6 +143,22 @@ def test_routes_name_distinct_experts_for_every_forwarded_token(
             assert all(0 <= e < shape.num_experts for e in layer)
     again = fake_routes(shape, seed, sequence, versions)
     assert np.array_equal(again.experts, routes.experts)
+
+
+@given(
+    moe_shapes(),
+    st.lists(st.integers(0, 63), min_size=1, max_size=5),
+    st.lists(st.integers(0, 3), max_size=5),
+    st.integers(0, 3),
+)
+def test_a_request_routes_its_prompt_under_its_first_tokens_weights(
+    shape: MoeShape, prompt: list[int], versions: list[int], now: int
+) -> None:
+    tokens = [7] * len(versions)
+    routes = request_routes(shape, 5, prompt, tokens, versions, now)
+    first = versions[0] if versions else now
+    expected = fake_routes(shape, 5, prompt + tokens, [first] * len(prompt) + versions)
+    assert np.array_equal(routes.experts, expected.experts)
 
 
 def _generation(logprobs: bool) -> Generation:
