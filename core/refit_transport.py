@@ -7,6 +7,9 @@
 - A foreign error inside a weight-update group (torch's, gloo's, NCCL's) is a timeout when
   it says so or came at its bound, else a transport failure with its text
   (:func:`foreign_failure`: an error at the bound is taken for its expiry).
+- A weight-update group runs on NCCL on CUDA and on gloo elsewhere
+  (:func:`collective_backend`); a rank's claim in one is checked before any socket opens
+  (:func:`group_claim`).
 - A sender's Begin carries its manifest's digest, or '' when it was given none
   (:func:`sender_digest`).
 - A status round (``CollectiveGroup.settle``): every rank all-reduces one code (0: ok,
@@ -27,14 +30,16 @@ from returns.result import Failure, Result, Success
 
 from genworker.core.errors import CoreError
 from genworker.core.refit_plan import Manifest
-from genworker.core.refit_protocol import max_message_bytes
+from genworker.core.refit_protocol import GroupClaim, max_message_bytes, topology_problems
 
 __all__ = [
     "MIN_MESSAGE_CAP",
     "STATUS_FRAME_BYTES",
     "ForeignFailure",
     "bind_refusal",
+    "collective_backend",
     "foreign_failure",
+    "group_claim",
     "group_failure",
     "is_loopback",
     "message_cap",
@@ -69,6 +74,22 @@ def bind_refusal(what: str, host: str | None, *, allow_remote: bool, note: str =
         f"refusing to bind {what} on {host}: not a loopback address "
         f"(pass allow_remote=True to expose it{note})"
     )
+
+
+def collective_backend(device_type: str) -> str:
+    """The backend of a weight-update group on a ``device_type`` device: NCCL on CUDA, else gloo."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def group_claim(
+    ip: str, port: int, rank: int, sizes: tuple[int, int], role: str, device_type: str
+) -> Result[GroupClaim, CoreError]:
+    """Rank ``rank``'s claim, as ``role``, in the group at ``ip:port`` of ``sizes`` (its
+    world size, its trainer ranks) on a ``device_type`` device, or what makes that place
+    impossible (:func:`~genworker.core.refit_protocol.topology_problems`, joined)."""
+    claim = GroupClaim(rank, *sizes, collective_backend(device_type), role)
+    problems = topology_problems(ip, port, claim)
+    return Failure(CoreError("; ".join(problems))) if problems else Success(claim)
 
 
 def message_cap(manifest: Manifest | None) -> int:

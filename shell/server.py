@@ -69,6 +69,7 @@ from genworker.core.asgi_messages import (
     routed,
 )
 from genworker.core.control_plane import ROUTES as CONTROL_ROUTES
+from genworker.core.refit_transport import collective_backend
 from genworker.core.server_prompts import Prepared, PromptRules, Tokenized
 from genworker.core.server_responses import VERSIONS_HEADER, Reply
 from genworker.core.serving import (
@@ -673,7 +674,7 @@ class OpenAIServer:
             raise BadConfigError("http_server_rl_routes: this server has no worker behind it")
         config = getattr(llm, "vllm_config", None)
         device = str(getattr(getattr(config, "device_config", None), "device_type", "cpu"))
-        backend = "nccl" if device == "cuda" else "gloo"
+        backend = collective_backend(device)
         return ControlRoutes(hooks, config, backend, self.options.weight_transfer_timeout_s)
 
     async def stop(self) -> None:

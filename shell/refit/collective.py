@@ -122,6 +122,11 @@ def spin_until(done: Callable[[], bool], deadline: float, what: str) -> None:
         time.sleep(0 if spins < 2000 else 1e-4)
 
 
+def gloo_wait(work: dist.Work, deadline: float) -> None:
+    """Wait for a gloo ``work`` until ``deadline`` (gloo's own wait takes a timeout)."""
+    work.wait(dt.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+
+
 def _await_listener(ip: str, port: int, bound_s: float) -> None:
     """Return once something listens at ``ip:port``; :class:`TimeoutError` past ``bound_s``."""
     deadline = time.monotonic() + bound_s
@@ -150,11 +155,10 @@ class CollectiveGroup:
         device: torch.device,
         timeout_s: float,
     ) -> None:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        self.claim = p.GroupClaim(rank, world_size, train_world_size, backend, role)
-        if problems := p.topology_problems(ip, port, self.claim):
-            raise BadConfigError("invalid weight-update group: " + "; ".join(problems))
-        self.rank, self.world_size, self.device, self.backend = rank, world_size, device, backend
+        claim = rt.group_claim(ip, port, rank, (world_size, train_world_size), role, device.type)
+        self.claim = unwrap(claim, BadConfigError, "invalid weight-update group")
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.backend = backend = self.claim.backend
         self.where, self.broken = f"{ip}:{port}", False
         self._pg: C10dBackend | None = None
         self.peer = f"the weight-update group at {ip}:{port} (rank {rank} of {world_size})"
@@ -247,7 +251,7 @@ class CollectiveGroup:
 
     def _wait(self, work: dist.Work, deadline: float) -> None:
         if self.backend == "gloo":
-            work.wait(dt.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            gloo_wait(work, deadline)
             return
         spin_until(work.is_completed, deadline, "the collective")
         work.wait()

@@ -37,7 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 from genworker.core import refit_protocol as p
 from genworker.core.refit_plan import Manifest, TensorSpec
 from genworker.core.refit_protocol import Replay
-from genworker.core.refit_transport import bind_refusal, is_loopback, message_cap
+from genworker.core.refit_transport import bind_refusal, message_cap
 from genworker.core.refit_wire import Handle, Listing, Reply, encode, encode_chunk, listing
 from genworker.shell.errors import BadConfigError, RefitError, RefitTimeoutError
 from genworker.shell.refit.door import Holding
@@ -62,7 +62,6 @@ __all__ = [
     "IpcSenderPort",
     "arrived",
     "end_zmq",
-    "is_loopback",
     "zmq_socket",
 ]
 
@@ -89,12 +88,16 @@ def end_zmq(
 
 
 def zmq_socket(
-    ctx: zmq.Context[zmq.Socket[bytes]], kind: int, sockets: list[zmq.Socket[bytes]], cap: int = -1
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    kind: int,
+    sockets: list[zmq.Socket[bytes]] | None = None,
+    cap: int = -1,
 ) -> zmq.Socket[bytes]:
     """A fresh ``kind`` socket, ``LINGER=0``, its inbound messages capped at ``cap`` bytes
-    (-1: none): the one ``sockets`` (its port's, for :func:`end_zmq`) holds now."""
+    (-1: none): the one ``sockets`` (its port's, for :func:`end_zmq`) holds now, if given."""
     sock: zmq.Socket[bytes] = ctx.socket(kind)
-    sockets[:] = [sock]
+    if sockets is not None:
+        sockets[:] = [sock]
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, cap)
     return sock

@@ -59,6 +59,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCP
 
 from genworker.core import nemo_rl_refit as n
 from genworker.core import refit_protocol as p
+from genworker.core import refit_transport as rt
 from genworker.core.joins import GroupJoin, GroupJoinWire, group_join
 from genworker.core.nemo_rl_wire import (
     NEMO_RL_IPC_GLOBALS,
@@ -83,7 +84,7 @@ from genworker.shell.errors import (
     UnsafePickleError,
     unwrap,
 )
-from genworker.shell.refit.collective import c10d_backend, foreign_errors, spin_until
+from genworker.shell.refit.collective import c10d_backend, foreign_errors, gloo_wait, spin_until
 from genworker.shell.refit.door import Holding
 from genworker.shell.refit.engine import EngineContext
 from genworker.shell.refit.ipc import arrived, end_zmq, zmq_socket
@@ -422,8 +423,7 @@ class _Gloo:
     def broadcast(self, tensor: torch.Tensor, deadline: float) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        work = self.pg.broadcast([tensor], options)
-        work.wait(dt.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        gloo_wait(self.pg.broadcast([tensor], options), deadline)
 
     def close(self) -> None:
         with contextlib.suppress(RuntimeError, AttributeError):
@@ -475,10 +475,9 @@ class NemoRlGroup(BroadcastGroup):
     def __init__(self, join: GroupJoin, rank: int, device: torch.device) -> None:
         """Rank ``rank`` of the group ``join`` names, each wait bounded by its timeout."""
         ip, port, world_size, timeout_s = join.ip, join.port, join.world_size, join.timeout_s
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        claim = p.GroupClaim(rank, world_size, join.train_world_size, backend, "engine")
-        if problems := p.topology_problems(ip, port, claim):
-            raise BadConfigError("invalid NeMo-RL weight-update group: " + "; ".join(problems))
+        sizes = (world_size, join.train_world_size)
+        claim = rt.group_claim(ip, port, rank, sizes, "engine", device.type)
+        backend = unwrap(claim, BadConfigError, "invalid NeMo-RL weight-update group").backend
         where = f"{ip}:{port} (rank {rank} of {world_size})"
         super().__init__(f"NeMo-RL's weight-update group at {where}", device)
         timeout = dt.timedelta(seconds=timeout_s)

@@ -220,16 +220,8 @@ class ReshardSender:
     ) -> None:
         self._timeout = unwrap(p.wait_bound(timeout_s), BadConfigError, "ReshardSender")
         self.layouts = {layout.name: layout for layout in layouts}
-        self.group = ReshardGroup(
-            ip,
-            port,
-            rank,
-            world_size,
-            train_world_size,
-            "trainer",
-            torch.device(device),
-            self._timeout,
-        )
+        where = (ip, port, rank, world_size, train_world_size)
+        self.group = ReshardGroup(*where, "trainer", torch.device(device), self._timeout)
         self.rank, self._train = rank, train_world_size
         self._plans: dict[int, ReshardPlan] = {}
 

@@ -77,6 +77,7 @@ from genworker.core.delta import (
     tensor_checksum,
 )
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
+from genworker.core.refit_transport import bind_refusal
 from genworker.core.sparse_protocol import (
     CHECKSUM,
     TAG_BEGIN,
@@ -118,7 +119,7 @@ from genworker.shell.errors import (
     unwrap,
 )
 from genworker.shell.refit.engine import EngineContext, EngineSink
-from genworker.shell.refit.ipc import is_loopback
+from genworker.shell.refit.ipc import end_zmq, zmq_socket
 
 __all__ = [
     "CHECKSUM",
@@ -317,8 +318,7 @@ class SparseSender:
         self.workers = workers
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "genworker-sparse")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = zmq_socket(self._ctx, zmq.DEALER)
         self._sock.setsockopt(zmq.SNDTIMEO, int(self.plan.answer_bound_s(0, hop_s) * 1000))
         self._sock.connect(self.plan.receivers[0])
 
@@ -434,8 +434,7 @@ class SparseSender:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._sock.close(0)
-        self._ctx.term()
+        end_zmq(self._ctx, [self._sock])
         self.baseline.close()
 
     def __enter__(self) -> SparseSender:
@@ -480,20 +479,17 @@ class SparseReceiver:
         workers: int | None = None,
         on_diverge: Callable[[str], None] | None = None,
     ) -> None:
-        if not allow_remote and not is_loopback(host):
-            raise BadConfigError(
-                f"refusing to bind the sparse refit relay on {host}: not a loopback address "
-                "(pass allow_remote=True to expose it; the relay is unauthenticated)"
-            )
+        note = "; the relay is unauthenticated"
+        refusal = bind_refusal("the sparse refit relay", host, allow_remote=allow_remote, note=note)
+        if refusal is not None:
+            raise BadConfigError(refusal)
         workers = default_workers() if workers is None else workers
         if workers < 1:
             raise BadArgumentError(f"workers must be positive, got {workers!r}")
         self.workers = workers
         self.target = target
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_frame_bytes + (1 << 20))
+        self._sock = zmq_socket(self._ctx, zmq.ROUTER, cap=2 * max_frame_bytes + (1 << 20))
         self._sock.bind(f"tcp://{host}:{port}")
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._children: dict[str, zmq.Socket[bytes]] = {}
@@ -534,10 +530,7 @@ class SparseReceiver:
         if self._thread is not None:
             self._thread.join()
         self._pool.shutdown(wait=True)
-        for sock in self._children.values():
-            sock.close(0)
-        self._sock.close(0)
-        self._ctx.term()
+        end_zmq(self._ctx, [*self._children.values(), self._sock])
 
     def serve(self) -> None:
         """Serve steps until :meth:`close` (on the calling thread)."""
@@ -642,8 +635,7 @@ class SparseReceiver:
     def _child(self, address: str) -> zmq.Socket[bytes]:
         sock = self._children.get(address)
         if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
+            sock = zmq_socket(self._ctx, zmq.DEALER)
             sock.connect(address)
             self._children[address] = sock
         return sock

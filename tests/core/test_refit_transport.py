@@ -42,6 +42,23 @@ def test_only_a_remote_host_is_refused_and_only_unless_allowed() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("device_type", "backend"), [("cuda", "nccl"), ("cpu", "gloo"), ("xpu", "gloo")]
+)
+def test_a_group_runs_nccl_on_cuda_and_gloo_elsewhere(device_type: str, backend: str) -> None:
+    assert rt.collective_backend(device_type) == backend
+
+
+def test_a_claim_is_its_ranks_place_on_its_backend_or_every_topology_problem() -> None:
+    claim = rt.group_claim("127.0.0.1", 29500, 2, (3, 1), "engine", "cuda")
+    assert claim == Success(p.GroupClaim(2, 3, 1, "nccl", "engine"))
+    refused = rt.group_claim("", 0, 0, (1, 1), "engine", "cpu")
+    assert isinstance(refused, Failure)
+    wrong = p.GroupClaim(0, 1, 1, "gloo", "engine")
+    assert str(refused.failure()) == "; ".join(p.topology_problems("", 0, wrong))
+    assert str(refused.failure()).count(";") == 4  # five problems, every one told
+
+
 def test_a_message_cap_is_the_manifests_largest_message_and_never_below_the_floor() -> None:
     assert rt.message_cap(None) == rt.MIN_MESSAGE_CAP
     small = Manifest.from_specs([TensorSpec("w", (2,), "float32")]).unwrap()
