@@ -52,7 +52,7 @@ from genworker.core.config import WorkerConfig
 from genworker.core.engine_calls import EngineBatch, EngineCapabilities
 from genworker.core.errors import CoreError
 from genworker.core.groups import EngineRequest
-from genworker.core.lora import LoraRef, RowAdapterError, row_adapters
+from genworker.core.lora import NEMO_RL_ADAPTER_NAME, LoraRef, RowAdapterError, row_adapters
 from genworker.core.sampling import SamplingDefaults, SamplingSpec, sampling_spec
 from genworker.core.stops import StopError, StopMode, merge_stop_strings
 
@@ -66,6 +66,7 @@ __all__ = [
     "check_greedy",
     "check_text_prompts",
     "parse_sample_data",
+    "plan_batch",
     "plan_requests",
     "text_refusals",
 ]
@@ -258,6 +259,33 @@ def plan_requests(
             refused.reserve,
         )
     return Success(RequestPlan(tuple(row for row, _ in rows), tuple(specs), refused))
+
+
+def plan_batch(
+    config: WorkerConfig,
+    caps: EngineCapabilities,
+    data: Mapping[str, object],
+    batch_size: int,
+    rows: Sequence[tuple[int, int]],
+    greedy: bool,
+    text: bool,
+    mode: StopMode,
+    served: Mapping[str, int],
+) -> Result[RequestPlan, PlanError]:
+    """A worker's plan of ``rows`` (:func:`plan_requests`) of a batch of ``batch_size``:
+    the per-sample data of ``data`` parsed (:func:`parse_sample_data`: the config's stop
+    strings, spread by ``mode``; the adapters among ``served``, NeMo-RL's by default under
+    native LoRA), within the limits of ``config`` and the running engine's ``caps``."""
+    samples = parse_sample_data(
+        data,
+        batch_size,
+        config_stops=config.stop_strings,
+        mode=mode,
+        served=served,
+        default_adapter=NEMO_RL_ADAPTER_NAME if config.lora.native else None,
+    )
+    limits = RequestLimits.of(config, caps)
+    return samples.bind(lambda s: plan_requests(config, limits, s, rows, greedy=greedy, text=text))
 
 
 def check_text_prompts(prompts: object) -> Result[tuple[str, ...], PlanError]:

@@ -55,7 +55,7 @@ from genworker.core.engine_plan import plan_engine_kwargs
 from genworker.core.groups import DECLARED_GROUPS, GroupPlan, batch_groups
 from genworker.core.joins import GroupJoin, JoinError, group_join
 from genworker.core.lifecycle import InflightMode
-from genworker.core.lora import NEMO_RL_ADAPTER_NAME, lora_update, served_adapter_id
+from genworker.core.lora import lora_update, served_adapter_id
 from genworker.core.outputs import NonFiniteCounts, NonFiniteLogprobs, nonfinite_seen
 from genworker.core.placement import RAY_EXTRA_ENV_VARS, env_names, forwarded_env_names
 from genworker.core.refit_plan import Manifest
@@ -69,12 +69,10 @@ from genworker.core.refit_protocol import (
 )
 from genworker.core.requests import (
     PlanError,
-    RequestLimits,
     RequestPlan,
     check_greedy,
     check_text_prompts,
-    parse_sample_data,
-    plan_requests,
+    plan_batch,
     text_refusals,
 )
 from genworker.core.routing import CapturePlatform
@@ -479,35 +477,6 @@ class WorkerSpine(Generic[_E]):
         self._state = unwrap(lifecycle.transition(self._state, event), EngineStateError, call)
 
     # -- the request plan ---------------------------------------------------------------
-    def _plan(
-        self,
-        data: Mapping[str, object],
-        batch_size: int,
-        rows: Sequence[tuple[int, int]],
-        greedy: bool,
-        text: bool = False,
-    ) -> RequestPlan:
-        """``core.requests``'s plan of ``rows`` (``(batch row, context length)``)."""
-        samples = parse_sample_data(
-            data,
-            batch_size,
-            config_stops=self.cfg.stop_strings,
-            mode=self.stop_mode,
-            served=self.lora_adapters,
-            default_adapter=NEMO_RL_ADAPTER_NAME if self.cfg.lora.native else None,
-        )
-        limits = RequestLimits.of(self.cfg, self.caps)
-        planned = samples.bind(
-            lambda s: plan_requests(self.cfg, limits, s, rows, greedy=greedy, text=text)
-        )
-        if isinstance(planned, Failure):
-            raise _batch_error(planned.failure())
-        plan = planned.unwrap()
-        self.last_refused_rows = plan.no_room
-        if plan.refused is not None:
-            log.warning("generating without the rows that have no room left: %s", plan.refused)
-        return plan
-
     def _token_batch(
         self, data: Mapping[str, object], greedy: bool, *, whole: bool
     ) -> tuple[torch.Tensor, torch.Tensor, BatchPlan]:
@@ -579,8 +548,9 @@ class WorkerSpine(Generic[_E]):
         media: list[RowMedia | None] | None,
         text: bool = False,
     ) -> BatchPlan:
-        """The media checks and the request plan of the rows in ``prompts``; a batch's own
-        stop strings refused on an engine without a detokenizer (vLLM would skip them)."""
+        """The media checks and the request plan of the rows in ``prompts``
+        (``core.requests.plan_batch``; its rows without room noted and logged); a batch's
+        own stop strings refused on an engine without a detokenizer (vLLM would skip them)."""
         if (problem := self.cfg.detokenizer_problem(data.get("stop_strings"))) is not None:
             raise BadBatchError(problem)
         engine = self.engine
@@ -588,7 +558,16 @@ class WorkerSpine(Generic[_E]):
             self.caps, batch_size, prompts, media, engine.tokenize, engine.expanded_lengths, call
         )
         rows = [(row, context[row]) for row in starts]
-        requests = self._plan(data, batch_size, rows, greedy, text)
+        served = self.lora_adapters
+        planned = plan_batch(
+            self.cfg, self.caps, data, batch_size, rows, greedy, text, self.stop_mode, served
+        )
+        if isinstance(planned, Failure):
+            raise _batch_error(planned.failure())
+        requests = planned.unwrap()
+        self.last_refused_rows = requests.no_room
+        if requests.refused is not None:
+            log.warning("generating without the rows that have no room left: %s", requests.refused)
         return BatchPlan(batch_size, starts, context, images, requests)
 
     # -- groups and scoring (core.groups, core.scoring; docs/groups.md) -----------------

@@ -14,6 +14,7 @@ from genworker.core.caps import CapArgumentError, reserved_tokens
 from genworker.core.config import WorkerConfig
 from genworker.core.engine_calls import EngineBatch, EngineCapabilities
 from genworker.core.groups import EngineRequest
+from genworker.core.lora import NEMO_RL_ADAPTER_NAME
 from genworker.core.requests import (
     PlanError,
     RequestLimits,
@@ -23,6 +24,7 @@ from genworker.core.requests import (
     check_greedy,
     check_text_prompts,
     parse_sample_data,
+    plan_batch,
     plan_requests,
     text_refusals,
 )
@@ -265,3 +267,42 @@ def test_the_request_limits_are_the_configs_caps_and_the_running_engines() -> No
         num_speculative_tokens=2,
         flat_logprobs=True,
     )
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_workers_batch_plan_parses_its_data_then_plans_within_the_limits(native: bool) -> None:
+    """``plan_batch``: ``parse_sample_data`` (the config's stops, NeMo-RL's adapter by
+    default under native LoRA) bound to ``plan_requests`` within ``RequestLimits.of``;
+    a bad per-sample input refuses the batch, as ``parse_sample_data`` does."""
+    vllm_cfg = {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "gpu_memory_utilization": 0.5,
+        "max_model_len": 32,
+        "precision": "float32",
+    }
+    raw = {"backend": "vllm", "model_name": "m", "max_new_tokens": 7, "vllm_cfg": vllm_cfg}
+    if native:
+        raw["lora_refit_mode"] = "native"
+    config = WorkerConfig.from_mapping(
+        {**raw, "temperature": 1.0, "top_p": 1.0, "top_k": None, "_pad_token_id": 0}
+    ).unwrap()
+    caps = EngineCapabilities(
+        sleep_mode=False, flat_logprobs=False, vocab_size=None, max_model_len=16, device="cpu"
+    )
+    served = {NEMO_RL_ADAPTER_NAME: 3}
+    data: dict[str, object] = {"seeds": [1, None]}
+    rows = [(1, 4), (0, 9)]
+    plan = plan_batch(config, caps, data, 2, rows, False, False, StopMode.PER_SAMPLE, served)
+    samples = parse_sample_data(
+        data,
+        2,
+        config_stops=config.stop_strings,
+        mode=StopMode.PER_SAMPLE,
+        served=served,
+        default_adapter=NEMO_RL_ADAPTER_NAME if native else None,
+    ).unwrap()
+    limits = RequestLimits.of(config, caps)
+    assert plan == plan_requests(config, limits, samples, rows, greedy=False, text=False)
+    bad = plan_batch(config, caps, {"seeds": [1]}, 2, rows, False, False, StopMode.PER_SAMPLE, {})
+    assert isinstance(bad, Failure) and bad.failure().field == "seeds"
