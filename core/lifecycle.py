@@ -116,6 +116,7 @@ __all__ = [
     "sleep_event",
     "transition",
     "wake_event",
+    "wake_incomplete",
     "wake_tags",
 ]
 
@@ -532,6 +533,20 @@ def wake_event(tags: object) -> Result[Event, CallError]:
             )
         )
     return Success(event)
+
+
+def wake_incomplete(call: str, fully_awake: object, after: State) -> str | None:
+    """Why the engine is dead after the wake ``call``: it answered it is not fully awake
+    (``fully_awake`` False), though every tag of the state ``after`` it is resident; vLLM
+    resumes scheduling only once it is, so every request would wait. None otherwise."""
+    if fully_awake is not False or not (after.weights_awake and after.kv_cache_awake):
+        return None
+    return (
+        f"{call}: the engine is not fully awake after it, though every tag should "
+        "be resident; vLLM resumes scheduling only once it is (EngineCore.wake_up, "
+        "vllm/v1/engine/core.py, 0.32), so every request would wait: the engine "
+        "is dead"
+    )
 
 
 def sleep_event(level: object) -> Result[Event, CallError]:

@@ -106,6 +106,7 @@ __all__ = [
     "read_end",
     "read_frame",
     "read_report",
+    "relay_statuses",
     "report_message",
     "root_answer",
     "sender_settings",
@@ -853,6 +854,13 @@ def check_relay_addresses(addresses: object) -> Result[list[object], RelayArgume
         message = f"relay_addresses must be a list of addresses, got {addresses!r}"
         return Failure(RelayArgumentError(message))
     return Success(list(addresses))
+
+
+def relay_statuses(statuses: object) -> Result[list[dict[str, object]], CoreError]:
+    """The engine workers' answers to ``sparse_relay_status``: a list of dicts, one each."""
+    if not isinstance(statuses, list) or not all(isinstance(s, dict) for s in statuses):
+        return Failure(CoreError(f"sparse_relay_status returned {statuses!r}"))
+    return Success([dict(s) for s in statuses])
 
 
 @attrs.frozen

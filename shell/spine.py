@@ -654,13 +654,8 @@ class WorkerSpine(Generic[_E]):
         if asleep := tuple(lifecycle.wake_tags(self._state, event)):
             call = f"wake_up(tags={list(asleep)})"
             fully = yield from self._memory_call(call, EngineCall("wake_up", (list(asleep),)))
-            if fully is False and next_state.weights_awake and next_state.kv_cache_awake:
-                dead = EngineDeadError(
-                    f"{call}: the engine is not fully awake after it, though every tag should "
-                    "be resident; vLLM resumes scheduling only once it is (EngineCore.wake_up, "
-                    "vllm/v1/engine/core.py, 0.32), so every request would wait: the engine "
-                    "is dead"
-                )
+            if (problem := lifecycle.wake_incomplete(call, fully, next_state)) is not None:
+                dead = EngineDeadError(problem)
                 self._died(dead)
                 raise dead
         self._state = next_state

@@ -66,6 +66,7 @@ from genworker.core.scoring import assemble_scores
 from genworker.core.sparse_protocol import (
     check_relay_addresses,
     check_relay_start,
+    relay_statuses,
     sparse_steps,
 )
 from genworker.core.stops import StopMode
@@ -456,10 +457,7 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         self._sparse_urls = None
 
     def _sparse_status(self) -> list[dict[str, object]]:
-        statuses = self._rpc("sparse_relay_status")
-        if not all(isinstance(s, dict) for s in statuses):
-            raise EngineContractError(f"sparse_relay_status returned {statuses!r}")
-        return [dict(s) for s in statuses]  # type: ignore[call-overload]
+        return unwrap(relay_statuses(self._rpc("sparse_relay_status")), EngineContractError, "")
 
     def _check_sparse(self) -> None:
         """Before serving: refuse diverged weights; take in new ones (see above)."""

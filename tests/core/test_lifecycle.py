@@ -45,6 +45,7 @@ from genworker.core.lifecycle import (
     sleep_event,
     transition,
     wake_event,
+    wake_incomplete,
     wake_tags,
 )
 
@@ -821,3 +822,18 @@ def test_pause_args_take_a_mode_or_its_value_and_a_bool(mode: object, clear: obj
         assert checked == Failure(CallError(f"clear_cache must be a bool, got {clear!r}"))
     else:
         assert checked == Success((known, clear))
+
+
+@pytest.mark.parametrize("state", ALL_STATES)
+@pytest.mark.parametrize("fully", [True, False, None])
+def test_a_wake_leaves_the_engine_dead_only_if_it_says_not_fully_awake_when_all_is(
+    state: State, fully: object
+) -> None:
+    """``wake_incomplete``: the engine's answer False after a wake that leaves every tag
+    resident is the dead engine's message naming the call; any other answer or state, None."""
+    problem = wake_incomplete("wake_up(tags=['weights'])", fully, state)
+    if fully is False and state.weights_awake and state.kv_cache_awake:
+        assert problem is not None
+        assert problem.startswith("wake_up(tags=['weights']): the engine is not fully awake")
+    else:
+        assert problem is None

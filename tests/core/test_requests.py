@@ -305,4 +305,5 @@ def test_a_workers_batch_plan_parses_its_data_then_plans_within_the_limits(nativ
     limits = RequestLimits.of(config, caps)
     assert plan == plan_requests(config, limits, samples, rows, greedy=False, text=False)
     bad = plan_batch(config, caps, {"seeds": [1]}, 2, rows, False, False, StopMode.PER_SAMPLE, {})
-    assert isinstance(bad, Failure) and bad.failure().field == "seeds"
+    assert isinstance(bad, Failure)
+    assert bad.failure().field == "seeds"

@@ -34,6 +34,7 @@ from genworker.core.delta import (
     plan_frames,
     plan_relay,
 )
+from genworker.core.errors import CoreError
 from genworker.core.refit_plan import DTYPE_ITEMSIZE, Manifest, TensorSpec
 from genworker.core.sparse_protocol import (
     TAG_BEGIN,
@@ -69,6 +70,7 @@ from genworker.core.sparse_protocol import (
     read_end,
     read_frame,
     read_report,
+    relay_statuses,
     report_message,
     root_answer,
     sender_settings,
@@ -775,3 +777,12 @@ def test_the_relay_calls_take_a_host_a_flag_and_a_list_of_addresses() -> None:
         assert check_relay_addresses(bad) == Failure(
             RelayArgumentError(f"relay_addresses must be a list of addresses, got {bad!r}")
         )
+
+
+def test_the_relay_statuses_are_a_list_of_dicts_one_per_engine_worker() -> None:
+    """``relay_statuses``: a list of dicts is taken (copied); anything else is refused
+    naming what came back."""
+    status = {"applied": 2, "step": 3, "diverged": ""}
+    assert relay_statuses([status]) == Success([status])
+    for bad in ({"applied": 2}, [status, "x"]):
+        assert relay_statuses(bad) == Failure(CoreError(f"sparse_relay_status returned {bad!r}"))
