@@ -102,6 +102,7 @@ __all__ = [
     "read_header",
     "ready_to_receive",
     "refit_info",
+    "refit_info_of",
     "sender_problems",
     "start_header",
     "trainer_header_problem",
@@ -1138,6 +1139,19 @@ def parse_shards(summaries: Iterable[object]) -> Result[list[EngineShard], Resha
         except msgspec.ValidationError as e:
             return Failure(ReshardError(f"not an answer of prepare_nccl_reshard_refit_info: {e}"))
     return Success(out)
+
+
+def refit_info_of(refit_info: object) -> Result[Mapping[object, object], CoreError]:
+    """``prepare_nccl_reshard_refit_info``'s argument: the mapping the trainer's
+    ``genworker.shell.reshard.refit_info`` returns (anything else refused, named)."""
+    if not isinstance(refit_info, Mapping):
+        return Failure(
+            CoreError(
+                "refit_info must be a mapping (what genworker.shell.reshard.refit_info "
+                f"returns), got {refit_info!r}"
+            )
+        )
+    return Success(refit_info)
 
 
 def prepared_params(summaries: Iterable[object]) -> int:

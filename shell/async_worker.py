@@ -770,12 +770,8 @@ class AsyncVllmGenerationWorker(WorkerSpine[AsyncEnginePort]):
         """One update over vLLM's weight-transfer wire (``update_info``: names, dtype
         names, shapes, the tensors in broadcast order): a refit like every other, paused
         in ``mode`` around it unless the caller ``held`` the engine paused itself."""
-        update = unwrap(
-            control_plane.parse("update_weights", {}, {"update_info": dict(update_info)}),
-            RefitManifestError,
-            "update_info",
-        )
-        assert isinstance(update, control_plane.Update)
+        info = {"update_info": dict(update_info)}
+        update = unwrap(control_plane.update_of(info), RefitManifestError, "update_info")
         refit = self._refit(
             "refit_receive",
             timeout_s,

@@ -60,7 +60,7 @@ from genworker.core.refit_protocol import (
     rpc_bound,
     wait_bound,
 )
-from genworker.core.reshard import prepared_params
+from genworker.core.reshard import prepared_params, refit_info_of
 from genworker.core.rows import uniform_versioned
 from genworker.core.scoring import assemble_scores
 from genworker.core.sparse_protocol import (
@@ -528,13 +528,10 @@ class VllmGenerationWorker(WorkerSpine[EnginePort]):
         """Plan every later reshard refit from the trainer's layouts
         (``genworker.shell.reshard.refit_info``); each engine worker's shards, digests
         and bytes, for the trainer's ``ReshardSender.plan(shards_of(...))``."""
-        if not isinstance(refit_info, Mapping):
-            raise BadArgumentError(
-                "prepare_nccl_reshard_refit_info: refit_info must be a mapping (what "
-                f"genworker.shell.reshard.refit_info returns), got {refit_info!r}"
-            )
+        method = "prepare_nccl_reshard_refit_info"
+        info = unwrap(refit_info_of(refit_info), BadArgumentError, method)
         self._reshard_params = None
-        summaries = self._rpc("prepare_nccl_reshard_refit_info", dict(refit_info))
+        summaries = self._rpc(method, dict(info))
         self._reshard_params = prepared_params(summaries)
         return summaries
 

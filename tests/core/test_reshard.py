@@ -52,6 +52,7 @@ from genworker.core.reshard import (
     read_header,
     ready_to_receive,
     refit_info,
+    refit_info_of,
     sender_problems,
     start_header,
     trainer_header_problem,
@@ -902,3 +903,13 @@ def test_the_reshard_plans_parameters_are_the_most_any_engine_worker_planned() -
     assert prepared_params([{"params": 3}, {"params": 5}, {}, "noise"]) == 5
     assert prepared_params([{}]) == 0
     assert prepared_params([]) == 0
+
+
+def test_a_reshard_refit_info_is_a_mapping() -> None:
+    """``refit_info_of``: the trainer's mapping is taken as it is; anything else refused
+    naming it."""
+    info = {"layouts": []}
+    assert refit_info_of(info) == Success(info)
+    refused = refit_info_of(["layouts"])
+    assert isinstance(refused, Failure)
+    assert refused.failure().message.endswith("returns), got ['layouts']")
