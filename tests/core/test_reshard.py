@@ -908,7 +908,7 @@ def test_the_reshard_plans_parameters_are_the_most_any_engine_worker_planned() -
 def test_a_reshard_refit_info_is_a_mapping() -> None:
     """``refit_info_of``: the trainer's mapping is taken as it is; anything else refused
     naming it."""
-    info = {"layouts": []}
+    info: dict[str, object] = {"layouts": []}
     assert refit_info_of(info) == Success(info)
     refused = refit_info_of(["layouts"])
     assert isinstance(refused, Failure)
