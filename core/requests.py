@@ -16,7 +16,8 @@ pure functions over values:
    room for one token gets no spec (``None``): the workers return it unchanged, with no
    tokens, named in ``RequestPlan.no_room``, while the other rows generate. Rows alike
    (same cap, stop strings and seed) share one spec object: vLLM builds one
-   ``SamplingParams`` per distinct spec (``shell.vllm_engine``).
+   ``SamplingParams`` per distinct spec (``shell.vllm_engine``). :func:`plan_batch` is
+   steps 1 and 2 as a worker takes them (its config, its engine's caps, its adapters).
 3. :func:`check_text_prompts` and :func:`text_refusals`: ``generate_text``'s prompts: a
    list of str; an empty prompt or one whose ids leave no room under ``max_model_len``
    is refused (by row: the sync worker refuses the batch naming every such row, the async
