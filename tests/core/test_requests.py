@@ -237,9 +237,9 @@ def test_every_text_prompt_is_tokenized_once_and_only_a_bos_start_without_specia
         assert bos_rows(prompts, no_bos) == (list(range(len(prompts))), [])
 
 
-def test_the_request_limits_are_the_configs_caps_and_the_running_engines() -> None:
-    """``RequestLimits.of``: the new-token cap and the context cap from the config, the
-    context, speculative slots and logprob layout from the engine."""
+def _config(**extra: object) -> WorkerConfig:
+    """A worker config: max_new_tokens 7, max_model_len 32 capped to the context, and
+    ``extra`` top-level keys."""
     vllm_cfg = {
         "tensor_parallel_size": 1,
         "pipeline_parallel_size": 1,
@@ -249,9 +249,15 @@ def test_the_request_limits_are_the_configs_caps_and_the_running_engines() -> No
         "cap_max_tokens_to_context": True,
     }
     raw = {"backend": "vllm", "model_name": "m", "max_new_tokens": 7, "vllm_cfg": vllm_cfg}
-    config = WorkerConfig.from_mapping(
-        {**raw, "temperature": 1.0, "top_p": 1.0, "top_k": None, "_pad_token_id": 0}
+    return WorkerConfig.from_mapping(
+        {**raw, "temperature": 1.0, "top_p": 1.0, "top_k": None, "_pad_token_id": 0, **extra}
     ).unwrap()
+
+
+def test_the_request_limits_are_the_configs_caps_and_the_running_engines() -> None:
+    """``RequestLimits.of``: the new-token cap and the context cap from the config, the
+    context, speculative slots and logprob layout from the engine."""
+    config = _config()
     caps = EngineCapabilities(
         sleep_mode=False,
         flat_logprobs=True,
@@ -274,19 +280,7 @@ def test_a_workers_batch_plan_parses_its_data_then_plans_within_the_limits(nativ
     """``plan_batch``: ``parse_sample_data`` (the config's stops, NeMo-RL's adapter by
     default under native LoRA) bound to ``plan_requests`` within ``RequestLimits.of``;
     a bad per-sample input refuses the batch, as ``parse_sample_data`` does."""
-    vllm_cfg = {
-        "tensor_parallel_size": 1,
-        "pipeline_parallel_size": 1,
-        "gpu_memory_utilization": 0.5,
-        "max_model_len": 32,
-        "precision": "float32",
-    }
-    raw = {"backend": "vllm", "model_name": "m", "max_new_tokens": 7, "vllm_cfg": vllm_cfg}
-    if native:
-        raw["lora_refit_mode"] = "native"
-    config = WorkerConfig.from_mapping(
-        {**raw, "temperature": 1.0, "top_p": 1.0, "top_k": None, "_pad_token_id": 0}
-    ).unwrap()
+    config = _config(lora_refit_mode="native") if native else _config()
     caps = EngineCapabilities(
         sleep_mode=False, flat_logprobs=False, vocab_size=None, max_model_len=16, device="cpu"
     )
