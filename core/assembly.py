@@ -250,9 +250,9 @@ def flatten_generations(generations: Sequence[Generation]) -> FlatGenerations:
 def place_rows(flat: FlatGenerations, rows: Sequence[int], batch_size: int) -> FlatGenerations:
     """``flat``'s rows at positions ``rows`` (strictly increasing, one per row of ``flat``)
     of a batch of ``batch_size``; every other row is empty (no tokens, neither truncated
-    nor aborted), as a row the engine never saw. The flat token and logprob arrays are shared, not copied:
-    empty rows add nothing to them and the order of the others is kept; ``flat`` itself
-    when its rows are the whole batch."""
+    nor aborted), as a row the engine never saw. The flat token and logprob arrays are
+    shared, not copied: empty rows add nothing to them and the order of the others is
+    kept; ``flat`` itself when its rows are the whole batch."""
     positions = np.asarray(rows, dtype=np.int64).reshape(-1)
     if (
         positions.shape[0] != flat.batch_size

@@ -14,8 +14,8 @@ Their module docstrings say which part of vLLM's contract each rule mirrors; her
   vllm/v1/executor/abstract.py, 0.32), a media row's context length (:func:`expanded_length`),
   why it cannot serve (:func:`unservable`), its metrics (:func:`fake_metrics`), each
   image as its tokens see it (:func:`image_digest`), the routes and the draft tokens of an
-  engine started with these kwargs
-  (:func:`routes_option`, :func:`speculative_tokens`) and the weight labels of a request's tokens as spans (:func:`weight_spans`).
+  engine started with these kwargs (:func:`routes_option`, :func:`speculative_tokens`)
+  and the weight labels of a request's tokens as spans (:func:`weight_spans`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 ``shell/refit/``'s sockets and groups, as plain values.
 
 - A receiver binds a TCP socket on a loopback address unless told otherwise
-  (:func:`is_loopback`, :func:`bind_refusal`); its inbound messages are capped (:func:`message_cap`: ZMQ drops a
-  larger one's connection unread).
+  (:func:`is_loopback`, :func:`bind_refusal`); its inbound messages are capped
+  (:func:`message_cap`: ZMQ drops a larger one's connection unread).
 - A foreign error inside a weight-update group (torch's, gloo's, NCCL's) is a timeout when
   it says so or came at its bound, else a transport failure with its text
   (:func:`foreign_failure`: an error at the bound is taken for its expiry).

@@ -78,7 +78,8 @@ M = TypeVar("M")
 @attrs.frozen
 class PlanError(CoreError):
     """A batch the plan refuses whole: ``field`` names the input (``seeds``,
-    ``stop_strings``, ``max tokens``, ``prompts``, ``lora``, ``lora_names``, ``greedy``) and ``cause`` is the core error."""
+    ``stop_strings``, ``max tokens``, ``prompts``, ``lora``, ``lora_names``, ``greedy``)
+    and ``cause`` is the core error."""
 
     field: str
     cause: BatchError | StopError | CapArgumentError | RowAdapterError | None = None
